@@ -1,0 +1,31 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+# The venv is built once (torch's CPU wheel first, so nothing pulls a CUDA build) and reused.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.posttrain-installed
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: install run test info clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -c constraints.txt -e '.[dev]'
+	$(VENV)/bin/posttrain info
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/posttrain run demo
+
+test: install
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+info: install
+	$(VENV)/bin/posttrain info
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,110 @@
+"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [key=value ...]`.
+
+A recipe is a file `recipes/NAME.py` (looked up in the current folder, then beside the installed
+package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import typing
+from pathlib import Path
+
+
+def recipe_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [Path.cwd() / "recipes", here.parent / "recipes"]
+
+
+def find_recipe(name: str) -> Path:
+    """Path of `recipes/{name}.py`. Raises ValueError listing the recipes found."""
+    found: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for p in sorted(d.glob("*.py")) if d.is_dir() else []:
+            if not p.name.startswith("_"):
+                found.setdefault(p.stem, p)
+    if name not in found:
+        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'}"
+                         f" (searched {', '.join(str(d) for d in recipe_dirs())})")
+    return found[name]
+
+
+def load_recipe(name: str):
+    path = find_recipe(name)
+    spec = importlib.util.spec_from_file_location(f"posttrain_recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _coerce(value: str, annotation) -> object:
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value.lower() in ("none", "null"):
+            return None
+        annotation = args[0] if len(args) == 1 else str
+    if annotation is bool:
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"expected a boolean (true/false), got {value!r}")
+    if annotation in (int, float, str):
+        return annotation(value)
+    import yaml
+
+    return yaml.safe_load(value)
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """A copy of dataclass `cfg` with `key=value` strings applied (typed by the field annotations).
+
+    Raises ValueError naming an unknown key (and listing the valid ones) or a malformed override.
+    """
+    hints = typing.get_type_hints(type(cfg))
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        if key not in fields:
+            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+        try:
+            changes[key] = _coerce(value, hints[key])
+        except ValueError as e:
+            raise ValueError(f"config key {key!r}: {e}") from None
+    return dataclasses.replace(cfg, **changes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, device, threads, compatibility check")
+    run = sub.add_parser("run", help="run a recipe: posttrain run RECIPE [key=value ...]")
+    run.add_argument("recipe")
+    run.add_argument("overrides", nargs="*", help="config overrides key=value")
+    args = parser.parse_args(argv)
+
+    if args.command == "info":
+        from posttrain.info import format_report
+
+        text, ok = format_report()
+        print(text)
+        return 0 if ok else 1
+    try:
+        module = load_recipe(args.recipe)
+        cfg = apply_overrides(module.Config(), args.overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    module.main(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+import dataclasses
+
+import pytest
+
+from posttrain import cli
+from posttrain.info import check_compatibility, format_report
+
+
+def test_compatibility_matrix_flags_torchao_016_with_torchtune_061():
+    problems = check_compatibility({"torchtune": "0.6.1", "torchao": "0.16.0", "torch": "2.13.0"})
+    assert len(problems) == 1
+    assert "torchao 0.16.0 with torchtune 0.6.1" in problems[0]
+    assert "torchao==0.15.0" in problems[0]
+
+
+def test_compatibility_matrix_accepts_the_pinned_stack():
+    assert check_compatibility({"torchtune": "0.6.1", "torchao": "0.15.0", "torch": "2.13.0+cpu",
+                                "verl": "0.9.1", "transformers": "5.10.4"}) == []
+
+
+def test_compatibility_matrix_flags_transformers_511_with_verl():
+    problems = check_compatibility({"verl": "0.9.1", "transformers": "5.11.0"})
+    assert problems and "transformers<5.11" in problems[0]
+
+
+def test_info_report_lists_the_stack():
+    text, ok = format_report()
+    for name in ("torch", "torchtune", "torchao", "verl", "transformers", "submitit", "device",
+                 "threads"):
+        assert name in text
+    assert ok
+
+
+def test_info_command_exit_code(capsys):
+    assert cli.main(["info"]) == 0
+    assert "compatibility: ok" in capsys.readouterr().out
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Cfg:
+    steps: int = 3
+    lr: float = 1e-3
+    name: str = "x"
+    flag: bool = False
+    maybe: int | None = None
+
+
+def test_overrides_are_typed_by_annotations():
+    cfg = cli.apply_overrides(_Cfg(), ["steps=7", "lr=0.5", "name=abc", "flag=true", "maybe=none"])
+    assert cfg == _Cfg(steps=7, lr=0.5, name="abc", flag=True, maybe=None)
+    assert cli.apply_overrides(_Cfg(), ["maybe=4"]).maybe == 4
+
+
+def test_unknown_override_names_the_valid_keys():
+    with pytest.raises(ValueError, match="unknown config key 'step'.*steps"):
+        cli.apply_overrides(_Cfg(), ["step=1"])
+    with pytest.raises(ValueError, match="key=value"):
+        cli.apply_overrides(_Cfg(), ["steps"])
+    with pytest.raises(ValueError, match="'flag'.*boolean"):
+        cli.apply_overrides(_Cfg(), ["flag=maybe"])
+
+
+def test_unknown_recipe_lists_the_available_ones():
+    with pytest.raises(ValueError, match="unknown recipe 'nope'; available: .*demo"):
+        cli.find_recipe("nope")

@@ -1,0 +1,30 @@
+"""Every recipe runs at tiny size (a recipe may define TINY: dict of Config overrides for tests)."""
+
+import dataclasses
+
+import pytest
+
+from posttrain import cli
+
+RECIPES = sorted(p.stem for p in cli.recipe_dirs()[1].glob("*.py") if not p.name.startswith("_"))
+
+
+def test_recipes_are_found():
+    assert "demo" in RECIPES
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_runs_at_tiny_size(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = cli.load_recipe(name)
+    cfg = dataclasses.replace(module.Config(), **getattr(module, "TINY", {}))
+    if any(f.name == "out_dir" for f in dataclasses.fields(cfg)):
+        cfg = dataclasses.replace(cfg, out_dir=str(tmp_path / "run"))
+    module.main(cfg)
+
+
+def test_demo_via_cli_writes_a_hf_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["run", "demo", "max_new_tokens=8", f"out_dir={tmp_path / 'd'}"]) == 0
+    assert (tmp_path / "d" / "policy" / "config.json").is_file()
+    assert "reloaded greedy output identical: True" in capsys.readouterr().out
