@@ -20,7 +20,15 @@ def recipe_dirs() -> list[Path]:
 
 
 def find_recipe(name: str) -> Path:
-    """Path of `recipes/{name}.py`. Raises ValueError listing the recipes found."""
+    """Path of a recipe given as a file path (`recipes/sft.py`) or a name (`sft`).
+
+    Raises ValueError listing the recipes found.
+    """
+    if name.endswith(".py") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"recipe file {name!r} does not exist")
+        return path
     found: dict[str, Path] = {}
     for d in recipe_dirs():
         for p in sorted(d.glob("*.py")) if d.is_dir() else []:
@@ -61,6 +69,24 @@ def _coerce(value: str, annotation) -> object:
     return yaml.safe_load(value)
 
 
+def load_config_file(cfg, path: str):
+    """A copy of dataclass `cfg` with the keys of YAML file `path` applied.
+
+    Raises ValueError naming an unknown key and listing the valid ones.
+    """
+    import yaml
+
+    with open(path) as f:
+        values = yaml.safe_load(f) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of key: value")
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {', '.join(sorted(fields))}")
+    return dataclasses.replace(cfg, **values)
+
+
 def apply_overrides(cfg, overrides: list[str]):
     """A copy of dataclass `cfg` with `key=value` strings applied (typed by the field annotations).
 
@@ -87,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, threads, compatibility check")
     run = sub.add_parser("run", help="run a recipe: posttrain run RECIPE [key=value ...]")
-    run.add_argument("recipe")
+    run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
+    run.add_argument("--config", help="YAML preset applied before the key=value overrides")
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     if args.command == "info":
         from posttrain.info import format_report
@@ -99,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     try:
         module = load_recipe(args.recipe)
-        cfg = apply_overrides(module.Config(), args.overrides)
+        cfg = module.Config()
+        if args.config:
+            cfg = load_config_file(cfg, args.config)
+        cfg = apply_overrides(cfg, args.overrides)
     except ValueError as e:
         parser.error(str(e))
     module.main(cfg)

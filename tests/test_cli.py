@@ -63,3 +63,21 @@ def test_unknown_override_names_the_valid_keys():
 def test_unknown_recipe_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown recipe 'nope'; available: .*demo"):
         cli.find_recipe("nope")
+
+
+def test_recipe_by_path(tmp_path):
+    recipe = tmp_path / "r.py"
+    recipe.write_text("from dataclasses import dataclass\n@dataclass(kw_only=True)\nclass Config:\n"
+                      "    steps: int = 1\n    tag: str = 'a'\n"
+                      "def main(cfg):\n    open(cfg.tag, 'w').write(str(cfg.steps))\n")
+    preset = tmp_path / "p.yaml"
+    preset.write_text("steps: 5\n")
+    out = tmp_path / "out.txt"
+    assert cli.main(["run", str(recipe), "--config", str(preset), f"tag={out}"]) == 0
+    assert out.read_text() == "5"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stepz: 5\n")
+    with pytest.raises(SystemExit):
+        cli.main(["run", str(recipe), "--config", str(bad)])
+    with pytest.raises(ValueError, match="does not exist"):
+        cli.find_recipe(str(tmp_path / "missing.py"))
