@@ -116,7 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     run.add_argument("--config", help="YAML preset applied before the key=value overrides")
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
-    args = parser.parse_intermixed_args(argv)
+    args, rest = parser.parse_known_args(argv)  # overrides may come before and after --config
+    if args.command != "run" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "run":
+        if any(r.startswith("-") for r in rest):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides += rest
 
     if args.command == "info":
         from posttrain.info import format_report
