@@ -24,6 +24,10 @@ from torch import nn
 FAMILIES = ("llama3", "qwen2")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(kw_only=True, frozen=True)
 class RopeScaling:
     """Llama 3.1+ RoPE frequency scaling (HF `rope_scaling` with `rope_type: llama3`).
@@ -36,6 +40,19 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"RopeScaling.{name}={value!r}; must be a positive number")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor}")
+        value = self.original_max_position_embeddings
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"RopeScaling.original_max_position_embeddings={value!r}; must be a "
+                             "positive integer")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -92,10 +109,16 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec head_dim={self.embed_dim // self.num_heads} (embed_dim / num_heads) "
                 "must be even for RoPE")
-        if not (self.rope_base > 0 and math.isfinite(self.rope_base)):
+        if not (_is_number(self.rope_base) and 0 < self.rope_base < math.inf):
             raise ValueError(f"ModelSpec.rope_base={self.rope_base!r}; must be a positive number")
-        if not (0 < self.norm_eps < 1):
+        if not (_is_number(self.norm_eps) and 0 < self.norm_eps < 1):
             raise ValueError(f"ModelSpec.norm_eps={self.norm_eps!r}; must be in (0, 1)")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"ModelSpec.tie_word_embeddings={self.tie_word_embeddings!r}; "
+                             "must be True or False")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelSpec.rope_scaling={self.rope_scaling!r}; must be a "
+                             "RopeScaling or None")
         if self.rope_scaling is not None and self.family != "llama3":
             raise ValueError(f"ModelSpec.rope_scaling is only supported for family 'llama3', "
                              f"got family={self.family!r}")
