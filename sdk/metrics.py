@@ -1,0 +1,135 @@
+"""Per-step training metrics: in memory as a pandas DataFrame, on disk as JSONL, optionally in
+TensorBoard.
+
+A row is a flat dict of numbers keyed by name, with an integer "step". `MetricsLog` is what the
+`Trainer` writes to; `read_metrics` reads a run's `metrics.jsonl` back (in another process, or
+after the run).
+
+Example:
+    >>> log = MetricsLog()
+    >>> log.append({"step": 1, "loss": 2.5})
+    >>> log.append({"step": 2, "loss": 2.0})
+    >>> log.frame()["loss"].tolist()
+    [2.5, 2.0]
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "MetricsLog", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+"""File name of the per-step rows inside a run folder (one JSON object per line)."""
+
+TENSORBOARD_DIR = "tensorboard"
+"""Sub-folder of a run folder holding TensorBoard event files."""
+
+
+class MetricsLog:
+    """Rows of metrics, one per step, kept in memory and mirrored to disk.
+
+    Args:
+        run_dir: folder for `metrics.jsonl` (and `tensorboard/`); None keeps rows in memory only.
+            Created on the first write.
+        tensorboard: also write every numeric value as a TensorBoard scalar (tag = key,
+            global_step = row["step"]).
+
+    Raises:
+        ValueError: from `append`, if a row has no integer "step".
+    """
+
+    def __init__(self, run_dir: str | os.PathLike | None = None, *,
+                 tensorboard: bool = False) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        if tensorboard and self.run_dir is None:
+            raise ValueError("tensorboard=True needs a run_dir to write event files into")
+        self.tensorboard = tensorboard
+        self.rows: list[dict[str, Any]] = []
+        self._writer = None
+        self._purge_step: int | None = None
+
+    @property
+    def path(self) -> Path | None:
+        """`run_dir / metrics.jsonl`, or None without a run_dir."""
+        return None if self.run_dir is None else self.run_dir / METRICS_FILE
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Keep `row`, append it to `metrics.jsonl` (flushed) and to TensorBoard."""
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"a metrics row needs an integer 'step', got {step!r}")
+        row = dict(row)
+        self.rows.append(row)
+        if self.path is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.tensorboard:
+            writer = self._tensorboard_writer()
+            for key, value in row.items():
+                if key != "step" and _is_number(value):
+                    writer.add_scalar(key, value, global_step=step)
+            writer.flush()
+
+    def reset(self, rows: list[dict[str, Any]]) -> None:
+        """Replace all rows (on resume: the rows saved with the checkpoint). Rewrites
+        `metrics.jsonl` atomically, dropping rows a killed run wrote after its last checkpoint,
+        and makes TensorBoard discard events after the last kept step."""
+        self.rows = [dict(r) for r in rows]
+        if self.path is not None and (self.rows or self.path.exists()):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.rows)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        if self.tensorboard:
+            self.close()
+            self._purge_step = (self.rows[-1]["step"] + 1) if self.rows else 0
+
+    def frame(self) -> pd.DataFrame:
+        """All rows as a DataFrame (one row per step; columns missing from a row are NaN)."""
+        return pd.DataFrame(self.rows)
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (a later `append` opens a new one)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _tensorboard_writer(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR),
+                                         purge_step=self._purge_step)
+            self._purge_step = None
+        return self._writer
+
+
+def read_metrics(path: str | os.PathLike) -> pd.DataFrame:
+    """The rows of a run folder's `metrics.jsonl` (or of that file given directly).
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return pd.DataFrame(rows)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

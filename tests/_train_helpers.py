@@ -1,0 +1,70 @@
+"""Shared pieces of the trainer/resume tests: a tiny model, variable-length SFT rows, loaders.
+
+Imported by tests/test_trainer.py, tests/test_resume.py and the subprocess script
+tests/sft_resume_run.py (which runs with tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.data import SFTDataset, SFTLoader
+from posttrain.models import ModelSpec, build_model
+from posttrain.tokenizer import ByteTokenizer
+
+# Smaller than the tiny-1m preset (2 layers, 64 wide) so a step takes milliseconds.
+TINY = ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4, num_kv_heads=2,
+                 embed_dim=64, intermediate_dim=128, max_seq_len=64, rope_base=1e6,
+                 norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """TINY with its (tied) embedding drawn at std 0.02 (the HF init) from `seed`, so initial
+    logits are small (loss near log V) whatever initialisation `build_model` uses."""
+    model = build_model(TINY, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.tok_embeddings.weight.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def sft_rows(n: int) -> list[dict]:
+    """Prompt/completion rows whose lengths (and trained-token counts) all differ."""
+    rows = []
+    for i in range(n):
+        a, b = 3 + 7 * i, 11 + 5 * i
+        completion = f"{a + b}" + " ok" * (i % 4)
+        rows.append({"prompt": f"{a}+{b}=" + "?" * (i % 3), "completion": completion})
+    return rows
+
+
+def sft_dataset(n: int, max_seq_len: int = 32) -> SFTDataset:
+    return SFTDataset(sft_rows(n), ByteTokenizer(), max_seq_len=max_seq_len)
+
+
+def sft_loader(n: int, *, batch_size: int, shuffle: bool = True, seed: int = 0,
+               pack: bool = False, seq_len: int | None = None) -> SFTLoader:
+    return SFTLoader(sft_dataset(n), batch_size=batch_size, shuffle=shuffle, seed=seed,
+                     pack=pack, seq_len=seq_len)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a busy
+    neighbour turns thread spin-waits into 100x slowdowns. Import this fixture into a test
+    module (autouse) to run its tests on one thread; the previous setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,0 +1,211 @@
+"""Checkpoints: atomic folders, keep-last-K, RNG capture, and exact (bitwise) resume, in process
+and after a SIGKILL of a separate training process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
+from _train_helpers import assert_bitwise_equal, params_of, sft_loader, tiny_model
+from posttrain import checkpoint as ckpt_module
+from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
+                                  load_checkpoint, restore_rng_state, save_checkpoint)
+from posttrain.metrics import read_metrics
+from posttrain.trainer import Trainer, warmup_cosine_schedule
+
+SCRIPT = Path(__file__).with_name("sft_resume_run.py")
+
+
+def _trainer(run_dir, **kwargs) -> Trainer:
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = warmup_cosine_schedule(opt, warmup_steps=1, total_steps=8)
+    return Trainer(model, opt, data=sft_loader(10, batch_size=3), lr_scheduler=sched,
+                   grad_accum_steps=2, run_dir=run_dir, progress=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ in process
+
+
+def test_resume_in_process_continues_bitwise(tmp_path):
+    reference = _trainer(tmp_path / "ref")
+    reference.fit(8)
+
+    first = _trainer(tmp_path / "run", checkpoint_every=3)
+    first.fit(5)  # checkpoints after steps 3 and 5 (the end of fit)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000003", "step_000005"]
+    del first
+
+    second = _trainer(tmp_path / "run", checkpoint_every=3, resume=True)
+    assert second.step_count == 5 and second.metrics["step"].tolist() == [1, 2, 3, 4, 5]
+    second.fit(8)
+    assert_bitwise_equal(params_of(second.model), params_of(reference.model))
+    assert second.optimizer.state_dict()["state"][0]["step"] == 8
+    assert second.metrics["loss"].tolist() == reference.metrics["loss"].tolist()
+    assert read_metrics(tmp_path / "run")["step"].tolist() == list(range(1, 9))
+
+
+def test_resume_from_an_explicit_checkpoint_rewrites_later_metrics(tmp_path):
+    trainer = _trainer(tmp_path, checkpoint_every=2, keep_last=None)
+    trainer.fit(5)
+    path = trainer.resume(tmp_path / "checkpoints" / "step_000002")
+    assert path.name == "step_000002" and trainer.step_count == 2
+    assert read_metrics(tmp_path)["step"].tolist() == [1, 2]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_000002", "step_000004", "step_000005"]
+
+
+def test_resume_true_without_a_checkpoint_starts_fresh(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # killed before step 3
+    trainer = _trainer(tmp_path, checkpoint_every=3, resume=True)
+    assert trainer.step_count == 0 and trainer.metrics.empty
+    trainer.fit(1)
+    assert read_metrics(tmp_path)["loss"].tolist() == trainer.metrics["loss"].tolist()
+
+
+def test_resume_refuses_a_missing_checkpoint_and_a_missing_scheduler(tmp_path):
+    trainer = _trainer(tmp_path, checkpoint_every=1)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        trainer.resume()
+    trainer.fit(1)
+    model = tiny_model(0)
+    plain = Trainer(model, torch.optim.AdamW(model.parameters()), data=sft_loader(10, batch_size=3),
+                    run_dir=tmp_path / "other", progress=False)
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        plain.resume(tmp_path)
+
+
+def test_keep_last_keeps_the_newest_checkpoints(tmp_path):
+    _trainer(tmp_path, checkpoint_every=1, keep_last=2).fit(5)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000005"]
+    meta = json.loads((latest_checkpoint(tmp_path) / "meta.json").read_text())
+    assert meta["step"] == 5 and meta["grad_accum_steps"] == 2
+
+
+def test_a_half_written_checkpoint_is_ignored_and_cleaned_up(tmp_path):
+    """A crash during a save leaves a `.tmp-*` folder (and perhaps a partial file); a folder
+    without meta.json is not a checkpoint either. Neither is ever `latest_checkpoint`."""
+    save_checkpoint(tmp_path, 6, model_state={"w": torch.ones(2)}, train_state={"step": 6})
+    root = tmp_path / "checkpoints"
+    crashed = root / ".tmp-step_000009-abc123"
+    crashed.mkdir()
+    (crashed / "model.pt").write_bytes(b"\x80\x02 partial")
+    (root / "step_000010").mkdir()  # no meta.json
+    assert latest_checkpoint(tmp_path).name == "step_000006"
+    assert load_checkpoint(latest_checkpoint(tmp_path))["train_state"] == {"step": 6}
+
+    save_checkpoint(tmp_path, 7, model_state={"w": torch.ones(2)}, train_state={"step": 7})
+    assert not crashed.exists()
+    assert latest_checkpoint(tmp_path).name == "step_000007"
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 3, model_state={"w": torch.ones(2)}, train_state={"step": 3})
+    real = ckpt_module._write_torch
+
+    def crash_on_train_state(obj, path):
+        if path.name == "train_state.pt":
+            path.write_bytes(b"partial")
+            raise OSError("disk full")
+        real(obj, path)
+
+    monkeypatch.setattr(ckpt_module, "_write_torch", crash_on_train_state)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 6, model_state={"w": torch.zeros(2)}, train_state={"step": 6})
+    assert latest_checkpoint(tmp_path).name == "step_000003"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003"]
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    save_checkpoint(tmp_path, 3, model_state={"w": torch.ones(2)}, train_state={"step": 3})
+    save_checkpoint(tmp_path, 3, model_state={"w": torch.zeros(2)}, train_state={"step": 3})
+    saved = load_checkpoint(latest_checkpoint(tmp_path))["model_state"]["w"]
+    assert torch.equal(saved, torch.zeros(2))
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000003"]
+
+
+def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.normal()  # leaves a cached Gaussian in numpy's state
+    save_checkpoint(tmp_path, 1, model_state={}, train_state={"rng": capture_rng_state()})
+    expected = (random.random(), np.random.normal(), torch.rand(2))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng_state(load_checkpoint(latest_checkpoint(tmp_path))["train_state"]["rng"])
+    got = (random.random(), np.random.normal(), torch.rand(2))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+# ------------------------------------------------------------------- SIGKILL and resume (process)
+
+
+def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Wait until the run reports `step` (it then sleeps), and SIGKILL it."""
+    marker, deadline = run_dir / "progress", time.monotonic() + timeout
+    while not (marker.exists() and marker.read_text() == str(step)):
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited before step {step}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not reach step {step} in {timeout} s")
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):
+    """12 steps, checkpoint every 3, 6 steps per epoch. Killed after step 5: resume from step 3
+    (mid-epoch) and cross the epoch boundary after resuming. Killed after step 7: resume from
+    step 6, exactly on the epoch boundary, so epoch 1 must come with its own fresh order. Both
+    end bitwise equal to an uninterrupted run: parameters, losses and eval values."""
+    ref_dir, kill5_dir, kill7_dir = tmp_path / "ref", tmp_path / "kill5", tmp_path / "kill7"
+    reference = _start(ref_dir)
+    killed5 = _start(kill5_dir, "--pause-after", "5")
+    killed7 = _start(kill7_dir, "--pause-after", "7")
+    _kill_after(killed5, kill5_dir, 5)
+    _kill_after(killed7, kill7_dir, 7)
+
+    assert latest_checkpoint(kill5_dir).name == "step_000003"
+    assert latest_checkpoint(kill7_dir).name == "step_000006"
+    assert read_metrics(kill7_dir)["step"].tolist()[-1] == 7  # rows after the checkpoint exist
+    data_state = load_checkpoint(latest_checkpoint(kill7_dir))["train_state"]["data"]
+    assert (data_state["epoch"], data_state["offset"]) == (1, 0)  # on the epoch boundary
+
+    resumed5 = _start(kill5_dir, "--resume")
+    resumed7 = _start(kill7_dir, "--resume")
+    _finish(reference)
+    assert "starting at step 3" in _finish(resumed5)
+    assert "starting at step 6" in _finish(resumed7)
+
+    expected = torch.load(ref_dir / "final.pt", weights_only=True)
+    expected_rows = read_metrics(ref_dir)
+    for run_dir in (kill5_dir, kill7_dir):
+        assert_bitwise_equal(torch.load(run_dir / "final.pt", weights_only=True), expected)
+        rows = read_metrics(run_dir)
+        assert rows["step"].tolist() == list(range(1, 13))
+        for column in ("loss", "lr", "grad_norm", "trained_tokens", "eval/noise"):
+            assert rows[column].equals(expected_rows[column]), column
