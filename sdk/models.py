@@ -179,8 +179,15 @@ def get_preset(name: str) -> ModelSpec:
 
 
 def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
-                dtype: torch.dtype = torch.float32, seed: int | None = None) -> nn.Module:
-    """Build the torchtune `TransformerDecoder` for `spec`.
+                dtype: torch.dtype = torch.float32, seed: int | None = None,
+                init_std: float = 0.02) -> nn.Module:
+    """Build the torchtune `TransformerDecoder` for `spec`, initialised for training from scratch.
+
+    torchtune's builders keep PyTorch's default initialisation (embeddings N(0, 1)), which gives
+    a freshly built tiny model logits in the hundreds and a first loss far above log(vocab).
+    posttrain re-initialises as HF transformers does for Qwen2/Llama (`_init_weights` with
+    `initializer_range`): every linear and embedding weight N(0, init_std), biases 0, norm
+    scales 1. Loading a checkpoint overwrites all of it.
 
     Args:
         spec: architecture numbers.
@@ -188,6 +195,7 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
         dtype: parameter dtype (fp32 on CPU: no bf16 instructions there).
         seed: if given, parameters are initialised from `torch.manual_seed(seed)` without touching
             the global RNG state.
+        init_std: standard deviation of the weight initialisation (HF `initializer_range`).
 
     Returns:
         A module mapping token ids `[B, T]` (int64) to logits `[B, T, vocab_size]`.
@@ -213,7 +221,20 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
             if spec.tie_word_embeddings:
                 del model.output  # an nn.Linear submodule; TiedLinear is a plain callable
                 model.output = TiedLinear(model.tok_embeddings)
+        if str(device) != "meta":
+            _init_weights(model, init_std)
     return model.to(dtype=dtype)
+
+
+@torch.no_grad()
+def _init_weights(model: nn.Module, std: float) -> None:
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif hasattr(module, "scale") and isinstance(module.scale, nn.Parameter):
+            module.scale.fill_(1.0)  # torchtune RMSNorm
 
 
 def _use_scaled_rope(model: nn.Module, spec: ModelSpec) -> None:
