@@ -1,0 +1,32 @@
+"""Task environments, all satisfying the protocols of `posttrain.environment`.
+
+    ==============  =====================================  ====================================
+    task name       what                                   episodes
+    ==============  =====================================  ====================================
+    reasoning_gym   ReasoningGymTask: any reasoning-gym    single-turn, the task's own scorer
+                    task by name + config
+    chain_sum       chain_sum_task: 2-term, 1-2-digit      single-turn
+                    chain_sum preset
+    calculator      calculator_task: chain_sum with a      multi-turn, <calc> tool calls,
+                    calculator tool                        <answer> scored by math_answer
+    ==============  =====================================  ====================================
+
+Example:
+    >>> from posttrain.environment import get_task
+    >>> task = get_task("chain_sum", size=32, held_out_size=4)
+    >>> [m["role"] for m in task.builders(0, 1)[0].make_envs(2)[0].initial_messages()]
+    ['user']
+"""
+
+from posttrain.envs.calculator_env import (CALCULATOR_SYSTEM_PROMPT, CalculatorEnv,
+                                           CalculatorGroupBuilder, calculator_result,
+                                           calculator_task, evaluate_arithmetic)
+from posttrain.envs.reasoning_gym_env import (CHAIN_SUM_CONFIG, ReasoningGymEnv,
+                                              ReasoningGymGroupBuilder, ReasoningGymTask,
+                                              chain_sum_task, prompt_messages)
+
+__all__ = [
+    "CALCULATOR_SYSTEM_PROMPT", "CHAIN_SUM_CONFIG", "CalculatorEnv", "CalculatorGroupBuilder",
+    "ReasoningGymEnv", "ReasoningGymGroupBuilder", "ReasoningGymTask", "calculator_result",
+    "calculator_task", "chain_sum_task", "evaluate_arithmetic", "prompt_messages",
+]

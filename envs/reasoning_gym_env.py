@@ -1,0 +1,284 @@
+"""Single-turn environments for any reasoning-gym task, generated offline.
+
+reasoning-gym (https://github.com/open-thought/reasoning-gym) generates items
+`{question, answer, metadata}` procedurally from a name, a config and a seed; item `i` of seed
+`s` depends only on `s + i`. Each task scores answers itself (`ReasoningGymVerifier`).
+
+- `ReasoningGymEnv`: one episode: the question as the user turn; the first assistant turn is
+  verified and ends the episode with the verifier's score as reward.
+- `ReasoningGymGroupBuilder(item, task)`: the G environments of one item; pickles.
+- `ReasoningGymTask(name, size=, seed=, config=)`: an `EnvDataset`: builders per batch index
+  (deterministic; wraps around after the last item) and held-out items whose questions never
+  occur in training. Small tasks repeat questions (2-term, 1-2-digit chain_sum has only ~8k
+  distinct ones), so training items whose question is held out are dropped.
+- `chain_sum_task(**overrides)`: the 2-term, 1-2-digit chain_sum preset.
+
+Example:
+    >>> from posttrain.envs.reasoning_gym_env import chain_sum_task
+    >>> task = chain_sum_task(size=100, held_out_size=10)
+    >>> builders = task.builders(batch_index=0, batch_size=2)
+    >>> envs = builders[0].make_envs(group_size=4)
+    >>> question = envs[0].initial_messages()[-1]["content"]
+    >>> question.startswith("State the final answer")
+    True
+    >>> result = envs[0].step(builders[0].item["answer"])
+    >>> result.done, result.reward, result.verifier_result.outcome.value
+    (True, 1.0, 'ok')
+    >>> held = {item["question"] for item in task.held_out(10)}
+    >>> held.isdisjoint(item["question"] for item in task.train_items)
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.environment import EnvGroupBuilder, Messages, StepResult, register_task
+from posttrain.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
+from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_name
+
+
+def prompt_messages(question: str, system_prompt: str | None = None) -> Messages:
+    """`[system?, user]` messages asking `question`."""
+    messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    return messages + [{"role": "user", "content": question}]
+
+
+class ReasoningGymEnv:
+    """One single-turn episode on one item: the first `step` verifies and ends it.
+
+    Args:
+        item: a task item with `question` and `answer` (and `metadata`).
+        verifier: scores the completion against the item (usually a `ReasoningGymVerifier`).
+        system_prompt: an optional system turn before the question.
+        timeout_s: the verifier's time budget (`run_verifier`).
+    """
+
+    def __init__(self, item: Mapping[str, Any], verifier: Verifier, *,
+                 system_prompt: str | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        self.item = item
+        self.verifier = verifier
+        self.system_prompt = system_prompt
+        self.timeout_s = timeout_s
+        self._done = False
+
+    def initial_messages(self) -> Messages:
+        return prompt_messages(self.item["question"], self.system_prompt)
+
+    def step(self, assistant_text: str) -> StepResult:
+        if self._done:
+            raise RuntimeError("this episode is over; environments are single-use (make new ones "
+                               "with the group builder)")
+        self._done = True
+        result = run_verifier(self.verifier, assistant_text, self.item, timeout_s=self.timeout_s)
+        return StepResult(done=True, reward=result.score, verifier_result=result)
+
+
+@dataclass(frozen=True)
+class ReasoningGymGroupBuilder:
+    """The environments of one reasoning-gym item (one GRPO group). Pickles.
+
+    Args:
+        item: the task item (question/answer/metadata).
+        task: the reasoning-gym task name, used to build the default verifier.
+        verifier: overrides the default `ReasoningGymVerifier(task)` (to pass task options or
+            another extraction, or a different verifier altogether).
+        system_prompt, timeout_s: passed to each `ReasoningGymEnv`.
+    """
+
+    item: dict
+    task: str
+    verifier: Verifier | None = None
+    system_prompt: str | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.verifier is None:
+            object.__setattr__(self, "verifier", ReasoningGymVerifier(self.task))
+
+    def make_envs(self, group_size: int) -> list[ReasoningGymEnv]:
+        if not (isinstance(group_size, int) and group_size >= 1):
+            raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        return [ReasoningGymEnv(self.item, self.verifier, system_prompt=self.system_prompt,
+                                timeout_s=self.timeout_s) for _ in range(group_size)]
+
+
+@dataclass(kw_only=True)
+class ReasoningGymTask:
+    """Any reasoning-gym task as an `EnvDataset`.
+
+    Training items are items 0..size-1 of `create_dataset(name, size=size, seed=seed, **config)`
+    minus those whose question is held out; batch `b` of size `B` holds training items
+    `b*B .. b*B+B-1` (modulo the number of training items: later epochs repeat the same order).
+    Held-out items are the first `held_out_size` distinct questions of the same task generated
+    with `held_out_seed`. Items are generated on first use and are not pickled (the remote side
+    regenerates the same ones).
+
+    Args:
+        name: the reasoning-gym task name.
+        size, seed: the training items.
+        config: the task's options (e.g. `{"min_terms": 2}`); not `size` / `seed`.
+        held_out_size, held_out_seed: the evaluation items; `held_out_seed` defaults to
+            `seed + 1_000_000_000`, far from the training seeds `seed .. seed+size-1`.
+        system_prompt: an optional system turn before each question.
+        extract: how the verifier finds the answer (see `ReasoningGymVerifier`).
+        timeout_s: the verifier's time budget.
+        builder: `item -> EnvGroupBuilder`; None makes `ReasoningGymGroupBuilder`s. Must pickle
+            when the task has to (e.g. `functools.partial(CalculatorGroupBuilder, max_turns=3)`).
+
+    Attributes (besides the arguments):
+        verifier: the task's `ReasoningGymVerifier`.
+        num_dropped: training items dropped because their question is held out (known once the
+            items are generated).
+
+    Raises:
+        ValueError: for an unknown task name or option, bad sizes, `size`/`seed` in `config`;
+            on first use, when the task has fewer than `held_out_size` distinct questions or no
+            training item is left.
+    """
+
+    name: str
+    size: int
+    seed: int = 0
+    config: dict = field(default_factory=dict)
+    held_out_size: int = 200
+    held_out_seed: int | None = None
+    system_prompt: str | None = None
+    extract: Any = "whole"
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    builder: Callable[[dict], EnvGroupBuilder] | None = None
+
+    def __post_init__(self) -> None:
+        check_task_name(self.name)
+        if not (isinstance(self.size, int) and self.size >= 1):
+            raise ValueError(f"size must be an int >= 1, got {self.size!r}")
+        if not (isinstance(self.held_out_size, int) and self.held_out_size >= 0):
+            raise ValueError(f"held_out_size must be an int >= 0, got {self.held_out_size!r}")
+        if {"size", "seed"} & set(self.config):
+            raise ValueError("pass size and seed as ReasoningGymTask arguments, not in config")
+        self.config = dict(self.config)
+        if self.held_out_seed is None:
+            self.held_out_seed = self.seed + 1_000_000_000
+        self.verifier = ReasoningGymVerifier(self.name, extract=self.extract, **self.config)
+        self._train: list[dict] | None = None
+        self._held_out: list[dict] | None = None
+        self.num_dropped = 0
+
+    # Items are regenerated rather than pickled.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_train"] = state["_held_out"] = None
+        return state
+
+    def _dataset(self, size: int, seed: int):
+        import reasoning_gym
+        return reasoning_gym.create_dataset(self.name, size=size, seed=seed, **self.config)
+
+    def _held_out_items(self) -> list[dict]:
+        if self._held_out is None:
+            want = self.held_out_size
+            dataset = self._dataset(4 * want + 64, self.held_out_seed)
+            items, seen = [], set()
+            for index in range(len(dataset)):
+                if len(items) == want:
+                    break
+                item = dataset[index]
+                if item["question"] not in seen:
+                    seen.add(item["question"])
+                    items.append(item)
+            if len(items) < want:
+                raise ValueError(f"{self.name} gave only {len(items)} distinct questions in "
+                                 f"{len(dataset)} tries; lower held_out_size ({want})")
+            self._held_out = items
+        return self._held_out
+
+    @property
+    def train_items(self) -> list[dict]:
+        """The training items, in order (generated on first use)."""
+        if self._train is None:
+            held = {item["question"] for item in self._held_out_items()}
+            dataset = self._dataset(self.size, self.seed)
+            items = [dataset[i] for i in range(self.size)]
+            self._train = [item for item in items if item["question"] not in held]
+            self.num_dropped = len(items) - len(self._train)
+            if not self._train:
+                raise ValueError(f"every training question of {self.name} is held out; raise "
+                                 "size or lower held_out_size")
+        return self._train
+
+    def __len__(self) -> int:
+        """Number of training items (after dropping held-out questions)."""
+        return len(self.train_items)
+
+    def make_builder(self, item: dict) -> EnvGroupBuilder:
+        """The group builder of one item."""
+        if self.builder is not None:
+            return self.builder(item)
+        return ReasoningGymGroupBuilder(item, self.name, verifier=self.verifier,
+                                        system_prompt=self.system_prompt, timeout_s=self.timeout_s)
+
+    def builders(self, batch_index: int, batch_size: int) -> list[EnvGroupBuilder]:
+        """The builders of training batch `batch_index` (see the class docstring).
+
+        Raises:
+            ValueError: if `batch_index` < 0 or `batch_size` < 1.
+        """
+        if not (isinstance(batch_index, int) and batch_index >= 0):
+            raise ValueError(f"batch_index must be an int >= 0, got {batch_index!r}")
+        if not (isinstance(batch_size, int) and batch_size >= 1):
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        items = self.train_items
+        start = batch_index * batch_size
+        return [self.make_builder(items[(start + j) % len(items)]) for j in range(batch_size)]
+
+    def held_out(self, n: int | None = None) -> list[dict]:
+        """The first `n` held-out items (all `held_out_size` when None), as copies.
+
+        Raises:
+            ValueError: if `n` exceeds `held_out_size`.
+        """
+        n = self.held_out_size if n is None else n
+        if not (isinstance(n, int) and 0 <= n <= self.held_out_size):
+            raise ValueError(f"held_out(n) needs 0 <= n <= held_out_size={self.held_out_size}, "
+                             f"got {n!r}")
+        return copy.deepcopy(self._held_out_items()[:n])
+
+    def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
+        """`(completion, item) -> score` with this task's verifier, for
+        `posttrain.evaluation.evaluate_generations`."""
+        return as_score_fn(self.verifier, timeout_s=self.timeout_s)
+
+
+register_task("reasoning_gym")(ReasoningGymTask)
+
+
+CHAIN_SUM_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+"""2-term sums/differences of 1-2-digit numbers (~8k distinct questions)."""
+
+_TASK_ARGS = frozenset(name for name in ReasoningGymTask.__dataclass_fields__
+                       if name not in ("name", "config"))
+
+
+@register_task("chain_sum")
+def chain_sum_task(**overrides: Any) -> ReasoningGymTask:
+    """The chain_sum preset: `CHAIN_SUM_CONFIG`, size 10,000, seed 0, 200 held-out items.
+
+    `overrides` are `ReasoningGymTask` arguments (`size=`, `seed=`, `builder=`, ...) or chain_sum
+    options (`max_digits=3`, or `config={...}`), which update the preset.
+
+    Example:
+        >>> chain_sum_task(size=50, max_terms=3).config["max_terms"]
+        3
+    """
+    config = dict(CHAIN_SUM_CONFIG)
+    config.update(overrides.pop("config", {}))
+    arguments: dict[str, Any] = {"size": 10_000, "seed": 0, "held_out_size": 200}
+    for key, value in overrides.items():
+        if key in _TASK_ARGS:
+            arguments[key] = value
+        else:
+            config[key] = value
+    return ReasoningGymTask(name="chain_sum", config=config, **arguments)
