@@ -1,0 +1,206 @@
+"""Generation throughput: `Policy.generate` vs a naive no-cache loop vs transformers `generate`.
+
+All three run side by side in one process on the same weights: a tiny-10m Qwen2 (posttrain preset,
+~10M parameters, byte vocabulary) with matrices drawn from N(0, 0.02) (transformers'
+`initializer_range`); the transformers model is `Qwen2ForCausalLM.from_pretrained` of the folder
+`Policy.save` writes, and its logits are checked against the torchtune model before timing.
+Machines here are shared: the cases run round-robin (one warm-up each, then rep 1 of every case,
+rep 2 of every case, ...) so load falls on all alike; medians, best runs and CPU seconds are
+reported.
+
+Work is fixed so tokens/s compare like for like: batch 32 prompts of 32 tokens, 64 new tokens
+each, no early stop (stop ids disabled on every side), fp32, 2 threads. Greedy rows also check that
+the three produce the same tokens.
+
+Usage:
+    python benchmarks/generation.py            # writes docs/benchmarks_generation.{md,png}
+    python benchmarks/generation.py --reps 3 --naive-reps 1 --out /tmp/gen   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from posttrain.policy import Policy
+from posttrain.tokenizer import ByteTokenizer
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoStopByteTokenizer(ByteTokenizer):
+    """ByteTokenizer without stop ids, so every method generates exactly `max_new_tokens`."""
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset()
+
+
+def make_policy(seed: int = 0) -> Policy:
+    policy = Policy.from_spec("tiny-10m", tokenizer=NoStopByteTokenizer(), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in policy.model.parameters():
+            if w.ndim >= 2:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+    return policy.model.eval() and policy
+
+
+def make_hf_model(policy: Policy, folder: Path):
+    from transformers import Qwen2ForCausalLM
+
+    policy.save(folder)
+    hf = Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # fixed work: never stop early
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf(ids).logits - policy.model(ids)).abs().max().item()
+    assert diff < 1e-4, f"transformers and torchtune logits differ by {diff}"
+    return hf
+
+
+@torch.inference_mode()
+def naive_generate(model, prompt_BP: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy without a KV cache: the whole sequence goes through the model at every step."""
+    tokens = prompt_BP
+    for _ in range(max_new_tokens):
+        next_B1 = model(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, next_B1], dim=1)
+    return tokens[:, prompt_BP.shape[1]:]
+
+
+def run_interleaved(cases, reps: int) -> dict[str, dict]:
+    """Time every case round-robin (rep 1 of each, rep 2 of each, ...) so that the load of a
+    shared machine falls on all alike; a case may ask for fewer reps. Every case has one untimed
+    warm-up run first, except the slow naive loop (the model is warm by then)."""
+    results = {label: {"out": None, "wall": [], "cpu": []} for label, _, _ in cases}
+    for label, fn, case_reps in cases:
+        if case_reps > 1:
+            results[label]["out"] = fn()
+    for rep in range(reps):
+        for label, fn, case_reps in cases:
+            if rep >= case_reps:
+                continue
+            wall, cpu = time.perf_counter(), time.process_time()
+            results[label]["out"] = fn()
+            results[label]["wall"].append(time.perf_counter() - wall)
+            results[label]["cpu"].append(time.process_time() - cpu)
+            print(f"  rep {rep}: {label:40s} {results[label]['wall'][-1]:7.3f} s", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--naive-reps", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks_generation")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    B, P, N = args.batch, args.prompt_len, args.new_tokens
+    policy = make_policy()
+    prompts_BP = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0))
+    prompt_lists = prompts_BP.tolist()
+    ones_BP = torch.ones_like(prompts_BP)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_hf_model(policy, Path(tmp) / "ckpt")
+
+    def ours(**kw):
+        return lambda: [c.token_ids for c in policy.generate(prompt_lists, max_new_tokens=N, **kw)]
+
+    def theirs(**kw):
+        def run():
+            with torch.inference_mode():
+                out = hf.generate(input_ids=prompts_BP, attention_mask=ones_BP, max_new_tokens=N,
+                                  pad_token_id=256, **kw)
+            return out[:, P:].tolist()
+        return run
+
+    sample = dict(temperature=1.0, top_p=0.9)
+    cases = [  # (label, fn, reps)
+        ("Policy.generate, greedy", ours(temperature=0), args.reps),
+        ("transformers generate, greedy", theirs(do_sample=False), args.reps),
+        ("naive loop (no KV cache), greedy",
+         lambda: naive_generate(policy.model, prompts_BP, N).tolist(), args.naive_reps),
+        ("Policy.generate, T=1 top_p=0.9", ours(seed=0, **sample), args.reps),
+        ("transformers generate, T=1 top_p=0.9", theirs(do_sample=True, top_k=None, **sample),
+         args.reps),
+    ]
+    load_before = os.getloadavg()[0]
+    results = run_interleaved(cases, args.reps)
+    load_after = os.getloadavg()[0]
+    rows, outputs = [], {}
+    for label, r in results.items():
+        assert all(len(t) == N for t in r["out"]), f"{label}: a sequence stopped early"
+        outputs[label] = r["out"]
+        wall = statistics.median(r["wall"])
+        rows.append((label, wall, B * N / wall, min(r["wall"]), statistics.median(r["cpu"])))
+    greedy = [v for k, v in outputs.items() if "greedy" in k]
+    same = all(g == greedy[0] for g in greedy)
+
+    setup = (f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}, prompt "
+             f"{P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
+             f"each ({args.naive_reps} for the naive loop), round-robin, after a warm-up run; "
+             f"torch "
+             f"{torch.__version__}, transformers {transformers.__version__}")
+    setup += f"; 1-min load average {load_before:.1f} before, {load_after:.1f} after"
+    hf_greedy = {r[0]: r[2] for r in rows}["transformers generate, greedy"]
+    lines = ["| method | median s | tokens/s (median) | best s | CPU s (median) | "
+             "vs transformers greedy |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {label} | {s:.3f} | {tps:,.0f} | {best:.3f} | {cpu:.2f} | "
+              f"{tps / hf_greedy:.2f}x |" for label, s, tps, best, cpu in rows]
+    table = "\n".join(lines)
+    text = f"{setup}\n\n{table}\n\nGreedy tokens identical across the three methods: {same}\n"
+    print("\n" + text)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text)
+    _plot(rows, setup, args.out.with_suffix(".png"), B * N)
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+    return 0 if same else 1
+
+
+def _plot(rows, setup: str, path: Path, n_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r[0].replace(", ", "\n") for r in rows]
+    values = [r[2] for r in rows]
+    colors = ["tab:blue" if r[0].startswith("Policy") else "tab:orange"
+              if r[0].startswith("transformers") else "tab:gray" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    best = [n_tokens / r[3] for r in rows]
+    bars = ax.barh(labels[::-1], values[::-1], color=colors[::-1], label="median run")
+    ax.scatter(best[::-1], labels[::-1], marker="|", s=300, color="black", label="best run",
+               zorder=3)
+    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values[::-1]], padding=3)
+    ax.legend(loc="center right", fontsize=8)
+    ax.set_xlabel("generated tokens / s (higher is better)")
+    ax.set_xlim(0, max(values + best) * 1.15)
+    ax.set_title("Generation throughput, tiny-10m Qwen2, CPU fp32", fontsize=11)
+    fig.text(0.01, 0.01, setup, fontsize=6.5, wrap=True)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
