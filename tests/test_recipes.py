@@ -28,3 +28,27 @@ def test_demo_via_cli_writes_a_hf_folder(tmp_path, monkeypatch, capsys):
     assert cli.main(["run", "demo", "max_new_tokens=8", f"out_dir={tmp_path / 'd'}"]) == 0
     assert (tmp_path / "d" / "policy" / "config.json").is_file()
     assert "reloaded greedy output identical: True" in capsys.readouterr().out
+
+
+PRESETS = sorted((cli.recipe_dirs()[1] / "presets").glob("*.yaml"))
+
+
+def _preset_recipe(path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# recipe: "), f"{path.name} must start with '# recipe: NAME'"
+    return first.removeprefix("# recipe: ").strip()
+
+
+def test_presets_are_found():
+    assert {"sft_chain_sum", "cpt_chain_sum"} <= {p.stem for p in PRESETS}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_runs_at_tiny_size(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    module = cli.load_recipe(_preset_recipe(path))
+    cfg = cli.load_config_file(module.Config(), str(path))
+    cfg = dataclasses.replace(cfg, **getattr(module, "TINY", {}), out_dir=str(tmp_path / "run"))
+    module.main(cfg)
+    assert (tmp_path / "run" / "results.json").is_file()
+    assert (tmp_path / "run" / "policy" / "config.json").is_file()
