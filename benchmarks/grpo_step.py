@@ -1,0 +1,416 @@
+"""GRPO step time: posttrain `RLTrainer` vs TRL `GRPOTrainer` on the same tiny weights (CPU).
+
+Both sides train the same model, side by side in one process: the posttrain `tiny-2m` preset
+(Qwen2, byte vocabulary of 272, tied embeddings) built with `build_model(seed=0)`, and the
+`Qwen2ForCausalLM` that transformers loads (`AutoModelForCausalLM.from_pretrained`) from the folder
+`posttrain.models_hf.save_hf_checkpoint` writes (its generation_config lists the byte tokenizer's
+stop ids, EOS and <|end|>, so TRL's `generate` stops where `Policy.generate` does); their logits
+are checked to agree before timing.
+
+Same work per optimizer step on both sides: P chain_sum prompts (reasoning-gym, rendered by the
+byte tokenizer's chat format, ~71-73 tokens), G completions each (temperature 1, top-p 1, at most
+16 new tokens, stopping at EOS / <|end|>), the chain_sum verifier as the reward (1 correct, 0
+otherwise), group-normalised advantages (mean and std over the group), PPO clip 0.2, per-sequence
+token-mean loss (TRL `loss_type="grpo"`), k3 KL to a frozen reference with beta 0.04, 1 PPO
+epoch, one optimizer step per step (P x G rows in one minibatch), AdamW (weight decay 0, constant
+lr), clip grad norm 1.0, fp32.
+
+TRL gets a `PreTrainedTokenizerFast` built for the byte vocabulary (ids 0..255 = bytes through a
+ByteLevel BPE without merges, ids 256..271 = the special tokens as added tokens; checked to encode
+every prompt to exactly posttrain's ids) and a dataset whose "prompt" column is the rendered prompt
+text (so TRL tokenizes it to the same ids), plus an "idx" column the reward function uses to find
+the item. TRL: `per_device_train_batch_size=P*G`, `num_generations=G`, `steps_per_generation=1`,
+`num_iterations=1`, `use_cpu=True`, `use_vllm=False`, `report_to=[]`, `logging_strategy="no"`,
+otherwise its defaults (optimizer `adamw_torch_fused`; `--same-optimizer` gives it posttrain's
+plain `torch.optim.AdamW`).
+
+Timing: a step's time runs from the end of the previous optimizer step to the end of this one
+(prompt fetch, generation, reward, advantages, reference and policy forward, backward, update and
+each framework's bookkeeping). Blocks alternate, posttrain then TRL, `--repeats` times; each block
+is `--warmup` untimed + `--steps` timed steps; a block's value is its median step time; the table
+gives the median over blocks.
+
+Usage:
+    python benchmarks/grpo_step.py              # writes docs/benchmarks_grpo.md
+    python benchmarks/grpo_step.py --quick      # smoke run, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from posttrain.envs import chain_sum_task
+from posttrain.models import build_model, get_preset
+from posttrain.models_hf import save_hf_checkpoint
+from posttrain.policy import Policy
+from posttrain.rl import RLAlgorithm
+from posttrain.rl_trainer import RLTrainer
+from posttrain.tokenizer import ByteTokenizer
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+DIFFERENCES = """## Where the two setups differ
+
+- Prompt order: posttrain trains on items `step*P .. step*P+P-1` of the task in order; TRL's
+  `RepeatSampler` draws a shuffled P prompts from the same items. Prompts are all 71-73 tokens, so
+  the amount of work per step is the same up to a token or two.
+- Completion lengths are not forced to 16: both sides stop at <|eos|> or <|end|> (the same stop
+  ids; TRL reads them from the checkpoint's generation_config). With these untrained weights most
+  completions hit the 16-token limit; the measured mean lengths are given above for each side.
+- Old log-probs: posttrain takes them from the sampler (no extra forward); TRL with
+  `num_iterations=1, steps_per_generation=1` uses the detached current log-probs (no extra forward
+  either). Both run one frozen-reference forward for the KL term and one policy forward+backward.
+- Generation: posttrain's `Policy.generate` (its own KV cache, stop handling by mask) vs
+  transformers' `generate` as TRL calls it (padding-free off, `disable_compile=True`, no vLLM).
+- Reward: the same chain_sum verifier with the same timeout on both sides; posttrain calls it
+  through the environment (`env.step`), TRL through a plain reward function on the decoded text.
+- Optimizer: TRL's default `adamw_torch_fused` vs posttrain's plain `torch.optim.AdamW` (for-loop
+  on CPU); negligible at 2M parameters (`--same-optimizer` removes the difference).
+- Bookkeeping: TRL accumulates its metrics each step (logging off, so nothing is printed);
+  posttrain appends a metrics row each step (no run_dir, so nothing is written).
+- The machine is shared (see the load average): absolute numbers carry that noise; blocks
+  alternate so both sides see similar load, and per-pair ratios are given.
+"""
+
+
+@dataclass(frozen=True)
+class Setup:
+    preset: str
+    prompts: int
+    group_size: int
+    max_new_tokens: int
+    warmup: int
+    steps: int
+    repeats: int
+    threads: int
+    beta: float = 0.04
+    lr: float = 1e-5
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+class StepClock:
+    """`perf_counter()` at the end of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def tick(self) -> None:
+        self.times.append(time.perf_counter())
+
+    def median_step(self, setup: Setup) -> float:
+        assert len(self.times) == setup.warmup + setup.steps, (len(self.times), setup)
+        timed = self.times[setup.warmup - 1:]
+        return statistics.median(b - a for a, b in zip(timed, timed[1:]))
+
+
+# --------------------------------------------------------------------------------------------
+# The task, seen by both sides
+# --------------------------------------------------------------------------------------------
+
+
+def make_task(setup: Setup):
+    size = setup.prompts * (setup.warmup + setup.steps) * setup.repeats * 2 + 64
+    return chain_sum_task(size=size, held_out_size=2, seed=setup.seed)
+
+
+def hf_byte_tokenizer():
+    """A transformers tokenizer with the byte tokenizer's ids: bytes 0..255 through a ByteLevel BPE
+    without merges (id = byte value), the 16 special tokens as added tokens 256..271."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteTokenizer()
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins, one per byte
+    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
+    assert set(byte_to_char.values()) == set(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = [tok.token_name(i) for i in range(256, tok.vocab_size)]
+    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    assert [backend.token_to_id(s) for s in specials] == list(range(256, tok.vocab_size))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>",
+                                   eos_token="<|eos|>", bos_token="<|bos|>")
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (what ByteLevel uses), in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def trl_dataset(task, hf_tok):
+    """Rendered prompt texts (+ item index) of every training item; checks TRL's tokenization."""
+    from datasets import Dataset
+
+    tok = ByteTokenizer()
+    items = task.train_items
+    prompts, lengths = [], []
+    for i, item in enumerate(items):
+        env = task.make_builder(item).make_envs(1)[0]
+        ids = tok.render_prompt(env.initial_messages())
+        text = hf_tok.decode(ids, skip_special_tokens=False)
+        assert hf_tok(text, add_special_tokens=False).input_ids == ids, (i, text)
+        prompts.append(text)
+        lengths.append(len(ids))
+    return Dataset.from_dict({"prompt": prompts, "idx": list(range(len(items)))}), items, lengths
+
+
+# --------------------------------------------------------------------------------------------
+# The two sides
+# --------------------------------------------------------------------------------------------
+
+
+def build_posttrain(model, spec, task, setup: Setup):
+    policy = Policy(model, ByteTokenizer(), spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
+    clock = StepClock()
+    trainer = RLTrainer(policy, optimizer, task=task,
+                        algo=RLAlgorithm.grpo(group_size=setup.group_size, kl_coef=setup.beta),
+                        prompts_per_step=setup.prompts, max_new_tokens=setup.max_new_tokens,
+                        temperature=1.0, max_grad_norm=setup.max_grad_norm, progress=False,
+                        seed=setup.seed, callbacks=[lambda _t, _row: clock.tick()])
+    return trainer, clock
+
+
+def run_posttrain_block(trainer: RLTrainer, clock: StepClock, setup: Setup) -> float:
+    clock.times.clear()
+    for _ in range(setup.warmup + setup.steps):
+        trainer.step()
+    return clock.median_step(setup)
+
+
+def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: bool):
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    hf_tok = hf_byte_tokenizer()
+    dataset, items, lengths = trl_dataset(task, hf_tok)
+    score = task.score_fn()
+
+    def chain_sum_reward(prompts, completions, idx, **kwargs):
+        return [float(score(c, items[i])) for c, i in zip(completions, idx)]
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    clock = StepClock()
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.tick()
+
+    config = GRPOConfig(
+        output_dir=str(out_dir), max_steps=setup.warmup + setup.steps,
+        per_device_train_batch_size=setup.prompts * setup.group_size,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=setup.group_size, max_completion_length=setup.max_new_tokens,
+        temperature=1.0, top_p=1.0, beta=setup.beta, epsilon=0.2, loss_type="grpo",
+        scale_rewards="group", learning_rate=setup.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=setup.max_grad_norm,
+        use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+        report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0, seed=setup.seed)
+    optimizers = (None, None)
+    if same_optimizer:
+        optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
+    trainer = GRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config,
+                          train_dataset=dataset, processing_class=hf_tok, callbacks=[Clock()],
+                          optimizers=optimizers)
+    return trainer, clock, lengths
+
+
+def run_trl_block(trainer, clock: StepClock, setup: Setup) -> float:
+    clock.times.clear()
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+    return clock.median_step(setup)
+
+
+def check_same_model(tune_model: torch.nn.Module, hf_model: torch.nn.Module) -> float:
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (hf_model(ids).logits - tune_model(ids)).abs().max().item()
+    assert diff < 1e-4, f"transformers and posttrain logits differ by {diff}"
+    return diff
+
+
+def trl_lengths(trainer) -> list[float]:
+    """TRL's per-step mean completion length (its metrics accumulate while logging is off)."""
+    metrics = trainer._metrics["train"]
+    key = next((k for k in metrics if k.endswith("mean_length") and "terminated" not in k), None)
+    return list(metrics[key]) if key else []
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return fields.get("Model name", "unknown CPU").strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny-2m")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step (P)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps starting each block")
+    parser.add_argument("--repeats", type=int, default=3, help="posttrain/TRL block pairs")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (both sides)")
+    parser.add_argument("--same-optimizer", action="store_true",
+                        help="give TRL posttrain's torch.optim.AdamW instead of its fused default")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 1 repeat of 1 + 2 steps, nothing written")
+    parser.add_argument("--out", type=Path, default=DOCS, help="folder for benchmarks_grpo.md")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 2, 1, 1
+    if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
+        parser.error("--warmup, --steps and --repeats must be >= 1")
+
+    import transformers
+    import trl
+
+    load = os.getloadavg()
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load[0]:.1f} on {os.cpu_count()} CPUs; other processes will "
+              "skew the blocks", flush=True)
+    argv_used = sys.argv[1:] if argv is None else argv
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    setup = Setup(preset=args.preset, prompts=args.prompts, group_size=args.group_size,
+                  max_new_tokens=args.max_new_tokens, warmup=args.warmup, steps=args.steps,
+                  repeats=args.repeats, threads=args.threads, beta=args.beta)
+    spec = get_preset(setup.preset)
+    model = build_model(spec, seed=setup.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    task = make_task(setup)
+    tok = ByteTokenizer()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_hf_checkpoint(
+            model, spec, Path(tmp) / "ckpt", bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+            pad_token_id=tok.pad_id,
+            generation_config={"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id,
+                               "eos_token_id": sorted(tok.stop_ids)})
+        trl_trainer, trl_clock, prompt_lengths = build_trl(folder, task, setup,
+                                                           Path(tmp) / "trl_out",
+                                                           args.same_optimizer)
+        diff = check_same_model(model, trl_trainer.model)
+        ours, our_clock = build_posttrain(model, spec, task, setup)
+        print(f"{setup.preset}: {n_params / 1e6:.2f}M params; max |logit diff| {diff:.1e}; "
+              f"prompt tokens {min(prompt_lengths)}-{max(prompt_lengths)} (mean "
+              f"{statistics.mean(prompt_lengths):.1f}); TRL eos ids {trl_trainer.eos_token_ids}; "
+              f"TRL optimizer {type(trl_trainer.create_optimizer()).__name__}"
+              f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}", flush=True)
+
+        results = {"posttrain": [], "TRL": []}
+        for r in range(setup.repeats):
+            results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))
+            results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))
+            assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
+            print(f"repeat {r + 1}/{setup.repeats}: posttrain {results['posttrain'][-1]:.3f} s/step"
+                  f" | TRL {results['TRL'][-1]:.3f} s/step", flush=True)
+        ours_len = ours.metrics["response_length"].tolist()
+        ours_reward = ours.metrics["reward_mean"].tolist()
+        trl_len = trl_lengths(trl_trainer)
+        trl_reward = list(trl_trainer._metrics["train"].get("reward", []))
+        trl_keys = sorted(trl_trainer._metrics["train"])
+        rollout_share = statistics.median(ours.metrics["rollout_s"] / ours.metrics["step_time_s"])
+    print(f"TRL metric keys: {trl_keys}", flush=True)
+    load_end = os.getloadavg()
+
+    rows = []
+    for name, values in results.items():
+        rows.append((name, statistics.median(values), min(values), max(values)))
+    ratio = rows[1][1] / rows[0][1]
+    pair_ratios = [t / p for p, t in zip(results["posttrain"], results["TRL"])]
+    rows_per_step = setup.prompts * setup.group_size
+
+    def mean(xs):
+        return f"{statistics.mean(xs):.2f}" if xs else "n/a"
+
+    trl_opt = ("torch.optim.AdamW (same as posttrain)" if args.same_optimizer
+               else "its default `adamw_torch_fused` (torch.optim.AdamW(fused=True))")
+    setup_lines = [
+        f"- CPU: {cpu_model()}; {os.cpu_count()} CPUs visible; {setup.threads} threads "
+        f"(`torch.set_num_threads`), fp32",
+        f"- Versions: Python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, trl {trl.__version__}",
+        f"- Model: `{setup.preset}` (Qwen2, {spec.num_layers} layers, d_model {spec.embed_dim}, "
+        f"vocab {spec.vocab_size}, tied embeddings): {n_params:,} parameters; max |logit diff| "
+        f"posttrain vs transformers {diff:.1e}",
+        f"- Work per optimizer step: {setup.prompts} chain_sum prompts x G={setup.group_size} = "
+        f"{rows_per_step} completions; prompt {min(prompt_lengths)}-{max(prompt_lengths)} tokens "
+        f"(mean {statistics.mean(prompt_lengths):.1f}); at most {setup.max_new_tokens} new tokens, "
+        f"temperature 1, stop at <|eos|> / <|end|> on both sides",
+        f"- Mean completion length over all steps (tokens): posttrain {mean(ours_len)}, TRL "
+        f"{mean(trl_len)}; mean reward: posttrain {mean(ours_reward)}, TRL {mean(trl_reward)}",
+        f"- posttrain: median share of a step spent in rollout (generation + verifier): "
+        f"{rollout_share:.0%}",
+        f"- Algorithm: GRPO, group mean/std advantages, clip 0.2, seq-mean-token-mean loss, k3 KL "
+        f"beta {setup.beta:g} to a frozen reference, 1 PPO epoch, 1 minibatch of "
+        f"{rows_per_step} rows, AdamW lr {setup.lr:g} weight decay 0, clip grad norm "
+        f"{setup.max_grad_norm:g}; posttrain torch.optim.AdamW (for-loop), TRL {trl_opt}",
+        f"- Timing: {setup.repeats} alternating block pairs (posttrain, then TRL), each "
+        f"{setup.warmup} warm-up + {setup.steps} timed optimizer steps; a block's value is its "
+        f"median step time (generation + reward + update); table: median, min, max over blocks",
+        f"- Load average (1 min) at start / end: {load[0]:.2f} / {load_end[0]:.2f} on "
+        f"{os.cpu_count()} CPUs (other processes share this machine)",
+        f"- Command: `python benchmarks/grpo_step.py {' '.join(argv_used)}`",
+    ]
+    lines = ["| trainer | s / step (median) | min | max | completions / s |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {t:.3f} | {lo:.3f} | {hi:.3f} | {rows_per_step / t:.1f} |"
+              for n, t, lo, hi in rows]
+    summary = (f"TRL / posttrain step time = {ratio:.2f}x (ratio of the medians; per block pair: "
+               f"{', '.join(f'{x:.2f}' for x in pair_ratios)})")
+    text = "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
+    print("\n" + text)
+    if args.quick:
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = args.out / "benchmarks_grpo.md"
+    md.write_text(f"# GRPO step time: posttrain `RLTrainer` vs TRL `GRPOTrainer` (CPU)\n\n"
+                  f"Produced by `python benchmarks/grpo_step.py`.\n\n{text}\n{DIFFERENCES}")
+    print(f"wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
