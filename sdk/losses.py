@@ -193,3 +193,30 @@ def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A step's loss or gradient norm is NaN/inf; the update was not applied (see
+    `check_finite_update`)."""
+
+
+def check_finite_update(step: int, loss: Tensor, grad_norm: Tensor) -> None:
+    """Raise `NonFiniteLossError` before an optimizer step whose loss or gradient norm is not
+    finite, so NaN never reaches the parameters or a checkpoint.
+
+    Args:
+        step: the 1-based number of the step being taken (for the message).
+        loss: scalar loss of the step (any dtype).
+        grad_norm: scalar global gradient norm before clipping.
+
+    Raises:
+        NonFiniteLossError: naming the step and both values; the caller discards the gradients,
+            so the parameters stay those of the last completed step.
+    """
+    if not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))):
+        raise NonFiniteLossError(
+            f"step {step}: loss={float(loss)} grad_norm={float(grad_norm)} is not finite; the "
+            "update was not applied and nothing was checkpointed, so the parameters are those "
+            "of the previous step. Lower the learning rate, check the data, or resume from the "
+            "last checkpoint.")
+

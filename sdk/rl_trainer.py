@@ -60,6 +60,7 @@ from posttrain.buffer import ReplayBuffer
 from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
                                   load_checkpoint, restore_rng_state, save_checkpoint)
 from posttrain.environment import EnvDataset, Group
+from posttrain.losses import NonFiniteLossError, check_finite_update
 from posttrain.metrics import METRICS_FILE, MetricsLog
 from posttrain.policy import sampling_logprobs, token_logprobs
 from posttrain.rl import compute_advantages, policy_loss, step_units, value_loss
@@ -301,6 +302,11 @@ class RLTrainer:
         params = [p for g in self.optimizer.param_groups for p in g["params"]
                   if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        try:
+            check_finite_update(self.step_count + 1, totals["loss"], grad_norm)
+        except NonFiniteLossError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, grad_norm)
         totals["lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))

@@ -52,7 +52,7 @@ from torch import nn
 
 from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
                                   load_checkpoint, restore_rng_state, save_checkpoint)
-from posttrain.losses import TrainingLoss, get_loss
+from posttrain.losses import TrainingLoss, check_finite_update, get_loss
 from posttrain.metrics import METRICS_FILE, MetricsLog
 
 __all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine"]
@@ -287,6 +287,7 @@ class Trainer:
                 share.backward()
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()
             grad_norm = self._clip_gradients()
+            check_finite_update(self.step_count + 1, loss_sum, grad_norm)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             if data_state is not None:

@@ -350,3 +350,35 @@ def test_trainer_option_errors(tmp_path):
     with pytest.raises(ValueError, match="num_steps"):
         Trainer(model, opt, data=data, progress=False).fit(-1)
 
+
+
+def test_non_finite_step_is_not_applied_and_not_checkpointed(tmp_path):
+    """lr=1e6 blows the loss up within a few steps; the first non-finite step raises, leaves the
+    parameters of the last finite step (all finite) and writes no checkpoint of NaN weights."""
+    from posttrain.checkpoint import latest_checkpoint, load_checkpoint
+    from posttrain.losses import NonFiniteLossError
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e6),
+                      data=sft_loader(8, batch_size=2), run_dir=tmp_path, checkpoint_every=1,
+                      progress=False)
+    with pytest.raises(NonFiniteLossError, match=r"step \d+: loss=.* is not finite"):
+        trainer.fit(20)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    good_steps = trainer.step_count
+    assert len(trainer.metrics) == good_steps
+    ckpt = latest_checkpoint(tmp_path)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt)["model_state"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_nan_weights_fail_at_the_first_step():
+    model = tiny_model()
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      data=sft_loader(8, batch_size=2), progress=False)
+    with pytest.raises(FloatingPointError, match="step 1: loss=nan"):
+        trainer.step()
+    assert trainer.step_count == 0
