@@ -151,7 +151,7 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
 
     Raises:
         ValueError: unknown estimator; not exactly one of token_level_rewards_BT / scores_B;
-            shapes; NaN rewards; missing group_ids or values; a group of size one for a group
+            shapes; NaN or inf rewards; missing group_ids or values; a group of size one for a group
             estimator; fewer than two response tokens for a whitening estimator (from verl).
     """
     fn = _estimator_fn(name)
@@ -165,8 +165,8 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
     if token_level_rewards_BT.shape != response_mask_BT.shape:
         raise ValueError(f"token_level_rewards_BT {tuple(token_level_rewards_BT.shape)} and "
                          f"response_mask_BT {tuple(response_mask_BT.shape)} differ in shape")
-    if bool(torch.isnan(token_level_rewards_BT).any()):
-        raise ValueError("rewards contain NaN; record the failed rollouts as typed outcomes and "
+    if not bool(torch.isfinite(token_level_rewards_BT).all()):
+        raise ValueError("rewards contain NaN or inf; record the failed rollouts as typed outcomes and "
                          "give them an explicit reward (or drop them) first")
     out_dtype = (token_level_rewards_BT.dtype if token_level_rewards_BT.is_floating_point()
                  else torch.float32)

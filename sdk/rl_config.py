@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -351,6 +352,8 @@ def _number(name: str, value: Any, *, low: float | None = None, high: float | No
             low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r}; must be a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}; must be a finite number")
     if low is not None and (value <= low if low_open else value < low):
         raise ValueError(f"{name}={value!r}; must be {'>' if low_open else '>='} {low}")
     if high is not None and value > high:

@@ -435,3 +435,20 @@ def test_register_refuses_duplicates():
         rl.register_policy_loss("vanilla")
     with pytest.raises(ValueError, match="already registered"):
         rl.register_advantage_estimator("grpo")
+
+
+def test_non_finite_scores_and_hyperparameters_are_rejected():
+    import math
+
+    import torch
+
+    from posttrain.rl import compute_advantages
+    from posttrain.rl_config import RLAlgorithm
+
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match="NaN or inf"):
+            compute_advantages("grpo", response_mask_BT=torch.ones(4, 3),
+                               scores_B=torch.tensor([bad, 0.0, 0.0, 1.0]), group_ids=[0, 0, 1, 1])
+    for field in ("kl_coef", "clip_ratio_high", "clip_ratio_low"):
+        with pytest.raises(ValueError, match=f"{field}=nan; must be a finite number"):
+            RLAlgorithm(**{field: math.nan})
