@@ -47,7 +47,7 @@ from posttrain.models import PRESETS
 from posttrain.policy import Policy
 from posttrain.rl_config import RLAlgorithm
 from posttrain.rl_trainer import RLTrainer, ValueHead
-from posttrain.trainer import warmup_cosine_schedule
+from posttrain.trainer import check_new_run_dir, warmup_cosine_schedule
 
 sft = load_recipe("sft")
 
@@ -115,8 +115,17 @@ TINY = dict(model="tiny-1m", train_size=64, eval_size=8, eval_max_new_tokens=6, 
 
 
 def main(cfg: Config) -> dict[str, Any]:
+    """Run SFT -> RL -> held-out evaluation; returns the results dict also written to
+    `out_dir/results.json` (and .csv/.md).
+
+    Raises ValueError before writing anything if `out_dir` already holds a run and
+    `cfg.resume` is False.
+    """
     start = time.perf_counter()
     out = Path(cfg.out_dir)
+    if not cfg.resume:
+        check_new_run_dir(out)
+        check_new_run_dir(out / "sft")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)

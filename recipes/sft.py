@@ -26,7 +26,7 @@ from posttrain.data import (CPTDataset, SFTDataset, SFTLoader, load_sft_rows, lo
 from posttrain.evaluation import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.trainer import Trainer, warmup_cosine_schedule
+from posttrain.trainer import Trainer, check_new_run_dir, warmup_cosine_schedule
 
 MODES = ("sft", "cpt")
 
@@ -78,6 +78,9 @@ class Config:
         for name in ("eval_size", "warmup_steps", "checkpoint_every", "keep_last"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 0")
+        if self.warmup_steps > self.num_steps:
+            raise ValueError(f"Config.warmup_steps={self.warmup_steps} exceeds "
+                             f"num_steps={self.num_steps}; lower warmup_steps")
         if not self.lr > 0:
             raise ValueError(f"Config.lr={self.lr!r}; must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -148,7 +151,14 @@ def evaluate(policy: Policy, cfg: Config, items: list[dict], ds) -> EvalResult:
 
 
 def main(cfg: Config) -> dict[str, Any]:
+    """Run the recipe; returns the results dict also written to `out_dir/results.json`.
+
+    Raises ValueError before writing anything if `out_dir` already holds a run and
+    `cfg.resume` is False.
+    """
     out = Path(cfg.out_dir)
+    if not cfg.resume:
+        check_new_run_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)

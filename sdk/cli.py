@@ -76,8 +76,13 @@ def load_config_file(cfg, path: str):
     """
     import yaml
 
-    with open(path) as f:
-        values = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of key: value")
     fields = {f.name for f in dataclasses.fields(cfg)}

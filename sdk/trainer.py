@@ -55,7 +55,7 @@ from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_che
 from posttrain.losses import TrainingLoss, check_finite_update, get_loss
 from posttrain.metrics import METRICS_FILE, MetricsLog
 
-__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine"]
+__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir"]
 
 TRAIN_STATE_VERSION = 1
 
@@ -228,10 +228,8 @@ class Trainer:
                 self._log.reset([])  # a run killed before its first checkpoint starts over
         elif resume:
             self.resume(resume)
-        elif self.run_dir is not None and (list_checkpoints(self.run_dir)
-                                           or (self.run_dir / METRICS_FILE).exists()):
-            raise ValueError(f"run_dir {self.run_dir} already holds a run (metrics.jsonl or "
-                             "checkpoints); pass resume=True to continue it, or use a new run_dir")
+        elif self.run_dir is not None:
+            check_new_run_dir(self.run_dir)
 
     # ------------------------------------------------------------------ the step
 
@@ -475,6 +473,18 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
+
+def check_new_run_dir(run_dir: str | os.PathLike) -> None:
+    """Raise ValueError if `run_dir` already holds a run (metrics.jsonl or checkpoints).
+
+    Recipes call it before writing anything, so a finished run is never partly overwritten by a
+    new one that then refuses to start.
+    """
+    run_dir = Path(run_dir)
+    if list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists():
+        raise ValueError(f"run_dir {run_dir} already holds a run (metrics.jsonl or "
+                         "checkpoints); pass resume=True to continue it, or use a new run_dir")
 
 
 class _Held:

@@ -81,3 +81,13 @@ def test_recipe_by_path(tmp_path):
         cli.main(["run", str(recipe), "--config", str(bad)])
     with pytest.raises(ValueError, match="does not exist"):
         cli.find_recipe(str(tmp_path / "missing.py"))
+
+
+def test_config_file_errors_are_usage_errors(tmp_path, capsys):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("a: [1\n")
+    for path, message in ((tmp_path / "missing.yaml", "No such file"), (bad_yaml, "not valid YAML")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["run", "demo", "--config", str(path)])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

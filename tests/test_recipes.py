@@ -52,3 +52,23 @@ def test_preset_runs_at_tiny_size(path, tmp_path, monkeypatch):
     module.main(cfg)
     assert (tmp_path / "run" / "results.json").is_file()
     assert (tmp_path / "run" / "policy" / "config.json").is_file()
+
+
+def test_recipe_refuses_a_used_run_dir_before_writing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sft = cli.load_recipe("sft")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (run / "config.json").write_text("{}")
+    cfg = dataclasses.replace(sft.Config(), **sft.TINY, out_dir=str(run))
+    with pytest.raises(ValueError, match="already holds a run"):
+        sft.main(cfg)
+    assert (run / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_sft_config_rejects_warmup_longer_than_training():
+    sft = cli.load_recipe("sft")
+    with pytest.raises(ValueError, match="warmup_steps=20 exceeds num_steps=5"):
+        sft.Config(num_steps=5, warmup_steps=20)
