@@ -450,3 +450,13 @@ def test_cloudpickle_ships_a_notebook_closure():
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("reference", [None, float("nan"), float("inf"), ["2"], "", "   ", True])
+def test_math_verifier_bad_reference_is_an_error_not_a_wrong_answer(reference):
+    from posttrain.verifier import run_verifier
+    from posttrain.verifiers import MathAnswerVerifier
+
+    result = run_verifier(MathAnswerVerifier(), "\\boxed{2}", {"answer": reference}, timeout_s=None)
+    assert result.outcome.value == "error", result
+    assert "answer" in result.reason

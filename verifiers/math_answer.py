@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from fractions import Fraction
@@ -183,6 +184,7 @@ class MathAnswerVerifier:
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         reference = item[self.answer_key]
+        _check_reference(reference, self.answer_key)
         found = extract_answer(completion or "")
         if found is None or not found[0]:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, "no final answer found")
@@ -215,3 +217,20 @@ class MathAnswerVerifier:
 
 def _squash(text: str) -> str:
     return normalize_answer(text).replace(" ", "")
+
+
+def _check_reference(reference: Any, key: str) -> None:
+    """A reference answer that is not a usable value is a data error (outcome "error" through
+    `run_verifier`), never a "wrong" answer charged to the policy.
+
+    Raises:
+        ValueError: for None, NaN/inf, a non-string non-number, or an empty string.
+    """
+    if isinstance(reference, bool) or not isinstance(reference, (str, int, float, Fraction)):
+        raise ValueError(f"item[{key!r}] must be a string or a number, got "
+                         f"{type(reference).__name__}: {reference!r:.60}")
+    if isinstance(reference, float) and not math.isfinite(reference):
+        raise ValueError(f"item[{key!r}] is {reference}, not a usable reference answer")
+    if isinstance(reference, str) and not reference.strip():
+        raise ValueError(f"item[{key!r}] is an empty string")
+
