@@ -37,7 +37,9 @@ def main(cfg: Config) -> pd.DataFrame:
     table = pd.DataFrame({
         "prompt": [prompts[c.prompt_index] for c in sampled],
         "sample": [c.sample_index for c in sampled],
-        "completion": [c.text for c in sampled],
+        # an untrained model emits arbitrary bytes: show control characters as U+FFFD
+        "completion": ["".join(ch if ch.isprintable() else "\ufffd" for ch in c.text)
+                       for c in sampled],
         "tokens": [len(c.token_ids) for c in sampled],
         "mean_logprob": [float(torch.as_tensor(c.logprobs).mean()) for c in sampled],
         "finish": [c.finish_reason for c in sampled],
