@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: install
-	$(VENV)/bin/posttrain run grpo
+	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
