@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.registry import Registry
 from posttrain.verifier import Outcome, VerifierResult
 
 Messages = list[dict]
@@ -305,33 +306,15 @@ def run_text_episode(env: Environment, respond: Callable[[Messages], str], *,
 TaskFactory = Callable[..., EnvDataset]
 """Builds a task (`EnvDataset`) from keyword options."""
 
-_TASKS: dict[str, TaskFactory] = {}
-
-
-def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
-    """Decorator registering a task factory under `name`.
-
-    Registering the same definition again (same module and qualified name: a notebook cell run
-    twice) replaces it.
-
-    Raises:
-        ValueError: if `name` is already registered by another definition.
-    """
-    def decorator(factory: TaskFactory) -> TaskFactory:
-        if name in _TASKS and _identity(_TASKS[name]) != _identity(factory):
-            raise ValueError(f"task {name!r} is already registered (by {_TASKS[name]!r}); "
-                             "choose another name")
-        _TASKS[name] = factory
-        return factory
-    return decorator
-
-
-def _identity(factory: Any) -> tuple[str | None, str | None]:
-    return getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
-
 
 def _load_builtin_tasks() -> None:
     import posttrain.envs  # noqa: F401  (registers reasoning_gym, chain_sum, calculator)
+
+
+TASKS: Registry[TaskFactory] = Registry("task", load_builtins=_load_builtin_tasks)
+
+register_task = TASKS.register
+"""Decorator registering a task factory under a name (see `posttrain.registry.Registry`)."""
 
 
 def get_task(name: str, /, **options: Any) -> EnvDataset:
@@ -345,13 +328,9 @@ def get_task(name: str, /, **options: Any) -> EnvDataset:
     Raises:
         ValueError: if `name` is unknown; the message lists the registered names.
     """
-    _load_builtin_tasks()
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(_TASKS))}")
-    return _TASKS[name](**options)
+    return TASKS.build(name, **options)
 
 
 def registered_tasks() -> tuple[str, ...]:
     """Names `get_task` accepts (the built-ins included)."""
-    _load_builtin_tasks()
-    return tuple(_TASKS)
+    return TASKS.names()

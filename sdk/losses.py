@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.data import IGNORE_INDEX
+from posttrain.registry import Registry
 
 __all__ = ["IGNORE_INDEX", "token_cross_entropy_sum", "normalize_by_step", "TrainingLoss",
            "SFTCrossEntropy", "register_loss", "get_loss", "registered_losses"]
@@ -114,22 +115,11 @@ class TrainingLoss(Protocol):
 LossFactory = Callable[..., TrainingLoss]
 """Builds a `TrainingLoss` from keyword options (usually the loss class itself)."""
 
-_LOSSES: dict[str, LossFactory] = {}
+LOSSES: Registry[LossFactory] = Registry("loss")
 
-
-def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
-    """Decorator registering a `TrainingLoss` factory (usually its class) under `name`.
-
-    Raises:
-        ValueError: if `name` is already registered.
-    """
-    def decorator(factory: LossFactory) -> LossFactory:
-        if name in _LOSSES:
-            raise ValueError(f"loss {name!r} is already registered (by {_LOSSES[name]!r}); "
-                             "choose another name")
-        _LOSSES[name] = factory
-        return factory
-    return decorator
+register_loss = LOSSES.register
+"""Decorator registering a `TrainingLoss` factory (usually its class) under a name; registering
+another definition under a taken name raises ValueError (`posttrain.registry.Registry`)."""
 
 
 def get_loss(name: str, **options: Any) -> TrainingLoss:
@@ -138,15 +128,12 @@ def get_loss(name: str, **options: Any) -> TrainingLoss:
     Raises:
         ValueError: if `name` is unknown; the message lists the registered names.
     """
-    if name not in _LOSSES:
-        raise ValueError(f"unknown loss {name!r}; registered losses: "
-                         f"{', '.join(sorted(_LOSSES))}")
-    return _LOSSES[name](**options)
+    return LOSSES.build(name, **options)
 
 
 def registered_losses() -> tuple[str, ...]:
     """Names `get_loss` accepts."""
-    return tuple(_LOSSES)
+    return LOSSES.names()
 
 
 @register_loss("sft_ce")

@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.registry import Registry
+
 DEFAULT_TIMEOUT_S = 5.0
 """Default time budget of one verifier call, in seconds (wall clock)."""
 
@@ -392,11 +394,16 @@ class _ScoreFn:
 VerifierFactory = Callable[..., Verifier]
 """Builds a verifier from keyword options (usually the verifier class itself)."""
 
-_VERIFIERS: dict[str, VerifierFactory] = {}
+def _load_builtin_verifiers() -> None:
+    import posttrain.verifiers  # noqa: F401  (registers math_answer, reasoning_gym, ...)
+
+
+VERIFIERS: Registry[VerifierFactory] = Registry("verifier", load_builtins=_load_builtin_verifiers)
 
 
 def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]:
-    """Decorator registering a verifier factory (usually its class) under `name`.
+    """Decorator registering a verifier factory (usually its class) under `name`
+    (see `posttrain.registry.Registry` for the rules on registering twice).
 
     Example:
         >>> @register_verifier("doc_always_right")
@@ -405,27 +412,10 @@ def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]
         >>> run_verifier(get_verifier("doc_always_right"), "anything", {}).ok
         True
 
-    Registering the same definition again (same module and qualified name: a notebook cell run
-    twice, a reloaded module) replaces it; any other second registration of a name is an error.
-
     Raises:
         ValueError: if `name` is already registered by another definition.
     """
-    def decorator(factory: VerifierFactory) -> VerifierFactory:
-        if name in _VERIFIERS and _identity(_VERIFIERS[name]) != _identity(factory):
-            raise ValueError(f"verifier {name!r} is already registered (by {_VERIFIERS[name]!r}); "
-                             "choose another name")
-        _VERIFIERS[name] = factory
-        return factory
-    return decorator
-
-
-def _identity(factory: Any) -> tuple[str | None, str | None]:
-    return getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
-
-
-def _load_builtin_verifiers() -> None:
-    import posttrain.verifiers  # noqa: F401  (registers math_answer, reasoning_gym, ...)
+    return VERIFIERS.register(name)
 
 
 def get_verifier(name: str, /, **options: Any) -> Verifier:
@@ -438,14 +428,9 @@ def get_verifier(name: str, /, **options: Any) -> Verifier:
     Raises:
         ValueError: if `name` is unknown; the message lists the registered names.
     """
-    _load_builtin_verifiers()
-    if name not in _VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; registered verifiers: "
-                         f"{', '.join(sorted(_VERIFIERS))}")
-    return _VERIFIERS[name](**options)
+    return VERIFIERS.build(name, **options)
 
 
 def registered_verifiers() -> tuple[str, ...]:
     """Names `get_verifier` accepts (the built-ins included)."""
-    _load_builtin_verifiers()
-    return tuple(_VERIFIERS)
+    return VERIFIERS.names()
