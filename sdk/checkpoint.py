@@ -85,6 +85,21 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """`path` itself if it is a checkpoint folder, else the latest checkpoint of run folder `path`.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a checkpoint nor a run folder holding one.
+    """
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in {path}")
+    return found
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, Any],
                     train_state: dict[str, Any], keep_last: int | None = None,
                     meta: dict[str, Any] | None = None) -> Path:

@@ -58,7 +58,8 @@ from torch import Tensor, nn
 
 from posttrain.buffer import ReplayBuffer
 from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
-                                  load_checkpoint, restore_rng_state, save_checkpoint)
+                                  load_checkpoint, resolve_checkpoint, restore_rng_state,
+                                  save_checkpoint)
 from posttrain.environment import EnvDataset, Group
 from posttrain.losses import NonFiniteLossError, check_finite_update
 from posttrain.metrics import METRICS_FILE, MetricsLog
@@ -401,12 +402,7 @@ class RLTrainer:
 
     def resume(self, path: str | os.PathLike | None = None) -> Path:
         """Load a checkpoint folder (or a run folder's latest) and continue from it."""
-        path = Path(path if path is not None else self.run_dir or "")
-        if not (path / "meta.json").is_file():
-            found = latest_checkpoint(path)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {path}")
-            path = found
+        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
         ckpt = load_checkpoint(path)
         state, models = ckpt["train_state"], ckpt["model_state"]
         self.policy.model.load_state_dict(models["policy"])

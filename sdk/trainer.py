@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
-                                  load_checkpoint, restore_rng_state, save_checkpoint)
+                                  load_checkpoint, resolve_checkpoint, restore_rng_state,
+                                  save_checkpoint)
 from posttrain.losses import TrainingLoss, check_finite_update, get_loss
 from posttrain.metrics import METRICS_FILE, MetricsLog
 
@@ -440,12 +441,7 @@ class Trainer:
             ValueError: if the checkpoint and this trainer disagree (scheduler present in one
                 only, another data set, ...).
         """
-        path = Path(path if path is not None else self.run_dir or "")
-        if not (path / "meta.json").is_file():
-            found = latest_checkpoint(path)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {path}")
-            path = found
+        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
         ckpt = load_checkpoint(path)
         state = ckpt["train_state"]
         if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
