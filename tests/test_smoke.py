@@ -26,3 +26,14 @@ def test_walk_finds_the_subpackages():
 @pytest.mark.parametrize("name", _all_modules())
 def test_module_imports(name):
     importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", _all_modules())
+def test_docstring_examples_run(name):
+    """Every docstring example of a shipped module runs and prints what it shows."""
+    import doctest
+
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+                             report=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
