@@ -8,6 +8,9 @@ as a Hugging Face folder (`policy/`).
 
 Data: `dataset` is a reasoning-gym task name (questions kept exactly as the task gives them) or a
 JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text").
+
+Several processes (`posttrain.launch` with more than one task, which initialises
+torch.distributed): data-parallel training of the same global batch; rank 0 evaluates and writes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from posttrain.data import (CPTDataset, SFTDataset, SFTLoader, load_sft_rows, lo
 from posttrain.evaluation import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.trainer import Trainer, check_new_run_dir, warmup_cosine_schedule
+from posttrain.trainer import (Trainer, barrier, check_new_run_dir, rank_and_world_size,
+                               warmup_cosine_schedule)
 
 MODES = ("sft", "cpt")
 
@@ -150,32 +154,41 @@ def evaluate(policy: Policy, cfg: Config, items: list[dict], ds) -> EvalResult:
                                 score_fn=lambda text, item: ds.score_answer(text.strip(), item))
 
 
-def main(cfg: Config) -> dict[str, Any]:
+def main(cfg: Config) -> dict[str, Any] | None:
     """Run the recipe; returns the results dict also written to `out_dir/results.json`.
 
+    Under an initialised `torch.distributed` process group (`posttrain.launch`), the ranks train
+    data-parallel (`cfg.batch_size` is the global batch and must be divisible by the world size);
+    rank 0 alone writes (config, evaluations, plot, policy, results) while the others wait at a
+    barrier, and only rank 0 returns the results; the other ranks return None.
+
     Raises ValueError before writing anything if `out_dir` already holds a run and
-    `cfg.resume` is False.
+    `cfg.resume` is False (on every rank: all of them read the folder before rank 0 writes).
     """
     out = Path(cfg.out_dir)
+    writes = rank_and_world_size()[0] == 0
     if not cfg.resume:
         check_new_run_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    barrier()  # every rank has checked the folder before rank 0 writes into it
+    if writes:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
     policy = (Policy.from_pretrained(cfg.init_from) if cfg.init_from
               else Policy.from_spec(cfg.model, seed=cfg.seed))
     items, ds = held_out_items(cfg) if cfg.eval_size else ([], None)
     dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items})
-    print(f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
-          f"{dropped} rows dropped as held-out questions")
-
     results: dict[str, Any] = {"mode": cfg.mode, "dataset": cfg.dataset, "steps": cfg.num_steps,
                                "data": dataset.stats.as_dict(), "held_out_rows_dropped": dropped}
-    if items and not cfg.resume:
-        before = evaluate(policy, cfg, items, ds)
-        before.table.to_csv(out / "eval_before.csv", index=False)
-        results["before"] = before.as_dict()
+    if writes:
+        print(f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
+              f"{dropped} rows dropped as held-out questions")
+        if items and not cfg.resume:
+            before = evaluate(policy, cfg, items, ds)
+            before.table.to_csv(out / "eval_before.csv", index=False)
+            results["before"] = before.as_dict()
 
+    # The loader shards each global batch over the ranks of the process group, if there is one.
     loader = SFTLoader(dataset, batch_size=cfg.batch_size, seed=cfg.seed, pack=cfg.pack,
                        seq_len=cfg.max_seq_len if cfg.pack else None)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr,
@@ -187,10 +200,19 @@ def main(cfg: Config) -> dict[str, Any]:
                       run_dir=out, checkpoint_every=cfg.checkpoint_every, keep_last=cfg.keep_last,
                       progress=cfg.progress, seed=cfg.seed, resume=cfg.resume)
     metrics = trainer.fit(cfg.num_steps)
+    if writes:
+        _finish(policy, cfg, metrics, items, ds, results)
+    barrier()  # the other ranks return once the results are on disk
+    return results if writes else None
+
+
+def _finish(policy: Policy, cfg: Config, metrics: pd.DataFrame, items: list[dict], ds,
+            results: dict[str, Any]) -> None:
+    """After training (rank 0): plot, held-out accuracy, policy and results files."""
+    out = Path(cfg.out_dir)
     results["final_loss"] = float(metrics["loss"].iloc[-1])
     results["tokens_per_s"] = float(metrics["tokens_per_s"].median())
     _plot_loss(metrics, out / "loss.png")
-
     if items:
         after = evaluate(policy, cfg, items, ds)
         after.table.to_csv(out / "eval_after.csv", index=False)
@@ -199,7 +221,6 @@ def main(cfg: Config) -> dict[str, Any]:
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "results.md").write_text(_results_markdown(results))
     print(_results_markdown(results))
-    return results
 
 
 def _results_markdown(results: dict[str, Any]) -> str:

@@ -30,12 +30,16 @@ Example:
     >>> packed = SFTLoader(ds, batch_size=1, pack=True, seq_len=32).next_batch()
     >>> tuple(packed.attention_mask.shape), packed.position_ids[0, 9:11].tolist()
     ((1, 32, 32), [9, 0])
+    >>> shard = SFTLoader(ds, batch_size=2, seed=0, rank=1, world_size=2).next_batch()
+    >>> shard.num_samples, shard.num_trained_tokens  # rank 1's half of the global batch
+    (1, 2)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -237,6 +241,21 @@ class SFTLoader:
         pack: pack several samples per row of `seq_len` tokens (block-causal attention mask).
         seq_len: packed row length; defaults to `dataset.max_seq_len`. Only with pack=True.
         pad_id: padding id; defaults to `dataset.pad_id`.
+        rank, world_size: this process's share of each batch under data parallelism. Default:
+            the initialised `torch.distributed` default process group's, else 0 and 1.
+
+    Data parallelism: `batch_size` is the global batch (all ranks together). Every rank walks
+    the same global order (same seed) and forms the same global batch of rows (a row is a sample,
+    or with pack=True a packed row: the global rows are packed first, from lengths only, then
+    split, so packing does not depend on the number of ranks); rank r collates rows r, r + W,
+    r + 2W, ... of it (W = world_size, strided like `torch.utils.data.DistributedSampler`). The
+    rows of all ranks together are exactly the rows one process gets with world_size=1, so the
+    sums of loss and gradient over ranks are the single-process ones. `batch_size` must be
+    divisible by `world_size`; the short last batch of an epoch is split as evenly as the
+    striding gives (rank r gets ceil((n - r) / W) of its n rows), and a rank whose share is empty
+    gets one padding row that trains no token (num_samples 0), so it still runs the step's
+    forward, backward and collectives. The state (below) is the global position, identical on
+    every rank, so a checkpoint written by rank 0 resumes every rank.
 
     Batches never span two epochs: the last batch of an epoch is kept even when it is smaller
     (fewer samples, or fewer packed rows). `epoch` is the epoch the next batch comes from (=
@@ -248,14 +267,22 @@ class SFTLoader:
     dataset size may not.
 
     Raises:
-        ValueError: for bad options, or (pack=True) a sample longer than `seq_len`.
+        ValueError: for bad options, a `batch_size` not divisible by `world_size`, or
+            (pack=True) a sample longer than `seq_len`.
     """
 
     def __init__(self, dataset: Sequence[Sample], *, batch_size: int, shuffle: bool = True,
                  seed: int = 0, pack: bool = False, seq_len: int | None = None,
-                 pad_id: int | None = None) -> None:
+                 pad_id: int | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}; must be a positive integer")
+        rank, world_size = _rank_and_world_size(rank, world_size)
+        if batch_size % world_size:
+            raise ValueError(f"SFTLoader: batch_size={batch_size} is not divisible by "
+                             f"world_size={world_size}; batch_size is the global batch of all "
+                             "ranks together, and each rank takes batch_size / world_size of "
+                             "its rows")
         if len(dataset) == 0:
             raise ValueError("SFTLoader: the dataset is empty")
         if pad_id is None:
@@ -275,6 +302,7 @@ class SFTLoader:
                              "as their longest sample)")
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.pack, self.seq_len, self.pad_id = pack, seq_len, pad_id
+        self.rank, self.world_size = rank, world_size
         self._lengths = [len(s) for s in dataset]
         self._start_epoch(0)
 
@@ -292,21 +320,32 @@ class SFTLoader:
         return math.ceil(len(rows) / self.batch_size)
 
     def next_batch(self) -> Batch:
-        """The next batch (see the class docstring for its size at the end of an epoch)."""
+        """This rank's share of the next global batch (see the class docstring for its size at
+        the end of an epoch and under data parallelism)."""
         order, start = self._order, self.offset
         if not self.pack:
-            idx = order[start: start + self.batch_size]
-            batch = collate_padded([self.dataset[i] for i in idx], self.pad_id)
+            rows = [[i] for i in order[start: start + self.batch_size]]
         else:
             lengths = (self._lengths[order[j]] for j in range(start, len(order)))
             counts = _greedy_rows(lengths, self.seq_len, max_rows=self.batch_size)
-            idx = order[start: start + sum(counts)]
-            batch = stack_rows(pack_samples([self.dataset[i] for i in idx], self.seq_len,
-                                            self.pad_id))
-        self.offset += len(idx)
+            bounds = list(itertools.accumulate(counts, initial=start))
+            rows = [order[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.offset += sum(len(row) for row in rows)
         if self.offset == len(self._order):
             self._start_epoch(self.epoch + 1)
-        return batch
+        return self._collate(rows[self.rank::self.world_size])
+
+    def _collate(self, rows: list[list[int]]) -> Batch:
+        """One Batch of the given rows (each a list of dataset indices); a padding row that
+        trains nothing when `rows` is empty."""
+        if not self.pack:
+            if not rows:
+                ids = torch.full((1, 1), self.pad_id, dtype=torch.int64)
+                return Batch(ids, torch.full_like(ids, IGNORE_INDEX), torch.zeros_like(ids),
+                             None, 0)
+            return collate_padded([self.dataset[i] for row in rows for i in row], self.pad_id)
+        return stack_rows([_pack_row([self.dataset[i] for i in row], self.seq_len, self.pad_id)
+                           for row in rows or [[]]])
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
@@ -333,3 +372,21 @@ class SFTLoader:
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
         if self.offset == len(order):
             self._start_epoch(self.epoch + 1)
+
+
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Fill `rank` / `world_size` left as None from the initialised default torch.distributed
+    process group (else 0 and 1), and check them."""
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        initialised = dist.is_available() and dist.is_initialized()
+        rank = rank if rank is not None else dist.get_rank() if initialised else 0
+        world_size = (world_size if world_size is not None
+                      else dist.get_world_size() if initialised else 1)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}; must be a positive integer")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}; must be an integer in 0..world_size-1 "
+                         f"(world_size={world_size})")
+    return rank, world_size

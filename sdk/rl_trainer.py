@@ -27,7 +27,8 @@ final-norm hidden state, captured with a forward hook on `model.norm`.
 
 Checkpoints (`posttrain.checkpoint`): policy, value head and reference weights; optimizer,
 scheduler, buffer state, RNG states, step and metrics rows; a resumed run continues bit for bit
-(CPU, fixed threads).
+(CPU, fixed threads). A preemption signal (`posttrain.preemption`) during `fit` waits for the end
+of its step, which is then checkpointed (with a run_dir) before the job is requeued.
 
 Example:
     >>> import torch
@@ -56,6 +57,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
+from posttrain import preemption
 from posttrain.buffer import ReplayBuffer
 from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
                                   load_checkpoint, resolve_checkpoint, restore_rng_state,
@@ -368,16 +370,25 @@ class RLTrainer:
 
         bar = tqdm(total=num_steps, initial=self.step_count, disable=not self.progress,
                    desc="rl")
-        try:
-            while self.step_count < num_steps:
-                row = self.step()
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.3f}")
-        finally:
-            bar.close()
-        if self.checkpoint_every and self._last_saved_step != self.step_count:
-            self.save_checkpoint()
+        with preemption.deferring():  # a preemption signal waits for the end of its step
+            try:
+                while self.step_count < num_steps:
+                    row = self.step()
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
+                                    acc=f"{row['accuracy']:.3f}")
+                    preemption.step_boundary(self._preemption_save)
+            finally:
+                bar.close()
+            if self.checkpoint_every and self._last_saved_step != self.step_count:
+                self.save_checkpoint()
         return self.metrics
+
+    def _preemption_save(self) -> None:
+        """The checkpoint before a preemption (`posttrain.preemption`): only with a run_dir, and
+        only if the last step is not saved yet."""
+        if self.run_dir is not None and self._last_saved_step != self.step_count:
+            self.save_checkpoint()
 
     def save_checkpoint(self) -> Path:
         """Everything needed to continue exactly, into run_dir/checkpoints/step_NNNNNN/."""

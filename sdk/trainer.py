@@ -12,6 +12,38 @@ name from `posttrain.losses`. One step:
 
 so the gradient is that of the token mean over the whole step, whatever the micro-batching.
 
+Data parallelism: when a `torch.distributed` default process group is initialised with more
+than one rank (`posttrain.launch` does it in a job; gloo on CPU, NCCL on GPUs), every rank holds
+a full replica of the model and optimizer and its own share of each global batch (an
+`SFTLoader` shards by itself). The step above then gains three SUM all-reduces:
+
+    units = all_reduce(units)              # before any forward: the global normaliser
+    ... forward/backward of the local micro-batches, each share = local loss_sum / global units
+    all_reduce(every gradient); all_reduce(loss_sum)   # after the last backward
+
+so the summed gradient is, up to float rounding, the single-process gradient of the global
+batch, and clipping, the update and the logged loss are identical on every rank. Plain
+collectives rather than `DistributedDataParallel`: DDP averages gradients (dividing by the world
+size) and all-reduces during every backward unless told `no_sync()`; the token normaliser across
+micro-batches and ranks needs a SUM of per-rank sums taken once, after the last micro-batch, and
+two explicit all-reduces keep that visible. The price is no overlap of communication with
+backward; gradients go in flat buckets (one collective per ~64 MiB). Parameters are broadcast
+from rank 0 when the Trainer is built, as DDP does (buffers are not: a KV cache may exist on one
+rank only). Each rank's data must yield that rank's share of the global batch.
+
+Only rank 0 writes (checkpoints, `metrics.jsonl`, TensorBoard, the progress bar); the other
+ranks keep their metrics rows in memory and wait at a barrier after each checkpoint, so a
+resume right after it finds it on every rank. `resume` loads on every rank from the shared run
+folder. The checkpoint holds rank 0's RNG states, which every rank restores: enough for SFT,
+whose step draws no random numbers of its own (no dropout in these models; the loader's order
+comes from its own seeded generator, and its global position is the same on every rank). A
+loss that samples would need each rank's RNG states saved.
+
+Preemption (`posttrain.preemption`): `fit` defers the Slurm warning signal to the end of the
+step it arrives in, saves a checkpoint there (when the trainer has a run_dir and stateful data)
+and then hands over to submitit's handler (requeue). With several ranks, the ranks agree after
+every step whether any of them got the signal, so they all save the same step.
+
 Interrupting (Ctrl-C in a notebook, KeyboardInterrupt) never leaves a half step: an interrupt
 during data fetch, forward or backward discards the partial gradients and puts the data position
 and RNG back; one during the parameter update is held until the update is done. `fit` then
@@ -48,17 +80,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
-                                  load_checkpoint, resolve_checkpoint, restore_rng_state,
-                                  save_checkpoint)
+from posttrain import preemption
+from posttrain.checkpoint import (CHECKPOINT_DIR, capture_rng_state, checkpoint_name,
+                                  latest_checkpoint, list_checkpoints, load_checkpoint,
+                                  resolve_checkpoint, restore_rng_state, save_checkpoint)
 from posttrain.losses import TrainingLoss, check_finite_update, get_loss
 from posttrain.metrics import METRICS_FILE, MetricsLog
 
-__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir"]
+__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir",
+           "rank_and_world_size", "barrier"]
 
 TRAIN_STATE_VERSION = 1
+
+_BUCKET_BYTES = 64 * 2**20
+"""Largest flat buffer of one gradient all-reduce (or parameter broadcast)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,8 +199,12 @@ class Trainer:
             there is one (the requeue idiom). A path: continue from that checkpoint folder or
             the latest one of that run folder.
 
+    Data parallelism (see the module docstring) needs no option: it follows the initialised
+    `torch.distributed` process group. `callbacks` and `eval_fn` run on every rank.
+
     Attributes:
         step_count: optimizer steps taken.
+        rank, world_size: this process's place in the data-parallel group (0 and 1 without one).
         metrics: the per-step rows as a DataFrame (columns step, loss, lr, grad_norm,
             trained_tokens, tokens_per_s, step_time_s, eval/...).
 
@@ -172,7 +214,8 @@ class Trainer:
     step_time_s = wall time from data fetch to the end of the update.
 
     Raises:
-        ValueError: for bad options, or a `run_dir` that holds a run while `resume` is False.
+        ValueError: for bad options, a `run_dir` that holds a run while `resume` is False, or
+            data sharded for another world size or rank than the process group's.
         TypeError: for a `data` without `next_batch`, or a `loss` that is neither.
     """
 
@@ -209,6 +252,14 @@ class Trainer:
             raise ValueError(f"checkpoint_every needs data with state_dict()/load_state_dict() "
                              f"(to resume at the same position); {type(data).__name__} has none")
 
+        self.rank, self.world_size = rank_and_world_size()
+        shard = (getattr(data, "rank", self.rank), getattr(data, "world_size", self.world_size))
+        if shard != (self.rank, self.world_size):
+            raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
+                             f"this process is rank {self.rank} of world_size={self.world_size}; "
+                             "build the loader after initialising torch.distributed (or pass "
+                             "it rank= and world_size=)")
+
         self.model, self.optimizer, self.data, self.loss = model, optimizer, data, loss
         self.lr_scheduler = lr_scheduler
         self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
@@ -217,10 +268,13 @@ class Trainer:
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
         self.progress, self.seed, self.callbacks = progress, seed, list(callbacks)
         self.step_count = 0
-        self._log = MetricsLog(self.run_dir, tensorboard=tensorboard)
+        writes = self.rank == 0  # the other ranks keep their rows in memory
+        self._log = MetricsLog(self.run_dir if writes else None, tensorboard=tensorboard and writes)
         self._last_saved_step: int | None = None
         self._rolled_back = False
         _seed_all(seed)
+        if self.world_size > 1:
+            _flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
 
         if resume is True:
             if latest_checkpoint(self.run_dir) is not None:
@@ -276,6 +330,7 @@ class Trainer:
             # The step normaliser, counted before any forward pass. With data parallelism it is
             # all-reduced (SUM) across ranks here, so every rank divides by the global count.
             units = torch.stack([torch.as_tensor(self.loss.num_units(b)) for b in batches]).sum()
+            units = self._sum_across_ranks(units)
             num_units = int(units)
             if num_units < 1:
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
@@ -285,6 +340,9 @@ class Trainer:
                 share = self.loss(self.model, batch, units)
                 share.backward()
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()
+            # Data parallelism: the per-rank sums add up to the single-process step.
+            self._sum_gradients_across_ranks()
+            loss_sum = self._sum_across_ranks(loss_sum)
             grad_norm = self._clip_gradients()
             check_finite_update(self.step_count + 1, loss_sum, grad_norm)
         except BaseException:
@@ -306,6 +364,20 @@ class Trainer:
                "grad_norm": float(grad_norm), "trained_tokens": num_units,
                "tokens_per_s": num_units / elapsed, "step_time_s": elapsed}
         return row, interrupt.received
+
+    def _sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
+        if self.world_size == 1:
+            return value
+        value = value.detach().to(_device_of(self.model), copy=True)
+        dist.all_reduce(value)
+        return value
+
+    def _sum_gradients_across_ranks(self) -> None:
+        """Replace every gradient by its SUM over the ranks (in flat buckets)."""
+        if self.world_size > 1:
+            _flat_collective([p.grad for group in self.optimizer.param_groups
+                              for p in group["params"] if p.grad is not None], dist.all_reduce)
 
     def _clip_gradients(self) -> torch.Tensor:
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]
@@ -344,27 +416,52 @@ class Trainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
-                   desc="train", disable=not self.progress, dynamic_ncols=True)
-        try:
-            while self.step_count < num_steps:
-                row = self.step()
-                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
-                bar.update(1)
-        except KeyboardInterrupt:
-            bar.close()
-            if self._rolled_back:
-                what = (f"step {self.step_count + 1} was rolled back (gradients discarded, data "
-                        f"position and RNG restored); the model, optimizer and scheduler are as "
-                        f"after step {self.step_count}")
-            else:
-                what = f"stopped after step {self.step_count} completed"
-            print(f"Interrupted: {what}. Call fit({num_steps}) to continue.")
-            return self.metrics
-        finally:
-            bar.close()
-        if self.checkpoint_every and self.step_count and self._last_saved_step != self.step_count:
-            self.save_checkpoint()
+                   desc="train", disable=not self.progress or self.rank != 0, dynamic_ncols=True)
+        with preemption.deferring():  # a preemption signal waits for the end of its step
+            try:
+                while self.step_count < num_steps:
+                    row = self.step()
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
+                                    refresh=False)
+                    bar.update(1)
+                    self._preemption_boundary()
+            except KeyboardInterrupt:
+                bar.close()
+                if self._rolled_back:
+                    what = (f"step {self.step_count + 1} was rolled back (gradients discarded, "
+                            f"data position and RNG restored); the model, optimizer and "
+                            f"scheduler are as after step {self.step_count}")
+                else:
+                    what = f"stopped after step {self.step_count} completed"
+                print(f"Interrupted: {what}. Call fit({num_steps}) to continue.")
+                return self.metrics
+            finally:
+                bar.close()
+            if (self.checkpoint_every and self.step_count
+                    and self._last_saved_step != self.step_count):
+                self.save_checkpoint()
         return self.metrics
+
+    def _preemption_boundary(self) -> None:
+        """After a completed step: if preemption was requested, checkpoint and hand over to the
+        original handler (`posttrain.preemption.step_boundary`). With several ranks, they first
+        agree (one tiny all-reduce) whether any rank got the signal, so all of them enter the
+        checkpoint's barrier at the same step; the hand-over happens where the signal arrived."""
+        if self.world_size == 1:
+            preemption.step_boundary(self._preemption_save)
+            return
+        flag = torch.tensor(int(preemption.requested()), device=_device_of(self.model))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag:
+            self._preemption_save()
+            preemption.step_boundary()
+
+    def _preemption_save(self) -> None:
+        """The checkpoint before a preemption: only with a run_dir and stateful data, and only
+        if the last step is not saved yet."""
+        if (self.run_dir is not None and _has_state(self.data)
+                and self._last_saved_step != self.step_count):
+            self.save_checkpoint()
 
     def evaluate(self) -> dict[str, float]:
         """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
@@ -403,6 +500,10 @@ class Trainer:
         """Save everything needed to continue exactly into
         `run_dir/checkpoints/step_NNNNNN/` (atomically; older ones beyond `keep_last` deleted).
 
+        With data parallelism every rank calls it: rank 0 writes, then all ranks wait at a
+        barrier, so the checkpoint is on disk for every rank when it returns (the folder's path
+        on every rank).
+
         Raises:
             ValueError: without a run_dir, or for data without `state_dict()`.
         """
@@ -420,9 +521,14 @@ class Trainer:
             "rng": capture_rng_state(),
             "metrics": [dict(r) for r in self._log.rows],
         }
-        meta = {"grad_accum_steps": self.grad_accum_steps, "loss": repr(self.loss)}
-        path = save_checkpoint(self.run_dir, self.step_count, model_state=self.model.state_dict(),
-                               train_state=train_state, keep_last=self.keep_last, meta=meta)
+        meta = {"grad_accum_steps": self.grad_accum_steps, "loss": repr(self.loss),
+                "world_size": self.world_size}
+        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(self.step_count)
+        if self.rank == 0:
+            path = save_checkpoint(self.run_dir, self.step_count,
+                                   model_state=self.model.state_dict(), train_state=train_state,
+                                   keep_last=self.keep_last, meta=meta)
+        barrier()
         self._last_saved_step = self.step_count
         return path
 
@@ -471,6 +577,42 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 
 
+def rank_and_world_size() -> tuple[int, int]:
+    """(rank, world_size) of the initialised default `torch.distributed` process group, or
+    (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    """`torch.distributed.barrier()` with an initialised process group; otherwise nothing."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _flat_collective(tensors: Sequence[torch.Tensor],
+                     collective: Callable[[torch.Tensor], object]) -> None:
+    """Run an in-place `collective` (all_reduce, broadcast) over `tensors` through flat buffers
+    of at most `_BUCKET_BYTES` (one dtype and device each; a larger tensor goes alone), and copy
+    the results back. Every rank must pass tensors of the same shapes, dtypes and order."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if (not buckets or size + nbytes > _BUCKET_BYTES
+                or (t.dtype, t.device) != (buckets[-1][0].dtype, buckets[-1][0].device)):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    for bucket in buckets:
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        collective(flat)
+        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.detach().copy_(piece.view_as(t))
+
+
 def check_new_run_dir(run_dir: str | os.PathLike) -> None:
     """Raise ValueError if `run_dir` already holds a run (metrics.jsonl or checkpoints).
 
@@ -512,6 +654,12 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def _has_state(data: Any) -> bool:
