@@ -1,4 +1,5 @@
-"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [key=value ...]`.
+"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [key=value ...]`,
+`posttrain launch RECIPE [--executor local|slurm|debug] [resources] [key=value ...]`.
 
 A recipe is a file `recipes/NAME.py` (looked up in the current folder, then beside the installed
 package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`.
@@ -121,10 +122,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     run.add_argument("--config", help="YAML preset applied before the key=value overrides")
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
+    launch = sub.add_parser("launch", help="submit a recipe as a job (posttrain.launch): "
+                            "posttrain launch RECIPE [options] [key=value ...]")
+    launch.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
+    launch.add_argument("--config", help="YAML preset applied before the key=value overrides")
+    launch.add_argument("--executor", default="local", choices=("local", "slurm", "debug"))
+    for flag, default in (("--nodes", 1), ("--tasks-per-node", 1), ("--gpus-per-node", 0),
+                          ("--cpus-per-task", 1)):
+        launch.add_argument(flag, type=int, default=default)
+    launch.add_argument("--timeout-min", type=float, default=60)
+    launch.add_argument("--partition")
+    launch.add_argument("--folder", help="launch folder (default: <out_dir>/launch)")
+    launch.add_argument("--name", help="job name")
+    launch.add_argument("--wait", action="store_true", help="wait for the job and print its result")
+    launch.add_argument("overrides", nargs="*", help="config overrides key=value")
     args, rest = parser.parse_known_args(argv)  # overrides may come before and after --config
-    if args.command != "run" and rest:
+    if args.command not in ("run", "launch") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "run":
+    if args.command in ("run", "launch"):
         if any(r.startswith("-") for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides += rest
@@ -143,7 +158,38 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(cfg, args.overrides)
     except ValueError as e:
         parser.error(str(e))
+    if args.command == "launch":
+        return _launch(args, module, cfg)
     module.main(cfg)
+    return 0
+
+
+def _launch(args, module, cfg) -> int:
+    """Submit `module.main(cfg)`; print the Run and how to reattach (and the result with --wait)."""
+    import cloudpickle
+
+    from posttrain.launch import JobFailedError, launch
+
+    # the recipe was loaded from a file under a made-up module name the job cannot import
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        run = launch(module.main, cfg, executor=args.executor, nodes=args.nodes,
+                     tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
+                     cpus_per_task=args.cpus_per_task, timeout_min=args.timeout_min,
+                     partition=args.partition, folder=args.folder, name=args.name)
+    except (RuntimeError, TypeError, ValueError) as e:  # bad resources, unpicklable, sbatch
+        print(f"posttrain launch: {e}", file=sys.stderr)
+        return 1
+    print(run)
+    if run.folder is not None:
+        print(f"reattach: Run.attach({str(run.folder)!r})  (from posttrain.launch import Run)")
+    if not args.wait and args.executor != "debug":
+        return 0
+    try:
+        print(run.result())
+    except JobFailedError as e:
+        print(e, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,428 @@
+"""posttrain.launch without a Slurm cluster: "debug" (in this process), "local" (job processes
+on this machine) and submission to a stub Slurm (sbatch/sacct/scancel scripts on PATH).
+
+A local job takes 1-6 s to start on a loaded 2-core machine, so `local_runs` starts every local
+job of the module at once and the tests read them. Tests against a real Slurm cluster live
+elsewhere (fixture `slurm_cluster`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+from posttrain import cli
+from posttrain.launch import (RUN_FILE, JobFailedError, LaunchPickleError, Run, _Call, launch,
+                              launch_array)
+
+# As in a notebook: the jobs cannot import this test module, so its functions and classes travel
+# by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@dataclasses.dataclass(kw_only=True)
+class Cfg:
+    out_dir: str
+    n: int = 3
+    resume: bool = False
+
+
+def boom(cfg):
+    raise ValueError(f"boom {cfg['code']}")
+
+
+def make_generator():
+    return (i for i in range(3))
+
+
+def all_reduce_rank():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item(), dist.get_backend()
+
+
+def sleep_long():
+    time.sleep(120)
+
+
+def times_ten(x):
+    return 10 * x
+
+
+def preemptible(cfg):
+    """Steps until Slurm's warning signal (USR2), then saves at the step boundary and lets
+    submitit requeue; the requeued call has cfg.resume=True."""
+    from posttrain import preemption
+
+    out = Path(cfg.out_dir)
+    if cfg.resume:
+        return f"resumed after step {(out / 'saved').read_text()}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pid").write_text(str(os.getpid()))
+    with preemption.deferring():
+        for step in range(1200):
+            time.sleep(0.05)
+            preemption.step_boundary(lambda: (out / "saved").write_text(str(step)))
+    return "never preempted"
+
+
+def _wait_all(runs, timeout=90):
+    for run in runs:
+        run.wait(timeout=timeout, poll_s=0.1)
+
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """Every local job of this module, started together."""
+    tmp = tmp_path_factory.mktemp("launch")
+    offset = 100  # captured by the closure below, which travels by value
+
+    def train(cfg):
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "w") as f:
+            for step in range(1, cfg.n + 1):
+                f.write(json.dumps({"step": step, "loss": 1.0 / step}) + "\n")
+            f.write('{"step": 4, "lo')  # a row still being written
+        print("train ran in", os.getpid(), flush=True)
+        return {"total": cfg.n + offset, "resume": cfg.resume}
+
+    runs = {
+        "ok": launch(train, Cfg(out_dir=str(tmp / "ok_out")), timeout_min=3),
+        "fail": launch(boom, {"code": 1234}, folder=tmp / "fail", timeout_min=3),
+        "generator": launch(make_generator, folder=tmp / "generator", timeout_min=3),
+        "dist": launch(all_reduce_rank, folder=tmp / "dist", tasks_per_node=2, timeout_min=3),
+        "sleep": launch(sleep_long, folder=tmp / "sleep", timeout_min=3),
+        "preempt": launch(preemptible, Cfg(out_dir=str(tmp / "preempt_out")), timeout_min=3),
+    }
+    runs["array"] = launch_array(times_ten, [1, 2], folder=tmp / "array", timeout_min=3)
+    runs["tmp"] = tmp
+    yield runs
+    for key in ("sleep", "preempt"):  # no-ops for jobs that have ended
+        runs[key].cancel()
+
+
+# ----------------------------------------------------------------------------- debug executor
+
+
+def test_debug_runs_the_function_in_this_process():
+    run = launch(lambda cfg: (cfg["x"] + 1, os.getpid()), {"x": 41}, executor="debug")
+    assert run.result() == (42, os.getpid())
+    assert run.state == "COMPLETED" and run.done()
+    assert run.folder is None and run.logs() == ""
+
+
+def test_debug_failure_raises_job_failed_error_never_pdb(monkeypatch):
+    import pdb
+
+    monkeypatch.setattr(pdb, "post_mortem", lambda *a: pytest.fail("pdb.post_mortem was called"))
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # a kernel without stdin
+    calls = []
+
+    def fails():
+        calls.append(1)
+        raise KeyError("no such column 'reward'")
+
+    run = launch(fails, executor="debug")
+    assert run.state == "FAILED"
+    for _ in range(2):
+        with pytest.raises(JobFailedError, match="no such column 'reward'") as info:
+            run.result()
+    assert "in fails" in str(info.value)  # the traceback's frame of the function
+    assert isinstance(info.value.__cause__, KeyError)
+    assert calls == [1]  # submitit's DebugJob.exception() would rerun a failed function
+
+
+def test_debug_refuses_several_tasks():
+    with pytest.raises(ValueError, match="executor='debug' runs one task.*tasks_per_node=2"):
+        launch(times_ten, 1, executor="debug", tasks_per_node=2)
+    with pytest.raises(ValueError, match="nodes must be 1"):
+        launch(times_ten, 1, executor="local", nodes=2)
+    with pytest.raises(ValueError, match="executor='cloud'; allowed: local, slurm, debug"):
+        launch(times_ten, 1, executor="cloud")
+    with pytest.raises(ValueError, match="slurm_kwargs are for executor='slurm'"):
+        launch(times_ten, 1, executor="debug", slurm_kwargs={"qos": "high"})
+
+
+def test_metrics_before_the_first_row_say_so(tmp_path):
+    run = launch(lambda cfg: None, Cfg(out_dir=str(tmp_path / "none")), executor="debug")
+    frame = run.metrics()
+    assert frame.empty and "no metrics yet" in repr(frame) and "does not exist" in repr(frame)
+    with pytest.raises(ValueError, match="no out_dir"):
+        launch(times_ten, 1, executor="debug").metrics()
+
+
+def test_watch_prints_a_line_outside_jupyter(capsys):
+    run = launch(times_ten, 4, executor="debug")
+    assert run.watch(every_s=0.01) == "COMPLETED"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("Run(job_id='DEBUG_") and "COMPLETED" in out[0]
+
+
+def test_watch_updates_one_widget_in_jupyter(monkeypatch, capsys):
+    import types
+
+    import IPython
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    run = launch(times_ten, 4, executor="debug")
+    assert run.watch(every_s=0.01) == "COMPLETED"
+    assert len(shown) == 1 and "<td>COMPLETED</td>" in shown[0].value
+    assert capsys.readouterr().out == ""  # nothing printed around the widget
+
+
+# ----------------------------------------------------------------------------- pickling
+
+
+class _Tokenizer:
+    def __init__(self):
+        self.vocab = {"a": 0}
+        self._lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class _LockedCfg:
+    out_dir: str
+    tokenizer: Any
+
+
+def test_unpicklable_cfg_is_named_before_anything_is_submitted(tmp_path):
+    cfg = _LockedCfg(out_dir=str(tmp_path / "out"), tokenizer=_Tokenizer())
+    with pytest.raises(LaunchPickleError, match=r"cfg\.tokenizer\._lock \(_thread\.lock\)") as info:
+        launch(times_ten, cfg, executor="local")
+    assert isinstance(info.value, TypeError)
+    assert "define it in the notebook" in str(info.value)
+    assert not (tmp_path / "out").exists()  # default folder <out_dir>/launch never created
+    with pytest.raises(LaunchPickleError):
+        launch(times_ten, cfg, folder=tmp_path / "explicit", executor="slurm")
+    assert not (tmp_path / "explicit").exists()
+
+
+def test_unpicklable_closure_variable_is_named(tmp_path):
+    lock = threading.Lock()
+
+    def uses_lock():
+        with lock:
+            return 1
+
+    with pytest.raises(LaunchPickleError, match=r"target\.__closure__\['lock'\]"):
+        launch(uses_lock, folder=tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_checkpoint_flips_resume_for_a_dataclass_cfg():
+    cfg = Cfg(out_dir="o")
+    call = _Call(times_ten, cfg, has_cfg=True, num_tasks=1, gpus_per_node=0, master_addr=None,
+                 in_job=True)
+    resubmitted = call.checkpoint()
+    assert resubmitted.function.cfg == Cfg(out_dir="o", resume=True)
+    assert cfg.resume is False  # the original is untouched
+    plain = _Call(times_ten, {"resume": False}, has_cfg=True, num_tasks=1, gpus_per_node=0,
+                  master_addr=None, in_job=True)
+    assert plain.checkpoint().function.cfg == {"resume": False}  # restarts from scratch
+
+
+# ----------------------------------------------------------------------------- local executor
+
+
+def test_local_job_runs_a_closure_and_returns(local_runs):
+    run = local_runs["ok"]
+    run.wait(timeout=90, poll_s=0.1)
+    assert run.result() == {"total": 103, "resume": False}
+    assert run.state == "COMPLETED"
+    assert run.folder == local_runs["tmp"] / "ok_out" / "launch"  # default: <out_dir>/launch
+    assert (run.folder / RUN_FILE).exists() and not (run.folder / "%j").exists()
+    assert "train ran in" in run.logs()
+    # the submitted callable resubmits itself with resume=True on preemption
+    assert run.job.submission().function.checkpoint().function.cfg.resume is True
+
+
+def test_local_metrics_are_read_live(local_runs):
+    run = local_runs["ok"]
+    run.wait(timeout=90, poll_s=0.1)
+    frame = run.metrics()
+    assert frame["step"].tolist() == [1, 2, 3]  # the half-written 4th row is left out
+    assert frame["loss"].tolist() == pytest.approx([1.0, 0.5, 1 / 3])
+    text = repr(run)
+    assert "\n" not in text and f"job_id='{run.job_id}'" in text and "step=3" in text
+    table = run._repr_html_()
+    assert table.startswith("<table") and run.job_id in table and "0.3333" in table
+
+
+def test_local_failure_surfaces_the_remote_traceback(local_runs):
+    run = local_runs["fail"]
+    with pytest.raises(JobFailedError) as info:
+        run.result()
+    message = str(info.value)
+    assert "ValueError: boom 1234" in message and "in boom" in message
+    assert f"{run.job_id}_0_log.err" in message
+    assert run.state == "FAILED"
+
+
+def test_unpicklable_result_names_its_type_and_leaves_no_temp_file(local_runs):
+    run = local_runs["generator"]
+    with pytest.raises(JobFailedError, match="returned a generator that cannot be pickled"):
+        run.result()
+    assert [p for p in run.folder.rglob("*") if "tmp" in p.name] == []
+
+
+def test_local_two_tasks_share_a_gloo_process_group(local_runs):
+    run = local_runs["dist"]
+    assert run.results() == [(0, 2, 3.0, "gloo"), (1, 2, 3.0, "gloo")]
+    assert run.result() == (0, 2, 3.0, "gloo")
+    assert "joining a gloo process group" in run.logs(stream="stderr", task=1)
+
+
+def test_local_array_and_attach(local_runs):
+    runs = local_runs["array"]
+    _wait_all(runs)
+    assert [r.result() for r in runs] == [10, 20]
+    with pytest.raises(ValueError, match="job array of 2 jobs"):
+        Run.attach(runs[0].folder)
+    assert [r.result() for r in Run.attach_array(runs[0].folder)] == [10, 20]
+
+
+def test_attach_from_another_process(local_runs):
+    run = local_runs["ok"]
+    run.wait(timeout=90, poll_s=0.1)
+    code = ("import sys; from posttrain.launch import Run; r = Run.attach(sys.argv[1]); "
+            "print(r.job_id, r.state, r.result()['total'], len(r.metrics()))")
+    out = subprocess.run([sys.executable, "-c", code, str(local_runs["tmp"] / "ok_out")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [run.job_id, "COMPLETED", "103", "3"]
+
+
+def test_preempted_local_job_is_requeued_with_resume(local_runs):
+    """USR2 (as Slurm sends before preemption) -> save at the step boundary -> checkpoint() ->
+    requeue (the local controller starts the task again) -> target(cfg with resume=True)."""
+    run = local_runs["preempt"]
+    pid_file = local_runs["tmp"] / "preempt_out" / "pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.kill(int(pid_file.read_text()), signal.SIGUSR2)
+    run.wait(timeout=60, poll_s=0.1)
+    saved = (local_runs["tmp"] / "preempt_out" / "saved").read_text()
+    assert run.result() == f"resumed after step {saved}"
+    assert "Requeued job" in run.logs(tail=None)
+
+
+def test_unresolvable_master_host_falls_back_to_loopback(caplog):
+    from posttrain.launch import _resolvable
+
+    assert _resolvable("localhost") == "localhost"
+    with caplog.at_level("WARNING"):
+        assert _resolvable("n1.invalid") == "127.0.0.1"
+    assert "does not resolve" in caplog.text
+
+
+def test_cancel_stops_a_sleeping_local_job(local_runs):
+    run = local_runs["sleep"]
+    assert run.state == "RUNNING"
+    with pytest.raises(TimeoutError, match=f"job {run.job_id} .* still RUNNING"):
+        run.wait(timeout=0.2, poll_s=0.1)
+    run.cancel()
+    assert run.wait(timeout=30, poll_s=0.1) == "CANCELLED"
+    with pytest.raises(JobFailedError, match="ended in state CANCELLED without a result"):
+        run.result()
+    assert Run.attach(run.folder).state == "CANCELLED"
+
+
+# ----------------------------------------------------------------------------- stub Slurm
+
+
+@pytest.fixture
+def stub_slurm(tmp_path, monkeypatch):
+    """sbatch answers job 4242; sacct reports the state in `state` file; scancel records."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    state = tmp_path / "state"
+    state.write_text("PENDING")
+    scripts = {
+        "sbatch": f'[ -e {tmp_path}/refuse ] && {{ echo "sbatch: error: invalid partition" >&2; '
+                  f'exit 1; }}; cp "$1" {tmp_path}/last.sbatch; echo "Submitted batch job 4242"',
+        "sacct": f'echo "JobID|State|NodeList"; for j in 4242 4242_0 4242_1; do '
+                 f'echo "$j|$(cat {state})|"; done',
+        "scancel": f'echo "$@" >> {tmp_path}/scancel.log',
+        "srun": "exit 1",
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    yield tmp_path, state
+    from submitit.slurm.slurm import SlurmJob
+
+    state.write_text("CANCELLED by 0")  # lets submitit's shared watcher forget the stub's jobs
+    SlurmJob.watcher.update()
+
+
+def test_slurm_submission_parameters_state_and_cancel(stub_slurm):
+    tmp, state = stub_slurm
+    run = launch(times_ten, Cfg(out_dir=str(tmp / "out")), executor="slurm", nodes=2,
+                 tasks_per_node=2, gpus_per_node=1, cpus_per_task=3, timeout_min=4.5,
+                 partition="debug", name="sweep", slurm_kwargs={"mem_gb": 2})
+    assert run.job_id == "4242" and run.num_tasks == 4
+    sbatch = (tmp / "last.sbatch").read_text()
+    for line in ("--partition=debug", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=1",
+                 "--cpus-per-task=3", "--time=5", "--signal=USR2@90", "--mem=2GB",
+                 "--job-name=sweep", f"--output={tmp}/out/launch/%j/%j_0_log.out"):
+        assert f"#SBATCH {line}" in sbatch, line
+    assert run.state == "PENDING" and not run.done()
+    assert Run.attach(tmp / "out").state == "PENDING"
+    run.cancel()
+    assert (tmp / "scancel.log").read_text().split() == ["4242"]
+    state.write_text("CANCELLED by 0")
+    run._last_force = float("-inf")
+    assert run.state == "CANCELLED" and run.done()
+
+
+def test_slurm_array_is_one_sbatch(stub_slurm):
+    tmp, _ = stub_slurm
+    runs = launch_array(times_ten, [1, 2], executor="slurm", folder=tmp / "sweep",
+                        slurm_kwargs={"array_parallelism": 1})
+    assert [r.job_id for r in runs] == ["4242_0", "4242_1"]
+    assert "#SBATCH --array=0-1%1" in (tmp / "last.sbatch").read_text()
+    assert [r.job_id for r in Run.attach_array(tmp / "sweep")] == ["4242_0", "4242_1"]
+    with pytest.raises(ValueError, match="Unavailable parameter"):
+        launch(times_ten, 1, executor="slurm", folder=tmp / "bad", slurm_kwargs={"gpu": 1})
+
+
+def test_refused_submission_says_why_and_leaves_nothing(stub_slurm, monkeypatch):
+    tmp, _ = stub_slurm
+    (tmp / "refuse").touch()
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    with pytest.raises(RuntimeError, match="(?s)SLURM_CONF is not set.*invalid partition"):
+        launch(times_ten, Cfg(out_dir=str(tmp / "new" / "out")), executor="slurm")
+    assert not (tmp / "new").exists()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_launch_debug(tmp_path, capsys):
+    recipe = tmp_path / "r.py"
+    recipe.write_text("from dataclasses import dataclass\n@dataclass(kw_only=True)\nclass Config:\n"
+                      "    steps: int = 1\n    resume: bool = False\n"
+                      "def main(cfg):\n    return {'steps': cfg.steps}\n")
+    assert cli.main(["launch", str(recipe), "--executor", "debug", "steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "state='COMPLETED'" in out and "{'steps': 7}" in out
