@@ -200,6 +200,9 @@ class RLTrainer:
             raise ValueError("the optimizer must also hold value_head.parameters()")
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.step_count = 0
+        self.target_steps: int | None = None  # set by fit (the dashboard's total)
+        self.last_groups: list[Group] | None = None
+        self.last_builders: Sequence | None = None
         self._log = MetricsLog(self.run_dir)
         self._last_saved_step: int | None = None
         if resume is True:
@@ -228,7 +231,19 @@ class RLTrainer:
                                 top_p=self.top_p, seed=self.seed * 1_000_003 + self.step_count,
                                 policy_version=self.step_count,
                                 verifier_timeout_s=self.verifier_timeout_s)
-        rollout_s = time.perf_counter() - start
+        return self.train_on_groups(groups, builders=builders, start=start,
+                                    rollout_s=time.perf_counter() - start)
+
+    def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
+                        start: float | None = None, rollout_s: float = 0.0) -> dict[str, float]:
+        """The training half of a step on given rollout groups (what `step` does after
+        sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
+        callbacks, checkpoint. `posttrain.inspector.replay_step` feeds saved rollouts here to
+        debug one step. The groups and builders stay readable as `last_groups` /
+        `last_builders` (the live dashboard's rollout table). Returns the step's metrics row."""
+        algo = self.algo
+        start = time.perf_counter() if start is None else start
+        self.last_groups, self.last_builders = list(groups), builders
         kept, counts = split_groups(groups)
         row: dict[str, Any] = {**_rollout_metrics(groups), **counts, "groups_kept": len(kept)}
         update: dict[str, float] = {}
@@ -367,6 +382,7 @@ class RLTrainer:
     def fit(self, num_steps: int) -> pd.DataFrame:
         """Take steps until `step_count == num_steps`; save a last checkpoint when enabled."""
         from tqdm.auto import tqdm
+        self.target_steps = num_steps
 
         bar = tqdm(total=num_steps, initial=self.step_count, disable=not self.progress,
                    desc="rl")

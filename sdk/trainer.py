@@ -268,6 +268,7 @@ class Trainer:
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
         self.progress, self.seed, self.callbacks = progress, seed, list(callbacks)
         self.step_count = 0
+        self.target_steps: int | None = None  # set by fit (the dashboard's total)
         writes = self.rank == 0  # the other ranks keep their rows in memory
         self._log = MetricsLog(self.run_dir if writes else None, tensorboard=tensorboard and writes)
         self._last_saved_step: int | None = None
@@ -413,6 +414,7 @@ class Trainer:
             ValueError: if `num_steps` is not a non-negative integer.
         """
         _check_int("num_steps", num_steps, minimum=0)
+        self.target_steps = num_steps
         from tqdm.auto import tqdm
 
         bar = tqdm(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
