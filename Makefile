@@ -21,8 +21,14 @@ $(STAMP): pyproject.toml constraints.txt
 run: install
 	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S)
 
+# The local Slurm cluster (scripts/slurm-up.sh: root + apt) is started when it can be and stopped
+# afterwards, but only if this run started it: a cluster started by hand stays up. Without it the
+# Slurm tests skip.
 test: install
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	up=0; if ! scripts/slurm-up.sh --check; then \
+	  if scripts/slurm-up.sh; then up=1; else echo "local Slurm not started: Slurm tests will skip"; fi; fi; \
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 
 info: install
 	$(VENV)/bin/posttrain info

@@ -1,0 +1,68 @@
+"""Shared fixtures.
+
+`slurm_cluster`: the local single-host Slurm cluster started by `scripts/slurm-up.sh` (root and
+apt needed; `make test` starts it when it can). Tests that use it skip when it is not up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
+SKIP_NO_SLURM = "no local Slurm cluster: run scripts/slurm-up.sh (needs root and apt)"
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """The local cluster: its slurm.conf (exported as SLURM_CONF for the session), partition, nodes."""
+
+    conf: str
+    partition: str = "debug"
+    nodes: list[str] = field(default_factory=lambda: ["n1", "n2"])
+
+
+def _slurm_conf_from_env_sh(env_sh: Path) -> str | None:
+    """The SLURM_CONF that `env.sh` (written by slurm-up.sh) exports, or None."""
+    if not env_sh.is_file():
+        return None
+    match = re.search(r"^export SLURM_CONF=(\S+)\s*$", env_sh.read_text(), flags=re.MULTILINE)
+    return match.group(1) if match else None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The local Slurm cluster, with `os.environ["SLURM_CONF"]` set while the session runs.
+
+    Skips the test when `scripts/slurm-up.sh` has not started a cluster that answers `sinfo`.
+    """
+    slurm_dir = Path(os.environ.get("POSTTRAIN_SLURM_DIR", SLURM_DIR_DEFAULT))
+    conf = _slurm_conf_from_env_sh(slurm_dir / "env.sh")
+    if conf is None or not Path(conf).is_file():
+        pytest.skip(SKIP_NO_SLURM)
+    cluster = SlurmCluster(conf=conf)
+    try:
+        answer = subprocess.run(
+            ["sinfo", "-h", "-N", "-p", cluster.partition, "-o", "%N %t"],
+            env={**os.environ, "SLURM_CONF": conf},
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip(SKIP_NO_SLURM)
+    if answer.returncode != 0 or not set(cluster.nodes) <= set(answer.stdout.split()):
+        pytest.skip(SKIP_NO_SLURM)
+
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    yield cluster
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous
