@@ -43,6 +43,7 @@ import torch
 
 from posttrain.cli import load_recipe
 from posttrain.envs import ReasoningGymTask
+from posttrain.evaluation import paired_bootstrap_diff
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
 from posttrain.rl_config import RLAlgorithm
@@ -185,25 +186,6 @@ def main(cfg: Config) -> dict[str, Any]:
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean())}
     _write_results(results, out, cfg.algo)
     return results
-
-
-def paired_bootstrap_diff(correct_a: np.ndarray, correct_b: np.ndarray, *, seed: int = 0,
-                          num_resamples: int = 10_000) -> dict[str, float]:
-    """Accuracy of A minus accuracy of B on the same items, with a 95% percentile interval from
-    a paired bootstrap (items resampled with replacement, both arms together; Efron & Tibshirani
-    1993, ch. 13).
-
-    Shapes: correct_a, correct_b = [N] booleans, item i in both. Raises ValueError otherwise.
-    """
-    a, b = np.asarray(correct_a, dtype=float), np.asarray(correct_b, dtype=float)
-    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
-        raise ValueError(f"need two equal-length 1-D arrays; got {a.shape} and {b.shape}")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, a.size, size=(num_resamples, a.size))
-    diffs = (a[idx] - b[idx]).mean(axis=1)
-    low, high = np.percentile(diffs, [2.5, 97.5])
-    return {"difference": float((a - b).mean()), "ci_low": float(low), "ci_high": float(high),
-            "num_items": int(a.size), "method": "paired bootstrap, 10k resamples, percentile"}
 
 
 def _write_results(results: dict[str, Any], out: Path, algo: str) -> None:

@@ -23,8 +23,8 @@ Example:
     >>> loss_sum, n = token_cross_entropy_sum(logits_BTV, labels_BT)
     >>> round(float(loss_sum / n), 6), int(n)
     (1.386294, 2)
-    >>> sorted(registered_losses())
-    ['sft_ce']
+    >>> {"sft_ce", "dpo", "ipo", "simpo", "kto", "orpo"} <= set(registered_losses())
+    True
 """
 
 from __future__ import annotations
@@ -115,7 +115,15 @@ class TrainingLoss(Protocol):
 LossFactory = Callable[..., TrainingLoss]
 """Builds a `TrainingLoss` from keyword options (usually the loss class itself)."""
 
-LOSSES: Registry[LossFactory] = Registry("loss")
+
+def _load_builtin_losses() -> None:
+    from posttrain.preference import BUILTIN_LOSSES  # dpo, ipo, simpo, kto, orpo
+
+    for name, factory in BUILTIN_LOSSES.items():  # idempotent: same definitions are replaced
+        LOSSES.register(name)(factory)
+
+
+LOSSES: Registry[LossFactory] = Registry("loss", load_builtins=_load_builtin_losses)
 
 register_loss = LOSSES.register
 """Decorator registering a `TrainingLoss` factory (usually its class) under a name; registering

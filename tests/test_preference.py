@@ -1,0 +1,676 @@
+"""Preference optimisation: every loss and its rewards against TRL 1.16's own code, hand-computed
+values, gradient accumulation through the Trainer, preference data, the reference cache, and
+pairs by rejection sampling.
+
+Shapes: B = pairs, N = KTO rows, K = KTO mismatched pairs, T = tokens.
+
+TRL 1.x has no standalone dpo_loss / kto_loss: the losses live inline in
+`DPOTrainer._compute_loss` / `KTOTrainer._compute_loss`, which run the model. The harness below
+builds those trainers with `object.__new__` (no model, no dataset), sets the attributes the method
+reads, and passes a stand-in model whose forward returns per-token log-probabilities that sum to
+the log-probabilities under test; the loss formulas that then run are TRL's own lines. Per-pair
+rewards come from TRL's `accelerator.gather` calls (DPO) or one-row calls (KTO: TRL returns only
+the mean loss); per-pair losses come from one-pair calls. SimPO and ORPO are TRL methods that take
+log-probabilities directly (`CPOTrainer.cpo_loss`, `ORPOTrainer.odds_ratio_loss`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+
+from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
+from _train_helpers import TINY, tiny_model
+from posttrain.losses import TrainingLoss, get_loss, registered_losses
+from posttrain.policy import Completion, Policy
+from posttrain.preference import (DPOLoss, IPOLoss, KTOLoss, ORPOLoss, SimPOLoss, dpo_loss,
+                                  ipo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss,
+                                  step_share)
+from posttrain.preference_data import (KTODataset, PreferenceDataset, PreferenceLoader,
+                                       PreferenceRowError, compute_reference_logps,
+                                       make_preference_pairs, pairs_to_kto_rows,
+                                       reference_fingerprint)
+from posttrain.tokenizer import ByteTokenizer
+from posttrain.trainer import Trainer
+from posttrain.verifier import VerifierResult
+
+SEEDS = (0, 1, 2)
+BETAS = (0.05, 0.1, 0.5)
+B = 6
+
+# --------------------------------------------------------------------------------------------
+# TRL harness
+# --------------------------------------------------------------------------------------------
+
+
+class _Accelerator:
+    """Single process: gathers are the identity; `gathered` keeps what TRL gathered, in order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.gathered: list[torch.Tensor] = []
+
+    def gather(self, x):
+        self.gathered.append(x)
+        return x
+
+    def gather_for_metrics(self, x):
+        return x
+
+
+class _FixedLogps:
+    """Stands in for the model of a TRL trainer. Rows whose first input id is 2 are KTO's
+    mismatched (KL) rows. Returns per-token log-probs [rows, T-1] that sum to the given values."""
+
+    training = True
+
+    def __init__(self, logps, kl_logps=None) -> None:
+        self.logps, self.kl_logps = logps, kl_logps
+
+    def __call__(self, *, input_ids, **kwargs):
+        values = self.kl_logps if int(input_ids[0, 0]) == 2 else self.logps
+        per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
+        per_token[:, 0] = values
+        zeros = torch.zeros_like(per_token)
+        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
+                               is_top1=zeros.bool())
+
+
+def _common(trainer_cls, **attributes):
+    trainer = object.__new__(trainer_cls)
+    trainer.accelerator = _Accelerator()
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer._total_train_tokens, trainer._tp_size = 0, 1
+    trainer.aux_loss_enabled, trainer.args = False, SimpleNamespace()
+    for name, value in attributes.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+def _completion_inputs(lengths, first_id=1):
+    """input_ids / attention_mask / completion_mask [rows, T] with `lengths[r]` completion tokens
+    after one prompt token (TRL's IPO divides by these counts)."""
+    rows, T = len(lengths), int(max(lengths)) + 1
+    completion_mask = torch.zeros(rows, T, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        completion_mask[r, 1:1 + int(n)] = 1
+    return {"input_ids": torch.full((rows, T), first_id), "attention_mask": torch.ones(rows, T,
+            dtype=torch.long), "completion_mask": completion_mask}
+
+
+def trl_dpo(loss_type, beta, pc, pr, rc, rr, *, label_smoothing=0.0, lc=None, lr=None):
+    """TRL `DPOTrainer._compute_loss` on summed log-probs: (mean loss, chosen_rewards [B],
+    rejected_rewards [B])."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    lc = torch.ones(len(pc)) if lc is None else lc
+    lr = torch.ones(len(pc)) if lr is None else lr
+    model = _FixedLogps(torch.cat([pc, pr]))
+    trainer = _common(DPOTrainer, model=model, ld_alpha=None, precompute_ref_logps=True,
+                      f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0],
+                      beta=beta, label_smoothing=label_smoothing, use_weighting=False)
+    inputs = {**_completion_inputs(torch.cat([lc, lr]).tolist()), "ref_chosen_logps": rc,
+              "ref_rejected_logps": rr}
+    loss = trainer._compute_loss(model, inputs, return_outputs=False)
+    chosen_rewards, rejected_rewards = trainer.accelerator.gathered[:2]
+    return loss, chosen_rewards, rejected_rewards
+
+
+def trl_dpo_per_pair(loss_type, beta, pc, pr, rc, rr, **kwargs):
+    """TRL's loss of each pair alone ([B])."""
+    lc, lr = kwargs.pop("lc", None), kwargs.pop("lr", None)
+    out = []
+    for b in range(len(pc)):
+        one = slice(b, b + 1)
+        out.append(trl_dpo(loss_type, beta, pc[one], pr[one], rc[one], rr[one],
+                           lc=None if lc is None else lc[one], lr=None if lr is None else lr[one],
+                           **kwargs)[0])
+    return torch.stack(out)
+
+
+def trl_kto(beta, logps, ref_logps, desirable, kl_logps, ref_kl_logps, *, desirable_weight=1.0,
+            undesirable_weight=1.0):
+    """TRL `KTOTrainer._compute_loss`: (mean loss, metrics dict)."""
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    model = _FixedLogps(logps, kl_logps)
+    trainer = _common(KTOTrainer, model=model, calculate_KL=True, precompute_ref_logps=True,
+                      loss_type="kto", beta=beta, desirable_weight=desirable_weight,
+                      undesirable_weight=undesirable_weight)
+    kl = _completion_inputs([1] * len(kl_logps), first_id=2)
+    inputs = {**_completion_inputs([1] * len(logps)), "label": desirable, "ref_logps": ref_logps,
+              "KL_input_ids": kl["input_ids"], "KL_attention_mask": kl["attention_mask"],
+              "KL_completion_mask": kl["completion_mask"], "ref_KL_logps": ref_kl_logps}
+    loss = trainer._compute_loss(model, inputs, return_outputs=False)
+    return loss, trainer._metrics["train"]
+
+
+def _random_pairs(seed):
+    """Summed log-probs [B] of policy and reference, and response lengths [B] (1..12 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths_c = torch.randint(1, 13, (B,), generator=gen).float()
+    lengths_r = torch.randint(1, 13, (B,), generator=gen).float()
+    per_token = lambda L: -(0.05 + 3 * torch.rand(B, generator=gen)) * L  # noqa: E731
+    return (per_token(lengths_c), per_token(lengths_r), per_token(lengths_c),
+            per_token(lengths_r), lengths_c, lengths_r)
+
+
+def _close(ours, theirs, tol=1e-6):
+    """|ours - theirs| <= tol, relative to |theirs| where that exceeds 1 (IPO's squared losses
+    reach ~25-400 here, where fp32 resolves ~2e-6 to 3e-5 absolute)."""
+    ours, theirs = torch.as_tensor(ours).float(), torch.as_tensor(theirs).float()
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    if ours.numel():
+        excess = (ours - theirs).abs() / theirs.abs().clamp(min=1.0)
+        worst = float(excess.max())
+        assert worst <= tol, f"largest (relative) difference {worst:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# The pure losses against TRL
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge"])
+def test_dpo_matches_trl(seed, beta, loss_type):
+    pc, pr, rc, rr, _, _ = _random_pairs(seed)
+    losses_B, chosen_B, rejected_B = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=loss_type)
+    trl_mean, trl_chosen, trl_rejected = trl_dpo(loss_type, beta, pc, pr, rc, rr)
+    _close(losses_B, trl_dpo_per_pair(loss_type, beta, pc, pr, rc, rr))
+    _close(losses_B.mean(), trl_mean)
+    _close(chosen_B, trl_chosen)
+    _close(rejected_B, trl_rejected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("label_smoothing", [0.1, 0.3])
+def test_conservative_dpo_matches_trl_aot_one_pair_at_a_time(seed, label_smoothing):
+    """cDPO = TRL 1.16 loss_type 'aot' on one pair (its sort over the batch is then the
+    identity); TRL 'sigmoid' ignores label_smoothing, and 'robust' is another estimator."""
+    pc, pr, rc, rr, _, _ = _random_pairs(seed)
+    losses_B, chosen_B, _ = dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=label_smoothing)
+    _close(losses_B, trl_dpo_per_pair("aot", 0.1, pc, pr, rc, rr,
+                                      label_smoothing=label_smoothing))
+    _close(chosen_B, trl_dpo("aot", 0.1, pc, pr, rc, rr, label_smoothing=label_smoothing)[1])
+    sigmoid_mean = trl_dpo("sigmoid", 0.1, pc, pr, rc, rr, label_smoothing=label_smoothing)[0]
+    _close(dpo_loss(pc, pr, rc, rr, beta=0.1)[0].mean(), sigmoid_mean)
+    robust = trl_dpo_per_pair("robust", 0.1, pc, pr, rc, rr, label_smoothing=label_smoothing)
+    assert float((robust - losses_B).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_ipo_matches_trl_with_and_without_length_normalisation(seed, beta):
+    pc, pr, rc, rr, lc, lr = _random_pairs(seed)
+    losses_B, chosen_B, rejected_B = ipo_loss(pc, pr, rc, rr, beta=beta, chosen_lengths_B=lc,
+                                              rejected_lengths_B=lr)
+    _close(losses_B, trl_dpo_per_pair("ipo", beta, pc, pr, rc, rr, lc=lc, lr=lr))
+    _, trl_chosen, trl_rejected = trl_dpo("ipo", beta, pc, pr, rc, rr, lc=lc, lr=lr)
+    _close(chosen_B, trl_chosen)
+    _close(rejected_B, trl_rejected)
+    # eq. 17 on summed log-ratios = TRL's 'ipo' when every response has one token
+    _close(ipo_loss(pc, pr, rc, rr, beta=beta)[0], trl_dpo_per_pair("ipo", beta, pc, pr, rc, rr))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta,gamma", [(2.0, 1.0), (2.5, 1.375), (0.1, 0.5)])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_simpo_matches_trl_cpo_loss(seed, beta, gamma, label_smoothing):
+    from trl.experimental.cpo import CPOTrainer
+
+    pc, pr, _, _, lc, lr = _random_pairs(seed)
+    trainer = _common(CPOTrainer, alpha=0.0, loss_type="simpo", beta=beta, simpo_gamma=gamma,
+                      label_smoothing=label_smoothing)
+    trl_losses, trl_chosen, trl_rejected = trainer.cpo_loss(pc / lc, pr / lr)
+    for ours in (simpo_loss(pc, pr, beta=beta, gamma=gamma, label_smoothing=label_smoothing,
+                            chosen_lengths_B=lc, rejected_lengths_B=lr),
+                 simpo_loss(pc / lc, pr / lr, beta=beta, gamma=gamma,
+                            label_smoothing=label_smoothing)):
+        _close(ours[0], trl_losses)
+        _close(ours[1], trl_chosen)
+        _close(ours[2], trl_rejected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33), (0.7, 1.0)])
+def test_kto_matches_trl(seed, beta, weights):
+    gen = torch.Generator().manual_seed(seed)
+    N, K = 7, 7
+    logps, ref_logps = -20 * torch.rand(N, generator=gen), -20 * torch.rand(N, generator=gen)
+    desirable = torch.tensor([True, False, True, True, False, False, True])
+    kl_logps = -20 * torch.rand(K, generator=gen)
+    for shift in (-3.0, 3.0):   # the KL estimate negative (clamped to 0) and positive
+        ref_kl_logps = kl_logps - shift + torch.rand(K, generator=gen)
+        z0 = kto_reference_point(kl_logps, ref_kl_logps)
+        losses_N, chosen, rejected = kto_loss(logps, ref_logps, desirable, reference_point=z0,
+                                              beta=beta, desirable_weight=weights[0],
+                                              undesirable_weight=weights[1])
+        trl_mean, _ = trl_kto(beta, logps, ref_logps, desirable, kl_logps, ref_kl_logps,
+                              desirable_weight=weights[0], undesirable_weight=weights[1])
+        _close(losses_N.mean(), trl_mean)
+        for n in range(N):   # one row at a time, with the batch's mismatched pairs
+            one = slice(n, n + 1)
+            loss_n, metrics = trl_kto(beta, logps[one], ref_logps[one], desirable[one],
+                                      kl_logps, ref_kl_logps, desirable_weight=weights[0],
+                                      undesirable_weight=weights[1])
+            _close(losses_N[n], loss_n)
+            key = "rewards/chosen" if desirable[n] else "rewards/rejected"
+            ours = chosen if desirable[n] else rejected
+            index = int(desirable[:n + 1].sum() if desirable[n] else (~desirable[:n + 1]).sum()) - 1
+            _close(ours[index], metrics[key][-1])
+            _close(z0, metrics["kl"][-1])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_orpo_odds_ratio_matches_trl_up_to_its_sign(seed, beta):
+    from trl.experimental.orpo import ORPOTrainer
+
+    pc, pr, _, _, lc, lr = _random_pairs(seed)
+    trainer = _common(ORPOTrainer, beta=beta)
+    trl_losses, trl_chosen, trl_rejected, _, _ = trainer.odds_ratio_loss(pc / lc, pr / lr)
+    losses_B, chosen_B, rejected_B = orpo_loss(pc, pr, beta=beta, chosen_lengths_B=lc,
+                                               rejected_lengths_B=lr)
+    _close(losses_B, -trl_losses)
+    _close(chosen_B, trl_chosen)
+    _close(rejected_B, trl_rejected)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-computed values
+# --------------------------------------------------------------------------------------------
+
+
+def test_hand_computed_values():
+    """All log-probs 0, beta 0.1: DPO = log 2 = 0.693147 (cDPO too: both terms are log 2),
+    hinge = 1, IPO = (0 - 1/0.2)^2 = 25.
+    Policy chosen -1, rejected -2, reference -1.5 for both, beta 0.1: h = 0.5 + 0.5 = 1;
+    DPO = -log sigmoid(0.1) = 0.644397, rewards +0.05 / -0.05; cDPO e = 0.1:
+    0.9 * 0.644397 + 0.1 * -log sigmoid(-0.1) (= 0.744397) = 0.654397; hinge = 1 - 0.1 = 0.9.
+    IPO per token with lengths 2 and 4: h = 0.5/2 + 0.5/4 = 0.375 -> (0.375 - 5)^2 = 21.390625.
+    SimPO averages -1 and -2, beta 2, gamma 1: -log sigmoid(2 - 1) = 0.313262, rewards -2, -4.
+    KTO beta 0.1: mismatched log-ratios 0.3, -0.1 -> z0 = 0.1; desirable r = 0.6:
+    1 - sigmoid(0.05) = 0.487503; undesirable r = 0.1 with lambda_U = 2: 2 (1 - sigmoid(0)) = 1.
+    ORPO beta 0.1, P(chosen) = 0.5 (odds 1), P(rejected) = 0.2 (odds 1/4):
+    0.1 * -log sigmoid(log 4) = 0.1 * log(5/4) = 0.0223144.
+    """
+    z, one = torch.zeros(1), torch.ones(1)
+    assert float(dpo_loss(z, z, z, z, beta=0.1)[0]) == pytest.approx(0.693147, abs=1e-6)
+    assert float(dpo_loss(z, z, z, z, beta=0.1, label_smoothing=0.2)[0]) == pytest.approx(
+        0.693147, abs=1e-6)
+    assert float(dpo_loss(z, z, z, z, beta=0.1, loss_type="hinge")[0]) == pytest.approx(1.0)
+    assert float(ipo_loss(z, z, z, z, beta=0.1)[0]) == pytest.approx(25.0, abs=1e-4)
+
+    pc, pr, ref = -1 * one, -2 * one, -1.5 * one
+    losses, chosen, rejected = dpo_loss(pc, pr, ref, ref, beta=0.1)
+    assert float(losses) == pytest.approx(0.644397, abs=1e-6)
+    assert (float(chosen), float(rejected)) == pytest.approx((0.05, -0.05), abs=1e-7)
+    assert float(dpo_loss(pc, pr, ref, ref, beta=0.1, label_smoothing=0.1)[0]) == pytest.approx(
+        0.654397, abs=1e-6)
+    assert float(dpo_loss(pc, pr, ref, ref, beta=0.1, loss_type="hinge")[0]) == pytest.approx(0.9)
+    assert float(ipo_loss(pc, pr, ref, ref, beta=0.1, chosen_lengths_B=2 * one,
+                          rejected_lengths_B=4 * one)[0]) == pytest.approx(21.390625, abs=1e-5)
+
+    losses, chosen, rejected = simpo_loss(-one, -2 * one, beta=2.0, gamma=1.0)
+    assert float(losses) == pytest.approx(0.313262, abs=1e-6)
+    assert (float(chosen), float(rejected)) == (-2.0, -4.0)
+
+    z0 = kto_reference_point(torch.tensor([0.3, -0.1]), torch.zeros(2))
+    assert float(z0) == pytest.approx(0.1, abs=1e-7)
+    assert float(kto_reference_point(torch.tensor([-0.3]), torch.zeros(1))) == 0.0
+    losses, chosen, rejected = kto_loss(torch.tensor([0.6, 0.1]), torch.zeros(2),
+                                        torch.tensor([True, False]), reference_point=z0,
+                                        beta=0.1, undesirable_weight=2.0)
+    assert losses.tolist() == pytest.approx([0.487503, 1.0], abs=1e-6)
+    assert chosen.tolist() == pytest.approx([0.06]) and rejected.tolist() == pytest.approx([0.01])
+
+    losses = orpo_loss(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.2)]), beta=0.1)[0]
+    assert float(losses) == pytest.approx(0.0223144, abs=1e-7)
+
+
+def test_losses_reject_bad_arguments():
+    z = torch.zeros(2)
+    with pytest.raises(ValueError, match="beta=0"):
+        dpo_loss(z, z, z, z, beta=0)
+    with pytest.raises(ValueError, match="label_smoothing=0.5"):
+        dpo_loss(z, z, z, z, label_smoothing=0.5)
+    with pytest.raises(ValueError, match="loss_type='ipo'; allowed: sigmoid, hinge"):
+        dpo_loss(z, z, z, z, loss_type="ipo")
+    with pytest.raises(ValueError, match=r"one shape \[B\]"):
+        dpo_loss(z, torch.zeros(3), z, z)
+    with pytest.raises(ValueError, match="both chosen_lengths_B and rejected_lengths_B"):
+        ipo_loss(z, z, z, z, chosen_lengths_B=torch.ones(2))
+    with pytest.raises(ValueError, match="desirable_N must be a bool"):
+        kto_loss(z, z, torch.ones(2))
+    with pytest.raises(ValueError, match="gamma"):
+        simpo_loss(z, z, gamma=-1.0)
+
+
+def test_step_share_is_the_pair_mean_over_the_step():
+    """Micro-batch A: one pair with loss 2; B: three pairs with loss 1. Step: 5 / 4 = 1.25."""
+    shares = step_share(torch.tensor([2.0]), 4) + step_share(torch.tensor([1.0, 1.0, 1.0]), 4)
+    assert float(shares) == 1.25
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives on a tiny model, through the Trainer
+# --------------------------------------------------------------------------------------------
+
+
+def _pair_rows(n):
+    """Pairs whose prompts and responses all have different lengths."""
+    return [{"prompt": f"{3 + 7 * i}+{11 + 5 * i}=" + "?" * (i % 3),
+             "chosen": str(14 + 12 * i) + " ok" * (i % 2),
+             "rejected": str(15 + 12 * i) + "!" * (i % 4)} for i in range(n)]
+
+
+def _pair_dataset(n=4, reference_seed=1):
+    ds = PreferenceDataset(_pair_rows(n), ByteTokenizer(), max_seq_len=64)
+    compute_reference_logps(tiny_model(reference_seed), ds, batch_size=3)
+    return ds
+
+
+class _RecordingSGD(torch.optim.SGD):
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1)
+        self.seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def _one_step(loss, dataset, *, batch_size, grad_accum):
+    model = tiny_model(0)
+    opt = _RecordingSGD(model.parameters())
+    loader = PreferenceLoader(dataset, batch_size=batch_size, shuffle=False)
+    row = Trainer(model, opt, data=loader, loss=loss, grad_accum_steps=grad_accum,
+                  progress=False).step()
+    return row, opt.seen[0]
+
+
+def _assert_grads_close(a, b, tol=1e-6):
+    """Largest difference <= tol, relative to the largest gradient when that exceeds 1 (IPO on
+    summed log-ratios has gradients ~40 here; fp32 sums them to ~2e-7 relative)."""
+    scale = max(1.0, max(float(x.abs().max()) for x in a))
+    worst = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+    assert worst <= tol * scale, f"largest gradient difference {worst:.3g} > {tol} * {scale:.3g}"
+
+
+LOSSES = [("dpo", {}), ("dpo", {"label_smoothing": 0.1}), ("dpo", {"loss_type": "hinge"}),
+          ("ipo", {}), ("ipo", {"length_normalize": False}), ("simpo", {}), ("orpo", {})]
+
+
+@pytest.mark.parametrize("name,options", LOSSES, ids=[f"{n}{o}" for n, o in LOSSES])
+def test_batch1_accum4_equals_batch4_accum1_equals_a_plain_loop(name, options):
+    """The gradient of the mean over the step's 4 pairs, whatever the micro-batching; and the
+    same as a loop over single pairs that calls the pure loss directly."""
+    dataset = _pair_dataset(4)
+    loss = get_loss(name, **options)
+    row_14, grads_14 = _one_step(loss, dataset, batch_size=1, grad_accum=4)
+    row_41, grads_41 = _one_step(loss, dataset, batch_size=4, grad_accum=1)
+    assert row_14["trained_tokens"] == row_41["trained_tokens"] == 4   # the step's pairs
+    assert row_14["loss"] == pytest.approx(row_41["loss"], abs=1e-6)
+    _assert_grads_close(grads_14, grads_41)
+
+    model = tiny_model(0)
+    total = 0.0
+    for i in range(4):
+        batch = dataset.collate([i])
+        total_i = loss.pair_losses(model, batch)[0].sum() / 4
+        total_i.backward()
+        total += float(total_i.detach())
+    assert row_41["loss"] == pytest.approx(total, abs=1e-6)
+    _assert_grads_close(grads_41, [p.grad for p in model.parameters()])
+
+
+def test_kto_accumulation_is_exact_without_the_kl_estimate_and_uses_z0_per_micro_batch():
+    rows = pairs_to_kto_rows(_pair_rows(3))
+    dataset = KTODataset(rows, ByteTokenizer(), max_seq_len=64)
+    compute_reference_logps(tiny_model(1), dataset)
+    assert [d["desirable"] for d in dataset] == [True, False] * 3
+    row_16, grads_16 = _one_step(KTOLoss(use_kl=False), dataset, batch_size=1, grad_accum=6)
+    row_61, grads_61 = _one_step(KTOLoss(use_kl=False), dataset, batch_size=6, grad_accum=1)
+    assert row_16["loss"] == pytest.approx(row_61["loss"], abs=1e-6)
+    _assert_grads_close(grads_16, grads_61)
+    # with the estimate, z0 comes from each micro-batch's own mismatched pairs (as in TRL)
+    with_kl = KTOLoss()
+    batch = dataset.collate(range(6))
+    model = tiny_model(0)
+    losses, _, _ = with_kl.row_losses(model, batch)
+    from posttrain.preference import response_logps
+    kl_logps, _ = response_logps(model, batch.kl_input_ids, batch.kl_attention_mask,
+                                 batch.kl_response_mask)
+    z0 = kto_reference_point(kl_logps, batch.ref_kl_logps)
+    logps, _ = response_logps(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+    expected = kto_loss(logps, batch.ref_logps, batch.desirable, reference_point=z0)[0]
+    _close(losses, expected)
+    assert float(z0) > 0   # a different reference model: the estimate is in play
+
+
+def test_objectives_are_registered_and_need_reference_logps():
+    assert {"dpo", "ipo", "simpo", "kto", "orpo"} <= set(registered_losses())
+    for name, cls in [("dpo", DPOLoss), ("ipo", IPOLoss), ("simpo", SimPOLoss),
+                      ("kto", KTOLoss), ("orpo", ORPOLoss)]:
+        loss = get_loss(name)
+        assert isinstance(loss, cls) and isinstance(loss, TrainingLoss)
+    dataset = PreferenceDataset(_pair_rows(2), ByteTokenizer(), max_seq_len=64)
+    batch = dataset.collate([0, 1])
+    with pytest.raises(ValueError, match="compute_reference_logps"):
+        DPOLoss()(tiny_model(0), batch, torch.tensor(2))
+    share = SimPOLoss()(tiny_model(0), batch, torch.tensor(2))   # reference-free
+    assert share.requires_grad and torch.isfinite(share)
+    metrics = DPOLoss().metrics(tiny_model(0), _pair_dataset(2, reference_seed=0).collate([0, 1]))
+    assert metrics["loss"] == pytest.approx(math.log(2), abs=1e-5)   # policy == reference
+    assert metrics["reward_margin"] == pytest.approx(0.0, abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+
+def test_response_mask_marks_exactly_the_response_tokens_and_padding_never_counts():
+    tok = ByteTokenizer()
+    ds = PreferenceDataset([{"prompt": "2+2=", "chosen": "4", "rejected": "five"}], tok,
+                           max_seq_len=32)
+    batch = PreferenceLoader(ds, batch_size=1).next_batch()
+    ids, attention, response = batch.concatenated()
+    assert ids.shape == attention.shape == response.shape == (2, 13)
+    for r, text in enumerate(["4", "five"]):
+        marked = ids[r][response[r]].tolist()
+        assert tok.decode(marked, skip_special_tokens=False) == text + "<|end|>"
+        assert not (response[r] & ~attention[r]).any()
+    assert int(attention[0].sum()) == 10 and not attention[0, 10:].any()   # chosen is padded
+
+
+def test_rows_from_a_dataframe_jsonl_and_chat_messages_render_the_same(tmp_path):
+    rows = _pair_rows(3)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    chat_rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                  "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                  "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    tok = ByteTokenizer()
+    datasets = [PreferenceDataset(src, tok, max_seq_len=64)
+                for src in (rows, pd.DataFrame(rows), path, str(path), chat_rows)]
+    for ds in datasets[1:]:
+        for a, b in zip(datasets[0], ds, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+    plain = PreferenceDataset(rows, tok, max_seq_len=64, chat=False)
+    ids, mask = plain.sequence(0, "chosen")
+    marked = tok.decode(ids[mask].tolist(), skip_special_tokens=False)
+    assert marked == rows[0]["chosen"] + "<|eos|>"
+
+
+BAD_ROWS = [
+    ("not a dict", None, "not_a_dict"),
+    ({"chosen": "a", "rejected": "b"}, "prompt", "missing_field"),
+    ({"prompt": "p", "rejected": "b"}, "chosen", "missing_field"),
+    ({"prompt": "p", "chosen": 3, "rejected": "b"}, "chosen", "non_string"),
+    ({"prompt": "  ", "chosen": "a", "rejected": "b"}, "prompt", "empty"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected", "same_response"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b" * 80}, "rejected", "overlong"),
+    ({"prompt": [{"role": "robot", "content": "p"}], "chosen": "a", "rejected": "b"}, "prompt",
+     "render_error"),
+    ({"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "a"}],
+      "rejected": "b"}, "chosen", "non_string"),
+]
+
+
+@pytest.mark.parametrize("row,field,reason", BAD_ROWS, ids=[r for _, _, r in BAD_ROWS])
+def test_a_bad_row_raises_naming_its_index_and_field_or_is_skipped_and_counted(row, field, reason):
+    rows = _pair_rows(2) + [row]
+    with pytest.raises(PreferenceRowError) as info:
+        PreferenceDataset(rows, ByteTokenizer(), max_seq_len=40)
+    assert (info.value.index, info.value.field, info.value.reason) == (2, field, reason)
+    assert str(info.value).startswith("row 2") and f"[{reason}]" in str(info.value)
+    ds = PreferenceDataset(rows, ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    assert len(ds) == 2 and ds.stats.skipped_by_reason == {reason: 1} and ds.stats.rows == 3
+
+
+def test_kto_rows_validate_labels_and_pair_each_prompt_with_another_completion():
+    rows = [{"prompt": "a?", "completion": "x", "label": True},
+            {"prompt": "b?", "completion": "yy", "label": False},
+            {"prompt": "c?", "completion": "zzz", "label": 1}]
+    with pytest.raises(PreferenceRowError, match=r"row 2, field 'label'.*\[bad_label\]"):
+        KTODataset(rows, ByteTokenizer(), max_seq_len=32)
+    ds = KTODataset(rows, ByteTokenizer(), max_seq_len=32, on_bad_row="skip")
+    assert ds.stats.skipped_by_reason == {"bad_label": 1}
+    tok = ByteTokenizer()
+    kl_ids, kl_mask = ds.sequence(0, "kl")   # prompt of row 0, completion of row 1
+    assert tok.decode(kl_ids.tolist()).startswith("a?")
+    assert tok.decode(kl_ids[kl_mask].tolist()) == "yy"
+    with pytest.raises(ValueError, match="at least 2"):
+        KTODataset(rows[:1], tok, max_seq_len=32)
+
+
+def test_loader_resumes_exactly_from_its_state():
+    ds = _pair_dataset(5)
+    first = PreferenceLoader(ds, batch_size=2, seed=3)
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = [first.next_batch() for _ in range(3)]
+    second = PreferenceLoader(ds, batch_size=2, seed=3)
+    second.load_state_dict(state)
+    for a, b in zip(expected, [second.next_batch() for _ in range(3)]):
+        assert torch.equal(a.chosen_input_ids, b.chosen_input_ids)
+        assert torch.equal(a.ref_rejected_logps, b.ref_rejected_logps)
+    with pytest.raises(ValueError, match="seed"):
+        PreferenceLoader(ds, batch_size=2, seed=4).load_state_dict(state)
+
+
+def test_reference_logps_are_cached_by_fingerprint_and_recomputed_for_another_reference():
+    ds = PreferenceDataset(_pair_rows(5), ByteTokenizer(), max_seq_len=64)
+    reference = tiny_model(1)
+    calls = []
+    reference.register_forward_hook(lambda module, args, out: calls.append(1))
+    first = compute_reference_logps(reference, ds, batch_size=2)
+    assert len(calls) == 6 and first.values["chosen"].shape == (5,)   # 3 batches x 2 keys
+    assert first.values["chosen"].dtype == torch.float32
+    assert compute_reference_logps(reference, ds) is first and len(calls) == 6   # reused
+    # the values equal the policy's own teacher-forced scoring, one pair at a time
+    policy = Policy(reference, ByteTokenizer(), TINY)
+    ids, mask = ds.sequence(4, "rejected")
+    [alone] = policy.logprobs([ids[~mask].tolist()], [ids[mask].tolist()])
+    assert float(first.values["rejected"][4]) == pytest.approx(float(alone.sum()), abs=1e-5)
+    assert torch.equal(ds.collate([4]).ref_rejected_logps, first.values["rejected"][4:5])
+
+    calls.clear()
+    with torch.no_grad():
+        reference.norm.scale[0] += 1e-3   # one changed parameter changes the fingerprint
+    second = compute_reference_logps(reference, ds, batch_size=2)
+    assert len(calls) == 6 and second.fingerprint != first.fingerprint
+    assert ds.reference is second
+    assert reference_fingerprint(tiny_model(1)) == first.fingerprint
+
+
+# --------------------------------------------------------------------------------------------
+# Rejection sampling
+# --------------------------------------------------------------------------------------------
+
+
+class _ScriptedPolicy:
+    """`generate` returns the scripted texts of each prompt, in order."""
+
+    tokenizer = ByteTokenizer()
+
+    def __init__(self, texts_by_question):
+        self.texts = texts_by_question
+        self.calls = []
+
+    def generate(self, prompts, *, n, seed, **kwargs):
+        self.calls.append((len(prompts), n, seed))
+        out = []
+        for p, ids in enumerate(prompts):
+            question = self.tokenizer.decode(ids).strip()
+            texts = self.texts[question]
+            assert len(texts) == n
+            out += [Completion(p, k, list(ids), [], t, [], "eos") for k, t in enumerate(texts)]
+        return out
+
+
+def _rank(completion, item):
+    """A verifier: 'hang' times out, 'boom' raises, '' is a format error, else exact match."""
+    if completion == "hang":
+        time.sleep(2)
+    if completion == "boom":
+        raise RuntimeError("boom")
+    if completion == "":
+        return VerifierResult.failure("format_error", "empty")
+    return VerifierResult.from_score(float(completion == item["answer"]))
+
+
+def test_pairs_keep_best_vs_worst_exclude_failures_and_count_everything():
+    items = [{"question": "q1", "answer": "1"}, {"question": "q2", "answer": "2"},
+             {"question": "q3", "answer": "3"}, {"question": "q4", "answer": "4"},
+             {"question": "q5", "answer": "5"}]
+    policy = _ScriptedPolicy({
+        "q1": ["9", "1", "boom", "1"],        # pair (1, 9); the error excluded, not a 0.0
+        "q2": ["7", "8", "hang", "6"],        # all scored candidates wrong: skipped
+        "q3": ["", "3", "3", "3"],            # format error ranks lowest: pair (3, "")
+        "q4": ["boom", "boom", "hang", "4"],  # one usable candidate: too few
+        "q5": ["5", "5", "5", "5"],           # all right: skipped
+    })
+    rows, stats = make_preference_pairs(policy, items, rank=_rank, n=4, seed=7,
+                                        prompts_per_batch=3, timeout_s=0.5)
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+        ("q1", "1", "9"), ("q3", "3", "")]
+    assert rows[1]["rejected_outcome"] == "format_error" and rows[0]["chosen_score"] == 1.0
+    assert (stats.prompts, stats.samples, stats.pairs) == (5, 20, 2)
+    assert (stats.skipped_all_equal, stats.skipped_too_few) == (2, 1)
+    assert stats.excluded == {"error": 3, "timeout": 2}
+    assert stats.outcomes == {"ok": 10, "wrong": 4, "format_error": 1, "timeout": 2, "error": 3}
+    assert [c[2] for c in policy.calls] == [7, 10]   # seed + first item index of each chunk
+
+    rows, stats = make_preference_pairs(policy, items, rank=_rank, n=4, timeout_s=0.5,
+                                        format_error="exclude",
+                                        reference_answer=lambda item: item["answer"])
+    # q2's samples are all wrong: the reference answer is the chosen one; q3 now ties
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+        ("q1", "1", "9"), ("q2", "2", "7")]
+    assert stats.excluded == {"error": 3, "timeout": 2, "format_error": 1}
+    assert (stats.reference_chosen, stats.skipped_all_equal, stats.skipped_too_few) == (1, 3, 0)
+
+
+def test_pairs_from_a_real_policy_are_deterministic_and_feed_the_datasets():
+    policy = Policy(tiny_model(0), ByteTokenizer(), TINY)
+    items = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(3)]
+    judge = lambda completion, item: float(len(completion) % 3)  # noqa: E731  a plain callable
+    first = make_preference_pairs(policy, items, rank=judge, n=4, max_new_tokens=6, seed=1)
+    again = make_preference_pairs(policy, items, rank=judge, n=4, max_new_tokens=6, seed=1)
+    assert first == again and first[1].pairs >= 1
+    PreferenceDataset(first[0], ByteTokenizer(), max_seq_len=64)
+    KTODataset(pairs_to_kto_rows(first[0]), ByteTokenizer(), max_seq_len=64)
