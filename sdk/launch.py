@@ -264,6 +264,15 @@ def _type_name(obj: Any) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
+def _pickle_recipes_by_value() -> None:
+    """Make cloudpickle send recipe files loaded by `posttrain.cli.load_recipe` by value: they
+    live under made-up module names (`posttrain_recipe_sft`) that a job cannot import, so a
+    `main` or `Config` of theirs pickled by reference fails to unpickle in the job."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("posttrain_recipe_") and module is not None:
+            cloudpickle.register_pickle_by_value(module)
+
+
 def _check_pickles(call: _Call, what: str) -> None:
     """Raise LaunchPickleError naming the innermost unpicklable part of the target or the cfg."""
     if _pickle_error(call) is None:
@@ -379,6 +388,7 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
         raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
     num_tasks = nodes * tasks_per_node
     name = _job_name(target) if name is None else str(name)
+    _pickle_recipes_by_value()
     calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
                    gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
                    in_job=executor != "debug") for cfg in cfgs]
