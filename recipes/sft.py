@@ -26,11 +26,11 @@ import torch
 
 from posttrain.data import (CPTDataset, SFTDataset, SFTLoader, load_sft_rows, load_text_documents,
                             reasoning_gym_sft_rows)
+from posttrain.distributed import barrier, rank_and_world_size
 from posttrain.evaluation import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.trainer import (Trainer, barrier, check_new_run_dir, rank_and_world_size,
-                               warmup_cosine_schedule)
+from posttrain.trainer import Trainer, check_new_run_dir, warmup_cosine_schedule
 
 MODES = ("sft", "cpt")
 

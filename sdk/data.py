@@ -378,12 +378,11 @@ def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int,
     """Fill `rank` / `world_size` left as None from the initialised default torch.distributed
     process group (else 0 and 1), and check them."""
     if rank is None or world_size is None:
-        import torch.distributed as dist
+        from posttrain.distributed import rank_and_world_size
 
-        initialised = dist.is_available() and dist.is_initialized()
-        rank = rank if rank is not None else dist.get_rank() if initialised else 0
-        world_size = (world_size if world_size is not None
-                      else dist.get_world_size() if initialised else 1)
+        group_rank, group_size = rank_and_world_size()
+        rank = group_rank if rank is None else rank
+        world_size = group_size if world_size is None else world_size
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; must be a positive integer")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:

@@ -87,16 +87,14 @@ from posttrain import preemption
 from posttrain.checkpoint import (CHECKPOINT_DIR, capture_rng_state, checkpoint_name,
                                   latest_checkpoint, list_checkpoints, load_checkpoint,
                                   resolve_checkpoint, restore_rng_state, save_checkpoint)
+from posttrain.distributed import barrier, flat_collective, rank_and_world_size
 from posttrain.losses import TrainingLoss, check_finite_update, get_loss
 from posttrain.metrics import METRICS_FILE, MetricsLog
 
-__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir",
-           "rank_and_world_size", "barrier"]
+__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir"]
 
 TRAIN_STATE_VERSION = 1
 
-_BUCKET_BYTES = 64 * 2**20
-"""Largest flat buffer of one gradient all-reduce (or parameter broadcast)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ class Trainer:
         self._rolled_back = False
         _seed_all(seed)
         if self.world_size > 1:
-            _flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
+            flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
 
         if resume is True:
             if latest_checkpoint(self.run_dir) is not None:
@@ -377,7 +375,7 @@ class Trainer:
     def _sum_gradients_across_ranks(self) -> None:
         """Replace every gradient by its SUM over the ranks (in flat buckets)."""
         if self.world_size > 1:
-            _flat_collective([p.grad for group in self.optimizer.param_groups
+            flat_collective([p.grad for group in self.optimizer.param_groups
                               for p in group["params"] if p.grad is not None], dist.all_reduce)
 
     def _clip_gradients(self) -> torch.Tensor:
@@ -577,42 +575,6 @@ class Trainer:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def rank_and_world_size() -> tuple[int, int]:
-    """(rank, world_size) of the initialised default `torch.distributed` process group, or
-    (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def barrier() -> None:
-    """`torch.distributed.barrier()` with an initialised process group; otherwise nothing."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _flat_collective(tensors: Sequence[torch.Tensor],
-                     collective: Callable[[torch.Tensor], object]) -> None:
-    """Run an in-place `collective` (all_reduce, broadcast) over `tensors` through flat buffers
-    of at most `_BUCKET_BYTES` (one dtype and device each; a larger tensor goes alone), and copy
-    the results back. Every rank must pass tensors of the same shapes, dtypes and order."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if (not buckets or size + nbytes > _BUCKET_BYTES
-                or (t.dtype, t.device) != (buckets[-1][0].dtype, buckets[-1][0].device)):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(t)
-        size += nbytes
-    for bucket in buckets:
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-        collective(flat)
-        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
-            t.detach().copy_(piece.view_as(t))
 
 
 def check_new_run_dir(run_dir: str | os.PathLike) -> None:
