@@ -467,7 +467,10 @@ class LiveDashboard:
                                          "first step")
         self.progress = widgets.IntProgress(value=0, min=0, max=self.total or 1,
                                             layout=widgets.Layout(width="100%"))
-        self.image = widgets.Image(format="png", layout=widgets.Layout(max_width="100%"))
+        # flex-start: a VBox column stretches its children to full width, which would blur the
+        # PNG; hidden until the first plot (an empty Image shows as a broken picture).
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            max_width="100%", align_self="flex-start", display="none"))
         self.table = widgets.HTML(value="")
         self.out = widgets.Output()
         self.widget = widgets.VBox([self.header, self.progress, self.image, self.table,
@@ -491,6 +494,7 @@ class LiveDashboard:
             self.progress.value = step
             self.progress.bar_style = "success" if total is not None and step >= total else ""
             self.image.value = self._plot(frame, metrics)
+            self.image.layout.display = None
             self.table.value = self._table_html(trainer)
         except Exception as e:  # noqa: BLE001 - a dashboard bug must not kill the run
             message = f"dashboard: step {step} not drawn ({type(e).__name__}: {e})"
