@@ -462,7 +462,8 @@ def compare_rewards(before: Any, after: Any = None, *, bins: int = 20):
         bins: histogram bins of the reward panel.
 
     Returns:
-        (summary, figure). `summary` is indexed by metric: rows, reward_mean, accuracy
+        (summary, figure). `summary` is indexed by metric: rows, reward_mean (over rows the
+        verifier judged: error and timeout rows are counted, not averaged in), accuracy
         (fraction of rows with outcome "ok"), outcome_<name> for every outcome (counts), and
         for a rescore result rows_changed; columns before, after, change (= after - before;
         rows_changed has its count under change only). `figure` is a matplotlib Figure:
@@ -504,7 +505,9 @@ def _rewards_frame(source: Any) -> pd.DataFrame:
 
 def _stats(reward: pd.Series, outcome: pd.Series) -> dict[str, float]:
     outcome = outcome.astype(str)
-    stats = {"rows": float(len(reward)), "reward_mean": float(reward.astype(float).mean()),
+    judged = ~outcome.isin(["error", "timeout"])  # a failure has no reward to average in
+    stats = {"rows": float(len(reward)),
+             "reward_mean": float(reward[judged].astype(float).mean()),
              "accuracy": float((outcome == "ok").mean())}
     for name in _OUTCOMES:
         stats[f"outcome_{name}"] = float((outcome == name).sum())

@@ -449,12 +449,15 @@ class RLTrainer:
 
 
 def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """reward mean, accuracy (fraction with outcome ok), outcome counts, lengths."""
+    """reward mean over the samples the verifier judged (an error or timeout has no reward: it
+    is counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of
+    all samples with outcome ok), outcome counts, lengths."""
     rows = [t for g in groups for t in g]
     counts = outcome_counts(groups)
+    judged = [t.reward for t in rows if t.outcome not in EXCLUDED_OUTCOMES]
     sampled = [sum(t.completion_mask) if t.completion_mask is not None
                else len(t.completion_ids) for t in rows]
-    return {"reward_mean": sum(t.reward for t in rows) / len(rows),
+    return {"reward_mean": sum(judged) / len(judged) if judged else float("nan"),
             "accuracy": counts["ok"] / len(rows),
             **{f"outcome_{k}": v for k, v in counts.items()},
             "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),

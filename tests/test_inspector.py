@@ -186,16 +186,16 @@ def test_a_raising_verifier_gives_error_rows_not_zero_rewards():
 
 
 def test_compare_rewards_summary_by_hand():
-    """Before: rewards [1,0,0,1,0,0] (mean 1/3), outcomes ok 2, wrong 2, format_error 1,
-    error 1 (accuracy 2/6). After `lenient`: rewards [1,1,0,1,0,1] (mean 4/6), ok 4, wrong 1,
+    """Before: rewards [1,0,0,1,0,0], outcomes ok 2, wrong 2, format_error 1, error 1: the
+    error row has no reward, so the mean is over the 5 judged rows, 2/5 (accuracy 2/6). After `lenient`: rewards [1,1,0,1,0,1] (mean 4/6), ok 4, wrong 1,
     format_error 1, error 0 (accuracy 4/6). Two rows changed."""
     summary, fig = compare_rewards(rescore(groups(), lenient, items=ITEMS))
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     s = summary.to_dict("index")
     assert s["rows"] == {"before": 6.0, "after": 6.0, "change": 0.0}
-    assert s["reward_mean"]["before"] == pytest.approx(1 / 3)
+    assert s["reward_mean"]["before"] == pytest.approx(2 / 5)
     assert s["reward_mean"]["after"] == pytest.approx(2 / 3)
-    assert s["reward_mean"]["change"] == pytest.approx(1 / 3)
+    assert s["reward_mean"]["change"] == pytest.approx(2 / 3 - 2 / 5)
     assert s["accuracy"]["before"] == pytest.approx(2 / 6)
     assert s["accuracy"]["change"] == pytest.approx(2 / 6)
     assert [s[f"outcome_{o}"]["before"] for o in ("ok", "wrong", "format_error", "timeout",
@@ -204,9 +204,10 @@ def test_compare_rewards_summary_by_hand():
                                                  "error")] == [4, 1, 1, 0, 0]
     assert s["rows_changed"]["change"] == 2 and math.isnan(s["rows_changed"]["before"])
 
-    # Unpaired: two sets of rollouts of different sizes (e.g. two steps).
+    # Unpaired: two sets of rollouts (e.g. two steps): [1 ok, 0 wrong, 0 format_error] has mean
+    # 1/3; [1 ok, 0 wrong, error] has mean 1/2 over its two judged rows.
     summary, _ = compare_rewards(groups()[:1], groups()[1:])
-    assert summary.loc["reward_mean"].tolist() == pytest.approx([1 / 3, 1 / 3, 0.0])
+    assert summary.loc["reward_mean"].tolist() == pytest.approx([1 / 3, 1 / 2, 1 / 6])
     assert summary.loc["outcome_error", "after"] == 1 and "rows_changed" not in summary.index
     with pytest.raises(ValueError, match="needs a rescore"):
         compare_rewards(rollouts_frame(groups()))

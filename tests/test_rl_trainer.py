@@ -2,6 +2,7 @@
 right way, PPO with a value head runs, micro-batching is invariant, checkpoint/resume is bitwise
 equal to an uninterrupted run."""
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -85,6 +86,19 @@ def test_all_equal_rewards_give_zero_advantages_and_are_counted():
     assert adv_BT.shape == batch["input_ids_BT"].shape == (6, 4)
     assert not torch.isnan(adv_BT).any()
     assert (adv_BT[:4] == 0).all() and adv_BT[4, 2] > 0 > adv_BT[5, 2]
+
+
+def test_reward_mean_leaves_out_failed_verifications():
+    """Rewards 1 (ok), 0 (wrong), and two failures stored with reward 0.0: the mean is over the
+    two judged samples, 1/2, not 1/4; accuracy is over all four samples, 1/4."""
+    from posttrain.rl_trainer import _rollout_metrics
+
+    groups = [Group([_traj(0, 1.0, "ok"), _traj(0, 0.0, "wrong")]),
+              Group([_traj(1, 0.0, "error"), _traj(1, 0.0, "timeout")])]
+    row = _rollout_metrics(groups)
+    assert row["reward_mean"] == 0.5 and row["accuracy"] == 0.25
+    assert row["outcome_error"] == 1 and row["outcome_timeout"] == 1
+    assert math.isnan(_rollout_metrics(groups[1:])["reward_mean"])
 
 
 def test_environment_failures_exclude_groups_and_first_ratio_is_one():
