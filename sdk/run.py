@@ -311,8 +311,10 @@ class Run:
         return self.status()
 
     def cancel(self) -> None:
-        """Stop the job (scancel on Slurm; SIGINT to the job's controller locally, which then
-        kills its tasks). Does nothing to a job that has ended."""
+        """Stop the job now, as `scancel` does: on Slurm `scancel`; locally SIGKILL to the job's
+        process group (its controller runs in a session of its own, with the tasks). Not
+        SIGINT: a Trainer takes Ctrl-C as a clean stop, and the recipe would go on to evaluate,
+        save and end COMPLETED. Does nothing to a job that has ended."""
         if self.executor == "debug" or self.done():
             return
         if self.executor == "slurm":
@@ -320,11 +322,14 @@ class Run:
             return
         self._cancel_marker().parent.mkdir(parents=True, exist_ok=True)
         self._cancel_marker().write_text(datetime.datetime.now().isoformat() + "\n")
+        if self._local_alive():
+            try:
+                os.killpg(int(self.job_id), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         process = getattr(self.job, "_process", None)
         if process is not None:
-            process.send_signal(signal.SIGINT)
-        elif self._local_alive():
-            os.kill(int(self.job_id), signal.SIGINT)
+            process.wait()  # reap it
 
     # ------------------------------------------------------------- results
 

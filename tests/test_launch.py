@@ -56,7 +56,14 @@ def all_reduce_rank():
 
 
 def sleep_long():
-    time.sleep(120)
+    """Like `Trainer.fit`, treats Ctrl-C as a clean stop and returns: a cancel must still end
+    the job as CANCELLED, not let it finish (the recipe would go on to evaluate and save)."""
+    print("sleeping", flush=True)
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:
+        time.sleep(0.2)  # e.g. a quick evaluation after fit returned
+        return "stopped cleanly"
 
 
 def times_ten(x):
@@ -339,6 +346,9 @@ def test_cancel_stops_a_sleeping_local_job(local_runs):
     assert run.state == "RUNNING"
     with pytest.raises(TimeoutError, match=f"job {run.job_id} .* still RUNNING"):
         run.wait(timeout=0.2, poll_s=0.1)
+    deadline = time.monotonic() + 60
+    while "sleeping" not in run.logs() and time.monotonic() < deadline:
+        time.sleep(0.1)  # inside the function, where Ctrl-C would be caught
     run.cancel()
     assert run.wait(timeout=30, poll_s=0.1) == "CANCELLED"
     with pytest.raises(JobFailedError, match="ended in state CANCELLED without a result"):
