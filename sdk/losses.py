@@ -118,6 +118,7 @@ LossFactory = Callable[..., TrainingLoss]
 
 def _load_builtin_losses() -> None:
     from posttrain.preference import BUILTIN_LOSSES  # dpo, ipo, simpo, kto, orpo
+    import posttrain.reward_model  # noqa: F401  registers "bradley_terry"
 
     for name, factory in BUILTIN_LOSSES.items():  # idempotent: same definitions are replaced
         LOSSES.register(name)(factory)

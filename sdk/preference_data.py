@@ -52,7 +52,8 @@ from posttrain.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score
 __all__ = ["PREFERENCE_BAD_ROW_REASONS", "PreferenceRowError", "PreferenceStats",
            "load_preference_rows", "PreferenceDataset", "KTODataset", "PreferenceBatch",
            "KTOBatch", "PreferenceLoader", "ReferenceLogps", "reference_fingerprint",
-           "compute_reference_logps", "pairs_to_kto_rows", "PairStats", "make_preference_pairs"]
+           "compute_reference_logps", "pairs_to_kto_rows", "PairStats", "make_preference_pairs",
+           "render_response"]
 
 PREFERENCE_BAD_ROW_REASONS = (
     "not_a_dict",      # the row is not a mapping
@@ -154,6 +155,25 @@ def _response(row: Mapping, index: int, key: str) -> str:
         raise PreferenceRowError(index, key, "non_string", f"is a {type(value).__name__}; "
                                  "expected a str or [{'role': 'assistant', 'content': str}]")
     return value
+
+
+def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: str, *,
+                    chat: bool = True) -> tuple[list[int], list[bool]]:
+    """Token ids of prompt + response as every preference model here reads them, and the
+    response mask ([T] bools, True at response tokens): with `chat`, the prompt (a user message
+    string, or a message list) and an assistant turn through the tokenizer's chat template;
+    without it, BOS + prompt + response. EOS is appended when the last response token is not a
+    stop token. Raises PreferenceRowError (a ValueError) when the template cannot render it.
+
+    Example:
+        >>> from posttrain.tokenizer import ByteTokenizer
+        >>> ids, mask = render_response(ByteTokenizer(), "1+1", "2")
+        >>> ids, [t for t, m in zip(ids, mask) if m]   # <bos><user>1+1<end><assistant>2<end>
+        ([257, 260, 49, 43, 49, 262, 261, 50, 262], [50, 262])
+    """
+    if chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return _render(tokenizer, prompt, response, chat, index=0, key="response")
 
 
 def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat: bool,

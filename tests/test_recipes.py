@@ -43,6 +43,10 @@ def test_presets_are_found():
     assert {"sft_chain_sum", "cpt_chain_sum"} <= {p.stem for p in PRESETS}
 
 
+# What each recipe trains and saves (default: a policy as a Hugging Face folder).
+TRAINED_MODEL = {"posttrain_recipe_reward_model": "reward_model/reward_model.json"}
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_runs_at_tiny_size(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -51,7 +55,7 @@ def test_preset_runs_at_tiny_size(path, tmp_path, monkeypatch):
     cfg = dataclasses.replace(cfg, **getattr(module, "TINY", {}), out_dir=str(tmp_path / "run"))
     module.main(cfg)
     assert (tmp_path / "run" / "results.json").is_file()
-    assert (tmp_path / "run" / "policy" / "config.json").is_file()
+    assert (tmp_path / "run" / TRAINED_MODEL.get(module.__name__, "policy/config.json")).is_file()
 
 
 def test_recipe_refuses_a_used_run_dir_before_writing(tmp_path, monkeypatch):
