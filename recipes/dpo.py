@@ -45,6 +45,8 @@ import pandas as pd
 import torch
 
 from posttrain.cli import load_recipe
+from posttrain.config_checks import (require_finite, require_folder, require_int,
+                                     require_positive)
 from posttrain.envs import ReasoningGymTask
 from posttrain.evaluation import paired_bootstrap_diff
 from posttrain.losses import get_loss
@@ -116,23 +118,26 @@ class Config:
         if self.init_from is None and self.model not in PRESETS:
             raise ValueError(f"Config.model={self.model!r}; allowed presets: "
                              f"{', '.join(sorted(PRESETS))} (or set init_from to a HF folder)")
-        for name in ("train_size", "eval_size", "eval_max_new_tokens", "sft_steps",
-                     "sft_batch_size", "num_prompts", "samples_per_prompt",
-                     "sample_max_new_tokens", "val_pairs", "batch_size", "grad_accum_steps",
-                     "num_steps", "max_seq_len"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 1")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 0")
-        if self.samples_per_prompt < 2:
-            raise ValueError("Config.samples_per_prompt must be >= 2 (best vs worst)")
+        require_folder(self, "init_from")
+        require_int(self, ("train_size", "eval_size", "eval_max_new_tokens", "sft_steps",
+                           "sft_batch_size", "num_prompts", "sample_max_new_tokens", "val_pairs",
+                           "batch_size", "grad_accum_steps", "num_steps", "max_seq_len"),
+                    minimum=1)
+        require_int(self, ("warmup_steps", "eval_every", "checkpoint_every"), minimum=0)
+        require_int(self, ("samples_per_prompt",), minimum=2)  # best vs worst
         if self.warmup_steps > self.num_steps:
             raise ValueError(f"Config.warmup_steps={self.warmup_steps} exceeds "
                              f"num_steps={self.num_steps}")
-        for name in ("lr", "sft_lr", "sample_temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be > 0")
+        if self.val_pairs >= self.num_prompts:
+            raise ValueError(f"Config.val_pairs={self.val_pairs} must be below num_prompts="
+                             f"{self.num_prompts}: each prompt gives at most one pair")
+        require_positive(self, ("lr", "sft_lr", "sample_temperature"))
+        require_positive(self, ("max_grad_norm",), optional=True)
+        require_finite(self, ("label_smoothing", "simpo_gamma", "kto_desirable_weight",
+                              "kto_undesirable_weight", "min_lr_ratio"))
+        if self.label_smoothing and self.loss not in ("dpo", "simpo"):
+            raise ValueError(f"Config.label_smoothing={self.label_smoothing!r} is used by dpo and "
+                             f"simpo only; loss={self.loss!r} would ignore it: set it to 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"Config.min_lr_ratio={self.min_lr_ratio!r}; must be in [0, 1]")
         try:

@@ -42,6 +42,7 @@ import pandas as pd
 import torch
 
 from posttrain.cli import load_recipe
+from posttrain.config_checks import require_int, require_positive
 from posttrain.envs import ReasoningGymTask
 from posttrain.evaluation import paired_bootstrap_diff
 from posttrain.models import PRESETS
@@ -93,14 +94,15 @@ class Config:
         if self.algo not in RLAlgorithm.PRESETS:
             raise ValueError(f"Config.algo={self.algo!r}; allowed: "
                              f"{', '.join(RLAlgorithm.PRESETS)}")
-        for name in ("train_size", "eval_size", "sft_steps", "sft_batch_size", "rl_steps",
-                     "prompts_per_step", "group_size", "ppo_epochs", "max_new_tokens",
-                     "eval_max_new_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 1")
-        for name in ("sft_lr", "rl_lr", "temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be > 0")
+        require_int(self, ("train_size", "eval_size", "sft_steps", "sft_batch_size", "rl_steps",
+                           "prompts_per_step", "group_size", "ppo_epochs", "max_new_tokens",
+                           "eval_max_new_tokens"), minimum=1)
+        require_int(self, ("warmup_steps", "checkpoint_every"), minimum=0)
+        require_positive(self, ("sft_lr", "rl_lr", "temperature"))
+        if self.kl_coef is not None and not (isinstance(self.kl_coef, (int, float))
+                                             and 0 <= self.kl_coef < float("inf")):
+            raise ValueError(f"Config.kl_coef={self.kl_coef!r}; must be None (the preset's) or "
+                             "a finite number >= 0")
 
     def algorithm(self) -> RLAlgorithm:
         options: dict[str, Any] = {"group_size": self.group_size, "ppo_epochs": self.ppo_epochs,

@@ -53,6 +53,8 @@ from typing import Any
 import torch
 
 from posttrain.cli import load_recipe
+from posttrain.config_checks import (require_finite, require_folder, require_int,
+                                     require_positive)
 from posttrain.envs import ReasoningGymTask
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
@@ -107,27 +109,22 @@ class Config:
         if self.init_from is None and self.model not in PRESETS:
             raise ValueError(f"Config.model={self.model!r}; allowed presets: "
                              f"{', '.join(sorted(PRESETS))} (or set init_from to a HF folder)")
-        for name in ("sft_train_size", "sft_steps", "sft_batch_size", "num_prompts",
-                     "max_new_tokens", "rm_steps", "rm_batch_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 1")
-        for name in ("eval_size", "warmup_steps", "eval_every", "checkpoint_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 0")
-        if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 2:
-            raise ValueError(f"Config.samples_per_prompt={self.samples_per_prompt!r}; must be an "
-                             "integer >= 2 (a pair needs two candidates)")
+        require_folder(self, "init_from")
+        require_int(self, ("sft_train_size", "sft_steps", "sft_batch_size", "max_new_tokens",
+                           "rm_steps", "rm_batch_size"), minimum=1)
+        require_int(self, ("num_prompts",), minimum=2)  # training and held-out pairs
+        require_int(self, ("eval_size", "warmup_steps", "eval_every", "checkpoint_every"),
+                    minimum=0)
+        require_int(self, ("samples_per_prompt",), minimum=2)  # a pair needs two candidates
         if not 0 < self.held_out_fraction < 1:
             raise ValueError(f"Config.held_out_fraction={self.held_out_fraction!r}; must be in "
                              "(0, 1)")
-        for name in ("sft_lr", "rm_lr", "temperature"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be > 0")
+        require_positive(self, ("sft_lr", "rm_lr", "temperature"))
+        require_finite(self, ("margin",))
         if self.warmup_steps > self.rm_steps:
             raise ValueError(f"Config.warmup_steps={self.warmup_steps} exceeds "
                              f"rm_steps={self.rm_steps}; lower warmup_steps")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"Config.max_grad_norm={self.max_grad_norm!r}; must be > 0 or None")
+        require_positive(self, ("max_grad_norm",), optional=True)
 
 
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).

@@ -26,6 +26,8 @@ import torch
 
 from posttrain.data import (CPTDataset, SFTDataset, SFTLoader, load_sft_rows, load_text_documents,
                             reasoning_gym_sft_rows)
+from posttrain.config_checks import (require_finite, require_folder, require_int,
+                                     require_positive)
 from posttrain.distributed import barrier, rank_and_world_size
 from posttrain.evaluation import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
@@ -75,22 +77,19 @@ class Config:
         if self.init_from is None and self.model not in PRESETS:
             raise ValueError(f"Config.model={self.model!r}; allowed presets: "
                              f"{', '.join(sorted(PRESETS))} (or set init_from to a HF folder)")
-        for name in ("train_size", "max_seq_len", "batch_size", "grad_accum_steps", "num_steps",
-                     "max_new_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 1")
-        for name in ("eval_size", "warmup_steps", "checkpoint_every", "keep_last"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"Config.{name}={getattr(self, name)!r}; must be an integer >= 0")
+        require_folder(self, "init_from")
+        require_int(self, ("train_size", "max_seq_len", "batch_size", "grad_accum_steps",
+                           "num_steps", "max_new_tokens"), minimum=1)
+        require_int(self, ("eval_size", "warmup_steps", "checkpoint_every", "keep_last"),
+                    minimum=0)
         if self.warmup_steps > self.num_steps:
             raise ValueError(f"Config.warmup_steps={self.warmup_steps} exceeds "
                              f"num_steps={self.num_steps}; lower warmup_steps")
-        if not self.lr > 0:
-            raise ValueError(f"Config.lr={self.lr!r}; must be > 0")
+        require_positive(self, ("lr",))
+        require_finite(self, ("weight_decay",))
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"Config.min_lr_ratio={self.min_lr_ratio!r}; must be in [0, 1]")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"Config.max_grad_norm={self.max_grad_norm!r}; must be > 0 or None")
+        require_positive(self, ("max_grad_norm",), optional=True)
         if self.eval_size and _is_file(self.dataset):
             raise ValueError("Config.eval_size > 0 needs a reasoning-gym dataset (its scorer); "
                              f"got the file {self.dataset!r}: set eval_size=0")

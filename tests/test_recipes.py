@@ -76,3 +76,25 @@ def test_sft_config_rejects_warmup_longer_than_training():
     sft = cli.load_recipe("sft")
     with pytest.raises(ValueError, match="warmup_steps=20 exceeds num_steps=5"):
         sft.Config(num_steps=5, warmup_steps=20)
+
+
+@pytest.mark.parametrize("name, overrides, field", [
+    ("dpo", {"max_grad_norm": -1.0}, "max_grad_norm"),
+    ("dpo", {"lr": float("inf")}, "lr"),
+    ("dpo", {"sample_temperature": float("inf")}, "sample_temperature"),
+    ("dpo", {"init_from": "/nonexistent/policy"}, "init_from"),
+    ("dpo", {"num_prompts": 8, "val_pairs": 50}, "val_pairs"),
+    ("dpo", {"loss": "ipo", "label_smoothing": 0.3}, "label_smoothing"),
+    ("reward_model", {"margin": float("nan")}, "margin"),
+    ("reward_model", {"num_prompts": 1}, "num_prompts"),
+    ("sft", {"lr": float("nan")}, "lr"),
+    ("sft", {"init_from": "/nonexistent/policy"}, "init_from"),
+    ("grpo", {"kl_coef": -1.0}, "kl_coef"),
+    ("grpo", {"rl_lr": float("inf")}, "rl_lr"),
+])
+def test_bad_config_values_fail_before_any_stage_runs(name, overrides, field):
+    """Values that used to pass `__post_init__` and fail minutes later (after SFT and sampling
+    had written into the run folder) now fail at construction, naming the field."""
+    module = cli.load_recipe(name)
+    with pytest.raises(ValueError, match=rf"Config\.{field}="):
+        module.Config(**overrides)
