@@ -49,6 +49,7 @@ Example (a stub stands in for the judge model's `generate`):
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import string
 import threading
@@ -101,13 +102,19 @@ class Judge(Protocol):
 # Parsing judge text
 # --------------------------------------------------------------------------------------------
 
-_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?)", re.IGNORECASE)
+# the whole number: "Score: 1e3" is 1000 (not 1), "Score: 7.5" is 7.5, "Score: 7/10" is 7
+_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\.?\d)",
+                    re.IGNORECASE)
 _CHOICE = re.compile(r"(?:answer|better|choice|winner)\s*(?:is)?\s*[:=]?\s*\(?\[?\b([AB])\b",
                      re.IGNORECASE)
 
 
 def parse_score(text: str) -> float | None:
     """The number after the last "Score:" (or "score ="), case-insensitive; None if absent.
+
+    The whole number is read, sign and exponent included ("Score: -1" is -1.0, "Score: 1e3" is
+    1000.0: out of a 0-10 range, hence format_error, never 1); a "/10" after it is ignored; a
+    malformed number ("Score: 1.2.3") is None.
 
     Example:
         >>> parse_score("Reasoning... Score: 7"), parse_score("score = 3.5 / 10"), parse_score("7")
@@ -150,8 +157,7 @@ class _Generator:
     def __init__(self, policy, *, chat: bool, max_new_tokens: int, temperature: float,
                  seed: int, batch_size: int) -> None:
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}; must be an integer >= 1")
+            _check_positive_int(name, value)
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature={temperature!r}; must be >= 0 (0 = greedy)")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -199,12 +205,44 @@ def _quote(text: str) -> str:
     return repr(text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS] + "...")
 
 
-def _check_template(template: str, names: set[str]) -> None:
+def _check_template(template: str, names: set[str], required: tuple[str, ...]) -> None:
+    if not isinstance(template, str):
+        raise TypeError(f"template is a {type(template).__name__}; expected a format string")
     try:
         template.format(**{name: 0 for name in names})
+        used = {re.split(r"[.\[]", field)[0]
+                for _, field, _, _ in string.Formatter().parse(template) if field}
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"template {template[:60]!r}... is not a valid format string over the "
                          f"placeholders {sorted(names)}: {type(exc).__name__}: {exc}") from None
+    missing = [name for name in required if name not in used]
+    if missing:
+        raise ValueError(f"template {template[:60]!r}... lacks the placeholders "
+                         f"{', '.join('{' + m + '}' for m in missing)}; it must show the judge "
+                         f"{', '.join('{' + r + '}' for r in required)}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; must be an integer >= 1")
+
+
+def _check_real(name: str, value: Any, allowed: str) -> float:
+    """`value` as a float if it is a finite real number (not a bool); else ValueError."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)):
+        raise ValueError(f"{name}={value!r}; must be {allowed}")
+    return float(value)
+
+
+def _text_problem(completion: Any, item: Any) -> str | None:
+    """Why (completion, item) cannot be judged: a non-str completion or question; else None."""
+    if not isinstance(completion, str):
+        return f"completion is a {type(completion).__name__}; expected a str"
+    question = item.get("question") if isinstance(item, Mapping) else None
+    if not isinstance(question, str):
+        return f"item has no string 'question' (got {type(question).__name__})"
+    return None
 
 
 class LLMJudge:
@@ -220,8 +258,10 @@ class LLMJudge:
             `tokenizer` and `spec.max_seq_len`).
         rubric: what a good response is; the `{rubric}` placeholder.
         score_range: (low, high), finite, low < high; parsed scores must lie inside (inclusive).
-        parse: `text -> float | None` (default `parse_score`); None or a raise -> format_error.
-        template: format string over rubric, question, completion, reference, low, high.
+        parse: `text -> float | None` (default `parse_score`); None, a raise, or anything but
+            a real number -> format_error.
+        template: format string over rubric, question, completion, reference, low, high; it
+            must use {question} and {completion}.
         normalize: report `(s - low) / (high - low)` in [0, 1] (default) instead of s.
         ok_threshold: outcome ok when the normalised score is >= this, else wrong.
         max_new_tokens, temperature, seed: generation settings (temperature 0 = greedy, the
@@ -238,13 +278,16 @@ class LLMJudge:
                  template: str = DEFAULT_JUDGE_TEMPLATE, normalize: bool = True,
                  ok_threshold: float = 0.5, max_new_tokens: int = 32, temperature: float = 0.0,
                  seed: int = 0, batch_size: int = 32, chat: bool = True) -> None:
-        low, high = (float(v) for v in score_range)
-        if not (math.isfinite(low) and math.isfinite(high) and low < high):
-            raise ValueError(f"score_range={score_range!r}; must be two finite numbers, low < high")
-        if not 0.0 <= ok_threshold <= 1.0:
+        allowed = "two finite numbers (low, high), low < high"
+        if not (isinstance(score_range, Sequence) and len(score_range) == 2):
+            raise ValueError(f"score_range={score_range!r}; must be {allowed}")
+        low, high = (_check_real("score_range", v, allowed) for v in score_range)
+        if not low < high:
+            raise ValueError(f"score_range={score_range!r}; must be {allowed}")
+        if not 0.0 <= _check_real("ok_threshold", ok_threshold, "a number in [0, 1]") <= 1.0:
             raise ValueError(f"ok_threshold={ok_threshold!r}; must be in [0, 1] (normalised)")
         _check_template(template, {"rubric", "question", "completion", "reference", "low",
-                                   "high"})
+                                   "high"}, required=("question", "completion"))
         self.rubric, self.score_range, self.parse = rubric, (low, high), parse
         self.template, self.normalize, self.ok_threshold = template, normalize, ok_threshold
         self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
@@ -272,6 +315,10 @@ class LLMJudge:
         results: list[JudgeResult | None] = [None] * len(completions)
         prompts, where = [], []
         for i, (completion, item) in enumerate(zip(completions, items)):
+            problem = _text_problem(completion, item)
+            if problem is not None:
+                results[i] = JudgeResult.failure(Outcome.ERROR, problem)
+                continue
             try:
                 prompts.append(self.render(completion, item))
                 where.append(i)
@@ -293,6 +340,10 @@ class LLMJudge:
         if value is None:
             return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"no score found in judge output "
                                f"{_quote(text)}", raw=text)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"parse returned {value!r} (a "
+                               f"{type(value).__name__}), not a number, on {_quote(text)}",
+                               raw=text)
         value = float(value)
         if not (math.isfinite(value) and low <= value <= high):
             return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"score {value:g} outside score_range "
@@ -328,12 +379,13 @@ class RewardModelJudge:
         normalize: None reports the raw reward r (any real number); "sigmoid" reports
             sigmoid(r) in (0, 1), the Bradley-Terry probability of beating a response with
             reward 0.
-        ok_threshold: outcome ok when the reported score is >= this; default 0.0 for raw
-            rewards and 0.5 for "sigmoid" (the same decision: r >= 0).
-        batch_size: sequences per forward pass.
+        ok_threshold: outcome ok when the reported score is >= this (a finite number); default
+            0.0 for raw rewards and 0.5 for "sigmoid" (the same decision: r >= 0).
+        batch_size: sequences per forward pass (an integer >= 1).
 
-    Outcomes: ok / wrong by the threshold; error for an item without a question, a sequence
-    longer than the model's `max_seq_len`, or a non-finite reward.
+    Outcomes: ok / wrong by the threshold; error for an item without a question, a completion
+    that is not a str, a sequence the chat template cannot render or longer than the model's
+    `max_seq_len`, or a non-finite reward.
 
     Example:
         >>> from posttrain.reward_model import RewardModel
@@ -345,15 +397,17 @@ class RewardModelJudge:
         (True, True)
 
     Raises:
-        ValueError: for an unknown `normalize`.
+        ValueError: for an unknown `normalize`, a bad `ok_threshold` or `batch_size`.
     """
 
     def __init__(self, reward_model, tokenizer, *, normalize: str | None = None,
                  ok_threshold: float | None = None, batch_size: int = 32) -> None:
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"normalize={normalize!r}; allowed: {NORMALIZE_MODES}")
+        _check_positive_int("batch_size", batch_size)
         self.reward_model, self.tokenizer, self.normalize = reward_model, tokenizer, normalize
-        self.ok_threshold = (ok_threshold if ok_threshold is not None
+        self.ok_threshold = (_check_real("ok_threshold", ok_threshold, "a finite number")
+                             if ok_threshold is not None
                              else 0.5 if normalize == "sigmoid" else 0.0)
         self.batch_size = batch_size
 
@@ -375,11 +429,15 @@ class RewardModelJudge:
         rows, where = [], []
         limit = self.reward_model.spec.max_seq_len
         for i, (completion, item) in enumerate(zip(completions, items)):
-            question = item.get("question") if isinstance(item, Mapping) else None
-            if not isinstance(question, str):
-                out[i] = "item has no string 'question'"
+            problem = _text_problem(completion, item)
+            if problem is not None:
+                out[i] = problem
                 continue
-            ids = render_pair(self.tokenizer, question, completion)
+            try:
+                ids = render_pair(self.tokenizer, item["question"], completion)
+            except ValueError as exc:   # PreferenceRowError: the chat template refused it
+                out[i] = f"cannot render the pair: {exc}"
+                continue
             if len(ids) > limit:
                 out[i] = f"question + completion is {len(ids)} tokens; max_seq_len is {limit}"
                 continue
@@ -536,8 +594,10 @@ class LLMPairwiseJudge:
     Args:
         policy: the judge model (a `Policy`).
         rubric: the `{rubric}` placeholder.
-        template: format string over rubric, question, completion_a, completion_b, reference.
-        parse: `text -> "A" | "B" | None` (default `parse_choice`).
+        template: format string over rubric, question, completion_a, completion_b, reference;
+            it must use {question}, {completion_a} and {completion_b}.
+        parse: `text -> "A" | "B" | None` (default `parse_choice`); a raise is format_error,
+            with the exception in the reason.
         both_orders: judge both orders (False: A-first only, no position-bias control).
         max_new_tokens, temperature, seed, batch_size, chat: as in `LLMJudge`.
 
@@ -560,7 +620,8 @@ class LLMPairwiseJudge:
                  max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
                  batch_size: int = 32, chat: bool = True) -> None:
         _check_template(template, {"rubric", "question", "completion_a", "completion_b",
-                                   "reference"})
+                                   "reference"}, required=("question", "completion_a",
+                                                           "completion_b"))
         self.rubric, self.template, self.parse = rubric, template, parse
         self.both_orders = both_orders
         self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
@@ -571,12 +632,15 @@ class LLMPairwiseJudge:
                                     completion_a=first, completion_b=second,
                                     reference=item.get("answer", ""))
 
-    def _verdict(self, text: str | None) -> str | None:
+    def _verdict(self, text: str) -> tuple[str | None, str]:
+        """("A" | "B", "") or (None, why not)."""
         try:
-            choice = self.parse(text) if text is not None else None
-        except Exception:  # noqa: BLE001 - a failing parser is a format problem
-            return None
-        return choice if choice in ("A", "B") else None
+            choice = self.parse(text)
+        except Exception as exc:  # noqa: BLE001 - a failing parser is a format problem
+            return None, f"parse raised {type(exc).__name__}: {exc} on {_quote(text)}"
+        if choice in ("A", "B"):
+            return choice, ""
+        return None, f"no A/B verdict in judge output {_quote(text)}"
 
     def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
                 items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]:
@@ -587,6 +651,10 @@ class LLMPairwiseJudge:
         results: list[PairwiseResult | None] = [None] * len(items)
         prompts, where = [], []
         for i, (a, b, item) in enumerate(zip(completions_a, completions_b, items)):
+            problem = _text_problem(a, item) or _text_problem(b, item)
+            if problem is not None:
+                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, problem)
+                continue
             try:
                 pair = [self._render(a, b, item)] + ([self._render(b, a, item)] if orders == 2
                                                      else [])
@@ -605,11 +673,10 @@ class LLMPairwiseJudge:
                 results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, errors[0], raw)
                 continue
             # a verdict in the B-first order names the swapped positions
-            verdicts = [self._verdict(t) for t, _ in texts]
+            verdicts, whys = zip(*(self._verdict(t) for t, _ in texts))
             if None in verdicts:
-                bad = raw[verdicts.index(None)]
                 results[i] = PairwiseResult(PairwiseOutcome.FORMAT_ERROR, None,
-                                            f"no A/B verdict in judge output {_quote(bad)}", raw)
+                                            whys[verdicts.index(None)], raw)
                 continue
             winners = [verdicts[0]] + ([{"A": "B", "B": "A"}[verdicts[1]]] if orders == 2
                                        else [])
@@ -634,13 +701,13 @@ class RewardModelPairwiseJudge:
 
     Args:
         reward_model, tokenizer, batch_size: as in `RewardModelJudge`.
-        tie_tol: reward difference treated as a tie (>= 0), in reward units.
+        tie_tol: reward difference treated as a tie (a finite number >= 0), in reward units.
     """
 
     def __init__(self, reward_model, tokenizer, *, tie_tol: float = 1e-5,
                  batch_size: int = 32) -> None:
-        if not tie_tol >= 0:
-            raise ValueError(f"tie_tol={tie_tol!r}; must be >= 0")
+        if not _check_real("tie_tol", tie_tol, "a finite number >= 0") >= 0:
+            raise ValueError(f"tie_tol={tie_tol!r}; must be a finite number >= 0")
         self._scorer = RewardModelJudge(reward_model, tokenizer, batch_size=batch_size)
         self.tie_tol = tie_tol
 

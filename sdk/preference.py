@@ -102,11 +102,13 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
         losses [B] fp32; chosen_rewards, rejected_rewards [B] = beta * log-ratio, detached.
 
     Raises:
-        ValueError: for shapes that are not four equal [B], beta <= 0, e outside [0, 0.5), or an
-            unknown loss_type.
+        TypeError: for an input that is not a tensor.
+        ValueError: for shapes that are not four equal [B], a NaN or infinite log-prob,
+            beta <= 0, e outside [0, 0.5), or an unknown loss_type.
     """
-    _check_pairs(policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B,
-                 ref_rejected_logps_B)
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B,
+                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
     _check_beta(beta)
     _check_label_smoothing(label_smoothing)
     if loss_type not in DPO_LOSS_TYPES:
@@ -139,17 +141,20 @@ def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
         policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B, ref_rejected_logps_B:
             [B] summed response log-probs.
         beta: > 0 (tau in the paper): the target log-ratio gap is 1 / (2 beta).
-        chosen_lengths_B, rejected_lengths_B: [B] response token counts, both or neither.
+        chosen_lengths_B, rejected_lengths_B: [B] response token counts (>= 0), both or neither.
 
     Returns:
         losses [B]; chosen_rewards, rejected_rewards [B] = beta * (summed) log-ratio, detached
         (as TRL logs them, unnormalised).
 
     Raises:
-        ValueError: for mismatched shapes, only one of the lengths, or beta <= 0.
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
+            a negative length, or beta <= 0.
     """
-    _check_pairs(policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B,
-                 ref_rejected_logps_B)
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B,
+                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
     _check_beta(beta)
     chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
     rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
@@ -184,10 +189,12 @@ def simpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *
         losses [B]; chosen_rewards, rejected_rewards [B] = beta * a, detached.
 
     Raises:
-        ValueError: for mismatched shapes, only one of the lengths, beta <= 0, gamma < 0 or e
-            outside [0, 0.5).
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
+            a negative length, beta <= 0, gamma < 0 or e outside [0, 0.5).
     """
-    _check_pairs(policy_chosen_logps_B, policy_rejected_logps_B)
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B)
     _check_beta(beta)
     _check_label_smoothing(label_smoothing)
     if not (math.isfinite(gamma) and gamma >= 0):
@@ -214,9 +221,9 @@ def kto_reference_point(policy_kl_logps_K: Tensor, ref_kl_logps_K: Tensor) -> Te
         A scalar fp32 tensor >= 0 (no host sync).
 
     Raises:
-        ValueError: if the shapes differ or K = 0.
+        ValueError: if the shapes differ, a log-prob is NaN or infinite, or K = 0.
     """
-    _check_pairs(policy_kl_logps_K, ref_kl_logps_K)
+    _check_pairs(policy_kl_logps_K=policy_kl_logps_K, ref_kl_logps_K=ref_kl_logps_K)
     if policy_kl_logps_K.numel() == 0:
         raise ValueError("kto_reference_point needs at least one mismatched pair (K >= 1)")
     return (policy_kl_logps_K - ref_kl_logps_K).mean().clamp(min=0).detach()
@@ -237,7 +244,8 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
     Args:
         policy_logps_N, ref_logps_N: [N] summed response log-probs.
         desirable_N: [N] bool, True for a desirable row.
-        reference_point: z0, a detached scalar (`kto_reference_point`) or a float; 0 disables it.
+        reference_point: z0, a finite detached scalar (a 0-dim tensor from
+            `kto_reference_point`) or a float; 0 disables it.
         beta: > 0.
         desirable_weight, undesirable_weight: lambda_D, lambda_U > 0.
 
@@ -247,9 +255,11 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
         returns them: one tensor per kind, not per pair).
 
     Raises:
-        ValueError: for mismatched shapes, a non-bool `desirable_N`, beta or a weight <= 0.
+        TypeError: for a log-prob input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, a non-bool
+            `desirable_N`, a reference_point that is not a finite scalar, beta or a weight <= 0.
     """
-    _check_pairs(policy_logps_N, ref_logps_N)
+    _check_pairs(policy_logps_N=policy_logps_N, ref_logps_N=ref_logps_N)
     if desirable_N.shape != policy_logps_N.shape or desirable_N.dtype != torch.bool:
         raise ValueError(f"desirable_N must be a bool tensor shaped like the log-probs "
                          f"{tuple(policy_logps_N.shape)}; got {desirable_N.dtype} "
@@ -261,6 +271,9 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
             raise ValueError(f"{name}={weight!r}; must be a finite number > 0")
     logratios_N = policy_logps_N - ref_logps_N
     z0 = torch.as_tensor(reference_point, dtype=logratios_N.dtype, device=logratios_N.device)
+    if z0.ndim != 0 or not bool(torch.isfinite(z0)):
+        raise ValueError(f"reference_point must be a finite scalar (a float or a 0-dim tensor); "
+                         f"got shape {tuple(z0.shape)}" + ("" if z0.ndim else f", value {z0}"))
     desirable_losses_N = desirable_weight * (1 - torch.sigmoid(beta * (logratios_N - z0)))
     undesirable_losses_N = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios_N)))
     losses_N = torch.where(desirable_N, desirable_losses_N, undesirable_losses_N)
@@ -291,13 +304,21 @@ def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
         losses [B] >= 0; chosen_rewards, rejected_rewards [B] = beta * average log-prob, detached.
 
     Raises:
-        ValueError: for mismatched shapes, only one of the lengths, or beta <= 0.
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, an average log-prob
+            >= 0 (odds P / (1 - P) need P < 1), only one of the lengths, a negative length, or
+            beta <= 0.
     """
-    _check_pairs(policy_chosen_logps_B, policy_rejected_logps_B)
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B)
     _check_beta(beta)
     chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B.float(),
                                               policy_rejected_logps_B.float(),
                                               chosen_lengths_B, rejected_lengths_B)
+    if not bool(((chosen_avg_B < 0) & (rejected_avg_B < 0)).all()):
+        raise ValueError(f"orpo_loss needs average log-probs < 0 (P < 1, else the odds are "
+                         f"infinite); got policy_chosen_logps_B max {float(chosen_avg_B.max()):g}, "
+                         f"policy_rejected_logps_B max {float(rejected_avg_B.max()):g} per token")
     log_odds_B = (chosen_avg_B - rejected_avg_B) - (_log1mexp(chosen_avg_B)
                                                     - _log1mexp(rejected_avg_B))
     losses_B = -beta * F.logsigmoid(log_odds_B)
@@ -307,8 +328,19 @@ def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
 def step_share(losses_B: Tensor, num_units_in_step: Tensor | int) -> Tensor:
     """This micro-batch's share of the step loss: `losses_B.sum() / num_units_in_step`, where
     `num_units_in_step` counts the pairs (KTO: rows) of every micro-batch of the optimizer step,
-    so the shares add up to the mean over the step's pairs. Raises ValueError for an int below 1.
+    so the shares add up to the mean over the step's pairs.
+
+    Raises:
+        ValueError: if `num_units_in_step` is below 1: an int, or a tensor on the CPU (a tensor
+            on an accelerator is not checked, to avoid a host sync; the trainer checks the
+            count once per step).
     """
+    count = num_units_in_step
+    if isinstance(count, Tensor) and count.device.type == "cpu" and count.numel() == 1:
+        count = count.item()
+    if isinstance(count, (int, float)) and not count >= 1:
+        raise ValueError(f"num_units_in_step={count!r}; it counts the pairs (KTO: rows) of the "
+                         "whole optimizer step and must be >= 1")
     return normalize_by_step(losses_B.sum(), num_units_in_step)
 
 
@@ -569,7 +601,12 @@ def _per_token(chosen_B: Tensor, rejected_B: Tensor, chosen_lengths_B: Tensor | 
         raise ValueError("pass both chosen_lengths_B and rejected_lengths_B, or neither")
     if chosen_lengths_B is None:
         return chosen_B, rejected_B
-    _check_pairs(chosen_B, chosen_lengths_B, rejected_lengths_B)
+    _check_pairs(finite=False, logps_B=chosen_B, chosen_lengths_B=chosen_lengths_B,
+                 rejected_lengths_B=rejected_lengths_B)
+    if not bool(((chosen_lengths_B >= 0) & (rejected_lengths_B >= 0)).all()):
+        raise ValueError(f"response lengths must be >= 0; got chosen_lengths_B "
+                         f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
+                         f"{rejected_lengths_B.tolist()}")
     return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
             rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
 
@@ -580,11 +617,23 @@ def _log1mexp(x: Tensor) -> Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
-def _check_pairs(*tensors: Tensor) -> None:
-    shape = tensors[0].shape
-    if len(shape) != 1 or any(t.shape != shape for t in tensors):
-        raise ValueError(f"expected 1-D tensors of one shape [B]; got "
-                         f"{[tuple(t.shape) for t in tensors]}")
+def _check_pairs(*, finite: bool = True, **tensors: Tensor) -> None:
+    """The named inputs are tensors of one 1-D shape and, with `finite`, hold no NaN or inf
+    (one host sync for all of them)."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} is a {type(t).__name__}; expected a 1-D torch.Tensor")
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+        raise ValueError(f"expected 1-D tensors of one shape [B]; got {shapes}")
+    if not finite:
+        return
+    device = next(iter(tensors.values())).device
+    finite_flags = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()])
+    if not bool(finite_flags.all()):
+        bad = [name for name, ok in zip(tensors, finite_flags.tolist()) if not ok]
+        raise ValueError(f"{', '.join(bad)} must be finite; got NaN or inf (a log-prob of -inf "
+                         "is a probability of 0, which these losses cannot train on)")
 
 
 def _check_beta(beta: float) -> None:

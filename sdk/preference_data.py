@@ -7,8 +7,9 @@ Rows:
     pairs: {"prompt": str | [messages], "chosen": str | [assistant message],
             "rejected": str | [assistant message]}
     KTO:   {"prompt": ..., "completion": str | [assistant message], "label": bool}
-from a list of dicts, a pandas DataFrame or a .jsonl/.json path. A bad row (missing field,
-non-string, chosen == rejected, longer than `max_seq_len`, ...) raises `PreferenceRowError` (a
+from a list of dicts, a pandas DataFrame or a .jsonl/.json path. A bad row (a JSONL line that is
+not JSON, missing field, non-string, empty response, chosen == rejected up to surrounding
+whitespace, longer than `max_seq_len`, ...) raises `PreferenceRowError` (a
 ValueError naming the row index, the field and a reason), or with `on_bad_row="skip"` is skipped
 and counted by reason in `dataset.stats`.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -56,11 +59,13 @@ __all__ = ["PREFERENCE_BAD_ROW_REASONS", "PreferenceRowError", "PreferenceStats"
            "render_response"]
 
 PREFERENCE_BAD_ROW_REASONS = (
+    "bad_json",        # a line of a .jsonl file that is not JSON (the reason names the line)
     "not_a_dict",      # the row is not a mapping
     "missing_field",   # no prompt / chosen / rejected (KTO: completion / label)
     "non_string",      # a field that is neither a string nor the accepted message form
     "empty",           # an empty (whitespace-only) prompt
-    "same_response",   # chosen == rejected
+    "empty_response",  # an empty (whitespace-only) chosen, rejected or completion
+    "same_response",   # chosen == rejected, surrounding whitespace ignored
     "bad_label",       # KTO label that is not a bool
     "render_error",    # the tokenizer's chat template rejected the conversation
     "overlong",        # prompt + response longer than max_seq_len
@@ -105,11 +110,55 @@ def load_preference_rows(source: Any) -> list[Any]:
 
     Raises:
         FileNotFoundError: for a path that does not exist.
-        ValueError: for a JSONL line that is not JSON, or another kind of source.
+        ValueError: for a JSONL line that is not JSON (naming file and line), or another kind
+            of source.
     """
-    if isinstance(source, (str, os.PathLike)) and not Path(source).is_file():
-        raise FileNotFoundError(f"preference data file {source} does not exist")
-    return load_sft_rows(source)
+    rows = _read_rows(source)
+    for row in rows:
+        if isinstance(row, _BadLine):
+            raise ValueError(row.detail)
+    return rows
+
+
+@dataclass(frozen=True)
+class _BadLine:
+    """A .jsonl line that is not JSON, kept in its row position so a dataset can skip it."""
+
+    detail: str
+
+
+def _read_rows(source: Any) -> list[Any]:
+    """`load_preference_rows`, but a broken JSONL line comes back as a `_BadLine`."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"preference data file {source} does not exist")
+        if path.suffix == ".json":
+            return load_sft_rows(path)
+        rows: list[Any] = []
+        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                rows.append(_BadLine(f"{path}:{line_no}: not valid JSON ({e.msg}); each line of "
+                                     "a JSONL file must be one JSON object"))
+        return rows
+    if type(source).__name__ == "DataFrame" or (
+            isinstance(source, Sequence) and not isinstance(source, (str, bytes))):
+        return load_sft_rows(source)
+    raise ValueError(f"cannot read preference rows from a {type(source).__name__}; pass a list "
+                     "of dicts, a pandas DataFrame, or a .jsonl/.json path")
+
+
+def _check_row(row: Any, index: int, fields: str) -> None:
+    """PreferenceRowError for a broken JSONL line or a row that is not a mapping."""
+    if isinstance(row, _BadLine):
+        raise PreferenceRowError(index, None, "bad_json", row.detail)
+    if not isinstance(row, Mapping):
+        raise PreferenceRowError(index, None, "not_a_dict", f"is a {type(row).__name__}, "
+                                 f"expected a dict with {fields}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,6 +203,8 @@ def _response(row: Mapping, index: int, key: str) -> str:
     if not isinstance(value, str):
         raise PreferenceRowError(index, key, "non_string", f"is a {type(value).__name__}; "
                                  "expected a str or [{'role': 'assistant', 'content': str}]")
+    if not value.strip():
+        raise PreferenceRowError(index, key, "empty_response", f"the {key} is empty")
     return value
 
 
@@ -277,17 +328,16 @@ class PreferenceDataset(_RowDataset):
                  on_bad_row: Literal["raise", "skip"] = "raise") -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         self.items: list[dict[str, Tensor]] = []
-        for i, row in enumerate(load_preference_rows(rows)):
+        for i, row in enumerate(_read_rows(rows)):
             self.stats.rows += 1
             try:
-                if not isinstance(row, Mapping):
-                    raise PreferenceRowError(i, None, "not_a_dict", f"is a {type(row).__name__}, "
-                                             "expected a dict with prompt, chosen, rejected")
+                _check_row(row, i, "prompt, chosen, rejected")
                 prompt = _prompt(row, i, self.chat)
                 chosen, rejected = _response(row, i, "chosen"), _response(row, i, "rejected")
-                if chosen == rejected:
-                    raise PreferenceRowError(i, "rejected", "same_response",
-                                             "rejected is the same text as chosen")
+                if chosen.strip() == rejected.strip():
+                    raise PreferenceRowError(i, "rejected", "same_response", "rejected is the "
+                                             "same text as chosen (surrounding whitespace "
+                                             "ignored)")
                 item = {}
                 for key, text in (("chosen", chosen), ("rejected", rejected)):
                     ids, mask = _render(tokenizer, prompt, text, self.chat, i, key)
@@ -339,17 +389,15 @@ class KTODataset(_RowDataset):
                  on_bad_row: Literal["raise", "skip"] = "raise") -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         kept: list[tuple[Any, str, bool, int, list[int], list[bool]]] = []
-        for i, row in enumerate(load_preference_rows(rows)):
+        for i, row in enumerate(_read_rows(rows)):
             self.stats.rows += 1
             try:
-                if not isinstance(row, Mapping):
-                    raise PreferenceRowError(i, None, "not_a_dict", f"is a {type(row).__name__}, "
-                                             "expected a dict with prompt, completion, label")
+                _check_row(row, i, "prompt, completion, label")
                 prompt = _prompt(row, i, self.chat)
                 completion = _response(row, i, "completion")
                 if "label" not in row:
                     raise PreferenceRowError(i, "label", "missing_field", "has no 'label'")
-                if not isinstance(row["label"], bool) and type(row["label"]).__name__ != "bool_":
+                if not isinstance(row["label"], (bool, np.bool_)):
                     raise PreferenceRowError(i, "label", "bad_label", f"is {row['label']!r}; "
                                              "expected True (desirable) or False (undesirable)")
                 ids, mask = _render(tokenizer, prompt, completion, self.chat, i, "completion")
@@ -403,10 +451,24 @@ def _pad(sequences: Sequence[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tenso
     return input_ids, attention, response
 
 
-def pairs_to_kto_rows(rows: Sequence[Mapping]) -> list[dict]:
-    """Each pair becomes two KTO rows: (prompt, chosen, label True), (prompt, rejected, False)."""
+def pairs_to_kto_rows(rows: Any) -> list[dict]:
+    """Each pair becomes two KTO rows: (prompt, chosen, label True), (prompt, rejected, False).
+
+    Args:
+        rows: pairs as `PreferenceDataset` reads them: a list of dicts, a DataFrame or a
+            .jsonl/.json path. Fields are copied as they are; `KTODataset` validates them.
+
+    Raises:
+        PreferenceRowError (a ValueError): for a row that is not a mapping or lacks prompt,
+            chosen or rejected, naming the row.
+        ValueError, FileNotFoundError: as `load_preference_rows`.
+    """
     out = []
-    for row in rows:
+    for i, row in enumerate(load_preference_rows(rows)):
+        _check_row(row, i, "prompt, chosen, rejected")
+        for key in ("prompt", "chosen", "rejected"):
+            if key not in row:
+                raise PreferenceRowError(i, key, "missing_field", f"has no {key!r}")
         out.append({"prompt": row["prompt"], "completion": row["chosen"], "label": True})
         out.append({"prompt": row["prompt"], "completion": row["rejected"], "label": False})
     return out

@@ -53,7 +53,7 @@ class Registry(Generic[F]):
         if self._load_builtins is not None:
             self._load_builtins()
         if name not in self._factories:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered {self.kind}s: "
+            raise ValueError(f"unknown {self.kind} {name!r}; registered {_plural(self.kind)}: "
                              f"{', '.join(sorted(self._factories))}")
         return self._factories[name](**options)
 
@@ -61,6 +61,15 @@ class Registry(Generic[F]):
         if self._load_builtins is not None:
             self._load_builtins()
         return tuple(self._factories)
+
+
+def _plural(noun: str) -> str:
+    """English plural of a registry kind: loss -> losses, verifier -> verifiers."""
+    if noun.endswith(("s", "x", "z", "ch", "sh")):
+        return noun + "es"
+    if noun.endswith("y") and noun[-2:-1] not in tuple("aeiou"):
+        return noun[:-1] + "ies"
+    return noun + "s"
 
 
 def _identity(factory: Any) -> tuple[str | None, str | None]:

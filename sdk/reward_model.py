@@ -138,11 +138,20 @@ class RewardModel(nn.Module):
                 mask and position ids, as in `posttrain.policy.token_logprobs`.
 
         Raises:
-            ValueError: for shape mismatches or a row without a real token.
+            ValueError: for shape mismatches, an empty batch, a row without a real token, or a
+                token id outside [0, spec.vocab_size).
         """
         if input_ids_BT.ndim != 2:
             raise ValueError(f"input_ids_BT must be [B, T]; got {tuple(input_ids_BT.shape)}")
         B, T = input_ids_BT.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"input_ids_BT is empty (shape {(B, T)}); a reward needs at least "
+                             "one sequence of at least one token")
+        V = self.spec.vocab_size
+        if bool(((input_ids_BT < 0) | (input_ids_BT >= V)).any()):
+            raise ValueError(f"input_ids_BT holds token ids in [{int(input_ids_BT.min())}, "
+                             f"{int(input_ids_BT.max())}]; the model's vocabulary is [0, {V}) "
+                             "(spec.vocab_size): was it tokenised with another tokenizer?")
         if attention_mask_BT is None:
             valid_BT = torch.ones(B, T, dtype=torch.bool, device=input_ids_BT.device)
         else:
@@ -173,8 +182,11 @@ class RewardModel(nn.Module):
         batches of `batch_size`; the training mode is restored after).
 
         Raises:
-            ValueError: for an empty sequence or one longer than `spec.max_seq_len`.
+            ValueError: for an empty sequence or one longer than `spec.max_seq_len`, or a
+                `batch_size` that is not an integer >= 1.
         """
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
         for i, ids in enumerate(sequences):
             if not 1 <= len(ids) <= self.spec.max_seq_len:
                 raise ValueError(f"sequences[{i}] has {len(ids)} tokens; need 1.."

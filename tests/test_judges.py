@@ -121,7 +121,7 @@ def test_llm_judge_per_item_failures_do_not_fail_the_batch():
     results = judge.judge(["fine", "x" * 200, "fine"], [ITEM, ITEM, {"answer": "3"}])
     assert [r.outcome.value for r in results] == ["ok", "error", "error"]
     assert "judge prompt has" in results[1].reason and "at most 99" in results[1].reason
-    assert "KeyError" in results[2].reason
+    assert "no string 'question'" in results[2].reason
     assert all(r.score == 0.0 for r in results[1:])
 
 
@@ -358,3 +358,86 @@ def test_reward_model_pairwise_judge_is_bradley_terry(reward_model):
 def test_doctests():
     result = doctest.testmod(judges_module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: a clear error naming the argument, or a typed outcome for that row only
+# --------------------------------------------------------------------------------------------
+
+
+def test_templates_must_show_the_judge_the_completion_and_question():
+    policy = ScriptedPolicy(lambda t: "")
+    with pytest.raises(ValueError, match=r"lacks the placeholders \{completion\}"):
+        LLMJudge(policy, "x", template="{rubric} {question} rate it")
+    with pytest.raises(ValueError, match=r"lacks the placeholders \{question\}"):
+        LLMJudge(policy, "x", template="{completion} rate it")
+    with pytest.raises(ValueError, match=r"lacks the placeholders \{completion_b\}"):
+        LLMPairwiseJudge(policy, template="{question} {completion_a}")
+
+
+def test_judge_settings_are_validated_naming_the_argument(reward_model):
+    policy, tok = ScriptedPolicy(lambda t: ""), ByteTokenizer()
+    for bad in ((0, 5, 10), 10, ("a", 5)):
+        with pytest.raises(ValueError, match="score_range=.*two finite numbers"):
+            LLMJudge(policy, "r", score_range=bad)
+    for bad in (None, "0.5", math.nan):
+        with pytest.raises(ValueError, match="ok_threshold"):
+            LLMJudge(policy, "r", ok_threshold=bad)
+    with pytest.raises(ValueError, match="ok_threshold='x'; must be a finite number"):
+        RewardModelJudge(reward_model, tok, ok_threshold="x")
+    with pytest.raises(ValueError, match="tie_tol='a'; must be a finite number >= 0"):
+        RewardModelPairwiseJudge(reward_model, tok, tie_tol="a")
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match=f"batch_size={bad!r}; must be an integer >= 1"):
+            RewardModelJudge(reward_model, tok, batch_size=bad)
+        with pytest.raises(ValueError, match="batch_size"):
+            RewardModelPairwiseJudge(reward_model, tok, batch_size=bad)
+        with pytest.raises(ValueError, match="batch_size"):
+            LLMJudge(policy, "r", batch_size=bad)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Score: 7/10", 7.0), ("Score: 7.5", 7.5), ("Score: 7.", 7.0), ("Score: -1", -1.0),
+    ("Score: 1e3", 1000.0), ("Score: 1.2.3", None), ("Score: 12", 12.0)])
+def test_parse_score_reads_the_whole_number(text, expected):
+    assert parse_score(text) == expected
+
+
+def test_out_of_range_whole_numbers_are_format_errors():
+    judge = LLMJudge(ScriptedPolicy(lambda t: t.split("Response:\n")[1].split("\n")[0]), "r")
+    results = judge.judge(["Score: 1e3", "Score: -1", "Score: 7/10"], [ITEM] * 3)
+    assert [r.outcome.value for r in results] == ["format_error", "format_error", "ok"]
+    assert "score 1000 outside score_range" in results[0].reason
+
+
+@pytest.mark.parametrize("parse", [lambda t: "seven", lambda t: [7], lambda t: True])
+def test_a_parse_returning_a_non_number_is_a_format_error(parse):
+    judge = LLMJudge(ScriptedPolicy(lambda t: "Score: 7"), "r", parse=parse)
+    [r] = judge.judge(["c"], [ITEM])
+    assert r.outcome is Outcome.FORMAT_ERROR and "not a number" in r.reason
+
+
+def test_non_string_completions_and_questions_are_errors_for_their_row_only(reward_model):
+    policy = ScriptedPolicy(lambda t: "Score: 7")
+    results = LLMJudge(policy, "r").judge(["c", None, "c"], [{"question": None}, ITEM, ITEM])
+    assert [r.outcome.value for r in results] == ["error", "error", "ok"]
+    assert "no string 'question'" in results[0].reason
+    assert "completion is a NoneType" in results[1].reason
+    assert "None" not in "".join(policy.calls[0][0])   # nothing rendered "None" into a prompt
+    rm_results = RewardModelJudge(reward_model, ByteTokenizer()).judge(
+        [None, 5, "12"], [ITEM] * 3)
+    assert [r.outcome.value for r in rm_results[:2]] == ["error", "error"]
+    assert "completion is a int" in rm_results[1].reason
+    assert rm_results[2].outcome in (Outcome.OK, Outcome.WRONG)
+    [pair] = LLMPairwiseJudge(ScriptedPolicy(lambda t: "Answer: A")).compare([None], ["b"], [ITEM])
+    assert pair.outcome is PairwiseOutcome.ERROR and "completion is a NoneType" in pair.reason
+
+
+def test_a_raising_pairwise_parser_is_named_in_the_reason():
+    def parse(text):
+        raise RuntimeError("boom")
+
+    [r] = LLMPairwiseJudge(ScriptedPolicy(lambda t: "A"), parse=parse).compare(["a"], ["b"],
+                                                                               [ITEM])
+    assert r.outcome is PairwiseOutcome.FORMAT_ERROR
+    assert "parse raised RuntimeError: boom" in r.reason

@@ -521,6 +521,9 @@ BAD_ROWS = [
     ({"prompt": "p", "chosen": 3, "rejected": "b"}, "chosen", "non_string"),
     ({"prompt": "  ", "chosen": "a", "rejected": "b"}, "prompt", "empty"),
     ({"prompt": "p", "chosen": "same", "rejected": "same"}, "rejected", "same_response"),
+    ({"prompt": "p", "chosen": "b", "rejected": "b "}, "rejected", "same_response"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "chosen", "empty_response"),
+    ({"prompt": "p", "chosen": "a", "rejected": " \n"}, "rejected", "empty_response"),
     ({"prompt": "p", "chosen": "a", "rejected": "b" * 80}, "rejected", "overlong"),
     ({"prompt": [{"role": "robot", "content": "p"}], "chosen": "a", "rejected": "b"}, "prompt",
      "render_error"),
@@ -674,3 +677,72 @@ def test_pairs_from_a_real_policy_are_deterministic_and_feed_the_datasets():
     assert first == again and first[1].pairs >= 1
     PreferenceDataset(first[0], ByteTokenizer(), max_seq_len=64)
     KTODataset(pairs_to_kto_rows(first[0]), ByteTokenizer(), max_seq_len=64)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs: a clear error naming the argument, or a counted bad row
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_broken_jsonl_line_is_a_counted_bad_row_with_its_line_number(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    lines = [json.dumps(r) for r in _pair_rows(2)]
+    path.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
+    with pytest.raises(PreferenceRowError, match=r"row 1: .*pairs.jsonl:2: not valid JSON"):
+        PreferenceDataset(path, ByteTokenizer(), max_seq_len=40)
+    ds = PreferenceDataset(path, ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    assert len(ds) == 2 and ds.stats.skipped_by_reason == {"bad_json": 1}
+    with pytest.raises(ValueError, match="cannot read preference rows from a int"):
+        PreferenceDataset(5, ByteTokenizer(), max_seq_len=40)
+
+
+def test_empty_kto_completion_is_a_bad_row_and_numpy_bool_labels_are_accepted():
+    import numpy as np
+
+    rows = [{"prompt": "a?", "completion": "x", "label": np.True_},
+            {"prompt": "b?", "completion": "yy", "label": np.False_},
+            {"prompt": "c?", "completion": "  ", "label": True}]
+    ds = KTODataset(rows, ByteTokenizer(), max_seq_len=32, on_bad_row="skip")
+    assert len(ds) == 2 and ds.stats.skipped_by_reason == {"empty_response": 1}
+    assert [ds[i]["desirable"] for i in range(2)] == [True, False]
+
+
+def test_pairs_to_kto_rows_reads_a_dataframe_and_names_a_bad_row():
+    pairs = _pair_rows(2)
+    assert pairs_to_kto_rows(pd.DataFrame(pairs)) == pairs_to_kto_rows(pairs)
+    with pytest.raises(PreferenceRowError, match=r"row 1, field 'rejected'.*\[missing_field\]"):
+        pairs_to_kto_rows([pairs[0], {"prompt": "p", "chosen": "a"}])
+
+
+def test_pure_losses_reject_non_finite_and_non_tensor_inputs():
+    z, ninf = torch.zeros(2), torch.full((2,), -math.inf)
+    with pytest.raises(ValueError, match="policy_chosen_logps_B, policy_rejected_logps_B must be "
+                                         "finite"):
+        dpo_loss(ninf, ninf, z, z)
+    with pytest.raises(TypeError, match="policy_chosen_logps_B is a list"):
+        dpo_loss([0.0, 0.0], z, z, z)
+    with pytest.raises(ValueError, match="average log-probs < 0"):
+        orpo_loss(torch.tensor([0.0, -1.0]), torch.tensor([-1.0, -2.0]))
+    with pytest.raises(ValueError, match="average log-probs < 0"):
+        orpo_loss(torch.tensor([0.5]), torch.tensor([-1.0]))
+    desirable = torch.tensor([True, False])
+    with pytest.raises(ValueError, match="reference_point must be a finite scalar"):
+        kto_loss(z, z, desirable, reference_point=math.nan)
+    with pytest.raises(ValueError, match=r"reference_point must be a finite scalar.*shape \(2,\)"):
+        kto_loss(z, z, desirable, reference_point=torch.zeros(2))
+    with pytest.raises(ValueError, match="num_units_in_step=0; it counts the pairs"):
+        step_share(z, torch.tensor(0))
+    with pytest.raises(ValueError, match="num_units_in_step=-2"):
+        step_share(z, -2)
+    with pytest.raises(ValueError, match="response lengths must be >= 0"):
+        ipo_loss(z, z, z, z, chosen_lengths_B=torch.tensor([1, -1]),
+                 rejected_lengths_B=torch.tensor([1, 1]))
+
+
+def test_an_unknown_loss_name_lists_the_registered_losses():
+    from posttrain.registry import _plural
+
+    with pytest.raises(ValueError, match="registered losses: "):
+        get_loss("no_such_loss")
+    assert [_plural(k) for k in ("loss", "verifier", "task", "policy", "key")] == [
+        "losses", "verifiers", "tasks", "policies", "keys"]

@@ -243,3 +243,16 @@ def test_recipe_config_names_the_bad_field_and_splits_by_prompt():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     with pytest.raises(ValueError, match="too few to split"):
         recipe.split_by_question(rows[:1], 0.2, seed=0)
+
+
+def test_bad_batches_and_batch_sizes_raise_naming_the_problem(rm):
+    with pytest.raises(ValueError, match="input_ids_BT is empty"):
+        rm(torch.zeros(0, 4, dtype=torch.long))
+    vocab = rm.spec.vocab_size
+    with pytest.raises(ValueError, match=rf"vocabulary is \[0, {vocab}\)"):
+        rm(torch.tensor([[1, vocab]]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        rm(torch.tensor([[-1, 2]]))
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=f"batch_size={bad!r}; must be an integer >= 1"):
+            rm.score([[1, 2]], batch_size=bad)
