@@ -39,6 +39,7 @@ from __future__ import annotations
 import html
 import io
 import math
+import numbers
 import os
 import time
 import warnings
@@ -330,7 +331,9 @@ class LiveDashboard:
     Args:
         metrics: columns to plot (and "outcomes"); None picks per run: `SFT_DEFAULT_METRICS`
             or, once a row has `reward_mean`, `RL_DEFAULT_METRICS`, plus `eval/...` columns.
-            A requested column that has no value yet shows an empty "no data yet" panel.
+            A requested column that has no value yet shows an empty "no data yet" panel; one
+            missing from the first step's row (except `eval/...`, which appear at the first
+            evaluation) is also reported once in `errors` (a typo would stay empty forever).
         every: consider redrawing only on every `every`-th step (the final state always).
         max_rows: rollouts shown in the RL table (one per group first).
         min_interval_s: seconds between redraws at least (0: every considered step).
@@ -352,8 +355,9 @@ class LiveDashboard:
             its children are `header` (HTML), `progress` (IntProgress), `image` (Image, PNG),
             `table` (HTML) and `out` (Output).
         renders: how many times the widgets were redrawn. displays: outputs created (0 or 1).
-        errors: messages of redraws that failed (a failing plot never stops training; the
-            message also goes to `out` with `append_stdout`).
+        errors: messages of redraws that failed, of requested metrics the run does not have
+            and of rows whose step is not a number (none of these stops training; each message
+            also goes to `out` with `append_stdout` in widget mode, to a warning in text mode).
 
     Raises:
         ValueError: for out-of-range options. ImportError: `widget=True` without ipywidgets.
@@ -396,6 +400,7 @@ class LiveDashboard:
         self._fig = None
         self._fig_metrics: list[str] | None = None
         self._hooked: Callable | None = None
+        self._metrics_checked = False
 
     # ------------------------------------------------------------------ callback protocol
 
@@ -415,11 +420,16 @@ class LiveDashboard:
 
     def __call__(self, trainer, row: dict) -> None:
         """Record step `row` of `trainer`; redraw if due (see the module docstring)."""
-        self._trainer, self._row = trainer, dict(row)
-        step = int(row.get("step", 0))
+        step = row.get("step", 0)
+        if not isinstance(step, numbers.Real) or isinstance(step, bool) or not math.isfinite(step):
+            self._report(f"dashboard: a row with step={step!r} (not a number) was not shown")
+            return
+        step = int(step)
+        self._trainer, self._row = trainer, {**row, "step": step}
         total = self._total()
         final = total is not None and step >= total
         if self.mode == "text":
+            self._check_metrics(self._frame())
             if self.log_every and (step % self.log_every == 0 or final) and _rank_zero():
                 print(self._log_line(step, total), flush=True)
             return
@@ -488,6 +498,7 @@ class LiveDashboard:
         self._pending = False
         try:
             frame = self._frame()
+            self._check_metrics(frame)
             metrics = self._metrics(frame)
             self.header.value = self._header_html(step, total, row, metrics)
             self.progress.max = max(total or step, step, 1)
@@ -497,9 +508,7 @@ class LiveDashboard:
             self.image.layout.display = None
             self.table.value = self._table_html(trainer)
         except Exception as e:  # noqa: BLE001 - a dashboard bug must not kill the run
-            message = f"dashboard: step {step} not drawn ({type(e).__name__}: {e})"
-            self.errors.append(message)
-            self.out.append_stdout(message + "\n")
+            self._report(f"dashboard: step {step} not drawn ({type(e).__name__}: {e})")
         self.renders += 1
         self._next_time = time.monotonic() + self.min_interval_s
         self._unhook_cell_end()
@@ -520,6 +529,26 @@ class LiveDashboard:
 
     def _metrics(self, frame: pd.DataFrame) -> list[str]:
         return list(self.metrics) if self.metrics is not None else _default_metrics(frame.columns)
+
+    def _check_metrics(self, frame: pd.DataFrame) -> None:
+        """Once: report requested metrics that the run's first rows lack (see `metrics`)."""
+        if self._metrics_checked or self.metrics is None:
+            return
+        self._metrics_checked = True
+        unknown = [m for m in self.metrics if m not in frame.columns and not m.startswith("eval/")
+                   and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))]
+        if unknown:
+            available = sorted(c for c in frame.columns if c != "step")
+            self._report(f"dashboard: no column {unknown} in this run's metrics; available: "
+                         f"{available} (those panels stay empty)")
+
+    def _report(self, message: str) -> None:
+        """Record a problem without stopping training: `errors`, plus `out` or a warning."""
+        self.errors.append(message)
+        if self.out is not None:
+            self.out.append_stdout(message + "\n")
+        else:
+            warnings.warn(message, stacklevel=3)
 
     def _plot(self, frame: pd.DataFrame, metrics: list[str]) -> bytes:
         if self._fig is None or self._fig_metrics != metrics:

@@ -309,6 +309,8 @@ def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "loca
         folder: where `run.json` and submitit's files (pickles, logs under `%j/`) go; must be
             on a file system every node sees. Default: `<cfg.out_dir>/launch` when cfg has an
             out_dir, else `runs/launch/<name>-<timestamp>` (relative to the current folder).
+            Refused while its run.json records a job that has not ended; the record of jobs
+            that have ended is replaced.
         name: job name (default: the target's module and name, e.g. "sft.main").
         max_num_timeout: how many times the job may be requeued after a time limit. submitit
             counts a warning signal as a time limit (not a preemption) once the job has run for
@@ -324,8 +326,10 @@ def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "loca
         A `Run` (the job may still be pending; "debug" returns a finished one).
 
     Raises:
-        ValueError: an unknown executor, a resource count that the executor cannot provide,
-            or an unknown Slurm parameter.
+        ValueError: an unknown executor, a resource count that the executor cannot provide
+            (or a `timeout_min` that is not a finite number > 0), an unknown Slurm parameter,
+            or a `folder` whose run.json records a job that has not ended (cancel it first).
+        TypeError: `target` is not callable.
         LaunchPickleError: `target` or `cfg` cannot be pickled; names the innermost attribute
             at fault (e.g. `cfg.tokenizer._lock`). Nothing has been submitted or written.
         RuntimeError: executor="slurm" where Slurm's commands are not installed, or a failed
@@ -366,6 +370,9 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     o = {k: v for k, v in options.items() if k not in ("target", "cfg", "cfgs")}
     executor, nodes, tasks_per_node = o["executor"], o["nodes"], o["tasks_per_node"]
     gpus_per_node, timeout_min, name = o["gpus_per_node"], o["timeout_min"], o["name"]
+    if not callable(target):
+        raise TypeError(f"target={target!r} is not callable; pass the function to run (e.g. a "
+                        "recipe's main), and its argument as cfg")
     if not cfgs:
         raise ValueError("launch_array needs at least one cfg")
     _check_resources(executor, nodes, tasks_per_node, gpus_per_node, o["cpus_per_task"],
@@ -392,6 +399,7 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
         folder = (out_dirs[0] / "launch" if len(cfgs) == 1 and out_dirs[0] is not None
                   else Path("runs", "launch", f"{name}-{stamp}"))
     folder = Path(folder).expanduser().absolute()
+    _refuse_running_job(folder)
     log_folder = folder / "%j"
     created = _first_missing(folder)
     before = set(folder.iterdir()) if created is None else set()
@@ -430,6 +438,27 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     return runs
 
 
+def _refuse_running_job(folder: Path) -> None:
+    """Raise ValueError if `folder/run.json` records a job that has not ended: a second launch
+    would overwrite its record (it could no longer be attached or cancelled) and both jobs would
+    write the same files. The record of jobs that have all ended is replaced."""
+    if not (folder / RUN_FILE).is_file():
+        return
+    try:
+        runs = Run.attach_array(folder)
+    except ValueError as e:
+        raise ValueError(f"{folder} already holds a {RUN_FILE} that cannot be checked ({e}); "
+                         "remove it, or pass another out_dir or folder") from None
+    running = [r for r in runs if not r.done()]
+    if running:
+        ids = ", ".join(f"{r.job_id} ({r.state})" for r in running)
+        raise ValueError(f"{folder} belongs to job {ids}, which has not ended: launching there "
+                         "would overwrite its record and its files. Cancel it first "
+                         f"(Run.attach_array({str(folder)!r}) and .cancel() each; "
+                         f"Run.attach({str(folder)!r}).cancel() for one job), or pass another "
+                         "out_dir or folder")
+
+
 def _first_missing(folder: Path) -> Path | None:
     """The topmost of `folder` and its parents that does not exist yet (None if folder exists)."""
     missing = None
@@ -463,8 +492,9 @@ def _check_resources(executor, nodes, tasks_per_node, gpus_per_node, cpus_per_ta
                             ("max_num_timeout", max_num_timeout, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{arg}={value!r}; must be an integer >= {low}")
-    if not isinstance(timeout_min, (int, float)) or not timeout_min > 0:
-        raise ValueError(f"timeout_min={timeout_min!r}; must be a number of minutes > 0")
+    if (not isinstance(timeout_min, (int, float)) or isinstance(timeout_min, bool)
+            or not math.isfinite(timeout_min) or not timeout_min > 0):
+        raise ValueError(f"timeout_min={timeout_min!r}; must be a finite number of minutes > 0")
     if executor in ("local", "debug") and nodes != 1:
         raise ValueError(f"executor={executor!r} runs on this machine only: nodes must be 1, "
                          f"got {nodes} (use executor='slurm' for several nodes)")

@@ -116,18 +116,34 @@ class MetricsLog:
 
 
 def read_metrics(path: str | os.PathLike) -> pd.DataFrame:
-    """The rows of a run folder's `metrics.jsonl` (or of that file given directly).
+    """The rows of a run folder's `metrics.jsonl` (or of that file given directly), also while
+    a job is writing it: a partly written last line (what a running or killed job leaves) is
+    left out.
 
     Raises:
         FileNotFoundError: if there is no such file.
+        ValueError: a line other than the last is not a JSON object (names the file and line).
     """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline yet: the writer is mid-line
+                break
+            raise ValueError(f"{path}:{number} is not a JSON row ({e}); the file is corrupt "
+                             "there") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number} is a JSON {type(row).__name__}, not a row object")
+        rows.append(row)
     return pd.DataFrame(rows)
 
 

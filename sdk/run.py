@@ -15,9 +15,9 @@ import json
 import os
 import socket
 import signal
+import subprocess
 import traceback
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,17 @@ RUN_FILE = "run.json"
 _ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
            "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT",
            "STOPPED", "READY", "UNKNOWN"}
+
+# squeue reasons (%r) that keep a job PENDING until it is cancelled: its request exceeds what the
+# partition, account or QOS allows, which no other job ending will change.
+_NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                 "InvalidAccount", "InvalidQOS"}
+
+
 class JobFailedError(RuntimeError):
-    """A job raised, was cancelled, or ended without a result. The message holds the remote
-    traceback (or the state and the end of the error log) and the paths of the job's logs."""
+    """A job raised, was cancelled, ended without a result, or can never start (Slurm keeps it
+    pending for a reason that will not clear). The message holds the remote traceback (or the
+    state and the end of the error log, or the pending reason) and the paths of the job's logs."""
 
 
 def _controller_alive(pid: int) -> bool:
@@ -56,6 +64,18 @@ def _controller_alive(pid: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- results on disk
+
+
+def _squeue_reason(job_id: str) -> str | None:
+    """Why Slurm keeps `job_id` pending (`squeue -h -j ID -o %r`), None if squeue says none."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
+                             text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    reason = lines[0].strip() if lines else ""
+    return None if reason in ("", "None") else reason
 
 
 def _peek_outcome(path: Path) -> str | None:
@@ -90,22 +110,28 @@ def _tail(path: Path, lines: int | None) -> str:
     return "\n".join(text.splitlines()[-lines:]) if lines else ""
 
 
-def _read_metrics(path: Path):
-    """Rows of a metrics.jsonl being written: a partly written last line is left out, a broken
-    line elsewhere is skipped with a warning."""
-    import pandas as pd
+_RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
 
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                warnings.warn(f"{path}:{i + 1} is not a JSON row; skipped", stacklevel=3)
-    return pd.DataFrame(rows)
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """The record in a run.json, checked to have what `Run.attach` reads."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it is not a launch record "
+                         "(written by posttrain.launch), or was damaged") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
+    missing = [k for k in _RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"{path} is not a launch record written by posttrain.launch: it has "
+                         f"no {', '.join(repr(k) for k in missing)}")
+    jobs = record["jobs"]
+    if not isinstance(jobs, list) or not jobs or not all(
+            isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs):
+        raise ValueError(f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
+                         f"entries, got {jobs!r:.200}")
+    return record
 
 
 def _last_row(path: Path | None) -> dict[str, Any]:
@@ -185,6 +211,8 @@ class Run:
         self._final: str | None = None
         self._last_force = float("-inf")
         self._debug_outcome: tuple[str, Any] | None = None
+        self._reason: str | None = None
+        self._reason_at = float("-inf")
 
     # ------------------------------------------------------------- construction
 
@@ -194,7 +222,12 @@ class Run:
                   target=name, num_tasks=1)
         # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
         # each exception() call runs a failed function again: call exception() exactly once.
-        error = job.exception()
+        try:
+            error = job.exception()  # catches Exception only
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - sys.exit() in target is the job's failure
+            error = e
         run._debug_outcome = ("error", error) if error is not None \
             else ("success", job.submission().result())
         return run
@@ -210,8 +243,9 @@ class Run:
 
         Raises:
             FileNotFoundError: no run.json there.
-            ValueError: a job array without `index`, an index out of range, or a "local" job
-                of another host.
+            ValueError: a run.json that is not valid JSON or not a record written by
+                `launch`, a job array without `index`, an index out of range, or a "local"
+                job of another host.
         """
         path = Path(folder).expanduser().absolute()
         if path.is_dir():
@@ -219,7 +253,7 @@ class Run:
         if not path.is_file():
             raise FileNotFoundError(f"no {RUN_FILE} in {folder} (nor in {folder}/launch): "
                                     "pass the folder that launch() printed or returned")
-        record = json.loads(path.read_text())
+        record = _read_record(path)
         jobs = record["jobs"]
         if index is None:
             if len(jobs) != 1:
@@ -250,7 +284,7 @@ class Run:
     def attach_array(cls, folder: str | os.PathLike) -> list[Run]:
         """Every Run recorded in `folder/run.json` (see `attach`)."""
         first = cls.attach(folder, 0)
-        count = len(json.loads((first.folder / RUN_FILE).read_text())["jobs"])
+        count = len(_read_record(first.folder / RUN_FILE)["jobs"])
         return [first] + [cls.attach(first.folder, i) for i in range(1, count)]
 
     # ------------------------------------------------------------- state
@@ -294,19 +328,43 @@ class Run:
         """True once the job has ended (in any state); it will not run again."""
         return self.status() not in _ACTIVE
 
+    def pending_reason(self) -> str | None:
+        """Why Slurm keeps the job waiting (squeue's reason: Resources, Priority,
+        PartitionConfig, ...; read at most every 2 s); None when it is not a pending Slurm job
+        or Slurm gives no reason."""
+        if self.executor != "slurm" or self.status() not in ("PENDING", "UNKNOWN"):
+            return None
+        now = time.monotonic()
+        if now - self._reason_at >= self._refresh_s:
+            self._reason_at = now
+            self._reason = _squeue_reason(self.job_id)
+        return self._reason
+
     def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> str:
         """Block until the job has ended, checking every `poll_s` seconds (Slurm: sacct at most
         every 2 s); returns its final state. `timeout`: seconds to wait at most (None: no limit).
 
         Raises:
             TimeoutError: still not ended after `timeout` seconds (the job keeps running).
+            JobFailedError: Slurm keeps the job pending for a reason that never clears by
+                itself (PartitionConfig, PartitionNodeLimit, ...: it asks for more than the
+                partition allows). The job stays queued until `cancel()`.
         """
         start = time.monotonic()
         while not self.done():
+            reason = self.pending_reason()
+            if reason is not None and reason.split(",")[0] in _NEVER_STARTS:
+                raise JobFailedError(
+                    f"job {self.job_id} ({self.target}) can never start: Slurm keeps it pending "
+                    f"with reason {reason} (it asks for more nodes, tasks, CPUs or time than "
+                    "the partition, account or QOS allows; `scontrol show partition` lists the "
+                    "limits). It stays queued: run.cancel() (scancel) removes it; then launch "
+                    "again with resources that fit.")
             if timeout is not None and time.monotonic() - start >= timeout:
-                raise TimeoutError(f"job {self.job_id} ({self.target}) is still {self.status()} "
-                                   f"after {timeout:g} s; it keeps running (run.cancel() stops "
-                                   "it, run.logs() shows its output)")
+                why = f" (reason: {reason})" if reason else ""
+                raise TimeoutError(f"job {self.job_id} ({self.target}) is still {self.status()}"
+                                   f"{why} after {timeout:g} s; it keeps running (run.cancel() "
+                                   "stops it, run.logs() shows its output)")
             time.sleep(poll_s)
         return self.status()
 
@@ -410,7 +468,8 @@ class Run:
         empty DataFrame whose repr says so.
 
         Raises:
-            ValueError: the cfg had no `out_dir`, so there is nowhere to read.
+            ValueError: the cfg had no `out_dir`, so there is nowhere to read; or a line other
+                than the last is corrupt (`posttrain.metrics.read_metrics`).
         """
         if self.out_dir is None:
             raise ValueError(f"run {self.job_id} ({self.target}) has no out_dir (its cfg has no "
@@ -418,7 +477,9 @@ class Run:
         path = self.out_dir / "metrics.jsonl"
         if not path.exists():
             return _no_metrics(f"{path} does not exist (job {self.job_id} is {self.status()})")
-        frame = _read_metrics(path)
+        from posttrain.metrics import read_metrics
+
+        frame = read_metrics(path)
         return frame if len(frame) else _no_metrics(f"{path} is empty (job {self.job_id} is "
                                                     f"{self.status()})")
 
@@ -429,13 +490,19 @@ class Run:
             state = self.status()
         except Exception as e:  # noqa: BLE001 - a display must not raise
             state = f"? ({type(e).__name__})"
+        try:
+            reason = self.pending_reason()
+        except Exception:  # noqa: BLE001 - a display must not raise
+            reason = None
         row = _last_row(None if self.out_dir is None else self.out_dir / "metrics.jsonl")
         return {"job_id": self.job_id, "state": state, "executor": self.executor,
-                "target": self.target, "row": row}
+                "target": self.target, "reason": reason, "row": row}
 
     def __repr__(self) -> str:
         s = self._summary()
         extra = "".join(f", {k}={_fmt(v)}" for k, v in _headline(s["row"]).items())
+        if s["reason"]:
+            extra = f", reason={s['reason']!r}" + extra
         return (f"Run(job_id={s['job_id']!r}, state={s['state']!r}, executor={s['executor']!r}, "
                 f"target={s['target']!r}{extra})")
 
@@ -443,6 +510,8 @@ class Run:
         s = self._summary()
         cells = {"job": s["job_id"], "state": s["state"], "executor": s["executor"],
                  "target": s["target"], "tasks": self.num_tasks}
+        if s["reason"]:
+            cells["reason"] = s["reason"]
         cells.update({k: _fmt(v) for k, v in _headline(s["row"], 4).items()})
         if self.folder is not None:
             cells["folder"] = str(self.folder)

@@ -245,3 +245,27 @@ def test_plot_metrics_smoothing_and_rl_defaults():
     assert list(held_out.lines[0].get_xdata()) == [2]  # NaN rows skipped
     with pytest.raises(ValueError, match="smooth"):
         plot_metrics(frame, smooth=1.0)
+
+
+# ------------------------------------------------------------------ bad input: reported, not raised
+
+
+@pytest.mark.parametrize("widget", [False, True])
+def test_an_unknown_metric_is_reported_once_naming_the_columns(widget, displays):
+    trainer = FakeTrainer()
+    dash = LiveDashboard(["lose", "eval/loss"], widget=widget, min_interval_s=0).attach(trainer)
+    if widget:
+        trainer.fit(3)
+    else:
+        with pytest.warns(UserWarning, match=r"no column \['lose'\].*available: \['loss'\]"):
+            trainer.fit(3)
+    assert len(dash.errors) == 1 and "'lose'" in dash.errors[0] and "eval/loss" not in \
+        dash.errors[0]
+
+
+@pytest.mark.parametrize("widget", [False, True])
+def test_a_row_whose_step_is_not_a_number_is_an_error_not_a_crash(widget, displays):
+    dash = LiveDashboard(widget=widget, min_interval_s=0)
+    with pytest.warns(UserWarning, match="step='abc'"):
+        dash(FakeTrainer(), {"step": "abc", "loss": 1.0})
+    assert dash.errors == ["dashboard: a row with step='abc' (not a number) was not shown"]

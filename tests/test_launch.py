@@ -165,6 +165,47 @@ def test_debug_refuses_several_tasks():
         launch(times_ten, 1, executor="debug", slurm_kwargs={"qos": "high"})
 
 
+@pytest.mark.parametrize("executor", ["debug", "local", "slurm"])
+def test_a_non_callable_target_is_refused_at_launch(executor, tmp_path):
+    with pytest.raises(TypeError, match="target=5 is not callable"):
+        launch(5, 1, executor=executor, folder=tmp_path / "launch")
+    assert not any(tmp_path.iterdir())
+
+
+def test_debug_sys_exit_is_a_job_failure_and_ctrl_c_still_stops(monkeypatch):
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    run = launch(sys.exit, 3, executor="debug")
+    assert run.state == "FAILED"
+    with pytest.raises(JobFailedError, match="SystemExit: 3") as info:
+        run.result()
+    assert isinstance(info.value.__cause__, SystemExit)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch(interrupted, executor="debug")
+
+
+@pytest.mark.parametrize("timeout_min", [float("inf"), float("nan"), 0, True])
+def test_timeout_min_must_be_a_finite_number_and_nothing_is_written(timeout_min, tmp_path):
+    with pytest.raises(ValueError, match=r"timeout_min=.*; must be a finite number of minutes"):
+        launch(times_ten, 1, folder=tmp_path / "launch", timeout_min=timeout_min)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"jobs": [', "is not valid JSON"),
+    ("{}", "not a launch record written by posttrain.launch: it has no 'executor'"),
+    ('{"model_type": "llama"}', "it has no 'executor'"),
+    ("[1, 2]", "holds a JSON list"),
+])
+def test_attach_to_a_file_that_is_not_a_launch_record_says_so(text, message, tmp_path):
+    (tmp_path / RUN_FILE).write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / RUN_FILE}.*{message}"):
+        Run.attach(tmp_path)
+
+
 def test_metrics_before_the_first_row_say_so(tmp_path):
     run = launch(lambda cfg: None, Cfg(out_dir=str(tmp_path / "none")), executor="debug")
     frame = run.metrics()
@@ -341,6 +382,22 @@ def test_unresolvable_master_host_falls_back_to_loopback(caplog):
     assert "does not resolve" in caplog.text
 
 
+def test_a_second_launch_into_a_running_jobs_folder_is_refused(local_runs):
+    """Launching again into the folder (here the out_dir's launch/) of a job that still runs
+    would overwrite its run.json; a folder whose job has ended is reused."""
+    run = local_runs["sleep"]
+    record = (run.folder / RUN_FILE).read_text()
+    with pytest.raises(ValueError, match=f"belongs to job {run.job_id} \\(RUNNING\\).*Cancel it"):
+        launch(sleep_long, folder=run.folder, timeout_min=3)
+    assert (run.folder / RUN_FILE).read_text() == record and not run.done()
+
+    ended = local_runs["generator"]
+    ended.wait(timeout=90, poll_s=0.1)
+    again = launch(times_ten, 5, folder=ended.folder, timeout_min=3)
+    assert Run.attach(ended.folder).job_id == again.job_id != ended.job_id
+    assert again.result() == 50
+
+
 def test_cancel_stops_a_sleeping_local_job(local_runs):
     run = local_runs["sleep"]
     assert run.state == "RUNNING"
@@ -425,6 +482,24 @@ def test_refused_submission_says_why_and_leaves_nothing(stub_slurm, monkeypatch)
     assert not (tmp / "new").exists()
 
 
+@pytest.mark.slurm
+def test_a_job_that_can_never_start_says_why_instead_of_waiting(slurm_cluster, tmp_path):
+    """64 tasks on a partition of two 4-CPU nodes: Slurm queues it with reason PartitionConfig
+    forever; the Run shows the reason and wait()/result() raise."""
+    run = launch(times_ten, 1, executor="slurm", partition=slurm_cluster.partition,
+                 tasks_per_node=64, folder=tmp_path / "launch", timeout_min=1)
+    try:
+        with pytest.raises(JobFailedError, match="can never start.*reason PartitionConfig.*"
+                                                 "stays queued: run.cancel"):
+            run.wait(timeout=60)
+        assert "reason='PartitionConfig'" in repr(run)
+        assert "<td>PartitionConfig</td>" in run._repr_html_()
+        with pytest.raises(JobFailedError, match="PartitionConfig"):
+            run.result()
+    finally:
+        run.cancel()
+
+
 # ----------------------------------------------------------------------------- command line
 
 
@@ -436,3 +511,13 @@ def test_cli_launch_debug(tmp_path, capsys):
     assert cli.main(["launch", str(recipe), "--executor", "debug", "steps=7"]) == 0
     out = capsys.readouterr().out
     assert "state='COMPLETED'" in out and "{'steps': 7}" in out
+
+
+def test_cli_launch_refuses_an_infinite_timeout(tmp_path, capsys):
+    recipe = tmp_path / "r.py"
+    recipe.write_text("from dataclasses import dataclass\n@dataclass(kw_only=True)\n"
+                      "class Config:\n    steps: int = 1\ndef main(cfg):\n    return 1\n")
+    assert cli.main(["launch", str(recipe), "--timeout-min", "inf", "--folder",
+                     str(tmp_path / "launch")]) == 1
+    assert "timeout_min=inf; must be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "launch").exists()
