@@ -182,19 +182,12 @@ def main(cfg: Config) -> dict[str, Any]:
     times: dict[str, float] = {}
 
     # 1. The starting policy (= the reference)
-    sft_cfg = sft.Config(model=cfg.model, task_config=dict(cfg.task_config),
-                         train_size=cfg.train_size, eval_size=cfg.eval_size,
-                         eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
-                         num_steps=cfg.sft_steps, lr=cfg.sft_lr,
-                         warmup_steps=min(20, cfg.sft_steps // 10),
-                         checkpoint_every=cfg.sft_steps, max_new_tokens=cfg.eval_max_new_tokens,
-                         seed=cfg.seed, out_dir=str(out / "sft"), progress=cfg.progress)
-    if cfg.init_from is not None:
-        start_folder = Path(cfg.init_from)
-    else:
-        start_folder = out / "sft" / "policy"
-        if not (cfg.resume and (out / "sft" / "results.json").is_file()):
-            sft.main(sft_cfg)
+    sft_cfg, _ = sft.warm_start(
+        out, model=cfg.model, task_config=cfg.task_config, train_size=cfg.train_size,
+        eval_size=cfg.eval_size, eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
+        steps=cfg.sft_steps, lr=cfg.sft_lr, max_new_tokens=cfg.eval_max_new_tokens,
+        seed=cfg.seed, progress=cfg.progress, resume=cfg.resume, train=cfg.init_from is None)
+    start_folder = Path(cfg.init_from) if cfg.init_from is not None else out / "sft" / "policy"
     policy = Policy.from_pretrained(start_folder)
     times["start_policy_s"] = time.perf_counter() - start
 

@@ -134,17 +134,11 @@ def main(cfg: Config) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     # 1. SFT warm start (evaluates before and after on the held-out items)
-    sft_cfg = sft.Config(model=cfg.model, task_config=dict(cfg.task_config),
-                         train_size=cfg.train_size, eval_size=cfg.eval_size,
-                         eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
-                         num_steps=cfg.sft_steps, lr=cfg.sft_lr,
-                         warmup_steps=min(20, cfg.sft_steps // 10),
-                         checkpoint_every=cfg.sft_steps, max_new_tokens=cfg.eval_max_new_tokens,
-                         seed=cfg.seed, out_dir=str(out / "sft"), progress=cfg.progress)
-    if cfg.resume and (out / "sft" / "results.json").is_file():
-        sft_results = json.loads((out / "sft" / "results.json").read_text())
-    else:
-        sft_results = sft.main(sft_cfg)
+    sft_cfg, sft_results = sft.warm_start(
+        out, model=cfg.model, task_config=cfg.task_config, train_size=cfg.train_size,
+        eval_size=cfg.eval_size, eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
+        steps=cfg.sft_steps, lr=cfg.sft_lr, max_new_tokens=cfg.eval_max_new_tokens,
+        seed=cfg.seed, progress=cfg.progress, resume=cfg.resume)
     sft_s = time.perf_counter() - start
     items, scorer = sft.held_out_items(sft_cfg)
 

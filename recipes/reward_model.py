@@ -238,17 +238,11 @@ def _policy(cfg: Config, out: Path) -> tuple[Policy, dict | None]:
     """The sampling policy: loaded from `init_from`, or trained by the SFT recipe."""
     if cfg.init_from is not None:
         return Policy.from_pretrained(cfg.init_from), None
-    sft_cfg = sft.Config(model=cfg.model, task_config=dict(cfg.task_config),
-                         train_size=cfg.sft_train_size, eval_size=cfg.eval_size,
-                         eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
-                         num_steps=cfg.sft_steps, lr=cfg.sft_lr,
-                         warmup_steps=min(20, cfg.sft_steps // 10),
-                         checkpoint_every=cfg.sft_steps, max_new_tokens=cfg.max_new_tokens,
-                         seed=cfg.seed, out_dir=str(out / "sft"), progress=cfg.progress)
-    if cfg.resume and (out / "sft" / "results.json").is_file():
-        results = json.loads((out / "sft" / "results.json").read_text())
-    else:
-        results = sft.main(sft_cfg)
+    _, results = sft.warm_start(
+        out, model=cfg.model, task_config=cfg.task_config, train_size=cfg.sft_train_size,
+        eval_size=cfg.eval_size, eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
+        steps=cfg.sft_steps, lr=cfg.sft_lr, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+        progress=cfg.progress, resume=cfg.resume)
     return Policy.from_pretrained(out / "sft" / "policy"), results
 
 

@@ -153,6 +153,27 @@ def evaluate(policy: Policy, cfg: Config, items: list[dict], ds) -> EvalResult:
                                 score_fn=lambda text, item: ds.score_answer(text.strip(), item))
 
 
+def warm_start(out: Path, *, model: str, task_config: dict, train_size: int, eval_size: int,
+               eval_seed: int, batch_size: int, steps: int, lr: float, max_new_tokens: int,
+               seed: int, progress: bool, resume: bool,
+               train: bool = True) -> tuple[Config, dict[str, Any] | None]:
+    """The SFT stage that the GRPO, DPO and reward-model recipes start from: this recipe's
+    `main` into `out/sft` (the policy lands in `out/sft/policy`), or, when resuming a run whose
+    SFT stage finished, its saved results. Returns (the SFT Config, its results dict); with
+    `train=False` (a recipe starting from another policy) only the Config, for its held-out
+    items and evaluation settings, and None."""
+    sft_cfg = Config(model=model, task_config=dict(task_config), train_size=train_size,
+                     eval_size=eval_size, eval_seed=eval_seed, batch_size=batch_size,
+                     num_steps=steps, lr=lr, warmup_steps=min(20, steps // 10),
+                     checkpoint_every=steps, max_new_tokens=max_new_tokens, seed=seed,
+                     out_dir=str(out / "sft"), progress=progress)
+    if not train:
+        return sft_cfg, None
+    if resume and (out / "sft" / "results.json").is_file():
+        return sft_cfg, json.loads((out / "sft" / "results.json").read_text())
+    return sft_cfg, main(sft_cfg)
+
+
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run the recipe; returns the results dict also written to `out_dir/results.json`.
 
