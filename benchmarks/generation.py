@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from posttrain.policy import Policy
-from posttrain.tokenizer import ByteTokenizer
+from posttrain.models import ByteTokenizer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -3,7 +3,7 @@
 Both sides train the same model, side by side in one process: the posttrain `tiny-2m` preset
 (Qwen2, byte vocabulary of 272, tied embeddings) built with `build_model(seed=0)`, and the
 `Qwen2ForCausalLM` that transformers loads (`AutoModelForCausalLM.from_pretrained`) from the folder
-`posttrain.models_hf.save_hf_checkpoint` writes (its generation_config lists the byte tokenizer's
+`posttrain.models.hf.save_hf_checkpoint` writes (its generation_config lists the byte tokenizer's
 stop ids, EOS and <|end|>, so TRL's `generate` stops where `Policy.generate` does); their logits
 are checked to agree before timing.
 
@@ -55,11 +55,11 @@ import torch
 
 from posttrain.envs import chain_sum_task
 from posttrain.models import build_model, get_preset
-from posttrain.models_hf import save_hf_checkpoint
+from posttrain.models import save_hf_checkpoint
 from posttrain.policy import Policy
 from posttrain.rl import RLAlgorithm
-from posttrain.rl_trainer import RLTrainer
-from posttrain.tokenizer import ByteTokenizer
+from posttrain.rl import RLTrainer
+from posttrain.models import ByteTokenizer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

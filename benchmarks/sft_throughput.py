@@ -3,7 +3,7 @@
 Both sides train the same model, side by side in one process: the posttrain `tiny-10m` preset
 (Qwen2, byte vocabulary of 272, ~12M parameters, tied embeddings) built with `build_model(seed=0)`,
 and the `Qwen2ForCausalLM` that transformers loads (`AutoModelForCausalLM.from_pretrained`) from
-the folder `posttrain.models_hf.save_hf_checkpoint` writes; their logits are checked to agree
+the folder `posttrain.models.hf.save_hf_checkpoint` writes; their logits are checked to agree
 before timing.
 
 Same work per optimizer step on both sides: B rows of exactly T random byte tokens (no padding, no
@@ -55,9 +55,9 @@ import torch
 
 from posttrain.data import Sample, SFTLoader
 from posttrain.models import build_model, get_preset
-from posttrain.models_hf import save_hf_checkpoint
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.trainer import Trainer
+from posttrain.models import save_hf_checkpoint
+from posttrain.models import ByteTokenizer
+from posttrain.train import Trainer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PRESET = "tiny-10m"
@@ -454,7 +454,7 @@ def _markdown(results: str, png_name: str) -> str:
 
 Produced by `python benchmarks/sft_throughput.py` (`--quick`: smoke run; `--profile`: also prints
 `torch.profiler` tables of 3 steps per side). Both sides train the same tiny-10m weights (saved by
-`posttrain.models_hf.save_hf_checkpoint`, loaded by `AutoModelForCausalLM.from_pretrained`; logits
+`posttrain.models.hf.save_hf_checkpoint`, loaded by `AutoModelForCausalLM.from_pretrained`; logits
 checked equal) on rows of exactly T random byte tokens, no padding, no packing.
 
 **What tokens/s counts:** every token that goes through the model, B x T per optimizer step, on

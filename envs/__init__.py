@@ -1,4 +1,4 @@
-"""Task environments, all satisfying the protocols of `posttrain.environment`.
+"""Task environments, all satisfying the protocols of `posttrain.rl.environment`.
 
     ==============  =====================================  ====================================
     task name       what                                   episodes
@@ -12,7 +12,7 @@
     ==============  =====================================  ====================================
 
 Example:
-    >>> from posttrain.environment import get_task
+    >>> from posttrain.rl import get_task
     >>> task = get_task("chain_sum", size=32, held_out_size=4)
     >>> [m["role"] for m in task.builders(0, 1)[0].make_envs(2)[0].initial_messages()]
     ['user']

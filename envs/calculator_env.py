@@ -18,7 +18,7 @@ only integer literals, + - * /, unary minus/plus and parentheses; nothing is eve
 `eval`. Division is exact (a fraction such as 7/2 is written as "7/2").
 
 Example (a scripted policy):
-    >>> from posttrain.environment import run_text_episode
+    >>> from posttrain.rl import run_text_episode
     >>> from posttrain.envs.calculator_env import CalculatorEnv
     >>> env = CalculatorEnv({"question": "What is 12 * 7 - 5?", "answer": "79"})
     >>> turns = iter(["<calc>12*7</calc>", "<calc>84 - 5</calc>", "<answer>79</answer>"])
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from posttrain.environment import Messages, StepResult, register_task
-from posttrain.verifier import DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult, run_verifier
+from posttrain.rl.environment import Messages, StepResult, register_task
+from posttrain.rewards.verifier import (DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult, run_verifier)
 from posttrain.verifiers.basic import extract_tag
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 

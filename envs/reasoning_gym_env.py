@@ -36,8 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.environment import EnvGroupBuilder, Messages, StepResult, register_task
-from posttrain.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
+from posttrain.rl.environment import EnvGroupBuilder, Messages, StepResult, register_task
+from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_name
 
 
@@ -248,7 +248,7 @@ class ReasoningGymTask:
 
     def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
         """`(completion, item) -> score` with this task's verifier, for
-        `posttrain.evaluation.evaluate_generations`."""
+        `posttrain.rewards.evaluation.evaluate_generations`."""
         return as_score_fn(self.verifier, timeout_s=self.timeout_s)
 
 

@@ -5,7 +5,7 @@ Run: `posttrain run grpo [key=value ...]` (`make run`), or in a notebook `main(C
 Stages, all on reasoning-gym chain_sum (the task's own question text):
   1. SFT of a fresh tiny policy with `recipes/sft.py` (its `main`, unchanged): it evaluates the
      held-out items before and after and saves the policy (run folder `sft/`).
-  2. RL with `posttrain.rl_trainer.RLTrainer` from the SFT policy, `RLAlgorithm.preset(algo)`
+  2. RL with `posttrain.rl.trainer.RLTrainer` from the SFT policy, `RLAlgorithm.preset(algo)`
      (GRPO by default; `recipes/ppo.py` runs this file with PPO + GAE + a value head).
   3. The same held-out evaluation after RL (greedy, `sft.evaluate`).
 
@@ -42,14 +42,14 @@ import pandas as pd
 import torch
 
 from posttrain.cli import load_recipe
-from posttrain.config_checks import require_int, require_positive
+from posttrain.core import require_int, require_positive
 from posttrain.envs import ReasoningGymTask
-from posttrain.evaluation import paired_bootstrap_diff
+from posttrain.rewards import paired_bootstrap_diff
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.rl_config import RLAlgorithm
-from posttrain.rl_trainer import RLTrainer, ValueHead
-from posttrain.trainer import check_new_run_dir, warmup_cosine_schedule
+from posttrain.rl import RLAlgorithm
+from posttrain.rl import RLTrainer, ValueHead
+from posttrain.train import check_new_run_dir, warmup_cosine_schedule
 
 sft = load_recipe("sft")
 

@@ -26,13 +26,13 @@ import torch
 
 from posttrain.data import (CPTDataset, SFTDataset, SFTLoader, load_sft_rows, load_text_documents,
                             reasoning_gym_sft_rows)
-from posttrain.config_checks import (require_finite, require_folder, require_int,
+from posttrain.core import (require_finite, require_folder, require_int,
                                      require_positive)
-from posttrain.distributed import barrier, rank_and_world_size
-from posttrain.evaluation import EvalResult, evaluate_generations
+from posttrain.core import barrier, rank_and_world_size
+from posttrain.rewards import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.trainer import Trainer, check_new_run_dir, warmup_cosine_schedule
+from posttrain.train import Trainer, check_new_run_dir, warmup_cosine_schedule
 
 MODES = ("sft", "cpt")
 
@@ -45,7 +45,7 @@ class Config:
     """
 
     mode: str = "sft"                 # sft | cpt
-    model: str = "tiny-1m"            # a preset name (posttrain.models.PRESETS) ...
+    model: str = "tiny-1m"            # a preset name (posttrain.models.specs.PRESETS) ...
     init_from: str | None = None      # ... or a HF folder to start from
     dataset: str = "chain_sum"        # reasoning-gym task name, or a .jsonl/.json file
     task_config: dict = field(default_factory=lambda: {

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     run.add_argument("--config", help="YAML preset applied before the key=value overrides")
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
-    launch = sub.add_parser("launch", help="submit a recipe as a job (posttrain.launch): "
+    launch = sub.add_parser("launch", help="submit a recipe as a job (posttrain.launch.submit): "
                             "posttrain launch RECIPE [options] [key=value ...]")
     launch.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     launch.add_argument("--config", help="YAML preset applied before the key=value overrides")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += rest
 
     if args.command == "info":
-        from posttrain.info import format_report
+        from posttrain.core.info import format_report
 
         text, ok = format_report()
         print(text)
@@ -168,7 +168,9 @@ def _launch(args, module, cfg) -> int:
     """Submit `module.main(cfg)`; print the Run and how to reattach (and the result with --wait)."""
     import cloudpickle
 
-    from posttrain.launch import JobFailedError, launch
+    from posttrain.launch.run import JobFailedError
+
+    from posttrain.launch.submit import launch
 
     # the recipe was loaded from a file under a made-up module name the job cannot import
     cloudpickle.register_pickle_by_value(module)

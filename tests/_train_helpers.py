@@ -11,7 +11,7 @@ import torch
 
 from posttrain.data import SFTDataset, SFTLoader
 from posttrain.models import ModelSpec, build_model
-from posttrain.tokenizer import ByteTokenizer
+from posttrain.models import ByteTokenizer
 
 # Smaller than the tiny-1m preset (2 layers, 64 wide) so a step takes milliseconds.
 TINY = ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -29,7 +29,7 @@ import torch
 from _train_helpers import sft_dataset
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset
-from posttrain.trainer import Trainer
+from posttrain.train import Trainer
 
 STEPS, RESUME_STEPS = 3, 5
 SCENARIOS = {
@@ -76,7 +76,7 @@ def _checkpoint_and_resume(out: Path) -> dict:
 
 
 def _preemption_on_rank_1(out: Path, rank: int) -> dict:
-    from posttrain import preemption
+    from posttrain.core import preemption
 
     calls: list[int] = []
     trainer_ref: list[Trainer] = []

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from _train_helpers import sft_loader, tiny_model
-from posttrain.trainer import Trainer, warmup_cosine_schedule
+from posttrain.train import Trainer, warmup_cosine_schedule
 
 SAMPLES, BATCH, ACCUM = 24, 2, 2
 STEPS_PER_EPOCH = SAMPLES // (BATCH * ACCUM)

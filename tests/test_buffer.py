@@ -1,4 +1,4 @@
-"""Tests of posttrain.buffer.ReplayBuffer: consume-once, staleness, sampling, exact resume."""
+"""Tests of posttrain.rl.buffer.ReplayBuffer: consume-once, staleness, sampling, exact resume."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-import posttrain.buffer as buffer_module
-from posttrain.buffer import DATAFRAME_COLUMNS, ReplayBuffer
+import posttrain.rl.buffer as buffer_module
+from posttrain.rl import DATAFRAME_COLUMNS, ReplayBuffer
 
 
 class Outcome(enum.Enum):
@@ -23,7 +23,7 @@ class Outcome(enum.Enum):
 
 @dataclass
 class Traj:
-    """Stand-in for posttrain.environment.Trajectory: only the attributes the buffer reads."""
+    """Stand-in for posttrain.rl.environment.Trajectory: only the attributes the buffer reads."""
     group_id: Any
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -193,7 +193,7 @@ def test_bad_trajectories_are_refused_whole():
 
 
 def test_accepts_posttrain_environment_trajectories_and_groups():
-    from posttrain.environment import Group, Trajectory
+    from posttrain.rl import Group, Trajectory
     trajs = [Trajectory(group_id="q1", prompt_ids=[1], completion_ids=[2, 3, 4],
                         logprobs=[-0.1, 0.0, -0.2], reward=r, outcome="ok", finish_reason="stop",
                         text="x", policy_version=2, completion_mask=[True, False, True])

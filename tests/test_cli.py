@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from posttrain import cli
-from posttrain.info import check_compatibility, format_report
+from posttrain.core import check_compatibility, format_report
 
 
 def test_compatibility_matrix_flags_torchao_016_with_torchtune_061():

@@ -1,4 +1,4 @@
-"""posttrain.dashboard: the live dashboard as a real trainer callback (text fallback and forced
+"""posttrain.notebook.dashboard: the live dashboard as a real trainer callback (text fallback and forced
 widget mode), its throttling, and plot_metrics."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-import posttrain.dashboard as dashboard
-from posttrain.dashboard import LiveDashboard, plot_metrics
+import posttrain.notebook.dashboard as dashboard
+from posttrain.notebook import LiveDashboard, plot_metrics
 from posttrain.data import SFTDataset, SFTLoader
-from posttrain.environment import Group, Trajectory
+from posttrain.rl import Group, Trajectory
 from posttrain.models import build_model, get_preset
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.trainer import Trainer
+from posttrain.models import ByteTokenizer
+from posttrain.train import Trainer
 
 from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
@@ -171,8 +171,8 @@ def test_a_failing_redraw_never_stops_training(displays, monkeypatch):
 def rl_trainer(**kwargs):
     from posttrain.envs import chain_sum_task
     from posttrain.policy import Policy
-    from posttrain.rl_config import RLAlgorithm
-    from posttrain.rl_trainer import RLTrainer
+    from posttrain.rl import RLAlgorithm
+    from posttrain.rl import RLTrainer
 
     policy = Policy.from_spec("tiny-1m", seed=0)
     return RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-4),

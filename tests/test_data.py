@@ -1,4 +1,4 @@
-"""Tests for posttrain.data: SFT/CPT samples, labels, padding, packing, loader resume.
+"""Tests for posttrain.data.loader: SFT/CPT samples, labels, padding, packing, loader resume.
 
 Byte tokenizer ids used in pinned values: 257 <|bos|>, 258 <|eos|>, 260 <|user|>,
 261 <|assistant|>, 262 <|end|>; bytes: 'h' 104, 'i' 105, 'k' 107, 'o' 111.
@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from posttrain import data as data_module
-from posttrain import data_sources
+from posttrain.data import loader as data_module
+from posttrain.data import sft as data_sources
 from posttrain.data import (
     IGNORE_INDEX,
     BadRowError,
@@ -31,7 +31,7 @@ from posttrain.data import (
     reasoning_gym_sft_rows,
     stack_rows,
 )
-from posttrain.tokenizer import ByteTokenizer, RenderedChat
+from posttrain.models import ByteTokenizer, RenderedChat
 
 X = IGNORE_INDEX
 TOK = ByteTokenizer()

@@ -22,11 +22,11 @@ import torch
 import distributed_sft_run as worker
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from _train_helpers import assert_bitwise_equal, sft_dataset, sft_loader, tiny_model
-from posttrain import preemption
-from posttrain.checkpoint import list_checkpoints
+from posttrain.core import preemption
+from posttrain.core import list_checkpoints
 from posttrain.data import SFTLoader
-from posttrain.metrics import read_metrics
-from posttrain.trainer import Trainer
+from posttrain.core import read_metrics
+from posttrain.train import Trainer
 
 WORLD_SIZE = 2
 
@@ -156,7 +156,7 @@ def _rl_trainer(run_dir: Path, callbacks: list):
     from posttrain.envs import chain_sum_task
     from posttrain.policy import Policy
     from posttrain.rl import RLAlgorithm
-    from posttrain.rl_trainer import RLTrainer
+    from posttrain.rl import RLTrainer
 
     policy = Policy.from_spec("tiny-1m", seed=0)
     return RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-4),

@@ -10,13 +10,13 @@ import pickle
 import cloudpickle
 import pytest
 
-from posttrain.environment import (EnvDataset, EnvGroupBuilder, Environment, Group, StepResult,
+from posttrain.rl.environment import (EnvDataset, EnvGroupBuilder, Environment, Group, StepResult,
                                    Trajectory, get_task, group_rewards, register_task,
                                    registered_tasks, run_text_episode)
 from posttrain.envs import (CalculatorEnv, CalculatorGroupBuilder, ReasoningGymEnv,
                             ReasoningGymGroupBuilder, ReasoningGymTask, calculator_result,
                             calculator_task, chain_sum_task, evaluate_arithmetic)
-from posttrain.verifier import Outcome
+from posttrain.rewards import Outcome
 from posttrain.verifiers import MathAnswerVerifier
 
 ITEM = {"question": "State the final answer to the following arithmetic problem: 4 - 1 =",
@@ -369,7 +369,7 @@ def test_reasoning_gym_env_with_another_verifier():
     assert pickle.loads(pickle.dumps(partial))(ITEM).max_turns == 1
 
 
-@pytest.mark.parametrize("module", ["posttrain.environment", "posttrain.envs",
+@pytest.mark.parametrize("module", ["posttrain.rl.environment", "posttrain.envs",
                                     "posttrain.envs.reasoning_gym_env",
                                     "posttrain.envs.calculator_env"])
 def test_doctests(module):

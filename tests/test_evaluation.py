@@ -1,6 +1,6 @@
 import pytest
 
-from posttrain.evaluation import evaluate_generations, wilson_interval
+from posttrain.rewards import evaluate_generations, wilson_interval
 
 
 def test_wilson_interval_hand_values():

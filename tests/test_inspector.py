@@ -1,4 +1,4 @@
-"""posttrain.inspector on hand-built groups with known values: frames and filters, save/load,
+"""posttrain.notebook.inspector on hand-built groups with known values: frames and filters, save/load,
 rescoring with an edited verifier, compare_rewards, replay_step."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from posttrain.buffer import ReplayBuffer
-from posttrain.environment import Group, Trajectory
-from posttrain.inspector import (FRAME_COLUMNS, RESCORE_COLUMNS, TOKEN_COLUMNS, compare_rewards,
+from posttrain.rl import ReplayBuffer
+from posttrain.rl import Group, Trajectory
+from posttrain.notebook import (FRAME_COLUMNS, RESCORE_COLUMNS, TOKEN_COLUMNS, compare_rewards,
                                  load_rollouts, replay_step, rescore, rollouts_frame,
                                  save_rollouts, to_groups)
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.verifier import VerifierResult
+from posttrain.models import ByteTokenizer
+from posttrain.rewards import VerifierResult
 
 TOK = ByteTokenizer()
 ITEMS = [{"question": "3+4=", "answer": "7", "metadata": {"terms": [3, 4]}},
@@ -242,8 +242,8 @@ def test_replay_step_feeds_saved_groups_to_the_trainer_seam(tmp_path):
 def _rl_trainer():
     from posttrain.envs import chain_sum_task
     from posttrain.policy import Policy
-    from posttrain.rl_config import RLAlgorithm
-    from posttrain.rl_trainer import RLTrainer
+    from posttrain.rl import RLAlgorithm
+    from posttrain.rl import RLTrainer
 
     policy = Policy.from_spec("tiny-1m", seed=0)
     return RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-3),
@@ -255,7 +255,7 @@ def _rl_trainer():
 def test_replay_step_on_an_rl_trainer(tmp_path):
     """Replaying a saved file trains exactly as training on the groups themselves (bit for
     bit); an object without the seam gets a TypeError naming it."""
-    from posttrain.rollout import collect_groups
+    from posttrain.rl import collect_groups
 
     with pytest.raises(TypeError, match="train_on_groups"):
         replay_step(object(), groups())

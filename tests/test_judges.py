@@ -13,19 +13,19 @@ import cloudpickle
 import pytest
 import torch
 
-from posttrain import judges as judges_module
+from posttrain.rewards import judges as judges_module
 from posttrain.envs import ReasoningGymGroupBuilder, chain_sum_task
-from posttrain.judges import (Judge, JudgeResult, LLMJudge, LLMPairwiseJudge, PairwiseJudge,
+from posttrain.rewards import (Judge, JudgeResult, LLMJudge, LLMPairwiseJudge, PairwiseJudge,
                               PairwiseOutcome, PairwiseResult, RewardModelJudge,
                               RewardModelPairwiseJudge, count_pairwise, judge_as_verifier,
                               parse_choice, parse_score)
 from posttrain.policy import Completion, Policy
-from posttrain.reward_model import RewardModel, render_pair
+from posttrain.rewards import RewardModel, render_pair
 from posttrain.rl import RLAlgorithm
-from posttrain.rl_trainer import RLTrainer, split_groups
-from posttrain.rollout import collect_groups, outcome_counts
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.verifier import Outcome, VerifierResult, count_outcomes, run_verifier, score_batch
+from posttrain.rl import RLTrainer, split_groups
+from posttrain.rl import collect_groups, outcome_counts
+from posttrain.models import ByteTokenizer
+from posttrain.rewards import Outcome, VerifierResult, count_outcomes, run_verifier, score_batch
 
 ITEM = {"question": "5 + 7 =", "answer": "12", "metadata": {}}
 

@@ -1,4 +1,4 @@
-"""posttrain.launch without a Slurm cluster: "debug" (in this process), "local" (job processes
+"""posttrain.launch.submit without a Slurm cluster: "debug" (in this process), "local" (job processes
 on this machine) and submission to a stub Slurm (sbatch/sacct/scancel scripts on PATH).
 
 A local job takes 1-6 s to start on a loaded 2-core machine, so `local_runs` starts every local
@@ -23,7 +23,7 @@ import cloudpickle
 import pytest
 
 from posttrain import cli
-from posttrain.launch import (RUN_FILE, JobFailedError, LaunchPickleError, Run, _Call, launch,
+from posttrain.launch.submit import (RUN_FILE, JobFailedError, LaunchPickleError, Run, _Call, launch,
                               launch_array)
 
 # As in a notebook: the jobs cannot import this test module, so its functions and classes travel
@@ -73,7 +73,7 @@ def times_ten(x):
 def preemptible(cfg):
     """Steps until Slurm's warning signal (USR2), then saves at the step boundary and lets
     submitit requeue; the requeued call has cfg.resume=True."""
-    from posttrain import preemption
+    from posttrain.core import preemption
 
     out = Path(cfg.out_dir)
     if cfg.resume:
@@ -196,7 +196,7 @@ def test_timeout_min_must_be_a_finite_number_and_nothing_is_written(timeout_min,
 
 @pytest.mark.parametrize("text, message", [
     ('{"jobs": [', "is not valid JSON"),
-    ("{}", "not a launch record written by posttrain.launch: it has no 'executor'"),
+    ("{}", "not a launch record written by posttrain.launch.submit: it has no 'executor'"),
     ('{"model_type": "llama"}', "it has no 'executor'"),
     ("[1, 2]", "holds a JSON list"),
 ])
@@ -350,7 +350,7 @@ def test_local_array_and_attach(local_runs):
 def test_attach_from_another_process(local_runs):
     run = local_runs["ok"]
     run.wait(timeout=90, poll_s=0.1)
-    code = ("import sys; from posttrain.launch import Run; r = Run.attach(sys.argv[1]); "
+    code = ("import sys; from posttrain.launch.submit import Run; r = Run.attach(sys.argv[1]); "
             "print(r.job_id, r.state, r.result()['total'], len(r.metrics()))")
     out = subprocess.run([sys.executable, "-c", code, str(local_runs["tmp"] / "ok_out")],
                          capture_output=True, text=True, timeout=60)
@@ -374,7 +374,7 @@ def test_preempted_local_job_is_requeued_with_resume(local_runs):
 
 
 def test_unresolvable_master_host_falls_back_to_loopback(caplog):
-    from posttrain.launch import _resolvable
+    from posttrain.launch.submit import _resolvable
 
     assert _resolvable("localhost") == "localhost"
     with caplog.at_level("WARNING"):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from posttrain import losses
-from posttrain.losses import (IGNORE_INDEX, SFTCrossEntropy, TrainingLoss, get_loss,
+from posttrain.train import losses
+from posttrain.train import (IGNORE_INDEX, SFTCrossEntropy, TrainingLoss, get_loss,
                               normalize_by_step, register_loss, registered_losses,
                               token_cross_entropy_sum)
 

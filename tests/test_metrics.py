@@ -1,11 +1,11 @@
-"""posttrain.metrics.read_metrics on files that a running, killed or damaged job leaves."""
+"""posttrain.core.metrics.read_metrics on files that a running, killed or damaged job leaves."""
 
 from __future__ import annotations
 
 import pytest
 
-from posttrain.dashboard import plot_metrics
-from posttrain.metrics import read_metrics
+from posttrain.notebook import plot_metrics
+from posttrain.core import read_metrics
 
 
 def test_a_partly_written_last_line_is_left_out(tmp_path):

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from posttrain.models import PRESETS, ModelSpec, RopeScaling, build_model  # noqa: E402
-from posttrain.models_hf import (  # noqa: E402
+from posttrain.models import (  # noqa: E402
     hf_config_from_spec,
     load_hf_checkpoint,
     save_hf_checkpoint,

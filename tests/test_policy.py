@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from posttrain.policy import Completion, Policy, sampling_logprobs
-from posttrain.tokenizer import ByteTokenizer
+from posttrain.models import ByteTokenizer
 
 EOS, END = ByteTokenizer.EOS, ByteTokenizer.END
 PROMPTS = ["Hello world", "ab", [ByteTokenizer.BOS, 1, 2, 3, 4, 5, 6, 7, 8, 9],

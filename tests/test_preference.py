@@ -28,18 +28,18 @@ import torch
 
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from _train_helpers import TINY, tiny_model
-from posttrain.losses import TrainingLoss, get_loss, registered_losses
+from posttrain.train import TrainingLoss, get_loss, registered_losses
 from posttrain.policy import Completion, Policy
 from posttrain.preference import (DPOLoss, IPOLoss, KTOLoss, ORPOLoss, SimPOLoss, dpo_loss,
                                   ipo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss,
                                   step_share)
-from posttrain.preference_data import (KTODataset, PreferenceDataset, PreferenceLoader,
+from posttrain.data import (KTODataset, PreferenceDataset, PreferenceLoader,
                                        PreferenceRowError, compute_reference_logps,
                                        make_preference_pairs, pairs_to_kto_rows,
                                        reference_fingerprint)
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.trainer import Trainer
-from posttrain.verifier import VerifierResult
+from posttrain.models import ByteTokenizer
+from posttrain.train import Trainer
+from posttrain.rewards import VerifierResult
 
 SEEDS = (0, 1, 2)
 BETAS = (0.05, 0.1, 0.5)
@@ -740,7 +740,7 @@ def test_pure_losses_reject_non_finite_and_non_tensor_inputs():
 
 
 def test_an_unknown_loss_name_lists_the_registered_losses():
-    from posttrain.registry import _plural
+    from posttrain.core.registry import _plural
 
     with pytest.raises(ValueError, match="registered losses: "):
         get_loss("no_such_loss")

@@ -19,11 +19,11 @@ import torch
 
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from _train_helpers import assert_bitwise_equal, params_of, sft_loader, tiny_model
-from posttrain import checkpoint as ckpt_module
-from posttrain.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
+from posttrain.core import checkpoint as ckpt_module
+from posttrain.core import (capture_rng_state, latest_checkpoint, list_checkpoints,
                                   load_checkpoint, restore_rng_state, save_checkpoint)
-from posttrain.metrics import read_metrics
-from posttrain.trainer import Trainer, warmup_cosine_schedule
+from posttrain.core import read_metrics
+from posttrain.train import Trainer, warmup_cosine_schedule
 
 SCRIPT = Path(__file__).with_name("sft_resume_run.py")
 

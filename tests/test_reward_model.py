@@ -9,16 +9,16 @@ import random
 import pytest
 import torch
 
-from posttrain import reward_model as rm_module
-from posttrain.losses import TrainingLoss, get_loss
+from posttrain.rewards import reward_model as rm_module
+from posttrain.train import TrainingLoss, get_loss
 from posttrain.models import get_preset
 from posttrain.policy import Policy
-from posttrain.preference_data import PreferenceDataset, PreferenceLoader
-from posttrain.reward_model import (BradleyTerryLoss, RewardModel, accuracy_from_rewards,
+from posttrain.data import PreferenceDataset, PreferenceLoader
+from posttrain.rewards import (BradleyTerryLoss, RewardModel, accuracy_from_rewards,
                                     bradley_terry_loss, load_reward_model, pairwise_accuracy,
                                     render_pair)
-from posttrain.tokenizer import ByteTokenizer
-from posttrain.trainer import Trainer
+from posttrain.models import ByteTokenizer
+from posttrain.train import Trainer
 
 TOK = ByteTokenizer()
 SMALL = get_preset("tiny-1m").replace(num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=64,
@@ -100,7 +100,7 @@ def test_gradient_accumulation_equivalence():
 
 def _independent_reward(model: RewardModel, ids: list[int]) -> float:
     """Single unpadded row; the final-norm hidden state captured with a hook on `norm` (as
-    `posttrain.rl_trainer.ValueHead` reads it) and the head applied by hand at the last token."""
+    `posttrain.rl.trainer.ValueHead` reads it) and the head applied by hand at the last token."""
     captured = {}
     hook = model.backbone.norm.register_forward_hook(lambda m, i, o: captured.setdefault("h", o))
     try:

@@ -1,4 +1,4 @@
-"""Tests of posttrain.rl / posttrain.rl_config: verl's RL math behind posttrain's conventions.
+"""Tests of posttrain.rl.algorithms / posttrain.rl.config: verl's RL math behind posttrain's conventions.
 
 Notation: B = sequences, T = response tokens. Reference values are computed by hand in the
 docstrings, or by a plain-Python loop written here.
@@ -13,8 +13,8 @@ import cloudpickle
 import pytest
 import torch
 
-import posttrain.rl as rl
-import posttrain.rl_config as rl_config
+import posttrain.rl.algorithms as rl
+import posttrain.rl.config as rl_config
 from posttrain.rl import (RLAlgorithm, aggregate, compute_advantages, kl_loss, policy_loss,
                           step_units, value_loss)
 
@@ -443,7 +443,7 @@ def test_non_finite_scores_and_hyperparameters_are_rejected():
     import torch
 
     from posttrain.rl import compute_advantages
-    from posttrain.rl_config import RLAlgorithm
+    from posttrain.rl import RLAlgorithm
 
     for bad in (float("inf"), float("-inf"), float("nan")):
         with pytest.raises(ValueError, match="NaN or inf"):

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from posttrain.environment import Group, StepResult, Trajectory
-from posttrain.evaluation import paired_bootstrap_diff
+from posttrain.rl import Group, StepResult, Trajectory
+from posttrain.rewards import paired_bootstrap_diff
 from posttrain.policy import Policy
 from posttrain.rl import RLAlgorithm, compute_advantages
-from posttrain.rl_trainer import RLTrainer, ValueHead, make_batch, split_groups
-from posttrain.trainer import warmup_cosine_schedule
-from posttrain.verifier import VerifierResult
+from posttrain.rl import RLTrainer, ValueHead, make_batch, split_groups
+from posttrain.train import warmup_cosine_schedule
+from posttrain.rewards import VerifierResult
 
 
 def _ascii_first(text: str) -> float:
@@ -91,7 +91,7 @@ def test_all_equal_rewards_give_zero_advantages_and_are_counted():
 def test_reward_mean_leaves_out_failed_verifications():
     """Rewards 1 (ok), 0 (wrong), and two failures stored with reward 0.0: the mean is over the
     two judged samples, 1/2, not 1/4; accuracy is over all four samples, 1/4."""
-    from posttrain.rl_trainer import _rollout_metrics
+    from posttrain.rl.trainer import _rollout_metrics
 
     groups = [Group([_traj(0, 1.0, "ok"), _traj(0, 0.0, "wrong")]),
               Group([_traj(1, 0.0, "error"), _traj(1, 0.0, "timeout")])]
@@ -114,7 +114,7 @@ def test_grpo_step_raises_logprob_of_rewarded_completions():
     torch.manual_seed(0)
     trainer = _trainer(lr=3e-3)
     policy = trainer.policy
-    from posttrain.rollout import collect_groups
+    from posttrain.rl import collect_groups
 
     groups = collect_groups(policy, ToyTask().builders(0, 4), group_size=4, max_new_tokens=3,
                             seed=0)  # the same seed the trainer's first step samples with
@@ -190,7 +190,7 @@ def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, deterministic):
 def test_doctests():
     import doctest
 
-    import posttrain.rl_trainer as module
+    import posttrain.rl.trainer as module
 
     assert doctest.testmod(module).failed == 0
 

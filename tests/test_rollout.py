@@ -9,9 +9,9 @@ import torch
 
 from posttrain.envs import CalculatorGroupBuilder, ReasoningGymGroupBuilder, chain_sum_task
 from posttrain.policy import Completion, Policy
-from posttrain.rl_trainer import split_groups
-from posttrain.rollout import collect_groups, outcome_counts
-from posttrain.tokenizer import ByteTokenizer
+from posttrain.rl import split_groups
+from posttrain.rl import collect_groups, outcome_counts
+from posttrain.models import ByteTokenizer
 
 ITEM = {"question": "4 - 1 =", "answer": "3", "metadata": {}}
 
@@ -128,6 +128,6 @@ def test_multi_turn_observation_tokens_are_masked_context():
 def test_doctests():
     import doctest
 
-    import posttrain.rollout as module
+    import posttrain.rl.rollout as module
 
     assert doctest.testmod(module).failed == 0

@@ -1,4 +1,4 @@
-"""The local Slurm cluster (scripts/slurm-up.sh) does what posttrain.launch relies on.
+"""The local Slurm cluster (scripts/slurm-up.sh) does what posttrain.launch.submit relies on.
 
 Real sbatch/srun/scancel/sacct and real submitit jobs on two emulated nodes, n1 and n2. Skipped
 when the cluster is not up (fixture `slurm_cluster` in conftest.py). Every wait is a polling loop

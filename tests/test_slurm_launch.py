@@ -1,4 +1,4 @@
-"""posttrain.launch against the real local Slurm cluster (scripts/slurm-up.sh; fixture
+"""posttrain.launch.submit against the real local Slurm cluster (scripts/slurm-up.sh; fixture
 `slurm_cluster`, skipped when it is not up): results, job arrays, remote tracebacks, data-parallel
 SFT on one and on two (emulated) nodes, cancel, preemption with exact resume, reattach.
 
@@ -228,7 +228,7 @@ def test_cancel_stops_a_sleeping_job(jobs):
 def test_attach_from_another_process_reads_state_and_result(jobs, slurm_cluster):
     run = jobs["answer"]
     expected = run.result()
-    code = ("import json, sys; from posttrain.launch import Run; r = Run.attach(sys.argv[1]); "
+    code = ("import json, sys; from posttrain.launch.submit import Run; r = Run.attach(sys.argv[1]); "
             "print(r.job_id, r.state, json.dumps(r.result()))")
     env = {**os.environ, "SLURM_CONF": slurm_cluster.conf}
     out = subprocess.run([sys.executable, "-c", code, str(run.folder)], capture_output=True,

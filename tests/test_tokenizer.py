@@ -1,4 +1,4 @@
-"""Tests for posttrain.tokenizer: byte and Hugging Face tokenizers, chat rendering, loss masks.
+"""Tests for posttrain.models.tokenizer: byte and Hugging Face tokenizers, chat rendering, loss masks.
 
 The HF tokenizers are built here with the `tokenizers` library (a byte-level BPE trained on a few
 sentences) and rendered chats are compared against `transformers`' `apply_chat_template`.
@@ -12,8 +12,8 @@ import pickle
 
 import pytest
 
-from posttrain import tokenizer as tokenizer_module
-from posttrain.tokenizer import (
+from posttrain.models import tokenizer as tokenizer_module
+from posttrain.models import (
     FALLBACK_CHAT_TEMPLATE,
     ByteTokenizer,
     HFTokenizer,

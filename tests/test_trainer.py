@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from _train_helpers import assert_bitwise_equal, params_of, sft_dataset, sft_loader, tiny_model
 from posttrain.data import IGNORE_INDEX, Batch
-from posttrain.losses import SFTCrossEntropy
-from posttrain.metrics import read_metrics
-from posttrain.trainer import Trainer, WarmupCosine, warmup_cosine_schedule
+from posttrain.train import SFTCrossEntropy
+from posttrain.core import read_metrics
+from posttrain.train import Trainer, WarmupCosine, warmup_cosine_schedule
 
 N_SAMPLES = 8
 
@@ -355,8 +355,8 @@ def test_trainer_option_errors(tmp_path):
 def test_non_finite_step_is_not_applied_and_not_checkpointed(tmp_path):
     """lr=1e6 blows the loss up within a few steps; the first non-finite step raises, leaves the
     parameters of the last finite step (all finite) and writes no checkpoint of NaN weights."""
-    from posttrain.checkpoint import latest_checkpoint, load_checkpoint
-    from posttrain.losses import NonFiniteLossError
+    from posttrain.core import latest_checkpoint, load_checkpoint
+    from posttrain.train.losses import NonFiniteLossError
 
     model = tiny_model()
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e6),

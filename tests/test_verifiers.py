@@ -12,7 +12,7 @@ from fractions import Fraction
 import cloudpickle
 import pytest
 
-from posttrain.verifier import (Outcome, Verifier, VerifierResult, as_score_fn, count_outcomes,
+from posttrain.rewards import (Outcome, Verifier, VerifierResult, as_score_fn, count_outcomes,
                                 get_verifier, register_verifier, registered_verifiers,
                                 run_verifier, score_batch)
 from posttrain.verifiers import (ExactMatchVerifier, FormatVerifier, MathAnswerVerifier,
@@ -444,7 +444,7 @@ def test_cloudpickle_ships_a_notebook_closure():
     assert run_verifier(verifier, "3", {"n": 2}).ok
 
 
-@pytest.mark.parametrize("module", ["posttrain.verifier", "posttrain.verifiers",
+@pytest.mark.parametrize("module", ["posttrain.rewards.verifier", "posttrain.verifiers",
                                     "posttrain.verifiers.basic", "posttrain.verifiers.math_answer",
                                     "posttrain.verifiers.reasoning_gym"])
 def test_doctests(module):
@@ -454,7 +454,7 @@ def test_doctests(module):
 
 @pytest.mark.parametrize("reference", [None, float("nan"), float("inf"), ["2"], "", "   ", True])
 def test_math_verifier_bad_reference_is_an_error_not_a_wrong_answer(reference):
-    from posttrain.verifier import run_verifier
+    from posttrain.rewards import run_verifier
     from posttrain.verifiers import MathAnswerVerifier
 
     result = run_verifier(MathAnswerVerifier(), "\\boxed{2}", {"answer": reference}, timeout_s=None)

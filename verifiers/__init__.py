@@ -1,4 +1,4 @@
-"""Reward checkers, all satisfying `posttrain.verifier.Verifier` and registered by name.
+"""Reward checkers, all satisfying `posttrain.rewards.verifier.Verifier` and registered by name.
 
     ==============  ============================  =============================================
     name            class                         checks
@@ -12,7 +12,7 @@
     ==============  ============================  =============================================
 
 Example:
-    >>> from posttrain.verifier import get_verifier
+    >>> from posttrain.rewards import get_verifier
     >>> get_verifier("exact_match", case_sensitive=False)("YES", {"answer": "yes"}).ok
     True
 """

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from posttrain.verifier import Outcome, Verifier, VerifierResult, register_verifier
+from posttrain.rewards.verifier import Outcome, Verifier, VerifierResult, register_verifier
 
 
 def normalize_whitespace(text: str) -> str:

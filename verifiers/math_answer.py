@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from posttrain.verifier import Outcome, VerifierResult, register_verifier
+from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_MARKER = re.compile(r"(?:answer\s*(?:is|:|=)|####)\s*", re.IGNORECASE)

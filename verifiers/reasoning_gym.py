@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from posttrain.verifier import Outcome, VerifierResult, register_verifier
+from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 from posttrain.verifiers.basic import extract_tag
 
 EXTRACT_MODES = ("whole", "answer_prefix", "answer_tag")

@@ -1,0 +1,499 @@
+"""From rows to tokenized samples: readers, row validation, `SFTDataset` and `CPTDataset`.
+
+Notation: L = tokens of one sample. `posttrain.data.loader` re-exports everything public here and turns
+samples into batches.
+
+Readers (`load_sft_rows`, `load_text_documents`, `reasoning_gym_sft_rows`) return rows *as
+found*; `normalize_sft_row` / `normalize_document` validate one row, raising `BadRowError` with
+the row index and a reason, so that the datasets can raise or, with `on_bad_row="skip"`, count.
+
+Accepted SFT row shapes:
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+    {"prompt": "...", "completion": "..."}   -> user + assistant messages
+
+SFT end of sequence: the rendered chat's last trained token is kept as is when it is one of the
+tokenizer's `stop_ids` (ByteTokenizer `<|end|>`, ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`);
+otherwise EOS is appended and trained, so the model always learns to stop. Truncation happens
+after this, so a truncated answer does not learn to stop where it was cut. Which tokens are
+trained is decided by position (the tokenizer's loss mask), never by token id, so EOS is
+trained even when `pad_id == eos_id`.
+
+Example:
+    >>> from posttrain.data.sft import SFTDataset, load_sft_rows, normalize_sft_row
+    >>> from posttrain.models import ByteTokenizer
+    >>> rows = load_sft_rows([{"prompt": "2+2?", "completion": "4"}])
+    >>> normalize_sft_row(rows[0], 0)
+    [{'role': 'user', 'content': '2+2?'}, {'role': 'assistant', 'content': '4'}]
+    >>> sample = SFTDataset(rows, ByteTokenizer(), max_seq_len=32)[0]
+    >>> sample.labels.tolist()    # '4' and <|end|> are trained, already shifted
+    [-100, -100, -100, -100, -100, -100, -100, 52, 262, -100]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from posttrain.models.tokenizer import ROLES, Tokenizer
+
+IGNORE_INDEX = -100
+"""Label of positions that are not trained (`torch.nn.functional.cross_entropy` default)."""
+
+ON_BAD_ROW = ("raise", "skip")
+OVERLONG = ("truncate", "drop")
+
+BAD_ROW_REASONS = (
+    "not_a_dict",          # the row is not a mapping
+    "no_messages",         # neither "messages" nor "prompt"/"completion"
+    "bad_message",         # a message that is not a dict, or lacks "role" / "content"
+    "non_string_content",  # content (or prompt/completion/text) is not a str
+    "unknown_role",        # role outside posttrain.models.tokenizer.ROLES
+    "empty_assistant",     # an assistant turn with empty (or whitespace-only) content
+    "no_assistant",        # no assistant turn at all: nothing to train
+    "last_not_assistant",  # turns after the last assistant turn would be trained on nothing
+    "render_error",        # the tokenizer's chat template rejected the conversation
+    "empty_text",          # CPT: an empty (or whitespace-only) document
+)
+"""Reasons a row is rejected; the keys of `DataStats.skipped_by_reason`."""
+
+
+class BadRowError(ValueError):
+    """A malformed data row. The message names the row index and the problem.
+
+    Attributes:
+        index: position of the row in its source (0-based).
+        reason: one of `BAD_ROW_REASONS`.
+    """
+
+    def __init__(self, index: int, reason: str, detail: str) -> None:
+        assert reason in BAD_ROW_REASONS, reason
+        super().__init__(f"row {index}: {detail} [{reason}]")
+        self.index = index
+        self.reason = reason
+
+
+def _is_missing(value: Any) -> bool:
+    # pandas fills absent cells of mixed-schema frames with NaN / None.
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _records_from_frame(frame: Any) -> list[dict]:
+    records = frame.to_dict(orient="records")
+    return [{k: v for k, v in r.items() if not _is_missing(v)} for r in records]
+
+
+def _read_json_rows(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json data file must hold a list of rows, "
+                             f"got {type(data).__name__}")
+        return data
+    rows = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}); each line of a JSONL "
+                             f"file must be one JSON object") from e
+    return rows
+
+
+def _is_frame(source: Any) -> bool:
+    return type(source).__name__ == "DataFrame" and hasattr(source, "to_dict")
+
+
+def load_sft_rows(source: Sequence[Mapping] | Any | str | os.PathLike) -> list[Any]:
+    """Read SFT rows from a list of dicts, a pandas DataFrame, or a `.jsonl` / `.json` path.
+
+    Rows are returned as found (DataFrame cells that pandas filled with NaN are dropped);
+    `normalize_sft_row` validates them.
+
+    Raises:
+        FileNotFoundError: for a path that does not exist.
+        ValueError: for a JSONL line that is not JSON (naming file and line), or a source of
+            another type.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"SFT data file {path} does not exist")
+        return _read_json_rows(path)
+    if _is_frame(source):
+        return _records_from_frame(source)
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return list(source)
+    raise ValueError(f"cannot read SFT rows from a {type(source).__name__}; pass a list of dicts, "
+                     f"a pandas DataFrame, or a .jsonl/.json path")
+
+
+def _as_list(value: Any) -> Any:
+    # Parquet/Arrow-backed frames hold message lists as numpy arrays.
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def normalize_sft_row(row: Any, index: int) -> list[dict]:
+    """Validate one SFT row and return its messages as `[{"role", "content"}, ...]`.
+
+    Args:
+        row: {"messages": [...]} or {"prompt": str, "completion": str}.
+        index: the row's position in its source, used in error messages.
+
+    Returns:
+        New message dicts holding only "role" and "content"; the last one is the assistant's.
+
+    Raises:
+        BadRowError (a ValueError): naming `index` and one of `BAD_ROW_REASONS`.
+    """
+    if not isinstance(row, Mapping):
+        raise BadRowError(index, "not_a_dict", f"is a {type(row).__name__}, expected a dict with "
+                          f"'messages' or 'prompt'/'completion'")
+    if "messages" in row:
+        messages = _as_list(row["messages"])
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise BadRowError(index, "no_messages",
+                              f"'messages' is a {type(messages).__name__}, expected a list")
+    elif "prompt" in row or "completion" in row:
+        for key in ("prompt", "completion"):
+            if key not in row:
+                raise BadRowError(index, "no_messages", f"has no {key!r} (a prompt/completion "
+                                  f"row needs both)")
+            if not isinstance(row[key], str):
+                raise BadRowError(index, "non_string_content",
+                                  f"{key!r} is a {type(row[key]).__name__}, expected str")
+        messages = [{"role": "user", "content": row["prompt"]},
+                    {"role": "assistant", "content": row["completion"]}]
+    else:
+        raise BadRowError(index, "no_messages", f"has keys {sorted(map(str, row))}; expected "
+                          f"'messages' or 'prompt' and 'completion'")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise BadRowError(index, "bad_message", f"message {j} must be a dict with 'role' and "
+                              f"'content', got {m!r:.80}")
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise BadRowError(index, "unknown_role", f"message {j} has role {role!r}; allowed "
+                              f"roles: {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise BadRowError(index, "non_string_content", f"message {j} content is a "
+                              f"{type(content).__name__}, expected str")
+        if role == "assistant" and not content.strip():
+            raise BadRowError(index, "empty_assistant", f"message {j} is an empty assistant turn")
+        out.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRowError(index, "no_assistant", "has no assistant turn, so nothing to train on")
+    if out[-1]["role"] != "assistant":
+        raise BadRowError(index, "last_not_assistant", f"ends with a {out[-1]['role']!r} turn; "
+                          f"an SFT row must end with the assistant turn")
+    return out
+
+
+def load_text_documents(source: Sequence[Any] | Any | str | os.PathLike, *,
+                        field: str = "text") -> list[Any]:
+    """Read CPT documents: a list of str, a DataFrame column, a `.jsonl`/`.json` file of
+    {field: str} rows, or a `.txt` file (the whole file is one document).
+
+    Values are returned as found (a row without `field` gives None); `normalize_document`
+    validates them.
+
+    Raises:
+        FileNotFoundError: for a path that does not exist.
+        ValueError: for a DataFrame without the column, bad JSONL, or another source type.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"CPT data file {path} does not exist")
+        if path.suffix == ".txt":
+            return [path.read_text(encoding="utf-8")]
+        return [r.get(field) if isinstance(r, Mapping) else r for r in _read_json_rows(path)]
+    if _is_frame(source):
+        if field not in source.columns:
+            raise ValueError(f"DataFrame has no column {field!r} (columns: "
+                             f"{', '.join(map(str, source.columns))}); pass field=...")
+        return [None if _is_missing(v) else v for v in source[field].tolist()]
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return [r.get(field) if isinstance(r, Mapping) else r for r in source]
+    raise ValueError(f"cannot read documents from a {type(source).__name__}; pass a list of str, "
+                     f"a DataFrame with a {field!r} column, or a .txt/.jsonl path")
+
+
+def normalize_document(doc: Any, index: int) -> str:
+    """Validate one CPT document. Raises BadRowError (a ValueError) naming `index`."""
+    if not isinstance(doc, str):
+        raise BadRowError(index, "non_string_content",
+                          f"document is a {type(doc).__name__}, expected str")
+    if not doc.strip():
+        raise BadRowError(index, "empty_text", "document is empty")
+    return doc
+
+
+def reasoning_gym_sft_rows(name: str, *, size: int, seed: int, **task_config: Any) -> list[dict]:
+    """SFT rows from a reasoning-gym task: the question, exactly as the task words it, is the
+    user turn; the task's reference answer is the assistant turn.
+
+    Args:
+        name: a reasoning-gym dataset name, e.g. "chain_sum".
+        size, seed: passed to `reasoning_gym.create_dataset`.
+        task_config: the task's own options (e.g. `min_terms=2, max_terms=2`).
+
+    Returns:
+        `size` rows {"messages": [user, assistant]}.
+
+    Raises:
+        ValueError: from reasoning-gym for an unknown name or bad option.
+
+    Example:
+        >>> rows = reasoning_gym_sft_rows("chain_sum", size=2, seed=0)  # doctest: +SKIP
+        >>> rows[0]["messages"][1]["role"]                                # doctest: +SKIP
+        'assistant'
+    """
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_config)
+    return [{"messages": [{"role": "user", "content": item["question"]},
+                          {"role": "assistant", "content": item["answer"]}]}
+            for item in dataset]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenized samples
+# --------------------------------------------------------------------------------------------
+
+
+def labels_from_loss_mask(input_ids: Sequence[int], loss_mask: Sequence[bool]) -> list[int]:
+    """Shifted labels: `labels[t] = input_ids[t+1]` if `loss_mask[t+1]` else IGNORE_INDEX; the
+    last position has no next token and is IGNORE_INDEX. `loss_mask[0]` is never used.
+
+    Raises:
+        ValueError: if the two lengths differ.
+    """
+    if len(input_ids) != len(loss_mask):
+        raise ValueError(f"{len(input_ids)} input_ids but {len(loss_mask)} loss_mask entries")
+    if not input_ids:
+        return []
+    nxt = zip(input_ids[1:], loss_mask[1:])
+    return [int(i) if m else IGNORE_INDEX for i, m in nxt] + [IGNORE_INDEX]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized sample. `input_ids`, `labels`: [L] int64, labels already shifted."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+    @classmethod
+    def from_loss_mask(cls, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> Sample:
+        labels = labels_from_loss_mask(input_ids, loss_mask)
+        return cls(torch.tensor(list(input_ids), dtype=torch.int64),
+                   torch.tensor(labels, dtype=torch.int64))
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+@dataclass
+class DataStats:
+    """What a dataset read, kept, skipped, truncated and dropped.
+
+    Attributes:
+        rows: rows (SFT) or documents (CPT) read.
+        samples: samples kept (CPT: chunks).
+        skipped_by_reason: bad rows skipped with `on_bad_row="skip"`, by reason.
+        truncated: over-long rows cut to `max_seq_len` and kept.
+        dropped: over-long rows dropped (`overlong="drop"`, or truncation left no trained token).
+        split_documents: CPT documents longer than `max_seq_len`, split into several chunks.
+        tokens / trained_tokens: over all kept samples.
+    """
+
+    rows: int = 0
+    samples: int = 0
+    skipped_by_reason: dict[str, int] = field(default_factory=dict)
+    truncated: int = 0
+    dropped: int = 0
+    split_documents: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+    @property
+    def skipped(self) -> int:
+        return sum(self.skipped_by_reason.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["skipped"] = self.skipped
+        return d
+
+    def _add(self, sample: Sample) -> None:
+        self.samples += 1
+        self.tokens += len(sample)
+        self.trained_tokens += sample.num_trained_tokens
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _check_max_seq_len(max_seq_len: Any) -> None:
+    if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len!r}; must be an integer >= 2")
+
+
+class _TokenizedDataset(Sequence):
+    """Samples held in memory, with the tokenizer's pad id and the stats of how they were made."""
+
+    samples: list[Sample]
+    row_indices: list[int]
+    stats: DataStats
+    max_seq_len: int
+    pad_id: int
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.samples[i]
+
+    def _bad_row(self, error: BadRowError, on_bad_row: str) -> None:
+        if on_bad_row == "raise":
+            raise error
+        by_reason = self.stats.skipped_by_reason
+        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
+
+    def _check_not_empty(self, what: str) -> None:
+        if not self.samples:
+            raise ValueError(f"{type(self).__name__}: no usable {what} ({self.stats.rows} read, "
+                             f"skipped {self.stats.skipped_by_reason}, {self.stats.dropped} "
+                             f"dropped as over-long); the dataset is empty")
+
+
+class SFTDataset(_TokenizedDataset):
+    """Chat rows tokenized with `tokenizer.render_chat`; assistant content and the end of each
+    assistant turn are trained (see the module docstring for the EOS rule).
+
+    Args:
+        rows: a list of row dicts, a pandas DataFrame, or a .jsonl/.json path
+            (`load_sft_rows`); rows are {"messages": [...]} or {"prompt", "completion"}.
+        tokenizer: a `posttrain.models.tokenizer.Tokenizer`.
+        max_seq_len: most tokens per sample.
+        on_bad_row: "raise" (first bad row raises) or "skip" (counted in
+            `stats.skipped_by_reason`).
+        overlong: rows longer than `max_seq_len`: "truncate" (keep the first `max_seq_len`
+            tokens; counted in `stats.truncated`, or in `stats.dropped` if no trained token is
+            left) or "drop" (counted in `stats.dropped`).
+
+    Items are `Sample`s; `row_indices[i]` is the source row of sample i. Rows are tokenized
+    eagerly, in memory.
+
+    Raises:
+        BadRowError (a ValueError): with on_bad_row="raise", naming the row index and problem.
+        ValueError: for bad options, or if no row is usable.
+    """
+
+    def __init__(self, rows: Any, tokenizer: Tokenizer, *, max_seq_len: int,
+                 on_bad_row: Literal["raise", "skip"] = "raise",
+                 overlong: Literal["truncate", "drop"] = "truncate") -> None:
+        _check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
+        _check_choice("overlong", overlong, OVERLONG)
+        _check_max_seq_len(max_seq_len)
+        self.max_seq_len, self.pad_id = max_seq_len, tokenizer.pad_id
+        self.samples, self.row_indices, self.stats = [], [], DataStats()
+        stops = tokenizer.stop_ids
+        for i, row in enumerate(load_sft_rows(rows)):
+            self.stats.rows += 1
+            try:
+                messages = normalize_sft_row(row, i)
+                try:
+                    chat = tokenizer.render_chat(messages)
+                except ValueError as e:
+                    raise BadRowError(i, "render_error", str(e)) from e
+                trained = [t for t, m in enumerate(chat.loss_mask) if m]
+                if not trained:
+                    raise BadRowError(i, "render_error", "the chat template marked no token as "
+                                      "trained")
+            except BadRowError as e:
+                self._bad_row(e, on_bad_row)
+                continue
+            ids, mask = list(chat.input_ids), list(chat.loss_mask)
+            if ids[trained[-1]] not in stops:
+                ids.append(tokenizer.eos_id)
+                mask.append(True)
+            if len(ids) > max_seq_len:
+                if overlong == "drop":
+                    self.stats.dropped += 1
+                    continue
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                if not any(mask[1:]):
+                    self.stats.dropped += 1
+                    continue
+                self.stats.truncated += 1
+            sample = Sample.from_loss_mask(ids, mask)
+            self.samples.append(sample)
+            self.row_indices.append(i)
+            self.stats._add(sample)
+        self._check_not_empty("rows")
+
+
+class CPTDataset(_TokenizedDataset):
+    """Plain-text documents for continued pretraining: BOS (if the tokenizer has one) + text +
+    EOS, every next token trained.
+
+    A document longer than `max_seq_len` is split into chunks of `max_seq_len` tokens that
+    overlap by one token, so every token after the first is predicted exactly once (counted in
+    `stats.split_documents`; `stats.samples` counts chunks). Pack with `SFTLoader(pack=True)`.
+
+    Args:
+        documents: list of str, DataFrame with a `field` column, .txt or .jsonl path
+            (`load_text_documents`).
+        tokenizer: a `posttrain.models.tokenizer.Tokenizer`.
+        max_seq_len: most tokens per chunk (>= 2).
+        on_bad_row: "raise" or "skip" for non-string or empty documents.
+        field: the column / JSON key that holds the text.
+
+    Raises:
+        BadRowError (a ValueError): with on_bad_row="raise", naming the document index.
+        ValueError: for bad options, or if no document is usable.
+    """
+
+    def __init__(self, documents: Any, tokenizer: Tokenizer, *, max_seq_len: int,
+                 on_bad_row: Literal["raise", "skip"] = "raise", field: str = "text") -> None:
+        _check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
+        _check_max_seq_len(max_seq_len)
+        self.max_seq_len, self.pad_id = max_seq_len, tokenizer.pad_id
+        self.samples, self.row_indices, self.stats = [], [], DataStats()
+        stride = max_seq_len - 1
+        for i, doc in enumerate(load_text_documents(documents, field=field)):
+            self.stats.rows += 1
+            try:
+                text = normalize_document(doc, i)
+            except BadRowError as e:
+                self._bad_row(e, on_bad_row)
+                continue
+            ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+            starts = range(0, max(len(ids) - 1, 1), stride)
+            self.stats.split_documents += len(starts) > 1
+            for s in starts:
+                chunk = ids[s: s + max_seq_len]
+                sample = Sample.from_loss_mask(chunk, [True] * len(chunk))
+                self.samples.append(sample)
+                self.row_indices.append(i)
+                self.stats._add(sample)
+        self._check_not_empty("documents")

@@ -1,0 +1,18 @@
+"""Running a function or recipe from a cell: in-process, local processes or Slurm (submitit),
+with live `Run` handles, requeue on preemption and reattach.
+"""
+
+from __future__ import annotations
+
+from posttrain.launch.run import Run, JobFailedError, RUN_FILE
+from posttrain.launch.submit import launch, launch_array, LaunchPickleError, EXECUTORS
+
+__all__ = [
+    "Run",
+    "JobFailedError",
+    "RUN_FILE",
+    "launch",
+    "launch_array",
+    "LaunchPickleError",
+    "EXECUTORS",
+]

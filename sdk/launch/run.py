@@ -1,0 +1,591 @@
+"""The handle of a launched job (`posttrain.launch.submit.launch` returns one): state, logs, live
+metrics, wait, cancel, result, a table in the notebook, and `Run.attach(folder)` to find the job
+again from another process (e.g. after a kernel restart).
+
+States are submitit's (Slurm's `sacct` states for "slurm"; for "local" they are read from the
+job controller's process and result files). Results are read from submitit's result pickles.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import html
+import json
+import os
+import socket
+import signal
+import subprocess
+import traceback
+import time
+from pathlib import Path
+from typing import Any
+
+from submitit.core.utils import JobPaths, pickle_load
+from submitit.local.local import LocalJob
+
+__all__ = ["Run", "JobFailedError", "RUN_FILE"]
+
+RUN_FILE = "run.json"
+"""File in a launch folder that records what was submitted, for `Run.attach`."""
+
+# Slurm states (sacct) in which a job may still run or run again; every other state is final.
+_ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
+           "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT",
+           "STOPPED", "READY", "UNKNOWN"}
+
+# squeue reasons (%r) that keep a job PENDING until it is cancelled: its request exceeds what the
+# partition, account or QOS allows, which no other job ending will change.
+_NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+                 "InvalidAccount", "InvalidQOS"}
+
+
+class JobFailedError(RuntimeError):
+    """A job raised, was cancelled, ended without a result, or can never start (Slurm keeps it
+    pending for a reason that will not clear). The message holds the remote traceback (or the
+    state and the end of the error log, or the pending reason) and the paths of the job's logs."""
+
+
+def _controller_alive(pid: int) -> bool:
+    """True if process `pid` runs and (where /proc tells) is a submitit job controller."""
+    try:
+        return b"submitit" in Path(f"/proc/{pid}/cmdline").read_bytes()  # a zombie has none
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# ----------------------------------------------------------------------------- results on disk
+
+
+def _squeue_reason(job_id: str) -> str | None:
+    """Why Slurm keeps `job_id` pending (`squeue -h -j ID -o %r`), None if squeue says none."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
+                             text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    reason = lines[0].strip() if lines else ""
+    return None if reason in ("", "None") else reason
+
+
+def _peek_outcome(path: Path) -> str | None:
+    """"success" / "error" from submitit's result pickle without loading the result; None if
+    the file does not exist (yet)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except FileNotFoundError:
+        return None
+    if b"\x8c\x07success" in head:
+        return "success"
+    if b"\x8c\x05error" in head:
+        return "error"
+    return pickle_load(path)[0]
+
+
+def _tail(path: Path, lines: int | None) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        if lines is None:
+            return f.read().decode("utf-8", "replace")
+        f.seek(0, os.SEEK_END)
+        size, chunk, data = f.tell(), 1 << 14, b""
+        while size > 0 and data.count(b"\n") <= lines:
+            step = min(chunk, size)
+            size -= step
+            f.seek(size)
+            data = f.read(step) + data
+    text = data.decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:]) if lines else ""
+
+
+_RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """The record in a run.json, checked to have what `Run.attach` reads."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it is not a launch record "
+                         "(written by posttrain.launch.submit), or was damaged") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
+    missing = [k for k in _RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"{path} is not a launch record written by posttrain.launch.submit: it has "
+                         f"no {', '.join(repr(k) for k in missing)}")
+    jobs = record["jobs"]
+    if not isinstance(jobs, list) or not jobs or not all(
+            isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs):
+        raise ValueError(f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
+                         f"entries, got {jobs!r:.200}")
+    return record
+
+
+def _last_row(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    for line in reversed(_tail(path, 4).splitlines()):
+        try:
+            row = json.loads(line)
+            if isinstance(row, dict):
+                return row
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+def _no_metrics(note: str):
+    frame = _no_metrics_class()()
+    frame.note = note
+    return frame
+
+
+@functools.lru_cache(maxsize=None)
+def _no_metrics_class():
+    import pandas as pd
+
+    class NoMetrics(pd.DataFrame):
+        """An empty DataFrame that says why it is empty."""
+
+        _metadata = ["note"]
+
+        @property
+        def _constructor(self):
+            return pd.DataFrame
+
+        def __repr__(self) -> str:
+            return f"<no metrics yet: {self.note}>"
+
+        def _repr_html_(self) -> str:
+            return f"<p><i>no metrics yet: {html.escape(self.note)}</i></p>"
+
+    return NoMetrics
+
+
+# ----------------------------------------------------------------------------- Run
+
+
+class Run:
+    """A submitted job: its state, logs, live metrics, result; shown as a table in a notebook.
+
+    Attributes:
+        job_id: the scheduler's id ("12345", "12345_3" in a job array; the controller's process
+            id for "local"; "DEBUG_..." for "debug").
+        executor: "local", "slurm" or "debug".
+        folder: the launch folder holding run.json (None for "debug").
+        out_dir: the cfg's out_dir (absolute), where `metrics()` reads; None without one.
+        target: the job's name (module and function).
+        num_tasks: processes in the job.
+        job: the submitit Job (a DebugJob that has run, for "debug").
+
+    Example:
+        >>> from posttrain.launch.submit import launch
+        >>> run = launch(len, "abc", executor="debug")
+        >>> run  # doctest: +ELLIPSIS
+        Run(job_id='DEBUG_...', state='COMPLETED', executor='debug', target='len')
+        >>> run.done(), run.logs()
+        (True, '')
+    """
+
+    _refresh_s = 2.0  # at most one sacct call per this many seconds per Run
+
+    def __init__(self, job: Any, *, executor: str, folder: Path | None, log_folder: Path | None,
+                 out_dir: Path | None, target: str, num_tasks: int, index: int = 0) -> None:
+        self.job, self.executor, self.folder = job, executor, folder
+        self.log_folder, self.out_dir, self.target = log_folder, out_dir, target
+        self.num_tasks, self.index = num_tasks, index
+        self.job_id: str = job.job_id if job is not None else ""
+        self._final: str | None = None
+        self._last_force = float("-inf")
+        self._debug_outcome: tuple[str, Any] | None = None
+        self._reason: str | None = None
+        self._reason_at = float("-inf")
+
+    # ------------------------------------------------------------- construction
+
+    @classmethod
+    def _run_debug(cls, job: Any, name: str, out_dir: Path | None) -> Run:
+        run = cls(job, executor="debug", folder=None, log_folder=None, out_dir=out_dir,
+                  target=name, num_tasks=1)
+        # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
+        # each exception() call runs a failed function again: call exception() exactly once.
+        try:
+            error = job.exception()  # catches Exception only
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - sys.exit() in target is the job's failure
+            error = e
+        run._debug_outcome = ("error", error) if error is not None \
+            else ("success", job.submission().result())
+        return run
+
+    @classmethod
+    def attach(cls, folder: str | os.PathLike, index: int | None = None) -> Run:
+        """The Run recorded in `folder/run.json` (a launch folder, or an out_dir whose
+        `launch/` holds one), e.g. from a new kernel after a restart.
+
+        Args:
+            folder: the launch folder (or its run.json, or the cfg's out_dir).
+            index: which job of a job array (None: the folder must hold exactly one job).
+
+        Raises:
+            FileNotFoundError: no run.json there.
+            ValueError: a run.json that is not valid JSON or not a record written by
+                `launch`, a job array without `index`, an index out of range, or a "local"
+                job of another host.
+        """
+        path = Path(folder).expanduser().absolute()
+        if path.is_dir():
+            path = path / RUN_FILE if (path / RUN_FILE).exists() else path / "launch" / RUN_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no {RUN_FILE} in {folder} (nor in {folder}/launch): "
+                                    "pass the folder that launch() printed or returned")
+        record = _read_record(path)
+        jobs = record["jobs"]
+        if index is None:
+            if len(jobs) != 1:
+                raise ValueError(f"{path} records a job array of {len(jobs)} jobs: pass index= "
+                                 "(0..{}) or use Run.attach_array".format(len(jobs) - 1))
+            index = 0
+        if not 0 <= index < len(jobs):
+            raise ValueError(f"index={index}; {path} records {len(jobs)} job(s)")
+        executor, log_folder = record["executor"], Path(record["log_folder"])
+        tasks = list(range(record["num_tasks"]))
+        entry = jobs[index]
+        if executor == "local":
+            if record["host"] != socket.gethostname():
+                raise ValueError(f"{path}: this local job runs on host {record['host']!r}; "
+                                 f"attach to it there, not on {socket.gethostname()!r}")
+            job = LocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
+        elif executor == "slurm":
+            from submitit.slurm.slurm import SlurmJob
+
+            job = SlurmJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
+        else:
+            raise ValueError(f"{path}: executor {executor!r} cannot be attached to")
+        return cls(job, executor=executor, folder=path.parent, log_folder=log_folder,
+                   out_dir=None if entry["out_dir"] is None else Path(entry["out_dir"]),
+                   target=record["name"], num_tasks=len(tasks), index=index)
+
+    @classmethod
+    def attach_array(cls, folder: str | os.PathLike) -> list[Run]:
+        """Every Run recorded in `folder/run.json` (see `attach`)."""
+        first = cls.attach(folder, 0)
+        count = len(_read_record(first.folder / RUN_FILE)["jobs"])
+        return [first] + [cls.attach(first.folder, i) for i in range(1, count)]
+
+    # ------------------------------------------------------------- state
+
+    def status(self) -> str:
+        """The job's state: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, or another Slurm
+        state (TIMEOUT, REQUEUED, PREEMPTED, NODE_FAIL, OUT_OF_MEMORY, UNKNOWN ...). A
+        "local" job is RUNNING, then COMPLETED, FAILED or CANCELLED."""
+        if self._final is not None:
+            return self._final
+        if self.executor == "debug":
+            return "COMPLETED" if self._debug_outcome[0] == "success" else "FAILED"
+        outcomes = self._outcomes()
+        if self.executor == "local":
+            if self._local_alive():
+                return "RUNNING"
+            if all(o == "success" for o in outcomes):
+                state = "COMPLETED"
+            elif "error" not in outcomes and self._cancel_marker().exists():
+                state = "CANCELLED"
+            else:
+                state = "FAILED"
+            self._final = state
+            return state
+        now = time.monotonic()
+        mode = "force" if now - self._last_force >= self._refresh_s else "cache"
+        if mode == "force":
+            self._last_force = now
+        info = self.job.get_info(mode=mode)
+        state = ((info.get("State") or "UNKNOWN").split() or ["UNKNOWN"])[0].upper()
+        if state in ("PENDING", "UNKNOWN", "RUNNING", "COMPLETING") and None not in outcomes:
+            state = "COMPLETED" if all(o == "success" for o in outcomes) else "FAILED"
+        return state
+
+    @property
+    def state(self) -> str:
+        """Same as `status()`."""
+        return self.status()
+
+    def done(self) -> bool:
+        """True once the job has ended (in any state); it will not run again."""
+        return self.status() not in _ACTIVE
+
+    def pending_reason(self) -> str | None:
+        """Why Slurm keeps the job waiting (squeue's reason: Resources, Priority,
+        PartitionConfig, ...; read at most every 2 s); None when it is not a pending Slurm job
+        or Slurm gives no reason."""
+        if self.executor != "slurm" or self.status() not in ("PENDING", "UNKNOWN"):
+            return None
+        now = time.monotonic()
+        if now - self._reason_at >= self._refresh_s:
+            self._reason_at = now
+            self._reason = _squeue_reason(self.job_id)
+        return self._reason
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.5) -> str:
+        """Block until the job has ended, checking every `poll_s` seconds (Slurm: sacct at most
+        every 2 s); returns its final state. `timeout`: seconds to wait at most (None: no limit).
+
+        Raises:
+            TimeoutError: still not ended after `timeout` seconds (the job keeps running).
+            JobFailedError: Slurm keeps the job pending for a reason that never clears by
+                itself (PartitionConfig, PartitionNodeLimit, ...: it asks for more than the
+                partition allows). The job stays queued until `cancel()`.
+        """
+        start = time.monotonic()
+        while not self.done():
+            reason = self.pending_reason()
+            if reason is not None and reason.split(",")[0] in _NEVER_STARTS:
+                raise JobFailedError(
+                    f"job {self.job_id} ({self.target}) can never start: Slurm keeps it pending "
+                    f"with reason {reason} (it asks for more nodes, tasks, CPUs or time than "
+                    "the partition, account or QOS allows; `scontrol show partition` lists the "
+                    "limits). It stays queued: run.cancel() (scancel) removes it; then launch "
+                    "again with resources that fit.")
+            if timeout is not None and time.monotonic() - start >= timeout:
+                why = f" (reason: {reason})" if reason else ""
+                raise TimeoutError(f"job {self.job_id} ({self.target}) is still {self.status()}"
+                                   f"{why} after {timeout:g} s; it keeps running (run.cancel() "
+                                   "stops it, run.logs() shows its output)")
+            time.sleep(poll_s)
+        return self.status()
+
+    def cancel(self) -> None:
+        """Stop the job now, as `scancel` does: on Slurm `scancel`; locally SIGKILL to the job's
+        process group (its controller runs in a session of its own, with the tasks). Not
+        SIGINT: a Trainer takes Ctrl-C as a clean stop, and the recipe would go on to evaluate,
+        save and end COMPLETED. Does nothing to a job that has ended."""
+        if self.executor == "debug" or self.done():
+            return
+        if self.executor == "slurm":
+            self.job.cancel(check=True)
+            return
+        self._cancel_marker().parent.mkdir(parents=True, exist_ok=True)
+        self._cancel_marker().write_text(datetime.datetime.now().isoformat() + "\n")
+        if self._local_alive():
+            try:
+                os.killpg(int(self.job_id), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process = getattr(self.job, "_process", None)
+        if process is not None:
+            process.wait()  # reap it
+
+    # ------------------------------------------------------------- results
+
+    def result(self) -> Any:
+        """What `target` returned (rank 0's value in a job of several tasks; see `results`).
+        Waits for the job to end.
+
+        Raises:
+            JobFailedError: the job raised (the message has the remote traceback and the log
+                paths), returned something that cannot be pickled, was cancelled or ended
+                without a result (the message has its state and the end of its error log).
+        """
+        return self.results()[0]
+
+    def results(self) -> list[Any]:
+        """One value per task, by global rank. Waits for the job to end.
+
+        Raises: as `result`.
+        """
+        if self.executor == "debug":
+            outcome, value = self._debug_outcome
+            if outcome == "error":
+                tb = value.__traceback__  # from the target's frame on: skip submitit and _Call
+                while tb is not None and tb.tb_next is not None and (
+                        tb.tb_frame.f_code.co_filename == __file__
+                        or f"{os.sep}submitit{os.sep}" in tb.tb_frame.f_code.co_filename):
+                    tb = tb.tb_next
+                tb = "".join(traceback.format_exception(type(value), value, tb)).rstrip()
+                raise JobFailedError(
+                    f"job {self.job_id} ({self.target}) failed in this process (executor='debug')"
+                    f":\n{tb}\n(the original exception is this error's __cause__; "
+                    "pdb.post_mortem(err.__cause__.__traceback__) inspects it)") from value
+            return [value]
+        self.wait()
+        state = self.status()
+        outcomes = self._outcomes()
+        if "error" in outcomes:
+            i = outcomes.index("error")
+            trace = pickle_load(self._paths(i).result_pickle)[1].rstrip()
+            failed = [k for k, o in enumerate(outcomes) if o == "error"]
+            raise JobFailedError(
+                f"job {self.job_id} ({self.target}) failed (state {state}; task(s) {failed} "
+                f"raised). Remote traceback of task {i}:\n{trace}\n{self._log_hint(i)}")
+        if None in outcomes and self.executor == "slurm" and state == "COMPLETED":
+            deadline = time.monotonic() + 15  # a shared file system may show the files late
+            while None in outcomes and time.monotonic() < deadline:
+                time.sleep(1)
+                outcomes = self._outcomes()
+        if None in outcomes:
+            i = outcomes.index(None)
+            err = _tail(self._paths(i).stderr, 20)
+            raise JobFailedError(
+                f"job {self.job_id} ({self.target}) ended in state {state} without a result "
+                f"(task {i} wrote none)." + (f" End of its error log:\n{err}\n" if err else " ")
+                + self._log_hint(i))
+        return [pickle_load(self._paths(i).result_pickle)[1] for i in range(self.num_tasks)]
+
+    # ------------------------------------------------------------- logs and metrics
+
+    def logs(self, tail: int | None = 50, stream: str = "stdout", task: int = 0) -> str:
+        """The last `tail` lines (None: all) of a task's stdout or stderr; "" before the job
+        writes any, and for "debug" (its output went to this process).
+
+        Raises:
+            ValueError: an unknown stream or a task outside 0..num_tasks-1.
+        """
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"stream={stream!r}; allowed: stdout, stderr")
+        if not 0 <= task < self.num_tasks:
+            raise ValueError(f"task={task}; this job has tasks 0..{self.num_tasks - 1}")
+        if self.executor == "debug":
+            return ""
+        return _tail(getattr(self._paths(task), stream), tail)
+
+    def metrics(self):
+        """The job's metrics so far, read from `<out_dir>/metrics.jsonl` as a pandas DataFrame
+        (one row per step; a partly written last line is left out). Before the first row: an
+        empty DataFrame whose repr says so.
+
+        Raises:
+            ValueError: the cfg had no `out_dir`, so there is nowhere to read; or a line other
+                than the last is corrupt (`posttrain.core.metrics.read_metrics`).
+        """
+        if self.out_dir is None:
+            raise ValueError(f"run {self.job_id} ({self.target}) has no out_dir (its cfg has no "
+                             "out_dir field), so there are no metrics to read")
+        path = self.out_dir / "metrics.jsonl"
+        if not path.exists():
+            return _no_metrics(f"{path} does not exist (job {self.job_id} is {self.status()})")
+        from posttrain.core.metrics import read_metrics
+
+        frame = read_metrics(path)
+        return frame if len(frame) else _no_metrics(f"{path} is empty (job {self.job_id} is "
+                                                    f"{self.status()})")
+
+    # ------------------------------------------------------------- display
+
+    def _summary(self) -> dict[str, Any]:
+        try:
+            state = self.status()
+        except Exception as e:  # noqa: BLE001 - a display must not raise
+            state = f"? ({type(e).__name__})"
+        try:
+            reason = self.pending_reason()
+        except Exception:  # noqa: BLE001 - a display must not raise
+            reason = None
+        row = _last_row(None if self.out_dir is None else self.out_dir / "metrics.jsonl")
+        return {"job_id": self.job_id, "state": state, "executor": self.executor,
+                "target": self.target, "reason": reason, "row": row}
+
+    def __repr__(self) -> str:
+        s = self._summary()
+        extra = "".join(f", {k}={_fmt(v)}" for k, v in _headline(s["row"]).items())
+        if s["reason"]:
+            extra = f", reason={s['reason']!r}" + extra
+        return (f"Run(job_id={s['job_id']!r}, state={s['state']!r}, executor={s['executor']!r}, "
+                f"target={s['target']!r}{extra})")
+
+    def _repr_html_(self) -> str:
+        s = self._summary()
+        cells = {"job": s["job_id"], "state": s["state"], "executor": s["executor"],
+                 "target": s["target"], "tasks": self.num_tasks}
+        if s["reason"]:
+            cells["reason"] = s["reason"]
+        cells.update({k: _fmt(v) for k, v in _headline(s["row"], 4).items()})
+        if self.folder is not None:
+            cells["folder"] = str(self.folder)
+        head = "".join(f"<th>{html.escape(str(k))}</th>" for k in cells)
+        body = "".join(f"<td>{html.escape(str(v))}</td>" for v in cells.values())
+        return f"<table><tr>{head}</tr><tr>{body}</tr></table>"
+
+    def watch(self, every_s: float = 2.0, timeout: float | None = None) -> str:
+        """Show the job's table, refreshed every `every_s` seconds, until it ends or `timeout`
+        seconds have passed (in Jupyter: one widget updated in place; elsewhere: a printed line
+        whenever it changes). Ctrl-C / a kernel interrupt stops watching, not the job. Returns
+        the last state seen."""
+        widget = None
+        try:
+            from IPython import get_ipython
+
+            if getattr(get_ipython(), "kernel", None) is not None:
+                import ipywidgets
+                from IPython.display import display
+
+                widget = ipywidgets.HTML(self._repr_html_())
+                display(widget)
+        except ImportError:
+            pass
+        start, last = time.monotonic(), None
+        try:
+            while True:
+                ended = self.done()
+                if widget is not None:
+                    widget.value = self._repr_html_()
+                else:
+                    line = repr(self)
+                    if line != last:
+                        print(line, flush=True)
+                        last = line
+                if ended or (timeout is not None and time.monotonic() - start >= timeout):
+                    break
+                time.sleep(every_s)
+        except KeyboardInterrupt:
+            print(f"stopped watching; job {self.job_id} keeps running (run.cancel() stops it)")
+        return self.status()
+
+    # ------------------------------------------------------------- internals
+
+    def _paths(self, task: int) -> JobPaths:
+        return self.job.task(task).paths if self.num_tasks > 1 else self.job.paths
+
+    def _outcomes(self) -> list[str | None]:
+        return [_peek_outcome(self._paths(i).result_pickle) for i in range(self.num_tasks)]
+
+    def _local_alive(self) -> bool:
+        process = getattr(self.job, "_process", None)
+        if process is not None:
+            return process.poll() is None
+        return _controller_alive(int(self.job_id))
+
+    def _cancel_marker(self) -> Path:
+        return self._paths(0).folder / "cancelled"
+
+    def _log_hint(self, task: int) -> str:
+        p = self._paths(task)
+        return (f"Logs: {p.stdout} and {p.stderr} (run.logs(stream='stderr', task={task}))")
+
+
+def _headline(row: dict[str, Any], limit: int = 2) -> dict[str, Any]:
+    """step, loss and the next few numeric metrics of a metrics row."""
+    out = {k: row[k] for k in ("step", "loss") if k in row}
+    for k, v in row.items():
+        if len(out) >= limit + 1:
+            break
+        if k not in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

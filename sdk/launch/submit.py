@@ -1,0 +1,581 @@
+"""Run a recipe's `main` (or any function) as a job from a notebook cell, with submitit:
+in this process ("debug"), as processes on this machine ("local") or on Slurm ("slurm").
+
+`launch(target, cfg)` checks that `target` and `cfg` pickle (they travel to the job with
+cloudpickle), submits `target(cfg)` and returns a `Run`: state, logs, live metrics from
+`cfg.out_dir/metrics.jsonl`, wait, cancel, result, and a table in the notebook. Inside the job
+each task joins a torch.distributed process group when the job has several tasks, acts on Slurm's
+warning signal at the Trainer's next step boundary (`posttrain.core.preemption`) and, when requeued
+after preemption or a time limit, calls `target` again with `cfg.resume=True`.
+`<folder>/run.json` lets `Run.attach(folder)` find the job again from another process, e.g.
+after a kernel restart. docs/runbook-slurm.md is the operator's guide.
+
+Example ("debug" runs the function here and now, writes no files, never opens pdb):
+    >>> def add(x, y=1):
+    ...     return x + y
+    >>> run = launch(add, 41, executor="debug")
+    >>> run.state, run.result()
+    ('COMPLETED', 42)
+    >>> launch(lambda: 1 / 0, executor="debug").result()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    posttrain.launch.run.JobFailedError: job DEBUG_... (submit.lambda) failed ...ZeroDivisionError...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import types
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+from submitit.core.utils import DelayedSubmission, FailedJobError
+from submitit.helpers import Checkpointable
+from submitit.local.debug import DebugExecutor
+from submitit.local.local import LocalExecutor, LocalJob
+
+from posttrain.launch.run import RUN_FILE, JobFailedError, Run
+
+__all__ = ["launch", "launch_array", "Run", "JobFailedError", "LaunchPickleError", "EXECUTORS",
+           "RUN_FILE"]
+
+EXECUTORS = ("local", "slurm", "debug")
+
+_FIX = ("define it in the notebook, or make its module importable on the cluster, or pass a "
+        "path/name instead of the live object (e.g. a tokenizer's folder, not the tokenizer)")
+_LOG = logging.getLogger(__name__)
+
+
+class LaunchPickleError(TypeError):
+    """The function or its config cannot be pickled, so it cannot be sent to a job. Raised
+    before anything is submitted or written; the message names the innermost object at fault."""
+
+
+# ----------------------------------------------------------------------------- the job's callable
+
+
+class _Call(Checkpointable):
+    """What a job runs: `target(cfg)` (or `target()`), inside a process group when the job has
+    several tasks (so `target` finds torch.distributed initialised and must not initialise it
+    again), with the preemption signal deferred to step boundaries.
+
+    `checkpoint()` (called by submitit on rank 0 when Slurm's warning signal arrives) resubmits
+    the same call with `cfg.resume=True` if `cfg` is a dataclass with a `resume` field; any other
+    cfg is resubmitted as it is, so such a function starts again from scratch.
+    """
+
+    def __init__(self, target: Callable[..., Any], cfg: Any, *, has_cfg: bool, num_tasks: int,
+                 gpus_per_node: int, master_addr: str | None, in_job: bool) -> None:
+        self.target, self.cfg, self.has_cfg = target, cfg, has_cfg
+        self.num_tasks, self.gpus_per_node = num_tasks, gpus_per_node
+        self.master_addr, self.in_job = master_addr, in_job
+
+    def __call__(self) -> Any:
+        if self.in_job:
+            from posttrain.core import preemption
+
+            preemption.install()
+        group = _init_process_group(self.gpus_per_node, self.master_addr) if self.num_tasks > 1 \
+            else None
+        try:
+            result = self.target(self.cfg) if self.has_cfg else self.target()
+        finally:
+            if group is not None and group.is_initialized():  # unless target destroyed it
+                group.destroy_process_group()
+        _check_result_pickles(result)
+        return result
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
+        return DelayedSubmission(self.resumed(), *args, **kwargs)
+
+    def resumed(self) -> _Call:
+        """The same call with `cfg.resume=True` (dataclass cfg with a `resume` field), else self."""
+        if not _has_field(self.cfg, "resume"):
+            return self
+        new = _Call.__new__(_Call)
+        new.__dict__.update(self.__dict__, cfg=dataclasses.replace(self.cfg, resume=True))
+        return new
+
+
+def _has_field(cfg: Any, name: str) -> bool:
+    return (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
+            and any(f.name == name for f in dataclasses.fields(cfg)))
+
+
+def _init_process_group(gpus_per_node: int, master_addr: str | None):
+    """Export MASTER_ADDR/PORT, RANK, WORLD_SIZE from submitit's view of the job and join the
+    default process group (NCCL with GPUs, else gloo). Returns torch.distributed."""
+    import torch
+    import torch.distributed as dist
+    from submitit.helpers import TorchDistributedEnvironment
+
+    env = TorchDistributedEnvironment()
+    env.master_addr = master_addr or _resolvable(env.master_addr)
+    if gpus_per_node:  # one GPU per task: the local_rank-th of the node's visible devices
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        if len(visible) != 1:
+            os.environ["CUDA_VISIBLE_DEVICES"] = (visible[env.local_rank % len(visible)]
+                                                  if visible else str(env.local_rank))
+    env.export(set_cuda_visible_devices=False, overwrite=True)
+    backend = "nccl" if gpus_per_node and torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    print(f"posttrain.launch.submit: rank {env.rank}/{env.world_size} joining a {backend} process group "
+          f"at {env.master_addr}:{env.master_port}", file=sys.stderr, flush=True)
+    dist.init_process_group(backend=backend)
+    return dist
+
+
+def _resolvable(host: str) -> str:
+    """`host` if it resolves, else 127.0.0.1 with a warning (nodes emulated on one host have
+    names such as n1 that no resolver knows)."""
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        _LOG.warning("posttrain.launch.submit: master host %r does not resolve; using 127.0.0.1, which "
+                     "only works when every task runs on this host (pass master_addr= otherwise)",
+                     host)
+        return "127.0.0.1"
+
+
+def _check_result_pickles(result: Any) -> None:
+    """Raise TypeError naming what in `result` cannot be pickled (else submitit fails to write
+    the result file, leaves a temp file behind and reports that the job produced no output)."""
+    try:
+        cloudpickle.dumps(result)
+    except Exception:  # noqa: BLE001 - any pickling failure
+        path, obj, err = _find_unpicklable(result, "result")
+        where = "" if path == "result" else f" ({path} is a {_type_name(obj)})"
+        raise TypeError(
+            f"the job's function returned a {_type_name(result)} that cannot be pickled{where}, "
+            f"so it cannot be sent back ({type(err).__name__}: {err}). "
+            "Return plain data (numbers, strings, lists, dicts, tensors, DataFrames), or save "
+            "live objects (models, generators, open files) under out_dir and return the path."
+        ) from None
+
+
+# ----------------------------------------------------------------------------- what fails to pickle
+
+
+def _pickle_error(obj: Any) -> Exception | None:
+    try:
+        cloudpickle.dumps(obj)
+        return None
+    except Exception as e:  # noqa: BLE001 - TypeError, PicklingError, RecursionError, ...
+        return e
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int = 0,
+                      seen: set[int] | None = None) -> tuple[str, Any, Exception]:
+    """(attribute path, object, error) of the innermost part of `obj` that fails to pickle;
+    `obj` itself if none of its parts fails alone."""
+    seen = set() if seen is None else seen
+    err = _pickle_error(obj)
+    if err is None:
+        raise ValueError(f"{path} pickles")
+    if depth < 16:
+        for child_path, child in _parts(obj, path):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if _pickle_error(child) is not None:
+                return _find_unpicklable(child, child_path, depth + 1, seen)
+    return path, obj, err
+
+
+def _parts(obj: Any, path: str):
+    """(path, part) of what pickling `obj` pickles too: items, fields, attributes; for functions
+    pickled by value, the closure, the globals they use and the defaults."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield f"{path}[{k!r}]", v
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for i, v in enumerate(obj):
+            yield f"{path}[{i}]", v
+    elif isinstance(obj, functools.partial):
+        yield f"{path}.func", obj.func
+        yield from _parts(obj.args, f"{path}.args")
+        yield from _parts(obj.keywords, f"{path}.keywords")
+    elif isinstance(obj, types.MethodType):
+        yield f"{path}.__self__", obj.__self__
+        yield f"{path}.__func__", obj.__func__
+    elif isinstance(obj, types.FunctionType):
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                yield f"{path}.__closure__[{name!r}]", cell.cell_contents
+            except ValueError:  # empty cell
+                pass
+        for name in sorted(_global_names(obj.__code__)):
+            if name in obj.__globals__:
+                yield f"{path}.__globals__[{name!r}]", obj.__globals__[name]
+        for i, v in enumerate(obj.__defaults__ or ()):
+            yield f"{path}.__defaults__[{i}]", v
+        for k, v in (obj.__kwdefaults__ or {}).items():
+            yield f"{path}.__kwdefaults__[{k!r}]", v
+    elif not isinstance(obj, type):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                if hasattr(obj, f.name):
+                    yield f"{path}.{f.name}", getattr(obj, f.name)
+        for k, v in getattr(obj, "__dict__", {}).items():
+            yield f"{path}.{k}", v
+        for k in getattr(type(obj), "__slots__", ()):
+            if isinstance(k, str) and hasattr(obj, k):
+                yield f"{path}.{k}", getattr(obj, k)
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _pickle_recipes_by_value() -> None:
+    """Make cloudpickle send recipe files loaded by `posttrain.cli.load_recipe` by value: they
+    live under made-up module names (`posttrain_recipe_sft`) that a job cannot import, so a
+    `main` or `Config` of theirs pickled by reference fails to unpickle in the job."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("posttrain_recipe_") and module is not None:
+            cloudpickle.register_pickle_by_value(module)
+
+
+def _check_pickles(call: _Call, what: str) -> None:
+    """Raise LaunchPickleError naming the innermost unpicklable part of the target or the cfg."""
+    if _pickle_error(call) is None:
+        return
+    for root, obj in (("target", call.target), ("cfg", call.cfg)):
+        if _pickle_error(obj) is not None:
+            path, bad, err = _find_unpicklable(obj, root)
+            raise LaunchPickleError(
+                f"cannot send {what} to the job: {path} ({_type_name(bad)}) cannot be pickled "
+                f"({type(err).__name__}: {err}). submitit ships the function and its config to the "
+                f"job with cloudpickle; {_FIX}.")
+    raise LaunchPickleError(f"cannot send {what} to the job: {_pickle_error(call)}; {_FIX}.")
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "local",
+           nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0,
+           cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
+           folder: str | os.PathLike | None = None, name: str | None = None,
+           max_num_timeout: int = 10, master_addr: str | None = None,
+           slurm_kwargs: dict[str, Any] | None = None) -> Run:
+    """Submit `target(cfg)` (or `target()` when cfg is None) as a job; return its `Run`.
+
+    Args:
+        target: a recipe's `main` or any function. Defined in a notebook (or a module the job
+            cannot import), it travels by value with cloudpickle, closures included.
+        cfg: its one argument, usually a recipe `Config`. A dataclass with a `resume` field is
+            resubmitted with `resume=True` after preemption or a time limit; any other cfg is
+            resubmitted unchanged, so such a function starts again from scratch. A cfg with an
+            `out_dir` sets the default `folder` and is where `Run.metrics()` reads.
+        executor: "local" (processes on this machine, surviving a kernel restart), "slurm"
+            (sbatch through submitit; needs srun/sbatch/sacct and Slurm accounting) or "debug"
+            (runs `target` here and now, in this process; no files; a failure is raised by
+            `Run.result()`, never by a debugger prompt).
+        nodes: nodes of the job ("local" and "debug": 1).
+        tasks_per_node: processes per node. With more than one task in all, every task joins a
+            torch.distributed process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT exported; NCCL
+            when `gpus_per_node` and CUDA are available, else gloo) and leaves it at the end.
+            "debug" runs one task only and refuses more.
+        gpus_per_node: GPUs per node; each task sees one of them (CUDA_VISIBLE_DEVICES narrowed
+            to the local rank's device).
+        cpus_per_task: CPUs per task ("slurm"; ignored elsewhere).
+        timeout_min: wall-clock limit in minutes (rounded up to whole minutes on Slurm). Slurm
+            sends the warning signal (USR2) 90 s before it (`signal_delay_s` in slurm_kwargs).
+        partition: Slurm partition (None: the cluster's default).
+        folder: where `run.json` and submitit's files (pickles, logs under `%j/`) go; must be
+            on a file system every node sees. Default: `<cfg.out_dir>/launch` when cfg has an
+            out_dir, else `runs/launch/<name>-<timestamp>` (relative to the current folder).
+            Refused while its run.json records a job that has not ended; the record of jobs
+            that have ended is replaced.
+        name: job name (default: the target's module and name, e.g. "sft.main").
+        max_num_timeout: how many times the job may be requeued after a time limit. submitit
+            counts a warning signal as a time limit (not a preemption) once the job has run for
+            min(0.8 x timeout_min, timeout_min - 10) minutes, which is from the start for
+            timeouts under 10 minutes, so the default is generous (10).
+        master_addr: address of the rank-0 host for the process group. Default: the job's
+            first node, or 127.0.0.1 (with a warning) if that name does not resolve, as with
+            Slurm nodes emulated on one host.
+        slurm_kwargs: more SlurmExecutor parameters by submitit's names (mem_gb, account, qos,
+            constraint, signal_delay_s, setup, srun_args, additional_parameters, ...).
+
+    Returns:
+        A `Run` (the job may still be pending; "debug" returns a finished one).
+
+    Raises:
+        ValueError: an unknown executor, a resource count that the executor cannot provide
+            (or a `timeout_min` that is not a finite number > 0), an unknown Slurm parameter,
+            or a `folder` whose run.json records a job that has not ended (cancel it first).
+        TypeError: `target` is not callable.
+        LaunchPickleError: `target` or `cfg` cannot be pickled; names the innermost attribute
+            at fault (e.g. `cfg.tokenizer._lock`). Nothing has been submitted or written.
+        RuntimeError: executor="slurm" where Slurm's commands are not installed, or a failed
+            submission (sbatch's message).
+
+    Example:
+        >>> launch(lambda c: c["n"] * 2, {"n": 21}, executor="debug").result()
+        42
+    """
+    return _submit(target, [cfg], cfg is not None, locals())[0]
+
+
+def launch_array(target: Callable[..., Any], cfgs: Sequence[Any], *, executor: str = "local",
+                 nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0,
+                 cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
+                 folder: str | os.PathLike | None = None, name: str | None = None,
+                 max_num_timeout: int = 10, master_addr: str | None = None,
+                 slurm_kwargs: dict[str, Any] | None = None) -> list[Run]:
+    """Submit `target(cfg)` for every cfg of `cfgs` (a sweep) in one go; one `Run` each.
+
+    On Slurm this is one job array (`sbatch --array`; `slurm_kwargs={"array_parallelism": k}`
+    caps how many run at once); "local" starts one job per cfg, "debug" runs them in turn.
+    Arguments as in `launch`, except that `folder` defaults to the first cfg's
+    `<out_dir>/launch` only for a single cfg: a sweep gets `runs/launch/<name>-<timestamp>`.
+    Every cfg is checked before anything is submitted.
+
+    Raises: as `launch`; ValueError also for an empty `cfgs`.
+
+    Example:
+        >>> [r.result() for r in launch_array(abs, [-1, 2], executor="debug")]
+        [1, 2]
+    """
+    return _submit(target, list(cfgs), True, locals())
+
+
+def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
+            options: dict[str, Any]) -> list[Run]:
+    o = {k: v for k, v in options.items() if k not in ("target", "cfg", "cfgs")}
+    executor, nodes, tasks_per_node = o["executor"], o["nodes"], o["tasks_per_node"]
+    gpus_per_node, timeout_min, name = o["gpus_per_node"], o["timeout_min"], o["name"]
+    if not callable(target):
+        raise TypeError(f"target={target!r} is not callable; pass the function to run (e.g. a "
+                        "recipe's main), and its argument as cfg")
+    if not cfgs:
+        raise ValueError("launch_array needs at least one cfg")
+    _check_resources(executor, nodes, tasks_per_node, gpus_per_node, o["cpus_per_task"],
+                     timeout_min, o["max_num_timeout"])
+    if o["slurm_kwargs"] and executor != "slurm":
+        raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
+    num_tasks = nodes * tasks_per_node
+    name = _job_name(target) if name is None else str(name)
+    _pickle_recipes_by_value()
+    calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
+                   gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
+                   in_job=executor != "debug") for cfg in cfgs]
+    for i, call in enumerate(calls):
+        _check_pickles(call, name + (f" (cfgs[{i}])" if len(calls) > 1 else ""))
+    out_dirs = [_out_dir(cfg) for cfg in cfgs]
+    folder = o["folder"]
+    if executor == "debug":  # runs here, now; DebugExecutor writes nothing under folder
+        ex = DebugExecutor(folder or ".")
+        return [Run._run_debug(ex.submit(call), name, out_dir)
+                for call, out_dir in zip(calls, out_dirs)]
+
+    if folder is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        folder = (out_dirs[0] / "launch" if len(cfgs) == 1 and out_dirs[0] is not None
+                  else Path("runs", "launch", f"{name}-{stamp}"))
+    folder = Path(folder).expanduser().absolute()
+    _refuse_running_job(folder)
+    log_folder = folder / "%j"
+    created = _first_missing(folder)
+    before = set(folder.iterdir()) if created is None else set()
+    ex = _make_executor(executor, log_folder, o["max_num_timeout"])
+    params = dict(timeout_min=timeout_min, nodes=nodes, tasks_per_node=tasks_per_node,
+                  gpus_per_node=gpus_per_node)
+    if executor == "slurm":
+        params = dict(time=max(1, math.ceil(timeout_min)), nodes=nodes,
+                      ntasks_per_node=tasks_per_node, cpus_per_task=o["cpus_per_task"],
+                      job_name=name)
+        if gpus_per_node:
+            params["gpus_per_node"] = gpus_per_node
+        if o["partition"]:
+            params["partition"] = o["partition"]
+        params.update(ex._convert_parameters(dict(o["slurm_kwargs"] or {})))
+    ex.update_parameters(**params)
+    try:
+        jobs = ex.submit_array(calls)
+    except FailedJobError as e:  # sbatch refused: leave nothing of this attempt behind
+        _remove_new(folder, before, created)
+        hint = "" if os.environ.get("SLURM_CONF") or executor != "slurm" else (
+            " SLURM_CONF is not set: export SLURM_CONF=<path to the cluster's slurm.conf> (for "
+            "the local cluster, the line scripts/slurm-up.sh prints).")
+        raise RuntimeError(f"{executor} refused the job:{hint}\n{e}") from None
+    runs = [Run(job, executor=executor, folder=folder, log_folder=log_folder, out_dir=out_dir,
+                target=name, num_tasks=num_tasks, index=i)
+            for i, (job, out_dir) in enumerate(zip(jobs, out_dirs))]
+    record = {"version": 1, "executor": executor, "name": name, "target": _qualname(target),
+              "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "host": socket.gethostname(), "python": sys.executable, "folder": str(folder),
+              "log_folder": str(log_folder), "num_tasks": num_tasks,
+              "jobs": [{"job_id": r.job_id,
+                        "out_dir": None if r.out_dir is None else str(r.out_dir)} for r in runs],
+              "parameters": {k: v for k, v in ex.parameters.items() if _jsonable(v)}}
+    _write_json(folder / RUN_FILE, record)
+    return runs
+
+
+def _refuse_running_job(folder: Path) -> None:
+    """Raise ValueError if `folder/run.json` records a job that has not ended: a second launch
+    would overwrite its record (it could no longer be attached or cancelled) and both jobs would
+    write the same files. The record of jobs that have all ended is replaced."""
+    if not (folder / RUN_FILE).is_file():
+        return
+    try:
+        runs = Run.attach_array(folder)
+    except ValueError as e:
+        raise ValueError(f"{folder} already holds a {RUN_FILE} that cannot be checked ({e}); "
+                         "remove it, or pass another out_dir or folder") from None
+    running = [r for r in runs if not r.done()]
+    if running:
+        ids = ", ".join(f"{r.job_id} ({r.state})" for r in running)
+        raise ValueError(f"{folder} belongs to job {ids}, which has not ended: launching there "
+                         "would overwrite its record and its files. Cancel it first "
+                         f"(Run.attach_array({str(folder)!r}) and .cancel() each; "
+                         f"Run.attach({str(folder)!r}).cancel() for one job), or pass another "
+                         "out_dir or folder")
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The topmost of `folder` and its parents that does not exist yet (None if folder exists)."""
+    missing = None
+    while not folder.exists():
+        missing, folder = folder, folder.parent
+    return missing
+
+
+def _remove_new(folder: Path, before: set[Path], created: Path | None) -> None:
+    """Remove the files a failed submission put in `folder`, and the folders it created."""
+    for p in set(folder.iterdir()) - before if folder.exists() else ():
+        if p.is_file():
+            p.unlink()
+    if created is not None:
+        for d in [folder, *folder.parents]:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            if d == created:
+                break
+
+
+def _check_resources(executor, nodes, tasks_per_node, gpus_per_node, cpus_per_task,
+                     timeout_min, max_num_timeout) -> None:
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor={executor!r}; allowed: {', '.join(EXECUTORS)}")
+    for arg, value, low in (("nodes", nodes, 1), ("tasks_per_node", tasks_per_node, 1),
+                            ("gpus_per_node", gpus_per_node, 0),
+                            ("cpus_per_task", cpus_per_task, 1),
+                            ("max_num_timeout", max_num_timeout, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{arg}={value!r}; must be an integer >= {low}")
+    if (not isinstance(timeout_min, (int, float)) or isinstance(timeout_min, bool)
+            or not math.isfinite(timeout_min) or not timeout_min > 0):
+        raise ValueError(f"timeout_min={timeout_min!r}; must be a finite number of minutes > 0")
+    if executor in ("local", "debug") and nodes != 1:
+        raise ValueError(f"executor={executor!r} runs on this machine only: nodes must be 1, "
+                         f"got {nodes} (use executor='slurm' for several nodes)")
+    if executor == "debug" and tasks_per_node != 1:
+        raise ValueError(f"executor='debug' runs one task in this process (submitit would silently "
+                         f"run 1 of your {tasks_per_node}); use executor='local' for "
+                         f"tasks_per_node={tasks_per_node}")
+
+
+def _make_executor(executor: str, log_folder: Path, max_num_timeout: int):
+    if executor == "local":
+        return _LocalExecutor(log_folder, max_num_timeout=max_num_timeout)
+    from submitit.slurm.slurm import SlurmExecutor
+
+    try:
+        return SlurmExecutor(log_folder, max_num_timeout=max_num_timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"executor='slurm' needs Slurm's client commands (srun, sbatch, sacct) "
+                           f"on PATH and SLURM_CONF naming the cluster ({e})") from None
+
+
+def _job_name(target: Callable[..., Any]) -> str:
+    module = getattr(target, "__module__", None) or ""
+    if module.startswith("posttrain_recipe_"):  # a recipe file loaded by posttrain.cli
+        module = Path(module.removeprefix("posttrain_recipe_")).stem
+    module = module.rsplit(".", 1)[-1]
+    base = (getattr(target, "__name__", None) or type(target).__name__).strip("<>")
+    full = base if module in ("", "__main__", "builtins") else f"{module}.{base}"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", full).strip("_") or "job"
+
+
+def _qualname(target: Any) -> str:
+    qualname = getattr(target, "__qualname__", type(target).__qualname__)
+    return f"{getattr(target, '__module__', '?')}.{qualname}"
+
+
+def _out_dir(cfg: Any) -> Path | None:
+    out = cfg.get("out_dir") if isinstance(cfg, dict) else getattr(cfg, "out_dir", None)
+    return None if out is None else Path(out).expanduser().absolute()
+
+
+def _jsonable(v: Any) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- local executor
+
+
+class _LocalExecutor(LocalExecutor):
+    """submitit's LocalExecutor with the job controller in its own session: a Jupyter kernel
+    interrupt (SIGINT) or restart (SIGKILL) goes to the kernel's whole process group and would
+    otherwise stop the job too. The controller also gets its folder with `%j` filled in, so no
+    stray folder named `%j` is created."""
+
+    def _submit_command(self, command: str) -> LocalJob:
+        ntasks = self.parameters.get("tasks_per_node", 1)
+        n_gpus = self.parameters.get("gpus_per_node", 0)
+        env = dict(os.environ)
+        env.update(  # as submitit.local.local.start_controller (submitit 1.5.4)
+            SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
+            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
+            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
+            SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
+            SUBMITIT_STDERR_TO_STDOUT="", SUBMITIT_EXECUTOR="local",
+            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in range(n_gpus)),
+            SUBMITIT_LOCAL_WITH_SHELL="")
+        code = ("import os, sys; from pathlib import Path; "
+                "from submitit.local.local import Controller; "
+                "Controller(Path(sys.argv[1].replace('%j', str(os.getpid())))).run()")
+        process = subprocess.Popen([sys.executable, "-c", code, str(self.folder)], env=env,
+                                   start_new_session=True)
+        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                        tasks=list(range(ntasks)))

@@ -1,0 +1,67 @@
+"""Model families (Qwen2, Llama 3) as specs built with torchtune, Hugging Face config and weight
+conversion, and tokenizers (byte-level and `tokenizer.json`) with chat templates.
+"""
+
+from __future__ import annotations
+
+from posttrain.models.hf import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    GENERATION_CONFIG_NAME,
+    spec_from_hf_config,
+    hf_config_from_spec,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
+from posttrain.models.specs import (
+    FAMILIES,
+    RopeScaling,
+    ModelSpec,
+    PRESETS,
+    get_preset,
+    build_model,
+)
+from posttrain.models.tokenizer import (
+    ROLES,
+    BYTE_TOKENIZER_FILE,
+    HF_TOKENIZER_FILE,
+    HF_CONFIG_FILE,
+    HF_CHAT_TEMPLATE_FILE,
+    HF_SPECIAL_TOKENS_FILE,
+    FALLBACK_CHAT_TEMPLATE,
+    RenderedChat,
+    Tokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+)
+
+__all__ = [
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+    "WEIGHTS_INDEX_NAME",
+    "GENERATION_CONFIG_NAME",
+    "spec_from_hf_config",
+    "hf_config_from_spec",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "FAMILIES",
+    "RopeScaling",
+    "ModelSpec",
+    "PRESETS",
+    "get_preset",
+    "build_model",
+    "ROLES",
+    "BYTE_TOKENIZER_FILE",
+    "HF_TOKENIZER_FILE",
+    "HF_CONFIG_FILE",
+    "HF_CHAT_TEMPLATE_FILE",
+    "HF_SPECIAL_TOKENS_FILE",
+    "FALLBACK_CHAT_TEMPLATE",
+    "RenderedChat",
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+]

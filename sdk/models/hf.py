@@ -1,0 +1,518 @@
+"""Hugging Face checkpoints <-> torchtune models: config.json parsing and safetensors load/save.
+
+A HF checkpoint folder holds `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`). This module turns `config.json` into a `ModelSpec`, builds the
+torchtune model with `posttrain.models.specs.build_model`, and converts the weights with torchtune's own
+key maps (`torchtune.models.convert_weights.hf_to_tune` / `tune_to_hf` for Llama, which permute
+q/k between HF's rotate-half RoPE and torchtune's interleaved RoPE; `qwen2_hf_to_tune` /
+`qwen2_tune_to_hf` for Qwen2, which need no permutation because torchtune's Qwen2 RoPE is
+rotate-half already). These are the functions `torchtune.training.FullModelHFCheckpointer` calls;
+the checkpointer itself is not used because it creates its output folder on load, does not read
+`rope_theta` / `rms_norm_eps`, and on save writes `epoch_N/` with a copy of the *input*
+`config.json` (stale if the dimensions changed).
+
+Traps handled (transformers 5.10 semantics, checked in tests/test_models_hf.py):
+  * Absent keys take the HF config class defaults, not torchtune's: rope_theta 1e4 (torchtune
+    qwen2 builder: 1e6; llama3: 5e5), rms_norm_eps 1e-6 (torchtune: 1e-5). Qwen2Config's
+    num_key_value_heads defaults to 32 when the key is absent (LlamaConfig: num_attention_heads).
+  * transformers 5 writes RoPE settings in `rope_parameters`; 4.x configs write top-level
+    `rope_theta` and a `rope_scaling` dict (legacy `type` for `rope_type`). A non-null
+    `rope_scaling` wins over `rope_parameters`, and `rope_theta` inside the dict wins over the
+    top-level key, as in `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`.
+  * Tied embeddings: the safetensors hold no `lm_head.weight` (one found anyway is ignored, as HF
+    re-ties it to the embedding).
+
+Example:
+    >>> model, spec = load_hf_checkpoint("checkpoints/qwen2.5-0.5b")     # doctest: +SKIP
+    >>> save_hf_checkpoint(model, spec, "out/sft-final")                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.models.specs import ModelSpec, RopeScaling, build_model
+
+# model_type in config.json -> ModelSpec.family, HF architecture class.
+_FAMILY_OF_MODEL_TYPE = {"qwen2": "qwen2", "llama": "llama3"}
+_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama3": "LlamaForCausalLM"}
+_MODEL_TYPE_OF_FAMILY = {family: model_type for model_type, family in _FAMILY_OF_MODEL_TYPE.items()}
+
+# Defaults of transformers 5.10 Qwen2Config / LlamaConfig for keys absent from config.json
+# (pinned against the classes in tests/test_models_hf.py). num_key_value_heads None means "equal
+# to num_attention_heads".
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+_HF_DEFAULT_ROPE_THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
+_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+
+def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
+    """The `ModelSpec` of a HF `config.json` (already parsed into a dict).
+
+    Keys absent from `config` take the transformers 5.10 config-class defaults (rope_theta 1e4,
+    rms_norm_eps 1e-6, ...), so the spec describes the model `AutoModelForCausalLM` would build.
+
+    Args:
+        config: the config.json dict; `model_type` must be "qwen2" or "llama".
+
+    Returns:
+        A validated `ModelSpec` (family "qwen2" or "llama3").
+
+    Raises:
+        ValueError: unknown `model_type`; a RoPE type other than default/llama3, or llama3 scaling
+            with keys missing; a feature torchtune's builders cannot express (sliding-window
+            attention, a non-silu activation, Llama attention/MLP biases, a head_dim other than
+            hidden_size / num_attention_heads, partial rotary embeddings); or dimensions that
+            `ModelSpec` rejects.
+    """
+    model_type = config.get("model_type")
+    if model_type not in _FAMILY_OF_MODEL_TYPE:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: "
+                         f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}")
+    family = _FAMILY_OF_MODEL_TYPE[model_type]
+    get = {**_HF_DEFAULTS[model_type], **config}.get
+
+    num_heads = get("num_attention_heads")
+    num_kv_heads = get("num_key_value_heads")
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    hidden = get("hidden_size")
+    _check_supported_features(config, model_type, hidden, num_heads)
+    max_seq_len = get("max_position_embeddings")
+    rope_base, rope_scaling = _rope_from_hf_config(config, family, max_seq_len)
+    norm_eps = _as_float(get("rms_norm_eps"), "rms_norm_eps")
+    try:
+        return ModelSpec(
+            family=family, vocab_size=get("vocab_size"), num_layers=get("num_hidden_layers"),
+            num_heads=num_heads, num_kv_heads=num_kv_heads, embed_dim=hidden,
+            intermediate_dim=get("intermediate_size"), max_seq_len=max_seq_len,
+            rope_base=rope_base, norm_eps=norm_eps,
+            tie_word_embeddings=bool(get("tie_word_embeddings")), rope_scaling=rope_scaling)
+    except ValueError as e:
+        raise ValueError(f"config.json (model_type {model_type!r}) describes an invalid model: "
+                         f"{e}") from e
+
+
+def _as_float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json {key}={value!r}; must be a number")
+    return float(value)
+
+
+def _check_supported_features(config: Mapping[str, Any], model_type: str, hidden: int,
+                              num_heads: int) -> None:
+    where = f"config.json (model_type {model_type!r})"
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{where} hidden_act={act!r}; only 'silu' is supported")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and isinstance(hidden, int) and isinstance(num_heads, int) \
+            and num_heads > 0 and head_dim != hidden // num_heads:
+        raise ValueError(f"{where} head_dim={head_dim} differs from hidden_size / "
+                         f"num_attention_heads = {hidden // num_heads}; not supported")
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where} partial_rotary_factor={config['partial_rotary_factor']}; "
+                         "only 1.0 is supported")
+    if model_type == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                raise ValueError(f"{where} {key}=true is not supported (torchtune llama3 has no "
+                                 "biases)")
+    if model_type == "qwen2":
+        if config.get("use_sliding_window"):
+            raise ValueError(f"{where} use_sliding_window=true is not supported (torchtune qwen2 "
+                             "has full attention only)")
+        layer_types = config.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{where} layer_types={sorted(set(layer_types))}; only "
+                             "'full_attention' is supported")
+
+
+def _rope_from_hf_config(config: Mapping[str, Any], family: str,
+                         max_seq_len: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None), with transformers 5's precedence rules."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"config.json rope_parameters / rope_scaling must be a dict, got {rope!r}")
+    nested = [v for v in rope.values() if isinstance(v, Mapping)]
+    if nested:  # per-layer-type parameters, e.g. {"full_attention": {...}}
+        if any(v != nested[0] for v in nested) or len(nested) != len(rope):
+            raise ValueError(f"config.json has different RoPE parameters per layer type: {rope!r}; "
+                             "not supported")
+        rope = nested[0]
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = config.get("rope_theta", _HF_DEFAULT_ROPE_THETA)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"config.json rope_type={rope_type!r} is not supported; allowed: "
+                         f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+    theta = _as_float(theta, "rope_theta")
+    if rope_type == "default":
+        return theta, None
+    if family != "llama3":
+        raise ValueError(f"config.json rope_type='llama3' is only supported for model_type "
+                         f"'llama', got {_MODEL_TYPE_OF_FAMILY[family]!r}")
+    missing = [k for k in _LLAMA3_ROPE_KEYS if rope.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json llama3 RoPE scaling lacks {', '.join(missing)}: {rope!r}")
+    original = rope.get("original_max_position_embeddings")
+    if original is None:  # as HF standardize_rope_params does
+        original = max_seq_len
+    return theta, RopeScaling(
+        factor=_as_float(rope["factor"], "factor"),
+        low_freq_factor=_as_float(rope["low_freq_factor"], "low_freq_factor"),
+        high_freq_factor=_as_float(rope["high_freq_factor"], "high_freq_factor"),
+        original_max_position_embeddings=original)
+
+
+def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
+                        bos_token_id: int | None = None,
+                        eos_token_id: int | list[int] | None = None,
+                        pad_token_id: int | None = None) -> dict[str, Any]:
+    """A config.json dict for `spec` that transformers loads as the same model.
+
+    RoPE settings are written both ways: `rope_parameters` (what transformers 5 reads and writes;
+    tested with 5.10) and top-level `rope_theta` + `rope_scaling` (what 4.x reads); transformers 5
+    gives the same result from either. The dtype is written as `dtype` (5.x) and `torch_dtype`
+    (4.x).
+
+    Args:
+        spec: the architecture.
+        dtype: dtype of the saved weights, written as `dtype` and `torch_dtype`.
+        bos_token_id, eos_token_id, pad_token_id: special token ids; None is written as null
+            (not omitted, so transformers does not fill in its class defaults).
+
+    Returns:
+        A JSON-serialisable dict; `spec_from_hf_config` of it returns `spec`.
+    """
+    theta = float(spec.rope_base)
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    rope_scaling = None
+    if spec.rope_scaling is not None:
+        rs = spec.rope_scaling
+        rope_scaling = {"rope_type": "llama3", "factor": float(rs.factor),
+                        "low_freq_factor": float(rs.low_freq_factor),
+                        "high_freq_factor": float(rs.high_freq_factor),
+                        "original_max_position_embeddings": rs.original_max_position_embeddings}
+        rope_parameters = {**rope_scaling, "rope_theta": theta}
+    dtype_name = str(dtype).removeprefix("torch.")
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURE[spec.family]],
+        "model_type": _MODEL_TYPE_OF_FAMILY[spec.family],
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.embed_dim,
+        "intermediate_size": spec.intermediate_dim,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+    if spec.family == "qwen2":  # q/k/v biases are built into Qwen2Attention (no config key)
+        config.update(use_sliding_window=False, sliding_window=None,
+                      max_window_layers=spec.num_layers)
+    else:
+        config.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False,
+                      pretraining_tp=1)
+    # Written even when None: an absent key would take the config class default (LlamaConfig:
+    # bos 1, eos 2), which is some other tokenizer's ids.
+    config.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight conversion (torchtune's key maps)
+
+
+def _hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
+                head_dim=spec.head_dim)
+    if spec.family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
+        return qwen2_hf_to_tune(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
+    from torchtune.models.convert_weights import hf_to_tune
+    return hf_to_tune(sd, **dims)
+
+
+def _tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
+                head_dim=spec.head_dim)
+    if spec.family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+        return qwen2_tune_to_hf(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
+    from torchtune.models.convert_weights import tune_to_hf
+    return tune_to_hf(sd, **dims)
+
+
+def _hf_key_map(spec: ModelSpec, tune_keys: Iterable[str]) -> dict[str, str]:
+    """torchtune key -> HF key for each of `tune_keys`."""
+    from torchtune.models.convert_weights import get_mapped_key
+    if spec.family == "qwen2":
+        from torchtune.models.qwen2._convert_weights import _FROM_HF
+    else:
+        from torchtune.models.convert_weights import _FROM_HF
+    to_hf = {tune: hf for hf, tune in _FROM_HF.items() if tune is not None}
+    return {key: get_mapped_key(key, to_hf) for key in tune_keys}
+
+
+def _expected_tune_shapes(spec: ModelSpec) -> dict[str, torch.Size]:
+    model = build_model(spec, device="meta")
+    return {key: value.shape for key, value in model.state_dict().items()}
+
+
+def _check_keys(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Size],
+                what: str, against: str) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(f"{k}: {tuple(found[k].shape)} != expected {tuple(expected[k])}"
+                   for k in set(found) & set(expected) if found[k].shape != expected[k])
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong}")
+    if problems:
+        raise ValueError(f"{what} do not match {against}: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Load
+
+
+def load_hf_checkpoint(folder: str | os.PathLike, *,
+                       dtype: torch.dtype = torch.float32) -> tuple[nn.Module, ModelSpec]:
+    """Load a HF Qwen2 / Llama checkpoint folder as a torchtune `TransformerDecoder`.
+
+    The model is built on the meta device and the checkpoint tensors are assigned into it (no
+    random initialisation, one copy of the weights in memory); RoPE caches are then built on CPU.
+
+    Args:
+        folder: holds config.json and model.safetensors, or shards listed in
+            model.safetensors.index.json (any *.safetensors files are read when neither exists).
+        dtype: parameter dtype (fp32 on CPU: no bf16 instructions there).
+
+    Returns:
+        (model, spec): the model maps token ids `[B, T]` (int64) to logits `[B, T, vocab_size]`;
+        `spec` is `spec_from_hf_config` of config.json.
+
+    Raises:
+        FileNotFoundError: no config.json, no safetensors file, or a shard named by the index is
+            absent.
+        ValueError: config.json unsupported (see `spec_from_hf_config`), or the weights' keys or
+            shapes do not match it (missing / unexpected / mis-shaped keys are listed).
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {folder} (a HF checkpoint folder holds "
+                                f"{CONFIG_NAME} and *.safetensors)")
+    spec = spec_from_hf_config(json.loads(config_path.read_text()))
+    hf_sd = _read_safetensors(folder)
+    for key in [k for k in hf_sd if k.endswith("rotary_emb.inv_freq")]:
+        del hf_sd[key]  # a RoPE buffer some old checkpoints saved; recomputed from rope_theta
+    if spec.tie_word_embeddings:
+        hf_sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding as well
+    expected = _expected_tune_shapes(spec)
+    key_map = _hf_key_map(spec, expected)
+    _check_keys(hf_sd, {key_map[k]: shape for k, shape in expected.items()},
+                f"the safetensors in {folder}", "its config.json")
+    tune_sd = {k: v.to(dtype) for k, v in _hf_to_tune(hf_sd, spec).items()}
+    del hf_sd
+
+    model = build_model(spec, device="meta", dtype=dtype)
+    model.load_state_dict(tune_sd, strict=True, assign=True)
+    _init_rope_buffers(model)
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not on_meta, f"tensors left on the meta device after loading: {on_meta}"
+    return model, spec
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index_path = folder / WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f.name) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index_path} names shards that are absent: {absent}")
+    elif (folder / WEIGHTS_NAME).is_file():
+        files = [folder / WEIGHTS_NAME]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        present = sorted(p.name for p in folder.iterdir())
+        raise FileNotFoundError(f"no *.safetensors in {folder} (found {present}; pytorch_model.bin "
+                                "checkpoints are not supported)")
+    state_dict: dict[str, torch.Tensor] = {}
+    for path in files:
+        shard = load_file(path, device="cpu")
+        duplicated = sorted(set(shard) & set(state_dict))
+        if duplicated:
+            raise ValueError(f"keys {duplicated} appear in more than one file in {folder}")
+        state_dict.update(shard)
+    return state_dict
+
+
+def _init_rope_buffers(model: nn.Module) -> None:
+    """Build the (non-persistent) RoPE caches that a meta-device build left empty."""
+    seen: set[int] = set()
+    with torch.device("cpu"):
+        for module in model.modules():
+            if hasattr(module, "rope_init") and id(module) not in seen:
+                seen.add(id(module))
+                module.rope_init()
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+
+
+def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathLike, *,
+                       bos_token_id: int | None = None,
+                       eos_token_id: int | list[int] | None = None,
+                       pad_token_id: int | None = None,
+                       generation_config: Mapping[str, Any] | None = None,
+                       extra_files: Mapping[str, str | bytes | os.PathLike] | None = None) -> Path:
+    """Write `model` as a HF checkpoint folder that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Writes config.json (fresh from `spec`, see `hf_config_from_spec`), model.safetensors (HF key
+    names, contiguous CPU tensors in the model's dtype, no lm_head when embeddings are tied),
+    generation_config.json when `generation_config` is given, and `extra_files`. Everything is
+    written into a temporary folder beside `folder` and renamed into place, so a reader never sees
+    a half-written checkpoint; an existing checkpoint folder at `folder` is replaced whole.
+
+    Args:
+        model: a torchtune model built for `spec` (e.g. by `build_model` or `load_hf_checkpoint`).
+        spec: its architecture.
+        folder: destination folder.
+        bos_token_id, eos_token_id, pad_token_id: written into config.json when given.
+        generation_config: contents of generation_config.json.
+        extra_files: relative file name -> contents (`str` is written as UTF-8 text, `bytes` as
+            is) or a `pathlib.Path` (`os.PathLike`) of a file to copy, e.g. tokenizer files.
+
+    Returns:
+        The destination folder.
+
+    Raises:
+        ValueError: the model's state dict does not match `spec` (keys listed), or an extra file
+            name is absolute, contains "..", or clashes with config.json / model.safetensors.
+        FileExistsError: `folder` exists but is not a folder, or is a non-empty folder without
+            config.json or *.safetensors (refusing to delete something that is not a checkpoint).
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    state_dict = model.state_dict()
+    _check_keys(state_dict, _expected_tune_shapes(spec), "the model's parameters", "`spec`")
+    dtypes = {v.dtype for v in state_dict.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the model's parameters have mixed dtypes {sorted(map(str, dtypes))}; "
+                         "cast it to one dtype before saving")
+    hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in _tune_to_hf(state_dict, spec).items()}
+    config = hf_config_from_spec(spec, dtype=dtypes.pop(), bos_token_id=bos_token_id,
+                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    extra = _check_extra_files(extra_files or {})
+    _check_replaceable(folder)
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        save_file(hf_sd, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if generation_config is not None:
+            (tmp / GENERATION_CONFIG_NAME).write_text(
+                json.dumps(dict(generation_config), indent=2, sort_keys=True) + "\n")
+        for name, content in extra.items():
+            target = tmp / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                target.write_bytes(content)
+            elif isinstance(content, str):
+                target.write_text(content, encoding="utf-8")
+            else:
+                shutil.copyfile(content, target)
+        _replace_folder(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _check_extra_files(extra: Mapping[str, Any]) -> dict[str, Any]:
+    reserved = {CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME}
+    for name, content in extra.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise ValueError(f"extra_files name {name!r} must be a relative path without '..'")
+        if name in reserved:
+            raise ValueError(f"extra_files name {name!r} clashes with a file the checkpoint writes "
+                             f"({', '.join(sorted(reserved))})")
+        if not isinstance(content, (str, bytes, os.PathLike)):
+            raise TypeError(f"extra_files[{name!r}] must be str, bytes or a path, "
+                            f"got {type(content).__name__}")
+    return dict(extra)
+
+
+def _check_replaceable(folder: Path) -> None:
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise FileExistsError(f"{folder} exists and is not a folder")
+    entries = list(folder.iterdir())
+    looks_like_checkpoint = (folder / CONFIG_NAME).is_file() or any(folder.glob("*.safetensors"))
+    if entries and not looks_like_checkpoint:
+        raise FileExistsError(f"{folder} is a non-empty folder without {CONFIG_NAME} or "
+                              "*.safetensors; refusing to replace it (remove it or pick another)")
+
+
+def _replace_folder(tmp: Path, folder: Path) -> None:
+    """Rename `tmp` to `folder`; an existing `folder` is moved aside first and then deleted."""
+    if not folder.exists():
+        os.replace(tmp, folder)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    os.replace(folder, old / folder.name)
+    try:
+        os.replace(tmp, folder)
+    except BaseException:
+        os.replace(old / folder.name, folder)  # put the previous checkpoint back
+        shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

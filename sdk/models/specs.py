@@ -1,0 +1,260 @@
+"""Model families and sizes: a typed `ModelSpec`, named presets, and the torchtune builder call.
+
+This module and `posttrain.models.hf` are the only places that import `torchtune.models`, so the
+model backend can be replaced without touching the rest of posttrain.
+
+Example:
+    >>> from posttrain.models.specs import build_model, get_preset
+    >>> spec = get_preset("tiny-1m")
+    >>> model = build_model(spec)
+    >>> spec.num_parameters() == sum(p.numel() for p in model.parameters())
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+FAMILIES = ("llama3", "qwen2")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RopeScaling:
+    """Llama 3.1+ RoPE frequency scaling (HF `rope_scaling` with `rope_type: llama3`).
+
+    See Meta's Llama 3.1 release (`apply_scaling` in llama-models) and HF
+    `_compute_llama3_parameters`.
+    """
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"RopeScaling.{name}={value!r}; must be a positive number")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor}")
+        value = self.original_max_position_embeddings
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"RopeScaling.original_max_position_embeddings={value!r}; must be a "
+                             "positive integer")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSpec:
+    """Architecture numbers of a decoder-only transformer.
+
+    Args:
+        family: "llama3" or "qwen2" (Qwen2 and Qwen2.5 share the architecture: q/k/v biases).
+        vocab_size: number of token ids the embedding holds.
+        num_layers: transformer blocks.
+        num_heads: query heads; `embed_dim` must divide by it.
+        num_kv_heads: key/value heads (grouped-query attention); divides `num_heads`.
+        embed_dim: hidden size.
+        intermediate_dim: MLP hidden size.
+        max_seq_len: longest sequence (prompt + completion) the RoPE cache and KV cache hold.
+        rope_base: RoPE theta (HF `rope_theta`).
+        norm_eps: RMSNorm epsilon (HF `rms_norm_eps`).
+        tie_word_embeddings: output projection shares the token embedding matrix.
+        rope_scaling: Llama 3.1+ frequency scaling, or None for plain RoPE.
+
+    Raises:
+        ValueError: naming the field, its value and what is allowed.
+    """
+
+    family: Literal["llama3", "qwen2"]
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    embed_dim: int
+    intermediate_dim: int
+    max_seq_len: int
+    rope_base: float
+    norm_eps: float
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelSpec.family={self.family!r}; allowed: {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim",
+                     "intermediate_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSpec.{name}={value!r}; must be a positive integer")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(
+                f"ModelSpec.embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelSpec.num_heads={self.num_heads} must be divisible by "
+                f"num_kv_heads={self.num_kv_heads}")
+        if (self.embed_dim // self.num_heads) % 2:
+            raise ValueError(
+                f"ModelSpec head_dim={self.embed_dim // self.num_heads} (embed_dim / num_heads) "
+                "must be even for RoPE")
+        if not (_is_number(self.rope_base) and 0 < self.rope_base < math.inf):
+            raise ValueError(f"ModelSpec.rope_base={self.rope_base!r}; must be a positive number")
+        if not (_is_number(self.norm_eps) and 0 < self.norm_eps < 1):
+            raise ValueError(f"ModelSpec.norm_eps={self.norm_eps!r}; must be in (0, 1)")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"ModelSpec.tie_word_embeddings={self.tie_word_embeddings!r}; "
+                             "must be True or False")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"ModelSpec.rope_scaling={self.rope_scaling!r}; must be a "
+                             "RopeScaling or None")
+        if self.rope_scaling is not None and self.family != "llama3":
+            raise ValueError(f"ModelSpec.rope_scaling is only supported for family 'llama3', "
+                             f"got family={self.family!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    def num_parameters(self) -> int:
+        """Exact parameter count (tied embeddings counted once), built on the meta device."""
+        with torch.device("meta"):
+            model = build_model(self, device="meta")
+        return sum(p.numel() for p in model.parameters())
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # Byte-level vocabulary (256 bytes + specials, see posttrain.models.tokenizer.ByteTokenizer).
+    "tiny-1m": ModelSpec(family="qwen2", vocab_size=272, num_layers=4, num_heads=4, num_kv_heads=2,
+                         embed_dim=128, intermediate_dim=512, max_seq_len=512, rope_base=1e6,
+                         norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny-2m": ModelSpec(family="qwen2", vocab_size=272, num_layers=4, num_heads=6, num_kv_heads=2,
+                         embed_dim=192, intermediate_dim=768, max_seq_len=512, rope_base=1e6,
+                         norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny-10m": ModelSpec(family="qwen2", vocab_size=272, num_layers=8, num_heads=8, num_kv_heads=2,
+                          embed_dim=320, intermediate_dim=1280, max_seq_len=1024, rope_base=1e6,
+                          norm_eps=1e-6, tie_word_embeddings=True),
+    "tiny-llama-1m": ModelSpec(family="llama3", vocab_size=272, num_layers=4, num_heads=4,
+                               num_kv_heads=2, embed_dim=128, intermediate_dim=512, max_seq_len=512,
+                               rope_base=5e5, norm_eps=1e-5, tie_word_embeddings=True),
+    # Real sizes (HF config.json numbers); build on the meta device for size/memory reports.
+    "qwen2.5-0.5b": ModelSpec(family="qwen2", vocab_size=151936, num_layers=24, num_heads=14,
+                              num_kv_heads=2, embed_dim=896, intermediate_dim=4864,
+                              max_seq_len=32768, rope_base=1e6, norm_eps=1e-6,
+                              tie_word_embeddings=True),
+    "llama3.2-1b": ModelSpec(family="llama3", vocab_size=128256, num_layers=16, num_heads=32,
+                             num_kv_heads=8, embed_dim=2048, intermediate_dim=8192,
+                             max_seq_len=131072, rope_base=5e5, norm_eps=1e-5,
+                             tie_word_embeddings=True, rope_scaling=RopeScaling()),
+}
+
+
+def get_preset(name: str) -> ModelSpec:
+    """The `ModelSpec` registered under `name`. Raises ValueError listing the valid names."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
+                dtype: torch.dtype = torch.float32, seed: int | None = None,
+                init_std: float = 0.02) -> nn.Module:
+    """Build the torchtune `TransformerDecoder` for `spec`, initialised for training from scratch.
+
+    torchtune's builders keep PyTorch's default initialisation (embeddings N(0, 1)), which gives
+    a freshly built tiny model logits in the hundreds and a first loss far above log(vocab).
+    posttrain re-initialises as HF transformers does for Qwen2/Llama (`_init_weights` with
+    `initializer_range`): every linear and embedding weight N(0, init_std), biases 0, norm
+    scales 1. Loading a checkpoint overwrites all of it.
+
+    Args:
+        spec: architecture numbers.
+        device: where parameters live ("meta" for size reports without memory).
+        dtype: parameter dtype (fp32 on CPU: no bf16 instructions there).
+        seed: if given, parameters are initialised from `torch.manual_seed(seed)` without touching
+            the global RNG state.
+        init_std: standard deviation of the weight initialisation (HF `initializer_range`).
+
+    Returns:
+        A module mapping token ids `[B, T]` (int64) to logits `[B, T, vocab_size]`.
+    """
+    from torchtune.models.llama3._component_builders import llama3
+    from torchtune.models.qwen2._component_builders import qwen2
+    from torchtune.modules import TiedLinear
+
+    common = dict(vocab_size=spec.vocab_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
+                  num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim,
+                  intermediate_dim=spec.intermediate_dim, max_seq_len=spec.max_seq_len,
+                  rope_base=spec.rope_base, norm_eps=spec.norm_eps)
+    fork = torch.random.fork_rng(devices=[]) if seed is not None else _nullcontext()
+    with fork, torch.device(device or "cpu"):
+        if seed is not None:
+            torch.manual_seed(seed)
+        if spec.family == "qwen2":
+            model = qwen2(**common, tie_word_embeddings=spec.tie_word_embeddings)
+        else:
+            model = llama3(**common)
+            if spec.rope_scaling is not None:
+                _use_scaled_rope(model, spec)
+            if spec.tie_word_embeddings:
+                del model.output  # an nn.Linear submodule; TiedLinear is a plain callable
+                model.output = TiedLinear(model.tok_embeddings)
+        if str(device) != "meta":
+            _init_weights(model, init_std)
+    return model.to(dtype=dtype)
+
+
+@torch.no_grad()
+def _init_weights(model: nn.Module, std: float) -> None:
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif hasattr(module, "scale") and isinstance(module.scale, nn.Parameter):
+            module.scale.fill_(1.0)  # torchtune RMSNorm
+
+
+def _use_scaled_rope(model: nn.Module, spec: ModelSpec) -> None:
+    from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
+
+    rs = spec.rope_scaling
+    rope = Llama3ScaledRoPE(dim=spec.head_dim, max_seq_len=spec.max_seq_len, base=spec.rope_base,
+                            scale_factor=rs.factor, low_freq_factor=rs.low_freq_factor,
+                            high_freq_factor=rs.high_freq_factor,
+                            old_context_len=rs.original_max_position_embeddings)
+    for layer in model.layers:
+        layer.attn.pos_embeddings = rope
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,53 @@
+"""The notebook experience: live dashboard, metric plots and the rollout inspector.
+Nothing in the SDK imports this package.
+"""
+
+from __future__ import annotations
+
+from posttrain.notebook.dashboard import (
+    LiveDashboard,
+    plot_metrics,
+    latest_rollouts,
+    in_notebook,
+    metric_label,
+    SFT_DEFAULT_METRICS,
+    RL_DEFAULT_METRICS,
+    OUTCOMES_PANEL,
+    METRIC_LABELS,
+)
+from posttrain.notebook.inspector import (
+    rollouts_frame,
+    save_rollouts,
+    load_rollouts,
+    to_groups,
+    rescore,
+    compare_rewards,
+    replay_step,
+    FRAME_COLUMNS,
+    TOKEN_COLUMNS,
+    RESCORE_COLUMNS,
+    ROLLOUTS_FORMAT,
+)
+
+__all__ = [
+    "LiveDashboard",
+    "plot_metrics",
+    "latest_rollouts",
+    "in_notebook",
+    "metric_label",
+    "SFT_DEFAULT_METRICS",
+    "RL_DEFAULT_METRICS",
+    "OUTCOMES_PANEL",
+    "METRIC_LABELS",
+    "rollouts_frame",
+    "save_rollouts",
+    "load_rollouts",
+    "to_groups",
+    "rescore",
+    "compare_rewards",
+    "replay_step",
+    "FRAME_COLUMNS",
+    "TOKEN_COLUMNS",
+    "RESCORE_COLUMNS",
+    "ROLLOUTS_FORMAT",
+]

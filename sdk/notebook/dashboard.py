@@ -1,0 +1,669 @@
+"""Watch a run: a live dashboard for notebooks, and one-call metric plots after it.
+
+`LiveDashboard` is a trainer callback (`Trainer(..., callbacks=[dash])`, or `dash.attach(trainer)`
+for `Trainer` and `RLTrainer` alike). In a Jupyter kernel it shows ONE display, updated in place:
+
+    header    run title, step / total, the latest value of each plotted metric
+    progress  an ipywidgets IntProgress bar (DOM class `widget-hprogress`)
+    plot      a matplotlib figure rendered to PNG inside a `widgets.Image` (loss; for RL also
+              reward, KL, accuracy, held-out `eval/...` columns and the outcome counts)
+    rollouts  RL only: a small table of the latest sampled rollouts (prompt, completion, reward,
+              outcome), read from the trainer's `last_groups` (or a non-empty `buffer`)
+    messages  an ipywidgets Output that only ever receives `append_stdout` (nbval-safe)
+
+Redraws are throttled: at most one every `min_interval_s` seconds (counted from the end of the
+previous redraw, so drawing takes at most draw_time / (draw_time + min_interval_s) of the run),
+and only on every `every`-th step. The final state is always drawn: at step `total` (given here,
+or the trainer's `target_steps` when it sets one), when the notebook cell finishes (an IPython
+`post_run_cell` hook, so also after an interrupt or an exception), or on `flush()`.
+
+Outside a Jupyter kernel (a script, pytest, a Slurm job) nothing is drawn: the trainers' own
+text progress bar already prints; `log_every=N` adds one log line every N steps.
+
+`plot_metrics(run_dir_or_frame, metrics=[...])` draws the same panels after a run and returns a
+matplotlib `Figure` (no pyplot state: it displays once in a notebook and never opens a window).
+
+Example:
+    >>> import pandas as pd
+    >>> frame = pd.DataFrame({"step": [1, 2, 3], "loss": [2.0, 1.5, 1.2]})
+    >>> fig = plot_metrics(frame, ["loss"], smooth=0.5)
+    >>> [ax.get_title() for ax in fig.axes], fig.axes[0].get_xlabel()
+    (['loss (nats/token)'], 'step')
+    >>> dash = LiveDashboard(widget=False)       # what a script gets: no widgets, no output
+    >>> dash.mode
+    'text'
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+import numbers
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["LiveDashboard", "plot_metrics", "latest_rollouts", "in_notebook", "metric_label",
+           "SFT_DEFAULT_METRICS", "RL_DEFAULT_METRICS", "OUTCOMES_PANEL", "METRIC_LABELS"]
+
+OUTCOMES_PANEL = "outcomes"
+"""Pseudo-metric: the `outcome_<name>` count columns of RL rows, stacked, in one panel."""
+
+SFT_DEFAULT_METRICS = ("loss",)
+"""Panels when a run has no `reward_mean` column (plus any `eval/...` column present)."""
+
+RL_DEFAULT_METRICS = ("loss", "reward_mean", "kl", "accuracy", OUTCOMES_PANEL)
+"""Panels when a run has a `reward_mean` column (those present, plus any `eval/...` column)."""
+
+METRIC_LABELS = {
+    "loss": "loss (nats/token)",
+    "lr": "learning rate",
+    "grad_norm": "grad norm (L2, before clipping)",
+    "trained_tokens": "trained tokens per step",
+    "tokens_per_s": "throughput (tokens/s)",
+    "step_time_s": "step time (s)",
+    "rollout_s": "rollout time (s)",
+    "reward_mean": "reward (mean)",
+    "accuracy": "accuracy (fraction ok)",
+    "kl": "KL to reference (nats/token)",
+    "kl_loss": "KL loss term",
+    "ppo_kl": "KL old -> new (nats/token)",
+    "entropy": "entropy (nats/token)",
+    "pg_loss": "policy-gradient loss",
+    "vf_loss": "value loss",
+    "clipfrac": "clipped fraction",
+    "ratio_mean": "importance ratio (mean)",
+    "response_length": "response length (tokens)",
+    "sampled_tokens": "sampled tokens per step",
+    "finish_length_frac": "fraction cut at max tokens",
+    "groups_zero_signal": "groups with equal rewards",
+    OUTCOMES_PANEL: "outcomes (trajectories per step)",
+}
+"""Axis titles with units for known columns; others are titled by their name."""
+
+_OUTCOME_COLORS = {"ok": "#2ca02c", "wrong": "#7f7f7f", "format_error": "#ff7f0e",
+                   "timeout": "#9467bd", "error": "#d62728"}
+
+
+def metric_label(name: str) -> str:
+    """Panel title for a metrics column: `METRIC_LABELS`, 'held-out X' for 'eval/X', else it."""
+    if name in METRIC_LABELS:
+        return METRIC_LABELS[name]
+    if name.startswith("eval/"):
+        return f"held-out {name[len('eval/'):]}"
+    return name
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (IPython with a kernel attached) where ipywidgets imports;
+    False in a terminal IPython, a plain interpreter, pytest or a Slurm job."""
+    shell = _ipython()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _rank_zero() -> bool:
+    """False on ranks other than 0 of an initialised torch.distributed job (trainers call their
+    callbacks on every rank; one log line per step is enough)."""
+    import sys
+
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return True
+    return dist.get_rank() == 0
+
+
+def _display(obj: Any) -> None:
+    """The one place that creates a notebook output (tests count calls here)."""
+    from IPython.display import display
+
+    display(obj)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _default_metrics(columns: Sequence[str]) -> list[str]:
+    columns = list(columns)
+    rl = "reward_mean" in columns
+    base = RL_DEFAULT_METRICS if rl else SFT_DEFAULT_METRICS
+    has_outcomes = bool(_outcome_columns(columns))
+    chosen = [m for m in base if m in columns or (m == OUTCOMES_PANEL and has_outcomes)]
+    return chosen + sorted(c for c in columns if c.startswith("eval/"))
+
+
+def _outcome_columns(columns: Sequence[str]) -> list[str]:
+    """`outcome_*` columns, in `_OUTCOME_COLORS` order first."""
+    present = [c for c in columns if str(c).startswith("outcome_")]
+    order = [f"outcome_{k}" for k in _OUTCOME_COLORS]
+    return [c for c in order if c in present] + [c for c in present if c not in order]
+
+
+def _smoothed(values: pd.Series, weight: float) -> pd.Series:
+    """TensorBoard-style debiased exponential moving average (weight 0: none, 0.9: heavy)."""
+    return values.ewm(alpha=1.0 - weight, adjust=True, ignore_na=True).mean()
+
+
+def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, ncols: int,
+          xlabel: str = "step") -> None:
+    """Draw one panel per metric into `fig` (cleared first)."""
+    fig.clear()
+    n = max(len(metrics), 1)
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
+    for k, (ax, name) in enumerate(zip(axes, metrics)):
+        ax.set_title(metric_label(name), fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.3)
+        if k >= len(metrics) - ncols:
+            ax.set_xlabel(xlabel, fontsize=8)
+        if name == OUTCOMES_PANEL:
+            _draw_outcomes(ax, frame, steps)
+            continue
+        values = pd.to_numeric(frame[name], errors="coerce") if name in frame else None
+        if values is None or values.notna().sum() == 0:
+            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes,
+                    fontsize=8, color="#777777")
+            continue
+        keep = values.notna()
+        x, y = steps[keep], values[keep]
+        marker = "o" if len(y) <= 20 else None
+        if smooth > 0 and len(y) > 1:
+            ax.plot(x, y, lw=1, alpha=0.3, color="C0")
+            ax.plot(x, _smoothed(y, smooth), lw=1.5, color="C0", label=f"EMA {smooth:g}")
+        else:
+            ax.plot(x, y, lw=1.2, color="C0", marker=marker, ms=3)
+        if name == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+
+
+def _draw_outcomes(ax, frame: pd.DataFrame, steps: pd.Series) -> None:
+    columns = _outcome_columns(frame.columns)
+    if not columns:
+        ax.text(0.5, 0.5, "no outcome_* columns", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8, color="#777777")
+        return
+    counts = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
+    labels = [c[len("outcome_"):] for c in columns]
+    colors = [_OUTCOME_COLORS.get(label, None) for label in labels]
+    if len(frame) <= 50:
+        bottom = pd.Series(0.0, index=frame.index)
+        for column, label, color in zip(columns, labels, colors):
+            ax.bar(steps, counts[column], bottom=bottom, label=label, color=color, width=0.8)
+            bottom = bottom + counts[column]
+    else:
+        ax.stackplot(steps, *[counts[c] for c in columns], labels=labels, colors=colors)
+    ax.legend(fontsize=7, loc="upper left", ncols=2, frameon=False)
+
+
+def _new_figure(n: int, ncols: int, figsize: tuple[float, float] | None, dpi: int):
+    """A matplotlib Figure outside pyplot: nothing global, never auto-displayed twice."""
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(max(n, 1) / ncols)
+    if figsize is None:
+        figsize = (3.3 * ncols, 2.5 * nrows)
+    return _Figure(figsize=figsize, dpi=dpi, layout="constrained")
+
+
+def _figure_class():
+    from matplotlib.figure import Figure
+
+    class MetricsFigure(Figure):
+        """A matplotlib Figure that displays itself as a PNG in IPython (with or without the
+        inline backend active)."""
+
+        def _repr_png_(self) -> bytes:
+            return _png(self)
+
+    return MetricsFigure
+
+
+class _LazyFigure:
+    """Builds the Figure subclass on first use, so importing this module stays cheap."""
+
+    cls = None
+
+    def __call__(self, **kwargs):
+        if _LazyFigure.cls is None:
+            _LazyFigure.cls = _figure_class()
+        return _LazyFigure.cls(**kwargs)
+
+
+_Figure = _LazyFigure()
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def plot_metrics(source: pd.DataFrame | str | os.PathLike, metrics: Sequence[str] | None = None,
+                 *, smooth: float = 0.0, ncols: int = 3,
+                 figsize: tuple[float, float] | None = None, dpi: int = 100,
+                 title: str | None = None):
+    """One figure of per-step metrics, one panel per metric, x = step.
+
+    Args:
+        source: a metrics DataFrame (`trainer.metrics`) or a run folder / `metrics.jsonl` path
+            (read with `posttrain.core.metrics.read_metrics`).
+        metrics: column names to plot, plus the pseudo-metric "outcomes" (`OUTCOMES_PANEL`: the
+            outcome_* counts of RL rows as stacked bars, or a stacked area past 50 steps). None:
+            `RL_DEFAULT_METRICS` for runs with a `reward_mean` column, else
+            `SFT_DEFAULT_METRICS`, keeping those present, plus every `eval/...` column.
+        smooth: exponential-moving-average weight in [0, 1) (TensorBoard's slider, debiased):
+            0 plots the raw values; otherwise the raw curve is drawn faint under the smoothed one.
+            Rows where a metric is NaN (e.g. eval columns between evaluations) are skipped.
+        ncols: panels per row.
+        figsize: inches; default 3.3 x 2.5 per panel. dpi: dots per inch.
+        title: optional figure title.
+
+    Returns:
+        A `matplotlib.figure.Figure` (not registered with pyplot; `fig.savefig(path)` writes
+        it, and as a notebook cell's value it displays once). Panel titles carry units.
+
+    Raises:
+        FileNotFoundError: if `source` is a path without a metrics.jsonl.
+        ValueError: for an empty frame, a requested column that the run does not have (the
+            message lists the available ones) or `smooth` outside [0, 1).
+    """
+    if not 0.0 <= smooth < 1.0:
+        raise ValueError(f"smooth={smooth!r}; must be in [0, 1) (0: raw values)")
+    if not isinstance(source, pd.DataFrame):
+        from posttrain.core.metrics import read_metrics
+
+        source = read_metrics(source)
+    frame = source
+    if frame.empty:
+        raise ValueError("the metrics frame is empty: the run has no step yet")
+    if metrics is None:
+        metrics = _default_metrics(frame.columns)
+    else:
+        metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+        missing = [m for m in metrics if m not in frame.columns and not (
+            m == OUTCOMES_PANEL and _outcome_columns(frame.columns))]
+        if missing:
+            available = sorted(c for c in frame.columns if c != "step")
+            if _outcome_columns(frame.columns):
+                available.append(OUTCOMES_PANEL)
+            raise ValueError(f"no column {missing} in this run's metrics; available: {available}")
+    if not metrics:
+        raise ValueError("nothing to plot: pass metrics=[...] (columns of the run's metrics)")
+    fig = _new_figure(len(metrics), ncols, figsize, dpi)
+    _draw(fig, frame, metrics, smooth=smooth, ncols=ncols)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Live dashboard
+# --------------------------------------------------------------------------------------------
+
+
+class LiveDashboard:
+    """A trainer callback that shows the run live in a notebook (see the module docstring).
+
+    Args:
+        metrics: columns to plot (and "outcomes"); None picks per run: `SFT_DEFAULT_METRICS`
+            or, once a row has `reward_mean`, `RL_DEFAULT_METRICS`, plus `eval/...` columns.
+            A requested column that has no value yet shows an empty "no data yet" panel; one
+            missing from the first step's row (except `eval/...`, which appear at the first
+            evaluation) is also reported once in `errors` (a typo would stay empty forever).
+        every: consider redrawing only on every `every`-th step (the final state always).
+        max_rows: rollouts shown in the RL table (one per group first).
+        min_interval_s: seconds between redraws at least (0: every considered step).
+        total: the run's last step, for the header and progress bar and to draw the final
+            state at once; None: the trainer's `target_steps` attribute when it has one.
+        smooth: EMA weight of the plotted curves, as in `plot_metrics`.
+        widget: True forces the widget display, False the text fallback; None (default)
+            chooses widgets inside a Jupyter kernel (`in_notebook()`).
+        log_every: in text mode, print one line with the latest metrics every `log_every`
+            steps and at `total` (0: print nothing; the trainers' own progress bar already
+            shows progress). Only rank 0 of a torch.distributed job prints.
+        title: shown in the header.
+        ncols, figsize, dpi: the plot's layout (as in `plot_metrics`; dpi 72 keeps redraws
+            cheap: ~0.1-0.3 s for 4-6 panels on one CPU core).
+
+    Attributes:
+        mode: "widget" or "text".
+        widget: the `ipywidgets.VBox` (None in text mode, and before the first step or `show()`);
+            its children are `header` (HTML), `progress` (IntProgress), `image` (Image, PNG),
+            `table` (HTML) and `out` (Output).
+        renders: how many times the widgets were redrawn. displays: outputs created (0 or 1).
+        errors: messages of redraws that failed, of requested metrics the run does not have
+            and of rows whose step is not a number (none of these stops training; each message
+            also goes to `out` with `append_stdout` in widget mode, to a warning in text mode).
+
+    Raises:
+        ValueError: for out-of-range options. ImportError: `widget=True` without ipywidgets.
+    """
+
+    def __init__(self, metrics: Sequence[str] | None = None, *, every: int = 1,
+                 max_rows: int = 5, min_interval_s: float = 1.0, total: int | None = None,
+                 smooth: float = 0.0, widget: bool | None = None, log_every: int = 0,
+                 title: str = "training", ncols: int = 3,
+                 figsize: tuple[float, float] | None = None, dpi: int = 72) -> None:
+        for name, value, minimum in (("every", every, 1), ("max_rows", max_rows, 0),
+                                     ("log_every", log_every, 0), ("ncols", ncols, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name}={value!r}; must be an integer >= {minimum}")
+        if total is not None and (not isinstance(total, int) or total < 1):
+            raise ValueError(f"total={total!r}; must be a positive integer or None")
+        if not (isinstance(min_interval_s, (int, float)) and min_interval_s >= 0):
+            raise ValueError(f"min_interval_s={min_interval_s!r}; must be a number >= 0")
+        if not 0.0 <= smooth < 1.0:
+            raise ValueError(f"smooth={smooth!r}; must be in [0, 1) (0: raw values)")
+        self.metrics = None if metrics is None else (
+            [metrics] if isinstance(metrics, str) else list(metrics))
+        self.every, self.max_rows, self.min_interval_s = every, max_rows, float(min_interval_s)
+        self.total, self.smooth, self.log_every, self.title = total, smooth, log_every, title
+        self.ncols, self.figsize, self.dpi = ncols, figsize, dpi
+        if widget is None:
+            widget = in_notebook()
+        elif widget:
+            import ipywidgets  # noqa: F401  (fail here, with the real ImportError)
+        self.mode = "widget" if widget else "text"
+        self.widget = None
+        self.header = self.progress = self.image = self.table = self.out = None
+        self.renders = 0
+        self.displays = 0
+        self.errors: list[str] = []
+        self._trainer = None
+        self._row: dict | None = None
+        self._pending = False
+        self._next_time = -math.inf
+        self._fig = None
+        self._fig_metrics: list[str] | None = None
+        self._hooked: Callable | None = None
+        self._metrics_checked = False
+
+    # ------------------------------------------------------------------ callback protocol
+
+    def attach(self, trainer) -> LiveDashboard:
+        """Add this dashboard to `trainer.callbacks` (once) and return it. In widget mode it
+        also sets `trainer.progress = False`: the dashboard shows progress, so the trainer's
+        tqdm bar would be a second display."""
+        callbacks = getattr(trainer, "callbacks", None)
+        if not isinstance(callbacks, list):
+            raise TypeError(f"{type(trainer).__name__} has no callbacks list; pass the dashboard "
+                            "as callbacks=[dash] or call dash(trainer, row) after each step")
+        if not any(c is self for c in callbacks):
+            callbacks.append(self)
+        if self.mode == "widget" and hasattr(trainer, "progress"):
+            trainer.progress = False
+        return self
+
+    def __call__(self, trainer, row: dict) -> None:
+        """Record step `row` of `trainer`; redraw if due (see the module docstring)."""
+        step = row.get("step", 0)
+        if not isinstance(step, numbers.Real) or isinstance(step, bool) or not math.isfinite(step):
+            self._report(f"dashboard: a row with step={step!r} (not a number) was not shown")
+            return
+        step = int(step)
+        self._trainer, self._row = trainer, {**row, "step": step}
+        total = self._total()
+        final = total is not None and step >= total
+        if self.mode == "text":
+            self._check_metrics(self._frame())
+            if self.log_every and (step % self.log_every == 0 or final) and _rank_zero():
+                print(self._log_line(step, total), flush=True)
+            return
+        self._pending = True
+        due = step % self.every == 0 and time.monotonic() >= self._next_time
+        if final or due:
+            self.render()
+        else:
+            self._hook_cell_end()
+
+    def flush(self) -> None:
+        """Draw the latest state now if a step arrived since the last redraw."""
+        if self.mode == "widget" and self._pending and self._row is not None:
+            self.render()
+
+    def close(self) -> None:
+        """Draw the final state, stop listening to cell ends and free the figure."""
+        self.flush()
+        self._unhook_cell_end()
+        self._fig = None
+
+    # ------------------------------------------------------------------ display
+
+    def show(self) -> None:
+        """Create the widgets and display them (once; later calls do nothing)."""
+        if self.mode != "widget":
+            return
+        self._build()
+        if self.displays == 0:
+            _display(self.widget)
+            self.displays += 1
+
+    def _ipython_display_(self) -> None:
+        if self.mode == "widget":
+            self.show()
+        else:
+            print(repr(self))
+
+    def _build(self) -> None:
+        if self.widget is not None:
+            return
+        import ipywidgets as widgets
+
+        self.header = widgets.HTML(value=f"<b>{html.escape(self.title)}</b> waiting for the "
+                                         "first step")
+        self.progress = widgets.IntProgress(value=0, min=0, max=self.total or 1,
+                                            layout=widgets.Layout(width="100%"))
+        # flex-start: a VBox column stretches its children to full width, which would blur the
+        # PNG; hidden until the first plot (an empty Image shows as a broken picture).
+        self.image = widgets.Image(format="png", layout=widgets.Layout(
+            max_width="100%", align_self="flex-start", display="none"))
+        self.table = widgets.HTML(value="")
+        self.out = widgets.Output()
+        self.widget = widgets.VBox([self.header, self.progress, self.image, self.table,
+                                    self.out])
+
+    def render(self) -> None:
+        """Redraw every part from the latest row now (no throttling). A failure is recorded in
+        `errors` and shown in `out`, never raised: a broken plot must not stop a run."""
+        if self.mode != "widget" or self._row is None:
+            return
+        self.show()
+        row, trainer = self._row, self._trainer
+        step = int(row.get("step", 0))
+        total = self._total()
+        self._pending = False
+        try:
+            frame = self._frame()
+            self._check_metrics(frame)
+            metrics = self._metrics(frame)
+            self.header.value = self._header_html(step, total, row, metrics)
+            self.progress.max = max(total or step, step, 1)
+            self.progress.value = step
+            self.progress.bar_style = "success" if total is not None and step >= total else ""
+            self.image.value = self._plot(frame, metrics)
+            self.image.layout.display = None
+            self.table.value = self._table_html(trainer)
+        except Exception as e:  # noqa: BLE001 - a dashboard bug must not kill the run
+            self._report(f"dashboard: step {step} not drawn ({type(e).__name__}: {e})")
+        self.renders += 1
+        self._next_time = time.monotonic() + self.min_interval_s
+        self._unhook_cell_end()
+
+    # ------------------------------------------------------------------ pieces
+
+    def _total(self) -> int | None:
+        if self.total is not None:
+            return self.total
+        target = getattr(self._trainer, "target_steps", None)
+        return target if isinstance(target, int) and target > 0 else None
+
+    def _frame(self) -> pd.DataFrame:
+        frame = getattr(self._trainer, "metrics", None)
+        if isinstance(frame, pd.DataFrame) and not frame.empty:
+            return frame
+        return pd.DataFrame([self._row])
+
+    def _metrics(self, frame: pd.DataFrame) -> list[str]:
+        return list(self.metrics) if self.metrics is not None else _default_metrics(frame.columns)
+
+    def _check_metrics(self, frame: pd.DataFrame) -> None:
+        """Once: report requested metrics that the run's first rows lack (see `metrics`)."""
+        if self._metrics_checked or self.metrics is None:
+            return
+        self._metrics_checked = True
+        unknown = [m for m in self.metrics if m not in frame.columns and not m.startswith("eval/")
+                   and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))]
+        if unknown:
+            available = sorted(c for c in frame.columns if c != "step")
+            self._report(f"dashboard: no column {unknown} in this run's metrics; available: "
+                         f"{available} (those panels stay empty)")
+
+    def _report(self, message: str) -> None:
+        """Record a problem without stopping training: `errors`, plus `out` or a warning."""
+        self.errors.append(message)
+        if self.out is not None:
+            self.out.append_stdout(message + "\n")
+        else:
+            warnings.warn(message, stacklevel=3)
+
+    def _plot(self, frame: pd.DataFrame, metrics: list[str]) -> bytes:
+        if self._fig is None or self._fig_metrics != metrics:
+            self._fig = _new_figure(len(metrics), self.ncols, self.figsize, self.dpi)
+            self._fig_metrics = list(metrics)
+        with warnings.catch_warnings():  # constrained layout on tiny panels warns; harmless
+            warnings.simplefilter("ignore", UserWarning)
+            _draw(self._fig, frame, metrics, smooth=self.smooth, ncols=self.ncols)
+            return _png(self._fig)
+
+    def _header_html(self, step: int, total: int | None, row: dict, metrics: list[str]) -> str:
+        where = f"step {step}/{total}" if total is not None else f"step {step}"
+        parts = [f"<b>{html.escape(self.title)}</b>", where]
+        for name in metrics:
+            value = row.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                parts.append(f"{html.escape(name)} {value:.4g}")
+        return " &middot; ".join(parts)
+
+    def _log_line(self, step: int, total: int | None) -> str:
+        row = self._row or {}
+        where = f"step {step}/{total}" if total is not None else f"step {step}"
+        names = self.metrics or _default_metrics(list(row))
+        values = [f"{n} {row[n]:.4g}" for n in names
+                  if isinstance(row.get(n), (int, float)) and not isinstance(row.get(n), bool)]
+        return "  ".join([f"[{self.title}] {where}"] + values)
+
+    def _table_html(self, trainer) -> str:
+        if self.max_rows == 0:
+            return ""
+        frame = latest_rollouts(trainer)
+        if frame is None or frame.empty:
+            return ""
+        firsts = frame.drop_duplicates(subset=["policy_version", "group_id"])
+        rows = pd.concat([firsts, frame.drop(firsts.index)]).head(self.max_rows)
+        cells = []
+        for _, r in rows.iterrows():
+            color = _OUTCOME_COLORS.get(str(r["outcome"]), "#000000")
+            cells.append(
+                "<tr>" + f"<td>{_short(r['prompt'])}</td><td>{_short(r['completion'])}</td>"
+                f"<td style='text-align:right'>{r['reward']:.3g}</td>"
+                f"<td style='color:{color}'>{html.escape(str(r['outcome']))}</td></tr>")
+        head = ("<tr><th>prompt</th><th>completion</th><th>reward</th><th>outcome</th></tr>")
+        caption = f"latest rollouts ({len(rows)} of {len(frame)})"
+        return (f"<table style='font-family:monospace;font-size:11px'><caption "
+                f"style='text-align:left'>{caption}</caption>{head}{''.join(cells)}</table>")
+
+    # ------------------------------------------------------------------ notebook cell end
+
+    def _hook_cell_end(self) -> None:
+        """Draw the pending state when the running cell ends (fit returned, was interrupted
+        or raised); a no-op outside IPython."""
+        if self._hooked is not None:
+            return
+        shell = _ipython()
+        events = getattr(shell, "events", None)
+        if events is None:
+            return
+
+        def on_cell_end(*args, **kwargs) -> None:
+            self._unhook_cell_end()
+            self.flush()
+
+        events.register("post_run_cell", on_cell_end)
+        self._hooked = on_cell_end
+        self._hook_events = events
+
+    def _unhook_cell_end(self) -> None:
+        if self._hooked is None:
+            return
+        try:
+            self._hook_events.unregister("post_run_cell", self._hooked)
+        except ValueError:
+            pass
+        self._hooked = None
+
+    def __repr__(self) -> str:
+        return (f"LiveDashboard(mode={self.mode!r}, metrics={self.metrics}, renders="
+                f"{self.renders}, total={self._total()})")
+
+
+def latest_rollouts(trainer) -> pd.DataFrame | None:
+    """The rollouts of the trainer's latest step as a `posttrain.notebook.inspector.rollouts_frame`,
+    or None when the trainer exposes none.
+
+    Read defensively: `trainer.last_groups` (with `trainer.last_builders` for the task items
+    when they line up), else a non-empty `trainer.buffer` (RLTrainer's on-policy buffer is
+    drained inside the step, so that one is empty between steps).
+    """
+    from posttrain.notebook.inspector import rollouts_frame
+
+    tokenizer = getattr(getattr(trainer, "policy", None), "tokenizer", None)
+    groups = getattr(trainer, "last_groups", None)
+    if groups:
+        builders = getattr(trainer, "last_builders", None)
+        items = None
+        if builders is not None and len(builders) == len(groups):
+            items = [getattr(b, "item", None) for b in builders]
+        return rollouts_frame(groups, items=items, tokenizer=tokenizer)
+    buffer = getattr(trainer, "buffer", None)
+    if buffer is not None and hasattr(buffer, "state_dict"):
+        try:
+            size = len(buffer)
+        except TypeError:
+            return None
+        if size:
+            return rollouts_frame(buffer, tokenizer=tokenizer)
+    return None
+
+
+def _short(text: Any, limit: int = 80) -> str:
+    if text is None or (isinstance(text, float) and math.isnan(text)):
+        return ""
+    text = str(text).replace("\n", " \u21b5 ")
+    if len(text) > limit:
+        text = text[:limit - 1] + "\u2026"
+    return html.escape(text)

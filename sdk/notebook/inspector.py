@@ -1,0 +1,646 @@
+"""Rollout inspector: see what the policy sampled, keep it, rescore it with an edited verifier,
+compare rewards before and after, and replay a saved batch through one RL step.
+
+Sources: a `ReplayBuffer`, a list of `Group`s / `Trajectory`s (or buffer-style dicts, or lists
+of them), a rollouts JSONL file written by `save_rollouts`, or a frame from `rollouts_frame`.
+
+`rollouts_frame` gives one row per trajectory, index "row" (its position in the source), with
+`FRAME_COLUMNS`:
+
+    group_id        the group (prompt) id; unique only within one policy_version
+    sample          position inside its group, 0..G-1
+    policy_version  optimizer steps of the policy that sampled it (the RL step it came from)
+    prompt          the task item's question when known, else the prompt tokens decoded with
+                    `tokenizer` (special tokens dropped), else None
+    completion      the completion text (all assistant turns of a multi-turn episode)
+    answer          the task item's reference answer when known, else None
+    reward          float
+    outcome         'ok', 'wrong', 'format_error', 'timeout' or 'error' (`verifier.Outcome`)
+    reason          the verifier's reason or the rollout's error message ('' when none)
+    num_tokens      sampled completion tokens (multi-turn observation tokens not counted)
+    finish_reason   'stop', 'length', 'max_turns', 'error', or None when unknown
+    advantage       mean advantage over the completion (buffer records); NaN when unknown
+    item            the task item (question/answer/metadata dict), None when unknown
+
+and with `tokens=True` (always in saved files) also `TOKEN_COLUMNS`: prompt_ids, completion_ids,
+logprobs (per completion token, from the sampler), completion_mask (None: all sampled), info.
+
+Trajectories do not carry their task item; pass `items=` (one per group, in order, e.g.
+`[b.item for b in builders]`, or a dict group_id -> item) to get prompt text, answers and
+rescoring. `save_rollouts` stores the items with the rollouts, so a saved file is
+self-contained: it rescores and replays without the task.
+
+Example:
+    >>> from posttrain.rl import Group, Trajectory
+    >>> def traj(text, reward, outcome):
+    ...     return Trajectory(group_id=0, prompt_ids=[1, 2], completion_ids=list(b"x" * len(text)),
+    ...                       logprobs=[-1.0] * len(text), reward=reward, outcome=outcome,
+    ...                       finish_reason="stop", text=text)
+    >>> groups = [Group([traj("7", 1.0, "ok"), traj("7.0", 0.0, "wrong")])]
+    >>> frame = rollouts_frame(groups, items=[{"question": "3+4=", "answer": "7"}])
+    >>> frame[["prompt", "completion", "reward", "outcome", "num_tokens"]].values.tolist()
+    [['3+4=', '7', 1.0, 'ok', 1], ['3+4=', '7.0', 0.0, 'wrong', 3]]
+    >>> lenient = lambda completion, item: float(float(completion) == float(item["answer"]))
+    >>> rescored = rescore(frame, lenient, timeout_s=None)
+    >>> rescored[["old_outcome", "new_outcome", "changed"]].values.tolist()
+    [['ok', 'ok', False], ['wrong', 'ok', True]]
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from posttrain.rl.environment import Group, Trajectory
+from posttrain.rewards.verifier import DEFAULT_MAX_WORKERS, DEFAULT_TIMEOUT_S, Outcome, score_batch
+
+__all__ = ["rollouts_frame", "save_rollouts", "load_rollouts", "to_groups", "rescore",
+           "compare_rewards", "replay_step", "FRAME_COLUMNS", "TOKEN_COLUMNS",
+           "RESCORE_COLUMNS", "ROLLOUTS_FORMAT"]
+
+FRAME_COLUMNS = ("group_id", "sample", "policy_version", "prompt", "completion", "answer",
+                 "reward", "outcome", "reason", "num_tokens", "finish_reason", "advantage", "item")
+"""Columns of `rollouts_frame` (see the module docstring)."""
+
+TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "logprobs", "completion_mask", "info")
+"""Extra columns with `tokens=True`: what `to_groups` / `replay_step` need to rebuild groups."""
+
+RESCORE_COLUMNS = ("group_id", "sample", "policy_version", "prompt", "completion", "answer",
+                   "old_reward", "old_outcome", "new_reward", "new_outcome", "new_reason",
+                   "changed")
+"""Columns of `rescore`'s result."""
+
+ROLLOUTS_FORMAT = 1
+"""Format version written in every line of a rollouts file (`"rollouts_format": 1`)."""
+
+_OUTCOMES = tuple(o.value for o in Outcome)
+
+
+# --------------------------------------------------------------------------------------------
+# Frames
+# --------------------------------------------------------------------------------------------
+
+
+def rollouts_frame(source: Any, *, items: Sequence[Any] | Mapping[Any, Any] | None = None,
+                   tokenizer: Any = None, min_reward: float | None = None,
+                   max_reward: float | None = None, outcome: str | Iterable[str] | None = None,
+                   min_len: int | None = None, max_len: int | None = None,
+                   tokens: bool = False) -> pd.DataFrame:
+    """One row per trajectory of `source`, filtered (see the module docstring for columns).
+
+    Args:
+        source: a `ReplayBuffer`, a `Group`, a list of groups / trajectories / buffer-style
+            dicts (lists of them count as groups), a rollouts file path, or a rollouts frame.
+        items: the task items, one per group in order of first appearance (groups are keyed by
+            (policy_version, group_id)), or a mapping group_id -> item. Replaces items
+            already in the source.
+        tokenizer: decodes the prompt tokens when no item gives the question.
+        min_reward, max_reward: keep rows with min_reward <= reward <= max_reward.
+        outcome: keep rows with this outcome (or any of these).
+        min_len, max_len: keep rows with min_len <= num_tokens <= max_len.
+        tokens: also return `TOKEN_COLUMNS`.
+
+    Returns:
+        A DataFrame indexed by "row" (the position in the unfiltered source, so filtered rows
+        point back into the full frame).
+
+    Raises:
+        ValueError: for an unknown outcome name, `items` of the wrong length, a trajectory
+            without group_id / completion / reward, or `tokens=True` on a frame without them.
+        TypeError: for a source of another kind.
+    """
+    if isinstance(source, pd.DataFrame):
+        frame = _check_frame(source)
+    elif isinstance(source, (str, os.PathLike)):
+        frame = load_rollouts(source)
+    else:
+        frame = _frame([_record(t) for t in _trajectories(source)])
+    if items is not None:
+        frame = _attach_items(frame, items)
+    if tokenizer is not None:
+        frame = _decode_prompts(frame, tokenizer)
+    frame = _filter(frame, min_reward=min_reward, max_reward=max_reward, outcome=outcome,
+                    min_len=min_len, max_len=max_len)
+    if not tokens:
+        return frame[list(FRAME_COLUMNS)]
+    missing = [c for c in TOKEN_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"this frame has no {missing} columns; build it with tokens=True, or "
+                         "pass the groups, buffer or rollouts file itself")
+    return frame[list(FRAME_COLUMNS + TOKEN_COLUMNS)]
+
+
+def _trajectories(source: Any) -> list[Any]:
+    """Flatten a source into trajectory objects / dicts, in order."""
+    if hasattr(source, "state_dict") and hasattr(source, "to_dataframe"):  # a ReplayBuffer
+        return list(source.state_dict()["items"])
+    if isinstance(source, (Trajectory, Mapping)):
+        return [source]
+    if hasattr(source, "trajectories"):
+        return list(source.trajectories)
+    if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
+        raise TypeError(f"cannot read rollouts from a {type(source).__name__}; pass a "
+                        "ReplayBuffer, groups, trajectories, a rollouts file or a frame")
+    flat = []
+    for element in source:
+        if hasattr(element, "trajectories"):
+            flat.extend(element.trajectories)
+        elif isinstance(element, (list, tuple)):
+            flat.extend(element)
+        else:
+            flat.append(element)
+    return flat
+
+
+def _record(t: Any) -> dict[str, Any]:
+    """A plain dict with every frame column (sample filled in by `_frame`)."""
+    get = (lambda k, d=None: t.get(k, d)) if isinstance(t, Mapping) else \
+        (lambda k, d=None: getattr(t, k, d))
+    where = f"a {type(t).__name__} rollout"
+    completion = get("completion", get("text"))
+    missing = [k for k, v in (("group_id", get("group_id")), ("reward", get("reward")))
+               if v is None]
+    if get("completion_ids") is None and completion is None:
+        missing.append("completion_ids or text")
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    completion_ids = _plain_list(get("completion_ids"), int)
+    mask = _plain_list(get("completion_mask"), bool)
+    info = dict(get("info") or {})
+    item = get("item")
+    if get("num_tokens") is not None:
+        num_tokens = int(get("num_tokens"))
+    elif completion_ids is None:
+        num_tokens = 0
+    else:
+        num_tokens = sum(mask) if mask is not None else len(completion_ids)
+    reason = get("reason")
+    if reason is None:
+        reason = info.get("verifier_reason") or info.get("error") or ""
+    version = get("policy_version")
+    return {"group_id": _plain(get("group_id")), "sample": get("sample"),
+            "policy_version": None if version is None else int(version),
+            "prompt": get("prompt"), "completion": completion,
+            "answer": get("answer", item.get("answer") if isinstance(item, Mapping) else None),
+            "reward": float(get("reward")), "outcome": _plain(get("outcome")),
+            "reason": str(reason), "num_tokens": num_tokens,
+            "finish_reason": get("finish_reason"), "advantage": _mean(get("advantage")),
+            "item": item, "prompt_ids": _plain_list(get("prompt_ids"), int),
+            "completion_ids": completion_ids, "logprobs": _plain_list(get("logprobs"), float),
+            "completion_mask": mask, "info": info}
+
+
+def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    """The canonical frame of `records` (same function for fresh and loaded rollouts, so a
+    save/load round trip compares equal)."""
+    samples: dict[tuple, int] = {}
+    for r in records:
+        key = (r["policy_version"], r["group_id"])
+        if r["sample"] is None:
+            r["sample"] = samples.get(key, 0)
+        samples[key] = max(samples.get(key, 0), int(r["sample"]) + 1)
+        r["sample"] = int(r["sample"])
+        if r["advantage"] is None:
+            r["advantage"] = math.nan
+    columns = list(FRAME_COLUMNS + TOKEN_COLUMNS)
+    frame = pd.DataFrame(records, columns=columns)
+    frame.index = pd.RangeIndex(len(frame), name="row")
+    frame["reward"] = frame["reward"].astype(float)
+    frame["advantage"] = frame["advantage"].astype(float)
+    frame["num_tokens"] = frame["num_tokens"].astype("int64")
+    frame["sample"] = frame["sample"].astype("int64")
+    return frame
+
+
+def _check_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    missing = [c for c in FRAME_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"this DataFrame lacks {missing}; pass a frame from rollouts_frame / "
+                         "load_rollouts, or the groups, buffer or file themselves")
+    return frame
+
+
+def _group_keys(frame: pd.DataFrame) -> list[tuple]:
+    """(policy_version, group_id) of every row."""
+    return list(zip(frame["policy_version"], frame["group_id"]))
+
+
+def _attach_items(frame: pd.DataFrame, items: Sequence[Any] | Mapping[Any, Any]) -> pd.DataFrame:
+    keys = _group_keys(frame)
+    if isinstance(items, Mapping):
+        row_items = [items.get(g) for _, g in keys]
+    else:
+        items = list(items)
+        order = list(dict.fromkeys(keys))
+        if len(items) != len(order):
+            raise ValueError(f"{len(items)} items for {len(order)} groups; pass one item per "
+                             "group, in order (e.g. [b.item for b in builders]), or a dict "
+                             "group_id -> item")
+        position = {key: i for i, key in enumerate(order)}
+        row_items = [items[position[key]] for key in keys]
+    frame = frame.copy()
+    frame["item"] = pd.Series(row_items, index=frame.index, dtype=object)
+    frame["answer"] = [i.get("answer") if isinstance(i, Mapping) else None for i in row_items]
+    questions = [i.get("question") if isinstance(i, Mapping) else None for i in row_items]
+    frame["prompt"] = [q if q is not None else p for q, p in zip(questions, frame["prompt"])]
+    return frame
+
+
+def _decode_prompts(frame: pd.DataFrame, tokenizer: Any) -> pd.DataFrame:
+    if "prompt_ids" not in frame.columns or frame["prompt"].notna().all():
+        return frame
+    frame = frame.copy()
+    frame["prompt"] = [p if p is not None and not _isnan(p) else
+                       (None if ids is None else tokenizer.decode(ids))
+                       for p, ids in zip(frame["prompt"], frame["prompt_ids"])]
+    return frame
+
+
+def _filter(frame: pd.DataFrame, *, min_reward, max_reward, outcome, min_len,
+            max_len) -> pd.DataFrame:
+    keep = pd.Series(True, index=frame.index)
+    if min_reward is not None:
+        keep &= frame["reward"] >= min_reward
+    if max_reward is not None:
+        keep &= frame["reward"] <= max_reward
+    if outcome is not None:
+        wanted = [outcome] if isinstance(outcome, (str, Outcome)) else list(outcome)
+        wanted = [_plain(o) for o in wanted]
+        unknown = [o for o in wanted if o not in _OUTCOMES]
+        if unknown:
+            raise ValueError(f"unknown outcome {unknown}; valid: {list(_OUTCOMES)}")
+        keep &= frame["outcome"].isin(wanted)
+    if min_len is not None:
+        keep &= frame["num_tokens"] >= min_len
+    if max_len is not None:
+        keep &= frame["num_tokens"] <= max_len
+    return frame[keep]
+
+
+# --------------------------------------------------------------------------------------------
+# Saving, loading, rebuilding groups
+# --------------------------------------------------------------------------------------------
+
+
+def save_rollouts(source: Any, path: str | os.PathLike, *,
+                  items: Sequence[Any] | Mapping[Any, Any] | None = None, tokenizer: Any = None,
+                  append: bool = False) -> int:
+    """Write rollouts as JSON lines (one trajectory per line, every frame and token column, plus
+    `"rollouts_format": ROLLOUTS_FORMAT`). Floats round-trip exactly; a NaN advantage is
+    written as null. Items should hold JSON values (tuples come back as lists; other objects
+    are written as their str).
+
+    Args:
+        source, items, tokenizer: as in `rollouts_frame` (prompt text is resolved now and
+            saved, so loading needs no tokenizer).
+        path: the file; its folder is created. Written atomically unless `append`.
+        append: add to the file (e.g. one call per RL step) instead of replacing it.
+
+    Returns:
+        The number of rollouts written.
+
+    Raises:
+        ValueError / TypeError: as `rollouts_frame`.
+    """
+    if isinstance(source, pd.DataFrame) and not set(TOKEN_COLUMNS) <= set(source.columns):
+        frame = rollouts_frame(source, items=items, tokenizer=tokenizer)
+        for column in TOKEN_COLUMNS:  # a view frame: saved without tokens (not replayable)
+            frame[column] = None
+    else:
+        frame = rollouts_frame(source, items=items, tokenizer=tokenizer, tokens=True)
+    lines = []
+    for record in frame.to_dict("records"):
+        record = {"rollouts_format": ROLLOUTS_FORMAT,
+                  **{k: record.get(k) for k in FRAME_COLUMNS + TOKEN_COLUMNS}}
+        if _isnan(record["advantage"]):
+            record["advantage"] = None
+        lines.append(json.dumps(record, default=_json_default) + "\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if append:
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(lines)
+    else:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, path)
+    return len(lines)
+
+
+def load_rollouts(path: str | os.PathLike) -> pd.DataFrame:
+    """Read a `save_rollouts` file: the frame of `rollouts_frame(..., tokens=True)`, index
+    0..n-1 in file order.
+
+    Raises:
+        FileNotFoundError: if there is no such file.
+        ValueError: for a line that is not JSON or comes from another format version.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+            version = record.pop("rollouts_format", None)
+            if version != ROLLOUTS_FORMAT:
+                raise ValueError(f"{path}:{number} has rollouts_format {version!r}; this "
+                                 f"posttrain reads {ROLLOUTS_FORMAT}")
+            records.append(_record(record))
+    return _frame(records)
+
+
+def to_groups(source: Any) -> list[Group]:
+    """Rebuild `Group`s of `Trajectory`s (what an RL step trains on) from rollouts.
+
+    Groups are keyed by (policy_version, group_id), in order of first appearance; trajectories
+    are ordered by `sample`. The reward and outcome are the source's (a frame may carry edited
+    ones).
+
+    Raises:
+        ValueError: for rows without token ids / logprobs (e.g. a frame without
+            `TOKEN_COLUMNS`, or buffer records without logprobs) or without a finish reason.
+    """
+    frame = rollouts_frame(source, tokens=True) if not isinstance(source, pd.DataFrame) \
+        else _check_frame(source)
+    missing = [c for c in TOKEN_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"this frame has no {missing} columns: it cannot be trained on; use "
+                         "rollouts_frame(..., tokens=True) or load_rollouts(path)")
+    groups: dict[tuple, list[tuple[int, Trajectory]]] = {}
+    for row, r in frame.iterrows():
+        for column in ("prompt_ids", "completion_ids", "logprobs", "finish_reason"):
+            if r[column] is None or _isnan(r[column]):
+                raise ValueError(f"row {row} has no {column}; it cannot be trained on")
+        completion = r["completion"] if isinstance(r["completion"], str) else ""
+        t = Trajectory(group_id=r["group_id"], prompt_ids=list(r["prompt_ids"]),
+                       completion_ids=list(r["completion_ids"]), logprobs=list(r["logprobs"]),
+                       reward=float(r["reward"]), outcome=r["outcome"],
+                       finish_reason=r["finish_reason"], text=completion,
+                       policy_version=0 if r["policy_version"] is None
+                       else int(r["policy_version"]),
+                       info=dict(r["info"] or {}),
+                       completion_mask=None if r["completion_mask"] is None
+                       else list(r["completion_mask"]))
+        groups.setdefault((r["policy_version"], r["group_id"]), []).append((int(r["sample"]), t))
+    return [Group([t for _, t in sorted(members, key=lambda m: m[0])])
+            for members in groups.values()]
+
+
+# --------------------------------------------------------------------------------------------
+# Rescoring and comparing
+# --------------------------------------------------------------------------------------------
+
+
+def rescore(source: Any, verifier: Any, *,
+            items: Sequence[Any] | Mapping[Any, Any] | None = None, tokenizer: Any = None,
+            timeout_s: float | None = DEFAULT_TIMEOUT_S,
+            max_workers: int = DEFAULT_MAX_WORKERS) -> pd.DataFrame:
+    """Score every completion again with `verifier` (e.g. an edited one) and put the old and
+    new reward and outcome side by side.
+
+    Each row is `posttrain.rewards.verifier.score_batch(verifier, completions, items)`: a verifier that
+    raises gives outcome "error" (reward 0.0, the exception in `new_reason`), one past
+    `timeout_s` gives "timeout"; nothing is a silent 0.0. The completion is the stored text, so
+    this re-runs the per-trajectory verifier only: a builder's group-level reward hook or a
+    multi-turn environment's own scoring is not replayed.
+
+    Args:
+        source: as in `rollouts_frame` (a filtered frame rescores just those rows).
+        verifier: any `(completion, item) -> VerifierResult | float` callable.
+        items, tokenizer: as in `rollouts_frame`, when the source has no items.
+        timeout_s, max_workers: as in `score_batch` (None: inline, no budget).
+
+    Returns:
+        A DataFrame with `RESCORE_COLUMNS`, the source's index; `changed` is True where the
+        reward or the outcome differs.
+
+    Raises:
+        ValueError: if a row has no task item (the message says how to give them).
+    """
+    frame = rollouts_frame(source, items=items, tokenizer=tokenizer)
+    no_item = [row for row, item in frame["item"].items() if not isinstance(item, Mapping)]
+    if no_item:
+        raise ValueError(f"rows {no_item[:10]} have no task item to verify against; pass "
+                         "items=[b.item for b in builders] (one per group) or a dict "
+                         "group_id -> item, or rescore a file saved with items")
+    completions = [c if isinstance(c, str) else "" for c in frame["completion"]]
+    results = score_batch(verifier, completions, list(frame["item"]), timeout_s=timeout_s,
+                          max_workers=max_workers)
+    out = frame[["group_id", "sample", "policy_version", "prompt", "completion",
+                 "answer"]].copy()
+    out["old_reward"] = frame["reward"]
+    out["old_outcome"] = frame["outcome"]
+    out["new_reward"] = [r.score for r in results]
+    out["new_outcome"] = [r.outcome.value for r in results]
+    out["new_reason"] = [r.reason for r in results]
+    out["changed"] = (out["new_reward"] != out["old_reward"]) | \
+        (out["new_outcome"] != out["old_outcome"])
+    return out[list(RESCORE_COLUMNS)]
+
+
+def compare_rewards(before: Any, after: Any = None, *, bins: int = 20):
+    """Summary table and figure of rewards and outcomes before vs after.
+
+    Args:
+        before: a `rescore` result (then `after` is None: its old_* vs new_* columns, paired row
+            by row), or any rollouts source / frame with reward and outcome columns.
+        after: the second rollouts source / frame (unpaired: the two may differ in size).
+        bins: histogram bins of the reward panel.
+
+    Returns:
+        (summary, figure). `summary` is indexed by metric: rows, reward_mean (over rows the
+        verifier judged: error and timeout rows are counted, not averaged in), accuracy
+        (fraction of rows with outcome "ok"), outcome_<name> for every outcome (counts), and
+        for a rescore result rows_changed; columns before, after, change (= after - before;
+        rows_changed has its count under change only). `figure` is a matplotlib Figure:
+        reward histograms (shared bins) and outcome counts, before next to after.
+
+    Raises:
+        ValueError: if `after` is None and `before` is not a rescore result, or a side is
+            empty.
+    """
+    paired = after is None
+    if paired:
+        if not isinstance(before, pd.DataFrame) or not {"old_reward", "new_reward",
+                                                        "old_outcome", "new_outcome"} <= set(
+                before.columns):
+            raise ValueError("compare_rewards(x) needs a rescore() result; to compare two sets "
+                             "of rollouts pass both: compare_rewards(before, after)")
+        b_reward, b_outcome = before["old_reward"], before["old_outcome"]
+        a_reward, a_outcome = before["new_reward"], before["new_outcome"]
+    else:
+        b, a = (_rewards_frame(x) for x in (before, after))
+        b_reward, b_outcome, a_reward, a_outcome = b["reward"], b["outcome"], a["reward"], a[
+            "outcome"]
+    if len(b_reward) == 0 or len(a_reward) == 0:
+        raise ValueError("nothing to compare: a side has no rollouts")
+    stats_b, stats_a = _stats(b_reward, b_outcome), _stats(a_reward, a_outcome)
+    summary = pd.DataFrame({"before": stats_b, "after": stats_a})
+    summary["change"] = summary["after"] - summary["before"]
+    if paired:
+        summary.loc["rows_changed"] = [math.nan, math.nan, float(before["changed"].sum())]
+    summary.index.name = "metric"
+    return summary, _compare_figure(b_reward, b_outcome, a_reward, a_outcome, summary, bins)
+
+
+def _rewards_frame(source: Any) -> pd.DataFrame:
+    if isinstance(source, pd.DataFrame) and {"reward", "outcome"} <= set(source.columns):
+        return source
+    return rollouts_frame(source)
+
+
+def _stats(reward: pd.Series, outcome: pd.Series) -> dict[str, float]:
+    outcome = outcome.astype(str)
+    judged = ~outcome.isin(["error", "timeout"])  # a failure has no reward to average in
+    stats = {"rows": float(len(reward)),
+             "reward_mean": float(reward[judged].astype(float).mean()),
+             "accuracy": float((outcome == "ok").mean())}
+    for name in _OUTCOMES:
+        stats[f"outcome_{name}"] = float((outcome == name).sum())
+    return stats
+
+
+def _compare_figure(b_reward, b_outcome, a_reward, a_outcome, summary: pd.DataFrame, bins: int):
+    import numpy as np
+
+    from posttrain.notebook.dashboard import _OUTCOME_COLORS, _Figure
+
+    fig = _Figure(figsize=(9, 3.2), dpi=100, layout="constrained")
+    ax_hist, ax_out = fig.subplots(1, 2)
+    values = np.concatenate([np.asarray(b_reward, float), np.asarray(a_reward, float)])
+    low, high = float(values.min()), float(values.max())
+    if low == high:
+        low, high = low - 0.5, high + 0.5
+    edges = np.linspace(low, high, bins + 1)
+    ax_hist.hist(np.asarray(b_reward, float), bins=edges, histtype="stepfilled", alpha=0.35,
+                 color="#7f7f7f", label="before")
+    ax_hist.hist(np.asarray(a_reward, float), bins=edges, histtype="step", lw=1.5, color="C0",
+                 label="after")
+    ax_hist.set_xlabel("reward")
+    ax_hist.set_ylabel("rollouts")
+    ax_hist.set_title(f"reward mean {summary.at['reward_mean', 'before']:.3g} -> "
+                      f"{summary.at['reward_mean', 'after']:.3g}", fontsize=9)
+    ax_hist.legend(fontsize=8, frameon=False)
+    x = np.arange(len(_OUTCOMES))
+    counts_b = [summary.at[f"outcome_{o}", "before"] for o in _OUTCOMES]
+    counts_a = [summary.at[f"outcome_{o}", "after"] for o in _OUTCOMES]
+    colors = [_OUTCOME_COLORS[o] for o in _OUTCOMES]
+    ax_out.bar(x - 0.2, counts_b, width=0.4, color=colors, alpha=0.35, label="before")
+    ax_out.bar(x + 0.2, counts_a, width=0.4, color=colors, label="after")
+    ax_out.set_xticks(x, list(_OUTCOMES), fontsize=8)
+    ax_out.set_ylabel("rollouts")
+    ax_out.set_title(f"accuracy {summary.at['accuracy', 'before']:.3g} -> "
+                     f"{summary.at['accuracy', 'after']:.3g} (left: before, right: after)",
+                     fontsize=9)
+    for ax in (ax_hist, ax_out):
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+    return fig
+
+
+# --------------------------------------------------------------------------------------------
+# Replay
+# --------------------------------------------------------------------------------------------
+
+
+_SEAM = "train_on_groups"
+
+
+def replay_step(trainer: Any, rollouts: Any) -> dict[str, float]:
+    """Run ONE RL training step of `trainer` on saved rollouts instead of fresh samples (to
+    debug an update: a batch that produced a NaN, a spike in KL, a verifier change).
+
+    The step is a real one: exclusion rule, advantages, minibatch updates, metrics row,
+    callbacks, scheduler and `step_count` advance exactly as in `trainer.step()`; only the
+    rollout is skipped. The old log-probs are the saved sampler's, so the importance ratio
+    compares the current policy with the one that sampled them (1 when replaying on the same
+    weights).
+
+    Args:
+        trainer: a `posttrain.rl.trainer.RLTrainer` (anything with `train_on_groups(groups)`).
+        rollouts: groups, a rollouts file, a frame with token columns or a buffer (`to_groups`).
+
+    Returns:
+        The step's metrics row.
+
+    Raises:
+        TypeError: if the trainer has no `train_on_groups(groups)` method (an RLTrainer has).
+        ValueError: for rollouts that cannot be trained on (`to_groups`) or token ids outside
+            the policy's vocabulary.
+    """
+    seam = getattr(trainer, _SEAM, None)
+    if not callable(seam):
+        raise TypeError(f"replay_step needs a trainer with {_SEAM}(groups) (posttrain."
+                        f"rl_trainer.RLTrainer); got {type(trainer).__name__}")
+    groups = to_groups(rollouts)
+    vocab = getattr(getattr(getattr(trainer, "policy", None), "tokenizer", None),
+                    "vocab_size", None)
+    if vocab is not None:
+        top = max(max(t.prompt_ids + t.completion_ids, default=0) for g in groups for t in g)
+        if top >= vocab:
+            raise ValueError(f"the rollouts hold token id {top}, outside this policy's "
+                             f"vocabulary (0..{vocab - 1}); were they sampled by another "
+                             "tokenizer?")
+    return seam(groups)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):  # before str: Outcome is a str enum
+        return value.value
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    return str(value)
+
+
+def _plain_list(value: Any, kind: type) -> list | None:
+    if value is None:
+        return None
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return [kind(v) for v in value]
+
+
+def _mean(advantage: Any) -> float | None:
+    if advantage is None:
+        return None
+    if isinstance(advantage, (int, float)):
+        return float(advantage)
+    values = _plain_list(advantage, float)
+    if values is None or len(values) == 0:
+        return None if values is None else math.nan
+    return sum(values) / len(values)
+
+
+def _isnan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return str(value)

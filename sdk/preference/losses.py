@@ -1,0 +1,654 @@
+"""Preference optimisation: DPO, IPO, SimPO, KTO and ORPO losses, and the objectives the `Trainer`
+calls on preference batches.
+
+Notation: B = preference pairs, N = KTO rows (desirable or undesirable), K = KTO mismatched
+(prompt, completion) pairs for the KL estimate, T = tokens per sequence. Log-probabilities are
+summed over the response tokens (`logps_B`), in nats, fp32; `lengths_B` count response tokens.
+
+The pure losses take log-probabilities and return `(losses, chosen_rewards, rejected_rewards)`
+like TRL's loss methods, every reward detached:
+
+    =============  ============================================================  ==========
+    loss           per pair (h = chosen log-ratio - rejected log-ratio)            paper
+    =============  ============================================================  ==========
+    dpo_loss       -(1-e) log s(beta h) - e log s(-beta h)  (e = label smoothing)   DPO eq. 7
+    ipo_loss       (h - 1 / (2 beta))^2  (h per token with lengths)               IPO eq. 17
+    simpo_loss     -log s(beta (avg_c - avg_r) - gamma), no reference              SimPO eq. 6
+    kto_loss       w_y (1 - s(beta (r - z0)))  /  w_y (1 - s(beta (z0 - r)))         KTO eq. 8
+    orpo_loss      -log s(log odds_c - log odds_r)  (added to the chosen NLL)      ORPO eq. 7
+    =============  ============================================================  ==========
+
+tests/test_preference.py checks every loss and reward against TRL 1.16's own code on random
+log-probabilities (<= 1e-6), plus hand-computed values: all log-probs 0, beta 0.1 -> DPO = log 2
+= 0.693147, hinge = 1, IPO = 25; policy chosen -1, rejected -2, reference -1.5 for both, beta 0.1
+-> DPO = -log s(0.1) = 0.644397, rewards +0.05 / -0.05.
+
+Objectives (registered in `posttrain.train.losses` as "dpo", "ipo", "simpo", "kto", "orpo") run the
+policy on a `posttrain.data.preference.PreferenceBatch` (chosen and rejected in one forward,
+concatenated along B) or `KTOBatch`; reference log-probabilities come precomputed in the batch
+(`posttrain.data.preference.compute_reference_logps`). The normaliser is the number of pairs
+(KTO: rows) in the whole optimizer step, so gradient accumulation 1 x 8 equals 8 x 1.
+
+Example:
+    >>> import torch
+    >>> zeros = torch.zeros(2)
+    >>> losses, chosen_rewards, rejected_rewards = dpo_loss(zeros, zeros, zeros, zeros, beta=0.1)
+    >>> [round(x, 6) for x in losses.tolist()], chosen_rewards.tolist()
+    ([0.693147, 0.693147], [0.0, 0.0])
+    >>> round(float(ipo_loss(zeros, zeros, zeros, zeros, beta=0.1)[0][0]), 4)
+    25.0
+    >>> from posttrain.train import get_loss
+    >>> get_loss("dpo", beta=0.2)
+    DPOLoss(beta=0.2, label_smoothing=0.0, loss_type='sigmoid')
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posttrain.train.losses import normalize_by_step
+
+__all__ = ["dpo_loss", "ipo_loss", "simpo_loss", "kto_loss", "kto_reference_point", "orpo_loss",
+           "step_share", "response_logps", "DPOLoss", "IPOLoss", "SimPOLoss", "KTOLoss",
+           "ORPOLoss", "DPO_LOSS_TYPES", "BUILTIN_LOSSES"]
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge")
+"""`dpo_loss(loss_type=...)`: the logistic loss of DPO, or the hinge loss of SLiC."""
+
+LossTriple = tuple[Tensor, Tensor, Tensor]
+
+# --------------------------------------------------------------------------------------------
+# Pure losses
+# --------------------------------------------------------------------------------------------
+
+
+def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
+             ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *, beta: float = 0.1,
+             label_smoothing: float = 0.0, loss_type: str = "sigmoid") -> LossTriple:
+    """Direct Preference Optimization loss per pair.
+
+    With h = (log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x)):
+
+        sigmoid: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)
+        hinge:   max(0, 1 - beta h)
+
+    `sigmoid` with e = 0 is DPO (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7);
+    e > 0 is conservative DPO (cDPO; Mitchell 2023, "A note on DPO with noisy preferences &
+    relationship to IPO"): the label is taken to be flipped with probability e. `hinge` is the
+    rank-calibration hinge loss of SLiC-HF (Zhao et al. 2023; no equation number checked here)
+    applied to the log-ratios with margin 1 / beta, as TRL writes it; label smoothing does not
+    apply to it.
+
+    TRL 1.16 equivalents (tests/test_preference.py): e = 0 -> `DPOTrainer` loss_type "sigmoid"
+    (which ignores label_smoothing in TRL 1.x); e > 0 -> loss_type "aot" evaluated one pair at a
+    time (its batch sort is then the identity and the formula is cDPO's); hinge -> "hinge".
+    TRL's "robust" loss is not cDPO: it is the unbiased rDPO estimator (Chowdhury et al. 2024),
+    `((1-e) l(h) - e l(-h)) / (1 - 2e)` with l(h) = -log sigmoid(beta h).
+
+    Args:
+        policy_chosen_logps_B, policy_rejected_logps_B: [B] summed response log-probs of the
+            policy (differentiable).
+        ref_chosen_logps_B, ref_rejected_logps_B: [B] the same under the reference model.
+        beta: > 0; the KL-regularisation strength (the temperature of the implicit reward).
+        label_smoothing: e in [0, 0.5); the assumed probability that a label is flipped.
+        loss_type: one of `DPO_LOSS_TYPES`.
+
+    Returns:
+        losses [B] fp32; chosen_rewards, rejected_rewards [B] = beta * log-ratio, detached.
+
+    Raises:
+        TypeError: for an input that is not a tensor.
+        ValueError: for shapes that are not four equal [B], a NaN or infinite log-prob,
+            beta <= 0, e outside [0, 0.5), or an unknown loss_type.
+    """
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B,
+                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
+    _check_beta(beta)
+    _check_label_smoothing(label_smoothing)
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}; allowed: {', '.join(DPO_LOSS_TYPES)}")
+    chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
+    rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
+    h_B = chosen_logratios_B - rejected_logratios_B
+    if loss_type == "sigmoid":
+        losses_B = _smoothed_logistic(beta * h_B, label_smoothing)
+    else:
+        losses_B = torch.relu(1 - beta * h_B)
+    return (losses_B, beta * chosen_logratios_B.detach(), beta * rejected_logratios_B.detach())
+
+
+def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
+             ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *, beta: float = 0.1,
+             chosen_lengths_B: Tensor | None = None,
+             rejected_lengths_B: Tensor | None = None) -> LossTriple:
+    """Identity Preference Optimisation loss per pair (Azar et al. 2023, "A General Theoretical
+    Paradigm to Understand Learning from Human Preferences", eq. 17, beta = tau):
+
+        (h - 1 / (2 beta))^2,  h = chosen log-ratio - rejected log-ratio.
+
+    With lengths, each log-ratio is first divided by its response length (clamped at 1): TRL 1.16
+    `DPOTrainer` loss_type "ipo" does this (its comment says the IPO authors confirmed that the
+    paper's results use the per-token form). Without lengths this is eq. 17 on summed
+    log-probabilities, which TRL computes when every response has one token.
+
+    Args:
+        policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B, ref_rejected_logps_B:
+            [B] summed response log-probs.
+        beta: > 0 (tau in the paper): the target log-ratio gap is 1 / (2 beta).
+        chosen_lengths_B, rejected_lengths_B: [B] response token counts (>= 0), both or neither.
+
+    Returns:
+        losses [B]; chosen_rewards, rejected_rewards [B] = beta * (summed) log-ratio, detached
+        (as TRL logs them, unnormalised).
+
+    Raises:
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
+            a negative length, or beta <= 0.
+    """
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B,
+                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
+    _check_beta(beta)
+    chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
+    rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
+    chosen_score_B, rejected_score_B = _per_token(chosen_logratios_B, rejected_logratios_B,
+                                                  chosen_lengths_B, rejected_lengths_B)
+    losses_B = (chosen_score_B - rejected_score_B - 1 / (2 * beta)) ** 2
+    return (losses_B, beta * chosen_logratios_B.detach(), beta * rejected_logratios_B.detach())
+
+
+def simpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
+               beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0,
+               chosen_lengths_B: Tensor | None = None,
+               rejected_lengths_B: Tensor | None = None) -> LossTriple:
+    """Simple Preference Optimization loss per pair (Meng et al. 2024, "SimPO", eq. 6): no
+    reference model, length-normalised log-probabilities and a target reward margin gamma:
+
+        -(1 - e) log sigmoid(beta (a_c - a_r) - gamma) - e log sigmoid(-(beta (a_c - a_r) - gamma))
+
+    where a = log pi(y|x) / |y| is the average log-probability per response token. e = 0 is the
+    paper's loss; TRL 1.16 `trl.experimental.cpo.CPOTrainer.cpo_loss` with loss_type "simpo"
+    (and `cpo_alpha=0`, no NLL term) computes the same, label smoothing included.
+
+    Args:
+        policy_chosen_logps_B, policy_rejected_logps_B: [B] average log-probs per token, or
+            summed log-probs when the lengths are given.
+        beta: > 0, the reward scale (the paper uses 2.0 - 2.5).
+        gamma: the target margin between the rewards beta * a (>= 0).
+        label_smoothing: e in [0, 0.5).
+        chosen_lengths_B, rejected_lengths_B: [B] response token counts, both or neither.
+
+    Returns:
+        losses [B]; chosen_rewards, rejected_rewards [B] = beta * a, detached.
+
+    Raises:
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
+            a negative length, beta <= 0, gamma < 0 or e outside [0, 0.5).
+    """
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B)
+    _check_beta(beta)
+    _check_label_smoothing(label_smoothing)
+    if not (math.isfinite(gamma) and gamma >= 0):
+        raise ValueError(f"gamma={gamma!r}; must be a finite number >= 0")
+    chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B, policy_rejected_logps_B,
+                                              chosen_lengths_B, rejected_lengths_B)
+    # written as TRL writes it: beta * ((a_c - a_r) - gamma / beta)
+    logits_B = beta * ((chosen_avg_B - rejected_avg_B) - gamma / beta)
+    losses_B = _smoothed_logistic(logits_B, label_smoothing)
+    return losses_B, beta * chosen_avg_B.detach(), beta * rejected_avg_B.detach()
+
+
+def kto_reference_point(policy_kl_logps_K: Tensor, ref_kl_logps_K: Tensor) -> Tensor:
+    """KTO's reference point z0: the batch estimate of KL(pi || ref), clamped at 0, detached.
+
+    z0 = max(0, mean_k (log pi(y'_k|x_k) - log ref(y'_k|x_k))) over mismatched pairs (x_k, y'_k)
+    (a completion of another row paired with this row's prompt), as in Ethayarajh et al. 2024,
+    section 4.1, and TRL 1.16 `KTOTrainer`. No gradient flows through it.
+
+    Args:
+        policy_kl_logps_K, ref_kl_logps_K: [K] summed log-probs of the mismatched completions.
+
+    Returns:
+        A scalar fp32 tensor >= 0 (no host sync).
+
+    Raises:
+        ValueError: if the shapes differ, a log-prob is NaN or infinite, or K = 0.
+    """
+    _check_pairs(policy_kl_logps_K=policy_kl_logps_K, ref_kl_logps_K=ref_kl_logps_K)
+    if policy_kl_logps_K.numel() == 0:
+        raise ValueError("kto_reference_point needs at least one mismatched pair (K >= 1)")
+    return (policy_kl_logps_K - ref_kl_logps_K).mean().clamp(min=0).detach()
+
+
+def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *,
+             reference_point: Tensor | float = 0.0, beta: float = 0.1,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossTriple:
+    """Kahneman-Tversky Optimization loss per row (Ethayarajh et al. 2024, "KTO: Model
+    Alignment as Prospect Theoretic Optimization", eq. 8; TRL's comment cites it as eq. 7 of the
+    arXiv version). With r = log pi(y|x) - log ref(y|x) and z0 the reference point:
+
+        desirable:    lambda_D (1 - sigmoid(beta (r - z0)))
+        undesirable:  lambda_U (1 - sigmoid(beta (z0 - r)))
+
+    Rows are unpaired; TRL 1.16 `KTOTrainer` loss_type "kto" computes the same values.
+
+    Args:
+        policy_logps_N, ref_logps_N: [N] summed response log-probs.
+        desirable_N: [N] bool, True for a desirable row.
+        reference_point: z0, a finite detached scalar (a 0-dim tensor from
+            `kto_reference_point`) or a float; 0 disables it.
+        beta: > 0.
+        desirable_weight, undesirable_weight: lambda_D, lambda_U > 0.
+
+    Returns:
+        losses [N] in row order, weights applied; chosen_rewards [N_D] and rejected_rewards
+        [N_U] = beta * r of the desirable and undesirable rows in row order, detached (as TRL
+        returns them: one tensor per kind, not per pair).
+
+    Raises:
+        TypeError: for a log-prob input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, a non-bool
+            `desirable_N`, a reference_point that is not a finite scalar, beta or a weight <= 0.
+    """
+    _check_pairs(policy_logps_N=policy_logps_N, ref_logps_N=ref_logps_N)
+    if desirable_N.shape != policy_logps_N.shape or desirable_N.dtype != torch.bool:
+        raise ValueError(f"desirable_N must be a bool tensor shaped like the log-probs "
+                         f"{tuple(policy_logps_N.shape)}; got {desirable_N.dtype} "
+                         f"{tuple(desirable_N.shape)}")
+    _check_beta(beta)
+    for name, weight in (("desirable_weight", desirable_weight),
+                         ("undesirable_weight", undesirable_weight)):
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"{name}={weight!r}; must be a finite number > 0")
+    logratios_N = policy_logps_N - ref_logps_N
+    z0 = torch.as_tensor(reference_point, dtype=logratios_N.dtype, device=logratios_N.device)
+    if z0.ndim != 0 or not bool(torch.isfinite(z0)):
+        raise ValueError(f"reference_point must be a finite scalar (a float or a 0-dim tensor); "
+                         f"got shape {tuple(z0.shape)}" + ("" if z0.ndim else f", value {z0}"))
+    desirable_losses_N = desirable_weight * (1 - torch.sigmoid(beta * (logratios_N - z0)))
+    undesirable_losses_N = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios_N)))
+    losses_N = torch.where(desirable_N, desirable_losses_N, undesirable_losses_N)
+    rewards_N = beta * logratios_N.detach()
+    return losses_N, rewards_N[desirable_N], rewards_N[~desirable_N]
+
+
+def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
+              beta: float = 0.1, chosen_lengths_B: Tensor | None = None,
+              rejected_lengths_B: Tensor | None = None) -> LossTriple:
+    """The odds-ratio term of ORPO per pair (Hong et al. 2024, "ORPO: Monolithic Preference
+    Optimization without Reference Model", eqs. 4 and 7), weighted by beta (lambda in the paper):
+
+        beta * -log sigmoid(log odds(y_c|x) - log odds(y_r|x)),
+        odds(y|x) = P / (1 - P),  log P = average log-prob per response token.
+
+    ORPO's full loss adds this to the chosen response's NLL (eq. 6; `ORPOLoss`). TRL 1.16
+    `trl.experimental.orpo.ORPOTrainer.odds_ratio_loss` returns the opposite sign (its losses are
+    beta * log sigmoid(...) <= 0 and are subtracted from the NLL); the rewards are the same.
+
+    Args:
+        policy_chosen_logps_B, policy_rejected_logps_B: [B] average log-probs per token (< 0),
+            or summed log-probs when the lengths are given.
+        beta: > 0, the weight of the odds-ratio term.
+        chosen_lengths_B, rejected_lengths_B: [B] response token counts, both or neither.
+
+    Returns:
+        losses [B] >= 0; chosen_rewards, rejected_rewards [B] = beta * average log-prob, detached.
+
+    Raises:
+        TypeError: for an input that is not a tensor.
+        ValueError: for mismatched shapes, a NaN or infinite log-prob, an average log-prob
+            >= 0 (odds P / (1 - P) need P < 1), only one of the lengths, a negative length, or
+            beta <= 0.
+    """
+    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+                 policy_rejected_logps_B=policy_rejected_logps_B)
+    _check_beta(beta)
+    chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B.float(),
+                                              policy_rejected_logps_B.float(),
+                                              chosen_lengths_B, rejected_lengths_B)
+    if not bool(((chosen_avg_B < 0) & (rejected_avg_B < 0)).all()):
+        raise ValueError(f"orpo_loss needs average log-probs < 0 (P < 1, else the odds are "
+                         f"infinite); got policy_chosen_logps_B max {float(chosen_avg_B.max()):g}, "
+                         f"policy_rejected_logps_B max {float(rejected_avg_B.max()):g} per token")
+    log_odds_B = (chosen_avg_B - rejected_avg_B) - (_log1mexp(chosen_avg_B)
+                                                    - _log1mexp(rejected_avg_B))
+    losses_B = -beta * F.logsigmoid(log_odds_B)
+    return losses_B, beta * chosen_avg_B.detach(), beta * rejected_avg_B.detach()
+
+
+def step_share(losses_B: Tensor, num_units_in_step: Tensor | int) -> Tensor:
+    """This micro-batch's share of the step loss: `losses_B.sum() / num_units_in_step`, where
+    `num_units_in_step` counts the pairs (KTO: rows) of every micro-batch of the optimizer step,
+    so the shares add up to the mean over the step's pairs.
+
+    Raises:
+        ValueError: if `num_units_in_step` is below 1: an int, or a tensor on the CPU (a tensor
+            on an accelerator is not checked, to avoid a host sync; the trainer checks the
+            count once per step).
+    """
+    count = num_units_in_step
+    if isinstance(count, Tensor) and count.device.type == "cpu" and count.numel() == 1:
+        count = count.item()
+    if isinstance(count, (int, float)) and not count >= 1:
+        raise ValueError(f"num_units_in_step={count!r}; it counts the pairs (KTO: rows) of the "
+                         "whole optimizer step and must be >= 1")
+    return normalize_by_step(losses_B.sum(), num_units_in_step)
+
+
+# --------------------------------------------------------------------------------------------
+# Log-probabilities of responses
+# --------------------------------------------------------------------------------------------
+
+
+def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
+                   response_mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed log-probabilities of the response tokens and their counts, in one forward.
+
+    Uses `posttrain.policy.policy.token_logprobs` (temperature 1, the model's own distribution), which
+    keeps the autograd graph; padding and prompt are excluded by position (`response_mask_BT`).
+
+    Args:
+        model: a torchtune decoder; the tensors are moved to its device.
+        input_ids_BT: [B, T] int64; attention_mask_BT, response_mask_BT: [B, T] bool.
+
+    Returns:
+        logps_B [B] fp32 (differentiable), lengths_B [B] int64 response tokens.
+    """
+    from posttrain.policy.policy import token_logprobs
+
+    device = _device_of(model)
+    response_BT = response_mask_BT.to(device).bool()
+    logprobs_BT = token_logprobs(model, input_ids_BT.to(device), attention_mask_BT.to(device),
+                                 response_BT)
+    return logprobs_BT.sum(dim=-1), response_BT.sum(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives the Trainer calls
+# --------------------------------------------------------------------------------------------
+
+
+class _PairObjective:
+    """Shared parts of the pairwise objectives: one forward over [chosen; rejected]."""
+
+    needs_reference = True
+
+    def num_units(self, batch: Any) -> Tensor:
+        """Pairs in `batch` (int64 scalar)."""
+        return torch.tensor(batch.chosen_input_ids.shape[0], dtype=torch.int64)
+
+    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
+        losses_B, _, _ = self.pair_losses(model, batch)
+        return step_share(losses_B, num_units_in_step.to(losses_B.device))
+
+    def forward_pairs(self, model: nn.Module, batch: Any) -> dict[str, Tensor]:
+        """Policy log-probs and lengths of the chosen and rejected responses, one forward."""
+        input_ids, attention_mask, response_mask = batch.concatenated()
+        logps_2B, lengths_2B = response_logps(model, input_ids, attention_mask, response_mask)
+        chosen_logps_B, rejected_logps_B = logps_2B.chunk(2)
+        chosen_lengths_B, rejected_lengths_B = lengths_2B.chunk(2)
+        out = {"chosen": chosen_logps_B, "rejected": rejected_logps_B,
+               "chosen_lengths": chosen_lengths_B, "rejected_lengths": rejected_lengths_B}
+        if self.needs_reference:
+            if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
+                raise ValueError(f"{type(self).__name__} needs reference log-probs in the batch; "
+                                 "run posttrain.data.preference.compute_reference_logps(reference, "
+                                 "dataset) before building the loader")
+            out["ref_chosen"] = batch.ref_chosen_logps.to(chosen_logps_B.device)
+            out["ref_rejected"] = batch.ref_rejected_logps.to(chosen_logps_B.device)
+        return out
+
+    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
+        """Mean loss, rewards, margin and reward accuracy (chosen reward > rejected) on `batch`."""
+        losses_B, chosen_B, rejected_B = self.pair_losses(model, batch)
+        return {"loss": float(losses_B.mean()), "chosen_reward": float(chosen_B.mean()),
+                "rejected_reward": float(rejected_B.mean()),
+                "reward_margin": float((chosen_B - rejected_B).mean()),
+                "reward_accuracy": float((chosen_B > rejected_B).float().mean())}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({options})"
+
+
+class DPOLoss(_PairObjective):
+    """DPO / cDPO / hinge on `PreferenceBatch`es (see `dpo_loss`); pair-normalised over the step.
+
+    Args:
+        beta: > 0. label_smoothing: e in [0, 0.5) (cDPO). loss_type: "sigmoid" or "hinge".
+    """
+
+    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0,
+                 loss_type: str = "sigmoid") -> None:
+        dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=beta,
+                 label_smoothing=label_smoothing, loss_type=loss_type)   # validates the options
+        self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
+
+    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        lp = self.forward_pairs(model, batch)
+        return dpo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
+                        beta=self.beta, label_smoothing=self.label_smoothing,
+                        loss_type=self.loss_type)
+
+
+class IPOLoss(_PairObjective):
+    """IPO on `PreferenceBatch`es (see `ipo_loss`); pair-normalised over the step.
+
+    Args:
+        beta: > 0 (tau). length_normalize: divide each log-ratio by its response length, as
+            TRL does (True), or use the summed log-ratios of eq. 17 (False).
+    """
+
+    def __init__(self, *, beta: float = 0.1, length_normalize: bool = True) -> None:
+        _check_beta(beta)
+        self.beta, self.length_normalize = beta, bool(length_normalize)
+
+    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        lp = self.forward_pairs(model, batch)
+        lengths = ((lp["chosen_lengths"], lp["rejected_lengths"]) if self.length_normalize
+                   else (None, None))
+        return ipo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
+                        beta=self.beta, chosen_lengths_B=lengths[0], rejected_lengths_B=lengths[1])
+
+
+class SimPOLoss(_PairObjective):
+    """SimPO on `PreferenceBatch`es (see `simpo_loss`); reference-free, pair-normalised.
+
+    Args:
+        beta: > 0. gamma: target reward margin >= 0. label_smoothing: e in [0, 0.5).
+    """
+
+    needs_reference = False
+
+    def __init__(self, *, beta: float = 2.0, gamma: float = 1.0,
+                 label_smoothing: float = 0.0) -> None:
+        simpo_loss(torch.zeros(1), torch.zeros(1), beta=beta, gamma=gamma,
+                   label_smoothing=label_smoothing)   # validates the options
+        self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
+
+    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        lp = self.forward_pairs(model, batch)
+        return simpo_loss(lp["chosen"], lp["rejected"], beta=self.beta, gamma=self.gamma,
+                          label_smoothing=self.label_smoothing,
+                          chosen_lengths_B=lp["chosen_lengths"],
+                          rejected_lengths_B=lp["rejected_lengths"])
+
+
+class ORPOLoss(_PairObjective):
+    """ORPO (Hong et al. 2024, eq. 6) on `PreferenceBatch`es: per pair, the chosen response's
+    NLL averaged over its tokens (eq. 2) plus `orpo_loss` (beta = lambda); reference-free and
+    pair-normalised over the step. TRL averages the NLL over all chosen tokens of a micro-batch
+    instead, which weights long responses more and depends on the micro-batching.
+
+    Args:
+        beta: > 0, the weight of the odds-ratio term.
+    """
+
+    needs_reference = False
+
+    def __init__(self, *, beta: float = 0.1) -> None:
+        _check_beta(beta)
+        self.beta = beta
+
+    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        lp = self.forward_pairs(model, batch)
+        chosen_lengths_B = lp["chosen_lengths"].clamp(min=1)
+        losses_B, chosen_B, rejected_B = orpo_loss(
+            lp["chosen"], lp["rejected"], beta=self.beta, chosen_lengths_B=chosen_lengths_B,
+            rejected_lengths_B=lp["rejected_lengths"])
+        return losses_B - lp["chosen"] / chosen_lengths_B, chosen_B, rejected_B
+
+
+class KTOLoss:
+    """KTO on `posttrain.data.preference.KTOBatch`es (see `kto_loss`); row-normalised over the
+    step (TRL averages over the rows of a batch the same way).
+
+    The reference point z0 is estimated on each micro-batch from its mismatched pairs (a no-grad
+    forward; `kto_reference_point`), as TRL does. Since z0 then depends on the micro-batching,
+    gradient accumulation matches one big batch exactly only with `use_kl=False` (z0 = 0), or
+    up to the difference in z0.
+
+    Args:
+        beta: > 0. desirable_weight, undesirable_weight: lambda_D, lambda_U > 0.
+        use_kl: estimate z0 (True) or use z0 = 0 (False).
+    """
+
+    needs_reference = True
+
+    def __init__(self, *, beta: float = 0.1, desirable_weight: float = 1.0,
+                 undesirable_weight: float = 1.0, use_kl: bool = True) -> None:
+        kto_loss(torch.zeros(1), torch.zeros(1), torch.ones(1, dtype=torch.bool), beta=beta,
+                 desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+        self.beta, self.use_kl = beta, bool(use_kl)
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    def num_units(self, batch: Any) -> Tensor:
+        """Rows in `batch` (int64 scalar)."""
+        return torch.tensor(batch.input_ids.shape[0], dtype=torch.int64)
+
+    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
+        losses_N, _, _ = self.row_losses(model, batch)
+        return step_share(losses_N, num_units_in_step.to(losses_N.device))
+
+    def row_losses(self, model: nn.Module, batch: Any) -> LossTriple:
+        """`kto_loss` of the batch's rows, with z0 from its mismatched pairs."""
+        if batch.ref_logps is None or (self.use_kl and batch.ref_kl_logps is None):
+            raise ValueError("KTOLoss needs reference log-probs in the batch; run posttrain."
+                             "preference_data.compute_reference_logps(reference, dataset) first")
+        logps_N, _ = response_logps(model, batch.input_ids, batch.attention_mask,
+                                    batch.response_mask)
+        z0 = torch.zeros((), device=logps_N.device)
+        if self.use_kl:
+            with torch.no_grad():
+                kl_logps_K, _ = response_logps(model, batch.kl_input_ids, batch.kl_attention_mask,
+                                               batch.kl_response_mask)
+            z0 = kto_reference_point(kl_logps_K, batch.ref_kl_logps.to(logps_N.device))
+        return kto_loss(logps_N, batch.ref_logps.to(logps_N.device),
+                        batch.desirable.to(logps_N.device), reference_point=z0, beta=self.beta,
+                        desirable_weight=self.desirable_weight,
+                        undesirable_weight=self.undesirable_weight)
+
+    @torch.no_grad()
+    def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
+        """Mean loss and mean rewards of the desirable and undesirable rows of `batch`."""
+        losses_N, chosen, rejected = self.row_losses(model, batch)
+        out = {"loss": float(losses_N.mean())}
+        if chosen.numel():
+            out["chosen_reward"] = float(chosen.mean())
+        if rejected.numel():
+            out["rejected_reward"] = float(rejected.mean())
+        if chosen.numel() and rejected.numel():
+            out["reward_margin"] = out["chosen_reward"] - out["rejected_reward"]
+        return out
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"KTOLoss({options})"
+
+
+BUILTIN_LOSSES = {"dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "kto": KTOLoss,
+                  "orpo": ORPOLoss}
+"""The objectives `posttrain.train.losses` registers under these names (its `load_builtins`)."""
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _smoothed_logistic(logits_B: Tensor, label_smoothing: float) -> Tensor:
+    losses_B = -F.logsigmoid(logits_B)
+    if label_smoothing:
+        losses_B = (1 - label_smoothing) * losses_B - label_smoothing * F.logsigmoid(-logits_B)
+    return losses_B
+
+
+def _per_token(chosen_B: Tensor, rejected_B: Tensor, chosen_lengths_B: Tensor | None,
+               rejected_lengths_B: Tensor | None) -> tuple[Tensor, Tensor]:
+    if (chosen_lengths_B is None) != (rejected_lengths_B is None):
+        raise ValueError("pass both chosen_lengths_B and rejected_lengths_B, or neither")
+    if chosen_lengths_B is None:
+        return chosen_B, rejected_B
+    _check_pairs(finite=False, logps_B=chosen_B, chosen_lengths_B=chosen_lengths_B,
+                 rejected_lengths_B=rejected_lengths_B)
+    if not bool(((chosen_lengths_B >= 0) & (rejected_lengths_B >= 0)).all()):
+        raise ValueError(f"response lengths must be >= 0; got chosen_lengths_B "
+                         f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
+                         f"{rejected_lengths_B.tolist()}")
+    return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
+            rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (Maechler 2012, "Accurately computing
+    log(1 - exp(-|a|))": log(-expm1(x)) above -log 2, log1p(-exp(x)) below)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def _check_pairs(*, finite: bool = True, **tensors: Tensor) -> None:
+    """The named inputs are tensors of one 1-D shape and, with `finite`, hold no NaN or inf
+    (one host sync for all of them)."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} is a {type(t).__name__}; expected a 1-D torch.Tensor")
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+        raise ValueError(f"expected 1-D tensors of one shape [B]; got {shapes}")
+    if not finite:
+        return
+    device = next(iter(tensors.values())).device
+    finite_flags = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()])
+    if not bool(finite_flags.all()):
+        bad = [name for name, ok in zip(tensors, finite_flags.tolist()) if not ok]
+        raise ValueError(f"{', '.join(bad)} must be finite; got NaN or inf (a log-prob of -inf "
+                         "is a probability of 0, which these losses cannot train on)")
+
+
+def _check_beta(beta: float) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
+            math.isfinite(beta) and beta > 0):
+        raise ValueError(f"beta={beta!r}; must be a finite number > 0")
+
+
+def _check_label_smoothing(label_smoothing: float) -> None:
+    if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
+        raise ValueError(f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
+                         "probability that a preference label is flipped)")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,747 @@
+"""Judges: model-based rewards with typed results, usable wherever a verifier is.
+
+A judge scores completions with a model instead of a rule: an LLM reading a rubric
+(`LLMJudge`), or a Bradley-Terry reward model (`RewardModelJudge`, see
+`posttrain.rewards.reward_model`). Both return `JudgeResult`s, which are `VerifierResult`s (same
+`Outcome` vocabulary, same finite score) carrying the judge's raw output as well:
+
+    =============  ==================================================================
+    outcome        for a judge
+    =============  ==================================================================
+    ok             scored, normalised score >= `ok_threshold`
+    wrong          scored, normalised score below `ok_threshold` (`score` keeps it)
+    format_error   the judge's text holds no parsable score, or one outside its range
+    timeout        the judge ran past its budget (only through `run_verifier`)
+    error          the judge raised, the item has no question, the prompt is too long
+    =============  ==================================================================
+
+An unparsable judge output is `format_error` with score 0.0 and the judge's text in `raw` and
+(shortened) in `reason`; it is never a silent 0.0 reward: the trainer counts it.
+
+Pairwise judges (`PairwiseJudge`) say which of two completions is better: `LLMPairwiseJudge`
+asks "A or B?" in both orders (position bias shows up as the typed outcome `inconsistent`),
+`RewardModelPairwiseJudge` compares reward-model scores (P(A better) = sigmoid(r_A - r_B),
+Bradley & Terry 1952).
+
+RL: `judge_as_verifier(judge)` is a `Verifier` (`(completion, item) -> VerifierResult`), so a
+judge runs under `run_verifier` / `score_batch` time budgets and inside the environments and
+group builders of `posttrain.envs` (`ReasoningGymGroupBuilder(item, task, verifier=...)`).
+
+Thread safety: `run_verifier` calls verifiers on worker threads. `LLMJudge` and
+`LLMPairwiseJudge` hold a lock around `Policy.generate` (which sets up KV caches on the model),
+so concurrent calls wait for each other; a call abandoned after its timeout still holds the lock
+until its generation ends.
+
+Example (a stub stands in for the judge model's `generate`):
+    >>> from types import SimpleNamespace
+    >>> from posttrain.policy import Completion
+    >>> from posttrain.models import ByteTokenizer
+    >>> verdicts = iter(["Score: 7", "no idea"])
+    >>> def generate(prompts, **settings):
+    ...     return [Completion(i, 0, p, [], next(verdicts), [], "eos") for i, p in enumerate(prompts)]
+    >>> stub = SimpleNamespace(generate=generate, tokenizer=ByteTokenizer(),
+    ...                        spec=SimpleNamespace(max_seq_len=512))
+    >>> judge = LLMJudge(stub, "Is the answer correct?")
+    >>> [(r.outcome.value, r.score) for r in judge.judge(["12", "13"], [{"question": "5+7="}] * 2)]
+    [('ok', 0.7), ('format_error', 0.0)]
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import string
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+from posttrain.rewards.verifier import Outcome, VerifierResult
+from posttrain.core.checks import check_int
+
+__all__ = [
+    "JudgeResult", "Judge", "LLMJudge", "RewardModelJudge", "judge_as_verifier", "JudgeVerifier",
+    "parse_score", "parse_choice", "DEFAULT_JUDGE_TEMPLATE", "DEFAULT_PAIRWISE_TEMPLATE",
+    "PairwiseOutcome", "PairwiseResult", "PairwiseJudge", "LLMPairwiseJudge",
+    "RewardModelPairwiseJudge", "count_pairwise",
+]
+
+_REASON_CHARS = 80  # judge text quoted in a reason
+
+
+@dataclass(frozen=True)
+class JudgeResult(VerifierResult):
+    """A `VerifierResult` with what the judge produced.
+
+    Attributes (besides score, outcome, reason):
+        raw: the judge's generated text (LLM judges); "" for reward models.
+        raw_score: the score on the judge's own scale (the parsed "Score: N", or the reward
+            model's unnormalised reward); None when there is none (failures).
+    """
+
+    raw: str = ""
+    raw_score: float | None = None
+
+
+@runtime_checkable
+class Judge(Protocol):
+    """Scores N completions against their task items, batched.
+
+    `items[i]` is a mapping with at least `question` (task items of `posttrain.envs`; `answer`
+    is the reference, which a judge may or may not show to its model). Return one
+    `VerifierResult` (usually a `JudgeResult`) per completion, in order; per-completion failures
+    are typed outcomes, not exceptions. Use `judge_as_verifier` to call it as a `Verifier`.
+    """
+
+    def judge(self, completions: Sequence[str],
+              items: Sequence[Mapping[str, Any]]) -> list[VerifierResult]: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing judge text
+# --------------------------------------------------------------------------------------------
+
+# the whole number: "Score: 1e3" is 1000 (not 1), "Score: 7.5" is 7.5, "Score: 7/10" is 7
+_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\.?\d)",
+                    re.IGNORECASE)
+_CHOICE = re.compile(r"(?:answer|better|choice|winner)\s*(?:is)?\s*[:=]?\s*\(?\[?\b([AB])\b",
+                     re.IGNORECASE)
+
+
+def parse_score(text: str) -> float | None:
+    """The number after the last "Score:" (or "score ="), case-insensitive; None if absent.
+
+    The whole number is read, sign and exponent included ("Score: -1" is -1.0, "Score: 1e3" is
+    1000.0: out of a 0-10 range, hence format_error, never 1); a "/10" after it is ignored; a
+    malformed number ("Score: 1.2.3") is None.
+
+    Example:
+        >>> parse_score("Reasoning... Score: 7"), parse_score("score = 3.5 / 10"), parse_score("7")
+        (7.0, 3.5, None)
+    """
+    matches = _SCORE.findall(text)
+    return float(matches[-1]) if matches else None
+
+
+def parse_choice(text: str) -> str | None:
+    """"A" or "B" from a pairwise judge's text: the letter after the last "Answer:" / "Better:" /
+    "Choice:" / "Winner:", or the whole text when it is just the letter (punctuation and case
+    ignored); None otherwise.
+
+    Example:
+        >>> parse_choice("Answer: B"), parse_choice(" a. "), parse_choice("both are fine")
+        ('B', 'A', None)
+    """
+    matches = _CHOICE.findall(text)
+    if matches:
+        return matches[-1].upper()
+    bare = text.strip().strip(string.punctuation + " ").upper()
+    return bare if bare in ("A", "B") else None
+
+
+# --------------------------------------------------------------------------------------------
+# LLM-as-judge
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "{rubric}\n\nQuestion:\n{question}\n\nResponse:\n{completion}\n\n"
+    "Rate the response from {low:g} to {high:g}. End with 'Score: N'.")
+"""Placeholders: rubric, question, completion (judged), reference (item["answer"]), low, high."""
+
+
+class _Generator:
+    """Batched greedy/sampled generation with a judge policy; prompts too long for the model
+    come back as errors instead of failing the batch. Holds the lock (see module docstring)."""
+
+    def __init__(self, policy, *, chat: bool, max_new_tokens: int, temperature: float,
+                 seed: int, batch_size: int) -> None:
+        for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+            check_int(name, value, minimum=1)
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature={temperature!r}; must be >= 0 (0 = greedy)")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed={seed!r}; must be an int")
+        self.policy, self.chat = policy, chat
+        self.max_new_tokens, self.temperature = max_new_tokens, float(temperature)
+        self.seed, self.batch_size = seed, batch_size
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __call__(self, texts: Sequence[str]) -> list[tuple[str | None, str]]:
+        """(generated text, "") per prompt text, or (None, why) when it could not be judged."""
+        tok = self.policy.tokenizer
+        limit = self.policy.spec.max_seq_len - 1
+        out: list[tuple[str | None, str]] = [(None, "")] * len(texts)
+        todo: list[tuple[int, list[int]]] = []
+        for i, text in enumerate(texts):
+            ids = (tok.render_prompt([{"role": "user", "content": text}]) if self.chat
+                   else tok.encode(text, add_bos=True))
+            if len(ids) > limit:
+                out[i] = (None, f"judge prompt has {len(ids)} tokens; the judge model takes at "
+                                f"most {limit} (max_seq_len - 1)")
+            else:
+                todo.append((i, ids))
+        for start in range(0, len(todo), self.batch_size):
+            chunk = todo[start:start + self.batch_size]
+            with self._lock:
+                completions = self.policy.generate(
+                    [ids for _, ids in chunk], max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature, seed=self.seed)
+            for (i, _), completion in zip(chunk, completions):
+                out[i] = (completion.text, "")
+        return out
+
+
+def _quote(text: str) -> str:
+    return repr(text if len(text) <= _REASON_CHARS else text[:_REASON_CHARS] + "...")
+
+
+def _check_template(template: str, names: set[str], required: tuple[str, ...]) -> None:
+    if not isinstance(template, str):
+        raise TypeError(f"template is a {type(template).__name__}; expected a format string")
+    try:
+        template.format(**{name: 0 for name in names})
+        used = {re.split(r"[.\[]", field)[0]
+                for _, field, _, _ in string.Formatter().parse(template) if field}
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"template {template[:60]!r}... is not a valid format string over the "
+                         f"placeholders {sorted(names)}: {type(exc).__name__}: {exc}") from None
+    missing = [name for name in required if name not in used]
+    if missing:
+        raise ValueError(f"template {template[:60]!r}... lacks the placeholders "
+                         f"{', '.join('{' + m + '}' for m in missing)}; it must show the judge "
+                         f"{', '.join('{' + r + '}' for r in required)}")
+
+
+
+
+def _check_real(name: str, value: Any, allowed: str) -> float:
+    """`value` as a float if it is a finite real number (not a bool); else ValueError."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)):
+        raise ValueError(f"{name}={value!r}; must be {allowed}")
+    return float(value)
+
+
+def _text_problem(completion: Any, item: Any) -> str | None:
+    """Why (completion, item) cannot be judged: a non-str completion or question; else None."""
+    if not isinstance(completion, str):
+        return f"completion is a {type(completion).__name__}; expected a str"
+    question = item.get("question") if isinstance(item, Mapping) else None
+    if not isinstance(question, str):
+        return f"item has no string 'question' (got {type(question).__name__})"
+    return None
+
+
+class LLMJudge:
+    """LLM-as-judge: render rubric + question + completion, generate, parse "Score: N".
+
+    The judge model reads `template` (a one-turn chat when `chat`), writes a verdict, and the
+    score is `parse(text)`, checked against `score_range`; an unparsable text or a score outside
+    the range is `format_error` (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and
+    Chatbot Arena", single-answer grading, section 3.1).
+
+    Args:
+        policy: the judge model, a `posttrain.policy.policy.Policy` (anything with `generate`,
+            `tokenizer` and `spec.max_seq_len`).
+        rubric: what a good response is; the `{rubric}` placeholder.
+        score_range: (low, high), finite, low < high; parsed scores must lie inside (inclusive).
+        parse: `text -> float | None` (default `parse_score`); None, a raise, or anything but
+            a real number -> format_error.
+        template: format string over rubric, question, completion, reference, low, high; it
+            must use {question} and {completion}.
+        normalize: report `(s - low) / (high - low)` in [0, 1] (default) instead of s.
+        ok_threshold: outcome ok when the normalised score is >= this, else wrong.
+        max_new_tokens, temperature, seed: generation settings (temperature 0 = greedy, the
+            default: the same input gets the same verdict).
+        batch_size: prompts per `generate` call.
+        chat: render the prompt as a user turn (True) or as plain text after BOS.
+
+    Raises:
+        ValueError: for a bad range, threshold, template or generation setting.
+    """
+
+    def __init__(self, policy, rubric: str, *, score_range: tuple[float, float] = (0, 10),
+                 parse: Callable[[str], float | None] = parse_score,
+                 template: str = DEFAULT_JUDGE_TEMPLATE, normalize: bool = True,
+                 ok_threshold: float = 0.5, max_new_tokens: int = 32, temperature: float = 0.0,
+                 seed: int = 0, batch_size: int = 32, chat: bool = True) -> None:
+        allowed = "two finite numbers (low, high), low < high"
+        if not (isinstance(score_range, Sequence) and len(score_range) == 2):
+            raise ValueError(f"score_range={score_range!r}; must be {allowed}")
+        low, high = (_check_real("score_range", v, allowed) for v in score_range)
+        if not low < high:
+            raise ValueError(f"score_range={score_range!r}; must be {allowed}")
+        if not 0.0 <= _check_real("ok_threshold", ok_threshold, "a number in [0, 1]") <= 1.0:
+            raise ValueError(f"ok_threshold={ok_threshold!r}; must be in [0, 1] (normalised)")
+        _check_template(template, {"rubric", "question", "completion", "reference", "low",
+                                   "high"}, required=("question", "completion"))
+        self.rubric, self.score_range, self.parse = rubric, (low, high), parse
+        self.template, self.normalize, self.ok_threshold = template, normalize, ok_threshold
+        self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, batch_size=batch_size)
+
+    @property
+    def policy(self):
+        return self._generate.policy
+
+    def render(self, completion: str, item: Mapping[str, Any]) -> str:
+        """The judge prompt for one completion (raises KeyError without item["question"])."""
+        low, high = self.score_range
+        return self.template.format(rubric=self.rubric, question=item["question"],
+                                    completion=completion, reference=item.get("answer", ""),
+                                    low=low, high=high)
+
+    def judge(self, completions: Sequence[str],
+              items: Sequence[Mapping[str, Any]]) -> list[JudgeResult]:
+        """One `JudgeResult` per completion (see the module table for the outcomes).
+
+        Raises:
+            ValueError: if the two sequences differ in length.
+        """
+        _check_lengths(completions, items)
+        results: list[JudgeResult | None] = [None] * len(completions)
+        prompts, where = [], []
+        for i, (completion, item) in enumerate(zip(completions, items)):
+            problem = _text_problem(completion, item)
+            if problem is not None:
+                results[i] = JudgeResult.failure(Outcome.ERROR, problem)
+                continue
+            try:
+                prompts.append(self.render(completion, item))
+                where.append(i)
+            except (KeyError, TypeError) as exc:
+                results[i] = JudgeResult.failure(Outcome.ERROR, f"cannot render the judge "
+                                                 f"prompt: {type(exc).__name__}: {exc}")
+        for i, (text, why) in zip(where, self._generate(prompts)):
+            results[i] = (JudgeResult.failure(Outcome.ERROR, why) if text is None
+                          else self._score(text))
+        return results  # type: ignore[return-value]
+
+    def _score(self, text: str) -> JudgeResult:
+        low, high = self.score_range
+        try:
+            value = self.parse(text)
+        except Exception as exc:  # noqa: BLE001 - a user parser failing is a format problem
+            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"parse raised {type(exc).__name__}: "
+                               f"{exc} on {_quote(text)}", raw=text)
+        if value is None:
+            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"no score found in judge output "
+                               f"{_quote(text)}", raw=text)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"parse returned {value!r} (a "
+                               f"{type(value).__name__}), not a number, on {_quote(text)}",
+                               raw=text)
+        value = float(value)
+        if not (math.isfinite(value) and low <= value <= high):
+            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"score {value:g} outside score_range "
+                               f"[{low:g}, {high:g}] in {_quote(text)}", raw=text)
+        fraction = (value - low) / (high - low)
+        outcome = Outcome.OK if fraction >= self.ok_threshold else Outcome.WRONG
+        return JudgeResult(fraction if self.normalize else value, outcome,
+                           f"judge score {value:g} of [{low:g}, {high:g}]", raw=text,
+                           raw_score=value)
+
+    def __repr__(self) -> str:
+        return (f"LLMJudge(policy={self.policy!r}, score_range={self.score_range}, "
+                f"normalize={self.normalize})")
+
+
+# --------------------------------------------------------------------------------------------
+# Reward-model judge
+# --------------------------------------------------------------------------------------------
+
+NORMALIZE_MODES = (None, "sigmoid")
+
+
+class RewardModelJudge:
+    """Scores (question, completion) with a Bradley-Terry reward model.
+
+    The sequence is rendered exactly as the reward model was trained on it
+    (`posttrain.rewards.reward_model.render_pair`: the question as the user turn, the completion as the
+    assistant turn) and the reward read at its last token.
+
+    Args:
+        reward_model: a `posttrain.rewards.reward_model.RewardModel`.
+        tokenizer: the tokenizer it was trained with.
+        normalize: None reports the raw reward r (any real number); "sigmoid" reports
+            sigmoid(r) in (0, 1), the Bradley-Terry probability of beating a response with
+            reward 0.
+        ok_threshold: outcome ok when the reported score is >= this (a finite number); default
+            0.0 for raw rewards and 0.5 for "sigmoid" (the same decision: r >= 0).
+        batch_size: sequences per forward pass (an integer >= 1).
+
+    Outcomes: ok / wrong by the threshold; error for an item without a question, a completion
+    that is not a str, a sequence the chat template cannot render or longer than the model's
+    `max_seq_len`, or a non-finite reward.
+
+    Example:
+        >>> from posttrain.rewards.reward_model import RewardModel
+        >>> from posttrain.models import ByteTokenizer
+        >>> judge = RewardModelJudge(RewardModel.from_spec("tiny-1m", seed=0), ByteTokenizer(),
+        ...                          normalize="sigmoid")
+        >>> [r] = judge.judge(["12"], [{"question": "5 + 7 ="}])
+        >>> 0.0 < r.score < 1.0, r.outcome.value in ("ok", "wrong")
+        (True, True)
+
+    Raises:
+        ValueError: for an unknown `normalize`, a bad `ok_threshold` or `batch_size`.
+    """
+
+    def __init__(self, reward_model, tokenizer, *, normalize: str | None = None,
+                 ok_threshold: float | None = None, batch_size: int = 32) -> None:
+        if normalize not in NORMALIZE_MODES:
+            raise ValueError(f"normalize={normalize!r}; allowed: {NORMALIZE_MODES}")
+        check_int("batch_size", batch_size, minimum=1)
+        self.reward_model, self.tokenizer, self.normalize = reward_model, tokenizer, normalize
+        self.ok_threshold = (_check_real("ok_threshold", ok_threshold, "a finite number")
+                             if ok_threshold is not None
+                             else 0.5 if normalize == "sigmoid" else 0.0)
+        self.batch_size = batch_size
+
+    @classmethod
+    def from_pretrained(cls, folder, **options: Any) -> RewardModelJudge:
+        """A judge from a folder written by `RewardModel.save` (weights, spec, tokenizer)."""
+        from posttrain.rewards.reward_model import load_reward_model
+
+        model, tokenizer = load_reward_model(folder)
+        return cls(model, tokenizer, **options)
+
+    def rewards(self, completions: Sequence[str],
+                items: Sequence[Mapping[str, Any]]) -> list[float | str]:
+        """Raw reward per completion, or the reason it could not be scored (a str)."""
+        from posttrain.rewards.reward_model import render_pair
+
+        _check_lengths(completions, items)
+        out: list[float | str] = [""] * len(completions)
+        rows, where = [], []
+        limit = self.reward_model.spec.max_seq_len
+        for i, (completion, item) in enumerate(zip(completions, items)):
+            problem = _text_problem(completion, item)
+            if problem is not None:
+                out[i] = problem
+                continue
+            try:
+                ids = render_pair(self.tokenizer, item["question"], completion)
+            except ValueError as exc:   # PreferenceRowError: the chat template refused it
+                out[i] = f"cannot render the pair: {exc}"
+                continue
+            if len(ids) > limit:
+                out[i] = f"question + completion is {len(ids)} tokens; max_seq_len is {limit}"
+                continue
+            rows.append(ids)
+            where.append(i)
+        for i, reward in zip(where, self.reward_model.score(rows, batch_size=self.batch_size)):
+            out[i] = reward if math.isfinite(reward) else f"non-finite reward {reward}"
+        return out
+
+    def judge(self, completions: Sequence[str],
+              items: Sequence[Mapping[str, Any]]) -> list[JudgeResult]:
+        """One `JudgeResult` per completion (raw_score = the raw reward)."""
+        results = []
+        for reward in self.rewards(completions, items):
+            if isinstance(reward, str):
+                results.append(JudgeResult.failure(Outcome.ERROR, reward))
+                continue
+            score = _sigmoid(reward) if self.normalize == "sigmoid" else reward
+            outcome = Outcome.OK if score >= self.ok_threshold else Outcome.WRONG
+            results.append(JudgeResult(score, outcome, f"reward {reward:.4g}",
+                                       raw_score=reward))
+        return results
+
+    def __repr__(self) -> str:
+        return f"RewardModelJudge(normalize={self.normalize!r}, ok_threshold={self.ok_threshold})"
+
+
+# --------------------------------------------------------------------------------------------
+# Judges as verifiers (RL reward sources)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JudgeVerifier:
+    """A `Verifier` that asks `judge` about one completion. Pickles when the judge does."""
+
+    judge: Judge
+
+    def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
+        results = self.judge.judge([completion], [item])
+        if len(results) != 1:
+            raise ValueError(f"{type(self.judge).__name__}.judge returned {len(results)} results "
+                             "for 1 completion")
+        return results[0]
+
+
+def judge_as_verifier(judge: Judge) -> JudgeVerifier:
+    """`judge` as a `Verifier` `(completion, item) -> VerifierResult`, for `run_verifier`,
+    `score_batch` (time budgets; a raising judge becomes outcome error) and the environments of
+    `posttrain.envs`. Each call judges one completion (a batch of one); the default budget
+    (`posttrain.rewards.verifier.DEFAULT_TIMEOUT_S`, 5 s) suits tiny judges: give a large LLM judge
+    more (`RLTrainer(verifier_timeout_s=...)`), since a timeout excludes the whole group.
+
+    Example (an LLM judge as the reward of a chain_sum group builder):
+        >>> from posttrain.envs import ReasoningGymGroupBuilder
+        >>> from posttrain.policy import Policy
+        >>> judge = LLMJudge(Policy.from_spec("tiny-1m", seed=0), "Correct?", max_new_tokens=4)
+        >>> builder = ReasoningGymGroupBuilder({"question": "1 + 2 =", "answer": "3"},
+        ...                                    "chain_sum", verifier=judge_as_verifier(judge))
+        >>> builder.make_envs(1)[0].step("3").verifier_result.outcome.value  # untrained judge
+        'format_error'
+    """
+    if not callable(getattr(judge, "judge", None)):
+        raise TypeError(f"judge must have a judge(completions, items) method; got "
+                        f"{type(judge).__name__}")
+    return JudgeVerifier(judge)
+
+
+# --------------------------------------------------------------------------------------------
+# Pairwise judges
+# --------------------------------------------------------------------------------------------
+
+
+class PairwiseOutcome(str, Enum):
+    """What a pairwise comparison gave. Compares equal to its string value."""
+
+    A = "a"                         # A is better (in both orders, when both are judged)
+    B = "b"                         # B is better
+    TIE = "tie"                     # equal scores (reward-model judges)
+    INCONSISTENT = "inconsistent"   # the two orders disagree: position bias
+    FORMAT_ERROR = "format_error"   # a verdict could not be parsed
+    ERROR = "error"                 # could not be judged (too long, no question, ...)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class PairwiseResult:
+    """One pairwise comparison.
+
+    Attributes:
+        outcome: a `PairwiseOutcome`.
+        prob_a: P(A is better) in [0, 1]: 1.0 / 0.0 for an LLM verdict, sigmoid(r_A - r_B) for a
+            reward model, 0.5 for a tie; None when there is no decision (inconsistent,
+            format_error, error).
+        reason: why, in words.
+        raw: the judge's texts (A-first order, then B-first order) for LLM judges.
+    """
+
+    outcome: PairwiseOutcome
+    prob_a: float | None
+    reason: str = ""
+    raw: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outcome", PairwiseOutcome(self.outcome))
+        decided = self.outcome in (PairwiseOutcome.A, PairwiseOutcome.B, PairwiseOutcome.TIE)
+        if decided != (self.prob_a is not None):
+            raise ValueError(f"PairwiseResult {self.outcome.value!r} needs prob_a "
+                             f"{'in [0, 1]' if decided else 'None'}, got {self.prob_a!r}")
+        if self.prob_a is not None and not 0.0 <= self.prob_a <= 1.0:
+            raise ValueError(f"PairwiseResult prob_a={self.prob_a!r}; must be in [0, 1]")
+
+    @property
+    def winner(self) -> str | None:
+        """"A", "B", or None (tie or no decision)."""
+        return {PairwiseOutcome.A: "A", PairwiseOutcome.B: "B"}.get(self.outcome)
+
+
+@runtime_checkable
+class PairwiseJudge(Protocol):
+    """Compares `completions_a[i]` with `completions_b[i]` as answers to `items[i]`."""
+
+    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
+                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]: ...
+
+
+def count_pairwise(results: Sequence[PairwiseResult]) -> dict[str, int]:
+    """How many results have each `PairwiseOutcome` (every value is a key, zeros included)."""
+    counts = {o.value: 0 for o in PairwiseOutcome}
+    for r in results:
+        counts[PairwiseOutcome(r.outcome).value] += 1
+    return counts
+
+
+DEFAULT_PAIRWISE_TEMPLATE = (
+    "{rubric}\n\nQuestion:\n{question}\n\n[Answer A]\n{completion_a}\n\n[Answer B]\n"
+    "{completion_b}\n\nWhich answer is better, A or B? Reply 'Answer: A' or 'Answer: B'.")
+"""Placeholders: rubric, question, completion_a, completion_b, reference."""
+
+DEFAULT_PAIRWISE_RUBRIC = "Judge which answer answers the question correctly and clearly."
+
+
+class LLMPairwiseJudge:
+    """LLM pairwise judge: "Which answer is better, A or B?", in both orders.
+
+    LLM judges favour a position (Zheng et al. 2023, section 3.3, "position bias"; Wang et al.
+    2023, "Large Language Models are not Fair Evaluators"). With `both_orders` (default) each
+    pair is judged as (A, B) and as (B, A): the verdict counts only when both orders name the
+    same completion; otherwise the outcome is `inconsistent`. Any unparsable verdict makes the
+    pair `format_error`. One batched `generate` call covers all 2N prompts.
+
+    Args:
+        policy: the judge model (a `Policy`).
+        rubric: the `{rubric}` placeholder.
+        template: format string over rubric, question, completion_a, completion_b, reference;
+            it must use {question}, {completion_a} and {completion_b}.
+        parse: `text -> "A" | "B" | None` (default `parse_choice`); a raise is format_error,
+            with the exception in the reason.
+        both_orders: judge both orders (False: A-first only, no position-bias control).
+        max_new_tokens, temperature, seed, batch_size, chat: as in `LLMJudge`.
+
+    Example (a stub judge model that always names the first position):
+        >>> from types import SimpleNamespace
+        >>> from posttrain.policy import Completion
+        >>> from posttrain.models import ByteTokenizer
+        >>> def generate(prompts, **settings):
+        ...     return [Completion(i, 0, p, [], "Answer: A", [], "eos") for i, p in enumerate(prompts)]
+        >>> stub = SimpleNamespace(generate=generate, tokenizer=ByteTokenizer(),
+        ...                        spec=SimpleNamespace(max_seq_len=512))
+        >>> [r] = LLMPairwiseJudge(stub).compare(["12"], ["13"], [{"question": "5+7="}])
+        >>> r.outcome.value, r.prob_a, r.raw
+        ('inconsistent', None, ('Answer: A', 'Answer: A'))
+    """
+
+    def __init__(self, policy, *, rubric: str = DEFAULT_PAIRWISE_RUBRIC,
+                 template: str = DEFAULT_PAIRWISE_TEMPLATE,
+                 parse: Callable[[str], str | None] = parse_choice, both_orders: bool = True,
+                 max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
+                 batch_size: int = 32, chat: bool = True) -> None:
+        _check_template(template, {"rubric", "question", "completion_a", "completion_b",
+                                   "reference"}, required=("question", "completion_a",
+                                                           "completion_b"))
+        self.rubric, self.template, self.parse = rubric, template, parse
+        self.both_orders = both_orders
+        self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, batch_size=batch_size)
+
+    def _render(self, first: str, second: str, item: Mapping[str, Any]) -> str:
+        return self.template.format(rubric=self.rubric, question=item["question"],
+                                    completion_a=first, completion_b=second,
+                                    reference=item.get("answer", ""))
+
+    def _verdict(self, text: str) -> tuple[str | None, str]:
+        """("A" | "B", "") or (None, why not)."""
+        try:
+            choice = self.parse(text)
+        except Exception as exc:  # noqa: BLE001 - a failing parser is a format problem
+            return None, f"parse raised {type(exc).__name__}: {exc} on {_quote(text)}"
+        if choice in ("A", "B"):
+            return choice, ""
+        return None, f"no A/B verdict in judge output {_quote(text)}"
+
+    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
+                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]:
+        """One `PairwiseResult` per pair. Raises ValueError if the lengths differ."""
+        _check_lengths(completions_a, items)
+        _check_lengths(completions_b, items)
+        orders = 2 if self.both_orders else 1
+        results: list[PairwiseResult | None] = [None] * len(items)
+        prompts, where = [], []
+        for i, (a, b, item) in enumerate(zip(completions_a, completions_b, items)):
+            problem = _text_problem(a, item) or _text_problem(b, item)
+            if problem is not None:
+                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, problem)
+                continue
+            try:
+                pair = [self._render(a, b, item)] + ([self._render(b, a, item)] if orders == 2
+                                                     else [])
+            except (KeyError, TypeError) as exc:
+                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, f"cannot render the "
+                                            f"judge prompt: {type(exc).__name__}: {exc}")
+                continue
+            prompts += pair
+            where.append(i)
+        generated = self._generate(prompts)
+        for k, i in enumerate(where):
+            texts = generated[k * orders:(k + 1) * orders]
+            raw = tuple(t or "" for t, _ in texts)
+            errors = [why for t, why in texts if t is None]
+            if errors:
+                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, errors[0], raw)
+                continue
+            # a verdict in the B-first order names the swapped positions
+            verdicts, whys = zip(*(self._verdict(t) for t, _ in texts))
+            if None in verdicts:
+                results[i] = PairwiseResult(PairwiseOutcome.FORMAT_ERROR, None,
+                                            whys[verdicts.index(None)], raw)
+                continue
+            winners = [verdicts[0]] + ([{"A": "B", "B": "A"}[verdicts[1]]] if orders == 2
+                                       else [])
+            if len(set(winners)) > 1:
+                results[i] = PairwiseResult(PairwiseOutcome.INCONSISTENT, None,
+                                            f"A-first says {verdicts[0]}, B-first says "
+                                            f"{verdicts[1]} (same position both times)", raw)
+            else:
+                win = winners[0]
+                results[i] = PairwiseResult(PairwiseOutcome(win.lower()),
+                                            1.0 if win == "A" else 0.0, f"{win} better", raw)
+        return results  # type: ignore[return-value]
+
+
+class RewardModelPairwiseJudge:
+    """Pairwise judge from a reward model: the completion with the higher reward wins.
+
+    `prob_a = sigmoid(r_A - r_B)`, the Bradley-Terry probability that A is preferred (Bradley &
+    Terry 1952; Ouyang et al. 2022, eq. 1). |r_A - r_B| <= `tie_tol` is a tie (the default
+    absorbs float32 noise: the same sequence in another padded batch differs by ~1e-7). No
+    position bias: each completion is scored on its own.
+
+    Args:
+        reward_model, tokenizer, batch_size: as in `RewardModelJudge`.
+        tie_tol: reward difference treated as a tie (a finite number >= 0), in reward units.
+    """
+
+    def __init__(self, reward_model, tokenizer, *, tie_tol: float = 1e-5,
+                 batch_size: int = 32) -> None:
+        if not _check_real("tie_tol", tie_tol, "a finite number >= 0") >= 0:
+            raise ValueError(f"tie_tol={tie_tol!r}; must be a finite number >= 0")
+        self._scorer = RewardModelJudge(reward_model, tokenizer, batch_size=batch_size)
+        self.tie_tol = tie_tol
+
+    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
+                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]:
+        """One `PairwiseResult` per pair. Raises ValueError if the lengths differ."""
+        _check_lengths(completions_a, items)
+        _check_lengths(completions_b, items)
+        rewards = self._scorer.rewards(list(completions_a) + list(completions_b),
+                                       list(items) * 2)
+        n, results = len(items), []
+        for r_a, r_b in zip(rewards[:n], rewards[n:]):
+            if isinstance(r_a, str) or isinstance(r_b, str):
+                why = r_a if isinstance(r_a, str) else r_b
+                results.append(PairwiseResult(PairwiseOutcome.ERROR, None, why))
+                continue
+            diff = r_a - r_b
+            outcome = (PairwiseOutcome.TIE if abs(diff) <= self.tie_tol else
+                       PairwiseOutcome.A if diff > 0 else PairwiseOutcome.B)
+            prob = 0.5 if outcome is PairwiseOutcome.TIE else _sigmoid(diff)
+            results.append(PairwiseResult(outcome, prob, f"r_A={r_a:.4g} r_B={r_b:.4g}"))
+        return results
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_lengths(completions: Sequence[str], items: Sequence[Mapping[str, Any]]) -> None:
+    if isinstance(completions, str):
+        raise ValueError("completions must be a list of str; wrap a single completion as [text]")
+    if len(completions) != len(items):
+        raise ValueError(f"need one item per completion, got {len(completions)} completions and "
+                         f"{len(items)} items")
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

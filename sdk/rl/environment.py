@@ -1,0 +1,336 @@
+"""Environments for RL: single-use episodes, picklable group builders, task datasets, and the
+trajectory records the buffer and the RL losses consume.
+
+The shape follows tinker-cookbook (`tinker_cookbook/rl/types.py`):
+
+- an `Environment` is ONE episode: `initial_messages()` gives the conversation to prompt with,
+  then `step(assistant_text)` is called once per assistant turn until a `StepResult` says
+  `done`. Single-turn environments are done after the first step, with the verified reward.
+  Multi-turn environments answer with `observation` messages (tool results) to append.
+- an `EnvGroupBuilder` makes the G environments of one prompt (a GRPO group). It pickles,
+  because the same object travels to a Slurm job. Its optional `group_rewards(trajectories)`
+  hook turns per-episode rewards into group-level ones (pairwise judges, ranking rewards).
+- an `EnvDataset` (a task) gives the builders of training batch `i`, deterministically, and
+  held-out items for evaluation.
+
+Everything here is a `typing.Protocol`: a class in a notebook cell satisfies it without
+importing anything. Concrete environments live in `posttrain.envs`; tasks are chosen by name
+through the registry here (`get_task("chain_sum", size=1000)`).
+
+Example (a scripted "policy" plays a single-turn episode):
+    >>> from posttrain.rl.environment import run_text_episode
+    >>> from posttrain.envs import ReasoningGymGroupBuilder
+    >>> item = {"question": "4 - 1 =", "answer": "3", "metadata": {}}
+    >>> env, = ReasoningGymGroupBuilder(item, "chain_sum").make_envs(1)
+    >>> env.initial_messages()
+    [{'role': 'user', 'content': '4 - 1 ='}]
+    >>> episode = run_text_episode(env, lambda messages: "3")
+    >>> episode.reward, episode.outcome, episode.num_turns
+    (1.0, 'ok', 1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from posttrain.core.registry import Registry
+from posttrain.rewards.verifier import Outcome, VerifierResult
+
+Messages = list[dict]
+"""A conversation: `[{"role": "user", "content": "..."}, ...]` (roles of posttrain.models.tokenizer)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What an environment answers to one assistant turn.
+
+    Attributes:
+        done: the episode is over; `step` must not be called again.
+        reward: the episode's reward when done (required then, finite); None, or a finite shaped
+            reward, on intermediate turns.
+        observation: messages to append after the assistant turn before generating the next one
+            (tool results); None when done.
+        verifier_result: the typed verification of the final answer, when there was one.
+        info: anything worth logging (per-episode metrics, the extracted answer, ...).
+
+    Raises:
+        ValueError: if done without a reward, a reward that is not finite, or not done without
+            an observation list.
+    """
+
+    done: bool
+    reward: float | None = None
+    observation: Messages | None = None
+    verifier_result: VerifierResult | None = None
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.reward is not None:
+            if not math.isfinite(float(self.reward)):
+                raise ValueError(f"StepResult reward must be finite, got {self.reward}")
+            object.__setattr__(self, "reward", float(self.reward))
+        if self.done and self.reward is None:
+            raise ValueError("a StepResult with done=True needs the episode's reward")
+        if not self.done and not isinstance(self.observation, list):
+            raise ValueError("a StepResult with done=False needs `observation`, the list of "
+                             "messages to append before the next turn (may be empty)")
+
+    @property
+    def outcome(self) -> str:
+        """The verifier outcome ("ok", "wrong", ...); "ok" when done without a verifier."""
+        if self.verifier_result is None:
+            return Outcome.OK.value
+        return self.verifier_result.outcome.value
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One episode, used once. See the module docstring."""
+
+    def initial_messages(self) -> Messages:
+        """The conversation to prompt the policy with (ends with a user or tool turn)."""
+        ...
+
+    def step(self, assistant_text: str) -> StepResult:
+        """Take the policy's next assistant turn; raises RuntimeError once the episode is done."""
+        ...
+
+
+@runtime_checkable
+class EnvGroupBuilder(Protocol):
+    """Makes the environments of ONE prompt. Must pickle (pickle and cloudpickle).
+
+    Optional hook, looked up with `getattr` by `group_rewards`:
+        `group_rewards(trajectories: list[Trajectory]) -> list[float]`, the final rewards of the
+        group, given its trajectories with their per-episode rewards filled in.
+    """
+
+    def make_envs(self, group_size: int) -> list[Environment]:
+        """`group_size` fresh environments for the same prompt (the G samples of a group)."""
+        ...
+
+
+@runtime_checkable
+class EnvDataset(Protocol):
+    """A task: training prompts as group builders, and held-out items for evaluation."""
+
+    def builders(self, batch_index: int, batch_size: int) -> list[EnvGroupBuilder]:
+        """The `batch_size` builders of training batch `batch_index`: the same for the same
+        arguments, in any process (resume and Slurm depend on it)."""
+        ...
+
+    def held_out(self, n: int) -> list[dict]:
+        """`n` evaluation items (question/answer/metadata), never used in training."""
+        ...
+
+
+def group_rewards(builder: EnvGroupBuilder, trajectories: Sequence[Trajectory]) -> list[float]:
+    """The group's final rewards: the builder's `group_rewards` hook when it has one, otherwise
+    each trajectory's own reward.
+
+    Raises:
+        ValueError: if the hook returns the wrong number of rewards or a non-finite one.
+    """
+    hook = getattr(builder, "group_rewards", None)
+    if hook is None:
+        return [t.reward for t in trajectories]
+    rewards = [float(r) for r in hook(list(trajectories))]
+    if len(rewards) != len(trajectories):
+        raise ValueError(f"{type(builder).__name__}.group_rewards returned {len(rewards)} rewards "
+                         f"for {len(trajectories)} trajectories")
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"{type(builder).__name__}.group_rewards returned a non-finite reward: "
+                         f"{rewards}")
+    return rewards
+
+
+# --------------------------------------------------------------------------------------------
+# Trajectories: what a rollout produces, what the buffer stores
+# --------------------------------------------------------------------------------------------
+
+FINISH_REASONS = ("stop", "length", "max_turns", "error")
+"""Why generation ended: a stop token, the token limit, the environment's turn limit, a failure."""
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sampled episode for one prompt, in tokens and text.
+
+    Notation: P = prompt tokens, C = completion tokens.
+
+    Attributes:
+        group_id: which group (prompt) this belongs to; equal within a `Group`.
+        prompt_ids: [P] token ids of the rendered prompt (`Tokenizer.render_prompt`).
+        completion_ids: [C] token ids after the prompt: the sampled tokens, and for multi-turn
+            episodes the observation tokens in between (see `completion_mask`).
+        logprobs: [C] log-probabilities of `completion_ids` under the sampling distribution
+            (0.0 at observation positions).
+        reward: the final reward (after `group_rewards`), finite.
+        outcome: the verifier outcome, an `Outcome` value ("ok", "wrong", "format_error",
+            "timeout", "error").
+        finish_reason: one of `FINISH_REASONS`.
+        text: the completion as text (all assistant turns for multi-turn episodes).
+        policy_version: the policy step that sampled it (staleness bound in the buffer).
+        info: per-episode extras for logging.
+        completion_mask: [C] True where the policy sampled the token (trained), False at
+            observation tokens; None means every completion token was sampled (single-turn).
+
+    Raises:
+        ValueError: for mismatched lengths, a non-finite reward, an unknown outcome or finish
+            reason.
+    """
+
+    group_id: int | str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    reward: float
+    outcome: str
+    finish_reason: str
+    text: str
+    policy_version: int = 0
+    info: dict = field(default_factory=dict)
+    completion_mask: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(f"Trajectory has {len(self.completion_ids)} completion ids but "
+                             f"{len(self.logprobs)} logprobs; they must match one to one")
+        mask = self.completion_mask
+        if mask is not None and len(mask) != len(self.completion_ids):
+            raise ValueError(f"Trajectory completion_mask has {len(self.completion_mask)} entries "
+                             f"for {len(self.completion_ids)} completion ids")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"Trajectory reward must be finite, got {self.reward}")
+        try:
+            self.outcome = Outcome(self.outcome).value
+        except ValueError:
+            raise ValueError(f"Trajectory outcome {self.outcome!r} is not one of "
+                             f"{[o.value for o in Outcome]}") from None
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Trajectory finish_reason {self.finish_reason!r} is not one of "
+                             f"{FINISH_REASONS}")
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_ids)
+
+
+@dataclass
+class Group:
+    """The trajectories of one prompt (a GRPO group).
+
+    Raises:
+        ValueError: if empty or if the trajectories disagree on `group_id`.
+    """
+
+    trajectories: list[Trajectory]
+
+    def __post_init__(self) -> None:
+        if not self.trajectories:
+            raise ValueError("a Group needs at least one trajectory")
+        ids = {t.group_id for t in self.trajectories}
+        if len(ids) != 1:
+            raise ValueError(f"a Group's trajectories must share one group_id, got "
+                             f"{sorted(ids, key=repr)}")
+
+    @property
+    def group_id(self) -> int | str:
+        return self.trajectories[0].group_id
+
+    @property
+    def rewards(self) -> list[float]:
+        """[G] rewards, in trajectory order."""
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def outcomes(self) -> list[str]:
+        return [t.outcome for t in self.trajectories]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __iter__(self):
+        return iter(self.trajectories)
+
+
+# --------------------------------------------------------------------------------------------
+# Playing an episode at the text level (notebooks, scripted tests, evaluation)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextEpisode:
+    """A finished episode at the text level: the full conversation and its final step."""
+
+    messages: Messages
+    final: StepResult
+    num_turns: int
+
+    @property
+    def reward(self) -> float:
+        return self.final.reward  # type: ignore[return-value]  (done => reward is set)
+
+    @property
+    def outcome(self) -> str:
+        return self.final.outcome
+
+
+def run_text_episode(env: Environment, respond: Callable[[Messages], str], *,
+                     max_turns: int = 64) -> TextEpisode:
+    """Play `env` to the end with `respond(messages) -> assistant text` (a policy, or a scripted
+    function in tests).
+
+    Raises:
+        RuntimeError: if the environment is not done after `max_turns` turns (a safety net for
+            environments without a turn limit of their own).
+    """
+    messages = list(env.initial_messages())
+    for turn in range(1, max_turns + 1):
+        text = respond(list(messages))
+        messages.append({"role": "assistant", "content": text})
+        result = env.step(text)
+        if result.done:
+            return TextEpisode(messages, result, turn)
+        messages.extend(result.observation or [])
+    raise RuntimeError(f"{type(env).__name__} was not done after {max_turns} turns")
+
+
+# --------------------------------------------------------------------------------------------
+# Registry of tasks
+# --------------------------------------------------------------------------------------------
+
+TaskFactory = Callable[..., EnvDataset]
+"""Builds a task (`EnvDataset`) from keyword options."""
+
+
+def _load_builtin_tasks() -> None:
+    import posttrain.envs  # noqa: F401  (registers reasoning_gym, chain_sum, calculator)
+
+
+TASKS: Registry[TaskFactory] = Registry("task", load_builtins=_load_builtin_tasks)
+
+register_task = TASKS.register
+"""Decorator registering a task factory under a name (see `posttrain.core.registry.Registry`)."""
+
+
+def get_task(name: str, /, **options: Any) -> EnvDataset:
+    """Build the task registered under `name` with `options`.
+
+    Example:
+        >>> task = get_task("chain_sum", size=64, held_out_size=8)
+        >>> len(task.builders(0, 4)), len(task.held_out(8))
+        (4, 8)
+
+    Raises:
+        ValueError: if `name` is unknown; the message lists the registered names.
+    """
+    return TASKS.build(name, **options)
+
+
+def registered_tasks() -> tuple[str, ...]:
+    """Names `get_task` accepts (the built-ins included)."""
+    return TASKS.names()

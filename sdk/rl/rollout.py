@@ -1,0 +1,211 @@
+"""Rollouts: sample a group of G completions per prompt with a `Policy`, play the environments,
+and return scored `Group`s of token-level `Trajectory`s.
+
+Notation: G = group size (completions per prompt), P = prompt tokens, C = completion tokens.
+
+One call, `collect_groups`, does for a batch of `EnvGroupBuilder`s:
+
+    envs      = builder.make_envs(G) for each builder
+    prompts   = tokenizer.render_prompt(env.initial_messages())
+    turn 1    = ONE batched `policy.generate(prompts, n=G)` (one prompt per group)
+    step      = env.step(completion text)  -> done (reward, typed verifier outcome) or observation
+    turn k>1  = multi-turn envs only: observation tokens are appended to the context with
+                completion_mask False and logprob 0.0, then one batched generate for every
+                still-running episode (n=1 each)
+    rewards   = `group_rewards(builder, trajectories)` (the builder's group hook, if any)
+
+Failures are data, never a crash and never a silent 0.0 (DESIGN.md): an environment that raises
+in `step`, a group hook that raises or returns a non-finite reward, or an episode that is not done
+after `max_turns` gives the trajectory outcome "error" (reward 0.0, `info["error"]` says why);
+verifier timeouts and errors arrive as the verifier's own typed outcomes ("timeout", "error").
+An empty completion (the policy stops at once) is scored like any other text. The trainer
+decides what to do with each outcome (`posttrain.rl.trainer`); `outcome_counts` counts them.
+
+Example (a fresh tiny policy on two chain_sum prompts):
+    >>> from posttrain.policy import Policy
+    >>> from posttrain.envs import chain_sum_task
+    >>> policy = Policy.from_spec("tiny-1m", seed=0)
+    >>> builders = chain_sum_task(size=8, held_out_size=2).builders(0, 2)
+    >>> groups = collect_groups(policy, builders, group_size=4, max_new_tokens=4, seed=0)
+    >>> [len(g) for g in groups], sum(outcome_counts(groups).values())
+    ([4, 4], 8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
+from posttrain.rewards.verifier import Outcome
+
+__all__ = ["collect_groups", "outcome_counts"]
+
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass
+class _Episode:
+    """One running episode: the token context so far and what the policy sampled in it."""
+
+    group: int
+    env: Environment
+    messages: list[dict]
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    outcome: str = Outcome.OK.value
+    finish_reason: str = "stop"
+    info: dict = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def fail(self, reason: str, finish_reason: str = "error") -> None:
+        self.done, self.reward, self.outcome = True, 0.0, Outcome.ERROR.value
+        self.finish_reason = finish_reason
+        self.info["error"] = reason
+
+
+def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: int,
+                   max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                   seed: int = 0, policy_version: int = 0,
+                   verifier_timeout_s: float | None = None, max_turns: int = 8) -> list[Group]:
+    """Sample `group_size` episodes per builder and return one scored `Group` per builder.
+
+    Args:
+        policy: a `posttrain.policy.policy.Policy` (its tokenizer renders the messages).
+        builders: one `EnvGroupBuilder` per prompt; group i gets `group_id` i.
+        group_size: G, environments (and completions) per builder.
+        max_new_tokens: most tokens sampled per assistant turn.
+        temperature, top_p: sampling settings; the trajectories' `logprobs` are under exactly
+            this distribution (`posttrain.policy.policy.sampling_logprobs`), so the trainer must score
+            with the same settings.
+        seed: turn k samples with seed `seed + k` (same seed, same weights -> same groups).
+        policy_version: stored on each trajectory (optimizer steps of the sampling policy).
+        verifier_timeout_s: if given, set as `timeout_s` on every environment that has that
+            attribute (the reasoning-gym and calculator environments pass it to `run_verifier`).
+        max_turns: safety net for multi-turn environments without a turn limit of their own.
+
+    Returns:
+        `len(builders)` groups of G trajectories each, in builder order.
+
+    Raises:
+        ValueError: for `group_size` < 1, no builders, or a prompt too long for the model.
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r}; must be an integer >= 1")
+    if len(builders) == 0:
+        raise ValueError("builders is empty; pass at least one EnvGroupBuilder")
+    tokenizer = policy.tokenizer
+    episodes: list[_Episode] = []
+    for g, builder in enumerate(builders):
+        envs = builder.make_envs(group_size)
+        if len(envs) != group_size:
+            raise ValueError(f"{type(builder).__name__}.make_envs({group_size}) returned "
+                             f"{len(envs)} environments")
+        for env in envs:
+            if verifier_timeout_s is not None and hasattr(env, "timeout_s"):
+                env.timeout_s = verifier_timeout_s
+            messages = list(env.initial_messages())
+            episodes.append(_Episode(g, env, messages, list(tokenizer.render_prompt(messages))))
+
+    sample = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    for turn in range(max_turns):
+        running = [e for e in episodes if not e.done]
+        if not running:
+            break
+        same_prompt = turn == 0 and all(
+            episodes[i].prompt_ids == episodes[i - i % group_size].prompt_ids
+            for i in range(len(episodes)))
+        if same_prompt:  # the usual single-turn case: n = G samples of each group's prompt
+            prompts = [episodes[g * group_size].prompt_ids for g in range(len(builders))]
+            completions = policy.generate(prompts, n=group_size, seed=seed + turn, **sample)
+        else:
+            completions = policy.generate([e.context for e in running], seed=seed + turn,
+                                          **sample)
+        for episode, completion in zip(running, completions):
+            _play(episode, completion, tokenizer, policy.spec.max_seq_len)
+    for episode in episodes:
+        if not episode.done:
+            episode.fail(f"not done after max_turns={max_turns} turns", finish_reason="max_turns")
+
+    groups = []
+    for g, builder in enumerate(builders):
+        members = episodes[g * group_size:(g + 1) * group_size]
+        trajectories = [_trajectory(e, policy_version) for e in members]
+        try:
+            rewards = group_rewards(builder, trajectories)
+        except Exception as e:  # a broken group hook fails its group, not the run
+            rewards = [0.0] * len(trajectories)
+            for t in trajectories:
+                t.outcome = Outcome.ERROR.value
+                t.info["error"] = f"group_rewards: {type(e).__name__}: {e}"
+        for t, r in zip(trajectories, rewards):
+            t.reward = float(r)
+        groups.append(Group(trajectories))
+    return groups
+
+
+def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
+    """Record one sampled assistant turn, step the environment, append its observation."""
+    episode.completion_ids += completion.token_ids
+    episode.logprobs += completion.logprobs
+    episode.mask += [True] * len(completion.token_ids)
+    episode.texts.append(completion.text)
+    episode.finish_reason = _FINISH[completion.finish_reason]
+    episode.messages.append({"role": "assistant", "content": completion.text})
+    try:
+        result = episode.env.step(completion.text)
+    except Exception as e:  # an environment (or a NaN reward it built) fails this episode only
+        episode.fail(f"{type(episode.env).__name__}.step raised {type(e).__name__}: {e}")
+        return
+    info = dict(result.info)
+    if result.verifier_result is not None and result.verifier_result.reason:
+        info["verifier_reason"] = result.verifier_result.reason
+    episode.info.update(info)
+    if result.done:
+        episode.done, episode.reward, episode.outcome = True, float(result.reward), result.outcome
+        return
+    # Multi-turn: the tokens the chat template puts after this assistant turn and the
+    # observation, appended as context (not trained). Whatever closes the assistant turn
+    # (e.g. <|end|> when the turn was cut by the length limit) comes with them.
+    before = tokenizer.render_chat(episode.messages[:-1], add_generation_prompt=True).input_ids
+    turn_ids = tokenizer.render_chat(episode.messages).input_ids[len(before):]
+    episode.messages += list(result.observation or [])
+    after = tokenizer.render_prompt(episode.messages)
+    sampled = completion.token_ids
+    closing = [] if sampled and sampled[-1] in tokenizer.stop_ids else \
+        turn_ids[len(tokenizer.encode(completion.text)):]
+    observation_ids = list(closing) + list(after[len(before) + len(turn_ids):])
+    episode.completion_ids += observation_ids
+    episode.logprobs += [0.0] * len(observation_ids)
+    episode.mask += [False] * len(observation_ids)
+    if len(episode.context) >= max_seq_len:
+        episode.done, episode.reward = True, 0.0
+        episode.outcome, episode.finish_reason = Outcome.FORMAT_ERROR.value, "length"
+        episode.info["error"] = f"context reached max_seq_len={max_seq_len} before an answer"
+
+
+def _trajectory(episode: _Episode, policy_version: int) -> Trajectory:
+    multi_turn = not all(episode.mask)
+    return Trajectory(group_id=episode.group, prompt_ids=episode.prompt_ids,
+                      completion_ids=episode.completion_ids, logprobs=episode.logprobs,
+                      reward=episode.reward, outcome=episode.outcome,
+                      finish_reason=episode.finish_reason, text="".join(episode.texts),
+                      policy_version=policy_version, info=episode.info,
+                      completion_mask=list(episode.mask) if multi_turn else None)
+
+
+def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
+    """How many trajectories have each outcome; every `Outcome` value is a key (zeros too)."""
+    counts = {o.value: 0 for o in Outcome}
+    for group in groups:
+        for t in group:
+            counts[t.outcome] += 1
+    return counts

@@ -1,0 +1,484 @@
+"""The RL loop: rollout -> score -> exclude -> advantages -> minibatch updates -> metrics.
+
+Notation: B = trajectories in a (mini)batch, T = padded tokens per row (prompt + completion),
+G = group size.
+
+`RLTrainer.step` is the whole algorithm in one screen; everything it calls is either a pure
+function over tensors (`posttrain.rl.algorithms`: verl's estimators and losses chosen by name through
+`RLAlgorithm`) or a small helper below. One step:
+
+    builders  = task.builders(step, prompts_per_step)           # deterministic per step
+    groups    = collect_groups(policy, builders, G, ...)        # rollout + verifier outcomes
+    kept      = groups without an "error"/"timeout" trajectory  # counted: groups_excluded_error
+    batch     = right-padded tensors; old logprobs = the sampler's own (same temperature/top-p)
+    adv, ret  = compute_advantages(algo.advantage_estimator, ...)  # all-equal group -> 0,
+                                                                   # counted: groups_zero_signal
+    for epoch in range(algo.ppo_epochs):                       # shuffled minibatches, one
+        for minibatch: loss = policy_loss(+ value_loss)         # optimizer step each; each loss
+                       normalised by step_units of its minibatch   # normalised over that step
+
+Exclusion rule (explicit, counted): a group with any trajectory whose outcome is "error" or
+"timeout" is dropped whole (its advantages would compare a real reward with a placeholder 0.0).
+"format_error" and "wrong" are ordinary low rewards and are trained on.
+
+Reference model: a frozen copy of the policy taken when the trainer is built (when
+`algo.kl_coef > 0`). Value head (PPO + GAE): `ValueHead`, a `nn.Linear(embed_dim, 1)` on the
+final-norm hidden state, captured with a forward hook on `model.norm`.
+
+Checkpoints (`posttrain.core.checkpoint`): policy, value head and reference weights; optimizer,
+scheduler, buffer state, RNG states, step and metrics rows; a resumed run continues bit for bit
+(CPU, fixed threads). A preemption signal (`posttrain.core.preemption`) during `fit` waits for the end
+of its step, which is then checkpointed (with a run_dir) before the job is requeued.
+
+Example:
+    >>> import torch
+    >>> from posttrain.envs import chain_sum_task
+    >>> from posttrain.policy import Policy
+    >>> from posttrain.rl.algorithms import RLAlgorithm
+    >>> policy = Policy.from_spec("tiny-1m", seed=0)
+    >>> trainer = RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-4),
+    ...                     task=chain_sum_task(size=16, held_out_size=2),
+    ...                     algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.0), prompts_per_step=2,
+    ...                     max_new_tokens=2, progress=False)
+    >>> sorted(k for k in trainer.step() if k.startswith("groups_"))
+    ['groups_excluded_empty', 'groups_excluded_error', 'groups_kept', 'groups_zero_signal']
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor, nn
+
+from posttrain.core import preemption
+from posttrain.rl.buffer import ReplayBuffer
+from posttrain.core.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
+                                  load_checkpoint, resolve_checkpoint, restore_rng_state,
+                                  save_checkpoint)
+from posttrain.rl.environment import EnvDataset, Group
+from posttrain.train.losses import NonFiniteLossError, check_finite_update
+from posttrain.core.metrics import METRICS_FILE, MetricsLog
+from posttrain.policy.policy import sampling_logprobs, token_logprobs
+from posttrain.rl.algorithms import compute_advantages, policy_loss, step_units, value_loss
+from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.rollout import collect_groups, outcome_counts
+
+__all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
+
+EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
+"""Outcomes that exclude their whole group from the update (see the module docstring)."""
+
+_STATE_VERSION = 1
+
+
+class ValueHead(nn.Module):
+    """Scalar value per position from the policy's final-norm hidden state (PPO critic).
+
+    Shapes: hidden [B, T, D] -> values [B, T]. Initialised to zero output (weight 0, bias 0), so
+    the first GAE baseline is 0.
+    """
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(embed_dim, 1)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden_BTD: Tensor) -> Tensor:
+        return self.proj(hidden_BTD).squeeze(-1)
+
+
+def split_groups(groups: Sequence[Group]) -> tuple[list[Group], dict[str, int]]:
+    """Apply the exclusion rule. Returns (kept groups, counts): groups_excluded_error (a member
+    has an outcome in `EXCLUDED_OUTCOMES`), groups_excluded_empty (a member sampled no token),
+    groups_zero_signal (kept, all rewards equal: zero advantage under group estimators)."""
+    kept, counts = [], {"groups_excluded_error": 0, "groups_excluded_empty": 0,
+                        "groups_zero_signal": 0}
+    for group in groups:
+        if any(t.outcome in EXCLUDED_OUTCOMES for t in group):
+            counts["groups_excluded_error"] += 1
+        elif any(not any(t.completion_mask or [True] * len(t.completion_ids)) for t in group):
+            counts["groups_excluded_empty"] += 1
+        else:
+            kept.append(group)
+            counts["groups_zero_signal"] += len(set(group.rewards)) == 1
+    return kept, counts
+
+
+def make_batch(groups: Sequence[Group], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded tensors of all trajectories of `groups`.
+
+    Returns {input_ids_BT (int64), attention_mask_BT (bool), response_mask_BT (bool: sampled
+    completion tokens), old_logprobs_BT (float32, the sampler's, 0 elsewhere), scores_B,
+    group_ids_B (int64, dense: 0, 1, ... in order of first appearance)}.
+    """
+    rows = [t for g in groups for t in g]
+    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in rows)
+    B, dense = len(rows), {}
+    batch = {"input_ids_BT": torch.full((B, T), pad_id, dtype=torch.long),
+             "attention_mask_BT": torch.zeros(B, T, dtype=torch.bool),
+             "response_mask_BT": torch.zeros(B, T, dtype=torch.bool),
+             "old_logprobs_BT": torch.zeros(B, T),
+             "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
+             "group_ids_B": torch.tensor([dense.setdefault(t.group_id, len(dense)) for t in rows],
+                                         dtype=torch.long)}
+    for b, t in enumerate(rows):
+        p, c = len(t.prompt_ids), len(t.completion_ids)
+        batch["input_ids_BT"][b, :p + c] = torch.tensor(t.prompt_ids + t.completion_ids)
+        batch["attention_mask_BT"][b, :p + c] = True
+        mask = t.completion_mask if t.completion_mask is not None else [True] * c
+        batch["response_mask_BT"][b, p:p + c] = torch.tensor(mask, dtype=torch.bool)
+        batch["old_logprobs_BT"][b, p:p + c] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return batch
+
+
+class RLTrainer:
+    """Runs RL steps on built parts (policy, optimizer, task, algorithm).
+
+    Args:
+        policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
+        optimizer: over the policy's parameters (and the value head's, when there is one).
+        task: an `EnvDataset`; step i trains on `task.builders(i, prompts_per_step)`.
+        algo: every algorithmic choice (`RLAlgorithm.grpo()`, `.ppo()`, ...).
+        prompts_per_step: groups per step (B = prompts_per_step x algo.group_size).
+        max_new_tokens, temperature, top_p: sampling settings, also used to score (the
+            importance ratio compares log-probs of the same distribution).
+        value_head: a `ValueHead` when `algo.use_value_head` (built here if None).
+        micro_batch_size: rows per forward/backward inside a minibatch (gradient accumulation;
+            the loss is normalised over the minibatch, so the result does not depend on it).
+        lr_scheduler, max_grad_norm: as in `posttrain.train.trainer.Trainer`.
+        run_dir, checkpoint_every, keep_last, progress, seed, resume: as in `Trainer`.
+        verifier_timeout_s: passed to `collect_groups`.
+        callbacks: `callback(trainer, row)` after every step.
+
+    Raises:
+        ValueError: for bad options, or a run_dir that holds a run while resume is False.
+    """
+
+    def __init__(self, policy, optimizer: torch.optim.Optimizer, *, task: EnvDataset,
+                 algo: RLAlgorithm, prompts_per_step: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0,
+                 value_head: ValueHead | None = None, micro_batch_size: int | None = None,
+                 lr_scheduler: Any = None, max_grad_norm: float | None = 1.0,
+                 run_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+                 keep_last: int | None = 2, progress: bool = True, seed: int = 0,
+                 verifier_timeout_s: float | None = None,
+                 callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
+                 resume: bool | str | os.PathLike = False) -> None:
+        if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
+        if (checkpoint_every or resume is True) and run_dir is None:
+            raise ValueError("checkpoint_every and resume=True need a run_dir")
+        if algo.use_value_head and value_head is None:
+            value_head = ValueHead(policy.spec.embed_dim)
+        if value_head is not None and not algo.use_value_head:
+            raise ValueError("a value_head was given but algo.use_value_head is False")
+        self.policy, self.optimizer, self.task, self.algo = policy, optimizer, task, algo
+        self.prompts_per_step, self.max_new_tokens = prompts_per_step, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+        self.value_head, self.micro_batch_size = value_head, micro_batch_size
+        self.lr_scheduler, self.max_grad_norm = lr_scheduler, max_grad_norm
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
+        self.progress, self.seed, self.callbacks = progress, seed, list(callbacks)
+        self.verifier_timeout_s = verifier_timeout_s
+        self.reference = None
+        if algo.kl_coef > 0:
+            self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
+        if value_head is not None and not any(
+                p is q for g in optimizer.param_groups for p in g["params"]
+                for q in value_head.parameters()):
+            raise ValueError("the optimizer must also hold value_head.parameters()")
+        self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
+        self.step_count = 0
+        self.target_steps: int | None = None  # set by fit (the dashboard's total)
+        self.last_groups: list[Group] | None = None
+        self.last_builders: Sequence | None = None
+        self._log = MetricsLog(self.run_dir)
+        self._last_saved_step: int | None = None
+        if resume is True:
+            if latest_checkpoint(self.run_dir) is not None:
+                self.resume(self.run_dir)
+            else:
+                self._log.reset([])
+        elif resume:
+            self.resume(resume)
+        elif self.run_dir is not None and (list_checkpoints(self.run_dir)
+                                           or (self.run_dir / METRICS_FILE).exists()):
+            raise ValueError(f"run_dir {self.run_dir} already holds a run; pass resume=True to "
+                             "continue it, or use a new run_dir")
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return self._log.frame()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> dict[str, float]:
+        """One RL step (see the module docstring). Returns its metrics row."""
+        start, algo = time.perf_counter(), self.algo
+        builders = self.task.builders(self.step_count, self.prompts_per_step)
+        groups = collect_groups(self.policy, builders, group_size=algo.group_size,
+                                max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                top_p=self.top_p, seed=self.seed * 1_000_003 + self.step_count,
+                                policy_version=self.step_count,
+                                verifier_timeout_s=self.verifier_timeout_s)
+        return self.train_on_groups(groups, builders=builders, start=start,
+                                    rollout_s=time.perf_counter() - start)
+
+    def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
+                        start: float | None = None, rollout_s: float = 0.0) -> dict[str, float]:
+        """The training half of a step on given rollout groups (what `step` does after
+        sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
+        callbacks, checkpoint. `posttrain.notebook.inspector.replay_step` feeds saved rollouts here to
+        debug one step. The groups and builders stay readable as `last_groups` /
+        `last_builders` (the live dashboard's rollout table). Returns the step's metrics row."""
+        algo = self.algo
+        start = time.perf_counter() if start is None else start
+        self.last_groups, self.last_builders = list(groups), builders
+        kept, counts = split_groups(groups)
+        row: dict[str, Any] = {**_rollout_metrics(groups), **counts, "groups_kept": len(kept)}
+        update: dict[str, float] = {}
+        if kept:
+            batch = make_batch(kept, self.policy.tokenizer.pad_id)
+            batch.update(self._frozen_forward(batch))  # ref_logprobs_BT, old_values_BT
+            adv_BT, ret_BT = compute_advantages(
+                algo.advantage_estimator, response_mask_BT=batch["response_mask_BT"],
+                scores_B=batch["scores_B"], group_ids=batch["group_ids_B"],
+                values_BT=batch.get("old_values_BT"), gamma=algo.gamma, lam=algo.lam,
+                norm_adv_by_std_in_grpo=algo.norm_adv_by_std)
+            batch.update(advantages_BT=adv_BT, returns_BT=ret_BT)
+            self.buffer.add(kept, advantages=_sequence_advantages(adv_BT, batch))
+            self.buffer.drain()  # on-policy: trained on once, in this step
+            update = self._update(batch)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step_count += 1
+        self.buffer.set_policy_version(self.step_count)
+        elapsed = time.perf_counter() - start
+        row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed,
+                   tokens_per_s=row["sampled_tokens"] / elapsed)
+        self._log.append(row)
+        for callback in self.callbacks:
+            callback(self, row)
+        if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
+            self.save_checkpoint()
+        return row
+
+    def _update(self, batch: dict[str, Tensor]) -> dict[str, float]:
+        """algo.ppo_epochs passes of shuffled minibatches, one optimizer step per minibatch.
+        Returns the metrics averaged over minibatches (first-minibatch ratio kept apart)."""
+        B = batch["scores_B"].shape[0]
+        size = self.algo.minibatch_size or B
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step_count)
+        sums: dict[str, float] = {}
+        n = 0
+        for epoch in range(self.algo.ppo_epochs):
+            order = torch.randperm(B, generator=generator)
+            for first in range(0, B, size):
+                rows = order[first:first + size]
+                metrics = self._optimizer_step({k: v[rows] for k, v in batch.items()})
+                if n == 0:
+                    sums["first_ratio_mean"] = metrics["ratio_mean"]
+                    sums["first_clipfrac"] = metrics["clipfrac"]
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n += 1
+        return {k: (v if k.startswith("first_") else v / n) for k, v in sums.items()}
+
+    def _optimizer_step(self, mb: dict[str, Tensor]) -> dict[str, float]:
+        algo, model = self.algo, self.policy.model
+        model.train()
+        units = step_units(mb["response_mask_BT"], algo.loss_agg_mode)  # the whole minibatch
+        units_tokens = mb["response_mask_BT"].sum()
+        micro = self.micro_batch_size or mb["scores_B"].shape[0]
+        totals: dict[str, Tensor] = {}
+        for first in range(0, mb["scores_B"].shape[0], micro):
+            m = {k: v[first:first + micro] for k, v in mb.items()}
+            logprobs_BT, values_BT, entropy_BT = self._forward(
+                model, m, value_head=self.value_head, entropy=True)
+            loss, metrics = policy_loss(
+                logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
+                algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
+                num_units_in_step=units)
+            if values_BT is not None:
+                v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
+                                               m["response_mask_BT"], algo=algo,
+                                               num_units_in_step=units)
+                loss = loss + algo.value_coef * v_loss
+                metrics.update(v_metrics)
+            loss.backward()
+            _accumulate(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        try:
+            check_finite_update(self.step_count + 1, totals["loss"], grad_norm)
+        except NonFiniteLossError:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, grad_norm)
+        totals["lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals["grad_norm"] = grad_norm
+        return {k: float(v) for k, v in totals.items()}
+
+    def _forward(self, model: nn.Module, m: dict[str, Tensor], *, value_head: ValueHead | None,
+                 entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Teacher-forced log-probs [B, T] under the sampling distribution (same temperature and
+        top-p), values [B, T] (with a value head) and that distribution's entropy [B, T] (if
+        `entropy`; differentiable only when algo.entropy_coef > 0), 0 off the response."""
+        captured: dict[str, Tensor] = {}
+        hooks = []
+        if value_head is not None:
+            hooks.append(model.norm.register_forward_hook(
+                lambda mod, inp, out: captured.__setitem__("hidden", out)))
+        if entropy:
+            hooks.append(model.register_forward_hook(
+                lambda mod, inp, out: captured.__setitem__("logits", out)))
+        try:
+            logprobs_BT = token_logprobs(model, m["input_ids_BT"], m["attention_mask_BT"],
+                                         m["response_mask_BT"], temperature=self.temperature,
+                                         top_p=self.top_p)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        mask_BT = m["response_mask_BT"]
+        values_BT = entropy_BT = None
+        if value_head is not None:  # the state before token t is read at t - 1, like its logprob
+            values_BT = torch.nn.functional.pad(value_head(captured["hidden"])[:, :-1], (1, 0))
+            values_BT = values_BT * mask_BT
+        if entropy:
+            logits = captured["logits"]
+            logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
+            logits = logits if self.algo.entropy_coef > 0 else logits.detach()
+            logp_BTV = sampling_logprobs(logits[:, :-1], temperature=self.temperature,
+                                         top_p=self.top_p)
+            ent_BT = -(logp_BTV.exp() * logp_BTV.nan_to_num(neginf=0.0)).sum(-1)
+            entropy_BT = torch.nn.functional.pad(ent_BT, (1, 0)) * mask_BT
+        return logprobs_BT, values_BT, entropy_BT
+
+    @torch.no_grad()
+    def _frozen_forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self.reference is not None:
+            out["ref_logprobs_BT"], _, _ = self._forward(self.reference, batch, value_head=None)
+        if self.value_head is not None:
+            _, out["old_values_BT"], _ = self._forward(self.policy.model, batch,
+                                                    value_head=self.value_head)
+        return out
+
+    # ------------------------------------------------------------------ fit / checkpoints
+    def fit(self, num_steps: int) -> pd.DataFrame:
+        """Take steps until `step_count == num_steps`; save a last checkpoint when enabled."""
+        from tqdm.auto import tqdm
+        self.target_steps = num_steps
+
+        bar = tqdm(total=num_steps, initial=self.step_count, disable=not self.progress,
+                   desc="rl")
+        with preemption.deferring():  # a preemption signal waits for the end of its step
+            try:
+                while self.step_count < num_steps:
+                    row = self.step()
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
+                                    acc=f"{row['accuracy']:.3f}")
+                    preemption.step_boundary(self._preemption_save)
+            finally:
+                bar.close()
+            if self.checkpoint_every and self._last_saved_step != self.step_count:
+                self.save_checkpoint()
+        return self.metrics
+
+    def _preemption_save(self) -> None:
+        """The checkpoint before a preemption (`posttrain.core.preemption`): only with a run_dir, and
+        only if the last step is not saved yet."""
+        if self.run_dir is not None and self._last_saved_step != self.step_count:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> Path:
+        """Everything needed to continue exactly, into run_dir/checkpoints/step_NNNNNN/."""
+        if self.run_dir is None:
+            raise ValueError("save_checkpoint needs a run_dir")
+        model_state = {"policy": self.policy.model.state_dict()}
+        if self.value_head is not None:
+            model_state["value_head"] = self.value_head.state_dict()
+        if self.reference is not None:
+            model_state["reference"] = self.reference.state_dict()
+        train_state = {"version": _STATE_VERSION, "step": self.step_count,
+                       "optimizer": self.optimizer.state_dict(),
+                       "lr_scheduler": None if self.lr_scheduler is None
+                       else self.lr_scheduler.state_dict(),
+                       "buffer": self.buffer.state_dict(), "rng": capture_rng_state(),
+                       "metrics": [dict(r) for r in self._log.rows]}
+        path = save_checkpoint(self.run_dir, self.step_count, model_state=model_state,
+                               train_state=train_state, keep_last=self.keep_last,
+                               meta={"algo": repr(self.algo)})
+        self._last_saved_step = self.step_count
+        return path
+
+    def resume(self, path: str | os.PathLike | None = None) -> Path:
+        """Load a checkpoint folder (or a run folder's latest) and continue from it."""
+        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
+        ckpt = load_checkpoint(path)
+        state, models = ckpt["train_state"], ckpt["model_state"]
+        self.policy.model.load_state_dict(models["policy"])
+        if self.value_head is not None:
+            self.value_head.load_state_dict(models["value_head"])
+        if self.reference is not None:
+            self.reference.load_state_dict(models["reference"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.buffer.load_state_dict(state["buffer"])
+        restore_rng_state(state["rng"])
+        self.step_count = int(state["step"])
+        self._log.reset(state["metrics"])
+        self._last_saved_step = self.step_count
+        return path
+
+
+def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """reward mean over the samples the verifier judged (an error or timeout has no reward: it
+    is counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of
+    all samples with outcome ok), outcome counts, lengths."""
+    rows = [t for g in groups for t in g]
+    counts = outcome_counts(groups)
+    judged = [t.reward for t in rows if t.outcome not in EXCLUDED_OUTCOMES]
+    sampled = [sum(t.completion_mask) if t.completion_mask is not None
+               else len(t.completion_ids) for t in rows]
+    return {"reward_mean": sum(judged) / len(judged) if judged else float("nan"),
+            "accuracy": counts["ok"] / len(rows),
+            **{f"outcome_{k}": v for k, v in counts.items()},
+            "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
+            "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows)}
+
+
+_STEP_SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy_loss", "vf_loss"})
+
+
+def _accumulate(totals: dict[str, Tensor], metrics: dict[str, Tensor], weight: Tensor) -> None:
+    """Add one micro-batch's metrics to the minibatch's: step shares are summed, ratio_max is a
+    maximum, per-token means are weighted by the micro-batch's share of response tokens."""
+    for key, value in metrics.items():
+        value = value.detach().float()
+        if key == "ratio_max":
+            totals[key] = torch.maximum(totals.get(key, value), value)
+        else:
+            totals[key] = totals.get(key, 0.0) + (value if key in _STEP_SHARES else value * weight)
+
+
+def _sequence_advantages(adv_BT: Tensor, batch: dict[str, Tensor]) -> list[float]:
+    """One advantage per row (mean over its response tokens), for the buffer's records."""
+    mask = batch["response_mask_BT"].float()
+    return ((adv_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
