@@ -1,5 +1,8 @@
 """Task environments, all satisfying the protocols of `posttrain.rl.environment`.
 
+Importing this package registers the tasks below; `get_task` / `registered_tasks` here are the
+registry's lookups with them loaded.
+
     ==============  =====================================  ====================================
     task name       what                                   episodes
     ==============  =====================================  ====================================
@@ -12,7 +15,7 @@
     ==============  =====================================  ====================================
 
 Example:
-    >>> from posttrain.rl import get_task
+    >>> from posttrain.envs import get_task
     >>> task = get_task("chain_sum", size=32, held_out_size=4)
     >>> [m["role"] for m in task.builders(0, 1)[0].make_envs(2)[0].initial_messages()]
     ['user']
@@ -21,6 +24,7 @@ Example:
 from posttrain.envs.calculator_env import (CALCULATOR_SYSTEM_PROMPT, CalculatorEnv,
                                            CalculatorGroupBuilder, calculator_result,
                                            calculator_task, evaluate_arithmetic)
+from posttrain.rl.environment import get_task, register_task, registered_tasks
 from posttrain.envs.reasoning_gym_env import (CHAIN_SUM_CONFIG, ReasoningGymEnv,
                                               ReasoningGymGroupBuilder, ReasoningGymTask,
                                               chain_sum_task, prompt_messages)
@@ -29,4 +33,5 @@ __all__ = [
     "CALCULATOR_SYSTEM_PROMPT", "CHAIN_SUM_CONFIG", "CalculatorEnv", "CalculatorGroupBuilder",
     "ReasoningGymEnv", "ReasoningGymGroupBuilder", "ReasoningGymTask", "calculator_result",
     "calculator_task", "chain_sum_task", "evaluate_arithmetic", "prompt_messages",
+    "get_task", "register_task", "registered_tasks",
 ]

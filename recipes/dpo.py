@@ -9,11 +9,11 @@ Stages, all on reasoning-gym chain_sum (the task's own question text):
      unchanged; run folder `sft/`).
   2. Pairs: `samples_per_prompt` completions of each of `num_prompts` training questions from
      the starting policy (temperature `sample_temperature`), ranked by the task's verifier; best
-     vs worst where they differ (`posttrain.data.preference.make_preference_pairs`). The last
+     vs worst where they differ (`posttrain.preference.pairs.make_preference_pairs`). The last
      `val_pairs` pairs are kept out of training for the preference metrics. KTO gets each pair
      as one desirable and one undesirable row.
   3. Reference log-probs of every pair under the starting policy (the reference), once.
-  4. Training with the chosen loss (`posttrain.preference.losses`), pair-normalised over each step.
+  4. Training with the chosen loss (`posttrain.preference.objectives`), pair-normalised over each step.
   5. Held-out greedy accuracy of the starting and the trained policy on the same `eval_size`
      items (`sft.held_out_items`, never in any training set), 95% Wilson intervals, and the
      difference with a 95% paired-bootstrap interval.
@@ -53,9 +53,10 @@ from posttrain.train import get_loss
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
 from posttrain.data import (KTODataset, PreferenceDataset, PreferenceLoader,
-                                       compute_reference_logps, make_preference_pairs,
                                        pairs_to_kto_rows)
-from posttrain.train import Trainer, check_new_run_dir, warmup_cosine_schedule
+from posttrain.preference import compute_reference_logps, make_preference_pairs
+from posttrain.core import check_new_run_dir
+from posttrain.train import Trainer, warmup_cosine_schedule
 
 sft = load_recipe("sft")
 

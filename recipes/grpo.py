@@ -49,7 +49,8 @@ from posttrain.models import PRESETS
 from posttrain.policy import Policy
 from posttrain.rl import RLAlgorithm
 from posttrain.rl import RLTrainer, ValueHead
-from posttrain.train import check_new_run_dir, warmup_cosine_schedule
+from posttrain.core import check_new_run_dir
+from posttrain.train import warmup_cosine_schedule
 
 sft = load_recipe("sft")
 

@@ -7,7 +7,7 @@ notebook `main(Config(rm_steps=50))`.
 Stages, on reasoning-gym chain_sum (the task's own question text):
   1. The policy: `init_from` (a HF folder), or SFT of a fresh tiny policy with
      `recipes/sft.py` (its `main`, unchanged; run folder `sft/`).
-  2. Pairs: `posttrain.data.preference.make_preference_pairs`: `samples_per_prompt` sampled
+  2. Pairs: `posttrain.preference.pairs.make_preference_pairs`: `samples_per_prompt` sampled
      answers per question, ranked by the task's verifier; the best against the worst when they
      rank differently (format_error ranks lowest; timeouts and errors are excluded, counted).
      The SFT held-out questions never become pair prompts. Pairs go to `pairs.jsonl`.
@@ -58,11 +58,13 @@ from posttrain.core import (require_finite, require_folder, require_int,
 from posttrain.envs import ReasoningGymTask
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.data import (PreferenceDataset, PreferenceLoader,
-                                       make_preference_pairs)
-from posttrain.rewards import (BradleyTerryLoss, PairwiseAccuracy, RewardModel,
+from posttrain.data import PreferenceDataset, PreferenceLoader
+from posttrain.preference import make_preference_pairs
+from posttrain.preference import BradleyTerryLoss
+from posttrain.rewards import (PairwiseAccuracy, RewardModel,
                                     load_reward_model, pairwise_accuracy)
-from posttrain.train import Trainer, check_new_run_dir, warmup_cosine_schedule
+from posttrain.core import check_new_run_dir
+from posttrain.train import Trainer, warmup_cosine_schedule
 
 sft = load_recipe("sft")
 

@@ -32,7 +32,8 @@ from posttrain.core import barrier, rank_and_world_size
 from posttrain.rewards import EvalResult, evaluate_generations
 from posttrain.models import PRESETS
 from posttrain.policy import Policy
-from posttrain.train import Trainer, check_new_run_dir, warmup_cosine_schedule
+from posttrain.core import check_new_run_dir
+from posttrain.train import Trainer, warmup_cosine_schedule
 
 MODES = ("sft", "cpt")
 

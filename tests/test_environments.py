@@ -10,9 +10,9 @@ import pickle
 import cloudpickle
 import pytest
 
+from posttrain.envs import get_task, register_task, registered_tasks
 from posttrain.rl.environment import (EnvDataset, EnvGroupBuilder, Environment, Group, StepResult,
-                                   Trajectory, get_task, group_rewards, register_task,
-                                   registered_tasks, run_text_episode)
+                                      Trajectory, group_rewards, run_text_episode)
 from posttrain.envs import (CalculatorEnv, CalculatorGroupBuilder, ReasoningGymEnv,
                             ReasoningGymGroupBuilder, ReasoningGymTask, calculator_result,
                             calculator_task, chain_sum_task, evaluate_arithmetic)

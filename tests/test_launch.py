@@ -23,7 +23,8 @@ import cloudpickle
 import pytest
 
 from posttrain import cli
-from posttrain.launch.submit import (RUN_FILE, JobFailedError, LaunchPickleError, Run, _Call, launch,
+from posttrain.launch.pickling import LaunchPickleError
+from posttrain.launch.submit import (RUN_FILE, JobFailedError, Run, _Call, launch,
                               launch_array)
 
 # As in a notebook: the jobs cannot import this test module, so its functions and classes travel

@@ -34,9 +34,9 @@ from posttrain.preference import (DPOLoss, IPOLoss, KTOLoss, ORPOLoss, SimPOLoss
                                   ipo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss,
                                   step_share)
 from posttrain.data import (KTODataset, PreferenceDataset, PreferenceLoader,
-                                       PreferenceRowError, compute_reference_logps,
-                                       make_preference_pairs, pairs_to_kto_rows,
-                                       reference_fingerprint)
+                                       PreferenceRowError, pairs_to_kto_rows)
+from posttrain.preference import (compute_reference_logps, make_preference_pairs,
+                                  reference_fingerprint)
 from posttrain.models import ByteTokenizer
 from posttrain.train import Trainer
 from posttrain.rewards import VerifierResult

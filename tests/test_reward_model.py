@@ -14,7 +14,8 @@ from posttrain.train import TrainingLoss, get_loss
 from posttrain.models import get_preset
 from posttrain.policy import Policy
 from posttrain.data import PreferenceDataset, PreferenceLoader
-from posttrain.rewards import (BradleyTerryLoss, RewardModel, accuracy_from_rewards,
+from posttrain.preference import BradleyTerryLoss
+from posttrain.rewards import (RewardModel, accuracy_from_rewards,
                                     bradley_terry_loss, load_reward_model, pairwise_accuracy,
                                     render_pair)
 from posttrain.models import ByteTokenizer

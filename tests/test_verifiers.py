@@ -13,8 +13,8 @@ import cloudpickle
 import pytest
 
 from posttrain.rewards import (Outcome, Verifier, VerifierResult, as_score_fn, count_outcomes,
-                                get_verifier, register_verifier, registered_verifiers,
-                                run_verifier, score_batch)
+                               run_verifier, score_batch)
+from posttrain.verifiers import get_verifier, register_verifier, registered_verifiers
 from posttrain.verifiers import (ExactMatchVerifier, FormatVerifier, MathAnswerVerifier,
                                  ReasoningGymVerifier, RegexVerifier, extract_answer, parse_number)
 
@@ -399,8 +399,21 @@ def test_registry_has_the_builtins_and_builds_with_options():
 
 
 def test_registry_unknown_name_lists_the_names():
-    with pytest.raises(ValueError, match="unknown verifier 'maths'.*math_answer"):
+    with pytest.raises(ValueError, match="unknown verifier 'maths'.*math_answer.*posttrain.verifiers"):
         get_verifier("maths")
+
+
+def test_a_rerun_notebook_cell_replaces_its_verifier_and_another_definition_still_raises():
+    # Two runs of the same cell: new function objects with the same module and qualified name.
+    cell = "@register_verifier('cell_verifier')\ndef cell_verifier():\n    return lambda c, i: {score}\n"
+    scope = {"register_verifier": register_verifier, "__name__": "__main__"}
+    exec(cell.format(score=0.0), scope)
+    with pytest.warns(UserWarning, match="'cell_verifier' registered again by the same definition"):
+        exec(cell.format(score=1.0), scope)
+    assert run_verifier(get_verifier("cell_verifier"), "x", {}).score == 1.0
+    other = {"register_verifier": register_verifier, "__name__": "some_module"}
+    with pytest.raises(ValueError, match="'cell_verifier' is already registered"):
+        exec(cell.format(score=0.5), other)
 
 
 def test_registry_rejects_a_second_definition_under_a_name():
@@ -411,7 +424,7 @@ def test_registry_rejects_a_second_definition_under_a_name():
     def make():
         return lambda c, i: 1.0
 
-    register_verifier("test_twice")(make)   # the same definition again (a re-run cell): fine
+    register_verifier("test_twice")(make)   # the very same object again: a no-op
 
     def other():
         return lambda c, i: 0.0

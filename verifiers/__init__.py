@@ -1,5 +1,8 @@
 """Reward checkers, all satisfying `posttrain.rewards.verifier.Verifier` and registered by name.
 
+Importing this package registers the verifiers below; `get_verifier` / `registered_verifiers`
+here are the registry's lookups with them loaded.
+
     ==============  ============================  =============================================
     name            class                         checks
     ==============  ============================  =============================================
@@ -12,7 +15,7 @@
     ==============  ============================  =============================================
 
 Example:
-    >>> from posttrain.rewards import get_verifier
+    >>> from posttrain.verifiers import get_verifier
     >>> get_verifier("exact_match", case_sensitive=False)("YES", {"answer": "yes"}).ok
     True
 """
@@ -22,9 +25,10 @@ from posttrain.verifiers.basic import (ExactMatchVerifier, FormatVerifier, Regex
 from posttrain.verifiers.math_answer import (MathAnswerVerifier, extract_answer, normalize_answer,
                                              parse_number)
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier
+from posttrain.rewards.verifier import get_verifier, register_verifier, registered_verifiers
 
 __all__ = [
     "ExactMatchVerifier", "FormatVerifier", "MathAnswerVerifier", "ReasoningGymVerifier",
     "RegexVerifier", "extract_answer", "extract_tag", "normalize_answer", "normalize_whitespace",
-    "parse_number",
+    "parse_number", "get_verifier", "register_verifier", "registered_verifiers",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from posttrain.core.checkpoint import (
     CHECKPOINT_DIR,
     FORMAT_VERSION,
+    check_new_run_dir,
     checkpoint_name,
     list_checkpoints,
     latest_checkpoint,
@@ -15,25 +16,38 @@ from posttrain.core.checkpoint import (
     capture_rng_state,
     restore_rng_state,
 )
-from posttrain.core.checks import require_int, require_positive, require_finite, require_folder
-from posttrain.core.distributed import rank_and_world_size, barrier, flat_collective
+from posttrain.core.checks import (
+    check_int,
+    require_int,
+    require_positive,
+    require_finite,
+    require_folder,
+)
+from posttrain.core.distributed import rank_and_world_size, barrier, flat_collective, device_of
 from posttrain.core.info import (
-    PACKAGES,
     Rule,
-    RULES,
     installed_versions,
     check_compatibility,
     device_report,
     format_report,
+    PACKAGES,
+    RULES,
 )
 from posttrain.core.metrics import METRICS_FILE, TENSORBOARD_DIR, MetricsLog, read_metrics
-from posttrain.core.preemption import install, uninstall, requested, deferring, step_boundary
-from posttrain.core.registry import F, Registry
+from posttrain.core.preemption import (
+    install,
+    uninstall,
+    requested,
+    deferring,
+    step_boundary,
+    sigint_held,
+)
+from posttrain.core.registry import Registry, F
 
 __all__ = [
-    "check_int",
     "CHECKPOINT_DIR",
     "FORMAT_VERSION",
+    "check_new_run_dir",
     "checkpoint_name",
     "list_checkpoints",
     "latest_checkpoint",
@@ -41,6 +55,7 @@ __all__ = [
     "load_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
+    "check_int",
     "require_int",
     "require_positive",
     "require_finite",
@@ -48,13 +63,14 @@ __all__ = [
     "rank_and_world_size",
     "barrier",
     "flat_collective",
-    "PACKAGES",
+    "device_of",
     "Rule",
-    "RULES",
     "installed_versions",
     "check_compatibility",
     "device_report",
     "format_report",
+    "PACKAGES",
+    "RULES",
     "METRICS_FILE",
     "TENSORBOARD_DIR",
     "MetricsLog",
@@ -64,6 +80,7 @@ __all__ = [
     "requested",
     "deferring",
     "step_boundary",
-    "F",
+    "sigint_held",
     "Registry",
+    "F",
 ]

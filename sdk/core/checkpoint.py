@@ -43,7 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "checkpoint_name", "list_checkpoints",
+from posttrain.core.metrics import METRICS_FILE
+
+__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "check_new_run_dir", "checkpoint_name", "list_checkpoints",
            "latest_checkpoint", "save_checkpoint", "load_checkpoint", "capture_rng_state",
            "restore_rng_state"]
 
@@ -247,3 +249,15 @@ def _prune(root: Path, keep_last: int | None) -> None:
     if keep_last is not None:
         for old in list_checkpoints(root.parent)[:-keep_last]:
             shutil.rmtree(old)
+
+
+def check_new_run_dir(run_dir: str | os.PathLike) -> None:
+    """Raise ValueError if `run_dir` already holds a run (metrics.jsonl or checkpoints).
+
+    Recipes call it before writing anything, so a finished run is never partly overwritten by a
+    new one that then refuses to start.
+    """
+    run_dir = Path(run_dir)
+    if list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists():
+        raise ValueError(f"run_dir {run_dir} already holds a run (metrics.jsonl or "
+                         "checkpoints); pass resume=True to continue it, or use a new run_dir")

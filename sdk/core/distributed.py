@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["rank_and_world_size", "barrier", "flat_collective"]
+__all__ = ["rank_and_world_size", "barrier", "flat_collective", "device_of"]
 
 _BUCKET_BYTES = 64 * 2**20
 """Largest flat buffer of one gradient all-reduce (or parameter broadcast)."""
@@ -55,3 +55,11 @@ def flat_collective(tensors: Sequence[torch.Tensor],
         collective(flat)
         for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
             t.detach().copy_(piece.view_as(t))
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """The device of `model`'s first parameter (where collectives and new tensors go); CPU for
+    a model without parameters."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-__all__ = ["install", "uninstall", "requested", "deferring", "step_boundary"]
+__all__ = ["install", "uninstall", "requested", "deferring", "step_boundary", "sigint_held"]
 
 _lock = threading.Lock()
 _original: Any = None          # submitit's handler (or whatever was installed before)
@@ -105,3 +105,28 @@ def _hand_over() -> None:
     elif _original == signal.SIG_DFL:
         signal.signal(pending[0], signal.SIG_DFL)
         signal.raise_signal(pending[0])
+
+
+class _Held:
+    received = False
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[_Held]:
+    """Hold SIGINT (Ctrl-C) until the block ends, so a parameter update is never cut in half;
+    `.received` tells whether one arrived. Only the main thread can handle signals; elsewhere
+    this does nothing."""
+    held = _Held()
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is None):  # a handler Python cannot restore
+        yield held
+        return
+
+    def handler(signum, frame):
+        held.received = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -25,22 +25,19 @@ from posttrain.data.loader import (
     normalize_document,
     reasoning_gym_sft_rows,
 )
-from posttrain.data.preference import (
+from posttrain.data.preference_rows import (
     PREFERENCE_BAD_ROW_REASONS,
     PreferenceRowError,
-    PreferenceStats,
     load_preference_rows,
+    pairs_to_kto_rows,
+)
+from posttrain.data.preference import (
+    PreferenceStats,
     PreferenceDataset,
     KTODataset,
     PreferenceBatch,
     KTOBatch,
     PreferenceLoader,
-    ReferenceLogps,
-    reference_fingerprint,
-    compute_reference_logps,
-    pairs_to_kto_rows,
-    PairStats,
-    make_preference_pairs,
     render_response,
 )
 from posttrain.data.sft import ON_BAD_ROW, OVERLONG
@@ -74,12 +71,7 @@ __all__ = [
     "PreferenceBatch",
     "KTOBatch",
     "PreferenceLoader",
-    "ReferenceLogps",
-    "reference_fingerprint",
-    "compute_reference_logps",
     "pairs_to_kto_rows",
-    "PairStats",
-    "make_preference_pairs",
     "render_response",
     "ON_BAD_ROW",
     "OVERLONG",

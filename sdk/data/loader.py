@@ -224,7 +224,9 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True
     (never the global RNG), or 0..n-1 without shuffling."""
     if not shuffle:
         return list(range(num_samples))
-    digest = hashlib.sha256(f"posttrain.data.loader:{seed}:{epoch}".encode()).digest()
+    # The salt is a fixed string (it once was this module's name): changing it reorders every
+    # seeded run's data.
+    digest = hashlib.sha256(f"posttrain.data:{seed}:{epoch}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return torch.randperm(num_samples, generator=gen).tolist()
 

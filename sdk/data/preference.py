@@ -1,5 +1,7 @@
-"""Preference data: pair and KTO rows, tokenised datasets, batches, a resumable loader,
-precomputed reference log-probabilities, and pairs made by rejection sampling.
+"""Preference data: tokenised pair and KTO datasets, batches and a resumable loader. Rows
+and their validation are in `posttrain.data.preference_rows`; reference log-probabilities
+(`posttrain.preference.reference`) and pairs made by rejection sampling
+(`posttrain.preference.pairs`) live in the higher `posttrain.preference` layer.
 
 Notation: B = pairs (or KTO rows) in a batch, T = tokens per sequence, L = tokens of one sequence.
 
@@ -34,54 +36,22 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from posttrain.data.loader import epoch_order
-from posttrain.data.sft import load_sft_rows
-from posttrain.models.tokenizer import ROLES, Tokenizer
-from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score_batch
+from posttrain.data.preference_rows import (PreferenceRowError, _check_row, _prompt,
+                                            _read_rows, _response)
+from posttrain.models.tokenizer import Tokenizer
 
-__all__ = ["PREFERENCE_BAD_ROW_REASONS", "PreferenceRowError", "PreferenceStats",
-           "load_preference_rows", "PreferenceDataset", "KTODataset", "PreferenceBatch",
-           "KTOBatch", "PreferenceLoader", "ReferenceLogps", "reference_fingerprint",
-           "compute_reference_logps", "pairs_to_kto_rows", "PairStats", "make_preference_pairs",
-           "render_response"]
-
-PREFERENCE_BAD_ROW_REASONS = (
-    "bad_json",        # a line of a .jsonl file that is not JSON (the reason names the line)
-    "not_a_dict",      # the row is not a mapping
-    "missing_field",   # no prompt / chosen / rejected (KTO: completion / label)
-    "non_string",      # a field that is neither a string nor the accepted message form
-    "empty",           # an empty (whitespace-only) prompt
-    "empty_response",  # an empty (whitespace-only) chosen, rejected or completion
-    "same_response",   # chosen == rejected, surrounding whitespace ignored
-    "bad_label",       # KTO label that is not a bool
-    "render_error",    # the tokenizer's chat template rejected the conversation
-    "overlong",        # prompt + response longer than max_seq_len
-)
-"""Reasons a row is rejected; the keys of `PreferenceStats.skipped_by_reason`."""
-
-
-class PreferenceRowError(ValueError):
-    """A malformed preference or KTO row. Attributes: `index` (0-based row position), `field`
-    (the offending field or None), `reason` (one of `PREFERENCE_BAD_ROW_REASONS`)."""
-
-    def __init__(self, index: int, field: str | None, reason: str, detail: str) -> None:
-        assert reason in PREFERENCE_BAD_ROW_REASONS, reason
-        where = f"row {index}" + (f", field {field!r}" if field else "")
-        super().__init__(f"{where}: {detail} [{reason}]")
-        self.index, self.field, self.reason = index, field, reason
+__all__ = ["PreferenceStats", "PreferenceDataset", "KTODataset", "PreferenceBatch",
+           "KTOBatch", "PreferenceLoader", "render_response"]
 
 
 @dataclass
@@ -105,107 +75,9 @@ class PreferenceStats:
         return {**dataclasses.asdict(self), "skipped": self.skipped}
 
 
-def load_preference_rows(source: Any) -> list[Any]:
-    """Rows as found, from a list of dicts, a pandas DataFrame or a .jsonl/.json path.
-
-    Raises:
-        FileNotFoundError: for a path that does not exist.
-        ValueError: for a JSONL line that is not JSON (naming file and line), or another kind
-            of source.
-    """
-    rows = _read_rows(source)
-    for row in rows:
-        if isinstance(row, _BadLine):
-            raise ValueError(row.detail)
-    return rows
-
-
-@dataclass(frozen=True)
-class _BadLine:
-    """A .jsonl line that is not JSON, kept in its row position so a dataset can skip it."""
-
-    detail: str
-
-
-def _read_rows(source: Any) -> list[Any]:
-    """`load_preference_rows`, but a broken JSONL line comes back as a `_BadLine`."""
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"preference data file {source} does not exist")
-        if path.suffix == ".json":
-            return load_sft_rows(path)
-        rows: list[Any] = []
-        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                rows.append(_BadLine(f"{path}:{line_no}: not valid JSON ({e.msg}); each line of "
-                                     "a JSONL file must be one JSON object"))
-        return rows
-    if type(source).__name__ == "DataFrame" or (
-            isinstance(source, Sequence) and not isinstance(source, (str, bytes))):
-        return load_sft_rows(source)
-    raise ValueError(f"cannot read preference rows from a {type(source).__name__}; pass a list "
-                     "of dicts, a pandas DataFrame, or a .jsonl/.json path")
-
-
-def _check_row(row: Any, index: int, fields: str) -> None:
-    """PreferenceRowError for a broken JSONL line or a row that is not a mapping."""
-    if isinstance(row, _BadLine):
-        raise PreferenceRowError(index, None, "bad_json", row.detail)
-    if not isinstance(row, Mapping):
-        raise PreferenceRowError(index, None, "not_a_dict", f"is a {type(row).__name__}, "
-                                 f"expected a dict with {fields}")
-
-
 # --------------------------------------------------------------------------------------------
 # Rows -> token ids
 # --------------------------------------------------------------------------------------------
-
-
-def _prompt(row: Mapping, index: int, chat: bool) -> str | list[dict]:
-    if "prompt" not in row:
-        raise PreferenceRowError(index, "prompt", "missing_field", "has no 'prompt'")
-    prompt = row["prompt"]
-    if hasattr(prompt, "tolist") and not isinstance(prompt, str):
-        prompt = prompt.tolist()   # Arrow-backed frames hold message lists as arrays
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise PreferenceRowError(index, "prompt", "empty", "the prompt is empty")
-        return [{"role": "user", "content": prompt}] if chat else prompt
-    if chat and isinstance(prompt, Sequence) and prompt and all(
-            isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt):
-        for j, m in enumerate(prompt):
-            if m.get("role") not in ROLES:
-                raise PreferenceRowError(index, "prompt", "render_error", f"message {j} has role "
-                                         f"{m.get('role')!r}; allowed: {', '.join(ROLES)}")
-        if prompt[-1].get("role") == "assistant":
-            raise PreferenceRowError(index, "prompt", "render_error", "a message prompt must not "
-                                     "end with an assistant turn")
-        return [{"role": m.get("role"), "content": m["content"]} for m in prompt]
-    allowed = "a str or a list of {'role', 'content'} messages" if chat else "a str (chat=False)"
-    raise PreferenceRowError(index, "prompt", "non_string",
-                             f"is a {type(prompt).__name__}; expected {allowed}")
-
-
-def _response(row: Mapping, index: int, key: str) -> str:
-    if key not in row:
-        raise PreferenceRowError(index, key, "missing_field", f"has no {key!r}")
-    value = row[key]
-    if hasattr(value, "tolist") and not isinstance(value, str):
-        value = value.tolist()
-    if (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 1
-            and isinstance(value[0], Mapping) and value[0].get("role") == "assistant"):
-        value = value[0].get("content")   # TRL's conversational form: [assistant message]
-    if not isinstance(value, str):
-        raise PreferenceRowError(index, key, "non_string", f"is a {type(value).__name__}; "
-                                 "expected a str or [{'role': 'assistant', 'content': str}]")
-    if not value.strip():
-        raise PreferenceRowError(index, key, "empty_response", f"the {key} is empty")
-    return value
 
 
 def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: str, *,
@@ -263,7 +135,7 @@ class _RowDataset(Sequence):
     """Shared parts: bad-row handling, padding, the reference log-prob cache."""
 
     REFERENCE_KEYS: tuple[str, ...] = ()
-    reference: ReferenceLogps | None
+    reference: Any   # a posttrain.preference.reference.ReferenceLogps, or None
 
     def _init(self, tokenizer: Tokenizer, max_seq_len: int, chat: bool, on_bad_row: str) -> None:
         if on_bad_row not in ("raise", "skip"):
@@ -315,7 +187,8 @@ class PreferenceDataset(_RowDataset):
 
     Attributes:
         row_indices: source row of each item. stats: `PreferenceStats`. reference: the cached
-            `ReferenceLogps` (keys "chosen", "rejected"), set by `compute_reference_logps`.
+            `ReferenceLogps` (keys "chosen", "rejected"), set by
+            `posttrain.preference.reference.compute_reference_logps`.
 
     Raises:
         PreferenceRowError (a ValueError): with on_bad_row="raise", naming row, field, reason.
@@ -451,29 +324,6 @@ def _pad(sequences: Sequence[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tenso
     return input_ids, attention, response
 
 
-def pairs_to_kto_rows(rows: Any) -> list[dict]:
-    """Each pair becomes two KTO rows: (prompt, chosen, label True), (prompt, rejected, False).
-
-    Args:
-        rows: pairs as `PreferenceDataset` reads them: a list of dicts, a DataFrame or a
-            .jsonl/.json path. Fields are copied as they are; `KTODataset` validates them.
-
-    Raises:
-        PreferenceRowError (a ValueError): for a row that is not a mapping or lacks prompt,
-            chosen or rejected, naming the row.
-        ValueError, FileNotFoundError: as `load_preference_rows`.
-    """
-    out = []
-    for i, row in enumerate(load_preference_rows(rows)):
-        _check_row(row, i, "prompt, chosen, rejected")
-        for key in ("prompt", "chosen", "rejected"):
-            if key not in row:
-                raise PreferenceRowError(i, key, "missing_field", f"has no {key!r}")
-        out.append({"prompt": row["prompt"], "completion": row["chosen"], "label": True})
-        out.append({"prompt": row["prompt"], "completion": row["rejected"], "label": False})
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Batches and the loader
 # --------------------------------------------------------------------------------------------
@@ -489,7 +339,7 @@ class PreferenceBatch:
         chosen_response_mask, rejected_response_mask: [B, T] bool, True exactly on the response
             tokens (never on prompt or padding).
         ref_chosen_logps, ref_rejected_logps: [B] fp32 summed reference log-probs, or None
-            before `compute_reference_logps`.
+            before `posttrain.preference.reference.compute_reference_logps`.
     """
 
     chosen_input_ids: Tensor
@@ -524,7 +374,7 @@ class KTOBatch:
         desirable: [B] bool.
         kl_input_ids, kl_attention_mask, kl_response_mask: [B, T'] the mismatched sequences.
         ref_logps, ref_kl_logps: [B] fp32 reference log-probs, or None before
-            `compute_reference_logps`.
+            `posttrain.preference.reference.compute_reference_logps`.
     """
 
     input_ids: Tensor
@@ -553,7 +403,7 @@ class PreferenceLoader:
     never span two epochs; the state counts items, so batch_size may change across a resume).
 
     Reference log-probs are read from the dataset's cache when a batch is made, so call
-    `compute_reference_logps` before the first batch.
+    `posttrain.preference.reference.compute_reference_logps` before the first batch.
 
     Single process only for now: `rank`/`world_size` are 0/1, so the `Trainer` refuses this
     loader under data parallelism rather than training every rank on the same batches.
@@ -613,200 +463,3 @@ class PreferenceLoader:
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
         if self.offset == len(order):
             self._start_epoch(self.epoch + 1)
-
-
-# --------------------------------------------------------------------------------------------
-# Reference log-probabilities, computed once
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReferenceLogps:
-    """Summed reference log-probs of every item of a dataset: `values[key]` is [N] fp32 for each
-    key of the dataset's `REFERENCE_KEYS`; `fingerprint` identifies the reference parameters."""
-
-    fingerprint: str
-    values: dict[str, Tensor]
-
-
-@torch.no_grad()
-def reference_fingerprint(model: nn.Module, *, sample: int = 65536) -> str:
-    """A hex digest of a model's parameters and buffers: for every tensor its name, shape, dtype,
-    float64 sum and sum of squares, and the values of up to `sample` evenly spaced elements (all
-    of them for smaller tensors). Any training update changes it; an edit of one element that
-    keeps both sums and misses the sample would not (not a concern for a reference model)."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        values = tensor.detach().flatten().double()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        step = max(1, values.numel() // sample)
-        digest.update(torch.stack([values.sum(), (values * values).sum()]).cpu().numpy().tobytes())
-        digest.update(values[::step][:sample].cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTODataset, *,
-                            batch_size: int = 32) -> ReferenceLogps:
-    """Summed response log-probs of every item under `reference`, computed once and cached on
-    `dataset.reference`, keyed by `reference_fingerprint` of the reference's parameters: a
-    second call with the same parameters returns the cache; other parameters recompute.
-
-    Runs under `torch.no_grad()` in eval mode (the model's mode is restored), temperature 1,
-    `batch_size` sequences per forward, right-padded (results do not depend on the batch beyond
-    float rounding).
-
-    Args:
-        reference: a `posttrain.policy.policy.Policy` or a torchtune decoder (`nn.Module`).
-        dataset: a `PreferenceDataset` or `KTODataset`.
-        batch_size: sequences per forward (>= 1).
-
-    Returns:
-        The `ReferenceLogps` now on `dataset.reference`; loaders put its values into batches.
-
-    Raises:
-        ValueError: for batch_size < 1.
-    """
-    from posttrain.preference.losses import response_logps
-
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
-    model = getattr(reference, "model", reference)
-    fingerprint = reference_fingerprint(model)
-    if dataset.reference is not None and dataset.reference.fingerprint == fingerprint:
-        return dataset.reference
-    was_training = model.training
-    model.eval()
-    values = {}
-    try:
-        with torch.no_grad():
-            for key in dataset.REFERENCE_KEYS:
-                parts = []
-                for start in range(0, len(dataset), batch_size):
-                    indices = range(start, min(start + batch_size, len(dataset)))
-                    logps_B, _ = response_logps(model, *dataset.padded(indices, key))
-                    parts.append(logps_B.float().cpu())
-                values[key] = torch.cat(parts)
-    finally:
-        model.train(was_training)
-    dataset.reference = ReferenceLogps(fingerprint, values)
-    return dataset.reference
-
-
-# --------------------------------------------------------------------------------------------
-# Pairs by rejection sampling
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PairStats:
-    """Counts of `make_preference_pairs`: prompts, samples (completions drawn), pairs kept,
-    skipped_all_equal (every usable candidate ranked the same), skipped_too_few (fewer than two
-    usable candidates), excluded (candidates left out, by outcome: timeout / error, and
-    format_error with format_error="exclude"), outcomes (of every candidate scored),
-    reference_chosen (pairs whose chosen is the reference answer)."""
-
-    prompts: int = 0
-    samples: int = 0
-    pairs: int = 0
-    skipped_all_equal: int = 0
-    skipped_too_few: int = 0
-    excluded: dict[str, int] = field(default_factory=dict)
-    outcomes: dict[str, int] = field(default_factory=dict)
-    reference_chosen: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
-                          rank: Callable[[str, Mapping[str, Any]], Any], n: int = 8,
-                          max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
-                          seed: int = 0, prompts_per_batch: int = 64, chat: bool = True,
-                          timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                          format_error: Literal["lowest", "exclude"] = "lowest",
-                          reference_answer: Callable[[Mapping[str, Any]], str] | None = None,
-                          ) -> tuple[list[dict], PairStats]:
-    """Preference pairs by rejection sampling: `n` completions per item's question, ranked, and
-    the best against the worst when they rank differently (best-vs-worst of n, as in RSO / the
-    Llama 2 rejection-sampling recipe).
-
-    Ranking: every candidate goes through `posttrain.rewards.verifier.score_batch(rank, ...)`, so `rank`
-    is a verifier (typed `VerifierResult`s) or any `(completion, item) -> float` (a judge).
-    Outcomes ok / wrong rank by score. timeout / error are excluded and counted, never scored 0.
-    format_error (no answer found: the policy's fault) ranks below every scored candidate
-    (`format_error="lowest"`) or is excluded ("exclude"). Ties go to the earliest sample.
-
-    Args:
-        policy: a `posttrain.policy.policy.Policy`.
-        items: mappings with a "question" (the user turn) and whatever `rank` reads.
-        rank: verifier or scoring callable.
-        n: completions per prompt (>= 2). max_new_tokens, temperature, top_p: sampling.
-        seed: `Policy.generate` seeds, `seed + first item index` per chunk (deterministic).
-        prompts_per_batch: prompts per `generate` call (memory: prompts_per_batch * n rows).
-        chat: prompt with the one-turn chat template (True) or the raw question after BOS.
-        timeout_s: the ranker's per-call budget. format_error: see above.
-        reference_answer: `item -> str`; if given, that text joins the candidates (after the
-            samples, ranked by `rank` like them), so a prompt whose samples all fail still gives
-            a pair. Off-policy: off by default.
-
-    Returns:
-        rows {"prompt", "chosen", "rejected", "chosen_score", "rejected_score",
-        "chosen_outcome", "rejected_outcome"} (prompt = the question; feed to
-        `PreferenceDataset`), and the `PairStats`.
-
-    Raises:
-        ValueError: for n < 2, an item without a str "question", or a bad format_error.
-    """
-    if not isinstance(n, int) or n < 2:
-        raise ValueError(f"n={n!r}; rejection sampling needs at least 2 completions per prompt")
-    if format_error not in ("lowest", "exclude"):
-        raise ValueError(f"format_error={format_error!r}; allowed: 'lowest', 'exclude'")
-    for i, item in enumerate(items):
-        if not isinstance(item.get("question"), str):
-            raise ValueError(f"items[{i}] has no str 'question'")
-    stats = PairStats(prompts=len(items))
-    stats.outcomes = {o.value: 0 for o in Outcome}
-    rows: list[dict] = []
-    tok = policy.tokenizer
-    for start in range(0, len(items), prompts_per_batch):
-        chunk = items[start:start + prompts_per_batch]
-        prompts = [tok.render_prompt([{"role": "user", "content": it["question"]}]) if chat
-                   else it["question"] for it in chunk]
-        completions = policy.generate(prompts, n=n, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, seed=seed + start)
-        stats.samples += len(completions)
-        texts = [[c.text for c in completions[j * n:(j + 1) * n]] for j in range(len(chunk))]
-        if reference_answer is not None:
-            texts = [t + [reference_answer(it)] for t, it in zip(texts, chunk)]
-        flat = [(t, it) for ts, it in zip(texts, chunk) for t in ts]
-        results = score_batch(rank, [t for t, _ in flat], [it for _, it in flat],
-                              timeout_s=timeout_s)
-        for outcome, count in count_outcomes(results).items():
-            stats.outcomes[outcome] += count
-        at = 0
-        for ts, item in zip(texts, chunk):
-            candidates = []
-            for k, (text, result) in enumerate(zip(ts, results[at:at + len(ts)])):
-                if result.outcome in (Outcome.TIMEOUT, Outcome.ERROR) or (
-                        result.outcome is Outcome.FORMAT_ERROR and format_error == "exclude"):
-                    stats.excluded[result.outcome.value] = stats.excluded.get(
-                        result.outcome.value, 0) + 1
-                    continue
-                key = (0, 0.0) if result.outcome is Outcome.FORMAT_ERROR else (1, result.score)
-                candidates.append((key, k, text, result))
-            at += len(ts)
-            if len(candidates) < 2:
-                stats.skipped_too_few += 1
-                continue
-            best = max(candidates, key=lambda c: (c[0], -c[1]))
-            worst = min(candidates, key=lambda c: (c[0], c[1]))
-            if best[0] == worst[0] or best[2] == worst[2]:
-                stats.skipped_all_equal += 1
-                continue
-            stats.pairs += 1
-            stats.reference_chosen += reference_answer is not None and best[1] == n
-            rows.append({"prompt": item["question"], "chosen": best[2], "rejected": worst[2],
-                         "chosen_score": best[3].score, "rejected_score": worst[3].score,
-                         "chosen_outcome": best[3].outcome.value,
-                         "rejected_outcome": worst[3].outcome.value})
-    return rows, stats

@@ -42,7 +42,8 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.models.tokenizer import ROLES, Tokenizer
+from posttrain.models.chat import ROLES
+from posttrain.models.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 """Label of positions that are not trained (`torch.nn.functional.cross_entropy` default)."""
@@ -55,7 +56,7 @@ BAD_ROW_REASONS = (
     "no_messages",         # neither "messages" nor "prompt"/"completion"
     "bad_message",         # a message that is not a dict, or lacks "role" / "content"
     "non_string_content",  # content (or prompt/completion/text) is not a str
-    "unknown_role",        # role outside posttrain.models.tokenizer.ROLES
+    "unknown_role",        # role outside posttrain.models.chat.ROLES
     "empty_assistant",     # an assistant turn with empty (or whitespace-only) content
     "no_assistant",        # no assistant turn at all: nothing to train
     "last_not_assistant",  # turns after the last assistant turn would be trained on nothing

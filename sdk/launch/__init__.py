@@ -5,7 +5,8 @@ with live `Run` handles, requeue on preemption and reattach.
 from __future__ import annotations
 
 from posttrain.launch.run import Run, JobFailedError, RUN_FILE
-from posttrain.launch.submit import launch, launch_array, LaunchPickleError, EXECUTORS
+from posttrain.launch.pickling import LaunchPickleError
+from posttrain.launch.submit import launch, launch_array, EXECUTORS
 
 __all__ = [
     "Run",

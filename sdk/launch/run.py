@@ -9,13 +9,10 @@ job controller's process and result files). Results are read from submitit's res
 from __future__ import annotations
 
 import datetime
-import functools
 import html
-import json
 import os
 import socket
 import signal
-import subprocess
 import traceback
 import time
 from pathlib import Path
@@ -23,6 +20,9 @@ from typing import Any
 
 from submitit.core.utils import JobPaths, pickle_load
 from submitit.local.local import LocalJob
+
+from posttrain.launch.records import (_controller_alive, _fmt, _headline, _last_row, _no_metrics,
+                                       _peek_outcome, _read_record, _squeue_reason, _tail)
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
 
@@ -44,135 +44,6 @@ class JobFailedError(RuntimeError):
     """A job raised, was cancelled, ended without a result, or can never start (Slurm keeps it
     pending for a reason that will not clear). The message holds the remote traceback (or the
     state and the end of the error log, or the pending reason) and the paths of the job's logs."""
-
-
-def _controller_alive(pid: int) -> bool:
-    """True if process `pid` runs and (where /proc tells) is a submitit job controller."""
-    try:
-        return b"submitit" in Path(f"/proc/{pid}/cmdline").read_bytes()  # a zombie has none
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-# ----------------------------------------------------------------------------- results on disk
-
-
-def _squeue_reason(job_id: str) -> str | None:
-    """Why Slurm keeps `job_id` pending (`squeue -h -j ID -o %r`), None if squeue says none."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
-                             text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    reason = lines[0].strip() if lines else ""
-    return None if reason in ("", "None") else reason
-
-
-def _peek_outcome(path: Path) -> str | None:
-    """"success" / "error" from submitit's result pickle without loading the result; None if
-    the file does not exist (yet)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except FileNotFoundError:
-        return None
-    if b"\x8c\x07success" in head:
-        return "success"
-    if b"\x8c\x05error" in head:
-        return "error"
-    return pickle_load(path)[0]
-
-
-def _tail(path: Path, lines: int | None) -> str:
-    if not path.exists():
-        return ""
-    with open(path, "rb") as f:
-        if lines is None:
-            return f.read().decode("utf-8", "replace")
-        f.seek(0, os.SEEK_END)
-        size, chunk, data = f.tell(), 1 << 14, b""
-        while size > 0 and data.count(b"\n") <= lines:
-            step = min(chunk, size)
-            size -= step
-            f.seek(size)
-            data = f.read(step) + data
-    text = data.decode("utf-8", "replace")
-    return "\n".join(text.splitlines()[-lines:]) if lines else ""
-
-
-_RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    """The record in a run.json, checked to have what `Run.attach` reads."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it is not a launch record "
-                         "(written by posttrain.launch.submit), or was damaged") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
-    missing = [k for k in _RECORD_KEYS if k not in record]
-    if missing:
-        raise ValueError(f"{path} is not a launch record written by posttrain.launch.submit: it has "
-                         f"no {', '.join(repr(k) for k in missing)}")
-    jobs = record["jobs"]
-    if not isinstance(jobs, list) or not jobs or not all(
-            isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs):
-        raise ValueError(f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
-                         f"entries, got {jobs!r:.200}")
-    return record
-
-
-def _last_row(path: Path | None) -> dict[str, Any]:
-    if path is None or not path.exists():
-        return {}
-    for line in reversed(_tail(path, 4).splitlines()):
-        try:
-            row = json.loads(line)
-            if isinstance(row, dict):
-                return row
-        except json.JSONDecodeError:
-            continue
-    return {}
-
-
-def _no_metrics(note: str):
-    frame = _no_metrics_class()()
-    frame.note = note
-    return frame
-
-
-@functools.lru_cache(maxsize=None)
-def _no_metrics_class():
-    import pandas as pd
-
-    class NoMetrics(pd.DataFrame):
-        """An empty DataFrame that says why it is empty."""
-
-        _metadata = ["note"]
-
-        @property
-        def _constructor(self):
-            return pd.DataFrame
-
-        def __repr__(self) -> str:
-            return f"<no metrics yet: {self.note}>"
-
-        def _repr_html_(self) -> str:
-            return f"<p><i>no metrics yet: {html.escape(self.note)}</i></p>"
-
-    return NoMetrics
 
 
 # ----------------------------------------------------------------------------- Run
@@ -574,18 +445,3 @@ class Run:
     def _log_hint(self, task: int) -> str:
         p = self._paths(task)
         return (f"Logs: {p.stdout} and {p.stderr} (run.logs(stream='stderr', task={task}))")
-
-
-def _headline(row: dict[str, Any], limit: int = 2) -> dict[str, Any]:
-    """step, loss and the next few numeric metrics of a metrics row."""
-    out = {k: row[k] for k in ("step", "loss") if k in row}
-    for k, v in row.items():
-        if len(out) >= limit + 1:
-            break
-        if k not in out and isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[k] = v
-    return out
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

@@ -4,15 +4,23 @@ conversion, and tokenizers (byte-level and `tokenizer.json`) with chat templates
 
 from __future__ import annotations
 
+from posttrain.models.chat import ROLES, RenderedChat
 from posttrain.models.hf import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
     GENERATION_CONFIG_NAME,
-    spec_from_hf_config,
-    hf_config_from_spec,
     load_hf_checkpoint,
     save_hf_checkpoint,
+)
+from posttrain.models.hf_config import spec_from_hf_config, hf_config_from_spec
+from posttrain.models.hf_tokenizer import (
+    HF_TOKENIZER_FILE,
+    HF_CONFIG_FILE,
+    HF_CHAT_TEMPLATE_FILE,
+    HF_SPECIAL_TOKENS_FILE,
+    FALLBACK_CHAT_TEMPLATE,
+    HFTokenizer,
 )
 from posttrain.models.specs import (
     FAMILIES,
@@ -23,17 +31,9 @@ from posttrain.models.specs import (
     build_model,
 )
 from posttrain.models.tokenizer import (
-    ROLES,
     BYTE_TOKENIZER_FILE,
-    HF_TOKENIZER_FILE,
-    HF_CONFIG_FILE,
-    HF_CHAT_TEMPLATE_FILE,
-    HF_SPECIAL_TOKENS_FILE,
-    FALLBACK_CHAT_TEMPLATE,
-    RenderedChat,
     Tokenizer,
     ByteTokenizer,
-    HFTokenizer,
     load_tokenizer,
 )
 

@@ -4,6 +4,7 @@ teacher-forced log-probabilities, save and load.
 
 from __future__ import annotations
 
-from posttrain.policy.policy import Completion, sampling_logprobs, token_logprobs, Policy
+from posttrain.policy.sampling import Completion, sampling_logprobs, token_logprobs
+from posttrain.policy.policy import Policy
 
 __all__ = ["Completion", "sampling_logprobs", "token_logprobs", "Policy"]

@@ -1,5 +1,9 @@
 """Preference optimisation: the DPO family, KTO and ORPO losses, reference log-probabilities,
 rejection-sampled pairs and the Bradley-Terry reward-model objective.
+
+Importing this package registers dpo, ipo, simpo, kto, orpo and bradley_terry in the loss
+registry of `posttrain.train.losses`; `get_loss` / `registered_losses` are re-exported here so
+that a lookup through this package always sees them.
 """
 
 from __future__ import annotations
@@ -12,17 +16,35 @@ from posttrain.preference.losses import (
     kto_reference_point,
     orpo_loss,
     step_share,
+    DPO_LOSS_TYPES,
+)
+from posttrain.preference.reference import (
     response_logps,
+    ReferenceLogps,
+    reference_fingerprint,
+    compute_reference_logps,
+)
+from posttrain.preference.pairs import (
+    PairStats,
+    make_preference_pairs,
+)
+from posttrain.preference.objectives import (  # importing it registers dpo, ipo, simpo, kto, orpo
     DPOLoss,
     IPOLoss,
     SimPOLoss,
     KTOLoss,
     ORPOLoss,
-    DPO_LOSS_TYPES,
     BUILTIN_LOSSES,
 )
+from posttrain.preference.reward_model import (
+    pair_tensors,
+    BradleyTerryLoss,
+)
+from posttrain.train.losses import get_loss, registered_losses
 
 __all__ = [
+    "get_loss",
+    "registered_losses",
     "dpo_loss",
     "ipo_loss",
     "simpo_loss",
@@ -38,4 +60,11 @@ __all__ = [
     "ORPOLoss",
     "DPO_LOSS_TYPES",
     "BUILTIN_LOSSES",
+    "ReferenceLogps",
+    "reference_fingerprint",
+    "compute_reference_logps",
+    "PairStats",
+    "make_preference_pairs",
+    "pair_tensors",
+    "BradleyTerryLoss",
 ]

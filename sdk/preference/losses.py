@@ -1,5 +1,5 @@
-"""Preference optimisation: DPO, IPO, SimPO, KTO and ORPO losses, and the objectives the `Trainer`
-calls on preference batches.
+"""Preference optimisation: the pure DPO, IPO, SimPO, KTO and ORPO losses on summed response
+log-probabilities, and `step_share`, their share of an optimizer step.
 
 Notation: B = preference pairs, N = KTO rows (desirable or undesirable), K = KTO mismatched
 (prompt, completion) pairs for the KL estimate, T = tokens per sequence. Log-probabilities are
@@ -23,11 +23,8 @@ log-probabilities (<= 1e-6), plus hand-computed values: all log-probs 0, beta 0.
 = 0.693147, hinge = 1, IPO = 25; policy chosen -1, rejected -2, reference -1.5 for both, beta 0.1
 -> DPO = -log s(0.1) = 0.644397, rewards +0.05 / -0.05.
 
-Objectives (registered in `posttrain.train.losses` as "dpo", "ipo", "simpo", "kto", "orpo") run the
-policy on a `posttrain.data.preference.PreferenceBatch` (chosen and rejected in one forward,
-concatenated along B) or `KTOBatch`; reference log-probabilities come precomputed in the batch
-(`posttrain.data.preference.compute_reference_logps`). The normaliser is the number of pairs
-(KTO: rows) in the whole optimizer step, so gradient accumulation 1 x 8 equals 8 x 1.
+The objectives the `Trainer` calls on preference batches (`DPOLoss`, ..., registered as
+"dpo", "ipo", "simpo", "kto", "orpo") are in `posttrain.preference.objectives`.
 
 Example:
     >>> import torch
@@ -37,25 +34,20 @@ Example:
     ([0.693147, 0.693147], [0.0, 0.0])
     >>> round(float(ipo_loss(zeros, zeros, zeros, zeros, beta=0.1)[0][0]), 4)
     25.0
-    >>> from posttrain.train import get_loss
-    >>> get_loss("dpo", beta=0.2)
-    DPOLoss(beta=0.2, label_smoothing=0.0, loss_type='sigmoid')
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from posttrain.train.losses import normalize_by_step
 
 __all__ = ["dpo_loss", "ipo_loss", "simpo_loss", "kto_loss", "kto_reference_point", "orpo_loss",
-           "step_share", "response_logps", "DPOLoss", "IPOLoss", "SimPOLoss", "KTOLoss",
-           "ORPOLoss", "DPO_LOSS_TYPES", "BUILTIN_LOSSES"]
+           "step_share", "DPO_LOSS_TYPES"]
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge")
 """`dpo_loss(loss_type=...)`: the logistic loss of DPO, or the hinge loss of SLiC."""
@@ -345,245 +337,6 @@ def step_share(losses_B: Tensor, num_units_in_step: Tensor | int) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Log-probabilities of responses
-# --------------------------------------------------------------------------------------------
-
-
-def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
-                   response_mask_BT: Tensor) -> tuple[Tensor, Tensor]:
-    """Summed log-probabilities of the response tokens and their counts, in one forward.
-
-    Uses `posttrain.policy.policy.token_logprobs` (temperature 1, the model's own distribution), which
-    keeps the autograd graph; padding and prompt are excluded by position (`response_mask_BT`).
-
-    Args:
-        model: a torchtune decoder; the tensors are moved to its device.
-        input_ids_BT: [B, T] int64; attention_mask_BT, response_mask_BT: [B, T] bool.
-
-    Returns:
-        logps_B [B] fp32 (differentiable), lengths_B [B] int64 response tokens.
-    """
-    from posttrain.policy.policy import token_logprobs
-
-    device = _device_of(model)
-    response_BT = response_mask_BT.to(device).bool()
-    logprobs_BT = token_logprobs(model, input_ids_BT.to(device), attention_mask_BT.to(device),
-                                 response_BT)
-    return logprobs_BT.sum(dim=-1), response_BT.sum(dim=-1)
-
-
-# --------------------------------------------------------------------------------------------
-# Objectives the Trainer calls
-# --------------------------------------------------------------------------------------------
-
-
-class _PairObjective:
-    """Shared parts of the pairwise objectives: one forward over [chosen; rejected]."""
-
-    needs_reference = True
-
-    def num_units(self, batch: Any) -> Tensor:
-        """Pairs in `batch` (int64 scalar)."""
-        return torch.tensor(batch.chosen_input_ids.shape[0], dtype=torch.int64)
-
-    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
-        losses_B, _, _ = self.pair_losses(model, batch)
-        return step_share(losses_B, num_units_in_step.to(losses_B.device))
-
-    def forward_pairs(self, model: nn.Module, batch: Any) -> dict[str, Tensor]:
-        """Policy log-probs and lengths of the chosen and rejected responses, one forward."""
-        input_ids, attention_mask, response_mask = batch.concatenated()
-        logps_2B, lengths_2B = response_logps(model, input_ids, attention_mask, response_mask)
-        chosen_logps_B, rejected_logps_B = logps_2B.chunk(2)
-        chosen_lengths_B, rejected_lengths_B = lengths_2B.chunk(2)
-        out = {"chosen": chosen_logps_B, "rejected": rejected_logps_B,
-               "chosen_lengths": chosen_lengths_B, "rejected_lengths": rejected_lengths_B}
-        if self.needs_reference:
-            if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
-                raise ValueError(f"{type(self).__name__} needs reference log-probs in the batch; "
-                                 "run posttrain.data.preference.compute_reference_logps(reference, "
-                                 "dataset) before building the loader")
-            out["ref_chosen"] = batch.ref_chosen_logps.to(chosen_logps_B.device)
-            out["ref_rejected"] = batch.ref_rejected_logps.to(chosen_logps_B.device)
-        return out
-
-    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
-        """Mean loss, rewards, margin and reward accuracy (chosen reward > rejected) on `batch`."""
-        losses_B, chosen_B, rejected_B = self.pair_losses(model, batch)
-        return {"loss": float(losses_B.mean()), "chosen_reward": float(chosen_B.mean()),
-                "rejected_reward": float(rejected_B.mean()),
-                "reward_margin": float((chosen_B - rejected_B).mean()),
-                "reward_accuracy": float((chosen_B > rejected_B).float().mean())}
-
-    def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({options})"
-
-
-class DPOLoss(_PairObjective):
-    """DPO / cDPO / hinge on `PreferenceBatch`es (see `dpo_loss`); pair-normalised over the step.
-
-    Args:
-        beta: > 0. label_smoothing: e in [0, 0.5) (cDPO). loss_type: "sigmoid" or "hinge".
-    """
-
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0,
-                 loss_type: str = "sigmoid") -> None:
-        dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=beta,
-                 label_smoothing=label_smoothing, loss_type=loss_type)   # validates the options
-        self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
-
-    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        lp = self.forward_pairs(model, batch)
-        return dpo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
-                        beta=self.beta, label_smoothing=self.label_smoothing,
-                        loss_type=self.loss_type)
-
-
-class IPOLoss(_PairObjective):
-    """IPO on `PreferenceBatch`es (see `ipo_loss`); pair-normalised over the step.
-
-    Args:
-        beta: > 0 (tau). length_normalize: divide each log-ratio by its response length, as
-            TRL does (True), or use the summed log-ratios of eq. 17 (False).
-    """
-
-    def __init__(self, *, beta: float = 0.1, length_normalize: bool = True) -> None:
-        _check_beta(beta)
-        self.beta, self.length_normalize = beta, bool(length_normalize)
-
-    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        lp = self.forward_pairs(model, batch)
-        lengths = ((lp["chosen_lengths"], lp["rejected_lengths"]) if self.length_normalize
-                   else (None, None))
-        return ipo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
-                        beta=self.beta, chosen_lengths_B=lengths[0], rejected_lengths_B=lengths[1])
-
-
-class SimPOLoss(_PairObjective):
-    """SimPO on `PreferenceBatch`es (see `simpo_loss`); reference-free, pair-normalised.
-
-    Args:
-        beta: > 0. gamma: target reward margin >= 0. label_smoothing: e in [0, 0.5).
-    """
-
-    needs_reference = False
-
-    def __init__(self, *, beta: float = 2.0, gamma: float = 1.0,
-                 label_smoothing: float = 0.0) -> None:
-        simpo_loss(torch.zeros(1), torch.zeros(1), beta=beta, gamma=gamma,
-                   label_smoothing=label_smoothing)   # validates the options
-        self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
-
-    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        lp = self.forward_pairs(model, batch)
-        return simpo_loss(lp["chosen"], lp["rejected"], beta=self.beta, gamma=self.gamma,
-                          label_smoothing=self.label_smoothing,
-                          chosen_lengths_B=lp["chosen_lengths"],
-                          rejected_lengths_B=lp["rejected_lengths"])
-
-
-class ORPOLoss(_PairObjective):
-    """ORPO (Hong et al. 2024, eq. 6) on `PreferenceBatch`es: per pair, the chosen response's
-    NLL averaged over its tokens (eq. 2) plus `orpo_loss` (beta = lambda); reference-free and
-    pair-normalised over the step. TRL averages the NLL over all chosen tokens of a micro-batch
-    instead, which weights long responses more and depends on the micro-batching.
-
-    Args:
-        beta: > 0, the weight of the odds-ratio term.
-    """
-
-    needs_reference = False
-
-    def __init__(self, *, beta: float = 0.1) -> None:
-        _check_beta(beta)
-        self.beta = beta
-
-    def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        lp = self.forward_pairs(model, batch)
-        chosen_lengths_B = lp["chosen_lengths"].clamp(min=1)
-        losses_B, chosen_B, rejected_B = orpo_loss(
-            lp["chosen"], lp["rejected"], beta=self.beta, chosen_lengths_B=chosen_lengths_B,
-            rejected_lengths_B=lp["rejected_lengths"])
-        return losses_B - lp["chosen"] / chosen_lengths_B, chosen_B, rejected_B
-
-
-class KTOLoss:
-    """KTO on `posttrain.data.preference.KTOBatch`es (see `kto_loss`); row-normalised over the
-    step (TRL averages over the rows of a batch the same way).
-
-    The reference point z0 is estimated on each micro-batch from its mismatched pairs (a no-grad
-    forward; `kto_reference_point`), as TRL does. Since z0 then depends on the micro-batching,
-    gradient accumulation matches one big batch exactly only with `use_kl=False` (z0 = 0), or
-    up to the difference in z0.
-
-    Args:
-        beta: > 0. desirable_weight, undesirable_weight: lambda_D, lambda_U > 0.
-        use_kl: estimate z0 (True) or use z0 = 0 (False).
-    """
-
-    needs_reference = True
-
-    def __init__(self, *, beta: float = 0.1, desirable_weight: float = 1.0,
-                 undesirable_weight: float = 1.0, use_kl: bool = True) -> None:
-        kto_loss(torch.zeros(1), torch.zeros(1), torch.ones(1, dtype=torch.bool), beta=beta,
-                 desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-        self.beta, self.use_kl = beta, bool(use_kl)
-        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
-
-    def num_units(self, batch: Any) -> Tensor:
-        """Rows in `batch` (int64 scalar)."""
-        return torch.tensor(batch.input_ids.shape[0], dtype=torch.int64)
-
-    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
-        losses_N, _, _ = self.row_losses(model, batch)
-        return step_share(losses_N, num_units_in_step.to(losses_N.device))
-
-    def row_losses(self, model: nn.Module, batch: Any) -> LossTriple:
-        """`kto_loss` of the batch's rows, with z0 from its mismatched pairs."""
-        if batch.ref_logps is None or (self.use_kl and batch.ref_kl_logps is None):
-            raise ValueError("KTOLoss needs reference log-probs in the batch; run posttrain."
-                             "preference_data.compute_reference_logps(reference, dataset) first")
-        logps_N, _ = response_logps(model, batch.input_ids, batch.attention_mask,
-                                    batch.response_mask)
-        z0 = torch.zeros((), device=logps_N.device)
-        if self.use_kl:
-            with torch.no_grad():
-                kl_logps_K, _ = response_logps(model, batch.kl_input_ids, batch.kl_attention_mask,
-                                               batch.kl_response_mask)
-            z0 = kto_reference_point(kl_logps_K, batch.ref_kl_logps.to(logps_N.device))
-        return kto_loss(logps_N, batch.ref_logps.to(logps_N.device),
-                        batch.desirable.to(logps_N.device), reference_point=z0, beta=self.beta,
-                        desirable_weight=self.desirable_weight,
-                        undesirable_weight=self.undesirable_weight)
-
-    @torch.no_grad()
-    def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
-        """Mean loss and mean rewards of the desirable and undesirable rows of `batch`."""
-        losses_N, chosen, rejected = self.row_losses(model, batch)
-        out = {"loss": float(losses_N.mean())}
-        if chosen.numel():
-            out["chosen_reward"] = float(chosen.mean())
-        if rejected.numel():
-            out["rejected_reward"] = float(rejected.mean())
-        if chosen.numel() and rejected.numel():
-            out["reward_margin"] = out["chosen_reward"] - out["rejected_reward"]
-        return out
-
-    def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"KTOLoss({options})"
-
-
-BUILTIN_LOSSES = {"dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "kto": KTOLoss,
-                  "orpo": ORPOLoss}
-"""The objectives `posttrain.train.losses` registers under these names (its `load_builtins`)."""
-
-# --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
 
@@ -646,9 +399,3 @@ def _check_label_smoothing(label_smoothing: float) -> None:
     if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
         raise ValueError(f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
                          "probability that a preference label is flipped)")
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")

@@ -13,9 +13,9 @@ instructions with human feedback", eq. 1):
 
     loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected) - margin)
 
-with the optional margin of Touvron et al. 2023 (Llama 2, eq. 2). `BradleyTerryLoss` is the
-`TrainingLoss` registered as "bradley_terry": the `Trainer` trains a `RewardModel` with it,
-normalising by the pairs of the whole optimizer step (so gradient accumulation is exact).
+with the optional margin of Touvron et al. 2023 (Llama 2, eq. 2). The training objective,
+`posttrain.preference.reward_model.BradleyTerryLoss` (the `TrainingLoss` registered as
+"bradley_terry"), lives in the higher preference layer.
 
 Sequences are rendered by `render_pair` (the question as a user turn, the response as the
 assistant turn, the tokenizer's chat template), the same for training pairs and for
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -50,12 +49,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.rewards.evaluation import wilson_interval
-from posttrain.train.losses import register_loss
 from posttrain.models.specs import ModelSpec, build_model, get_preset
 
-__all__ = ["RewardModel", "render_pair", "right_pad", "bradley_terry_loss", "BradleyTerryLoss",
-           "pair_tensors", "PairwiseAccuracy", "accuracy_from_rewards", "pairwise_accuracy",
-           "load_reward_model", "RM_CONFIG_FILE", "RM_WEIGHTS_FILE"]
+__all__ = ["RewardModel", "render_pair", "right_pad", "bradley_terry_loss", "PairwiseAccuracy",
+           "accuracy_from_rewards", "pairwise_accuracy", "load_reward_model", "RM_CONFIG_FILE",
+           "RM_WEIGHTS_FILE"]
 
 RM_CONFIG_FILE = "reward_model.json"
 RM_WEIGHTS_FILE = "reward_model.safetensors"
@@ -135,7 +133,7 @@ class RewardModel(nn.Module):
             input_ids_BT: int64 token ids.
             attention_mask_BT: bool/int, 1 on real tokens; None = all real. Right padding takes
                 the plain causal path; other layouts (left padding) get a padding-aware causal
-                mask and position ids, as in `posttrain.policy.policy.token_logprobs`.
+                mask and position ids, as in `posttrain.policy.sampling.token_logprobs`.
 
         Raises:
             ValueError: for shape mismatches, an empty batch, a row without a real token, or a
@@ -304,82 +302,6 @@ def bradley_terry_loss(rewards_chosen_B: Tensor, rewards_rejected_B: Tensor, *,
         raise ValueError(f"chosen rewards {tuple(rewards_chosen_B.shape)} and rejected rewards "
                          f"{tuple(rewards_rejected_B.shape)} must have the same shape")
     return -F.logsigmoid(rewards_chosen_B.float() - rewards_rejected_B.float() - margin)
-
-
-def pair_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(chosen ids, chosen mask, rejected ids, rejected mask), each `[B, T]`, from a preference
-    batch: `posttrain.data.preference.PreferenceBatch`, or any object with attributes
-    `chosen_input_ids`, `chosen_attention_mask`, `rejected_input_ids`,
-    `rejected_attention_mask` (the masks are 1 on real tokens).
-
-    Raises:
-        TypeError: if the batch has none of these layouts.
-    """
-    try:
-        return (batch.chosen_input_ids, batch.chosen_attention_mask, batch.rejected_input_ids,
-                batch.rejected_attention_mask)
-    except AttributeError:
-        raise TypeError(f"{type(batch).__name__} is not a preference batch: it needs "
-                        "chosen_input_ids, chosen_attention_mask, rejected_input_ids and "
-                        "rejected_attention_mask") from None
-
-
-@register_loss("bradley_terry")
-class BradleyTerryLoss:
-    """The Bradley-Terry reward-model objective as a `TrainingLoss`, normalised by pairs.
-
-    Per micro-batch: one forward of the chosen and rejected rows together (`[2B, T]`, right
-    padded to the longer), `share = sum_b bradley_terry_loss(r_c, r_r)_b / pairs_in_step`, so
-    the shares of a step add up to the mean over all its pairs, whatever the micro-batching.
-
-    Args:
-        margin: constant margin (Touvron et al. 2023, eq. 2); 0 is the plain loss.
-
-    Example (one `Trainer` step on two pairs):
-        >>> import torch
-        >>> from posttrain.data import PreferenceDataset, PreferenceLoader
-        >>> from posttrain.models import ByteTokenizer
-        >>> from posttrain.train import Trainer
-        >>> rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"},
-        ...         {"prompt": "1+1=", "chosen": "2", "rejected": "11"}]
-        >>> loader = PreferenceLoader(PreferenceDataset(rows, ByteTokenizer(), max_seq_len=32),
-        ...                           batch_size=2)
-        >>> rm = RewardModel.from_spec("tiny-1m", seed=0)
-        >>> trainer = Trainer(rm, torch.optim.AdamW(rm.parameters(), lr=1e-3), data=loader,
-        ...                   loss=BradleyTerryLoss(), progress=False)
-        >>> row = trainer.step()
-        >>> row["trained_tokens"], abs(row["loss"] - 0.693) < 0.01   # pairs; ~log 2 at the start
-        (2, True)
-    """
-
-    def __init__(self, *, margin: float = 0.0) -> None:
-        if not math.isfinite(margin):
-            raise ValueError(f"margin={margin!r}; must be finite")
-        self.margin = float(margin)
-
-    def num_units(self, batch: Any) -> Tensor:
-        """Pairs in `batch` (int64 scalar)."""
-        return torch.tensor(pair_tensors(batch)[0].shape[0], dtype=torch.long)
-
-    def rewards(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
-        """(r_chosen `[B]`, r_rejected `[B]`) from one forward pass of `model`."""
-        c_ids, c_mask, r_ids, r_mask = pair_tensors(batch)
-        B, T = c_ids.shape[0], max(c_ids.shape[1], r_ids.shape[1])
-        ids = torch.cat([F.pad(c_ids, (0, T - c_ids.shape[1])),
-                         F.pad(r_ids, (0, T - r_ids.shape[1]))])
-        mask = torch.cat([F.pad(c_mask.bool(), (0, T - c_mask.shape[1])),
-                          F.pad(r_mask.bool(), (0, T - r_mask.shape[1]))])
-        device = next(model.parameters()).device
-        rewards_2B = model(ids.to(device), mask.to(device))
-        return rewards_2B[:B], rewards_2B[B:]
-
-    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
-        chosen_B, rejected_B = self.rewards(model, batch)
-        loss_sum = bradley_terry_loss(chosen_B, rejected_B, margin=self.margin).sum()
-        return loss_sum / num_units_in_step.to(loss_sum.device)
-
-    def __repr__(self) -> str:
-        return f"BradleyTerryLoss(margin={self.margin})"
 
 
 # --------------------------------------------------------------------------------------------

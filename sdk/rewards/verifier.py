@@ -394,11 +394,9 @@ class _ScoreFn:
 VerifierFactory = Callable[..., Verifier]
 """Builds a verifier from keyword options (usually the verifier class itself)."""
 
-def _load_builtin_verifiers() -> None:
-    import posttrain.verifiers  # noqa: F401  (registers math_answer, reasoning_gym, ...)
 
-
-VERIFIERS: Registry[VerifierFactory] = Registry("verifier", load_builtins=_load_builtin_verifiers)
+VERIFIERS: Registry[VerifierFactory] = Registry(
+    "verifier", builtins_hint="the built-in verifiers register on `import posttrain.verifiers`")
 
 
 def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]:
@@ -421,9 +419,8 @@ def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]
 def get_verifier(name: str, /, **options: Any) -> Verifier:
     """Build the verifier registered under `name` with `options` (its constructor's keywords).
 
-    Example:
-        >>> get_verifier("math_answer")("so the answer is \\\\frac{1}{2}.", {"answer": "0.5"}).ok
-        True
+    The built-in verifiers (math_answer, reasoning_gym, ...) register when `posttrain.verifiers`
+    is imported; `posttrain.verifiers.get_verifier` is this function with them loaded.
 
     Raises:
         ValueError: if `name` is unknown; the message lists the registered names.
@@ -432,5 +429,5 @@ def get_verifier(name: str, /, **options: Any) -> Verifier:
 
 
 def registered_verifiers() -> tuple[str, ...]:
-    """Names `get_verifier` accepts (the built-ins included)."""
+    """Names `get_verifier` accepts (the built-ins once `posttrain.verifiers` is imported)."""
     return VERIFIERS.names()

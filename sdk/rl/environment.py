@@ -307,11 +307,8 @@ TaskFactory = Callable[..., EnvDataset]
 """Builds a task (`EnvDataset`) from keyword options."""
 
 
-def _load_builtin_tasks() -> None:
-    import posttrain.envs  # noqa: F401  (registers reasoning_gym, chain_sum, calculator)
-
-
-TASKS: Registry[TaskFactory] = Registry("task", load_builtins=_load_builtin_tasks)
+TASKS: Registry[TaskFactory] = Registry(
+    "task", builtins_hint="the built-in tasks register on `import posttrain.envs`")
 
 register_task = TASKS.register
 """Decorator registering a task factory under a name (see `posttrain.core.registry.Registry`)."""
@@ -320,10 +317,8 @@ register_task = TASKS.register
 def get_task(name: str, /, **options: Any) -> EnvDataset:
     """Build the task registered under `name` with `options`.
 
-    Example:
-        >>> task = get_task("chain_sum", size=64, held_out_size=8)
-        >>> len(task.builders(0, 4)), len(task.held_out(8))
-        (4, 8)
+    The built-in tasks (reasoning_gym, chain_sum, calculator) register when `posttrain.envs` is
+    imported; `posttrain.envs.get_task` is this function with them loaded.
 
     Raises:
         ValueError: if `name` is unknown; the message lists the registered names.
@@ -332,5 +327,5 @@ def get_task(name: str, /, **options: Any) -> EnvDataset:
 
 
 def registered_tasks() -> tuple[str, ...]:
-    """Names `get_task` accepts (the built-ins included)."""
+    """Names `get_task` accepts (the built-ins once `posttrain.envs` is imported)."""
     return TASKS.names()

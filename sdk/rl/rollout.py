@@ -84,7 +84,7 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
         group_size: G, environments (and completions) per builder.
         max_new_tokens: most tokens sampled per assistant turn.
         temperature, top_p: sampling settings; the trajectories' `logprobs` are under exactly
-            this distribution (`posttrain.policy.policy.sampling_logprobs`), so the trainer must score
+            this distribution (`posttrain.policy.sampling.sampling_logprobs`), so the trainer must score
             with the same settings.
         seed: turn k samples with seed `seed + k` (same seed, same weights -> same groups).
         policy_version: stored on each trajectory (optimizer steps of the sampling policy).

@@ -65,7 +65,7 @@ from posttrain.core.checkpoint import (capture_rng_state, latest_checkpoint, lis
 from posttrain.rl.environment import EnvDataset, Group
 from posttrain.train.losses import NonFiniteLossError, check_finite_update
 from posttrain.core.metrics import METRICS_FILE, MetricsLog
-from posttrain.policy.policy import sampling_logprobs, token_logprobs
+from posttrain.policy.sampling import sampling_logprobs, token_logprobs
 from posttrain.rl.algorithms import compute_advantages, policy_loss, step_units, value_loss
 from posttrain.rl.config import RLAlgorithm
 from posttrain.rl.rollout import collect_groups, outcome_counts
@@ -238,7 +238,7 @@ class RLTrainer:
                         start: float | None = None, rollout_s: float = 0.0) -> dict[str, float]:
         """The training half of a step on given rollout groups (what `step` does after
         sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
-        callbacks, checkpoint. `posttrain.notebook.inspector.replay_step` feeds saved rollouts here to
+        callbacks, checkpoint. `posttrain.notebook.replay.replay_step` feeds saved rollouts here to
         debug one step. The groups and builders stay readable as `last_groups` /
         `last_builders` (the live dashboard's rollout table). Returns the step's metrics row."""
         algo = self.algo

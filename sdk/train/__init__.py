@@ -4,6 +4,7 @@ checkpoints, resume, preemption) and the loss registry.
 
 from __future__ import annotations
 
+from posttrain.train.hooks import evaluate_model, seed_all, has_state
 from posttrain.train.losses import (
     IGNORE_INDEX,
     token_cross_entropy_sum,
@@ -14,9 +15,13 @@ from posttrain.train.losses import (
     get_loss,
     registered_losses,
 )
-from posttrain.train.trainer import Trainer, warmup_cosine_schedule, WarmupCosine, check_new_run_dir
+from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
+from posttrain.train.trainer import Trainer
 
 __all__ = [
+    "evaluate_model",
+    "seed_all",
+    "has_state",
     "IGNORE_INDEX",
     "token_cross_entropy_sum",
     "normalize_by_step",
@@ -25,8 +30,7 @@ __all__ = [
     "register_loss",
     "get_loss",
     "registered_losses",
-    "Trainer",
-    "warmup_cosine_schedule",
     "WarmupCosine",
-    "check_new_run_dir",
+    "warmup_cosine_schedule",
+    "Trainer",
 ]

@@ -54,6 +54,7 @@ Example:
     >>> from posttrain.data import SFTDataset, SFTLoader
     >>> from posttrain.models import build_model, get_preset
     >>> from posttrain.models import ByteTokenizer
+    >>> from posttrain.train import warmup_cosine_schedule
     >>> rows = [{"prompt": f"{i}+1?", "completion": str(i + 1)} for i in range(8)]
     >>> loader = SFTLoader(SFTDataset(rows, ByteTokenizer(), max_seq_len=32), batch_size=4)
     >>> model = build_model(get_preset("tiny-1m"), seed=0)
@@ -66,98 +67,31 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import random
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from posttrain.core import preemption
-from posttrain.core.checkpoint import (CHECKPOINT_DIR, capture_rng_state, checkpoint_name,
-                                  latest_checkpoint, list_checkpoints, load_checkpoint,
-                                  resolve_checkpoint, restore_rng_state, save_checkpoint)
-from posttrain.core.distributed import barrier, flat_collective, rank_and_world_size
+from posttrain.core.checkpoint import (CHECKPOINT_DIR, capture_rng_state, check_new_run_dir,
+                                       checkpoint_name, latest_checkpoint, load_checkpoint, resolve_checkpoint, restore_rng_state,
+                                       save_checkpoint)
+from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
+from posttrain.core.preemption import sigint_held
+from posttrain.train.hooks import evaluate_model, has_state, seed_all
 from posttrain.train.losses import TrainingLoss, check_finite_update, get_loss
-from posttrain.core.metrics import METRICS_FILE, MetricsLog
+from posttrain.core.metrics import MetricsLog
 from posttrain.core.checks import check_int
 
-__all__ = ["Trainer", "warmup_cosine_schedule", "WarmupCosine", "check_new_run_dir"]
+__all__ = ["Trainer"]
 
 TRAIN_STATE_VERSION = 1
-
-
-
-# --------------------------------------------------------------------------------------------
-# Learning-rate schedule
-# --------------------------------------------------------------------------------------------
-
-
-class WarmupCosine:
-    """Learning-rate multiplier: linear warmup from 0, then half a cosine down to
-    `min_lr_ratio`, constant after `total_steps`.
-
-        step < warmup:           step / warmup
-        warmup <= step < total:  r + (1 - r) * 0.5 * (1 + cos(pi * p)),
-                                 p = (step - warmup) / (total - warmup)
-        step >= total:           r
-
-    With r = 0 and step <= total this is torchtune's `get_cosine_schedule_with_warmup` (from
-    transformers' `get_cosine_schedule_with_warmup`), which has no floor and climbs back up after
-    `total_steps`. A callable object rather than a closure, so the scheduler pickles.
-    """
-
-    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0) -> None:
-        self.warmup_steps, self.total_steps = warmup_steps, total_steps
-        self.min_lr_ratio = min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return step / self.warmup_steps
-        if step >= self.total_steps:
-            return self.min_lr_ratio
-        progress = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
-
-
-def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: int,
-                           total_steps: int, min_lr_ratio: float = 0.0
-                           ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A `LambdaLR` applying `WarmupCosine` to every parameter group's lr.
-
-    Step k of training (k = 0, 1, ...) runs with `lr * WarmupCosine(k)`: the first step of a
-    warmup runs with lr 0, as in transformers and torchtune. The schedule's numbers are part of
-    the scheduler's `state_dict()`, so a resumed run keeps the schedule it was saved with.
-
-    Args:
-        optimizer: its groups' current `lr` is the peak.
-        warmup_steps: steps of linear warmup (0 for none); at most `total_steps`.
-        total_steps: the step at which the cosine reaches `min_lr_ratio * lr`.
-        min_lr_ratio: floor of the decay, as a fraction of the peak, in [0, 1].
-
-    Raises:
-        ValueError: for out-of-range arguments.
-    """
-    if not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"total_steps={total_steps!r}; must be a positive integer")
-    if not isinstance(warmup_steps, int) or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps={warmup_steps!r}; must be an integer in 0..total_steps "
-                         f"({total_steps})")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio={min_lr_ratio!r}; must be in [0, 1]")
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup_steps, total_steps, float(min_lr_ratio)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +181,7 @@ class Trainer:
             raise ValueError(f"eval_every={eval_every} needs an eval_fn")
         if (checkpoint_every or resume is True or tensorboard) and run_dir is None:
             raise ValueError("checkpoint_every, resume=True and tensorboard need a run_dir")
-        if checkpoint_every and not _has_state(data):
+        if checkpoint_every and not has_state(data):
             raise ValueError(f"checkpoint_every needs data with state_dict()/load_state_dict() "
                              f"(to resume at the same position); {type(data).__name__} has none")
 
@@ -272,7 +206,7 @@ class Trainer:
         self._log = MetricsLog(self.run_dir if writes else None, tensorboard=tensorboard and writes)
         self._last_saved_step: int | None = None
         self._rolled_back = False
-        _seed_all(seed)
+        seed_all(seed)
         if self.world_size > 1:
             flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
 
@@ -323,7 +257,7 @@ class Trainer:
         self._rolled_back = False
         self.model.train()
         start = time.perf_counter()
-        data_state = self.data.state_dict() if _has_state(self.data) else None
+        data_state = self.data.state_dict() if has_state(self.data) else None
         rng_state = capture_rng_state()
         try:
             batches = [self.data.next_batch() for _ in range(self.grad_accum_steps)]
@@ -353,7 +287,7 @@ class Trainer:
             self._rolled_back = True
             raise
         lr = float(self.optimizer.param_groups[0]["lr"])
-        with _sigint_held() as interrupt:
+        with sigint_held() as interrupt:
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -369,7 +303,7 @@ class Trainer:
         """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
         if self.world_size == 1:
             return value
-        value = value.detach().to(_device_of(self.model), copy=True)
+        value = value.detach().to(device_of(self.model), copy=True)
         dist.all_reduce(value)
         return value
 
@@ -451,7 +385,7 @@ class Trainer:
         if self.world_size == 1:
             preemption.step_boundary(self._preemption_save)
             return
-        flag = torch.tensor(int(preemption.requested()), device=_device_of(self.model))
+        flag = torch.tensor(int(preemption.requested()), device=device_of(self.model))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag:
             self._preemption_save()
@@ -460,7 +394,7 @@ class Trainer:
     def _preemption_save(self) -> None:
         """The checkpoint before a preemption: only with a run_dir and stateful data, and only
         if the last step is not saved yet."""
-        if (self.run_dir is not None and _has_state(self.data)
+        if (self.run_dir is not None and has_state(self.data)
                 and self._last_saved_step != self.step_count):
             self.save_checkpoint()
 
@@ -474,26 +408,7 @@ class Trainer:
         """
         if self.eval_fn is None:
             raise ValueError("this Trainer has no eval_fn")
-        was_training = self.model.training
-        rng_state = capture_rng_state()
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                result = self.eval_fn(self.model)
-        finally:
-            self.model.train(was_training)
-            restore_rng_state(rng_state)
-        if not isinstance(result, Mapping):
-            raise ValueError(f"eval_fn must return a dict of name -> number, got "
-                             f"{type(result).__name__}")
-        out = {}
-        for key, value in result.items():
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"eval_fn returned {key!r}={value!r}; values must be numbers")
-            out[key if str(key).startswith("eval/") else f"eval/{key}"] = value
-        return out
+        return evaluate_model(self.model, self.eval_fn)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -510,7 +425,7 @@ class Trainer:
         """
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs a run_dir")
-        if not _has_state(self.data):
+        if not has_state(self.data):
             raise ValueError(f"{type(self.data).__name__} has no state_dict(); its position "
                              "could not be restored")
         train_state = {
@@ -559,7 +474,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if not _has_state(self.data):
+        if not has_state(self.data):
             raise ValueError(f"{type(self.data).__name__} has no load_state_dict()")
         self.data.load_state_dict(state["data"])
         restore_rng_state(state["rng"])
@@ -571,62 +486,3 @@ class Trainer:
     def __repr__(self) -> str:
         return (f"Trainer(step_count={self.step_count}, loss={self.loss!r}, "
                 f"grad_accum_steps={self.grad_accum_steps}, run_dir={self.run_dir})")
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
-
-
-def check_new_run_dir(run_dir: str | os.PathLike) -> None:
-    """Raise ValueError if `run_dir` already holds a run (metrics.jsonl or checkpoints).
-
-    Recipes call it before writing anything, so a finished run is never partly overwritten by a
-    new one that then refuses to start.
-    """
-    run_dir = Path(run_dir)
-    if list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists():
-        raise ValueError(f"run_dir {run_dir} already holds a run (metrics.jsonl or "
-                         "checkpoints); pass resume=True to continue it, or use a new run_dir")
-
-
-class _Held:
-    received = False
-
-
-@contextlib.contextmanager
-def _sigint_held() -> Iterator[_Held]:
-    """Hold SIGINT (Ctrl-C) until the block ends, so a parameter update is never cut in half;
-    `.received` tells whether one arrived. Only the main thread can handle signals; elsewhere
-    this does nothing."""
-    held = _Held()
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is None):  # a handler Python cannot restore
-        yield held
-        return
-
-    def handler(signum, frame):
-        held.received = True
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield held
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _has_state(data: Any) -> bool:
-    return callable(getattr(data, "state_dict", None)) and callable(
-        getattr(data, "load_state_dict", None))

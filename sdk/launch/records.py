@@ -1,0 +1,158 @@
+"""What a `Run` reads about its job besides submitit's Job: whether a "local" job's controller
+still runs, why Slurm keeps a job pending (squeue), a task's outcome from its result pickle
+without loading the result, the end of a log file, the launch record in run.json, the last row
+of a metrics.jsonl, and the short forms of that row a `Run` shows (its repr and notebook table).
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from submitit.core.utils import pickle_load
+
+
+def _controller_alive(pid: int) -> bool:
+    """True if process `pid` runs and (where /proc tells) is a submitit job controller."""
+    try:
+        return b"submitit" in Path(f"/proc/{pid}/cmdline").read_bytes()  # a zombie has none
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _squeue_reason(job_id: str) -> str | None:
+    """Why Slurm keeps `job_id` pending (`squeue -h -j ID -o %r`), None if squeue says none."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
+                             text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    reason = lines[0].strip() if lines else ""
+    return None if reason in ("", "None") else reason
+
+
+def _peek_outcome(path: Path) -> str | None:
+    """"success" / "error" from submitit's result pickle without loading the result; None if
+    the file does not exist (yet)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except FileNotFoundError:
+        return None
+    if b"\x8c\x07success" in head:
+        return "success"
+    if b"\x8c\x05error" in head:
+        return "error"
+    return pickle_load(path)[0]
+
+
+def _tail(path: Path, lines: int | None) -> str:
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        if lines is None:
+            return f.read().decode("utf-8", "replace")
+        f.seek(0, os.SEEK_END)
+        size, chunk, data = f.tell(), 1 << 14, b""
+        while size > 0 and data.count(b"\n") <= lines:
+            step = min(chunk, size)
+            size -= step
+            f.seek(size)
+            data = f.read(step) + data
+    text = data.decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:]) if lines else ""
+
+
+_RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """The record in a run.json, checked to have what `Run.attach` reads."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); it is not a launch record "
+                         "(written by posttrain.launch.submit), or was damaged") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
+    missing = [k for k in _RECORD_KEYS if k not in record]
+    if missing:
+        raise ValueError(f"{path} is not a launch record written by posttrain.launch.submit: it has "
+                         f"no {', '.join(repr(k) for k in missing)}")
+    jobs = record["jobs"]
+    if not isinstance(jobs, list) or not jobs or not all(
+            isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs):
+        raise ValueError(f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
+                         f"entries, got {jobs!r:.200}")
+    return record
+
+
+def _last_row(path: Path | None) -> dict[str, Any]:
+    if path is None or not path.exists():
+        return {}
+    for line in reversed(_tail(path, 4).splitlines()):
+        try:
+            row = json.loads(line)
+            if isinstance(row, dict):
+                return row
+        except json.JSONDecodeError:
+            continue
+    return {}
+
+
+def _no_metrics(note: str):
+    frame = _no_metrics_class()()
+    frame.note = note
+    return frame
+
+
+@functools.lru_cache(maxsize=None)
+def _no_metrics_class():
+    import pandas as pd
+
+    class NoMetrics(pd.DataFrame):
+        """An empty DataFrame that says why it is empty."""
+
+        _metadata = ["note"]
+
+        @property
+        def _constructor(self):
+            return pd.DataFrame
+
+        def __repr__(self) -> str:
+            return f"<no metrics yet: {self.note}>"
+
+        def _repr_html_(self) -> str:
+            return f"<p><i>no metrics yet: {html.escape(self.note)}</i></p>"
+
+    return NoMetrics
+
+
+def _headline(row: dict[str, Any], limit: int = 2) -> dict[str, Any]:
+    """step, loss and the next few numeric metrics of a metrics row."""
+    out = {k: row[k] for k in ("step", "loss") if k in row}
+    for k, v in row.items():
+        if len(out) >= limit + 1:
+            break
+        if k not in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = v
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

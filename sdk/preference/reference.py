@@ -1,0 +1,126 @@
+"""Reference log-probabilities: summed response log-probs of a model (`response_logps`), and
+those of a frozen reference over a whole preference dataset, computed once and cached on the
+dataset (`compute_reference_logps`, keyed by `reference_fingerprint` of its parameters).
+
+Notation: B = sequences in a forward, T = tokens per sequence, N = items of a dataset.
+Log-probabilities are summed over the response tokens, in nats, fp32.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> before = reference_fingerprint(model)
+    >>> before == reference_fingerprint(model), len(before)
+    (True, 64)
+    >>> with torch.no_grad():
+    ...     _ = model.weight.add_(1.0)
+    >>> reference_fingerprint(model) == before
+    False
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from posttrain.core.distributed import device_of
+from posttrain.data.preference import KTODataset, PreferenceDataset
+from posttrain.policy.sampling import token_logprobs
+
+__all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint",
+           "compute_reference_logps"]
+
+
+def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
+                   response_mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed log-probabilities of the response tokens and their counts, in one forward.
+
+    Uses `posttrain.policy.sampling.token_logprobs` (temperature 1, the model's own distribution), which
+    keeps the autograd graph; padding and prompt are excluded by position (`response_mask_BT`).
+
+    Args:
+        model: a torchtune decoder; the tensors are moved to its device.
+        input_ids_BT: [B, T] int64; attention_mask_BT, response_mask_BT: [B, T] bool.
+
+    Returns:
+        logps_B [B] fp32 (differentiable), lengths_B [B] int64 response tokens.
+    """
+
+    device = device_of(model)
+    response_BT = response_mask_BT.to(device).bool()
+    logprobs_BT = token_logprobs(model, input_ids_BT.to(device), attention_mask_BT.to(device),
+                                 response_BT)
+    return logprobs_BT.sum(dim=-1), response_BT.sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class ReferenceLogps:
+    """Summed reference log-probs of every item of a dataset: `values[key]` is [N] fp32 for each
+    key of the dataset's `REFERENCE_KEYS`; `fingerprint` identifies the reference parameters."""
+
+    fingerprint: str
+    values: dict[str, Tensor]
+
+
+@torch.no_grad()
+def reference_fingerprint(model: nn.Module, *, sample: int = 65536) -> str:
+    """A hex digest of a model's parameters and buffers: for every tensor its name, shape, dtype,
+    float64 sum and sum of squares, and the values of up to `sample` evenly spaced elements (all
+    of them for smaller tensors). Any training update changes it; an edit of one element that
+    keeps both sums and misses the sample would not (not a concern for a reference model)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        values = tensor.detach().flatten().double()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        step = max(1, values.numel() // sample)
+        digest.update(torch.stack([values.sum(), (values * values).sum()]).cpu().numpy().tobytes())
+        digest.update(values[::step][:sample].cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTODataset, *,
+                            batch_size: int = 32) -> ReferenceLogps:
+    """Summed response log-probs of every item under `reference`, computed once and cached on
+    `dataset.reference`, keyed by `reference_fingerprint` of the reference's parameters: a
+    second call with the same parameters returns the cache; other parameters recompute.
+
+    Runs under `torch.no_grad()` in eval mode (the model's mode is restored), temperature 1,
+    `batch_size` sequences per forward, right-padded (results do not depend on the batch beyond
+    float rounding).
+
+    Args:
+        reference: a `posttrain.policy.policy.Policy` or a torchtune decoder (`nn.Module`).
+        dataset: a `PreferenceDataset` or `KTODataset`.
+        batch_size: sequences per forward (>= 1).
+
+    Returns:
+        The `ReferenceLogps` now on `dataset.reference`; loaders put its values into batches.
+
+    Raises:
+        ValueError: for batch_size < 1.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
+    model = getattr(reference, "model", reference)
+    fingerprint = reference_fingerprint(model)
+    if dataset.reference is not None and dataset.reference.fingerprint == fingerprint:
+        return dataset.reference
+    was_training = model.training
+    model.eval()
+    values = {}
+    try:
+        with torch.no_grad():
+            for key in dataset.REFERENCE_KEYS:
+                parts = []
+                for start in range(0, len(dataset), batch_size):
+                    indices = range(start, min(start + batch_size, len(dataset)))
+                    logps_B, _ = response_logps(model, *dataset.padded(indices, key))
+                    parts.append(logps_B.float().cpu())
+                values[key] = torch.cat(parts)
+    finally:
+        model.train(was_training)
+    dataset.reference = ReferenceLogps(fingerprint, values)
+    return dataset.reference

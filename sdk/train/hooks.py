@@ -1,0 +1,71 @@
+"""Small pieces of the training loop that every trainer shares: evaluation that leaves the run
+untouched, seeding, and whether a data source can be checkpointed.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> evaluate_model(model, lambda m: {"weight_sum": m.weight.sum()}).keys()
+    dict_keys(['eval/weight_sum'])
+    >>> model.training
+    True
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
+
+__all__ = ["evaluate_model", "seed_all", "has_state"]
+
+
+def evaluate_model(model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str, float]]
+                   ) -> dict[str, float]:
+    """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
+    states are restored afterwards, so evaluation does not change the training run.
+
+    Returns:
+        {"eval/<name>": value} (a name that already starts with "eval/" is kept as it is).
+
+    Raises:
+        ValueError: if `eval_fn` returns something other than a mapping of names to numbers.
+    """
+    was_training = model.training
+    rng_state = capture_rng_state()
+    model.eval()
+    try:
+        with torch.no_grad():
+            result = eval_fn(model)
+    finally:
+        model.train(was_training)
+        restore_rng_state(rng_state)
+    if not isinstance(result, Mapping):
+        raise ValueError(f"eval_fn must return a dict of name -> number, got "
+                         f"{type(result).__name__}")
+    out = {}
+    for key, value in result.items():
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"eval_fn returned {key!r}={value!r}; values must be numbers")
+        out[key if str(key).startswith("eval/") else f"eval/{key}"] = value
+    return out
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's `random`, numpy and torch's global RNGs."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def has_state(data: Any) -> bool:
+    """Whether `data` can be checkpointed (has `state_dict()` and `load_state_dict()`)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None))

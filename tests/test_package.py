@@ -1,0 +1,35 @@
+"""`import posttrain` for notebooks: the common names, loaded lazily."""
+
+import subprocess
+import sys
+
+import pytest
+
+import posttrain
+
+HEAVY = ("torch", "torchtune", "verl", "transformers", "reasoning_gym")
+
+
+def test_import_posttrain_loads_nothing_heavy():
+    code = ("import sys, posttrain; dir(posttrain); "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("name", posttrain.__all__)
+def test_every_lazy_name_resolves_to_the_subpackage_object(name):
+    import importlib
+
+    value = getattr(posttrain, name)
+    assert value is getattr(importlib.import_module(posttrain._LAZY[name]), name)
+
+
+def test_an_unknown_name_says_what_is_there():
+    with pytest.raises(AttributeError, match="no attribute 'Polciy'.*Policy"):
+        posttrain.Polciy  # noqa: B018
+
+
+def test_get_loss_from_the_top_knows_the_preference_losses():
+    assert {"sft_ce", "dpo", "ipo", "simpo", "kto", "orpo", "bradley_terry"} <= set(
+        posttrain.registered_losses())
