@@ -1,8 +1,9 @@
 """Demo job: build a tiny policy, generate from it, save it as a HF folder and reload it.
 
-Run: `posttrain run demo [preset=tiny-1m] [max_new_tokens=32] ...` or, in a notebook,
-`main(Config(preset="tiny-1m"))`. An untrained model generates noise; the demo shows the parts
-(policy, sampler with per-token log-probs, HF export) working end to end.
+Run: `posttrain run demo [model.name=tiny-1m] [sampling.max_new_tokens=32] ...` or, in a
+notebook, `main(Config(model=ModelConfig(name="tiny-2m")))`. An untrained model generates noise;
+the demo shows the parts (policy, sampler with per-token log-probs, HF export) working end to
+end.
 """
 
 from __future__ import annotations
@@ -14,26 +15,43 @@ import pandas as pd
 import torch
 
 from posttrain.policy import Policy
+from posttrain.workflows import ModelConfig, SamplingConfig, fail, validate
+from posttrain.workflows.config import seeds
 
 
 @dataclass(kw_only=True)
 class Config:
-    preset: str = "tiny-1m"
+    """The demo's policy, prompts and sampling. Raises ValueError in `__post_init__` naming the
+    dotted field."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
     prompts: tuple[str, ...] = field(default=("What is 2 + 3?", "Say hello.", "1, 2, 3,"))
-    max_new_tokens: int = 24
-    temperature: float = 0.8
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(
+        temperature=0.8, max_new_tokens=24))
     seed: int = 0
     out_dir: str = "runs/demo"
 
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        seeds(self, at, ("seed",))
+        if not str(self.out_dir).strip():
+            raise fail(f"{at}.out_dir", self.out_dir, "a non-empty folder path")
+        if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
+            raise fail(f"{at}.prompts", self.prompts, "a non-empty list of strings")
+
 
 def main(cfg: Config) -> pd.DataFrame:
+    """Generate, save, reload, generate again; returns the table of sampled completions."""
     torch.manual_seed(cfg.seed)
-    policy = Policy.from_spec(cfg.preset, seed=cfg.seed)
+    policy = (Policy.from_pretrained(cfg.model.init_from) if cfg.model.init_from
+              else Policy.from_spec(cfg.model.name, seed=cfg.seed))
     print(policy)
-    prompts = list(cfg.prompts)
-    sampled = policy.generate(prompts, n=2, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=cfg.seed)
-    greedy = policy.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    prompts, s = list(cfg.prompts), cfg.sampling
+    sampled = policy.generate(prompts, n=2, max_new_tokens=s.max_new_tokens,
+                              temperature=s.temperature, top_p=s.top_p, seed=cfg.seed)
+    greedy = policy.generate(prompts, max_new_tokens=s.max_new_tokens, temperature=0.0)
     table = pd.DataFrame({
         "prompt": [prompts[c.prompt_index] for c in sampled],
         "sample": [c.sample_index for c in sampled],
@@ -50,7 +68,7 @@ def main(cfg: Config) -> pd.DataFrame:
     folder = Path(cfg.out_dir) / "policy"
     policy.save(folder)
     reloaded = Policy.from_pretrained(folder)
-    again = reloaded.generate(prompts, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    again = reloaded.generate(prompts, max_new_tokens=s.max_new_tokens, temperature=0.0)
     same = [a.token_ids for a in again] == [g.token_ids for g in greedy]
     print(f"saved HF folder {folder}; reloaded greedy output identical: {same}")
     if not same:

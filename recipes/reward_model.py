@@ -1,13 +1,14 @@
 """Reward model: SFT policy -> preference pairs by rejection sampling -> Bradley-Terry RM ->
 held-out pairwise accuracy.
 
-Run: `posttrain run reward_model --config recipes/presets/reward_model_chain_sum.yaml`, or in a
-notebook `main(Config(rm_steps=50))`.
+Run: `posttrain run reward_model --config recipes/presets/reward_model_chain_sum.yaml [key=value
+...]` (dotted keys: `optim.steps=50 pairs.num_prompts=8000`), or in a notebook
+`main(Config(optim=BatchOptimConfig(steps=50)))`.
 
 Stages, on reasoning-gym chain_sum (the task's own question text):
-  1. The policy: `init_from` (a HF folder), or SFT of a fresh tiny policy with
-     `recipes/sft.py` (its `main`, unchanged; run folder `sft/`).
-  2. Pairs: `posttrain.preference.pairs.make_preference_pairs`: `samples_per_prompt` sampled
+  1. The policy: `model.init_from` (a HF folder), or the SFT warm start of a fresh tiny policy
+     (`posttrain.workflows.sft.warm_start`, section `sft`; run folder `sft/`).
+  2. Pairs: `posttrain.preference.pairs.make_preference_pairs`: `pairs.samples_per_prompt` sampled
      answers per question, ranked by the task's verifier; the best against the worst when they
      rank differently (format_error ranks lowest; timeouts and errors are excluded, counted).
      The SFT held-out questions never become pair prompts. Pairs go to `pairs.jsonl`.
@@ -15,9 +16,9 @@ Stages, on reasoning-gym chain_sum (the task's own question text):
   4. `RewardModel.from_policy(policy)` (the policy's backbone + a scalar head; Ouyang et al. 2022,
      section 3.5) trained by the `Trainer` with the "bradley_terry" loss; held-out pairwise
      accuracy (r_chosen > r_rejected, 95% Wilson interval) before and after, and every
-     `eval_every` steps in metrics.jsonl.
+     `eval.every` steps in metrics.jsonl.
   5. Save `reward_model/` (`RewardModelJudge.from_pretrained` loads it; reloading is checked to
-     give the same accuracy). The policy the pairs were sampled from is `init_from`, or
+     give the same accuracy). The policy the pairs were sampled from is `model.init_from`, or
      `sft/policy/` when the recipe ran SFT.
 
 Run folder: `results.json` / `results.md`, `metrics.jsonl`, `checkpoints/`, `pairs.jsonl`,
@@ -33,7 +34,7 @@ training and 138 held-out pairs. Held-out pairwise accuracy: 0.449 [0.369, 0.533
 0.809 [0.776, 0.838]: the reward model memorises (held-out BT loss 0.693 -> 0.885). Telling a
 right sum from a near miss ("4 - 1 =": "3" over "2") is the arithmetic itself, which 633 pairs
 do not teach a 1M-parameter model. Eight times the pairs do not change that: from the same SFT
-policy with num_prompts=8000, add_reference_answer=True and rm_steps=600 (6,193 pairs: 4,913
+policy with pairs.num_prompts=8000, pairs.reference_answer=true and optim.steps=600 (6,193 pairs: 4,913
 training, 1,280 held out; wall 1783 s), held-out accuracy is 0.446 [0.419, 0.473] before and
 0.526 [0.498, 0.553] after (training pairs 0.597). The machinery learns what is learnable: on a
 separable synthetic preference a tiny RM passes 0.9 held-out within 15 steps
@@ -42,99 +43,71 @@ separable synthetic preference a tiny RM passes 0.9 held-out within 15 steps
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from posttrain.cli import load_recipe
-from posttrain.core import (require_finite, require_folder, require_int,
-                                     require_positive)
-from posttrain.envs import ReasoningGymTask
-from posttrain.models import PRESETS
-from posttrain.policy import Policy
 from posttrain.data import PreferenceDataset, PreferenceLoader
-from posttrain.preference import make_preference_pairs
-from posttrain.preference import BradleyTerryLoss
-from posttrain.rewards import (PairwiseAccuracy, RewardModel,
-                                    load_reward_model, pairwise_accuracy)
-from posttrain.core import check_new_run_dir
+from posttrain.envs import ReasoningGymTask
+from posttrain.preference import BradleyTerryLoss, make_preference_pairs
+from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
 from posttrain.train import Trainer, warmup_cosine_schedule
-
-sft = load_recipe("sft")
+from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
+                                 PairsConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
+                                 check_gym_task, fail, run_fields, start_policy, start_run,
+                                 validate, write_results)
+from posttrain.workflows import cached_pairs, stop_if_interrupted
+from posttrain.workflows.config import finite, seeds
 
 
 @dataclass(kw_only=True)
 class Config:
     """Reward-model recipe; every field has a default that runs. Raises ValueError in
-    `__post_init__` naming the field and what is allowed."""
+    `__post_init__` naming the dotted field and what is allowed."""
 
-    # the policy that samples the pairs
-    init_from: str | None = None      # a HF policy folder; None: SFT first (below)
-    model: str = "tiny-1m"            # SFT: model preset
-    task_config: dict = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
-    sft_train_size: int = 20000
-    sft_steps: int = 400
-    sft_lr: float = 2e-3
-    sft_batch_size: int = 64
-    eval_size: int = 200              # SFT held-out items; their questions never become pairs
-    eval_seed: int = 10_000
-    # pairs by rejection sampling
-    num_prompts: int = 2000
+    # the policy that samples the pairs: model.init_from, or SFT of model.name (section sft)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=lambda: TaskConfig(eval_size=200))
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=8, every=50))
+    sft: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
+    # pairs by rejection sampling on prompts generated from prompt_seed (never a held-out question)
+    pairs: PairsConfig = field(default_factory=lambda: PairsConfig(num_prompts=2000))
     prompt_seed: int = 1
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    add_reference_answer: bool = False  # the task's answer joins the candidates (off-policy)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     held_out_fraction: float = 0.2
-    # reward model
-    rm_steps: int = 300
-    rm_batch_size: int = 32
-    rm_lr: float = 1e-4
+    # reward model (optim.batch_size: pairs per micro-batch)
+    optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
+        steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
     margin: float = 0.0
-    warmup_steps: int = 10
-    max_grad_norm: float | None = 1.0
-    eval_every: int = 50
-    checkpoint_every: int = 100
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     out_dir: str = "runs/reward_model"
     resume: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.init_from is None and self.model not in PRESETS:
-            raise ValueError(f"Config.model={self.model!r}; allowed presets: "
-                             f"{', '.join(sorted(PRESETS))} (or set init_from to a HF folder)")
-        require_folder(self, "init_from")
-        require_int(self, ("sft_train_size", "sft_steps", "sft_batch_size", "max_new_tokens",
-                           "rm_steps", "rm_batch_size"), minimum=1)
-        require_int(self, ("num_prompts",), minimum=2)  # training and held-out pairs
-        require_int(self, ("eval_size", "warmup_steps", "eval_every", "checkpoint_every"),
-                    minimum=0)
-        require_int(self, ("samples_per_prompt",), minimum=2)  # a pair needs two candidates
-        if not 0 < self.held_out_fraction < 1:
-            raise ValueError(f"Config.held_out_fraction={self.held_out_fraction!r}; must be in "
-                             "(0, 1)")
-        require_positive(self, ("sft_lr", "rm_lr", "temperature"))
-        require_finite(self, ("margin",))
-        if self.warmup_steps > self.rm_steps:
-            raise ValueError(f"Config.warmup_steps={self.warmup_steps} exceeds "
-                             f"rm_steps={self.rm_steps}; lower warmup_steps")
-        require_positive(self, ("max_grad_norm",), optional=True)
+        validate(self)
+
+    def check(self, at: str) -> None:
+        run_fields(self, at)
+        check_gym_task(self, at, min_eval_size=0)
+        seeds(self, at, ("prompt_seed",))
+        finite(self, at, ("margin",))
+        if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
+            raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
 
 
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
 # The reference answer joins the candidates so that a 3-step SFT policy still yields pairs.
-TINY = dict(model="tiny-1m", sft_train_size=64, eval_size=8, sft_steps=3, sft_batch_size=8,
-            num_prompts=24, samples_per_prompt=3, max_new_tokens=4, add_reference_answer=True,
-            rm_steps=3, rm_batch_size=4, warmup_steps=1, eval_every=2, checkpoint_every=2,
-            progress=False)
+TINY: dict[str, Any] = {
+    "model.name": "tiny-1m", "task.train_size": 64, "task.eval_size": 8, "sft.steps": 3,
+    "sft.batch_size": 8, "pairs.num_prompts": 24, "pairs.samples_per_prompt": 3,
+    "pairs.reference_answer": True, "eval.max_new_tokens": 4, "sampling.max_new_tokens": 4,
+    "optim.steps": 3, "optim.batch_size": 4, "optim.warmup_steps": 1, "eval.every": 2,
+    "checkpoint.every": 2, "progress": False}
 
 
 def reference_answer(item: dict) -> str:
@@ -150,34 +123,27 @@ def main(cfg: Config) -> dict[str, Any]:
             and `cfg.resume` is False; later, if the pairs are too few to split.
     """
     start = time.perf_counter()
-    out = Path(cfg.out_dir)
-    if not cfg.resume:
-        check_new_run_dir(out)
-        check_new_run_dir(out / "sft")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    torch.manual_seed(cfg.seed)
+    out = start_run(cfg, sub_runs=("sft",))
 
     # 1. the policy that samples the pairs
-    policy, sft_results = _policy(cfg, out)
+    policy, sft_results = start_policy(cfg, out)
     policy_s = time.perf_counter() - start
 
     # 2. pairs by rejection sampling, ranked by the task's verifier
-    task = ReasoningGymTask(name="chain_sum", size=cfg.num_prompts, seed=cfg.prompt_seed,
-                            config=dict(cfg.task_config), held_out_size=cfg.eval_size,
-                            held_out_seed=cfg.eval_seed)
-    pairs_file = out / "pairs.jsonl"
-    if cfg.resume and pairs_file.is_file():
-        rows = [json.loads(line) for line in pairs_file.read_text().splitlines()]
-        pair_stats = json.loads((out / "pairs_stats.json").read_text())
-    else:
+    task = ReasoningGymTask(name=cfg.task.name, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed,
+                            config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
+                            held_out_seed=cfg.task.eval_seed)
+    def make_pairs():
+        s = cfg.sampling
         rows, stats = make_preference_pairs(
-            policy, task.train_items, rank=task.verifier, n=cfg.samples_per_prompt,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-            reference_answer=reference_answer if cfg.add_reference_answer else None)
-        pair_stats = stats.as_dict()
-        pairs_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (out / "pairs_stats.json").write_text(json.dumps(pair_stats, indent=2))
+            policy, task.train_items, rank=task.verifier, n=cfg.pairs.samples_per_prompt,
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+            seed=cfg.seed, reference_answer=reference_answer if cfg.pairs.reference_answer
+            else None)
+        return rows, stats.as_dict()
+
+    rows, pair_stats = cached_pairs(out, resume=cfg.resume, make=make_pairs,
+                                    stats_file="pairs_stats.json")
     train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
     pairs_s = time.perf_counter() - start - policy_s
     print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
@@ -199,16 +165,19 @@ def main(cfg: Config) -> dict[str, Any]:
 
     model = RewardModel.from_policy(policy, seed=cfg.seed)
     before = held_out_accuracy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.rm_lr, weight_decay=0.0)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=cfg.warmup_steps,
-                                      total_steps=cfg.rm_steps, min_lr_ratio=0.1)
-    trainer = Trainer(model, optimizer, data=PreferenceLoader(train, batch_size=cfg.rm_batch_size,
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
+                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    trainer = Trainer(model, optimizer, data=PreferenceLoader(train, batch_size=o.batch_size,
                                                               seed=cfg.seed),
                       loss=BradleyTerryLoss(margin=cfg.margin), lr_scheduler=schedule,
-                      max_grad_norm=cfg.max_grad_norm, run_dir=out, eval_fn=eval_fn,
-                      eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
+                      grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
+                      run_dir=out, eval_fn=eval_fn, eval_every=cfg.eval.every,
+                      checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                       progress=cfg.progress, seed=cfg.seed, resume=cfg.resume)
-    metrics = trainer.fit(cfg.rm_steps)
+    metrics = trainer.fit(o.steps)
+    stop_if_interrupted(trainer, out, {"pairs": pair_stats, "num_pairs": len(rows)})
     after = held_out_accuracy(model)
     fit = pairwise_accuracy(model, *_ids(train, range(min(len(train), 1000))))  # memorisation
     rm_s = time.perf_counter() - start - policy_s - pairs_s
@@ -220,32 +189,18 @@ def main(cfg: Config) -> dict[str, Any]:
     if reloaded_accuracy != after.accuracy:
         raise RuntimeError(f"the saved reward model gives held-out accuracy {reloaded_accuracy}, "
                            f"the trained one {after.accuracy}")
-    results = {"model": cfg.model if cfg.init_from is None else cfg.init_from,
+    results = {"model": cfg.model.name if cfg.model.init_from is None else cfg.model.init_from,
                "params": sum(p.numel() for p in model.parameters()),
                "policy_held_out_accuracy": (sft_results or {}).get("after"),
                "pairs": pair_stats, "num_pairs": len(rows), "num_train_pairs": len(train),
                "num_held_out_pairs": len(held), "before": before.as_dict(),
                "after": after.as_dict(), "train_pairs_after": fit.as_dict(),
-               "rm_steps": cfg.rm_steps,
+               "rm_steps": o.steps,
                "final_loss": float(metrics["loss"].tail(10).mean()),
                "policy_s": policy_s, "pairs_s": pairs_s, "rm_s": rm_s,
                "wall_s": time.perf_counter() - start}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(_results_markdown(results))
-    print(_results_markdown(results))
+    write_results(out, results, _results_markdown(results, cfg.task.name))
     return results
-
-
-def _policy(cfg: Config, out: Path) -> tuple[Policy, dict | None]:
-    """The sampling policy: loaded from `init_from`, or trained by the SFT recipe."""
-    if cfg.init_from is not None:
-        return Policy.from_pretrained(cfg.init_from), None
-    _, results = sft.warm_start(
-        out, model=cfg.model, task_config=cfg.task_config, train_size=cfg.sft_train_size,
-        eval_size=cfg.eval_size, eval_seed=cfg.eval_seed, batch_size=cfg.sft_batch_size,
-        steps=cfg.sft_steps, lr=cfg.sft_lr, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-        progress=cfg.progress, resume=cfg.resume)
-    return Policy.from_pretrained(out / "sft" / "policy"), results
 
 
 def _ids(dataset: PreferenceDataset, indices) -> tuple[list[list[int]], list[list[int]]]:
@@ -266,18 +221,18 @@ def split_by_question(rows: list[dict], held_out_fraction: float, *,
     questions = sorted({r["prompt"] for r in rows})
     if len(questions) < 2:
         raise ValueError(f"{len(rows)} pairs from {len(questions)} prompt(s): too few to split "
-                         "into training and held-out pairs; raise num_prompts or "
-                         "samples_per_prompt, train the policy longer, or set "
-                         "add_reference_answer=True")
+                         "into training and held-out pairs; raise pairs.num_prompts or "
+                         "pairs.samples_per_prompt, train the policy longer (sft.steps), or "
+                         "set pairs.reference_answer=true")
     random.Random(seed).shuffle(questions)
     n_held = min(len(questions) - 1, max(1, round(held_out_fraction * len(questions))))
     held = set(questions[:n_held])
     return ([r for r in rows if r["prompt"] not in held], [r for r in rows if r["prompt"] in held])
 
 
-def _results_markdown(results: dict[str, Any]) -> str:
+def _results_markdown(results: dict[str, Any], task: str) -> str:
     p = results["pairs"]
-    lines = [f"# Bradley-Terry reward model on chain_sum pairs ({results['model']}, "
+    lines = [f"# Bradley-Terry reward model on {task} pairs ({results['model']}, "
              f"{results['params'] / 1e6:.2f}M params)", "",
              f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
              f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "

@@ -1,8 +1,13 @@
-"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [key=value ...]`,
-`posttrain launch RECIPE [--executor local|slurm|debug] [resources] [key=value ...]`.
+"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [--config PRESET.yaml]
+[key=value ...]`, `posttrain launch RECIPE [--executor local|slurm|debug] [resources]
+[key=value ...]`.
 
 A recipe is a file `recipes/NAME.py` (looked up in the current folder, then beside the installed
-package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`.
+package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`. A
+`Config` nests sections (`posttrain.workflows.config`); keys are dotted (`optim.lr=1e-4`,
+`task.options.max_terms=3`), typed by the dataclass field annotations, and a YAML preset writes
+the same sections as nested mappings. An unknown key is an error listing the valid keys of its
+section.
 """
 
 from __future__ import annotations
@@ -42,11 +47,21 @@ def find_recipe(name: str) -> Path:
 
 
 def load_recipe(name: str):
+    """The recipe module `name` (see `find_recipe`), imported from its file.
+
+    The module lives under a made-up name (`posttrain_recipe_sft`) that a job cannot import, so
+    it is registered with cloudpickle to travel by value: `posttrain.launch.launch(module.main,
+    cfg)` then ships the recipe's own code (its `main`, a `Config` it defines) to the job, while
+    what it imports from `posttrain` travels by reference.
+    """
+    import cloudpickle
+
     path = find_recipe(name)
-    spec = importlib.util.spec_from_file_location(f"posttrain_recipe_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"posttrain_recipe_{Path(name).stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
     return module
 
 
@@ -71,11 +86,14 @@ def _coerce(value: str, annotation) -> object:
 
 
 def load_config_file(cfg, path: str):
-    """A copy of dataclass `cfg` with the keys of YAML file `path` applied.
+    """A copy of dataclass `cfg` with YAML file `path` applied: top-level keys, sections as
+    nested mappings (`optim: {lr: 0.0001}`) or dotted keys (`optim.lr: 0.0001`).
 
-    Raises ValueError naming an unknown key and listing the valid ones.
+    Raises ValueError naming an unknown key and listing the valid keys of its section.
     """
     import yaml
+
+    from posttrain.workflows.config import override
 
     try:
         with open(path) as f:
@@ -86,32 +104,57 @@ def load_config_file(cfg, path: str):
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of key: value")
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"{path}: unknown config keys {unknown}; valid keys: {', '.join(sorted(fields))}")
-    return dataclasses.replace(cfg, **values)
+    try:
+        return override(cfg, values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _annotation(cfg, key: str):
+    """The type annotation of dotted `key` in the nested dataclass `cfg` (None inside a dict
+    field, whose values are parsed as YAML).
+
+    Raises ValueError for an unknown key, listing the valid keys of its section.
+    """
+    obj, annotation, parts = cfg, None, key.split(".")
+    for i, part in enumerate(parts):
+        section = ".".join(parts[:i])
+        if dataclasses.is_dataclass(obj):
+            names = sorted(f.name for f in dataclasses.fields(obj))
+            if part not in names:
+                raise ValueError(f"unknown config key {key!r}; valid keys"
+                                 f"{' of ' + section if section else ''}: {', '.join(names)}")
+            annotation, obj = typing.get_type_hints(type(obj))[part], getattr(obj, part)
+        elif isinstance(obj, dict):
+            return None
+        else:
+            raise ValueError(f"config key {key!r}: {section!r} has no keys of its own")
+    return annotation
 
 
 def apply_overrides(cfg, overrides: list[str]):
-    """A copy of dataclass `cfg` with `key=value` strings applied (typed by the field annotations).
+    """A copy of dataclass `cfg` with `key=value` strings applied; keys are dotted for nested
+    sections (`optim.lr=1e-4`) and values typed by the field annotations.
 
-    Raises ValueError naming an unknown key (and listing the valid ones) or a malformed override.
+    Raises ValueError naming an unknown key (and listing the valid keys of its section) or a
+    malformed override.
     """
-    hints = typing.get_type_hints(type(cfg))
-    fields = {f.name for f in dataclasses.fields(cfg)}
+    from posttrain.workflows.config import override
+
     changes = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value")
         key, value = item.split("=", 1)
-        if key not in fields:
-            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+        annotation = _annotation(cfg, key)
         try:
-            changes[key] = _coerce(value, hints[key])
+            changes[key] = _coerce(value, annotation)
         except ValueError as e:
             raise ValueError(f"config key {key!r}: {e}") from None
-    return dataclasses.replace(cfg, **changes)
+    try:
+        return override(cfg, changes)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,21 +203,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.command == "launch":
         return _launch(args, module, cfg)
-    module.main(cfg)
+    try:
+        module.main(cfg)
+    except KeyboardInterrupt as e:  # Ctrl-C: the stage stopped at a whole step (RunInterrupted)
+        print(f"posttrain run {args.recipe}: interrupted. {e}".rstrip(), file=sys.stderr)
+        return 130
     return 0
 
 
 def _launch(args, module, cfg) -> int:
     """Submit `module.main(cfg)`; print the Run and how to reattach (and the result with --wait)."""
-    import cloudpickle
-
     from posttrain.launch.run import JobFailedError
-
     from posttrain.launch.submit import launch
 
-    # the recipe was loaded from a file under a made-up module name the job cannot import
-    cloudpickle.register_pickle_by_value(module)
-    try:
+    try:  # load_recipe registered the recipe module to travel by value
         run = launch(module.main, cfg, executor=args.executor, nodes=args.nodes,
                      tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
                      cpus_per_task=args.cpus_per_task, timeout_min=args.timeout_min,

@@ -17,7 +17,6 @@ single-process reference (no process group: world size 1).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import signal
@@ -110,7 +109,9 @@ def _recipe(out: Path):
     from posttrain import cli
 
     sft = cli.load_recipe("sft")
-    cfg = dataclasses.replace(sft.Config(), **sft.TINY, out_dir=str(out / "recipe"))
+    from posttrain.workflows import override
+
+    cfg = override(sft.Config(), {**sft.TINY, "out_dir": str(out / "recipe")})
     return sft.main(cfg)
 
 

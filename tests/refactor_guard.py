@@ -14,14 +14,13 @@ fixes the instruction set of ATen's vector kernels, MKL and oneDNN to AVX2
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
-# case -> (recipe, preset file or None, extra Config overrides)
+# case -> (recipe, preset file or None, extra Config overrides: dotted keys, as on the command line)
 CASES: dict[str, tuple[str, str | None, dict]] = {
     "sft": ("sft", "sft_chain_sum.yaml", {}),
     "cpt": ("sft", "cpt_chain_sum.yaml", {}),
@@ -95,6 +94,7 @@ def fingerprint(case: str, out_dir: str) -> dict:
     import torch
 
     from posttrain import cli
+    from posttrain.workflows import override
 
     torch.set_num_threads(1)
     recipe, preset, extra = CASES[case]
@@ -102,7 +102,8 @@ def fingerprint(case: str, out_dir: str) -> dict:
     cfg = module.Config()
     if preset is not None:
         cfg = cli.load_config_file(cfg, str(Path(cli.recipe_dirs()[1]) / "presets" / preset))
-    cfg = dataclasses.replace(cfg, **getattr(module, "TINY", {}), **extra, out_dir=out_dir)
+    # the recipe's TINY (dotted keys), the case's extras and the run folder, validated once
+    cfg = override(cfg, {**getattr(module, "TINY", {}), **extra, "out_dir": out_dir})
     module.main(cfg)
     run = Path(out_dir)
     results = {str(p.relative_to(run)): _drop_timing(json.loads(p.read_text()))

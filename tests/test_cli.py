@@ -60,6 +60,55 @@ def test_unknown_override_names_the_valid_keys():
         cli.apply_overrides(_Cfg(), ["flag=maybe"])
 
 
+@dataclasses.dataclass(kw_only=True)
+class _Optim:
+    lr: float = 1e-3
+    steps: int = 3
+    clip: float | None = 1.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Nested:
+    optim: _Optim = dataclasses.field(default_factory=_Optim)
+    options: dict = dataclasses.field(default_factory=lambda: {"a": 1, "b": 2})
+    name: str = "x"
+
+
+def test_dotted_overrides_reach_nested_sections_typed_by_their_fields():
+    cfg = cli.apply_overrides(_Nested(), ["optim.lr=1e-4", "optim.steps=7", "optim.clip=none",
+                                          "options.b=5", "name=y"])
+    assert cfg == _Nested(optim=_Optim(lr=1e-4, steps=7, clip=None), options={"a": 1, "b": 5},
+                          name="y")
+    assert isinstance(cfg.optim.lr, float) and _Nested().optim == _Optim()  # defaults untouched
+    # a mapping for a section sets those keys; a mapping for a dict field replaces it
+    cfg = cli.apply_overrides(_Nested(), ["optim={steps: 9}", "options={c: 3}"])
+    assert cfg.optim == _Optim(steps=9) and cfg.options == {"c": 3}
+
+
+def test_unknown_nested_key_lists_the_valid_keys_of_its_section():
+    with pytest.raises(ValueError, match=r"unknown config key 'optim\.lrr'; valid keys of optim: "
+                                         r"clip, lr, steps"):
+        cli.apply_overrides(_Nested(), ["optim.lrr=1"])
+    with pytest.raises(ValueError, match=r"unknown config key 'optimizer\.lr'; valid keys: name, "
+                                         r"optim, options"):
+        cli.apply_overrides(_Nested(), ["optimizer.lr=1"])
+    with pytest.raises(ValueError, match=r"'optim\.steps'.*invalid literal"):
+        cli.apply_overrides(_Nested(), ["optim.steps=many"])
+    with pytest.raises(ValueError, match=r"'name\.first': 'name' has no keys"):
+        cli.apply_overrides(_Nested(), ["name.first=1"])
+
+
+def test_yaml_preset_nests_sections_and_rejects_unknown_keys(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("optim: {lr: 0.5}\noptim.steps: 4\nname: z\n")
+    assert cli.load_config_file(_Nested(), str(preset)) == _Nested(optim=_Optim(lr=0.5, steps=4),
+                                                                   name="z")
+    preset.write_text("optim: {lr: 0.5, warmup: 3}\n")
+    with pytest.raises(ValueError, match=r"p\.yaml: unknown config key 'optim\.warmup'; valid "
+                                         r"keys of optim: clip, lr, steps"):
+        cli.load_config_file(_Nested(), str(preset))
+
+
 def test_unknown_recipe_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown recipe 'nope'; available: .*demo"):
         cli.find_recipe("nope")

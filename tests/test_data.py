@@ -25,11 +25,14 @@ from posttrain.data import (
     SFTLoader,
     collate_padded,
     epoch_order,
+    labels_from_loss_mask,
     load_sft_rows,
     load_text_documents,
     pack_samples,
     reasoning_gym_sft_rows,
+    right_pad,
     stack_rows,
+    text_char_limit,
 )
 from posttrain.models import ByteTokenizer, RenderedChat
 
@@ -508,3 +511,75 @@ def test_packed_loader_batch_shapes(ten_rows):
 def test_doctests():
     for module in (data_module, data_sources):
         assert doctest.testmod(module).failed == 0
+
+
+# ------------------------------------------------------------------------------------------
+# One reader, one padding function, and the character cap
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_file_that_is_not_utf8_names_file_line_and_byte_offset(tmp_path):
+    good = json.dumps(chat("hi", "ok")).encode()
+    (tmp_path / "latin1.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    offset = len(good) + 1 + len('{"prompt": "caf')
+    with pytest.raises(ValueError, match=rf"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at byte "
+                                         rf"offset {offset}"):
+        SFTDataset(tmp_path / "latin1.jsonl", TOK, max_seq_len=32)
+    (tmp_path / "doc.txt").write_bytes(b"one\ntwo\nthr\xffee")
+    with pytest.raises(ValueError, match=r"doc.txt:3: not UTF-8 text \(byte 0xff at byte offset 11"):
+        load_text_documents(tmp_path / "doc.txt")
+
+
+def test_right_pad_shapes_dtypes_and_values():
+    ids_BT, mask_BT = right_pad([[5, 6, 7], torch.tensor([8])], pad_id=1)
+    assert ids_BT.dtype == torch.int64 and mask_BT.dtype == torch.bool
+    assert ids_BT.tolist() == [[5, 6, 7], [8, 1, 1]]
+    assert mask_BT.tolist() == [[True] * 3, [True, False, False]]
+    logps_BT, _ = right_pad([[-0.5], []], 0.0, dtype=torch.float32)
+    assert logps_BT.dtype == torch.float32 and logps_BT.tolist() == [[-0.5], [0.0]]
+    with pytest.raises(ValueError, match="at least one"):
+        right_pad([], 0)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_a_huge_row_is_cut_before_tokenising_and_gives_the_short_rows_sample(overlong):
+    import time
+
+    huge = "x" * 50_000_000
+    rows = [chat("hi", "ok"), chat("hi", huge), chat("p" * 10_000_000, "ok")]
+    short = [chat("hi", "ok"), chat("hi", "x" * 200), chat("p" * 200, "ok")]
+    start = time.perf_counter()
+    ds = SFTDataset(rows, TOK, max_seq_len=64, overlong=overlong)
+    assert time.perf_counter() - start < 5   # tokenising 50M bytes whole takes far longer
+    ref = SFTDataset(short, TOK, max_seq_len=64, overlong=overlong)
+    assert ds.stats.as_dict() == ref.stats.as_dict()
+    assert ds.row_indices == ref.row_indices
+    for a, b in zip(ds, ref, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+
+
+def test_text_char_limit_keeps_the_kept_tokens_of_an_hf_tokenizer():
+    """A byte-level BPE merges up to several characters per token (so max_seq_len characters
+    would be too few); the cut at `text_char_limit` still gives the uncut row's sample."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from posttrain.models import HFTokenizer
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"] * 3
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([" ".join(words)] * 5, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = HFTokenizer(backend, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    limit = text_char_limit(tok, 48)
+    text = " ".join(words * 400)
+    assert len(text) > limit > 48 and len(tok.encode(text[:48])) < 48
+    ds = SFTDataset([chat("hi", text)], tok, max_seq_len=48)
+    full = tok.render_chat([{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": text}])
+    assert ds[0].input_ids.tolist() == list(full.input_ids[:48])
+    assert ds[0].labels.tolist() == labels_from_loss_mask(full.input_ids[:48],
+                                                          full.loss_mask[:48])

@@ -94,7 +94,9 @@ def test_two_ranks_checkpoint_once_and_resume_exactly(two_ranks):
         assert r["resumed_losses"] == r["uninterrupted_losses"]
         assert_bitwise_equal(r["resumed_params"], r["uninterrupted_params"])
     run_dir = out / "ckpt"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    # rank 0 alone writes: its lock (posttrain.core.run_lock), checkpoints and metrics
+    assert sorted(p.name for p in run_dir.iterdir()) == [".posttrain.lock", "checkpoints",
+                                                         "metrics.jsonl"]
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000004", "step_000005"]
     assert read_metrics(run_dir)["loss"].tolist() == ranks[0]["resume"]["uninterrupted_losses"]
 

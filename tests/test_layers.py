@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module's layer is its first two name parts (posttrain.rl.trainer -> "rl");
 # `posttrain` itself (lazy names for notebooks) and `posttrain.cli` stand on everything.
 LAYERS = ("core", "models", "policy", "data", "rewards", "verifiers", "train", "preference", "rl",
-          "envs", "launch", "notebook", "cli", "")
+          "envs", "launch", "workflows", "notebook", "cli", "")
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -33,8 +33,8 @@ from posttrain.policy import Completion, Policy
 from posttrain.preference import (DPOLoss, IPOLoss, KTOLoss, ORPOLoss, SimPOLoss, dpo_loss,
                                   ipo_loss, kto_loss, kto_reference_point, orpo_loss, simpo_loss,
                                   step_share)
-from posttrain.data import (KTODataset, PreferenceDataset, PreferenceLoader,
-                                       PreferenceRowError, pairs_to_kto_rows)
+from posttrain.data import (BadRowError, KTODataset, PreferenceDataset, PreferenceLoader,
+                            pairs_to_kto_rows)
 from posttrain.preference import (compute_reference_logps, make_preference_pairs,
                                   reference_fingerprint)
 from posttrain.models import ByteTokenizer
@@ -535,7 +535,7 @@ BAD_ROWS = [
 @pytest.mark.parametrize("row,field,reason", BAD_ROWS, ids=[r for _, _, r in BAD_ROWS])
 def test_a_bad_row_raises_naming_its_index_and_field_or_is_skipped_and_counted(row, field, reason):
     rows = _pair_rows(2) + [row]
-    with pytest.raises(PreferenceRowError) as info:
+    with pytest.raises(BadRowError) as info:
         PreferenceDataset(rows, ByteTokenizer(), max_seq_len=40)
     assert (info.value.index, info.value.field, info.value.reason) == (2, field, reason)
     assert str(info.value).startswith("row 2") and f"[{reason}]" in str(info.value)
@@ -547,7 +547,7 @@ def test_kto_rows_validate_labels_and_pair_each_prompt_with_another_completion()
     rows = [{"prompt": "a?", "completion": "x", "label": True},
             {"prompt": "b?", "completion": "yy", "label": False},
             {"prompt": "c?", "completion": "zzz", "label": 1}]
-    with pytest.raises(PreferenceRowError, match=r"row 2, field 'label'.*\[bad_label\]"):
+    with pytest.raises(BadRowError, match=r"row 2, field 'label'.*\[bad_label\]"):
         KTODataset(rows, ByteTokenizer(), max_seq_len=32)
     ds = KTODataset(rows, ByteTokenizer(), max_seq_len=32, on_bad_row="skip")
     assert ds.stats.skipped_by_reason == {"bad_label": 1}
@@ -688,7 +688,7 @@ def test_a_broken_jsonl_line_is_a_counted_bad_row_with_its_line_number(tmp_path)
     path = tmp_path / "pairs.jsonl"
     lines = [json.dumps(r) for r in _pair_rows(2)]
     path.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
-    with pytest.raises(PreferenceRowError, match=r"row 1: .*pairs.jsonl:2: not valid JSON"):
+    with pytest.raises(BadRowError, match=r"row 1: .*pairs.jsonl:2: not valid JSON"):
         PreferenceDataset(path, ByteTokenizer(), max_seq_len=40)
     ds = PreferenceDataset(path, ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
     assert len(ds) == 2 and ds.stats.skipped_by_reason == {"bad_json": 1}
@@ -710,7 +710,7 @@ def test_empty_kto_completion_is_a_bad_row_and_numpy_bool_labels_are_accepted():
 def test_pairs_to_kto_rows_reads_a_dataframe_and_names_a_bad_row():
     pairs = _pair_rows(2)
     assert pairs_to_kto_rows(pd.DataFrame(pairs)) == pairs_to_kto_rows(pairs)
-    with pytest.raises(PreferenceRowError, match=r"row 1, field 'rejected'.*\[missing_field\]"):
+    with pytest.raises(BadRowError, match=r"row 1, field 'rejected'.*\[missing_field\]"):
         pairs_to_kto_rows([pairs[0], {"prompt": "p", "chosen": "a"}])
 
 
@@ -746,3 +746,45 @@ def test_an_unknown_loss_name_lists_the_registered_losses():
         get_loss("no_such_loss")
     assert [_plural(k) for k in ("loss", "verifier", "task", "policy", "key")] == [
         "losses", "verifiers", "tasks", "policies", "keys"]
+
+
+def test_preference_stats_report_the_same_keys_as_before():
+    ds = PreferenceDataset(_pair_rows(2), ByteTokenizer(), max_seq_len=40)
+    assert list(ds.stats.as_dict()) == ["rows", "samples", "skipped_by_reason", "tokens",
+                                        "response_tokens", "kl_truncated", "skipped"]
+
+
+def test_a_preference_file_that_is_not_utf8_names_file_line_and_byte_offset(tmp_path):
+    first = json.dumps(_pair_rows(1)[0]).encode()
+    (tmp_path / "pairs.jsonl").write_bytes(first + b"\n\xc3(\n")
+    with pytest.raises(ValueError, match=rf"pairs.jsonl:2: not UTF-8 text \(byte 0xc3 at byte "
+                                         rf"offset {len(first) + 1}"):
+        PreferenceDataset(tmp_path / "pairs.jsonl", ByteTokenizer(), max_seq_len=40,
+                          on_bad_row="skip")
+
+
+def test_a_huge_preference_or_kto_row_is_cut_before_tokenising():
+    import time
+
+    huge, long = "b" * 50_000_000, "b" * 200
+    rows = _pair_rows(2)
+    start = time.perf_counter()
+    with pytest.raises(BadRowError, match=r"row 2, field 'rejected': prompt \+ rejected has "
+                                          r"over \d+ tokens, more than max_seq_len=40"):
+        PreferenceDataset(rows + [{"prompt": "p", "chosen": "a", "rejected": huge}],
+                          ByteTokenizer(), max_seq_len=40)
+    ds = PreferenceDataset(rows + [{"prompt": huge, "chosen": "a", "rejected": "c"}],
+                           ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    ref = PreferenceDataset(rows + [{"prompt": long, "chosen": "a", "rejected": "c"}],
+                            ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    assert ds.stats.as_dict() == ref.stats.as_dict() and ds.stats.skipped_by_reason == {
+        "overlong": 1}
+    kto = [{"prompt": "p", "completion": "a", "label": True},
+           {"prompt": "q", "completion": "bb", "label": False}]
+    ds = KTODataset(kto + [{"prompt": "r", "completion": huge, "label": True}],
+                    ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    ref = KTODataset(kto + [{"prompt": "r", "completion": long, "label": True}],
+                     ByteTokenizer(), max_seq_len=40, on_bad_row="skip")
+    assert ds.stats.as_dict() == ref.stats.as_dict()
+    assert all(torch.equal(a["kl"][0], b["kl"][0]) for a, b in zip(ds, ref, strict=True))
+    assert time.perf_counter() - start < 5

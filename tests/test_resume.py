@@ -82,9 +82,23 @@ def test_resume_refuses_a_missing_checkpoint_and_a_missing_scheduler(tmp_path):
     trainer.fit(1)
     model = tiny_model(0)
     plain = Trainer(model, torch.optim.AdamW(model.parameters()), data=sft_loader(10, batch_size=3),
-                    run_dir=tmp_path / "other", progress=False)
+                    grad_accum_steps=2, run_dir=tmp_path / "other", progress=False)
     with pytest.raises(ValueError, match="lr_scheduler"):
         plain.resume(tmp_path)
+
+
+@pytest.mark.parametrize("change, named", [({"grad_accum_steps": 1}, "grad_accum_steps=2"),
+                                           ({"loss": "dpo"}, "loss=")])
+def test_resume_refuses_a_setting_that_cannot_change(tmp_path, change, named):
+    import posttrain.preference  # noqa: F401  registers "dpo"
+
+    _trainer(tmp_path, checkpoint_every=1).fit(1)
+    model = tiny_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    kwargs = dict(lr_scheduler=warmup_cosine_schedule(opt, warmup_steps=1, total_steps=8),
+                  grad_accum_steps=2, run_dir=tmp_path, progress=False, resume=True)
+    with pytest.raises(ValueError, match=f"saved with {named}.*cannot change on resume"):
+        Trainer(model, opt, data=sft_loader(10, batch_size=3), **{**kwargs, **change})
 
 
 def test_keep_last_keeps_the_newest_checkpoints(tmp_path):

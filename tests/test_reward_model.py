@@ -233,9 +233,11 @@ def test_doctests():
 def test_recipe_config_names_the_bad_field_and_splits_by_prompt():
     from posttrain import cli
 
+    from posttrain.workflows import override
+
     recipe = cli.load_recipe("reward_model")
-    with pytest.raises(ValueError, match=r"Config.samples_per_prompt=1; must be an integer >= 2"):
-        recipe.Config(samples_per_prompt=1)
+    with pytest.raises(ValueError, match=r"Config.pairs.samples_per_prompt=1; must be an integer >= 2"):
+        override(recipe.Config(), {"pairs.samples_per_prompt": 1})
     with pytest.raises(ValueError, match=r"Config.held_out_fraction=1.0"):
         recipe.Config(held_out_fraction=1.0)
     rows = [{"prompt": f"q{i % 10}", "chosen": "a", "rejected": f"b{i}"} for i in range(30)]

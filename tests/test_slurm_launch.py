@@ -12,7 +12,6 @@ behaviour, not speed. Every job still in Slurm when the module ends is cancelled
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -28,6 +27,7 @@ from safetensors.torch import load_file
 
 from posttrain import cli
 from posttrain.launch import JobFailedError, Run, launch, launch_array
+from posttrain.workflows import override
 
 pytestmark = pytest.mark.slurm
 
@@ -38,12 +38,13 @@ DEADLINE_S = 240.0  # for a job to end; fails the test, never skips it
 ONE_THREAD = {"setup": ["export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1"]}  # as the references
 
 # Data-parallel runs: AdamW (the recipe's optimizer), 4 steps of a global batch of 8 (4 per rank).
-DP = dict(train_size=64, eval_size=0, num_steps=4, batch_size=8, checkpoint_every=0,
-          warmup_steps=1, progress=False)
+DP = {"task.train_size": 64, "task.eval_size": 0, "optim.steps": 4, "optim.batch_size": 8,
+      "checkpoint.every": 0, "optim.warmup_steps": 1, "progress": False}
 # Preempted run: a checkpoint after every step, and enough steps of a batch of 32 (0.1-0.6 s each
 # here) that the job is still training when the signal sent after step 2 arrives.
-PREEMPT = dict(train_size=256, eval_size=0, num_steps=30, batch_size=32, checkpoint_every=1,
-               warmup_steps=1, progress=False)
+PREEMPT = {"task.train_size": 256, "task.eval_size": 0, "optim.steps": 30,
+           "optim.batch_size": 32, "checkpoint.every": 1, "optim.warmup_steps": 1,
+           "progress": False}
 
 
 def answer(cfg):
@@ -120,6 +121,11 @@ def sft():
     return cli.load_recipe("sft")
 
 
+def _cfg(sft, overrides: dict, out_dir: Path):
+    """The SFT recipe's Config with dotted `overrides`, writing into `out_dir`."""
+    return override(sft.Config(), {**overrides, "out_dir": str(out_dir)})
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, sft, tmp_path_factory):
     """Every job of the module, submitted together (long ones first); a watcher thread preempts
@@ -129,11 +135,11 @@ def jobs(slurm_cluster, sft, tmp_path_factory):
     # launch() gets the recipe's own main and Config, as loaded by posttrain.cli.load_recipe
     # (module posttrain_recipe_sft, which a job cannot import: they must travel by value).
     runs: dict = {"tmp": tmp}
-    runs["preempt"] = launch(sft.main, sft.Config(**PREEMPT, out_dir=str(tmp / "preempt")),
+    runs["preempt"] = launch(sft.main, _cfg(sft, PREEMPT, tmp / "preempt"),
                              slurm_kwargs=ONE_THREAD, **common)
-    runs["dp_one_node"] = launch(sft.main, sft.Config(**DP, out_dir=str(tmp / "dp_one_node")),
+    runs["dp_one_node"] = launch(sft.main, _cfg(sft, DP, tmp / "dp_one_node"),
                                  tasks_per_node=2, slurm_kwargs=ONE_THREAD, **common)
-    runs["dp_two_nodes"] = launch(sft.main, sft.Config(**DP, out_dir=str(tmp / "dp_two_nodes")),
+    runs["dp_two_nodes"] = launch(sft.main, _cfg(sft, DP, tmp / "dp_two_nodes"),
                                   nodes=2, tasks_per_node=1, slurm_kwargs=ONE_THREAD, **common)
     runs["sleep"] = launch(sleep_long, folder=tmp / "sleep", **common)
     runs["answer"] = launch(answer, {"a": 40, "b": 2}, folder=tmp / "answer", **common)
@@ -161,7 +167,7 @@ def _in_process(sft, overrides: dict, out_dir: Path):
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        sft.main(sft.Config(**overrides, out_dir=str(out_dir)))
+        sft.main(_cfg(sft, overrides, out_dir))
     finally:
         torch.set_num_threads(previous)
     return _metrics(out_dir), load_file(out_dir / "policy" / "model.safetensors")
@@ -283,7 +289,7 @@ def test_preempted_sft_job_resumes_exactly(jobs, preempt_reference):
     record = jobs["preemption"]
     assert "error" not in record, record["error"]
     assert record["scancel"].returncode == 0, record["scancel"].stderr
-    assert record["step_seen"] <= PREEMPT["num_steps"] - 10  # signalled well before the end
+    assert record["step_seen"] <= PREEMPT["optim.steps"] - 10  # signalled well before the end
     results = run.result()
     assert run.state == "COMPLETED"
 
@@ -294,7 +300,7 @@ def test_preempted_sft_job_resumes_exactly(jobs, preempt_reference):
     assert run.job.submission().function.cfg.resume is True  # what the requeued job ran
     rows = _metrics(run.out_dir)
     reference_rows, reference_weights = preempt_reference
-    assert [r["step"] for r in rows] == list(range(1, PREEMPT["num_steps"] + 1))
+    assert [r["step"] for r in rows] == list(range(1, PREEMPT["optim.steps"] + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference_rows]
     assert results["final_loss"] == reference_rows[-1]["loss"]
     weights = load_file(run.out_dir / "policy" / "model.safetensors")

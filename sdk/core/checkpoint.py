@@ -1,11 +1,13 @@
-"""Training checkpoints for exact resume: atomic folders, newest K kept, RNG state capture.
+"""Training checkpoints for exact resume: atomic, verified, private folders, newest K kept, RNG
+state capture.
 
-Layout of a run folder:
+Layout of a run folder (format version 2):
 
     run_dir/checkpoints/step_000012/model.pt         model.state_dict()
     run_dir/checkpoints/step_000012/train_state.pt   optimizer, scheduler, data position, RNG,
                                                      step, metrics rows (plain dicts)
     run_dir/checkpoints/step_000012/meta.json        step, format version, file names
+    run_dir/checkpoints/step_000012/manifest.json    size and sha256 of the three files above
 
 Atomicity: a checkpoint is written into a temporary folder `.tmp-step_000012-*` next to the
 final one, every file and the folder are fsync'ed, then the folder is renamed into place (one
@@ -13,23 +15,36 @@ final one, every file and the folder are fsync'ed, then the folder is renamed in
 leaves a `.tmp-*` folder that `latest_checkpoint` ignores and the next save deletes; earlier
 checkpoints are untouched. One writer per run folder is assumed.
 
-Files are written with `torch.save` and read with `weights_only=True` (tensors and plain
-containers only); numpy's RNG state is stored as a tensor for that reason.
+Never runs code: `.pt` files are read with `torch.load(weights_only=True)` and nothing else
+(tensors, numbers, strings, plain containers); a file that would need any other object to
+unpickle is refused (`UnsafeCheckpointError`) without being unpickled, and `save_checkpoint`
+refuses (TypeError) to write state that could not be loaded that way. The RNG states are
+captured as tensors and ints for that reason.
+
+Verified: `manifest.json`, written last before the rename, holds each file's size and sha256;
+`load_checkpoint` checks them and raises `CheckpointCorruptError` naming the checkpoint and the
+file (a checkpoint without a manifest, written before format 2, is refused the same way).
+`resolve_checkpoint` of a run folder skips corrupt checkpoints, with a warning naming them,
+and returns the newest good one.
+
+Private: files are written with mode 0600; the checkpoint folders, `checkpoints/`, and the run
+folder when `save_checkpoint` creates it, with mode 0700.
 
 Example:
     >>> import tempfile, torch
     >>> with tempfile.TemporaryDirectory() as run_dir:
     ...     path = save_checkpoint(run_dir, 3, model_state={"w": torch.zeros(2)},
     ...                            train_state={"step": 3}, keep_last=2)
-    ...     latest_checkpoint(run_dir) == path, path.name, load_checkpoint(path)["train_state"]
-    (True, 'step_000003', {'step': 3})
+    ...     print(latest_checkpoint(run_dir) == path, load_checkpoint(path)["train_state"])
+    ...     print(sorted(f.name for f in path.iterdir()), oct(path.stat().st_mode & 0o777))
+    True {'step': 3}
+    ['manifest.json', 'meta.json', 'model.pt', 'train_state.pt'] 0o700
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -43,19 +58,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from posttrain.core.checkpoint_files import (MANIFEST_FILE, CheckpointCorruptError,
+                                             UnsafeCheckpointError, check_weights_only,
+                                             make_private_dir, read_weights_only,
+                                             verify_manifest, write_manifest)
+from posttrain.core.checkpoint_files import write_bytes as _write_bytes
+from posttrain.core.checkpoint_files import write_torch as _write_torch
 from posttrain.core.metrics import METRICS_FILE
 
-__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "check_new_run_dir", "checkpoint_name", "list_checkpoints",
-           "latest_checkpoint", "save_checkpoint", "load_checkpoint", "capture_rng_state",
-           "restore_rng_state"]
+__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "MANIFEST_FILE", "CheckpointCorruptError",
+           "UnsafeCheckpointError", "check_new_run_dir", "checkpoint_name", "list_checkpoints",
+           "latest_checkpoint", "resolve_checkpoint", "verify_checkpoint", "save_checkpoint",
+           "load_checkpoint", "capture_rng_state", "restore_rng_state"]
 
 CHECKPOINT_DIR = "checkpoints"
 """Sub-folder of a run folder holding the `step_NNNNNN` checkpoints."""
 
-FORMAT_VERSION = 1
-"""Version of the checkpoint layout; `load_checkpoint` refuses others."""
+FORMAT_VERSION = 2
+"""Version of the checkpoint layout; `load_checkpoint` refuses others. 2: manifest.json with
+sha256 checksums, RNG states as tensors."""
 
 MODEL_FILE, TRAIN_STATE_FILE, META_FILE = "model.pt", "train_state.pt", "meta.json"
+_VERIFIED_FILES = (MODEL_FILE, TRAIN_STATE_FILE, META_FILE)
 _NAME = re.compile(r"^step_(\d{6,})$")
 _SCRATCH_PREFIXES = (".tmp-", ".old-")
 
@@ -82,24 +106,57 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step in `run_dir`, or None if there is none."""
+    """The complete checkpoint with the highest step in `run_dir`, or None if there is none.
+
+    Its files are not read (so not verified): `resolve_checkpoint` and `load_checkpoint` do that.
+    """
     checkpoints = list_checkpoints(run_dir)
     return checkpoints[-1] if checkpoints else None
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """`path` itself if it is a checkpoint folder, else the latest checkpoint of run folder `path`.
+    """`path` itself if it is a checkpoint folder (not verified here: `load_checkpoint` does it
+    and raises), else the newest checkpoint of run folder `path` that passes
+    `verify_checkpoint`. Newer corrupt ones are skipped with a warning naming each of them and
+    the one used, so a run requeued after a bad save continues from the last good checkpoint.
 
     Raises:
         FileNotFoundError: if `path` is neither a checkpoint nor a run folder holding one.
+        CheckpointCorruptError: if every checkpoint of the run folder is corrupt (each named).
     """
     path = Path(path)
     if (path / META_FILE).is_file():
         return path
-    found = latest_checkpoint(path)
-    if found is None:
+    candidates = list_checkpoints(path)
+    if not candidates:
         raise FileNotFoundError(f"no checkpoint in {path}")
-    return found
+    corrupt = []
+    for candidate in reversed(candidates):
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointCorruptError as e:
+            corrupt.append(str(e))
+            continue
+        if corrupt:
+            warnings.warn(f"skipping {len(corrupt)} corrupt checkpoint(s) of {path}: "
+                          f"{'; '.join(corrupt)}. Using {candidate}, the newest good one",
+                          stacklevel=2)
+        return candidate
+    raise CheckpointCorruptError(f"every checkpoint of {path} is corrupt: {'; '.join(corrupt)}")
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Path:
+    """Check that checkpoint folder `path` is whole: each file matches the size and sha256 in its
+    manifest.json. Returns `path`. Reads every file (sha256 at about 1.5 GB/s).
+
+    Raises:
+        CheckpointCorruptError: naming the checkpoint and the file, if a file is missing,
+            truncated, empty or changed, or the manifest is missing (a checkpoint written before
+            format 2 cannot be verified and is refused) or unreadable.
+    """
+    path = Path(path)
+    verify_manifest(path, required=_VERIFIED_FILES)
+    return path
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, Any],
@@ -108,7 +165,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     """Write `run_dir/checkpoints/step_NNNNNN/` atomically and return its path.
 
     Args:
-        run_dir: the run folder (created if needed).
+        run_dir: the run folder (created with mode 0700 if needed).
         step: optimizer steps taken; names the folder.
         model_state: the model's `state_dict()`.
         train_state: everything else needed to continue (plain containers and tensors).
@@ -117,24 +174,31 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
             resume).
 
     A checkpoint of the same step that already exists is replaced. Leftover temporary folders of
-    interrupted saves are deleted.
+    interrupted saves are deleted. Files get mode 0600, folders 0700; manifest.json (sizes and
+    sha256 of the other files) is written last, before the rename.
 
     Raises:
         ValueError: for a bad `step` or `keep_last`.
+        TypeError: if `model_state` or `train_state` holds objects that would need full
+            unpickling to load (e.g. a numpy array, a custom class), named; nothing is written.
     """
     name = checkpoint_name(step)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last={keep_last!r}; must be a positive integer or None (keep all)")
     root = Path(run_dir) / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    make_private_dir(root.parent)
+    make_private_dir(root)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))  # mode 0700
     try:
-        _write_torch(model_state, tmp / MODEL_FILE)
-        _write_torch(train_state, tmp / TRAIN_STATE_FILE)
+        for state, file, what in ((model_state, MODEL_FILE, "model_state"),
+                                  (train_state, TRAIN_STATE_FILE, "train_state")):
+            _write_torch(state, tmp / file)
+            check_weights_only(tmp / file, what)
         record = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(),
                   "files": [MODEL_FILE, TRAIN_STATE_FILE], **(meta or {})}
         _write_bytes((json.dumps(record, indent=2) + "\n").encode(), tmp / META_FILE)
+        write_manifest(tmp, _VERIFIED_FILES)
         _fsync_dir(tmp)
         old = None
         if final.exists():
@@ -154,19 +218,28 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint folder: {"model_state", "train_state", "meta"}; tensors on CPU.
 
+    The files are verified first (`verify_checkpoint`), then loaded with
+    `torch.load(weights_only=True)` only: loading never runs code from the checkpoint.
+
     Raises:
         FileNotFoundError: if `path` is not a complete checkpoint folder.
+        CheckpointCorruptError: naming the checkpoint and the file, if a file does not match
+            manifest.json (bit flip, truncation, empty or missing file) or there is no readable
+            manifest (e.g. a checkpoint written before format 2).
+        UnsafeCheckpointError: naming the file, if a `.pt` file would need unpickling of objects
+            outside torch's weights-only allow-list; it is not unpickled.
         ValueError: if it was written in another format version.
     """
     path = Path(path)
     if not (path / META_FILE).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {META_FILE})")
+    verify_checkpoint(path)
     meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format_version={meta.get('format_version')!r}; "
                          f"this posttrain reads version {FORMAT_VERSION}")
-    return {"model_state": _read_torch(path / MODEL_FILE),
-            "train_state": _read_torch(path / TRAIN_STATE_FILE), "meta": meta}
+    return {"model_state": read_weights_only(path / MODEL_FILE),
+            "train_state": read_weights_only(path / TRAIN_STATE_FILE), "meta": meta}
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,10 +249,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def capture_rng_state() -> dict[str, Any]:
     """The global RNG states: Python `random`, numpy, torch CPU and (if available) every CUDA
-    device. Plain containers and tensors only, so it loads with `weights_only=True`."""
+    device, as tensors, ints, floats and strings only, so it loads with `weights_only=True`:
+
+        python  {"version": int, "state": int64 tensor (625,), "gauss_next": float or None}
+        numpy   {"kind": str, "keys": int64 tensor (624,), "pos", "has_gauss": int,
+                 "cached": float}
+        torch   uint8 tensor; cuda: list of uint8 tensors, one per device
+
+    The Mersenne Twister words are below 2**32, so int64 holds them exactly.
+    """
+    version, words, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+    state = {"python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64),
+                        "gauss_next": gauss_next},
+             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
                        "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -188,8 +271,9 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set the global RNG states from `capture_rng_state()`'s result."""
-    random.setstate(_as_tuple(state["python"]))
+    """Set the global RNG states, exactly, from `capture_rng_state()`'s result."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
                          n["has_gauss"], n["cached"]))
@@ -198,40 +282,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _as_tuple(value: Any) -> Any:
-    """random.setstate wants tuples; a round trip through some serialisers gives lists."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_as_tuple(v) for v in value)
-    return value
-
-
 # --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
-
-
-def _write_torch(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_bytes(data: bytes, path: Path) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_torch(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # An object outside the weights-only allow-list (e.g. a custom data loader's state).
-        # The file is this run's own checkpoint, so fall back to full unpickling, loudly.
-        warnings.warn(f"{path} needs full unpickling (weights_only=False): {e}", stacklevel=3)
-        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import pandas as pd
 
+from posttrain.core.checkpoint_files import make_private_dir
+
 __all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "MetricsLog", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -68,7 +70,7 @@ class MetricsLog:
         row = dict(row)
         self.rows.append(row)
         if self.path is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.run_dir)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
         if self.tensorboard:
@@ -84,7 +86,7 @@ class MetricsLog:
         and makes TensorBoard discard events after the last kept step."""
         self.rows = [dict(r) for r in rows]
         if self.path is not None and (self.rows or self.path.exists()):
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.run_dir)
             tmp = self.path.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in self.rows)

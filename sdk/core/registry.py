@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+__all__ = ["Registry"]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

@@ -4,13 +4,17 @@ packing and collation, and the resumable data-parallel loader.
 
 from __future__ import annotations
 
-from posttrain.data.loader import (
-    IGNORE_INDEX,
+from posttrain.data.rows import (
     BAD_ROW_REASONS,
     BadRowError,
+    DataStats,
+    text_char_limit,
+)
+from posttrain.data.collate import right_pad
+from posttrain.data.loader import (
+    IGNORE_INDEX,
     Batch,
     Sample,
-    DataStats,
     SFTDataset,
     CPTDataset,
     SFTLoader,
@@ -26,13 +30,10 @@ from posttrain.data.loader import (
     reasoning_gym_sft_rows,
 )
 from posttrain.data.preference_rows import (
-    PREFERENCE_BAD_ROW_REASONS,
-    PreferenceRowError,
     load_preference_rows,
     pairs_to_kto_rows,
 )
 from posttrain.data.preference import (
-    PreferenceStats,
     PreferenceDataset,
     KTODataset,
     PreferenceBatch,
@@ -46,9 +47,11 @@ __all__ = [
     "IGNORE_INDEX",
     "BAD_ROW_REASONS",
     "BadRowError",
+    "DataStats",
+    "text_char_limit",
+    "right_pad",
     "Batch",
     "Sample",
-    "DataStats",
     "SFTDataset",
     "CPTDataset",
     "SFTLoader",
@@ -62,9 +65,6 @@ __all__ = [
     "normalize_sft_row",
     "normalize_document",
     "reasoning_gym_sft_rows",
-    "PREFERENCE_BAD_ROW_REASONS",
-    "PreferenceRowError",
-    "PreferenceStats",
     "load_preference_rows",
     "PreferenceDataset",
     "KTODataset",

@@ -47,12 +47,10 @@ from typing import Any
 
 import torch
 
+from posttrain.data.collate import right_pad
 from posttrain.data.sft import (  # re-exported: `from posttrain.data import ...` is the API
-    BAD_ROW_REASONS,
     IGNORE_INDEX,
-    BadRowError,
     CPTDataset,
-    DataStats,
     Sample,
     SFTDataset,
     labels_from_loss_mask,
@@ -64,8 +62,8 @@ from posttrain.data.sft import (  # re-exported: `from posttrain.data import ...
 )
 
 __all__ = [
-    "IGNORE_INDEX", "BAD_ROW_REASONS", "BadRowError", "Batch", "Sample", "DataStats",
-    "SFTDataset", "CPTDataset", "SFTLoader", "collate_padded", "pack_samples", "stack_rows",
+    "IGNORE_INDEX", "Batch", "Sample", "SFTDataset", "CPTDataset", "SFTLoader", "collate_padded",
+    "pack_samples", "stack_rows",
     "labels_from_loss_mask", "epoch_order", "load_sft_rows", "load_text_documents",
     "normalize_sft_row", "normalize_document", "reasoning_gym_sft_rows",
 ]
@@ -138,12 +136,9 @@ def collate_padded(samples: Sequence[Sample], pad_id: int) -> Batch:
     """
     if not samples:
         raise ValueError("collate_padded needs at least one sample")
-    B, T = len(samples), max(len(s) for s in samples)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.int64)
-    for b, s in enumerate(samples):
-        input_ids[b, : len(s)] = s.input_ids
-        labels[b, : len(s)] = s.labels
+    input_ids, _ = right_pad([s.input_ids for s in samples], pad_id)
+    labels, _ = right_pad([s.labels for s in samples], IGNORE_INDEX)
+    B, T = input_ids.shape
     position_ids = torch.arange(T, dtype=torch.int64).expand(B, T).clone()
     return Batch(input_ids, labels, position_ids, None, B)
 

@@ -11,9 +11,11 @@ Rows:
     KTO:   {"prompt": ..., "completion": str | [assistant message], "label": bool}
 from a list of dicts, a pandas DataFrame or a .jsonl/.json path. A bad row (a JSONL line that is
 not JSON, missing field, non-string, empty response, chosen == rejected up to surrounding
-whitespace, longer than `max_seq_len`, ...) raises `PreferenceRowError` (a
+whitespace, longer than `max_seq_len`, ...) raises `posttrain.data.rows.BadRowError` (a
 ValueError naming the row index, the field and a reason), or with `on_bad_row="skip"` is skipped
-and counted by reason in `dataset.stats`.
+and counted by reason in `dataset.stats` (a `posttrain.data.rows.DataStats`). Each prompt and
+response is validated whole but cut to `posttrain.data.rows.text_char_limit` characters before it
+is tokenised (a text past that is over-long either way).
 
 Each response is rendered after its prompt with the tokenizer's chat template (`chat=True`, as
 `SFTDataset` renders chats) or as plain text after BOS (`chat=False`); `response_mask` marks
@@ -38,41 +40,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from posttrain.data.collate import right_pad
 from posttrain.data.loader import epoch_order
-from posttrain.data.preference_rows import (PreferenceRowError, _check_row, _prompt,
-                                            _read_rows, _response)
+from posttrain.data.preference_rows import _check_row, _prompt, _response
+from posttrain.data.rows import (BadRowError, DataStats, cap_messages, read_rows,
+                                 text_char_limit)
 from posttrain.models.tokenizer import Tokenizer
 
-__all__ = ["PreferenceStats", "PreferenceDataset", "KTODataset", "PreferenceBatch",
-           "KTOBatch", "PreferenceLoader", "render_response"]
+__all__ = ["PreferenceDataset", "KTODataset", "PreferenceBatch", "KTOBatch", "PreferenceLoader",
+           "render_response"]
 
-
-@dataclass
-class PreferenceStats:
-    """What a dataset read and kept. `rows` read, `samples` kept (pairs or KTO rows),
-    `skipped_by_reason` (with on_bad_row="skip"), `tokens` over all kept sequences,
-    `response_tokens`, `kl_truncated` (KTO mismatched sequences cut to max_seq_len)."""
-
-    rows: int = 0
-    samples: int = 0
-    skipped_by_reason: dict[str, int] = field(default_factory=dict)
-    tokens: int = 0
-    response_tokens: int = 0
-    kl_truncated: int = 0
-
-    @property
-    def skipped(self) -> int:
-        return sum(self.skipped_by_reason.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "skipped": self.skipped}
+PAIR_COUNTS = ("response_tokens", "kl_truncated")
+"""The optional `DataStats` counts that preference and KTO datasets keep."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +72,7 @@ def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: st
     response mask ([T] bools, True at response tokens): with `chat`, the prompt (a user message
     string, or a message list) and an assistant turn through the tokenizer's chat template;
     without it, BOS + prompt + response. EOS is appended when the last response token is not a
-    stop token. Raises PreferenceRowError (a ValueError) when the template cannot render it.
+    stop token. Raises BadRowError (a ValueError) when the template cannot render it.
 
     Example:
         >>> from posttrain.models import ByteTokenizer
@@ -107,11 +93,11 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
             prefix = list(tokenizer.render_prompt(prompt))
             full = tokenizer.render_chat(prompt + [{"role": "assistant", "content": response}])
         except ValueError as e:
-            raise PreferenceRowError(index, key, "render_error", str(e)) from e
+            raise BadRowError(index, key, "render_error", str(e)) from e
         ids = list(full.input_ids)
         if ids[:len(prefix)] != prefix:
-            raise PreferenceRowError(index, key, "render_error", "the chat template renders the "
-                                     "prompt differently when a response follows it")
+            raise BadRowError(index, key, "render_error", "the chat template renders the "
+                              "prompt differently when a response follows it")
         mask = [bool(m) and t >= len(prefix) for t, m in enumerate(full.loss_mask)]
     else:
         prefix = tokenizer.encode(prompt, add_bos=True)
@@ -122,13 +108,21 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
         ids.append(tokenizer.eos_id)
         mask.append(True)
     if mask[0]:
-        raise PreferenceRowError(index, key, "render_error", "the first token cannot be a "
-                                 "response token (no context to predict it from)")
+        raise BadRowError(index, key, "render_error", "the first token cannot be a "
+                          "response token (no context to predict it from)")
     return ids, mask
 
 
 def _as_tensors(ids: list[int], mask: list[bool]) -> tuple[Tensor, Tensor]:
     return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
+
+
+def _pad(sequences: Sequence[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded (input_ids [B, T] int64, attention_mask [B, T] bool, response_mask [B, T]
+    bool) of (ids, response mask) pairs."""
+    input_ids, attention = right_pad([ids for ids, _ in sequences], pad_id)
+    response, _ = right_pad([mask for _, mask in sequences], False, dtype=torch.bool)
+    return input_ids, attention, response
 
 
 class _RowDataset(Sequence):
@@ -144,18 +138,28 @@ class _RowDataset(Sequence):
             raise ValueError(f"max_seq_len={max_seq_len!r}; must be an integer >= 2")
         self.tokenizer, self.max_seq_len, self.chat = tokenizer, max_seq_len, bool(chat)
         self.on_bad_row, self.pad_id = on_bad_row, tokenizer.pad_id
-        self.stats, self.row_indices, self.reference = PreferenceStats(), [], None
+        self.stats, self.row_indices, self.reference = DataStats.counting(*PAIR_COUNTS), [], None
+        self._char_limit = text_char_limit(tokenizer, max_seq_len)
 
-    def _bad_row(self, error: PreferenceRowError) -> None:
+    def _bad_row(self, error: BadRowError) -> None:
         if self.on_bad_row == "raise":
             raise error
-        by_reason = self.stats.skipped_by_reason
-        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
+        self.stats.skip(error)
 
-    def _fits(self, ids: list[int], index: int, key: str) -> None:
+    def _render_fitting(self, prompt: str | list[dict], response: str, index: int,
+                        key: str) -> tuple[list[int], list[bool]]:
+        """`_render` of the validated prompt and response, each text cut to `text_char_limit`
+        first (a longer text is over-long either way); BadRowError "overlong" past max_seq_len."""
+        limit = self._char_limit
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        cut = any(len(t) > limit for t in texts + [response])
+        prompt = prompt[:limit] if isinstance(prompt, str) else cap_messages(prompt, limit)
+        ids, mask = _render(self.tokenizer, prompt, response[:limit], self.chat, index, key)
         if len(ids) > self.max_seq_len:
-            raise PreferenceRowError(index, key, "overlong", f"prompt + {key} has {len(ids)} "
-                                     f"tokens, more than max_seq_len={self.max_seq_len}")
+            raise BadRowError(index, key, "overlong", f"prompt + {key} has "
+                              f"{'over ' if cut else ''}{len(ids)} tokens, more than "
+                              f"max_seq_len={self.max_seq_len}")
+        return ids, mask
 
     def _check_not_empty(self) -> None:
         if len(self) == 0:
@@ -186,12 +190,12 @@ class PreferenceDataset(_RowDataset):
         on_bad_row: "raise" or "skip" (counted in `stats.skipped_by_reason`).
 
     Attributes:
-        row_indices: source row of each item. stats: `PreferenceStats`. reference: the cached
+        row_indices: source row of each item. stats: `DataStats`. reference: the cached
             `ReferenceLogps` (keys "chosen", "rejected"), set by
             `posttrain.preference.reference.compute_reference_logps`.
 
     Raises:
-        PreferenceRowError (a ValueError): with on_bad_row="raise", naming row, field, reason.
+        BadRowError (a ValueError): with on_bad_row="raise", naming row, field, reason.
         ValueError: for bad options, or if no row is usable.
     """
 
@@ -201,22 +205,21 @@ class PreferenceDataset(_RowDataset):
                  on_bad_row: Literal["raise", "skip"] = "raise") -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         self.items: list[dict[str, Tensor]] = []
-        for i, row in enumerate(_read_rows(rows)):
+        for i, row in enumerate(read_rows(rows, "preference", keep_bad_lines=True)):
             self.stats.rows += 1
             try:
                 _check_row(row, i, "prompt, chosen, rejected")
                 prompt = _prompt(row, i, self.chat)
                 chosen, rejected = _response(row, i, "chosen"), _response(row, i, "rejected")
                 if chosen.strip() == rejected.strip():
-                    raise PreferenceRowError(i, "rejected", "same_response", "rejected is the "
-                                             "same text as chosen (surrounding whitespace "
-                                             "ignored)")
+                    raise BadRowError(i, "rejected", "same_response", "rejected is the "
+                                      "same text as chosen (surrounding whitespace "
+                                      "ignored)")
                 item = {}
                 for key, text in (("chosen", chosen), ("rejected", rejected)):
-                    ids, mask = _render(tokenizer, prompt, text, self.chat, i, key)
-                    self._fits(ids, i, key)
+                    ids, mask = self._render_fitting(prompt, text, i, key)
                     item[f"{key}_ids"], item[f"{key}_mask"] = _as_tensors(ids, mask)
-            except PreferenceRowError as e:
+            except BadRowError as e:
                 self._bad_row(e)
                 continue
             self.items.append(item)
@@ -262,20 +265,19 @@ class KTODataset(_RowDataset):
                  on_bad_row: Literal["raise", "skip"] = "raise") -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         kept: list[tuple[Any, str, bool, int, list[int], list[bool]]] = []
-        for i, row in enumerate(_read_rows(rows)):
+        for i, row in enumerate(read_rows(rows, "preference", keep_bad_lines=True)):
             self.stats.rows += 1
             try:
                 _check_row(row, i, "prompt, completion, label")
                 prompt = _prompt(row, i, self.chat)
                 completion = _response(row, i, "completion")
                 if "label" not in row:
-                    raise PreferenceRowError(i, "label", "missing_field", "has no 'label'")
+                    raise BadRowError(i, "label", "missing_field", "has no 'label'")
                 if not isinstance(row["label"], (bool, np.bool_)):
-                    raise PreferenceRowError(i, "label", "bad_label", f"is {row['label']!r}; "
-                                             "expected True (desirable) or False (undesirable)")
-                ids, mask = _render(tokenizer, prompt, completion, self.chat, i, "completion")
-                self._fits(ids, i, "completion")
-            except PreferenceRowError as e:
+                    raise BadRowError(i, "label", "bad_label", f"is {row['label']!r}; "
+                                      "expected True (desirable) or False (undesirable)")
+                ids, mask = self._render_fitting(prompt, completion, i, "completion")
+            except BadRowError as e:
                 self._bad_row(e)
                 continue
             kept.append((prompt, completion, bool(row["label"]), i, ids, mask))
@@ -312,16 +314,6 @@ class KTODataset(_RowDataset):
         desirable = torch.tensor([self.items[i]["desirable"] for i in indices], dtype=torch.bool)
         return KTOBatch(ids, attention, response, desirable, kl_ids, kl_attention, kl_response,
                         self._reference("completion", indices), self._reference("kl", indices))
-
-
-def _pad(sequences: Sequence[tuple[Tensor, Tensor]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    B, T = len(sequences), max(len(ids) for ids, _ in sequences)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    attention = torch.zeros(B, T, dtype=torch.bool)
-    response = torch.zeros(B, T, dtype=torch.bool)
-    for b, (ids, mask) in enumerate(sequences):
-        input_ids[b, :len(ids)], attention[b, :len(ids)], response[b, :len(ids)] = ids, True, mask
-    return input_ids, attention, response
 
 
 # --------------------------------------------------------------------------------------------

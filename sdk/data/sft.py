@@ -4,8 +4,9 @@ Notation: L = tokens of one sample. `posttrain.data.loader` re-exports everythin
 samples into batches.
 
 Readers (`load_sft_rows`, `load_text_documents`, `reasoning_gym_sft_rows`) return rows *as
-found*; `normalize_sft_row` / `normalize_document` validate one row, raising `BadRowError` with
-the row index and a reason, so that the datasets can raise or, with `on_bad_row="skip"`, count.
+found*; `normalize_sft_row` / `normalize_document` validate one row, raising
+`posttrain.data.rows.BadRowError` with the row index and a reason, so that the datasets can raise
+or, with `on_bad_row="skip"`, count (`DataStats`).
 
 Accepted SFT row shapes:
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
@@ -16,7 +17,10 @@ tokenizer's `stop_ids` (ByteTokenizer `<|end|>`, ChatML `<|im_end|>`, Llama 3 `<
 otherwise EOS is appended and trained, so the model always learns to stop. Truncation happens
 after this, so a truncated answer does not learn to stop where it was cut. Which tokens are
 trained is decided by position (the tokenizer's loss mask), never by token id, so EOS is
-trained even when `pad_id == eos_id`.
+trained even when `pad_id == eos_id`. Each message is validated whole but cut to
+`posttrain.data.rows.text_char_limit` characters before it is tokenised, a bound that cannot
+change the kept tokens, so a 50M-character completion costs what a short over-long one does.
+CPT documents are tokenised whole: every token lands in a chunk, so there is nothing to cut.
 
 Example:
     >>> from posttrain.data.sft import SFTDataset, load_sft_rows, normalize_sft_row
@@ -31,17 +35,16 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from posttrain.data.rows import (BadRowError, DataStats, cap_messages, is_frame, is_missing,
+                                 read_json_rows, read_rows, read_text_file, text_char_limit)
 from posttrain.models.chat import ROLES
 from posttrain.models.tokenizer import Tokenizer
 
@@ -51,68 +54,8 @@ IGNORE_INDEX = -100
 ON_BAD_ROW = ("raise", "skip")
 OVERLONG = ("truncate", "drop")
 
-BAD_ROW_REASONS = (
-    "not_a_dict",          # the row is not a mapping
-    "no_messages",         # neither "messages" nor "prompt"/"completion"
-    "bad_message",         # a message that is not a dict, or lacks "role" / "content"
-    "non_string_content",  # content (or prompt/completion/text) is not a str
-    "unknown_role",        # role outside posttrain.models.chat.ROLES
-    "empty_assistant",     # an assistant turn with empty (or whitespace-only) content
-    "no_assistant",        # no assistant turn at all: nothing to train
-    "last_not_assistant",  # turns after the last assistant turn would be trained on nothing
-    "render_error",        # the tokenizer's chat template rejected the conversation
-    "empty_text",          # CPT: an empty (or whitespace-only) document
-)
-"""Reasons a row is rejected; the keys of `DataStats.skipped_by_reason`."""
-
-
-class BadRowError(ValueError):
-    """A malformed data row. The message names the row index and the problem.
-
-    Attributes:
-        index: position of the row in its source (0-based).
-        reason: one of `BAD_ROW_REASONS`.
-    """
-
-    def __init__(self, index: int, reason: str, detail: str) -> None:
-        assert reason in BAD_ROW_REASONS, reason
-        super().__init__(f"row {index}: {detail} [{reason}]")
-        self.index = index
-        self.reason = reason
-
-
-def _is_missing(value: Any) -> bool:
-    # pandas fills absent cells of mixed-schema frames with NaN / None.
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def _records_from_frame(frame: Any) -> list[dict]:
-    records = frame.to_dict(orient="records")
-    return [{k: v for k, v in r.items() if not _is_missing(v)} for r in records]
-
-
-def _read_json_rows(path: Path) -> list[Any]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json data file must hold a list of rows, "
-                             f"got {type(data).__name__}")
-        return data
-    rows = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg}); each line of a JSONL "
-                             f"file must be one JSON object") from e
-    return rows
-
-
-def _is_frame(source: Any) -> bool:
-    return type(source).__name__ == "DataFrame" and hasattr(source, "to_dict")
+SAMPLE_COUNTS = ("truncated", "dropped", "split_documents", "trained_tokens")
+"""The optional `DataStats` counts that SFT and CPT datasets keep."""
 
 
 def load_sft_rows(source: Sequence[Mapping] | Any | str | os.PathLike) -> list[Any]:
@@ -123,20 +66,10 @@ def load_sft_rows(source: Sequence[Mapping] | Any | str | os.PathLike) -> list[A
 
     Raises:
         FileNotFoundError: for a path that does not exist.
-        ValueError: for a JSONL line that is not JSON (naming file and line), or a source of
-            another type.
+        ValueError: for a JSONL line that is not JSON (naming file and line), a file that is not
+            UTF-8 (naming file, line and byte offset), or a source of another type.
     """
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"SFT data file {path} does not exist")
-        return _read_json_rows(path)
-    if _is_frame(source):
-        return _records_from_frame(source)
-    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        return list(source)
-    raise ValueError(f"cannot read SFT rows from a {type(source).__name__}; pass a list of dicts, "
-                     f"a pandas DataFrame, or a .jsonl/.json path")
+    return read_rows(source, "SFT")
 
 
 def _as_list(value: Any) -> Any:
@@ -158,46 +91,49 @@ def normalize_sft_row(row: Any, index: int) -> list[dict]:
         BadRowError (a ValueError): naming `index` and one of `BAD_ROW_REASONS`.
     """
     if not isinstance(row, Mapping):
-        raise BadRowError(index, "not_a_dict", f"is a {type(row).__name__}, expected a dict with "
-                          f"'messages' or 'prompt'/'completion'")
+        raise BadRowError(index, None, "not_a_dict", f"is a {type(row).__name__}, expected a "
+                          f"dict with 'messages' or 'prompt'/'completion'")
     if "messages" in row:
         messages = _as_list(row["messages"])
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise BadRowError(index, "no_messages",
+            raise BadRowError(index, None, "no_messages",
                               f"'messages' is a {type(messages).__name__}, expected a list")
     elif "prompt" in row or "completion" in row:
         for key in ("prompt", "completion"):
             if key not in row:
-                raise BadRowError(index, "no_messages", f"has no {key!r} (a prompt/completion "
-                                  f"row needs both)")
+                raise BadRowError(index, None, "no_messages", f"has no {key!r} (a "
+                                  f"prompt/completion row needs both)")
             if not isinstance(row[key], str):
-                raise BadRowError(index, "non_string_content",
+                raise BadRowError(index, None, "non_string_content",
                                   f"{key!r} is a {type(row[key]).__name__}, expected str")
         messages = [{"role": "user", "content": row["prompt"]},
                     {"role": "assistant", "content": row["completion"]}]
     else:
-        raise BadRowError(index, "no_messages", f"has keys {sorted(map(str, row))}; expected "
+        raise BadRowError(index, None, "no_messages", f"has keys {sorted(map(str, row))}; expected "
                           f"'messages' or 'prompt' and 'completion'")
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise BadRowError(index, "bad_message", f"message {j} must be a dict with 'role' and "
-                              f"'content', got {m!r:.80}")
+            raise BadRowError(index, None, "bad_message", f"message {j} must be a dict with "
+                              f"'role' and 'content', got {m!r:.80}")
         role, content = m["role"], m["content"]
         if role not in ROLES:
-            raise BadRowError(index, "unknown_role", f"message {j} has role {role!r}; allowed "
-                              f"roles: {', '.join(ROLES)}")
+            raise BadRowError(index, None, "unknown_role", f"message {j} has role {role!r}; "
+                              f"allowed roles: {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise BadRowError(index, "non_string_content", f"message {j} content is a "
+            raise BadRowError(index, None, "non_string_content", f"message {j} content is a "
                               f"{type(content).__name__}, expected str")
         if role == "assistant" and not content.strip():
-            raise BadRowError(index, "empty_assistant", f"message {j} is an empty assistant turn")
+            raise BadRowError(index, None, "empty_assistant",
+                              f"message {j} is an empty assistant turn")
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in out):
-        raise BadRowError(index, "no_assistant", "has no assistant turn, so nothing to train on")
+        raise BadRowError(index, None, "no_assistant",
+                          "has no assistant turn, so nothing to train on")
     if out[-1]["role"] != "assistant":
-        raise BadRowError(index, "last_not_assistant", f"ends with a {out[-1]['role']!r} turn; "
-                          f"an SFT row must end with the assistant turn")
+        raise BadRowError(index, None, "last_not_assistant",
+                          f"ends with a {out[-1]['role']!r} turn; an SFT row must end with the "
+                          f"assistant turn")
     return out
 
 
@@ -211,20 +147,21 @@ def load_text_documents(source: Sequence[Any] | Any | str | os.PathLike, *,
 
     Raises:
         FileNotFoundError: for a path that does not exist.
-        ValueError: for a DataFrame without the column, bad JSONL, or another source type.
+        ValueError: for a DataFrame without the column, bad JSONL, a file that is not UTF-8
+            (naming file, line and byte offset), or another source type.
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"CPT data file {path} does not exist")
         if path.suffix == ".txt":
-            return [path.read_text(encoding="utf-8")]
-        return [r.get(field) if isinstance(r, Mapping) else r for r in _read_json_rows(path)]
-    if _is_frame(source):
+            return [read_text_file(path)]
+        return [r.get(field) if isinstance(r, Mapping) else r for r in read_json_rows(path)]
+    if is_frame(source):
         if field not in source.columns:
             raise ValueError(f"DataFrame has no column {field!r} (columns: "
                              f"{', '.join(map(str, source.columns))}); pass field=...")
-        return [None if _is_missing(v) else v for v in source[field].tolist()]
+        return [None if is_missing(v) else v for v in source[field].tolist()]
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         return [r.get(field) if isinstance(r, Mapping) else r for r in source]
     raise ValueError(f"cannot read documents from a {type(source).__name__}; pass a list of str, "
@@ -234,10 +171,10 @@ def load_text_documents(source: Sequence[Any] | Any | str | os.PathLike, *,
 def normalize_document(doc: Any, index: int) -> str:
     """Validate one CPT document. Raises BadRowError (a ValueError) naming `index`."""
     if not isinstance(doc, str):
-        raise BadRowError(index, "non_string_content",
+        raise BadRowError(index, None, "non_string_content",
                           f"document is a {type(doc).__name__}, expected str")
     if not doc.strip():
-        raise BadRowError(index, "empty_text", "document is empty")
+        raise BadRowError(index, None, "empty_text", "document is empty")
     return doc
 
 
@@ -310,44 +247,6 @@ class Sample:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-@dataclass
-class DataStats:
-    """What a dataset read, kept, skipped, truncated and dropped.
-
-    Attributes:
-        rows: rows (SFT) or documents (CPT) read.
-        samples: samples kept (CPT: chunks).
-        skipped_by_reason: bad rows skipped with `on_bad_row="skip"`, by reason.
-        truncated: over-long rows cut to `max_seq_len` and kept.
-        dropped: over-long rows dropped (`overlong="drop"`, or truncation left no trained token).
-        split_documents: CPT documents longer than `max_seq_len`, split into several chunks.
-        tokens / trained_tokens: over all kept samples.
-    """
-
-    rows: int = 0
-    samples: int = 0
-    skipped_by_reason: dict[str, int] = field(default_factory=dict)
-    truncated: int = 0
-    dropped: int = 0
-    split_documents: int = 0
-    tokens: int = 0
-    trained_tokens: int = 0
-
-    @property
-    def skipped(self) -> int:
-        return sum(self.skipped_by_reason.values())
-
-    def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["skipped"] = self.skipped
-        return d
-
-    def _add(self, sample: Sample) -> None:
-        self.samples += 1
-        self.tokens += len(sample)
-        self.trained_tokens += sample.num_trained_tokens
-
-
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}; allowed: {', '.join(map(repr, allowed))}")
@@ -376,8 +275,14 @@ class _TokenizedDataset(Sequence):
     def _bad_row(self, error: BadRowError, on_bad_row: str) -> None:
         if on_bad_row == "raise":
             raise error
-        by_reason = self.stats.skipped_by_reason
-        by_reason[error.reason] = by_reason.get(error.reason, 0) + 1
+        self.stats.skip(error)
+
+    def _keep(self, sample: Sample, index: int) -> None:
+        self.samples.append(sample)
+        self.row_indices.append(index)
+        self.stats.samples += 1
+        self.stats.tokens += len(sample)
+        self.stats.trained_tokens += sample.num_trained_tokens
 
     def _check_not_empty(self, what: str) -> None:
         if not self.samples:
@@ -416,20 +321,23 @@ class SFTDataset(_TokenizedDataset):
         _check_choice("overlong", overlong, OVERLONG)
         _check_max_seq_len(max_seq_len)
         self.max_seq_len, self.pad_id = max_seq_len, tokenizer.pad_id
-        self.samples, self.row_indices, self.stats = [], [], DataStats()
-        stops = tokenizer.stop_ids
+        self.samples, self.row_indices = [], []
+        self.stats = DataStats.counting(*SAMPLE_COUNTS)
+        stops, limit = tokenizer.stop_ids, text_char_limit(tokenizer, max_seq_len)
         for i, row in enumerate(load_sft_rows(rows)):
             self.stats.rows += 1
             try:
-                messages = normalize_sft_row(row, i)
+                # Validated whole, tokenised cut: a longer text could only add tokens past
+                # max_seq_len (`text_char_limit`).
+                messages = cap_messages(normalize_sft_row(row, i), limit)
                 try:
                     chat = tokenizer.render_chat(messages)
                 except ValueError as e:
-                    raise BadRowError(i, "render_error", str(e)) from e
+                    raise BadRowError(i, None, "render_error", str(e)) from e
                 trained = [t for t, m in enumerate(chat.loss_mask) if m]
                 if not trained:
-                    raise BadRowError(i, "render_error", "the chat template marked no token as "
-                                      "trained")
+                    raise BadRowError(i, None, "render_error", "the chat template marked no "
+                                      "token as trained")
             except BadRowError as e:
                 self._bad_row(e, on_bad_row)
                 continue
@@ -446,10 +354,7 @@ class SFTDataset(_TokenizedDataset):
                     self.stats.dropped += 1
                     continue
                 self.stats.truncated += 1
-            sample = Sample.from_loss_mask(ids, mask)
-            self.samples.append(sample)
-            self.row_indices.append(i)
-            self.stats._add(sample)
+            self._keep(Sample.from_loss_mask(ids, mask), i)
         self._check_not_empty("rows")
 
 
@@ -479,7 +384,8 @@ class CPTDataset(_TokenizedDataset):
         _check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
         _check_max_seq_len(max_seq_len)
         self.max_seq_len, self.pad_id = max_seq_len, tokenizer.pad_id
-        self.samples, self.row_indices, self.stats = [], [], DataStats()
+        self.samples, self.row_indices = [], []
+        self.stats = DataStats.counting(*SAMPLE_COUNTS)
         stride = max_seq_len - 1
         for i, doc in enumerate(load_text_documents(documents, field=field)):
             self.stats.rows += 1
@@ -493,8 +399,5 @@ class CPTDataset(_TokenizedDataset):
             self.stats.split_documents += len(starts) > 1
             for s in starts:
                 chunk = ids[s: s + max_seq_len]
-                sample = Sample.from_loss_mask(chunk, [True] * len(chunk))
-                self.samples.append(sample)
-                self.row_indices.append(i)
-                self.stats._add(sample)
+                self._keep(Sample.from_loss_mask(chunk, [True] * len(chunk)), i)
         self._check_not_empty("documents")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import types
 from typing import Any
 
@@ -120,15 +119,6 @@ def _global_names(code: types.CodeType) -> set[str]:
 def _type_name(obj: Any) -> str:
     t = type(obj)
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-def _pickle_recipes_by_value() -> None:
-    """Make cloudpickle send recipe files loaded by `posttrain.cli.load_recipe` by value: they
-    live under made-up module names (`posttrain_recipe_sft`) that a job cannot import, so a
-    `main` or `Config` of theirs pickled by reference fails to unpickle in the job."""
-    for module_name, module in list(sys.modules.items()):
-        if module_name.startswith("posttrain_recipe_") and module is not None:
-            cloudpickle.register_pickle_by_value(module)
 
 
 def _check_pickles(call: Any, what: str) -> None:

@@ -106,7 +106,8 @@ class Run:
     @classmethod
     def attach(cls, folder: str | os.PathLike, index: int | None = None) -> Run:
         """The Run recorded in `folder/run.json` (a launch folder, or an out_dir whose
-        `launch/` holds one), e.g. from a new kernel after a restart.
+        `launch/` holds one), e.g. from a new kernel after a restart. Attaching reads JSON only;
+        `result()` then unpickles the job's result file from that folder (see `result`).
 
         Args:
             folder: the launch folder (or its run.json, or the cfg's out_dir).
@@ -265,6 +266,10 @@ class Run:
     def result(self) -> Any:
         """What `target` returned (rank 0's value in a job of several tasks; see `results`).
         Waits for the job to end.
+
+        The value comes from unpickling the job's result file (`<log_folder>/<job id>_<task>
+        _result.pkl`, written by submitit in the job), and unpickling can run code: read results
+        only from launch folders that you or your jobs wrote (`launch` creates them 0700).
 
         Raises:
             JobFailedError: the job raised (the message has the remote traceback and the log

@@ -43,8 +43,8 @@ from submitit.helpers import Checkpointable
 from submitit.local.debug import DebugExecutor
 from submitit.local.local import LocalExecutor, LocalJob
 
-from posttrain.launch.pickling import (_check_pickles, _check_result_pickles,
-                                       _pickle_recipes_by_value)
+from posttrain.launch.pickling import _check_pickles, _check_result_pickles
+from posttrain.core.checkpoint_files import make_private_dir
 from posttrain.launch.run import RUN_FILE, JobFailedError, Run
 
 __all__ = ["launch", "launch_array", "Run", "JobFailedError", "EXECUTORS", "RUN_FILE"]
@@ -250,7 +250,6 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
         raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
     num_tasks = nodes * tasks_per_node
     name = _job_name(target) if name is None else str(name)
-    _pickle_recipes_by_value()
     calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
                    gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
                    in_job=executor != "debug") for cfg in cfgs]
@@ -272,6 +271,7 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     log_folder = folder / "%j"
     created = _first_missing(folder)
     before = set(folder.iterdir()) if created is None else set()
+    make_private_dir(folder)  # job pickles and results unpickle as code: 0700, this user's only
     ex = _make_executor(executor, log_folder, o["max_num_timeout"])
     params = dict(timeout_min=timeout_min, nodes=nodes, tasks_per_node=tasks_per_node,
                   gpus_per_node=gpus_per_node)

@@ -34,7 +34,6 @@ from posttrain.rewards.pairwise import (
 from posttrain.rewards.reward_model import (
     RewardModel,
     render_pair,
-    right_pad,
     bradley_terry_loss,
     PairwiseAccuracy,
     accuracy_from_rewards,
@@ -83,7 +82,6 @@ __all__ = [
     "count_pairwise",
     "RewardModel",
     "render_pair",
-    "right_pad",
     "bradley_terry_loss",
     "PairwiseAccuracy",
     "accuracy_from_rewards",

@@ -407,7 +407,7 @@ class RewardModelJudge:
                 continue
             try:
                 ids = render_pair(self.tokenizer, item["question"], completion)
-            except ValueError as exc:   # PreferenceRowError: the chat template refused it
+            except ValueError as exc:   # BadRowError: the chat template refused it
                 out[i] = f"cannot render the pair: {exc}"
                 continue
             if len(ids) > limit:

@@ -48,10 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.data.collate import right_pad
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.models.specs import ModelSpec, build_model, get_preset
 
-__all__ = ["RewardModel", "render_pair", "right_pad", "bradley_terry_loss", "PairwiseAccuracy",
+__all__ = ["RewardModel", "render_pair", "bradley_terry_loss", "PairwiseAccuracy",
            "accuracy_from_rewards", "pairwise_accuracy", "load_reward_model", "RM_CONFIG_FILE",
            "RM_WEIGHTS_FILE"]
 
@@ -193,7 +194,7 @@ class RewardModel(nn.Module):
         self.eval()
         try:
             for start in range(0, len(sequences), batch_size):
-                ids_BT, mask_BT = right_pad(sequences[start:start + batch_size])
+                ids_BT, mask_BT = right_pad(sequences[start:start + batch_size], 0)
                 out += self(ids_BT.to(device), mask_BT.to(device)).tolist()
         finally:
             self.train(was_training)
@@ -264,17 +265,6 @@ def load_reward_model(folder: str | os.PathLike, *, device: str | torch.device |
     except RuntimeError as exc:
         raise ValueError(f"{folder / RM_WEIGHTS_FILE} does not match its spec: {exc}") from None
     return model, load_tokenizer(folder)
-
-
-def right_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[Tensor, Tensor]:
-    """Right-padded `input_ids_BT` (int64) and `attention_mask_BT` (bool) of token-id lists."""
-    T = max(len(s) for s in sequences)
-    ids_BT = torch.full((len(sequences), T), pad_id, dtype=torch.long)
-    mask_BT = torch.zeros(len(sequences), T, dtype=torch.bool)
-    for b, s in enumerate(sequences):
-        ids_BT[b, :len(s)] = torch.tensor(list(s), dtype=torch.long)
-        mask_BT[b, :len(s)] = True
-    return ids_BT, mask_BT
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,10 +25,15 @@ Reference model: a frozen copy of the policy taken when the trainer is built (wh
 `algo.kl_coef > 0`). Value head (PPO + GAE): `ValueHead`, a `nn.Linear(embed_dim, 1)` on the
 final-norm hidden state, captured with a forward hook on `model.norm`.
 
-Checkpoints (`posttrain.core.checkpoint`): policy, value head and reference weights; optimizer,
-scheduler, buffer state, RNG states, step and metrics rows; a resumed run continues bit for bit
-(CPU, fixed threads). A preemption signal (`posttrain.core.preemption`) during `fit` waits for the end
-of its step, which is then checkpointed (with a run_dir) before the job is requeued.
+The loop around the step is the training engine's (`posttrain.train.engine.Engine`, shared with
+the SFT/DPO `Trainer`): `fit`, metrics, checkpoints (policy, value head and reference weights;
+optimizer, scheduler, buffer state, RNG states, step and metrics rows; a resumed run continues
+bit for bit on CPU with fixed threads), preemption at step boundaries, one live process per
+run folder. Ctrl-C during the rollout rolls the step back (nothing of it was applied); during
+the update it is held until the step is done. Either way `fit` stops at a whole step, saves a
+checkpoint there when checkpointing is on and sets `interrupted`. With several ranks, rank 0
+alone writes; the ranks sample the same groups and train identical replicas (RL data
+parallelism, with each rank its own share of the prompts, is not built yet).
 
 Example:
     >>> import torch
@@ -50,21 +55,17 @@ import copy
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from posttrain.core import preemption
+from posttrain.core.preemption import sigint_held
+from posttrain.data.collate import right_pad
 from posttrain.rl.buffer import ReplayBuffer
-from posttrain.core.checkpoint import (capture_rng_state, latest_checkpoint, list_checkpoints,
-                                  load_checkpoint, resolve_checkpoint, restore_rng_state,
-                                  save_checkpoint)
+from posttrain.train.engine import Engine
+from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.rl.environment import EnvDataset, Group
-from posttrain.train.losses import NonFiniteLossError, check_finite_update
-from posttrain.core.metrics import METRICS_FILE, MetricsLog
 from posttrain.policy.sampling import sampling_logprobs, token_logprobs
 from posttrain.rl.algorithms import compute_advantages, policy_loss, step_units, value_loss
 from posttrain.rl.config import RLAlgorithm
@@ -75,7 +76,6 @@ __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_
 EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
 """Outcomes that exclude their whole group from the update (see the module docstring)."""
 
-_STATE_VERSION = 1
 
 
 class ValueHead(nn.Module):
@@ -119,28 +119,26 @@ def make_batch(groups: Sequence[Group], pad_id: int) -> dict[str, Tensor]:
     completion tokens), old_logprobs_BT (float32, the sampler's, 0 elsewhere), scores_B,
     group_ids_B (int64, dense: 0, 1, ... in order of first appearance)}.
     """
-    rows = [t for g in groups for t in g]
-    T = max(len(t.prompt_ids) + len(t.completion_ids) for t in rows)
-    B, dense = len(rows), {}
-    batch = {"input_ids_BT": torch.full((B, T), pad_id, dtype=torch.long),
-             "attention_mask_BT": torch.zeros(B, T, dtype=torch.bool),
-             "response_mask_BT": torch.zeros(B, T, dtype=torch.bool),
-             "old_logprobs_BT": torch.zeros(B, T),
-             "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
-             "group_ids_B": torch.tensor([dense.setdefault(t.group_id, len(dense)) for t in rows],
-                                         dtype=torch.long)}
-    for b, t in enumerate(rows):
-        p, c = len(t.prompt_ids), len(t.completion_ids)
-        batch["input_ids_BT"][b, :p + c] = torch.tensor(t.prompt_ids + t.completion_ids)
-        batch["attention_mask_BT"][b, :p + c] = True
-        mask = t.completion_mask if t.completion_mask is not None else [True] * c
-        batch["response_mask_BT"][b, p:p + c] = torch.tensor(mask, dtype=torch.bool)
-        batch["old_logprobs_BT"][b, p:p + c] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return batch
+    rows, dense = [t for g in groups for t in g], {}
+    input_ids_BT, attention_mask_BT = right_pad(
+        [list(t.prompt_ids) + list(t.completion_ids) for t in rows], pad_id)
+    masks = [t.completion_mask if t.completion_mask is not None else [True] * len(t.completion_ids)
+             for t in rows]
+    response_mask_BT, _ = right_pad([[False] * len(t.prompt_ids) + list(mask)
+                                     for t, mask in zip(rows, masks)], False, dtype=torch.bool)
+    old_logprobs_BT, _ = right_pad([[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in rows],
+                                   0.0, dtype=torch.float32)
+    return {"input_ids_BT": input_ids_BT, "attention_mask_BT": attention_mask_BT,
+            "response_mask_BT": response_mask_BT, "old_logprobs_BT": old_logprobs_BT,
+            "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
+            "group_ids_B": torch.tensor([dense.setdefault(t.group_id, len(dense)) for t in rows],
+                                        dtype=torch.long)}
 
 
-class RLTrainer:
-    """Runs RL steps on built parts (policy, optimizer, task, algorithm).
+class RLTrainer(Engine):
+    """Runs RL steps on built parts (policy, optimizer, task, algorithm), on the training engine
+    (`posttrain.train.engine.Engine`: fit, checkpoints, resume, preemption, Ctrl-C, rank 0
+    writes).
 
     Args:
         policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
@@ -162,6 +160,8 @@ class RLTrainer:
         ValueError: for bad options, or a run_dir that holds a run while resume is False.
     """
 
+    progress_desc = "rl"
+
     def __init__(self, policy, optimizer: torch.optim.Optimizer, *, task: EnvDataset,
                  algo: RLAlgorithm, prompts_per_step: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0,
@@ -176,21 +176,19 @@ class RLTrainer:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
-        if (checkpoint_every or resume is True) and run_dir is None:
-            raise ValueError("checkpoint_every and resume=True need a run_dir")
+        self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
+                           max_grad_norm=max_grad_norm, run_dir=run_dir,
+                           checkpoint_every=checkpoint_every, keep_last=keep_last,
+                           progress=progress, callbacks=callbacks, resume=resume)
         if algo.use_value_head and value_head is None:
             value_head = ValueHead(policy.spec.embed_dim)
         if value_head is not None and not algo.use_value_head:
             raise ValueError("a value_head was given but algo.use_value_head is False")
-        self.policy, self.optimizer, self.task, self.algo = policy, optimizer, task, algo
+        self.policy, self.task, self.algo = policy, task, algo
         self.prompts_per_step, self.max_new_tokens = prompts_per_step, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.value_head, self.micro_batch_size = value_head, micro_batch_size
-        self.lr_scheduler, self.max_grad_norm = lr_scheduler, max_grad_norm
-        self.run_dir = None if run_dir is None else Path(run_dir)
-        self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
-        self.progress, self.seed, self.callbacks = progress, seed, list(callbacks)
-        self.verifier_timeout_s = verifier_timeout_s
+        self.seed, self.verifier_timeout_s = seed, verifier_timeout_s
         self.reference = None
         if algo.kl_coef > 0:
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
@@ -199,38 +197,28 @@ class RLTrainer:
                 for q in value_head.parameters()):
             raise ValueError("the optimizer must also hold value_head.parameters()")
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
-        self.step_count = 0
-        self.target_steps: int | None = None  # set by fit (the dashboard's total)
         self.last_groups: list[Group] | None = None
         self.last_builders: Sequence | None = None
-        self._log = MetricsLog(self.run_dir)
-        self._last_saved_step: int | None = None
-        if resume is True:
-            if latest_checkpoint(self.run_dir) is not None:
-                self.resume(self.run_dir)
-            else:
-                self._log.reset([])
-        elif resume:
-            self.resume(resume)
-        elif self.run_dir is not None and (list_checkpoints(self.run_dir)
-                                           or (self.run_dir / METRICS_FILE).exists()):
-            raise ValueError(f"run_dir {self.run_dir} already holds a run; pass resume=True to "
-                             "continue it, or use a new run_dir")
-
-    @property
-    def metrics(self) -> pd.DataFrame:
-        return self._log.frame()
+        self._start(resume)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, float]:
         """One RL step (see the module docstring). Returns its metrics row."""
         start, algo = time.perf_counter(), self.algo
-        builders = self.task.builders(self.step_count, self.prompts_per_step)
-        groups = collect_groups(self.policy, builders, group_size=algo.group_size,
-                                max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                top_p=self.top_p, seed=self.seed * 1_000_003 + self.step_count,
-                                policy_version=self.step_count,
-                                verifier_timeout_s=self.verifier_timeout_s)
+        self._rolled_back = False
+        rng_state = capture_rng_state()
+        try:  # nothing of the step is applied yet: an interrupt or error here rolls it back
+            builders = self.task.builders(self.step_count, self.prompts_per_step)
+            groups = collect_groups(self.policy, builders, group_size=algo.group_size,
+                                    max_new_tokens=self.max_new_tokens,
+                                    temperature=self.temperature, top_p=self.top_p,
+                                    seed=self.seed * 1_000_003 + self.step_count,
+                                    policy_version=self.step_count,
+                                    verifier_timeout_s=self.verifier_timeout_s)
+        except BaseException:
+            restore_rng_state(rng_state)
+            self._rolled_back = True
+            raise
         return self.train_on_groups(groups, builders=builders, start=start,
                                     rollout_s=time.perf_counter() - start)
 
@@ -240,7 +228,18 @@ class RLTrainer:
         sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
         callbacks, checkpoint. `posttrain.notebook.replay.replay_step` feeds saved rollouts here to
         debug one step. The groups and builders stay readable as `last_groups` /
-        `last_builders` (the live dashboard's rollout table). Returns the step's metrics row."""
+        `last_builders` (the live dashboard's rollout table). Returns the step's metrics row.
+
+        A Ctrl-C during this half is held until the step is done and recorded (its updates
+        cannot be half applied), then raised as KeyboardInterrupt."""
+        with sigint_held() as interrupt:
+            row = self._train_on_groups(groups, builders, start, rollout_s)
+        if interrupt.received:
+            raise KeyboardInterrupt
+        return row
+
+    def _train_on_groups(self, groups: Sequence[Group], builders: Sequence | None,
+                         start: float | None, rollout_s: float) -> dict[str, float]:
         algo = self.algo
         start = time.perf_counter() if start is None else start
         self.last_groups, self.last_builders = list(groups), builders
@@ -266,11 +265,8 @@ class RLTrainer:
         elapsed = time.perf_counter() - start
         row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed,
                    tokens_per_s=row["sampled_tokens"] / elapsed)
-        self._log.append(row)
-        for callback in self.callbacks:
-            callback(self, row)
-        if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
-            self.save_checkpoint()
+        self._record(row)
+        self._checkpoint_if_due()
         return row
 
     def _update(self, batch: dict[str, Tensor]) -> dict[str, float]:
@@ -317,16 +313,7 @@ class RLTrainer:
                 metrics.update(v_metrics)
             loss.backward()
             _accumulate(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        try:
-            check_finite_update(self.step_count + 1, totals["loss"], grad_norm)
-        except NonFiniteLossError:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, grad_norm)
+        grad_norm = self.clip_and_check(totals["loss"])
         totals["lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -378,74 +365,36 @@ class RLTrainer:
                                                     value_head=self.value_head)
         return out
 
-    # ------------------------------------------------------------------ fit / checkpoints
-    def fit(self, num_steps: int) -> pd.DataFrame:
-        """Take steps until `step_count == num_steps`; save a last checkpoint when enabled."""
-        from tqdm.auto import tqdm
-        self.target_steps = num_steps
+    # ------------------------------------------------------------------ engine hooks
+    def _module(self) -> nn.Module:
+        return self.policy.model
 
-        bar = tqdm(total=num_steps, initial=self.step_count, disable=not self.progress,
-                   desc="rl")
-        with preemption.deferring():  # a preemption signal waits for the end of its step
-            try:
-                while self.step_count < num_steps:
-                    row = self.step()
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}",
-                                    acc=f"{row['accuracy']:.3f}")
-                    preemption.step_boundary(self._preemption_save)
-            finally:
-                bar.close()
-            if self.checkpoint_every and self._last_saved_step != self.step_count:
-                self.save_checkpoint()
-        return self.metrics
-
-    def _preemption_save(self) -> None:
-        """The checkpoint before a preemption (`posttrain.core.preemption`): only with a run_dir, and
-        only if the last step is not saved yet."""
-        if self.run_dir is not None and self._last_saved_step != self.step_count:
-            self.save_checkpoint()
-
-    def save_checkpoint(self) -> Path:
-        """Everything needed to continue exactly, into run_dir/checkpoints/step_NNNNNN/."""
-        if self.run_dir is None:
-            raise ValueError("save_checkpoint needs a run_dir")
-        model_state = {"policy": self.policy.model.state_dict()}
+    def _model_state(self) -> dict[str, Any]:
+        state = {"policy": self.policy.model.state_dict()}
         if self.value_head is not None:
-            model_state["value_head"] = self.value_head.state_dict()
+            state["value_head"] = self.value_head.state_dict()
         if self.reference is not None:
-            model_state["reference"] = self.reference.state_dict()
-        train_state = {"version": _STATE_VERSION, "step": self.step_count,
-                       "optimizer": self.optimizer.state_dict(),
-                       "lr_scheduler": None if self.lr_scheduler is None
-                       else self.lr_scheduler.state_dict(),
-                       "buffer": self.buffer.state_dict(), "rng": capture_rng_state(),
-                       "metrics": [dict(r) for r in self._log.rows]}
-        path = save_checkpoint(self.run_dir, self.step_count, model_state=model_state,
-                               train_state=train_state, keep_last=self.keep_last,
-                               meta={"algo": repr(self.algo)})
-        self._last_saved_step = self.step_count
-        return path
+            state["reference"] = self.reference.state_dict()
+        return state
 
-    def resume(self, path: str | os.PathLike | None = None) -> Path:
-        """Load a checkpoint folder (or a run folder's latest) and continue from it."""
-        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
-        ckpt = load_checkpoint(path)
-        state, models = ckpt["train_state"], ckpt["model_state"]
-        self.policy.model.load_state_dict(models["policy"])
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        self.policy.model.load_state_dict(state["policy"])
         if self.value_head is not None:
-            self.value_head.load_state_dict(models["value_head"])
+            self.value_head.load_state_dict(state["value_head"])
         if self.reference is not None:
-            self.reference.load_state_dict(models["reference"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            self.reference.load_state_dict(state["reference"])
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"buffer": self.buffer.state_dict()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.buffer.load_state_dict(state["buffer"])
-        restore_rng_state(state["rng"])
-        self.step_count = int(state["step"])
-        self._log.reset(state["metrics"])
-        self._last_saved_step = self.step_count
-        return path
+
+    def _fixed_settings(self) -> dict[str, Any]:
+        return {"algo": repr(self.algo), "prompts_per_step": self.prompts_per_step}
+
+    def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.3f}"}
 
 
 def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:

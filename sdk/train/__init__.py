@@ -4,7 +4,8 @@ checkpoints, resume, preemption) and the loss registry.
 
 from __future__ import annotations
 
-from posttrain.train.hooks import evaluate_model, seed_all, has_state
+from posttrain.train.engine import Engine
+from posttrain.train.hooks import evaluate_model, seed_all, has_state, stable_repr
 from posttrain.train.losses import (
     IGNORE_INDEX,
     token_cross_entropy_sum,
@@ -19,9 +20,11 @@ from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
 from posttrain.train.trainer import Trainer
 
 __all__ = [
+    "Engine",
     "evaluate_model",
     "seed_all",
     "has_state",
+    "stable_repr",
     "IGNORE_INDEX",
     "token_cross_entropy_sum",
     "normalize_by_step",

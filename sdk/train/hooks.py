@@ -22,7 +22,7 @@ from torch import nn
 
 from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 
-__all__ = ["evaluate_model", "seed_all", "has_state"]
+__all__ = ["evaluate_model", "seed_all", "has_state", "stable_repr"]
 
 
 def evaluate_model(model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str, float]]
@@ -69,3 +69,10 @@ def has_state(data: Any) -> bool:
     """Whether `data` can be checkpointed (has `state_dict()` and `load_state_dict()`)."""
     return callable(getattr(data, "state_dict", None)) and callable(
         getattr(data, "load_state_dict", None))
+
+
+def stable_repr(obj: Any) -> str:
+    """`repr(obj)`, or its class's qualified name when the repr holds a memory address (the
+    default object repr), so that the text compares equal across processes (resume checks)."""
+    text = repr(obj)
+    return type(obj).__qualname__ if " at 0x" in text else text

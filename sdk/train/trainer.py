@@ -47,7 +47,10 @@ every step whether any of them got the signal, so they all save the same step.
 Interrupting (Ctrl-C in a notebook, KeyboardInterrupt) never leaves a half step: an interrupt
 during data fetch, forward or backward discards the partial gradients and puts the data position
 and RNG back; one during the parameter update is held until the update is done. `fit` then
-returns, and calling it again continues as if nothing happened.
+saves a checkpoint of the last whole step (when checkpointing is on), sets `interrupted` and
+returns; calling it again continues as if nothing happened. The loop itself (fit, metrics,
+checkpoints, resume, preemption, rank-0 writes, run-folder rules) is the training engine's,
+`posttrain.train.engine.Engine`, shared with `RLTrainer`; this class provides the step.
 
 Example:
     >>> import torch
@@ -70,28 +73,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.core import preemption
-from posttrain.core.checkpoint import (CHECKPOINT_DIR, capture_rng_state, check_new_run_dir,
-                                       checkpoint_name, latest_checkpoint, load_checkpoint, resolve_checkpoint, restore_rng_state,
-                                       save_checkpoint)
-from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
+from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
+from posttrain.core.distributed import flat_collective
 from posttrain.core.preemption import sigint_held
-from posttrain.train.hooks import evaluate_model, has_state, seed_all
-from posttrain.train.losses import TrainingLoss, check_finite_update, get_loss
-from posttrain.core.metrics import MetricsLog
+from posttrain.train.engine import Engine
+from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
+from posttrain.train.losses import TrainingLoss, get_loss
 from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]
 
-TRAIN_STATE_VERSION = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +96,7 @@ TRAIN_STATE_VERSION = 1
 # --------------------------------------------------------------------------------------------
 
 
-class Trainer:
+class Trainer(Engine):
     """Runs optimizer steps on built parts; records metrics; saves and resumes checkpoints.
 
     Args:
@@ -172,60 +169,31 @@ class Trainer:
                             f"and __call__(model, batch, num_units_in_step)); got {loss!r}")
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
         check_int("eval_every", eval_every, minimum=0)
-        check_int("checkpoint_every", checkpoint_every, minimum=0)
-        if keep_last is not None:
-            check_int("keep_last", keep_last, minimum=1)
-        if max_grad_norm is not None and not (max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}; must be positive or None")
         if eval_every and eval_fn is None:
             raise ValueError(f"eval_every={eval_every} needs an eval_fn")
-        if (checkpoint_every or resume is True or tensorboard) and run_dir is None:
-            raise ValueError("checkpoint_every, resume=True and tensorboard need a run_dir")
         if checkpoint_every and not has_state(data):
             raise ValueError(f"checkpoint_every needs data with state_dict()/load_state_dict() "
                              f"(to resume at the same position); {type(data).__name__} has none")
-
-        self.rank, self.world_size = rank_and_world_size()
+        self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
+                           max_grad_norm=max_grad_norm, run_dir=run_dir,
+                           checkpoint_every=checkpoint_every, keep_last=keep_last,
+                           progress=progress, callbacks=callbacks, resume=resume,
+                           tensorboard=tensorboard)
         shard = (getattr(data, "rank", self.rank), getattr(data, "world_size", self.world_size))
         if shard != (self.rank, self.world_size):
             raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
                              f"this process is rank {self.rank} of world_size={self.world_size}; "
                              "build the loader after initialising torch.distributed (or pass "
                              "it rank= and world_size=)")
-
-        self.model, self.optimizer, self.data, self.loss = model, optimizer, data, loss
-        self.lr_scheduler = lr_scheduler
-        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.model, self.data, self.loss = model, data, loss
+        self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self.eval_fn, self.eval_every = eval_fn, eval_every
-        self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
-        self.progress, self.seed, self.callbacks = progress, seed, list(callbacks)
-        self.step_count = 0
-        self.target_steps: int | None = None  # set by fit (the dashboard's total)
-        writes = self.rank == 0  # the other ranks keep their rows in memory
-        self._log = MetricsLog(self.run_dir if writes else None, tensorboard=tensorboard and writes)
-        self._last_saved_step: int | None = None
-        self._rolled_back = False
         seed_all(seed)
         if self.world_size > 1:
             flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
-
-        if resume is True:
-            if latest_checkpoint(self.run_dir) is not None:
-                self.resume(self.run_dir)
-            else:
-                self._log.reset([])  # a run killed before its first checkpoint starts over
-        elif resume:
-            self.resume(resume)
-        elif self.run_dir is not None:
-            check_new_run_dir(self.run_dir)
+        self._start(resume)
 
     # ------------------------------------------------------------------ the step
-
-    @property
-    def metrics(self) -> pd.DataFrame:
-        """One row per step taken so far (restored rows included after a resume)."""
-        return self._log.frame()
 
     def step(self) -> dict[str, float]:
         """One optimizer step, then evaluation, metrics and checkpoint when due.
@@ -249,8 +217,7 @@ class Trainer:
             self._record(row)
         if interrupted:
             raise KeyboardInterrupt
-        if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
-            self.save_checkpoint()
+        self._checkpoint_if_due()
         return row
 
     def _optimizer_step(self) -> tuple[dict[str, float], bool]:
@@ -277,8 +244,7 @@ class Trainer:
             # Data parallelism: the per-rank sums add up to the single-process step.
             self._sum_gradients_across_ranks()
             loss_sum = self._sum_across_ranks(loss_sum)
-            grad_norm = self._clip_gradients()
-            check_finite_update(self.step_count + 1, loss_sum, grad_norm)
+            grad_norm = self.clip_and_check(loss_sum)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             if data_state is not None:
@@ -299,105 +265,6 @@ class Trainer:
                "tokens_per_s": num_units / elapsed, "step_time_s": elapsed}
         return row, interrupt.received
 
-    def _sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
-        if self.world_size == 1:
-            return value
-        value = value.detach().to(device_of(self.model), copy=True)
-        dist.all_reduce(value)
-        return value
-
-    def _sum_gradients_across_ranks(self) -> None:
-        """Replace every gradient by its SUM over the ranks (in flat buckets)."""
-        if self.world_size > 1:
-            flat_collective([p.grad for group in self.optimizer.param_groups
-                              for p in group["params"] if p.grad is not None], dist.all_reduce)
-
-    def _clip_gradients(self) -> torch.Tensor:
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
-        if not grads:
-            raise ValueError("no parameter of the optimizer received a gradient; does the loss "
-                             "depend on the optimizer's parameters?")
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(
-                [p for group in self.optimizer.param_groups for p in group["params"]
-                 if p.grad is not None], self.max_grad_norm, norm)
-        return norm
-
-    def _record(self, row: dict[str, float]) -> None:
-        self._log.append(row)
-        for callback in self.callbacks:
-            callback(self, row)
-
-    # ------------------------------------------------------------------ fit / evaluate
-
-    def fit(self, num_steps: int) -> pd.DataFrame:
-        """Take steps until `step_count == num_steps` (so a second call continues).
-
-        A KeyboardInterrupt stops the run cleanly (see the module docstring), prints where it
-        stopped and returns; call `fit` again to continue. At the end, a checkpoint is saved if
-        `checkpoint_every` is set and the last step has none yet.
-
-        Returns:
-            `self.metrics`.
-
-        Raises:
-            ValueError: if `num_steps` is not a non-negative integer.
-        """
-        check_int("num_steps", num_steps, minimum=0)
-        self.target_steps = num_steps
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
-                   desc="train", disable=not self.progress or self.rank != 0, dynamic_ncols=True)
-        with preemption.deferring():  # a preemption signal waits for the end of its step
-            try:
-                while self.step_count < num_steps:
-                    row = self.step()
-                    bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}",
-                                    refresh=False)
-                    bar.update(1)
-                    self._preemption_boundary()
-            except KeyboardInterrupt:
-                bar.close()
-                if self._rolled_back:
-                    what = (f"step {self.step_count + 1} was rolled back (gradients discarded, "
-                            f"data position and RNG restored); the model, optimizer and "
-                            f"scheduler are as after step {self.step_count}")
-                else:
-                    what = f"stopped after step {self.step_count} completed"
-                print(f"Interrupted: {what}. Call fit({num_steps}) to continue.")
-                return self.metrics
-            finally:
-                bar.close()
-            if (self.checkpoint_every and self.step_count
-                    and self._last_saved_step != self.step_count):
-                self.save_checkpoint()
-        return self.metrics
-
-    def _preemption_boundary(self) -> None:
-        """After a completed step: if preemption was requested, checkpoint and hand over to the
-        original handler (`posttrain.core.preemption.step_boundary`). With several ranks, they first
-        agree (one tiny all-reduce) whether any rank got the signal, so all of them enter the
-        checkpoint's barrier at the same step; the hand-over happens where the signal arrived."""
-        if self.world_size == 1:
-            preemption.step_boundary(self._preemption_save)
-            return
-        flag = torch.tensor(int(preemption.requested()), device=device_of(self.model))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag:
-            self._preemption_save()
-            preemption.step_boundary()
-
-    def _preemption_save(self) -> None:
-        """The checkpoint before a preemption: only with a run_dir and stateful data, and only
-        if the last step is not saved yet."""
-        if (self.run_dir is not None and has_state(self.data)
-                and self._last_saved_step != self.step_count):
-            self.save_checkpoint()
-
     def evaluate(self) -> dict[str, float]:
         """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
         states are restored afterwards. Returns {"eval/<name>": value}.
@@ -410,78 +277,34 @@ class Trainer:
             raise ValueError("this Trainer has no eval_fn")
         return evaluate_model(self.model, self.eval_fn)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ engine hooks
+    def _module(self) -> nn.Module:
+        return self.model
 
-    def save_checkpoint(self) -> Path:
-        """Save everything needed to continue exactly into
-        `run_dir/checkpoints/step_NNNNNN/` (atomically; older ones beyond `keep_last` deleted).
+    def _model_state(self) -> dict[str, Any]:
+        return self.model.state_dict()
 
-        With data parallelism every rank calls it: rank 0 writes, then all ranks wait at a
-        barrier, so the checkpoint is on disk for every rank when it returns (the folder's path
-        on every rank).
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
 
-        Raises:
-            ValueError: without a run_dir, or for data without `state_dict()`.
-        """
-        if self.run_dir is None:
-            raise ValueError("save_checkpoint needs a run_dir")
-        if not has_state(self.data):
-            raise ValueError(f"{type(self.data).__name__} has no state_dict(); its position "
-                             "could not be restored")
-        train_state = {
-            "version": TRAIN_STATE_VERSION,
-            "step": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": capture_rng_state(),
-            "metrics": [dict(r) for r in self._log.rows],
-        }
-        meta = {"grad_accum_steps": self.grad_accum_steps, "loss": repr(self.loss),
-                "world_size": self.world_size}
-        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(self.step_count)
-        if self.rank == 0:
-            path = save_checkpoint(self.run_dir, self.step_count,
-                                   model_state=self.model.state_dict(), train_state=train_state,
-                                   keep_last=self.keep_last, meta=meta)
-        barrier()
-        self._last_saved_step = self.step_count
-        return path
+    def _extra_state(self) -> dict[str, Any]:
+        return {"data": self.data.state_dict()}
 
-    def resume(self, path: str | os.PathLike | None = None) -> Path:
-        """Load a checkpoint: model, optimizer, scheduler, data position, RNG states, step count
-        and metrics rows (`metrics.jsonl` is rewritten to those rows).
-
-        Args:
-            path: a checkpoint folder, or a run folder (its latest checkpoint); default run_dir.
-
-        Returns:
-            The checkpoint folder loaded.
-
-        Raises:
-            FileNotFoundError: if there is no checkpoint there.
-            ValueError: if the checkpoint and this trainer disagree (scheduler present in one
-                only, another data set, ...).
-        """
-        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
-        ckpt = load_checkpoint(path)
-        state = ckpt["train_state"]
-        if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
-            saved = "without" if state["lr_scheduler"] is None else "with"
-            has = "one" if self.lr_scheduler is not None else "none"
-            raise ValueError(f"{path} was saved {saved} an lr_scheduler; this trainer has {has}")
-        self.model.load_state_dict(ckpt["model_state"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
         if not has_state(self.data):
             raise ValueError(f"{type(self.data).__name__} has no load_state_dict()")
         self.data.load_state_dict(state["data"])
-        restore_rng_state(state["rng"])
-        self.step_count = int(state["step"])
-        self._log.reset(state["metrics"])
-        self._last_saved_step = self.step_count
-        return path
+
+    def _check_can_save(self) -> None:
+        if not has_state(self.data):
+            raise ValueError(f"{type(self.data).__name__} has no state_dict(); its position "
+                             "could not be restored")
+
+    def _fixed_settings(self) -> dict[str, Any]:
+        return {"grad_accum_steps": self.grad_accum_steps, "loss": stable_repr(self.loss)}
+
+    def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"}
 
     def __repr__(self) -> str:
         return (f"Trainer(step_count={self.step_count}, loss={self.loss!r}, "

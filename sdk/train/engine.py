@@ -1,0 +1,337 @@
+"""The training engine: the part of the loop every trainer shares.
+
+A trainer (`Trainer` for SFT/CPT, the DPO family and reward models; `RLTrainer` for RL) is an
+`Engine` that provides `step()` (one optimizer step's worth of work, returning its metrics row)
+and says what its checkpoint holds. The engine owns everything around the step:
+
+    fit(n):  while step_count < n:
+                 row = step()                  # the trainer's work; rolls itself back on error
+                 record(row)                   # metrics.jsonl (rank 0), callbacks, progress bar
+                 checkpoint when due           # atomic, verified; rank 0 writes, all wait
+                 preemption boundary           # Slurm's warning signal acts here, never mid-step
+             Ctrl-C: the step in flight is rolled back (or finished, if its update had begun),
+                     a checkpoint is saved at the last whole step, `interrupted` is set.
+
+plus gradient SUM across data-parallel ranks, clipping and the refusal of non-finite updates
+(`clip_and_check`), the run-folder rules (a folder that holds a run needs `resume`; one live
+process per folder, `posttrain.core.run_lock`), and resume (model, optimizer, scheduler, RNG
+states, step count, metrics rows, and the trainer's own state such as a data position or a
+replay buffer), after which a run continues bit for bit (CPU, fixed threads).
+
+Settings that cannot change on resume (`_fixed_settings`: the loss, gradient accumulation, the
+RL algorithm, ...) are saved in the checkpoint's meta and compared on resume; a difference is
+an error naming the setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.core import preemption
+from posttrain.core.checkpoint import (CHECKPOINT_DIR, capture_rng_state, check_new_run_dir,
+                                       checkpoint_name, latest_checkpoint, load_checkpoint,
+                                       resolve_checkpoint, restore_rng_state, save_checkpoint)
+from posttrain.core.checks import check_int
+from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
+from posttrain.core.metrics import MetricsLog
+from posttrain.core.run_lock import claim_run_dir
+from posttrain.train.losses import check_finite_update
+
+__all__ = ["Engine"]
+
+TRAIN_STATE_VERSION = 1
+
+
+class Engine:
+    """Base of every trainer: fit, metrics, checkpoints, resume, preemption, Ctrl-C, ranks.
+
+    A subclass calls `_setup_engine(...)` early in `__init__` and `_start(resume)` last, and
+    implements `step()`, `_module()` (the model whose device and parameters the engine uses),
+    `_model_state()` / `_load_model_state(state)` and optionally `_extra_state()` /
+    `_load_extra_state(state)`, `_fixed_settings()`, `_check_can_save()` and `_postfix(row)`.
+
+    Attributes:
+        step_count: optimizer steps taken (RL: RL steps).
+        rank, world_size: this process's place in the data-parallel group (0 and 1 without one).
+        interrupted: True after `fit` stopped on Ctrl-C (reset by the next `fit`).
+        metrics: the per-step rows as a DataFrame.
+    """
+
+    progress_desc = "train"
+
+    def _setup_engine(self, *, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                      max_grad_norm: float | None, run_dir: str | os.PathLike | None,
+                      checkpoint_every: int, keep_last: int | None, progress: bool,
+                      callbacks: Any, resume: bool | str | os.PathLike,
+                      tensorboard: bool = False) -> None:
+        check_int("checkpoint_every", checkpoint_every, minimum=0)
+        check_int("keep_last", keep_last, minimum=1, optional=True)
+        if max_grad_norm is not None and not (max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}; must be positive or None")
+        if (checkpoint_every or resume is True or tensorboard) and run_dir is None:
+            raise ValueError("checkpoint_every, resume=True and tensorboard need a run_dir")
+        self.rank, self.world_size = rank_and_world_size()
+        self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
+        self.progress, self.callbacks = progress, list(callbacks)
+        self.step_count = 0
+        self.target_steps: int | None = None  # set by fit (the dashboard's total)
+        self.interrupted = False
+        writes = self.rank == 0  # the other ranks keep their rows in memory
+        self._log = MetricsLog(self.run_dir if writes else None, tensorboard=tensorboard and writes)
+        self._last_saved_step: int | None = None
+        self._rolled_back = False
+
+    def _start(self, resume: bool | str | os.PathLike) -> None:
+        """Apply the run-folder rules and `resume` (the last thing a trainer's __init__ does)."""
+        if resume is True:
+            if latest_checkpoint(self.run_dir) is not None:
+                self.resume(self.run_dir)
+            else:
+                self._log.reset([])  # a run killed before its first checkpoint starts over
+        elif resume:
+            self.resume(resume)
+        elif self.run_dir is not None:
+            check_new_run_dir(self.run_dir)
+        if self.run_dir is not None and self.rank == 0:
+            claim_run_dir(self.run_dir)
+
+    # ------------------------------------------------------------------ to override
+    def step(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _model_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _fixed_settings(self) -> dict[str, Any]:
+        return {}
+
+    def _check_can_save(self) -> None:
+        pass
+
+    def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {}
+
+    # ------------------------------------------------------------------ the shared loop
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """One row per step taken so far (restored rows included after a resume)."""
+        return self._log.frame()
+
+    def _record(self, row: dict[str, Any]) -> None:
+        self._log.append(row)
+        for callback in self.callbacks:
+            callback(self, row)
+
+    def _checkpoint_if_due(self) -> None:
+        if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def fit(self, num_steps: int) -> pd.DataFrame:
+        """Take steps until `step_count == num_steps` (so a second call continues).
+
+        A KeyboardInterrupt (Ctrl-C) stops the run at a whole step: the step in flight is
+        rolled back, or finished when its update had begun; a checkpoint of the last whole step
+        is saved (when checkpointing is on), `interrupted` is set, a line says where it stopped,
+        and `fit` returns. Call it again to continue. At the end a checkpoint is saved if
+        `checkpoint_every` is set and the last step has none yet.
+
+        Returns:
+            `self.metrics`.
+
+        Raises:
+            ValueError: if `num_steps` is not a non-negative integer.
+        """
+        check_int("num_steps", num_steps, minimum=0)
+        from tqdm.auto import tqdm
+
+        self.target_steps, self.interrupted = num_steps, False
+        bar = tqdm(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
+                   desc=self.progress_desc, disable=not self.progress or self.rank != 0,
+                   dynamic_ncols=True)
+        with preemption.deferring():  # a preemption signal waits for the end of its step
+            try:
+                while self.step_count < num_steps:
+                    row = self.step()
+                    bar.set_postfix(self._postfix(row), refresh=False)
+                    bar.update(1)
+                    self._preemption_boundary()
+            except KeyboardInterrupt:
+                bar.close()
+                self._stop_on_interrupt(num_steps)
+                return self.metrics
+            finally:
+                bar.close()
+            if self.checkpoint_every and self.step_count and self._last_saved_step != self.step_count:
+                self.save_checkpoint()
+        return self.metrics
+
+    def _stop_on_interrupt(self, num_steps: int) -> None:
+        self.interrupted = True
+        if self._rolled_back:
+            what = (f"step {self.step_count + 1} was rolled back (nothing of it was applied); "
+                    f"the run is as after step {self.step_count}")
+        else:
+            what = f"stopped after step {self.step_count} completed"
+        if self.checkpoint_every and self.step_count and self._last_saved_step != self.step_count:
+            path = self.save_checkpoint()
+            what += f"; checkpoint {path.name} saved"
+        if self.rank == 0:
+            print(f"Interrupted: {what}. Call fit({num_steps}) to continue.")
+
+    def _preemption_boundary(self) -> None:
+        """After a completed step: if preemption was requested, checkpoint and hand over to the
+        original handler (`posttrain.core.preemption.step_boundary`). With several ranks, they
+        first agree (one tiny all-reduce) whether any rank got the signal, so all of them enter
+        the checkpoint's barrier at the same step."""
+        if self.world_size == 1:
+            preemption.step_boundary(self._preemption_save)
+            return
+        flag = torch.tensor(int(preemption.requested()), device=device_of(self._module()))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag:
+            self._preemption_save()
+            preemption.step_boundary()
+
+    def _preemption_save(self) -> None:
+        """The checkpoint before a preemption: only with a run_dir, only if the trainer can save
+        (e.g. its data has a position), and only if the last step is not saved yet."""
+        if self.run_dir is None or self._last_saved_step == self.step_count:
+            return
+        try:
+            self._check_can_save()
+        except ValueError:
+            return
+        self.save_checkpoint()
+
+    # ------------------------------------------------------------------ gradients
+    def _sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
+        if self.world_size == 1:
+            return value
+        value = value.detach().to(device_of(self._module()), copy=True)
+        dist.all_reduce(value)
+        return value
+
+    def _sum_gradients_across_ranks(self) -> None:
+        """Replace every gradient by its SUM over the ranks (in flat buckets)."""
+        if self.world_size > 1:
+            flat_collective(self._grads(), dist.all_reduce)
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"]
+                if p.grad is not None]
+
+    def clip_and_check(self, loss: torch.Tensor) -> torch.Tensor:
+        """Global L2 norm of the gradients (before clipping), clipped to `max_grad_norm`;
+        refuse a non-finite loss or norm for step `step_count + 1`.
+
+        Raises:
+            ValueError: if no parameter of the optimizer received a gradient.
+            NonFiniteLossError: for a non-finite loss or gradient norm (gradients discarded).
+        """
+        grads = self._grads()
+        if not grads:
+            raise ValueError("no parameter of the optimizer received a gradient; does the loss "
+                             "depend on the optimizer's parameters?")
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        try:
+            check_finite_update(self.step_count + 1, loss, norm)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for group in self.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None], self.max_grad_norm, norm)
+        return norm
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Save everything needed to continue exactly into `run_dir/checkpoints/step_NNNNNN/`
+        (atomically; older ones beyond `keep_last` deleted). With data parallelism every rank
+        calls it: rank 0 writes, then all ranks wait at a barrier.
+
+        Raises:
+            ValueError: without a run_dir, or when the trainer cannot save (e.g. data without
+                `state_dict()`).
+        """
+        if self.run_dir is None:
+            raise ValueError("save_checkpoint needs a run_dir")
+        self._check_can_save()
+        train_state = {
+            "version": TRAIN_STATE_VERSION,
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "metrics": [dict(r) for r in self._log.rows],
+            **self._extra_state(),
+        }
+        meta = {**self._fixed_settings(), "world_size": self.world_size}
+        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(self.step_count)
+        if self.rank == 0:
+            path = save_checkpoint(self.run_dir, self.step_count, model_state=self._model_state(),
+                                   train_state=train_state, keep_last=self.keep_last, meta=meta)
+        barrier()
+        self._last_saved_step = self.step_count
+        return path
+
+    def resume(self, path: str | os.PathLike | None = None) -> Path:
+        """Load a checkpoint: model(s), optimizer, scheduler, RNG states, step count, metrics
+        rows (`metrics.jsonl` is rewritten to those rows) and the trainer's own state.
+
+        Args:
+            path: a checkpoint folder, or a run folder (its latest checkpoint); default run_dir.
+
+        Returns:
+            The checkpoint folder loaded.
+
+        Raises:
+            FileNotFoundError: if there is no checkpoint there.
+            ValueError: if the checkpoint and this trainer disagree: a fixed setting (named)
+                differs, or a scheduler is present in one only.
+        """
+        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
+        ckpt = load_checkpoint(path)
+        state = ckpt["train_state"]
+        saved = ckpt.get("meta") or {}
+        for name, value in self._fixed_settings().items():
+            if name in saved and saved[name] != value:
+                raise ValueError(f"{path} was saved with {name}={saved[name]!r}; this trainer has "
+                                 f"{name}={value!r}, which cannot change on resume (start a new "
+                                 "run_dir, or resume with the same setting)")
+        if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
+            was = "without" if state["lr_scheduler"] is None else "with"
+            has = "one" if self.lr_scheduler is not None else "none"
+            raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
+        self._load_model_state(ckpt["model_state"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._load_extra_state(state)
+        restore_rng_state(state["rng"])
+        self.step_count = int(state["step"])
+        self._log.reset(state["metrics"])
+        self._last_saved_step = self.step_count
+        return path

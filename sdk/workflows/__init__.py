@@ -1,0 +1,73 @@
+"""Recipe building blocks: the typed config sections every recipe nests (`ModelConfig`,
+`TaskConfig`, `OptimConfig`, ...), the one validation path and dotted overrides, the SFT stage
+(`run_sft`, the warm start other recipes begin with), the SFT -> RL run (`run_sft_then_rl`), and
+the start/end of a run (config echo, results.json/results.md, the curves plot).
+
+The top SDK layer below `notebook`: it stands on train, preference, rl, envs and rewards, and
+never imports `posttrain.notebook`. Recipes (`recipes/*.py`) import from here, never from each
+other.
+"""
+
+from __future__ import annotations
+
+from posttrain.workflows.config import (
+    ROOT,
+    SEED_MAX,
+    BatchOptimConfig,
+    CheckpointConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    PairsConfig,
+    RLConfig,
+    SamplingConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    config_keys,
+    fail,
+    override,
+    run_fields,
+    validate,
+)
+from posttrain.workflows.reports import (
+    RESUMABLE_KEYS,
+    RunInterrupted,
+    cached_pairs,
+    read_table,
+    stop_if_interrupted,
+    write_table,
+    accuracy_of,
+    accuracy_table,
+    difference_line,
+    plot_curves,
+    start_run,
+    write_results,
+)
+from posttrain.workflows.sft import (
+    MODES,
+    SFTConfig,
+    check_seq_len,
+    evaluate,
+    held_out_items,
+    run_sft,
+    start_policy,
+    warm_start,
+)
+from posttrain.workflows.rl import RL_TINY, RLRunConfig, check_gym_task, run_sft_then_rl
+
+__all__ = [
+    "RESUMABLE_KEYS",
+    "RunInterrupted",
+    "cached_pairs",
+    "read_table",
+    "stop_if_interrupted",
+    "write_table",
+    "ROOT", "SEED_MAX", "BatchOptimConfig", "CheckpointConfig", "EvalConfig", "ModelConfig",
+    "OptimConfig", "PairsConfig", "RLConfig", "SamplingConfig", "SFTWarmStartConfig",
+    "TaskConfig", "config_keys", "fail", "override", "run_fields", "validate",
+    "accuracy_of", "accuracy_table", "difference_line", "plot_curves", "start_run",
+    "write_results",
+    "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
+    "start_policy", "warm_start",
+    "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
+]

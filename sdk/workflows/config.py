@@ -1,0 +1,416 @@
+"""The typed sections that every recipe `Config` nests (`cfg.optim.lr`, `cfg.task.options`), the
+one validation path that names a bad field by its dotted name, and `override`, which applies
+dotted keys (`{"optim.lr": 1e-4}`) or nested mappings (a YAML preset) to a nested config.
+
+Sections do not validate themselves; the recipe `Config` that holds them does, in its
+`__post_init__` (`validate(self)`): it walks every section, calls each one's `check(at)` with
+its dotted path, then its own `check` for what spans sections. So a bad value reads
+`Config.optim.lr=nan; must be a finite number > 0`, wherever it was set.
+
+Example:
+    >>> from dataclasses import dataclass, field
+    >>> @dataclass(kw_only=True)
+    ... class Config:
+    ...     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
+    ...     def __post_init__(self):
+    ...         validate(self)
+    >>> cfg = override(Config(), {"optim.lr": 1e-4, "optim.steps": 50})
+    >>> cfg.optim.lr, cfg.optim.steps
+    (0.0001, 50)
+    >>> override(cfg, {"optim": {"warmup_steps": 2}}).optim  # doctest: +NORMALIZE_WHITESPACE
+    BatchOptimConfig(steps=50, lr=0.0001, weight_decay=0.0, warmup_steps=2, min_lr_ratio=0.1,
+                max_grad_norm=1.0, batch_size=64, grad_accum_steps=1)
+    >>> override(Config(), {"optim.lr": float("nan")})
+    Traceback (most recent call last):
+    ...
+    ValueError: Config.optim.lr=nan; must be a finite number > 0
+    >>> override(Config(), {"optim.lrr": 1.0})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown config key 'optim.lrr'; valid keys of optim: batch_size, ..., lr, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.core.checks import check_int
+from posttrain.models.specs import PRESETS
+from posttrain.rl.config import RLAlgorithm
+from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
+
+__all__ = ["ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
+           "EvalConfig", "CheckpointConfig", "SFTWarmStartConfig", "PairsConfig", "RLConfig",
+           "ROOT", "SEED_MAX", "validate", "override", "config_keys", "fail", "run_fields"]
+
+ROOT = "Config"
+"""How messages name the recipe config that holds every section."""
+SEED_MAX = 2**32 - 1
+"""Seeds are integers in [0, SEED_MAX] (numpy's and reasoning-gym's seeding accept those)."""
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
+def fail(name: str, value: Any, must: str) -> ValueError:
+    """The one error of a bad field: `name=value; must be ...` (`name` dotted: Config.optim.lr)."""
+    return ValueError(f"{name}={value!r}; must be {must}")
+
+
+def ints(cfg: Any, at: str, names: Iterable[str], *, minimum: int,
+         optional: bool = False) -> None:
+    """Each field of `cfg` in `names` is an int >= `minimum` (None too when `optional`)."""
+    for name in names:
+        check_int(f"{at}.{name}", getattr(cfg, name), minimum=minimum, optional=optional)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(cfg: Any, at: str, names: Iterable[str], *, optional: bool = False) -> None:
+    """Each field is a finite number > 0 (or None when `optional`)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not ((optional and value is None) or (_number(value) and value > 0)):
+            raise fail(f"{at}.{name}", value, "a finite number > 0" + " or None" * optional)
+
+
+def finite(cfg: Any, at: str, names: Iterable[str], *, low: float = -math.inf,
+           high: float = math.inf) -> None:
+    """Each field is a finite number in [low, high]."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not (_number(value) and low <= value <= high):
+            bounds = "" if (low, high) == (-math.inf, math.inf) else f" in [{low}, {high}]"
+            raise fail(f"{at}.{name}", value, "a finite number" + bounds)
+
+
+def seeds(cfg: Any, at: str, names: Iterable[str]) -> None:
+    """Each field is a seed: an int in [0, SEED_MAX]."""
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+            raise fail(f"{at}.{name}", value, f"an integer in [0, {SEED_MAX}] (a seed)")
+
+
+def run_fields(cfg: Any, at: str) -> None:
+    """The fields every recipe has: `seed` (a seed), `out_dir` (a non-empty path), `resume`
+    and `progress` (booleans)."""
+    seeds(cfg, at, ("seed",))
+    if not isinstance(cfg.out_dir, (str, Path)) or not str(cfg.out_dir).strip():
+        raise fail(f"{at}.out_dir", cfg.out_dir, "a non-empty folder path (the run folder)")
+    for name in ("resume", "progress"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise fail(f"{at}.{name}", getattr(cfg, name), "true or false")
+
+
+def choice(name: str, value: Any, allowed: Iterable[str]) -> None:
+    """`value` is one of `allowed`."""
+    allowed = list(allowed)
+    if value not in allowed:
+        raise fail(name, value, f"one of {', '.join(map(str, allowed))}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The starting policy: a preset (`posttrain.models.specs.PRESETS`) or a HF folder."""
+
+    name: str = "tiny-1m"              # a preset name ...
+    init_from: str | None = None       # ... or a HF folder to start from (then `name` is unused)
+
+    def check(self, at: str) -> None:
+        if self.init_from is None:
+            choice(f"{at}.name", self.name, sorted(PRESETS))
+        elif not Path(self.init_from).is_dir():
+            raise fail(f"{at}.init_from", self.init_from, "None or an existing folder (a policy)")
+
+    def max_seq_len(self) -> int | None:
+        """The longest sequence the model holds: its preset's, or the HF folder's config."""
+        if self.init_from is None:
+            return PRESETS[self.name].max_seq_len
+        import json
+
+        path = Path(self.init_from) / "config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        return config.get("max_position_embeddings")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The task: a reasoning-gym name with its options (or, for SFT, a data file), the training
+    size and the held-out split (`eval_size` distinct questions generated from `eval_seed`)."""
+
+    name: str = "chain_sum"            # a reasoning-gym task, or a .jsonl/.json/.txt file (SFT)
+    options: dict = field(default_factory=lambda: {
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    train_size: int = 20000
+    eval_size: int = 500               # held-out items (0: no accuracy evaluation, SFT only)
+    eval_seed: int = 10_000
+
+    @property
+    def is_file(self) -> bool:
+        return self.name.endswith(DATA_FILE_SUFFIXES)
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("train_size",), minimum=1)
+        ints(self, at, ("eval_size",), minimum=0)
+        seeds(self, at, ("eval_seed",))
+        if not isinstance(self.options, dict):
+            raise fail(f"{at}.options", self.options, "a mapping of the task's options")
+        if self.is_file:
+            if self.options:
+                raise fail(f"{at}.options", self.options, "empty for a data file")
+            return
+        try:
+            check_task_name(self.name)
+        except ValueError as e:
+            raise ValueError(f"{at}.name={self.name!r}: {e}") from None
+        try:
+            check_task_config(self.name, self.options)
+        except ValueError as e:
+            raise ValueError(f"{at}.options={self.options!r}: {e}") from None
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, over `steps` optimizer
+    steps; gradients clipped to `max_grad_norm` (None: off). RL uses it as is (its batch is
+    `rl.prompts_per_step` x `rl.group_size`); the recipes with batches `BatchOptimConfig`."""
+
+    steps: int = 400
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("steps",), minimum=1)
+        ints(self, at, ("warmup_steps",), minimum=0)
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"{at}.warmup_steps={self.warmup_steps} exceeds {at}.steps="
+                             f"{self.steps}; lower warmup_steps")
+        positive(self, at, ("lr",))
+        positive(self, at, ("max_grad_norm",), optional=True)
+        finite(self, at, ("weight_decay",), low=0.0)
+        finite(self, at, ("min_lr_ratio",), low=0.0, high=1.0)
+
+
+@dataclass(kw_only=True)
+class BatchOptimConfig(OptimConfig):
+    """`OptimConfig` over micro-batches of `batch_size` (sequences, pairs or rows), accumulated
+    `grad_accum_steps` times per optimizer step."""
+
+    batch_size: int = 64
+    grad_accum_steps: int = 1
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        ints(self, at, ("batch_size", "grad_accum_steps"), minimum=1)
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How completions are sampled (RL rollouts, preference pairs, a demo)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+
+    def check(self, at: str) -> None:
+        positive(self, at, ("temperature",))
+        finite(self, at, ("top_p",), low=0.0, high=1.0)
+        if self.top_p == 0:
+            raise fail(f"{at}.top_p", self.top_p, "in (0, 1]")
+        ints(self, at, ("max_new_tokens",), minimum=1)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out greedy evaluation (answers up to `max_new_tokens`), and validation metrics every
+    `every` optimizer steps where a recipe has a validation set (0: none)."""
+
+    max_new_tokens: int = 16
+    every: int = 0
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("max_new_tokens",), minimum=1)
+        ints(self, at, ("every",), minimum=0)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """A checkpoint every `every` optimizer steps (0: none), keeping the newest `keep_last`
+    (None: all)."""
+
+    every: int = 100
+    keep_last: int | None = 2
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("every",), minimum=0)
+        ints(self, at, ("keep_last",), minimum=1, optional=True)
+
+
+@dataclass(kw_only=True)
+class SFTWarmStartConfig:
+    """The SFT stage that GRPO, PPO, DPO and the reward model start from (run folder `sft/`):
+    `steps` of `batch_size` at `lr`, warmup min(20, steps // 10), on the recipe's task."""
+
+    steps: int = 400
+    lr: float = 2e-3
+    batch_size: int = 64
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("steps", "batch_size"), minimum=1)
+        positive(self, at, ("lr",))
+
+
+@dataclass(kw_only=True)
+class PairsConfig:
+    """Preference pairs by rejection sampling: `samples_per_prompt` completions of each of
+    `num_prompts` questions, best vs worst by the task's verifier; with `reference_answer` the
+    task's own answer joins the candidates (off-policy)."""
+
+    num_prompts: int = 2048
+    samples_per_prompt: int = 8
+    reference_answer: bool = False
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("num_prompts", "samples_per_prompt"), minimum=2)  # best vs worst
+        if not isinstance(self.reference_answer, bool):
+            raise fail(f"{at}.reference_answer", self.reference_answer, "true or false")
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """The RL algorithm (an `RLAlgorithm` preset) and its batch: `prompts_per_step` prompts x
+    `group_size` samples per step; `kl_coef` None keeps the preset's."""
+
+    algo: str = "grpo"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    kl_coef: float | None = None
+    ppo_epochs: int = 1
+    minibatch_size: int | None = None
+
+    def algorithm(self) -> RLAlgorithm:
+        """The `RLAlgorithm` these settings describe."""
+        options: dict[str, Any] = {"group_size": self.group_size, "ppo_epochs": self.ppo_epochs,
+                                   "minibatch_size": self.minibatch_size}
+        if self.kl_coef is not None:
+            options["kl_coef"] = self.kl_coef
+        return RLAlgorithm.preset(self.algo, **options)
+
+    def check(self, at: str) -> None:
+        choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
+        ints(self, at, ("prompts_per_step", "group_size", "ppo_epochs"), minimum=1)
+        ints(self, at, ("minibatch_size",), minimum=1, optional=True)
+        if self.kl_coef is not None:
+            finite(self, at, ("kl_coef",), low=0.0)
+        try:
+            self.algorithm()
+        except ValueError as e:  # e.g. GRPO with group_size 1: no group baseline
+            bad = next((f.name for f in dataclasses.fields(self) if f.name in str(e)), None)
+            where = f"{at}.{bad}={getattr(self, bad)!r}" if bad else f"{at} (algo={self.algo!r})"
+            raise ValueError(f"{where}: {e}") from None
+
+
+def validate(cfg: Any, at: str = ROOT) -> None:
+    """Check `cfg` and every section in it, innermost first: each section's `check(at)` with its
+    dotted path, then `cfg.check(at)` for what spans sections.
+
+    Raises:
+        TypeError: if a section field holds something other than its section type.
+        ValueError: naming the dotted field and what is allowed.
+    """
+    for f in dataclasses.fields(cfg):
+        value, kind = getattr(cfg, f.name), _section_type(f)
+        if kind is not None and not isinstance(value, kind):
+            raise TypeError(f"{at}.{f.name} must be a {kind.__name__} (set its keys as "
+                            f"{f.name}.KEY=VALUE), got {value!r}")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate(value, f"{at}.{f.name}")
+    check = getattr(cfg, "check", None)
+    if callable(check):
+        check(at)
+
+
+def _section_type(f: dataclasses.Field) -> type | None:
+    """The section class of a field whose default is a section (from its default factory; not
+    its annotation, which a Config sent by value to a job cannot always resolve)."""
+    if not callable(f.default_factory):  # MISSING (a copy of it, in a Config sent by value)
+        return None
+    default = f.default_factory()
+    return type(default) if dataclasses.is_dataclass(default) else None
+
+
+class _Node(dict):
+    """Changes below one dotted prefix (as opposed to a mapping value set as a whole)."""
+
+
+def _relative(at: str) -> str:
+    return at.removeprefix(ROOT).removeprefix(".")
+
+
+def override(cfg: Any, changes: Mapping[str, Any]) -> Any:
+    """A copy of dataclass `cfg` with `changes` applied, validated once at the end.
+
+    Keys are dotted paths (`"optim.lr"`); a mapping given for a section (`{"optim": {"lr": 1e-4}}`,
+    as a YAML preset writes it) sets those of its keys; a mapping given for a plain dict field
+    (`task.options`) replaces it, while a dotted key into it (`"task.options.max_terms"`) sets
+    one entry (both together merge). Values are used as given (`posttrain.cli` types
+    command-line strings first).
+
+    Raises:
+        ValueError: for an unknown key, naming it and listing the valid keys of its section;
+            any error of the new config's validation.
+    """
+    tree = _Node()
+    for key, value in changes.items():
+        node, parts = tree, str(key).split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, _Node())
+            if not isinstance(child, Mapping):
+                raise ValueError(f"config key {key!r} goes inside {part!r}, which is set to "
+                                 f"{child!r}")
+            node[part] = node = child if isinstance(child, _Node) else _Node(child)
+        last = parts[-1]
+        if isinstance(node.get(last), _Node) and isinstance(value, Mapping):
+            node[last].update(value)  # "optim.lr" and "optim: {steps: 5}" together
+        else:
+            node[last] = value
+    return _apply(cfg, tree, ROOT)
+
+
+def _apply(obj: Any, node: Mapping[str, Any], at: str) -> Any:
+    names = [f.name for f in dataclasses.fields(obj)]
+    new = {}
+    for name, value in node.items():
+        path = f"{at}.{name}"
+        if name not in names:
+            section = _relative(at)
+            raise ValueError(f"unknown config key {_relative(path)!r}; valid keys"
+                             f"{' of ' + section if section else ''}: {', '.join(sorted(names))}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            new[name] = _apply(current, value, path)
+        elif isinstance(value, _Node):
+            if not isinstance(current, dict):
+                raise ValueError(f"config key {_relative(path)!r} has no keys of its own")
+            new[name] = {**current, **value}
+        else:
+            new[name] = value
+    return dataclasses.replace(obj, **new)
+
+
+def config_keys(cfg: Any, at: str = "") -> list[str]:
+    """Every leaf key of a nested config, dotted and sorted (`["optim.lr", ..., "seed"]`)."""
+    keys = []
+    for f in dataclasses.fields(cfg):
+        value, path = getattr(cfg, f.name), f"{at}{f.name}"
+        keys += (config_keys(value, path + ".") if dataclasses.is_dataclass(value) else [path])
+    return sorted(keys)

@@ -1,0 +1,196 @@
+"""What every recipe does at the start and the end of a run: refuse a used run folder and echo
+the config (`start_run`), the held-out accuracy table and paired difference of results.md,
+results.json + results.md (`write_results`), and the one plot of per-step curves
+(`plot_curves`).
+
+The plot uses matplotlib directly (Agg, a file in the run folder), not
+`posttrain.notebook.plots.plot_metrics`: nothing in the SDK imports the notebook layer, and a
+recipe's run folder should look the same whether it ran from a shell, a notebook or a job.
+
+Example:
+    >>> r = {"accuracy": 0.25, "ci_low": 0.1, "ci_high": 0.5, "num_items": 8}
+    >>> print("\\n".join(accuracy_table([("before", None), ("after", r)])))
+    | held-out (greedy) | accuracy | 95% Wilson CI | items |
+    |---|---|---|---|
+    | after | 0.250 | [0.100, 0.500] | 8 |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from posttrain.core.checkpoint import check_new_run_dir
+from posttrain.core.checkpoint_files import write_text_atomic
+from posttrain.core.run_lock import claim_run_dir
+from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.rewards.evaluation import wilson_interval
+from posttrain.workflows.config import validate
+
+__all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
+           "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
+           "RESUMABLE_KEYS", "cached_pairs"]
+
+RESUMABLE_KEYS = ("resume", "progress", "checkpoint.")
+"""Config keys (and key prefixes) that may differ between a run and its resume; every other
+setting (model, data, schedule length, ...) is compared with the saved config.json."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A stage stopped on Ctrl-C at a whole step: its checkpoint and a results.json marked
+    interrupted are on disk, and no later stage runs. `resume=true` continues the run."""
+
+
+def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
+    """Validate `cfg` again (a notebook may have changed a section in place), refuse an
+    `out_dir` (or its `sub_runs`, e.g. "sft") that already holds a run unless `cfg.resume`;
+    on resume, compare `cfg` with the saved `config.json` (only `RESUMABLE_KEYS` may differ).
+    Then (rank 0 of a process group, after every rank has checked) create the folder (0700),
+    claim it for this process (`posttrain.core.run_lock`) and write `config.json`; seed torch
+    with `cfg.seed`. Returns the run folder.
+
+    Raises:
+        ValueError: before anything is written, for a bad config, a used run folder, or a
+            resume whose config differs from the saved one (naming the dotted key).
+        RunDirInUseError: if another live process holds the folder.
+    """
+    validate(cfg)
+    out = Path(cfg.out_dir)
+    config = dataclasses.asdict(cfg)
+    if not cfg.resume:
+        for folder in (out, *(out / s for s in sub_runs)):
+            check_new_run_dir(folder)
+    elif (out / "config.json").is_file():
+        _check_resumed_config(json.loads((out / "config.json").read_text()), config, out)
+    barrier()  # every rank has checked the folder before rank 0 writes into it
+    if rank_and_world_size()[0] == 0:
+        claim_run_dir(out)
+        write_text_atomic(out / "config.json", json.dumps(config, indent=2))
+    torch.manual_seed(cfg.seed)
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:
+    saved, now = _flat(saved), _flat(json.loads(json.dumps(now, default=str)))
+    for key in sorted(set(saved) | set(now)):
+        if key.startswith(RESUMABLE_KEYS) or saved.get(key) == now.get(key):
+            continue
+        raise ValueError(f"resume: {out / 'config.json'} has {key}={saved.get(key)!r}, this run "
+                         f"has {key}={now.get(key)!r}; only {', '.join(RESUMABLE_KEYS)}* may "
+                         "change on resume (use a new out_dir for a different run)")
+
+
+def accuracy_table(stages: Sequence[tuple[str, dict | None]],
+                   header: str = "held-out (greedy)") -> list[str]:
+    """Markdown rows of (stage name, `EvalResult.as_dict()`) pairs; stages given None are
+    left out."""
+    lines = [f"| {header} | accuracy | 95% Wilson CI | items |", "|---|---|---|---|"]
+    for name, r in stages:
+        if r is not None:
+            lines.append(f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
+                         f"{r['ci_high']:.3f}] | {r['num_items']} |")
+    return lines
+
+
+def difference_line(label: str, d: dict) -> str:
+    """One line for a `paired_bootstrap_diff` result."""
+    return (f"{label}: {d['difference']:+.3f} (95% CI [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], "
+            f"{d['method']}, same {d['num_items']} items)")
+
+
+def accuracy_of(table: pd.DataFrame) -> dict[str, float]:
+    """Accuracy with a 95% Wilson interval of an evaluation table's `correct` column."""
+    successes, n = int(table["correct"].sum()), len(table)
+    low, high = wilson_interval(successes, n)
+    return {"accuracy": successes / n, "ci_low": low, "ci_high": high, "num_items": n}
+
+
+def write_results(out: Path, results: dict[str, Any], markdown: str) -> None:
+    """`results.json` (values JSON cannot hold written as strings) and `results.md`; prints the
+    markdown."""
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+    write_text_atomic(out / "results.md", markdown)
+    print(markdown)
+
+
+def write_table(table: pd.DataFrame, path: Path) -> None:
+    """An evaluation table as CSV, written atomically (a resumed run reads it back whole)."""
+    write_text_atomic(path, table.to_csv(index=False))
+
+
+def read_table(path: Path) -> pd.DataFrame | None:
+    """An evaluation table written by `write_table`, or None if the stage did not finish."""
+    return pd.read_csv(path) if path.is_file() else None
+
+
+def cached_pairs(out: Path, *, resume: bool, make: Any, stats_file: str = "pair_stats.json"
+                 ) -> tuple[list[dict], dict[str, Any]]:
+    """The rejection-sampling stage of a preference or reward-model run: `(rows, stats)` read
+    back when resuming and both files are whole, else `make()` (returning rows and a stats
+    dict), written atomically, the stats first and `pairs.jsonl` last (it marks the stage done).
+    """
+    pairs_path, stats_path = out / "pairs.jsonl", out / stats_file
+    if resume and pairs_path.is_file() and stats_path.is_file():
+        rows = [json.loads(line) for line in pairs_path.read_text().splitlines()]
+        return rows, json.loads(stats_path.read_text())
+    rows, stats = make()
+    write_text_atomic(stats_path, json.dumps(stats, indent=2))
+    write_text_atomic(pairs_path, "".join(json.dumps(r) + "\n" for r in rows))
+    return rows, stats
+
+
+def stop_if_interrupted(trainer: Any, out: Path, results: dict[str, Any]) -> None:
+    """After `trainer.fit`: if it stopped on Ctrl-C, write `results.json` / `results.md` marked
+    interrupted with the real step count and raise `RunInterrupted` (so no later stage starts
+    and the command line exits non-zero). Rank 0 writes; every rank raises."""
+    if not trainer.interrupted:
+        return
+    done, planned = trainer.step_count, trainer.target_steps
+    results = {**results, "interrupted": True, "steps_done": done, "steps_planned": planned}
+    if rank_and_world_size()[0] == 0:
+        write_results(out, results, f"# interrupted after step {done} of {planned}\n\n"
+                      f"The last whole step is checkpointed: rerun with resume=true to continue.\n")
+    raise RunInterrupted(f"{out}: interrupted after step {done} of {planned}; rerun with "
+                         "resume=true to continue from its checkpoint")
+
+
+def plot_curves(metrics: pd.DataFrame, path: Path, columns: Sequence[tuple[str, str]], *,
+                xlabel: str, log_y: bool = False) -> None:
+    """One row of panels, x = `metrics["step"]`, one per (column, axis label) present in
+    `metrics`; rows where a column is NaN are skipped (sparse ones get point markers). Saved to
+    `path` at 100 dpi."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [(c, label) for c, label in columns if c in metrics]
+    fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3), squeeze=False)
+    for ax, (column, label) in zip(axes[0], columns):
+        data = metrics[["step", column]].dropna()
+        ax.plot(data["step"], data[column], lw=1,
+                marker="." if len(data) < len(metrics) else None)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

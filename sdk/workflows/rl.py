@@ -1,0 +1,175 @@
+"""SFT warm start -> RL -> held-out greedy accuracy before SFT, after SFT and after RL: the run
+of `recipes/grpo.py` (the main job, `make run`) and `recipes/ppo.py` (the same stages with PPO).
+
+Stages, on a reasoning-gym task (the task's own question text):
+  1. SFT of a fresh policy (`posttrain.workflows.sft.warm_start`, run folder `sft/`): it
+     evaluates the held-out items before and after and saves the policy.
+  2. RL with `posttrain.rl.trainer.RLTrainer` from the SFT policy, `cfg.rl.algorithm()` (an
+     `RLAlgorithm` preset: GRPO, PPO with GAE and a value head, ...).
+  3. The same held-out evaluation after RL, and RL minus SFT with a paired-bootstrap interval.
+
+Held-out items: `task.eval_size` distinct questions from `task.eval_seed`; SFT drops every
+training row with one of them, and the RL task (`ReasoningGymTask` with the same held-out seed)
+drops them from its training items; the run checks both sets are the same.
+
+Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one row per RL
+step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
+
+Example:
+    >>> RLRunConfig(rl=RLConfig(algo="grpo", group_size=1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Config.rl.group_size=1: advantage_estimator='grpo' normalises rewards ...
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from posttrain.envs.reasoning_gym_env import ReasoningGymTask
+from posttrain.policy.policy import Policy
+from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.rl.trainer import RLTrainer, ValueHead
+from posttrain.train.schedules import warmup_cosine_schedule
+from posttrain.workflows.config import (CheckpointConfig, EvalConfig, ModelConfig, OptimConfig,
+                                        RLConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
+                                        fail, ints, run_fields, validate)
+from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
+                                         start_run, stop_if_interrupted, write_results,
+                                         write_table)
+from posttrain.workflows.sft import evaluate, held_out_items, warm_start
+
+__all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
+
+
+def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
+    """The recipe's task is a reasoning-gym task (not a data file) with at least
+    `min_eval_size` held-out items."""
+    if cfg.task.is_file:
+        raise fail(f"{at}.task.name", cfg.task.name, "a reasoning-gym task (not a data file)")
+    ints(cfg.task, f"{at}.task", ("eval_size",), minimum=min_eval_size)
+
+
+@dataclass(kw_only=True)
+class RLRunConfig:
+    """SFT -> RL -> evaluation; every field has a default that runs the main job (SFT of tiny-2m
+    for 900 steps, then 100 GRPO steps of 16 prompts x 8 samples; ~15 min on 2 CPU cores).
+    Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTWarmStartConfig = field(default_factory=lambda: SFTWarmStartConfig(
+        steps=900, lr=3e-3, batch_size=64))
+    rl: RLConfig = field(default_factory=RLConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(
+        steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0))
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        run_fields(self, at)
+        check_gym_task(self, at)
+        if self.model.init_from is not None:
+            raise fail(f"{at}.model.init_from", self.model.init_from,
+                       "None: the RL run starts from its own SFT stage (model.name)")
+        if self.eval.every:
+            raise fail(f"{at}.eval.every", self.eval.every, "0: the RL run has no validation set")
+
+
+# Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
+RL_TINY: dict[str, Any] = {
+    "model.name": "tiny-1m", "task.train_size": 64, "task.eval_size": 8, "eval.max_new_tokens": 6,
+    "sft.steps": 3, "sft.batch_size": 8, "optim.steps": 2, "optim.warmup_steps": 1,
+    "rl.prompts_per_step": 2, "rl.group_size": 2, "sampling.max_new_tokens": 4,
+    "checkpoint.every": 1, "progress": False}
+
+_CURVES = [("reward_mean", "reward (mean)"), ("accuracy", "accuracy (outcome ok)"),
+           ("kl", "KL to reference"), ("ppo_kl", "KL old -> new (ppo_kl)")]
+
+
+def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any]:
+    """Run SFT -> RL -> held-out evaluation; returns the results dict also written to
+    `out_dir/results.json` (and .csv/.md).
+
+    Raises ValueError before writing anything if `out_dir` (or its `sft/`) already holds a run
+    and `cfg.resume` is False.
+    """
+    start = time.perf_counter()
+    out = start_run(cfg, sub_runs=("sft",))
+
+    # 1. SFT warm start (evaluates before and after on the held-out items)
+    sft_results = warm_start(cfg, out)
+    sft_s = time.perf_counter() - start
+    items, scorer = held_out_items(cfg.task)
+
+    # 2. RL from the SFT policy, on the same task without the held-out questions
+    policy = Policy.from_pretrained(out / "sft" / "policy")
+    task = ReasoningGymTask(name=cfg.task.name, size=cfg.task.train_size, seed=cfg.seed,
+                            config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
+                            held_out_seed=cfg.task.eval_seed)
+    if [it["question"] for it in task.held_out()] != [it["question"] for it in items]:
+        raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
+    algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling
+    value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
+    params = list(policy.model.parameters()) + (
+        list(value_head.parameters()) if value_head is not None else [])
+    optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
+                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
+                        prompts_per_step=cfg.rl.prompts_per_step, max_new_tokens=s.max_new_tokens,
+                        temperature=s.temperature, top_p=s.top_p, value_head=value_head,
+                        lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
+                        checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
+                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume)
+    metrics = trainer.fit(o.steps)
+    stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo, "after_sft": sft_results["after"]})
+    rl_s = time.perf_counter() - start - sft_s
+    plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
+                xlabel=f"{cfg.rl.algo} step")
+
+    # 3. Held-out evaluation after RL; paired comparison with the SFT policy on the same items
+    after_rl = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
+    write_table(after_rl.table, out / "eval_after_rl.csv")
+    after_sft = pd.read_csv(out / "sft" / "eval_after.csv")
+    diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
+                                 after_sft["correct"].to_numpy(), seed=cfg.seed)
+    policy.save(out / "policy")
+    algo_name = cfg.rl.algo
+    results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
+               "task_config": cfg.task.options, "eval_size": cfg.task.eval_size,
+               "before_sft": sft_results.get("before"), "after_sft": sft_results["after"],
+               f"after_{algo_name}": after_rl.as_dict(), "difference": diff,
+               "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
+               "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
+               "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean())}
+    _write_results(results, out, cfg.task.name, algo_name)
+    return results
+
+
+def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> None:
+    stages = [("before SFT", results["before_sft"]), ("after SFT", results["after_sft"]),
+              (f"after {algo.upper()}", results[f"after_{algo}"])]
+    write_table(pd.DataFrame([{"stage": name, **r} for name, r in stages if r is not None]),
+                out / "results.csv")
+    lines = [f"# SFT -> {algo.upper()} on {task} {results['task_config']}", "",
+             f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
+             f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
+             f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "
+             f"wall {results['wall_s']:.0f} s", "", *accuracy_table(stages), "",
+             difference_line(f"{algo.upper()} minus SFT", results["difference"]), ""]
+    write_results(out, results, "\n".join(lines))

@@ -1,0 +1,248 @@
+"""SFT and continued pretraining (CPT) of a policy with held-out accuracy before and after: the
+`recipes/sft.py` run (`SFTConfig`, `run_sft`) and the SFT warm start that the GRPO, PPO, DPO and
+reward-model recipes begin with (`warm_start`).
+
+Data: `task.name` is a reasoning-gym task (questions kept exactly as the task gives them) or a
+JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text").
+Held-out items: `task.eval_size` distinct questions generated from `task.eval_seed`
+(`held_out_items`); the training rows drop every one of those questions.
+
+Several processes (`posttrain.launch` with more than one task, which initialises
+torch.distributed): data-parallel training of the same global batch; rank 0 evaluates and writes.
+
+Example:
+    >>> cfg = SFTConfig(optim=BatchOptimConfig(steps=5, warmup_steps=20))
+    Traceback (most recent call last):
+    ...
+    ValueError: Config.optim.warmup_steps=20 exceeds Config.optim.steps=5; lower warmup_steps
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.data.loader import SFTLoader
+from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text_documents,
+                                reasoning_gym_sft_rows)
+from posttrain.policy.policy import Policy
+from posttrain.rewards.evaluation import EvalResult, evaluate_generations
+from posttrain.train.schedules import warmup_cosine_schedule
+from posttrain.train.trainer import Trainer
+from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
+                                        ModelConfig, TaskConfig, choice, fail, ints, run_fields,
+                                        validate)
+from posttrain.workflows.reports import (accuracy_of, accuracy_table, plot_curves, read_table,
+                                         start_run, stop_if_interrupted, write_results,
+                                         write_table)
+
+__all__ = ["SFTConfig", "run_sft", "warm_start", "start_policy", "held_out_items", "evaluate",
+           "check_seq_len", "MODES"]
+
+MODES = ("sft", "cpt")
+
+
+def check_seq_len(cfg: Any, at: str) -> None:
+    """`cfg.max_seq_len` is an int >= 1 that `cfg.model` holds (its preset's or folder's limit)."""
+    ints(cfg, at, ("max_seq_len",), minimum=1)
+    limit = cfg.model.max_seq_len()
+    if limit is not None and cfg.max_seq_len > limit:
+        raise fail(f"{at}.max_seq_len", cfg.max_seq_len,
+                   f"at most {limit}, the longest sequence {at}.model holds")
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """SFT/CPT configuration; every field has a default that runs (400 steps of 64 on 2-term,
+    1-2-digit chain_sum). Raises ValueError in `__post_init__` naming the dotted field."""
+
+    mode: str = "sft"                 # sft | cpt (plain text, every token trained)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    max_seq_len: int = 128
+    pack: bool = False
+    seed: int = 0
+    out_dir: str = "runs/sft"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        choice(f"{at}.mode", self.mode, MODES)
+        check_seq_len(self, at)
+        run_fields(self, at)
+        if self.eval.every:
+            raise fail(f"{at}.eval.every", self.eval.every, "0: SFT has no validation set")
+        if self.task.eval_size and self.task.is_file:
+            raise ValueError(f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
+                             f"got the file {self.task.name!r}: set task.eval_size=0")
+
+
+def _reasoning_gym(task: TaskConfig, size: int, seed: int):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task.name, size=size, seed=seed, **task.options)
+
+
+def held_out_items(task: TaskConfig) -> tuple[list[dict], Any]:
+    """`task.eval_size` distinct task items from `task.eval_seed` and the task dataset (its
+    scorer).
+
+    The training set drops every row whose question is among these, so the evaluation is held
+    out even on small tasks whose question space the training set covers (2-term, 1-2 digit
+    chain_sum has about 8k distinct questions).
+    """
+    ds = _reasoning_gym(task, size=4 * task.eval_size + 100, seed=task.eval_seed)
+    items, seen = [], set()
+    for item in ds:
+        if item["question"] not in seen:
+            seen.add(item["question"])
+            items.append(item)
+    if len(items) < task.eval_size:
+        raise ValueError(f"{task.name} gave only {len(items)} distinct questions for "
+                         f"task.eval_size={task.eval_size}; lower task.eval_size")
+    return items[:task.eval_size], ds
+
+
+def build_dataset(cfg: SFTConfig, tokenizer, exclude: set[str]):
+    """The training dataset of `cfg` (SFTDataset or CPTDataset) without questions in `exclude`,
+    and the number of rows dropped for that."""
+    task, dataset_cls = cfg.task, SFTDataset if cfg.mode == "sft" else CPTDataset
+    if task.is_file:
+        rows = load_sft_rows(task.name) if cfg.mode == "sft" else load_text_documents(task.name)
+        return dataset_cls(rows, tokenizer, max_seq_len=cfg.max_seq_len), 0
+    rows = reasoning_gym_sft_rows(task.name, size=task.train_size, seed=cfg.seed, **task.options)
+    kept = [r for r in rows if r["messages"][0]["content"] not in exclude]
+    if not kept:
+        raise ValueError("every training row is a held-out question; raise task.train_size")
+    if cfg.mode == "cpt":
+        kept = [f"{r['messages'][0]['content']} {r['messages'][1]['content']}" for r in kept]
+    return dataset_cls(kept, tokenizer, max_seq_len=cfg.max_seq_len), len(rows) - len(kept)
+
+
+def evaluate(policy: Policy, items: list[dict], ds, *, max_new_tokens: int,
+             chat: bool = True) -> EvalResult:
+    """Greedy held-out accuracy scored by the task dataset `ds`. A CPT model saw "question
+    answer" as plain text, so it is evaluated with `chat=False` (it continues the raw question)."""
+    return evaluate_generations(policy, items, max_new_tokens=max_new_tokens, chat=chat,
+                                score_fn=lambda text, item: ds.score_answer(text.strip(), item))
+
+
+def warm_start(cfg: Any, out: Path) -> dict[str, Any]:
+    """The SFT stage of a recipe whose `cfg` has `model`, `task`, `eval`, `sft`
+    (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/sft` (the policy
+    lands in `out/sft/policy`), or, when resuming a run whose SFT stage finished, its saved
+    results. Returns the SFT results dict."""
+    steps = cfg.sft.steps
+    sft_cfg = SFTConfig(model=ModelConfig(name=cfg.model.name), task=cfg.task,
+                        eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
+                        optim=BatchOptimConfig(steps=steps, lr=cfg.sft.lr,
+                                               batch_size=cfg.sft.batch_size,
+                                               warmup_steps=min(20, steps // 10)),
+                        checkpoint=CheckpointConfig(every=max(1, steps // 10)), seed=cfg.seed,
+                        out_dir=str(out / "sft"), resume=cfg.resume, progress=cfg.progress)
+    done = _finished_results(out / "sft") if cfg.resume else None
+    return done if done is not None else run_sft(sft_cfg)
+
+
+def _finished_results(out: Path) -> dict[str, Any] | None:
+    """The results of a finished stage in `out` (None if it did not finish or was interrupted)."""
+    path = out / "results.json"
+    if not path.is_file():
+        return None
+    results = json.loads(path.read_text())
+    return None if results.get("interrupted") else results
+
+
+def start_policy(cfg: Any, out: Path) -> tuple[Policy, dict[str, Any] | None]:
+    """The policy a preference or reward-model recipe starts from: `cfg.model.init_from` (a HF
+    folder), or the SFT warm start's (`warm_start`, which also returns its results)."""
+    if cfg.model.init_from is not None:
+        return Policy.from_pretrained(cfg.model.init_from), None
+    results = warm_start(cfg, out)
+    return Policy.from_pretrained(out / "sft" / "policy"), results
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
+    """Run SFT/CPT; returns the results dict also written to `out_dir/results.json`.
+
+    Under an initialised `torch.distributed` process group (`posttrain.launch`), the ranks train
+    data-parallel (`cfg.optim.batch_size` is the global batch and must be divisible by the world
+    size); rank 0 alone writes (config, evaluations, plot, policy, results) while the others wait
+    at a barrier, and only rank 0 returns the results; the other ranks return None.
+
+    Raises ValueError before writing anything if `out_dir` already holds a run and
+    `cfg.resume` is False (on every rank: all of them read the folder before rank 0 writes).
+    """
+    out = start_run(cfg)
+    writes = rank_and_world_size()[0] == 0
+    policy = (Policy.from_pretrained(cfg.model.init_from) if cfg.model.init_from
+              else Policy.from_spec(cfg.model.name, seed=cfg.seed))
+    items, ds = held_out_items(cfg.task) if cfg.task.eval_size else ([], None)
+    dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items})
+    results: dict[str, Any] = {"mode": cfg.mode, "dataset": cfg.task.name,
+                               "steps": cfg.optim.steps, "data": dataset.stats.as_dict(),
+                               "held_out_rows_dropped": dropped}
+    chat = cfg.mode == "sft"
+    if writes:
+        print(f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
+              f"{dropped} rows dropped as held-out questions")
+        before = read_table(out / "eval_before.csv") if items and cfg.resume else None
+        if before is not None:  # a resumed run: the evaluation before training is done
+            results["before"] = accuracy_of(before)
+        elif items:
+            before = evaluate(policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens, chat=chat)
+            write_table(before.table, out / "eval_before.csv")
+            results["before"] = before.as_dict()
+
+    # The loader shards each global batch over the ranks of the process group, if there is one.
+    o = cfg.optim
+    loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
+                       seq_len=cfg.max_seq_len if cfg.pack else None)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
+                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    trainer = Trainer(policy.model, optimizer, data=loader, lr_scheduler=schedule,
+                      grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
+                      run_dir=out, checkpoint_every=cfg.checkpoint.every,
+                      keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
+                      resume=cfg.resume)
+    metrics = trainer.fit(o.steps)
+    stop_if_interrupted(trainer, out, results)
+    if writes:
+        _finish(policy, cfg, metrics, items, ds, results)
+    barrier()  # the other ranks return once the results are on disk
+    return results if writes else None
+
+
+def _finish(policy: Policy, cfg: SFTConfig, metrics: pd.DataFrame, items: list[dict], ds,
+            results: dict[str, Any]) -> None:
+    """After training (rank 0): plot, held-out accuracy, policy and results files."""
+    out = Path(cfg.out_dir)
+    results["final_loss"] = float(metrics["loss"].iloc[-1])
+    results["tokens_per_s"] = float(metrics["tokens_per_s"].median())
+    plot_curves(metrics, out / "loss.png", [("loss", "loss (token mean)")],
+                xlabel="optimizer step", log_y=True)
+    if items:
+        after = evaluate(policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens,
+                         chat=cfg.mode == "sft")
+        write_table(after.table, out / "eval_after.csv")
+        results["after"] = after.as_dict()
+    policy.save(out / "policy")
+    lines = [f"# {results['mode']} on {results['dataset']}, {results['steps']} steps", "",
+             f"final loss {results['final_loss']:.4f}, median {results['tokens_per_s']:.0f} "
+             "trained tokens/s", ""]
+    if "after" in results:
+        lines += accuracy_table([(k, results.get(k)) for k in ("before", "after")])
+    write_results(out, results, "\n".join(lines) + "\n")

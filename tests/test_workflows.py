@@ -1,0 +1,81 @@
+"""A recipe run as a whole: Ctrl-C inside the SFT warm start stops the run there (a checkpoint,
+results marked interrupted, no RL stage, exit code 130), `resume=true` continues it to the same
+end as an uninterrupted run, and a resume whose config differs is refused by name."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from posttrain import cli
+from posttrain.train.trainer import Trainer
+from posttrain.workflows import RunInterrupted, override
+
+
+def _grpo(out, **changes):
+    module = cli.load_recipe("grpo")
+    changes = {**module.TINY, "sft.steps": 4, "out_dir": str(out), **changes}
+    return module, override(module.Config(), changes)
+
+
+@pytest.fixture
+def ctrl_c_at_sft_step_3(monkeypatch):
+    """A real SIGINT, once, as the SFT trainer starts its 3rd step."""
+    step, fired = Trainer.step, []
+
+    def step_with_ctrl_c(self):
+        if self.step_count == 2 and not fired:
+            fired.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", step_with_ctrl_c)
+    return fired
+
+
+def test_ctrl_c_in_the_warm_start_stops_the_run_and_resume_finishes_it_exactly(
+        tmp_path, ctrl_c_at_sft_step_3, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        module, cfg = _grpo(tmp_path / "cut")
+        with pytest.raises(RunInterrupted, match="interrupted after step 2 of 4"):
+            module.main(cfg)
+        sft = tmp_path / "cut" / "sft"
+        results = json.loads((sft / "results.json").read_text())
+        assert results["interrupted"] is True and results["steps_done"] == 2
+        assert (sft / "checkpoints" / "step_000002").is_dir()
+        assert not (tmp_path / "cut" / "results.json").exists()      # no RL stage ran
+        assert not (tmp_path / "cut" / "metrics.jsonl").exists()
+
+        monkeypatch.undo()
+        module, cfg = _grpo(tmp_path / "cut", resume=True)
+        resumed = module.main(cfg)
+        module, cfg = _grpo(tmp_path / "full")
+        full = module.main(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed["after_sft"] == full["after_sft"] and resumed["after_grpo"] == full["after_grpo"]
+    assert resumed["before_sft"] == full["before_sft"]
+    read = lambda run: [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert read(tmp_path / "cut") == read(tmp_path / "full")
+    assert read(tmp_path / "cut" / "sft") == read(tmp_path / "full" / "sft")
+
+
+def test_the_command_line_exits_130_on_ctrl_c(tmp_path, ctrl_c_at_sft_step_3, capsys):
+    module = cli.load_recipe("grpo")
+    args = [f"{k}={v}" for k, v in {**module.TINY, "sft.steps": 4}.items()]
+    assert cli.main(["run", "grpo", *args, f"out_dir={tmp_path / 'run'}"]) == 130
+    assert "interrupted after step 2 of 4" in capsys.readouterr().err
+
+
+def test_a_resume_with_another_setting_is_refused_naming_it(tmp_path):
+    module, cfg = _grpo(tmp_path / "run")
+    module.main(cfg)
+    module, cfg = _grpo(tmp_path / "run", resume=True, **{"optim.lr": 5e-4})
+    with pytest.raises(ValueError, match=r"resume: .*config.json has optim.lr=0.0001, this run "
+                                         r"has optim.lr=0.0005"):
+        module.main(cfg)
+    module, cfg = _grpo(tmp_path / "run", resume=True, progress=True, **{"checkpoint.every": 2})
+    module.main(cfg)  # progress and checkpointing may change
