@@ -79,3 +79,32 @@ def test_a_resume_with_another_setting_is_refused_naming_it(tmp_path):
         module.main(cfg)
     module, cfg = _grpo(tmp_path / "run", resume=True, progress=True, **{"checkpoint.every": 2})
     module.main(cfg)  # progress and checkpointing may change
+
+
+def test_an_init_from_tokenizer_that_turns_the_task_into_unk_is_refused_before_any_work(tmp_path):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from posttrain.workflows import TaskConfig, check_tokenizer_covers_task
+
+    letters = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz", start=2)}
+    backend = Backend(models.WordLevel({"[UNK]": 0, "</s>": 1, **letters}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
+                                                              "unk_token": "[UNK]"}))
+    cfg = SimpleNamespace(model=SimpleNamespace(init_from=str(folder)), task=TaskConfig())
+    with pytest.raises(ValueError, match=r"Config.model.init_from=.*turns \d+% of the task's "
+                                         r"tokens into the unknown token"):
+        check_tokenizer_covers_task(cfg)
+    # the same vocabulary with digits, space and punctuation covers chain_sum: it passes
+    more = {c: i for i, c in enumerate(" 0123456789+-=:.,?ABCDEFGHIJKLMNOPQRSTUVWXYZ", start=28)}
+    backend = Backend(models.WordLevel({"[UNK]": 0, "</s>": 1, **letters, **more},
+                                       unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.save(str(folder / "tokenizer.json"))
+    check_tokenizer_covers_task(cfg)

@@ -62,7 +62,8 @@ from posttrain.data.sft import (  # re-exported: `from posttrain.data import ...
 )
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "Sample", "SFTDataset", "CPTDataset", "SFTLoader", "collate_padded",
+    "IGNORE_INDEX", "Batch", "Sample", "SFTDataset", "CPTDataset", "EpochOrderLoader", "SFTLoader",
+    "collate_padded",
     "pack_samples", "stack_rows",
     "labels_from_loss_mask", "epoch_order", "load_sft_rows", "load_text_documents",
     "normalize_sft_row", "normalize_document", "reasoning_gym_sft_rows",
@@ -226,7 +227,45 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True
     return torch.randperm(num_samples, generator=gen).tolist()
 
 
-class SFTLoader:
+class EpochOrderLoader:
+    """The resumable part of every loader: a seeded order per epoch (`epoch_order`, the global
+    RNG untouched) and a position in it, saved by `state_dict()` and restored exactly by
+    `load_state_dict()`. A subclass sets `dataset`, `seed`, `shuffle` and calls
+    `_start_epoch(0)`; it advances `offset` as it yields batches."""
+
+    dataset: Sequence
+    seed: int
+    shuffle: bool
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.offset = epoch, 0
+        self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch,
+                                  shuffle=self.shuffle)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"epoch", "offset", "seed", "shuffle", "order"}: plain ints/bools/lists (JSON-safe)."""
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+                "shuffle": self.shuffle, "order": list(self._order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`. Raises ValueError if it was made with another seed, shuffle
+        setting or dataset size, or is inconsistent."""
+        for key in ("seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has "
+                                 f"{key}={getattr(self, key)!r}; the order would not match")
+        order = [int(i) for i in state["order"]]
+        if sorted(order) != list(range(len(self.dataset))):
+            raise ValueError(f"loader state's order covers {len(order)} samples, not a "
+                             f"permutation of this dataset's {len(self.dataset)}")
+        if not 0 <= state["offset"] <= len(order):
+            raise ValueError(f"loader state offset={state['offset']} outside 0..{len(order)}")
+        self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
+        if self.offset == len(order):
+            self._start_epoch(self.epoch + 1)
+
+
+class SFTLoader(EpochOrderLoader):
     """An endless stream of batches over a dataset of `Sample`s (SFT or CPT), epoch after
     epoch, that resumes exactly from `state_dict()`.
 
@@ -303,11 +342,6 @@ class SFTLoader:
         self._lengths = [len(s) for s in dataset]
         self._start_epoch(0)
 
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.offset = epoch, 0
-        self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch,
-                                  shuffle=self.shuffle)
-
     @property
     def batches_per_epoch(self) -> int:
         """Batches in a full epoch. Packed: of the current epoch (packing depends on the order)."""
@@ -347,28 +381,6 @@ class SFTLoader:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
-
-    def state_dict(self) -> dict[str, Any]:
-        """{"epoch", "offset", "seed", "shuffle", "order"}: plain ints/bools/lists (JSON-safe)."""
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "shuffle": self.shuffle, "order": list(self._order)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`. Raises ValueError if it was made with another seed, shuffle
-        setting or dataset size, or is inconsistent."""
-        for key in ("seed", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has "
-                                 f"{key}={getattr(self, key)!r}; the order would not match")
-        order = [int(i) for i in state["order"]]
-        if sorted(order) != list(range(len(self.dataset))):
-            raise ValueError(f"loader state's order covers {len(order)} samples, not a "
-                             f"permutation of this dataset's {len(self.dataset)}")
-        if not 0 <= state["offset"] <= len(order):
-            raise ValueError(f"loader state offset={state['offset']} outside 0..{len(order)}")
-        self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
-        if self.offset == len(order):
-            self._start_epoch(self.epoch + 1)
 
 
 def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:

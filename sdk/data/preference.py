@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data.collate import right_pad
-from posttrain.data.loader import epoch_order
+from posttrain.data.loader import EpochOrderLoader
 from posttrain.data.preference_rows import _check_row, _prompt, _response
 from posttrain.data.rows import (BadRowError, DataStats, cap_messages, read_rows,
                                  text_char_limit)
@@ -388,7 +388,7 @@ def _moved(batch: Any, device: torch.device | str) -> dict[str, Any]:
             if isinstance(getattr(batch, f.name), Tensor)}
 
 
-class PreferenceLoader:
+class PreferenceLoader(EpochOrderLoader):
     """An endless stream of batches over a `PreferenceDataset` or `KTODataset`, epoch after
     epoch, in a seeded order (`posttrain.data.loader.epoch_order`, the global RNG untouched), that
     resumes exactly from `state_dict()` (the same rules as `posttrain.data.loader.SFTLoader`: batches
@@ -414,11 +414,6 @@ class PreferenceLoader:
         self.rank, self.world_size = 0, 1
         self._start_epoch(0)
 
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.offset = epoch, 0
-        self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch,
-                                  shuffle=self.shuffle)
-
     @property
     def batches_per_epoch(self) -> int:
         return math.ceil(len(self.dataset) / self.batch_size)
@@ -435,23 +430,3 @@ class PreferenceLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, Any]:
-        """{"epoch", "offset", "seed", "shuffle", "order"}: JSON-safe."""
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "shuffle": self.shuffle, "order": list(self._order)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`. Raises ValueError for another seed, shuffle setting or
-        dataset size."""
-        for key in ("seed", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has "
-                                 f"{key}={getattr(self, key)!r}; the order would not match")
-        order = [int(i) for i in state["order"]]
-        offset = int(state["offset"])
-        if sorted(order) != list(range(len(self.dataset))) or not 0 <= offset <= len(order):
-            raise ValueError(f"loader state (order of {len(order)}, offset {state['offset']}) "
-                             f"does not fit this dataset of {len(self.dataset)} items")
-        self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
-        if self.offset == len(order):
-            self._start_epoch(self.epoch + 1)

@@ -207,6 +207,14 @@ class HFTokenizer:
         return self._eos_id
 
     @property
+    def unk_id(self) -> int | None:
+        """Id of the unknown token, or None when the model has none (byte-level BPE covers
+        every text, so it never needs one)."""
+        unk = self._template_tokens.get("unk_token") or getattr(self._backend.model, "unk_token",
+                                                                  None)
+        return None if unk is None else self._backend.token_to_id(unk)
+
+    @property
     def pad_id(self) -> int:
         return self._pad_id
 

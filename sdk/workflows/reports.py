@@ -35,7 +35,7 @@ from posttrain.workflows.config import validate
 
 __all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
            "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
-           "RESUMABLE_KEYS", "cached_pairs"]
+           "RESUMABLE_KEYS", "cached_pairs", "check_tokenizer_covers_task"]
 
 RESUMABLE_KEYS = ("resume", "progress", "checkpoint.")
 """Config keys (and key prefixes) that may differ between a run and its resume; every other
@@ -61,6 +61,7 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
         RunDirInUseError: if another live process holds the folder.
     """
     validate(cfg)
+    check_tokenizer_covers_task(cfg)
     out = Path(cfg.out_dir)
     config = dataclasses.asdict(cfg)
     if not cfg.resume:
@@ -74,6 +75,48 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
         write_text_atomic(out / "config.json", json.dumps(config, indent=2))
     torch.manual_seed(cfg.seed)
     return out
+
+
+UNK_SHARE_MAX = 0.01
+"""Largest share of a task's tokens that may be the unknown token under `model.init_from`."""
+
+
+def check_tokenizer_covers_task(cfg: Any, probe: int = 16) -> None:
+    """Refuse (before anything is written) a `model.init_from` policy whose tokenizer turns
+    more than `UNK_SHARE_MAX` of the task's text into its unknown token: `probe` rows of the
+    task (reasoning-gym items from `task.eval_seed`, or the data file's first rows), encoded.
+
+    Raises:
+        ValueError: naming `Config.model.init_from`, the share and an example.
+    """
+    folder = getattr(getattr(cfg, "model", None), "init_from", None)
+    if folder is None or not hasattr(cfg, "task"):
+        return
+    from posttrain.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    unk = getattr(tokenizer, "unk_id", None)
+    if unk is None:
+        return
+    texts = _probe_texts(cfg.task, probe)
+    ids = [tokenizer.encode(t) for t in texts]
+    total = sum(len(i) for i in ids)
+    share = sum(i.count(unk) for i in ids) / max(total, 1)
+    if share > UNK_SHARE_MAX:
+        example = next(t for t, i in zip(texts, ids) if unk in i)
+        raise ValueError(f"Config.model.init_from={folder!r}: its tokenizer turns {share:.0%} of "
+                         f"the task's tokens into the unknown token (e.g. in {example[:80]!r}); "
+                         "use a policy whose tokenizer covers the data")
+
+
+def _probe_texts(task: Any, n: int) -> list[str]:
+    if task.is_file:  # the first lines as they are (JSON punctuation is in every vocabulary)
+        with open(task.name, encoding="utf-8", errors="replace") as f:
+            return [line for _, line in zip(range(n), f) if line.strip()]
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(task.name, size=n, seed=task.eval_seed, **task.options)
+    return [f"{item['question']} {item['answer']}" for item in ds]
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
