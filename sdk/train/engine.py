@@ -25,6 +25,7 @@ an error naming the setting.
 
 from __future__ import annotations
 
+import abc
 import os
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ __all__ = ["Engine"]
 TRAIN_STATE_VERSION = 1
 
 
-class Engine:
+class Engine(abc.ABC):
     """Base of every trainer: fit, metrics, checkpoints, resume, preemption, Ctrl-C, ranks.
 
     A subclass calls `_setup_engine(...)` early in `__init__` and `_start(resume)` last, and
@@ -105,17 +106,21 @@ class Engine:
             claim_run_dir(self.run_dir)
 
     # ------------------------------------------------------------------ to override
+    @abc.abstractmethod
     def step(self) -> dict[str, float]:
-        raise NotImplementedError
+        """One step of the trainer's work; returns its metrics row."""
 
+    @abc.abstractmethod
     def _module(self) -> nn.Module:
-        raise NotImplementedError
+        """The model whose device and parameters the engine uses."""
 
+    @abc.abstractmethod
     def _model_state(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The model weights a checkpoint holds (a state dict, or a dict of them)."""
 
+    @abc.abstractmethod
     def _load_model_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Load what `_model_state` returned."""
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
