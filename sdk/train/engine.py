@@ -126,13 +126,13 @@ class Engine(abc.ABC):
         return {}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore what `_extra_state` added to the train state (nothing by default)."""
 
     def _fixed_settings(self) -> dict[str, Any]:
         return {}
 
     def _check_can_save(self) -> None:
-        pass
+        """Raise ValueError if a checkpoint could not be resumed from (fine by default)."""
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
         return {}
