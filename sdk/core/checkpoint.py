@@ -69,7 +69,7 @@ from posttrain.core.metrics import METRICS_FILE
 __all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "MANIFEST_FILE", "CheckpointCorruptError",
            "UnsafeCheckpointError", "check_new_run_dir", "checkpoint_name", "list_checkpoints",
            "latest_checkpoint", "resolve_checkpoint", "verify_checkpoint", "save_checkpoint",
-           "load_checkpoint", "capture_rng_state", "restore_rng_state"]
+           "load_checkpoint", "capture_rng_state", "restore_rng_state", "staging_dir", "SHARDED_DIR"]
 
 CHECKPOINT_DIR = "checkpoints"
 """Sub-folder of a run folder holding the `step_NNNNNN` checkpoints."""
@@ -79,6 +79,9 @@ FORMAT_VERSION = 2
 sha256 checksums, RNG states as tensors."""
 
 MODEL_FILE, TRAIN_STATE_FILE, META_FILE = "model.pt", "train_state.pt", "meta.json"
+SHARDED_DIR = "sharded"
+"""Sub-folder of a sharded run's checkpoint: model and optimizer as torch.distributed.checkpoint
+shards (model.pt then holds an empty dict)."""
 _VERIFIED_FILES = (MODEL_FILE, TRAIN_STATE_FILE, META_FILE)
 _NAME = re.compile(r"^step_(\d{6,})$")
 _SCRATCH_PREFIXES = (".tmp-", ".old-")
@@ -161,7 +164,7 @@ def verify_checkpoint(path: str | os.PathLike) -> Path:
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, Any],
                     train_state: dict[str, Any], keep_last: int | None = None,
-                    meta: dict[str, Any] | None = None) -> Path:
+                    meta: dict[str, Any] | None = None, staged: Path | None = None) -> Path:
     """Write `run_dir/checkpoints/step_NNNNNN/` atomically and return its path.
 
     Args:
@@ -172,6 +175,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
         keep_last: afterwards delete all but the newest `keep_last` checkpoints; None keeps all.
         meta: extra JSON-serialisable facts for `meta.json` (for people and tools; not needed to
             resume).
+        staged: a folder made by `staging_dir(run_dir, step)` that already holds more files
+            (the `sharded/` folder every rank of a sharded run wrote with
+            torch.distributed.checkpoint); it becomes the checkpoint, and its files are listed
+            in the manifest and verified like the others.
 
     A checkpoint of the same step that already exists is replaced. Leftover temporary folders of
     interrupted saves are deleted. Files get mode 0600, folders 0700; manifest.json (sizes and
@@ -189,16 +196,18 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     make_private_dir(root.parent)
     make_private_dir(root)
     final = root / name
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))  # mode 0700
+    tmp = Path(staged) if staged is not None else Path(tempfile.mkdtemp(prefix=f".tmp-{name}-",
+                                                                        dir=root))  # mode 0700
+    extra = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     try:
         for state, file, what in ((model_state, MODEL_FILE, "model_state"),
                                   (train_state, TRAIN_STATE_FILE, "train_state")):
             _write_torch(state, tmp / file)
             check_weights_only(tmp / file, what)
         record = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(),
-                  "files": [MODEL_FILE, TRAIN_STATE_FILE], **(meta or {})}
+                  "files": [MODEL_FILE, TRAIN_STATE_FILE, *extra], **(meta or {})}
         _write_bytes((json.dumps(record, indent=2) + "\n").encode(), tmp / META_FILE)
-        write_manifest(tmp, _VERIFIED_FILES)
+        write_manifest(tmp, (*_VERIFIED_FILES, *extra))
         _fsync_dir(tmp)
         old = None
         if final.exists():
@@ -215,8 +224,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     return final
 
 
+def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """The temporary folder (same name on every rank) in which the ranks of a sharded run write
+    their shards before `save_checkpoint(..., staged=...)` completes it; a leftover of a crash
+    is ignored by `latest_checkpoint` and deleted by the next save."""
+    return Path(run_dir) / CHECKPOINT_DIR / f".tmp-{checkpoint_name(step)}-staged"
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint folder: {"model_state", "train_state", "meta"}; tensors on CPU.
+    """Read a checkpoint folder: {"model_state", "train_state", "meta", "sharded"}; tensors on
+    CPU; "sharded" is the folder of a sharded run's torch.distributed.checkpoint, or None.
 
     The files are verified first (`verify_checkpoint`), then loaded with
     `torch.load(weights_only=True)` only: loading never runs code from the checkpoint.
@@ -238,8 +255,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path} has checkpoint format_version={meta.get('format_version')!r}; "
                          f"this posttrain reads version {FORMAT_VERSION}")
+    sharded = path / SHARDED_DIR
     return {"model_state": read_weights_only(path / MODEL_FILE),
-            "train_state": read_weights_only(path / TRAIN_STATE_FILE), "meta": meta}
+            "train_state": read_weights_only(path / TRAIN_STATE_FILE), "meta": meta,
+            "sharded": sharded if sharded.is_dir() else None}
 
 
 # --------------------------------------------------------------------------------------------

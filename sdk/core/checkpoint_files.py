@@ -33,7 +33,7 @@ import json
 import os
 import pickle
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
 import torch
@@ -176,7 +176,7 @@ def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
         ok = isinstance(files, dict) and all(
-            Path(name).name == name and isinstance(entry["bytes"], int)
+            _is_inside(name) and isinstance(entry["bytes"], int)
             and isinstance(entry["sha256"], str) for name, entry in files.items())
     except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, missing keys
         raise CheckpointCorruptError(f"checkpoint {folder}: {MANIFEST_FILE} is unreadable "
@@ -190,6 +190,53 @@ def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
 # --------------------------------------------------------------------------------------------
 # Loading without running code
 # --------------------------------------------------------------------------------------------
+
+
+def _is_inside(name: str) -> bool:
+    """A manifest entry names a file of the checkpoint folder or of one sub-folder (`sharded/`):
+    relative, no `..`, at most two parts."""
+    parts = PurePosixPath(name).parts
+    return (str(PurePosixPath(name)) == name and 1 <= len(parts) <= 2 and ".." not in parts
+            and not PurePosixPath(name).is_absolute())
+
+
+_DCP_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
+        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")),
+}
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Check that a torch.distributed.checkpoint `.metadata` file (a pickle, which DCP loads with
+    `pickle.load`) names only DCP's metadata classes, torch sizes, dtypes and layouts: it is
+    unpickled here with every other global refused, so DCP's own load cannot run code.
+
+    Raises:
+        UnsafeCheckpointError: naming the file and the refused global.
+    """
+    import io
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            allowed = (module, name) in _DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+            if not allowed:
+                raise UnsafeCheckpointError(
+                    f"{path} would need {module}.{name} to unpickle; a sharded checkpoint's "
+                    "metadata holds only torch.distributed.checkpoint classes, so it is refused "
+                    "without being loaded")
+            return super().find_class(module, name)
+
+    try:
+        _Restricted(io.BytesIO(path.read_bytes())).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # truncated or not a pickle
+        raise UnsafeCheckpointError(f"{path} is not a readable sharded-checkpoint metadata file "
+                                    f"({type(e).__name__}: {e})") from None
 
 
 def check_weights_only(path: Path, what: str) -> None:

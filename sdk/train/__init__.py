@@ -1,5 +1,5 @@
 """The training engine every trainer shares (step loop, accumulation, clipping, schedules,
-checkpoints, resume, preemption) and the loss registry.
+checkpoints, resume, preemption), the loss registry, and parallel plans (FSDP2/HSDP, TP).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from posttrain.train.losses import (
     get_loss,
     registered_losses,
 )
+from posttrain.train.parallel import AXES, MESH_DIMS, ParallelPlan
+from posttrain.train.sharding import apply_plan, full_state_dict, plan_state
 from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
 from posttrain.train.trainer import Trainer
 
@@ -36,4 +38,10 @@ __all__ = [
     "WarmupCosine",
     "warmup_cosine_schedule",
     "Trainer",
+    "AXES",
+    "MESH_DIMS",
+    "ParallelPlan",
+    "apply_plan",
+    "full_state_dict",
+    "plan_state",
 ]

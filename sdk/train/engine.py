@@ -12,11 +12,15 @@ and says what its checkpoint holds. The engine owns everything around the step:
              Ctrl-C: the step in flight is rolled back (or finished, if its update had begun),
                      a checkpoint is saved at the last whole step, `interrupted` is set.
 
-plus gradient SUM across data-parallel ranks, clipping and the refusal of non-finite updates
+plus gradient SUM across data-parallel ranks (or, under a `ParallelPlan`, the sums over its
+data-parallel ranks with FSDP2/TP doing the gradient reduction, `posttrain.train.sharding`),
+clipping and the refusal of non-finite updates
 (`clip_and_check`), the run-folder rules (a folder that holds a run needs `resume`; one live
 process per folder, `posttrain.core.run_lock`), and resume (model, optimizer, scheduler, RNG
 states, step count, metrics rows, and the trainer's own state such as a data position or a
-replay buffer), after which a run continues bit for bit (CPU, fixed threads).
+replay buffer), after which a run continues bit for bit (CPU, fixed threads). Under a plan the
+model and optimizer go into torch.distributed.checkpoint shards that reload under another plan
+(`posttrain.train.sharded_checkpoint`).
 
 Settings that cannot change on resume (`_fixed_settings`: the loss, gradient accumulation, the
 RL algorithm, ...) are saved in the checkpoint's meta and compared on resume; a difference is
@@ -44,6 +48,9 @@ from posttrain.core.distributed import barrier, device_of, flat_collective, rank
 from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.train.losses import check_finite_update
+from posttrain.train.sharded_checkpoint import load_sharded_state, save_sharded_checkpoint
+from posttrain.train.sharding import (PlanState, clip_grads_with_norm_, plan_state, set_gradient_sync,
+                                      sum_over_data_ranks, total_grad_norm)
 
 __all__ = ["Engine"]
 
@@ -230,8 +237,40 @@ class Engine(abc.ABC):
         self.save_checkpoint()
 
     # ------------------------------------------------------------------ gradients
+    @property
+    def plan_state(self) -> PlanState | None:
+        """The `PlanState` of the trained model when a ParallelPlan was applied to it."""
+        return plan_state(self._module())
+
+    @property
+    def data_rank_and_size(self) -> tuple[int, int]:
+        """(index, count) of this rank among the ranks that see different data: the plan's
+        data-parallel ranks, or every rank without a plan."""
+        state = self.plan_state
+        if state is None:
+            return self.rank, self.world_size
+        return state.data_rank, state.plan.data_parallel_size
+
+    def _check_data_shard(self, data: Any) -> None:
+        """Raise ValueError if `data` is sharded for another data-parallel rank or size."""
+        expected = self.data_rank_and_size
+        shard = (getattr(data, "rank", expected[0]), getattr(data, "world_size", expected[1]))
+        if shard != expected:
+            where = "" if self.plan_state is None else f" of {self.plan_state.plan}"
+            raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
+                             f"this process is rank {expected[0]} of world_size={expected[1]} "
+                             f"among the data-parallel ranks{where}; build the loader after "
+                             "initialising "
+                             "torch.distributed (or pass it rank= and world_size=)")
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """Under FSDP2: reduce gradients in the coming backward (the step's last micro-batch)."""
+        set_gradient_sync(self._module(), enabled)
+
     def _sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
+        if self.plan_state is not None:
+            return sum_over_data_ranks(self._module(), value)
         if self.world_size == 1:
             return value
         value = value.detach().to(device_of(self._module()), copy=True)
@@ -239,8 +278,9 @@ class Engine(abc.ABC):
         return value
 
     def _sum_gradients_across_ranks(self) -> None:
-        """Replace every gradient by its SUM over the ranks (in flat buckets)."""
-        if self.world_size > 1:
+        """Replace every gradient by its SUM over the ranks (in flat buckets); under a plan
+        FSDP2 and TP have reduced them already."""
+        if self.world_size > 1 and self.plan_state is None:
             flat_collective(self._grads(), dist.all_reduce)
 
     def _grads(self) -> list[torch.Tensor]:
@@ -259,13 +299,18 @@ class Engine(abc.ABC):
         if not grads:
             raise ValueError("no parameter of the optimizer received a gradient; does the loss "
                              "depend on the optimizer's parameters?")
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if self.plan_state is not None:
+            norm = total_grad_norm(grads)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         try:
             check_finite_update(self.step_count + 1, loss, norm)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and self.plan_state is not None:
+            clip_grads_with_norm_(grads, self.max_grad_norm, norm)
+        elif self.max_grad_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(
                 [p for group in self.optimizer.param_groups for p in group["params"]
                  if p.grad is not None], self.max_grad_norm, norm)
@@ -294,6 +339,15 @@ class Engine(abc.ABC):
             **self._extra_state(),
         }
         meta = {**self._fixed_settings(), "world_size": self.world_size}
+        state = self.plan_state
+        if state is not None:
+            del train_state["optimizer"]  # sharded with the model
+            path = save_sharded_checkpoint(self.run_dir, self.step_count, model=self._module(),
+                                           optimizer=self.optimizer, train_state=train_state,
+                                           meta={**meta, "plan": state.plan.to_dict()},
+                                           keep_last=self.keep_last, rank=self.rank)
+            self._last_saved_step = self.step_count
+            return path
         path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(self.step_count)
         if self.rank == 0:
             path = save_checkpoint(self.run_dir, self.step_count, model_state=self._model_state(),
@@ -330,8 +384,16 @@ class Engine(abc.ABC):
             was = "without" if state["lr_scheduler"] is None else "with"
             has = "one" if self.lr_scheduler is not None else "none"
             raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
-        self._load_model_state(ckpt["model_state"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if ckpt["sharded"] is not None:
+            load_sharded_state(ckpt["sharded"], model=self._module(), optimizer=self.optimizer)
+        elif self.plan_state is not None:
+            raise ValueError(f"{path} holds full (unsharded) weights of a run without a "
+                             "ParallelPlan; this trainer's model is sharded and resumes only "
+                             "from a sharded checkpoint (load the weights into the model before "
+                             "applying the plan to start from them)")
+        else:
+            self._load_model_state(ckpt["model_state"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._load_extra_state(state)

@@ -85,6 +85,8 @@ from posttrain.core.preemption import sigint_held
 from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
 from posttrain.train.losses import TrainingLoss, get_loss
+from posttrain.train.parallel import ParallelPlan
+from posttrain.train.sharding import check_plan
 from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]
@@ -129,8 +131,15 @@ class Trainer(Engine):
             there is one (the requeue idiom). A path: continue from that checkpoint folder or
             the latest one of that run folder.
 
+        plan: the `ParallelPlan` already applied to `model` (`plan.apply(model)`, before the
+            optimizer was built), or None. A model with a plan is recognised without it; passing
+            it states the intent and is checked.
+
     Data parallelism (see the module docstring) needs no option: it follows the initialised
-    `torch.distributed` process group. `callbacks` and `eval_fn` run on every rank.
+    `torch.distributed` process group. Under a plan, the data must be sharded over the plan's
+    data-parallel ranks (`engine.data_rank_and_size`); FSDP2 and TP reduce the gradients and
+    the token normaliser is summed over the data-parallel ranks only. `callbacks` and `eval_fn`
+    run on every rank.
 
     Attributes:
         step_count: optimizer steps taken.
@@ -158,7 +167,7 @@ class Trainer(Engine):
                  eval_every: int = 0, checkpoint_every: int = 0, keep_last: int | None = 2,
                  tensorboard: bool = False, progress: bool = True, seed: int = 0,
                  callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False) -> None:
+                 resume: bool | str | os.PathLike = False, plan: ParallelPlan | None = None) -> None:
         if not callable(getattr(data, "next_batch", None)):
             raise TypeError(f"data must have a next_batch() method (e.g. posttrain.data.loader."
                             f"SFTLoader); got {type(data).__name__}")
@@ -179,17 +188,13 @@ class Trainer(Engine):
                            checkpoint_every=checkpoint_every, keep_last=keep_last,
                            progress=progress, callbacks=callbacks, resume=resume,
                            tensorboard=tensorboard)
-        shard = (getattr(data, "rank", self.rank), getattr(data, "world_size", self.world_size))
-        if shard != (self.rank, self.world_size):
-            raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
-                             f"this process is rank {self.rank} of world_size={self.world_size}; "
-                             "build the loader after initialising torch.distributed (or pass "
-                             "it rank= and world_size=)")
+        check_plan(model, optimizer, plan)
         self.model, self.data, self.loss = model, data, loss
+        self._check_data_shard(data)
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self.eval_fn, self.eval_every = eval_fn, eval_every
         seed_all(seed)
-        if self.world_size > 1:
+        if self.world_size > 1 and self.plan_state is None:  # (apply_plan broadcast already)
             flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
         self._start(resume)
 
@@ -237,7 +242,8 @@ class Trainer(Engine):
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
                                  "hold no trained token; check the loss masks of the data")
             loss_sum = None
-            for batch in batches:
+            for i, batch in enumerate(batches):
+                self._set_gradient_sync(i == len(batches) - 1)
                 share = self.loss(self.model, batch, units)
                 share.backward()
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()

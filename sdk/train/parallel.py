@@ -1,0 +1,233 @@
+"""Parallel plans: how a model is split over the ranks of a job.
+
+A `ParallelPlan` names the size of each parallelism axis; their product is the world size:
+
+    dp_replicate  data parallel, full replicas (with dp_shard > 1: HSDP, replicate x shard)
+    dp_shard      data parallel, parameters, gradients and optimizer state sharded (FSDP2)
+    tp            tensor parallel inside each layer (torchtune's Llama TP plan, which fits
+                  qwen2's module names: attention q/k/v colwise + output rowwise, MLP w1/w3
+                  colwise + w2 rowwise)
+    sp            sequence parallel (Ulysses: verl's all-to-all of sequence <-> heads)
+    pp            pipeline stages (torch.distributed.pipelining, GPipe or 1F1B)
+    ep            expert parallel (the experts of an MoE model split over ranks)
+
+Ranks that differ only in their dp_replicate, dp_shard or ep coordinate see different data
+(`data_parallel_size` of them); ranks that differ only in tp, sp or pp share a batch. The
+`DeviceMesh` has all six dimensions, in the order `MESH_DIMS` (outermost first: pipeline stages
+are the most distant ranks, tensor-parallel ones the nearest), size-1 dimensions included.
+
+Loss normalisation: the trainers divide the summed token loss by the number of trained tokens
+in the whole step (all micro-batches, all data-parallel ranks); FSDP2 is told to SUM gradients
+(`set_gradient_divide_factor(1.0)`) rather than average them, so a plan's gradient is the
+single-process gradient of the global batch up to float rounding.
+
+Checked before any process group exists (`validate`): sizes are positive integers, their
+product equals the world size, tp and sp divide the head counts, pp does not exceed the number
+of layers, ep divides the number of experts of an MoE model (and is 1 for a dense model).
+
+Example:
+    >>> from posttrain.models import get_preset
+    >>> plan = ParallelPlan(dp_shard=2, tp=2)
+    >>> plan.world_size, plan.data_parallel_size
+    (4, 2)
+    >>> plan.validate(world_size=4, spec=get_preset("tiny-1m"))
+    >>> ParallelPlan(tp=3).validate(world_size=3, spec=get_preset("tiny-1m"))
+    Traceback (most recent call last):
+    ...
+    ValueError: ParallelPlan.tp=3 must divide num_heads=4 and num_kv_heads=2 of the model; allowed tp: 1, 2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = ["ParallelPlan", "MESH_DIMS", "AXES"]
+
+AXES = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")
+"""The plan's parallelism axes (fields of `ParallelPlan`)."""
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
+"""Dimension names of the plan's `DeviceMesh`, outermost first."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SCHEDULES = ("gpipe", "1f1b")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelPlan:
+    """How a model and its training state are split over the ranks of a job.
+
+    Args:
+        dp_replicate: data-parallel replicas (HSDP's replicate dimension when dp_shard > 1).
+        dp_shard: FSDP2 shards of parameters, gradients and optimizer state.
+        tp: tensor-parallel ranks per layer (must divide num_heads and num_kv_heads).
+        sp: Ulysses sequence-parallel ranks (must divide num_heads and num_kv_heads).
+        pp: pipeline stages (at most num_layers).
+        ep: expert-parallel ranks (must divide num_experts; 1 for a dense model).
+        pp_schedule: "gpipe" or "1f1b".
+        n_microbatches: micro-batches per pipeline step (default: pp).
+        param_dtype: FSDP2 mixed precision: the dtype parameters are gathered in for compute
+            ("float32", "bfloat16", "float16"; None: the model's own).
+        reduce_dtype: FSDP2 mixed precision: the dtype of gradient reduction (None: param_dtype).
+        cpu_offload: FSDP2 keeps parameters, gradients and optimizer state on CPU.
+        activation_checkpointing: recompute each transformer layer's activations in backward.
+
+    Raises:
+        ValueError: naming the field and its allowed values, for a size that is not a positive
+            integer, an unknown dtype or schedule, or n_microbatches without pp > 1.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    n_microbatches: int | None = None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelPlan.{name}={value!r}; must be a positive integer")
+        if self.pp_schedule not in _SCHEDULES:
+            raise ValueError(f"ParallelPlan.pp_schedule={self.pp_schedule!r}; allowed: "
+                             f"{', '.join(_SCHEDULES)}")
+        if self.n_microbatches is not None:
+            n = self.n_microbatches
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"ParallelPlan.n_microbatches={n!r}; must be a positive integer "
+                                 "or None (= pp)")
+            if self.pp == 1:
+                raise ValueError(f"ParallelPlan.n_microbatches={n} needs pp > 1 (it is the "
+                                 "pipeline's micro-batch count); use the trainer's "
+                                 "grad_accum_steps for micro-batches without a pipeline")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"ParallelPlan.{name}={value!r}; allowed: None, "
+                                 f"{', '.join(_DTYPES)}")
+        for name in ("cpu_offload", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ParallelPlan.{name}={getattr(self, name)!r}; must be a bool")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def world_size(self) -> int:
+        """The product of all axes: the number of ranks the plan needs."""
+        return math.prod(getattr(self, name) for name in AXES)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: dp_replicate x dp_shard x ep."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per step (n_microbatches, default pp)."""
+        return self.n_microbatches or self.pp
+
+    def torch_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(param_dtype, reduce_dtype) as torch dtypes for FSDP2's MixedPrecisionPolicy; the
+        reduce dtype defaults to the param dtype, None to the model's own."""
+        param = _DTYPES[self.param_dtype] if self.param_dtype else None
+        return param, _DTYPES[self.reduce_dtype] if self.reduce_dtype else param
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        axes = [f"{name}={getattr(self, name)}" for name in AXES if getattr(self, name) > 1]
+        return f"ParallelPlan({', '.join(axes) or 'one rank'})"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, *, world_size: int | None = None, spec: Any = None) -> None:
+        """Check the plan against a world size and a model spec before any process starts.
+
+        Args:
+            world_size: the job's number of ranks (None: not checked).
+            spec: a `posttrain.models.ModelSpec` (None: model-dependent rules not checked).
+
+        Raises:
+            ValueError: naming the field and the allowed values: the product differs from
+                world_size; tp or sp does not divide num_heads and num_kv_heads (tp also the
+                embedding and MLP widths); pp exceeds num_layers; ep > 1 on a model without
+                experts, or ep does not divide num_experts.
+        """
+        if world_size is not None and self.world_size != world_size:
+            raise ValueError(f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
+                             f"{self.world_size}, but the world size is {world_size}; the axes "
+                             f"must multiply to {world_size}")
+        if spec is None:
+            return
+        heads = math.gcd(spec.num_heads, spec.num_kv_heads)
+        if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:
+            raise ValueError(f"ParallelPlan.tp={self.tp} must divide num_heads={spec.num_heads} "
+                             f"and num_kv_heads={spec.num_kv_heads} of the model; allowed tp: "
+                             f"{_divisors(heads)}")
+        widths = math.gcd(spec.embed_dim, spec.intermediate_dim)
+        if widths % self.tp:
+            raise ValueError(f"ParallelPlan.tp={self.tp} must divide embed_dim={spec.embed_dim} "
+                             f"and intermediate_dim={spec.intermediate_dim}; allowed tp: "
+                             f"{_divisors(math.gcd(widths, heads))}")
+        if spec.num_heads % self.sp or spec.num_kv_heads % self.sp:
+            raise ValueError(f"ParallelPlan.sp={self.sp} must divide num_heads={spec.num_heads} "
+                             f"and num_kv_heads={spec.num_kv_heads} (Ulysses scatters heads); "
+                             f"allowed sp: {_divisors(heads)}")
+        if self.sp > 1 and (spec.num_heads // self.tp) % self.sp:
+            raise ValueError(f"ParallelPlan.sp={self.sp} must divide the heads left per "
+                             f"tensor-parallel rank ({spec.num_heads // self.tp})")
+        if self.pp > spec.num_layers:
+            raise ValueError(f"ParallelPlan.pp={self.pp} exceeds the model's num_layers="
+                             f"{spec.num_layers}; allowed pp: 1..{spec.num_layers}")
+        experts = getattr(spec, "num_experts", 0) or 0
+        if self.ep > 1 and not experts:
+            raise ValueError(f"ParallelPlan.ep={self.ep} needs a model with experts; this model "
+                             "is dense (num_experts=0): allowed ep: 1")
+        if experts and experts % self.ep:
+            raise ValueError(f"ParallelPlan.ep={self.ep} must divide num_experts={experts}; "
+                             f"allowed ep: {_divisors(experts)}")
+
+    # ------------------------------------------------------------------ building
+    def build_mesh(self, device_type: str = "cpu"):
+        """The job's `DeviceMesh` with dimensions `MESH_DIMS` (needs an initialised default
+        process group of `world_size` ranks).
+
+        Raises:
+            RuntimeError: without an initialised process group.
+            ValueError: if the process group's size differs from the plan's world size.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{self} needs an initialised torch.distributed process group "
+                               "(posttrain.launch.submit starts one per task; or "
+                               "dist.init_process_group)")
+        self.validate(world_size=dist.get_world_size())
+        sizes = tuple(getattr(self, name) for name in MESH_DIMS)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+
+    def apply(self, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
+        """Split `model` over the ranks in place and return it (see `posttrain.train.sharding`).
+
+        Build the optimizer after this: FSDP2 and TP replace the parameters by DTensors.
+        """
+        from posttrain.train.sharding import apply_plan
+
+        return apply_plan(self, model, spec=spec, mesh=mesh)

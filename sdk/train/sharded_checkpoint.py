@@ -1,0 +1,79 @@
+"""Checkpoints of a run under a `ParallelPlan`: model and optimizer as torch.distributed.checkpoint
+(DCP) shards, the rest (scheduler, RNG, step, metrics rows, data position, replay buffer) in
+the ordinary `train_state.pt`, all in one verified, atomic checkpoint folder:
+
+    checkpoints/step_000012/sharded/.metadata, __0_0.distcp, ...   every rank's shards (DCP)
+    checkpoints/step_000012/model.pt                               {} (the weights are above)
+    checkpoints/step_000012/train_state.pt, meta.json, manifest.json
+
+Saving: every rank writes its shards into the staging folder (`staging_dir`), then rank 0 writes
+the rest, the manifest (sha256 of every shard too) and renames the folder into place; all ranks
+wait at a barrier, so a requeued job finds the same checkpoint on every rank.
+
+Loading reshards: the state dicts are keyed by parameter name (`get_state_dict`), so a checkpoint
+saved under one plan loads under another (dp_shard 4 -> 2, FSDP -> TP) or into one process
+without a plan (DCP reads the shards it needs and redistributes them).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from posttrain.core.checkpoint import (CHECKPOINT_DIR, save_checkpoint, staging_dir)
+from posttrain.core.checkpoint import SHARDED_DIR
+from posttrain.core.checkpoint_files import check_dcp_metadata, make_private_dir
+from posttrain.core.distributed import barrier
+
+__all__ = ["save_sharded_checkpoint", "load_sharded_state"]
+
+
+def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
+                            optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+                            meta: dict[str, Any], keep_last: int | None, rank: int) -> Path:
+    """Save a sharded checkpoint (collective: every rank calls it). `train_state` must not hold
+    the optimizer (it goes into the shards). Returns the checkpoint folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    stage = staging_dir(run_dir, step)
+    if rank == 0:
+        make_private_dir(Path(run_dir))
+        make_private_dir(Path(run_dir) / CHECKPOINT_DIR)
+        shutil.rmtree(stage, ignore_errors=True)  # a crashed save of the same step
+        stage.mkdir(mode=0o700)
+    barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optim_state},
+             checkpoint_id=str(stage / SHARDED_DIR))
+    barrier()
+    path = Path(run_dir) / CHECKPOINT_DIR / stage.name
+    if rank == 0:
+        path = save_checkpoint(run_dir, step, model_state={}, train_state=train_state,
+                               keep_last=keep_last, meta={**meta, "sharded": True}, staged=stage)
+    barrier()
+    return path
+
+
+def load_sharded_state(folder: Path, *, model: nn.Module,
+                       optimizer: torch.optim.Optimizer) -> None:
+    """Load the shards in `folder` (a checkpoint's `sharded/`) into `model` and `optimizer`,
+    whatever plan (or none) they were saved under; collective under a plan.
+
+    Raises:
+        UnsafeCheckpointError: if the DCP metadata (a pickle) names anything but DCP's own
+            metadata classes (`check_dcp_metadata`); nothing is loaded.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    check_dcp_metadata(Path(folder) / ".metadata")
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])

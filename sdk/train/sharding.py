@@ -1,0 +1,244 @@
+"""Applying a `ParallelPlan` to a torchtune decoder, and the collectives the trainers need under
+one: sums over the data-parallel ranks, the gradient norm of DTensor gradients, gradient sync
+across micro-batches, and full (unsharded) weights for export.
+
+Order of application (as torchtitan and torchtune's distributed recipes do it):
+
+    1. broadcast every parameter from global rank 0 (all ranks start from the same weights);
+    2. TP: `torchtune.training.prepare_mha_for_tp` (heads per rank) then `parallelize_module`
+       with `torchtune.models.llama3.base_llama_tp_plan()` on mesh["tp"]; with tied embeddings
+       the embedding and output projection stay replicated (the tied output is not a module);
+    3. activation checkpointing of every transformer layer (torchtune's helper);
+    4. FSDP2 (`fully_shard`) of every layer, then of the root, on mesh["dp_shard"] or, with
+       dp_replicate > 1, on the 2-D mesh ("dp_replicate", "dp_shard") (HSDP), with the plan's
+       mixed precision and CPU offload, gradient reduction set to SUM.
+
+Example (needs a process group; see tests/test_parallel_plans.py):
+
+    plan = ParallelPlan(dp_shard=2, tp=2)
+    model = plan.apply(build_model(spec, seed=0), spec=spec)   # in place, returns it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)       # after apply
+    Trainer(model, opt, data=loader, plan=plan).fit(10)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.core.distributed import flat_collective
+
+__all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
+           "set_gradient_sync",
+           "full_state_dict", "sum_over_data_ranks"]
+
+_NOT_YET = {"sp": "Ulysses sequence parallelism", "pp": "pipeline parallelism",
+            "ep": "expert parallelism"}
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """What `apply_plan` leaves on a model (`plan_state(model)`).
+
+    Attributes:
+        plan: the ParallelPlan applied.
+        mesh: its DeviceMesh (dimensions `MESH_DIMS`).
+        data_rank: this rank's index among the data-parallel ranks (0..data_parallel_size-1).
+        data_group: the process group of the ranks that see different data and share this
+            rank's tp/sp/pp coordinates (sums of token counts and losses go over it).
+        fsdp: whether FSDP2 was applied (data_parallel_size > 1).
+    """
+
+    plan: Any
+    mesh: Any
+    data_rank: int
+    data_group: Any
+    fsdp: bool
+
+
+def plan_state(model: nn.Module) -> PlanState | None:
+    """The `PlanState` of a model a plan was applied to; None for a plain model."""
+    return getattr(model, "_posttrain_plan_state", None)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise TypeError(f"a ParallelPlan applies to a torchtune TransformerDecoder (a model with "
+                        f".layers); got {type(model).__name__}")
+    return list(layers)
+
+
+def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
+    """Split `model` over this job's ranks according to `plan`, in place; returns `model`.
+
+    Args:
+        plan: a `posttrain.train.parallel.ParallelPlan`.
+        model: a torchtune decoder built identically on every rank (same seed); its parameters
+            are broadcast from rank 0 first, so a different init elsewhere is overwritten.
+        spec: its `ModelSpec`, for the model-dependent checks of `plan.validate`.
+        mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here).
+
+    Raises:
+        ValueError: if the plan does not fit the world size or the model (`plan.validate`), or
+            the model already has a plan.
+        NotImplementedError: for sp, pp or ep > 1 (named), which this version cannot apply yet.
+        RuntimeError: without an initialised process group.
+    """
+    if plan_state(model) is not None:
+        raise ValueError("this model already has a ParallelPlan applied; build a fresh model")
+    plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
+    for axis, what in _NOT_YET.items():
+        if getattr(plan, axis) > 1:
+            raise NotImplementedError(f"ParallelPlan.{axis}={getattr(plan, axis)}: {what} is not "
+                                      f"available in this version; use {axis}=1")
+    layers = _layers(model)
+    device = next(model.parameters()).device
+    mesh = mesh if mesh is not None else plan.build_mesh(device.type)
+    flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    if plan.tp > 1:
+        _apply_tp(model, mesh["tp"])
+    if plan.activation_checkpointing:
+        from torchtune.modules import TransformerSelfAttentionLayer
+        from torchtune.training import set_activation_checkpointing
+
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+        layers = _layers(model)
+    fsdp = plan.dp_replicate * plan.dp_shard > 1
+    if fsdp:
+        _apply_fsdp(plan, model, layers, mesh)
+    dims = ("dp_replicate", "dp_shard", "ep")
+    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
+                 + coordinate["ep"])
+    data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
+    model._posttrain_plan_state = PlanState(plan=plan, mesh=mesh, data_rank=data_rank,
+                                            data_group=data_group, fsdp=fsdp)
+    return model
+
+
+def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtune.models.llama3 import base_llama_tp_plan
+    from torchtune.training import prepare_mha_for_tp
+
+    layer_plan = dict(base_llama_tp_plan())
+    if not isinstance(getattr(model, "output", None), nn.Module):
+        # Tied embeddings: the output projection reuses tok_embeddings.weight through a plain
+        # callable; both stay replicated (a sharded embedding would meet a replicated matmul).
+        layer_plan.pop("tok_embeddings")
+        layer_plan.pop("output")
+    prepare_mha_for_tp(model, tp_mesh)
+    parallelize_module(model, tp_mesh, layer_plan)
+
+
+def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any) -> None:
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                        fully_shard)
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
+    param_dtype, reduce_dtype = plan.torch_dtypes()
+    options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                reduce_dtype=reduce_dtype))
+    if plan.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The trainers normalise by the global token count themselves: SUM, not average.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def sum_over_data_ranks(model: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """SUM of a tensor over the data-parallel ranks of `model`'s plan (a copy; `value` itself
+    with one data rank)."""
+    state = plan_state(model)
+    if state is None or state.data_group is None:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, group=state.data_group)
+    return value
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce gradients in this backward (`enabled`, the step's last micro-batch) or
+    keep accumulating them unsharded (earlier micro-batches). No-op for a model without FSDP."""
+    state = plan_state(model)
+    if state is not None and state.fsdp:
+        model.set_requires_gradient_sync(enabled)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of gradients that may be DTensors on different meshes (FSDP2 shards,
+    TP shards, replicated plain tensors): one `get_total_norm` per mesh, each made whole with
+    `full_tensor()`, combined as sqrt(sum of squares). Returns a plain 0-dim float tensor."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for key, members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.double() ** 2)
+    total = torch.stack(squares).sum().sqrt() if len(squares) > 1 else squares[0].sqrt()
+    return total.to(torch.float32)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded `state_dict()` of a model under a plan, on CPU, on every rank (collective:
+    every rank must call it); the plain state dict for a model without a plan. Use it to export
+    a sharded run (`posttrain.models.save_hf_checkpoint` on rank 0)."""
+    if plan_state(model) is None:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=False))
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def check_plan(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Any) -> None:
+    """A trainer's checks of `plan` against `model` and `optimizer`.
+
+    Raises:
+        ValueError: if `plan` is given but was not applied to `model` (or another plan was), or
+            the optimizer holds parameters that are not the model's current ones (it was built
+            before `plan.apply`, which replaces parameters by DTensors).
+    """
+    state = plan_state(model)
+    if plan is not None and state is None:
+        raise ValueError(f"{plan} was not applied to the model: call model = plan.apply(model, "
+                         "spec=spec) first, then build the optimizer over model.parameters()")
+    if plan is not None and state.plan != plan:
+        raise ValueError(f"the model was split by {state.plan}, not by the given {plan}")
+    if state is None:
+        return
+    current = {id(p) for p in model.parameters()}
+    stale = sum(id(p) not in current for group in optimizer.param_groups
+                for p in group["params"])
+    if stale:
+        raise ValueError(f"the optimizer holds {stale} parameter(s) that are not the model's: it "
+                         f"was built before {state.plan} was applied (which replaces the "
+                         "parameters); build it after plan.apply(model)")
+
+
+def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients (DTensors on any mesh, or plain) by min(1, max_norm / (total_norm +
+    1e-6)), the coefficient of `torch.nn.utils.clip_grads_with_norm_`, in place on each rank's
+    local shard (a scalar scale needs no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(local, coef.to(local[0].device))

@@ -1,0 +1,157 @@
+"""One rank of the parallel-plan runs of tests/test_parallel_plans.py; run as a subprocess.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/parallel_plan_run.py RANK WORLD OUT_DIR PHASE
+
+PHASE "four" (4 ranks): the 4-rank plans of `PLANS_4`, and a dp_shard=4 run that checkpoints
+after step 2 into OUT_DIR/ckpt4 (kept for the reshard phase); rank 0 exports the full weights
+of the dp_shard=2 x tp=2 run as a HF folder OUT_DIR/hf.
+PHASE "kill" (2 ranks): dp_shard=2 towards `RESUME_STEPS` steps with a checkpoint every 2 steps
+into OUT_DIR/killed; every rank SIGKILLs itself after step 3 (one step after the checkpoint).
+PHASE "two" (2 ranks): the 2-rank plans of `PLANS_2`; the bitwise resume of OUT_DIR/killed under
+the same plan against an uninterrupted run; the refusals of a misused plan; two reshard resumes of OUT_DIR/ckpt4 (saved under
+dp_shard=4) under dp_shard=2 and under tp=2, and the full state dict of a sharded run.
+Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the single-process
+reference the test runs itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from _train_helpers import TINY, sft_dataset
+from posttrain.data import SFTLoader
+from posttrain.models import build_model, save_hf_checkpoint
+from posttrain.train import ParallelPlan, Trainer, full_state_dict
+
+STEPS, RESUME_STEPS = 3, 5
+UNTIED = dataclasses.replace(TINY, tie_word_embeddings=False)
+PLANS_2 = {"dp_shard2": (ParallelPlan(dp_shard=2), TINY),
+           "dp_replicate2": (ParallelPlan(dp_replicate=2), TINY),
+           "tp2": (ParallelPlan(tp=2), TINY),
+           "tp2_untied": (ParallelPlan(tp=2), UNTIED),
+           "dp_shard2_ac": (ParallelPlan(dp_shard=2, activation_checkpointing=True), TINY)}
+PLANS_4 = {"dp_shard4": (ParallelPlan(dp_shard=4), TINY),
+           "dp_shard2_tp2": (ParallelPlan(dp_shard=2, tp=2), TINY),
+           "hsdp2x2": (ParallelPlan(dp_replicate=2, dp_shard=2), TINY)}
+
+
+def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimizer: str = "sgd",
+             **trainer_kwargs) -> dict:
+    """A TINY SFT run: 17 rows, batch 8 x accumulation 2, clipping at 1.0 (active), under
+    `plan` on the initialised process group (None: a plain model, one process). Returns
+    {"losses", "trained_tokens", "grad_norms", "params" (full, on every rank), "trainer"}."""
+    model = build_model(spec, seed=0)
+    if plan is not None:
+        model = plan.apply(model, spec=spec)
+        data_rank, data_size = model._posttrain_plan_state.data_rank, plan.data_parallel_size
+    else:
+        data_rank, data_size = 0, 1
+    loader = SFTLoader(sft_dataset(17, max_seq_len=48), batch_size=8, seed=0,
+                       rank=data_rank, world_size=data_size)
+    # SGD with momentum moves the weights linearly in the gradients (float rounding of the
+    # sharded sums stays ~1e-7); AdamW's first steps divide by |g| and amplify it.
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-3))
+    trainer = Trainer(model, opt, data=loader, grad_accum_steps=2, max_grad_norm=1.0,
+                      progress=False, plan=plan, **trainer_kwargs)
+    metrics = trainer.fit(steps)
+    return {"losses": metrics["loss"].tolist(), "trained_tokens": metrics["trained_tokens"].tolist(),
+            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(model),
+            "trainer": trainer}
+
+
+def _strip(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "trainer"}
+
+
+def phase_four(out: Path) -> dict:
+    results = {name: _strip(run_plan(plan, spec)) for name, (plan, spec) in PLANS_4.items()}
+    results["adamw_dp_shard2_tp2"] = _strip(run_plan(ParallelPlan(dp_shard=2, tp=2),
+                                                     optimizer="adamw"))
+    if torch.distributed.get_rank() == 0:  # HF export of the sharded dp_shard=2 x tp=2 run
+        plain = build_model(TINY, seed=1)
+        plain.load_state_dict(results["dp_shard2_tp2"]["params"])
+        save_hf_checkpoint(plain, TINY, out / "hf")
+    saved = run_plan(ParallelPlan(dp_shard=4), steps=3, run_dir=out / "ckpt4", checkpoint_every=2)
+    results["ckpt4_losses"] = saved["losses"]
+    return results
+
+
+def phase_two(out: Path, rank: int) -> dict:
+    results = {name: _strip(run_plan(plan, spec)) for name, (plan, spec) in PLANS_2.items()}
+    plan = ParallelPlan(dp_shard=2)
+    found = sorted(p.name for p in (out / "killed" / "checkpoints").iterdir())
+    resumed = run_plan(plan, steps=RESUME_STEPS, run_dir=out / "killed", checkpoint_every=2,
+                       resume=True)
+    results["same_plan"] = {"found": found, "resumed": _strip(resumed),
+                            "uninterrupted": _strip(run_plan(plan, steps=RESUME_STEPS)),
+                            "restored_rows": resumed["trainer"].metrics["step"].tolist()}
+    results["errors"] = _misuse()
+    for name, plan in {"reshard_dp_shard2": ParallelPlan(dp_shard=2),
+                       "reshard_tp2": ParallelPlan(tp=2)}.items():
+        run_dir = out / name
+        if rank == 0:
+            shutil.copytree(out / "ckpt4", run_dir)
+        torch.distributed.barrier()
+        resumed = run_plan(plan, steps=RESUME_STEPS, run_dir=run_dir, resume=True)
+        results[name] = _strip(resumed)
+    return results
+
+
+def phase_kill(out: Path) -> None:
+    def kill_after_step_3(trainer, row):
+        if row["step"] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    run_plan(ParallelPlan(dp_shard=2), steps=RESUME_STEPS, run_dir=out / "killed",
+             checkpoint_every=2, callbacks=[kill_after_step_3])
+
+
+def _misuse() -> dict[str, str]:
+    """The error messages of: an optimizer built before plan.apply, a plan passed to a Trainer
+    but never applied, and a loader sharded over all ranks instead of the data ranks."""
+    errors = {}
+    loader = SFTLoader(sft_dataset(8), batch_size=4, rank=0, world_size=1)
+    cases = {"optimizer_before_apply": lambda m: (torch.optim.SGD(m.parameters(), lr=0.1),
+                                                  ParallelPlan(tp=2).apply(m, spec=TINY)),
+             "not_applied": lambda m: (torch.optim.SGD(m.parameters(), lr=0.1), None)}
+    for name, build in cases.items():
+        model = build_model(TINY, seed=0)
+        opt, applied = build(model)
+        try:
+            Trainer(model, opt, data=loader, progress=False, plan=ParallelPlan(tp=2))
+        except ValueError as e:
+            errors[name] = str(e)
+    model = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
+    try:
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader, progress=False)
+    except ValueError as e:
+        errors["data_sharding"] = str(e)
+    return errors
+
+
+def main() -> None:
+    rank, world_size, out, phase = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(seconds=90))
+    try:
+        if phase == "kill":
+            phase_kill(out)
+            return
+        results = phase_four(out) if phase == "four" else phase_two(out, rank)
+        torch.save(results, out / f"{phase}-rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

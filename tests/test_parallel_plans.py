@@ -1,0 +1,250 @@
+"""Parallel plans (FSDP2, HSDP, TP and their compositions) on 2 and 4 gloo processes equal one
+process on the same global batch; sharded checkpoints resume bitwise under the same plan after
+SIGKILL and reshard under another plan (or none); bad plans fail before any process group.
+
+The multi-process runs happen once per module (tests/parallel_plan_run.py: 4 ranks, then 2
+ranks twice, ~45 s); each test compares them with the single-process run done here.
+
+Tolerances, from the float rounding of sharded sums (reductions in another order):
+  * per-step losses and gradient norms: 2e-6 absolute (seen: at most 4.8e-7 and 7.2e-7);
+  * weights after 3 SGD-with-momentum steps: 1e-6 (seen: at most 1.5e-8; SGD moves weights
+    linearly in the gradients, so rounding stays at its own size);
+  * weights after 3 AdamW steps: 1e-4 (seen: 3.1e-6; Adam's first steps divide by |g|, which
+    turns the rounding of near-zero gradient entries into larger weight differences);
+  * trained-token counts (the step normaliser): exactly equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_plan_run as worker
+from _train_helpers import TINY, one_thread  # noqa: F401  (autouse fixture)
+from posttrain.models import get_preset
+from posttrain.train import ParallelPlan
+
+LOSS_ATOL, SGD_WEIGHT_ATOL, ADAMW_WEIGHT_ATOL = 2e-6, 1e-6, 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, world_size: int, phase: str, expect_killed: bool = False) -> None:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    logs = [out / f"{phase}-{rank}.log" for rank in range(world_size)]
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([sys.executable, worker.__file__, str(rank), str(world_size),
+                                   str(out), phase], env=env, cwd=out, stderr=subprocess.STDOUT,
+                                  stdout=files.enter_context(open(logs[rank], "w")))
+                 for rank in range(world_size)]
+        deadline = time.monotonic() + 300
+        try:  # a rank that fails leaves the others waiting in a collective: stop them then
+            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+                   and not any(p.poll() not in (None, 0, -9) for p in procs)):
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+    want = -9 if expect_killed else 0
+    failed = [f"{log.name}, exit code {proc.returncode} (want {want}):\n{log.read_text()[-4000:]}"
+              for proc, log in zip(procs, logs) if proc.returncode != want]
+    assert not failed, "\n\n".join(failed)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("plans")
+    _launch(out, 4, "four")
+    _launch(out, 2, "kill", expect_killed=True)
+    _launch(out, 2, "two")
+    load = lambda phase, n: [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False)
+                             for r in range(n)]
+    return out, {"four": load("four", 4), "two": load("two", 2)}
+
+
+_REFERENCES: dict = {}
+
+
+def _single(spec=TINY, steps=worker.STEPS, optimizer="sgd") -> dict:
+    key = (spec, steps, optimizer)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = worker.run_plan(None, spec, steps=steps, optimizer=optimizer)
+    return _REFERENCES[key]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _close(xs, ys, atol):
+    assert len(xs) == len(ys)
+    worst = max(abs(x - y) for x, y in zip(xs, ys))
+    assert worst <= atol, f"largest difference {worst:.3g} > {atol}"
+
+
+ALL_PLANS = {**{name: ("four", p, s) for name, (p, s) in worker.PLANS_4.items()},
+             **{name: ("two", p, s) for name, (p, s) in worker.PLANS_2.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_PLANS))
+def test_plan_equals_one_process_on_the_global_batch(runs, name):
+    """Batch 8 x accumulation 2 with active clipping (17 rows: the second step's last
+    micro-batch is one row, so some data ranks train only padding)."""
+    phase, plan, spec = ALL_PLANS[name]
+    ranks = runs[1][phase]
+    single = _single(spec)
+    for result in ranks:
+        assert result[name]["trained_tokens"] == single["trained_tokens"]
+        _close(result[name]["losses"], single["losses"], LOSS_ATOL)
+        _close(result[name]["grad_norms"], single["grad_norms"], LOSS_ATOL)
+        assert _max_diff(result[name]["params"], single["params"]) <= SGD_WEIGHT_ATOL
+    # every rank ends with the same full weights and logs the same losses
+    assert all(r[name]["losses"] == ranks[0][name]["losses"] for r in ranks)
+    assert _max_diff(ranks[-1][name]["params"], ranks[0][name]["params"]) == 0.0
+
+
+def test_adamw_under_dp_shard_x_tp_stays_within_its_tolerance(runs):
+    result, single = runs[1]["four"][0]["adamw_dp_shard2_tp2"], _single(optimizer="adamw")
+    _close(result["losses"], single["losses"], LOSS_ATOL)
+    assert _max_diff(result["params"], single["params"]) <= ADAMW_WEIGHT_ATOL
+
+
+def test_same_plan_resumes_bitwise_after_sigkill(runs):
+    for rank in runs[1]["two"]:
+        same = rank["same_plan"]
+        assert same["found"] == ["step_000002"]  # killed after step 3, saved after step 2
+        assert same["restored_rows"] == list(range(1, worker.RESUME_STEPS + 1))
+        assert same["resumed"]["losses"] == same["uninterrupted"]["losses"]
+        assert _max_diff(same["resumed"]["params"], same["uninterrupted"]["params"]) == 0.0
+
+
+@pytest.mark.parametrize("name", ["reshard_dp_shard2", "reshard_tp2"])
+def test_checkpoint_saved_with_dp_shard4_resumes_under_another_plan(runs, name):
+    """Saved after 3 steps under dp_shard=4; resumed to 5 steps under dp_shard=2 or tp=2: the
+    run continues as the uninterrupted single-process run."""
+    single = _single(steps=worker.RESUME_STEPS)
+    for rank in runs[1]["two"]:
+        _close(rank[name]["losses"], single["losses"], LOSS_ATOL)
+        assert _max_diff(rank[name]["params"], single["params"]) <= SGD_WEIGHT_ATOL
+
+
+def test_sharded_checkpoint_resumes_in_one_process_without_a_plan(runs, tmp_path):
+    import shutil
+
+    out, _ = runs
+    shutil.copytree(out / "ckpt4", tmp_path / "run")
+    resumed = worker.run_plan(None, steps=worker.RESUME_STEPS, run_dir=tmp_path / "run",
+                              resume=True)
+    single = _single(steps=worker.RESUME_STEPS)
+    _close(resumed["losses"], single["losses"], LOSS_ATOL)
+    assert _max_diff(resumed["params"], single["params"]) <= SGD_WEIGHT_ATOL
+
+
+def test_sharded_checkpoint_lists_and_verifies_every_shard(runs):
+    import json
+
+    from posttrain.core import CheckpointCorruptError, verify_checkpoint
+
+    out, _ = runs
+    ckpt = out / "ckpt4" / "checkpoints" / "step_000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    shards = sorted(p.relative_to(ckpt).as_posix() for p in (ckpt / "sharded").iterdir())
+    assert shards and set(shards) <= set(manifest)
+    assert json.loads((ckpt / "meta.json").read_text())["plan"]["dp_shard"] == 4
+    copy = out / "corrupt"
+    import shutil
+
+    shutil.copytree(ckpt, copy)
+    shard = next(p for p in (copy / "sharded").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=shard.name):
+        verify_checkpoint(copy)
+
+
+def test_tampered_dcp_metadata_is_refused_without_unpickling(tmp_path):
+    import pickle
+
+    from posttrain.core.checkpoint_files import UnsafeCheckpointError, check_dcp_metadata
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        check_dcp_metadata(path)
+
+
+def test_hf_export_of_a_sharded_run_has_logits_parity(runs):
+    transformers = pytest.importorskip("transformers")
+    from posttrain.models import build_model
+
+    out, results = runs
+    plain = build_model(TINY, seed=1)
+    plain.load_state_dict(results["four"][0]["dp_shard2_tp2"]["params"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = plain.eval()(tokens), hf(tokens).logits
+    assert torch.allclose(ours, theirs, atol=1e-5), float((ours - theirs).abs().max())
+
+
+def test_misused_plans_are_refused_with_what_to_do(runs):
+    errors = runs[1]["two"][0]["errors"]
+    assert "built before ParallelPlan(tp=2) was applied" in errors["optimizer_before_apply"]
+    assert "was not applied to the model" in errors["not_applied"]
+    assert ("rank 0 of world_size=2 among the data-parallel ranks of ParallelPlan(dp_shard=2)"
+            in errors["data_sharding"])
+
+
+# ---------------------------------------------------------------------- validation, no processes
+@pytest.mark.parametrize("kwargs, world, field, allowed", [
+    (dict(dp_shard=2, tp=2), 8, "must multiply to 8", None),
+    (dict(tp=3), 3, "ParallelPlan.tp=3", "allowed tp: 1, 2"),
+    (dict(sp=4), 4, "ParallelPlan.sp=4", "allowed sp: 1, 2"),
+    (dict(pp=5), 5, "ParallelPlan.pp=5", "allowed pp: 1..4"),
+    (dict(ep=2), 2, "ParallelPlan.ep=2", "allowed ep: 1"),
+])
+def test_bad_plans_fail_naming_the_field_and_allowed_values(kwargs, world, field, allowed):
+    with pytest.raises(ValueError) as info:
+        ParallelPlan(**kwargs).validate(world_size=world, spec=get_preset("tiny-1m"))
+    assert field in str(info.value)
+    if allowed:
+        assert allowed in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tp=0), "tp"), (dict(dp_shard=1.5), "dp_shard"), (dict(pp_schedule="zb"), "pp_schedule"),
+    (dict(param_dtype="fp8"), "param_dtype"), (dict(n_microbatches=4), "n_microbatches"),
+    (dict(cpu_offload="yes"), "cpu_offload"),
+])
+def test_bad_plan_fields_fail_on_construction(kwargs, field):
+    with pytest.raises(ValueError, match=f"ParallelPlan.{field}"):
+        ParallelPlan(**kwargs)
+
+
+def test_plan_sizes_and_mesh_need_a_process_group():
+    plan = ParallelPlan(dp_replicate=2, dp_shard=2, tp=2)
+    assert (plan.world_size, plan.data_parallel_size) == (8, 4)
+    assert str(plan) == "ParallelPlan(dp_replicate=2, dp_shard=2, tp=2)"
+    with pytest.raises(RuntimeError, match="process group"):
+        plan.build_mesh()
