@@ -18,7 +18,9 @@ def _count_by_formula(spec: ModelSpec) -> int:
 
     Per layer: q (E x H*hd), k and v (E x KV*hd each), o (H*hd x E), with q/k/v biases for Qwen2;
     MLP gate/up/down (3 x E x I); two RMSNorm scales (2E). Plus the embedding (V x E), the final
-    norm (E) and, when not tied, the output projection (V x E).
+    norm (E) and, when not tied, the output projection (V x E). An MoE spec has instead of the MLP
+    a router (X x E) and X experts of 3 x E x moe_intermediate_dim, plus a shared expert
+    (3 x E x shared_expert_dim) with its gate (E) when shared_expert_dim > 0.
     """
     E, H, KV, I, V, L = (spec.embed_dim, spec.num_heads, spec.num_kv_heads,
                          spec.intermediate_dim, spec.vocab_size, spec.num_layers)
@@ -28,6 +30,11 @@ def _count_by_formula(spec: ModelSpec) -> int:
     k_and_v = 2 * (E * KV * hd + (KV * hd if bias else 0))
     o = H * hd * E
     mlp = 3 * E * I
+    if spec.num_experts:
+        X = spec.num_experts
+        mlp = X * E + X * 3 * E * spec.moe_intermediate_dim
+        if spec.shared_expert_dim:
+            mlp += 3 * E * spec.shared_expert_dim + E
     norms = 2 * E
     per_layer = q + k_and_v + o + mlp + norms
     output = 0 if spec.tie_word_embeddings else V * E

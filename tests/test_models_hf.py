@@ -245,20 +245,27 @@ _CONFIGS = {
 
 def _spec_via_transformers(config: dict) -> ModelSpec:
     """What transformers itself makes of `config`, as a ModelSpec."""
-    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
+    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig}
     c = cls[config["model_type"]].from_dict(dict(config))
     rp = c.rope_parameters
     scaling = None if rp["rope_type"] == "default" else RopeScaling(
         factor=rp["factor"], low_freq_factor=rp["low_freq_factor"],
         high_freq_factor=rp["high_freq_factor"],
         original_max_position_embeddings=rp["original_max_position_embeddings"])
+    moe = {} if c.model_type != "qwen2_moe" else dict(
+        num_experts=c.num_experts, experts_per_token=c.num_experts_per_tok,
+        moe_intermediate_dim=c.moe_intermediate_size,
+        shared_expert_dim=c.shared_expert_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+        router_aux_loss_coef=c.router_aux_loss_coef)
     return ModelSpec(
-        family={"qwen2": "qwen2", "llama": "llama3"}[c.model_type], vocab_size=c.vocab_size,
+        family={"qwen2": "qwen2", "llama": "llama3", "qwen2_moe": "qwen2"}[c.model_type],
+        vocab_size=c.vocab_size,
         num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads, embed_dim=c.hidden_size,
         intermediate_dim=c.intermediate_size, max_seq_len=c.max_position_embeddings,
         rope_base=float(rp["rope_theta"]), norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=c.tie_word_embeddings, rope_scaling=scaling)
+        tie_word_embeddings=c.tie_word_embeddings, rope_scaling=scaling, **moe)
 
 
 @pytest.mark.parametrize("name", sorted(_CONFIGS))

@@ -1,5 +1,6 @@
-"""Model families (Qwen2, Llama 3) as specs built with torchtune, Hugging Face config and weight
-conversion, and tokenizers (byte-level and `tokenizer.json`) with chat templates.
+"""Model families (Qwen2, Llama 3, and a Qwen2-MoE variant) as specs built with torchtune, Hugging
+Face config and weight conversion, and tokenizers (byte-level and `tokenizer.json`) with chat
+templates.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from posttrain.models.hf import (
     save_hf_checkpoint,
 )
 from posttrain.models.hf_config import spec_from_hf_config, hf_config_from_spec
+from posttrain.models.moe import MoEFeedForward, moe_aux_loss
 from posttrain.models.hf_tokenizer import (
     HF_TOKENIZER_FILE,
     HF_CONFIG_FILE,
@@ -52,6 +54,8 @@ __all__ = [
     "PRESETS",
     "get_preset",
     "build_model",
+    "MoEFeedForward",
+    "moe_aux_loss",
     "ROLES",
     "BYTE_TOKENIZER_FILE",
     "HF_TOKENIZER_FILE",

@@ -12,6 +12,10 @@ the checkpointer itself is not used because it creates its output folder on load
 `rope_theta` / `rms_norm_eps`, and on save writes `epoch_N/` with a copy of the *input*
 `config.json` (stale if the dimensions changed).
 
+An MoE spec reads and writes a Qwen2-MoE folder (`Qwen2MoeForCausalLM`): attention, norms and
+embeddings take the Qwen2 key map, the MoE layers `posttrain.models.hf_moe`'s (per-expert tensors
+on disk, stacked [E, ...] parameters in the model).
+
 Traps handled here (those of config.json are listed in `posttrain.models.hf_config`):
   * Tied embeddings: the safetensors hold no `lm_head.weight` (one found anyway is ignored, as HF
     re-ties it to the embedding).
@@ -34,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from posttrain.models import hf_moe
 from posttrain.models.hf_config import hf_config_from_spec, spec_from_hf_config
 from posttrain.models.specs import ModelSpec, build_model
 
@@ -48,6 +53,20 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def _hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    if spec.is_moe:
+        rest = {k: v for k, v in sd.items() if not hf_moe.is_hf_moe_key(k)}
+        return {**_dense_hf_to_tune(rest, spec), **hf_moe.moe_hf_to_tune(sd, spec)}
+    return _dense_hf_to_tune(sd, spec)
+
+
+def _tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    if spec.is_moe:
+        rest = {k: v for k, v in sd.items() if not hf_moe.is_tune_moe_key(k)}
+        return {**_dense_tune_to_hf(rest, spec), **hf_moe.moe_tune_to_hf(sd, spec)}
+    return _dense_tune_to_hf(sd, spec)
+
+
+def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
                 head_dim=spec.head_dim)
     if spec.family == "qwen2":
@@ -57,7 +76,7 @@ def _hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch
     return hf_to_tune(sd, **dims)
 
 
-def _tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def _dense_tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
                 head_dim=spec.head_dim)
     if spec.family == "qwen2":
@@ -76,6 +95,18 @@ def _hf_key_map(spec: ModelSpec, tune_keys: Iterable[str]) -> dict[str, str]:
         from torchtune.models.convert_weights import _FROM_HF
     to_hf = {tune: hf for hf, tune in _FROM_HF.items() if tune is not None}
     return {key: get_mapped_key(key, to_hf) for key in tune_keys}
+
+
+def _expected_hf_shapes(spec: ModelSpec) -> dict[str, torch.Size]:
+    """HF key -> shape of every tensor a checkpoint of `spec` must hold."""
+    expected = _expected_tune_shapes(spec)
+    if spec.is_moe:
+        expected = {k: v for k, v in expected.items() if not hf_moe.is_tune_moe_key(k)}
+    key_map = _hf_key_map(spec, expected)
+    shapes = {key_map[k]: shape for k, shape in expected.items()}
+    if spec.is_moe:
+        shapes.update(hf_moe.expected_hf_moe_shapes(spec))
+    return shapes
 
 
 def _expected_tune_shapes(spec: ModelSpec) -> dict[str, torch.Size]:
@@ -106,7 +137,8 @@ def _check_keys(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.
 
 def load_hf_checkpoint(folder: str | os.PathLike, *,
                        dtype: torch.dtype = torch.float32) -> tuple[nn.Module, ModelSpec]:
-    """Load a HF Qwen2 / Llama checkpoint folder as a torchtune `TransformerDecoder`.
+    """Load a HF Qwen2 / Qwen2-MoE / Llama checkpoint folder as a torchtune `TransformerDecoder`
+    (MoE layers: `posttrain.models.moe.MoEFeedForward`).
 
     The model is built on the meta device and the checkpoint tensors are assigned into it (no
     random initialisation, one copy of the weights in memory); RoPE caches are then built on CPU.
@@ -137,10 +169,10 @@ def load_hf_checkpoint(folder: str | os.PathLike, *,
         del hf_sd[key]  # a RoPE buffer some old checkpoints saved; recomputed from rope_theta
     if spec.tie_word_embeddings:
         hf_sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding as well
-    expected = _expected_tune_shapes(spec)
-    key_map = _hf_key_map(spec, expected)
-    _check_keys(hf_sd, {key_map[k]: shape for k, shape in expected.items()},
-                f"the safetensors in {folder}", "its config.json")
+    if spec.is_moe:
+        hf_moe.drop_absent_shared_expert(hf_sd, spec)
+    _check_keys(hf_sd, _expected_hf_shapes(spec), f"the safetensors in {folder}",
+                "its config.json")
     tune_sd = {k: v.to(dtype) for k, v in _hf_to_tune(hf_sd, spec).items()}
     del hf_sd
 

@@ -1,9 +1,11 @@
 """Hugging Face `config.json` <-> `ModelSpec`: parsing with transformers' defaults and precedence.
 
-`spec_from_hf_config` turns a parsed Qwen2 / Llama `config.json` into the `ModelSpec` of the model
+`spec_from_hf_config` turns a parsed Qwen2 / Qwen2-MoE / Llama `config.json` into the `ModelSpec`
+of the model
 `AutoModelForCausalLM` would build; `hf_config_from_spec` writes the config.json dict that
 transformers loads as the same model. Checkpoint folders (safetensors load/save) are in
-`posttrain.models.hf`.
+`posttrain.models.hf`. The MoE keys of Qwen2-MoE (model_type qwen2_moe) are in
+`posttrain.models.hf_moe`.
 
 Traps handled (transformers 5.10 semantics, checked in tests/test_models_hf.py):
   * Absent keys take the HF config class defaults, not torchtune's: rope_theta 1e4 (torchtune
@@ -28,12 +30,14 @@ from typing import Any
 
 import torch
 
+from posttrain.models import hf_moe
 from posttrain.models.specs import ModelSpec, RopeScaling
 
-# model_type in config.json -> ModelSpec.family, HF architecture class.
-_FAMILY_OF_MODEL_TYPE = {"qwen2": "qwen2", "llama": "llama3"}
+# model_type in config.json -> ModelSpec.family, HF architecture class (of a dense spec; an MoE
+# spec is written as hf_moe.MODEL_TYPE / hf_moe.ARCHITECTURE).
+_FAMILY_OF_MODEL_TYPE = {"qwen2": "qwen2", "llama": "llama3", hf_moe.MODEL_TYPE: "qwen2"}
 _ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama3": "LlamaForCausalLM"}
-_MODEL_TYPE_OF_FAMILY = {family: model_type for model_type, family in _FAMILY_OF_MODEL_TYPE.items()}
+_MODEL_TYPE_OF_FAMILY = {"qwen2": "qwen2", "llama3": "llama"}
 
 # Defaults of transformers 5.10 Qwen2Config / LlamaConfig for keys absent from config.json
 # (pinned against the classes in tests/test_models_hf.py). num_key_value_heads None means "equal
@@ -45,6 +49,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    hf_moe.MODEL_TYPE: hf_moe.HF_DEFAULTS,
 }
 _HF_DEFAULT_ROPE_THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -58,17 +63,18 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     rms_norm_eps 1e-6, ...), so the spec describes the model `AutoModelForCausalLM` would build.
 
     Args:
-        config: the config.json dict; `model_type` must be "qwen2" or "llama".
+        config: the config.json dict; `model_type` must be "qwen2", "qwen2_moe" or "llama".
 
     Returns:
-        A validated `ModelSpec` (family "qwen2" or "llama3").
+        A validated `ModelSpec` (family "qwen2" or "llama3"; qwen2_moe gives a "qwen2" spec with
+        num_experts > 0, see `posttrain.models.hf_moe`).
 
     Raises:
         ValueError: unknown `model_type`; a RoPE type other than default/llama3, or llama3 scaling
             with keys missing; a feature torchtune's builders cannot express (sliding-window
             attention, a non-silu activation, Llama attention/MLP biases, a head_dim other than
-            hidden_size / num_attention_heads, partial rotary embeddings); or dimensions that
-            `ModelSpec` rejects.
+            hidden_size / num_attention_heads, partial rotary embeddings, Qwen2-MoE dense layers
+            or no q/k/v biases); or dimensions that `ModelSpec` rejects.
     """
     model_type = config.get("model_type")
     if model_type not in _FAMILY_OF_MODEL_TYPE:
@@ -86,13 +92,15 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     max_seq_len = get("max_position_embeddings")
     rope_base, rope_scaling = _rope_from_hf_config(config, family, max_seq_len)
     norm_eps = _as_float(get("rms_norm_eps"), "rms_norm_eps")
+    moe = hf_moe.moe_fields_from_hf_config(config) if model_type == hf_moe.MODEL_TYPE else {}
     try:
         return ModelSpec(
             family=family, vocab_size=get("vocab_size"), num_layers=get("num_hidden_layers"),
             num_heads=num_heads, num_kv_heads=num_kv_heads, embed_dim=hidden,
             intermediate_dim=get("intermediate_size"), max_seq_len=max_seq_len,
             rope_base=rope_base, norm_eps=norm_eps,
-            tie_word_embeddings=bool(get("tie_word_embeddings")), rope_scaling=rope_scaling)
+            tie_word_embeddings=bool(get("tie_word_embeddings")), rope_scaling=rope_scaling,
+            **moe)
     except ValueError as e:
         raise ValueError(f"config.json (model_type {model_type!r}) describes an invalid model: "
                          f"{e}") from e
@@ -123,7 +131,7 @@ def _check_supported_features(config: Mapping[str, Any], model_type: str, hidden
             if config.get(key):
                 raise ValueError(f"{where} {key}=true is not supported (torchtune llama3 has no "
                                  "biases)")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", hf_moe.MODEL_TYPE):
         if config.get("use_sliding_window"):
             raise ValueError(f"{where} use_sliding_window=true is not supported (torchtune qwen2 "
                              "has full attention only)")
@@ -175,7 +183,8 @@ def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
                         bos_token_id: int | None = None,
                         eos_token_id: int | list[int] | None = None,
                         pad_token_id: int | None = None) -> dict[str, Any]:
-    """A config.json dict for `spec` that transformers loads as the same model.
+    """A config.json dict for `spec` that transformers loads as the same model (an MoE spec as
+    model_type qwen2_moe, `Qwen2MoeForCausalLM`; see `posttrain.models.hf_moe`).
 
     RoPE settings are written both ways: `rope_parameters` (what transformers 5 reads and writes;
     tested with 5.10) and top-level `rope_theta` + `rope_scaling` (what 4.x reads); transformers 5
@@ -230,6 +239,8 @@ def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
     else:
         config.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False,
                       pretraining_tp=1)
+    if spec.is_moe:
+        config.update(hf_moe.hf_moe_config_fields(spec))
     # Written even when None: an absent key would take the config class default (LlamaConfig:
     # bos 1, eos 2), which is some other tokenizer's ids.
     config.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

@@ -21,7 +21,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from posttrain.models.moe import MoEFeedForward
+
 FAMILIES = ("llama3", "qwen2")
+MOE_FAMILIES = ("qwen2",)
+# ModelSpec fields that only an MoE spec (num_experts > 0) may change from their defaults.
+_MOE_FIELDS = ("experts_per_token", "moe_intermediate_dim", "shared_expert_dim", "norm_topk_prob",
+               "router_aux_loss_coef")
 
 
 def _is_number(value: Any) -> bool:
@@ -66,12 +72,27 @@ class ModelSpec:
         num_heads: query heads; `embed_dim` must divide by it.
         num_kv_heads: key/value heads (grouped-query attention); divides `num_heads`.
         embed_dim: hidden size.
-        intermediate_dim: MLP hidden size.
+        intermediate_dim: MLP hidden size (HF `intermediate_size`). In an MoE spec every layer is
+            an MoE layer and this number only travels to config.json (HF Qwen2-MoE uses it for
+            layers listed in `mlp_only_layers`, which posttrain does not support).
         max_seq_len: longest sequence (prompt + completion) the RoPE cache and KV cache hold.
         rope_base: RoPE theta (HF `rope_theta`).
         norm_eps: RMSNorm epsilon (HF `rms_norm_eps`).
         tie_word_embeddings: output projection shares the token embedding matrix.
         rope_scaling: Llama 3.1+ frequency scaling, or None for plain RoPE.
+        num_experts: routed experts per MoE layer; 0 (the default) builds a dense model. An MoE
+            spec (family "qwen2" only) replaces every layer's MLP by
+            `posttrain.models.moe.MoEFeedForward`, as HF Qwen2-MoE with `decoder_sparse_step` 1.
+        experts_per_token: top-k experts each token is routed to, in 1..num_experts (HF
+            `num_experts_per_tok`).
+        moe_intermediate_dim: hidden size of each routed expert (HF `moe_intermediate_size`);
+            required (> 0) for MoE.
+        shared_expert_dim: hidden size of the always-on shared expert with a sigmoid gate (HF
+            `shared_expert_intermediate_size`); 0 for none.
+        norm_topk_prob: renormalise the top-k router probabilities to sum to 1.
+        router_aux_loss_coef: weight of the load-balancing loss (summed over layers) that the SFT
+            objective adds (HF `router_aux_loss_coef`); must be >= 0.
+        The other five MoE fields must keep their defaults when num_experts is 0.
 
     Raises:
         ValueError: naming the field, its value and what is allowed.
@@ -89,6 +110,12 @@ class ModelSpec:
     norm_eps: float
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_intermediate_dim: int = 0
+    shared_expert_dim: int = 0
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -122,10 +149,52 @@ class ModelSpec:
         if self.rope_scaling is not None and self.family != "llama3":
             raise ValueError(f"ModelSpec.rope_scaling is only supported for family 'llama3', "
                              f"got family={self.family!r}")
+        self._check_moe_fields()
+
+    def _check_moe_fields(self) -> None:
+        for name in ("num_experts", "moe_intermediate_dim", "shared_expert_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec.{name}={value!r}; must be a non-negative integer")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"ModelSpec.norm_topk_prob={self.norm_topk_prob!r}; must be True or "
+                             "False")
+        coef = self.router_aux_loss_coef
+        if not (_is_number(coef) and 0 <= coef < math.inf):
+            raise ValueError(f"ModelSpec.router_aux_loss_coef={coef!r}; must be a finite number "
+                             ">= 0")
+        k = self.experts_per_token
+        if not isinstance(k, int) or isinstance(k, bool):
+            raise ValueError(f"ModelSpec.experts_per_token={k!r}; must be an integer")
+        if self.num_experts == 0:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)
+                        if f.name in _MOE_FIELDS}
+            changed = [f"{n}={getattr(self, n)!r}" for n in _MOE_FIELDS
+                       if getattr(self, n) != defaults[n]]
+            if changed:
+                raise ValueError(f"ModelSpec.{changed[0]} is set but num_experts=0 (a dense model); "
+                                 "set num_experts > 0 for an MoE model or leave "
+                                 f"{', '.join(_MOE_FIELDS)} at their defaults")
+            return
+        if self.family not in MOE_FAMILIES:
+            raise ValueError(f"ModelSpec.num_experts={self.num_experts} (MoE) is only supported for "
+                             f"family {', '.join(map(repr, MOE_FAMILIES))}, got "
+                             f"family={self.family!r}")
+        if not 1 <= k <= self.num_experts:
+            raise ValueError(f"ModelSpec.experts_per_token={k}; must be in 1..num_experts="
+                             f"{self.num_experts}")
+        if self.moe_intermediate_dim < 1:
+            raise ValueError(f"ModelSpec.moe_intermediate_dim={self.moe_intermediate_dim}; an MoE "
+                             f"spec (num_experts={self.num_experts}) needs a positive integer")
 
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the MLPs are Mixture-of-Experts layers (num_experts > 0)."""
+        return self.num_experts > 0
 
     def replace(self, **changes: Any) -> "ModelSpec":
         """A copy with some fields changed (validated again)."""
@@ -142,7 +211,8 @@ class ModelSpec:
         return cls(**d)
 
     def num_parameters(self) -> int:
-        """Exact parameter count (tied embeddings counted once), built on the meta device."""
+        """Exact parameter count (tied embeddings counted once, every expert counted), built on
+        the meta device."""
         with torch.device("meta"):
             model = build_model(self, device="meta")
         return sum(p.numel() for p in model.parameters())
@@ -171,6 +241,11 @@ PRESETS: dict[str, ModelSpec] = {
                              num_kv_heads=8, embed_dim=2048, intermediate_dim=8192,
                              max_seq_len=131072, rope_base=5e5, norm_eps=1e-5,
                              tie_word_embeddings=True, rope_scaling=RopeScaling()),
+    # Qwen2-MoE blocks: 4 routed experts, top-2, plus a gated shared expert (byte vocabulary).
+    "tiny-moe": ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4,
+                          num_kv_heads=2, embed_dim=64, intermediate_dim=128, max_seq_len=512,
+                          rope_base=1e6, norm_eps=1e-6, tie_word_embeddings=True, num_experts=4,
+                          experts_per_token=2, moe_intermediate_dim=64, shared_expert_dim=64),
 }
 
 
@@ -192,6 +267,10 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
     `initializer_range`): every linear and embedding weight N(0, init_std), biases 0, norm
     scales 1. Loading a checkpoint overwrites all of it.
 
+    An MoE spec builds the qwen2 model with a placeholder MLP and replaces each layer's `mlp` by
+    a `posttrain.models.moe.MoEFeedForward` (router and every expert weight N(0, init_std), as HF
+    `Qwen2MoePreTrainedModel._init_weights`), each holding `spec.router_aux_loss_coef`.
+
     Args:
         spec: architecture numbers.
         device: where parameters live ("meta" for size reports without memory).
@@ -209,7 +288,9 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
 
     common = dict(vocab_size=spec.vocab_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
                   num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim,
-                  intermediate_dim=spec.intermediate_dim, max_seq_len=spec.max_seq_len,
+                  # MoE: every MLP is replaced below, so the placeholder is 1 wide
+                  intermediate_dim=1 if spec.is_moe else spec.intermediate_dim,
+                  max_seq_len=spec.max_seq_len,
                   rope_base=spec.rope_base, norm_eps=spec.norm_eps)
     fork = torch.random.fork_rng(devices=[]) if seed is not None else _nullcontext()
     with fork, torch.device(device or "cpu"):
@@ -217,6 +298,8 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
             torch.manual_seed(seed)
         if spec.family == "qwen2":
             model = qwen2(**common, tie_word_embeddings=spec.tie_word_embeddings)
+            if spec.is_moe:
+                _use_moe(model, spec, init_std)
         else:
             model = llama3(**common)
             if spec.rope_scaling is not None:
@@ -238,6 +321,19 @@ def _init_weights(model: nn.Module, std: float) -> None:
                 module.bias.zero_()
         elif hasattr(module, "scale") and isinstance(module.scale, nn.Parameter):
             module.scale.fill_(1.0)  # torchtune RMSNorm
+        elif isinstance(module, MoEFeedForward):  # its nn.Linear children are reached above
+            for stacked in (module.gate_proj, module.up_proj, module.down_proj):
+                stacked.normal_(0.0, std)
+
+
+def _use_moe(model: nn.Module, spec: ModelSpec, init_std: float) -> None:
+    for layer in model.layers:
+        del layer.mlp
+        layer.mlp = MoEFeedForward(
+            dim=spec.embed_dim, hidden_dim=spec.moe_intermediate_dim,
+            num_experts=spec.num_experts, experts_per_token=spec.experts_per_token,
+            norm_topk_prob=spec.norm_topk_prob, shared_expert_dim=spec.shared_expert_dim,
+            router_aux_loss_coef=spec.router_aux_loss_coef, init_std=init_std)
 
 
 def _use_scaled_rope(model: nn.Module, spec: ModelSpec) -> None:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.core.distributed import device_of
 from posttrain.core.registry import Registry
+from posttrain.models.moe import moe_aux_loss
 
 __all__ = ["IGNORE_INDEX", "token_cross_entropy_sum", "normalize_by_step", "TrainingLoss",
            "SFTCrossEntropy", "register_loss", "get_loss", "registered_losses"]
@@ -153,6 +154,15 @@ class SFTCrossEntropy:
         logits_BTV = model(input_ids, mask=attention_mask, input_pos=position_ids)
         share = token_cross_entropy_sum(logits_BTV, labels_BT)[0] / num_units_in_step
 
+    An MoE model (`posttrain.models.moe.MoEFeedForward` layers) also gets its load-balancing
+    loss, each layer's weighted by the `router_aux_loss_coef` it was built with:
+
+        share += moe_aux_loss(model, scaled=True) * num_units(batch) / num_units_in_step
+
+    so the shares of a step add up to CE token mean + the token-weighted mean over micro-batches
+    of the coefficient-weighted aux loss (HF `Qwen2MoeForCausalLM` adds
+    `router_aux_loss_coef * aux_loss` to its loss likewise). A dense model gets nothing added.
+
     Args:
         ignore_index: label of untrained positions.
     """
@@ -174,9 +184,14 @@ class SFTCrossEntropy:
             raise TypeError(f"the model returned {type(logits_BTV).__name__}; SFTCrossEntropy "
                             "needs logits [B, T, V] (build it without output chunks or hidden "
                             "states)")
-        loss_sum, _ = token_cross_entropy_sum(logits_BTV, batch.labels.to(device),
-                                              ignore_index=self.ignore_index)
-        return normalize_by_step(loss_sum, num_units_in_step.to(device))
+        labels_BT = batch.labels.to(device)
+        loss_sum, num_tokens = token_cross_entropy_sum(logits_BTV, labels_BT,
+                                                       ignore_index=self.ignore_index)
+        share = normalize_by_step(loss_sum, num_units_in_step.to(device))
+        aux = moe_aux_loss(model, scaled=True)
+        if aux is not None:
+            share = share + aux * normalize_by_step(num_tokens, num_units_in_step.to(device))
+        return share
 
     def __repr__(self) -> str:
         return f"SFTCrossEntropy(ignore_index={self.ignore_index})"
