@@ -37,15 +37,21 @@ PLANS_2 = {"dp_shard2": (ParallelPlan(dp_shard=2), TINY),
            "dp_replicate2": (ParallelPlan(dp_replicate=2), TINY),
            "tp2": (ParallelPlan(tp=2), TINY),
            "tp2_untied": (ParallelPlan(tp=2), UNTIED),
-           "dp_shard2_ac": (ParallelPlan(dp_shard=2, activation_checkpointing=True), TINY)}
+           "dp_shard2_ac": (ParallelPlan(dp_shard=2, activation_checkpointing=True), TINY),
+           "sp2": (ParallelPlan(sp=2), TINY),
+           "sp2_packed": (ParallelPlan(sp=2), TINY)}
 PLANS_4 = {"dp_shard4": (ParallelPlan(dp_shard=4), TINY),
            "dp_shard2_tp2": (ParallelPlan(dp_shard=2, tp=2), TINY),
-           "hsdp2x2": (ParallelPlan(dp_replicate=2, dp_shard=2), TINY)}
+           "hsdp2x2": (ParallelPlan(dp_replicate=2, dp_shard=2), TINY),
+           "dp_shard2_sp2": (ParallelPlan(dp_shard=2, sp=2), TINY),
+           "dp_shard2_sp2_packed": (ParallelPlan(dp_shard=2, sp=2), TINY)}
+PACKED_SEQ_LEN = 47  # odd: the sequence-parallel slices need padding (and a padded mask)
 
 
 def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimizer: str = "sgd",
-             **trainer_kwargs) -> dict:
-    """A TINY SFT run: 17 rows, batch 8 x accumulation 2, clipping at 1.0 (active), under
+             packed: bool = False, **trainer_kwargs) -> dict:
+    """A TINY SFT run: 17 rows (packed: 40 rows into 47-token rows with a block-causal mask),
+    batch 8 x accumulation 2, clipping at 1.0 (active), under
     `plan` on the initialised process group (None: a plain model, one process). Returns
     {"losses", "trained_tokens", "grad_norms", "params" (full, on every rank), "trainer"}."""
     model = build_model(spec, seed=0)
@@ -54,8 +60,9 @@ def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimi
         data_rank, data_size = model._posttrain_plan_state.data_rank, plan.data_parallel_size
     else:
         data_rank, data_size = 0, 1
-    loader = SFTLoader(sft_dataset(17, max_seq_len=48), batch_size=8, seed=0,
-                       rank=data_rank, world_size=data_size)
+    loader = SFTLoader(sft_dataset(40 if packed else 17, max_seq_len=PACKED_SEQ_LEN), batch_size=8,
+                       seed=0, rank=data_rank, world_size=data_size, pack=packed,
+                       seq_len=PACKED_SEQ_LEN if packed else None)
     # SGD with momentum moves the weights linearly in the gradients (float rounding of the
     # sharded sums stays ~1e-7); AdamW's first steps divide by |g| and amplify it.
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
@@ -73,7 +80,8 @@ def _strip(result: dict) -> dict:
 
 
 def phase_four(out: Path) -> dict:
-    results = {name: _strip(run_plan(plan, spec)) for name, (plan, spec) in PLANS_4.items()}
+    results = {name: _strip(run_plan(plan, spec, packed=name.endswith("packed")))
+               for name, (plan, spec) in PLANS_4.items()}
     results["adamw_dp_shard2_tp2"] = _strip(run_plan(ParallelPlan(dp_shard=2, tp=2),
                                                      optimizer="adamw"))
     if torch.distributed.get_rank() == 0:  # HF export of the sharded dp_shard=2 x tp=2 run
@@ -86,7 +94,8 @@ def phase_four(out: Path) -> dict:
 
 
 def phase_two(out: Path, rank: int) -> dict:
-    results = {name: _strip(run_plan(plan, spec)) for name, (plan, spec) in PLANS_2.items()}
+    results = {name: _strip(run_plan(plan, spec, packed=name.endswith("packed")))
+               for name, (plan, spec) in PLANS_2.items()}
     plan = ParallelPlan(dp_shard=2)
     found = sorted(p.name for p in (out / "killed" / "checkpoints").iterdir())
     resumed = run_plan(plan, steps=RESUME_STEPS, run_dir=out / "killed", checkpoint_every=2,

@@ -80,10 +80,11 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 _REFERENCES: dict = {}
 
 
-def _single(spec=TINY, steps=worker.STEPS, optimizer="sgd") -> dict:
-    key = (spec, steps, optimizer)
+def _single(spec=TINY, steps=worker.STEPS, optimizer="sgd", packed=False) -> dict:
+    key = (spec, steps, optimizer, packed)
     if key not in _REFERENCES:
-        _REFERENCES[key] = worker.run_plan(None, spec, steps=steps, optimizer=optimizer)
+        _REFERENCES[key] = worker.run_plan(None, spec, steps=steps, optimizer=optimizer,
+                                           packed=packed)
     return _REFERENCES[key]
 
 
@@ -108,7 +109,7 @@ def test_plan_equals_one_process_on_the_global_batch(runs, name):
     micro-batch is one row, so some data ranks train only padding)."""
     phase, plan, spec = ALL_PLANS[name]
     ranks = runs[1][phase]
-    single = _single(spec)
+    single = _single(spec, packed=name.endswith("packed"))
     for result in ranks:
         assert result[name]["trained_tokens"] == single["trained_tokens"]
         _close(result[name]["losses"], single["losses"], LOSS_ATOL)

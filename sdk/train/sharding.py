@@ -8,10 +8,13 @@ Order of application (as torchtitan and torchtune's distributed recipes do it):
     2. TP: `torchtune.training.prepare_mha_for_tp` (heads per rank) then `parallelize_module`
        with `torchtune.models.llama3.base_llama_tp_plan()` on mesh["tp"]; with tied embeddings
        the embedding and output projection stay replicated (the tied output is not a module);
-    3. activation checkpointing of every transformer layer (torchtune's helper);
-    4. FSDP2 (`fully_shard`) of every layer, then of the root, on mesh["dp_shard"] or, with
-       dp_replicate > 1, on the 2-D mesh ("dp_replicate", "dp_shard") (HSDP), with the plan's
-       mixed precision and CPU offload, gradient reduction set to SUM.
+    3. SP: Ulysses all-to-alls around each attention call, the input sliced along the sequence
+       and the logits gathered back (`posttrain.train.sequence_parallel`);
+    4. activation checkpointing of every transformer layer (torchtune's helper);
+    5. FSDP2 (`fully_shard`) of every layer, then of the root, sharded over the ranks that
+       compute their own gradient shares (dp_shard, ep and sp, flattened into one mesh
+       dimension "fsdp") and, with dp_replicate > 1, replicated over dp_replicate (HSDP), with
+       the plan's mixed precision and CPU offload, gradient reduction set to SUM.
 
 Example (needs a process group; see tests/test_parallel_plans.py):
 
@@ -36,8 +39,7 @@ __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "pl
            "set_gradient_sync",
            "full_state_dict", "sum_over_data_ranks"]
 
-_NOT_YET = {"sp": "Ulysses sequence parallelism", "pp": "pipeline parallelism",
-            "ep": "expert parallelism"}
+_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
 
 
 @dataclass(frozen=True)
@@ -102,13 +104,17 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
     if plan.tp > 1:
         _apply_tp(model, mesh["tp"])
+    if plan.sp > 1:
+        from posttrain.train.sequence_parallel import apply_ulysses
+
+        apply_ulysses(model, mesh)
     if plan.activation_checkpointing:
         from torchtune.modules import TransformerSelfAttentionLayer
         from torchtune.training import set_activation_checkpointing
 
         set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         layers = _layers(model)
-    fsdp = plan.dp_replicate * plan.dp_shard > 1
+    fsdp = plan.dp_replicate * plan.dp_shard * plan.ep * plan.sp > 1
     if fsdp:
         _apply_fsdp(plan, model, layers, mesh)
     dims = ("dp_replicate", "dp_shard", "ep")
@@ -140,7 +146,12 @@ def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any)
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                         fully_shard)
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
+    # Parameters are replicated over every rank that computes its own share of the gradient:
+    # the data-parallel ranks and the sp ranks. FSDP2 shards over (dp_shard, ep, sp) flattened,
+    # and replicates over dp_replicate (HSDP).
+    dp_mesh = mesh["dp_shard", "ep", "sp"]._flatten("fsdp")
+    if plan.dp_replicate > 1:
+        dp_mesh = mesh["dp_replicate", "fsdp"]
     param_dtype, reduce_dtype = plan.torch_dtypes()
     options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
                                                                 reduce_dtype=reduce_dtype))

@@ -1,0 +1,106 @@
+"""Ulysses sequence parallelism (Jacobs et al. 2023, "DeepSpeed Ulysses") on a torchtune decoder,
+with verl's all-to-all helpers (`verl.utils.ulysses`).
+
+The `sp` ranks of a group share one batch. Each embeds and runs the layers on its own slice of
+the sequence; attention alone needs the whole sequence, and gets it by trading heads for
+sequence:
+
+    tokens [B, T] -> pad T to a multiple of sp -> this rank's slice [B, T'/sp]
+    per layer:  q, k, v [B, H, T'/sp, D] --all-to-all--> [B, H/sp, T', D]   (gather_seq_scatter_heads)
+                attention over the whole sequence (causal, or the batch's [B, T', T'] mask)
+                out [B, H/sp, T', D] --all-to-all--> [B, H, T'/sp, D]          (gather_heads_scatter_seq)
+    logits [B, T'/sp, V] --all-gather--> [B, T, V]   (verl's gather_outputs_and_unpad)
+
+so the model's output, and every loss computed from it, is that of the unsharded model. The
+backward of the all-gather passes each rank the gradient of its own slice, unscaled
+(`grad_scaler=False`): each sp rank computes the same full loss, so the slices' contributions
+add up (over the FSDP2 reduction, which includes the sp ranks) to the single-process gradient.
+Padding positions attend only to themselves and are cut before the output.
+
+Memory: activations inside the layers fall 1/sp; the gathered logits [B, T, V] do not (a
+chunked loss would be the next step at large vocabularies).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["apply_ulysses"]
+
+
+class _UlyssesAttention:
+    """Wraps a torchtune attention call (q, k, v [B, H, S_local, D]) with the two all-to-alls."""
+
+    def __init__(self, inner: Any, group: Any) -> None:
+        self.inner, self.group = inner, group
+
+    def __call__(self, q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = True):
+        from verl.utils.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
+
+        q, k, v = (gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group)
+                   for t in (q, k, v))
+        out = self.inner(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+        return gather_heads_scatter_seq(out, head_dim=1, seq_dim=2, group=self.group)
+
+
+def _pad_mask(mask: torch.Tensor, pad: int) -> torch.Tensor:
+    """[B, T, T] bool -> [B, T+pad, T+pad]: real rows see no padding, padding sees itself."""
+    b, t, _ = mask.shape
+    out = torch.zeros(b, t + pad, t + pad, dtype=mask.dtype, device=mask.device)
+    out[:, :t, :t] = mask
+    idx = torch.arange(t, t + pad, device=mask.device)
+    out[:, idx, idx] = True
+    return out
+
+
+def apply_ulysses(model: nn.Module, mesh: Any) -> None:
+    """Make `model` (a torchtune decoder) sequence parallel over mesh["sp"], in place.
+
+    After this the model is called as before (`model(tokens [B, T], mask=None | [B, T, T] bool,
+    input_pos=None | [B, T])`) on every sp rank with the same inputs, and returns the full
+    logits [B, T, V]. Incompatible with a KV cache (generation runs on a gathered copy).
+
+    Raises:
+        ValueError: at call time, for a mask that is not a [B, T, T] boolean tensor.
+    """
+    sp_mesh = mesh["sp"]
+    group, rank, size = sp_mesh.get_group(), sp_mesh.get_local_rank(), sp_mesh.size()
+    for layer in model.layers:
+        layer.attn._attention_call = _UlyssesAttention(layer.attn._attention_call, group)
+    pads: list[int] = []
+
+    def slice_inputs(module, args, kwargs):
+        tokens = args[0] if args else kwargs.pop("tokens")
+        b, t = tokens.shape
+        pad = -t % size
+        input_pos = kwargs.get("input_pos")
+        if input_pos is None:
+            input_pos = torch.arange(t, device=tokens.device).expand(b, t)
+        mask = kwargs.get("mask")
+        if mask is not None and (mask.dim() != 3 or mask.dtype != torch.bool):
+            raise ValueError(f"sequence parallelism needs a [B, T, T] boolean mask or None; got "
+                             f"{tuple(mask.shape)} {mask.dtype}")
+        if pad:
+            tokens = F.pad(tokens, (0, pad))
+            input_pos = F.pad(input_pos, (0, pad))  # position 0: any valid index (cut later)
+            if mask is not None:
+                mask = _pad_mask(mask, pad)
+        chunk = (t + pad) // size
+        piece = slice(rank * chunk, (rank + 1) * chunk)
+        pads.append(pad)
+        kwargs = {**kwargs, "mask": mask, "input_pos": input_pos[:, piece]}
+        return (tokens[:, piece], *args[1:]), kwargs
+
+    def gather_output(module, args, kwargs, output):
+        from verl.utils.ulysses import gather_outputs_and_unpad
+
+        pad = pads.pop()
+        return gather_outputs_and_unpad(output, gather_dim=1, unpad_dim=1, padding_size=pad,
+                                        grad_scaler=False, group=group)
+
+    model.register_forward_pre_hook(slice_inputs, with_kwargs=True)
+    model.register_forward_hook(gather_output, with_kwargs=True)
