@@ -28,23 +28,28 @@ import torch
 
 from _train_helpers import TINY, sft_dataset
 from posttrain.data import SFTLoader
-from posttrain.models import build_model, save_hf_checkpoint
+from posttrain.models import build_model, get_preset, save_hf_checkpoint
 from posttrain.train import ParallelPlan, Trainer, full_state_dict
 
 STEPS, RESUME_STEPS = 3, 5
 UNTIED = dataclasses.replace(TINY, tie_word_embeddings=False)
+# The load-balancing loss is per rank (not invariant to splitting a batch over ranks): off here.
+MOE = dataclasses.replace(get_preset("tiny-moe"), router_aux_loss_coef=0.0, max_seq_len=64)
 PLANS_2 = {"dp_shard2": (ParallelPlan(dp_shard=2), TINY),
            "dp_replicate2": (ParallelPlan(dp_replicate=2), TINY),
            "tp2": (ParallelPlan(tp=2), TINY),
            "tp2_untied": (ParallelPlan(tp=2), UNTIED),
            "dp_shard2_ac": (ParallelPlan(dp_shard=2, activation_checkpointing=True), TINY),
            "sp2": (ParallelPlan(sp=2), TINY),
-           "sp2_packed": (ParallelPlan(sp=2), TINY)}
+           "sp2_packed": (ParallelPlan(sp=2), TINY),
+           "ep2": (ParallelPlan(ep=2), MOE)}
 PLANS_4 = {"dp_shard4": (ParallelPlan(dp_shard=4), TINY),
            "dp_shard2_tp2": (ParallelPlan(dp_shard=2, tp=2), TINY),
            "hsdp2x2": (ParallelPlan(dp_replicate=2, dp_shard=2), TINY),
            "dp_shard2_sp2": (ParallelPlan(dp_shard=2, sp=2), TINY),
-           "dp_shard2_sp2_packed": (ParallelPlan(dp_shard=2, sp=2), TINY)}
+           "dp_shard2_sp2_packed": (ParallelPlan(dp_shard=2, sp=2), TINY),
+           "ep2_dp_shard2": (ParallelPlan(ep=2, dp_shard=2), MOE),
+           "ep2_dp_replicate2": (ParallelPlan(ep=2, dp_replicate=2), MOE)}
 PACKED_SEQ_LEN = 47  # odd: the sequence-parallel slices need padding (and a padded mask)
 
 

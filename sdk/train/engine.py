@@ -63,7 +63,8 @@ class Engine(abc.ABC):
     A subclass calls `_setup_engine(...)` early in `__init__` and `_start(resume)` last, and
     implements `step()`, `_module()` (the model whose device and parameters the engine uses),
     `_model_state()` / `_load_model_state(state)` and optionally `_extra_state()` /
-    `_load_extra_state(state)`, `_fixed_settings()`, `_check_can_save()` and `_postfix(row)`.
+    `_load_extra_state(state)`, `_fixed_settings()`, `_check_can_save()`, `_postfix(row)` and
+    `_checkpoint_module()` (what a sharded checkpoint holds).
 
     Attributes:
         step_count: optimizer steps taken (RL: RL steps).
@@ -143,6 +144,13 @@ class Engine(abc.ABC):
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
         return {}
+
+    def _checkpoint_module(self) -> nn.Module:
+        """The module a sharded checkpoint (under a ParallelPlan) holds with the optimizer:
+        `_module()` by default. A trainer that trains more than one module under a plan (RL: a
+        policy and a value head) returns one container of them, so that every parameter of the
+        optimizer has a name in it."""
+        return self._module()
 
     # ------------------------------------------------------------------ the shared loop
     @property
@@ -280,7 +288,10 @@ class Engine(abc.ABC):
     def _sum_gradients_across_ranks(self) -> None:
         """Replace every gradient by its SUM over the ranks (in flat buckets); under a plan
         FSDP2 and TP have reduced them already."""
-        if self.world_size > 1 and self.plan_state is None:
+        state = self.plan_state
+        if state is not None and state.grad_sync is not None:
+            state.grad_sync()
+        if self.world_size > 1 and state is None:
             flat_collective(self._grads(), dist.all_reduce)
 
     def _grads(self) -> list[torch.Tensor]:
@@ -342,7 +353,8 @@ class Engine(abc.ABC):
         state = self.plan_state
         if state is not None:
             del train_state["optimizer"]  # sharded with the model
-            path = save_sharded_checkpoint(self.run_dir, self.step_count, model=self._module(),
+            path = save_sharded_checkpoint(self.run_dir, self.step_count,
+                                           model=self._checkpoint_module(),
                                            optimizer=self.optimizer, train_state=train_state,
                                            meta={**meta, "plan": state.plan.to_dict()},
                                            keep_last=self.keep_last, rank=self.rank)
@@ -385,7 +397,8 @@ class Engine(abc.ABC):
             has = "one" if self.lr_scheduler is not None else "none"
             raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
         if ckpt["sharded"] is not None:
-            load_sharded_state(ckpt["sharded"], model=self._module(), optimizer=self.optimizer)
+            load_sharded_state(ckpt["sharded"], model=self._checkpoint_module(),
+                               optimizer=self.optimizer)
         elif self.plan_state is not None:
             raise ValueError(f"{path} holds full (unsharded) weights of a run without a "
                              "ParallelPlan; this trainer's model is sharded and resumes only "

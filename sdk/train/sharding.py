@@ -26,6 +26,7 @@ Example (needs a process group; see tests/test_parallel_plans.py):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "pl
            "set_gradient_sync",
            "full_state_dict", "sum_over_data_ranks"]
 
-_NOT_YET = {"pp": "pipeline parallelism", "ep": "expert parallelism"}
+_NOT_YET = {"pp": "pipeline parallelism"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class PlanState:
         data_group: the process group of the ranks that see different data and share this
             rank's tp/sp/pp coordinates (sums of token counts and losses go over it).
         fsdp: whether FSDP2 was applied (data_parallel_size > 1).
+        grad_sync: called after the step's last backward to reduce the gradients no wrapper
+            reduced (expert weights over the ranks that hold the same experts), or None.
     """
 
     plan: Any
@@ -60,6 +63,7 @@ class PlanState:
     data_rank: int
     data_group: Any
     fsdp: bool
+    grad_sync: Any = None
 
 
 def plan_state(model: nn.Module) -> PlanState | None:
@@ -108,6 +112,16 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
         from posttrain.train.sequence_parallel import apply_ulysses
 
         apply_ulysses(model, mesh)
+    ignored: set[nn.Parameter] = set()
+    grad_sync = None
+    if plan.ep > 1:
+        from posttrain.train.expert_parallel import (apply_expert_parallel, expert_parameters,
+                                                     sync_expert_grads)
+
+        apply_expert_parallel(model, mesh)
+        ignored = set(expert_parameters(model))
+        group = _group_over(mesh, ("dp_replicate", "dp_shard", "sp"))
+        grad_sync = (lambda: sync_expert_grads(model, group)) if group is not None else None
     if plan.activation_checkpointing:
         from torchtune.modules import TransformerSelfAttentionLayer
         from torchtune.training import set_activation_checkpointing
@@ -116,15 +130,29 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
         layers = _layers(model)
     fsdp = plan.dp_replicate * plan.dp_shard * plan.ep * plan.sp > 1
     if fsdp:
-        _apply_fsdp(plan, model, layers, mesh)
+        _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
                  + coordinate["ep"])
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
     model._posttrain_plan_state = PlanState(plan=plan, mesh=mesh, data_rank=data_rank,
-                                            data_group=data_group, fsdp=fsdp)
+                                            data_group=data_group, fsdp=fsdp, grad_sync=grad_sync)
     return model
+
+
+def _group_over(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """The process group of the ranks that differ only in `dims` of `mesh` (which need not be
+    adjacent), or None when that group has one rank. Collective: every rank creates every
+    group, in the same order."""
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.permute([i for i, n in enumerate(names) if n not in dims]
+                              + [names.index(d) for d in dims])
+    size = math.prod(mesh[d].size() for d in dims)
+    if size == 1:
+        return None
+    mine, _ = dist.new_subgroups_by_enumeration(ranks.reshape(-1, size).tolist())
+    return mine
 
 
 def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
@@ -142,7 +170,8 @@ def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, layer_plan)
 
 
-def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any) -> None:
+def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any,
+                ignored: set[nn.Parameter]) -> None:
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                         fully_shard)
 
@@ -154,7 +183,8 @@ def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any)
         dp_mesh = mesh["dp_replicate", "fsdp"]
     param_dtype, reduce_dtype = plan.torch_dtypes()
     options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                                reduce_dtype=reduce_dtype))
+                                                                reduce_dtype=reduce_dtype),
+                   ignored_params=ignored or None)
     if plan.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:

@@ -1,0 +1,157 @@
+"""Expert parallelism for `posttrain.models.MoEFeedForward`: the experts of each MoE layer split
+over the `ep` ranks, tokens sent to the rank that holds their expert and back (the GShard /
+Switch dispatch, Lepikhin et al. 2021; Fedus et al. 2022).
+
+The ep ranks see different data (they are data-parallel for everything but the experts). Per
+MoE layer, on each rank:
+
+    route the local tokens (router replicated): N tokens -> N*K assignments, grouped by expert
+    counts [ep, E/ep] -> all_to_all -> how many rows each source sends to each local expert
+    rows -> all_to_all_single (uneven splits) -> rows for the local experts, by source
+    regroup by local expert -> MoEFeedForward._run_experts on the local weights -> ungroup
+    outputs -> all_to_all_single back -> weight by the router, add into the tokens
+
+The all-to-alls are torch.distributed.nn.functional's autograd-aware ones, so the backward sends
+each gradient back along the same route: an expert's weight gradient collects the rows of every
+ep rank. Expert weights are DTensors sharded on dim 0 over mesh["ep"] (checkpoints reshard and
+`full_state_dict` gathers them like any other parameter). They are replicated over the other
+data-parallel and sp ranks (FSDP2 ignores them: its mesh spans ep); `sync_expert_grads` SUMs
+their gradients over those ranks after the backward.
+
+The load-balancing loss stays per rank (each rank's own tokens, as in one process per
+micro-batch): it is not invariant to how a batch is split over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["apply_expert_parallel", "expert_parameters", "sync_expert_grads"]
+
+_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_layers(model: nn.Module) -> list[nn.Module]:
+    from posttrain.models.moe import moe_layers
+
+    return moe_layers(model)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The stacked expert weights of every MoE layer (gate_proj, up_proj, down_proj)."""
+    return [getattr(m, name) for m in _moe_layers(model) for name in _EXPERT_WEIGHTS]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
+    """Split the experts of every MoE layer of `model` over mesh["ep"], in place.
+
+    Raises:
+        ValueError: for a model without MoE layers, or num_experts not divisible by ep.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    layers = _moe_layers(model)
+    ep_mesh = mesh["ep"]
+    ep = ep_mesh.size()
+    if not layers:
+        raise ValueError(f"ParallelPlan.ep={ep} needs a model with MoE layers; this one has none")
+    for moe in layers:
+        if moe.num_experts % ep:
+            raise ValueError(f"ParallelPlan.ep={ep} must divide num_experts={moe.num_experts}")
+        local = moe.num_experts // ep
+        start = ep_mesh.get_local_rank() * local
+        for name in _EXPERT_WEIGHTS:
+            full = getattr(moe, name)  # the same on every rank (apply_plan broadcast it)
+            piece = full.detach()[start:start + local].clone()
+            sharded = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
+            setattr(moe, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        moe._ep = (ep_mesh.get_group(), ep, range(start, start + local))
+        moe.forward = _ExpertParallelForward(moe)
+
+
+class _ExpertParallelForward:
+    """`MoEFeedForward.forward` with the token dispatch over the ep group."""
+
+    def __init__(self, moe: nn.Module) -> None:
+        self.moe = moe
+
+    def __call__(self, x: Tensor) -> Tensor:
+        from posttrain.models.moe import load_balancing_loss
+
+        moe = self.moe
+        group, ep, local = moe._ep
+        shape = x.shape
+        x_ND = x.reshape(-1, moe.dim)
+        probs_NE, weights_NK, experts_NK = moe.route(x_ND)
+        moe.aux_loss = load_balancing_loss(probs_NE, experts_NK, moe.num_experts)
+        experts_A = experts_NK.reshape(-1)
+        order_A = torch.argsort(experts_A, stable=True)
+        token_A = order_A // moe.experts_per_token
+        counts_E = torch.bincount(experts_A, minlength=moe.num_experts)
+        rows_AD = _dispatch(moe, x_ND[token_A], counts_E, group, ep, local)
+        out_AD = rows_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1)
+        y_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD)
+        if moe.shared_expert is not None:
+            y_ND = y_ND + torch.sigmoid(moe.shared_expert_gate(x_ND)) * moe.shared_expert(x_ND)
+        return y_ND.reshape(shape)
+
+
+def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor, group: Any, ep: int,
+              local: range) -> Tensor:
+    """Send rows (grouped by global expert) to the ranks holding their experts, run them there,
+    and bring the outputs back in the same order."""
+    send_counts = counts_E.view(ep, len(local))                        # [dest, local expert]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)      # [source, local expert]
+    send_splits = send_counts.sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    received = _exchange(rows_AD, send_splits, recv_splits, group)
+    # Received rows come by source, each source's rows by local expert: regroup by expert.
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(len(local)).repeat(ep), recv_counts.reshape(-1).cpu())
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    weights = {name: getattr(moe, name).to_local() for name in _EXPERT_WEIGHTS}
+    out = _run_local_experts(received[by_expert], recv_counts.sum(dim=0).tolist(), weights)
+    out = torch.empty_like(out).index_copy_(0, by_expert, out)          # back to source order
+    return _exchange(out, recv_splits, send_splits, group)
+
+
+def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> Tensor:
+    """Autograd-aware all_to_all_single of `rows` [sum(send_splits), D] with uneven splits."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = rows.new_empty(sum(recv_splits), rows.shape[1])
+    return all_to_all_single(out, rows, recv_splits, send_splits, group=group)
+
+
+def _run_local_experts(rows: Tensor, counts: list[int], weights: dict[str, Tensor]) -> Tensor:
+    """SwiGLU experts on rows grouped by local expert (the computation of
+    `MoEFeedForward._run_experts`, on this rank's shard of the stacked weights)."""
+    import torch.nn.functional as F
+
+    outputs = []
+    for e, part in enumerate(torch.split(rows, counts)):
+        if part.shape[0]:
+            hidden = F.silu(part @ weights["gate_proj"][e].t()) * (part @ weights["up_proj"][e].t())
+            outputs.append(hidden @ weights["down_proj"][e].t())
+    if not outputs:
+        # No rows arrived. The result must still depend on `rows` (so every rank runs the
+        # backward all-to-all that sent them: a rank skipping it would leave its peers waiting
+        # in an unmatched collective) and on the weights (so their zero gradients exist).
+        return rows + 0.0 * sum(w.sum() for w in weights.values())
+    return torch.cat(outputs, dim=0)
+
+
+def sync_expert_grads(model: nn.Module, group: Any) -> None:
+    """SUM the expert weights' gradients over `group` (the ranks holding the same experts: the
+    other data-parallel and sp ranks); no-op without a group."""
+    if group is None:
+        return
+    from posttrain.core.distributed import flat_collective
+
+    grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]
+    flat_collective(grads, lambda flat: dist.all_reduce(flat, group=group))
