@@ -42,14 +42,18 @@ PLANS_2 = {"dp_shard2": (ParallelPlan(dp_shard=2), TINY),
            "dp_shard2_ac": (ParallelPlan(dp_shard=2, activation_checkpointing=True), TINY),
            "sp2": (ParallelPlan(sp=2), TINY),
            "sp2_packed": (ParallelPlan(sp=2), TINY),
-           "ep2": (ParallelPlan(ep=2), MOE)}
+           "ep2": (ParallelPlan(ep=2), MOE),
+           "pp2_1f1b": (ParallelPlan(pp=2), TINY),
+           "pp2_gpipe_untied": (ParallelPlan(pp=2, pp_schedule="gpipe", n_microbatches=4), UNTIED)}
 PLANS_4 = {"dp_shard4": (ParallelPlan(dp_shard=4), TINY),
            "dp_shard2_tp2": (ParallelPlan(dp_shard=2, tp=2), TINY),
            "hsdp2x2": (ParallelPlan(dp_replicate=2, dp_shard=2), TINY),
            "dp_shard2_sp2": (ParallelPlan(dp_shard=2, sp=2), TINY),
            "dp_shard2_sp2_packed": (ParallelPlan(dp_shard=2, sp=2), TINY),
            "ep2_dp_shard2": (ParallelPlan(ep=2, dp_shard=2), MOE),
-           "ep2_dp_replicate2": (ParallelPlan(ep=2, dp_replicate=2), MOE)}
+           "ep2_dp_replicate2": (ParallelPlan(ep=2, dp_replicate=2), MOE),
+           "pp2_dp_shard2": (ParallelPlan(pp=2, dp_shard=2), TINY),
+           "pp2_dp_replicate2_packed": (ParallelPlan(pp=2, dp_replicate=2), TINY)}
 PACKED_SEQ_LEN = 47  # odd: the sequence-parallel slices need padding (and a padded mask)
 
 

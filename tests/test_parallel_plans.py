@@ -1,5 +1,6 @@
-"""Parallel plans (FSDP2, HSDP, TP and their compositions) on 2 and 4 gloo processes equal one
-process on the same global batch; sharded checkpoints resume bitwise under the same plan after
+"""Parallel plans (FSDP2, HSDP, TP, Ulysses SP, pipeline stages with GPipe and 1F1B, expert
+parallelism, and the compositions dp_shard x tp, dp_shard x sp, pp x dp, ep x dp) on 2 and 4
+gloo processes equal one process on the same global batch; sharded checkpoints resume bitwise under the same plan after
 SIGKILL and reshard under another plan (or none); bad plans fail before any process group.
 
 The multi-process runs happen once per module (tests/parallel_plan_run.py: 4 ranks, then 2

@@ -311,7 +311,7 @@ class Engine(abc.ABC):
             raise ValueError("no parameter of the optimizer received a gradient; does the loss "
                              "depend on the optimizer's parameters?")
         if self.plan_state is not None:
-            norm = total_grad_norm(grads)
+            norm = total_grad_norm(grads, self.plan_state)
         else:
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         try:
@@ -353,6 +353,7 @@ class Engine(abc.ABC):
         state = self.plan_state
         if state is not None:
             del train_state["optimizer"]  # sharded with the model
+            _reshard(self._checkpoint_module())
             path = save_sharded_checkpoint(self.run_dir, self.step_count,
                                            model=self._checkpoint_module(),
                                            optimizer=self.optimizer, train_state=train_state,
@@ -415,3 +416,16 @@ class Engine(abc.ABC):
         self._log.reset(state["metrics"])
         self._last_saved_step = self.step_count
         return path
+
+
+def _reshard(module: nn.Module) -> None:
+    """Put every FSDP2 unit of `module` back in its sharded state. FSDP2 keeps the root's
+    parameters unsharded after a forward (also a no-grad one: an `eval_fn`), registered in place
+    of the sharded ones the optimizer holds; the optimizer's state would then not be found by
+    name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+

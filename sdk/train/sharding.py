@@ -40,7 +40,6 @@ __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "pl
            "set_gradient_sync",
            "full_state_dict", "sum_over_data_ranks"]
 
-_NOT_YET = {"pp": "pipeline parallelism"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,11 @@ class PlanState:
             rank's tp/sp/pp coordinates (sums of token counts and losses go over it).
         fsdp: whether FSDP2 was applied (data_parallel_size > 1).
         grad_sync: called after the step's last backward to reduce the gradients no wrapper
-            reduced (expert weights over the ranks that hold the same experts), or None.
+            reduced (expert weights over the ranks that hold the same experts; the two copies
+            of a tied embedding matrix on the first and last pipeline stage), or None.
+        pipeline: the `PipelineRunner` of this rank's stage (pp > 1), or None.
+        pp_group: the pipeline group (the gradient norm sums over its stages), or None.
+        tied_copy: the last stage's copy of a tied embedding matrix (left out of the norm).
     """
 
     plan: Any
@@ -64,6 +67,9 @@ class PlanState:
     data_group: Any
     fsdp: bool
     grad_sync: Any = None
+    pipeline: Any = None
+    pp_group: Any = None
+    tied_copy: Any = None
 
 
 def plan_state(model: nn.Module) -> PlanState | None:
@@ -76,7 +82,7 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     if layers is None:
         raise TypeError(f"a ParallelPlan applies to a torchtune TransformerDecoder (a model with "
                         f".layers); got {type(model).__name__}")
-    return list(layers)
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
@@ -98,14 +104,23 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     if plan_state(model) is not None:
         raise ValueError("this model already has a ParallelPlan applied; build a fresh model")
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
-    for axis, what in _NOT_YET.items():
-        if getattr(plan, axis) > 1:
-            raise NotImplementedError(f"ParallelPlan.{axis}={getattr(plan, axis)}: {what} is not "
-                                      f"available in this version; use {axis}=1")
     layers = _layers(model)
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else plan.build_mesh(device.type)
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    syncs = []
+    pipeline_info = None
+    if plan.pp > 1:
+        from posttrain.train import pipeline
+
+        if any(type(m).__name__ == "MoEFeedForward" for m in model.modules()):
+            raise ValueError(f"ParallelPlan.pp={plan.pp} with an MoE model: the pipeline's loss "
+                             "has no load-balancing term; allowed pp for MoE models: 1")
+        pipeline_info = pipeline.split_into_stage(model, mesh)
+        layers = _layers(model)
+        if pipeline_info["tied"]:
+            group = pipeline.tied_group(mesh)
+            syncs.append(lambda: pipeline.sync_tied_grads(model, group))
     if plan.tp > 1:
         _apply_tp(model, mesh["tp"])
     if plan.sp > 1:
@@ -113,7 +128,6 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
 
         apply_ulysses(model, mesh)
     ignored: set[nn.Parameter] = set()
-    grad_sync = None
     if plan.ep > 1:
         from posttrain.train.expert_parallel import (apply_expert_parallel, expert_parameters,
                                                      sync_expert_grads)
@@ -121,7 +135,8 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
         apply_expert_parallel(model, mesh)
         ignored = set(expert_parameters(model))
         group = _group_over(mesh, ("dp_replicate", "dp_shard", "sp"))
-        grad_sync = (lambda: sync_expert_grads(model, group)) if group is not None else None
+        if group is not None:
+            syncs.append(lambda: sync_expert_grads(model, group))
     if plan.activation_checkpointing:
         from torchtune.modules import TransformerSelfAttentionLayer
         from torchtune.training import set_activation_checkpointing
@@ -136,8 +151,16 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
                  + coordinate["ep"])
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
-    model._posttrain_plan_state = PlanState(plan=plan, mesh=mesh, data_rank=data_rank,
-                                            data_group=data_group, fsdp=fsdp, grad_sync=grad_sync)
+    state = dict(plan=plan, mesh=mesh, data_rank=data_rank, data_group=data_group, fsdp=fsdp,
+                 grad_sync=(lambda: [sync() for sync in syncs]) if syncs else None)
+    if pipeline_info is not None:
+        from posttrain.train.pipeline import PipelineRunner
+
+        last_tied = pipeline_info["tied"] and pipeline_info["last"]
+        state.update(pipeline=PipelineRunner(model, pipeline_info, plan),
+                     pp_group=pipeline_info["group"],
+                     tied_copy=model.tok_embeddings.weight if last_tied else None)
+    model._posttrain_plan_state = PlanState(**state)
     return model
 
 
@@ -216,14 +239,19 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], state: PlanState | None = None) -> torch.Tensor:
     """Global L2 norm of gradients that may be DTensors on different meshes (FSDP2 shards,
     TP shards, replicated plain tensors): one `get_total_norm` per mesh, each made whole with
-    `full_tensor()`, combined as sqrt(sum of squares). Returns a plain 0-dim float tensor."""
+    `full_tensor()`, combined as sqrt(sum of squares); under pipeline parallelism the squares
+    are summed over the stages, a tied embedding matrix counted once. Returns a plain 0-dim
+    float tensor."""
     from torch.distributed.tensor import DTensor
 
+    skip = state.tied_copy.grad if state is not None and state.tied_copy is not None else None
     groups: dict[Any, list[torch.Tensor]] = {}
     for g in grads:
+        if g is skip:
+            continue
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     squares = []
@@ -232,8 +260,10 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.double() ** 2)
-    total = torch.stack(squares).sum().sqrt() if len(squares) > 1 else squares[0].sqrt()
-    return total.to(torch.float32)
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if state is not None and state.pp_group is not None:
+        dist.all_reduce(total, group=state.pp_group)
+    return total.sqrt().to(torch.float32)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -246,7 +276,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=False))
-    return {k: v.detach().cpu() for k, v in state.items()}
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    pp_group = plan_state(model).pp_group
+    if pp_group is not None:  # each stage holds some of the names: merge them
+        stages: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, state, group=pp_group)
+        state = {k: v for stage in stages for k, v in stage.items()}
+    return state
 
 
 def check_plan(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Any) -> None:

@@ -191,6 +191,10 @@ class Trainer(Engine):
         check_plan(model, optimizer, plan)
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
+        if eval_fn is not None and self.plan_state is not None and self.plan_state.pipeline:
+            raise ValueError(f"eval_fn with {self.plan_state.plan}: a pipeline stage holds part "
+                             "of the model; evaluate the exported full model instead "
+                             "(posttrain.train.full_state_dict)")
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self.eval_fn, self.eval_every = eval_fn, eval_every
         seed_all(seed)
@@ -242,10 +246,14 @@ class Trainer(Engine):
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
                                  "hold no trained token; check the loss masks of the data")
             loss_sum = None
+            pipeline = None if self.plan_state is None else self.plan_state.pipeline
             for i, batch in enumerate(batches):
                 self._set_gradient_sync(i == len(batches) - 1)
-                share = self.loss(self.model, batch, units)
-                share.backward()
+                if pipeline is not None:  # forward and backward through the stages
+                    share = pipeline.step(self.loss, batch, units)
+                else:
+                    share = self.loss(self.model, batch, units)
+                    share.backward()
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()
             # Data parallelism: the per-rank sums add up to the single-process step.
             self._sum_gradients_across_ranks()

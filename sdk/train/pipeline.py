@@ -1,0 +1,191 @@
+"""Pipeline parallelism for a torchtune decoder with torch.distributed.pipelining (GPipe, Huang et
+al. 2019; 1F1B, Narayanan et al. 2021, PipeDream-Flush).
+
+`split_into_stage` keeps, on each of the `pp` ranks of a pipeline group, a contiguous slice of the
+layers (stage 0 also the token embedding, the last stage the final norm and output projection)
+under their original names, so checkpoints keep one key per parameter across stages and reshard
+to any other plan. With tied embeddings the last stage holds a copy of the embedding matrix for
+its output projection; `sync_tied_grads` SUMs the two copies' gradients after the backward, so
+they stay equal, and the gradient norm counts the matrix once.
+
+`PipelineRunner.step(batch, num_units)` runs one of the trainer's micro-batches through the
+schedule, split into `plan.microbatches` pipeline micro-batches (rows padded with untrained rows
+to a multiple of it). The schedule's loss per pipeline micro-batch is the summed token
+cross-entropy divided by the step's global token count, and the schedule is built with
+`scale_grads=False` (by default it divides gradients by the number of micro-batches, which would
+turn the token-normalised step loss into a mean of means). Each (rows, length) shape gets its
+own stage and schedule, built on first use (torch's stages infer shapes once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["split_into_stage", "PipelineRunner", "stage_layers"]
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The layer indices of `stage` when `num_layers` are split into `pp` contiguous stages (the
+    first `num_layers % pp` stages get one more)."""
+    base, extra = divmod(num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def split_into_stage(model: nn.Module, mesh: Any) -> dict[str, Any]:
+    """Keep only this rank's pipeline stage of `model` (in place); returns facts the runner and
+    the gradient sync need: {"stage", "pp", "group", "tied", "first", "last", "dim", "vocab",
+    "dtype"}."""
+    from torchtune.modules import TiedLinear
+
+    pp_mesh = mesh["pp"]
+    stage, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    first, last = stage == 0, stage == pp - 1
+    layers = list(model.layers)
+    facts = {"dim": layers[0].attn.embed_dim, "vocab": model.tok_embeddings.num_embeddings,
+             "dtype": next(model.parameters()).dtype}
+    keep = stage_layers(len(layers), pp, stage)
+    model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
+    tied = isinstance(model.output, TiedLinear)
+    if not first and not (last and tied):
+        del model.tok_embeddings
+    if not last:
+        del model.norm
+        if isinstance(model.output, nn.Module):
+            del model.output
+        else:
+            model.output = None
+    model.forward = _StageForward(model, first, last)
+    return {"stage": stage, "pp": pp, "group": pp_mesh.get_group(), "tied": tied,
+            "first": first, "last": last, **facts}
+
+
+class _StageForward:
+    """The forward of one stage: tokens or activations in, activations or logits out."""
+
+    def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
+        self.model, self.first, self.last = model, first, last
+
+    def __call__(self, x: Tensor, mask: Tensor | None = None,
+                 input_pos: Tensor | None = None) -> Tensor:
+        h = self.model.tok_embeddings(x) if self.first else x
+        for layer in self.model.layers.values():
+            h = layer(h, mask=mask, input_pos=input_pos)
+        return self.model.unembed(h) if self.last else h
+
+
+def tied_group(mesh: Any) -> Any:
+    """The 2-rank group of the first and last pipeline stage with the same other coordinates
+    (collective: every rank creates every group)."""
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.movedim(names.index("pp"), -1)
+    pairs = ranks[..., [0, -1]].reshape(-1, 2).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(pairs)
+    return mine
+
+
+def sync_tied_grads(model: nn.Module, group: Any) -> None:
+    """SUM the embedding-matrix gradient of the first and the last stage (tied embeddings)."""
+    from torch.distributed.tensor import DTensor
+
+    embeddings = getattr(model, "tok_embeddings", None)
+    if embeddings is None or embeddings.weight.grad is None:
+        return
+    grad = embeddings.weight.grad
+    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+class PipelineRunner:
+    """Runs the trainer's micro-batches through this rank's pipeline stage.
+
+    Args:
+        model: the stage module (after `split_into_stage`, FSDP2 and TP).
+        info: what `split_into_stage` returned.
+        plan: the ParallelPlan (pp_schedule, microbatches).
+    """
+
+    def __init__(self, model: nn.Module, info: dict[str, Any], plan: Any) -> None:
+        self.model, self.info, self.plan = model, info, plan
+        self._schedules: dict[tuple[int, ...], Any] = {}
+        self._num_units: Tensor | None = None
+        self._ignore_index = -100
+
+    def _loss(self, logits_BTV: Tensor, labels_BT: Tensor) -> Tensor:
+        from posttrain.train.losses import normalize_by_step, token_cross_entropy_sum
+
+        loss_sum, _ = token_cross_entropy_sum(logits_BTV, labels_BT,
+                                              ignore_index=self._ignore_index)
+        return normalize_by_step(loss_sum, self._num_units.to(loss_sum.device))
+
+    def _schedule(self, shape: tuple[int, int], device: torch.device) -> Any:
+        """The schedule for trainer micro-batches of `shape` (rows, length), built on first use
+        with static shapes: torch's runtime shape inference would run a forward (and FSDP2's
+        all-gathers) on some data-parallel ranks and not on others, whose batches have other
+        shapes, and leave their collectives unmatched."""
+        if shape not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            rows, length = shape[0] // self.plan.microbatches, shape[1]
+            dim, vocab = self.info["dim"], self.info["vocab"]
+            dtype = self.plan.torch_dtypes()[0] or self.info["dtype"]
+            meta = dict(device="meta")
+            activations = dict(dtype=dtype, requires_grad=True, **meta)  # gradients flow back
+            inputs = (torch.empty(rows, length, dtype=torch.long, **meta) if self.info["first"]
+                      else torch.empty(rows, length, dim, **activations))
+            outputs = (torch.empty(rows, length, vocab, dtype=torch.float32, **meta)
+                       if self.info["last"] else torch.empty(rows, length, dim, **activations))
+            stage = PipelineStage(self.model, self.info["stage"], self.info["pp"], device,
+                                  input_args=inputs, output_args=outputs, group=self.info["group"])
+            # A new schedule's first step ends its setup with this cleanup, which also clears
+            # the gradients of FSDP2 modules (stale ones of a shape-inference pass). With static
+            # shapes there is no such pass, and clearing would drop the gradients of the step's
+            # earlier micro-batches: keep them.
+            stage._post_metadata_inference_cleanup = lambda: None
+            kind = ScheduleGPipe if self.plan.pp_schedule == "gpipe" else Schedule1F1B
+            self._schedules[shape] = kind(stage, n_microbatches=self.plan.microbatches,
+                                          loss_fn=self._loss, scale_grads=False)
+        return self._schedules[shape]
+
+    def step(self, loss: Any, batch: Any, num_units: Tensor) -> Tensor:
+        """Forward and backward of one trainer micro-batch through the pipeline; returns its loss
+        share (the same on every stage: summed from the last stage over the pipeline group).
+
+        Raises:
+            ValueError: for a loss other than SFT cross-entropy (the pipeline computes the loss
+                on the last stage from logits and labels only).
+        """
+        from posttrain.train.losses import SFTCrossEntropy
+
+        if not isinstance(loss, SFTCrossEntropy):
+            raise ValueError(f"pipeline parallelism (pp={self.plan.pp}) trains the SFT "
+                             f"cross-entropy only; got {loss!r}")
+        self._ignore_index, self._num_units = loss.ignore_index, num_units
+        device = next(self.model.parameters()).device
+        n = self.plan.microbatches
+        tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
+        kwargs = {"input_pos": batch.position_ids.to(device)}
+        if batch.attention_mask is not None:
+            kwargs["mask"] = batch.attention_mask.to(device)
+        rows = -tokens.shape[0] % n  # untrained padding rows: every micro-batch gets rows
+        if rows:
+            tokens = torch.cat([tokens, tokens[-1:].expand(rows, -1)])
+            labels = torch.cat([labels, labels.new_full((rows, labels.shape[1]),
+                                                         self._ignore_index)])
+            kwargs = {k: torch.cat([v, v[-1:].expand(rows, *v.shape[1:])]) for k, v in kwargs.items()}
+        schedule = self._schedule(tuple(tokens.shape), device)
+        losses: list[Tensor] = []
+        if self.info["first"]:
+            schedule.step(tokens, target=labels if self.info["last"] else None, losses=losses,
+                          **kwargs)
+        elif self.info["last"]:
+            schedule.step(target=labels, losses=losses, **kwargs)
+        else:
+            schedule.step(**kwargs)
+        share = (torch.stack([l.detach() for l in losses]).sum() if losses
+                 else torch.zeros((), device=device))
+        dist.all_reduce(share, group=self.info["group"])
+        return share
