@@ -167,7 +167,7 @@ class ParallelPlan:
             ValueError: naming the field and the allowed values: the product differs from
                 world_size; tp or sp does not divide num_heads and num_kv_heads (tp also the
                 embedding and MLP widths); pp exceeds num_layers; ep > 1 on a model without
-                experts, or ep does not divide num_experts.
+                experts, or ep does not divide num_experts; tp or pp > 1 on an MoE model.
         """
         if world_size is not None and self.world_size != world_size:
             raise ValueError(f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
@@ -202,6 +202,13 @@ class ParallelPlan:
         if experts and experts % self.ep:
             raise ValueError(f"ParallelPlan.ep={self.ep} must divide num_experts={experts}; "
                              f"allowed ep: {_divisors(experts)}")
+        if experts and self.tp > 1:
+            raise ValueError(f"ParallelPlan.tp={self.tp} with an MoE model: the tensor-parallel "
+                             "plan splits dense MLPs only (split experts with ep); allowed tp "
+                             "for MoE models: 1")
+        if experts and self.pp > 1:
+            raise ValueError(f"ParallelPlan.pp={self.pp} with an MoE model: the pipeline's loss "
+                             "has no load-balancing term; allowed pp for MoE models: 1")
 
     # ------------------------------------------------------------------ building
     def build_mesh(self, device_type: str = "cpu"):

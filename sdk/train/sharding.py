@@ -98,7 +98,7 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     Raises:
         ValueError: if the plan does not fit the world size or the model (`plan.validate`), or
             the model already has a plan.
-        NotImplementedError: for sp, pp or ep > 1 (named), which this version cannot apply yet.
+        ValueError: for cpu_offload on a model that is on the CPU, or pp > 1 on an MoE model.
         RuntimeError: without an initialised process group.
     """
     if plan_state(model) is not None:
@@ -106,6 +106,10 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
     layers = _layers(model)
     device = next(model.parameters()).device
+    if plan.cpu_offload and device.type == "cpu":
+        raise ValueError("ParallelPlan.cpu_offload=True moves parameters, gradients and optimizer "
+                         "state from an accelerator to host memory; this model is on the CPU "
+                         "already: allowed cpu_offload on CPU: False")
     mesh = mesh if mesh is not None else plan.build_mesh(device.type)
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
     syncs = []
@@ -113,9 +117,6 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     if plan.pp > 1:
         from posttrain.train import pipeline
 
-        if any(type(m).__name__ == "MoEFeedForward" for m in model.modules()):
-            raise ValueError(f"ParallelPlan.pp={plan.pp} with an MoE model: the pipeline's loss "
-                             "has no load-balancing term; allowed pp for MoE models: 1")
         pipeline_info = pipeline.split_into_stage(model, mesh)
         layers = _layers(model)
         if pipeline_info["tied"]:
