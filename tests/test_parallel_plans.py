@@ -260,6 +260,24 @@ def test_cpu_offload_of_a_model_on_the_cpu_is_refused():
         ParallelPlan(cpu_offload=True).apply(build_model(TINY, seed=0), spec=TINY)
 
 
+def test_trainer_memory_check_refuses_a_plan_that_does_not_fit_before_any_step():
+    """The check the Trainer runs under a plan (spec from apply_plan, batch from the loader):
+    a 0.5B model at 64 rows x 500 tokens needs far more than 8 GiB per rank."""
+    from _train_helpers import sft_dataset
+    from posttrain.data import SFTLoader
+    from posttrain.train.sharding import PlanState, check_memory
+
+    model = torch.nn.Linear(2, 2)
+    model._posttrain_plan_state = PlanState(plan=ParallelPlan(), mesh=None, data_rank=0,
+                                            data_group=None, fsdp=False,
+                                            spec=get_preset("qwen2.5-0.5b"))
+    loader = SFTLoader(sft_dataset(8, max_seq_len=500), batch_size=64)
+    with pytest.raises(ValueError, match="GiB per rank") as info:
+        check_memory(model, loader, device_bytes=8 * 2**30)
+    assert "raise" in str(info.value) or "lower" in str(info.value)  # names the fixing axis
+    check_memory(model, loader, device_bytes=2**50)  # fits a large enough device
+
+
 def test_plan_sizes_and_mesh_need_a_process_group():
     plan = ParallelPlan(dp_replicate=2, dp_shard=2, tp=2)
     assert (plan.world_size, plan.data_parallel_size) == (8, 4)

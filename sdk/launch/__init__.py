@@ -1,5 +1,6 @@
 """Running a function or recipe from a cell: in-process, local processes or Slurm (submitit),
-with live `Run` handles, requeue on preemption and reattach.
+with live `Run` handles, requeue on preemption and reattach. A cfg's ParallelPlan is checked
+against the job before submitting (`posttrain.launch.plans`).
 """
 
 from __future__ import annotations

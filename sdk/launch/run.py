@@ -60,6 +60,8 @@ class Run:
         out_dir: the cfg's out_dir (absolute), where `metrics()` reads; None without one.
         target: the job's name (module and function).
         num_tasks: processes in the job.
+        plan: the job's `ParallelPlan` as `launch` checked it (None without one; recorded in
+            run.json, so `attach` gives it back).
         job: the submitit Job (a DebugJob that has run, for "debug").
 
     Example:
@@ -74,10 +76,11 @@ class Run:
     _refresh_s = 2.0  # at most one sacct call per this many seconds per Run
 
     def __init__(self, job: Any, *, executor: str, folder: Path | None, log_folder: Path | None,
-                 out_dir: Path | None, target: str, num_tasks: int, index: int = 0) -> None:
+                 out_dir: Path | None, target: str, num_tasks: int, index: int = 0,
+                 plan: Any = None) -> None:
         self.job, self.executor, self.folder = job, executor, folder
         self.log_folder, self.out_dir, self.target = log_folder, out_dir, target
-        self.num_tasks, self.index = num_tasks, index
+        self.num_tasks, self.index, self.plan = num_tasks, index, plan
         self.job_id: str = job.job_id if job is not None else ""
         self._final: str | None = None
         self._last_force = float("-inf")
@@ -88,9 +91,9 @@ class Run:
     # ------------------------------------------------------------- construction
 
     @classmethod
-    def _run_debug(cls, job: Any, name: str, out_dir: Path | None) -> Run:
+    def _run_debug(cls, job: Any, name: str, out_dir: Path | None, plan: Any = None) -> Run:
         run = cls(job, executor="debug", folder=None, log_folder=None, out_dir=out_dir,
-                  target=name, num_tasks=1)
+                  target=name, num_tasks=1, plan=plan)
         # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
         # each exception() call runs a failed function again: call exception() exactly once.
         try:
@@ -148,9 +151,14 @@ class Run:
             job = SlurmJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
         else:
             raise ValueError(f"{path}: executor {executor!r} cannot be attached to")
+        plan = entry.get("plan")  # absent in records written before plans were recorded
+        if plan is not None:
+            from posttrain.train.parallel import ParallelPlan
+
+            plan = ParallelPlan(**plan)
         return cls(job, executor=executor, folder=path.parent, log_folder=log_folder,
                    out_dir=None if entry["out_dir"] is None else Path(entry["out_dir"]),
-                   target=record["name"], num_tasks=len(tasks), index=index)
+                   target=record["name"], num_tasks=len(tasks), index=index, plan=plan)
 
     @classmethod
     def attach_array(cls, folder: str | os.PathLike) -> list[Run]:
@@ -386,6 +394,8 @@ class Run:
         s = self._summary()
         cells = {"job": s["job_id"], "state": s["state"], "executor": s["executor"],
                  "target": s["target"], "tasks": self.num_tasks}
+        if self.plan is not None:
+            cells["plan"] = str(self.plan)
         if s["reason"]:
             cells["reason"] = s["reason"]
         cells.update({k: _fmt(v) for k, v in _headline(s["row"], 4).items()})

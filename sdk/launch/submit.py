@@ -10,6 +10,12 @@ after preemption or a time limit, calls `target` again with `cfg.resume=True`.
 `<folder>/run.json` lets `Run.attach(folder)` find the job again from another process, e.g.
 after a kernel restart. docs/runbook-slurm.md is the operator's guide.
 
+Parallel plans: a cfg whose `plan` or `parallel` field holds a `ParallelPlan` (or `plan=`, which
+`launch` writes into that field) is checked against the job's world size (nodes x
+tasks_per_node) and the model spec the cfg names (`spec` or `model`) before anything is
+submitted or written (`posttrain.launch.plans` has the rule). A bad plan is a ValueError naming
+the field (`cfg.parallel.tp=3`) and the allowed values.
+
 Example ("debug" runs the function here and now, writes no files, never opens pdb):
     >>> def add(x, y=1):
     ...     return x + y
@@ -24,10 +30,8 @@ Example ("debug" runs the function here and now, writes no files, never opens pd
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
-import logging
 import math
 import os
 import re
@@ -36,110 +40,24 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from submitit.core.utils import DelayedSubmission, FailedJobError
-from submitit.helpers import Checkpointable
+from submitit.core.utils import FailedJobError
 from submitit.local.debug import DebugExecutor
 from submitit.local.local import LocalExecutor, LocalJob
 
-from posttrain.launch.pickling import _check_pickles, _check_result_pickles
+from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
+from posttrain.launch.pickling import _check_pickles
+from posttrain.launch.plans import resolve_plan
 from posttrain.core.checkpoint_files import make_private_dir
 from posttrain.launch.run import RUN_FILE, JobFailedError, Run
+
+if TYPE_CHECKING:
+    from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["launch", "launch_array", "Run", "JobFailedError", "EXECUTORS", "RUN_FILE"]
 
 EXECUTORS = ("local", "slurm", "debug")
-
-_LOG = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- the job's callable
-
-
-class _Call(Checkpointable):
-    """What a job runs: `target(cfg)` (or `target()`), inside a process group when the job has
-    several tasks (so `target` finds torch.distributed initialised and must not initialise it
-    again), with the preemption signal deferred to step boundaries.
-
-    `checkpoint()` (called by submitit on rank 0 when Slurm's warning signal arrives) resubmits
-    the same call with `cfg.resume=True` if `cfg` is a dataclass with a `resume` field; any other
-    cfg is resubmitted as it is, so such a function starts again from scratch.
-    """
-
-    def __init__(self, target: Callable[..., Any], cfg: Any, *, has_cfg: bool, num_tasks: int,
-                 gpus_per_node: int, master_addr: str | None, in_job: bool) -> None:
-        self.target, self.cfg, self.has_cfg = target, cfg, has_cfg
-        self.num_tasks, self.gpus_per_node = num_tasks, gpus_per_node
-        self.master_addr, self.in_job = master_addr, in_job
-
-    def __call__(self) -> Any:
-        if self.in_job:
-            from posttrain.core import preemption
-
-            preemption.install()
-        group = _init_process_group(self.gpus_per_node, self.master_addr) if self.num_tasks > 1 \
-            else None
-        try:
-            result = self.target(self.cfg) if self.has_cfg else self.target()
-        finally:
-            if group is not None and group.is_initialized():  # unless target destroyed it
-                group.destroy_process_group()
-        _check_result_pickles(result)
-        return result
-
-    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
-        return DelayedSubmission(self.resumed(), *args, **kwargs)
-
-    def resumed(self) -> _Call:
-        """The same call with `cfg.resume=True` (dataclass cfg with a `resume` field), else self."""
-        if not _has_field(self.cfg, "resume"):
-            return self
-        new = _Call.__new__(_Call)
-        new.__dict__.update(self.__dict__, cfg=dataclasses.replace(self.cfg, resume=True))
-        return new
-
-
-def _has_field(cfg: Any, name: str) -> bool:
-    return (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
-            and any(f.name == name for f in dataclasses.fields(cfg)))
-
-
-def _init_process_group(gpus_per_node: int, master_addr: str | None):
-    """Export MASTER_ADDR/PORT, RANK, WORLD_SIZE from submitit's view of the job and join the
-    default process group (NCCL with GPUs, else gloo). Returns torch.distributed."""
-    import torch
-    import torch.distributed as dist
-    from submitit.helpers import TorchDistributedEnvironment
-
-    env = TorchDistributedEnvironment()
-    env.master_addr = master_addr or _resolvable(env.master_addr)
-    if gpus_per_node:  # one GPU per task: the local_rank-th of the node's visible devices
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-        if len(visible) != 1:
-            os.environ["CUDA_VISIBLE_DEVICES"] = (visible[env.local_rank % len(visible)]
-                                                  if visible else str(env.local_rank))
-    env.export(set_cuda_visible_devices=False, overwrite=True)
-    backend = "nccl" if gpus_per_node and torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    print(f"posttrain.launch.submit: rank {env.rank}/{env.world_size} joining a {backend} process group "
-          f"at {env.master_addr}:{env.master_port}", file=sys.stderr, flush=True)
-    dist.init_process_group(backend=backend)
-    return dist
-
-
-def _resolvable(host: str) -> str:
-    """`host` if it resolves, else 127.0.0.1 with a warning (nodes emulated on one host have
-    names such as n1 that no resolver knows)."""
-    try:
-        socket.getaddrinfo(host, None)
-        return host
-    except OSError:
-        _LOG.warning("posttrain.launch.submit: master host %r does not resolve; using 127.0.0.1, which "
-                     "only works when every task runs on this host (pass master_addr= otherwise)",
-                     host)
-        return "127.0.0.1"
 
 
 # ----------------------------------------------------------------------------- launch
@@ -150,7 +68,7 @@ def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "loca
            cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
            folder: str | os.PathLike | None = None, name: str | None = None,
            max_num_timeout: int = 10, master_addr: str | None = None,
-           slurm_kwargs: dict[str, Any] | None = None) -> Run:
+           slurm_kwargs: dict[str, Any] | None = None, plan: ParallelPlan | None = None) -> Run:
     """Submit `target(cfg)` (or `target()` when cfg is None) as a job; return its `Run`.
 
     Args:
@@ -190,15 +108,25 @@ def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "loca
             Slurm nodes emulated on one host.
         slurm_kwargs: more SlurmExecutor parameters by submitit's names (mem_gb, account, qos,
             constraint, signal_delay_s, setup, srun_args, additional_parameters, ...).
+        plan: a `ParallelPlan` for the job, written into the cfg's `plan` or `parallel` field
+            (a copy of the cfg; the field must exist and hold None, a one-rank plan or this
+            plan). Without it, the plan the cfg carries there (if any) is the job's. Either way
+            it is checked before anything is submitted: its axes multiply to nodes x
+            tasks_per_node and it fits the model the cfg names in `spec` or `model`
+            (`posttrain.launch.plans`). A plan of one rank (the default ParallelPlan()) is no
+            plan: the ranks are plain data-parallel replicas.
 
     Returns:
-        A `Run` (the job may still be pending; "debug" returns a finished one).
+        A `Run` (the job may still be pending; "debug" returns a finished one); `run.plan` is
+        the job's plan (None without one).
 
     Raises:
         ValueError: an unknown executor, a resource count that the executor cannot provide
             (or a `timeout_min` that is not a finite number > 0), an unknown Slurm parameter,
-            or a `folder` whose run.json records a job that has not ended (cancel it first).
-        TypeError: `target` is not callable.
+            a `folder` whose run.json records a job that has not ended (cancel it first), or a
+            plan that does not fit the job or the model (naming the field, e.g.
+            `cfg.parallel.tp=3`, and the allowed values). Nothing has been submitted or written.
+        TypeError: `target` is not callable, or `plan` is not a ParallelPlan.
         LaunchPickleError: `target` or `cfg` cannot be pickled; names the innermost attribute
             at fault (e.g. `cfg.tokenizer._lock`). Nothing has been submitted or written.
         RuntimeError: executor="slurm" where Slurm's commands are not installed, or a failed
@@ -216,14 +144,15 @@ def launch_array(target: Callable[..., Any], cfgs: Sequence[Any], *, executor: s
                  cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
                  folder: str | os.PathLike | None = None, name: str | None = None,
                  max_num_timeout: int = 10, master_addr: str | None = None,
-                 slurm_kwargs: dict[str, Any] | None = None) -> list[Run]:
+                 slurm_kwargs: dict[str, Any] | None = None,
+                 plan: ParallelPlan | None = None) -> list[Run]:
     """Submit `target(cfg)` for every cfg of `cfgs` (a sweep) in one go; one `Run` each.
 
     On Slurm this is one job array (`sbatch --array`; `slurm_kwargs={"array_parallelism": k}`
     caps how many run at once); "local" starts one job per cfg, "debug" runs them in turn.
     Arguments as in `launch`, except that `folder` defaults to the first cfg's
     `<out_dir>/launch` only for a single cfg: a sweep gets `runs/launch/<name>-<timestamp>`.
-    Every cfg is checked before anything is submitted.
+    Every cfg (and its plan; `plan=` goes into each) is checked before anything is submitted.
 
     Raises: as `launch`; ValueError also for an empty `cfgs`.
 
@@ -249,6 +178,7 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     if o["slurm_kwargs"] and executor != "slurm":
         raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
     num_tasks = nodes * tasks_per_node
+    cfgs, plans = _resolve_plans(cfgs, o["plan"], nodes, tasks_per_node)
     name = _job_name(target) if name is None else str(name)
     calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
                    gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
@@ -259,8 +189,8 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     folder = o["folder"]
     if executor == "debug":  # runs here, now; DebugExecutor writes nothing under folder
         ex = DebugExecutor(folder or ".")
-        return [Run._run_debug(ex.submit(call), name, out_dir)
-                for call, out_dir in zip(calls, out_dirs)]
+        return [Run._run_debug(ex.submit(call), name, out_dir, plan)
+                for call, out_dir, plan in zip(calls, out_dirs, plans)]
 
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -294,17 +224,33 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
             "the local cluster, the line scripts/slurm-up.sh prints).")
         raise RuntimeError(f"{executor} refused the job:{hint}\n{e}") from None
     runs = [Run(job, executor=executor, folder=folder, log_folder=log_folder, out_dir=out_dir,
-                target=name, num_tasks=num_tasks, index=i)
-            for i, (job, out_dir) in enumerate(zip(jobs, out_dirs))]
+                target=name, num_tasks=num_tasks, index=i, plan=plan)
+            for i, (job, out_dir, plan) in enumerate(zip(jobs, out_dirs, plans))]
     record = {"version": 1, "executor": executor, "name": name, "target": _qualname(target),
               "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "host": socket.gethostname(), "python": sys.executable, "folder": str(folder),
               "log_folder": str(log_folder), "num_tasks": num_tasks,
               "jobs": [{"job_id": r.job_id,
-                        "out_dir": None if r.out_dir is None else str(r.out_dir)} for r in runs],
+                        "out_dir": None if r.out_dir is None else str(r.out_dir),
+                        "plan": None if r.plan is None else r.plan.to_dict()} for r in runs],
               "parameters": {k: v for k, v in ex.parameters.items() if _jsonable(v)}}
     _write_json(folder / RUN_FILE, record)
     return runs
+
+
+def _resolve_plans(cfgs: list[Any], plan: ParallelPlan | None, nodes: int,
+                   tasks_per_node: int) -> tuple[list[Any], list[ParallelPlan | None]]:
+    """Every cfg with `plan` written in (when given) and its checked plan
+    (`posttrain.launch.plans.resolve_plan`); a sweep's errors name the cfg (`cfgs[2]: ...`)."""
+    resolved = []
+    for i, cfg in enumerate(cfgs):
+        try:
+            resolved.append(resolve_plan(cfg, plan, nodes=nodes, tasks_per_node=tasks_per_node))
+        except ValueError as e:
+            if len(cfgs) == 1:
+                raise
+            raise ValueError(f"cfgs[{i}]: {e}") from None
+    return [c for c, _ in resolved], [p for _, p in resolved]
 
 
 def _refuse_running_job(folder: Path) -> None:

@@ -84,9 +84,9 @@ from posttrain.core.distributed import flat_collective
 from posttrain.core.preemption import sigint_held
 from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
-from posttrain.train.losses import TrainingLoss, get_loss
+from posttrain.train.losses import SFTCrossEntropy, TrainingLoss, get_loss
 from posttrain.train.parallel import ParallelPlan
-from posttrain.train.sharding import check_plan
+from posttrain.train.sharding import check_memory, check_plan
 from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]
@@ -191,6 +191,8 @@ class Trainer(Engine):
         check_plan(model, optimizer, plan)
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
+        if isinstance(loss, SFTCrossEntropy):
+            check_memory(model, data, phase="sft")  # under a plan with a spec: refuse early
         if eval_fn is not None and self.plan_state is not None and self.plan_state.pipeline:
             raise ValueError(f"eval_fn with {self.plan_state.plan}: a pipeline stage holds part "
                              "of the model; evaluate the exported full model instead "

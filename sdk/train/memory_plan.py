@@ -1,0 +1,499 @@
+"""Memory plan: the bytes one rank needs for a model, a `ParallelPlan` and a batch, term by term,
+and a check that refuses a plan before any work when the total exceeds the device.
+
+Notation (per rank): B = rows of one micro-batch on one data-parallel rank, T = tokens per row,
+V = vocabulary, D = embed_dim, F = intermediate_dim, H = num_heads, K = num_kv_heads, d =
+head_dim (H x d = D), L = num_layers, n = layers on the rank's pipeline stage (ceil(L / pp)),
+E = experts, k = experts_per_token, M = moe_intermediate_dim, S = shared_expert_dim, a = bytes of
+an activation element (4 in fp32; 2 with plan.param_dtype "bfloat16"/"float16"), p = bytes of a
+parameter (the model's dtype), N = tokens = B x T.
+
+Terms (every one is per rank; "divided by" says which plan axes split it):
+
+  parameters        p x (parameters held by the rank). FSDP2 shards over dp_shard x ep x sp
+                    (sharding.py flattens them into one mesh dimension; dp_replicate replicates).
+                    Transformer-block weights q/k/v/o and the MLP w1/w2/w3 fall
+                    1/(dp_shard x ep x sp x tp x pp); RMSNorm scales, MoE router and shared
+                    expert 1/(dp_shard x ep x sp x pp); routed experts 1/ep only (split over ep,
+                    left out of FSDP); embedding and output 1/(dp_shard x ep x sp), and 1/tp only
+                    when untied (tied ones stay replicated under TP). pp: the worst stage,
+                    ceil(L/pp) blocks plus one V x D matrix and the final norm (stage 0 holds the
+                    embedding, the last stage the output or, tied, a copy of the embedding).
+                    Counts: per block D*H*d + 2*D*K*d + H*d*D (+ H*d + 2*K*d biases for qwen2)
+                    + 3*D*F (dense) or E*D + 3*E*M*D + (3*D*S + D if S) (MoE) + 2*D; head V*D
+                    (twice if untied) + D.
+  gradients         same count and division as the parameters, in p bytes (set to None after
+                    every step: they do not coexist with the forward's activations, see peak).
+  optimizer state   states x 4 bytes x parameters held: AdamW/Adam keep 2 fp32 moments
+                    (exp_avg, exp_avg_sq); `optimizer=` takes a name or a number of states.
+  activations       autograd's saved tensors, per layer per token (torchtune 0.6.1 qwen2/llama3
+                    block, torch 2.13, counted storage by storage with saved_tensors_hooks):
+                      two RMSNorms: fp32 input copy, x*rstd (4*2D each) and rstd (4)  16D + 8
+                      their outputs, saved by the next linear                         2aD
+                      q, K/V expanded to H heads (GQA copies), attention output        4aD/tp
+                      SDPA log-sum-exp                                                4H/tp
+                      dense MLP: silu input, w3 output, silu output, their product     4aF/tp
+                      (MoE MLP instead: k*(3aD + 4aM + 24) + 4E, + (4S + D + 2)a with S)
+                    fp32, dense: 4*(10D + 4F + H + 2) bytes per token per layer, times n blocks
+                    and B*ceil(T/sp) tokens (Ulysses: each sp rank runs the blocks on its slice
+                    of the sequence, attention on H/sp heads of all of it); the norm and
+                    residual parts are replicated under TP (no
+                    sequence parallelism in torchtune's TP plan). Plus the head: final norm
+                    4*(2D + 1) + aD and int64 token ids and labels 16, per token.
+                    With activation checkpointing a block keeps only its input (aD per token) and
+                    rebuilds its full set (above) while it is back-propagated.
+                    Pipeline: a stage keeps the activations of the micro-batches in flight:
+                    GPipe all n_microbatches, 1F1B min(pp, n_microbatches) on stage 0; each is
+                    ceil(B / n_microbatches) rows, plus the stage's received input and output
+                    (2aD per token).
+  logits            12 bytes x N x V: the cross-entropy's fp32 log-softmax (saved), its
+                    gradient and the logits' gradient, alive together at the start of backward
+                    (the forward holds logits + log-softmax, 8 bytes, 10 in bf16). Not split by
+                    tp or sp: the output projection stays replicated (tied) or is all-gathered,
+                    and Ulysses gathers the logits of the whole sequence on every sp rank. On the
+                    last pipeline stage: one micro-batch (1F1B) or all of them (GPipe).
+  backward working  2aF/tp bytes per token: the two input gradients of the SwiGLU product of the
+  set               block being back-propagated (MoE: k*M + S in place of F).
+  FSDP buffers      with FSDP (dp_replicate x dp_shard x ep x sp > 1): the root group (embedding,
+                    final norm, output) stays gathered through forward and backward, and its
+                    gradients unsharded until the end of backward, plus 3 blocks gathered
+                    in backward (the current block, the prefetched previous one, and the current
+                    block's unsharded gradients / reduce-scatter buffer), in the compute dtype.
+  optimizer step    CPU for-loop AdamW: 2 x the largest local tensor (sqrt and division
+  temporaries       temporaries of the denominator); CUDA foreach AdamW: 1 x all local
+                    parameters (the foreach sqrt of exp_avg_sq).
+  model build       every rank builds the whole model in p bytes before `plan.apply` shards it,
+                    plus, with world size > 1, two 64 MiB buckets of the rank-0 broadcast
+                    (`flat_collective` concatenates the next bucket while the previous one is
+                    still referenced).
+  reference model   phases dpo, grpo, ppo: a forward-only copy sharded like the policy, in
+                    `reference_dtype` (its forward saves nothing: transients below the policy's).
+  value head        phase ppo: posttrain's `ValueHead`, Linear(D, 1) on the final hidden state:
+                    parameters, gradients and optimizer state.
+  KV cache          phases grpo, ppo, rollout: 2 x n x (K/tp) x d x (num_sequences x max_total_len)
+                    x p bytes per rank (sequences are per data-parallel rank).
+  prefill           phases grpo, ppo, rollout: the prefill's logits (num_sequences x prompt_len x V
+                    x p) and one block's no-grad working set ((3D + 3F) x p per prompt token).
+
+How they add up (the "peak" row; each term enters where it is alive):
+
+    training  = parameters + optimizer + reference + value head + max(
+                  gradients + optimizer temporaries,                        # the update
+                  acts + head + logits                  + root buffers,     # loss backward
+                  acts + head + rebuilt + working + G_root + FSDP buffers,  # last block
+                  block0 + rebuilt + working + (n-1) G_block + G_root + FSDP buffers)  # block 0
+    rollout   = parameters + optimizer + reference + value head + KV cache + prefill
+    peak      = max(model build, training (not in phase rollout), rollout (grpo, ppo, rollout))
+
+`rebuilt` is one block's saved set under activation checkpointing (0 without); G_root the root
+group's gradients (under FSDP they stay unsharded until the end of backward), G_block one
+block's local gradients. Validated against measured peak RSS on CPU (fp32, SFT, AdamW;
+benchmarks/parallel_memory.py, docs/benchmarks_parallel.md); runtime memory that no term holds
+(allocator, gloo buffers, autograd nodes) is the `runtime_bytes` row, 0 unless given.
+
+Example:
+    >>> from posttrain.models import get_preset
+    >>> from posttrain.train.parallel import ParallelPlan
+    >>> batch = {"micro_batch_size": 1, "seq_len": 512}
+    >>> df = plan_memory(get_preset("tiny-1m"), ParallelPlan(dp_shard=2), batch)
+    >>> int(df.set_index("term").loc["optimizer state", "bytes"]) == 2 * 4 * 1_020_032 // 2
+    True
+    >>> check_plan_fits(get_preset("llama3.2-1b"), ParallelPlan(), batch, device_type="cuda",
+    ...                 device_bytes=16 * 2**30)
+    Traceback (most recent call last):
+    ...
+    ValueError: ParallelPlan(one rank) needs about 23.0 GiB per rank for phase 'sft' but the device has 16.0 GiB: optimizer state 9.2 GiB of 23.0 GiB per rank: raise dp_shard (optimizer state falls 1/dp_shard)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from posttrain.train.parallel import ParallelPlan
+
+__all__ = ["MemoryBatch", "PHASES", "OPTIMIZER_STATES", "plan_memory", "check_plan_fits"]
+
+PHASES = ("sft", "cpt", "dpo", "grpo", "ppo", "rollout")
+"""Phases `plan_memory` knows: sft/cpt (policy training), dpo (+ reference), grpo (+ reference,
++ generation), ppo (+ value head), rollout (generation only)."""
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "lion": 1}
+"""fp32 tensors the optimizer keeps per parameter tensor (AdamW: exp_avg and exp_avg_sq)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BROADCAST_BUCKET = 64 * 2**20  # posttrain.core.distributed._BUCKET_BYTES
+_GIB = 2**30
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryBatch:
+    """The shapes `plan_memory` needs.
+
+    Args:
+        micro_batch_size: rows per micro-batch on ONE data-parallel rank (the loader's global
+            batch / plan.data_parallel_size; a DPO pair is two rows).
+        seq_len: tokens per row (the padded length).
+        num_sequences: sequences one rank generates at once (grpo, ppo, rollout); default
+            micro_batch_size.
+        max_total_len: prompt + completion tokens the KV cache holds; default seq_len.
+        prompt_len: tokens of the prefill; default max_total_len.
+
+    Raises:
+        ValueError: naming the field, for a value that is not a positive integer.
+    """
+
+    micro_batch_size: int
+    seq_len: int
+    num_sequences: int | None = None
+    max_total_len: int | None = None
+    prompt_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MemoryBatch.{f.name}={value!r}; must be a positive integer")
+
+    @classmethod
+    def of(cls, batch: MemoryBatch | dict[str, Any]) -> MemoryBatch:
+        """`batch` itself, or a MemoryBatch from a dict with its field names."""
+        if isinstance(batch, cls):
+            return batch
+        if not isinstance(batch, dict):
+            raise ValueError(f"batch={batch!r}; must be a MemoryBatch or a dict with keys "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        unknown = sorted(set(batch) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"batch has unknown key(s) {', '.join(unknown)}; allowed: "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        return cls(**batch)
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """Parameter counts of one block and of the root (embedding, final norm, output)."""
+
+    block_tp: int        # q/k/v/o (+ biases) and dense w1/w2/w3: split by tp
+    block_replicated: int  # RMSNorm scales, MoE router and shared expert
+    block_experts: int   # routed experts: split by ep
+    root_tp: int         # embedding + output when untied (split by tp); tied: 0
+    root_replicated: int  # final norm, and the tied embedding
+    largest_block: int   # elements of a block's largest tp-split tensor (before tp)
+    largest_expert: int  # elements of one stacked expert weight [E, M, D] (before ep)
+    largest_root: int    # elements of the embedding
+
+
+
+def _counts(spec: Any) -> _Counts:
+    D, H, K, d, F, V = (spec.embed_dim, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                        spec.intermediate_dim, spec.vocab_size)
+    attn = D * H * d + 2 * D * K * d + H * d * D + ((H + 2 * K) * d if spec.family == "qwen2" else 0)
+    replicated, experts, mlp = 2 * D, 0, 3 * D * F
+    if spec.is_moe:
+        E, M, S = spec.num_experts, spec.moe_intermediate_dim, spec.shared_expert_dim
+        mlp, experts = 0, 3 * E * M * D
+        replicated += E * D + (3 * D * S + D if S else 0)
+    tied = spec.tie_word_embeddings
+    return _Counts(block_tp=attn + mlp, block_replicated=replicated, block_experts=experts,
+                   root_tp=0 if tied else 2 * V * D, root_replicated=D + (V * D if tied else 0),
+                   largest_block=max(D * H * d, 0 if spec.is_moe else D * F),
+                   largest_expert=experts // 3, largest_root=V * D)
+
+
+def _activation_bytes_per_token(spec: Any, plan: ParallelPlan, a: int) -> float:
+    """Saved bytes of one block per token (module docstring), on one rank of plan.tp."""
+    D, H, F, tp = spec.embed_dim, spec.num_heads, spec.intermediate_dim, plan.tp
+    replicated = 16 * D + 8 + 2 * a * D
+    split = 4 * a * D + 4 * H
+    if spec.is_moe:
+        k, M, S, E = (spec.experts_per_token, spec.moe_intermediate_dim, spec.shared_expert_dim,
+                      spec.num_experts)
+        mlp = k * (3 * a * D + 4 * a * M + 24) + 4 * E + ((4 * S + D + 2) * a if S else 0)
+        return replicated + split / tp + mlp
+    return replicated + (split + 4 * a * F) / tp
+
+
+def _optimizer_states(optimizer: str | float) -> float:
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer={optimizer!r}; allowed: "
+                             f"{', '.join(OPTIMIZER_STATES)} or a number of fp32 states per "
+                             "parameter")
+        return OPTIMIZER_STATES[optimizer]
+    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not (
+            0 <= optimizer < math.inf):
+        raise ValueError(f"optimizer={optimizer!r}; must be a name ({', '.join(OPTIMIZER_STATES)})"
+                         " or a number >= 0 of fp32 states per parameter")
+    return float(optimizer)
+
+
+def _dtype_bytes(name: str, value: str | None) -> int:
+    if value not in _DTYPE_BYTES:
+        raise ValueError(f"{name}={value!r}; allowed: {', '.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[value]
+
+
+def _axes(plan: ParallelPlan, *names: str) -> str:
+    used = [f"{n}" for n in names if getattr(plan, n) > 1]
+    value = math.prod(getattr(plan, n) for n in names)
+    return f"{' x '.join(used)} = {value}" if used else "1"
+
+
+def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[str, Any], *,
+                phase: str = "sft", optimizer: str | float = "adamw",
+                model_dtype: str = "float32", reference_dtype: str | None = None,
+                device_type: str | None = None, runtime_bytes: int = 0):
+    """Per-rank memory of training (or generating with) `spec` under `plan` on `batch`.
+
+    The formulas, the division rules and how the terms add up to the peak are in the module
+    docstring.
+
+    Args:
+        spec: a `posttrain.models.ModelSpec`.
+        plan: a `ParallelPlan` (None: one rank).
+        batch: a `MemoryBatch` or a dict of its fields (micro_batch_size and seq_len per
+            data-parallel rank; num_sequences, max_total_len, prompt_len for generation).
+        phase: one of `PHASES`.
+        optimizer: a name in `OPTIMIZER_STATES` or the number of fp32 states per parameter.
+        model_dtype: the dtype the parameters are held in ("float32", "bfloat16", "float16").
+        reference_dtype: the reference model's dtype (default: model_dtype).
+        device_type: "cpu" or "cuda": which AdamW torch picks (for-loop on CPU, foreach on CUDA);
+            default "cuda" if CUDA is available, else "cpu".
+        runtime_bytes: memory no term holds (allocator, communication buffers), added as its
+            own row.
+
+    Returns:
+        A pandas DataFrame, one row per term: term, bytes, GiB, divided_by (the plan axes and
+        their product), note; the last row, "peak", is the per-rank total by the rule above.
+        `df.attrs` holds "peak_bytes", "dominant" (the largest term inside the peak) and
+        "phase".
+
+    Raises:
+        ValueError: naming the argument and the allowed values, for an unknown phase, optimizer,
+            dtype or device type, a batch with a non-positive or unknown field, or a plan that
+            does not fit the model (`ParallelPlan.validate`).
+    """
+    import pandas as pd
+
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r}; allowed: {', '.join(PHASES)}")
+    plan = ParallelPlan() if plan is None else plan
+    if not isinstance(plan, ParallelPlan):
+        raise ValueError(f"plan={plan!r}; must be a ParallelPlan or None")
+    plan.validate(spec=spec)
+    batch = MemoryBatch.of(batch)
+    states = _optimizer_states(optimizer)
+    p = _dtype_bytes("model_dtype", model_dtype)
+    ref_p = _dtype_bytes("reference_dtype", reference_dtype or model_dtype)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r}; allowed: cpu, cuda")
+    if isinstance(runtime_bytes, bool) or not isinstance(runtime_bytes, int) or runtime_bytes < 0:
+        raise ValueError(f"runtime_bytes={runtime_bytes!r}; must be an integer >= 0")
+
+    a = _DTYPE_BYTES[plan.param_dtype] if plan.param_dtype else p
+    c = _counts(spec)
+    D, V, F = spec.embed_dim, spec.vocab_size, spec.intermediate_dim
+    tp, sp, pp, ep = plan.tp, plan.sp, plan.pp, plan.ep
+    n = math.ceil(spec.num_layers / pp)
+    shards = plan.dp_shard * ep * sp  # FSDP2's shard dimension (sharding.py: dp_shard, ep, sp)
+    fsdp = plan.dp_replicate * shards > 1
+    # parameters held by one rank: TP-local, then FSDP-sharded; experts split over ep only
+    block_local = c.block_tp / tp + c.block_replicated
+    experts_local = c.block_experts / ep
+    if pp > 1:  # the worst end stage: its blocks and one V x D matrix (embedding, or output /
+        root_local = spec.vocab_size * D + D  # tied copy on the last stage) and the final norm
+    else:
+        root_local = c.root_tp / tp + c.root_replicated
+    held = n * (block_local / shards + experts_local) + root_local / shards
+    rows: list[tuple[str, float, str, str]] = []
+    add = lambda term, nbytes, axes, note: rows.append((term, float(nbytes), axes, note))
+    param_axes = _axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
+        f" (experts: {_axes(plan, 'ep')})" if spec.is_moe else "")
+    P = held * p
+    training = phase != "rollout"
+    add("parameters", P, param_axes, f"{held:,.0f} parameters x {p} B")
+    G = held * p if training else 0.0
+    O = held * 4 * states if training else 0.0
+    if training:
+        add("gradients", G, param_axes, "freed after every step (zero_grad set_to_none)")
+        add("optimizer state", O, param_axes, f"{states:g} fp32 state(s) per parameter "
+            f"({optimizer if isinstance(optimizer, str) else 'given'})")
+    # activations
+    micro = math.ceil(batch.micro_batch_size / plan.microbatches)  # microbatches is 1 if pp == 1
+    in_flight = plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches)
+    tokens = micro * math.ceil(batch.seq_len / sp)  # this rank's slice of the padded sequence
+    block = _activation_bytes_per_token(spec, plan, a) * tokens          # full saved set
+    kept = (a * D * tokens) if plan.activation_checkpointing else block  # per block, forward
+    rebuilt = block if plan.activation_checkpointing else 0.0
+    acts = n * kept * in_flight
+    if pp > 1:  # the stage's received input and its output, per micro-batch in flight
+        acts += 2 * a * D * tokens * in_flight
+    head = (4 * (2 * D + 1) + a * D + 16) * tokens * in_flight
+    last_mb = in_flight if plan.pp_schedule == "gpipe" and pp > 1 else 1
+    logits = 12 * V * micro * batch.seq_len * last_mb  # gathered whole on every sp rank
+    f_eff = (spec.experts_per_token * spec.moe_intermediate_dim + spec.shared_expert_dim
+             if spec.is_moe else F / tp)
+    working = 2 * a * f_eff * tokens
+    fsdp_root = root_local * a if fsdp else 0.0
+    fsdp_blocks = 3 * block_local * a if fsdp else 0.0
+    g_root = root_local * p  # under FSDP the root's gradients stay unsharded until the end
+    g_block = (block_local / shards + experts_local) * p
+    if training:
+        ac = "activation checkpointing: each block keeps its input" if plan.activation_checkpointing \
+            else "saved tensors of every block"
+        add("activations", acts, _axes(plan, "tp", "sp", "pp")
+            + (" (norms, residual: not tp)" if tp > 1 else ""),
+            f"{ac}; {n} block(s) x {in_flight} micro-batch(es) in flight")
+        add("activations (head)", head, _axes(plan, "sp"), "final norm, ids and labels")
+        add("activations (rebuilt block)", rebuilt, _axes(plan, "tp", "sp"),
+            "one block recomputed in backward" if rebuilt else "no activation checkpointing")
+        add("logits", logits, "1 (gathered whole under tp and sp)",
+            "fp32 log-softmax + its gradient + the logits' gradient (B x T x V x 12 B)")
+        add("backward working set", working, _axes(plan, "tp", "sp"),
+            "gradients of the SwiGLU product in the block under backward")
+        add("FSDP buffers", fsdp_root + fsdp_blocks, "gathered: not divided" if fsdp else "1",
+            "root group gathered + 3 blocks in backward" if fsdp else "no FSDP")
+        largest = max(c.largest_block / (tp * shards), c.largest_expert / ep,
+                      c.largest_root / (tp if c.root_tp else 1) / shards)
+        temps = (2 * largest * 4 if device_type == "cpu" else held * 4) if states else 0.0
+        add("optimizer step temporaries", temps, param_axes,
+            "for-loop AdamW: 2 x largest tensor" if device_type == "cpu"
+            else "foreach AdamW: 1 x local parameters")
+    whole = _all_parameters(c, spec) * p
+    build = whole + (min(2 * _BROADCAST_BUCKET, whole) if plan.world_size > 1 else 0)
+    add("model build", build, "1", "every rank builds the whole model before plan.apply"
+        + (" (+ 2 broadcast buckets)" if plan.world_size > 1 else ""))
+    ref = held * ref_p if phase in ("dpo", "grpo", "ppo") else 0.0
+    if ref:
+        add("reference model", ref, param_axes, "forward-only copy sharded like the policy")
+    value = (D + 1) * (2 * p + 4 * states) if phase == "ppo" else 0.0
+    if value:
+        add("value head", value, "1", "Linear(D, 1): parameters, gradients, optimizer state")
+    kv = prefill = 0.0
+    if phase in ("grpo", "ppo", "rollout"):
+        seqs = batch.num_sequences or batch.micro_batch_size
+        total = batch.max_total_len or batch.seq_len
+        prompt = batch.prompt_len or total
+        kv = 2 * n * (spec.num_kv_heads / tp) * spec.head_dim * seqs * total * p
+        prefill = seqs * prompt * (V * p + (3 * D + 3 * F / tp) * p)
+        add("KV cache", kv, _axes(plan, "tp", "pp"), f"{seqs} sequences x {total} tokens")
+        add("prefill", prefill, _axes(plan, "tp") + (" (logits: not tp)" if tp > 1 else ""),
+            "prefill logits + one block's no-grad working set")
+    if runtime_bytes:
+        add("runtime", runtime_bytes, "1", "given: allocator, communication buffers")
+    static = P + O + ref + value
+    candidates = {}
+    if training:
+        candidates = {
+            "update": (G + temps, ("gradients", "optimizer step temporaries")),
+            "loss backward": (acts + head + logits + fsdp_root,
+                              ("activations", "activations (head)", "logits", "FSDP buffers")),
+            "last block backward": (acts + head + rebuilt + working + g_root + fsdp_root + fsdp_blocks,
+                                    ("activations", "activations (head)",
+                                     "activations (rebuilt block)", "backward working set",
+                                     "FSDP buffers")),
+            "block 0 backward": (kept * in_flight + rebuilt + working + (n - 1) * g_block + g_root
+                                 + fsdp_root + fsdp_blocks,
+                                 ("gradients", "activations (rebuilt block)",
+                                  "backward working set", "FSDP buffers")),
+        }
+    peaks = {"model build": (build, ("model build",))}
+    if training:
+        moment, (dyn, terms) = max(candidates.items(), key=lambda kv_: kv_[1][0])
+        peaks[f"training ({moment})"] = (static + dyn, ("parameters", "optimizer state",
+                                                        "reference model", "value head") + terms)
+    if kv:
+        peaks["generation"] = (static + kv + prefill, ("parameters", "optimizer state",
+                                                       "reference model", "value head",
+                                                       "KV cache", "prefill"))
+    when, (total, terms) = max(peaks.items(), key=lambda kv_: kv_[1][0])
+    total += runtime_bytes
+    df = pd.DataFrame(rows, columns=["term", "bytes", "divided_by", "note"])
+    inside = df[df["term"].isin(terms + ("runtime",))]
+    dominant = inside.loc[inside["bytes"].idxmax(), "term"]
+    df = pd.concat([df, pd.DataFrame([("peak", total, "", f"max over moments: {when}")],
+                                     columns=df.columns)], ignore_index=True)
+    df["bytes"] = df["bytes"].round().astype("int64")
+    df.insert(2, "GiB", df["bytes"] / _GIB)
+    df.attrs.update(peak_bytes=int(round(total)), dominant=dominant, moment=when, phase=phase)
+    return df
+
+
+def _all_parameters(counts: _Counts, spec: Any) -> int:
+    """All parameters of the model (every block, the root), from the counts above."""
+    block = counts.block_tp + counts.block_replicated + counts.block_experts
+    return spec.num_layers * block + counts.root_tp + counts.root_replicated
+
+
+_FIXES = {
+    "parameters": "raise dp_shard (parameters fall 1/dp_shard), or tp (block weights fall 1/tp)",
+    "gradients": "raise dp_shard (gradients fall 1/dp_shard)",
+    "optimizer state": "raise dp_shard (optimizer state falls 1/dp_shard)",
+    "optimizer step temporaries": "raise dp_shard (the local tensors fall 1/dp_shard)",
+    "activations": "turn on activation_checkpointing (a block then keeps only its input), raise "
+                   "sp or tp, or lower micro_batch_size",
+    "activations (head)": "raise sp, or lower micro_batch_size x seq_len",
+    "activations (rebuilt block)": "raise tp or sp (the rebuilt block falls 1/tp, 1/sp)",
+    "logits": "lower micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp "
+              "with several micro-batches (the last stage holds one micro-batch's logits)",
+    "backward working set": "raise tp or sp",
+    "FSDP buffers": "raise tp (gathered blocks fall 1/tp; the tied embedding stays whole)",
+    "model build": "no plan axis lowers it: every rank builds the whole model before sharding "
+                   "(build it on the meta device and load sharded weights)",
+    "reference model": "raise dp_shard (the reference falls 1/dp_shard), or precompute the "
+                       "reference log-probs",
+    "value head": "raise dp_shard",
+    "KV cache": "raise tp (KV heads fall 1/tp) or pp, or lower num_sequences x max_total_len",
+    "prefill": "lower num_sequences x prompt_len",
+    "runtime": "lower runtime_bytes",
+}
+
+
+def device_memory_bytes() -> int:
+    """Total memory of the current CUDA device if CUDA is available, else the machine's
+    MemAvailable from /proc/meminfo."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo; pass device_bytes=")
+
+
+def check_plan_fits(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[str, Any], *,
+                    phase: str = "sft", device_bytes: int | None = None, **options: Any):
+    """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
+
+    Args:
+        spec, plan, batch, phase: as `plan_memory`; `options` are its other keywords.
+        device_bytes: memory of one rank's device (default `device_memory_bytes()`: the GPU's
+            total if CUDA is available, else the machine's available RAM).
+
+    Returns:
+        The `plan_memory` DataFrame when the plan fits.
+
+    Raises:
+        ValueError: naming the peak, the device size, the dominant term and the plan axis that
+            would lower it; or the errors of `plan_memory`.
+    """
+    df = plan_memory(spec, plan, batch, phase=phase, **options)
+    device = device_memory_bytes() if device_bytes is None else device_bytes
+    if isinstance(device, bool) or not isinstance(device, int) or device < 1:
+        raise ValueError(f"device_bytes={device_bytes!r}; must be a positive integer or None")
+    peak, dominant = df.attrs["peak_bytes"], df.attrs["dominant"]
+    if peak > device:
+        term_bytes = int(df.set_index("term").loc[dominant, "bytes"])
+        plan = ParallelPlan() if plan is None else plan
+        raise ValueError(f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
+                         f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
+                         f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
+                         f"{_FIXES[dominant]}")
+    return df
