@@ -24,6 +24,12 @@ Stages, on reasoning-gym chain_sum (the task's own question text):
 Run folder: `results.json` / `results.md`, `metrics.jsonl`, `checkpoints/`, `pairs.jsonl`,
 `reward_model/`, `sft/` (when the recipe ran SFT).
 
+With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
+reward model (head included, `apply_plan_to_reward_model`) are split by it, rank 0 samples the
+pairs (broadcast to the others), the pairs are sharded over the data-parallel ranks, every rank
+takes part in the held-out scoring, and rank 0 saves the gathered weights; only rank 0 returns
+the results (the others None).
+
 Measured once with recipes/presets/reward_model_chain_sum.yaml (= these defaults; 2-core CPU
 heavily shared with other jobs, wall 2416 s: SFT 1451 s, pairs 172 s, reward model 785 s): the
 1.02M-parameter SFT policy answers 28.5% [22.7, 35.1] of 200 held-out items; 12,576 samples on
@@ -50,17 +56,21 @@ from typing import Any
 
 import torch
 
+from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.data import PreferenceDataset, PreferenceLoader
 from posttrain.envs import ReasoningGymTask
-from posttrain.preference import BradleyTerryLoss, make_preference_pairs
+from posttrain.preference import (BradleyTerryLoss, ShardedPreferenceLoader,
+                                  apply_plan_to_reward_model, gathered_reward_model,
+                                  make_preference_pairs)
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
-from posttrain.train import Trainer, warmup_cosine_schedule
+from posttrain.train import Trainer, plan_state, warmup_cosine_schedule
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
-                                 PairsConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
-                                 check_gym_task, fail, run_fields, start_policy, start_run,
-                                 validate, write_results)
-from posttrain.workflows import cached_pairs, stop_if_interrupted
+                                 PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
+                                 TaskConfig, check_gym_task, fail, run_fields, start_policy,
+                                 start_run, validate, write_results)
+from posttrain.workflows import cached_pairs, on_rank_zero, stop_if_interrupted
 from posttrain.workflows.config import finite, seeds
+from posttrain.workflows.parallel import check_parallel
 
 
 @dataclass(kw_only=True)
@@ -83,6 +93,7 @@ class Config:
         steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
     margin: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     out_dir: str = "runs/reward_model"
     resume: bool = False
@@ -98,6 +109,9 @@ class Config:
         finite(self, at, ("margin",))
         if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
+        check_parallel(self, at, divisible=("optim.batch_size",) + (
+            ("sft.batch_size",) if self.model.init_from is None else ()),
+                       unsupported=("sp", "pp", "ep"))  # apply_plan_to_reward_model
 
 
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
@@ -115,15 +129,19 @@ def reference_answer(item: dict) -> str:
     return str(item["answer"])
 
 
-def main(cfg: Config) -> dict[str, Any]:
-    """Run the recipe; returns the results dict also written to `out_dir/results.json`.
+def main(cfg: Config) -> dict[str, Any] | None:
+    """Run the recipe; returns the results dict also written to `out_dir/results.json` (under
+    a `parallel` plan on rank 0; None on the other ranks).
 
     Raises:
         ValueError: before writing anything if `out_dir` (or its `sft/`) already holds a run
-            and `cfg.resume` is False; later, if the pairs are too few to split.
+            and `cfg.resume` is False, or `cfg.parallel` does not fit the job; later, if the
+            pairs are too few to split.
     """
     start = time.perf_counter()
     out = start_run(cfg, sub_runs=("sft",))
+    plan = cfg.parallel.plan()
+    writes = plan is None or rank_and_world_size()[0] == 0
 
     # 1. the policy that samples the pairs
     policy, sft_results = start_policy(cfg, out)
@@ -142,13 +160,17 @@ def main(cfg: Config) -> dict[str, Any]:
             else None)
         return rows, stats.as_dict()
 
-    rows, pair_stats = cached_pairs(out, resume=cfg.resume, make=make_pairs,
-                                    stats_file="pairs_stats.json")
+    def pairs():
+        return cached_pairs(out, resume=cfg.resume, make=make_pairs,
+                            stats_file="pairs_stats.json")
+
+    rows, pair_stats = pairs() if plan is None else on_rank_zero(pairs)
     train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
     pairs_s = time.perf_counter() - start - policy_s
-    print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
-          f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
-          f"{pair_stats['outcomes']}")
+    if writes:
+        print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
+              f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
+              f"{pair_stats['outcomes']}")
 
     # 3. the Bradley-Terry reward model, from the policy's backbone
     tokenizer = policy.tokenizer
@@ -166,21 +188,32 @@ def main(cfg: Config) -> dict[str, Any]:
     model = RewardModel.from_policy(policy, seed=cfg.seed)
     before = held_out_accuracy(model)
     o = cfg.optim
+    if plan is None:
+        loader = PreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed)
+    else:  # the head too; before the optimizer (the plan replaces the parameters)
+        model = apply_plan_to_reward_model(plan, model)
+        loader = ShardedPreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed,
+                                         rank=plan_state(model).data_rank,
+                                         world_size=plan.data_parallel_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
-    trainer = Trainer(model, optimizer, data=PreferenceLoader(train, batch_size=o.batch_size,
-                                                              seed=cfg.seed),
+    trainer = Trainer(model, optimizer, data=loader,
                       loss=BradleyTerryLoss(margin=cfg.margin), lr_scheduler=schedule,
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
                       run_dir=out, eval_fn=eval_fn, eval_every=cfg.eval.every,
                       checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume)
+                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan)
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"pairs": pair_stats, "num_pairs": len(rows)})
-    after = held_out_accuracy(model)
+    after = held_out_accuracy(model)  # every rank, under a plan
     fit = pairwise_accuracy(model, *_ids(train, range(min(len(train), 1000))))  # memorisation
     rm_s = time.perf_counter() - start - policy_s - pairs_s
+    if plan is not None:
+        model = gathered_reward_model(model)  # every rank; then rank 0 alone saves and writes
+        if not writes:
+            barrier()
+            return None
 
     # 4. save; the saved folder must reproduce the accuracy
     model.save(out / "reward_model", tokenizer)
@@ -200,6 +233,8 @@ def main(cfg: Config) -> dict[str, Any]:
                "policy_s": policy_s, "pairs_s": pairs_s, "rm_s": rm_s,
                "wall_s": time.perf_counter() - start}
     write_results(out, results, _results_markdown(results, cfg.task.name))
+    if plan is not None:
+        barrier()  # the other ranks return once the results are on disk
     return results
 
 

@@ -265,7 +265,8 @@ def test_trainer_memory_check_refuses_a_plan_that_does_not_fit_before_any_step()
     a 0.5B model at 64 rows x 500 tokens needs far more than 8 GiB per rank."""
     from _train_helpers import sft_dataset
     from posttrain.data import SFTLoader
-    from posttrain.train.sharding import PlanState, check_memory
+    from posttrain.train.memory_check import check_memory
+    from posttrain.train.sharding import PlanState
 
     model = torch.nn.Linear(2, 2)
     model._posttrain_plan_state = PlanState(plan=ParallelPlan(), mesh=None, data_rank=0,

@@ -103,6 +103,11 @@ CONFIG_KEYS = {
         'progress', 'resume', 'seed', 'task.eval_seed', 'task.eval_size', 'task.name',
         'task.options', 'task.train_size'],
 }
+PARALLEL_KEYS = [f"parallel.{k}" for k in (
+    "activation_checkpointing", "cpu_offload", "dp_replicate", "dp_shard", "ep", "n_microbatches",
+    "param_dtype", "pp", "pp_schedule", "reduce_dtype", "sp", "tp")]
+for _name in ("dpo", "grpo", "reward_model", "sft"):  # the recipes that train under a plan
+    CONFIG_KEYS[_name] = sorted(CONFIG_KEYS[_name] + PARALLEL_KEYS)
 CONFIG_KEYS["ppo"] = CONFIG_KEYS["grpo"]  # the same sections, PPO defaults
 
 

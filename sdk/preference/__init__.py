@@ -1,5 +1,6 @@
 """Preference optimisation: the DPO family, KTO and ORPO losses, reference log-probabilities,
-rejection-sampled pairs and the Bradley-Terry reward-model objective.
+rejection-sampled pairs, the Bradley-Terry reward-model objective, and what preference training
+needs under a ParallelPlan (`posttrain.preference.parallel`).
 
 Importing this package registers dpo, ipo, simpo, kto, orpo and bradley_terry in the loss
 registry of `posttrain.train.losses`; `get_loss` / `registered_losses` are re-exported here so
@@ -40,6 +41,12 @@ from posttrain.preference.reward_model import (
     pair_tensors,
     BradleyTerryLoss,
 )
+from posttrain.preference.parallel import (
+    ShardedPreferenceLoader,
+    apply_plan_to_reward_model,
+    gathered_reward_model,
+    trains_nothing,
+)
 from posttrain.train.losses import get_loss, registered_losses
 
 __all__ = [
@@ -67,4 +74,8 @@ __all__ = [
     "make_preference_pairs",
     "pair_tensors",
     "BradleyTerryLoss",
+    "ShardedPreferenceLoader",
+    "apply_plan_to_reward_model",
+    "gathered_reward_model",
+    "trains_nothing",
 ]

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from posttrain.preference.losses import (LossTriple, _check_beta, dpo_loss, ipo_loss, kto_loss,
                                          kto_reference_point, orpo_loss, simpo_loss,
                                          step_share)
+from posttrain.preference.parallel import trains_nothing
 from posttrain.preference.reference import response_logps
 from posttrain.train.losses import register_loss
 
@@ -40,12 +41,14 @@ class _PairObjective:
     needs_reference = True
 
     def num_units(self, batch: Any) -> Tensor:
-        """Pairs in `batch` (int64 scalar)."""
-        return torch.tensor(batch.chosen_input_ids.shape[0], dtype=torch.int64)
+        """Pairs in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
+        return torch.tensor(0 if trains_nothing(batch) else batch.chosen_input_ids.shape[0],
+                            dtype=torch.int64)
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_B, _, _ = self.pair_losses(model, batch)
-        return step_share(losses_B, num_units_in_step.to(losses_B.device))
+        share = step_share(losses_B, num_units_in_step.to(losses_B.device))
+        return share * 0.0 if trains_nothing(batch) else share
 
     def forward_pairs(self, model: nn.Module, batch: Any) -> dict[str, Tensor]:
         """Policy log-probs and lengths of the chosen and rejected responses, one forward."""
@@ -193,12 +196,14 @@ class KTOLoss:
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
 
     def num_units(self, batch: Any) -> Tensor:
-        """Rows in `batch` (int64 scalar)."""
-        return torch.tensor(batch.input_ids.shape[0], dtype=torch.int64)
+        """Rows in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
+        return torch.tensor(0 if trains_nothing(batch) else batch.input_ids.shape[0],
+                            dtype=torch.int64)
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_N, _, _ = self.row_losses(model, batch)
-        return step_share(losses_N, num_units_in_step.to(losses_N.device))
+        share = step_share(losses_N, num_units_in_step.to(losses_N.device))
+        return share * 0.0 if trains_nothing(batch) else share
 
     def row_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         """`kto_loss` of the batch's rows, with z0 from its mismatched pairs."""

@@ -70,9 +70,16 @@ def reference_fingerprint(model: nn.Module, *, sample: int = 65536) -> str:
     """A hex digest of a model's parameters and buffers: for every tensor its name, shape, dtype,
     float64 sum and sum of squares, and the values of up to `sample` evenly spaced elements (all
     of them for smaller tensors). Any training update changes it; an edit of one element that
-    keeps both sums and misses the sample would not (not a concern for a reference model)."""
+    keeps both sums and misses the sample would not (not a concern for a reference model).
+    For a model split by a ParallelPlan it digests this rank's shards (and their placements);
+    `compute_reference_logps` combines the digests of all ranks."""
+    from torch.distributed.tensor import DTensor
+
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):  # split by a ParallelPlan: this rank's shard
+            digest.update(f"{tensor.placements}".encode())
+            tensor = tensor.to_local()
         values = tensor.detach().flatten().double()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         step = max(1, values.numel() // sample)
@@ -91,8 +98,16 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     `batch_size` sequences per forward, right-padded (results do not depend on the batch beyond
     float rounding).
 
+    A reference split by a `ParallelPlan` (`plan.apply`; frozen, no optimizer) is a collective:
+    every rank calls this with the same dataset. The forwards are the same batches as in one
+    process; data-parallel rank r scores batches r, r + W, ... (W data ranks; a rank with one
+    batch fewer repeats a forward it discards, as FSDP2 needs every rank in every forward), and
+    the values are summed over the data ranks (each item is scored by exactly one, so the sum
+    is exact). Every rank then holds all values. The fingerprint combines every rank's shards.
+
     Args:
-        reference: a `posttrain.policy.policy.Policy` or a torchtune decoder (`nn.Module`).
+        reference: a `posttrain.policy.policy.Policy` or a torchtune decoder (`nn.Module`),
+            plain or split by a ParallelPlan.
         dataset: a `PreferenceDataset` or `KTODataset`.
         batch_size: sequences per forward (>= 1).
 
@@ -101,26 +116,78 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
 
     Raises:
         ValueError: for batch_size < 1.
+        NotImplementedError: for a reference split into pipeline stages (pp > 1).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
+    from posttrain.train.sharding import plan_state
+
     model = getattr(reference, "model", reference)
+    state = plan_state(model)
+    if state is not None and state.plan.pp > 1:
+        raise NotImplementedError(f"compute_reference_logps: a reference split into pipeline "
+                                  f"stages ({state.plan}) is not supported yet; score it under "
+                                  "a plan with pp=1")
     fingerprint = reference_fingerprint(model)
+    if state is not None:
+        fingerprint = _all_ranks_fingerprint(fingerprint)
     if dataset.reference is not None and dataset.reference.fingerprint == fingerprint:
         return dataset.reference
+    rank, ranks = (0, 1) if state is None else (state.data_rank, state.plan.data_parallel_size)
+    starts = list(range(0, len(dataset), batch_size))
+    mine = starts[rank::ranks]
+    rounds = -(-len(starts) // ranks)  # forwards per rank: the same on every rank
     was_training = model.training
     model.eval()
     values = {}
     try:
         with torch.no_grad():
             for key in dataset.REFERENCE_KEYS:
-                parts = []
-                for start in range(0, len(dataset), batch_size):
+                parts = {}
+                for i in range(rounds):
+                    start = mine[i] if i < len(mine) else starts[0]  # the spare forward
                     indices = range(start, min(start + batch_size, len(dataset)))
                     logps_B, _ = response_logps(model, *dataset.padded(indices, key))
-                    parts.append(logps_B.float().cpu())
-                values[key] = torch.cat(parts)
+                    if i < len(mine):
+                        parts[start] = logps_B.float().cpu()
+                values[key] = (torch.cat([parts[s] for s in starts]) if ranks == 1
+                               else _sum_over_data_ranks(parts, len(dataset), state))
     finally:
         model.train(was_training)
+        if state is not None:
+            _reshard(model)
     dataset.reference = ReferenceLogps(fingerprint, values)
     return dataset.reference
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 keeps the root's parameters unsharded after a forward, registered in place of the
+    sharded ones: put them back, so that an optimizer built next over `model.parameters()` (the
+    recipes score the starting policy itself) holds the sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _all_ranks_fingerprint(local: str) -> str:
+    """sha256 over every rank's `reference_fingerprint` of its shards (a collective)."""
+    import torch.distributed as dist
+
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, local)
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def _sum_over_data_ranks(parts: dict[int, Tensor], n: int, state: Any) -> Tensor:
+    """[n] fp32: this rank's batches (keyed by their first item) in place, zeros elsewhere,
+    SUMmed over the plan's data-parallel ranks."""
+    import torch.distributed as dist
+
+    full = torch.zeros(n, dtype=torch.float32)
+    for start, logps_B in parts.items():
+        full[start:start + logps_B.numel()] = logps_B
+    buffer = full.to(state.mesh.device_type)  # NCCL reduces on the GPU, gloo on the CPU
+    dist.all_reduce(buffer, group=state.data_group)
+    return buffer.cpu()

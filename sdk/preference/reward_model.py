@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.preference.parallel import trains_nothing
 from posttrain.rewards.reward_model import bradley_terry_loss
 from posttrain.train.losses import register_loss
 
@@ -86,8 +87,9 @@ class BradleyTerryLoss:
         self.margin = float(margin)
 
     def num_units(self, batch: Any) -> Tensor:
-        """Pairs in `batch` (int64 scalar)."""
-        return torch.tensor(pair_tensors(batch)[0].shape[0], dtype=torch.long)
+        """Pairs in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
+        return torch.tensor(0 if trains_nothing(batch) else pair_tensors(batch)[0].shape[0],
+                            dtype=torch.long)
 
     def rewards(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
         """(r_chosen `[B]`, r_rejected `[B]`) from one forward pass of `model`."""
@@ -104,7 +106,8 @@ class BradleyTerryLoss:
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         chosen_B, rejected_B = self.rewards(model, batch)
         loss_sum = bradley_terry_loss(chosen_B, rejected_B, margin=self.margin).sum()
-        return loss_sum / num_units_in_step.to(loss_sum.device)
+        share = loss_sum / num_units_in_step.to(loss_sum.device)
+        return share * 0.0 if trains_nothing(batch) else share
 
     def __repr__(self) -> str:
         return f"BradleyTerryLoss(margin={self.margin})"

@@ -59,7 +59,8 @@ from posttrain.rl.config import (KL_ESTIMATORS, LOSS_AGG_MODES, RLAlgorithm,
 
 __all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "advantage_estimators",
            "policy_losses", "is_group_estimator", "register_advantage_estimator",
-           "register_policy_loss", "step_units", "scores_to_token_rewards",
+           "register_policy_loss", "step_units", "accumulate_metrics", "STEP_SHARES",
+           "scores_to_token_rewards",
            "compute_advantages", "aggregate", "kl_loss", "policy_loss", "value_loss"]
 
 # Estimators whose advantage is exactly 0 when every reward of a group is equal (by definition).
@@ -89,6 +90,24 @@ def step_units(response_mask_BT: Tensor, loss_agg_mode: str) -> Tensor:
     if loss_agg_mode.startswith("token-"):
         return mask.sum()
     return mask.any(dim=-1).sum()
+
+
+STEP_SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy_loss", "vf_loss"})
+"""The metrics of `policy_loss` / `value_loss` that are shares of the step (summed over its
+micro-batches); the others are per-token means of the micro-batch, or ratio_max."""
+
+
+def accumulate_metrics(totals: dict[str, Tensor], metrics: dict[str, Tensor],
+                       weight: Tensor) -> None:
+    """Add one micro-batch's metrics to the minibatch's `totals`, in place: step shares
+    (`STEP_SHARES`) are summed, ratio_max is a maximum, per-token means are weighted by
+    `weight`, the micro-batch's share of the minibatch's response tokens."""
+    for key, value in metrics.items():
+        value = value.detach().float()
+        if key == "ratio_max":
+            totals[key] = torch.maximum(totals.get(key, value), value)
+        else:
+            totals[key] = totals.get(key, 0.0) + (value if key in STEP_SHARES else value * weight)
 
 
 def scores_to_token_rewards(scores_B: Tensor, response_mask_BT: Tensor) -> Tensor:

@@ -31,9 +31,16 @@ optimizer, scheduler, buffer state, RNG states, step and metrics rows; a resumed
 bit for bit on CPU with fixed threads), preemption at step boundaries, one live process per
 run folder. Ctrl-C during the rollout rolls the step back (nothing of it was applied); during
 the update it is held until the step is done. Either way `fit` stops at a whole step, saves a
-checkpoint there when checkpointing is on and sets `interrupted`. With several ranks, rank 0
-alone writes; the ranks sample the same groups and train identical replicas (RL data
-parallelism, with each rank its own share of the prompts, is not built yet).
+checkpoint there when checkpointing is on and sets `interrupted`. With several ranks and no
+plan, rank 0 alone writes; the ranks sample the same groups and train identical replicas.
+
+Under a `ParallelPlan` (`plan=`; the policy split by `plan.apply` before the optimizer was
+built): each data-parallel rank samples its share of the prompts with a plain copy of the
+policy that receives the full weights once per step, the groups are gathered so that every rank
+holds the step's global batch, the reference (a copy split by the same plan) and the value head
+(a replicated `nn.Linear` whose gradients are summed over the data ranks) score and train it,
+each data rank its share of every minibatch (`posttrain.rl.parallel` has the whole design).
+Checkpoints are then DCP shards of policy, value head and reference with the optimizer.
 
 Example:
     >>> import torch
@@ -67,9 +74,14 @@ from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.rl.environment import EnvDataset, Group
 from posttrain.policy.sampling import sampling_logprobs, token_logprobs
-from posttrain.rl.algorithms import compute_advantages, policy_loss, step_units, value_loss
+from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
+                                     step_units, value_loss)
 from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
+                                   optimizer_step_under_plan, setup_plan)
 from posttrain.rl.rollout import collect_groups, outcome_counts
+from posttrain.train.parallel import ParallelPlan
+from posttrain.train.sharding import full_state_dict, plan_state
 
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
@@ -150,14 +162,25 @@ class RLTrainer(Engine):
             importance ratio compares log-probs of the same distribution).
         value_head: a `ValueHead` when `algo.use_value_head` (built here if None).
         micro_batch_size: rows per forward/backward inside a minibatch (gradient accumulation;
-            the loss is normalised over the minibatch, so the result does not depend on it).
+            the loss is normalised over the minibatch, so the result does not depend on it);
+            under a plan, rows per forward of each data rank's share of the minibatch.
         lr_scheduler, max_grad_norm: as in `posttrain.train.trainer.Trainer`.
         run_dir, checkpoint_every, keep_last, progress, seed, resume: as in `Trainer`.
         verifier_timeout_s: passed to `collect_groups`.
         callbacks: `callback(trainer, row)` after every step.
+        plan: the `ParallelPlan` already applied to `policy.model` (`plan.apply(policy.model,
+            spec=policy.spec)`, before the optimizer was built), or None; a policy with a plan
+            is recognised without it. The value head stays a plain module (not split), and
+            `prompts_per_step` must be divisible by `plan.data_parallel_size`.
+
+    Attributes:
+        rollout_policy: under a plan, the plain `Policy` copy the rollouts sample from (full
+            weights, refreshed at the start of every step); `policy` itself without one.
 
     Raises:
-        ValueError: for bad options, or a run_dir that holds a run while resume is False.
+        ValueError: for bad options, or a run_dir that holds a run while resume is False; under
+            a plan, a plan not applied to the policy, an optimizer built before it, a split value
+            head, or prompts_per_step not divisible by the data-parallel size.
     """
 
     progress_desc = "rl"
@@ -171,7 +194,8 @@ class RLTrainer(Engine):
                  keep_last: int | None = 2, progress: bool = True, seed: int = 0,
                  verifier_timeout_s: float | None = None,
                  callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False) -> None:
+                 resume: bool | str | os.PathLike = False,
+                 plan: ParallelPlan | None = None) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
@@ -190,7 +214,10 @@ class RLTrainer(Engine):
         self.value_head, self.micro_batch_size = value_head, micro_batch_size
         self.seed, self.verifier_timeout_s = seed, verifier_timeout_s
         self.reference = None
-        if algo.kl_coef > 0:
+        self.rollout_policy = policy
+        if plan is not None or plan_state(policy.model) is not None:
+            setup_plan(self, plan)
+        elif algo.kl_coef > 0:
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
         if value_head is not None and not any(
                 p is q for g in optimizer.param_groups for p in g["params"]
@@ -201,6 +228,18 @@ class RLTrainer(Engine):
         self.last_builders: Sequence | None = None
         self._start(resume)
 
+    def _refresh_rollout_policy(self) -> None:
+        """Load the policy's full weights into the rollout copy (a collective under a plan)."""
+        self.rollout_policy.model.load_state_dict(full_state_dict(self.policy.model))
+
+    def gathered_policy(self):
+        """A `Policy` with the current full weights that runs without collectives: under a plan
+        the refreshed rollout copy (a collective: every rank calls it), else `policy` itself.
+        Use it to evaluate or save a sharded run (rank 0)."""
+        if plan_state(self.policy.model) is not None:
+            self._refresh_rollout_policy()
+        return self.rollout_policy
+
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, float]:
         """One RL step (see the module docstring). Returns its metrics row."""
@@ -209,18 +248,24 @@ class RLTrainer(Engine):
         rng_state = capture_rng_state()
         try:  # nothing of the step is applied yet: an interrupt or error here rolls it back
             builders = self.task.builders(self.step_count, self.prompts_per_step)
-            groups = collect_groups(self.policy, builders, group_size=algo.group_size,
-                                    max_new_tokens=self.max_new_tokens,
-                                    temperature=self.temperature, top_p=self.top_p,
-                                    seed=self.seed * 1_000_003 + self.step_count,
-                                    policy_version=self.step_count,
-                                    verifier_timeout_s=self.verifier_timeout_s)
+            groups = self._collect(builders)
         except BaseException:
             restore_rng_state(rng_state)
             self._rolled_back = True
             raise
         return self.train_on_groups(groups, builders=builders, start=start,
                                     rollout_s=time.perf_counter() - start)
+
+    def _collect(self, builders: Sequence) -> list[Group]:
+        """The step's rollout groups. Under a plan: this data rank's slice of `builders`
+        sampled with the refreshed plain copy, then every rank's groups (a collective)."""
+        step_seed = self.seed * 1_000_003 + self.step_count
+        options = dict(group_size=self.algo.group_size, max_new_tokens=self.max_new_tokens,
+                       temperature=self.temperature, top_p=self.top_p,
+                       policy_version=self.step_count, verifier_timeout_s=self.verifier_timeout_s)
+        if plan_state(self.policy.model) is None:
+            return collect_groups(self.policy, builders, seed=step_seed, **options)
+        return collect_under_plan(self, builders, step_seed, options)
 
     def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
                         start: float | None = None, rollout_s: float = 0.0) -> dict[str, float]:
@@ -231,7 +276,8 @@ class RLTrainer(Engine):
         `last_builders` (the live dashboard's rollout table). Returns the step's metrics row.
 
         A Ctrl-C during this half is held until the step is done and recorded (its updates
-        cannot be half applied), then raised as KeyboardInterrupt."""
+        cannot be half applied), then raised as KeyboardInterrupt. Under a plan every rank
+        passes the same (global) groups; each data rank trains its share of them."""
         with sigint_held() as interrupt:
             row = self._train_on_groups(groups, builders, start, rollout_s)
         if interrupt.received:
@@ -291,6 +337,8 @@ class RLTrainer(Engine):
         return {k: (v if k.startswith("first_") else v / n) for k, v in sums.items()}
 
     def _optimizer_step(self, mb: dict[str, Tensor]) -> dict[str, float]:
+        if plan_state(self.policy.model) is not None:
+            return optimizer_step_under_plan(self, mb)
         algo, model = self.algo, self.policy.model
         model.train()
         units = step_units(mb["response_mask_BT"], algo.loss_agg_mode)  # the whole minibatch
@@ -312,7 +360,7 @@ class RLTrainer(Engine):
                 loss = loss + algo.value_coef * v_loss
                 metrics.update(v_metrics)
             loss.backward()
-            _accumulate(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
+            accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
         grad_norm = self.clip_and_check(totals["loss"])
         totals["lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
         self.optimizer.step()
@@ -343,7 +391,8 @@ class RLTrainer(Engine):
         mask_BT = m["response_mask_BT"]
         values_BT = entropy_BT = None
         if value_head is not None:  # the state before token t is read at t - 1, like its logprob
-            values_BT = torch.nn.functional.pad(value_head(captured["hidden"])[:, :-1], (1, 0))
+            hidden = captured["hidden"].to(next(value_head.parameters()).dtype)
+            values_BT = torch.nn.functional.pad(value_head(hidden)[:, :-1], (1, 0))
             values_BT = values_BT * mask_BT
         if entropy:
             logits = captured["logits"]
@@ -357,6 +406,13 @@ class RLTrainer(Engine):
 
     @torch.no_grad()
     def _frozen_forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Reference log-probs and old values of the batch's rows. Under a plan each data rank
+        scores its contiguous share and the shares are all-gathered."""
+        if plan_state(self.policy.model) is None:
+            return self._frozen_outputs(batch)
+        return frozen_forward_under_plan(self, batch)
+
+    def _frozen_outputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         if self.reference is not None:
             out["ref_logprobs_BT"], _, _ = self._forward(self.reference, batch, value_head=None)
@@ -368,6 +424,16 @@ class RLTrainer(Engine):
     # ------------------------------------------------------------------ engine hooks
     def _module(self) -> nn.Module:
         return self.policy.model
+
+    def _checkpoint_module(self) -> nn.Module:
+        """Policy, value head and reference in one container (a sharded checkpoint's names:
+        policy.*, value_head.*, reference.*)."""
+        parts = {"policy": self.policy.model}
+        if self.value_head is not None:
+            parts["value_head"] = self.value_head
+        if self.reference is not None:
+            parts["reference"] = self.reference
+        return nn.ModuleDict(parts)
 
     def _model_state(self) -> dict[str, Any]:
         state = {"policy": self.policy.model.state_dict()}
@@ -411,20 +477,6 @@ def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
             **{f"outcome_{k}": v for k, v in counts.items()},
             "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
             "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows)}
-
-
-_STEP_SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy_loss", "vf_loss"})
-
-
-def _accumulate(totals: dict[str, Tensor], metrics: dict[str, Tensor], weight: Tensor) -> None:
-    """Add one micro-batch's metrics to the minibatch's: step shares are summed, ratio_max is a
-    maximum, per-token means are weighted by the micro-batch's share of response tokens."""
-    for key, value in metrics.items():
-        value = value.detach().float()
-        if key == "ratio_max":
-            totals[key] = torch.maximum(totals.get(key, value), value)
-        else:
-            totals[key] = totals.get(key, 0.0) + (value if key in _STEP_SHARES else value * weight)
 
 
 def _sequence_advantages(adv_BT: Tensor, batch: dict[str, Tensor]) -> list[float]:

@@ -37,7 +37,7 @@ from torch import nn
 from posttrain.core.distributed import flat_collective
 
 __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
-           "set_gradient_sync", "check_memory",
+           "set_gradient_sync",
            "full_state_dict", "sum_over_data_ranks"]
 
 
@@ -323,37 +323,3 @@ def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local, coef.to(local[0].device))
-
-
-def check_memory(model: nn.Module, data: Any, *, phase: str = "sft",
-                 device_bytes: int | None = None) -> None:
-    """Refuse, before any work, a plan whose per-rank memory (`posttrain.train.memory_plan`)
-    exceeds this rank's device (`device_bytes`; default: an accelerator's memory, or on CPU the
-    machine's available RAM shared by the ranks on this host: LOCAL_WORLD_SIZE, Slurm's tasks
-    per node, or else all of the plan's ranks). Needs the spec given to `apply_plan`
-    and a loader with `batch_size` and known row lengths (`SFTLoader`); otherwise nothing is
-    checked.
-
-    Raises:
-        ValueError: naming the dominant term and the plan axis that would lower it.
-    """
-    state = plan_state(model)
-    lengths = getattr(data, "_lengths", None)
-    if state is None or state.spec is None or not hasattr(data, "batch_size") or not lengths:
-        return
-    import os
-
-    from posttrain.train.memory_plan import MemoryBatch, check_plan_fits, device_memory_bytes
-
-    seq_len = data.seq_len if getattr(data, "pack", False) and data.seq_len else max(lengths)
-    rows = -(-data.batch_size // max(1, getattr(data, "world_size", 1)))
-    device = device_bytes
-    if device is None:
-        device = device_memory_bytes()
-        if not torch.cuda.is_available():  # the ranks on this host share its RAM
-            local = (os.environ.get("LOCAL_WORLD_SIZE")
-                     or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-                     or str(state.plan.world_size))
-            device //= max(1, int(local))
-    check_plan_fits(state.spec, state.plan, MemoryBatch(micro_batch_size=rows, seq_len=seq_len),
-                    phase=phase, device_bytes=device)

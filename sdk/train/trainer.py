@@ -86,7 +86,8 @@ from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
 from posttrain.train.losses import SFTCrossEntropy, TrainingLoss, get_loss
 from posttrain.train.parallel import ParallelPlan
-from posttrain.train.sharding import check_memory, check_plan
+from posttrain.train.memory_check import check_memory
+from posttrain.train.sharding import check_plan
 from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]

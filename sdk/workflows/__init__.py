@@ -1,7 +1,8 @@
 """Recipe building blocks: the typed config sections every recipe nests (`ModelConfig`,
-`TaskConfig`, `OptimConfig`, ...), the one validation path and dotted overrides, the SFT stage
-(`run_sft`, the warm start other recipes begin with), the SFT -> RL run (`run_sft_then_rl`), and
-the start/end of a run (config echo, results.json/results.md, the curves plot).
+`TaskConfig`, `OptimConfig`, ..., `ParallelConfig`), the one validation path and dotted
+overrides, the SFT stage (`run_sft`, the warm start other recipes begin with), the SFT -> RL
+run (`run_sft_then_rl`), and the start/end of a run (config echo, results.json/results.md, the
+curves plot).
 
 The top SDK layer below `notebook`: it stands on train, preference, rl, envs and rewards, and
 never imports `posttrain.notebook`. Recipes (`recipes/*.py`) import from here, never from each
@@ -29,11 +30,18 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
+from posttrain.workflows.parallel import (
+    ParallelConfig,
+    check_parallel,
+    check_world_size,
+    model_spec,
+)
 from posttrain.workflows.reports import (
     RESUMABLE_KEYS,
     RunInterrupted,
     cached_pairs,
     check_tokenizer_covers_task,
+    on_rank_zero,
     read_table,
     stop_if_interrupted,
     write_table,
@@ -52,6 +60,7 @@ from posttrain.workflows.sft import (
     held_out_items,
     run_sft,
     start_policy,
+    unsharded_policy,
     warm_start,
 )
 from posttrain.workflows.rl import RL_TINY, RLRunConfig, check_gym_task, run_sft_then_rl
@@ -61,15 +70,17 @@ __all__ = [
     "RunInterrupted",
     "cached_pairs",
     "check_tokenizer_covers_task",
+    "on_rank_zero",
     "read_table",
     "stop_if_interrupted",
     "write_table",
     "ROOT", "SEED_MAX", "BatchOptimConfig", "CheckpointConfig", "EvalConfig", "ModelConfig",
-    "OptimConfig", "PairsConfig", "RLConfig", "SamplingConfig", "SFTWarmStartConfig",
-    "TaskConfig", "config_keys", "fail", "override", "run_fields", "validate",
+    "OptimConfig", "PairsConfig", "ParallelConfig", "RLConfig", "SamplingConfig",
+    "SFTWarmStartConfig", "TaskConfig", "config_keys", "fail", "override", "run_fields",
+    "validate", "check_parallel", "check_world_size", "model_spec",
     "accuracy_of", "accuracy_table", "difference_line", "plot_curves", "start_run",
     "write_results",
     "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
-    "start_policy", "warm_start",
+    "start_policy", "unsharded_policy", "warm_start",
     "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
 ]

@@ -32,10 +32,11 @@ from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.workflows.config import validate
+from posttrain.workflows.parallel import ParallelConfig, check_world_size
 
 __all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
            "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
-           "RESUMABLE_KEYS", "cached_pairs", "check_tokenizer_covers_task"]
+           "RESUMABLE_KEYS", "cached_pairs", "check_tokenizer_covers_task", "on_rank_zero"]
 
 RESUMABLE_KEYS = ("resume", "progress", "checkpoint.")
 """Config keys (and key prefixes) that may differ between a run and its resume; every other
@@ -55,12 +56,17 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
     claim it for this process (`posttrain.core.run_lock`) and write `config.json`; seed torch
     with `cfg.seed`. Returns the run folder.
 
+    A config with a `parallel` plan must run under a process group of the plan's world size
+    (`check_world_size`).
+
     Raises:
-        ValueError: before anything is written, for a bad config, a used run folder, or a
-            resume whose config differs from the saved one (naming the dotted key).
+        ValueError: before anything is written, for a bad config, a used run folder, a resume
+            whose config differs from the saved one (naming the dotted key), or a `parallel`
+            plan that does not match the job's world size.
         RunDirInUseError: if another live process holds the folder.
     """
     validate(cfg)
+    check_world_size(cfg)
     check_tokenizer_covers_task(cfg)
     out = Path(cfg.out_dir)
     config = dataclasses.asdict(cfg)
@@ -129,10 +135,17 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+_ADDED_DEFAULTS = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items()}
+"""Keys that a config.json written before the `parallel` section existed lacks; at these values
+they mean what that run did."""
+
+
 def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:
     saved, now = _flat(saved), _flat(json.loads(json.dumps(now, default=str)))
     for key in sorted(set(saved) | set(now)):
         if key.startswith(RESUMABLE_KEYS) or saved.get(key) == now.get(key):
+            continue
+        if key not in saved and key in _ADDED_DEFAULTS and now[key] == _ADDED_DEFAULTS[key]:
             continue
         raise ValueError(f"resume: {out / 'config.json'} has {key}={saved.get(key)!r}, this run "
                          f"has {key}={now.get(key)!r}; only {', '.join(RESUMABLE_KEYS)}* may "
@@ -196,6 +209,20 @@ def cached_pairs(out: Path, *, resume: bool, make: Any, stats_file: str = "pair_
     write_text_atomic(stats_path, json.dumps(stats, indent=2))
     write_text_atomic(pairs_path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows, stats
+
+
+def on_rank_zero(make: Any) -> Any:
+    """`make()` on rank 0, its (picklable) result broadcast to every rank of the process group
+    (a collective); `make()` itself without one. For a stage whose result every rank needs and
+    that must not differ between ranks (rejection-sampled pairs: sampling on several GPUs need
+    not give the same tokens), and that writes files (rank 0 alone writes)."""
+    import torch.distributed as dist
+
+    if rank_and_world_size()[1] == 1:
+        return make()
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def stop_if_interrupted(trainer: Any, out: Path, results: dict[str, Any]) -> None:

@@ -15,6 +15,11 @@ drops them from its training items; the run checks both sets are the same.
 Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one row per RL
 step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
 
+With a `parallel` plan (`Config.parallel`, a job of its world size): the SFT stage and the RL
+policy (and its reference) are split by it, each data-parallel rank samples its share of the
+prompts (`posttrain.rl.parallel`), and after training rank 0 evaluates and saves the gathered
+full weights while the other ranks wait; only rank 0 returns the results (the others None).
+
 Example:
     >>> RLRunConfig(rl=RLConfig(algo="grpo", group_size=1))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -35,11 +40,13 @@ import torch
 from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.train.schedules import warmup_cosine_schedule
 from posttrain.workflows.config import (CheckpointConfig, EvalConfig, ModelConfig, OptimConfig,
                                         RLConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
                                         fail, ints, run_fields, validate)
+from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
                                          start_run, stop_if_interrupted, write_results,
                                          write_table)
@@ -72,6 +79,7 @@ class RLRunConfig:
         steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     out_dir: str = "runs/grpo"
     resume: bool = False
@@ -88,6 +96,8 @@ class RLRunConfig:
                        "None: the RL run starts from its own SFT stage (model.name)")
         if self.eval.every:
             raise fail(f"{at}.eval.every", self.eval.every, "0: the RL run has no validation set")
+        check_parallel(self, at, divisible=("rl.prompts_per_step", "sft.batch_size"),
+                       unsupported=("sp", "pp", "ep"))  # see posttrain.rl.parallel
 
 
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
@@ -101,9 +111,10 @@ _CURVES = [("reward_mean", "reward (mean)"), ("accuracy", "accuracy (outcome ok)
            ("kl", "KL to reference"), ("ppo_kl", "KL old -> new (ppo_kl)")]
 
 
-def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any]:
+def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     """Run SFT -> RL -> held-out evaluation; returns the results dict also written to
-    `out_dir/results.json` (and .csv/.md).
+    `out_dir/results.json` (and .csv/.md); under a `parallel` plan, on rank 0 only (None on
+    the other ranks).
 
     Raises ValueError before writing anything if `out_dir` (or its `sft/`) already holds a run
     and `cfg.resume` is False.
@@ -123,7 +134,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any]:
                             held_out_seed=cfg.task.eval_seed)
     if [it["question"] for it in task.held_out()] != [it["question"] for it in items]:
         raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
-    algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling
+    algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, cfg.parallel.plan()
+    if plan is not None:  # before the optimizer: the plan replaces the parameters
+        plan.apply(policy.model, spec=policy.spec)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
     params = list(policy.model.parameters()) + (
         list(value_head.parameters()) if value_head is not None else [])
@@ -135,9 +148,15 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any]:
                         temperature=s.temperature, top_p=s.top_p, value_head=value_head,
                         lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
                         checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume)
+                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan)
     metrics = trainer.fit(o.steps)
-    stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo, "after_sft": sft_results["after"]})
+    stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo,
+                                       "after_sft": (sft_results or {}).get("after")})
+    if plan is not None:
+        policy = trainer.gathered_policy()  # every rank; then rank 0 alone evaluates and writes
+        if rank_and_world_size()[0] != 0:
+            barrier()
+            return None
     rl_s = time.perf_counter() - start - sft_s
     plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
                 xlabel=f"{cfg.rl.algo} step")
@@ -158,6 +177,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any]:
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean())}
     _write_results(results, out, cfg.task.name, algo_name)
+    if plan is not None:
+        barrier()  # the other ranks return once the results are on disk
     return results
 
 

@@ -9,6 +9,9 @@ Held-out items: `task.eval_size` distinct questions generated from `task.eval_se
 
 Several processes (`posttrain.launch` with more than one task, which initialises
 torch.distributed): data-parallel training of the same global batch; rank 0 evaluates and writes.
+With a `parallel` plan (`ParallelConfig`) the policy is split by it before the optimizer is
+built, the loader shards over the plan's data-parallel ranks, and after training every rank
+gathers the full weights (`unsharded_policy`) so that rank 0 evaluates and saves a plain policy.
 
 Example:
     >>> cfg = SFTConfig(optim=BatchOptimConfig(steps=5, warmup_steps=20))
@@ -34,16 +37,18 @@ from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.train.schedules import warmup_cosine_schedule
+from posttrain.train.sharding import full_state_dict, plan_state
 from posttrain.train.trainer import Trainer
 from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
                                         ModelConfig, TaskConfig, choice, fail, ints, run_fields,
                                         validate)
+from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.reports import (accuracy_of, accuracy_table, plot_curves, read_table,
                                          start_run, stop_if_interrupted, write_results,
                                          write_table)
 
 __all__ = ["SFTConfig", "run_sft", "warm_start", "start_policy", "held_out_items", "evaluate",
-           "check_seq_len", "MODES"]
+           "check_seq_len", "unsharded_policy", "MODES"]
 
 MODES = ("sft", "cpt")
 
@@ -68,6 +73,7 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     max_seq_len: int = 128
     pack: bool = False
     seed: int = 0
@@ -82,6 +88,7 @@ class SFTConfig:
         choice(f"{at}.mode", self.mode, MODES)
         check_seq_len(self, at)
         run_fields(self, at)
+        check_parallel(self, at, divisible=("optim.batch_size",))
         if self.eval.every:
             raise fail(f"{at}.eval.every", self.eval.every, "0: SFT has no validation set")
         if self.task.eval_size and self.task.is_file:
@@ -151,7 +158,8 @@ def warm_start(cfg: Any, out: Path) -> dict[str, Any]:
                                                batch_size=cfg.sft.batch_size,
                                                warmup_steps=min(20, steps // 10)),
                         checkpoint=CheckpointConfig(every=max(1, steps // 10)), seed=cfg.seed,
-                        out_dir=str(out / "sft"), resume=cfg.resume, progress=cfg.progress)
+                        out_dir=str(out / "sft"), resume=cfg.resume, progress=cfg.progress,
+                        parallel=cfg.parallel)
     done = _finished_results(out / "sft") if cfg.resume else None
     return done if done is not None else run_sft(sft_cfg)
 
@@ -174,13 +182,29 @@ def start_policy(cfg: Any, out: Path) -> tuple[Policy, dict[str, Any] | None]:
     return Policy.from_pretrained(out / "sft" / "policy"), results
 
 
+def unsharded_policy(policy: Policy) -> Policy:
+    """A plain `Policy` with the full weights of `policy` (a collective when its model is split
+    by a ParallelPlan: every rank calls it and gets the copy; `policy` itself otherwise), for
+    evaluation and `save` on rank 0."""
+    if plan_state(policy.model) is None:
+        return policy
+    from posttrain.models.specs import build_model
+
+    param = next(policy.model.parameters())
+    model = build_model(policy.spec, device=param.device, dtype=param.dtype, seed=0)
+    model.load_state_dict(full_state_dict(policy.model))
+    return Policy(model, policy.tokenizer, policy.spec)
+
+
 def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     """Run SFT/CPT; returns the results dict also written to `out_dir/results.json`.
 
     Under an initialised `torch.distributed` process group (`posttrain.launch`), the ranks train
     data-parallel (`cfg.optim.batch_size` is the global batch and must be divisible by the world
-    size); rank 0 alone writes (config, evaluations, plot, policy, results) while the others wait
-    at a barrier, and only rank 0 returns the results; the other ranks return None.
+    size), or under `cfg.parallel`'s plan when it has one (the batch divisible by its
+    data-parallel size); rank 0 alone writes (config, evaluations, plot, policy, results) while
+    the others wait at a barrier, and only rank 0 returns the results; the other ranks return
+    None.
 
     Raises ValueError before writing anything if `out_dir` already holds a run and
     `cfg.resume` is False (on every rank: all of them read the folder before rank 0 writes).
@@ -206,10 +230,16 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
             write_table(before.table, out / "eval_before.csv")
             results["before"] = before.as_dict()
 
-    # The loader shards each global batch over the ranks of the process group, if there is one.
-    o = cfg.optim
+    # The loader shards each global batch over the ranks of the process group, if there is one
+    # (under a plan: over its data-parallel ranks, after the plan split the policy).
+    o, plan = cfg.optim, cfg.parallel.plan()
+    shard = {}
+    if plan is not None:
+        plan.apply(policy.model, spec=policy.spec)
+        shard = {"rank": plan_state(policy.model).data_rank,
+                 "world_size": plan.data_parallel_size}
     loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
-                       seq_len=cfg.max_seq_len if cfg.pack else None)
+                       seq_len=cfg.max_seq_len if cfg.pack else None, **shard)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
@@ -217,9 +247,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
                       run_dir=out, checkpoint_every=cfg.checkpoint.every,
                       keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
-                      resume=cfg.resume)
+                      resume=cfg.resume, plan=plan)
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, results)
+    policy = unsharded_policy(policy)  # every rank, under a plan
     if writes:
         _finish(policy, cfg, metrics, items, ds, results)
     barrier()  # the other ranks return once the results are on disk

@@ -1,0 +1,208 @@
+"""Preference training under a `ParallelPlan`: the data-parallel preference loader, the padding
+batch an empty share gets, and the reward model (backbone + scalar head) split by a plan.
+
+Notation: B = pairs (or KTO rows) of a batch, W = data-parallel ranks.
+
+The DPO family needs nothing else: the policy is split with `plan.apply(model, spec=spec)` and
+trained by the `Trainer(..., plan=plan)` like SFT; the reference log-probabilities are computed
+once, up front, by `posttrain.preference.reference.compute_reference_logps`, which accepts a
+reference split by the same plan (each data-parallel rank scores its share of the batches, the
+values are summed over the data ranks). A separate frozen reference is only needed when the
+policy has already moved; the recipes score the starting policy itself before its first step.
+
+KTO's reference point z0 is estimated on each micro-batch (`KTOLoss`), so under data
+parallelism on each rank's share of it: the step equals one process's only with `use_kl=False`,
+or up to the difference in z0 (as with gradient accumulation).
+
+The reward model's head is part of the plan: FSDP2 wraps the `RewardModel` as the root above
+the backbone's FSDP units (so the head's gradient is reduced with the rest), and under tensor
+parallelism the head stays a replicated `nn.Linear` whose input (the final-norm hidden state)
+is already replicated, so every tensor-parallel rank computes the same head gradient.
+
+Example (needs a process group of 2 ranks; see tests/test_plans_trainers.py):
+
+    plan = ParallelPlan(dp_shard=2)
+    rm = apply_plan_to_reward_model(plan, RewardModel.from_spec(spec, seed=0))
+    opt = torch.optim.AdamW(rm.parameters(), lr=1e-4)             # after the plan
+    rank, size = plan_state(rm).data_rank, plan.data_parallel_size
+    loader = ShardedPreferenceLoader(dataset, batch_size=8, rank=rank, world_size=size)
+    Trainer(rm, opt, data=loader, loss=BradleyTerryLoss(), plan=plan).fit(10)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from posttrain.core.distributed import flat_collective
+from posttrain.data.preference import KTOBatch, PreferenceBatch, PreferenceLoader
+from posttrain.rewards.reward_model import RewardModel
+from posttrain.train.sharding import full_state_dict, plan_state
+
+__all__ = ["ShardedPreferenceLoader", "PaddingPreferenceBatch", "PaddingKTOBatch",
+           "trains_nothing", "apply_plan_to_reward_model", "gathered_reward_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingPreferenceBatch(PreferenceBatch):
+    """One real pair standing in for an empty share: it runs forward and backward (so the
+    collectives of FSDP2 and TP happen on every rank) and trains nothing (`trains_nothing`)."""
+
+    trains_nothing: ClassVar[bool] = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingKTOBatch(KTOBatch):
+    """`PaddingPreferenceBatch` for KTO batches."""
+
+    trains_nothing: ClassVar[bool] = True
+
+
+def trains_nothing(batch: Any) -> bool:
+    """True for the padding batch of a rank whose share of a global batch is empty: the
+    preference losses count 0 units for it and scale its loss by 0."""
+    return bool(getattr(batch, "trains_nothing", False))
+
+
+def _as_padding(batch: PreferenceBatch | KTOBatch) -> PreferenceBatch | KTOBatch:
+    cls = PaddingKTOBatch if isinstance(batch, KTOBatch) else PaddingPreferenceBatch
+    return cls(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)})
+
+
+class ShardedPreferenceLoader(PreferenceLoader):
+    """`PreferenceLoader` over the data-parallel ranks: `batch_size` is the global batch; every
+    rank walks the same seeded order and collates items r, r + W, r + 2W, ... of each global
+    batch (strided, as `posttrain.data.loader.SFTLoader`), so the ranks' shares together are the
+    one-process batch. The state is the global position (identical on every rank).
+
+    The short last batch of an epoch may leave a rank without an item: it gets the batch's first
+    pair as a `PaddingPreferenceBatch` (or `PaddingKTOBatch`), which the losses count as 0 pairs
+    and multiply by 0, so that rank still runs the step's forward, backward and collectives.
+
+    Args:
+        dataset, batch_size, shuffle, seed: as `PreferenceLoader`.
+        rank, world_size: this rank's place among the data-parallel ranks; under a plan
+            `plan_state(model).data_rank` and `plan.data_parallel_size` (tensor-parallel ranks
+            of one data rank get the same share). Default: the default process group's rank
+            and size (0 and 1 without one).
+
+    Raises:
+        ValueError: for bad options, or a `batch_size` not divisible by `world_size`.
+    """
+
+    def __init__(self, dataset: Any, *, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed)
+        if rank is None or world_size is None:
+            from posttrain.core.distributed import rank_and_world_size
+
+            rank, world_size = rank_and_world_size()
+        for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r}; must be an integer >= {low}")
+        if rank >= world_size:
+            raise ValueError(f"rank={rank} must be below world_size={world_size}")
+        if batch_size % world_size:
+            raise ValueError(f"ShardedPreferenceLoader: batch_size={batch_size} is not divisible "
+                             f"by world_size={world_size}; batch_size is the global batch of all "
+                             "data-parallel ranks together")
+        self.rank, self.world_size = rank, world_size
+
+    def next_batch(self) -> PreferenceBatch | KTOBatch:
+        """This rank's share of the next global batch (a padding batch when it is empty)."""
+        indices = self._order[self.offset: self.offset + self.batch_size]
+        self.offset += len(indices)
+        if self.offset == len(self._order):
+            self._start_epoch(self.epoch + 1)
+        share = indices[self.rank::self.world_size]
+        if share:
+            return self.dataset.collate(share)
+        return _as_padding(self.dataset.collate(indices[:1]))
+
+
+def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = None) -> RewardModel:
+    """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns it.
+
+    The backbone gets `plan.apply` (TP, activation checkpointing, FSDP2 per layer and its root);
+    its output projection is the identity, so TP treats it as a tied model (embedding and
+    output stay replicated). The head is broadcast from rank 0 and, with data parallelism,
+    becomes part of FSDP2's root (`fully_shard(model)` above the backbone's units, gradients
+    SUMmed like the rest); with TP alone it stays a replicated `nn.Linear`. The model then
+    carries the backbone's `PlanState`, so the `Trainer` sees the plan. Build the optimizer
+    after this.
+
+    Args:
+        plan: a `posttrain.train.ParallelPlan`.
+        model: a `RewardModel` built identically on every rank.
+        mesh: the plan's DeviceMesh (default: built here).
+
+    Raises:
+        ValueError: if the model already has a plan or the plan does not fit it.
+        TypeError: if `model` is not a RewardModel.
+        NotImplementedError: for sp, pp or ep > 1 (named).
+    """
+    if not isinstance(model, RewardModel):
+        raise TypeError(f"apply_plan_to_reward_model takes a RewardModel; got "
+                        f"{type(model).__name__} (use plan.apply for a plain decoder)")
+    if plan_state(model) is not None:
+        raise ValueError("this reward model already has a ParallelPlan applied; build a fresh one")
+    others = [f"{axis}={getattr(plan, axis)}" for axis in ("sp", "pp", "ep")
+              if getattr(plan, axis) > 1]
+    if others:
+        raise NotImplementedError(f"apply_plan_to_reward_model: {', '.join(others)} is not "
+                                  "supported for a reward model yet (its head is placed for "
+                                  "dp_replicate, dp_shard and tp)")
+    backbone = model.backbone
+    identity = backbone.output
+    backbone.output = None  # no output module: TP leaves the embedding and output replicated
+    try:
+        plan.apply(backbone, spec=model.spec, mesh=mesh)
+    finally:
+        backbone.output = identity
+    state = plan_state(backbone)
+    flat_collective(list(model.head.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    if state.fsdp:
+        _fsdp_root(plan, model, backbone)
+    model._posttrain_plan_state = state
+    return model
+
+
+def _fsdp_root(plan: Any, model: nn.Module, backbone: nn.Module) -> None:
+    """FSDP2 over `model` as the root above `backbone`'s units (its own parameter group: the
+    head), on the mesh the plan sharded the backbone's root over (that of its final norm, which
+    no tensor-parallel style touches), with the plan's mixed precision and offload, reducing
+    by SUM like the backbone."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    param_dtype, reduce_dtype = plan.torch_dtypes()
+    options: dict[str, Any] = dict(mesh=backbone.norm.scale.device_mesh,
+                                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                  reduce_dtype=reduce_dtype))
+    if plan.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    fully_shard(model, **options)
+    model.set_gradient_divide_factor(1.0)
+    model.set_force_sum_reduction_for_comms(True)
+
+
+def gathered_reward_model(model: RewardModel) -> RewardModel:
+    """A plain (unsharded) `RewardModel` with the full weights of `model` (a collective under a
+    plan: every rank calls it and gets the copy; `model` itself without a plan). Use it to
+    `save` a sharded reward model."""
+    if plan_state(model) is None:
+        return model
+    state = full_state_dict(model)
+    plain = RewardModel(_fresh_backbone(model), model.spec)
+    plain.load_state_dict(state)
+    return plain
+
+
+def _fresh_backbone(model: RewardModel) -> nn.Module:
+    from posttrain.models.specs import build_model
+
+    weight = model.head.weight
+    return build_model(model.spec, device=weight.device, dtype=weight.dtype, seed=0)

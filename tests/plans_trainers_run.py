@@ -1,0 +1,304 @@
+"""One rank of the trainer-under-a-plan runs of tests/test_plans_trainers.py; run as a subprocess.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/plans_trainers_run.py RANK WORLD OUT PHASE
+
+PHASE "two" (2 ranks): DPO (policy and reference both split), the Bradley-Terry reward model,
+GRPO (with a split reference) and PPO (value head, split reference) under `PLANS_2`; a PPO run
+under dp_shard=2 checkpointed after step 2 and resumed to step 3 next to the uninterrupted run;
+DPO under dp_shard=2 with the policy as its own reference, an eval_fn and a checkpoint every
+step; the refusals of a misused plan. PHASE "four" (4 ranks): DPO and GRPO under `PLANS_4`.
+PHASE "recipes" (2 ranks): the grpo, dpo (KTO) and reward_model recipes at TINY size under a
+plan (`RECIPE_RUNS`).
+Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with plan=None is the one-process
+reference the test runs itself (for RL: `rollout_ranks` = the plan's data-parallel size, so the
+one process samples the prompts in the same slices with the same seeds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _train_helpers import TINY
+from posttrain.data import PreferenceDataset
+from posttrain.models import ByteTokenizer, build_model
+from posttrain.policy import Policy
+from posttrain.preference import (BradleyTerryLoss, DPOLoss, ShardedPreferenceLoader,
+                                  apply_plan_to_reward_model, compute_reference_logps)
+from posttrain.rewards import RewardModel, VerifierResult
+from posttrain.rl import Group, RLAlgorithm, RLTrainer, StepResult, ValueHead, make_batch
+from posttrain.rl.parallel import data_shares, rollout_seed
+from posttrain.rl.rollout import collect_groups
+from posttrain.train import ParallelPlan, Trainer, full_state_dict, plan_state
+
+PLANS_2 = {"dp_shard2": ParallelPlan(dp_shard=2), "tp2": ParallelPlan(tp=2)}
+PLANS_4 = {"dp_shard2_tp2": ParallelPlan(dp_shard=2, tp=2)}
+PREF_STEPS, RL_STEPS, RESUME_STEPS = 2, 2, 3
+TRAINERS = ("dpo", "reward_model", "grpo", "ppo")
+TRAINERS_4 = ("dpo", "grpo")  # the 4-rank phase: a split reference in each, and RL rollouts
+
+
+# ---------------------------------------------------------------------- preference
+def preference_rows(n: int = 9) -> list[dict]:
+    """Pairs whose lengths all differ; 9 of them in batches of 4 leave a last batch of one
+    pair, so under dp_shard=2 the second data rank trains a padding batch there."""
+    return [{"prompt": f"{3 + 7 * i}+{11 + 5 * i}=" + "?" * (i % 3),
+             "chosen": f"{14 + 12 * i}" + " ok" * (i % 4), "rejected": f"{i}" + "x" * (1 + i % 5)}
+            for i in range(n)]
+
+
+def _data_shard(model: torch.nn.Module, plan: ParallelPlan | None) -> tuple[int, int]:
+    return (0, 1) if plan is None else (plan_state(model).data_rank, plan.data_parallel_size)
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def run_dpo(plan: ParallelPlan | None, *, self_reference: bool = False,
+            run_dir: Path | None = None) -> dict[str, Any]:
+    """DPO, batch 4 x accumulation 2, clipping at 1.0, SGD: the policy from seed 0, a separate
+    frozen reference from seed 1, both split by `plan`; reference log-probs computed once on
+    the split reference. `self_reference`: the policy is its own reference (as the DPO recipe
+    does: scored before the optimizer is built), with an eval_fn and a checkpoint after every
+    step in `run_dir` (a no-grad forward before a sharded save)."""
+    dataset = PreferenceDataset(preference_rows(), ByteTokenizer(), max_seq_len=48)
+    policy, reference = build_model(TINY, seed=0), build_model(TINY, seed=1)
+    if plan is not None:
+        policy, reference = plan.apply(policy, spec=TINY), plan.apply(reference, spec=TINY)
+    objective, options = DPOLoss(beta=0.1), {}
+    reference = policy if self_reference else reference.requires_grad_(False)
+    compute_reference_logps(reference, dataset, batch_size=4)
+    if self_reference:
+        batch = dataset.collate(range(3))
+        options = dict(eval_fn=lambda m: objective.metrics(m, batch), eval_every=1,
+                       run_dir=run_dir, checkpoint_every=1 if run_dir else 0)
+    rank, size = _data_shard(policy, plan)
+    loader = ShardedPreferenceLoader(dataset, batch_size=4, seed=0, rank=rank, world_size=size)
+    trainer = Trainer(policy, _sgd(policy.parameters()), data=loader, loss=objective,
+                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, plan=plan, **options)
+    metrics = trainer.fit(PREF_STEPS)
+    return {"losses": metrics["loss"].tolist(), "units": metrics["trained_tokens"].tolist(),
+            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(policy),
+            "reference": dict(dataset.reference.values)}
+
+
+def run_reward_model(plan: ParallelPlan | None) -> dict[str, Any]:
+    """The Bradley-Terry reward model (backbone from seed 0 + head), the same batches as DPO."""
+    dataset = PreferenceDataset(preference_rows(), ByteTokenizer(), max_seq_len=48)
+    model = RewardModel.from_spec(TINY, seed=0)
+    if plan is not None:
+        model = apply_plan_to_reward_model(plan, model)
+    rank, size = _data_shard(model, plan)
+    loader = ShardedPreferenceLoader(dataset, batch_size=4, seed=0, rank=rank, world_size=size)
+    trainer = Trainer(model, _sgd(model.parameters()), data=loader, loss=BradleyTerryLoss(),
+                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, plan=plan)
+    metrics = trainer.fit(PREF_STEPS)
+    return {"losses": metrics["loss"].tolist(), "units": metrics["trained_tokens"].tolist(),
+            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(model)}
+
+
+# ---------------------------------------------------------------------- RL
+class ToyEnv:
+    """Reward 1 when the completion starts with an ASCII character (about half of a random
+    tiny policy's samples), else 0."""
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+    def initial_messages(self):
+        return [{"role": "user", "content": self.prompt}]
+
+    def step(self, text):
+        score = 1.0 if text and ord(text[0]) < 128 else 0.0
+        return StepResult(done=True, reward=score, verifier_result=VerifierResult.from_score(score))
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyBuilder:
+    prompt: str
+
+    def make_envs(self, group_size):
+        return [ToyEnv(self.prompt) for _ in range(group_size)]
+
+
+@dataclasses.dataclass
+class ToyTask:
+    def builders(self, batch_index, batch_size):
+        return [ToyBuilder(f"q{batch_index * batch_size + j}") for j in range(batch_size)]
+
+    def held_out(self, n):
+        return []
+
+
+class SlicedRollouts(RLTrainer):
+    """One process that samples each step's prompts in `rollout_ranks` slices with the seeds a
+    plan with that many data-parallel ranks uses: the global batch such a plan gathers."""
+
+    rollout_ranks = 1
+
+    def _collect(self, builders):
+        step_seed = self.seed * 1_000_003 + self.step_count
+        groups = []
+        for r, share in enumerate(data_shares(len(builders), self.rollout_ranks)):
+            local = collect_groups(self.policy, builders[share.start:share.stop],
+                                   group_size=self.algo.group_size,
+                                   max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature, top_p=self.top_p,
+                                   seed=rollout_seed(step_seed, r, self.rollout_ranks),
+                                   policy_version=self.step_count)
+            groups += [Group([dataclasses.replace(t, group_id=share.start + i) for t in g])
+                       for i, g in enumerate(local)]
+        return groups
+
+
+ALGOS = {"grpo": lambda: RLAlgorithm.grpo(group_size=4, kl_coef=0.05, minibatch_size=8),
+         "ppo": lambda: RLAlgorithm.ppo(kl_coef=0.05, ppo_epochs=2, minibatch_size=3)}
+"""GRPO: 4 prompts x 4 samples, minibatches of 8 (2 optimizer steps per RL step). PPO: 4
+prompts x 1 sample, 2 epochs of minibatches of 3 (3 + 1 rows: under dp_shard=2 the second data
+rank of the last minibatch runs a padding micro-batch)."""
+
+
+def _groups_record(groups) -> list[dict]:
+    return [{"group_id": t.group_id, "completion_ids": list(t.completion_ids),
+             "logprobs": list(t.logprobs), "reward": t.reward} for g in groups for t in g]
+
+
+def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
+           steps: int = RL_STEPS, **trainer_kwargs) -> dict[str, Any]:
+    """`steps` RL steps of TINY (seed 0) with SGD, micro-batches of 2 rows, under `plan`.
+    Returns the metrics rows, the rollouts of every step, the full policy and value-head
+    weights, and max |sampler log-prob - training log-prob| on the first step's rollouts
+    (before any update)."""
+    algo = ALGOS[algo_name]()
+    policy = Policy(build_model(TINY, seed=0), ByteTokenizer(), TINY)
+    if plan is not None:
+        plan.apply(policy.model, spec=TINY)
+    head = ValueHead(TINY.embed_dim) if algo.use_value_head else None
+    params = list(policy.model.parameters()) + (list(head.parameters()) if head else [])
+    cls = type("Sliced", (SlicedRollouts,), {"rollout_ranks": rollout_ranks}) if plan is None \
+        else RLTrainer
+    rollouts = []
+    trainer = cls(policy, torch.optim.SGD(params, lr=0.1, momentum=0.9), task=ToyTask(),
+                  algo=algo, prompts_per_step=4, max_new_tokens=4, value_head=head,
+                  micro_batch_size=2, progress=False, plan=plan,
+                  callbacks=[lambda t, row: rollouts.append(_groups_record(t.last_groups))],
+                  **trainer_kwargs)
+    delta = None
+    if trainer.step_count == 0:  # the contract on the first rollouts, under the split policy
+        groups = trainer._collect(ToyTask().builders(0, 4))
+        batch = make_batch(groups, ByteTokenizer().pad_id)
+        with torch.no_grad():
+            logprobs_BT, _, _ = trainer._forward(policy.model, batch, value_head=None)
+        mask = batch["response_mask_BT"]
+        delta = float((logprobs_BT - batch["old_logprobs_BT"])[mask].abs().max())
+    metrics = trainer.fit(steps)
+    rows = [{k: v for k, v in row.items() if not k.endswith("_s") and k != "tokens_per_s"}
+            for row in metrics.to_dict("records")]
+    return {"rows": rows, "rollouts": rollouts, "params": full_state_dict(policy.model),
+            "value_head": None if head is None else {k: v.detach().clone()
+                                                     for k, v in head.state_dict().items()},
+            "delta_logp": delta}
+
+
+# ---------------------------------------------------------------------- phases
+def run_all(plans: dict[str, ParallelPlan], trainers=TRAINERS) -> dict[str, Any]:
+    runs = {"dpo": run_dpo, "reward_model": run_reward_model,
+            "grpo": lambda p: run_rl(p, "grpo"), "ppo": lambda p: run_rl(p, "ppo")}
+    return {(trainer, name): runs[trainer](plan) for name, plan in plans.items()
+            for trainer in trainers}
+
+
+def self_reference_run(out: Path) -> dict[str, Any]:
+    """DPO under dp_shard=2 with the policy as its own reference, an eval_fn and a sharded
+    checkpoint after every step."""
+    result = run_dpo(ParallelPlan(dp_shard=2), self_reference=True, run_dir=out / "dpo_self")
+    result["found"] = sorted(p.name for p in (out / "dpo_self" / "checkpoints").iterdir())
+    return result
+
+
+def resume_runs(out: Path) -> dict[str, Any]:
+    """PPO under dp_shard=2: checkpoint after step 2 of 2, resume to 3; uninterrupted to 3."""
+    plan = ParallelPlan(dp_shard=2)
+    run_dir = out / "rl_resume"
+    first = run_rl(plan, "ppo", steps=2, run_dir=run_dir, checkpoint_every=2)
+    resumed = run_rl(plan, "ppo", steps=RESUME_STEPS, run_dir=run_dir, checkpoint_every=2,
+                     resume=True)
+    whole = run_rl(plan, "ppo", steps=RESUME_STEPS)
+    return {"first": first, "resumed": resumed, "uninterrupted": whole,
+            "found": sorted(p.name for p in (run_dir / "checkpoints").iterdir())}
+
+
+def misuse() -> dict[str, str]:
+    """Errors of: an RL optimizer built before plan.apply; prompts_per_step not divisible by the
+    data-parallel size; a split value head."""
+    errors = {}
+    plan = ParallelPlan(dp_shard=2)
+
+    def attempt(name, build):
+        try:
+            build()
+        except ValueError as e:
+            errors[name] = str(e)
+
+    def before_apply():
+        policy = Policy(build_model(TINY, seed=0), ByteTokenizer(), TINY)
+        opt = torch.optim.SGD(policy.model.parameters(), lr=0.1)
+        plan.apply(policy.model, spec=TINY)
+        RLTrainer(policy, opt, task=ToyTask(), algo=RLAlgorithm.grpo(group_size=2),
+                  prompts_per_step=2, max_new_tokens=2, progress=False, plan=plan)
+
+    def indivisible():
+        policy = Policy(plan.apply(build_model(TINY, seed=0), spec=TINY), ByteTokenizer(), TINY)
+        RLTrainer(policy, torch.optim.SGD(policy.model.parameters(), lr=0.1), task=ToyTask(),
+                  algo=RLAlgorithm.grpo(group_size=2), prompts_per_step=3, max_new_tokens=2,
+                  progress=False, plan=plan)
+
+    attempt("optimizer_before_apply", before_apply)
+    attempt("prompts_not_divisible", indivisible)
+    return errors
+
+
+RECIPE_RUNS = {"grpo": {"parallel.dp_shard": 2}, "dpo": {"parallel.dp_shard": 2, "loss": "kto"},
+               "reward_model": {"parallel.tp": 2}}
+"""PHASE "recipes" (2 ranks): each recipe at its TINY size under a plan."""
+
+
+def recipe_runs(out: Path) -> dict[str, Any]:
+    from posttrain import cli
+    from posttrain.workflows import override
+
+    results = {}
+    for name, extra in RECIPE_RUNS.items():
+        module = cli.load_recipe(name)
+        cfg = override(module.Config(), {**module.TINY, "out_dir": str(out / name), **extra})
+        results[name] = module.main(cfg)
+    return results
+
+
+def main() -> None:
+    rank, world_size = int(sys.argv[1]), int(sys.argv[2])
+    out, phase = Path(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(seconds=90))
+    try:
+        if phase == "two":
+            results = {"runs": run_all(PLANS_2), "resume": resume_runs(out), "errors": misuse(),
+                       "dpo_self_reference": self_reference_run(out)}
+        elif phase == "recipes":
+            results = recipe_runs(out)
+        else:
+            results = {"runs": run_all(PLANS_4, TRAINERS_4)}
+        torch.save(results, out / f"{phase}-rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
