@@ -3,7 +3,8 @@
     MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/plans_trainers_run.py RANK WORLD OUT PHASE
 
 PHASE "two" (2 ranks): DPO (policy and reference both split), the Bradley-Terry reward model,
-GRPO (with a split reference) and PPO (value head, split reference) under `PLANS_2`; a PPO run
+GRPO (with a split reference) and PPO (value head, split reference) under `PLANS_2`, and the
+sequence- and expert-parallel cases `CASES_SP_EP`; a PPO run
 under dp_shard=2 checkpointed after step 2 and resumed to step 3 next to the uninterrupted run;
 DPO under dp_shard=2 with the policy as its own reference, an eval_fn and a checkpoint every
 step; the refusals of a misused plan. PHASE "four" (4 ranks): DPO and GRPO under `PLANS_4`.
@@ -26,7 +27,7 @@ import torch
 
 from _train_helpers import TINY
 from posttrain.data import PreferenceDataset
-from posttrain.models import ByteTokenizer, build_model
+from posttrain.models import ByteTokenizer, build_model, get_preset
 from posttrain.policy import Policy
 from posttrain.preference import (BradleyTerryLoss, DPOLoss, ShardedPreferenceLoader,
                                   apply_plan_to_reward_model, compute_reference_logps)
@@ -38,6 +39,15 @@ from posttrain.train import ParallelPlan, Trainer, full_state_dict, plan_state
 
 PLANS_2 = {"dp_shard2": ParallelPlan(dp_shard=2), "tp2": ParallelPlan(tp=2)}
 PLANS_4 = {"dp_shard2_tp2": ParallelPlan(dp_shard=2, tp=2)}
+MOE = dataclasses.replace(get_preset("tiny-moe"), router_aux_loss_coef=0.0, max_seq_len=64)
+"""The MoE model of the ep case. The router's load-balancing loss is per rank (each ep rank's own
+tokens), so it is off here; the RL losses add none anyway."""
+PLANS_SP_EP = {"sp2": ParallelPlan(sp=2), "ep2": ParallelPlan(ep=2)}
+CASES_SP_EP = {("dpo", "sp2"): TINY, ("reward_model", "sp2"): TINY, ("grpo", "sp2"): TINY,
+               ("grpo", "ep2"): MOE, ("ppo", "ep2"): MOE}
+"""The sequence- and expert-parallel cases of PHASE "two": (trainer, plan name) -> model spec.
+Under sp=2 there is one data rank (both sp ranks train and sample the same rows); under ep=2
+two. PPO under sp is refused (its value head reads a sequence-sliced hidden state: `misuse`)."""
 PREF_STEPS, RL_STEPS, RESUME_STEPS = 2, 2, 3
 TRAINERS = ("dpo", "reward_model", "grpo", "ppo")
 TRAINERS_4 = ("dpo", "grpo")  # the 4-rank phase: a split reference in each, and RL rollouts
@@ -170,16 +180,16 @@ def _groups_record(groups) -> list[dict]:
 
 
 def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
-           steps: int = RL_STEPS, **trainer_kwargs) -> dict[str, Any]:
-    """`steps` RL steps of TINY (seed 0) with SGD, micro-batches of 2 rows, under `plan`.
+           steps: int = RL_STEPS, spec: Any = TINY, **trainer_kwargs) -> dict[str, Any]:
+    """`steps` RL steps of `spec` (seed 0) with SGD, micro-batches of 2 rows, under `plan`.
     Returns the metrics rows, the rollouts of every step, the full policy and value-head
     weights, and max |sampler log-prob - training log-prob| on the first step's rollouts
     (before any update)."""
     algo = ALGOS[algo_name]()
-    policy = Policy(build_model(TINY, seed=0), ByteTokenizer(), TINY)
+    policy = Policy(build_model(spec, seed=0), ByteTokenizer(), spec)
     if plan is not None:
-        plan.apply(policy.model, spec=TINY)
-    head = ValueHead(TINY.embed_dim) if algo.use_value_head else None
+        plan.apply(policy.model, spec=spec)
+    head = ValueHead(spec.embed_dim) if algo.use_value_head else None
     params = list(policy.model.parameters()) + (list(head.parameters()) if head else [])
     cls = type("Sliced", (SlicedRollouts,), {"rollout_ranks": rollout_ranks}) if plan is None \
         else RLTrainer
@@ -214,6 +224,14 @@ def run_all(plans: dict[str, ParallelPlan], trainers=TRAINERS) -> dict[str, Any]
             for trainer in trainers}
 
 
+def sp_ep_runs() -> dict[tuple[str, str], Any]:
+    """`CASES_SP_EP`, each under its plan of `PLANS_SP_EP`."""
+    preference = {"dpo": run_dpo, "reward_model": run_reward_model}
+    return {(trainer, name): (preference[trainer](PLANS_SP_EP[name]) if trainer in preference
+                              else run_rl(PLANS_SP_EP[name], trainer, spec=spec))
+            for (trainer, name), spec in CASES_SP_EP.items()}
+
+
 def self_reference_run(out: Path) -> dict[str, Any]:
     """DPO under dp_shard=2 with the policy as its own reference, an eval_fn and a sharded
     checkpoint after every step."""
@@ -236,14 +254,14 @@ def resume_runs(out: Path) -> dict[str, Any]:
 
 def misuse() -> dict[str, str]:
     """Errors of: an RL optimizer built before plan.apply; prompts_per_step not divisible by the
-    data-parallel size; a split value head."""
+    data-parallel size; a value head under sp=2."""
     errors = {}
     plan = ParallelPlan(dp_shard=2)
 
     def attempt(name, build):
         try:
             build()
-        except ValueError as e:
+        except (ValueError, NotImplementedError) as e:
             errors[name] = str(e)
 
     def before_apply():
@@ -259,8 +277,18 @@ def misuse() -> dict[str, str]:
                   algo=RLAlgorithm.grpo(group_size=2), prompts_per_step=3, max_new_tokens=2,
                   progress=False, plan=plan)
 
+    def value_head_under_sp():
+        sp = ParallelPlan(sp=2)
+        policy = Policy(sp.apply(build_model(TINY, seed=0), spec=TINY), ByteTokenizer(), TINY)
+        head = ValueHead(TINY.embed_dim)
+        RLTrainer(policy, torch.optim.SGD([*policy.model.parameters(), *head.parameters()],
+                                          lr=0.1),
+                  task=ToyTask(), algo=RLAlgorithm.ppo(), prompts_per_step=2, max_new_tokens=2,
+                  value_head=head, progress=False, plan=sp)
+
     attempt("optimizer_before_apply", before_apply)
     attempt("prompts_not_divisible", indivisible)
+    attempt("value_head_under_sp", value_head_under_sp)
     return errors
 
 
@@ -289,8 +317,8 @@ def main() -> None:
                                          timeout=datetime.timedelta(seconds=90))
     try:
         if phase == "two":
-            results = {"runs": run_all(PLANS_2), "resume": resume_runs(out), "errors": misuse(),
-                       "dpo_self_reference": self_reference_run(out)}
+            results = {"runs": {**run_all(PLANS_2), **sp_ep_runs()}, "resume": resume_runs(out),
+                       "errors": misuse(), "dpo_self_reference": self_reference_run(out)}
         elif phase == "recipes":
             results = recipe_runs(out)
         else:

@@ -1,6 +1,7 @@
 """Every trainer under a ParallelPlan on 2 (and 4) gloo processes equals one process on the same
 global batch: DPO (policy and frozen reference both split), the Bradley-Terry reward model (head
-in the plan), GRPO (split reference) and PPO (value head, split reference); an RL run under
+in the plan), GRPO (split reference) and PPO (value head, split reference), under dp_shard=2 and
+tp=2, and the sp=2 / ep=2 cases of `worker.CASES_SP_EP` (PPO under sp is refused); an RL run under
 dp_shard=2 resumes bitwise from its sharded checkpoint; misused plans are refused.
 
 The multi-process runs happen once per fixture (tests/plans_trainers_run.py: 2 ranks, ~20-30 s;
@@ -93,12 +94,15 @@ def four(tmp_path_factory) -> list[dict]:
 _SINGLE: dict = {}
 
 
-def _single(trainer: str, data_ranks: int) -> dict:
-    """The one-process run of `trainer` (RL: sampling in the plan's `data_ranks` slices)."""
-    key = (trainer, data_ranks if trainer in ("grpo", "ppo") else 1)
+def _single(trainer: str, data_ranks: int, spec=worker.TINY) -> dict:
+    """The one-process run of `trainer` (RL: of `spec`, sampling in the plan's `data_ranks`
+    slices)."""
+    rl = trainer in ("grpo", "ppo")
+    key = (trainer, data_ranks if rl else 1, repr(spec) if rl else None)
     if key not in _SINGLE:
         run = {"dpo": worker.run_dpo, "reward_model": worker.run_reward_model}.get(
-            trainer, lambda plan: worker.run_rl(plan, trainer, rollout_ranks=data_ranks))
+            trainer, lambda plan: worker.run_rl(plan, trainer, rollout_ranks=data_ranks,
+                                                spec=spec))
         _SINGLE[key] = run(None)
     return _SINGLE[key]
 
@@ -134,8 +138,8 @@ def _same_or_close(x: float, y: float, atol: float) -> bool:
     return (math.isnan(x) and math.isnan(y)) or abs(x - y) <= atol
 
 
-def _check_rl(ranks: list[dict], key: tuple[str, str], plan) -> None:
-    single = _single(key[0], plan.data_parallel_size)
+def _check_rl(ranks: list[dict], key: tuple[str, str], plan, spec=worker.TINY) -> None:
+    single = _single(key[0], plan.data_parallel_size, spec)
     for rank in ranks:
         result = rank["runs"][key]
         # rollouts: step 1 bitwise; later steps the same tokens, log-probs within rounding
@@ -168,6 +172,21 @@ def test_trainer_under_a_2_rank_plan_equals_one_process(two, key):
     plan = worker.PLANS_2[key[1]]
     check = _check_rl if key[0] in ("grpo", "ppo") else _check_preference
     check(two, key, plan)
+
+
+@pytest.mark.parametrize("key", list(worker.CASES_SP_EP), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_trainer_under_sp2_or_ep2_equals_one_process(two, key):
+    """DPO (policy and reference split), the reward model (head after the sequence gather) and
+    GRPO under Ulysses sp=2 on TINY (one data rank: both sp ranks sample and train the same
+    rows); GRPO and PPO (value head) under ep=2 on the MoE `worker.MOE` (two data ranks; router
+    aux loss off, as it is per rank): the same checks and tolerances as the dp_shard / tp
+    cases (seen: losses and metrics within 4.8e-7, grad norms 1.3e-6 for DPO under sp, weights
+    1.2e-7, reference log-probs 0.0, sampler-vs-training log-prob 9.5e-7)."""
+    plan = worker.PLANS_SP_EP[key[1]]
+    if key[0] in ("dpo", "reward_model"):
+        _check_preference(two, key, plan)
+    else:
+        _check_rl(two, key, plan, worker.CASES_SP_EP[key])
 
 
 @pytest.mark.slow
@@ -218,6 +237,7 @@ def test_misused_rl_plans_are_refused_with_what_to_do(two):
     assert "built before ParallelPlan(dp_shard=2) was applied" in errors["optimizer_before_apply"]
     assert "prompts_per_step=3 must be divisible by the data-parallel size 2" in \
         errors["prompts_not_divisible"]
+    assert "a value head with sp=2 is not supported" in errors["value_head_under_sp"]
 
 
 @pytest.mark.slow

@@ -17,7 +17,12 @@ or up to the difference in z0 (as with gradient accumulation).
 The reward model's head is part of the plan: FSDP2 wraps the `RewardModel` as the root above
 the backbone's FSDP units (so the head's gradient is reduced with the rest), and under tensor
 parallelism the head stays a replicated `nn.Linear` whose input (the final-norm hidden state)
-is already replicated, so every tensor-parallel rank computes the same head gradient.
+is already replicated, so every tensor-parallel rank computes the same head gradient. Under
+sequence parallelism the head reads the backbone's final output, which the Ulysses hooks gather
+to the full sequence on every sp rank; its gradient is scaled so that the SUM over the sp ranks
+counts it once (`_count_head_grads_once_over_sp`). pp and ep stay refused: a pipelined
+backbone has no plain forward for the head to read, and an expert-parallel reward model is not
+validated yet.
 
 Example (needs a process group of 2 ranks; see tests/test_plans_trainers.py):
 
@@ -127,7 +132,8 @@ class ShardedPreferenceLoader(PreferenceLoader):
 def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = None) -> RewardModel:
     """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns it.
 
-    The backbone gets `plan.apply` (TP, activation checkpointing, FSDP2 per layer and its root);
+    The backbone gets `plan.apply` (TP, Ulysses SP, activation checkpointing, FSDP2 per layer
+    and its root);
     its output projection is the identity, so TP treats it as a tied model (embedding and
     output stay replicated). The head is broadcast from rank 0 and, with data parallelism,
     becomes part of FSDP2's root (`fully_shard(model)` above the backbone's units, gradients
@@ -143,19 +149,19 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
     Raises:
         ValueError: if the model already has a plan or the plan does not fit it.
         TypeError: if `model` is not a RewardModel.
-        NotImplementedError: for sp, pp or ep > 1 (named).
+        NotImplementedError: for pp or ep > 1 (named).
     """
     if not isinstance(model, RewardModel):
         raise TypeError(f"apply_plan_to_reward_model takes a RewardModel; got "
                         f"{type(model).__name__} (use plan.apply for a plain decoder)")
     if plan_state(model) is not None:
         raise ValueError("this reward model already has a ParallelPlan applied; build a fresh one")
-    others = [f"{axis}={getattr(plan, axis)}" for axis in ("sp", "pp", "ep")
+    others = [f"{axis}={getattr(plan, axis)}" for axis in ("pp", "ep")
               if getattr(plan, axis) > 1]
     if others:
         raise NotImplementedError(f"apply_plan_to_reward_model: {', '.join(others)} is not "
                                   "supported for a reward model yet (its head is placed for "
-                                  "dp_replicate, dp_shard and tp)")
+                                  "dp_replicate, dp_shard, tp and sp)")
     backbone = model.backbone
     identity = backbone.output
     backbone.output = None  # no output module: TP leaves the embedding and output replicated
@@ -165,10 +171,38 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
         backbone.output = identity
     state = plan_state(backbone)
     flat_collective(list(model.head.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    if plan.sp > 1:
+        _count_head_grads_once_over_sp(model.head, plan.sp)
     if state.fsdp:
         _fsdp_root(plan, model, backbone)
     model._posttrain_plan_state = state
     return model
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in the forward; the backward multiplies the gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _count_head_grads_once_over_sp(head: nn.Module, sp: int) -> None:
+    """Under sp the head sits after the all-gather of the sequence-parallel backbone: every sp
+    rank applies it to the same full hidden states and gets the whole head gradient, which
+    FSDP2's SUM over the ranks (sp included) would count sp times (the backbone's parameters get
+    one slice's gradient per sp rank, which add up right). Scale the gradient at the head's
+    output by 1/sp and the one it passes back to its input by sp: the head's weight gradient
+    is 1/sp of each rank's (summing to one), the backbone's is unchanged (exact for sp a
+    power of two)."""
+    head.register_forward_pre_hook(
+        lambda module, args: (_ScaleGrad.apply(args[0], float(sp)), *args[1:]))
+    head.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / sp))
 
 
 def _fsdp_root(plan: Any, model: nn.Module, backbone: nn.Module) -> None:

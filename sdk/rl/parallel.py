@@ -41,8 +41,16 @@ from the split policy, which computes the same distribution; they differ by floa
 (tests/test_plans_trainers.py: at most 9.5e-7 on TINY under dp_shard=2, tp=2 and dp_shard=2 x
 tp=2, the same as in one process; the bound is 1e-5).
 
-Axes: dp_replicate, dp_shard and tp. sp, pp and ep > 1 are refused (named) until the RL path is
-validated with them (a pipelined policy has no plain forward to score with).
+Axes: dp_replicate, dp_shard, tp, sp and ep; pp > 1 is refused (a pipelined policy has no plain
+forward to score with).
+  * sp: the sp ranks of a data rank share its prompts (they are not data-parallel: W counts
+    them once), sample them with the same seed and get the same groups; the split policy's
+    forward returns the full logits on every sp rank (`posttrain.train.sequence_parallel`), so
+    log-probs, entropy and losses are those of one process. A value head (PPO) is refused
+    under sp: it reads model.norm's output through a hook, inside the sequence-sliced region.
+  * ep (MoE): the ep ranks are data ranks (W includes them); the rollout copy is a plain MoE
+    model of the same spec with the experts gathered by `full_state_dict`. The RL losses add
+    no router load-balancing loss (which would be per rank, not invariant to the split).
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ def setup_plan(trainer: Any, plan: Any) -> None:
     Raises:
         ValueError: a plan not applied to the policy (or another one), an optimizer built before
             it, prompts_per_step not divisible by the data-parallel size, a split value head.
-        NotImplementedError: for sp, pp or ep > 1 (named).
+        NotImplementedError: for pp > 1, or sp > 1 with a value head.
     """
     from torch.distributed.tensor import DTensor
 
@@ -90,12 +98,17 @@ def setup_plan(trainer: Any, plan: Any) -> None:
     policy, head = trainer.policy, trainer.value_head
     check_plan(policy.model, optimizer_without(trainer.optimizer, head), plan)
     state = plan_state(policy.model)
-    others = [f"{axis}={getattr(state.plan, axis)}" for axis in ("sp", "pp", "ep")
-              if getattr(state.plan, axis) > 1]
-    if others:
-        raise NotImplementedError(f"RLTrainer under {state.plan}: {', '.join(others)} is not "
-                                  "supported by the RL trainer yet (its rollouts, shares and "
-                                  "value head are built for dp_replicate, dp_shard and tp)")
+    if state.plan.pp > 1:
+        raise NotImplementedError(f"RLTrainer under {state.plan}: pp={state.plan.pp} is not "
+                                  "supported (a pipelined policy has no plain forward to score "
+                                  "the rollouts with); use dp_replicate, dp_shard, tp, sp or ep")
+    if head is not None and state.plan.sp > 1:
+        raise NotImplementedError(f"RLTrainer under {state.plan}: a value head with "
+                                  f"sp={state.plan.sp} is not supported: the head reads the "
+                                  "hidden state of model.norm through a hook, inside the "
+                                  "sequence-parallel region, where each sp rank holds only its "
+                                  "slice of the sequence; use sp=1 for PPO (GRPO, without a "
+                                  "value head, runs under sp)")
     ranks = state.plan.data_parallel_size
     if trainer.prompts_per_step % ranks:
         raise ValueError(f"prompts_per_step={trainer.prompts_per_step} must be divisible by the "
@@ -187,6 +200,7 @@ def optimizer_step_under_plan(trainer: Any, mb: dict[str, Tensor]) -> dict[str, 
         totals = reduce_metrics(totals, group)
         if head is not None:
             sum_grads_over_data_ranks(head, group)
+    trainer._sum_gradients_across_ranks()  # the plan's own syncs (experts over dp x sp ranks)
     grad_norm = trainer.clip_and_check(totals["loss"])
     totals["lr"] = torch.tensor(float(trainer.optimizer.param_groups[0]["lr"]))
     trainer.optimizer.step()
