@@ -227,7 +227,8 @@ def test_misused_plans_are_refused_with_what_to_do(runs):
 @pytest.mark.parametrize("kwargs, world, field, allowed", [
     (dict(dp_shard=2, tp=2), 8, "must multiply to 8", None),
     (dict(tp=3), 3, "ParallelPlan.tp=3", "allowed tp: 1, 2"),
-    (dict(sp=4), 4, "ParallelPlan.sp=4", "allowed sp: 1, 2"),
+    (dict(sp=3), 3, "ParallelPlan.sp=3", "allowed sp: 1, 2, 4"),
+    (dict(tp=2, sp=4), 8, "ParallelPlan.sp=4", "allowed sp: 1, 2"),
     (dict(pp=5), 5, "ParallelPlan.pp=5", "allowed pp: 1..4"),
     (dict(ep=2), 2, "ParallelPlan.ep=2", "allowed ep: 1"),
     (dict(ep=3), 3, "ParallelPlan.ep=3", "allowed ep: 1, 2, 4"),
@@ -244,6 +245,7 @@ def test_bad_plans_fail_naming_the_field_and_allowed_values(kwargs, world, field
 
 
 @pytest.mark.parametrize("kwargs, field", [
+    (dict(param_dtype=["bfloat16"]), "param_dtype"),
     (dict(tp=0), "tp"), (dict(dp_shard=1.5), "dp_shard"), (dict(pp_schedule="zb"), "pp_schedule"),
     (dict(param_dtype="fp8"), "param_dtype"), (dict(n_microbatches=4), "n_microbatches"),
     (dict(cpu_offload="yes"), "cpu_offload"),
@@ -258,6 +260,44 @@ def test_cpu_offload_of_a_model_on_the_cpu_is_refused():
 
     with pytest.raises(ValueError, match="allowed cpu_offload on CPU: False"):
         ParallelPlan(cpu_offload=True).apply(build_model(TINY, seed=0), spec=TINY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), "world_size=0; must be a positive integer"),
+    (dict(world_size="4"), "world_size='4'; must be a positive integer"),
+    (dict(spec=42), "spec=42; must be a posttrain.models.ModelSpec"),
+])
+def test_validate_checks_its_own_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelPlan().validate(**kwargs)
+
+
+def test_a_preset_name_is_a_spec_and_numpy_integers_are_sizes():
+    import numpy as np
+
+    plan = ParallelPlan(tp=np.int64(2))
+    assert plan.tp == 2 and type(plan.tp) is int
+    with pytest.raises(ValueError, match="allowed tp: 1, 2"):
+        ParallelPlan(tp=4).validate(spec="tiny-1m")
+
+
+def test_a_one_rank_plan_applies_activation_checkpointing_without_a_process_group():
+    """Activation checkpointing alone needs no other rank: the same losses and gradients as
+    the plain model (it only recomputes the forward in backward)."""
+    from _train_helpers import sft_dataset
+    from posttrain.data import SFTLoader
+    from posttrain.models import build_model
+    from posttrain.train import Trainer
+
+    losses = []
+    for plan in (None, ParallelPlan(activation_checkpointing=True)):
+        model = build_model(TINY, seed=0)
+        if plan is not None:
+            model = plan.apply(model, spec=TINY)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = SFTLoader(sft_dataset(8), batch_size=4, seed=0)
+        losses.append(Trainer(model, opt, data=loader, progress=False, plan=plan).fit(2)["loss"].tolist())
+    assert losses[0] == losses[1]
 
 
 def test_trainer_memory_check_refuses_a_plan_that_does_not_fit_before_any_step():

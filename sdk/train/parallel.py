@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,7 +78,9 @@ class ParallelPlan:
         pp_schedule: "gpipe" or "1f1b".
         n_microbatches: micro-batches per pipeline step (default: pp).
         param_dtype: FSDP2 mixed precision: the dtype parameters are gathered in for compute
-            ("float32", "bfloat16", "float16"; None: the model's own).
+            ("float32", "bfloat16", "float16"; None: the model's own). Setting it (or
+            reduce_dtype, cpu_offload) applies FSDP2 even without data-parallel ranks (a mesh of
+            one rank: mixed precision on a single device).
         reduce_dtype: FSDP2 mixed precision: the dtype of gradient reduction (None: param_dtype).
         cpu_offload: FSDP2 keeps parameters, gradients and optimizer state on CPU.
         activation_checkpointing: recompute each transformer layer's activations in backward.
@@ -101,6 +104,10 @@ class ParallelPlan:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        for name in (*AXES, "n_microbatches"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))  # numpy integers too
         for name in AXES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -119,18 +126,27 @@ class ParallelPlan:
                                  "grad_accum_steps for micro-batches without a pipeline")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in _DTYPES:
+            if value is not None and (not isinstance(value, str) or value not in _DTYPES):
                 raise ValueError(f"ParallelPlan.{name}={value!r}; allowed: None, "
                                  f"{', '.join(_DTYPES)}")
         for name in ("cpu_offload", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ParallelPlan.{name}={getattr(self, name)!r}; must be a bool")
 
+
     # ------------------------------------------------------------------ sizes
     @property
     def world_size(self) -> int:
         """The product of all axes: the number of ranks the plan needs."""
         return math.prod(getattr(self, name) for name in AXES)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the plan applies FSDP2: some parameters are replicated over ranks that compute
+        their own gradient shares (dp_replicate x dp_shard x ep x sp > 1), or it asks for FSDP2's
+        mixed precision or CPU offload (then on a mesh of one rank if need be)."""
+        return (self.dp_replicate * self.dp_shard * self.ep * self.sp > 1
+                or bool(self.param_dtype or self.reduce_dtype or self.cpu_offload))
 
     @property
     def data_parallel_size(self) -> int:
@@ -161,14 +177,26 @@ class ParallelPlan:
 
         Args:
             world_size: the job's number of ranks (None: not checked).
-            spec: a `posttrain.models.ModelSpec` (None: model-dependent rules not checked).
+            spec: a `posttrain.models.ModelSpec` or a preset name (None: model-dependent rules
+                not checked).
 
         Raises:
-            ValueError: naming the field and the allowed values: the product differs from
-                world_size; tp or sp does not divide num_heads and num_kv_heads (tp also the
-                embedding and MLP widths); pp exceeds num_layers; ep > 1 on a model without
+            ValueError: naming the field and the allowed values: a bad world_size or spec; the
+                product differs from world_size; tp does not divide num_heads, num_kv_heads and
+                the embedding and MLP widths; sp does not divide the heads per tp rank; pp exceeds num_layers; ep > 1 on a model without
                 experts, or ep does not divide num_experts; tp or pp > 1 on an MoE model.
         """
+        if world_size is not None and (not isinstance(world_size, int)
+                                       or isinstance(world_size, bool) or world_size < 1):
+            raise ValueError(f"world_size={world_size!r}; must be a positive integer (the job's "
+                             "number of ranks) or None")
+        if isinstance(spec, str):
+            from posttrain.models.specs import get_preset
+
+            spec = get_preset(spec)
+        if spec is not None and not all(hasattr(spec, f) for f in ("num_heads", "num_layers")):
+            raise ValueError(f"spec={spec!r}; must be a posttrain.models.ModelSpec (e.g. "
+                             "get_preset('tiny-1m')), a preset name, or None")
         if world_size is not None and self.world_size != world_size:
             raise ValueError(f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
                              f"{self.world_size}, but the world size is {world_size}; the axes "
@@ -185,13 +213,12 @@ class ParallelPlan:
             raise ValueError(f"ParallelPlan.tp={self.tp} must divide embed_dim={spec.embed_dim} "
                              f"and intermediate_dim={spec.intermediate_dim}; allowed tp: "
                              f"{_divisors(math.gcd(widths, heads))}")
-        if spec.num_heads % self.sp or spec.num_kv_heads % self.sp:
-            raise ValueError(f"ParallelPlan.sp={self.sp} must divide num_heads={spec.num_heads} "
-                             f"and num_kv_heads={spec.num_kv_heads} (Ulysses scatters heads); "
-                             f"allowed sp: {_divisors(heads)}")
-        if self.sp > 1 and (spec.num_heads // self.tp) % self.sp:
-            raise ValueError(f"ParallelPlan.sp={self.sp} must divide the heads left per "
-                             f"tensor-parallel rank ({spec.num_heads // self.tp})")
+        local_heads = spec.num_heads // self.tp
+        if local_heads % self.sp:  # k and v are expanded to num_heads before the all-to-all
+            raise ValueError(f"ParallelPlan.sp={self.sp} must divide the attention heads per "
+                             f"tensor-parallel rank (num_heads={spec.num_heads} / tp={self.tp} = "
+                             f"{local_heads}; Ulysses scatters heads); allowed sp: "
+                             f"{_divisors(local_heads)}")
         if self.pp > spec.num_layers:
             raise ValueError(f"ParallelPlan.pp={self.pp} exceeds the model's num_layers="
                              f"{spec.num_layers}; allowed pp: 1..{spec.num_layers}")

@@ -106,6 +106,12 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
     if plan_state(model) is not None:
         raise ValueError("this model already has a ParallelPlan applied; build a fresh model")
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
+    if isinstance(spec, str):
+        from posttrain.models.specs import get_preset
+
+        spec = get_preset(spec)
+    if plan.world_size == 1 and not plan.fsdp and not dist.is_initialized():
+        return _apply_one_rank(plan, model, spec)
     layers = _layers(model)
     device = next(model.parameters()).device
     if plan.cpu_offload and device.type == "cpu":
@@ -146,7 +152,7 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
 
         set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
         layers = _layers(model)
-    fsdp = plan.dp_replicate * plan.dp_shard * plan.ep * plan.sp > 1
+    fsdp = plan.fsdp
     if fsdp:
         _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
@@ -165,6 +171,20 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
                      pp_group=pipeline_info["group"],
                      tied_copy=model.tok_embeddings.weight if last_tied else None)
     model._posttrain_plan_state = PlanState(**state)
+    return model
+
+
+def _apply_one_rank(plan: Any, model: nn.Module, spec: Any) -> nn.Module:
+    """A plan of one rank without FSDP2 settings, in a process without a process group: only
+    activation checkpointing applies."""
+    _layers(model)
+    if plan.activation_checkpointing:
+        from torchtune.modules import TransformerSelfAttentionLayer
+        from torchtune.training import set_activation_checkpointing
+
+        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    model._posttrain_plan_state = PlanState(plan=plan, mesh=None, data_rank=0, data_group=None,
+                                            fsdp=False, spec=spec)
     return model
 
 

@@ -126,6 +126,8 @@ def check_world_size(cfg: Any, at: str = ROOT) -> None:
     import torch.distributed as dist
 
     world = rank_and_world_size()[1]
+    if plan.world_size == 1 and world == 1:
+        return  # a plan of one rank (activation checkpointing) needs no process group
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{at}.parallel asks for {plan} on {plan.world_size} ranks, but no "
                          "torch.distributed process group is initialised: run the recipe as a "
