@@ -34,11 +34,12 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                       SDPA log-sum-exp                                                4H/tp
                       dense MLP: silu input, w3 output, silu output, their product     4aF/tp
                       (MoE MLP instead: k*(3aD + 4aM + 24) + 4E, + (4S + D + 2)a with S)
-                    fp32, dense: 4*(10D + 4F + H + 2) bytes per token per layer, times n blocks
-                    and B*ceil(T/sp) tokens (Ulysses: each sp rank runs the blocks on its slice
-                    of the sequence, attention on H/sp heads of all of it); the norm and
-                    residual parts are replicated under TP (no
-                    sequence parallelism in torchtune's TP plan). Plus the head: final norm
+                      RoPE tables gathered at input_pos, q and k: qwen2 4ad, llama3 8d
+                    fp32, dense qwen2: 4*(10D + 4F + H + 2 + 4d) bytes per token per layer,
+                    times n blocks and B*ceil(T/sp) tokens (Ulysses: each sp rank runs the
+                    blocks on its slice of the sequence, attention on H/sp heads of all of it);
+                    the norm, RoPE and residual parts are replicated under TP (no sequence
+                    parallelism in torchtune's TP plan). Plus the head: final norm
                     4*(2D + 1) + aD and int64 token ids and labels 16, per token.
                     With activation checkpointing a block keeps only its input (aD per token) and
                     rebuilds its full set (above) while it is back-propagated.
@@ -63,7 +64,7 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
   temporaries       temporaries of the denominator); CUDA foreach AdamW: 1 x all local
                     parameters (the foreach sqrt of exp_avg_sq).
   model build       every rank builds the whole model in p bytes before `plan.apply` shards it,
-                    plus, with world size > 1, two 64 MiB buckets of the rank-0 broadcast
+                    plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
                     (`flat_collective` concatenates the next bucket while the previous one is
                     still referenced).
   reference model   phases dpo, grpo, ppo: a forward-only copy sharded like the policy, in
@@ -85,11 +86,10 @@ How they add up (the "peak" row; each term enters where it is alive):
     rollout   = parameters + optimizer + reference + value head + KV cache + prefill
     peak      = max(model build, training (not in phase rollout), rollout (grpo, ppo, rollout))
 
-`rebuilt` is one block's saved set under activation checkpointing (0 without); G_root the root
-group's gradients (under FSDP they stay unsharded until the end of backward), G_block one
-block's local gradients. Validated against measured peak RSS on CPU (fp32, SFT, AdamW;
-benchmarks/parallel_memory.py, docs/benchmarks_parallel.md); runtime memory that no term holds
-(allocator, gloo buffers, autograd nodes) is the `runtime_bytes` row, 0 unless given.
+rebuilt: one block's saved set under activation checkpointing (else 0); G_root: the root's
+gradients (unsharded under FSDP until the end of backward); G_block: one block's local
+gradients. Validated against peak RSS on CPU (docs/benchmarks_parallel.md); memory no term
+holds (code pages, small allocations) is the `runtime_bytes` row, 0 unless given.
 
 Example:
     >>> from posttrain.models import get_preset
@@ -168,8 +168,7 @@ class MemoryBatch:
         if not isinstance(batch, dict):
             raise ValueError(f"batch={batch!r}; must be a MemoryBatch or a dict with keys "
                              f"{', '.join(f.name for f in fields(cls))}")
-        unknown = sorted(set(batch) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(batch) - {f.name for f in fields(cls)}):
             raise ValueError(f"batch has unknown key(s) {', '.join(unknown)}; allowed: "
                              f"{', '.join(f.name for f in fields(cls))}")
         return cls(**batch)
@@ -193,7 +192,8 @@ class _Counts:
 def _counts(spec: Any) -> _Counts:
     D, H, K, d, F, V = (spec.embed_dim, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                         spec.intermediate_dim, spec.vocab_size)
-    attn = D * H * d + 2 * D * K * d + H * d * D + ((H + 2 * K) * d if spec.family == "qwen2" else 0)
+    bias = (H + 2 * K) * d if spec.family == "qwen2" else 0  # qwen2's q/k/v biases
+    attn = 2 * D * H * d + 2 * D * K * d + bias
     replicated, experts, mlp = 2 * D, 0, 3 * D * F
     if spec.is_moe:
         E, M, S = spec.num_experts, spec.moe_intermediate_dim, spec.shared_expert_dim
@@ -209,7 +209,8 @@ def _counts(spec: Any) -> _Counts:
 def _activation_bytes_per_token(spec: Any, plan: ParallelPlan, a: int) -> float:
     """Saved bytes of one block per token (module docstring), on one rank of plan.tp."""
     D, H, F, tp = spec.embed_dim, spec.num_heads, spec.intermediate_dim, plan.tp
-    replicated = 16 * D + 8 + 2 * a * D
+    rope = 4 * a * spec.head_dim if spec.family == "qwen2" else 8 * spec.head_dim
+    replicated = 16 * D + 8 + 2 * a * D + rope
     split = 4 * a * D + 4 * H
     if spec.is_moe:
         k, M, S, E = (spec.experts_per_token, spec.moe_intermediate_dim, spec.shared_expert_dim,
@@ -222,12 +223,11 @@ def _activation_bytes_per_token(spec: Any, plan: ParallelPlan, a: int) -> float:
 def _optimizer_states(optimizer: str | float) -> float:
     if isinstance(optimizer, str):
         if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer={optimizer!r}; allowed: "
-                             f"{', '.join(OPTIMIZER_STATES)} or a number of fp32 states per "
-                             "parameter")
+            raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)} "
+                             "or a number of fp32 states per parameter")
         return OPTIMIZER_STATES[optimizer]
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) or not (
-            0 <= optimizer < math.inf):
+    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) \
+            or not 0 <= optimizer < math.inf:
         raise ValueError(f"optimizer={optimizer!r}; must be a name ({', '.join(OPTIMIZER_STATES)})"
                          " or a number >= 0 of fp32 states per parameter")
     return float(optimizer)
@@ -240,9 +240,8 @@ def _dtype_bytes(name: str, value: str | None) -> int:
 
 
 def _axes(plan: ParallelPlan, *names: str) -> str:
-    used = [f"{n}" for n in names if getattr(plan, n) > 1]
-    value = math.prod(getattr(plan, n) for n in names)
-    return f"{' x '.join(used)} = {value}" if used else "1"
+    used = [n for n in names if getattr(plan, n) > 1]
+    return f"{' x '.join(used)} = {math.prod(getattr(plan, n) for n in used)}" if used else "1"
 
 
 def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[str, Any], *,
@@ -271,8 +270,8 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
     Returns:
         A pandas DataFrame, one row per term: term, bytes, GiB, divided_by (the plan axes and
         their product), note; the last row, "peak", is the per-rank total by the rule above.
-        `df.attrs` holds "peak_bytes", "dominant" (the largest term inside the peak) and
-        "phase".
+        `df.attrs` holds "peak_bytes", "dominant" (the largest term inside the peak), "moment"
+        (when the peak happens) and "phase".
 
     Raises:
         ValueError: naming the argument and the allowed values, for an unknown phase, optimizer,
@@ -342,12 +341,12 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
              if spec.is_moe else F / tp)
     working = 2 * a * f_eff * tokens
     fsdp_root = root_local * a if fsdp else 0.0
-    fsdp_blocks = 3 * block_local * a if fsdp else 0.0
+    fsdp_all = fsdp_root + (3 * block_local * a if fsdp else 0.0)
     g_root = root_local * p  # under FSDP the root's gradients stay unsharded until the end
     g_block = (block_local / shards + experts_local) * p
     if training:
-        ac = "activation checkpointing: each block keeps its input" if plan.activation_checkpointing \
-            else "saved tensors of every block"
+        ac = ("activation checkpointing: each block keeps its input"
+              if plan.activation_checkpointing else "saved tensors of every block")
         add("activations", acts, _axes(plan, "tp", "sp", "pp")
             + (" (norms, residual: not tp)" if tp > 1 else ""),
             f"{ac}; {n} block(s) x {in_flight} micro-batch(es) in flight")
@@ -358,7 +357,7 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
             "fp32 log-softmax + its gradient + the logits' gradient (B x T x V x 12 B)")
         add("backward working set", working, _axes(plan, "tp", "sp"),
             "gradients of the SwiGLU product in the block under backward")
-        add("FSDP buffers", fsdp_root + fsdp_blocks, "gathered: not divided" if fsdp else "1",
+        add("FSDP buffers", fsdp_all, "gathered: not divided" if fsdp else "1",
             "root group gathered + 3 blocks in backward" if fsdp else "no FSDP")
         largest = max(c.largest_block / (tp * shards), c.largest_expert / ep,
                       c.largest_root / (tp if c.root_tp else 1) / shards)
@@ -367,9 +366,10 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
             "for-loop AdamW: 2 x largest tensor" if device_type == "cpu"
             else "foreach AdamW: 1 x local parameters")
     whole = _all_parameters(c, spec) * p
-    build = whole + (min(2 * _BROADCAST_BUCKET, whole) if plan.world_size > 1 else 0)
+    applied = plan != ParallelPlan()  # plan.apply broadcasts from rank 0 first
+    build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
     add("model build", build, "1", "every rank builds the whole model before plan.apply"
-        + (" (+ 2 broadcast buckets)" if plan.world_size > 1 else ""))
+        + (" (+ 2 broadcast buckets)" if applied else ""))
     ref = held * ref_p if phase in ("dpo", "grpo", "ppo") else 0.0
     if ref:
         add("reference model", ref, param_axes, "forward-only copy sharded like the policy")
@@ -395,12 +395,12 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
             "update": (G + temps, ("gradients", "optimizer step temporaries")),
             "loss backward": (acts + head + logits + fsdp_root,
                               ("activations", "activations (head)", "logits", "FSDP buffers")),
-            "last block backward": (acts + head + rebuilt + working + g_root + fsdp_root + fsdp_blocks,
+            "last block backward": (acts + head + rebuilt + working + g_root + fsdp_all,
                                     ("activations", "activations (head)",
                                      "activations (rebuilt block)", "backward working set",
                                      "FSDP buffers")),
             "block 0 backward": (kept * in_flight + rebuilt + working + (n - 1) * g_block + g_root
-                                 + fsdp_root + fsdp_blocks,
+                                 + fsdp_all,
                                  ("gradients", "activations (rebuilt block)",
                                   "backward working set", "FSDP buffers")),
         }
@@ -449,7 +449,6 @@ _FIXES = {
                    "(build it on the meta device and load sharded weights)",
     "reference model": "raise dp_shard (the reference falls 1/dp_shard), or precompute the "
                        "reference log-probs",
-    "value head": "raise dp_shard",
     "KV cache": "raise tp (KV heads fall 1/tp) or pp, or lower num_sequences x max_total_len",
     "prefill": "lower num_sequences x prompt_len",
     "runtime": "lower runtime_bytes",
@@ -495,5 +494,5 @@ def check_plan_fits(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | d
         raise ValueError(f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
                          f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
                          f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
-                         f"{_FIXES[dominant]}")
+                         f"{_FIXES.get(dominant, 'lower micro_batch_size')}")
     return df
