@@ -358,3 +358,18 @@ def test_the_rule_for_finding_a_plan_and_a_spec():
     # the plan keyword fills a section of the cfg's own type
     filled, plan = resolve_plan({"parallel": Section()}, PLAN, nodes=1, tasks_per_node=4)
     assert filled["parallel"] == Section(dp_shard=2, tp=2) and plan == PLAN
+
+
+def test_a_plan_whose_memory_floor_cannot_fit_this_machine_is_refused(tmp_path, monkeypatch):
+    """qwen2.5-0.5b under dp_shard=2: about 4 GiB of parameters, gradients and AdamW state per
+    rank, on a machine that offers each of its 2 ranks 1 GiB: refused before submitting."""
+    import posttrain.train.memory_plan as memory_plan
+    from posttrain.models import get_preset
+
+    monkeypatch.setattr(memory_plan, "device_memory_bytes", lambda: 2 * 2**30)
+    cfg = PlanJob(out_dir=str(tmp_path / "out"), plan=ParallelPlan(dp_shard=2),
+                  model=get_preset("qwen2.5-0.5b"))
+    with pytest.raises(ValueError, match=r"the device has 1\.0 GiB.*raise dp_shard") as info:
+        launch(sharded_sft, cfg, tasks_per_node=2, folder=tmp_path / "launch")
+    assert "a batch of one token" in str(info.value)
+    assert not any(tmp_path.iterdir())

@@ -229,6 +229,37 @@ def _with_plan(cfg: Any, where: str, name: str, current: Any, plan: ParallelPlan
     return dataclasses.replace(cfg, **{name: value})
 
 
+def check_plan_memory(cfg: Any, plan: ParallelPlan | None, *, executor: str,
+                      tasks_per_node: int) -> None:
+    """Refuse, before submitting, a plan whose memory floor cannot fit this machine: the
+    parameters, gradients and AdamW state one rank holds (`plan_memory` at one token, so any
+    real batch needs more) against an accelerator's memory, or this host's available RAM shared
+    by its `tasks_per_node` ranks. Only for jobs that run here (executor "local" or "debug");
+    a Slurm job's devices are the trainers' to check when it starts.
+
+    Raises:
+        ValueError: naming the dominant term and the plan axis that would lower it.
+    """
+    if plan is None or executor not in ("local", "debug"):
+        return
+    spec_where, spec = spec_of(cfg)
+    if spec is None:
+        return
+    import torch
+
+    from posttrain.train.memory_plan import MemoryBatch, check_plan_fits as fits
+    from posttrain.train.memory_plan import device_memory_bytes
+
+    device = device_memory_bytes()
+    if not torch.cuda.is_available():
+        device //= tasks_per_node
+    try:
+        fits(spec, plan, MemoryBatch(micro_batch_size=1, seq_len=1), device_bytes=device)
+    except ValueError as e:
+        raise ValueError(f"{e} (the model {spec_where}, at a batch of one token: the floor of "
+                         "any run)") from None
+
+
 def resolve_plan(cfg: Any, plan: ParallelPlan | None, *, nodes: int,
                  tasks_per_node: int) -> tuple[Any, ParallelPlan | None]:
     """(cfg, plan) for one job: `cfg` with `plan` written into its plan field when `plan` is

@@ -48,7 +48,7 @@ from submitit.local.local import LocalExecutor, LocalJob
 
 from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
 from posttrain.launch.pickling import _check_pickles
-from posttrain.launch.plans import resolve_plan
+from posttrain.launch.plans import check_plan_memory, resolve_plan
 from posttrain.core.checkpoint_files import make_private_dir
 from posttrain.launch.run import RUN_FILE, JobFailedError, Run
 
@@ -179,6 +179,8 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
         raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
     num_tasks = nodes * tasks_per_node
     cfgs, plans = _resolve_plans(cfgs, o["plan"], nodes, tasks_per_node)
+    for cfg, plan in zip(cfgs, plans):
+        check_plan_memory(cfg, plan, executor=executor, tasks_per_node=tasks_per_node)
     name = _job_name(target) if name is None else str(name)
     calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
                    gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
