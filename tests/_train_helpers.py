@@ -6,6 +6,9 @@ tests/sft_resume_run.py (which runs with tests/ on sys.path).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -68,3 +71,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def last_step(out_dir: Path) -> int:
+    """The step of the last complete row of `out_dir/metrics.jsonl` (0 before the first)."""
+    try:
+        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return 0

@@ -7,19 +7,15 @@ them with the single-process path run here, never with pinned numbers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import distributed_sft_run as worker
+from _ranks import run_ranks
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from _train_helpers import assert_bitwise_equal, sft_dataset, sft_loader, tiny_model
 from posttrain.core import preemption
@@ -31,38 +27,12 @@ from posttrain.train import Trainer
 WORLD_SIZE = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Run tests/distributed_sft_run.py on 2 gloo ranks; (its output folder, each rank's
     results)."""
     out = tmp_path_factory.mktemp("dp")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    logs = [out / f"rank{rank}.log" for rank in range(WORLD_SIZE)]
-    with contextlib.ExitStack() as files:
-        procs = [subprocess.Popen([sys.executable, worker.__file__, str(rank), str(WORLD_SIZE),
-                                   str(out)], env=env, cwd=out, stderr=subprocess.STDOUT,
-                                  stdout=files.enter_context(open(logs[rank], "w")))
-                 for rank in range(WORLD_SIZE)]
-        deadline = time.monotonic() + 180
-        try:  # a rank that fails leaves the other waiting in a collective: stop it then
-            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-                   and not any(p.poll() not in (None, 0) for p in procs)):
-                time.sleep(0.1)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-    failed = [f"{log.name}, exit code {proc.returncode}:\n{log.read_text()[-4000:]}"
-              for proc, log in zip(procs, logs) if proc.returncode != 0]
-    assert not failed, "\n\n".join(failed)
+    run_ranks(worker.__file__, WORLD_SIZE, out, str(out), timeout_s=180)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 

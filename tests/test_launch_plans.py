@@ -37,7 +37,7 @@ import torch
 
 import _train_helpers
 import parallel_plan_run as worker
-from _train_helpers import TINY, one_thread  # noqa: F401  (autouse fixture)
+from _train_helpers import TINY, last_step, one_thread  # noqa: F401  (autouse fixture)
 from posttrain.launch import RUN_FILE, Run, launch, launch_array
 from posttrain.launch.plans import plan_of, resolve_plan, spec_of
 from posttrain.models import ModelSpec
@@ -90,25 +90,12 @@ def sharded_sft(cfg: PlanJob) -> dict:
 # ---------------------------------------------------------------------- the jobs
 
 
-def _last_step(out_dir: Path) -> int:
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return 0
-
-
 def _preempt(run: Run, send, record: dict, stop: threading.Event) -> None:
     """Watcher thread: once `run` has logged step PREEMPT_AFTER_STEP, `send(run)` the warning
     signal; `record` gets the step seen (or an error)."""
     deadline = time.monotonic() + DEADLINE_S
     while not stop.is_set() and time.monotonic() < deadline:
-        seen = _last_step(run.out_dir)
+        seen = last_step(run.out_dir)
         if seen >= PREEMPT_AFTER_STEP:
             record["step_seen"] = seen
             try:

@@ -19,18 +19,14 @@ Tolerances, from the float rounding of sharded sums (reductions in another order
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import parallel_plan_run as worker
+from _ranks import run_ranks
 from _train_helpers import TINY, one_thread  # noqa: F401  (autouse fixture)
 from posttrain.models import get_preset
 from posttrain.train import ParallelPlan
@@ -39,35 +35,9 @@ LOSS_ATOL, SGD_WEIGHT_ATOL, ADAMW_WEIGHT_ATOL = 2e-6, 1e-6, 1e-4
 BF16_LOSS_ATOL, BF16_WEIGHT_ATOL = 1e-2, 2e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, world_size: int, phase: str, expect_killed: bool = False) -> None:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    logs = [out / f"{phase}-{rank}.log" for rank in range(world_size)]
-    with contextlib.ExitStack() as files:
-        procs = [subprocess.Popen([sys.executable, worker.__file__, str(rank), str(world_size),
-                                   str(out), phase], env=env, cwd=out, stderr=subprocess.STDOUT,
-                                  stdout=files.enter_context(open(logs[rank], "w")))
-                 for rank in range(world_size)]
-        deadline = time.monotonic() + 300
-        try:  # a rank that fails leaves the others waiting in a collective: stop them then
-            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-                   and not any(p.poll() not in (None, 0, -9) for p in procs)):
-                time.sleep(0.1)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-    want = -9 if expect_killed else 0
-    failed = [f"{log.name}, exit code {proc.returncode} (want {want}):\n{log.read_text()[-4000:]}"
-              for proc, log in zip(procs, logs) if proc.returncode != want]
-    assert not failed, "\n\n".join(failed)
+    run_ranks(worker.__file__, world_size, out, str(out), phase, log_prefix=phase,
+              expect_returncode=-9 if expect_killed else 0)
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +295,18 @@ def test_plan_sizes_and_mesh_need_a_process_group():
     assert str(plan) == "ParallelPlan(dp_replicate=2, dp_shard=2, tp=2)"
     with pytest.raises(RuntimeError, match="process group"):
         plan.build_mesh()
+
+
+def test_the_recipes_parallel_section_has_exactly_the_plans_fields_and_defaults():
+    """`posttrain.workflows.ParallelConfig` (mutable, for dotted overrides) mirrors the frozen
+    ParallelPlan field by field: a field added to one and not the other fails here."""
+    import dataclasses
+
+    from posttrain.workflows import ParallelConfig
+
+    def fields(cls):
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(ParallelConfig) == fields(ParallelPlan)
+    assert ParallelConfig().plan() is None
+    assert ParallelConfig(dp_shard=2, tp=2).plan() == ParallelPlan(dp_shard=2, tp=2)

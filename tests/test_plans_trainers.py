@@ -32,52 +32,21 @@ batches cut differently (the reference forward and the micro-batches of a data r
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import plans_trainers_run as worker
+from _ranks import run_ranks
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 LOSS_ATOL, SGD_WEIGHT_ATOL, REFERENCE_ATOL, LOGP_ATOL = 2e-6, 1e-6, 1e-5, 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(out: Path, world_size: int, phase: str) -> list[dict]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    logs = [out / f"{phase}-{rank}.log" for rank in range(world_size)]
-    with contextlib.ExitStack() as files:
-        procs = [subprocess.Popen([sys.executable, worker.__file__, str(rank), str(world_size),
-                                   str(out), phase], env=env, cwd=out, stderr=subprocess.STDOUT,
-                                  stdout=files.enter_context(open(logs[rank], "w")))
-                 for rank in range(world_size)]
-        deadline = time.monotonic() + 300
-        try:  # a rank that fails leaves the others waiting in a collective: stop them then
-            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-                   and not any(p.poll() not in (None, 0) for p in procs)):
-                time.sleep(0.1)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-    failed = [f"{log.name}, exit code {proc.returncode}:\n{log.read_text()[-4000:]}"
-              for proc, log in zip(procs, logs) if proc.returncode != 0]
-    assert not failed, "\n\n".join(failed)
+    run_ranks(worker.__file__, world_size, out, str(out), phase, log_prefix=phase)
     return [torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

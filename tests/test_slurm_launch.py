@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _train_helpers import last_step
 from posttrain import cli
 from posttrain.launch import JobFailedError, Run, launch, launch_array
 from posttrain.workflows import override
@@ -83,20 +84,6 @@ def wait_until(condition, what: str, deadline_s: float = DEADLINE_S, poll_s: flo
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not reached after {deadline_s:.0f} s")
         time.sleep(poll_s)
-
-
-def last_step(out_dir: Path) -> int:
-    """The step of the last complete row of `out_dir/metrics.jsonl` (0 before the first)."""
-    try:
-        lines = (out_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return 0
 
 
 def preempt_after_step(run: Run, step: int, record: dict, stop: threading.Event) -> None:

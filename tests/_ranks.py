@@ -1,0 +1,53 @@
+"""Running a script as the ranks of a gloo process group, for the multi-process tests
+(tests/test_distributed.py, tests/test_parallel_plans.py, tests/test_plans_trainers.py).
+
+Each rank is `python SCRIPT RANK WORLD_SIZE *args` in a fresh process, with MASTER_ADDR/PORT on
+a free local port and one thread, its output in `out/<log_prefix>-<rank>.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: str | os.PathLike, world_size: int, out: Path, *args: str,
+              log_prefix: str = "rank", expect_returncode: int = 0,
+              timeout_s: float = 300) -> None:
+    """Run the ranks until all end; a rank that fails leaves the others waiting in a collective,
+    so they are stopped then. Asserts that every rank exited with `expect_returncode` (-9 for
+    ranks that SIGKILL themselves), showing the logs of those that did not."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    logs = [out / f"{log_prefix}-{rank}.log" for rank in range(world_size)]
+    expected = (None, 0, expect_returncode)
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(world_size), *args],
+                                  env=env, cwd=out, stderr=subprocess.STDOUT,
+                                  stdout=files.enter_context(open(logs[rank], "w")))
+                 for rank in range(world_size)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
+                   and not any(p.poll() not in expected for p in procs)):
+                time.sleep(0.1)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+    failed = [f"{log.name}, exit code {proc.returncode} (want {expect_returncode}):\n"
+              f"{log.read_text()[-4000:]}"
+              for proc, log in zip(procs, logs) if proc.returncode != expect_returncode]
+    assert not failed, "\n\n".join(failed)
