@@ -175,7 +175,7 @@ class MoEFeedForward(nn.Module):
         return probs_NE, weights_NK.to(x_ND.dtype), experts_NK
 
     def _run_experts(self, tokens_sorted_by_expert: Tensor, counts_per_expert: Tensor | list[int],
-                     expert_range: range) -> Tensor:
+                     expert_range: range, weights: dict[str, Tensor] | None = None) -> Tensor:
         """Apply experts to tokens already grouped by expert.
 
         Args:
@@ -183,8 +183,10 @@ class MoEFeedForward(nn.Module):
                 order: the first `counts_per_expert[0]` rows go to `expert_range[0]`, and so on.
             counts_per_expert: [len(expert_range)] int64 tensor (or list of ints) of rows per
                 expert; they sum to A'. A tensor is read on the host once (one sync).
-            expert_range: indices into dim 0 of the stacked weights this module holds (all E
-                experts, unless a parallel plan has split the weights and passes its local ones).
+            expert_range: indices into dim 0 of the stacked weights (all E experts, unless a
+                parallel plan has split them and passes its local ones).
+            weights: {"gate_proj", "up_proj", "down_proj"} stacked weights to use instead of
+                this module's own (an expert-parallel rank's local shards).
 
         Returns:
             [A', D] expert outputs in the same row order (not yet weighted by the router).
@@ -198,15 +200,25 @@ class MoEFeedForward(nn.Module):
             raise ValueError(f"counts_per_expert {counts} must have one entry per expert of "
                              f"{expert_range} and sum to the {tokens_sorted_by_expert.shape[0]} "
                              "rows")
+        w = weights or {"gate_proj": self.gate_proj, "up_proj": self.up_proj,
+                        "down_proj": self.down_proj}
         outputs = []
         for expert, rows_AD in zip(expert_range, torch.split(tokens_sorted_by_expert, counts)):
             if rows_AD.shape[0] == 0:
                 continue
-            hidden_AH = F.silu(rows_AD @ self.gate_proj[expert].t()) * (rows_AD @ self.up_proj[expert].t())
-            outputs.append(hidden_AH @ self.down_proj[expert].t())
+            hidden_AH = F.silu(rows_AD @ w["gate_proj"][expert].t()) * (rows_AD @ w["up_proj"][expert].t())
+            outputs.append(hidden_AH @ w["down_proj"][expert].t())
         if not outputs:
-            return tokens_sorted_by_expert.new_zeros(tokens_sorted_by_expert.shape)
+            # No rows here. The result still depends on the rows and the weights: an
+            # expert-parallel rank that received none must run the backward all-to-all its peers
+            # run, and its expert weights get their (zero) gradients.
+            return tokens_sorted_by_expert + 0.0 * sum(t.sum() for t in w.values())
         return torch.cat(outputs, dim=0)
+
+    def experts_forward(self, rows_AD: Tensor, counts_E: Tensor) -> Tensor:
+        """Expert outputs for rows grouped by expert (`counts_E` [E] rows per expert): all
+        experts here; an expert-parallel plan replaces this with its token dispatch."""
+        return self._run_experts(rows_AD, counts_E, range(self.num_experts))
 
     def forward(self, x: Tensor) -> Tensor:
         """[..., D] -> [..., D] (same dtype); stores the aux loss of this call in `aux_loss`."""
@@ -220,7 +232,7 @@ class MoEFeedForward(nn.Module):
         order_A = torch.argsort(experts_A, stable=True)
         token_A = order_A // self.experts_per_token
         counts_E = torch.bincount(experts_A, minlength=self.num_experts)
-        out_AD = self._run_experts(x_ND[token_A], counts_E, range(self.num_experts))
+        out_AD = self.experts_forward(x_ND[token_A], counts_E)
         out_AD = out_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1)
         y_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD)
 

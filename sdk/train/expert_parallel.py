@@ -24,6 +24,7 @@ micro-batch): it is not invariant to how a batch is split over ranks.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -70,40 +71,14 @@ def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
             sharded = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         moe._ep = (ep_mesh.get_group(), ep, range(start, start + local))
-        moe.forward = _ExpertParallelForward(moe)
+        moe.experts_forward = functools.partial(_dispatch, moe)
 
 
-class _ExpertParallelForward:
-    """`MoEFeedForward.forward` with the token dispatch over the ep group."""
-
-    def __init__(self, moe: nn.Module) -> None:
-        self.moe = moe
-
-    def __call__(self, x: Tensor) -> Tensor:
-        from posttrain.models.moe import load_balancing_loss
-
-        moe = self.moe
-        group, ep, local = moe._ep
-        shape = x.shape
-        x_ND = x.reshape(-1, moe.dim)
-        probs_NE, weights_NK, experts_NK = moe.route(x_ND)
-        moe.aux_loss = load_balancing_loss(probs_NE, experts_NK, moe.num_experts)
-        experts_A = experts_NK.reshape(-1)
-        order_A = torch.argsort(experts_A, stable=True)
-        token_A = order_A // moe.experts_per_token
-        counts_E = torch.bincount(experts_A, minlength=moe.num_experts)
-        rows_AD = _dispatch(moe, x_ND[token_A], counts_E, group, ep, local)
-        out_AD = rows_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1)
-        y_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD)
-        if moe.shared_expert is not None:
-            y_ND = y_ND + torch.sigmoid(moe.shared_expert_gate(x_ND)) * moe.shared_expert(x_ND)
-        return y_ND.reshape(shape)
-
-
-def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor, group: Any, ep: int,
-              local: range) -> Tensor:
-    """Send rows (grouped by global expert) to the ranks holding their experts, run them there,
-    and bring the outputs back in the same order."""
+def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor) -> Tensor:
+    """`MoEFeedForward.experts_forward` under ep: send rows (grouped by global expert) to the
+    ranks holding their experts, run them there, and bring the outputs back in the same
+    order."""
+    group, ep, local = moe._ep
     send_counts = counts_E.view(ep, len(local))                        # [dest, local expert]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)      # [source, local expert]
@@ -115,7 +90,8 @@ def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor, group: Any, ep:
         torch.arange(len(local)).repeat(ep), recv_counts.reshape(-1).cpu())
     by_expert = torch.argsort(expert_of_row, stable=True)
     weights = {name: getattr(moe, name).to_local() for name in _EXPERT_WEIGHTS}
-    out = _run_local_experts(received[by_expert], recv_counts.sum(dim=0).tolist(), weights)
+    out = moe._run_experts(received[by_expert], recv_counts.sum(dim=0).tolist(),
+                           range(len(local)), weights)
     out = torch.empty_like(out).index_copy_(0, by_expert, out)          # back to source order
     return _exchange(out, recv_splits, send_splits, group)
 
@@ -126,24 +102,6 @@ def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], grou
 
     out = rows.new_empty(sum(recv_splits), rows.shape[1])
     return all_to_all_single(out, rows, recv_splits, send_splits, group=group)
-
-
-def _run_local_experts(rows: Tensor, counts: list[int], weights: dict[str, Tensor]) -> Tensor:
-    """SwiGLU experts on rows grouped by local expert (the computation of
-    `MoEFeedForward._run_experts`, on this rank's shard of the stacked weights)."""
-    import torch.nn.functional as F
-
-    outputs = []
-    for e, part in enumerate(torch.split(rows, counts)):
-        if part.shape[0]:
-            hidden = F.silu(part @ weights["gate_proj"][e].t()) * (part @ weights["up_proj"][e].t())
-            outputs.append(hidden @ weights["down_proj"][e].t())
-    if not outputs:
-        # No rows arrived. The result must still depend on `rows` (so every rank runs the
-        # backward all-to-all that sent them: a rank skipping it would leave its peers waiting
-        # in an unmatched collective) and on the weights (so their zero gradients exist).
-        return rows + 0.0 * sum(w.sum() for w in weights.values())
-    return torch.cat(outputs, dim=0)
 
 
 def sync_expert_grads(model: nn.Module, group: Any) -> None:
