@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.core.distributed import flat_collective
-from posttrain.rl.algorithms import accumulate_metrics, policy_loss, step_units, value_loss
+from posttrain.rl.algorithms import accumulate_metrics, step_units
 from posttrain.rl.environment import Group
 from posttrain.rl.rollout import collect_groups
 from posttrain.train.sharding import check_plan, plan_state
@@ -88,8 +88,8 @@ def setup_plan(trainer: Any, plan: Any) -> None:
 
     Raises:
         ValueError: a plan not applied to the policy (or another one), an optimizer built before
-            it, prompts_per_step not divisible by the data-parallel size, a split value head.
-        NotImplementedError: for pp > 1, or sp > 1 with a value head.
+            it, prompts_per_step not divisible by the data-parallel size, a split value head,
+            pp > 1, or sp > 1 with a value head (named, with the allowed values).
     """
     from torch.distributed.tensor import DTensor
 
@@ -99,16 +99,15 @@ def setup_plan(trainer: Any, plan: Any) -> None:
     check_plan(policy.model, optimizer_without(trainer.optimizer, head), plan)
     state = plan_state(policy.model)
     if state.plan.pp > 1:
-        raise NotImplementedError(f"RLTrainer under {state.plan}: pp={state.plan.pp} is not "
-                                  "supported (a pipelined policy has no plain forward to score "
-                                  "the rollouts with); use dp_replicate, dp_shard, tp, sp or ep")
+        raise ValueError(f"RLTrainer under {state.plan}: pp={state.plan.pp} is not supported (a "
+                         "pipelined policy has no plain forward to score the rollouts with); "
+                         "allowed pp for RL: 1 (split with dp_replicate, dp_shard, tp, sp or ep)")
     if head is not None and state.plan.sp > 1:
-        raise NotImplementedError(f"RLTrainer under {state.plan}: a value head with "
-                                  f"sp={state.plan.sp} is not supported: the head reads the "
-                                  "hidden state of model.norm through a hook, inside the "
-                                  "sequence-parallel region, where each sp rank holds only its "
-                                  "slice of the sequence; use sp=1 for PPO (GRPO, without a "
-                                  "value head, runs under sp)")
+        raise ValueError(f"RLTrainer under {state.plan}: a value head with sp={state.plan.sp} "
+                         "is not supported: the head reads the hidden state of model.norm "
+                         "through a hook, inside the sequence-parallel region, where each sp "
+                         "rank holds only its slice of the sequence; allowed sp for PPO: 1 "
+                         "(GRPO, without a value head, runs under sp)")
     ranks = state.plan.data_parallel_size
     if trainer.prompts_per_step % ranks:
         raise ValueError(f"prompts_per_step={trainer.prompts_per_step} must be divisible by the "
@@ -178,18 +177,7 @@ def optimizer_step_under_plan(trainer: Any, mb: dict[str, Tensor]) -> dict[str, 
         rows = mine[i * micro:(i + 1) * micro]
         m = {k: v[rows.start:rows.stop] for k, v in mb.items()} if len(rows) else padding_rows(mb)
         trainer._set_gradient_sync(i == rounds - 1)
-        logprobs_BT, values_BT, entropy_BT = trainer._forward(model, m, value_head=head,
-                                                              entropy=True)
-        loss, metrics = policy_loss(
-            logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
-            algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
-            num_units_in_step=units)
-        if values_BT is not None:
-            v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
-                                           m["response_mask_BT"], algo=algo,
-                                           num_units_in_step=units)
-            loss = loss + algo.value_coef * v_loss
-            metrics.update(v_metrics)
+        loss, metrics, logprobs_BT, values_BT = trainer._micro_batch_loss(model, m, units, head)
         if not len(rows):  # padding: the same graph and collectives, no contribution
             loss = logprobs_BT.sum() * 0.0 + (0.0 if values_BT is None else values_BT.sum() * 0.0)
             metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}

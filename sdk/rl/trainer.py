@@ -336,6 +336,25 @@ class RLTrainer(Engine):
                 n += 1
         return {k: (v if k.startswith("first_") else v / n) for k, v in sums.items()}
 
+    def _micro_batch_loss(self, model: nn.Module, m: dict[str, Tensor], units: Tensor,
+                          value_head: nn.Module | None):
+        """(loss share, metrics, logprobs_BT, values_BT) of micro-batch `m`: the policy loss plus
+        `value_coef` x the value loss with a value head, normalised by the minibatch's `units`."""
+        algo = self.algo
+        logprobs_BT, values_BT, entropy_BT = self._forward(model, m, value_head=value_head,
+                                                           entropy=True)
+        loss, metrics = policy_loss(
+            logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
+            algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
+            num_units_in_step=units)
+        if values_BT is not None:
+            v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
+                                           m["response_mask_BT"], algo=algo,
+                                           num_units_in_step=units)
+            loss = loss + algo.value_coef * v_loss
+            metrics.update(v_metrics)
+        return loss, metrics, logprobs_BT, values_BT
+
     def _optimizer_step(self, mb: dict[str, Tensor]) -> dict[str, float]:
         if plan_state(self.policy.model) is not None:
             return optimizer_step_under_plan(self, mb)
@@ -347,18 +366,7 @@ class RLTrainer(Engine):
         totals: dict[str, Tensor] = {}
         for first in range(0, mb["scores_B"].shape[0], micro):
             m = {k: v[first:first + micro] for k, v in mb.items()}
-            logprobs_BT, values_BT, entropy_BT = self._forward(
-                model, m, value_head=self.value_head, entropy=True)
-            loss, metrics = policy_loss(
-                logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
-                algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
-                num_units_in_step=units)
-            if values_BT is not None:
-                v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
-                                               m["response_mask_BT"], algo=algo,
-                                               num_units_in_step=units)
-                loss = loss + algo.value_coef * v_loss
-                metrics.update(v_metrics)
+            loss, metrics, _, _ = self._micro_batch_loss(model, m, units, self.value_head)
             loss.backward()
             accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
         grad_norm = self.clip_and_check(totals["loss"])
