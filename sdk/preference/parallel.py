@@ -149,7 +149,7 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
     Raises:
         ValueError: if the model already has a plan or the plan does not fit it.
         TypeError: if `model` is not a RewardModel.
-        NotImplementedError: for pp or ep > 1 (named).
+        ValueError: also for pp or ep > 1 (named, with the allowed values).
     """
     if not isinstance(model, RewardModel):
         raise TypeError(f"apply_plan_to_reward_model takes a RewardModel; got "
@@ -159,9 +159,9 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
     others = [f"{axis}={getattr(plan, axis)}" for axis in ("pp", "ep")
               if getattr(plan, axis) > 1]
     if others:
-        raise NotImplementedError(f"apply_plan_to_reward_model: {', '.join(others)} is not "
-                                  "supported for a reward model yet (its head is placed for "
-                                  "dp_replicate, dp_shard, tp and sp)")
+        raise ValueError(f"apply_plan_to_reward_model: {', '.join(others)} is not supported "
+                         "for a reward model (its head is placed for dp_replicate, dp_shard, tp "
+                         "and sp); allowed pp and ep for a reward model: 1")
     backbone = model.backbone
     identity = backbone.output
     backbone.output = None  # no output module: TP leaves the embedding and output replicated

@@ -116,7 +116,7 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
 
     Raises:
         ValueError: for batch_size < 1.
-        NotImplementedError: for a reference split into pipeline stages (pp > 1).
+        ValueError: for a reference split into pipeline stages (pp > 1).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
@@ -125,9 +125,8 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     model = getattr(reference, "model", reference)
     state = plan_state(model)
     if state is not None and state.plan.pp > 1:
-        raise NotImplementedError(f"compute_reference_logps: a reference split into pipeline "
-                                  f"stages ({state.plan}) is not supported yet; score it under "
-                                  "a plan with pp=1")
+        raise ValueError(f"compute_reference_logps: a reference split into pipeline stages "
+                         f"({state.plan}) has no plain forward to score with; allowed pp: 1")
     fingerprint = reference_fingerprint(model)
     if state is not None:
         fingerprint = _all_ranks_fingerprint(fingerprint)
