@@ -64,6 +64,9 @@ from posttrain.workflows import (cached_pairs, on_rank_zero, read_table, stop_if
                                  unsharded_policy, write_table)
 from posttrain.workflows.config import choice, finite, ints
 from posttrain.workflows.parallel import check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, trainable_parameters)
 
 LOSSES = ("dpo", "ipo", "simpo", "kto", "orpo")
 DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}
@@ -98,6 +101,9 @@ class Config:
     max_seq_len: int = 128
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # LoRA / QLoRA adapters and FP8 training of the preference stage (the SFT stage trains in full)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     seed: int = 0
     out_dir: str = "runs/dpo"
     resume: bool = False
@@ -129,6 +135,7 @@ class Config:
         check_parallel(self, at, divisible=("optim.batch_size",) + (
             ("sft.batch_size",) if self.model.init_from is None else ()),
                        unsupported=("pp",))  # the split policy scores the reference
+        check_converted_run(self, at, training=("none", "fp8"))
 
     def build_loss(self):
         """The `TrainingLoss` these settings describe."""
@@ -210,6 +217,9 @@ def main(cfg: Config) -> dict[str, Any] | None:
     dataset = dataset_cls(train_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     val_dataset = dataset_cls(val_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     before_csv, max_new_tokens = out / "eval_before.csv", cfg.eval.max_new_tokens
+    # adapters / FP8: the reference is the base (adapters disabled: no second copy in memory)
+    converters = [str(r) for r in convert_for_training(policy.model, cfg, spec=policy.spec,
+                                                       verbose=writes)]
     before_table = None
     if plan is not None:  # evaluate the plain policy (rank 0), then split it
         before_table = _before(cfg, policy, items, scorer, before_csv) if writes else None
@@ -235,7 +245,8 @@ def main(cfg: Config) -> dict[str, Any] | None:
         loader = ShardedPreferenceLoader(dataset, batch_size=o.batch_size, seed=cfg.seed,
                                          rank=plan_state(policy.model).data_rank,
                                          world_size=plan.data_parallel_size)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
+                                  weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
     trainer = Trainer(policy.model, optimizer, data=loader, loss=objective,
@@ -263,6 +274,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
     write_table(after.table, out / "eval_after.csv")
     diff = paired_bootstrap_diff(after.table["correct"].to_numpy(),
                                  before_table["correct"].to_numpy(), seed=cfg.seed)
+    adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     results = {"loss": cfg.loss, "objective": repr(objective), "model": cfg.model.name,
                "init_from": cfg.model.init_from, "params": policy.num_parameters(),
@@ -274,7 +286,9 @@ def main(cfg: Config) -> dict[str, Any] | None:
                "val_at_end": {c: float(metrics[c].dropna().iloc[-1]) for c in metrics
                               if str(c).startswith("eval/") and metrics[c].notna().any()},
                "final_train_loss": float(metrics["loss"].iloc[-1]), **times,
-               "wall_s": time.perf_counter() - start}
+               "wall_s": time.perf_counter() - start, **adapters}
+    if converters:
+        results["converters"] = converters
     _write_results(results, out, cfg.task.name)
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk

@@ -71,6 +71,9 @@ from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig,
 from posttrain.workflows import cached_pairs, on_rank_zero, stop_if_interrupted
 from posttrain.workflows.config import finite, seeds
 from posttrain.workflows.parallel import check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, trainable_parameters)
 
 
 @dataclass(kw_only=True)
@@ -94,6 +97,9 @@ class Config:
     margin: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     seed: int = 0
     out_dir: str = "runs/reward_model"
     resume: bool = False
@@ -112,6 +118,7 @@ class Config:
         check_parallel(self, at, divisible=("optim.batch_size",) + (
             ("sft.batch_size",) if self.model.init_from is None else ()),
                        unsupported=("sp", "pp", "ep"))  # apply_plan_to_reward_model
+        check_converted_run(self, at, training=("none", "fp8"))
 
 
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
@@ -186,6 +193,8 @@ def main(cfg: Config) -> dict[str, Any] | None:
         return {"pairwise_accuracy": result.accuracy, "bt_loss": result.loss}
 
     model = RewardModel.from_policy(policy, seed=cfg.seed)
+    converters = [str(r) for r in convert_for_training(model.backbone, cfg, spec=policy.spec,
+                                                       verbose=writes)]  # adapters, FP8
     before = held_out_accuracy(model)
     o = cfg.optim
     if plan is None:
@@ -195,7 +204,8 @@ def main(cfg: Config) -> dict[str, Any] | None:
         loader = ShardedPreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed,
                                          rank=plan_state(model).data_rank,
                                          world_size=plan.data_parallel_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr,
+                                  weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
     trainer = Trainer(model, optimizer, data=loader,
@@ -215,7 +225,11 @@ def main(cfg: Config) -> dict[str, Any] | None:
             barrier()
             return None
 
-    # 4. save; the saved folder must reproduce the accuracy
+    # 4. save (adapters merged into the backbone first); the saved folder must reproduce the
+    # accuracy of the model it holds
+    adapters = export_adapters(model.backbone, cfg, None, spec=policy.spec)
+    if adapters:
+        after = held_out_accuracy(model)  # the merged model, as saved
     model.save(out / "reward_model", tokenizer)
     reloaded, _ = load_reward_model(out / "reward_model")
     reloaded_accuracy = held_out_accuracy(reloaded).accuracy
@@ -231,7 +245,9 @@ def main(cfg: Config) -> dict[str, Any] | None:
                "rm_steps": o.steps,
                "final_loss": float(metrics["loss"].tail(10).mean()),
                "policy_s": policy_s, "pairs_s": pairs_s, "rm_s": rm_s,
-               "wall_s": time.perf_counter() - start}
+               "wall_s": time.perf_counter() - start, **adapters}
+    if converters:
+        results["converters"] = converters
     write_results(out, results, _results_markdown(results, cfg.task.name))
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk

@@ -108,6 +108,13 @@ PARALLEL_KEYS = [f"parallel.{k}" for k in (
     "param_dtype", "pp", "pp_schedule", "reduce_dtype", "sp", "tp")]
 for _name in ("dpo", "grpo", "reward_model", "sft"):  # the recipes that train under a plan
     CONFIG_KEYS[_name] = sorted(CONFIG_KEYS[_name] + PARALLEL_KEYS)
+CONVERTER_KEYS = [f"adapters.{k}" for k in ("alpha", "dropout", "method", "modules", "rank")] + [
+    f"quantization.{k}" for k in ("fp8_recipe", "qat_group_size", "qat_scheme", "training")]
+RL_ROLLOUT_KEYS = [f"quantization.{k}" for k in ("rollout", "rollout_correction",
+                                                  "rollout_is_threshold")]
+for _name in ("dpo", "grpo", "reward_model", "sft"):  # the recipes with adapters / quantisation
+    CONFIG_KEYS[_name] = sorted(CONFIG_KEYS[_name] + CONVERTER_KEYS + (
+        RL_ROLLOUT_KEYS if _name == "grpo" else []))
 CONFIG_KEYS["ppo"] = CONFIG_KEYS["grpo"]  # the same sections, PPO defaults
 
 

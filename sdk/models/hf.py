@@ -261,7 +261,7 @@ def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathL
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    state_dict = model.state_dict()
+    state_dict = {k: _plain_tensor(k, v) for k, v in model.state_dict().items()}
     _check_keys(state_dict, _expected_tune_shapes(spec), "the model's parameters", "`spec`")
     dtypes = {v.dtype for v in state_dict.values()}
     if len(dtypes) != 1:
@@ -295,6 +295,22 @@ def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathL
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _plain_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` as a plain tensor for safetensors: an FP8-training weight (torchao float8's
+    `WeightWithDynamicFloat8CastTensor`, a high-precision tensor in a wrapper) is unwrapped; a
+    quantised weight (NF4, int8, int4) is refused, naming it, since a HF folder holds plain
+    weights (merge adapters with `posttrain.models.lora.merge_lora`; save a QAT model before
+    `convert_qat`)."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return t
+    inner = getattr(t, "_tensor", None)
+    if type(t).__name__ == "WeightWithDynamicFloat8CastTensor" and isinstance(inner, torch.Tensor):
+        return inner
+    raise ValueError(f"parameter {name} is a {type(t).__name__}, not a plain tensor; a HF folder "
+                     "holds plain weights: merge adapters first (merge_lora), and save a QAT "
+                     "model before converting it")
 
 
 def _check_extra_files(extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from posttrain.core.distributed import device_of
 from posttrain.data.preference import KTODataset, PreferenceDataset
+from posttrain.models.lora import adapters_disabled, has_adapters
 from posttrain.policy.sampling import token_logprobs
 
 __all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint",
@@ -96,7 +98,9 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
 
     Runs under `torch.no_grad()` in eval mode (the model's mode is restored), temperature 1,
     `batch_size` sequences per forward, right-padded (results do not depend on the batch beyond
-    float rounding).
+    float rounding). A model with LoRA adapters is scored as its base, adapters disabled
+    (`posttrain.models.lora.adapters_disabled`): the reference policy of a LoRA run is the
+    frozen base, with no second copy in memory.
 
     A reference split by a `ParallelPlan` (`plan.apply`; frozen, no optimizer) is a collective:
     every rank calls this with the same dataset. The forwards are the same batches as in one
@@ -139,8 +143,9 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     was_training = model.training
     model.eval()
     values = {}
+    base = adapters_disabled(model) if has_adapters(model) else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), base:  # a LoRA model's reference is its base
             for key in dataset.REFERENCE_KEYS:
                 parts = {}
                 for i in range(rounds):

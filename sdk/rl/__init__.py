@@ -1,5 +1,6 @@
 """Reinforcement learning: environments (tasks), RLAlgorithm, advantages and policy losses on
-verl, rollout, the replay buffer and RLTrainer.
+verl, rollout, the replay buffer, RLTrainer, and low-bit rollout (a quantised sampler copy, the
+train/infer mismatch, truncated importance sampling).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from posttrain.rl.algorithms import (
     RLAlgorithm,
     LOSS_AGG_MODES,
     KL_ESTIMATORS,
+    ROLLOUT_CORRECTIONS,
     advantage_estimators,
     policy_losses,
     is_group_estimator,
@@ -16,6 +18,7 @@ from posttrain.rl.algorithms import (
     step_units,
     scores_to_token_rewards,
     compute_advantages,
+    sequence_advantages,
     aggregate,
     kl_loss,
     policy_loss,
@@ -38,6 +41,14 @@ from posttrain.rl.environment import (
     get_task,
     registered_tasks,
 )
+from posttrain.rl.lowbit_rollout import (
+    ROLLOUT_QUANTIZATIONS,
+    SAMPLER_METRICS,
+    ROLLOUT_IS_METRICS,
+    quantized_rollout_copy,
+    sampler_mismatch_metrics,
+    rollout_correction_weights,
+)
 from posttrain.rl.rollout import collect_groups, outcome_counts
 from posttrain.rl.trainer import RLTrainer, ValueHead, EXCLUDED_OUTCOMES, split_groups, make_batch
 
@@ -45,6 +56,7 @@ __all__ = [
     "RLAlgorithm",
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
     "advantage_estimators",
     "policy_losses",
     "is_group_estimator",
@@ -53,6 +65,7 @@ __all__ = [
     "step_units",
     "scores_to_token_rewards",
     "compute_advantages",
+    "sequence_advantages",
     "aggregate",
     "kl_loss",
     "policy_loss",
@@ -75,6 +88,12 @@ __all__ = [
     "TASKS",
     "get_task",
     "registered_tasks",
+    "ROLLOUT_QUANTIZATIONS",
+    "SAMPLER_METRICS",
+    "ROLLOUT_IS_METRICS",
+    "quantized_rollout_copy",
+    "sampler_mismatch_metrics",
+    "rollout_correction_weights",
     "collect_groups",
     "outcome_counts",
     "RLTrainer",

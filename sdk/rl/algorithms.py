@@ -12,6 +12,7 @@ the step normaliser, it does not re-implement the formulas:
     KL estimators         kl_penalty(logp, ref, mode)  k1, k2, k3 (Schulman 2020)
     aggregation           agg_loss(...)                token-mean, seq-mean-token-sum, ...
     value loss            compute_value_loss(...)      clipped, for PPO with a value head
+    rollout correction    compute_rollout_correction_weights(...), in posttrain.rl.lowbit_rollout
 
 Step normaliser. As for SFT (`posttrain.train.losses`), a loss over several micro-batches must equal the
 loss over the one big batch. Each call gets `num_units_in_step`: what the aggregation mode divides
@@ -52,16 +53,18 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo import core_algos
 
-from posttrain.rl.config import (KL_ESTIMATORS, LOSS_AGG_MODES, RLAlgorithm,
-                                 _estimator_fn, advantage_estimators, is_group_estimator,
-                                 policy_losses, register_advantage_estimator,
+from posttrain.rl.config import (KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS,
+                                 RLAlgorithm, _estimator_fn, advantage_estimators,
+                                 is_group_estimator, policy_losses, register_advantage_estimator,
                                  register_policy_loss, verl_actor_config, verl_algo_config)
 
-__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "advantage_estimators",
+__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
+           "advantage_estimators",
            "policy_losses", "is_group_estimator", "register_advantage_estimator",
            "register_policy_loss", "step_units", "accumulate_metrics", "STEP_SHARES",
            "scores_to_token_rewards",
-           "compute_advantages", "aggregate", "kl_loss", "policy_loss", "value_loss"]
+           "compute_advantages", "sequence_advantages", "aggregate", "kl_loss", "policy_loss",
+           "value_loss"]
 
 # Estimators whose advantage is exactly 0 when every reward of a group is equal (by definition).
 _ZERO_FOR_EQUAL_GROUPS = frozenset({"grpo", "grpo_vectorized", "grpo_passk", "rloo",
@@ -224,6 +227,14 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
     return (advantages_BT * mask_BT).to(out_dtype), (returns_BT * mask_BT).to(out_dtype)
 
 
+def sequence_advantages(advantages_BT: Tensor, response_mask_BT: Tensor) -> list[float]:
+    """One advantage per row: the mean of `advantages_BT` [B, T] over the row's response tokens
+    (`response_mask_BT` [B, T], 1 on them; 0.0 for a row without any). A list of B floats (one
+    host sync), for the replay buffer's records."""
+    mask_BT = response_mask_BT.float()
+    return ((advantages_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)).tolist()
+
+
 def _dense_group_index(group_ids: Any, B: int, name: str) -> np.ndarray:
     """Group ids -> int64 array of dense ids in order of first appearance; checks group sizes."""
     if group_ids is None:
@@ -317,8 +328,8 @@ def kl_loss(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, response_mask_BT: Tens
 def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor,
                 response_mask_BT: Tensor, *, algo: RLAlgorithm,
                 ref_logprobs_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
-                num_units_in_step: Tensor | int | None = None,
-                dp_size: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
+                num_units_in_step: Tensor | int | None = None, dp_size: int = 1,
+                rollout_is_weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the step's policy loss: verl's `algo.policy_loss`, plus
     `algo.kl_coef` x KL to the reference, minus `algo.entropy_coef` x entropy.
 
@@ -341,6 +352,10 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
         num_units_in_step: step normaliser (see the module docstring and `step_units`); None
             normalises by this micro-batch alone.
         dp_size: data-parallel ranks whose gradients are averaged.
+        rollout_is_weights_BT: [B, T] truncated importance weights pi_trainer / pi_sampler
+            (`rollout_correction_weights`), passed to verl's loss as `rollout_is_weights`: each
+            token's policy-loss term is multiplied by its weight (detached here). None: no
+            correction (the default path, unchanged).
 
     Returns:
         (loss, metrics). Metrics are detached 0-dim tensors. Shares of the step (sum them over
@@ -355,7 +370,7 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
     shape = logprobs_BT.shape
     named = {"old_logprobs_BT": old_logprobs_BT, "advantages_BT": advantages_BT,
              "response_mask_BT": response_mask_BT, "ref_logprobs_BT": ref_logprobs_BT,
-             "entropy_BT": entropy_BT}
+             "entropy_BT": entropy_BT, "rollout_is_weights_BT": rollout_is_weights_BT}
     if logprobs_BT.dim() != 2 or any(t is not None and t.shape != shape for t in named.values()):
         raise ValueError("logprobs_BT and the other [B, T] inputs must share one 2-D shape; got "
                          f"logprobs_BT {tuple(shape)}, " + ", ".join(
@@ -371,7 +386,9 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
     pg_loss, verl_metrics = core_algos.get_policy_loss_fn(algo.policy_loss)(
         old_log_prob=old_logprobs_BT.detach(), log_prob=logprobs_BT,
         advantages=advantages_BT.detach(), response_mask=mask_BT,
-        loss_agg_mode=algo.loss_agg_mode, config=config, rollout_is_weights=None)
+        loss_agg_mode=algo.loss_agg_mode, config=config,
+        rollout_is_weights=(None if rollout_is_weights_BT is None
+                            else rollout_is_weights_BT.detach()))
     if algo.policy_loss == "geo_mean" and num_units_in_step is not None:
         # verl's geo_mean is torch.mean over this micro-batch's rows: make it a share of the step.
         pg_loss = pg_loss * (shape[0] * dp_size) / num_units_in_step
@@ -440,4 +457,3 @@ def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor,
         response_mask=response_mask_BT.to(values_BT.dtype), cliprange_value=algo.value_clip,
         loss_agg_mode=algo.loss_agg_mode, **info)
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach()}
-

@@ -29,7 +29,8 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 from posttrain.core.checks import check_int
 
-__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "advantage_estimators",
+__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
+           "advantage_estimators",
            "policy_losses", "is_group_estimator", "register_advantage_estimator",
            "register_policy_loss", "verl_actor_config", "verl_algo_config"]
 
@@ -41,6 +42,14 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "k1+", "k3+
                  "low_var_kl+", "abs+")
 """Names verl's `kl_penalty` accepts (verl has no registry for them). k1 = kl, k2 = mse,
 k3 = low_var_kl; a `+` suffix keeps the forward value and takes the gradient of k2."""
+
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "sequence_tis")
+"""Truncated importance-sampling corrections of a sampler that is not the trained policy (verl
+0.9.1 `rollout_corr_helper.compute_rollout_correction_weights`; Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training"): "token_tis" is verl's
+rollout_is="token", "sequence_tis" its rollout_is="sequence"."""
+
+_VERL_ROLLOUT_IS = {"none": None, "token_tis": "token", "sequence_tis": "sequence"}
 
 # Inputs posttrain can give an advantage estimator; an estimator needing anything else (remax's
 # reward_baselines, optimal_token_baseline's sum_pi_squared) is not offered.
@@ -150,6 +159,17 @@ class RLAlgorithm:
             otherwise uses the padded length of each micro-batch, which differs between them).
         policy_loss_options: fields of verl's `PolicyLossConfig` (e.g. dro_beta, clip_cov_ratio,
             kl_cov_ratio, ppo_kl_coef).
+        rollout_correction: `ROLLOUT_CORRECTIONS` name. With w = pi_trainer / pi_sampler on a
+            sampled token (the full-precision policy's log-prob, recomputed before the update,
+            minus the sampler's), "token_tis" weights each token's policy loss by
+            min(w_t, rollout_is_threshold), "sequence_tis" every token of a row by
+            min(prod_t w_t, rollout_is_threshold); weights are detached. "none": no weights.
+            Without a quantised sampler the weights are 1 up to float rounding (the sampler is
+            the policy itself); the trainer then still recomputes the log-probs and reports them.
+        rollout_is_threshold: the truncation bound of those weights, >= 1 (verl accepts any
+            positive bound; below 1 every weight, even of a token both policies agree on, would
+            be capped under 1, which shrinks the whole update instead of truncating the rare
+            large ratios, and verl's metrics take 1 / threshold as the lower bound).
 
     Raises:
         ValueError: on an unknown name (listing the valid ones), an out-of-range number, or a
@@ -176,6 +196,8 @@ class RLAlgorithm:
     minibatch_size: int | None = None
     loss_scale_factor: int | None = None
     policy_loss_options: dict[str, Any] = field(default_factory=dict)
+    rollout_correction: str = "none"
+    rollout_is_threshold: float = 2.0
 
     PRESETS: ClassVar[tuple[str, ...]] = ("grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo",
                                           "cispo")
@@ -236,7 +258,15 @@ class RLAlgorithm:
         if unknown:
             raise ValueError(f"policy_loss_options has unknown keys {unknown}; allowed (fields of "
                              f"verl's PolicyLossConfig): {', '.join(allowed)}")
+        _one_of("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        _number("rollout_is_threshold", self.rollout_is_threshold, low=1.0)
         self._dry_run()
+
+    @property
+    def rollout_is(self) -> str | None:
+        """verl's `rollout_is` level of `rollout_correction` ("token", "sequence"; None for
+        "none")."""
+        return _VERL_ROLLOUT_IS[self.rollout_correction]
 
     def _dry_run(self) -> None:
         """Call the verl loss once on a 1 x 2 case, so that verl's own checks (e.g. dro needs

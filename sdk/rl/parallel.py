@@ -7,7 +7,9 @@ row, W = data-parallel ranks (`plan.data_parallel_size`), r = this rank's index 
 One step under a plan (every rank runs it; the collectives are marked *):
 
     rollout copy  <- full_state_dict(policy)*          one gather per step, into a plain
-                                                       (unsharded) copy of the policy per rank
+                                                       (unsharded) copy of the policy per rank;
+                                                       with rollout_quantization, the rollouts
+                                                       sample from a quantised copy of it
     local groups  = collect_groups(copy, builders[r-th of W equal slices],
                                    seed = step_seed * W + r)   # no collective per token
     groups        = all_gather(local groups)*          in data-rank order, group ids renumbered
@@ -67,6 +69,7 @@ from torch import Tensor, nn
 from posttrain.core.distributed import flat_collective
 from posttrain.rl.algorithms import accumulate_metrics, step_units
 from posttrain.rl.environment import Group
+from posttrain.rl.lowbit_rollout import refresh_sampler
 from posttrain.rl.rollout import collect_groups
 from posttrain.train.sharding import check_plan, plan_state
 
@@ -84,7 +87,8 @@ __all__ = ["setup_plan", "collect_under_plan", "frozen_forward_under_plan",
 def setup_plan(trainer: Any, plan: Any) -> None:
     """Check the plan against the trainer's policy and optimizer, broadcast the value head, build
     the rollout copy (`trainer.rollout_policy`) and the reference split by the same plan
-    (`trainer.reference`, when algo.kl_coef > 0).
+    (`trainer.reference`, when algo.kl_coef > 0 and the policy has no LoRA adapters: a LoRA
+    policy's reference is its own base, scored with the adapters disabled).
 
     Raises:
         ValueError: a plan not applied to the policy (or another one), an optimizer built before
@@ -93,6 +97,7 @@ def setup_plan(trainer: Any, plan: Any) -> None:
     """
     from torch.distributed.tensor import DTensor
 
+    from posttrain.models.lora import has_adapters
     from posttrain.policy.policy import Policy
 
     policy, head = trainer.policy, trainer.value_head
@@ -121,8 +126,10 @@ def setup_plan(trainer: Any, plan: Any) -> None:
         flat_collective(list(head.parameters()), lambda flat: dist.broadcast(flat, src=0))
     trainer.rollout_policy = Policy(plain_copy(policy.model, policy.spec), policy.tokenizer,
                                     policy.spec)
+    trainer.sampler_policy = trainer.rollout_policy  # a quantised copy after the first rollout
     trainer._refresh_rollout_policy()
-    if trainer.algo.kl_coef > 0:  # the starting weights, split by the same plan, frozen
+    if trainer.algo.kl_coef > 0 and not has_adapters(policy.model):
+        # the starting weights, split by the same plan, frozen
         reference = plain_copy(policy.model, policy.spec)
         reference.load_state_dict(trainer.rollout_policy.model.state_dict())
         state.plan.apply(reference, spec=policy.spec, mesh=state.mesh)
@@ -132,11 +139,12 @@ def setup_plan(trainer: Any, plan: Any) -> None:
 def collect_under_plan(trainer: Any, builders: Sequence, step_seed: int,
                        options: dict[str, Any]) -> list[Group]:
     """The step's groups: this data rank's slice of `builders` sampled with the refreshed plain
-    copy (seed `rollout_seed`), then every data rank's groups (collectives)."""
+    copy, or a quantised copy of it (`refresh_sampler`; seed `rollout_seed`), then every data
+    rank's groups (collectives)."""
     trainer._refresh_rollout_policy()
     rank, ranks = trainer.data_rank_and_size
     mine = data_shares(len(builders), ranks)[rank]
-    local = collect_groups(trainer.rollout_policy, builders[mine.start:mine.stop],
+    local = collect_groups(refresh_sampler(trainer), builders[mine.start:mine.stop],
                            seed=rollout_seed(step_seed, rank, ranks), **options)
     if ranks == 1:
         return local

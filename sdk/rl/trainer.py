@@ -22,8 +22,8 @@ Exclusion rule (explicit, counted): a group with any trajectory whose outcome is
 "format_error" and "wrong" are ordinary low rewards and are trained on.
 
 Reference model: a frozen copy of the policy taken when the trainer is built (when
-`algo.kl_coef > 0`). Value head (PPO + GAE): `ValueHead`, a `nn.Linear(embed_dim, 1)` on the
-final-norm hidden state, captured with a forward hook on `model.norm`.
+`algo.kl_coef > 0`); for a LoRA policy its own base, adapters disabled (no copy). Value head
+(PPO + GAE): `ValueHead`, an `nn.Linear(embed_dim, 1)` on `model.norm`'s output (a forward hook).
 
 The loop around the step is the training engine's (`posttrain.train.engine.Engine`, shared with
 the SFT/DPO `Trainer`): `fit`, metrics, checkpoints (policy, value head and reference weights;
@@ -41,6 +41,9 @@ holds the step's global batch, the reference (a copy split by the same plan) and
 (a replicated `nn.Linear` whose gradients are summed over the data ranks) score and train it,
 each data rank its share of every minibatch (`posttrain.rl.parallel` has the whole design).
 Checkpoints are then DCP shards of policy, value head and reference with the optimizer.
+
+Low-bit rollout (`rollout_quantization="int8"`): a quantised copy samples, the full-precision
+policy trains and rescores the rollouts (`posttrain.rl.lowbit_rollout` has the design).
 
 Example:
     >>> import torch
@@ -69,14 +72,18 @@ from torch import Tensor, nn
 
 from posttrain.core.preemption import sigint_held
 from posttrain.data.collate import right_pad
+from posttrain.models.lora import has_adapters
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.rl.environment import EnvDataset, Group
 from posttrain.policy.sampling import sampling_logprobs, token_logprobs
 from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
-                                     step_units, value_loss)
+                                     sequence_advantages, step_units, value_loss)
 from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sampler,
+                                         frozen_logprobs, refresh_sampler,
+                                         scores_apart_from_sampler)
 from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
                                    optimizer_step_under_plan, setup_plan)
 from posttrain.rl.rollout import collect_groups, outcome_counts
@@ -87,7 +94,6 @@ __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_
 
 EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
 """Outcomes that exclude their whole group from the update (see the module docstring)."""
-
 
 
 class ValueHead(nn.Module):
@@ -172,10 +178,17 @@ class RLTrainer(Engine):
             spec=policy.spec)`, before the optimizer was built), or None; a policy with a plan
             is recognised without it. The value head stays a plain module (not split), and
             `prompts_per_step` must be divisible by `plan.data_parallel_size`.
+        rollout_quantization: None, or a `posttrain.rl.lowbit_rollout.ROLLOUT_QUANTIZATIONS`
+            name: the rollouts sample from a weight-only quantised copy of the current weights;
+            the old log-probs are the policy's, recomputed; needs top_p == 1.
 
     Attributes:
         rollout_policy: under a plan, the plain `Policy` copy the rollouts sample from (full
             weights, refreshed at the start of every step); `policy` itself without one.
+        sampler_policy, rollout_report: the quantised copy of `rollout_policy` the last
+            rollout sampled with, and its `ConversionReport` (`rollout_policy` and None
+            without `rollout_quantization`).
+        reference: the frozen reference model; None without KL or for a LoRA policy.
 
     Raises:
         ValueError: for bad options, or a run_dir that holds a run while resume is False; under
@@ -195,11 +208,13 @@ class RLTrainer(Engine):
                  verifier_timeout_s: float | None = None,
                  callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
                  resume: bool | str | os.PathLike = False,
-                 plan: ParallelPlan | None = None) -> None:
+                 plan: ParallelPlan | None = None,
+                 rollout_quantization: str | None = None) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
+        check_rollout_quantization(rollout_quantization, top_p=top_p)
         self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
                            max_grad_norm=max_grad_norm, run_dir=run_dir,
                            checkpoint_every=checkpoint_every, keep_last=keep_last,
@@ -213,11 +228,12 @@ class RLTrainer(Engine):
         self.temperature, self.top_p = temperature, top_p
         self.value_head, self.micro_batch_size = value_head, micro_batch_size
         self.seed, self.verifier_timeout_s = seed, verifier_timeout_s
-        self.reference = None
-        self.rollout_policy = policy
+        self.reference, self.rollout_report, self.rollout_quantization = None, None, \
+            rollout_quantization
+        self.rollout_policy = self.sampler_policy = policy
         if plan is not None or plan_state(policy.model) is not None:
             setup_plan(self, plan)
-        elif algo.kl_coef > 0:
+        elif algo.kl_coef > 0 and not has_adapters(policy.model):
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
         if value_head is not None and not any(
                 p is q for g in optimizer.param_groups for p in g["params"]
@@ -264,7 +280,7 @@ class RLTrainer(Engine):
                        temperature=self.temperature, top_p=self.top_p,
                        policy_version=self.step_count, verifier_timeout_s=self.verifier_timeout_s)
         if plan_state(self.policy.model) is None:
-            return collect_groups(self.policy, builders, seed=step_seed, **options)
+            return collect_groups(refresh_sampler(self), builders, seed=step_seed, **options)
         return collect_under_plan(self, builders, step_seed, options)
 
     def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
@@ -294,16 +310,18 @@ class RLTrainer(Engine):
         update: dict[str, float] = {}
         if kept:
             batch = make_batch(kept, self.policy.tokenizer.pad_id)
-            batch.update(self._frozen_forward(batch))  # ref_logprobs_BT, old_values_BT
+            batch.update(self._frozen_forward(batch))  # ref_logprobs_BT, old_values_BT, ...
+            sampler_metrics = decouple_sampler(batch, algo)  # {} when the sampler is the policy
             adv_BT, ret_BT = compute_advantages(
                 algo.advantage_estimator, response_mask_BT=batch["response_mask_BT"],
                 scores_B=batch["scores_B"], group_ids=batch["group_ids_B"],
                 values_BT=batch.get("old_values_BT"), gamma=algo.gamma, lam=algo.lam,
                 norm_adv_by_std_in_grpo=algo.norm_adv_by_std)
             batch.update(advantages_BT=adv_BT, returns_BT=ret_BT)
-            self.buffer.add(kept, advantages=_sequence_advantages(adv_BT, batch))
+            mask_BT = batch["response_mask_BT"]
+            self.buffer.add(kept, advantages=sequence_advantages(adv_BT, mask_BT))
             self.buffer.drain()  # on-policy: trained on once, in this step
-            update = self._update(batch)
+            update = {**self._update(batch), **sampler_metrics}
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
@@ -346,7 +364,7 @@ class RLTrainer(Engine):
         loss, metrics = policy_loss(
             logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
             algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
-            num_units_in_step=units)
+            num_units_in_step=units, rollout_is_weights_BT=m.get("rollout_is_weights_BT"))
         if values_BT is not None:
             v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
                                            m["response_mask_BT"], algo=algo,
@@ -422,8 +440,13 @@ class RLTrainer(Engine):
 
     def _frozen_outputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
+        score = lambda model: self._forward(model, batch, value_head=None)[0]  # noqa: E731
         if self.reference is not None:
-            out["ref_logprobs_BT"], _, _ = self._forward(self.reference, batch, value_head=None)
+            out["ref_logprobs_BT"] = score(self.reference)
+        elif self.algo.kl_coef > 0:  # a LoRA policy: the reference is its base
+            out["ref_logprobs_BT"] = frozen_logprobs(score, self.policy.model, base=True)
+        if scores_apart_from_sampler(self.rollout_quantization, self.algo):
+            out["trainer_logprobs_BT"] = frozen_logprobs(score, self.policy.model)
         if self.value_head is not None:
             _, out["old_values_BT"], _ = self._forward(self.policy.model, batch,
                                                     value_head=self.value_head)
@@ -435,28 +458,17 @@ class RLTrainer(Engine):
 
     def _checkpoint_module(self) -> nn.Module:
         """Policy, value head and reference in one container (a sharded checkpoint's names:
-        policy.*, value_head.*, reference.*)."""
-        parts = {"policy": self.policy.model}
-        if self.value_head is not None:
-            parts["value_head"] = self.value_head
-        if self.reference is not None:
-            parts["reference"] = self.reference
-        return nn.ModuleDict(parts)
+        policy.*, value_head.*, reference.*; each only when there is one)."""
+        parts = {"policy": self.policy.model, "value_head": self.value_head,
+                 "reference": self.reference}
+        return nn.ModuleDict({name: m for name, m in parts.items() if m is not None})
 
     def _model_state(self) -> dict[str, Any]:
-        state = {"policy": self.policy.model.state_dict()}
-        if self.value_head is not None:
-            state["value_head"] = self.value_head.state_dict()
-        if self.reference is not None:
-            state["reference"] = self.reference.state_dict()
-        return state
+        return {name: m.state_dict() for name, m in self._checkpoint_module().items()}
 
     def _load_model_state(self, state: dict[str, Any]) -> None:
-        self.policy.model.load_state_dict(state["policy"])
-        if self.value_head is not None:
-            self.value_head.load_state_dict(state["value_head"])
-        if self.reference is not None:
-            self.reference.load_state_dict(state["reference"])
+        for name, module in self._checkpoint_module().items():
+            module.load_state_dict(state[name])
 
     def _extra_state(self) -> dict[str, Any]:
         return {"buffer": self.buffer.state_dict()}
@@ -485,9 +497,3 @@ def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
             **{f"outcome_{k}": v for k, v in counts.items()},
             "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
             "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows)}
-
-
-def _sequence_advantages(adv_BT: Tensor, batch: dict[str, Tensor]) -> list[float]:
-    """One advantage per row (mean over its response tokens), for the buffer's records."""
-    mask = batch["response_mask_BT"].float()
-    return ((adv_BT * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core.distributed import flat_collective
+from posttrain.models.conversion import check_plan_axes
 
 __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
            "set_gradient_sync",
@@ -99,12 +100,14 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
 
     Raises:
         ValueError: if the plan does not fit the world size or the model (`plan.validate`), or
-            the model already has a plan.
+            the model already has a plan, or a converter applied to it (LoRA, FP8, ...) does
+            not support one of the plan's axes (`posttrain.train.converters.PLAN_AXES`).
         ValueError: for cpu_offload on a model that is on the CPU, or pp > 1 on an MoE model.
         RuntimeError: without an initialised process group.
     """
     if plan_state(model) is not None:
         raise ValueError("this model already has a ParallelPlan applied; build a fresh model")
+    check_plan_axes(model, plan)  # a converted model (LoRA, FP8, ...) allows fewer axes
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
     if isinstance(spec, str):
         from posttrain.models.specs import get_preset

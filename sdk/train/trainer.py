@@ -82,6 +82,8 @@ from torch import nn
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.core.distributed import flat_collective
 from posttrain.core.preemption import sigint_held
+from posttrain.train.converters import (applied_converters, checkpoint_state,
+                                        load_checkpoint_state)
 from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
 from posttrain.train.losses import SFTCrossEntropy, TrainingLoss, get_loss
@@ -299,10 +301,10 @@ class Trainer(Engine):
         return self.model
 
     def _model_state(self) -> dict[str, Any]:
-        return self.model.state_dict()
+        return checkpoint_state(self.model)  # with adapters: only what trains
 
     def _load_model_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state)
+        load_checkpoint_state(self.model, state)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"data": self.data.state_dict()}
@@ -318,7 +320,8 @@ class Trainer(Engine):
                              "could not be restored")
 
     def _fixed_settings(self) -> dict[str, Any]:
-        return {"grad_accum_steps": self.grad_accum_steps, "loss": stable_repr(self.loss)}
+        return {"grad_accum_steps": self.grad_accum_steps, "loss": stable_repr(self.loss),
+                "converters": list(applied_converters(self.model))}  # LoRA, FP8, QAT, ...
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
         return {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"}

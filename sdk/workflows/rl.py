@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,9 @@ from posttrain.workflows.config import (CheckpointConfig, EvalConfig, ModelConfi
                                         RLConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
                                         fail, ints, run_fields, validate)
 from posttrain.workflows.parallel import ParallelConfig, check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, trainable_parameters)
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
                                          start_run, stop_if_interrupted, write_results,
                                          write_table)
@@ -80,6 +84,10 @@ class RLRunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # LoRA / QLoRA adapters and FP8 training of the RL stage (the SFT stage trains in full);
+    # a quantised sampler copy and truncated importance sampling (quantization.rollout*)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: RLQuantizationConfig = field(default_factory=RLQuantizationConfig)
     seed: int = 0
     out_dir: str = "runs/grpo"
     resume: bool = False
@@ -98,6 +106,7 @@ class RLRunConfig:
             raise fail(f"{at}.eval.every", self.eval.every, "0: the RL run has no validation set")
         check_parallel(self, at, divisible=("rl.prompts_per_step", "sft.batch_size"),
                        unsupported=("sp", "pp", "ep"))  # see posttrain.rl.parallel
+        check_converted_run(self, at, training=("none", "fp8"))
 
 
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
@@ -135,12 +144,17 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if [it["question"] for it in task.held_out()] != [it["question"] for it in items]:
         raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
     algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, cfg.parallel.plan()
+    q = cfg.quantization
+    if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler
+        algo = dataclasses.replace(algo, rollout_correction=q.rollout_correction,
+                                   rollout_is_threshold=q.rollout_is_threshold)
+    converters = [str(r) for r in convert_for_training(
+        policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0)]
     if plan is not None:  # before the optimizer: the plan replaces the parameters
         plan.apply(policy.model, spec=policy.spec)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
-    params = list(policy.model.parameters()) + (
-        list(value_head.parameters()) if value_head is not None else [])
-    optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy.model, value_head), lr=o.lr,
+                                  weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
     trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
@@ -148,7 +162,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                         temperature=s.temperature, top_p=s.top_p, value_head=value_head,
                         lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
                         checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan)
+                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan,
+                        rollout_quantization=q.rollout_quantization())
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo,
                                        "after_sft": (sft_results or {}).get("after")})
@@ -167,6 +182,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     after_sft = pd.read_csv(out / "sft" / "eval_after.csv")
     diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
                                  after_sft["correct"].to_numpy(), seed=cfg.seed)
+    adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     algo_name = cfg.rl.algo
     results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
@@ -175,7 +191,13 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                f"after_{algo_name}": after_rl.as_dict(), "difference": diff,
                "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
-               "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean())}
+               "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
+               **adapters}
+    if converters:
+        results["converters"] = converters
+    if q.rollout != "none":
+        results["rollout_quantization"] = q.rollout
+        results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
     _write_results(results, out, cfg.task.name, algo_name)
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk

@@ -43,6 +43,10 @@ from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, Eval
                                         ModelConfig, TaskConfig, choice, fail, ints, run_fields,
                                         validate)
 from posttrain.workflows.parallel import ParallelConfig, check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, finish_quantized,
+                                              trainable_parameters)
 from posttrain.workflows.reports import (accuracy_of, accuracy_table, plot_curves, read_table,
                                          start_run, stop_if_interrupted, write_results,
                                          write_table)
@@ -74,6 +78,8 @@ class SFTConfig:
     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     max_seq_len: int = 128
     pack: bool = False
     seed: int = 0
@@ -89,6 +95,7 @@ class SFTConfig:
         check_seq_len(self, at)
         run_fields(self, at)
         check_parallel(self, at, divisible=("optim.batch_size",))
+        check_converted_run(self, at)
         if self.eval.every:
             raise fail(f"{at}.eval.every", self.eval.every, "0: SFT has no validation set")
         if self.task.eval_size and self.task.is_file:
@@ -233,6 +240,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     # The loader shards each global batch over the ranks of the process group, if there is one
     # (under a plan: over its data-parallel ranks, after the plan split the policy).
     o, plan = cfg.optim, cfg.parallel.plan()
+    # adapters, FP8 or QAT (when the config sets them), before the plan and the optimizer
+    reports = convert_for_training(policy.model, cfg, spec=policy.spec, verbose=writes)
+    if reports:
+        results["converters"] = [str(r) for r in reports]
     shard = {}
     if plan is not None:
         plan.apply(policy.model, spec=policy.spec)
@@ -240,7 +251,8 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
                  "world_size": plan.data_parallel_size}
     loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
                        seq_len=cfg.max_seq_len if cfg.pack else None, **shard)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
+                                  weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
     trainer = Trainer(policy.model, optimizer, data=loader, lr_scheduler=schedule,
@@ -270,10 +282,16 @@ def _finish(policy: Policy, cfg: SFTConfig, metrics: pd.DataFrame, items: list[d
                          chat=cfg.mode == "sft")
         write_table(after.table, out / "eval_after.csv")
         results["after"] = after.as_dict()
+    evaluate_after = (lambda p: evaluate(p, items, ds, max_new_tokens=cfg.eval.max_new_tokens,
+                                         chat=cfg.mode == "sft")) if items else None
+    results.update(finish_quantized(policy, cfg, out, evaluate_after))  # QAT: convert, evaluate
+    # LoRA: the adapter alone (adapter/), then merged into the base that policy/ holds
+    results.update(export_adapters(policy.model, cfg, out, spec=policy.spec))
     policy.save(out / "policy")
     lines = [f"# {results['mode']} on {results['dataset']}, {results['steps']} steps", "",
              f"final loss {results['final_loss']:.4f}, median {results['tokens_per_s']:.0f} "
              "trained tokens/s", ""]
     if "after" in results:
-        lines += accuracy_table([(k, results.get(k)) for k in ("before", "after")])
+        lines += accuracy_table([(k, results.get(k))
+                                 for k in ("before", "after", "after_converted")])
     write_results(out, results, "\n".join(lines) + "\n")
