@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 VARIANTS = ("fp32", "lora", "qlora", "fp8")
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks_quantization.md"
 BEGIN, END = "<!-- quantized_training.py: begin -->", "<!-- quantized_training.py: end -->"
@@ -65,22 +67,23 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def tensor_bytes(t) -> int:
-    """Bytes a tensor holds: a tensor subclass (NF4, float8) counts its inner tensors."""
-    if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Parameter":
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
+def _leaves(t):
+    """The plain tensors a tensor holds: a tensor subclass (NF4, float8) gives its inner ones."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for n in names for leaf in _leaves(getattr(t, n))]
 
 
 def _unique_bytes(tensors) -> int:
+    """Bytes of `tensors` as stored, each storage counted once (a tied weight is one)."""
     seen, total = set(), 0
     for t in tensors:
-        inner = t.data if hasattr(t, "data") else t
-        if id(inner) in seen:
-            continue
-        seen.add(id(inner))
-        total += tensor_bytes(inner)
+        for leaf in _leaves(t):
+            key = (leaf.data_ptr(), leaf.numel(), leaf.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += leaf.numel() * leaf.element_size()
     return total
 
 
@@ -99,16 +102,15 @@ def convert(model, spec, variant: str):
 
 def worker(variant: str, quick: bool, steps: int, batch: int, seq: int) -> dict:
     """One variant in this process; returns its measurements."""
-    import torch
-
     from posttrain.data import Sample, SFTLoader
     from posttrain.models import build_model
     from posttrain.train import Trainer
 
     torch.set_num_threads(1)
     spec = model_spec(quick)
-    warm = build_model(spec.replace(num_layers=1), seed=0)  # lazy imports, kernel set-up
-    convert(warm, spec, variant)
+    warm_spec = spec.replace(num_layers=1)
+    warm = build_model(warm_spec, seed=0)  # lazy imports, kernel set-up
+    convert(warm, warm_spec, variant)
     x = torch.randint(0, 256, (2, 16))
     torch.nn.functional.cross_entropy(warm(x).flatten(0, 1), x.flatten()).backward()
     del warm, x

@@ -15,6 +15,16 @@ from posttrain.models.hf import (
     save_hf_checkpoint,
 )
 from posttrain.models.hf_config import spec_from_hf_config, hf_config_from_spec
+from posttrain.models.conversion import ConversionReport
+from posttrain.models.lora import (
+    LoRAConfig,
+    apply_lora,
+    merge_lora,
+    save_peft_adapter,
+    load_peft_adapter,
+    has_adapters,
+    adapters_disabled,
+)
 from posttrain.models.moe import MoEFeedForward, moe_aux_loss
 from posttrain.models.hf_tokenizer import (
     HF_TOKENIZER_FILE,
@@ -56,6 +66,14 @@ __all__ = [
     "build_model",
     "MoEFeedForward",
     "moe_aux_loss",
+    "ConversionReport",
+    "LoRAConfig",
+    "apply_lora",
+    "merge_lora",
+    "save_peft_adapter",
+    "load_peft_adapter",
+    "has_adapters",
+    "adapters_disabled",
     "ROLES",
     "BYTE_TOKENIZER_FILE",
     "HF_TOKENIZER_FILE",

@@ -1,5 +1,6 @@
 """The training engine every trainer shares (step loop, accumulation, clipping, schedules,
-checkpoints, resume, preemption), the loss registry, and parallel plans (FSDP2/HSDP, TP).
+checkpoints, resume, preemption), the loss registry, parallel plans (FSDP2/HSDP, TP, SP, PP, EP)
+and model converters (LoRA/QLoRA, FP8 training, QAT: `convert_model`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from posttrain.train.losses import (
     get_loss,
     registered_losses,
 )
+from posttrain.train.converters import convert_model, registered_converters
+from posttrain.train.float8 import Float8Config, apply_float8
 from posttrain.train.parallel import AXES, MESH_DIMS, ParallelPlan
+from posttrain.train.qat import QATConfig, convert_qat, prepare_qat, quantize_post_training
 from posttrain.train.sharding import apply_plan, full_state_dict, plan_state
 from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
 from posttrain.train.trainer import Trainer
@@ -44,4 +48,12 @@ __all__ = [
     "apply_plan",
     "full_state_dict",
     "plan_state",
+    "convert_model",
+    "registered_converters",
+    "Float8Config",
+    "apply_float8",
+    "QATConfig",
+    "prepare_qat",
+    "convert_qat",
+    "quantize_post_training",
 ]

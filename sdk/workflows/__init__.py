@@ -36,6 +36,11 @@ from posttrain.workflows.parallel import (
     check_world_size,
     model_spec,
 )
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    QuantizationConfig,
+    RLQuantizationConfig,
+)
 from posttrain.workflows.reports import (
     RESUMABLE_KEYS,
     RunInterrupted,
@@ -78,6 +83,7 @@ __all__ = [
     "OptimConfig", "PairsConfig", "ParallelConfig", "RLConfig", "SamplingConfig",
     "SFTWarmStartConfig", "TaskConfig", "config_keys", "fail", "override", "run_fields",
     "validate", "check_parallel", "check_world_size", "model_spec",
+    "AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig",
     "accuracy_of", "accuracy_table", "difference_line", "plot_curves", "start_run",
     "write_results",
     "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
