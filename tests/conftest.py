@@ -35,6 +35,19 @@ def _slurm_conf_from_env_sh(env_sh: Path) -> str | None:
     return match.group(1) if match else None
 
 
+@pytest.fixture
+def deterministic():
+    """One thread and deterministic algorithms for the test (bitwise resume comparisons)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """The local Slurm cluster, with `os.environ["SLURM_CONF"]` set while the session runs.

@@ -191,16 +191,6 @@ def test_weights_multiply_the_policy_loss_per_token():
 # --------------------------------------------------------------------------------- resume
 
 
-@pytest.fixture
-def deterministic():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.set_num_threads(threads)
-
-
 def _run(run_dir, steps, resume=False):
     policy = Policy.from_spec("tiny-1m", seed=0)
     algo = RLAlgorithm.grpo(group_size=4, kl_coef=0.04, minibatch_size=8,

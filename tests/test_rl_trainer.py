@@ -154,16 +154,6 @@ def test_micro_batches_give_the_same_update_as_one_batch():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
-@pytest.fixture
-def deterministic():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-    torch.set_num_threads(threads)
-
-
 def _run(run_dir, steps, resume=False):
     policy = Policy.from_spec("tiny-1m", seed=0)
     algo = RLAlgorithm.grpo(group_size=4, kl_coef=0.04, minibatch_size=8)
