@@ -460,6 +460,7 @@ def test_slurm_submission_parameters_state_and_cancel(stub_slurm):
     assert (tmp / "scancel.log").read_text().split() == ["4242"]
     state.write_text("CANCELLED by 0")
     run._last_force = float("-inf")
+    time.sleep(0.01)   # submitit ignores a forced sacct update within 1 ms of the previous one
     assert run.state == "CANCELLED" and run.done()
 
 
