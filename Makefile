@@ -24,12 +24,15 @@ run: install
 # The local Slurm cluster (scripts/slurm-up.sh: root + apt) is started when it can be and stopped
 # afterwards, but only if this run started it: a cluster started by hand stays up. Without it the
 # Slurm tests skip. Chromium for the browser test (scripts/browser-up.sh: root + apt, ~30 s once)
-# is installed when missing and stays; without it the browser test skips.
+# is installed when missing and stays; without it the browser test skips. bubblewrap for the code
+# sandbox (scripts/sandbox-up.sh: root + apt, ~3 s once) likewise; without it the sandbox tests skip.
 test: install
 	up=0; if ! scripts/slurm-up.sh --check; then \
 	  if scripts/slurm-up.sh; then up=1; else echo "local Slurm not started: Slurm tests will skip"; fi; fi; \
 	if ! scripts/browser-up.sh --check; then \
 	  scripts/browser-up.sh || echo "chromium not installed: browser test will skip"; fi; \
+	if ! scripts/sandbox-up.sh --check; then \
+	  scripts/sandbox-up.sh || echo "no code sandbox here: sandbox tests will skip"; fi; \
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 

@@ -12,6 +12,12 @@ registry's lookups with them loaded.
                     chain_sum preset
     calculator      calculator_task: chain_sum with a      multi-turn, <calc> tool calls,
                     calculator tool                        <answer> scored by math_answer
+    humaneval       humaneval_task: the 164 HumanEval      single-turn, unit tests run in the
+                    problems, deterministic held-out split sandbox (code_tests verifier)
+    code            CodeTask: any code items (MBPP-style   single-turn, unit tests run in the
+                    rows via mbpp_item)                    sandbox
+    python_tool     python_tool_task: chain_sum with a     multi-turn, <python> runs in the
+                    Python tool                            sandbox, <answer> by math_answer
     ==============  =====================================  ====================================
 
 Example:
@@ -28,10 +34,20 @@ from posttrain.rl.environment import get_task, register_task, registered_tasks
 from posttrain.envs.reasoning_gym_env import (CHAIN_SUM_CONFIG, ReasoningGymEnv,
                                               ReasoningGymGroupBuilder, ReasoningGymTask,
                                               chain_sum_task, prompt_messages)
+from posttrain.envs.judged_env import JudgedEnv, JudgedGroupBuilder
+from posttrain.envs.code_env import (CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task,
+                                     mbpp_item)
+from posttrain.envs.python_tool_env import (PYTHON_TOOL_SYSTEM_PROMPT, PythonToolEnv,
+                                            PythonToolGroupBuilder, python_tool_task,
+                                            tool_counts)
 
 __all__ = [
+    "JudgedEnv", "JudgedGroupBuilder",
     "CALCULATOR_SYSTEM_PROMPT", "CHAIN_SUM_CONFIG", "CalculatorEnv", "CalculatorGroupBuilder",
     "ReasoningGymEnv", "ReasoningGymGroupBuilder", "ReasoningGymTask", "calculator_result",
     "calculator_task", "chain_sum_task", "evaluate_arithmetic", "prompt_messages",
+    "CodeEnv", "CodeGroupBuilder", "CodeTask", "humaneval_task", "mbpp_item",
+    "PYTHON_TOOL_SYSTEM_PROMPT", "PythonToolEnv", "PythonToolGroupBuilder", "python_tool_task",
+    "tool_counts",
     "get_task", "register_task", "registered_tasks",
 ]

@@ -7,8 +7,9 @@ Protocol of one episode (at most `max_turns` assistant turns):
     tool:       <result>84</result>
     assistant:  <answer>84</answer>            -> done, scored by MathAnswerVerifier
 
-- Every `<calc>...</calc>` of a turn is evaluated, in order; the tool turn holds one
-  `<result>...</result>` per call (`<result>error: ...</result>` for a rejected expression).
+- Every `<calc>...</calc>` of a turn is evaluated, in order, up to `MAX_CALLS_PER_TURN`; the
+  tool turn holds one `<result>...</result>` per call (`<result>error: ...</result>` for a
+  rejected expression) and one error result counting the calls past the limit, if any.
 - `<answer>...</answer>` ends the episode; its content is verified against `item["answer"]`.
 - A turn with neither tag gets a tool message saying how to use the tags.
 - No answer after `max_turns` turns ends the episode with outcome format_error and reward 0.
@@ -16,6 +17,12 @@ Protocol of one episode (at most `max_turns` assistant turns):
 Expressions are evaluated by `evaluate_arithmetic`, which walks the parsed syntax tree and allows
 only integer literals, + - * /, unary minus/plus and parentheses; nothing is ever passed to
 `eval`. Division is exact (a fraction such as 7/2 is written as "7/2").
+
+Time is bounded by rule, not by a clock: no powers (`9**9**9**9` is refused before anything is
+computed), at most `MAX_EXPRESSION_CHARS` characters and every intermediate value within
++-`MAX_ABS_VALUE`, so one evaluation takes under a millisecond; tags are found in linear time
+(`posttrain.verifiers.basic.tag_contents`); at most `MAX_CALLS_PER_TURN` evaluations a turn.
+The answer is verified through `run_verifier` with the environment's `timeout_s`.
 
 Example (a scripted policy):
     >>> from posttrain.rl import run_text_episode
@@ -34,7 +41,6 @@ from __future__ import annotations
 import ast
 import functools
 import operator
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -42,7 +48,8 @@ from typing import Any
 
 from posttrain.rl.environment import Messages, StepResult, register_task
 from posttrain.rewards.verifier import (DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult, run_verifier)
-from posttrain.verifiers.basic import extract_tag
+from posttrain.envs.reasoning_gym_env import prompt_messages
+from posttrain.verifiers.basic import extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 
 CALCULATOR_SYSTEM_PROMPT = (
@@ -53,10 +60,11 @@ CALCULATOR_SYSTEM_PROMPT = (
 
 MAX_EXPRESSION_CHARS = 200
 MAX_ABS_VALUE = 10 ** 30
+MAX_CALLS_PER_TURN = 64
+"""Calculator calls evaluated in one assistant turn; the rest get one error result."""
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
               ast.Div: operator.truediv}
-_CALC = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 
 
 def evaluate_arithmetic(expression: str) -> Fraction:
@@ -150,9 +158,7 @@ class CalculatorEnv:
         self.done = False
 
     def initial_messages(self) -> Messages:
-        messages = [] if self.system_prompt is None else [{"role": "system",
-                                                          "content": self.system_prompt}]
-        return messages + [{"role": "user", "content": self.item["question"]}]
+        return prompt_messages(self.item["question"], self.system_prompt)
 
     def _info(self) -> dict:
         return {"turn": self.turn, "calls": self.calls, "tool_errors": self.tool_errors}
@@ -169,11 +175,18 @@ class CalculatorEnv:
             return StepResult(done=True, reward=result.score, verifier_result=result,
                               info=self._info())
         replies = []
-        for expression in _CALC.findall(assistant_text):
+        expressions = tag_contents(assistant_text, "calc")
+        for expression in expressions[:MAX_CALLS_PER_TURN]:
             reply = calculator_result(expression)
             self.calls += 1
             self.tool_errors += reply.startswith("<result>error")
             replies.append(reply)
+        skipped = len(expressions) - MAX_CALLS_PER_TURN
+        if skipped > 0:
+            self.calls += skipped
+            self.tool_errors += skipped
+            replies.append(f"<result>error: {skipped} more calls not evaluated (at most "
+                           f"{MAX_CALLS_PER_TURN} a turn)</result>")
         if self.turn >= self.max_turns:
             self.done = True
             result = VerifierResult.failure(Outcome.FORMAT_ERROR,

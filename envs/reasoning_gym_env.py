@@ -10,7 +10,11 @@ reasoning-gym (https://github.com/open-thought/reasoning-gym) generates items
 - `ReasoningGymTask(name, size=, seed=, config=)`: an `EnvDataset`: builders per batch index
   (deterministic; wraps around after the last item) and held-out items whose questions never
   occur in training. Small tasks repeat questions (2-term, 1-2-digit chain_sum has only ~8k
-  distinct ones), so training items whose question is held out are dropped.
+  distinct ones), so training items whose question is held out are dropped. Items whose
+  upstream gold answer fails its check (`posttrain.verifiers.reasoning_gym_gold`: the task's
+  scorer and, for chain_sum, basic_arithmetic, countdown and others, its metadata) are dropped
+  first and counted (`task.gold_train`, `task.gold_held_out`, `repr(task)`, `task.stats()`):
+  e.g. ~1% of basic_arithmetic items, whose generator floor-divides.
 - `chain_sum_task(**overrides)`: the 2-term, 1-2-digit chain_sum preset.
 
 Example:
@@ -27,6 +31,8 @@ Example:
     >>> held = {item["question"] for item in task.held_out(10)}
     >>> held.isdisjoint(item["question"] for item in task.train_items)
     True
+    >>> task.num_bad_gold, task.gold_train.checked   # every item checked, none dropped
+    (0, 100)
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 from posttrain.rl.environment import EnvGroupBuilder, Messages, StepResult, register_task
 from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_name
+from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 
 
 def prompt_messages(question: str, system_prompt: str | None = None) -> Messages:
@@ -55,14 +62,17 @@ class ReasoningGymEnv:
         verifier: scores the completion against the item (usually a `ReasoningGymVerifier`).
         system_prompt: an optional system turn before the question.
         timeout_s: the verifier's time budget (`run_verifier`).
+        info: extras for the final `StepResult.info` (e.g. the item's id).
     """
 
     def __init__(self, item: Mapping[str, Any], verifier: Verifier, *,
-                 system_prompt: str | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                 system_prompt: str | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 info: Mapping[str, Any] | None = None):
         self.item = item
         self.verifier = verifier
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
+        self.info = dict(info or {})
         self._done = False
 
     def initial_messages(self) -> Messages:
@@ -74,7 +84,8 @@ class ReasoningGymEnv:
                                "with the group builder)")
         self._done = True
         result = run_verifier(self.verifier, assistant_text, self.item, timeout_s=self.timeout_s)
-        return StepResult(done=True, reward=result.score, verifier_result=result)
+        return StepResult(done=True, reward=result.score, verifier_result=result,
+                          info=dict(self.info))
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,15 @@ class ReasoningGymTask:
     with `held_out_seed`. Items are generated on first use and are not pickled (the remote side
     regenerates the same ones).
 
+    Gold check: when the items are generated (once per task object and process, never per
+    step), every item's upstream answer is checked by
+    `posttrain.verifiers.reasoning_gym_gold.gold_problem`: the task's own scorer must give it full
+    credit and, for the tasks with a metadata check (`GOLD_CHECKS`: chain_sum, basic_arithmetic,
+    countdown, ...), the answer recomputed from the metadata must equal it. Items that fail are
+    dropped before anything else, from training and held-out items alike, and counted in
+    `gold_train` / `gold_held_out` (and `repr(task)`, `task.stats()`). The held-out set is the
+    first `held_out_size` distinct questions among the items that pass.
+
     Args:
         name: the reasoning-gym task name.
         size, seed: the training items.
@@ -133,11 +153,14 @@ class ReasoningGymTask:
         verifier: the task's `ReasoningGymVerifier`.
         num_dropped: training items dropped because their question is held out (known once the
             items are generated).
+        gold_train, gold_held_out: `GoldReport`s of the gold check of the training items and of
+            the held-out candidates read (filled when the items are generated).
+        num_bad_gold: items dropped by the gold check, training and held-out together.
 
     Raises:
         ValueError: for an unknown task name or option, bad sizes, `size`/`seed` in `config`;
-            on first use, when the task has fewer than `held_out_size` distinct questions or no
-            training item is left.
+            on first use, when the task has fewer than `held_out_size` distinct questions with a
+            trusted gold answer, or no training item is left.
     """
 
     name: str
@@ -166,11 +189,13 @@ class ReasoningGymTask:
         self._train: list[dict] | None = None
         self._held_out: list[dict] | None = None
         self.num_dropped = 0
+        self.gold_train, self.gold_held_out = GoldReport(self.name), GoldReport(self.name)
 
     # Items are regenerated rather than pickled.
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_train"] = state["_held_out"] = None
+        state["gold_train"], state["gold_held_out"] = GoldReport(self.name), GoldReport(self.name)
         return state
 
     def _dataset(self, size: int, seed: int):
@@ -181,17 +206,19 @@ class ReasoningGymTask:
         if self._held_out is None:
             want = self.held_out_size
             dataset = self._dataset(4 * want + 64, self.held_out_seed)
+            report = self.gold_held_out = GoldReport(self.name)
             items, seen = [], set()
-            for index in range(len(dataset)):
-                if len(items) == want:
-                    break
-                item = dataset[index]
+            candidates = (dataset[index] for index in range(len(dataset)))
+            for item in check_gold(self.name, dataset, candidates, report) if want else ():
                 if item["question"] not in seen:
                     seen.add(item["question"])
                     items.append(item)
+                    if len(items) == want:
+                        break
             if len(items) < want:
-                raise ValueError(f"{self.name} gave only {len(items)} distinct questions in "
-                                 f"{len(dataset)} tries; lower held_out_size ({want})")
+                raise ValueError(f"{self.name} gave only {len(items)} distinct questions with a "
+                                 f"trusted gold answer in {len(dataset)} tries (gold check: "
+                                 f"{report}); lower held_out_size ({want})")
             self._held_out = items
         return self._held_out
 
@@ -201,13 +228,49 @@ class ReasoningGymTask:
         if self._train is None:
             held = {item["question"] for item in self._held_out_items()}
             dataset = self._dataset(self.size, self.seed)
-            items = [dataset[i] for i in range(self.size)]
-            self._train = [item for item in items if item["question"] not in held]
-            self.num_dropped = len(items) - len(self._train)
-            if not self._train:
-                raise ValueError(f"every training question of {self.name} is held out; raise "
-                                 "size or lower held_out_size")
+            report = self.gold_train = GoldReport(self.name)
+            items = list(check_gold(self.name, dataset, (dataset[i] for i in range(self.size)),
+                                    report))
+            train = [item for item in items if item["question"] not in held]
+            self.num_dropped = len(items) - len(train)
+            if not train:
+                example = f" (e.g. {report.examples[0]})" if report.examples else ""
+                raise ValueError(f"no training item of {self.name} is left: {self.num_dropped} "
+                                 f"held out, gold check {report}{example}; raise size or lower "
+                                 "held_out_size")
+            self._train = train
         return self._train
+
+    @property
+    def num_bad_gold(self) -> int:
+        """Items dropped by the gold check so far, training and held-out together."""
+        return self.gold_train.num_dropped + self.gold_held_out.num_dropped
+
+    def stats(self) -> dict[str, Any]:
+        """What building the items kept and dropped, for a run's log (generates the items):
+        `train_items`, `held_out_items`, `dropped_held_out_questions` (training items whose
+        question is held out) and the gold checks `gold_train` / `gold_held_out`
+        (`GoldReport.as_dict()`: checked, dropped, ms_per_1000, ...)."""
+        train = self.train_items
+        return {"task": self.name, "train_items": len(train),
+                "held_out_items": len(self._held_out_items()),
+                "dropped_held_out_questions": self.num_dropped,
+                "gold_train": self.gold_train.as_dict(),
+                "gold_held_out": self.gold_held_out.as_dict()}
+
+    def __repr__(self) -> str:
+        config = "".join(f", {k}={v!r}" for k, v in self.config.items())
+        head = (f"ReasoningGymTask({self.name!r}, size={self.size}, seed={self.seed}{config}, "
+                f"held_out_size={self.held_out_size})")
+        if self._train is None and self._held_out is None:
+            return f"{head}: items not generated yet"
+        parts = []
+        if self._train is not None:
+            parts.append(f"{len(self._train)} training items ({self.num_dropped} dropped as "
+                         f"held-out questions, gold check {self.gold_train})")
+        if self._held_out is not None:
+            parts.append(f"{len(self._held_out)} held out (gold check {self.gold_held_out})")
+        return f"{head}: " + "; ".join(parts)
 
     def __len__(self) -> int:
         """Number of training items (after dropping held-out questions)."""

@@ -108,7 +108,8 @@ def test_held_out_questions_never_occur_in_training():
     questions = [item["question"] for item in held]
     assert len(set(questions)) == 200
     assert set(questions).isdisjoint(item["question"] for item in task.train_items)
-    assert task.num_dropped > 0 and len(task) == 10_000 - task.num_dropped
+    assert task.num_dropped > 0 and task.gold_train.checked == 10_000
+    assert len(task) == 10_000 - task.num_dropped - task.gold_train.num_dropped
     assert task.held_out(5) == held[:5]
     with pytest.raises(ValueError, match="held_out_size=200"):
         task.held_out(201)

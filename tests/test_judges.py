@@ -1,11 +1,14 @@
-"""Judges: typed results (format_error for unparsable judge text, never a silent 0.0), LLM and
-reward-model judges, pairwise judges with position-bias control, judges as verifiers inside a
-real GRPO rollout and step."""
+"""Judges: typed results (an unparsable judge text is the judge's `error`, never the policy's
+format_error nor a silent 0.0), LLM and reward-model judges, pairwise judges with position-bias
+control, linear-time verdict parsers, judges as verifiers inside a real GRPO rollout and step."""
 
 import doctest
 import functools
 import math
 import pickle
+import random
+import re
+import string
 import time
 from types import SimpleNamespace
 
@@ -60,11 +63,13 @@ def tiny_policy():
 # --------------------------------------------------------------------------------------------
 
 
-def test_parse_score_takes_the_last_score():
-    assert parse_score("Score: 3 ... on reflection Score: 8") == 8.0
-    assert parse_score("SCORE=4.5") == 4.5
-    assert parse_score("I'd give it 7") is None
-    assert parse_score("") is None
+@pytest.mark.parametrize("text,expected", [
+    ("Score: 3 ... on reflection Score: 8", 8.0), ("SCORE=4.5", 4.5), ("I'd give it 7", None),
+    ("", None), ("Score: 7/10", 7.0), ("Score: 7.5", 7.5), ("Score: 7.", 7.0), ("Score: -1", -1.0),
+    ("Score: 1e3", 1000.0), ("Score: 1.2.3", None), ("Score: 12", 12.0), ("Score: 1e5.5", None),
+    ("score=+4e-1", 0.4), ("Score:   \n 6", 6.0)])
+def test_parse_score_reads_the_whole_last_number(text, expected):
+    assert parse_score(text) == expected
 
 
 def test_parse_choice():
@@ -73,6 +78,57 @@ def test_parse_choice():
     assert parse_choice("b") == "B"
     assert parse_choice("Answer: C") is None
     assert parse_choice("A and B are both fine") is None
+
+
+# The backtracking patterns the parsers used before: the slow reference on short texts.
+_OLD_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\.?\d)", re.I)
+_OLD_CHOICE = re.compile(r"(?:answer|better|choice|winner)\s*(?:is)?\s*[:=]?\s*\(?\[?\b([AB])\b",
+                         re.I)
+
+
+def test_linear_parsers_agree_with_the_backtracking_patterns():
+    """On 3,000 random short texts over the parsers' own vocabulary, the possessive patterns find
+    what the old backtracking ones found; the one intended difference is a malformed exponent
+    ("Score: 1e5.5": None now, 1.0 before)."""
+    words = ["score", "Score", "answer", "better", "is", ":", "=", " ", "  ", "\n", "1", "7",
+             "12", ".", "e", "-", "+", "A", "B", "a", "(", "[", "x", "/10"]
+    keys = ["score", "Score:", "score =", "answer", "Answer:", "better is", "winner"]
+    values = ["7", "12", "-1", "+3", "1.5", "1e3", "7.", "1.2.3", "A", "B", "(a)", "[B]", "AB"]
+    rng = random.Random(0)
+    found = 0
+    for _ in range(3000):
+        text = "".join([rng.choice(words) for _ in range(rng.randint(0, 3))]
+                       + [rng.choice(keys), rng.choice(["", " ", ":", "  \n "]),
+                          rng.choice(values)]
+                       + [rng.choice(words) for _ in range(rng.randint(0, 3))])
+        found += parse_score(text) is not None or parse_choice(text) is not None
+        old = _OLD_CHOICE.findall(text)
+        bare = text.strip().strip(string.punctuation + " ").upper()
+        assert parse_choice(text) == (old[-1].upper() if old else
+                                      bare if bare in ("A", "B") else None), text
+        if not re.search(r"\de[-+]?\d+\.\d", text):
+            old = _OLD_SCORE.findall(text)
+            assert parse_score(text) == (float(old[-1]) if old else None), text
+    assert found > 500   # the texts do hold verdicts
+
+
+@pytest.mark.parametrize("text,score,choice", [
+    ("answer" + " " * 3000, None, None),            # 165 s with the old choice pattern
+    ("Answer is" + " " * 3000 + "B", None, "B"),
+    (" " * 3000, None, None),
+    ("Score:" + " " * 3000 + "7", 7.0, None),
+    (" " * 2**20, None, None),                      # 1 MB replies from here on
+    ("answer" + " " * 2**20, None, None),
+    ("answer is " * (2**20 // 10), None, None),
+    ("Score: 7 " + " " * 2**20 + "Answer: B", 7.0, "B"),
+    ("Score: " + "1" * 2**19 + "." + "1" * 2**19 + ".1", None, None),
+    ("score: " * (2**20 // 7), None, None),
+    ("A" * 2**20, None, None),
+])
+def test_parsers_are_fast_on_degenerate_and_1mb_replies(text, score, choice):
+    start = time.perf_counter()
+    assert parse_score(text) == score and parse_choice(text) == choice
+    assert time.perf_counter() - start < 1.0   # linear: milliseconds; cubic: hours
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,15 +143,14 @@ def test_llm_judge_outcomes_are_typed_and_keep_the_raw_text():
     judge = LLMJudge(policy, "Is it correct?", score_range=(0, 10))
     results = judge.judge(list(replies), [ITEM] * 5)
     assert all(isinstance(r, JudgeResult) and isinstance(r, VerifierResult) for r in results)
-    assert [r.outcome.value for r in results] == ["ok", "wrong", "format_error", "format_error",
-                                                  "ok"]
+    assert [r.outcome.value for r in results] == ["ok", "wrong", "error", "error", "ok"]
     assert [r.score for r in results] == [0.9, 0.2, 0.0, 0.0, 0.5]  # 5/10 meets ok_threshold 0.5
     assert [r.raw_score for r in results] == [9.0, 2.0, None, None, 5.0]
     assert [r.raw for r in results] == list(replies.values())
     assert "no score found" in results[2].reason and "'no idea'" in results[2].reason
     assert "outside score_range [0, 10]" in results[3].reason
-    assert count_outcomes(results) == {"ok": 2, "wrong": 1, "format_error": 2, "timeout": 0,
-                                       "error": 0}
+    assert count_outcomes(results) == {"ok": 2, "wrong": 1, "format_error": 0, "timeout": 0,
+                                       "error": 2}
     # one batched, greedy generate call; the prompt holds rubric, question and completion
     [(texts, settings)] = policy.calls
     assert len(texts) == 5 and settings["temperature"] == 0.0
@@ -112,7 +167,7 @@ def test_llm_judge_raw_scale_custom_parse_and_batching():
     assert [len(texts) for texts, _ in policy.calls] == [2, 1]
     raising = LLMJudge(ScriptedPolicy(lambda t: "?"), "r", parse=lambda t: float(t))
     [r] = raising.judge(["a"], [ITEM])
-    assert r.outcome is Outcome.FORMAT_ERROR and "parse raised ValueError" in r.reason
+    assert r.outcome is Outcome.ERROR and "parse raised ValueError" in r.reason
 
 
 def test_llm_judge_per_item_failures_do_not_fail_the_batch():
@@ -139,12 +194,12 @@ def test_llm_judge_rejects_bad_settings():
         LLMJudge(policy, "r").judge(["a", "b"], [ITEM])
 
 
-def test_untrained_llm_judge_gives_format_errors_deterministically(tiny_policy):
+def test_untrained_llm_judge_gives_errors_deterministically(tiny_policy):
     judge = LLMJudge(tiny_policy, "Is the answer correct?", max_new_tokens=8)
     first = judge.judge(["12", "13", "banana"], [ITEM] * 3)
     again = judge.judge(["12", "13", "banana"], [ITEM] * 3)
     assert [r.raw for r in first] == [r.raw for r in again]  # greedy
-    assert all(r.outcome is Outcome.FORMAT_ERROR and r.score == 0.0 for r in first)
+    assert all(r.outcome is Outcome.ERROR and r.score == 0.0 for r in first)
     assert all(r.reason.startswith("no score found in judge output ") for r in first)
     assert all(isinstance(r.raw, str) and r.raw_score is None for r in first)
 
@@ -188,8 +243,8 @@ def test_judge_failures_through_run_verifier_are_typed():
     verifier = judge_as_verifier(LLMJudge(ScriptedPolicy(
         lambda t: "Score: 8" if "Response:\n12" in t else "hmm"), "r"))
     results = score_batch(verifier, ["12", "13", "12"], [ITEM] * 3, timeout_s=5.0)
-    assert count_outcomes(results) == {"ok": 2, "wrong": 0, "format_error": 1, "timeout": 0,
-                                       "error": 0}
+    assert count_outcomes(results) == {"ok": 2, "wrong": 0, "format_error": 0, "timeout": 0,
+                                       "error": 1}
     assert isinstance(results[0], JudgeResult) and results[0].raw == "Score: 8"
 
 
@@ -198,7 +253,7 @@ def test_llm_judge_verifier_pickles_with_its_builder(tiny_policy):
     builder = ReasoningGymGroupBuilder(ITEM, "chain_sum", verifier=verifier)
     copy = pickle.loads(cloudpickle.dumps(builder))  # a torchtune model pickles with cloudpickle
     [env] = copy.make_envs(1)
-    assert env.step("12").verifier_result.outcome is Outcome.FORMAT_ERROR
+    assert env.step("12").verifier_result.outcome is Outcome.ERROR
     scripted = judge_as_verifier(LLMJudge(ScriptedPolicy(_score_3), "r"))
     assert pickle.loads(pickle.dumps(scripted))("12", ITEM).score == 0.3  # the lock is rebuilt
 
@@ -217,12 +272,12 @@ def test_untrained_llm_judge_as_reward_in_a_grpo_rollout(tiny_policy):
     groups = collect_groups(tiny_policy, builders, group_size=3, max_new_tokens=4, seed=0,
                             verifier_timeout_s=30.0)
     counts = outcome_counts(groups)
-    assert sum(counts.values()) == 6 and counts["format_error"] == 6  # untrained judge: garbage
+    assert sum(counts.values()) == 6 and counts["error"] == 6  # untrained judge: garbage
     for t in (t for g in groups for t in g):
-        assert t.outcome == "format_error" and t.reward == 0.0
+        assert t.outcome == "error" and t.reward == 0.0
         assert t.info["verifier_reason"].startswith("no score found in judge output")
-    kept, split = split_groups(groups)
-    assert len(kept) == 2 and split["groups_zero_signal"] == 2  # counted, trained as low reward
+    kept, split = split_groups(groups)  # the judge's failure: excluded and counted, not trained
+    assert kept == [] and split["groups_excluded_error"] == 2
 
 
 def test_reward_model_judge_as_reward_in_a_grpo_rollout(tiny_policy, reward_model):
@@ -238,11 +293,15 @@ def test_reward_model_judge_as_reward_in_a_grpo_rollout(tiny_policy, reward_mode
 
 
 def test_scripted_judge_rewards_reach_a_grpo_step(tiny_policy):
-    """A judge that scores by the completion's length gives mixed rewards; one RLTrainer step
-    trains on them and counts the outcomes."""
+    """A judge that scores by the completion's length gives mixed rewards to the first group and
+    no verdict to the second: one RLTrainer step trains on the first, and excludes and counts
+    the second (the judge failed: `error`, never a 0.0 reward for the policy)."""
+    task = chain_sum_task(size=16, held_out_size=2)
+    mute_on = task.train_items[1]["question"]
+
     def reply(text):
         completion = text.split("Response:\n")[1].rsplit("\n\nRate", 1)[0]
-        return "???" if len(completion) % 3 == 0 else f"Score: {min(10, len(completion))}"
+        return "???" if mute_on in text else f"Score: {min(10, len(completion))}"
 
     verifier = judge_as_verifier(LLMJudge(ScriptedPolicy(reply), "r"))
     task = chain_sum_task(size=16, held_out_size=2,
@@ -255,8 +314,10 @@ def test_scripted_judge_rewards_reach_a_grpo_step(tiny_policy):
     row = trainer.step()
     outcomes = {k: row[f"outcome_{k}"] for k in ("ok", "wrong", "format_error", "timeout",
                                                  "error")}
-    assert sum(outcomes.values()) == 8 and outcomes["timeout"] == outcomes["error"] == 0
-    assert math.isfinite(row["reward_mean"]) and row["groups_kept"] == 2
+    assert outcomes["error"] == 4 and outcomes["ok"] + outcomes["wrong"] == 4
+    assert outcomes["format_error"] == outcomes["timeout"] == 0
+    assert row["groups_kept"] == 1 and row["groups_excluded_error"] == 1
+    assert math.isfinite(row["reward_mean"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,13 +382,13 @@ def test_llm_pairwise_judge_controls_position_bias():
     judge = LLMPairwiseJudge(policy)
     results = judge.compare(["good", "bad", "biased1", "x"], ["bad", "good", "biased2", "y"],
                             [ITEM] * 4)
-    assert [r.outcome.value for r in results] == ["a", "b", "inconsistent", "format_error"]
+    assert [r.outcome.value for r in results] == ["a", "b", "inconsistent", "error"]
     assert [r.prob_a for r in results] == [1.0, 0.0, None, None]
     assert [r.winner for r in results] == ["A", "B", None, None]
     assert "same position both times" in results[2].reason
     assert results[3].raw == ("I cannot decide", "I cannot decide")
-    assert count_pairwise(results) == {"a": 1, "b": 1, "tie": 0, "inconsistent": 1,
-                                       "format_error": 1, "error": 0}
+    assert count_pairwise(results) == {"a": 1, "b": 1, "tie": 0, "inconsistent": 1, "error": 1}
+    assert "no A/B verdict" in results[3].reason
     [(texts, settings)] = policy.calls  # both orders of all pairs in one batched call
     assert len(texts) == 8 and settings["temperature"] == 0.0
     one_order = LLMPairwiseJudge(ScriptedPolicy(reply), both_orders=False)
@@ -396,25 +457,18 @@ def test_judge_settings_are_validated_naming_the_argument(reward_model):
             LLMJudge(policy, "r", batch_size=bad)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("Score: 7/10", 7.0), ("Score: 7.5", 7.5), ("Score: 7.", 7.0), ("Score: -1", -1.0),
-    ("Score: 1e3", 1000.0), ("Score: 1.2.3", None), ("Score: 12", 12.0)])
-def test_parse_score_reads_the_whole_number(text, expected):
-    assert parse_score(text) == expected
-
-
-def test_out_of_range_whole_numbers_are_format_errors():
+def test_out_of_range_whole_numbers_are_judge_errors():
     judge = LLMJudge(ScriptedPolicy(lambda t: t.split("Response:\n")[1].split("\n")[0]), "r")
     results = judge.judge(["Score: 1e3", "Score: -1", "Score: 7/10"], [ITEM] * 3)
-    assert [r.outcome.value for r in results] == ["format_error", "format_error", "ok"]
+    assert [r.outcome.value for r in results] == ["error", "error", "ok"]
     assert "score 1000 outside score_range" in results[0].reason
 
 
 @pytest.mark.parametrize("parse", [lambda t: "seven", lambda t: [7], lambda t: True])
-def test_a_parse_returning_a_non_number_is_a_format_error(parse):
+def test_a_parse_returning_a_non_number_is_a_judge_error(parse):
     judge = LLMJudge(ScriptedPolicy(lambda t: "Score: 7"), "r", parse=parse)
     [r] = judge.judge(["c"], [ITEM])
-    assert r.outcome is Outcome.FORMAT_ERROR and "not a number" in r.reason
+    assert r.outcome is Outcome.ERROR and "not a number" in r.reason
 
 
 def test_non_string_completions_and_questions_are_errors_for_their_row_only(reward_model):
@@ -439,5 +493,5 @@ def test_a_raising_pairwise_parser_is_named_in_the_reason():
 
     [r] = LLMPairwiseJudge(ScriptedPolicy(lambda t: "A"), parse=parse).compare(["a"], ["b"],
                                                                                [ITEM])
-    assert r.outcome is PairwiseOutcome.FORMAT_ERROR
+    assert r.outcome is PairwiseOutcome.ERROR
     assert "parse raised RuntimeError: boom" in r.reason

@@ -91,7 +91,7 @@ def test_all_equal_rewards_give_zero_advantages_and_are_counted():
 def test_reward_mean_leaves_out_failed_verifications():
     """Rewards 1 (ok), 0 (wrong), and two failures stored with reward 0.0: the mean is over the
     two judged samples, 1/2, not 1/4; accuracy is over all four samples, 1/4."""
-    from posttrain.rl.trainer import _rollout_metrics
+    from posttrain.rl.rollout import rollout_metrics as _rollout_metrics
 
     groups = [Group([_traj(0, 1.0, "ok"), _traj(0, 0.0, "wrong")]),
               Group([_traj(1, 0.0, "error"), _traj(1, 0.0, "timeout")])]

@@ -79,7 +79,7 @@ def test_nan_group_reward_is_an_error_outcome_not_a_crash(policy):
     groups = collect_groups(policy, [_NaNGroupBuilder(ITEM, "chain_sum")], group_size=2,
                             max_new_tokens=3, seed=0)
     assert groups[0].outcomes == ["error", "error"] and groups[0].rewards == [0.0, 0.0]
-    assert "non-finite" in groups[0].trajectories[0].info["error"]
+    assert "must be a finite number" in groups[0].trajectories[0].info["error"]
 
 
 class _ScriptedPolicy:

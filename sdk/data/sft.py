@@ -36,7 +36,7 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -178,17 +178,21 @@ def normalize_document(doc: Any, index: int) -> str:
     return doc
 
 
-def reasoning_gym_sft_rows(name: str, *, size: int, seed: int, **task_config: Any) -> list[dict]:
+def reasoning_gym_sft_rows(name: str, *, size: int, seed: int,
+                           item_filter: Callable[[Any, Any], Iterable[Mapping]] | None = None,
+                           **task_config: Any) -> list[dict]:
     """SFT rows from a reasoning-gym task: the question, exactly as the task words it, is the
     user turn; the task's reference answer is the assistant turn.
 
     Args:
         name: a reasoning-gym dataset name, e.g. "chain_sum".
         size, seed: passed to `reasoning_gym.create_dataset`.
+        item_filter: `(dataset, items) -> kept items`, e.g. a check of each item's gold answer
+            (`posttrain.verifiers.reasoning_gym_gold.check_gold`); None keeps every item.
         task_config: the task's own options (e.g. `min_terms=2, max_terms=2`).
 
     Returns:
-        `size` rows {"messages": [user, assistant]}.
+        One row {"messages": [user, assistant]} per kept item (`size` without a filter).
 
     Raises:
         ValueError: from reasoning-gym for an unknown name or bad option.
@@ -201,9 +205,10 @@ def reasoning_gym_sft_rows(name: str, *, size: int, seed: int, **task_config: An
     import reasoning_gym
 
     dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_config)
+    items = dataset if item_filter is None else item_filter(dataset, dataset)
     return [{"messages": [{"role": "user", "content": item["question"]},
                           {"role": "assistant", "content": item["answer"]}]}
-            for item in dataset]
+            for item in items]
 
 
 # --------------------------------------------------------------------------------------------

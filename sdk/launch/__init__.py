@@ -8,8 +8,11 @@ from __future__ import annotations
 from posttrain.launch.run import Run, JobFailedError, RUN_FILE
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.submit import launch, launch_array, EXECUTORS
+from posttrain.launch.judge import launch_judge, JudgeJob
 
 __all__ = [
+    "launch_judge",
+    "JudgeJob",
     "Run",
     "JobFailedError",
     "RUN_FILE",

@@ -1,5 +1,6 @@
 """What scores a completion: the Verifier protocol and its runner (typed outcomes, time
-budgets), judges, the reward model, and greedy evaluation of a policy with a score function.
+budgets), judges (in process, or served over HTTP with batching and backpressure, and their
+client verifier), the reward model, and greedy evaluation of a policy with a score function.
 """
 
 from __future__ import annotations
@@ -9,6 +10,14 @@ from posttrain.rewards.evaluation import (
     wilson_interval,
     evaluate_generations,
     paired_bootstrap_diff,
+)
+from posttrain.rewards.judge_client import JudgeClient
+from posttrain.rewards.judge_server import (
+    JudgeServer,
+    ServerSettings,
+    serve_judge,
+    JudgeJobSpec,
+    serve_until_stopped,
 )
 from posttrain.rewards.judges import (
     JudgeResult,
@@ -71,6 +80,12 @@ __all__ = [
     "JudgeVerifier",
     "parse_score",
     "parse_choice",
+    "JudgeClient",
+    "JudgeServer",
+    "ServerSettings",
+    "serve_judge",
+    "JudgeJobSpec",
+    "serve_until_stopped",
     "DEFAULT_JUDGE_TEMPLATE",
     "DEFAULT_PAIRWISE_TEMPLATE",
     "DEFAULT_PAIRWISE_RUBRIC",

@@ -10,21 +10,28 @@ A judge scores completions with a model instead of a rule: an LLM reading a rubr
     =============  ==================================================================
     ok             scored, normalised score >= `ok_threshold`
     wrong          scored, normalised score below `ok_threshold` (`score` keeps it)
-    format_error   the judge's text holds no parsable score, or one outside its range
-    timeout        the judge ran past its budget (only through `run_verifier`)
-    error          the judge raised, the item has no question, the prompt is too long
+    timeout        the judge ran past its budget (`run_verifier`, the judge client)
+    error          the judge failed: its text holds no parsable score or one outside
+                   its range, it raised, the item has no question, the prompt is too
+                   long, the judge server could not be reached
     =============  ==================================================================
 
-An unparsable judge output is `format_error` with score 0.0 and the judge's text in `raw` and
-(shortened) in `reason`; it is never a silent 0.0 reward: the trainer counts it.
+A judge's own failure is never the policy's low reward: an unparsable judge output is `error`
+(score 0.0, the judge's text in `raw` and, shortened, in `reason`), which RL excludes with its
+whole group and counts (`posttrain.rl.trainer`), not `format_error`, which RL trains on as a
+0.0 reward because there the *policy* gave no answer. Judges never return `format_error`.
 
-Pairwise judges (which of two completions is better) are in `posttrain.rewards.pairwise`.
+Pairwise judges (which of two completions is better) are in `posttrain.rewards.pairwise`; a
+judge served over HTTP is `posttrain.rewards.judge_server` and its client
+`posttrain.rewards.judge_client`.
 
 RL: `judge_as_verifier(judge)` is a `Verifier` (`(completion, item) -> VerifierResult`), so a
 judge runs under `run_verifier` / `score_batch` time budgets and inside the environments and
-group builders of `posttrain.envs` (`ReasoningGymGroupBuilder(item, task, verifier=...)`).
+group builders of `posttrain.envs` (`ReasoningGymGroupBuilder(item, task, verifier=...)`);
+`posttrain.envs.JudgedGroupBuilder` judges a whole group in one call instead.
 
-Thread safety: `run_verifier` calls verifiers on worker threads. `LLMJudge` (and
+Thread safety: `JudgeVerifier` declares `isolation = "thread"` (it holds a model: `run_verifier`
+runs it on a thread, not in a worker process). `LLMJudge` (and
 `posttrain.rewards.pairwise.LLMPairwiseJudge`) hold a lock around `Policy.generate` (which sets
 up KV caches on the model), so concurrent calls wait for each other; a call abandoned after its
 timeout still holds the lock until its generation ends.
@@ -40,7 +47,7 @@ Example (a stub stands in for the judge model's `generate`):
     ...                        spec=SimpleNamespace(max_seq_len=512))
     >>> judge = LLMJudge(stub, "Is the answer correct?")
     >>> [(r.outcome.value, r.score) for r in judge.judge(["12", "13"], [{"question": "5+7="}] * 2)]
-    [('ok', 0.7), ('format_error', 0.0)]
+    [('ok', 0.7), ('error', 0.0)]
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.rewards.judge_parsing import parse_score
 from posttrain.rewards.verifier import Outcome, VerifierResult
 from posttrain.core.checks import check_int
 
@@ -91,30 +99,6 @@ class Judge(Protocol):
 
     def judge(self, completions: Sequence[str],
               items: Sequence[Mapping[str, Any]]) -> list[VerifierResult]: ...
-
-
-# --------------------------------------------------------------------------------------------
-# Parsing judge text
-# --------------------------------------------------------------------------------------------
-
-# the whole number: "Score: 1e3" is 1000 (not 1), "Score: 7.5" is 7.5, "Score: 7/10" is 7
-_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\.?\d)",
-                    re.IGNORECASE)
-
-
-def parse_score(text: str) -> float | None:
-    """The number after the last "Score:" (or "score ="), case-insensitive; None if absent.
-
-    The whole number is read, sign and exponent included ("Score: -1" is -1.0, "Score: 1e3" is
-    1000.0: out of a 0-10 range, hence format_error, never 1); a "/10" after it is ignored; a
-    malformed number ("Score: 1.2.3") is None.
-
-    Example:
-        >>> parse_score("Reasoning... Score: 7"), parse_score("score = 3.5 / 10"), parse_score("7")
-        (7.0, 3.5, None)
-    """
-    matches = _SCORE.findall(text)
-    return float(matches[-1]) if matches else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,8 +206,8 @@ class LLMJudge:
 
     The judge model reads `template` (a one-turn chat when `chat`), writes a verdict, and the
     score is `parse(text)`, checked against `score_range`; an unparsable text or a score outside
-    the range is `format_error` (Zheng et al. 2023, "Judging LLM-as-a-Judge with MT-Bench and
-    Chatbot Arena", single-answer grading, section 3.1).
+    the range is the judge's failure, outcome `error` (Zheng et al. 2023, "Judging LLM-as-a-Judge
+    with MT-Bench and Chatbot Arena", single-answer grading, section 3.1).
 
     Args:
         policy: the judge model, a `posttrain.policy.policy.Policy` (anything with `generate`,
@@ -231,7 +215,7 @@ class LLMJudge:
         rubric: what a good response is; the `{rubric}` placeholder.
         score_range: (low, high), finite, low < high; parsed scores must lie inside (inclusive).
         parse: `text -> float | None` (default `parse_score`); None, a raise, or anything but
-            a real number -> format_error.
+            a real number -> error.
         template: format string over rubric, question, completion, reference, low, high; it
             must use {question} and {completion}.
         normalize: report `(s - low) / (high - low)` in [0, 1] (default) instead of s.
@@ -306,19 +290,19 @@ class LLMJudge:
         low, high = self.score_range
         try:
             value = self.parse(text)
-        except Exception as exc:  # noqa: BLE001 - a user parser failing is a format problem
-            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"parse raised {type(exc).__name__}: "
+        except Exception as exc:  # noqa: BLE001 - a failing parser is the judge's failure
+            return JudgeResult(0.0, Outcome.ERROR, f"parse raised {type(exc).__name__}: "
                                f"{exc} on {_quote(text)}", raw=text)
         if value is None:
-            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"no score found in judge output "
+            return JudgeResult(0.0, Outcome.ERROR, f"no score found in judge output "
                                f"{_quote(text)}", raw=text)
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"parse returned {value!r} (a "
+            return JudgeResult(0.0, Outcome.ERROR, f"parse returned {value!r} (a "
                                f"{type(value).__name__}), not a number, on {_quote(text)}",
                                raw=text)
         value = float(value)
         if not (math.isfinite(value) and low <= value <= high):
-            return JudgeResult(0.0, Outcome.FORMAT_ERROR, f"score {value:g} outside score_range "
+            return JudgeResult(0.0, Outcome.ERROR, f"score {value:g} outside score_range "
                                f"[{low:g}, {high:g}] in {_quote(text)}", raw=text)
         fraction = (value - low) / (high - low)
         outcome = Outcome.OK if fraction >= self.ok_threshold else Outcome.WRONG
@@ -444,9 +428,14 @@ class RewardModelJudge:
 
 @dataclass(frozen=True)
 class JudgeVerifier:
-    """A `Verifier` that asks `judge` about one completion. Pickles when the judge does."""
+    """A `Verifier` that asks `judge` about one completion. Pickles when the judge does.
+
+    `isolation = "thread"`: `run_verifier` calls it on a thread of this process (the judge holds
+    a model in memory), not in a worker process.
+    """
 
     judge: Judge
+    isolation = "thread"   # a class attribute, not a field
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         results = self.judge.judge([completion], [item])
@@ -470,13 +459,12 @@ def judge_as_verifier(judge: Judge) -> JudgeVerifier:
         >>> builder = ReasoningGymGroupBuilder({"question": "1 + 2 =", "answer": "3"},
         ...                                    "chain_sum", verifier=judge_as_verifier(judge))
         >>> builder.make_envs(1)[0].step("3").verifier_result.outcome.value  # untrained judge
-        'format_error'
+        'error'
     """
     if not callable(getattr(judge, "judge", None)):
         raise TypeError(f"judge must have a judge(completions, items) method; got "
                         f"{type(judge).__name__}")
     return JudgeVerifier(judge)
-
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,9 +13,12 @@ Bradley & Terry 1952). Pointwise judges, and the helpers both kinds share, are i
     a / b          A (or B) is better, in both orders when both are judged
     tie            equal rewards within `tie_tol` (reward-model judges)
     inconsistent   the two orders disagree: position bias (LLM judges)
-    format_error   a verdict holds no parsable "A" or "B"
-    error          could not be judged (too long, no question, the judge prompt fails)
+    error          the judge failed: a verdict holds no parsable "A" or "B", the parser
+                   raised, too long, no question, the judge prompt fails
     =============  ==================================================================
+
+As for pointwise judges, a verdict the judge did not give is the judge's failure (`error`), not
+a judgement about either completion.
 
 Thread safety: as `posttrain.rewards.judges.LLMJudge`, `LLMPairwiseJudge` holds a lock around
 `Policy.generate`, so concurrent calls wait for each other.
@@ -31,13 +34,12 @@ Example (a reward model ranks two answers; P(A better) = sigmoid(r_A - r_B)):
 
 from __future__ import annotations
 
-import re
-import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.rewards.judge_parsing import parse_choice
 from posttrain.rewards.judges import (RewardModelJudge, _Generator, _check_lengths, _check_real,
                                       _check_template, _quote, _sigmoid, _text_problem)
 
@@ -46,29 +48,6 @@ __all__ = [
     "PairwiseResult", "PairwiseJudge", "LLMPairwiseJudge", "RewardModelPairwiseJudge",
     "count_pairwise",
 ]
-
-# --------------------------------------------------------------------------------------------
-# Parsing a verdict
-# --------------------------------------------------------------------------------------------
-
-_CHOICE = re.compile(r"(?:answer|better|choice|winner)\s*(?:is)?\s*[:=]?\s*\(?\[?\b([AB])\b",
-                     re.IGNORECASE)
-
-
-def parse_choice(text: str) -> str | None:
-    """"A" or "B" from a pairwise judge's text: the letter after the last "Answer:" / "Better:" /
-    "Choice:" / "Winner:", or the whole text when it is just the letter (punctuation and case
-    ignored); None otherwise.
-
-    Example:
-        >>> parse_choice("Answer: B"), parse_choice(" a. "), parse_choice("both are fine")
-        ('B', 'A', None)
-    """
-    matches = _CHOICE.findall(text)
-    if matches:
-        return matches[-1].upper()
-    bare = text.strip().strip(string.punctuation + " ").upper()
-    return bare if bare in ("A", "B") else None
 
 # --------------------------------------------------------------------------------------------
 # Pairwise judges
@@ -82,8 +61,7 @@ class PairwiseOutcome(str, Enum):
     B = "b"                         # B is better
     TIE = "tie"                     # equal scores (reward-model judges)
     INCONSISTENT = "inconsistent"   # the two orders disagree: position bias
-    FORMAT_ERROR = "format_error"   # a verdict could not be parsed
-    ERROR = "error"                 # could not be judged (too long, no question, ...)
+    ERROR = "error"                 # the judge failed (no verdict, too long, no question, ...)
 
     def __str__(self) -> str:
         return self.value
@@ -96,8 +74,7 @@ class PairwiseResult:
     Attributes:
         outcome: a `PairwiseOutcome`.
         prob_a: P(A is better) in [0, 1]: 1.0 / 0.0 for an LLM verdict, sigmoid(r_A - r_B) for a
-            reward model, 0.5 for a tie; None when there is no decision (inconsistent,
-            format_error, error).
+            reward model, 0.5 for a tie; None when there is no decision (inconsistent, error).
         reason: why, in words.
         raw: the judge's texts (A-first order, then B-first order) for LLM judges.
     """
@@ -153,15 +130,15 @@ class LLMPairwiseJudge:
     2023, "Large Language Models are not Fair Evaluators"). With `both_orders` (default) each
     pair is judged as (A, B) and as (B, A): the verdict counts only when both orders name the
     same completion; otherwise the outcome is `inconsistent`. Any unparsable verdict makes the
-    pair `format_error`. One batched `generate` call covers all 2N prompts.
+    pair `error`. One batched `generate` call covers all 2N prompts.
 
     Args:
         policy: the judge model (a `Policy`).
         rubric: the `{rubric}` placeholder.
         template: format string over rubric, question, completion_a, completion_b, reference;
             it must use {question}, {completion_a} and {completion_b}.
-        parse: `text -> "A" | "B" | None` (default `parse_choice`); a raise is format_error,
-            with the exception in the reason.
+        parse: `text -> "A" | "B" | None` (default `parse_choice`); a raise is error, with
+            the exception in the reason.
         both_orders: judge both orders (False: A-first only, no position-bias control).
         max_new_tokens, temperature, seed, batch_size, chat: as in `LLMJudge`.
 
@@ -200,7 +177,7 @@ class LLMPairwiseJudge:
         """("A" | "B", "") or (None, why not)."""
         try:
             choice = self.parse(text)
-        except Exception as exc:  # noqa: BLE001 - a failing parser is a format problem
+        except Exception as exc:  # noqa: BLE001 - a failing parser is the judge's failure
             return None, f"parse raised {type(exc).__name__}: {exc} on {_quote(text)}"
         if choice in ("A", "B"):
             return choice, ""
@@ -239,7 +216,7 @@ class LLMPairwiseJudge:
             # a verdict in the B-first order names the swapped positions
             verdicts, whys = zip(*(self._verdict(t) for t, _ in texts))
             if None in verdicts:
-                results[i] = PairwiseResult(PairwiseOutcome.FORMAT_ERROR, None,
+                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None,
                                             whys[verdicts.index(None)], raw)
                 continue
             winners = [verdicts[0]] + ([{"A": "B", "B": "A"}[verdicts[1]]] if orders == 2

@@ -31,13 +31,12 @@ Example (a scripted "policy" plays a single-turn episode):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.core.registry import Registry
-from posttrain.rewards.verifier import Outcome, VerifierResult
+from posttrain.rewards.verifier import Outcome, VerifierResult, check_reward
 
 Messages = list[dict]
 """A conversation: `[{"role": "user", "content": "..."}, ...]` (roles of posttrain.models.tokenizer)."""
@@ -49,16 +48,17 @@ class StepResult:
 
     Attributes:
         done: the episode is over; `step` must not be called again.
-        reward: the episode's reward when done (required then, finite); None, or a finite shaped
-            reward, on intermediate turns.
+        reward: the episode's reward when done (required then); None, or a shaped reward, on
+            intermediate turns; a reward passes `check_reward` (finite, within float32).
         observation: messages to append after the assistant turn before generating the next one
             (tool results); None when done.
         verifier_result: the typed verification of the final answer, when there was one.
         info: anything worth logging (per-episode metrics, the extracted answer, ...).
 
     Raises:
-        ValueError: if done without a reward, a reward that is not finite, or not done without
-            an observation list.
+        ValueError: if done without a reward, a reward that breaks `check_reward` (NaN, inf,
+            beyond float32 such as 1e39), or not done without an observation list. Inside a
+            rollout that makes the episode's outcome "error" (counted), not a crash.
     """
 
     done: bool
@@ -69,9 +69,7 @@ class StepResult:
 
     def __post_init__(self) -> None:
         if self.reward is not None:
-            if not math.isfinite(float(self.reward)):
-                raise ValueError(f"StepResult reward must be finite, got {self.reward}")
-            object.__setattr__(self, "reward", float(self.reward))
+            object.__setattr__(self, "reward", check_reward(self.reward, name="StepResult reward"))
         if self.done and self.reward is None:
             raise ValueError("a StepResult with done=True needs the episode's reward")
         if not self.done and not isinstance(self.observation, list):
@@ -131,19 +129,30 @@ def group_rewards(builder: EnvGroupBuilder, trajectories: Sequence[Trajectory]) 
     """The group's final rewards: the builder's `group_rewards` hook when it has one, otherwise
     each trajectory's own reward.
 
+    The hook may return `VerifierResult`s instead of floats (a judge scoring the whole group in
+    one call, `posttrain.envs.JudgedGroupBuilder`): each trajectory then takes its result's
+    outcome (and reason, as `info["verifier_reason"]`), and the result's score is the reward.
+
     Raises:
-        ValueError: if the hook returns the wrong number of rewards or a non-finite one.
+        ValueError: if the hook returns the wrong number of rewards or one that breaks
+            `check_reward` (NaN, inf, beyond float32); the rollout then marks the group's
+            trajectories outcome "error".
     """
     hook = getattr(builder, "group_rewards", None)
     if hook is None:
         return [t.reward for t in trajectories]
-    rewards = [float(r) for r in hook(list(trajectories))]
+    rewards = list(hook(list(trajectories)))
+    for t, r in zip(trajectories, rewards):
+        if isinstance(r, VerifierResult):
+            t.outcome = r.outcome.value
+            if r.reason:
+                t.info["verifier_reason"] = r.reason
+    name = f"{type(builder).__name__}.group_rewards"
+    rewards = [check_reward(r.score if isinstance(r, VerifierResult) else r,
+                            name=f"{name} reward {i}") for i, r in enumerate(rewards)]
     if len(rewards) != len(trajectories):
         raise ValueError(f"{type(builder).__name__}.group_rewards returned {len(rewards)} rewards "
                          f"for {len(trajectories)} trajectories")
-    if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"{type(builder).__name__}.group_rewards returned a non-finite reward: "
-                         f"{rewards}")
     return rewards
 
 
@@ -168,7 +177,7 @@ class Trajectory:
             episodes the observation tokens in between (see `completion_mask`).
         logprobs: [C] log-probabilities of `completion_ids` under the sampling distribution
             (0.0 at observation positions).
-        reward: the final reward (after `group_rewards`), finite.
+        reward: the final reward (after `group_rewards`); passes `check_reward`.
         outcome: the verifier outcome, an `Outcome` value ("ok", "wrong", "format_error",
             "timeout", "error").
         finish_reason: one of `FINISH_REASONS`.
@@ -179,8 +188,8 @@ class Trajectory:
             observation tokens; None means every completion token was sampled (single-turn).
 
     Raises:
-        ValueError: for mismatched lengths, a non-finite reward, an unknown outcome or finish
-            reason.
+        ValueError: for mismatched lengths, a reward that breaks `check_reward`, an unknown
+            outcome or finish reason.
     """
 
     group_id: int | str
@@ -203,8 +212,7 @@ class Trajectory:
         if mask is not None and len(mask) != len(self.completion_ids):
             raise ValueError(f"Trajectory completion_mask has {len(self.completion_mask)} entries "
                              f"for {len(self.completion_ids)} completion ids")
-        if not math.isfinite(self.reward):
-            raise ValueError(f"Trajectory reward must be finite, got {self.reward}")
+        self.reward = check_reward(self.reward, name="Trajectory reward")
         try:
             self.outcome = Outcome(self.outcome).value
         except ValueError:
@@ -255,6 +263,20 @@ class Group:
 
     def __iter__(self):
         return iter(self.trajectories)
+
+
+def screen_rewards(groups: Sequence[Group]) -> Sequence[Group]:
+    """Give every trajectory of `groups` whose reward breaks `check_reward` (set after it was
+    built, e.g. by code that edits rollouts) outcome "error", reward 0.0 and the reason in
+    `info["error"]`, so the trainer counts and excludes it (1e39 would be inf in the float32
+    batch and end `fit()`). Returns `groups` (changed in place)."""
+    for group in groups:
+        for t in group:
+            try:
+                check_reward(t.reward, name="Trajectory reward")
+            except ValueError as exc:
+                t.outcome, t.reward, t.info["error"] = Outcome.ERROR.value, 0.0, str(exc)
+    return groups
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 from posttrain.rewards.verifier import Outcome
 
-__all__ = ["collect_groups", "outcome_counts"]
+__all__ = ["EXCLUDED_OUTCOMES", "collect_groups", "outcome_counts", "rollout_metrics"]
+
+EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
+"""Outcomes that exclude their whole group from the update (see `posttrain.rl.trainer`)."""
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -209,3 +212,29 @@ def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
         for t in group:
             counts[t.outcome] += 1
     return counts
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """The rollout's metrics for one RL step.
+
+    reward_mean over the samples the verifier judged (an error or timeout has no reward: it is
+    counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of all
+    samples with outcome ok), outcome counts, lengths, and `env_<name>`: the sum over all
+    trajectories of each counter an environment reports in `StepResult.info["counts"]` (a dict
+    name -> int, e.g. the Python-tool environment's calls and cut outputs).
+    """
+    rows = [t for g in groups for t in g]
+    counts = outcome_counts(groups)
+    judged = [t.reward for t in rows if t.outcome not in EXCLUDED_OUTCOMES]
+    sampled = [sum(t.completion_mask) if t.completion_mask is not None
+               else len(t.completion_ids) for t in rows]
+    env_counts: dict[str, int] = {}
+    for t in rows:
+        for name, value in (t.info.get("counts") or {}).items():
+            env_counts[f"env_{name}"] = env_counts.get(f"env_{name}", 0) + int(value)
+    return {"reward_mean": sum(judged) / len(judged) if judged else float("nan"),
+            "accuracy": counts["ok"] / len(rows),
+            **{f"outcome_{k}": v for k, v in counts.items()},
+            "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
+            "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
+            **env_counts}

@@ -76,7 +76,7 @@ from posttrain.models.lora import has_adapters
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
-from posttrain.rl.environment import EnvDataset, Group
+from posttrain.rl.environment import EnvDataset, Group, screen_rewards
 from posttrain.policy.sampling import sampling_logprobs, token_logprobs
 from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
                                      sequence_advantages, step_units, value_loss)
@@ -86,14 +86,12 @@ from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sa
                                          scores_apart_from_sampler)
 from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
                                    optimizer_step_under_plan, setup_plan)
-from posttrain.rl.rollout import collect_groups, outcome_counts
+from posttrain.rl.rollout import EXCLUDED_OUTCOMES, collect_groups, outcome_counts, rollout_metrics
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.sharding import full_state_dict, plan_state
 
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
-EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
-"""Outcomes that exclude their whole group from the update (see the module docstring)."""
 
 
 class ValueHead(nn.Module):
@@ -119,7 +117,7 @@ def split_groups(groups: Sequence[Group]) -> tuple[list[Group], dict[str, int]]:
     groups_zero_signal (kept, all rewards equal: zero advantage under group estimators)."""
     kept, counts = [], {"groups_excluded_error": 0, "groups_excluded_empty": 0,
                         "groups_zero_signal": 0}
-    for group in groups:
+    for group in screen_rewards(groups):  # a reward that breaks check_reward -> outcome error
         if any(t.outcome in EXCLUDED_OUTCOMES for t in group):
             counts["groups_excluded_error"] += 1
         elif any(not any(t.completion_mask or [True] * len(t.completion_ids)) for t in group):
@@ -306,7 +304,7 @@ class RLTrainer(Engine):
         start = time.perf_counter() if start is None else start
         self.last_groups, self.last_builders = list(groups), builders
         kept, counts = split_groups(groups)
-        row: dict[str, Any] = {**_rollout_metrics(groups), **counts, "groups_kept": len(kept)}
+        row: dict[str, Any] = {**rollout_metrics(groups), **counts, "groups_kept": len(kept)}
         update: dict[str, float] = {}
         if kept:
             batch = make_batch(kept, self.policy.tokenizer.pad_id)
@@ -481,19 +479,3 @@ class RLTrainer(Engine):
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
         return {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.3f}"}
-
-
-def _rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """reward mean over the samples the verifier judged (an error or timeout has no reward: it
-    is counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of
-    all samples with outcome ok), outcome counts, lengths."""
-    rows = [t for g in groups for t in g]
-    counts = outcome_counts(groups)
-    judged = [t.reward for t in rows if t.outcome not in EXCLUDED_OUTCOMES]
-    sampled = [sum(t.completion_mask) if t.completion_mask is not None
-               else len(t.completion_ids) for t in rows]
-    return {"reward_mean": sum(judged) / len(judged) if judged else float("nan"),
-            "accuracy": counts["ok"] / len(rows),
-            **{f"outcome_{k}": v for k, v in counts.items()},
-            "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
-            "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows)}

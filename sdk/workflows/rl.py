@@ -143,6 +143,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                             held_out_seed=cfg.task.eval_seed)
     if [it["question"] for it in task.held_out()] != [it["question"] for it in items]:
         raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
+    if rank_and_world_size()[0] == 0:  # items kept, dropped as held out or for a bad gold
+        print(f"RL task: {task.stats()}")
     algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, cfg.parallel.plan()
     q = cfg.quantization
     if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler

@@ -39,6 +39,7 @@ from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.train.schedules import warmup_cosine_schedule
 from posttrain.train.sharding import full_state_dict, plan_state
 from posttrain.train.trainer import Trainer
+from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
                                         ModelConfig, TaskConfig, choice, fail, ints, run_fields,
                                         validate)
@@ -115,11 +116,12 @@ def held_out_items(task: TaskConfig) -> tuple[list[dict], Any]:
 
     The training set drops every row whose question is among these, so the evaluation is held
     out even on small tasks whose question space the training set covers (2-term, 1-2 digit
-    chain_sum has about 8k distinct questions).
+    chain_sum has about 8k distinct questions). Items whose upstream gold fails its check
+    (`posttrain.verifiers.reasoning_gym_gold.check_gold`) are skipped, as the RL task skips them.
     """
     ds = _reasoning_gym(task, size=4 * task.eval_size + 100, seed=task.eval_seed)
     items, seen = [], set()
-    for item in ds:
+    for item in check_gold(task.name, ds, ds):
         if item["question"] not in seen:
             seen.add(item["question"])
             items.append(item)
@@ -129,14 +131,19 @@ def held_out_items(task: TaskConfig) -> tuple[list[dict], Any]:
     return items[:task.eval_size], ds
 
 
-def build_dataset(cfg: SFTConfig, tokenizer, exclude: set[str]):
+def build_dataset(cfg: SFTConfig, tokenizer, exclude: set[str], gold: Any = None):
     """The training dataset of `cfg` (SFTDataset or CPTDataset) without questions in `exclude`,
-    and the number of rows dropped for that."""
+    and the number of rows dropped for that. Items of a reasoning-gym task whose upstream gold
+    fails its check are not trained on; they are counted in `gold` (a `GoldReport`; a new one
+    when None), as the RL task counts them."""
     task, dataset_cls = cfg.task, SFTDataset if cfg.mode == "sft" else CPTDataset
     if task.is_file:
         rows = load_sft_rows(task.name) if cfg.mode == "sft" else load_text_documents(task.name)
         return dataset_cls(rows, tokenizer, max_seq_len=cfg.max_seq_len), 0
-    rows = reasoning_gym_sft_rows(task.name, size=task.train_size, seed=cfg.seed, **task.options)
+    gold = GoldReport(task.name) if gold is None else gold
+    rows = reasoning_gym_sft_rows(task.name, size=task.train_size, seed=cfg.seed,
+                                  item_filter=lambda ds, items: check_gold(task.name, ds, items, gold),
+                                  **task.options)
     kept = [r for r in rows if r["messages"][0]["content"] not in exclude]
     if not kept:
         raise ValueError("every training row is a held-out question; raise task.train_size")
@@ -221,14 +228,16 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     policy = (Policy.from_pretrained(cfg.model.init_from) if cfg.model.init_from
               else Policy.from_spec(cfg.model.name, seed=cfg.seed))
     items, ds = held_out_items(cfg.task) if cfg.task.eval_size else ([], None)
-    dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items})
+    gold = GoldReport(cfg.task.name)
+    dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items}, gold)
     results: dict[str, Any] = {"mode": cfg.mode, "dataset": cfg.task.name,
                                "steps": cfg.optim.steps, "data": dataset.stats.as_dict(),
                                "held_out_rows_dropped": dropped}
     chat = cfg.mode == "sft"
     if writes:
         print(f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
-              f"{dropped} rows dropped as held-out questions")
+              f"{dropped} rows dropped as held-out questions"
+              + (f", gold check: {gold}" if gold.checked else ""))
         before = read_table(out / "eval_before.csv") if items and cfg.resume else None
         if before is not None:  # a resumed run: the evaluation before training is done
             results["before"] = accuracy_of(before)

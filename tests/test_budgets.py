@@ -1,0 +1,439 @@
+"""Verifier time budgets that hold for CPU-bound checks, and linear tag parsers.
+
+Budgets: a budgeted call runs in a worker process that is killed (with its process group) when
+the call runs past its budget, so CPU-bound checks stop (`1e999999999` through math_answer, a
+catastrophic regex), nothing keeps running after them and later calls are not slowed. Workers
+take closures from notebook cells (cloudpickle), report a raising or crashing verifier as
+outcome error, do not import torch, survive neither their parent's SIGKILL nor a fork. Parsers:
+25,000 tags in milliseconds. (The reward range rule: tests/test_reward_rule.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+
+from posttrain.envs.calculator_env import (MAX_CALLS_PER_TURN, CalculatorEnv,
+                                           evaluate_arithmetic)
+from posttrain.rewards.verifier import Outcome, VerifierResult, run_verifier, score_batch
+from posttrain.rewards.verifier_pool import KILL_MARGIN_S, WorkerPool, verifier_pool
+from posttrain.verifiers.basic import FormatVerifier, RegexVerifier, extract_tag, tag_contents
+from posttrain.verifiers.math_answer import MathAnswerVerifier
+
+# The verifiers below travel to the workers by value, as notebook functions do. By reference (the
+# default for a module's functions) a worker would import this module, and torch with it: ~3 s
+# for every new worker.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _spin(completion, item):
+    """Never returns, holding the CPU (and, on a thread, the interpreter lock)."""
+    while True:
+        pass
+
+
+def _quick(completion, item):
+    """A few milliseconds of pure-Python work."""
+    return float(sum(range(100_000)) > 0)
+
+
+def _elapsed(fn):
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie waiting for init counts as ended: it runs nothing)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _live_in_groups(pgids: set[int]) -> list[int]:
+    """Live (non-zombie) processes whose process group is one of `pgids`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(proc.pid) in pgids and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+# --------------------------------------------------------------------------------------------
+# The measured cases: CPU-bound checks end at their budget
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_huge_exponent_through_math_answer_ends_within_its_budget():
+    """`1e999999999` made the thread-budgeted math verifier run for minutes (sympy / Fraction
+    expand the power); in a worker it is cut at 1 s."""
+    verify = MathAnswerVerifier()
+    assert run_verifier(verify, "The answer is 2", {"answer": "2"}, timeout_s=30).ok  # loaded
+    result, elapsed = _elapsed(lambda: run_verifier(verify, "The answer is 1e999999999",
+                                                    {"answer": "2"}, timeout_s=1.0))
+    assert isinstance(result.outcome, Outcome) and elapsed < 1.5, (result, elapsed)
+
+
+def test_a_catastrophic_regex_times_out_and_its_worker_is_killed():
+    """`^(a+)+$` on 34 a's and a b backtracks ~2**34 times inside `re` (which holds the
+    interpreter lock: a thread budget could not even abandon it cleanly)."""
+    verify = RegexVerifier(r"^(a+)+$")
+    assert run_verifier(verify, "aaa", {}, timeout_s=30).ok
+    pool = verifier_pool()
+    before = set(pool.pids())
+    result, elapsed = _elapsed(lambda: run_verifier(verify, "a" * 34 + "b", {}, timeout_s=0.5))
+    assert result.outcome is Outcome.TIMEOUT and result.score == 0.0
+    assert result.reason == "verifier ran past 0.5 s (worker process killed)"
+    assert 0.5 <= elapsed < 0.5 + KILL_MARGIN_S, elapsed
+    killed = before - set(pool.pids())
+    assert len(killed) == 1 and _wait_until(lambda: all(_gone(p) for p in killed))
+
+
+def test_a_timeout_returns_within_the_margin_and_kills_the_process_group(tmp_path):
+    """The verifier starts a child (`sleep 60`) and spins: the worker's whole process group,
+    child included, is gone after the timeout."""
+    pid_file = tmp_path / "child.pid"
+
+    def starts_a_child_then_spins(completion, item):
+        child = subprocess.Popen(["sleep", "60"])
+        with open(item["pid_file"], "w") as f:
+            f.write(str(child.pid))
+        while True:
+            pass
+
+    run_verifier(_quick, "x", {}, timeout_s=30)   # a worker is up
+    result, elapsed = _elapsed(lambda: run_verifier(
+        starts_a_child_then_spins, "x", {"pid_file": str(pid_file)}, timeout_s=0.5))
+    assert result.outcome is Outcome.TIMEOUT and 0.5 <= elapsed < 0.5 + KILL_MARGIN_S
+    child = int(pid_file.read_text())
+    assert _wait_until(lambda: _gone(child)), "the verifier's child survived its worker"
+
+
+def test_abandoned_work_does_not_slow_later_calls_and_leaves_no_process(tmp_path):
+    """Threads that ran past their budget kept spinning and made every later call ~8x slower.
+    Here 20 quick calls after 4 timeouts of a spinning verifier take about as long as before
+    (best of 3 batches each, once the pool has all its workers again: starting a replacement
+    costs ~40 ms of CPU), and the process groups of the 4 killed workers are empty."""
+    pool = verifier_pool()
+    run_verifier(_quick, "x", {}, timeout_s=30)
+
+    def twenty_quick() -> float:
+        return min(_elapsed(lambda: [run_verifier(_quick, "x", {}, timeout_s=30)
+                                     for _ in range(20)])[1] for _ in range(3))
+
+    def note_pid_then_spin(completion, item):
+        with open(item["pids"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        while True:
+            pass
+
+    before, workers = twenty_quick(), len(pool.pids())
+    item = {"pids": str(tmp_path / "pids")}
+    for _ in range(4):
+        assert run_verifier(note_pid_then_spin, "x", item, timeout_s=0.2).outcome is \
+            Outcome.TIMEOUT
+    killed = {int(line) for line in (tmp_path / "pids").read_text().split()}
+    assert len(killed) == 4 and not killed & set(pool.pids())
+    assert _wait_until(lambda: len(pool.pids()) == workers)
+    run_verifier(_quick, "x", {}, timeout_s=30)
+    after = twenty_quick()
+    assert after < 1.5 * before, (before, after)
+    assert _wait_until(lambda: not _live_in_groups(killed)), _live_in_groups(killed)
+    assert len(pool.pids()) <= pool.max_processes
+
+
+def test_score_batch_runs_hangers_side_by_side_in_order():
+    completions = ["1", "spin", "2", "raise", "spin", "3"]
+    items = [{"answer": c} for c in completions]
+
+    def verifier(completion, item):
+        if completion == "spin":
+            while True:
+                pass
+        if completion == "raise":
+            raise RuntimeError("bad item")
+        return float(completion == item["answer"])
+
+    results, elapsed = _elapsed(lambda: score_batch(verifier, completions, items, timeout_s=0.3))
+    assert [r.outcome.value for r in results] == ["ok", "timeout", "ok", "error", "timeout", "ok"]
+    assert results[3].reason == "RuntimeError: bad item"
+    # 2 hangers: one round of 0.3 s with 2 workers, two without; plus worker starts
+    assert elapsed < 0.3 * 2 + 1.5, elapsed
+    assert len(verifier_pool().pids()) <= verifier_pool().max_processes
+
+
+def test_ctrl_c_during_a_batch_kills_its_workers_and_the_pool_goes_on(tmp_path):
+    """A KeyboardInterrupt (Ctrl-C, a notebook's interrupt) while calls spin: it propagates,
+    the workers in flight are killed (nothing keeps spinning), the next call works."""
+    def note_pid_then_spin(completion, item):
+        with open(item["pids"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        while True:
+            pass
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    run_verifier(_quick, "x", {}, timeout_s=30)
+    item = {"pids": str(tmp_path / "pids")}
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            score_batch(note_pid_then_spin, ["x"] * 4, [item] * 4, timeout_s=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    spinning = {int(line) for line in (tmp_path / "pids").read_text().split()}
+    assert spinning and _wait_until(lambda: all(_gone(p) for p in spinning))
+    assert run_verifier(_quick, "x", {}, timeout_s=30).ok
+
+
+# --------------------------------------------------------------------------------------------
+# What workers accept and report
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_notebook_closure_and_class_run_in_a_worker_process():
+    threshold = 3
+
+    class LongEnough:   # as if defined in a notebook cell: pickled by value
+        def __call__(self, completion, item):
+            return VerifierResult.from_score(float(len(completion) >= threshold),
+                                             reason=str(os.getpid()))
+
+    result = run_verifier(LongEnough(), "abcd", {}, timeout_s=30)
+    assert result.ok and int(result.reason) != os.getpid()
+    assert int(result.reason) in verifier_pool().pids()
+    assert run_verifier(lambda c, i: len(c) >= threshold, "ab", {},
+                        timeout_s=30).outcome is Outcome.WRONG
+
+    cell = "def in_main(completion, item):\n    return float(completion == item['answer'])\n"
+    scope = {"__name__": "__main__"}   # a function of the notebook's __main__ module
+    exec(cell, scope)
+    assert run_verifier(scope["in_main"], "7", {"answer": "7"}, timeout_s=30).ok
+
+
+def test_a_verifier_that_raises_or_crashes_its_worker_is_an_error():
+    def raises(completion, item):
+        raise KeyError("answer")
+
+    result = run_verifier(raises, "x", {}, timeout_s=30)
+    assert result.outcome is Outcome.ERROR and result.reason == "KeyError: 'answer'"
+    result = run_verifier(lambda c, i: os._exit(3), "x", {}, timeout_s=30)
+    assert result.outcome is Outcome.ERROR
+    assert result.reason == "the worker process died (exit code 3) while running the verifier"
+    result = run_verifier(lambda c, i: os.kill(os.getpid(), signal.SIGSEGV), "x", {},
+                          timeout_s=30)
+    assert "killed by SIGSEGV" in result.reason
+    assert run_verifier(_quick, "x", {}, timeout_s=30).ok   # the pool carries on
+
+
+def test_a_verifier_that_does_not_pickle_runs_on_a_thread_with_a_warning():
+    import threading
+
+    class HoldsALock:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, completion, item):
+            with self.lock:
+                return VerifierResult.from_score(1.0, reason=str(os.getpid()))
+
+    with pytest.warns(UserWarning, match=r"cannot run in a worker process \(cloudpickle failed: "
+                                         r"TypeError: cannot pickle '_thread.lock' object \(in "
+                                         r"'lock', a lock\)\).*isolation = 'thread'"):
+        result = run_verifier(HoldsALock(), "x", {}, timeout_s=30)
+    assert result.ok and int(result.reason) == os.getpid()
+
+
+def _refuse_to_load():
+    raise ImportError("no such module in the worker")
+
+
+class _LoadsOnlyHere:
+    """Pickles fine but cannot be unpickled (what a class from a module the worker cannot
+    import looks like)."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+    def __call__(self, completion, item):
+        return 1.0
+
+
+def test_a_verifier_the_worker_cannot_unpickle_runs_on_a_thread_with_a_warning():
+    with pytest.warns(UserWarning, match="the worker could not unpickle it: ImportError: no such "
+                                         "module in the worker"):
+        results = score_batch(_LoadsOnlyHere(), ["a", "b", "c"], [{}] * 3, timeout_s=30)
+    assert [r.outcome for r in results] == [Outcome.OK] * 3
+
+
+def test_thread_isolation_runs_in_this_process_and_bad_values_are_refused():
+    class Client:
+        isolation = "thread"
+
+        def __call__(self, completion, item):
+            return VerifierResult.from_score(1.0, reason=str(os.getpid()))
+
+    assert int(run_verifier(Client(), "x", {}, timeout_s=30).reason) == os.getpid()
+
+    class Slow(Client):
+        def __call__(self, completion, item):
+            time.sleep(2)
+
+    result = run_verifier(Slow(), "x", {}, timeout_s=0.1)
+    assert result.reason == "verifier ran past 0.1 s (on a thread, abandoned)"
+    inner_judge = FormatVerifier(inner=Client())
+    assert inner_judge.isolation == "thread"
+
+    class Odd(Client):
+        isolation = "gpu"
+
+    with pytest.raises(ValueError, match=r"Odd.isolation is 'gpu'; allowed values: \('process', "
+                                         r"'thread'\)"):
+        run_verifier(Odd(), "x", {}, timeout_s=1.0)
+
+
+def test_the_worker_does_not_import_torch():
+    """posttrain's package __init__s import torch (~1.2 s); the workers skip them."""
+    code = "import sys, posttrain.verifiers; print('torch' in sys.modules)"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60)
+    assert plain.stdout.strip() == "True"   # what a worker would pay without light packages
+    pool = WorkerPool(max_processes=1)      # a fresh worker (the shared ones ran other tests)
+    try:
+        verify = FormatVerifier(inner=lambda c, i: float("torch" not in sys.modules))
+        result, = pool.run(verify, [("<answer>x</answer>", {})], timeout_s=30, max_workers=1)
+        assert result.ok, result
+    finally:
+        pool.shutdown()
+
+
+def test_a_worker_dies_with_its_parent():
+    """SIGKILL the process that owns the pool while its worker spins: the kernel kills the
+    worker (parent-death signal), so nothing is left running."""
+    script = textwrap.dedent("""
+        import sys
+        from posttrain.rewards.verifier import run_verifier
+        from posttrain.rewards.verifier_pool import verifier_pool
+        run_verifier(lambda c, i: 1.0, "x", {}, timeout_s=60)
+        print(verifier_pool().pids()[0], flush=True)
+        def spin(c, i):
+            while True:
+                pass
+        run_verifier(spin, "x", {}, timeout_s=600)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(owner.stdout.readline())
+        time.sleep(0.5)   # the worker is spinning in the verifier now
+        assert not _gone(worker)
+        owner.kill()
+        owner.wait(timeout=30)
+        assert _wait_until(lambda: _gone(worker)), "the worker outlived its parent"
+    finally:
+        owner.kill()
+
+
+def test_a_forked_child_starts_its_own_pool():
+    run_verifier(_quick, "x", {}, timeout_s=30)
+    parent_workers = set(verifier_pool().pids())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report the worker that served it, then leave at once
+        try:
+            result = run_verifier(lambda c, i: VerifierResult.from_score(
+                1.0, reason=str(os.getpid())), "x", {}, timeout_s=30)
+            os.write(write, result.reason.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    served_by = os.read(read, 64).decode()
+    os.close(read)
+    assert status == 0 and served_by.isdigit()
+    assert int(served_by) not in parent_workers and int(served_by) != pid
+    assert set(verifier_pool().pids()) == parent_workers   # the parent's pool is untouched
+    assert run_verifier(_quick, "x", {}, timeout_s=30).ok
+
+
+# --------------------------------------------------------------------------------------------
+# Linear parsers and the calculator's bounded tool
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["<answer>" * 25_000, "<answer>x</answer>" * 25_000,
+                                  "<answer>" * 25_000 + "</answer>",
+                                  "</answer><answer>" * 25_000])
+def test_25000_tags_are_parsed_in_linear_time(text):
+    """The regex took ~21 s on 25,000 unclosed tags (quadratic); the scan takes milliseconds."""
+    _, elapsed = _elapsed(lambda: extract_tag(text, "answer"))
+    assert elapsed < 0.2, elapsed
+    result, elapsed = _elapsed(lambda: FormatVerifier()(text, {}))
+    assert elapsed < 0.2 and isinstance(result.outcome, Outcome)
+
+
+def test_tag_contents_equals_the_regular_expression():
+    """Reference: `re.findall` with the lazy pattern (the slower path), on random texts."""
+    rng = np.random.default_rng(0)
+    pieces = ["<a>", "</a>", "a", "<", ">", "/", " ", "<a", "a>", "</", "\n", "<b>"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces, size=int(rng.integers(0, 14))))
+        assert tag_contents(text, "a") == re.findall(r"<a>(.*?)</a>", text, re.DOTALL), text
+    assert extract_tag("<a> 1 </a><a>2 ", "a") == "1"
+    assert extract_tag("no tags", "a") is None
+
+
+def test_the_calculator_refuses_huge_powers_at_once_and_bounds_a_turn():
+    for expression in ["9**9**9**9", "2**10**100", "(10**10)**(10**10)"]:
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="Pow is not allowed"):
+            evaluate_arithmetic(expression)
+        assert time.perf_counter() - start < 0.05
+    worst = ["1/7" * 66 + "1", "(" * 99 + "1" + ")" * 99, "-" * 199 + "1",
+             "(1/7-1/11)/(1/13+1/17)*" * 8 + "1"]
+    for expression in worst:
+        _, elapsed = _elapsed(lambda: evaluate_arithmetic(expression[:200]))
+        assert elapsed < 0.05, (expression, elapsed)
+    env = CalculatorEnv({"question": "?", "answer": "2"})
+    result, elapsed = _elapsed(lambda: env.step("<calc>1+1</calc>" * 25_000))
+    replies = result.observation[0]["content"].split("\n")
+    assert elapsed < 1.0 and len(replies) == MAX_CALLS_PER_TURN + 1
+    assert replies[0] == "<result>2</result>"
+    assert replies[-1] == (f"<result>error: {25_000 - MAX_CALLS_PER_TURN} more calls not "
+                           f"evaluated (at most {MAX_CALLS_PER_TURN} a turn)</result>")
+    assert env.calls == 25_000 and env.tool_errors == 25_000 - MAX_CALLS_PER_TURN
+    _, elapsed = _elapsed(lambda: CalculatorEnv({"question": "?", "answer": "2"}).step(
+        "<calc>" * 25_000))
+    assert elapsed < 0.2
+
+
+def test_warnings_are_not_raised_by_the_process_path():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_verifier(MathAnswerVerifier(), "\\boxed{2}", {"answer": "2"}, timeout_s=30).ok
