@@ -49,6 +49,7 @@ from typing import Any
 from posttrain.rl.environment import Messages, StepResult, register_task
 from posttrain.rewards.verifier import (DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult, run_verifier)
 from posttrain.envs.reasoning_gym_env import prompt_messages
+from posttrain.rewards.verifier_threads import check_timeout
 from posttrain.verifiers.basic import extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 
@@ -221,8 +222,17 @@ class CalculatorGroupBuilder:
 
 
 @register_task("calculator")
-def calculator_task(*, max_turns: int = 4, **overrides: Any):
+def calculator_task(*, max_turns: int = 4, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
+                    timeout_s: float | None = DEFAULT_TIMEOUT_S, **overrides: Any):
     """The chain_sum preset (`chain_sum_task(**overrides)`) played with the calculator tool.
+
+    `max_turns`, `system_prompt` and `timeout_s` are the `CalculatorGroupBuilder`'s, checked here
+    (not at `make_envs`); `timeout_s` is also the task's (`score_fn`). Other `overrides` are
+    chain_sum's (`size=`, `held_out_size=`, ...); `builder=` and `extract=` are refused (the
+    builder is the calculator's, and the `<answer>` content is what is verified).
+
+    Raises:
+        ValueError / TypeError: for a bad or unknown option, naming it.
 
     Example:
         >>> task = calculator_task(size=20, held_out_size=4, max_turns=2)
@@ -231,5 +241,16 @@ def calculator_task(*, max_turns: int = 4, **overrides: Any):
         2
     """
     from posttrain.envs.reasoning_gym_env import chain_sum_task
-    return chain_sum_task(builder=functools.partial(CalculatorGroupBuilder, max_turns=max_turns),
-                          **overrides)
+    for name in ("builder", "extract"):
+        if name in overrides:
+            raise ValueError(f"calculator does not take {name}= (its builder is "
+                             "CalculatorGroupBuilder, which verifies the <answer> content); its "
+                             "own options: max_turns, system_prompt, timeout_s")
+    options = {"max_turns": max_turns, "system_prompt": system_prompt, "timeout_s": timeout_s}
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise TypeError(f"calculator system_prompt must be a str or None, got "
+                        f"{type(system_prompt).__name__}")
+    CalculatorEnv({}, **options)     # checks max_turns now
+    check_timeout(timeout_s)
+    return chain_sum_task(builder=functools.partial(CalculatorGroupBuilder, **options),
+                          timeout_s=timeout_s, **overrides)

@@ -15,7 +15,12 @@ Protocol of one episode (at most `max_turns` assistant turns):
   limit says which (`<output>error: timed out ...</output>`).
 - Tool output is cut to `max_output_chars` characters (the sandbox also cuts at its
   `output_bytes`); a cut output ends with `[... N more characters cut]`. Every cut is counted.
-- `<answer>...</answer>` ends the episode; its content is verified against `item["answer"]`.
+- `<answer>...</answer>` outside every `<python>...</python>` block ends the episode (the last
+  such answer); its content is verified against `item["answer"]`. An answer inside a code block
+  is code (`print('<answer>79</answer>')`): it is not an answer. The code blocks of a turn that
+  answers are not run (their output could never be read) and count as `extra_calls_dropped`.
+  Blocks pair as in `posttrain.verifiers.basic.tag_contents`; an unclosed `<python>` is text.
+- A program holding a NUL byte is not run; its tool output says so (a tool error).
 - A turn with neither tag gets a tool message saying how to use the tags.
 - No answer after `max_turns` turns: outcome format_error, reward 0.
 - The sandbox itself failing ends the episode with outcome error (the checker failed, not the
@@ -23,9 +28,10 @@ Protocol of one episode (at most `max_turns` assistant turns):
 
 Counts, in every `StepResult.info["counts"]` (so in each rollout trajectory's `Trajectory.info`;
 the RL trainer logs their sums per step as `env_calls`, `env_chars_cut`, ...; `tool_counts(groups)`
-sums them over a batch), next to `info["turn"]`: `calls`, `tool_errors` (non-zero exit, limit hit), `tool_timeouts`, `outputs_cut` (outputs cut by either limit), `chars_cut`
+sums them over a batch), next to `info["turn"]`: `calls`, `tool_errors` (non-zero exit, limit
+hit, a NUL byte), `tool_timeouts`, `outputs_cut` (outputs cut by either limit), `chars_cut`
 (characters dropped by `max_output_chars`), `extra_calls_dropped` (calls past
-`max_calls_per_turn`, not run).
+`max_calls_per_turn`, or in the turn that answers: not run).
 
 In an RL rollout the tool turns are context, not policy output: `posttrain.rl.rollout` appends
 their tokens with `completion_mask` False and log-probability 0.0, so they are not trained on.
@@ -45,7 +51,6 @@ Example (a scripted policy; needs a sandbox):
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +85,33 @@ TOOL_COUNTS = ("calls", "tool_errors", "tool_timeouts", "outputs_cut", "chars_cu
 
 _USAGE = ("<output>error: write <python>code</python> to run Python or <answer>value</answer> "
           "to answer</output>")
+
+
+def _outside_code(text: str) -> str:
+    """`text` without its `<python>...</python>` blocks (the pairs `tag_contents` finds)."""
+    opening, closing = "<python>", "</python>"
+    parts, start = [], 0
+    while (begin := text.find(opening, start)) >= 0:
+        end = text.find(closing, begin + len(opening))
+        if end < 0:
+            break
+        parts.append(text[start:begin])
+        start = end + len(closing)
+    return "".join(parts) + text[start:]
+
+
+def _check_options(*, max_turns: Any, max_calls_per_turn: Any, max_output_chars: Any,
+                   system_prompt: Any, timeout_s: Any) -> None:
+    for name, value in (("max_turns", max_turns), ("max_calls_per_turn", max_calls_per_turn),
+                        ("max_output_chars", max_output_chars)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not (system_prompt is None or isinstance(system_prompt, str)):
+        raise TypeError(f"system_prompt must be a str or None, got {type(system_prompt).__name__}")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+            timeout_s, (int, float)) or not 0 < timeout_s < float("inf")):
+        raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
+                         f"{timeout_s!r}")
 
 
 def format_tool_output(run: ExecutionResult, *, max_chars: int = MAX_TOOL_OUTPUT_CHARS,
@@ -133,7 +165,9 @@ class PythonToolEnv:
         timeout_s: the verifier's time budget (`run_verifier`).
 
     Raises:
-        ValueError: for a bad `max_turns`, `max_calls_per_turn` or `max_output_chars`.
+        ValueError: for a bad `max_turns`, `max_calls_per_turn` or `max_output_chars` (ints >= 1)
+            or `timeout_s` (positive or None).
+        TypeError: `system_prompt` is not a str or None.
         SandboxUnavailable: (default sandbox only) when no sandbox can be made here.
     """
 
@@ -142,10 +176,9 @@ class PythonToolEnv:
                  max_output_chars: int = MAX_TOOL_OUTPUT_CHARS, verifier: Verifier | None = None,
                  system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
-        for name, value in (("max_turns", max_turns), ("max_calls_per_turn", max_calls_per_turn),
-                            ("max_output_chars", max_output_chars)):
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _check_options(max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                       max_output_chars=max_output_chars, system_prompt=system_prompt,
+                       timeout_s=timeout_s)
         self.item = item
         self.sandbox = Sandbox(TOOL_LIMITS) if sandbox is None else sandbox
         self.max_turns = max_turns
@@ -174,11 +207,12 @@ class PythonToolEnv:
             raise RuntimeError("this episode is over; environments are single-use (make new ones "
                                "with the group builder)")
         self.turn += 1
-        answer = extract_tag(assistant_text, "answer")
+        programs = tag_contents(assistant_text, "python")
+        answer = extract_tag(_outside_code(assistant_text), "answer")
         if answer is not None:
+            self.counts["extra_calls_dropped"] += len(programs)
             return self._end(run_verifier(self.verifier, answer, self.item,
                                           timeout_s=self.timeout_s))
-        programs = tag_contents(assistant_text, "python")
         self.counts["extra_calls_dropped"] += max(0, len(programs) - self.max_calls_per_turn)
         programs = programs[:self.max_calls_per_turn]
         replies = []
@@ -214,8 +248,10 @@ class PythonToolGroupBuilder:
         max_turns, max_calls_per_turn, max_output_chars, system_prompt, timeout_s: passed to
             each `PythonToolEnv`.
 
-    Raises (from `make_envs`):
-        SandboxUnavailable: when no sandbox can be made here.
+    Raises:
+        ValueError / TypeError: when made, for a bad option (as `PythonToolEnv`) or `limits`
+            that is not a `SandboxLimits`.
+        SandboxUnavailable: from `make_envs`, when no sandbox can be made here.
     """
 
     item: dict
@@ -225,6 +261,13 @@ class PythonToolGroupBuilder:
     max_output_chars: int = MAX_TOOL_OUTPUT_CHARS
     system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT
     timeout_s: float | None = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limits, SandboxLimits):
+            raise TypeError(f"limits must be a SandboxLimits, got {type(self.limits).__name__}")
+        _check_options(max_turns=self.max_turns, max_calls_per_turn=self.max_calls_per_turn,
+                       max_output_chars=self.max_output_chars, system_prompt=self.system_prompt,
+                       timeout_s=self.timeout_s)
 
     def make_envs(self, group_size: int) -> list[PythonToolEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
@@ -249,10 +292,25 @@ def tool_counts(groups: Sequence[Any]) -> dict[str, int]:
     return totals
 
 
+_TOOL_OPTIONS = ("limits", "max_turns", "max_calls_per_turn", "max_output_chars",
+                 "system_prompt", "timeout_s")
+
+
 @register_task("python_tool")
-def python_tool_task(*, max_turns: int = 4, max_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
-                     **overrides: Any):
+def python_tool_task(*, limits: SandboxLimits = TOOL_LIMITS, max_turns: int = 4,
+                     max_calls_per_turn: int = 4, max_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+                     system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
+                     timeout_s: float | None = DEFAULT_TIMEOUT_S, **overrides: Any):
     """The chain_sum preset (`chain_sum_task(**overrides)`) played with the Python tool.
+
+    `limits`, `max_turns`, `max_calls_per_turn`, `max_output_chars`, `system_prompt` and
+    `timeout_s` are the `PythonToolGroupBuilder`'s, checked here (not at `make_envs`);
+    `timeout_s` is also the task's (`score_fn`). Other `overrides` are chain_sum's (`size=`,
+    `held_out_size=`, `max_digits=`, ...). `builder=` and `extract=` are refused: the builder is
+    the tool's, and the `<answer>` content is what is verified.
+
+    Raises:
+        ValueError / TypeError: for a bad or unknown option, naming it.
 
     Example:
         >>> task = python_tool_task(size=20, held_out_size=4, max_turns=2)
@@ -260,6 +318,20 @@ def python_tool_task(*, max_turns: int = 4, max_output_chars: int = MAX_TOOL_OUT
         2
     """
     from posttrain.envs.reasoning_gym_env import chain_sum_task
-    builder = functools.partial(PythonToolGroupBuilder, max_turns=max_turns,
-                                max_output_chars=max_output_chars)
-    return chain_sum_task(builder=builder, **overrides)
+    for name in ("builder", "extract"):
+        if name in overrides:
+            raise ValueError(f"python_tool does not take {name}= (its builder is "
+                             f"PythonToolGroupBuilder, which verifies the <answer> content); "
+                             f"its own options: {', '.join(_TOOL_OPTIONS)}")
+    options = {"limits": limits, "max_turns": max_turns, "max_calls_per_turn": max_calls_per_turn,
+               "max_output_chars": max_output_chars, "system_prompt": system_prompt,
+               "timeout_s": timeout_s}
+    PythonToolGroupBuilder({}, **options)     # checks every option now
+    builder = functools.partial(PythonToolGroupBuilder, **options)
+    try:
+        return chain_sum_task(builder=builder, timeout_s=timeout_s, **overrides)
+    except ValueError as exc:
+        if "unknown option" not in str(exc):
+            raise
+        raise ValueError(f"python_tool: {exc}; python_tool's own options: "
+                         f"{', '.join(_TOOL_OPTIONS)}") from None

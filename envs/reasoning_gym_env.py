@@ -48,6 +48,11 @@ from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_n
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 
 
+MAX_HELD_OUT_SIZE = 50_000
+"""Largest `held_out_size`: the held-out scan reads up to 4 times as many candidates (~75 us
+each for chain_sum, gold check included: at most ~15 s)."""
+
+
 def prompt_messages(question: str, system_prompt: str | None = None) -> Messages:
     """`[system?, user]` messages asking `question`."""
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
@@ -143,11 +148,15 @@ class ReasoningGymTask:
         config: the task's options (e.g. `{"min_terms": 2}`); not `size` / `seed`.
         held_out_size, held_out_seed: the evaluation items; `held_out_seed` defaults to
             `seed + 1_000_000_000`, far from the training seeds `seed .. seed+size-1`.
-        system_prompt: an optional system turn before each question.
-        extract: how the verifier finds the answer (see `ReasoningGymVerifier`).
-        timeout_s: the verifier's time budget.
+        system_prompt: an optional system turn before each question (default builder only).
+        extract: how the verifier finds the answer (see `ReasoningGymVerifier`); the verifier of
+            the default builder and of `score_fn`.
+        timeout_s: the verifier's time budget (positive seconds or None): the default builder's
+            and `score_fn`'s.
         builder: `item -> EnvGroupBuilder`; None makes `ReasoningGymGroupBuilder`s. Must pickle
             when the task has to (e.g. `functools.partial(CalculatorGroupBuilder, max_turns=3)`).
+            A custom builder makes its own prompts and sets its own time budget: give it those
+            options (`system_prompt` with a custom builder is refused rather than ignored).
 
     Attributes (besides the arguments):
         verifier: the task's `ReasoningGymVerifier`.
@@ -157,10 +166,16 @@ class ReasoningGymTask:
             the held-out candidates read (filled when the items are generated).
         num_bad_gold: items dropped by the gold check, training and held-out together.
 
+    Held-out scan: at most `4 * held_out_size + 64` candidates are read, and the scan stops
+    early once `found + 1000` candidates in a row brought no new question (the task has
+    run out of distinct questions); `held_out_size` is at most `MAX_HELD_OUT_SIZE`.
+
     Raises:
-        ValueError: for an unknown task name or option, bad sizes, `size`/`seed` in `config`;
-            on first use, when the task has fewer than `held_out_size` distinct questions with a
-            trusted gold answer, or no training item is left.
+        ValueError: for an unknown task name or option, bad sizes (`held_out_size` above
+            `MAX_HELD_OUT_SIZE`), `size`/`seed` in `config`, a bad `timeout_s`, `system_prompt`
+            with a custom builder; on first use, when the task has fewer than `held_out_size`
+            distinct questions with a trusted gold answer, or no training item is left.
+        TypeError: `builder` is not callable, `system_prompt` not a str or None.
     """
 
     name: str
@@ -178,8 +193,11 @@ class ReasoningGymTask:
         check_task_name(self.name)
         if not (isinstance(self.size, int) and self.size >= 1):
             raise ValueError(f"size must be an int >= 1, got {self.size!r}")
-        if not (isinstance(self.held_out_size, int) and self.held_out_size >= 0):
-            raise ValueError(f"held_out_size must be an int >= 0, got {self.held_out_size!r}")
+        if not (isinstance(self.held_out_size, int) and not isinstance(self.held_out_size, bool)
+                and 0 <= self.held_out_size <= MAX_HELD_OUT_SIZE):
+            raise ValueError(f"held_out_size must be an int in 0 .. {MAX_HELD_OUT_SIZE}, got "
+                             f"{self.held_out_size!r}")
+        self._check_options()
         if {"size", "seed"} & set(self.config):
             raise ValueError("pass size and seed as ReasoningGymTask arguments, not in config")
         self.config = dict(self.config)
@@ -190,6 +208,23 @@ class ReasoningGymTask:
         self._held_out: list[dict] | None = None
         self.num_dropped = 0
         self.gold_train, self.gold_held_out = GoldReport(self.name), GoldReport(self.name)
+
+    def _check_options(self) -> None:
+        timeout = self.timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not 0 < timeout < float("inf")):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
+                             f"{timeout!r}")
+        if not (self.system_prompt is None or isinstance(self.system_prompt, str)):
+            raise TypeError(f"system_prompt must be a str or None, got "
+                            f"{type(self.system_prompt).__name__}")
+        if self.builder is not None:
+            if not callable(self.builder):
+                raise TypeError(f"builder must be callable (item -> EnvGroupBuilder) or None, "
+                                f"got {type(self.builder).__name__}")
+            if self.system_prompt is not None:
+                raise ValueError("system_prompt is used only by the default builder; a custom "
+                                 "builder makes its own prompts: pass it to the builder")
 
     # Items are regenerated rather than pickled.
     def __getstate__(self) -> dict:
@@ -207,18 +242,23 @@ class ReasoningGymTask:
             want = self.held_out_size
             dataset = self._dataset(4 * want + 64, self.held_out_seed)
             report = self.gold_held_out = GoldReport(self.name)
-            items, seen = [], set()
+            items, seen, stale = [], set(), 0
             candidates = (dataset[index] for index in range(len(dataset)))
             for item in check_gold(self.name, dataset, candidates, report) if want else ():
-                if item["question"] not in seen:
-                    seen.add(item["question"])
-                    items.append(item)
-                    if len(items) == want:
+                if item["question"] in seen:
+                    stale += 1
+                    if stale >= len(items) + 1000:   # out of distinct questions
                         break
+                    continue
+                stale = 0
+                seen.add(item["question"])
+                items.append(item)
+                if len(items) == want:
+                    break
             if len(items) < want:
                 raise ValueError(f"{self.name} gave only {len(items)} distinct questions with a "
-                                 f"trusted gold answer in {len(dataset)} tries (gold check: "
-                                 f"{report}); lower held_out_size ({want})")
+                                 f"trusted gold answer in {report.checked} of {len(dataset)} candidates "
+                                 f"read (gold check: {report}); lower held_out_size ({want})")
             self._held_out = items
         return self._held_out
 
@@ -277,7 +317,8 @@ class ReasoningGymTask:
         return len(self.train_items)
 
     def make_builder(self, item: dict) -> EnvGroupBuilder:
-        """The group builder of one item."""
+        """The group builder of one item: `builder(item)`, or a `ReasoningGymGroupBuilder` with
+        the task's verifier, `system_prompt` and `timeout_s`."""
         if self.builder is not None:
             return self.builder(item)
         return ReasoningGymGroupBuilder(item, self.name, verifier=self.verifier,

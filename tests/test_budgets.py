@@ -1,15 +1,16 @@
 """Verifier time budgets that hold for CPU-bound checks, and linear tag parsers.
 
-Budgets: a budgeted call runs in a worker process that is killed (with its process group) when
-the call runs past its budget, so CPU-bound checks stop (`1e999999999` through math_answer, a
-catastrophic regex), nothing keeps running after them and later calls are not slowed. Workers
-take closures from notebook cells (cloudpickle), report a raising or crashing verifier as
-outcome error, do not import torch, survive neither their parent's SIGKILL nor a fork. Parsers:
-25,000 tags in milliseconds. (The reward range rule: tests/test_reward_rule.py.)
-"""
+Budgets: a budgeted call runs in a worker process that is killed (with everything it started)
+when the call runs past its budget, so CPU-bound checks stop (`1e999999999` through math_answer,
+a catastrophic regex) and later calls are not slowed. Workers take closures from notebook cells,
+report a raising or crashing verifier as outcome error, do not import torch, survive neither
+their parent's SIGKILL nor a fork, leave no process a call started, cut long reasons and discard
+their output; budgets are finite; a str or mapping batch is refused. Parsers: 25,000 tags in
+milliseconds. (The reward range rule: tests/test_reward_rule.py.)"""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -28,6 +29,8 @@ from posttrain.envs.calculator_env import (MAX_CALLS_PER_TURN, CalculatorEnv,
                                            evaluate_arithmetic)
 from posttrain.rewards.verifier import Outcome, VerifierResult, run_verifier, score_batch
 from posttrain.rewards.verifier_pool import KILL_MARGIN_S, WorkerPool, verifier_pool
+from posttrain.rewards.verifier_threads import MAX_TIMEOUT_S
+from posttrain.rewards.verifier_worker import MAX_REASON_CHARS
 from posttrain.verifiers.basic import FormatVerifier, RegexVerifier, extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 
@@ -83,9 +86,7 @@ def _wait_until(condition, timeout_s: float = 5.0) -> bool:
     return condition()
 
 
-# --------------------------------------------------------------------------------------------
-# The measured cases: CPU-bound checks end at their budget
-# --------------------------------------------------------------------------------------------
+# -- The measured cases: CPU-bound checks end at their budget --------------------------------
 
 
 def test_a_huge_exponent_through_math_answer_ends_within_its_budget():
@@ -111,26 +112,6 @@ def test_a_catastrophic_regex_times_out_and_its_worker_is_killed():
     assert 0.5 <= elapsed < 0.5 + KILL_MARGIN_S, elapsed
     killed = before - set(pool.pids())
     assert len(killed) == 1 and _wait_until(lambda: all(_gone(p) for p in killed))
-
-
-def test_a_timeout_returns_within_the_margin_and_kills_the_process_group(tmp_path):
-    """The verifier starts a child (`sleep 60`) and spins: the worker's whole process group,
-    child included, is gone after the timeout."""
-    pid_file = tmp_path / "child.pid"
-
-    def starts_a_child_then_spins(completion, item):
-        child = subprocess.Popen(["sleep", "60"])
-        with open(item["pid_file"], "w") as f:
-            f.write(str(child.pid))
-        while True:
-            pass
-
-    run_verifier(_quick, "x", {}, timeout_s=30)   # a worker is up
-    result, elapsed = _elapsed(lambda: run_verifier(
-        starts_a_child_then_spins, "x", {"pid_file": str(pid_file)}, timeout_s=0.5))
-    assert result.outcome is Outcome.TIMEOUT and 0.5 <= elapsed < 0.5 + KILL_MARGIN_S
-    child = int(pid_file.read_text())
-    assert _wait_until(lambda: _gone(child)), "the verifier's child survived its worker"
 
 
 def test_abandoned_work_does_not_slow_later_calls_and_leaves_no_process(tmp_path):
@@ -213,9 +194,7 @@ def test_ctrl_c_during_a_batch_kills_its_workers_and_the_pool_goes_on(tmp_path):
     assert run_verifier(_quick, "x", {}, timeout_s=30).ok
 
 
-# --------------------------------------------------------------------------------------------
-# What workers accept and report
-# --------------------------------------------------------------------------------------------
+# -- What workers accept and report ----------------------------------------------------------
 
 
 def test_a_notebook_closure_and_class_run_in_a_worker_process():
@@ -382,9 +361,7 @@ def test_a_forked_child_starts_its_own_pool():
     assert run_verifier(_quick, "x", {}, timeout_s=30).ok
 
 
-# --------------------------------------------------------------------------------------------
-# Linear parsers and the calculator's bounded tool
-# --------------------------------------------------------------------------------------------
+# -- Linear parsers and the calculator's bounded tool ----------------------------------------
 
 
 @pytest.mark.parametrize("text", ["<answer>" * 25_000, "<answer>x</answer>" * 25_000,
@@ -437,3 +414,86 @@ def test_warnings_are_not_raised_by_the_process_path():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run_verifier(MathAnswerVerifier(), "\\boxed{2}", {"answer": "2"}, timeout_s=30).ok
+
+
+
+
+def _leaves_a_process(completion, item):
+    """Starts a process ("child": a plain child; "setsid": it leaves the worker's session;
+    "orphan": also its parent exits at once), notes its pid, then spins or returns."""
+    read, write = os.pipe()
+    if os.fork() == 0:
+        if item["how"] != "child":
+            os.setsid()
+        if item["how"] == "orphan" and os.fork() != 0:
+            os._exit(0)
+        os.write(write, str(os.getpid()).encode())
+        while item["how"] == "setsid":
+            pass
+        os._exit(time.sleep(60) or 0)
+    item["pid_file"].write_text(os.read(read, 32).decode())
+    while item["spin"]:
+        pass
+    return 1.0
+
+
+@pytest.mark.parametrize("how", ["child", "setsid", "orphan"])
+@pytest.mark.parametrize("spin", [True, False])
+def test_no_process_a_verifier_starts_outlives_its_call(tmp_path, how, spin):
+    """Defect: `os.fork(); os.setsid(); spin` survived the timeout kill (PPID 1, 99% CPU), and a
+    child left by a call that returned lived on. The worker is their subreaper: on a timeout
+    they die before it (within the margin); after a call it kills what is left."""
+    item = {"how": how, "spin": spin, "pid_file": tmp_path / "pid"}
+    result, elapsed = _elapsed(lambda: run_verifier(_leaves_a_process, "x", item, timeout_s=0.5))
+    assert result.outcome is (Outcome.TIMEOUT if spin else Outcome.OK), result
+    assert elapsed < 0.5 + KILL_MARGIN_S, elapsed
+    assert _wait_until(lambda: _gone(int((tmp_path / "pid").read_text()))), "it outlived its call"
+
+
+def _on_a_thread(completion, item):
+    return VerifierResult(0.0, "wrong", "x" * item.get("n", 0))
+
+
+_on_a_thread.isolation = "thread"
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, 1e7, 1e300, math.nan, -1.0, 0, True, "5"])
+def test_a_budget_beyond_the_maximum_or_not_finite_is_refused(timeout_s):
+    """Defect: inf, 1e7 and 1e300 passed validation, then raised OverflowError in the wait."""
+    for verifier in (_quick, _on_a_thread):
+        with pytest.raises(ValueError, match=r"timeout_s must be None \(no budget\) or a number "
+                                             r"of seconds in \(0, 1e\+06\]"):
+            run_verifier(verifier, "x", {}, timeout_s=timeout_s)
+        with pytest.raises(ValueError, match="timeout_s"):
+            score_batch(verifier, ["x"], [{}], timeout_s=timeout_s)
+        assert run_verifier(verifier, "x", {}, timeout_s=MAX_TIMEOUT_S).scored
+
+
+def test_a_huge_reason_is_cut_and_the_deadline_holds():
+    """Defect: a 200 MB reason came back as `wrong` after 5.8 s of a 5 s budget. The worker
+    cuts it to MAX_REASON_CHARS (start and end kept); threads cut it the same way."""
+    long = lambda c, i: VerifierResult(0.0, "wrong", "x" * i["n"])   # noqa: E731
+    result, elapsed = _elapsed(lambda: run_verifier(long, "x", {"n": 200_000_000}, timeout_s=5))
+    assert result.outcome is Outcome.WRONG and elapsed < 5.0, (result.outcome, elapsed)
+    assert len(result.reason) < MAX_REASON_CHARS + 100 and "characters cut" in result.reason
+    assert run_verifier(long, "x", {"n": MAX_REASON_CHARS}).reason == "x" * MAX_REASON_CHARS
+    assert len(run_verifier(_on_a_thread, "x", {"n": 10**6}).reason) < MAX_REASON_CHARS + 100
+
+
+def test_what_a_worker_prints_does_not_reach_this_process():
+    """Defect: a verifier printing 10 MB flooded the host's stdout (a notebook cell)."""
+    script = ("import os, sys\nfrom posttrain.rewards.verifier import run_verifier\n"
+              "def loud(c, i):\n    print('x' * 10**7); print('y' * 10**7, file=sys.stderr)\n"
+              "    return float(os.system('echo from-a-child') == 0)\n"
+              "print(run_verifier(loud, 'x', {}, timeout_s=60).outcome.value)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "ok\n" and len(done.stderr) < 10_000, done.stderr[-2000:]
+
+
+def test_score_batch_refuses_a_str_or_a_mapping_for_its_sequences():
+    """Defect: "ab" and {"answer": 1} were zipped character by character / key by key."""
+    cases = [("ab", [{}], "completions"), (b"ab", [{}], "completions"), (["a"], {"a": 1}, "items")]
+    for completions, items, name in cases:
+        with pytest.raises(TypeError, match=f"score_batch {name} must be a sequence"):
+            score_batch(_quick, completions, items)

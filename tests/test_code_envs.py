@@ -23,6 +23,7 @@ from posttrain.models import ByteTokenizer
 from posttrain.policy import Completion, Policy
 from posttrain.rl import collect_groups, run_text_episode
 from posttrain.rl.rollout import rollout_metrics
+from posttrain.verifiers.basic import tag_contents
 from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, SandboxLimits, \
     sandbox_available
 
@@ -120,6 +121,98 @@ def test_tasks_are_registered():
         assert loads(dumps(builder)) == builder
 
 
+@pytest.mark.parametrize("options,error,words", [
+    ({"timeout_s": -1}, ValueError, "timeout_s must be a positive number"),
+    ({"timeout_s": float("nan")}, ValueError, "timeout_s must be a positive number"),
+    ({"max_turns": 0}, ValueError, "max_turns must be an int >= 1"),
+    ({"max_calls_per_turn": 0}, ValueError, "max_calls_per_turn must be an int >= 1"),
+    ({"max_output_chars": True}, ValueError, "max_output_chars must be an int >= 1"),
+    ({"system_prompt": 3}, TypeError, "system_prompt must be a str or None"),
+    ({"limits": {"cpu_s": 1}}, TypeError, "limits must be a SandboxLimits"),
+    ({"extract": "last"}, ValueError, "python_tool does not take extract="),
+    ({"builder": PythonToolGroupBuilder}, ValueError, "python_tool does not take builder="),
+    ({"bogus": 1}, ValueError, "unknown option.*'bogus'.*python_tool's own options: limits"),
+    ({"held_out_size": 10**6}, ValueError, "held_out_size must be an int in 0 .. 50000"),
+])
+def test_python_tool_task_checks_every_option_when_built(options, error, words):
+    """Each was accepted (and failed only at make_envs, or was silently ignored)."""
+    with pytest.raises(error, match=words):
+        get_task("python_tool", **({"size": 20, "held_out_size": 4} | options))
+
+
+def test_python_tool_task_passes_its_options_to_the_builder():
+    task = get_task("python_tool", size=20, held_out_size=4, max_calls_per_turn=2, timeout_s=60,
+                    system_prompt="Use Python.", max_turns=3, max_output_chars=70, limits=TOOL)
+    builder = task.builders(0, 1)[0]
+    assert (builder.max_calls_per_turn, builder.timeout_s, builder.system_prompt,
+            builder.max_turns, builder.max_output_chars, builder.limits) == (
+        2, 60, "Use Python.", 3, 70, TOOL)
+    assert task.timeout_s == 60                     # score_fn's budget too
+    env = PythonToolEnv(ITEM, sandbox=_StubSandbox(), system_prompt=builder.system_prompt)
+    assert env.initial_messages()[0] == {"role": "system", "content": "Use Python."}
+
+
+def test_a_custom_builder_refuses_the_options_it_would_ignore():
+    from posttrain.envs.reasoning_gym_env import ReasoningGymTask, chain_sum_task
+    with pytest.raises(ValueError, match="system_prompt is used only by the default builder"):
+        chain_sum_task(size=20, held_out_size=4, builder=PythonToolGroupBuilder,
+                       system_prompt="x")
+    with pytest.raises(TypeError, match="builder must be callable"):
+        ReasoningGymTask(name="chain_sum", size=20, held_out_size=4, builder="tool")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        ReasoningGymTask(name="chain_sum", size=20, held_out_size=4, timeout_s=0)
+
+
+def test_held_out_scan_stops_when_the_task_runs_out_of_questions():
+    """1-digit 2-term chain_sum has a few hundred questions: 40,000 held out stops early
+    (`found + 1000` candidates without a new question), not after 160,064 candidates."""
+    import time
+    from posttrain.envs.reasoning_gym_env import chain_sum_task
+    task = chain_sum_task(size=20, held_out_size=40_000, max_digits=1)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="gave only .* distinct questions .* in [0-9]{3,4} of "
+                                         "160064 candidates read"):
+        task.held_out()
+    assert time.monotonic() - start < 10
+
+
+class _StubSandbox:
+    """Records the programs it is asked to run; each prints its own length."""
+
+    def __init__(self):
+        self.programs = []
+
+    def run_many(self, programs):
+        self.programs += programs
+        return [ExecutionResult(outcome=ExecOutcome.OK, exit_code=0, signal=None,
+                                stdout=f"{len(p)}\n", stderr="", stdout_truncated=False,
+                                wall_s=0.0) for p in programs]
+
+
+@pytest.mark.parametrize("text", ["<python>print('<answer>79</answer>')</python>",
+                                  "<python>x = '<answer>79</answer>'</python> more",
+                                  "<python>a</python><python>'<answer>79</answer>'</python>"])
+def test_an_answer_inside_a_code_block_is_code_not_an_answer(text):
+    """It ended the episode with reward 1.0 and no call run."""
+    sandbox = _StubSandbox()
+    result = PythonToolEnv(ITEM, sandbox=sandbox).step(text)
+    assert not result.done and sandbox.programs == tag_contents(text, "python")
+    assert result.info["counts"]["calls"] == len(sandbox.programs)
+
+
+@pytest.mark.parametrize("text,dropped", [
+    ("<answer>79</answer>", 0), ("<python>print(1)</python> so <answer>79</answer>", 1),
+    ("<answer>79</answer><python>print('<answer>1</answer>')</python>", 1),
+    ("<python>print(1)", 0),   # unclosed: text, not code
+])
+def test_an_answer_outside_code_ends_the_turn_without_running_its_code(text, dropped):
+    sandbox = _StubSandbox()
+    result = PythonToolEnv(ITEM, sandbox=sandbox).step(text + ("" if "answer" in text else
+                                                               "<answer>79</answer>"))
+    assert (result.done, result.reward, sandbox.programs) == (True, 1.0, [])
+    assert result.info["counts"]["extra_calls_dropped"] == dropped
+
+
 # --------------------------------------------------------------------------------------------
 # Tool output (no sandbox)
 # --------------------------------------------------------------------------------------------
@@ -169,6 +262,8 @@ def test_code_episodes_are_scored_by_the_tests(code_verifier):
     assert results[0].info == {"task_id": 2}
     with pytest.raises(RuntimeError, match="single-use"):
         envs[0].step("x")
+    nul, = CodeGroupBuilder(item, verifier=code_verifier).make_envs(1)  # the policy's fault
+    assert (nul.step(ROWS[2]["code"] + "\x00print('x')\n").outcome,) == ("wrong",)
     episode = run_text_episode(CodeGroupBuilder(item, verifier=code_verifier).make_envs(1)[0],
                                lambda messages: ROWS[2]["code"])
     assert episode.messages[0] == {"role": "user", "content": item["question"]}
@@ -269,6 +364,23 @@ def test_tool_limits_cut_output_and_are_counted():
     assert info["outputs_cut"] == 2 and info["chars_cut"] >= 4900
     hint = _play(_tool_env(max_turns=2), ["hello", "<answer>79</answer>"])
     assert "write <python>code</python>" in _tool_messages(hint)[0] and hint.reward == 1.0
+
+
+@needs_sandbox
+def test_a_program_with_a_nul_byte_is_a_tool_error_not_a_crash():
+    """Python ran only the part before the NUL (`print('a')`) and reported success."""
+    episode = _play(_tool_env(), ["<python>print('a')\x00print('b')</python>",
+                                  "<answer>79</answer>"])
+    assert "cannot contain null bytes" in _tool_messages(episode)[0]
+    assert episode.reward == 1.0 and episode.final.info["counts"]["tool_errors"] == 1
+
+
+@needs_sandbox
+def test_code_in_the_sandbox_that_prints_an_answer_tag_is_not_the_answer():
+    episode = _play(_tool_env(), ["<python>print('<answer>79</answer>')</python>",
+                                  "<answer>79</answer>"])
+    assert _tool_messages(episode) == ["<output><answer>79</answer></output>"]
+    assert episode.num_turns == 2 and episode.final.info["counts"]["calls"] == 1
 
 
 @needs_sandbox

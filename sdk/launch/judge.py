@@ -37,6 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.checks import check_int
 from posttrain.launch.run import JobFailedError, Run
 from posttrain.launch.submit import launch
 from posttrain.rewards.judge_client import JudgeClient
@@ -69,22 +70,31 @@ def launch_judge(judge: Any, *, executor: str = "local", folder: str | os.PathLi
             forward down, see `JudgeJobSpec`).
 
     Raises:
-        ValueError: executor "debug", bad server settings, or what `launch` refuses.
+        TypeError: if `judge` has no `judge(completions, items)` method, or a host or
+            `settings` of the wrong type.
+        ValueError: executor "debug", bad server settings, host, port or `torch_threads`
+            (named; all checked before anything is submitted), or what `launch` refuses.
     """
     if executor == "debug":
         raise ValueError("executor='debug' would serve in this process until stopped, blocking "
                          "the cell; use posttrain.rewards.judge_server.serve_judge(judge) here, "
                          "or executor='local' / 'slurm'")
     if settings is None:
+        unknown = set(server_options) - set(ServerSettings.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown server options {sorted(unknown)}; allowed: "
+                             f"{sorted(ServerSettings.__dataclass_fields__)}")
         settings = ServerSettings(**server_options)
     elif server_options:
         raise ValueError(f"pass either settings= or its fields as keywords, not both "
                          f"({sorted(server_options)})")
+    check_int("cpus_per_task", cpus_per_task, minimum=1)
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path("runs", "launch", f"{name}-{stamp}")
     folder = Path(folder).expanduser().absolute()
     tag = uuid.uuid4().hex[:8]   # files of this launch only: a stale URL is never read
+    # JudgeJobSpec checks the judge, host, port and torch_threads here, before the queue wait.
     spec = JudgeJobSpec(judge=judge, url_file=str(folder / f"judge_server-{tag}.json"),
                         stop_file=str(folder / f"judge_server-{tag}.stop"), host=host,
                         port=port, advertise_host=advertise_host, settings=settings,

@@ -3,7 +3,7 @@ and wait, the judge run on one worker thread, results handed back per request.
 
 This is the part of the judge server (`posttrain.rewards.judge_server`) that knows nothing of
 HTTP. It runs on one asyncio event loop (uvicorn's); only `begin_drain`, `idle`, `fail_pending`
-and `stats` may be called from other threads.
+and `stats` may be called (and `draining`, `failed` read) from other threads.
 
 Batching (as in NVIDIA Triton's dynamic batcher and TorchServe's `batchSize`/`maxBatchDelay`):
 a batch starts with the oldest waiting request and takes the next ones, whole, while their
@@ -17,8 +17,11 @@ Backpressure: at most `max_queue` requests wait; `offer` refuses the next one wi
 seconds after which a retry is likely to be taken (the queue's completions divided by the batch
 size, times the recent time per batch), which the server sends as 429 + Retry-After.
 
-Failures stay per request: when the judge raises on a batch of several requests, each request is
-judged again alone, so one bad request fails only itself (its results are outcome `error`).
+Failures stay per request: when the judge raises (any exception, SystemExit included) or returns
+something that cannot be sent on a batch of several requests, each request is judged again
+alone, so one bad request fails only itself (its results are outcome `error`). Should the
+batching task itself ever die (a bug), `failed` says why, every request taken is answered with
+`ServerShutDown` and `offer` refuses new ones ("failed"): never a request left hanging.
 
 Example (without a server: an event loop in this thread):
     >>> import asyncio
@@ -93,15 +96,32 @@ class BatchOutput:
 
 def result_to_json(result: Any) -> dict:
     """A judge's result as JSON: {score, outcome, reason, raw, raw_score}. `raw` and `raw_score`
-    are a `JudgeResult`'s ("" / None for a plain `VerifierResult`); anything that is not a
-    `VerifierResult` becomes outcome error, saying what it was."""
-    if not isinstance(result, VerifierResult):
-        return _error_json(f"judge returned {type(result).__name__} {result!r:.80}, not a "
-                           "VerifierResult")
-    raw_score = getattr(result, "raw_score", None)
-    return {"score": result.score, "outcome": result.outcome.value, "reason": result.reason,
-            "raw": str(getattr(result, "raw", "")),
-            "raw_score": None if raw_score is None else float(raw_score)}
+    are a `JudgeResult`'s ("" / None for a plain `VerifierResult`). Never raises: anything that
+    is not a `VerifierResult`, or one whose `raw_score` is not a finite number (or None), or
+    whose fields cannot be read, becomes outcome error, saying what it was."""
+    try:
+        if not isinstance(result, VerifierResult):
+            return _error_json(f"judge returned {type(result).__name__} {result!r:.80}, not a "
+                               "VerifierResult")
+        raw_score = getattr(result, "raw_score", None)
+        if raw_score is not None:
+            number = None
+            if not isinstance(raw_score, (str, bytes, bool)):
+                with contextlib.suppress(TypeError, ValueError, RuntimeError):
+                    number = float(raw_score)
+            if number is None or not math.isfinite(number):
+                return _error_json(f"judge returned raw_score={raw_score!r:.80}; must be a "
+                                   "finite number or None")
+            raw_score = number
+        score = float(result.score)
+        if not math.isfinite(score):
+            return _error_json(f"judge returned score={score!r}; must be finite")
+        return {"score": score, "outcome": Outcome(result.outcome).value,
+                "reason": str(result.reason), "raw": str(getattr(result, "raw", "")),
+                "raw_score": raw_score}
+    except Exception as exc:  # noqa: BLE001 - a malformed result is data for the client
+        return _error_json(f"judge returned a result that cannot be sent: "
+                           f"{type(exc).__name__}: {exc}"[:300])
 
 
 def _error_json(reason: str) -> dict:
@@ -132,6 +152,7 @@ class Batcher:
         self.judge, self.max_batch_size = judge, max_batch_size
         self.max_wait_s, self.max_queue = float(max_wait_s), max_queue
         self.draining = False
+        self.failed: str | None = None    # why the batching task died (a bug), else None
         self._queue: collections.deque[JudgeRequest] = collections.deque()
         self._running: list[JudgeRequest] | None = None
         self._held = 0                    # requests taken and not yet answered or dropped
@@ -141,7 +162,7 @@ class Batcher:
         self._lock = threading.Lock()     # guards _stats (read by other threads)
         self._stats: dict[str, Any] = {
             "requests": 0, "completions": 0, "batches": 0, "rejected_full": 0,
-            "rejected_draining": 0, "judge_failures": 0, "shut_down": 0, "max_queue_depth": 0,
+            "rejected_draining": 0, "rejected_failed": 0, "judge_failures": 0, "shut_down": 0, "max_queue_depth": 0,
             "judge_s": 0.0, "batch_completions": {}, "batch_requests": {}}
 
     # ---------------------------------------------------------------- lifecycle (loop thread)
@@ -151,22 +172,49 @@ class Batcher:
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="posttrain-judge")
         self._task = asyncio.create_task(self._run(), name="posttrain-judge-batcher")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """Done callback of the batching task: if it ended other than by `close` (a bug),
+        record why (`failed`) and answer every request taken with `ServerShutDown`."""
+        if task.cancelled():
+            why = None if self._closing else "the batching task was cancelled"
+        elif task.exception() is not None:
+            why = f"{type(task.exception()).__name__}: {task.exception()}"
+        else:
+            why = None if self._closing else "the batching task ended"
+        if why is None:
+            return
+        self.failed = why
+        for request in [*self._queue, *(self._running or ())]:
+            if not request.future.done():
+                request.future.set_exception(ServerShutDown(
+                    f"the judge batcher failed ({why}); this request was not judged"))
+                self._count("shut_down")
+        self._queue.clear()
+        self._running, self._held = None, 0
 
     async def close(self) -> None:
         """Judge what is queued, then stop the task and the worker thread; after
         `fail_pending`, stop at once (a judge call in progress ends in the background)."""
         self._closing = True
         self._wake.set()
-        if self._abandoned:
+        if self._task.done():      # it failed (see `failed`): nothing left to wait for
+            pass
+        elif self._abandoned:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         else:
             await self._task
-        self._pool.shutdown(wait=not self._abandoned)
+        self._pool.shutdown(wait=not self._abandoned and self.failed is None)
 
     def offer(self, request: JudgeRequest) -> tuple[str, float] | None:
-        """Queue `request`; None when taken, else ("full" | "draining", retry-after seconds)."""
+        """Queue `request`; None when taken, else ("full" | "draining" | "failed", retry-after
+        seconds); "failed": the batching task died (`failed` says why)."""
+        if self.failed is not None:
+            self._count("rejected_failed")
+            return "failed", 1.0
         if self.draining or self._closing:
             self._count("rejected_draining")
             return "draining", 1.0
@@ -239,12 +287,15 @@ class Batcher:
             if batch is None:
                 return
             self._running = batch
+            start = time.monotonic()
             try:
-                start = time.monotonic()
                 outputs = await self._loop.run_in_executor(self._pool, self._judge_batch, batch)
-                seconds = time.monotonic() - start
-            finally:
-                self._running = None
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - last guard; _judge_batch catches all
+                why = f"judge worker raised {type(exc).__name__}: {exc}"
+                outputs = [[_error_json(why) for _ in r.completions] for r in batch]
+            seconds = time.monotonic() - start   # `_running` stays set until all are answered
             self._record(batch, seconds)
             size = sum(len(r.completions) for r in batch)
             self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
@@ -254,6 +305,7 @@ class Batcher:
                     request.future.set_result(BatchOutput(
                         results, batch_id, len(batch), size, start - request.enqueued, seconds))
                 self._held -= 1
+            self._running = None
 
     async def _next_batch(self) -> list[JudgeRequest] | None:
         """The next batch, or None once closing with nothing left."""
@@ -318,15 +370,17 @@ class Batcher:
             if len(results) != len(completions):
                 raise ValueError(f"{type(self.judge).__name__}.judge returned {len(results)} "
                                  f"results for {len(completions)} completions")
-        except Exception as exc:  # noqa: BLE001 - the judge's failure is data for the client
+            out, start = [], 0
+            for request in batch:
+                n = len(request.completions)
+                out.append([result_to_json(r) for r in results[start:start + n]])
+                start += n
+            return out
+        # BaseException too (SystemExit, KeyboardInterrupt raised by the judge's own code): this
+        # is the worker thread, which a Ctrl-C never reaches, and it must not end the server.
+        except BaseException as exc:  # noqa: BLE001 - the judge's failure is data for the client
             if len(batch) > 1:
                 return [self._judge_batch([r])[0] for r in batch]
             self._count("judge_failures")
-            why = f"judge raised {type(exc).__name__}: {exc}"
+            why = f"judge raised {type(exc).__name__}: {exc}"[:500]
             return [[_error_json(why) for _ in batch[0].completions]]
-        out, start = [], 0
-        for request in batch:
-            n = len(request.completions)
-            out.append([result_to_json(r) for r in results[start:start + n]])
-            start += n
-        return out

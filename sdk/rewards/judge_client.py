@@ -58,6 +58,7 @@ import os
 import random
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -88,7 +89,8 @@ class JudgeClient:
         connect_timeout_s: most seconds to open a connection, per attempt.
 
     Raises:
-        ValueError: for a URL that is not http(s)://host:port or a setting out of range.
+        ValueError: for a URL that is not http(s)://host:port (a host, a port 1..65535, no
+            query or fragment; a path prefix is kept) or a setting out of range.
     """
 
     isolation = "thread"
@@ -96,8 +98,7 @@ class JudgeClient:
     def __init__(self, url: str, *, timeout_s: float = 10.0, retries: int = 5,
                  backoff_s: float = 0.05, max_backoff_s: float = 1.0,
                  connect_timeout_s: float = 2.0) -> None:
-        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
-            raise ValueError(f"url={url!r}; must be the server's http://host:port")
+        _check_url(url)
         check_int("retries", retries, minimum=0)
         for name, value in (("timeout_s", timeout_s), ("backoff_s", backoff_s),
                             ("max_backoff_s", max_backoff_s),
@@ -253,6 +254,25 @@ class JudgeClient:
     def __repr__(self) -> str:
         return (f"JudgeClient({self.url!r}, timeout_s={self.timeout_s:g}, "
                 f"retries={self.retries})")
+
+
+def _check_url(url: Any) -> None:
+    """Raise ValueError unless `url` is http(s)://host:port[/path], parsed as httpx will."""
+    must = "must be the server's http://host:port (e.g. JudgeServer.url)"
+    if not isinstance(url, str):
+        raise ValueError(f"url={url!r}; {must}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise ValueError(f"url={url!r} cannot be parsed ({exc}); {must}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"url={url!r}; {must}")
+    if port is None or port == 0:
+        raise ValueError(f"url={url!r} names no port (1..65535); {must}")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"url={url!r} has a query, fragment or user; {must}")
 
 
 def _detail(response: httpx.Response) -> str:

@@ -15,13 +15,14 @@ HTTP API (JSON bodies):
                                timeout_s?} -> 200 {request_id, results: [{score, outcome,
                                reason, raw, raw_score}], batch: {id, requests, completions},
                                queue_s, judge_s, replayed}
-                               422 malformed body; 429 queue full and 503 shutting down,
+                               422 malformed body (timeout_s must be finite, > 0); 429 queue full and 503 shutting down,
                                both with Retry-After (header: whole seconds; body
                                `retry_after_s`: the estimate); 504 not judged within
                                min(request_timeout_s, timeout_s); 503 also when the drain
                                time ran out before this request was judged
     GET /health                200 {"status": "alive"} while the process serves (liveness)
-    GET /ready                 200 {"status": "ready"}; 503 "starting" / "draining"
+    GET /ready                 200 {"status": "ready"}; 503 "starting" / "draining" /
+                               "failed" (the batcher died; requests then get 503)
     GET /stats                 counters and the batch-size histograms (`Batcher.stats`)
     =========================  ==============================================================
 
@@ -31,7 +32,8 @@ same answer again (`replayed: true`) from a cache of the last `replay_cache` ans
 client that retries after a lost response (or a 504) never makes the judge work twice, and
 every id gets exactly one judgement.
 
-Judge failures are results, not HTTP errors: a judge that raises gives outcome `error` for the
+Judge failures are results, not HTTP errors: a judge that raises (SystemExit included) or returns
+what cannot be sent (a non-numeric `raw_score`) gives outcome `error` for the
 completions of that request only (`posttrain.rewards.judge_batcher`), and an unparsable verdict
 is `error` as in-process (`posttrain.rewards.judges`).
 
@@ -69,15 +71,16 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from posttrain.core.checks import require_int, require_positive
+from posttrain.core.checks import check_int, require_int, require_positive
 from posttrain.rewards.judge_batcher import Batcher, JudgeRequest, ServerShutDown
 from posttrain.rewards.judge_client import JUDGE_PATH, JudgeClient
 
 __all__ = ["ServerSettings", "JudgeServer", "serve_judge", "build_app", "JudgeJobSpec",
-           "serve_until_stopped", "JUDGE_PATH"]
+           "serve_until_stopped", "check_address", "JUDGE_PATH"]
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSettings:
@@ -117,13 +120,37 @@ class _Body(BaseModel):
     request_id: str = Field(min_length=1, max_length=200)
     completions: list[str]
     items: list[dict[str, Any]]
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+def check_address(host: Any, port: Any, advertise_host: Any = None) -> None:
+    """Raise TypeError/ValueError, naming the argument, unless `host` is a non-empty str,
+    `port` an int in 0..65535 (0: the system picks) and `advertise_host` None or a non-empty
+    str. Used by `serve_judge` and `JudgeJobSpec` (so a job is checked before it is queued)."""
+    for name, value, optional in (("host", host, False), ("advertise_host", advertise_host, True)):
+        if optional and value is None:
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{name}={value!r}; must be a str such as '127.0.0.1' or '0.0.0.0'"
+                            + (" or None" if optional else ""))
+        if not value.strip():
+            raise ValueError(f"{name}={value!r}; must be a non-empty host name or address")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port={port!r}; must be an integer in 0..65535 (0: a free port)")
 
 
 def _refusal(status: int, detail: str, retry_after_s: float) -> JSONResponse:
     return JSONResponse({"detail": detail, "retry_after_s": round(retry_after_s, 3)},
                         status_code=status,
                         headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+def _validation_error(request: Any, exc: RequestValidationError) -> JSONResponse:
+    """422 for a malformed body: where and what, without echoing the input (it may hold NaN or
+    Infinity, which JSON cannot encode)."""
+    errors = [{"loc": [str(part) for part in e.get("loc", ())], "msg": str(e.get("msg", "")),
+               "type": str(e.get("type", ""))} for e in exc.errors()]
+    return JSONResponse({"detail": errors}, status_code=422)
 
 
 def _response(request_id: str, output: Any) -> dict:
@@ -151,6 +178,7 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
         await batcher.close()
 
     app = FastAPI(title="posttrain judge", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _validation_error)
 
     def remember(request_id: str, future: asyncio.Future) -> None:
         """Done callback: the request leaves `in_flight`; a judgement is kept for retries."""
@@ -175,9 +203,11 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
             refused = batcher.offer(request)
             if refused is not None:
                 why, retry_after_s = refused
-                detail = ("the judge server is shutting down" if why == "draining" else
-                          f"the judge queue is full ({settings.max_queue} requests wait)")
-                return _refusal(503 if why == "draining" else 429, detail, retry_after_s)
+                detail = {"draining": "the judge server is shutting down",
+                          "failed": f"the judge batcher failed ({batcher.failed})",
+                          "full": f"the judge queue is full ({settings.max_queue} requests "
+                                  "wait)"}[why]
+                return _refusal(429 if why == "full" else 503, detail, retry_after_s)
             in_flight[body.request_id] = request
             request.future.add_done_callback(lambda f, rid=body.request_id: remember(rid, f))
         timeout_s = min(settings.request_timeout_s, body.timeout_s or math.inf)
@@ -203,10 +233,11 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
 
     @app.get("/ready")
     async def ready() -> Any:
-        if state["ready"] and not batcher.draining:
+        if state["ready"] and not batcher.draining and batcher.failed is None:
             return {"status": "ready"}
-        return JSONResponse({"status": "draining" if batcher.draining else "starting"},
-                            status_code=503)
+        status = ("failed" if batcher.failed is not None else
+                  "draining" if batcher.draining else "starting")
+        return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/stats")
     async def stats() -> dict:
@@ -247,8 +278,7 @@ class JudgeServer:
         config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=settings.drain_timeout_s)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._socket]}, daemon=True,
+        self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"posttrain-judge-server-{self.port}")
         self._final_stats: dict | None = None
         self._thread.start()
@@ -261,6 +291,14 @@ class JudgeServer:
                                    f"within {startup_timeout_s:g} s (see the log above)")
             time.sleep(0.01)
 
+    def _serve(self) -> None:
+        """The server thread: uvicorn until it exits; however it ends, the listening socket is
+        closed, so clients see "connection refused" at once rather than wait out a deadline."""
+        try:
+            self._server.run(sockets=[self._socket])
+        finally:
+            self._socket.close()
+
     @property
     def running(self) -> bool:
         """True while the server thread serves (until `stop` returns, or it died)."""
@@ -268,9 +306,12 @@ class JudgeServer:
 
     @property
     def state(self) -> str:
-        """"ready", "draining" or "stopped"."""
+        """"ready", "draining", "failed" (the batcher died: every request gets 503) or
+        "stopped"."""
         if not self.running:
             return "stopped"
+        if self._batcher.failed is not None:
+            return "failed"
         return "draining" if self._batcher.draining else "ready"
 
     def stats(self) -> dict[str, Any]:
@@ -346,13 +387,16 @@ def serve_judge(judge: Any, *, host: str = "127.0.0.1", port: int = 0,
 
     Raises:
         TypeError: if `judge` has no `judge(completions, items)` method.
-        ValueError: for bad settings (named) or both `settings` and keywords.
+        ValueError: for bad settings, host or port (named), or both `settings` and keywords.
         OSError: if the address cannot be bound (port in use).
         RuntimeError: if the server does not start.
     """
     if not callable(getattr(judge, "judge", None)):
         raise TypeError(f"judge must have a judge(completions, items) method; got "
                         f"{type(judge).__name__}")
+    check_address(host, port, advertise_host)
+    if settings is not None and not isinstance(settings, ServerSettings):
+        raise TypeError(f"settings must be a ServerSettings; got {type(settings).__name__}")
     if settings is not None and options:
         raise ValueError(f"pass either settings= or its fields as keywords, not both "
                          f"({sorted(options)})")
@@ -374,6 +418,10 @@ def serve_judge(judge: Any, *, host: str = "127.0.0.1", port: int = 0,
 @dataclass(frozen=True, kw_only=True)
 class JudgeJobSpec:
     """What a judge-server job runs (`serve_until_stopped`); pickles when the judge does.
+
+    Raises:
+        TypeError / ValueError: for a field outside its range (named), checked before the job
+            is submitted.
 
     Attributes:
         judge: the judge to serve.
@@ -397,13 +445,28 @@ class JudgeJobSpec:
     poll_s: float = 0.1
     torch_threads: int | None = None
 
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.judge, "judge", None)):
+            raise TypeError(f"JudgeJobSpec.judge must have a judge(completions, items) method; "
+                            f"got {type(self.judge).__name__}")
+        if not isinstance(self.settings, ServerSettings):
+            raise TypeError(f"JudgeJobSpec.settings must be a ServerSettings; got "
+                            f"{type(self.settings).__name__}")
+        for name in ("url_file", "stop_file"):
+            if not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ValueError(f"JudgeJobSpec.{name}={getattr(self, name)!r}; must be a path")
+        check_address(self.host, self.port, self.advertise_host)
+        require_positive(self, ("poll_s",))
+        check_int("torch_threads", self.torch_threads, minimum=1, optional=True)
+
 
 def serve_until_stopped(spec: JudgeJobSpec) -> dict[str, Any]:
     """Serve `spec.judge` until `spec.stop_file` exists, then drain and return the final stats
     (the job's result). The URL file is written atomically once the server is ready.
 
     Raises:
-        RuntimeError: if the server thread ends by itself (the job then fails, with the log).
+        RuntimeError: if the server thread ends or its batcher fails by itself (the job then
+            fails, with the log).
     """
     if spec.torch_threads is not None:
         import torch
@@ -420,8 +483,9 @@ def serve_until_stopped(spec: JudgeJobSpec) -> dict[str, Any]:
     print(f"posttrain judge server: serving {server.url}", flush=True)
     try:
         while not Path(spec.stop_file).exists():
-            if not server.running:
-                raise RuntimeError(f"the judge server at {server.url} stopped by itself")
+            if server.state in ("stopped", "failed"):
+                raise RuntimeError(f"the judge server at {server.url} {server.state} by itself"
+                                   f" ({server._batcher.failed or 'see the log'})")
             time.sleep(spec.poll_s)
     finally:
         stats = server.stop()

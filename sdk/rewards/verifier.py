@@ -31,8 +31,10 @@ outcome error here, never an exception that ends a run. `Outcome`, `VerifierResu
 Time budgets: each budgeted call runs in a worker process of a bounded pool
 (`posttrain.rewards.verifier_pool`); a call past `timeout_s` is outcome timeout within its
 budget plus a few milliseconds (at most `verifier_pool.KILL_MARGIN_S`), and its worker is killed
-with everything it started, so a CPU-bound check (a catastrophic regex, `10**10**9`) stops
-instead of spinning on. Verifiers travel to the workers with cloudpickle, once per worker, so
+with everything it started (`setsid` included), so a CPU-bound check (a catastrophic regex,
+`10**10**9`) stops instead of spinning on; a call that returns leaves no process running either.
+A budget is at most `MAX_TIMEOUT_S` (1e6 s); `timeout_s=None` means none. What a verifier prints
+in a worker is discarded, and a `reason` longer than 4096 characters comes back cut. Verifiers travel to the workers with cloudpickle, once per worker, so
 classes and closures defined in notebook cells work. A verifier that holds a model or talks to
 a server declares `isolation = "thread"` and runs on a daemon thread instead, bounding its own
 time; a verifier that cannot be pickled runs on threads too, with a warning. The budget of a
@@ -55,7 +57,6 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -64,10 +65,11 @@ from posttrain.core.registry import Registry
 from posttrain.rewards.outcome import (FLOAT32_MAX, Outcome, VerifierResult, check_reward,
                                        coerce_result, raised_result)
 from posttrain.rewards.verifier_pool import DEFAULT_MAX_WORKERS, run_calls
+from posttrain.rewards.verifier_threads import MAX_TIMEOUT_S, check_timeout
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_MAX_WORKERS", "FLOAT32_MAX", "Outcome", "VerifierResult",
-           "Verifier", "check_reward", "run_verifier", "score_batch", "count_outcomes",
-           "as_score_fn", "VERIFIERS", "register_verifier", "get_verifier",
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "DEFAULT_MAX_WORKERS", "FLOAT32_MAX", "Outcome",
+           "VerifierResult", "Verifier", "check_reward", "run_verifier", "score_batch",
+           "count_outcomes", "as_score_fn", "VERIFIERS", "register_verifier", "get_verifier",
            "registered_verifiers"]
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -94,12 +96,6 @@ class Verifier(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_timeout(timeout_s: float | None) -> None:
-    if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
-                         f"{timeout_s!r}")
-
-
 def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion: str,
                  item: Mapping[str, Any], *,
                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> VerifierResult:
@@ -112,7 +108,9 @@ def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion:
     - returns a score that breaks `check_reward` (NaN, inf, 1e39), or something that is neither
       a VerifierResult nor a real number -> outcome error, with the reason;
     - crashes its worker process (os._exit, a segfault) -> outcome error, with the exit status;
-    - returns a bare finite number -> ok if it is >= 1, else wrong with that score.
+    - returns a bare finite number -> ok if it is >= 1, else wrong with that score;
+    - a `reason` longer than `verifier_worker.MAX_REASON_CHARS` (4096) comes back cut to that
+      length, its start and end kept.
 
     Args:
         verifier: a `Verifier` (any callable `(completion, item)`); it must pickle with
@@ -120,12 +118,14 @@ def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion:
             warning).
         completion: the model's text.
         item: the task item (sent to the worker with pickle, or cloudpickle).
-        timeout_s: time budget in seconds; None runs the verifier in the calling thread with no
-            budget (fastest; for debugging).
+        timeout_s: time budget in seconds, in (0, MAX_TIMEOUT_S = 1e6]; None runs the verifier
+            in the calling thread with no budget (fastest; for debugging: what it prints shows
+            here, while a worker process discards its output).
 
     Raises:
-        ValueError: if `timeout_s` is not positive, or the verifier's `isolation` is not
-            "process" or "thread". Nothing the verifier does raises here.
+        ValueError: if `timeout_s` is not None or a finite number in (0, MAX_TIMEOUT_S], or
+            the verifier's `isolation` is not "process" or "thread". Nothing the verifier does
+            raises here.
 
     Example:
         >>> import time
@@ -134,7 +134,7 @@ def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion:
         >>> print(run_verifier(lambda c, i: float("nan"), "x", {}).reason)
         verifier score must be a finite number within float32 range (|x| <= 3.4028235e+38), got nan
     """
-    _check_timeout(timeout_s)
+    check_timeout(timeout_s)
     if timeout_s is None:
         try:
             return coerce_result(verifier(completion, item))
@@ -157,16 +157,20 @@ def score_batch(verifier: Verifier | Callable[[str, Mapping], Any], completions:
     up to `max_workers` threads.
 
     Args:
-        completions, items: the same length N; `completions[i]` is checked against `items[i]`.
-        timeout_s: per-call budget in seconds; None runs every call inline with no budget.
+        completions, items: sequences of the same length N (a list or tuple, not a str or a
+            mapping); `completions[i]` is checked against `items[i]`.
+        timeout_s: per-call budget in seconds, in (0, MAX_TIMEOUT_S]; None runs every call
+            inline with no budget.
         max_workers: calls in flight at once (>= 1).
 
     Returns:
         N results, in input order.
 
     Raises:
-        ValueError: if the lengths differ, `timeout_s` is not positive, `max_workers` < 1, or
-            the verifier's `isolation` is unknown.
+        TypeError: if `completions` or `items` is a str, bytes or a mapping (they would be
+            zipped character by character or key by key).
+        ValueError: if the lengths differ, `timeout_s` is not in (0, MAX_TIMEOUT_S],
+            `max_workers` < 1, or the verifier's `isolation` is unknown.
 
     Example:
         >>> import time
@@ -176,10 +180,18 @@ def score_batch(verifier: Verifier | Callable[[str, Mapping], Any], completions:
         >>> [r.outcome.value for r in results][:2], time.monotonic() - start < 4.0
         (['timeout', 'timeout'], True)
     """
+    if isinstance(completions, (str, bytes, Mapping)):
+        raise TypeError(f"score_batch completions must be a sequence (list, tuple) of str, one "
+                        f"per item, got a {type(completions).__name__}; wrap a single "
+                        f"completion in a list")
+    if isinstance(items, (str, bytes, Mapping)):
+        raise TypeError(f"score_batch items must be a sequence (list, tuple) of item mappings, "
+                        f"one per completion, got a {type(items).__name__}; wrap a single "
+                        f"item in a list")
     if len(completions) != len(items):
         raise ValueError(f"score_batch needs one item per completion, got {len(completions)} "
                          f"completions and {len(items)} items")
-    _check_timeout(timeout_s)
+    check_timeout(timeout_s)
     if not (isinstance(max_workers, int) and max_workers >= 1):
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
     if timeout_s is None:

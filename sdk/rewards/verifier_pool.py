@@ -8,8 +8,8 @@ budget to `run_calls`, which reads the verifier's `isolation` attribute (class o
     =========  =======================================  ========================================
     "process"  a worker process of a bounded pool       outcome timeout at `timeout_s` (a few ms
     (default)  (`WorkerPool`, one per process)          later; at most `KILL_MARGIN_S`); the
-                                                        worker's whole process group is killed
-                                                        (SIGKILL) and a new worker started
+                                                        worker and all its descendants are
+                                                        killed (SIGKILL) and a new worker started
     "thread"   a daemon thread (judges, clients of a    outcome timeout at `timeout_s`; the
                judge server: verifiers that hold a      thread is abandoned and runs on until the
                model or do network I/O)                 verifier returns, so such a verifier must
@@ -19,11 +19,18 @@ budget to `run_calls`, which reads the verifier's `isolation` attribute (class o
 Worker processes are fresh interpreters (`subprocess.Popen` of `verifier_worker.py`: fork +
 exec), never a fork of the training process (which holds torch, CUDA or server threads) and
 never a re-import of its `__main__` script (what multiprocessing's spawn and forkserver do).
-Each runs in a session of its own, so one `killpg` ends it and anything it started; each is
-started from one long-lived launcher thread and asks Linux to kill it when that thread ends
-(`PR_SET_PDEATHSIG`), so a training process killed by SIGKILL leaves no worker spinning. A
-worker gets the parent's `sys.path` and working directory, and does not import torch unless the
-verifier does (`verifier_worker.light_packages`). The pool starts lazily, keeps its workers
+Each runs in a session of its own and is the subreaper of its descendants (Linux
+`PR_SET_CHILD_SUBREAPER`): a process a verifier starts stays its descendant even after `setsid`
+or its own parent's exit, so killing a worker kills them all first (`WorkerProcess.kill`), and
+after each call the worker kills whatever the call left running. Each is started from one
+long-lived launcher thread and asks Linux to kill it when that thread ends
+(`PR_SET_PDEATHSIG`), so a training process killed by SIGKILL leaves no worker spinning; not
+covered: processes that a call *still running* at that moment had started outlive it (between
+calls a worker has none). A worker's stdout and stderr are discarded (`/dev/null`: a verifier's
+prints would flood a notebook; run it with `timeout_s=None` to see them), and the `reason` it
+sends back is cut to `verifier_worker.MAX_REASON_CHARS`. A worker gets the parent's `sys.path`
+and working directory, and does not import torch unless the verifier does
+(`verifier_worker.light_packages`). The pool starts lazily, keeps its workers
 between calls, is shut down at interpreter exit, and is never shared with a forked child (the
 child closes its copies of the pipes and starts its own pool when it needs one).
 
@@ -62,9 +69,9 @@ from typing import Any
 import cloudpickle
 
 from posttrain.rewards.outcome import Outcome, VerifierResult
-from posttrain.rewards.verifier_threads import Call, run_on_threads
-from posttrain.rewards.verifier_worker import (Launcher, WorkerProcess, dumps_message,
-                                               what_does_not_pickle)
+from posttrain.rewards.verifier_threads import Call, check_timeout, run_on_threads
+from posttrain.rewards.verifier_worker import (MAX_REPLY_BYTES, Launcher, WorkerProcess,
+                                               dumps_message, what_does_not_pickle)
 
 DEFAULT_MAX_WORKERS = 8
 """Most verifier calls `score_batch` runs at the same time by default (and the most worker
@@ -122,8 +129,9 @@ def run_calls(verifier: Callable, calls: Sequence[Call], *, timeout_s: float,
     docstring). Returns one result per call, in order. Nothing the verifier does raises here.
 
     Raises:
-        ValueError: for an unknown `isolation` value.
+        ValueError: for an unknown `isolation` value, or `timeout_s` not in (0, MAX_TIMEOUT_S].
     """
+    check_timeout(timeout_s)
     if isolation_of(verifier) == "thread":
         return run_on_threads(verifier, calls, timeout_s=timeout_s, max_workers=max_workers)
     return verifier_pool().run(verifier, calls, timeout_s=timeout_s, max_workers=max_workers)
@@ -238,7 +246,7 @@ class WorkerPool:
             return sorted(w.pid for w in self._workers)
 
     def shutdown(self) -> None:
-        """Kill every worker (and its process group) now; the pool starts new ones if used
+        """Kill every worker (and its descendants) now; the pool starts new ones if used
         again. Registered with `atexit`."""
         if self._pid != os.getpid():
             return
@@ -331,7 +339,7 @@ class WorkerPool:
             worker = by_outbox[outbox]
             call = busy[worker]
             try:
-                reply = pickle.loads(outbox.recv_bytes())
+                reply = pickle.loads(outbox.recv_bytes(MAX_REPLY_BYTES))   # the worker caps
             except (EOFError, OSError, pickle.UnpicklingError):
                 del busy[worker]
                 batch.results[call.index] = self._died(worker, call)
@@ -455,7 +463,7 @@ class WorkerPool:
                 self._free.notify()
 
     def _discard(self, worker: WorkerProcess, batch: _Batch | None = None) -> None:
-        """Kill `worker`'s process group now; reap it and start its replacement on the
+        """Kill `worker` and its descendants now; reap it and start its replacement on the
         launcher thread (the caller waits for neither)."""
         if batch is not None and worker in batch.mine:
             batch.mine.remove(worker)

@@ -5,11 +5,15 @@ A thread cannot be killed: a call past its budget is outcome timeout at `timeout
 thread is *abandoned*: it runs on until the verifier returns (as a daemon it never blocks
 interpreter exit) and its late result is ignored. A verifier run this way must bound its own
 time (a request deadline, a generation length); a busy abandoned thread still takes its share
-of the interpreter lock, which slows every thread after it.
+of the interpreter lock, which slows every thread after it. A result's `reason` is cut to
+`verifier_worker.MAX_REASON_CHARS` here as in a worker process; what the verifier prints goes to
+this process's output (in a worker process it is discarded).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import queue
 import threading
@@ -18,9 +22,25 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from posttrain.rewards.outcome import Outcome, VerifierResult, coerce_result, raised_result
+from posttrain.rewards.verifier_worker import capped
 
 Call = tuple[str, Mapping[str, Any]]
 """One verification to run: (completion, item)."""
+
+MAX_TIMEOUT_S = 1e6
+"""Largest time budget of one call, in seconds (~11.6 days; the operating system's waits do not
+take much longer ones). For no budget at all, pass `timeout_s=None` to `run_verifier`."""
+
+
+def check_timeout(timeout_s: float | None) -> None:
+    """Raise ValueError unless `timeout_s` is None or a real number of seconds in
+    (0, MAX_TIMEOUT_S] (not a bool, not NaN or inf)."""
+    if timeout_s is None:
+        return
+    if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be None (no budget) or a number of seconds in "
+                         f"(0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
 
 
 class _GrowingPool:
@@ -74,7 +94,12 @@ def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: floa
     """Run `verifier` on every (completion, item) of `calls` on daemon threads, at most
     `max_workers` at a time, each with a budget of `timeout_s` seconds from its start. A hung
     call holds its slot until its deadline and is then abandoned. Returns one result per call,
-    in order; nothing the verifier does raises here."""
+    in order; nothing the verifier does raises here.
+
+    Raises:
+        ValueError: if `timeout_s` is not in (0, MAX_TIMEOUT_S] (`check_timeout`).
+    """
+    check_timeout(timeout_s)
     n = len(calls)
     results: list[VerifierResult | None] = [None] * n
     posted: queue.SimpleQueue = queue.SimpleQueue()   # abandoned threads post here too: ignored
@@ -88,7 +113,7 @@ def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: floa
                 result = coerce_result(verifier(completion, item))
             except BaseException as exc:   # noqa: BLE001 - any failure of user code is data
                 result = raised_result(exc)
-            posted.put((index, result))
+            posted.put((index, capped(result)))
 
         _THREADS.submit(work)
 

@@ -20,8 +20,14 @@ pickled apart so that an item the worker cannot unpickle is that call's error, n
 Calls run one at a time in the worker's main thread, so libraries that time themselves out
 with `signal.alarm` (math-verify) work here as in a script. A call's return value is turned
 into a `VerifierResult` here (`posttrain.rewards.outcome.coerce_result`): what crosses back is
-always a result, never the verifier's own object. The worker exits when its input pipe closes,
-and (Linux) the kernel kills it when the parent's launcher thread ends (`PR_SET_PDEATHSIG`).
+always a result, never the verifier's own object, its `reason` cut to `MAX_REASON_CHARS` (a
+200 MB reason would still be crossing the pipe at the deadline). After each call the worker kills
+and reaps whatever processes the call left running; it is their subreaper (Linux
+`PR_SET_CHILD_SUBREAPER`), so `setsid` or a dead intermediate parent does not hide them, and
+`WorkerProcess.kill` finds them the same way (`descendants`). Its stdout and stderr are
+`/dev/null`. The worker exits when its input pipe closes, and (Linux) the kernel kills it when
+the parent's launcher thread ends (`PR_SET_PDEATHSIG`; processes started by a call running at
+that moment are not killed with it).
 
 Imports: the worker imports posttrain's `core` and `rewards` packages without running their
 `__init__` re-exports until a name defined there is asked for (`light_packages`): those pull in
@@ -53,6 +59,13 @@ LIGHT_PACKAGES = ("posttrain.core", "posttrain.rewards")
 """Packages whose `__init__` runs only when a name it defines is asked for (see module doc)."""
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+_PR_SET_CHILD_SUBREAPER = 36
+
+MAX_REASON_CHARS = 4096
+"""Longest `reason` a worker sends back (a longer one is cut, keeping its start and its end)."""
+
+MAX_REPLY_BYTES = 1 << 20
+"""Largest reply the parent reads from a worker; a longer one is that call's error."""
 
 
 def light_packages(names: Iterable[str] = LIGHT_PACKAGES) -> None:
@@ -94,16 +107,91 @@ def _deferred_init(module: types.ModuleType, spec) -> object:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the thread that started it ends; exit now if the
+    """Ask Linux to SIGKILL this process when the thread that started it ends, and to make it
+    the reaper of its descendants' orphans (so that a process the verifier starts stays among
+    its descendants even after `setsid` and the death of its own parent); exit now if the
     parent is already gone (it died before the request was made)."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
         except (OSError, AttributeError):
             pass
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def descendants(pid: int) -> list[int]:
+    """Live (non-zombie) descendants of process `pid`, read from the ppid links in `/proc`
+    (Linux; [] elsewhere). A zombie runs nothing and counts as gone."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants(pid: int, rounds: int = 20) -> None:
+    """SIGKILL every descendant of `pid`, again until none is left (one may fork meanwhile;
+    the orphans of a killed one reparent to `pid`, a subreaper, and are found next round)."""
+    for _ in range(rounds):
+        found = descendants(pid)
+        if not found:
+            return
+        for child in found:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _reap_children() -> bool:
+    """Reap this process's ended children (as a subreaper it adopts its descendants' orphans);
+    True when a child is still running (then, and only then, it has live descendants)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == 0:
+            return True
+
+
+def end_leftovers() -> None:
+    """Kill and reap whatever this worker's last call left running (cheap when nothing)."""
+    if _reap_children():
+        kill_descendants(os.getpid())
+        _reap_children()
+
+
+def capped(result):
+    """`result` with a `reason` of at most `MAX_REASON_CHARS` (its start and end kept), as a
+    plain `VerifierResult` when it was cut; other results are returned as they are."""
+    reason = result.reason
+    if len(reason) <= MAX_REASON_CHARS:
+        return result
+    from posttrain.rewards.outcome import VerifierResult
+    keep = MAX_REASON_CHARS // 2
+    cut = f" [... {len(reason) - 2 * keep} characters cut ...] "
+    return VerifierResult(result.score, result.outcome, reason[:keep] + cut + reason[-keep:])
 
 
 def _describe(exc: BaseException) -> str:
@@ -132,7 +220,7 @@ def serve(fd_in: int, fd_out: int) -> None:
             try:
                 verifiers[key] = pickle.loads(blob)
             except BaseException as exc:   # noqa: BLE001 - reported to the parent
-                if not _send(outbox, ("load_failed", index, _describe(exc))):
+                if not _send(outbox, ("load_failed", index, _describe(exc)[:MAX_REASON_CHARS])):
                     return
                 continue
             if not _send(outbox, ("loaded", index)):
@@ -147,7 +235,8 @@ def serve(fd_in: int, fd_out: int) -> None:
                 result = coerce_result(verifiers[key](completion, item))
             except BaseException as exc:   # noqa: BLE001 - any failure of user code is data
                 result = raised_result(exc)
-        if not _send(outbox, ("result", index, result)):
+        end_leftovers()   # a call leaves no process behind
+        if not _send(outbox, ("result", index, capped(result))):
             return
 
 
@@ -157,9 +246,11 @@ def _send(outbox, reply: tuple) -> bool:
     try:
         data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:   # noqa: BLE001
-        kind, index, result = reply
+        data = b""
+    if reply[0] == "result" and (not data or len(data) > MAX_REPLY_BYTES // 2):
+        kind, index, result = reply   # a subclass that does not pickle, or has large fields
         from posttrain.rewards.outcome import VerifierResult
-        plain = VerifierResult(result.score, result.outcome, result.reason)
+        plain = capped(VerifierResult(result.score, result.outcome, result.reason))
         data = pickle.dumps((kind, index, plain), protocol=pickle.HIGHEST_PROTOCOL)
     try:
         outbox.send_bytes(data)
@@ -210,7 +301,7 @@ class WorkerProcess:
             proc = subprocess.Popen(
                 [sys.executable, WORKER_FILE, str(from_parent), str(to_parent), str(os.getpid())],
                 pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         except BaseException:
             for fd in (from_parent, to_worker, from_worker, to_parent):
                 os.close(fd)
@@ -226,12 +317,18 @@ class WorkerProcess:
         return worker
 
     def kill(self) -> None:
-        """SIGKILL the worker's whole process group (it and whatever it started) and close the
-        pipes; reap it later with `proc.wait()`.
+        """SIGKILL the worker, every descendant it has (those that left its process group or
+        session with `setsid` included: it is their subreaper) and its process group, and close
+        the pipes; reap it later with `proc.wait()`.
 
         Once the worker has been reaped its pid may belong to another process (group), so a
         reaped worker is never signalled again: killing it twice is safe."""
         if self.proc.returncode is None:
+            try:   # stopped, it starts nothing more; its descendants' orphans still come to it
+                os.kill(self.pid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+            kill_descendants(self.pid)   # those that left its group too (setsid)
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
