@@ -24,6 +24,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from posttrain.core.masked import keep_selected
+
 FinishReason = Literal["eos", "stop", "length"]
 
 
@@ -62,8 +64,9 @@ def sampling_logprobs(logits_xV: Tensor, *, temperature: float = 1.0, top_k: int
     The logits are divided by `temperature`, then all but the `top_k` largest are removed (ties
     with the k-th value are kept), then all but the nucleus: the smallest set of most probable
     tokens whose probability adds up to at least `top_p` (Holtzman et al. 2020, "The Curious Case
-    of Neural Text Degeneration", section 3.1). What is left is renormalised with a log-softmax.
-    Removed tokens get -inf.
+    of Neural Text Degeneration", section 3.1), with float rounding handled as transformers'
+    `TopPLogitsWarper` handles it (`nucleus_removed`). What is left is renormalised with a
+    log-softmax; removed tokens get -inf.
 
     `temperature == 0` means greedy decoding. The argmax then has probability 1 in the sampling
     distribution, which carries no information; instead this returns the model's own untempered
@@ -83,7 +86,11 @@ def sampling_logprobs(logits_xV: Tensor, *, temperature: float = 1.0, top_k: int
         top_p: nucleus mass in (0, 1]; 1 keeps all.
 
     Returns:
-        float32 tensor shaped like `logits_xV`.
+        float32 tensor shaped like `logits_xV` (float64 logits are rounded to float32 first).
+
+    Raises:
+        ValueError: for a temperature that is not a finite number >= 0, a top_k that is not None
+            or an integer >= 1, or a top_p outside (0, 1].
     """
     _check_sampling_args(temperature, top_k, top_p)
     logits = logits_xV.float()
@@ -95,13 +102,51 @@ def sampling_logprobs(logits_xV: Tensor, *, temperature: float = 1.0, top_k: int
         kth_x1 = torch.topk(logits.detach(), top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_x1, -math.inf)
     if top_p < 1.0:
-        probs = torch.softmax(logits.detach(), dim=-1)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove_sorted = mass_before >= top_p  # the first (most likely) token is always kept
-        remove = torch.empty_like(remove_sorted).scatter_(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, -math.inf)
+        logits = logits.masked_fill(nucleus_removed(logits.detach(), top_p), -math.inf)
     return torch.log_softmax(logits, dim=-1)
+
+
+def nucleus_removed(logits_xV: Tensor, top_p: float) -> Tensor:
+    """Which tokens top-p (nucleus) sampling removes: a bool tensor shaped like `logits_xV`.
+
+    Kept: the smallest prefix of the tokens sorted by probability (most likely first; ties in
+    index order, lower index first) whose probability mass reaches `top_p` (Holtzman et al. 2020,
+    section 3.1). The mass of a prefix is measured as transformers' `TopPLogitsWarper` measures
+    it (transformers 5.10): token j is removed when the mass of j and every less likely token,
+    summed from the least likely up, is <= 1 - top_p. In exact arithmetic that is "the mass
+    before j already reaches top_p"; in float32 it makes a prefix whose summed mass is a hair
+    under top_p because of rounding count as reaching it (probabilities [0.3, 0.1, 0.1, 0.5]
+    with top_p = 0.8 keep {0.5, 0.3}; the mass before the third token taken as its running sum
+    from the most likely down minus its own probability is 0.79999995 in float32, < 0.8, and
+    would keep it too). The most likely token is always kept; tokens whose logit is -inf are
+    always removed when top_p < 1.
+
+    Used by `sampling_logprobs`, so the sampler and the training-time scorer apply one rule.
+
+    Args:
+        logits_xV: float logits (already tempered and top-k filtered), vocabulary last.
+        top_p: nucleus mass in (0, 1]; 1 removes nothing.
+
+    Returns:
+        bool tensor, True on removed tokens.
+
+    Raises:
+        ValueError: if top_p is not a number in (0, 1].
+
+    Example:
+        >>> import torch
+        >>> nucleus_removed(torch.tensor([0.3, 0.1, 0.1, 0.5]).log(), 0.8).tolist()
+        [False, True, True, False]
+    """
+    _check_sampling_args(1.0, None, top_p)
+    if top_p == 1:
+        return torch.zeros(logits_xV.shape, dtype=torch.bool, device=logits_xV.device)
+    sorted_logits, order = torch.sort(logits_xV, dim=-1, descending=True, stable=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_from_here = sorted_probs.flip(-1).cumsum(dim=-1).flip(-1)  # summed least likely first
+    remove_sorted = mass_from_here <= 1 - top_p
+    remove_sorted[..., 0] = False
+    return torch.empty_like(remove_sorted).scatter_(-1, order, remove_sorted)
 
 
 def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
@@ -121,6 +166,9 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
     The model's train/eval mode is left as it is (this is the training-time call); wrap in
     `torch.no_grad()` for reference log-probs. A token outside the top-k / top-p set under the
     current weights gets -inf (and a NaN gradient): score with the settings it was sampled with.
+    Positions outside `response_mask_BT` contribute nothing, whatever the model outputs there
+    (their logits are replaced by 0 before the log-softmax, so a NaN there gives no NaN
+    gradient).
 
     Args:
         model: a torchtune `TransformerDecoder` without KV caches.
@@ -162,8 +210,10 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
         logits_BTV = _as_tensor(model(input_ids_BT,
                                       mask=get_causal_mask_from_padding_mask(valid_BT),
                                       input_pos=get_position_ids_from_padding_mask(valid_BT)))
-    # logits at t-1 predict the token at t
-    logprobs_BTV = sampling_logprobs(logits_BTV[:, :-1], temperature=temperature, top_k=top_k,
+    # logits at t-1 predict the token at t; logits of unscored positions (padding may be NaN)
+    # are replaced by 0 first, or their log-softmax backward would make NaN gradients
+    logits_BTV = keep_selected(logits_BTV[:, :-1], response_BT[:, 1:, None])
+    logprobs_BTV = sampling_logprobs(logits_BTV, temperature=temperature, top_k=top_k,
                                      top_p=top_p)
     picked_BT = logprobs_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
     picked_BT = torch.nn.functional.pad(picked_BT, (1, 0))
@@ -177,9 +227,10 @@ def _as_tensor(output: Tensor | list[Tensor]) -> Tensor:
 
 
 def _check_sampling_args(temperature: float, top_k: int | None, top_p: float) -> None:
-    if not isinstance(temperature, (int, float)) or not temperature >= 0 or math.isinf(temperature):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
+            not temperature >= 0 or math.isinf(temperature):
         raise ValueError(f"temperature={temperature!r}; must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k={top_k!r}; must be None (no top-k) or an integer >= 1")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r}; must be in (0, 1] (1 = no nucleus filtering)")

@@ -33,6 +33,11 @@ verl quirks handled here (verl 0.9.1):
     so they need at least two response tokens per call and depend on the whole batch.
   * geo_mean takes a plain mean over the micro-batch's rows; it is rescaled to the step here.
   * verl's loss metrics are Python floats (it calls .item(): one host sync per metric).
+  * verl reduces with `(x * mask).sum()`: NaN or inf on a masked position poisons the loss and
+    its gradient. Every [B, T] input is passed through `posttrain.core.masked.keep_selected`
+    (0 on masked positions, gradient exactly 0 there) before verl sees it, and posttrain's own
+    metrics use `masked_mean` / `masked_max`: whatever padding holds, losses, gradients and
+    metrics equal those with zeros there.
 
 Example:
     >>> import torch
@@ -53,6 +58,7 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo import core_algos
 
+from posttrain.core.masked import keep_selected, masked_max, masked_mean
 from posttrain.rl.config import (KL_ESTIMATORS, LOSS_AGG_MODES, ROLLOUT_CORRECTIONS,
                                  RLAlgorithm, _estimator_fn, advantage_estimators,
                                  is_group_estimator, policy_losses, register_advantage_estimator,
@@ -173,7 +179,8 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
 
     Raises:
         ValueError: unknown estimator; not exactly one of token_level_rewards_BT / scores_B;
-            shapes; NaN or inf rewards; missing group_ids or values; a group of size one for a group
+            shapes; NaN or inf rewards on response tokens (masked positions are ignored, whatever
+            they hold); missing group_ids or values; a group of size one for a group
             estimator; fewer than two response tokens for a whitening estimator (from verl).
     """
     fn = _estimator_fn(name)
@@ -187,9 +194,11 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
     if token_level_rewards_BT.shape != response_mask_BT.shape:
         raise ValueError(f"token_level_rewards_BT {tuple(token_level_rewards_BT.shape)} and "
                          f"response_mask_BT {tuple(response_mask_BT.shape)} differ in shape")
+    token_level_rewards_BT = keep_selected(token_level_rewards_BT, response_mask_BT)
     if not bool(torch.isfinite(token_level_rewards_BT).all()):
-        raise ValueError("rewards contain NaN or inf; record the failed rollouts as typed outcomes and "
-                         "give them an explicit reward (or drop them) first")
+        raise ValueError("rewards contain NaN or inf on response tokens; record the failed "
+                         "rollouts as typed outcomes and give them an explicit reward (or drop "
+                         "them) first")
     out_dtype = (token_level_rewards_BT.dtype if token_level_rewards_BT.is_floating_point()
                  else torch.float32)
     rewards_BT = token_level_rewards_BT.detach().to(torch.float64)
@@ -206,7 +215,7 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
             raise ValueError(f"advantage estimator {name!r} needs values_BT of shape "
                              f"{tuple(mask_BT.shape)}; got "
                              f"{None if values_BT is None else tuple(values_BT.shape)}")
-        kwargs["values"] = values_BT.detach().to(torch.float64)
+        kwargs["values"] = keep_selected(values_BT.detach().to(torch.float64), mask_BT)
     if "gamma" in params:
         kwargs["gamma"] = gamma
     if "lam" in params:
@@ -224,15 +233,16 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
             advantages_BT = advantages_BT.masked_fill(flat_B[:, None], 0.0)
             returns_BT = returns_BT.masked_fill(flat_B[:, None], 0.0)
     # gae's whitening leaves (0 - mean) / std on padding: zero everything outside the mask.
-    return (advantages_BT * mask_BT).to(out_dtype), (returns_BT * mask_BT).to(out_dtype)
+    return (keep_selected(advantages_BT, mask_BT).to(out_dtype),
+            keep_selected(returns_BT, mask_BT).to(out_dtype))
 
 
 def sequence_advantages(advantages_BT: Tensor, response_mask_BT: Tensor) -> list[float]:
     """One advantage per row: the mean of `advantages_BT` [B, T] over the row's response tokens
     (`response_mask_BT` [B, T], 1 on them; 0.0 for a row without any). A list of B floats (one
-    host sync), for the replay buffer's records."""
-    mask_BT = response_mask_BT.float()
-    return ((advantages_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1)).tolist()
+    host sync), for the replay buffer's records. Masked positions are ignored whatever they
+    hold."""
+    return masked_mean(advantages_BT.float(), response_mask_BT.float(), dim=-1).tolist()
 
 
 def _dense_group_index(group_ids: Any, B: int, name: str) -> np.ndarray:
@@ -296,8 +306,12 @@ def aggregate(loss_BT: Tensor, response_mask_BT: Tensor, *, loss_agg_mode: str,
         seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor
     All times dp_size (gradients averaged over ranks).
     Worked case: L = 1 on masks [1,1,1] and [1,0,0]: 4/4 = 1.0, 4, (3+1)/2 = 2.0, (1+1)/2 = 1.0.
+    Masked positions of `loss_BT` count as 0 whatever they hold (their gradient is 0); a caller
+    computing `loss_BT` from tensors that may hold NaN/inf on padding sanitises those inputs
+    with `keep_selected` first, or the gradient of that computation is NaN there.
     """
-    return core_algos.agg_loss(loss_mat=loss_BT, loss_mask=response_mask_BT.to(loss_BT.dtype),
+    return core_algos.agg_loss(loss_mat=keep_selected(loss_BT, response_mask_BT),
+                               loss_mask=response_mask_BT.to(loss_BT.dtype),
                                loss_agg_mode=loss_agg_mode,
                                **_global_batch_info(loss_agg_mode, num_units_in_step, dp_size,
                                                     loss_scale_factor))
@@ -315,10 +329,15 @@ def kl_loss(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, response_mask_BT: Tens
     is 1 per token, zero in expectation, so k1 alone does not pull towards the reference
     (use 'k1+' / 'k3+': value of k1 / k3, gradient of k2).
 
+    Masked positions of both inputs are ignored whatever they hold (`keep_selected` first).
+
     Returns:
-        (loss share, per-token estimates [B, T] detached).
+        (loss share, per-token estimates [B, T] detached, 0 on masked positions).
     """
-    kl_BT = core_algos.kl_penalty(logprobs_BT, ref_logprobs_BT.detach(), estimator)
+    kl_BT = core_algos.kl_penalty(keep_selected(logprobs_BT, response_mask_BT),
+                                  keep_selected(ref_logprobs_BT.detach(), response_mask_BT),
+                                  estimator)
+    kl_BT = keep_selected(kl_BT, response_mask_BT)
     loss = aggregate(kl_BT, response_mask_BT, loss_agg_mode=loss_agg_mode,
                      num_units_in_step=num_units_in_step, dp_size=dp_size,
                      loss_scale_factor=loss_scale_factor)
@@ -380,6 +399,11 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
     if algo.entropy_coef > 0 and entropy_BT is None:
         raise ValueError(f"algo.entropy_coef={algo.entropy_coef} needs entropy_BT")
     mask_BT = response_mask_BT.to(logprobs_BT.dtype)
+    # padding may hold anything (NaN, inf, -inf log-probs): 0 there before verl's (x * mask)
+    logprobs_BT, old_logprobs_BT, advantages_BT, ref_logprobs_BT, entropy_BT, \
+        rollout_is_weights_BT = (None if t is None else keep_selected(t, mask_BT) for t in (
+            logprobs_BT, old_logprobs_BT, advantages_BT, ref_logprobs_BT, entropy_BT,
+            rollout_is_weights_BT))
     info = _global_batch_info(algo.loss_agg_mode, num_units_in_step, dp_size,
                               algo.loss_scale_factor)
     config = verl_actor_config(algo, **info)
@@ -395,9 +419,8 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
 
     with torch.no_grad():
         ratio_BT = torch.exp(logprobs_BT.detach() - old_logprobs_BT.detach())
-        n = mask_BT.sum().clamp(min=1)
-        metrics = {"ratio_mean": (ratio_BT * mask_BT).sum() / n,
-                   "ratio_max": torch.where(mask_BT > 0, ratio_BT, 0.0).max()}
+        metrics = {"ratio_mean": masked_mean(ratio_BT, mask_BT),
+                   "ratio_max": masked_max(ratio_BT, mask_BT)}
     for key, value in verl_metrics.items():
         key = key.removeprefix("actor/").replace("pg_clipfrac", "clipfrac")
         metrics[key] = torch.as_tensor(value, dtype=torch.float32)
@@ -411,7 +434,7 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
         if algo.kl_coef > 0:
             loss = loss + algo.kl_coef * kl_share
         metrics["kl_loss"] = kl_share.detach()
-        metrics["kl"] = (kl_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+        metrics["kl"] = masked_mean(kl_BT, mask_BT)
     if entropy_BT is not None:
         entropy_share = aggregate(entropy_BT, mask_BT, loss_agg_mode=algo.loss_agg_mode,
                                   num_units_in_step=num_units_in_step, dp_size=dp_size,
@@ -419,8 +442,7 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy_share
         metrics["entropy_loss"] = entropy_share.detach()
-        metrics["entropy"] = ((entropy_BT.detach() * mask_BT).sum()
-                              / mask_BT.sum().clamp(min=1))
+        metrics["entropy"] = masked_mean(entropy_BT.detach(), mask_BT)
     metrics["pg_loss"] = pg_loss.detach()
     metrics["loss"] = loss.detach()
     return loss, metrics
@@ -443,7 +465,8 @@ def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor,
 
     Returns:
         (loss share, {"vf_loss": share, "vf_clipfrac": fraction of tokens where the clipped term
-        was larger}), metrics detached.
+        was larger}), metrics detached. Masked positions of every input are ignored whatever
+        they hold.
     """
     shape = values_BT.shape
     if any(t.shape != shape for t in (old_values_BT, returns_BT, response_mask_BT)):
@@ -452,8 +475,10 @@ def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor,
                          f"{tuple(response_mask_BT.shape)} must have one shape")
     info = _global_batch_info(algo.loss_agg_mode, num_units_in_step, dp_size,
                               algo.loss_scale_factor)
+    values_BT, old_values_BT, returns_BT = (keep_selected(t, response_mask_BT) for t in (
+        values_BT, old_values_BT.detach(), returns_BT.detach()))
     loss, clipfrac = core_algos.compute_value_loss(
-        vpreds=values_BT, returns=returns_BT.detach(), values=old_values_BT.detach(),
+        vpreds=values_BT, returns=returns_BT, values=old_values_BT,
         response_mask=response_mask_BT.to(values_BT.dtype), cliprange_value=algo.value_clip,
         loss_agg_mode=algo.loss_agg_mode, **info)
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach()}

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.core.distributed import device_of
+from posttrain.core.masked import keep_selected
 from posttrain.core.registry import Registry
 from posttrain.models.moe import moe_aux_loss
 
@@ -63,7 +64,11 @@ def token_cross_entropy_sum(logits_BTV: Tensor, labels_BT: Tensor, *,
     Returns:
         (loss_sum, num_tokens): fp32 scalar `sum_t -log softmax(logits_t)[labels_t]` over trained
         positions (0.0 with a zero gradient when none is trained), and an int64 scalar count.
-        No host sync: both stay on the logits' device.
+        No host sync: both stay on the logits' device. Logits of untrained positions are
+        replaced by 0 first (`posttrain.core.masked.keep_selected`), so NaN or inf there reach
+        neither the loss nor the gradient (`F.cross_entropy`'s ignore_index alone keeps the loss
+        but its log-softmax backward turns them into NaN gradients); this costs one fp32 copy
+        of the logits.
 
     Raises:
         ValueError: if the shapes disagree.
@@ -71,7 +76,9 @@ def token_cross_entropy_sum(logits_BTV: Tensor, labels_BT: Tensor, *,
     if logits_BTV.dim() != 3 or labels_BT.shape != logits_BTV.shape[:2]:
         raise ValueError(f"logits must be [B, T, V] and labels [B, T]; got logits "
                          f"{tuple(logits_BTV.shape)} and labels {tuple(labels_BT.shape)}")
-    loss_sum = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(),
+    trained_BT1 = (labels_BT != ignore_index)[..., None]
+    loss_sum = F.cross_entropy(keep_selected(logits_BTV.float(), trained_BT1).flatten(0, 1),
+                               labels_BT.flatten(),
                                ignore_index=ignore_index, reduction="sum")
     num_tokens = (labels_BT != ignore_index).sum()
     return loss_sum, num_tokens
