@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
@@ -57,6 +58,14 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
+
+# torchao warns on every import that its C++ extensions are skipped for this torch build, and
+# that triton is absent; neither matters to what posttrain uses. Drop exactly those two records.
+_NOTICES = {"torchao": "Skipping import of cpp extensions due to incompatible torch version",
+            "torchao.kernel.intmm": "Warning: Detected no triton"}
+for _logger, _prefix in _NOTICES.items():
+    logging.getLogger(_logger).addFilter(
+        lambda record, prefix=_prefix: not str(record.msg).startswith(prefix))
 
 
 def __getattr__(name: str) -> Any:

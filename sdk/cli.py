@@ -157,7 +157,27 @@ def apply_overrides(cfg, overrides: list[str]):
         raise ValueError(str(e)) from None
 
 
+def _thread_env() -> None:
+    """Put the run's thread plan (`posttrain.core.threads.apply_thread_env`) into `os.environ`
+    before torch is imported: OpenMP reads its thread count and wait policy once, when torch
+    loads, and jobs started from here inherit them. `posttrain.core` imports torch, so the
+    (standard-library only) module is loaded from its file."""
+    name = "posttrain.core.threads"
+    if name not in sys.modules:
+        path = Path(__file__).parent / "core" / "threads.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    sys.modules[name].apply_thread_env()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `posttrain` command itself (a call with argv leaves the process alone)
+        try:
+            _thread_env()
+        except ValueError as e:
+            print(f"posttrain: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, threads, compatibility check")

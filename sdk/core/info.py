@@ -79,15 +79,38 @@ def check_compatibility(versions: dict[str, str | None]) -> list[str]:
     return problems
 
 
+def thread_report(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """How many intra-op threads a run started now will use and why, and the OpenMP wait
+    policy: `posttrain.core.threads.thread_plan` of `environ`; by default the plan the
+    `posttrain` command applied at its start, else that of `os.environ`.
+
+    Example:
+        >>> thread_report({"POSTTRAIN_NUM_THREADS": "1"})["threads"]
+        '1 (POSTTRAIN_NUM_THREADS=1)'
+
+    Raises:
+        ValueError: as `thread_plan`, for a malformed POSTTRAIN_NUM_THREADS, OMP_NUM_THREADS or
+            OMP_WAIT_POLICY.
+    """
+    from posttrain.core import threads
+
+    plan = threads.thread_plan(environ) if environ is not None or threads.applied is None \
+        else threads.applied  # the `posttrain` command applied it before torch was imported
+    return {"threads": f"{plan.num_threads} ({plan.reason})",
+            "cpus": f"{threads.available_cpus()} in the affinity mask "
+                    f"(override: {threads.OVERRIDE}=N)",
+            "wait policy": f"{plan.wait_policy} ({plan.policy_reason})"}
+
+
 def device_report() -> dict[str, str | int]:
-    """Device, thread count and platform (imports torch)."""
+    """Device, the thread count torch uses in this process, and platform (imports torch)."""
     import torch
 
     if torch.cuda.is_available():
         device = f"cuda ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})"
     else:
         device = "cpu"
-    return {"device": device, "threads": torch.get_num_threads(),
+    return {"device": device, "torch threads": torch.get_num_threads(),
             "python": platform.python_version(), "platform": platform.platform()}
 
 
@@ -95,7 +118,7 @@ def format_report() -> tuple[str, bool]:
     """The text `posttrain info` prints and whether the stack is compatible."""
     versions = installed_versions()
     lines = [f"{name:<14} {v or 'not installed'}" for name, v in versions.items()]
-    lines += [f"{k:<14} {v}" for k, v in device_report().items()]
+    lines += [f"{k:<14} {v}" for k, v in {**device_report(), **thread_report()}.items()]
     problems = check_compatibility(versions)
     if problems:
         lines += ["", "INCOMPATIBLE:"] + [f"  - {p}" for p in problems]

@@ -381,6 +381,9 @@ class _LocalExecutor(LocalExecutor):
         ntasks = self.parameters.get("tasks_per_node", 1)
         n_gpus = self.parameters.get("gpus_per_node", 0)
         env = dict(os.environ)
+        from posttrain.core.threads import apply_thread_env
+
+        apply_thread_env(env)  # OpenMP's wait policy must be set before the job imports torch
         env.update(  # as submitit.local.local.start_controller (submitit 1.5.4)
             SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
             SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),

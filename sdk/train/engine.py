@@ -183,12 +183,11 @@ class Engine(abc.ABC):
             ValueError: if `num_steps` is not a non-negative integer.
         """
         check_int("num_steps", num_steps, minimum=0)
-        from tqdm.auto import tqdm
+        from posttrain.core.progress import progress_bar  # live bar, or lines in a log file
 
         self.target_steps, self.interrupted = num_steps, False
-        bar = tqdm(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
-                   desc=self.progress_desc, disable=not self.progress or self.rank != 0,
-                   dynamic_ncols=True)
+        bar = progress_bar(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
+                           desc=self.progress_desc, disable=not self.progress or self.rank != 0)
         with preemption.deferring():  # a preemption signal waits for the end of its step
             try:
                 while self.step_count < num_steps:

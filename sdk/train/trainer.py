@@ -126,7 +126,8 @@ class Trainer(Engine):
             (0: never); needs `run_dir`.
         keep_last: checkpoints kept (None: all).
         tensorboard: also write the metrics as TensorBoard scalars under `run_dir/tensorboard`.
-        progress: show a `tqdm.auto` progress bar in `fit` (a widget in Jupyter).
+        progress: show a `tqdm.auto` progress bar in `fit` (a widget in Jupyter); when stderr
+            is not a terminal, plain lines instead (`posttrain.core.progress`).
         seed: seeds Python `random`, numpy and torch's global RNGs here (dropout, sampling in
             losses); a resumed run restores the checkpoint's RNG states instead.
         callbacks: each is called `callback(trainer, row)` after every step (live plots).
