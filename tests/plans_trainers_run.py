@@ -208,7 +208,7 @@ def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
         mask = batch["response_mask_BT"]
         delta = float((logprobs_BT - batch["old_logprobs_BT"])[mask].abs().max())
     metrics = trainer.fit(steps)
-    rows = [{k: v for k, v in row.items() if not k.endswith("_s") and k != "tokens_per_s"}
+    rows = [{k: v for k, v in row.items() if not k.endswith("_s") and k != "mfu"}
             for row in metrics.to_dict("records")]
     return {"rows": rows, "rollouts": rollouts, "params": full_state_dict(policy.model),
             "value_head": None if head is None else {k: v.detach().clone()

@@ -35,7 +35,7 @@ CASES: dict[str, tuple[str, str | None, dict]] = {
 }
 
 # Metric names that measure time, not behaviour (and names ending in "_s": seconds).
-_TIMING_WORDS = ("time", "_per_s", "elapsed", "seconds")
+_TIMING_WORDS = ("time", "_per_s", "elapsed", "seconds", "mfu")
 
 
 def _is_timing(key: str) -> bool:

@@ -186,10 +186,12 @@ def test_rl_rows_reward_kl_outcomes_and_rollout_table(displays):
     trainer = rl_trainer(callbacks=[dash])
     trainer.fit(2)
     assert dash.errors == []
-    assert dash._fig_metrics == ["loss", "reward_mean", "kl", "accuracy", "outcomes"]
+    assert dash._fig_metrics == ["loss", "reward_mean", "kl", "accuracy", "outcomes",
+                                 "time_split"]
     titles = [ax.get_title() for ax in dash._fig.axes if ax.get_visible()]
-    assert titles == ["loss (nats/token)", "reward (mean)", "KL to reference (nats/token)",
-                      "accuracy (fraction ok)", "outcomes (trajectories per step)"]
+    assert titles[:5] == ["loss (nats/token)", "reward (mean)", "KL to reference (nats/token)",
+                          "accuracy (fraction ok)", "outcomes (trajectories per step)"]
+    assert titles[5].startswith("step time split (s), MFU ")
     assert "step 2/2" in dash.header.value and "reward_mean" in dash.header.value
 
     # The rollout table comes from trainer.last_groups (+ last_builders for the question).

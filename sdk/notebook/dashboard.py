@@ -6,7 +6,8 @@ for `Trainer` and `RLTrainer` alike). In a Jupyter kernel it shows ONE display, 
     header    run title, step / total, the latest value of each plotted metric
     progress  an ipywidgets IntProgress bar (DOM class `widget-hprogress`)
     plot      a matplotlib figure rendered to PNG inside a `widgets.Image` (loss; for RL also
-              reward, KL, accuracy, held-out `eval/...` columns and the outcome counts)
+              reward, KL, accuracy, held-out `eval/...` columns, the outcome counts and
+              `TIME_PANEL`: where each step's seconds went, stacked by phase)
     rollouts  RL only: a small table of the latest sampled rollouts (prompt, completion, reward,
               outcome), read from the trainer's `last_groups` (or a non-empty `buffer`)
     messages  an ipywidgets Output that only ever receives `append_stdout` (nbval-safe)
@@ -43,7 +44,15 @@ import pandas as pd
 from posttrain.notebook.plots import (OUTCOMES_PANEL, _OUTCOME_COLORS, _default_metrics, _draw,
                                       _new_figure, _outcome_columns, _png)
 
-__all__ = ["LiveDashboard", "latest_rollouts", "in_notebook"]
+__all__ = ["LiveDashboard", "latest_rollouts", "in_notebook", "TIME_PANEL"]
+
+TIME_PANEL = "time_split"
+"""Pseudo-metric: the `time_<phase>_s` columns of RL rows (`posttrain.rl.step_timing`: rollout,
+scoring, logprobs, update, other), stacked per step, in one panel; shown by default once a row has
+them, with the step's MFU in the panel title."""
+
+_TIME_COLUMNS = ("time_rollout_s", "time_scoring_s", "time_logprobs_s", "time_update_s",
+                 "time_other_s")
 
 
 def in_notebook() -> bool:
@@ -94,8 +103,9 @@ class LiveDashboard:
     """A trainer callback that shows the run live in a notebook (see the module docstring).
 
     Args:
-        metrics: columns to plot (and "outcomes"); None picks per run: `SFT_DEFAULT_METRICS`
-            or, once a row has `reward_mean`, `RL_DEFAULT_METRICS`, plus `eval/...` columns.
+        metrics: columns to plot (and "outcomes", `TIME_PANEL`); None picks per run:
+            `SFT_DEFAULT_METRICS` or, once a row has `reward_mean`, `RL_DEFAULT_METRICS` plus
+            `TIME_PANEL` when the rows have time columns, plus `eval/...` columns.
             A requested column that has no value yet shows an empty "no data yet" panel; one
             missing from the first step's row (except `eval/...`, which appear at the first
             evaluation) is also reported once in `errors` (a typo would stay empty forever).
@@ -293,7 +303,12 @@ class LiveDashboard:
         return pd.DataFrame([self._row])
 
     def _metrics(self, frame: pd.DataFrame) -> list[str]:
-        return list(self.metrics) if self.metrics is not None else _default_metrics(frame.columns)
+        if self.metrics is not None:
+            return list(self.metrics)
+        chosen = _default_metrics(frame.columns)
+        if "reward_mean" in frame.columns and _time_columns(frame.columns):
+            chosen.insert(len([m for m in chosen if not m.startswith("eval/")]), TIME_PANEL)
+        return chosen
 
     def _check_metrics(self, frame: pd.DataFrame) -> None:
         """Once: report requested metrics that the run's first rows lack (see `metrics`)."""
@@ -301,7 +316,8 @@ class LiveDashboard:
             return
         self._metrics_checked = True
         unknown = [m for m in self.metrics if m not in frame.columns and not m.startswith("eval/")
-                   and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))]
+                   and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))
+                   and not (m == TIME_PANEL and _time_columns(frame.columns))]
         if unknown:
             available = sorted(c for c in frame.columns if c != "step")
             self._report(f"dashboard: no column {unknown} in this run's metrics; available: "
@@ -322,6 +338,9 @@ class LiveDashboard:
         with warnings.catch_warnings():  # constrained layout on tiny panels warns; harmless
             warnings.simplefilter("ignore", UserWarning)
             _draw(self._fig, frame, metrics, smooth=self.smooth, ncols=self.ncols)
+            for ax, name in zip(self._fig.axes, metrics):  # subplots are created row-major
+                if name == TIME_PANEL:
+                    _draw_time_split(ax, frame)
             return _png(self._fig)
 
     def _header_html(self, step: int, total: int | None, row: dict, metrics: list[str]) -> str:
@@ -423,6 +442,39 @@ def latest_rollouts(trainer) -> pd.DataFrame | None:
         if size:
             return rollouts_frame(buffer, tokenizer=tokenizer)
     return None
+
+
+def _time_columns(columns) -> list[str]:
+    return [c for c in _TIME_COLUMNS if c in columns]
+
+
+def _draw_time_split(ax, frame: pd.DataFrame) -> None:
+    """Redraw `ax` as the step time split: stacked bars of the time columns per step (a
+    stacked area past 50 steps); the title carries the latest MFU when the rows have one."""
+    xlabel = ax.get_xlabel()
+    ax.clear()
+    columns = _time_columns(frame.columns)
+    mfu = pd.to_numeric(frame["mfu"], errors="coerce").dropna() if "mfu" in frame else ()
+    title = "step time split (s)" + (f", MFU {mfu.iloc[-1]:.2%}" if len(mfu) else "")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.set_xlabel(xlabel, fontsize=8)
+    if not columns:
+        ax.text(0.5, 0.5, "no time_*_s columns", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8, color="#777777")
+        return
+    steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
+    seconds = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
+    labels = [c[len("time_"):-len("_s")] for c in columns]
+    if len(frame) <= 50:
+        bottom = pd.Series(0.0, index=frame.index)
+        for column, label in zip(columns, labels):
+            ax.bar(steps, seconds[column], bottom=bottom, label=label, width=0.8)
+            bottom = bottom + seconds[column]
+    else:
+        ax.stackplot(steps, *[seconds[c] for c in columns], labels=labels)
+    ax.legend(fontsize=7, loc="upper left", ncols=2, frameon=False)
 
 
 def _short(text: Any, limit: int = 80) -> str:

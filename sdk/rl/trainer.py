@@ -87,6 +87,7 @@ from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sa
 from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
                                    optimizer_step_under_plan, setup_plan)
 from posttrain.rl.rollout import EXCLUDED_OUTCOMES, collect_groups, outcome_counts, rollout_metrics
+from posttrain.rl.step_timing import TimedGeneration, new_step_timer, timing_row
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.sharding import full_state_dict, plan_state
 
@@ -256,9 +257,10 @@ class RLTrainer(Engine):
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, float]:
-        """One RL step (see the module docstring). Returns its metrics row."""
+        """One RL step (see the module docstring). Returns its metrics row (the time split,
+        tokens/s and MFU columns: `posttrain.rl.step_timing`)."""
         start, algo = time.perf_counter(), self.algo
-        self._rolled_back = False
+        self._rolled_back, self._timer = False, new_step_timer(self.policy.model)
         rng_state = capture_rng_state()
         try:  # nothing of the step is applied yet: an interrupt or error here rolls it back
             builders = self.task.builders(self.step_count, self.prompts_per_step)
@@ -278,7 +280,8 @@ class RLTrainer(Engine):
                        temperature=self.temperature, top_p=self.top_p,
                        policy_version=self.step_count, verifier_timeout_s=self.verifier_timeout_s)
         if plan_state(self.policy.model) is None:
-            return collect_groups(refresh_sampler(self), builders, seed=step_seed, **options)
+            return collect_groups(TimedGeneration(refresh_sampler(self), self._timer), builders,
+                                  seed=step_seed, **options)
         return collect_under_plan(self, builders, step_seed, options)
 
     def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
@@ -302,13 +305,17 @@ class RLTrainer(Engine):
                          start: float | None, rollout_s: float) -> dict[str, float]:
         algo = self.algo
         start = time.perf_counter() if start is None else start
+        timer = self.__dict__.pop("_timer", None) or new_step_timer(self.policy.model)
         self.last_groups, self.last_builders = list(groups), builders
         kept, counts = split_groups(groups)
         row: dict[str, Any] = {**rollout_metrics(groups), **counts, "groups_kept": len(kept)}
         update: dict[str, float] = {}
+        batch, frozen = None, {}
         if kept:
             batch = make_batch(kept, self.policy.tokenizer.pad_id)
-            batch.update(self._frozen_forward(batch))  # ref_logprobs_BT, old_values_BT, ...
+            with timer.phase("logprobs"):
+                frozen = self._frozen_forward(batch)  # ref_logprobs_BT, old_values_BT, ...
+            batch.update(frozen)
             sampler_metrics = decouple_sampler(batch, algo)  # {} when the sampler is the policy
             adv_BT, ret_BT = compute_advantages(
                 algo.advantage_estimator, response_mask_BT=batch["response_mask_BT"],
@@ -319,14 +326,18 @@ class RLTrainer(Engine):
             mask_BT = batch["response_mask_BT"]
             self.buffer.add(kept, advantages=sequence_advantages(adv_BT, mask_BT))
             self.buffer.drain()  # on-policy: trained on once, in this step
-            update = {**self._update(batch), **sampler_metrics}
+            with timer.phase("update"):
+                update = {**self._update(batch), **sampler_metrics}
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step_count += 1
         self.buffer.set_policy_version(self.step_count)
         elapsed = time.perf_counter() - start
-        row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed,
-                   tokens_per_s=row["sampled_tokens"] / elapsed)
+        row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed)
+        row.update(timing_row(timer, model=self.policy.model, groups=groups, batch=batch,
+                              frozen_passes=len(frozen), ppo_epochs=algo.ppo_epochs,
+                              collect_s=rollout_s, step_s=elapsed,
+                              planned=plan_state(self.policy.model) is not None))
         self._record(row)
         self._checkpoint_if_due()
         return row
@@ -422,7 +433,8 @@ class RLTrainer(Engine):
             logits = captured["logits"]
             logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
             logits = logits if self.algo.entropy_coef > 0 else logits.detach()
-            logp_BTV = sampling_logprobs(logits[:, :-1], temperature=self.temperature,
+            logits = torch.where(mask_BT[:, 1:, None] != 0, logits[:, :-1], 0.0)  # pad: any value
+            logp_BTV = sampling_logprobs(logits, temperature=self.temperature,
                                          top_p=self.top_p)
             ent_BT = -(logp_BTV.exp() * logp_BTV.nan_to_num(neginf=0.0)).sum(-1)
             entropy_BT = torch.nn.functional.pad(ent_BT, (1, 0)) * mask_BT

@@ -1,0 +1,223 @@
+"""Where a step's time goes, how many model FLOPs it did, and the model FLOPs utilisation (MFU).
+
+Notation: N = non-embedding parameters (`non_embedding_params`), D = tokens.
+
+Three pieces, shared by the trainers:
+
+    PhaseTimer          wall seconds per named phase of one step (time.perf_counter); on CUDA it
+                        calls torch.cuda.synchronize at each phase boundary, on CPU nothing
+    model_flops         the standard approximation: 6 N D for training (forward + backward),
+                        2 N D forward-only (sampling, reference / old log-probs); Kaplan et al.
+                        2020, "Scaling Laws for Neural Language Models", sec. 2.1, eq. 2.2 and
+                        Table 1. The attention term (PaLM, Chowdhery et al. 2022, appendix B:
+                        + 6 n_layer n_ctx d_attn per trained token) is NOT included, so at long
+                        contexts the MFU here is a lower bound
+    matmul_peak_flops   the measured peak: the best of `repeats` timed fp32 matmuls of two
+                        n x n matrices (2 n^3 FLOPs each; n = 1024 on CPU, 8192 on CUDA) after one
+                        warm-up, measured once per process and device and cached; the
+                        `POSTTRAIN_PEAK_FLOPS` environment variable (FLOP/s) or
+                        `set_peak_flops` override it (e.g. a datasheet figure)
+
+MFU = model FLOPs of the step / (step seconds x peak FLOP/s x devices). The peak is measured, not
+a datasheet number, so MFU says how close the step comes to what a plain fp32 matmul reaches on
+this very machine (fp32: the dtype the trainers run in on CPU; for bf16 training on a GPU set the
+bf16 peak with `set_peak_flops`).
+
+Example (a hand count: N = 1,000 parameters, 10 trained tokens):
+    >>> model_flops(1_000, 10, kind="train"), model_flops(1_000, 10, kind="forward")
+    (60000, 20000)
+    >>> set_peak_flops(1e9)
+    >>> mfu(6e8, seconds=1.0)
+    0.6
+    >>> set_peak_flops(None)    # back to measuring
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["PhaseTimer", "model_flops", "non_embedding_params", "matmul_peak_flops",
+           "set_peak_flops", "mfu", "on_cuda", "PEAK_FLOPS_ENV", "PEAK_MATMUL_SIZE"]
+
+PEAK_FLOPS_ENV = "POSTTRAIN_PEAK_FLOPS"
+"""Environment variable: a peak in FLOP/s (e.g. "1.5e11") used instead of measuring."""
+
+PEAK_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
+"""n of the n x n fp32 matmul timed by `matmul_peak_flops`, per device type (others: 2048)."""
+
+_FLOPS_PER_PARAM_TOKEN = {"train": 6, "forward": 2}
+_peak_cache: dict[tuple[str, int, int, int], float] = {}
+_peak_override: float | None = None
+
+
+class PhaseTimer:
+    """Accumulates wall seconds per phase of one step.
+
+    Args:
+        cuda: call `torch.cuda.synchronize()` when a phase starts and ends, so that queued GPU
+            work is charged to the phase that launched it. Pass `on_cuda(model)`; False (the
+            default) adds no synchronisation (CPU work is synchronous already).
+
+    Attributes:
+        seconds: phase name -> seconds accumulated (a phase may be entered several times).
+
+    Example:
+        >>> timer = PhaseTimer()
+        >>> with timer.phase("update"):
+        ...     pass
+        >>> list(timer.seconds), timer.seconds["update"] >= 0
+        (['update'], True)
+    """
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Charge the wall time of the `with` block to `name` (also when the block raises)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add `seconds` to phase `name`. Raises ValueError for negative seconds."""
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r} for phase {name!r}; must be >= 0")
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def row(self, total_s: float, phases: tuple[str, ...]) -> dict[str, float]:
+        """`time_<phase>_s` for each of `phases` (0.0 if never entered) and `time_other_s` =
+        `total_s` minus their sum (whatever ran outside them, clipped at 0 against clock
+        rounding when the phases cover everything). The columns sum to `total_s` whenever the
+        phases lie inside the measured interval."""
+        out = {f"time_{p}_s": self.seconds.get(p, 0.0) for p in phases}
+        out["time_other_s"] = max(total_s - sum(out.values()), 0.0)
+        return out
+
+
+def on_cuda(model: nn.Module) -> bool:
+    """True if `model`'s first parameter lives on a CUDA device (False for no parameters)."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cuda"
+
+
+def non_embedding_params(model: nn.Module) -> int:
+    """N of the FLOP count: every parameter of `model` except the token-embedding table
+    (a lookup, no multiply-adds). The output projection is a matmul and counts; when it is tied
+    to the embedding (torchtune `TiedLinear`, no parameter of its own) the table's size is
+    counted once for it. Frozen parameters (a LoRA base, a reference copy) count too: they do
+    forward FLOPs. For a mixture-of-experts model every expert is counted (an upper bound of
+    the active parameters)."""
+    embedding = getattr(model, "tok_embeddings", None)
+    skip = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
+    n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    output = getattr(model, "output", None)
+    if skip and output is not None and not any(True for _ in getattr(
+            output, "parameters", lambda: iter(()))()):
+        n += sum(p.numel() for p in embedding.parameters())
+    return n
+
+
+def model_flops(n_params: int, tokens: int, *, kind: str) -> int:
+    """Model FLOPs of `tokens` tokens through a model with `n_params` non-embedding parameters:
+    6 N D for kind "train" (forward 2 N D + backward 4 N D), 2 N D for "forward" (Kaplan et al.
+    2020, eq. 2.2; attention term left out, see the module docstring).
+
+    Raises:
+        ValueError: for an unknown kind (allowed: "train", "forward") or negative counts.
+    """
+    if kind not in _FLOPS_PER_PARAM_TOKEN:
+        raise ValueError(f"kind={kind!r}; must be one of {sorted(_FLOPS_PER_PARAM_TOKEN)}")
+    if n_params < 0 or tokens < 0:
+        raise ValueError(f"n_params={n_params!r}, tokens={tokens!r}; both must be >= 0")
+    return _FLOPS_PER_PARAM_TOKEN[kind] * int(n_params) * int(tokens)
+
+
+def set_peak_flops(flops_per_s: float | None) -> None:
+    """Use `flops_per_s` as the peak for every later `matmul_peak_flops` call in this process
+    (None: measure again, cached). Raises ValueError for a value that is not > 0."""
+    global _peak_override
+    if flops_per_s is not None and not (isinstance(flops_per_s, (int, float))
+                                        and flops_per_s > 0):
+        raise ValueError(f"flops_per_s={flops_per_s!r}; must be a number > 0 or None")
+    _peak_override = None if flops_per_s is None else float(flops_per_s)
+
+
+def matmul_peak_flops(device: torch.device | str = "cpu", *, size: int | None = None,
+                      repeats: int = 5) -> float:
+    """Peak FLOP/s of `device`: `set_peak_flops`'s value, else `$POSTTRAIN_PEAK_FLOPS`, else
+    measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each
+    2 n^3 FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`, timed with time.perf_counter
+    (synchronised on CUDA). Measured once per (device, n, repeats, torch intra-op threads) in
+    a process (a CPU peak on 1 thread is about half the 2-thread one); later calls return the
+    cached value. Costs ~0.1-0.5 s on a 2-core CPU (n = 1024).
+
+    Raises:
+        ValueError: for size or repeats < 1, or a `$POSTTRAIN_PEAK_FLOPS` that is not a
+            number > 0.
+    """
+    if _peak_override is not None:
+        return _peak_override
+    env = os.environ.get(PEAK_FLOPS_ENV)
+    if env:
+        try:
+            value = float(env)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{PEAK_FLOPS_ENV}={env!r}; must be a number of FLOP/s > 0")
+        return value
+    device = torch.device(device)
+    n = PEAK_MATMUL_SIZE.get(device.type, 2048) if size is None else size
+    if n < 1 or repeats < 1:
+        raise ValueError(f"size={size!r}, repeats={repeats!r}; both must be >= 1")
+    key = (str(device), n, repeats, torch.get_num_threads())
+    if key not in _peak_cache:
+        _peak_cache[key] = _measure(device, n, repeats)
+    return _peak_cache[key]
+
+
+def _measure(device: torch.device, n: int, repeats: int) -> float:
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator).to(device)
+    b = torch.randn(n, n, generator=generator).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / max(best, 1e-9)
+
+
+def mfu(flops: float, seconds: float, *, peak_flops_per_s: float | None = None,
+        devices: int = 1) -> float:
+    """Model FLOPs utilisation: `flops` / (`seconds` x peak x `devices`); the peak is
+    `matmul_peak_flops()` (CPU) unless given. NaN when seconds is 0.
+
+    Raises:
+        ValueError: for negative flops or seconds, or devices < 1.
+    """
+    if flops < 0 or seconds < 0 or devices < 1:
+        raise ValueError(f"flops={flops!r}, seconds={seconds!r}, devices={devices!r}; flops "
+                         "and seconds must be >= 0 and devices >= 1")
+    if seconds == 0:
+        return float("nan")
+    peak = matmul_peak_flops() if peak_flops_per_s is None else peak_flops_per_s
+    return float(flops) / (seconds * peak * devices)
