@@ -51,6 +51,7 @@ from posttrain.rl.lowbit_rollout import (
 )
 from posttrain.rl.rollout import collect_groups, outcome_counts
 from posttrain.rl.trainer import RLTrainer, ValueHead, EXCLUDED_OUTCOMES, split_groups, make_batch
+from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
 
 __all__ = [
     "RLAlgorithm",
@@ -101,4 +102,7 @@ __all__ = [
     "EXCLUDED_OUTCOMES",
     "split_groups",
     "make_batch",
+    "AsyncRLTrainer",
+    "RolloutWorker",
+    "rollout_schedule",
 ]

@@ -1,0 +1,127 @@
+"""AsyncRLTrainer on an in-process Ray (one `ray.init` for the module): with staleness 0 the run
+equals the synchronous RLTrainer bitwise (groups and weights); with staleness 1 no consumed group
+lags the trainer by more than one version, and rollout k+1 samples with the weights of version k."""
+
+import os
+
+import pytest
+import torch
+
+from posttrain.envs import chain_sum_task
+from posttrain.policy import Policy
+from posttrain.rl import RLAlgorithm, RLTrainer, collect_groups
+from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule, step_seed
+
+ray = pytest.importorskip("ray")
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # driver and workers (which copy it): no oversubscribed cores
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    torch.set_num_threads(threads)
+
+
+def _trainer(**overrides):
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    options = dict(task=chain_sum_task(size=32, held_out_size=2),
+                   algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.0), prompts_per_step=2,
+                   max_new_tokens=4, progress=False, seed=3)
+    options.update(overrides)
+    return RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-2), **options)
+
+
+def _tokens(groups):
+    return [(t.completion_ids, t.logprobs, t.reward) for g in groups for t in g]
+
+
+def test_rollout_schedule_by_hand():
+    """s = 0: rollout j uses version j; s = 1: versions 0, 0, 1, 2; s = 2 from version 5."""
+    assert [v for _, v, _ in rollout_schedule(3, max_staleness=0)] == [0, 1, 2]
+    assert [v for _, v, _ in rollout_schedule(4, max_staleness=1)] == [0, 0, 1, 2]
+    assert rollout_schedule(3, max_staleness=2, start=5) == [(5, 5, 5), (6, 5, 6), (7, 5, 7)]
+    assert step_seed(3, 2) == 3_000_011
+    with pytest.raises(ValueError, match="max_staleness"):
+        rollout_schedule(2, max_staleness=-1)
+
+
+def test_worker_in_process_loads_weights_and_version():
+    worker = RolloutWorker(Policy.from_spec("tiny-1m", seed=1), version=0)
+    state = Policy.from_spec("tiny-1m", seed=0).model.state_dict()
+    assert worker.load_weights(state, 4) == 4
+    builders = chain_sum_task(size=8, held_out_size=2).builders(0, 1)
+    groups, version, _ = worker.collect(builders, 7, dict(group_size=2, max_new_tokens=2))
+    assert version == 4 and {t.policy_version for g in groups for t in g} == {4}
+    assert all(torch.equal(a, b) for a, b in
+               zip(worker.policy.model.state_dict().values(), state.values()))
+
+
+def test_bad_options_are_refused(ray_session):
+    with pytest.raises(TypeError, match="RLTrainer"):
+        AsyncRLTrainer(object())
+    trainer = _trainer()
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncRLTrainer(trainer, max_staleness=-1)
+    with pytest.raises(ValueError, match="num_workers"):
+        AsyncRLTrainer(trainer, num_workers=0)
+    with pytest.raises(ValueError, match="worker_num_cpus"):
+        AsyncRLTrainer(trainer, worker_num_cpus=0)
+    with pytest.raises(ValueError, match="exceeds the 2 CPUs"):
+        AsyncRLTrainer(trainer, num_workers=3)
+
+
+def test_staleness_zero_equals_synchronous_trainer_bitwise(ray_session):
+    sync = _trainer()
+    sync_groups = []
+    for _ in range(STEPS):
+        sync.step()
+        sync_groups.append(_tokens(sync.last_groups))
+    trainer = _trainer()
+    runner = AsyncRLTrainer(trainer, max_staleness=0, num_workers=2)
+    rows, async_groups = [], []
+    try:
+        for _ in range(STEPS):
+            rows.append(runner.step())
+            async_groups.append(_tokens(trainer.last_groups))
+    finally:
+        runner.close()
+    assert async_groups == sync_groups
+    assert [r["policy_version"] for r in rows] == [0, 1, 2]
+    assert [r["staleness"] for r in rows] == [0, 0, 0]
+    for (name, a), b in zip(sync.policy.model.state_dict().items(),
+                            trainer.policy.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    # the weights moved (the equality is not that of two untouched models)
+    fresh = Policy.from_spec("tiny-1m", seed=0).model.state_dict()
+    assert any(not torch.equal(fresh[k], v) for k, v in trainer.policy.model.state_dict().items())
+
+
+def test_staleness_one_never_trains_on_older_groups(ray_session):
+    trainer = _trainer()
+    initial = Policy.from_spec("tiny-1m", seed=0)
+    runner = AsyncRLTrainer(trainer, max_staleness=1)
+    rows, groups = [], []
+    try:
+        for _ in range(4):
+            rows.append(runner.step())
+            groups.append(_tokens(trainer.last_groups))
+    finally:
+        runner.close()
+    # step 1 was sampled with the untrained weights (version 0), while update 0 ran
+    expected = collect_groups(initial, trainer.task.builders(1, 2), group_size=2, max_new_tokens=4,
+                              seed=step_seed(3, 1), policy_version=0)
+    assert groups[1] == _tokens(expected)
+    lags = [c["trainer_version"] - c["policy_version"] for c in runner.consumed]
+    assert len(lags) == 4 * 2 and max(lags) <= 1
+    versions = [(c["step"], c["policy_version"]) for c in runner.consumed[::2]]
+    assert versions == [(0, 0), (1, 0), (2, 1), (3, 2)]  # one step off after the first
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
+    stats = trainer.buffer.stats()
+    assert stats["rejected_stale"] == 0 and stats["evicted_stale"] == 0
+    assert trainer.step_count == 4
