@@ -337,3 +337,45 @@ def test_every_registered_objective_ignores_padding_logits(name):
                 _close(g, w, f"{name} {value} logits grad {i}")
     finally:
         handle.remove()
+
+
+def test_the_value_head_ignores_hidden_states_of_unscored_positions(tiny_model):
+    """PPO's value head reads the final norm's output at t - 1 for each response token t; NaN /
+    inf / 1e30 in that hidden state at prompt and padding positions (a forward hook on the norm)
+    change neither the values nor any gradient of the value head or the model."""
+    from types import SimpleNamespace
+
+    from posttrain.rl.trainer import RLTrainer, ValueHead
+
+    model = tiny_model
+    head = ValueHead(model.norm.scale.shape[0])
+    with torch.no_grad():    # it starts at zero; random weights make every value count
+        head.proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    m = {"input_ids_BT": torch.tensor([[1, 40, 41, 42, 43, 0], [1, 50, 51, 52, 0, 0]]),
+         "attention_mask_BT": torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]],
+                                           dtype=torch.bool),
+         "response_mask_BT": torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 0, 0]],
+                                          dtype=torch.float32)}
+    used_BT1 = F.pad(m["response_mask_BT"][:, 1:] != 0, (0, 1))[..., None]
+    fill = {"value": 0.0}
+    handle = model.norm.register_forward_hook(
+        lambda mod, args, out: torch.where(used_BT1, out, torch.full_like(out, fill["value"])))
+    stub = SimpleNamespace(temperature=1.0, top_p=1.0, algo=SimpleNamespace(entropy_coef=0.0))
+
+    def run(value):
+        fill["value"] = value
+        model.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+        _, values_BT, _ = RLTrainer._forward(stub, model, m, value_head=head)
+        (values_BT ** 2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in [*model.named_parameters(),
+                                                 *head.named_parameters()] if p.grad is not None}
+        return {"values": values_BT.detach(), "grads": grads}
+
+    try:
+        want = run(0.0)
+        assert want["grads"] and float(want["values"].abs().sum()) > 0
+        for value in POISONS:
+            _close(run(value), want, f"value head {value}")
+    finally:
+        handle.remove()

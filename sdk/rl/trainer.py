@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posttrain.core.masked import keep_selected
 from posttrain.core.preemption import sigint_held
 from posttrain.data.collate import right_pad
 from posttrain.models.lora import has_adapters
@@ -426,9 +427,9 @@ class RLTrainer(Engine):
         mask_BT = m["response_mask_BT"]
         values_BT = entropy_BT = None
         if value_head is not None:  # the state before token t is read at t - 1, like its logprob
-            hidden = captured["hidden"].to(next(value_head.parameters()).dtype)
-            values_BT = torch.nn.functional.pad(value_head(hidden)[:, :-1], (1, 0))
-            values_BT = values_BT * mask_BT
+            hidden = captured["hidden"].to(next(value_head.parameters()).dtype)[:, :-1]
+            hidden = keep_selected(hidden, mask_BT[:, 1:, None])    # padding: any value
+            values_BT = keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)
         if entropy:
             logits = captured["logits"]
             logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
