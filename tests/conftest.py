@@ -2,17 +2,25 @@
 
 `slurm_cluster`: the local single-host Slurm cluster started by `scripts/slurm-up.sh` (root and
 apt needed; `make test` starts it when it can). Tests that use it skip when it is not up.
+
+A test run started in the background by a shell without job control inherits SIGINT ignored
+(POSIX shells do that to asynchronous commands), and Python then installs no KeyboardInterrupt
+handler: the Ctrl-C tests would see nothing. The session restores Python's default handler.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
 SKIP_NO_SLURM = "no local Slurm cluster: run scripts/slurm-up.sh (needs root and apt)"
