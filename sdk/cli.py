@@ -160,15 +160,11 @@ def apply_overrides(cfg, overrides: list[str]):
 def _thread_env() -> None:
     """Put the run's thread plan (`posttrain.core.threads.apply_thread_env`) into `os.environ`
     before torch is imported: OpenMP reads its thread count and wait policy once, when torch
-    loads, and jobs started from here inherit them. `posttrain.core` imports torch, so the
-    (standard-library only) module is loaded from its file."""
-    name = "posttrain.core.threads"
-    if name not in sys.modules:
-        path = Path(__file__).parent / "core" / "threads.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    sys.modules[name].apply_thread_env()
+    loads, and jobs started from here inherit them (`posttrain.core.threads` imports only the
+    standard library, and `posttrain.core` loads its re-exports on first use)."""
+    from posttrain.core.threads import apply_thread_env
+
+    apply_thread_env()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,3 +33,24 @@ def test_an_unknown_name_says_what_is_there():
 def test_get_loss_from_the_top_knows_the_preference_losses():
     assert {"sft_ce", "dpo", "ipo", "simpo", "kto", "orpo", "bradley_terry"} <= set(
         posttrain.registered_losses())
+
+
+def test_package_re_exports_load_on_first_use():
+    """`import posttrain.core` / `posttrain.rewards` (and the verifiers) import no torch; a name
+    asked for loads its submodule; two submodules exporting one name is refused."""
+    from posttrain.core.lazy import lazy_exports
+
+    code = ("import sys, posttrain.core, posttrain.rewards, posttrain.verifiers, "
+            "posttrain.core.threads\nprint('torch' in sys.modules)\n"
+            "from posttrain.core import Registry\nfrom posttrain.rewards import Outcome\n"
+            "print(Registry.__module__, Outcome.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[0] == "False"
+    assert out[1] == "posttrain.core.registry posttrain.rewards.outcome"
+    with pytest.raises(ValueError, match="'x' is exported by both 'a' and 'b'"):
+        lazy_exports("posttrain.core", {"a": ["x"], "b": ["x"]})
+    getattr_, names = lazy_exports("posttrain.core", {"checks": ["check_int"]})
+    assert names == ["check_int"]
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        getattr_("nope")

@@ -29,8 +29,8 @@ covered: processes that a call *still running* at that moment had started outliv
 calls a worker has none). A worker's stdout and stderr are discarded (`/dev/null`: a verifier's
 prints would flood a notebook; run it with `timeout_s=None` to see them), and the `reason` it
 sends back is cut to `verifier_worker.MAX_REASON_CHARS`. A worker gets the parent's `sys.path`
-and working directory, and does not import torch unless the verifier does
-(`verifier_worker.light_packages`). The pool starts lazily, keeps its workers
+and working directory, and does not import torch unless the verifier does (posttrain's
+packages load their re-exports on first use: `posttrain.core.lazy`). The pool starts lazily, keeps its workers
 between calls, is shut down at interpreter exit, and is never shared with a forked child (the
 child closes its copies of the pipes and starts its own pool when it needs one).
 

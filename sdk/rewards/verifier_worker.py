@@ -29,17 +29,14 @@ and reaps whatever processes the call left running; it is their subreaper (Linux
 the parent's launcher thread ends (`PR_SET_PDEATHSIG`; processes started by a call running at
 that moment are not killed with it).
 
-Imports: the worker imports posttrain's `core` and `rewards` packages without running their
-`__init__` re-exports until a name defined there is asked for (`light_packages`): those pull in
-torch (~1.2 s, ~300 MB), which no built-in verifier needs. A verifier that does need torch
-imports it as usual.
+Imports: posttrain's `core` and `rewards` packages load their re-exports on first use
+(`posttrain.core.lazy`), so the worker imports only what the verifier needs, not torch (~1.2 s,
+~300 MB) unless the verifier does.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
-import importlib.util
 import os
 import pickle
 import queue
@@ -48,15 +45,13 @@ import subprocess
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle  # the blobs' by-value functions need it in the worker too
 
-LIGHT_PACKAGES = ("posttrain.core", "posttrain.rewards")
-"""Packages whose `__init__` runs only when a name it defines is asked for (see module doc)."""
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
@@ -66,44 +61,6 @@ MAX_REASON_CHARS = 4096
 
 MAX_REPLY_BYTES = 1 << 20
 """Largest reply the parent reads from a worker; a longer one is that call's error."""
-
-
-def light_packages(names: Iterable[str] = LIGHT_PACKAGES) -> None:
-    """Register each package in `sys.modules` without running its `__init__` yet.
-
-    Its submodules import as usual (`posttrain.rewards.verifier` loads only that file and what
-    it imports). The first lookup of any other name (`from posttrain.rewards import Outcome`)
-    runs the real `__init__` in the same module object and returns the name, so code that
-    relies on the re-exports still works, only later. A package that cannot be found, or is
-    already imported, is left alone.
-    """
-    for name in names:
-        if name in sys.modules:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        if spec is None or spec.loader is None or spec.submodule_search_locations is None:
-            continue
-        module = importlib.util.module_from_spec(spec)
-        module.__getattr__ = _deferred_init(module, spec)   # PEP 562: only for missing names
-        sys.modules[name] = module
-
-
-def _deferred_init(module: types.ModuleType, spec) -> object:
-    def __getattr__(attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        try:   # `from package import submodule` asks for the submodule as a name first
-            return importlib.import_module(f"{spec.name}.{attr}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{spec.name}.{attr}":
-                raise
-        module.__dict__.pop("__getattr__", None)
-        spec.loader.exec_module(module)
-        return getattr(module, attr)
-    return __getattr__
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -205,7 +162,6 @@ def serve(fd_in: int, fd_out: int) -> None:
         sys.path[:] = pickle.loads(inbox.recv_bytes())
     except EOFError:
         return
-    light_packages()
     from posttrain.rewards.outcome import VerifierResult, coerce_result, raised_result
 
     verifiers: dict[int, object] = {}
