@@ -39,7 +39,7 @@ from typing import Any
 
 from posttrain.rl.environment import EnvGroupBuilder, register_task
 from posttrain.rewards.verifier import Verifier, as_score_fn
-from posttrain.envs.reasoning_gym_env import ReasoningGymEnv
+from posttrain.envs.reasoning_gym_env import ReasoningGymEnv, cycle_builders
 from posttrain.verifiers.code_exec import CODE_LIMITS, CodeTestsVerifier
 
 __all__ = ["CODE_TIMEOUT_S", "CodeEnv", "CodeGroupBuilder", "CodeTask", "humaneval_task",
@@ -202,13 +202,7 @@ class CodeTask:
         Raises:
             ValueError: if `batch_index` < 0 or `batch_size` < 1.
         """
-        if not (isinstance(batch_index, int) and batch_index >= 0):
-            raise ValueError(f"batch_index must be an int >= 0, got {batch_index!r}")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        start = batch_index * batch_size
-        return [self.make_builder(self.train_items[(start + j) % len(self.train_items)])
-                for j in range(batch_size)]
+        return cycle_builders(self.train_items, batch_index, batch_size, self.make_builder)
 
     def held_out(self, n: int | None = None) -> list[dict]:
         """The first `n` held-out items (all when None), as copies.

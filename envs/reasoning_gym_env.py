@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,23 @@ def prompt_messages(question: str, system_prompt: str | None = None) -> Messages
     """`[system?, user]` messages asking `question`."""
     messages = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     return messages + [{"role": "user", "content": question}]
+
+
+def cycle_builders(items: Sequence[dict], batch_index: int, batch_size: int,
+                   make_builder: Callable[[dict], Any]) -> list:
+    """The builders of training batch `batch_index`: items `batch_index * batch_size + j`
+    (j < batch_size), cycling through `items`, each made by `make_builder` (the same for the same
+    arguments, in any process).
+
+    Raises:
+        ValueError: if `batch_index` < 0 or `batch_size` < 1.
+    """
+    if not (isinstance(batch_index, int) and batch_index >= 0):
+        raise ValueError(f"batch_index must be an int >= 0, got {batch_index!r}")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    start = batch_index * batch_size
+    return [make_builder(items[(start + j) % len(items)]) for j in range(batch_size)]
 
 
 class ReasoningGymEnv:
@@ -330,13 +347,7 @@ class ReasoningGymTask:
         Raises:
             ValueError: if `batch_index` < 0 or `batch_size` < 1.
         """
-        if not (isinstance(batch_index, int) and batch_index >= 0):
-            raise ValueError(f"batch_index must be an int >= 0, got {batch_index!r}")
-        if not (isinstance(batch_size, int) and batch_size >= 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        items = self.train_items
-        start = batch_index * batch_size
-        return [self.make_builder(items[(start + j) % len(items)]) for j in range(batch_size)]
+        return cycle_builders(self.train_items, batch_index, batch_size, self.make_builder)
 
     def held_out(self, n: int | None = None) -> list[dict]:
         """The first `n` held-out items (all `held_out_size` when None), as copies.

@@ -199,14 +199,11 @@ class Batcher:
         `fail_pending`, stop at once (a judge call in progress ends in the background)."""
         self._closing = True
         self._wake.set()
-        if self._task.done():      # it failed (see `failed`): nothing left to wait for
-            pass
-        elif self._abandoned:
-            self._task.cancel()
+        if not self._task.done():  # a task that is done failed (see `failed`): nothing to wait for
+            if self._abandoned:
+                self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        else:
-            await self._task
         self._pool.shutdown(wait=not self._abandoned and self.failed is None)
 
     def offer(self, request: JudgeRequest) -> tuple[str, float] | None:
