@@ -321,7 +321,7 @@ def test_metrics_go_to_a_frame_jsonl_tensorboard_and_the_progress_bar(tmp_path, 
     trainer.progress = True
     frame = trainer.fit(3)
     assert list(frame.columns) == ["step", "loss", "lr", "grad_norm", "trained_tokens",
-                                   "tokens_per_s", "step_time_s"]
+                                   "tokens_per_s", "step_time_s", "mfu"]
     assert frame["step"].tolist() == [1, 2, 3] and [r["step"] for r in rows] == [1, 2, 3]
     assert (frame["trained_tokens"] > 0).all() and (frame["tokens_per_s"] > 0).all()
     on_disk = read_metrics(tmp_path)

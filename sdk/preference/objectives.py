@@ -45,6 +45,14 @@ class _PairObjective:
         return torch.tensor(0 if trains_nothing(batch) else batch.chosen_input_ids.shape[0],
                             dtype=torch.int64)
 
+    def num_tokens(self, batch: Any) -> Tensor:
+        """Response tokens of the chosen and rejected rows (the tokens the loss covers; int64
+        scalar, tokens; 0 for a data-parallel padding batch), for tokens_per_s and mfu."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        return (batch.chosen_response_mask.sum() + batch.rejected_response_mask.sum()).to(
+            dtype=torch.int64, device="cpu")
+
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_B, _, _ = self.pair_losses(model, batch)
         share = step_share(losses_B, num_units_in_step.to(losses_B.device))
@@ -199,6 +207,13 @@ class KTOLoss:
         """Rows in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
         return torch.tensor(0 if trains_nothing(batch) else batch.input_ids.shape[0],
                             dtype=torch.int64)
+
+    def num_tokens(self, batch: Any) -> Tensor:
+        """Response tokens of the rows (the tokens the loss trains on; int64 scalar, tokens;
+        0 for a data-parallel padding batch), for tokens_per_s and mfu."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        return batch.response_mask.sum().to(dtype=torch.int64, device="cpu")
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_N, _, _ = self.row_losses(model, batch)

@@ -115,6 +115,10 @@ class TrainingLoss(Protocol):
     trainer adds it up over the step (int64 scalar tensor, ready for an all-reduce) and passes
     the total to `__call__`, which runs the model and returns this micro-batch's share of the
     step loss (fp32 scalar, differentiable). The shares of one step add up to the step loss.
+
+    Optional: `num_tokens(batch)` (int64 scalar), the non-padding tokens the loss trains on in
+    the micro-batch, for the step's `tokens_per_s` and `mfu` columns; a loss without it has its
+    `num_units` counted as tokens (right for token-level losses such as SFT).
     """
 
     def num_units(self, batch: Any) -> Tensor: ...

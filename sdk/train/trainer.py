@@ -82,6 +82,7 @@ from torch import nn
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.core.distributed import flat_collective
 from posttrain.core.preemption import sigint_held
+from posttrain.core.timing import matmul_peak_flops, mfu, model_flops, non_embedding_params
 from posttrain.train.converters import (applied_converters, checkpoint_state,
                                         load_checkpoint_state)
 from posttrain.train.engine import Engine
@@ -149,12 +150,19 @@ class Trainer(Engine):
         step_count: optimizer steps taken.
         rank, world_size: this process's place in the data-parallel group (0 and 1 without one).
         metrics: the per-step rows as a DataFrame (columns step, loss, lr, grad_norm,
-            trained_tokens, tokens_per_s, step_time_s, eval/...).
+            trained_tokens, tokens_per_s, step_time_s, mfu, eval/...).
 
     Metrics of a step: loss = token mean of the step's loss (before the update), lr = the lr the
     step used, grad_norm = global L2 norm before clipping, trained_tokens = the step's
-    normaliser, tokens_per_s = trained_tokens / step_time_s (as torchtune reports it),
-    step_time_s = wall time from data fetch to the end of the update.
+    normaliser (tokens for SFT; pairs or rows for preference losses), step_time_s = wall
+    seconds from data fetch to the end of the update, tokens_per_s = the step's non-padding
+    tokens the loss trains on (SFT: the normaliser; preference losses: their `num_tokens`, the
+    response tokens; summed over ranks) / step_time_s, in tokens per second (as torchtune
+    reports it), and mfu = model FLOPs utilisation (a fraction) by the convention of
+    `posttrain.core.timing` (as RL's `mfu`): 6 N x those tokens / (step_time_s x measured
+    fp32 matmul peak FLOP/s x processes). Prompt tokens, which run forward and backward
+    without a loss, and attention are not counted, so it is a lower bound. Under a pipeline
+    plan N is this stage's parameters only.
 
     Raises:
         ValueError: for bad options, a `run_dir` that holds a run while `resume` is False, or
@@ -202,6 +210,8 @@ class Trainer(Engine):
                              "of the model; evaluate the exported full model instead "
                              "(posttrain.train.full_state_dict)")
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
+        self._flops_n: int | None = None
+        self._flops_device = torch.device("cpu")
         self.eval_fn, self.eval_every = eval_fn, eval_every
         seed_all(seed)
         if self.world_size > 1 and self.plan_state is None:  # (apply_plan broadcast already)
@@ -248,6 +258,9 @@ class Trainer(Engine):
             units = torch.stack([torch.as_tensor(self.loss.num_units(b)) for b in batches]).sum()
             units = self._sum_across_ranks(units)
             num_units = int(units)
+            count_tokens = getattr(self.loss, "num_tokens", None)
+            local_tokens = None if count_tokens is None else torch.stack(
+                [torch.as_tensor(count_tokens(b)) for b in batches]).sum()
             if num_units < 1:
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
                                  "hold no trained token; check the loss masks of the data")
@@ -280,10 +293,28 @@ class Trainer(Engine):
             self.optimizer.zero_grad(set_to_none=True)
             self.step_count += 1
         elapsed = time.perf_counter() - start
+        # after the clock stopped: the all-reduce of the token count and the (cached) peak
+        tokens = (num_units if local_tokens is None
+                  else int(self._sum_across_ranks(local_tokens)))
         row = {"step": self.step_count, "loss": float(loss_sum), "lr": lr,
                "grad_norm": float(grad_norm), "trained_tokens": num_units,
-               "tokens_per_s": num_units / elapsed, "step_time_s": elapsed}
+               "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+               "mfu": self._step_mfu(tokens, elapsed)}
         return row, interrupt.received
+
+    def _step_mfu(self, tokens: int, seconds: float) -> float:
+        """MFU of a step that trained on `tokens` tokens in `seconds` wall seconds:
+        `posttrain.core.timing.mfu` of 6 N x tokens FLOPs (`model_flops`, kind "train"; N =
+        non-embedding parameters of the model, counted once) over the measured matmul peak
+        (FLOP/s) of the model's device x the processes of the default group (1 without one)."""
+        if self._flops_n is None:
+            model = self._module()
+            param = next(model.parameters(), None)
+            self._flops_n = non_embedding_params(model)
+            self._flops_device = param.device if param is not None else torch.device("cpu")
+        devices = dist.get_world_size() if dist.is_initialized() else 1
+        return mfu(model_flops(self._flops_n, tokens, kind="train"), seconds,
+                   peak_flops_per_s=matmul_peak_flops(self._flops_device), devices=devices)
 
     def evaluate(self) -> dict[str, float]:
         """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
