@@ -19,3 +19,18 @@ def test_benchmark_help(script):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower()
+
+
+def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer():
+    """The side-by-side runs end to end at tiny size: both trainers train from the same SFT
+    start and are scored by the same held-out evaluation (nothing is written with --quick)."""
+    pytest.importorskip("trl")
+    script = next(p for p in SCRIPTS if p.stem == "grpo_vs_trl")
+    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert {"SFT start", "posttrain GRPO", "TRL GRPO"} <= set(names)
+    assert "TRL GRPO minus posttrain GRPO" in names
+    assert "nan" not in proc.stdout.lower()
