@@ -166,6 +166,14 @@ class RLAlgorithm:
             min(prod_t w_t, rollout_is_threshold); weights are detached. "none": no weights.
             Without a quantised sampler the weights are 1 up to float rounding (the sampler is
             the policy itself); the trainer then still recomputes the log-probs and reports them.
+        filter_groups: DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2, the constraint
+            0 < |{o_i correct}| < G of eq. 11; verl's `algorithm.filter_groups` on the reward):
+            a step drops the groups whose rewards are all equal and samples further batches of
+            `prompts_per_step` prompts until that many groups with mixed rewards are kept or
+            `max_num_gen_batches` batches were sampled; then it trains on the groups it has
+            (the first `prompts_per_step` kept, in sampling order; fewer, or none, when the
+            batches ran out, counted as `groups_filtered` and `gen_batches`).
+        max_num_gen_batches: the most batches one step samples with `filter_groups`, >= 1.
         rollout_is_threshold: the truncation bound of those weights, >= 1 (verl accepts any
             positive bound; below 1 every weight, even of a token both policies agree on, would
             be capped under 1, which shrinks the whole update instead of truncating the rare
@@ -198,6 +206,8 @@ class RLAlgorithm:
     policy_loss_options: dict[str, Any] = field(default_factory=dict)
     rollout_correction: str = "none"
     rollout_is_threshold: float = 2.0
+    filter_groups: bool = False
+    max_num_gen_batches: int = 4
 
     PRESETS: ClassVar[tuple[str, ...]] = ("grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo",
                                           "cispo")
@@ -221,6 +231,9 @@ class RLAlgorithm:
                              "> 1")
         check_int("group_size", self.group_size, minimum=1)
         check_int("ppo_epochs", self.ppo_epochs, minimum=1)
+        check_int("max_num_gen_batches", self.max_num_gen_batches, minimum=1)
+        if not isinstance(self.filter_groups, bool):
+            raise ValueError(f"filter_groups={self.filter_groups!r}; must be True or False")
         if self.minibatch_size is not None:
             check_int("minibatch_size", self.minibatch_size, minimum=1)
 

@@ -33,13 +33,14 @@ Example (a fresh tiny policy on two chain_sum prompts):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 from posttrain.rewards.verifier import Outcome
 
-__all__ = ["EXCLUDED_OUTCOMES", "collect_groups", "outcome_counts", "rollout_metrics"]
+__all__ = ["EXCLUDED_OUTCOMES", "collect_filtered", "collect_groups", "outcome_counts",
+           "rollout_metrics"]
 
 EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
 """Outcomes that exclude their whole group from the update (see `posttrain.rl.trainer`)."""
@@ -238,3 +239,39 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
             "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
             "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
             **env_counts}
+
+
+def collect_filtered(collect: Callable[[Sequence[EnvGroupBuilder], int], list[Group]],
+                     batch: Callable[[int], Sequence[EnvGroupBuilder]], *, target: int,
+                     max_batches: int) -> tuple[list[EnvGroupBuilder], list[Group], list[Group]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): sample batch 0, 1, ... of builders
+    (`collect(batch(i), i)`) and keep the groups whose rewards are not all equal, until `target`
+    are kept or `max_batches` batches were sampled.
+
+    Returns (builders, groups, sampled): the kept builders and groups (at most `target`, in
+    sampling order; their group ids renumbered 0, 1, ... so that groups of different batches
+    never share one) and every group sampled (for the step's rollout metrics).
+
+    Example (rewards are 1 on batch 0's first prompt only):
+        >>> def make(i, rewards):
+        ...     return Group([Trajectory(group_id=i, prompt_ids=[1], completion_ids=[2],
+        ...                              logprobs=[0.0], reward=r, outcome="ok",
+        ...                              finish_reason="stop", text="") for r in rewards])
+        >>> collect = lambda builders, i: [make(j, (b, 0.0)) for j, b in enumerate(builders)]
+        >>> builders, groups, sampled = collect_filtered(collect, lambda i: [float(i == 0), 0.0],
+        ...                                              target=2, max_batches=3)
+        >>> builders, [g.group_id for g in groups], len(sampled)
+        ([1.0], [0], 6)
+    """
+    builders, groups, sampled = [], [], []
+    for i in range(max_batches):
+        batch_builders = list(batch(i))
+        batch_groups = collect(batch_builders, i)
+        sampled += batch_groups
+        for builder, group in zip(batch_builders, batch_groups):
+            if len(groups) < target and len(set(group.rewards)) > 1:
+                builders.append(builder)
+                groups.append(Group([replace(t, group_id=len(groups)) for t in group]))
+        if len(groups) >= target:
+            break
+    return builders, groups, sampled

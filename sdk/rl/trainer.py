@@ -9,6 +9,8 @@ function over tensors (`posttrain.rl.algorithms`: verl's estimators and losses c
 
     builders  = task.builders(step, prompts_per_step)           # deterministic per step
     groups    = collect_groups(policy, builders, G, ...)        # rollout + verifier outcomes
+    (DAPO dynamic sampling, algo.filter_groups: only groups with mixed rewards, more batches
+     sampled until prompts_per_step of them; counted: groups_filtered, gen_batches)
     kept      = groups without an "error"/"timeout" trajectory  # counted: groups_excluded_error
     batch     = right-padded tensors; old logprobs = the sampler's own (same temperature/top-p)
     adv, ret  = compute_advantages(algo.advantage_estimator, ...)  # all-equal group -> 0,
@@ -72,12 +74,11 @@ from torch import Tensor, nn
 
 from posttrain.core.masked import keep_selected
 from posttrain.core.preemption import sigint_held
-from posttrain.data.collate import right_pad
 from posttrain.models.lora import has_adapters
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
-from posttrain.rl.environment import EnvDataset, Group, screen_rewards
+from posttrain.rl.environment import EnvDataset, Group
 from posttrain.policy.sampling import sampling_logprobs, token_logprobs
 from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
                                      sequence_advantages, step_units, value_loss)
@@ -87,7 +88,9 @@ from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sa
                                          scores_apart_from_sampler)
 from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
                                    optimizer_step_under_plan, setup_plan)
-from posttrain.rl.rollout import EXCLUDED_OUTCOMES, collect_groups, outcome_counts, rollout_metrics
+from posttrain.rl.batch import make_batch, split_groups
+from posttrain.rl.rollout import (EXCLUDED_OUTCOMES, collect_filtered, collect_groups,
+                                  rollout_metrics)
 from posttrain.rl.step_timing import TimedGeneration, new_step_timer, timing_row
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.sharding import full_state_dict, plan_state
@@ -111,46 +114,6 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_BTD: Tensor) -> Tensor:
         return self.proj(hidden_BTD).squeeze(-1)
-
-
-def split_groups(groups: Sequence[Group]) -> tuple[list[Group], dict[str, int]]:
-    """Apply the exclusion rule. Returns (kept groups, counts): groups_excluded_error (a member
-    has an outcome in `EXCLUDED_OUTCOMES`), groups_excluded_empty (a member sampled no token),
-    groups_zero_signal (kept, all rewards equal: zero advantage under group estimators)."""
-    kept, counts = [], {"groups_excluded_error": 0, "groups_excluded_empty": 0,
-                        "groups_zero_signal": 0}
-    for group in screen_rewards(groups):  # a reward that breaks check_reward -> outcome error
-        if any(t.outcome in EXCLUDED_OUTCOMES for t in group):
-            counts["groups_excluded_error"] += 1
-        elif any(not any(t.completion_mask or [True] * len(t.completion_ids)) for t in group):
-            counts["groups_excluded_empty"] += 1
-        else:
-            kept.append(group)
-            counts["groups_zero_signal"] += len(set(group.rewards)) == 1
-    return kept, counts
-
-
-def make_batch(groups: Sequence[Group], pad_id: int) -> dict[str, Tensor]:
-    """Right-padded tensors of all trajectories of `groups`.
-
-    Returns {input_ids_BT (int64), attention_mask_BT (bool), response_mask_BT (bool: sampled
-    completion tokens), old_logprobs_BT (float32, the sampler's, 0 elsewhere), scores_B,
-    group_ids_B (int64, dense: 0, 1, ... in order of first appearance)}.
-    """
-    rows, dense = [t for g in groups for t in g], {}
-    input_ids_BT, attention_mask_BT = right_pad(
-        [list(t.prompt_ids) + list(t.completion_ids) for t in rows], pad_id)
-    masks = [t.completion_mask if t.completion_mask is not None else [True] * len(t.completion_ids)
-             for t in rows]
-    response_mask_BT, _ = right_pad([[False] * len(t.prompt_ids) + list(mask)
-                                     for t, mask in zip(rows, masks)], False, dtype=torch.bool)
-    old_logprobs_BT, _ = right_pad([[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in rows],
-                                   0.0, dtype=torch.float32)
-    return {"input_ids_BT": input_ids_BT, "attention_mask_BT": attention_mask_BT,
-            "response_mask_BT": response_mask_BT, "old_logprobs_BT": old_logprobs_BT,
-            "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
-            "group_ids_B": torch.tensor([dense.setdefault(t.group_id, len(dense)) for t in rows],
-                                        dtype=torch.long)}
 
 
 class RLTrainer(Engine):
@@ -263,20 +226,27 @@ class RLTrainer(Engine):
         start, algo = time.perf_counter(), self.algo
         self._rolled_back, self._timer = False, new_step_timer(self.policy.model)
         rng_state = capture_rng_state()
+        P, M = self.prompts_per_step, algo.max_num_gen_batches
         try:  # nothing of the step is applied yet: an interrupt or error here rolls it back
-            builders = self.task.builders(self.step_count, self.prompts_per_step)
-            groups = self._collect(builders)
+            if algo.filter_groups:  # DAPO dynamic sampling: batches step*M .. step*M + M-1
+                builders, groups, sampled = collect_filtered(
+                    self._collect, lambda i: self.task.builders(self.step_count * M + i, P),
+                    target=P, max_batches=M)
+            else:
+                builders = self.task.builders(self.step_count, P)
+                groups = sampled = self._collect(builders)
         except BaseException:
             restore_rng_state(rng_state)
             self._rolled_back = True
             raise
         return self.train_on_groups(groups, builders=builders, start=start,
-                                    rollout_s=time.perf_counter() - start)
+                                    rollout_s=time.perf_counter() - start, sampled=sampled)
 
-    def _collect(self, builders: Sequence) -> list[Group]:
-        """The step's rollout groups. Under a plan: this data rank's slice of `builders`
-        sampled with the refreshed plain copy, then every rank's groups (a collective)."""
-        step_seed = self.seed * 1_000_003 + self.step_count
+    def _collect(self, builders: Sequence, gen_batch: int = 0) -> list[Group]:
+        """The step's rollout groups (of its `gen_batch`-th batch under dynamic sampling).
+        Under a plan: this data rank's slice of `builders` sampled with the refreshed plain
+        copy, then every rank's groups (a collective)."""
+        step_seed = self.seed * 1_000_003 + self.step_count + gen_batch * 1_000_000_007
         options = dict(group_size=self.algo.group_size, max_new_tokens=self.max_new_tokens,
                        temperature=self.temperature, top_p=self.top_p,
                        policy_version=self.step_count, verifier_timeout_s=self.verifier_timeout_s)
@@ -286,30 +256,38 @@ class RLTrainer(Engine):
         return collect_under_plan(self, builders, step_seed, options)
 
     def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
-                        start: float | None = None, rollout_s: float = 0.0) -> dict[str, float]:
+                        start: float | None = None, rollout_s: float = 0.0,
+                        sampled: Sequence[Group] | None = None) -> dict[str, float]:
         """The training half of a step on given rollout groups (what `step` does after
         sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
         callbacks, checkpoint. `posttrain.notebook.replay.replay_step` feeds saved rollouts here to
         debug one step. The groups and builders stay readable as `last_groups` /
-        `last_builders` (the live dashboard's rollout table). Returns the step's metrics row.
+        `last_builders` (the live dashboard's rollout table). `sampled`: every group the step
+        sampled when `groups` is a filtered part of them (dynamic sampling); the rollout
+        metrics and token counts are over those. Returns the step's metrics row.
 
         A Ctrl-C during this half is held until the step is done and recorded (its updates
         cannot be half applied), then raised as KeyboardInterrupt. Under a plan every rank
         passes the same (global) groups; each data rank trains its share of them."""
         with sigint_held() as interrupt:
-            row = self._train_on_groups(groups, builders, start, rollout_s)
+            row = self._train_on_groups(groups, builders, start, rollout_s,
+                                        groups if sampled is None else sampled)
         if interrupt.received:
             raise KeyboardInterrupt
         return row
 
     def _train_on_groups(self, groups: Sequence[Group], builders: Sequence | None,
-                         start: float | None, rollout_s: float) -> dict[str, float]:
+                         start: float | None, rollout_s: float,
+                         sampled: Sequence[Group]) -> dict[str, float]:
         algo = self.algo
         start = time.perf_counter() if start is None else start
         timer = self.__dict__.pop("_timer", None) or new_step_timer(self.policy.model)
         self.last_groups, self.last_builders = list(groups), builders
         kept, counts = split_groups(groups)
-        row: dict[str, Any] = {**rollout_metrics(groups), **counts, "groups_kept": len(kept)}
+        row: dict[str, Any] = {**rollout_metrics(sampled), **counts, "groups_kept": len(kept)}
+        if algo.filter_groups:
+            row.update(groups_filtered=len(sampled) - len(groups),
+                       gen_batches=-(-len(sampled) // self.prompts_per_step))
         update: dict[str, float] = {}
         batch, frozen = None, {}
         if kept:
@@ -335,7 +313,7 @@ class RLTrainer(Engine):
         self.buffer.set_policy_version(self.step_count)
         elapsed = time.perf_counter() - start
         row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed)
-        row.update(timing_row(timer, model=self.policy.model, groups=groups, batch=batch,
+        row.update(timing_row(timer, model=self.policy.model, groups=sampled, batch=batch,
                               frozen_passes=len(frozen), ppo_epochs=algo.ppo_epochs,
                               collect_s=rollout_s, step_s=elapsed,
                               planned=plan_state(self.policy.model) is not None))
