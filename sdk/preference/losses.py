@@ -12,6 +12,8 @@ like TRL's loss methods, every reward detached:
     loss           per pair (h = chosen log-ratio - rejected log-ratio)            paper
     =============  ============================================================  ==========
     dpo_loss       -(1-e) log s(beta h) - e log s(-beta h)  (e = label smoothing)   DPO eq. 7
+                   (default; every TRL DPO loss_type / f_divergence_type and DPOP:
+                   `posttrain.preference.dpo_family`)
     ipo_loss       (h - 1 / (2 beta))^2  (h per token with lengths)               IPO eq. 17
     simpo_loss     -log s(beta (avg_c - avg_r) - gamma), no reference              SimPO eq. 6
     kto_loss       w_y (1 - s(beta (r - z0)))  /  w_y (1 - s(beta (z0 - r)))         KTO eq. 8
@@ -39,18 +41,18 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.preference.dpo_family import (DPO_LOSS_TYPES, F_DIVERGENCE_TYPES,
+                                             dpo_family_losses)
 from posttrain.train.losses import normalize_by_step
 
 __all__ = ["dpo_loss", "ipo_loss", "simpo_loss", "kto_loss", "kto_reference_point", "orpo_loss",
-           "step_share", "DPO_LOSS_TYPES"]
-
-DPO_LOSS_TYPES = ("sigmoid", "hinge")
-"""`dpo_loss(loss_type=...)`: the logistic loss of DPO, or the hinge loss of SLiC."""
+           "step_share", "DPO_LOSS_TYPES", "F_DIVERGENCE_TYPES"]
 
 LossTriple = tuple[Tensor, Tensor, Tensor]
 
@@ -61,10 +63,17 @@ LossTriple = tuple[Tensor, Tensor, Tensor]
 
 def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
              ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *, beta: float = 0.1,
-             label_smoothing: float = 0.0, loss_type: str = "sigmoid") -> LossTriple:
-    """Direct Preference Optimization loss per pair.
+             label_smoothing: float = 0.0, loss_type: str | Sequence[str] = "sigmoid",
+             loss_weights: Sequence[float] | None = None, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+             dpop_lambda: float = 50.0, chosen_lengths_B: Tensor | None = None,
+             rejected_lengths_B: Tensor | None = None) -> LossTriple:
+    """Direct Preference Optimization and its family, per pair: every `loss_type` and
+    `f_divergence_type` of TRL 1.16's `DPOTrainer`, plus DPOP (`DPO_LOSS_TYPES`,
+    `F_DIVERGENCE_TYPES`; the formulas and their papers are tabled in
+    `posttrain.preference.dpo_family`, which computes them after the checks here).
 
-    With h = (log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x)):
+    The default, with h = (log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x)):
 
         sigmoid: -(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)
         hinge:   max(0, 1 - beta h)
@@ -73,13 +82,12 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
     e > 0 is conservative DPO (cDPO; Mitchell 2023, "A note on DPO with noisy preferences &
     relationship to IPO"): the label is taken to be flipped with probability e. `hinge` is the
     rank-calibration hinge loss of SLiC-HF (Zhao et al. 2023; no equation number checked here)
-    applied to the log-ratios with margin 1 / beta, as TRL writes it; label smoothing does not
-    apply to it.
+    applied to the log-ratios with margin 1 / beta, as TRL writes it.
 
-    TRL 1.16 equivalents (tests/test_preference.py): e = 0 -> `DPOTrainer` loss_type "sigmoid"
-    (which ignores label_smoothing in TRL 1.x); e > 0 -> loss_type "aot" evaluated one pair at a
-    time (its batch sort is then the identity and the formula is cDPO's); hinge -> "hinge".
-    TRL's "robust" loss is not cDPO: it is the unbiased rDPO estimator (Chowdhury et al. 2024),
+    TRL 1.16 equivalents (tests/test_preference.py, tests/test_dpo_family.py): every loss_type
+    equals TRL's of the same name on the same log-probs, except that TRL's "sigmoid" ignores
+    label_smoothing (e > 0 here is cDPO, TRL's "aot" evaluated one pair at a time). TRL's
+    "robust" loss is not cDPO: it is the unbiased rDPO estimator (Chowdhury et al. 2024),
     `((1-e) l(h) - e l(-h)) / (1 - 2e)` with l(h) = -log sigmoid(beta h).
 
     Args:
@@ -87,8 +95,14 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
             policy (differentiable).
         ref_chosen_logps_B, ref_rejected_logps_B: [B] the same under the reference model.
         beta: > 0; the KL-regularisation strength (the temperature of the implicit reward).
-        label_smoothing: e in [0, 0.5); the assumed probability that a label is flipped.
-        loss_type: one of `DPO_LOSS_TYPES`.
+        label_smoothing: e in [0, 0.5); read by sigmoid (cDPO), exo_pair (> 0 needed), robust,
+            aot, aot_unpaired.
+        loss_type: one of `DPO_LOSS_TYPES`, or a list of them combined with `loss_weights`.
+        loss_weights: one finite weight per loss type (None: 1 each).
+        f_divergence_type: one of `F_DIVERGENCE_TYPES`; f_alpha_divergence_coef: its alpha.
+        discopop_tau: > 0, DiscoPOP's temperature. dpop_lambda: >= 0, DPOP's penalty weight.
+        chosen_lengths_B, rejected_lengths_B: [B] response token counts (>= 0), both or
+            neither; needed by ipo, sigmoid_norm and sft, ignored by the other loss types.
 
     Returns:
         losses [B] fp32; chosen_rewards, rejected_rewards [B] = beta * log-ratio, detached.
@@ -96,23 +110,24 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
     Raises:
         TypeError: for an input that is not a tensor.
         ValueError: for shapes that are not four equal [B], a NaN or infinite log-prob,
-            beta <= 0, e outside [0, 0.5), or an unknown loss_type.
+            beta <= 0, e outside [0, 0.5), an unknown loss_type or f_divergence_type (naming
+            the allowed values), an option a selected loss does not read set to a non-default
+            value, or missing lengths (`posttrain.preference.dpo_family.check_dpo_options`).
     """
     _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
                  policy_rejected_logps_B=policy_rejected_logps_B,
                  ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
     _check_beta(beta)
     _check_label_smoothing(label_smoothing)
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}; allowed: {', '.join(DPO_LOSS_TYPES)}")
-    chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
-    rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
-    h_B = chosen_logratios_B - rejected_logratios_B
-    if loss_type == "sigmoid":
-        losses_B = _smoothed_logistic(beta * h_B, label_smoothing)
-    else:
-        losses_B = torch.relu(1 - beta * h_B)
-    return (losses_B, beta * chosen_logratios_B.detach(), beta * rejected_logratios_B.detach())
+    if chosen_lengths_B is not None or rejected_lengths_B is not None:
+        _check_lengths(policy_chosen_logps_B, chosen_lengths_B, rejected_lengths_B)
+    return dpo_family_losses(
+        policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B, ref_rejected_logps_B,
+        beta=beta, loss_type=loss_type, loss_weights=loss_weights,
+        label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
+        dpop_lambda=dpop_lambda, chosen_lengths_B=chosen_lengths_B,
+        rejected_lengths_B=rejected_lengths_B)
 
 
 def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
@@ -350,18 +365,24 @@ def _smoothed_logistic(logits_B: Tensor, label_smoothing: float) -> Tensor:
 
 def _per_token(chosen_B: Tensor, rejected_B: Tensor, chosen_lengths_B: Tensor | None,
                rejected_lengths_B: Tensor | None) -> tuple[Tensor, Tensor]:
+    if chosen_lengths_B is None and rejected_lengths_B is None:
+        return chosen_B, rejected_B
+    _check_lengths(chosen_B, chosen_lengths_B, rejected_lengths_B)
+    return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
+            rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
+
+
+def _check_lengths(logps_B: Tensor, chosen_lengths_B: Tensor | None,
+                   rejected_lengths_B: Tensor | None) -> None:
+    """Both lengths are given, shaped like `logps_B`, and >= 0."""
     if (chosen_lengths_B is None) != (rejected_lengths_B is None):
         raise ValueError("pass both chosen_lengths_B and rejected_lengths_B, or neither")
-    if chosen_lengths_B is None:
-        return chosen_B, rejected_B
-    _check_pairs(finite=False, logps_B=chosen_B, chosen_lengths_B=chosen_lengths_B,
+    _check_pairs(finite=False, logps_B=logps_B, chosen_lengths_B=chosen_lengths_B,
                  rejected_lengths_B=rejected_lengths_B)
     if not bool(((chosen_lengths_B >= 0) & (rejected_lengths_B >= 0)).all()):
         raise ValueError(f"response lengths must be >= 0; got chosen_lengths_B "
                          f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
                          f"{rejected_lengths_B.tolist()}")
-    return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
-            rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
 
 
 def _log1mexp(x: Tensor) -> Tensor:

@@ -16,15 +16,21 @@ Example:
     >>> from posttrain.train.losses import get_loss
     >>> get_loss("dpo", beta=0.2)
     DPOLoss(beta=0.2, label_smoothing=0.0, loss_type='sigmoid')
+    >>> get_loss("dpo", loss_type="robust", label_smoothing=0.1)
+    DPOLoss(beta=0.1, label_smoothing=0.1, loss_type='robust')
+    >>> get_loss("dpo", loss_type="dpop", dpop_lambda=5.0)
+    DPOLoss(beta=0.1, label_smoothing=0.0, loss_type='dpop', dpop_lambda=5.0)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from posttrain.preference.dpo_family import DPO_OPTION_DEFAULTS
 from posttrain.preference.losses import (LossTriple, _check_beta, dpo_loss, ipo_loss, kto_loss,
                                          kto_reference_point, orpo_loss, simpo_loss,
                                          step_share)
@@ -93,23 +99,70 @@ class _PairObjective:
 
 
 class DPOLoss(_PairObjective):
-    """DPO / cDPO / hinge on `PreferenceBatch`es (see `dpo_loss`); pair-normalised over the step.
+    """The DPO family on `PreferenceBatch`es (see `dpo_loss`); pair-normalised over the step.
+
+    One objective for every loss type: `get_loss("dpo", loss_type="robust",
+    label_smoothing=0.1)`, `get_loss("dpo", f_divergence_type="alpha_divergence",
+    f_alpha_divergence_coef=0.3)`, `get_loss("dpo", loss_type="dpop", dpop_lambda=50.0)`, or
+    TRL's list form `loss_type=("sigmoid", "bco_pair", "sft"), loss_weights=(0.8, 0.2, 1.0)`.
+    The response lengths of the batch are passed, for ipo, sigmoid_norm and sft. aot,
+    aot_unpaired and sft couple the pairs of a micro-batch (as in TRL), so with them gradient
+    accumulation does not equal one big batch exactly.
 
     Args:
-        beta: > 0. label_smoothing: e in [0, 0.5) (cDPO). loss_type: "sigmoid" or "hinge".
+        beta: > 0. label_smoothing: e in [0, 0.5) (cDPO with sigmoid; robust, exo_pair, aot).
+        loss_type: a name of `DPO_LOSS_TYPES` or a list of them. loss_weights: one per type.
+        f_divergence_type: one of `F_DIVERGENCE_TYPES`; f_alpha_divergence_coef: its alpha.
+        discopop_tau: DiscoPOP's temperature. dpop_lambda: DPOP's penalty weight.
+
+    Raises:
+        ValueError: for the options `dpo_loss` rejects, naming the option.
     """
 
     def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0,
-                 loss_type: str = "sigmoid") -> None:
-        dpo_loss(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), beta=beta,
-                 label_smoothing=label_smoothing, loss_type=loss_type)   # validates the options
+                 loss_type: str | Sequence[str] = "sigmoid",
+                 loss_weights: Sequence[float] | None = None,
+                 f_divergence_type: str = DPO_OPTION_DEFAULTS["f_divergence_type"],
+                 f_alpha_divergence_coef: float = DPO_OPTION_DEFAULTS["f_alpha_divergence_coef"],
+                 discopop_tau: float = DPO_OPTION_DEFAULTS["discopop_tau"],
+                 dpop_lambda: float = DPO_OPTION_DEFAULTS["dpop_lambda"]) -> None:
+        loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
+        loss_weights = None if loss_weights is None else tuple(loss_weights)
+        options = dict(f_divergence_type=f_divergence_type,
+                       f_alpha_divergence_coef=f_alpha_divergence_coef,
+                       discopop_tau=discopop_tau, dpop_lambda=dpop_lambda)
+        one = torch.ones(1)
+        dpo_loss(0 * one, 0 * one, 0 * one, 0 * one, beta=beta, label_smoothing=label_smoothing,
+                 loss_type=loss_type, loss_weights=loss_weights, chosen_lengths_B=one,
+                 rejected_lengths_B=one, **options)   # validates the options
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
+        self.loss_weights = loss_weights
+        self.f_divergence_type = f_divergence_type
+        self.f_alpha_divergence_coef = f_alpha_divergence_coef
+        self.discopop_tau, self.dpop_lambda = discopop_tau, dpop_lambda
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
         return dpo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
                         beta=self.beta, label_smoothing=self.label_smoothing,
-                        loss_type=self.loss_type)
+                        loss_type=self.loss_type, loss_weights=self.loss_weights,
+                        f_divergence_type=self.f_divergence_type,
+                        f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+                        discopop_tau=self.discopop_tau, dpop_lambda=self.dpop_lambda,
+                        chosen_lengths_B=lp["chosen_lengths"],
+                        rejected_lengths_B=lp["rejected_lengths"])
+
+    def __repr__(self) -> str:
+        """beta, label_smoothing and loss_type always; the other options where not default."""
+        shown = {"beta": self.beta, "label_smoothing": self.label_smoothing,
+                 "loss_type": self.loss_type}
+        if self.loss_weights is not None:
+            shown["loss_weights"] = self.loss_weights
+        for name in ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
+                     "dpop_lambda"):
+            if getattr(self, name) != DPO_OPTION_DEFAULTS[name]:
+                shown[name] = getattr(self, name)
+        return f"DPOLoss({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 class IPOLoss(_PairObjective):
