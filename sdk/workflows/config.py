@@ -288,7 +288,8 @@ class PairsConfig:
 @dataclass(kw_only=True)
 class RLConfig:
     """The RL algorithm (an `RLAlgorithm` preset) and its batch: `prompts_per_step` prompts x
-    `group_size` samples per step; `kl_coef` None keeps the preset's."""
+    `group_size` samples per step; `kl_coef` None keeps the preset's; `filter_groups` and
+    `max_num_gen_batches`: DAPO's dynamic sampling (`RLAlgorithm`)."""
 
     algo: str = "grpo"
     prompts_per_step: int = 16
@@ -296,18 +297,23 @@ class RLConfig:
     kl_coef: float | None = None
     ppo_epochs: int = 1
     minibatch_size: int | None = None
+    filter_groups: bool = False
+    max_num_gen_batches: int = 4
 
     def algorithm(self) -> RLAlgorithm:
         """The `RLAlgorithm` these settings describe."""
         options: dict[str, Any] = {"group_size": self.group_size, "ppo_epochs": self.ppo_epochs,
-                                   "minibatch_size": self.minibatch_size}
+                                   "minibatch_size": self.minibatch_size,
+                                   "filter_groups": self.filter_groups,
+                                   "max_num_gen_batches": self.max_num_gen_batches}
         if self.kl_coef is not None:
             options["kl_coef"] = self.kl_coef
         return RLAlgorithm.preset(self.algo, **options)
 
     def check(self, at: str) -> None:
         choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
-        ints(self, at, ("prompts_per_step", "group_size", "ppo_epochs"), minimum=1)
+        ints(self, at, ("prompts_per_step", "group_size", "ppo_epochs", "max_num_gen_batches"),
+             minimum=1)
         ints(self, at, ("minibatch_size",), minimum=1, optional=True)
         if self.kl_coef is not None:
             finite(self, at, ("kl_coef",), low=0.0)
