@@ -56,3 +56,46 @@ def test_bad_items_raise():
         evaluate_generations(_EchoPolicy(), [], score_fn=lambda t, i: 1.0)
     with pytest.raises(ValueError, match="item 1 has no string 'question'"):
         evaluate_generations(_EchoPolicy(), [{"question": "a"}, {"q": 1}], score_fn=lambda t, i: 1.0)
+
+
+class _SeededPolicy(_EchoPolicy):
+    """Answer r of a call (0-based over the call's prompts) is "ok" when (seed + r) % period
+    == 0: a scripted sampler whose right answers are known in advance."""
+
+    def __init__(self, period):
+        self.period = period
+
+    def generate(self, prompts, seed=0, **kwargs):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(prompt_index=r, finish_reason="eos",
+                                text="ok" if (seed + r) % self.period == 0 else "no")
+                for r in range(len(prompts))]
+
+
+@pytest.mark.parametrize("period, per_item, pass_k", [
+    # 4 items x 3 samples in one call, seed 1: rows r = sample * 4 + item are right when
+    # (1 + r) % period == 0. period 3: rows 2, 5, 8, 11 = items 2, 1, 0, 3, one sample each.
+    (3, [1 / 3, 1 / 3, 1 / 3, 1 / 3], 1.0),
+    # period 4: rows 3, 7, 11 = item 3 in every sample
+    (4, [0.0, 0.0, 0.0, 1.0], 0.25)])
+def test_sampled_pass_at_1_and_pass_at_k_by_hand(period, per_item, pass_k):
+    from posttrain.rewards import evaluate_sampled
+
+    items = [{"question": f"q{i}", "answer": "ok"} for i in range(4)]
+    result = evaluate_sampled(_SeededPolicy(period), items, samples=3, seed=1,
+                              score_fn=lambda text, item: float(text == item["answer"]))
+    assert result.per_item_pass1.tolist() == pytest.approx(per_item)
+    assert result.pass_at_1 == pytest.approx(sum(per_item) / 4) and result.pass_at_k == pass_k
+    assert result.k == 3 and result.num_items == 4 and len(result.table) == 12
+    assert result.table["item"].tolist() == [0, 1, 2, 3] * 3
+
+
+@pytest.mark.parametrize("options, word", [({"samples": 0}, "samples"),
+                                           ({"temperature": 0.0}, "temperature")])
+def test_sampled_evaluation_rejects_bad_options(options, word):
+    from posttrain.rewards import evaluate_sampled
+
+    with pytest.raises(ValueError, match=word):
+        evaluate_sampled(_SeededPolicy(2), [{"question": "q"}], score_fn=lambda t, i: 1.0,
+                         **options)

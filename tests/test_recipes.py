@@ -78,6 +78,7 @@ CONFIG_KEYS = {
         'task.eval_size', 'task.name', 'task.options', 'task.train_size', 'val_pairs'],
     "grpo": [
         'checkpoint.every', 'checkpoint.keep_last', 'eval.every', 'eval.max_new_tokens',
+        'eval.samples',
         'model.init_from', 'model.name', 'optim.lr', 'optim.max_grad_norm',
         'optim.min_lr_ratio', 'optim.steps', 'optim.warmup_steps', 'optim.weight_decay',
         'out_dir', 'progress', 'resume', 'rl.algo', 'rl.filter_groups', 'rl.group_size',

@@ -108,3 +108,28 @@ def test_an_init_from_tokenizer_that_turns_the_task_into_unk_is_refused_before_a
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.save(str(folder / "tokenizer.json"))
     check_tokenizer_covers_task(cfg)
+
+
+def test_sampled_pass_at_k_of_the_rl_run_is_read_from_its_answer_tables(tmp_path):
+    """The results' sampled pass@1 / pass@k recomputed from the saved answers (one row per
+    answer: item, sample, correct), and the answers rescored with the task's own scorer."""
+    import pandas as pd
+
+    from posttrain.workflows.sft import held_out_items
+
+    module, cfg = _grpo(tmp_path / "run", **{"eval.samples": 3, "sft.steps": 2})
+    results = module.main(cfg)
+    items, ds = held_out_items(cfg.task)
+    for stage in ("sft", "grpo"):
+        table = pd.read_csv(tmp_path / "run" / f"eval_sampled_after_{stage}.csv",
+                            keep_default_na=False)
+        assert len(table) == 3 * len(items) and sorted(set(table["sample"])) == [0, 1, 2]
+        rescored = [ds.score_answer(str(c).strip(), items[i]) >= 1.0
+                    for c, i in zip(table["completion"], table["item"])]
+        assert rescored == table["correct"].tolist()
+        per_item = table.groupby("item")["correct"]
+        got = results[f"sampled_after_{stage}"]
+        assert got["pass_at_1"] == pytest.approx(per_item.mean().mean())
+        assert got["pass_at_k"] == pytest.approx(per_item.any().mean()) and got["k"] == 3
+    assert results["sampled_difference"]["difference"] == pytest.approx(
+        results["sampled_after_grpo"]["pass_at_1"] - results["sampled_after_sft"]["pass_at_1"])

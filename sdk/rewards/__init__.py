@@ -14,6 +14,7 @@ from posttrain.core.lazy import lazy_exports
 _EXPORTS = {
     "evaluation": [
         "EvalResult", "wilson_interval", "evaluate_generations", "paired_bootstrap_diff",
+        "SampledEvalResult", "evaluate_sampled",
     ],
     "judge_client": ["JudgeClient"],
     "judge_server": [

@@ -125,3 +125,52 @@ def paired_bootstrap_diff(correct_a: Sequence[bool] | np.ndarray,
     low, high = np.percentile((a[idx] - b[idx]).mean(axis=1), [2.5, 97.5])
     return {"difference": float((a - b).mean()), "ci_low": float(low), "ci_high": float(high),
             "num_items": int(a.size), "method": "paired bootstrap, 10k resamples, percentile"}
+
+
+@dataclass(frozen=True)
+class SampledEvalResult:
+    """`k` sampled answers per item: pass@1 is the mean over items of the share of an item's
+    answers that are correct, pass@k the share of items with at least one correct answer (the
+    unbiased estimator of Chen et al. 2021, eq. 1, at n = k samples).
+
+    `per_item_pass1`: [N] float64 (item i's share of correct answers). `table`: one row per
+    answer, as `evaluate_generations` writes it, plus "sample" (0..k-1) and "item" (0..N-1).
+    """
+
+    pass_at_1: float
+    pass_at_k: float
+    k: int
+    num_items: int
+    per_item_pass1: np.ndarray
+    table: pd.DataFrame
+
+    def as_dict(self) -> dict[str, float]:
+        return {"pass_at_1": self.pass_at_1, "pass_at_k": self.pass_at_k, "k": self.k,
+                "num_items": self.num_items}
+
+
+def evaluate_sampled(policy, items: Sequence[Mapping[str, Any]], *, score_fn: ScoreFn,
+                     samples: int = 8, temperature: float = 1.0, max_new_tokens: int = 32,
+                     seed: int = 1, batch_size: int = 64, chat: bool = True) -> SampledEvalResult:
+    """`samples` answers per item at `temperature` (seeded: the same weights give the same
+    answers), scored like `evaluate_generations`; returns pass@1 and pass@`samples`.
+
+    Raises:
+        ValueError: `samples` < 1, `temperature` <= 0 (greedy answers are all the same: use
+            `evaluate_generations`), or what `evaluate_generations` raises.
+    """
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"evaluate_sampled: samples={samples!r}; must be an integer >= 1")
+    if not temperature > 0:
+        raise ValueError(f"evaluate_sampled: temperature={temperature!r}; must be > 0")
+    n = len(items)
+    result = evaluate_generations(policy, list(items) * samples, score_fn=score_fn,
+                                  max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                  temperature=temperature, seed=seed, chat=chat)
+    correct = result.table["correct"].to_numpy(bool).reshape(samples, n)
+    table = result.table.assign(sample=np.repeat(np.arange(samples), n),
+                                item=np.tile(np.arange(n), samples))
+    per_item = correct.mean(axis=0)
+    return SampledEvalResult(pass_at_1=float(per_item.mean()),
+                             pass_at_k=float(correct.any(axis=0).mean()), k=samples,
+                             num_items=n, per_item_pass1=per_item, table=table)

@@ -45,7 +45,7 @@ from posttrain.rl.config import RLAlgorithm
 from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
 
 __all__ = ["ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
-           "EvalConfig", "CheckpointConfig", "SFTWarmStartConfig", "PairsConfig", "RLConfig",
+           "EvalConfig", "RLEvalConfig", "CheckpointConfig", "SFTWarmStartConfig", "PairsConfig", "RLConfig",
            "ROOT", "SEED_MAX", "validate", "override", "config_keys", "fail", "run_fields"]
 
 ROOT = "Config"
@@ -240,6 +240,18 @@ class EvalConfig:
     def check(self, at: str) -> None:
         ints(self, at, ("max_new_tokens",), minimum=1)
         ints(self, at, ("every",), minimum=0)
+
+
+@dataclass(kw_only=True)
+class RLEvalConfig(EvalConfig):
+    """`EvalConfig` plus `samples` answers per held-out item at temperature 1 after SFT and
+    after RL: sampled pass@1 and pass@`samples` (0: greedy only)."""
+
+    samples: int = 8
+
+    def check(self, at: str) -> None:
+        super().check(at)
+        ints(self, at, ("samples",), minimum=0)
 
 
 @dataclass(kw_only=True)

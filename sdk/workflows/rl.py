@@ -40,13 +40,13 @@ import torch
 
 from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 from posttrain.policy.policy import Policy
-from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.train.schedules import warmup_cosine_schedule
-from posttrain.workflows.config import (CheckpointConfig, EvalConfig, ModelConfig, OptimConfig,
-                                        RLConfig, SamplingConfig, SFTWarmStartConfig, TaskConfig,
-                                        fail, ints, run_fields, validate)
+from posttrain.workflows.config import (CheckpointConfig, ModelConfig, OptimConfig, RLConfig,
+                                        RLEvalConfig, SamplingConfig, SFTWarmStartConfig,
+                                        TaskConfig, fail, ints, run_fields, validate)
 from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
                                               check_converted_run, convert_for_training,
@@ -75,7 +75,7 @@ class RLRunConfig:
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
     task: TaskConfig = field(default_factory=TaskConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     sft: SFTWarmStartConfig = field(default_factory=lambda: SFTWarmStartConfig(
         steps=900, lr=3e-3, batch_size=64))
     rl: RLConfig = field(default_factory=RLConfig)
@@ -112,6 +112,7 @@ class RLRunConfig:
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
 RL_TINY: dict[str, Any] = {
     "model.name": "tiny-1m", "task.train_size": 64, "task.eval_size": 8, "eval.max_new_tokens": 6,
+    "eval.samples": 2,
     "sft.steps": 3, "sft.batch_size": 8, "optim.steps": 2, "optim.warmup_steps": 1,
     "rl.prompts_per_step": 2, "rl.group_size": 2, "sampling.max_new_tokens": 4,
     "checkpoint.every": 1, "progress": False}
@@ -184,6 +185,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     after_sft = pd.read_csv(out / "sft" / "eval_after.csv")
     diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
                                  after_sft["correct"].to_numpy(), seed=cfg.seed)
+    sampled = _sampled_evaluations(cfg, out, items, scorer, policy)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     algo_name = cfg.rl.algo
@@ -194,7 +196,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
-               **adapters}
+               **sampled, **adapters}
     if converters:
         results["converters"] = converters
     if q.rollout != "none":
@@ -203,6 +205,27 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     _write_results(results, out, cfg.task.name, algo_name)
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk
+    return results
+
+
+def _sampled_evaluations(cfg: RLRunConfig, out: Path, items: list[dict], scorer,
+                         policy: Policy) -> dict[str, Any]:
+    """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
+    back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
+    per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
+    `cfg.eval.samples` is 0."""
+    if not cfg.eval.samples:
+        return {}
+    algo, results = cfg.rl.algo, {}
+    for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
+        r = evaluate_sampled(model, items, samples=cfg.eval.samples, seed=cfg.seed + 1,
+                             max_new_tokens=cfg.eval.max_new_tokens,
+                             score_fn=lambda text, item: scorer.score_answer(text.strip(), item))
+        write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
+        results[f"sampled_after_{stage}"] = {**r.as_dict(), "per_item": r.per_item_pass1}
+    results["sampled_difference"] = paired_bootstrap_diff(
+        results[f"sampled_after_{algo}"].pop("per_item"),
+        results["sampled_after_sft"].pop("per_item"), seed=cfg.seed)
     return results
 
 
@@ -217,4 +240,13 @@ def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> 
              f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "
              f"wall {results['wall_s']:.0f} s", "", *accuracy_table(stages), "",
              difference_line(f"{algo.upper()} minus SFT", results["difference"]), ""]
+    if "sampled_difference" in results:
+        k = results["sampled_after_sft"]["k"]
+        lines += [f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
+                  "|---|---|---|"]
+        lines += [f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
+                  for name, r in (("SFT", results["sampled_after_sft"]),
+                                  (algo.upper(), results[f"sampled_after_{algo}"]))]
+        lines += ["", difference_line(f"{algo.upper()} minus SFT, sampled pass@1",
+                                      results["sampled_difference"]), ""]
     write_results(out, results, "\n".join(lines))
