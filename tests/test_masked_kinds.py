@@ -273,7 +273,7 @@ def _objective_batch(name: str):
     rows = [{"prompt": f"{3 + 7 * i}+{11 + 5 * i}=" + "?" * (i % 3),
              "chosen": str(14 + 12 * i) + " ok" * (i % 2),
              "rejected": str(15 + 12 * i) + "!" * (i % 4)} for i in range(4)]
-    if name == "sft_ce":
+    if name in ("sft_ce", "gkd"):
         return next(iter(SFTLoader(sft_dataset(4), batch_size=4, shuffle=False)))
     if name == "kto":
         dataset = KTODataset(pairs_to_kto_rows(rows), ByteTokenizer(), max_seq_len=64)
@@ -284,6 +284,19 @@ def _objective_batch(name: str):
         compute_reference_logps(tiny_model(1), dataset, batch_size=3)
         return dataset.collate(range(4))
     raise AssertionError(f"no test batch for the registered loss {name!r}: add one here")
+
+
+def _objective_options(name: str) -> dict:
+    """Options of objectives built from parts (GKD: a frozen teacher and the student)."""
+    if name != "gkd":
+        return {}
+    from _train_helpers import TINY, tiny_model
+
+    from posttrain.models import ByteTokenizer
+    from posttrain.policy import Policy
+
+    return {"teacher": Policy(tiny_model(1), ByteTokenizer(), TINY),
+            "student": Policy(tiny_model(0), ByteTokenizer(), TINY)}
 
 
 def _registered_objectives() -> list[str]:
@@ -303,7 +316,7 @@ def test_every_registered_objective_ignores_padding_logits(name):
     from posttrain.models import ByteTokenizer
     from posttrain.train import get_loss
 
-    loss_fn, batch = get_loss(name), _objective_batch(name)
+    loss_fn, batch = get_loss(name, **_objective_options(name)), _objective_batch(name)
     model = tiny_model(0)
     fill: dict = {"value": 0.0, "padded": 0}
 

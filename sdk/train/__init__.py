@@ -24,6 +24,7 @@ from posttrain.train.qat import QATConfig, convert_qat, prepare_qat, quantize_po
 from posttrain.train.sharding import apply_plan, full_state_dict, plan_state
 from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
 from posttrain.train.trainer import Trainer
+from posttrain.train.distill import GKDLoss, OnPolicyData, generalized_jsd_loss, teacher_generate
 
 __all__ = [
     "Engine",
@@ -42,6 +43,7 @@ __all__ = [
     "WarmupCosine",
     "warmup_cosine_schedule",
     "Trainer",
+    "GKDLoss", "OnPolicyData", "generalized_jsd_loss", "teacher_generate",
     "AXES",
     "MESH_DIMS",
     "ParallelPlan",

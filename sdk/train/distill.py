@@ -1,0 +1,435 @@
+"""Teacher-student distillation with GKD (Agarwal et al. 2024, "On-Policy Distillation of Language
+Models: Learning from Self-Generated Mistakes", https://arxiv.org/abs/2306.13649).
+
+Notation: B = rows in a batch, T = tokens per row, V = vocabulary (shared by student and teacher),
+N = trained positions (labels != -100). Divergences are in nats.
+
+Three pieces, each usable alone:
+
+* `generalized_jsd_loss`: the generalised Jensen-Shannon divergence JSD(beta) of the paper's
+  eq. (1) between the student's and the teacher's next-token distributions, a pure function equal
+  to TRL's `GKDTrainer.generalized_jsd_loss` (beta = 0: forward KL(teacher || student), beta = 1:
+  reverse KL(student || teacher), as TRL defines them).
+* `GKDLoss`, registered as "gkd": the `Trainer` objective. It holds a frozen teacher `Policy`,
+  runs it under `torch.no_grad()` on the very batch the student sees, and trains the JSD summed
+  over completion tokens, token-normalised over the whole optimizer step (like "sft_ce").
+* Data: off-policy (supervised KD) trains on fixed completions, e.g. the teacher's own from
+  `teacher_generate` fed through `SFTDataset`; on-policy GKD wraps the loader in `OnPolicyData`,
+  which, with probability `lmbda` per batch (TRL's name), replaces the batch's completions by the
+  student's samples of the same prompts (TRL `GKDTrainer.training_step`). The swap happens when
+  the batch is fetched, before the trainer counts the step's tokens, so the normaliser is exact;
+  the coin and the sampling seed come from the global torch RNG, which the trainer seeds,
+  restores on a rolled-back step and checkpoints, so a resumed run draws the same batches.
+
+Example (tiny-1m student, tiny-2m teacher; both use the 272-token byte vocabulary):
+    >>> import torch
+    >>> from posttrain.data import SFTDataset, SFTLoader
+    >>> from posttrain.policy import Policy
+    >>> from posttrain.train import Trainer, get_loss
+    >>> student = Policy.from_spec("tiny-1m", seed=0)
+    >>> teacher = Policy.from_spec("tiny-2m", seed=1)
+    >>> rows = teacher_generate(teacher, ["1+1=", "2+3="], max_new_tokens=6, seed=0)
+    >>> sorted(rows[0])
+    ['completion', 'prompt']
+    >>> loader = SFTLoader(SFTDataset(rows, student.tokenizer, max_seq_len=64), batch_size=2)
+    >>> data = OnPolicyData(loader, student, lmbda=0.5, max_new_tokens=6)
+    >>> loss = get_loss("gkd", teacher=teacher, student=student, beta=0.5)
+    >>> opt = torch.optim.AdamW(student.model.parameters(), lr=1e-3)
+    >>> Trainer(student.model, opt, data=data, loss=loss, progress=False).fit(2)["step"].tolist()
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from posttrain.core.checks import check_int
+from posttrain.core.distributed import device_of
+from posttrain.core.masked import keep_selected
+from posttrain.data.loader import IGNORE_INDEX, Batch, Sample, collate_padded
+from posttrain.models.moe import moe_aux_loss
+from posttrain.policy.policy import Policy
+from posttrain.policy.sampling import _check_sampling_args
+from posttrain.train.losses import normalize_by_step, register_loss
+
+__all__ = ["REDUCTIONS", "generalized_jsd_loss", "GKDLoss", "OnPolicyData", "on_policy_batch",
+           "teacher_generate"]
+
+REDUCTIONS = ("batchmean", "sum", "mean", "none")
+"""Reductions of `generalized_jsd_loss`, as TRL names them."""
+
+
+# --------------------------------------------------------------------------------------------
+# The divergence
+# --------------------------------------------------------------------------------------------
+
+
+def _check_fraction(name: str, value: Any, meaning: str) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0.0 <= value <= 1.0):
+        raise ValueError(f"{name}={value!r}; must be a number in [0, 1] ({meaning})")
+
+
+def generalized_jsd_loss(student_logits: Tensor, teacher_logits: Tensor,
+                         labels: Tensor | None = None, beta: float = 0.5,
+                         temperature: float = 1.0, reduction: str = "batchmean") -> Tensor:
+    """Generalised Jensen-Shannon divergence JSD(beta) of GKD (paper eq. (1)), per token.
+
+    With p_S = softmax(student_logits / temperature), p_T = softmax(teacher_logits / temperature)
+    and the mixture m = beta p_T + (1 - beta) p_S, the divergence at each position is
+
+        JSD(beta) = beta KL(p_T || m) + (1 - beta) KL(p_S || m)
+
+    and, as in TRL, beta = 0 is KL(p_T || p_S) (forward KL) and beta = 1 KL(p_S || p_T) (reverse
+    KL). Equal to TRL 1.16's `GKDTrainer.generalized_jsd_loss` on the same inputs (tests/
+    test_distill.py), except that (a) fp16/bf16 logits are computed in fp32, (b) masked
+    positions are replaced by 0 before any arithmetic (`posttrain.core.masked.keep_selected`), so
+    NaN/inf there reach neither the value nor the gradient (TRL's value drops them too, but the
+    log-softmax backward turns them into NaN gradients on those rows), and (c) "mean" over no
+    trained position is 0, not NaN.
+
+    Args:
+        student_logits: [B, T, V] float; differentiable.
+        teacher_logits: [B, T, V] float, same shape (no gradient is needed).
+        labels: [B, T] int64 already aligned with the logits (position t scored where
+            `labels[b, t] != -100`), or None to score every position.
+        beta: weight of the teacher in the mixture, in [0, 1].
+        temperature: softmax temperature, > 0, applied to both logits.
+        reduction: "batchmean" (sum / trained positions, or / B without labels), "sum",
+            "mean" (mean over the N x V per-vocabulary terms; B x T x V without labels) or
+            "none" (the per-vocabulary terms, [N, V] with labels, [B, T, V] without).
+
+    Returns:
+        A scalar (fp32 or wider) for "batchmean", "sum" and "mean"; the terms for "none".
+
+    Raises:
+        ValueError: naming the argument and what is allowed, for beta outside [0, 1],
+            temperature <= 0 (or not finite), logits that are not [B, T, V] of one shape, labels
+            not [B, T], or a reduction not in `REDUCTIONS`.
+    """
+    _check_fraction("beta", beta, "the teacher's weight in the mixture: 0 is forward KL, 1 "
+                    "reverse KL")
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature) or temperature <= 0):
+        raise ValueError(f"temperature={temperature!r}; must be a finite number > 0")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
+    if student_logits.dim() != 3 or teacher_logits.shape != student_logits.shape:
+        raise ValueError(f"student_logits and teacher_logits must both be [B, T, V] of one shape; "
+                         f"got student_logits {tuple(student_logits.shape)} and teacher_logits "
+                         f"{tuple(teacher_logits.shape)}")
+    if labels is not None and labels.shape != student_logits.shape[:2]:
+        raise ValueError(f"labels must be [B, T] = {tuple(student_logits.shape[:2])} like the "
+                         f"logits; got labels {tuple(labels.shape)}")
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    student, teacher = student_logits.to(dtype), teacher_logits.to(dtype)
+    mask_BT = None
+    if labels is not None:
+        mask_BT = labels != IGNORE_INDEX
+        student = keep_selected(student, mask_BT[..., None])
+        teacher = keep_selected(teacher, mask_BT[..., None])
+    student_logp = F.log_softmax(student / temperature, dim=-1)
+    teacher_logp = F.log_softmax(teacher / temperature, dim=-1)
+    # Mirrors TRL's formula term by term (F.kl_div(input, target) = KL(target || input)).
+    if beta == 0:
+        jsd = F.kl_div(student_logp, teacher_logp, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True)
+    else:
+        beta_t = torch.tensor(beta, dtype=dtype, device=student_logp.device)
+        mixture_logp = torch.logsumexp(torch.stack([student_logp + torch.log1p(-beta_t),
+                                                    teacher_logp + torch.log(beta_t)]), dim=0)
+        kl_teacher = F.kl_div(mixture_logp, teacher_logp, reduction="none", log_target=True)
+        kl_student = F.kl_div(mixture_logp, student_logp, reduction="none", log_target=True)
+        jsd = beta_t * kl_teacher + (1 - beta_t) * kl_student
+    if mask_BT is not None:
+        jsd = jsd[mask_BT]
+    if reduction == "batchmean":
+        denom = mask_BT.sum().clamp_min(1) if mask_BT is not None else max(jsd.size(0), 1)
+        return jsd.sum() / denom
+    if reduction == "sum":
+        return jsd.sum()
+    if reduction == "mean":
+        return jsd.sum() / max(jsd.numel(), 1)
+    return jsd
+
+
+# --------------------------------------------------------------------------------------------
+# The objective
+# --------------------------------------------------------------------------------------------
+
+
+def _check_shared_vocabulary(student: Policy, teacher: Policy) -> None:
+    for name, value in (("student", student), ("teacher", teacher)):
+        if not isinstance(value, Policy):
+            raise TypeError(f"{name} must be a posttrain.policy.Policy (model + tokenizer); got "
+                            f"{type(value).__name__}")
+    pairs = (("vocab_size", student.spec.vocab_size, teacher.spec.vocab_size),
+             ("tokenizer vocab_size", student.tokenizer.vocab_size, teacher.tokenizer.vocab_size))
+    for what, s, t in pairs:
+        if s != t:
+            raise ValueError(f"GKD needs a shared vocabulary: the student's {what} is {s} but the "
+                             f"teacher's is {t}; it compares the two full next-token "
+                             "distributions token id by token id, so pick a teacher with the "
+                             "student's tokenizer")
+
+
+@register_loss("gkd")
+class GKDLoss:
+    """Distillation objective: JSD(beta) between the student and a frozen teacher on the
+    completion tokens of each batch, token-normalised over the whole optimizer step.
+
+    Batches are `posttrain.data.loader.Batch` (SFT batches, packed or not; on-policy batches from
+    `OnPolicyData`). Per micro-batch:
+
+        student_BTV = model(input_ids, mask=attention_mask, input_pos=position_ids)
+        with no_grad: teacher_BTV = teacher.model(same inputs)          # eval mode, frozen
+        share = generalized_jsd_loss(student_BTV, teacher_BTV, labels, beta, temperature,
+                                     reduction="sum") / num_units_in_step
+
+    so the step loss is the mean JSD per trained token (TRL's GKD loss with
+    `num_items_in_batch`). With fixed completions (lmbda = 0) this is supervised KD on them. An
+    MoE student also gets its load-balancing loss, weighted exactly as in `SFTCrossEntropy`
+    (`share += moe_aux_loss(model, scaled=True) * num_units(batch) / num_units_in_step`); TRL's
+    GKD leaves it out.
+
+    Args:
+        teacher: the teacher `Policy`; its parameters are frozen (`requires_grad_(False)`) and
+            its model put in eval mode here.
+        student: the student `Policy` whose model the `Trainer` trains (checked for a shared
+            vocabulary with the teacher; the batch is moved to the trained model's device, the
+            teacher's logits to it too).
+        beta: teacher weight of the JSD mixture in [0, 1] (0: forward KL, 1: reverse KL).
+        temperature: softmax temperature of the divergence (> 0); TRL's GKD uses 1.
+        ignore_index: label of untrained positions.
+
+    Raises:
+        TypeError: if teacher or student is not a `Policy`.
+        ValueError: if their vocabularies differ (naming both sizes), or for beta / temperature
+            out of range.
+    """
+
+    def __init__(self, *, teacher: Policy, student: Policy, beta: float = 0.5,
+                 temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> None:
+        _check_shared_vocabulary(student, teacher)
+        generalized_jsd_loss(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), beta=beta,
+                             temperature=temperature)  # checks beta and temperature
+        teacher.model.requires_grad_(False)
+        teacher.model.eval()
+        self.teacher, self.student = teacher, student
+        self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
+
+    def num_units(self, batch: Any) -> Tensor:
+        """Trained tokens of `batch` (int64 scalar on the labels' device)."""
+        return (batch.labels != self.ignore_index).sum()
+
+    def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
+        device = device_of(model)
+        student_BTV = model(batch.input_ids.to(device), mask=_to(batch.attention_mask, device),
+                            input_pos=batch.position_ids.to(device))
+        if not isinstance(student_BTV, Tensor):
+            raise TypeError(f"the model returned {type(student_BTV).__name__}; GKDLoss needs "
+                            "logits [B, T, V] (build it without output chunks or hidden states)")
+        teacher_BTV = self.teacher_logits(batch).to(device)
+        labels_BT = batch.labels.to(device)
+        labels_BT = torch.where(labels_BT == self.ignore_index, IGNORE_INDEX, labels_BT)
+        jsd_sum = generalized_jsd_loss(student_BTV, teacher_BTV, labels_BT, beta=self.beta,
+                                       temperature=self.temperature, reduction="sum")
+        share = normalize_by_step(jsd_sum, num_units_in_step.to(device))
+        aux = moe_aux_loss(model, scaled=True)
+        if aux is not None:  # as SFTCrossEntropy: the student's MoE load-balancing loss
+            share = share + aux * normalize_by_step(self.num_units(batch).to(device),
+                                                    num_units_in_step.to(device))
+        return share
+
+    def teacher_logits(self, batch: Any) -> Tensor:
+        """The teacher's logits [B, T, V] on `batch` (eval mode, no gradient), on its device."""
+        teacher, device = self.teacher.model, self.teacher.device
+        teacher.eval()
+        with torch.no_grad():
+            return teacher(batch.input_ids.to(device), mask=_to(batch.attention_mask, device),
+                           input_pos=batch.position_ids.to(device))
+
+    def __repr__(self) -> str:
+        return (f"GKDLoss(beta={self.beta}, temperature={self.temperature}, "
+                f"teacher={self.teacher!r})")
+
+
+def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Data: the student's own completions (on-policy) and the teacher's (off-policy)
+# --------------------------------------------------------------------------------------------
+
+
+def on_policy_batch(student: Policy, batch: Batch, *, temperature: float = 0.9,
+                    max_new_tokens: int = 128, top_p: float = 1.0,
+                    top_k: int | None = None) -> Batch:
+    """`batch` with every row's completion replaced by a sample of the student.
+
+    A row's prompt is its tokens up to the first trained one (for `SFTDataset` rows: the rendered
+    chat up to and including the assistant header); the student samples a completion of it
+    (`Policy.generate`, seeded from the global torch RNG) and the new row trains every sampled
+    token, the stop token included (TRL `generate_on_policy_outputs` keeps the first EOS too).
+    Rows that train nothing (padding rows) are kept as they are. The result is right-padded with
+    the student tokenizer's `pad_id` (`collate_padded`).
+
+    Args:
+        student: the policy being trained.
+        batch: an unpacked `Batch` (attention_mask None).
+        temperature, max_new_tokens, top_p, top_k: sampling settings (`Policy.generate`).
+
+    Returns:
+        A new `Batch` with as many rows as `batch`.
+
+    Raises:
+        ValueError: for a packed batch, or bad sampling settings.
+    """
+    if batch.attention_mask is not None:
+        raise ValueError("on-policy distillation needs unpacked batches (SFTLoader(pack=False)): "
+                         "a packed row holds several prompts")
+    trained_BT = batch.labels != IGNORE_INDEX
+    if batch.num_samples == 0 or not bool(trained_BT.any()):
+        return batch
+    ids_BT, labels_BT = batch.input_ids, batch.labels
+    first = {b: int(w[0]) for b in range(ids_BT.shape[0]) if (w := trained_BT[b].nonzero()).numel()}
+    prompts = {b: ids_BT[b, : t + 1].tolist() for b, t in first.items()}  # up to the first target
+    sampled = dict(zip(prompts, student.generate(list(prompts.values()),
+                                                 max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, top_p=top_p,
+                                                 top_k=top_k)))
+    samples = []
+    for b in range(ids_BT.shape[0]):
+        if b not in prompts:  # trains nothing: kept as it is
+            samples.append(Sample(ids_BT[b].clone(), labels_BT[b].clone()))
+            continue
+        prompt, new = prompts[b], sampled[b].token_ids
+        samples.append(Sample.from_loss_mask(prompt + new,
+                                             [False] * len(prompt) + [True] * len(new)))
+    return collate_padded(samples, student.tokenizer.pad_id)
+
+
+class OnPolicyData:
+    """A loader whose batches, with probability `lmbda` each, carry the student's own
+    completions instead of the given ones (GKD's student-data fraction; TRL `lmbda`).
+
+    `next_batch()` fetches the next batch of `data`; then, if a coin drawn from the global torch
+    RNG (`torch.rand(()) < lmbda`; not drawn when lmbda is 0 or 1) says so, returns
+    `on_policy_batch(student, batch, ...)`. lmbda = 0 passes the batches through (off-policy /
+    supervised KD), lmbda = 1 is fully on-policy. `state_dict()` holds the wrapped loader's state
+    and the batch counts; the RNG states are the trainer's (seeded, restored after a rolled-back
+    step, checkpointed), so a resumed run continues with the same coins and samples.
+
+    Args:
+        data: an unpacked SFT loader (`SFTLoader(pack=False)`: anything with `next_batch()`
+            returning `Batch`); its `rank` / `world_size` are passed through.
+        student: the `Policy` being trained (the same model object the `Trainer` gets).
+        lmbda: fraction of on-policy batches, in [0, 1].
+        temperature, max_new_tokens, top_p, top_k: the student's sampling settings; TRL's GKD
+            defaults are temperature 0.9, max_new_tokens 128, top_p 1, no top-k.
+
+    Attributes:
+        batches, on_policy_batches: batches fetched and how many of them were the student's.
+
+    Raises:
+        ValueError: for lmbda outside [0, 1], a packed loader, or bad sampling settings.
+        TypeError: for a `data` without `next_batch()` or a `student` that is not a `Policy`.
+    """
+
+    def __init__(self, data: Any, student: Policy, *, lmbda: float = 0.5,
+                 temperature: float = 0.9, max_new_tokens: int = 128, top_p: float = 1.0,
+                 top_k: int | None = None) -> None:
+        _check_fraction("lmbda", lmbda, "the fraction of batches whose completions the student "
+                        "samples: 0 is off-policy, 1 fully on-policy")
+        if not callable(getattr(data, "next_batch", None)):
+            raise TypeError(f"data must have a next_batch() method (e.g. posttrain.data."
+                            f"SFTLoader); got {type(data).__name__}")
+        if not isinstance(student, Policy):
+            raise TypeError(f"student must be a posttrain.policy.Policy; got "
+                            f"{type(student).__name__}")
+        if getattr(data, "pack", False):
+            raise ValueError("OnPolicyData needs an unpacked loader (SFTLoader(pack=False)): a "
+                             "packed row holds several prompts")
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
+        _check_sampling_args(temperature, top_k, top_p)  # refused now, not at the first coin
+        self.data, self.student, self.lmbda = data, student, lmbda
+        self.sampling = {"temperature": temperature, "max_new_tokens": max_new_tokens,
+                         "top_p": top_p, "top_k": top_k}
+        self.batches = self.on_policy_batches = 0
+
+    @property
+    def rank(self) -> int:
+        return getattr(self.data, "rank", 0)
+
+    @property
+    def world_size(self) -> int:
+        return getattr(self.data, "world_size", 1)
+
+    def next_batch(self) -> Batch:
+        """The next batch, with the student's completions with probability `lmbda`."""
+        batch = self.data.next_batch()
+        self.batches += 1
+        on_policy = self.lmbda == 1 or (0 < self.lmbda < 1 and float(torch.rand(())) < self.lmbda)
+        if not on_policy:
+            return batch
+        self.on_policy_batches += 1
+        return on_policy_batch(self.student, batch, **self.sampling)
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"data": the wrapped loader's state, "batches", "on_policy_batches"}."""
+        return {"data": self.data.state_dict(), "batches": self.batches,
+                "on_policy_batches": self.on_policy_batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])
+        self.batches, self.on_policy_batches = state["batches"], state["on_policy_batches"]
+
+    def __repr__(self) -> str:
+        return f"OnPolicyData(lmbda={self.lmbda}, {self.sampling}, data={type(self.data).__name__})"
+
+
+def teacher_generate(teacher: Policy, prompts: Sequence[str], *, n: int = 1,
+                     max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
+                     top_k: int | None = None, seed: int = 0) -> list[dict[str, str]]:
+    """Off-policy distillation data: the teacher's completions of `prompts` as SFT rows.
+
+    Each prompt is a user turn, rendered with the teacher tokenizer's chat template plus the
+    assistant header (`tokenizer.render_prompt`), as `SFTDataset` renders it, and sampled `n`
+    times (`Policy.generate`, seeded by `seed`; the global RNG is untouched).
+
+    Args:
+        teacher: the teacher `Policy`.
+        prompts: user messages (non-empty str).
+        n, max_new_tokens, temperature, top_p, top_k: sampling settings (`Policy.generate`).
+        seed: sampling seed; the same seed gives the same rows.
+
+    Returns:
+        Rows {"prompt": user message, "completion": the decoded sample}, prompt-major, ready for
+        `posttrain.data.SFTDataset` (which appends and trains the end-of-turn token). Samples
+        whose text is blank (the teacher stopped at once) are left out, since an SFT row needs a
+        non-empty answer: compare `len(rows)` with `n * len(prompts)`. A sample cut at
+        `max_new_tokens` is kept as it is.
+
+    Raises:
+        ValueError: for prompts that are not a non-empty list of non-empty str, or bad sampling
+            settings.
+    """
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of str (user messages)")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"prompts[{i}]={p!r}; each prompt must be a non-empty str")
+    tok = teacher.tokenizer
+    ids = [tok.render_prompt([{"role": "user", "content": p}]) for p in prompts]
+    completions = teacher.generate(ids, n=n, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    return [{"prompt": prompts[c.prompt_index], "completion": c.text}
+            for c in completions if c.text.strip()]
