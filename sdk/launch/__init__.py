@@ -9,6 +9,7 @@ from posttrain.launch.run import Run, JobFailedError, RUN_FILE
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.submit import launch, launch_array, EXECUTORS
 from posttrain.launch.judge import launch_judge, JudgeJob
+from posttrain.launch.ray_cluster import ray_job, RayCluster  # ray_cluster(): that module
 
 __all__ = [
     "launch_judge",
@@ -20,4 +21,6 @@ __all__ = [
     "launch_array",
     "LaunchPickleError",
     "EXECUTORS",
+    "ray_job",
+    "RayCluster",
 ]
