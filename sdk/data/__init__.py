@@ -1,5 +1,6 @@
 """Rows to batches: row validation, chat rendering, SFT/CPT and preference datasets, padding,
-packing and collation, and the resumable data-parallel loader.
+packing and collation, the resumable data-parallel loader, and synthetic data (generate, score,
+filter: `posttrain.data.synthetic`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ from posttrain.data.preference import (
     render_response,
 )
 from posttrain.data.sft import ON_BAD_ROW, OVERLONG
+from posttrain.data.synthetic import (
+    Decontaminate,
+    ExactDedup,
+    Length,
+    MinScore,
+    NearDedup,
+    Score,
+    Stage,
+    SyntheticPipeline,
+    SyntheticResult,
+    build_stage,
+    generate_candidates,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -77,4 +91,15 @@ __all__ = [
     "render_response",
     "ON_BAD_ROW",
     "OVERLONG",
+    "generate_candidates",
+    "SyntheticPipeline",
+    "SyntheticResult",
+    "Stage",
+    "Score",
+    "ExactDedup",
+    "NearDedup",
+    "Length",
+    "MinScore",
+    "Decontaminate",
+    "build_stage",
 ]
