@@ -1,6 +1,8 @@
 """`posttrain` command line: `posttrain info`, `posttrain run RECIPE [--config PRESET.yaml]
-[key=value ...]`, `posttrain launch RECIPE [--executor local|slurm|debug] [resources]
-[key=value ...]`.
+[--parent FOLDER ...] [key=value ...]`, `posttrain launch RECIPE [--executor local|slurm|debug]
+[resources] [key=value ...]`, `posttrain runs [FOLDER ...]` (the table of runs and their
+lineage) and `posttrain rerun FOLDER [out_dir=...] [key=value ...]` (a run again from its
+folder's config.json).
 
 A recipe is a file `recipes/NAME.py` (looked up in the current folder, then beside the installed
 package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`. A
@@ -13,8 +15,11 @@ section.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
+import json
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -157,6 +162,49 @@ def apply_overrides(cfg, overrides: list[str]):
         raise ValueError(str(e)) from None
 
 
+def _load_run(folder: str):
+    """(recipe module, recipe name, Config) of the run in `folder` (see `load_run_config`)."""
+    from posttrain.workflows.config import override
+    from posttrain.workflows.lineage import read_lineage
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} is not a run folder: it has no config.json")
+    recipe = read_lineage(folder).get("recipe", {})
+    name, file = recipe.get("name"), recipe.get("file")
+    if name is None and not (file and Path(file).is_file()):
+        raise ValueError(f"{folder}/lineage.json names no recipe that runs config class "
+                         f"{recipe.get('config_class')!r}")
+    try:
+        module = load_recipe(name if name is not None else file)
+    except ValueError:
+        if not (file and Path(file).is_file()):
+            raise
+        module = load_recipe(file)
+    cls = module.Config
+    if f"{cls.__module__}.{cls.__qualname__}" != recipe.get("config_class"):
+        raise ValueError(f"{folder} ran config class {recipe.get('config_class')!r}, but recipe "
+                         f"{name!r} now defines {cls.__module__}.{cls.__qualname__}")
+    try:
+        cfg = override(module.Config(), json.loads(path.read_text()))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    return module, name or Path(file).stem, cfg
+
+
+def load_run_config(folder: str) -> tuple[str, object]:
+    """The recipe name and its `Config` as the run in `folder` ran it: the recipe its
+    lineage.json names, its `Config()` with the folder's config.json applied (every key, so
+    defaults changed since do not leak in; a key the recipe no longer has is an error).
+
+    Raises:
+        ValueError: if `folder` has no config.json or lineage.json, the recipe is not found or
+            defines another config class now, or config.json does not fit its Config.
+    """
+    _, name, cfg = _load_run(folder)
+    return name, cfg
+
+
 def _thread_env() -> None:
     """Put the run's thread plan (`posttrain.core.threads.apply_thread_env`) into `os.environ`
     before torch is imported: OpenMP reads its thread count and wait policy once, when torch
@@ -180,7 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a recipe: posttrain run RECIPE [key=value ...]")
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     run.add_argument("--config", help="YAML preset applied before the key=value overrides")
+    run.add_argument("--parent", action="append", default=[], metavar="FOLDER",
+                     help="a run this run derives from (recorded in lineage.json; repeatable)")
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
+    runs = sub.add_parser("runs", help="table of the runs under FOLDER ... (default: ./runs)")
+    runs.add_argument("folders", nargs="*", default=["runs"])
+    rerun = sub.add_parser("rerun", help="run again from a run folder's config.json: posttrain "
+                           "rerun FOLDER [out_dir=...] [key=value ...] (default out_dir: "
+                           "FOLDER-rerun)")
+    rerun.add_argument("folder", help="a run folder (config.json + lineage.json)")
+    rerun.add_argument("overrides", nargs="*", help="config overrides key=value")
     launch = sub.add_parser("launch", help="submit a recipe as a job (posttrain.launch.submit): "
                             "posttrain launch RECIPE [options] [key=value ...]")
     launch.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
@@ -196,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--wait", action="store_true", help="wait for the job and print its result")
     launch.add_argument("overrides", nargs="*", help="config overrides key=value")
     args, rest = parser.parse_known_args(argv)  # overrides may come before and after --config
-    if args.command not in ("run", "launch") and rest:
+    if args.command not in ("run", "launch", "rerun") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command in ("run", "launch"):
+    if args.command in ("run", "launch", "rerun"):
         if any(r.startswith("-") for r in rest):
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides += rest
@@ -209,21 +266,63 @@ def main(argv: list[str] | None = None) -> int:
         text, ok = format_report()
         print(text)
         return 0 if ok else 1
+    if args.command == "runs":
+        return _runs(parser, args.folders)
+    origin = {"command": "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)}
     try:
-        module = load_recipe(args.recipe)
-        cfg = module.Config()
-        if args.config:
-            cfg = load_config_file(cfg, args.config)
-        cfg = apply_overrides(cfg, args.overrides)
+        if args.command == "rerun":
+            module, name, cfg = _load_run(args.folder)
+            defaults = {"out_dir": f"{args.folder.rstrip('/')}-rerun"}
+            if any(f.name == "resume" for f in dataclasses.fields(cfg)):
+                defaults["resume"] = False
+            from posttrain.workflows.config import override
+
+            cfg = apply_overrides(override(cfg, defaults), args.overrides)
+            origin.update(recipe=name, recipe_file=_source_file(module), rerun_of=args.folder)
+        else:
+            module = load_recipe(args.recipe)
+            cfg = module.Config()
+            if args.config:
+                cfg = load_config_file(cfg, args.config)
+            cfg = apply_overrides(cfg, args.overrides)
+            origin.update(recipe=Path(args.recipe).stem, recipe_file=_source_file(module),
+                          parents=getattr(args, "parent", []))
     except ValueError as e:
         parser.error(str(e))
     if args.command == "launch":
         return _launch(args, module, cfg)
+    from posttrain.workflows.lineage import run_origin
+
+    out_dir = getattr(cfg, "out_dir", None)
     try:
-        module.main(cfg)
+        with run_origin(out_dir, **origin) if out_dir else contextlib.nullcontext():
+            module.main(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C: the stage stopped at a whole step (RunInterrupted)
-        print(f"posttrain run {args.recipe}: interrupted. {e}".rstrip(), file=sys.stderr)
+        label = args.folder if args.command == "rerun" else args.recipe
+        print(f"posttrain {args.command} {label}: interrupted. {e}".rstrip(), file=sys.stderr)
         return 130
+    return 0
+
+
+def _source_file(module) -> str | None:
+    return str(Path(module.__file__).resolve()) if getattr(module, "__file__", None) else None
+
+
+def _runs(parser, folders: list[str]) -> int:
+    """Print `posttrain.workflows.lineage.runs_table(*folders)`."""
+    import pandas as pd
+
+    from posttrain.workflows.lineage import runs_table
+
+    try:
+        table = runs_table(*folders)
+    except ValueError as e:
+        parser.error(str(e))
+    if table.empty:
+        print(f"no runs (folders with config.json and lineage.json) under {', '.join(folders)}")
+        return 0
+    with pd.option_context("display.width", 200, "display.max_colwidth", 60):
+        print(table.to_string(index=False))
     return 0
 
 

@@ -1,7 +1,7 @@
-"""What every recipe does at the start and the end of a run: refuse a used run folder and echo
-the config (`start_run`), the held-out accuracy table and paired difference of results.md,
-results.json + results.md (`write_results`), and the one plot of per-step curves
-(`plot_curves`).
+"""What every recipe does at the start and the end of a run: refuse a used run folder, echo
+the config and record the run's lineage (`start_run`; `posttrain.workflows.lineage`), the
+held-out accuracy table and paired difference of results.md, results.json + results.md
+(`write_results`), and the one plot of per-step curves (`plot_curves`).
 
 The plot uses matplotlib directly (Agg, a file in the run folder), not
 `posttrain.notebook.plots.plot_metrics`: nothing in the SDK imports the notebook layer, and a
@@ -32,6 +32,7 @@ from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.workflows.config import validate
+from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelConfig, check_world_size
 
 __all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
@@ -53,16 +54,18 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
     `out_dir` (or its `sub_runs`, e.g. "sft") that already holds a run unless `cfg.resume`;
     on resume, compare `cfg` with the saved `config.json` (only `RESUMABLE_KEYS` may differ).
     Then (rank 0 of a process group, after every rank has checked) create the folder (0700),
-    claim it for this process (`posttrain.core.run_lock`) and write `config.json`; seed torch
-    with `cfg.seed`. Returns the run folder.
+    claim it for this process (`posttrain.core.run_lock`) and write `config.json` and
+    `lineage.json` (`posttrain.workflows.lineage`: data hashes, code and package versions,
+    parents); seed torch with `cfg.seed`. Returns the run folder.
 
     A config with a `parallel` plan must run under a process group of the plan's world size
     (`check_world_size`).
 
     Raises:
         ValueError: before anything is written, for a bad config, a used run folder, a resume
-            whose config differs from the saved one (naming the dotted key), or a `parallel`
-            plan that does not match the job's world size.
+            whose config differs from the saved one (naming the dotted key), a `parallel`
+            plan that does not match the job's world size, or a missing parent run or data
+            file (`check_parents`).
         RunDirInUseError: if another live process holds the folder.
     """
     validate(cfg)
@@ -75,10 +78,12 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
             check_new_run_dir(folder)
     elif (out / "config.json").is_file():
         _check_resumed_config(json.loads((out / "config.json").read_text()), config, out)
+    parents = check_parents(cfg, out, sub_runs)
     barrier()  # every rank has checked the folder before rank 0 writes into it
     if rank_and_world_size()[0] == 0:
         claim_run_dir(out)
         write_text_atomic(out / "config.json", json.dumps(config, indent=2))
+        write_lineage(cfg, out, config, parents)
     torch.manual_seed(cfg.seed)
     return out
 
