@@ -50,37 +50,7 @@ BETAS = (0.1, 0.5)
 # --------------------------------------------------------------------------------------------
 
 
-class _Accelerator:
-    """Single process: gathers are the identity; `gathered` keeps what TRL gathered, in order."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.gathered: list[torch.Tensor] = []
-
-    def gather(self, x):
-        self.gathered.append(x)
-        return x
-
-    def gather_for_metrics(self, x):
-        return x
-
-
-class _FixedLogps:
-    """Stands in for the model: per-token log-probs [2B, T-1] whose rows sum to `logps_2B`
-    (all of it on the first response token)."""
-
-    training = True
-
-    def __init__(self, logps_2B) -> None:
-        self.logps_2B = logps_2B
-
-    def __call__(self, *, input_ids, **kwargs):
-        per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-        per_token[:, 0] = self.logps_2B
-        zeros = torch.zeros_like(per_token).detach()
-        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
-                               is_top1=zeros.bool())
+from _trl_harness import _Accelerator, _FixedLogps  # noqa: E402
 
 
 def trl_dpo(pc, pr, rc, rr, lc, lr, *, beta, loss_type="sigmoid", loss_weights=None,

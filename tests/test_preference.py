@@ -50,38 +50,7 @@ B = 6
 # --------------------------------------------------------------------------------------------
 
 
-class _Accelerator:
-    """Single process: gathers are the identity; `gathered` keeps what TRL gathered, in order."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.gathered: list[torch.Tensor] = []
-
-    def gather(self, x):
-        self.gathered.append(x)
-        return x
-
-    def gather_for_metrics(self, x):
-        return x
-
-
-class _FixedLogps:
-    """Stands in for the model of a TRL trainer. Rows whose first input id is 2 are KTO's
-    mismatched (KL) rows. Returns per-token log-probs [rows, T-1] that sum to the given values."""
-
-    training = True
-
-    def __init__(self, logps, kl_logps=None) -> None:
-        self.logps, self.kl_logps = logps, kl_logps
-
-    def __call__(self, *, input_ids, **kwargs):
-        values = self.kl_logps if int(input_ids[0, 0]) == 2 else self.logps
-        per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-        per_token[:, 0] = values
-        zeros = torch.zeros_like(per_token)
-        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
-                               is_top1=zeros.bool())
+from _trl_harness import _Accelerator, _FixedLogps  # noqa: E402
 
 
 def _common(trainer_cls, **attributes):

@@ -1,0 +1,42 @@
+"""Stand-ins for the parts of a TRL trainer its loss code reads, so TRL's own `_compute_loss`
+runs on given log-probs (tests/test_preference.py, tests/test_dpo_family.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+class _Accelerator:
+    """Single process: gathers are the identity; `gathered` keeps what TRL gathered, in order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.gathered: list[torch.Tensor] = []
+
+    def gather(self, x):
+        self.gathered.append(x)
+        return x
+
+    def gather_for_metrics(self, x):
+        return x
+
+
+class _FixedLogps:
+    """Stands in for the model of a TRL trainer. Rows whose first input id is 2 are KTO's
+    mismatched (KL) rows. Returns per-token log-probs [rows, T-1] that sum to the given values."""
+
+    training = True
+
+    def __init__(self, logps, kl_logps=None) -> None:
+        self.logps, self.kl_logps = logps, kl_logps
+
+    def __call__(self, *, input_ids, **kwargs):
+        values = self.kl_logps if int(input_ids[0, 0]) == 2 else self.logps
+        per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
+        per_token[:, 0] = values
+        zeros = torch.zeros_like(per_token)
+        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
+                               is_top1=zeros.bool())
