@@ -62,6 +62,7 @@ from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig,
                                  write_results)
 from posttrain.workflows import (cached_pairs, on_rank_zero, read_table, stop_if_interrupted,
                                  unsharded_policy, write_table)
+from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from posttrain.workflows.config import choice, finite, ints
 from posttrain.workflows.parallel import check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
@@ -82,6 +83,11 @@ class Config:
     loss: str = "dpo"                  # dpo | ipo | simpo | kto | orpo
     beta: float | None = None          # None: DEFAULT_BETA[loss]
     label_smoothing: float = 0.0       # dpo (cDPO) and simpo
+    # loss=dpo only: any DPOTrainer loss_type of TRL 1.16 or "dpop", and its f-divergence
+    # (posttrain.preference.dpo_family), so a loss ablation is one config key
+    dpo_loss_type: str = "sigmoid"
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
     simpo_gamma: float = 1.0           # SimPO's target reward margin
     ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
     kto_desirable_weight: float = 1.0
@@ -124,6 +130,13 @@ class Config:
                              "one pair")
         finite(self, at, ("label_smoothing", "simpo_gamma", "kto_desirable_weight",
                           "kto_undesirable_weight"))
+        choice(f"{at}.dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
+        choice(f"{at}.f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
+        for name, default in (("dpo_loss_type", "sigmoid"), ("f_divergence_type", "reverse_kl"),
+                              ("f_alpha_divergence_coef", 0.5)):
+            if self.loss != "dpo" and getattr(self, name) != default:
+                raise fail(f"{at}.{name}", getattr(self, name),
+                           f"{default!r}: it is read by loss='dpo' only, not {self.loss!r}")
         if self.label_smoothing and self.loss not in ("dpo", "simpo"):
             raise fail(f"{at}.label_smoothing", self.label_smoothing,
                        f"0: it is used by dpo and simpo only, and loss={self.loss!r} would "
@@ -140,7 +153,10 @@ class Config:
     def build_loss(self):
         """The `TrainingLoss` these settings describe."""
         beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
-        options = {"dpo": {"label_smoothing": self.label_smoothing},
+        dpo = {"loss_type": self.dpo_loss_type, "f_divergence_type": self.f_divergence_type}
+        if self.f_alpha_divergence_coef != 0.5:  # an error unless the divergence reads it
+            dpo["f_alpha_divergence_coef"] = self.f_alpha_divergence_coef
+        options = {"dpo": {"label_smoothing": self.label_smoothing, **dpo},
                    "ipo": {"length_normalize": self.ipo_length_normalize},
                    "simpo": {"gamma": self.simpo_gamma, "label_smoothing": self.label_smoothing},
                    "kto": {"desirable_weight": self.kto_desirable_weight,

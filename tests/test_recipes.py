@@ -66,8 +66,9 @@ CONFIG_KEYS = {
         'model.init_from', 'model.name', 'out_dir', 'prompts', 'sampling.max_new_tokens',
         'sampling.temperature', 'sampling.top_p', 'seed'],
     "dpo": [
-        'beta', 'checkpoint.every', 'checkpoint.keep_last', 'eval.every',
-        'eval.max_new_tokens', 'ipo_length_normalize', 'kto_desirable_weight',
+        'beta', 'checkpoint.every', 'checkpoint.keep_last', 'dpo_loss_type', 'eval.every',
+        'eval.max_new_tokens', 'f_alpha_divergence_coef', 'f_divergence_type',
+        'ipo_length_normalize', 'kto_desirable_weight',
         'kto_undesirable_weight', 'label_smoothing', 'loss', 'max_seq_len',
         'model.init_from', 'model.name', 'optim.batch_size', 'optim.grad_accum_steps',
         'optim.lr', 'optim.max_grad_norm', 'optim.min_lr_ratio', 'optim.steps',
@@ -161,6 +162,9 @@ def test_sft_config_rejects_warmup_longer_than_training():
     ("dpo", {"model.init_from": "/nonexistent/policy"}, "model.init_from"),
     ("dpo", {"pairs.num_prompts": 8, "val_pairs": 50}, "val_pairs"),
     ("dpo", {"loss": "ipo", "label_smoothing": 0.3}, "label_smoothing"),
+    ("dpo", {"dpo_loss_type": "nope"}, "dpo_loss_type"),
+    ("dpo", {"loss": "ipo", "dpo_loss_type": "robust"}, "dpo_loss_type"),
+    ("dpo", {"f_divergence_type": "kl"}, "f_divergence_type"),
     ("reward_model", {"margin": float("nan")}, "margin"),
     ("reward_model", {"pairs.num_prompts": 1}, "pairs.num_prompts"),
     ("sft", {"optim.lr": float("nan")}, "optim.lr"),
@@ -252,3 +256,19 @@ def test_a_recipe_config_travels_to_a_job_and_validates_there(name, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == [f"posttrain_recipe_{name}", str(cfg.optim.steps), "True"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"dpo_loss_type": "robust", "label_smoothing": 0.1},
+     {"loss_type": "robust", "label_smoothing": 0.1}),
+    ({"dpo_loss_type": "sigmoid", "f_divergence_type": "alpha_divergence",
+      "f_alpha_divergence_coef": 0.3},
+     {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+    ({"dpo_loss_type": "dpop"}, {"loss_type": "dpop"})])
+def test_dpo_recipe_reaches_every_dpo_loss_type(overrides, expected):
+    """A loss ablation is one config key: the recipe builds the DPOLoss those options name."""
+    from posttrain.preference import DPOLoss
+
+    module = cli.load_recipe("dpo")
+    built = override(module.Config(), overrides).build_loss()
+    assert repr(built) == repr(DPOLoss(beta=0.1, **expected))
