@@ -301,8 +301,7 @@ def _head(job: _Job, cpus: int, port: int | None, join_timeout_s: float,
         yield RayCluster(address=address, nodes=job.node_names(), is_driver=True, role="head",
                          start_s=elapsed, temp_dir=job.temp_dir)
     finally:
-        # worker nodes stop first (the file going tells them), faster while the head answers
-        rendezvous.unlink(missing_ok=True)
+        rendezvous.unlink(missing_ok=True)  # the workers stop first: their cue
         if connected:
             with contextlib.suppress(Exception):  # teardown goes on whatever the GCS says
                 _wait_for(lambda: _alive(ray) <= 1, None, time.monotonic() + _STOP_GRACE_S, "")
@@ -444,6 +443,9 @@ def _stop(process: subprocess.Popen, what: str) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
+    deadline = time.monotonic() + 5.0  # SIGKILL is sent, not yet done: wait for the exits
+    while _session_pids(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _session_pids(sid: int) -> list[int]:
