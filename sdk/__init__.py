@@ -54,7 +54,8 @@ _LAZY = {
     "launch_array": "posttrain.launch", "Run": "posttrain.launch",
     "LiveDashboard": "posttrain.notebook", "plot_metrics": "posttrain.notebook",
     "rollouts_frame": "posttrain.notebook", "compare_rewards": "posttrain.notebook",
-    "load_recipe": "posttrain.cli",
+    "load_recipe": "posttrain.workflows.recipes", "sweep": "posttrain.workflows.sweep",
+    "runs_table": "posttrain.workflows.lineage",
 }
 
 __all__ = sorted(_LAZY)

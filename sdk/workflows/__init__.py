@@ -70,6 +70,9 @@ from posttrain.workflows.sft import (
     warm_start,
 )
 from posttrain.workflows.rl import RL_TINY, RLRunConfig, check_gym_task, run_sft_then_rl
+from posttrain.workflows.evaluation import (ExactMatchSet, HumanEvalSet, JudgeWinRateSet,
+                                            RegressionError, SuiteResult, evaluate_suite,
+                                            regression_check)
 
 __all__ = [
     "RESUMABLE_KEYS",
@@ -90,4 +93,6 @@ __all__ = [
     "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
     "start_policy", "unsharded_policy", "warm_start",
     "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
+    "ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError", "SuiteResult",
+    "evaluate_suite", "regression_check",
 ]

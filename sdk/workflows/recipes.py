@@ -1,0 +1,154 @@
+"""Recipes by name: a file `recipes/NAME.py` (looked up in the current folder, then beside the
+installed package source) defining a keyword-only dataclass `Config` and a function `main(cfg)`.
+`load_recipe` imports one, `load_config_file` applies a YAML preset and `apply_overrides` dotted
+`key=value` strings typed by the dataclass annotations (`posttrain run`, `posttrain launch` and
+`posttrain.workflows.sweep` share them). An unknown key is an error listing the valid keys of
+its section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import typing
+from pathlib import Path
+
+__all__ = ["recipe_dirs", "find_recipe", "load_recipe", "load_config_file", "apply_overrides",
+           "config_annotation"]
+
+
+def recipe_dirs() -> list[Path]:
+    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
+
+
+def find_recipe(name: str) -> Path:
+    """Path of a recipe given as a file path (`recipes/sft.py`) or a name (`sft`).
+
+    Raises ValueError listing the recipes found.
+    """
+    if name.endswith(".py") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"recipe file {name!r} does not exist")
+        return path
+    found: dict[str, Path] = {}
+    for d in recipe_dirs():
+        for p in sorted(d.glob("*.py")) if d.is_dir() else []:
+            if not p.name.startswith("_"):
+                found.setdefault(p.stem, p)
+    if name not in found:
+        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'}"
+                         f" (searched {', '.join(str(d) for d in recipe_dirs())})")
+    return found[name]
+
+
+def load_recipe(name: str):
+    """The recipe module `name` (see `find_recipe`), imported from its file.
+
+    The module lives under a made-up name (`posttrain_recipe_sft`) that a job cannot import, so
+    it is registered with cloudpickle to travel by value: `posttrain.launch.launch(module.main,
+    cfg)` then ships the recipe's own code (its `main`, a `Config` it defines) to the job, while
+    what it imports from `posttrain` travels by reference.
+    """
+    import cloudpickle
+
+    path = find_recipe(name)
+    spec = importlib.util.spec_from_file_location(f"posttrain_recipe_{Path(name).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
+
+
+def _coerce(value: str, annotation) -> object:
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+        if value.lower() in ("none", "null"):
+            return None
+        annotation = args[0] if len(args) == 1 else str
+    if annotation is bool:
+        if value.lower() in ("1", "true", "yes"):
+            return True
+        if value.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"expected a boolean (true/false), got {value!r}")
+    if annotation in (int, float, str):
+        return annotation(value)
+    import yaml
+
+    return yaml.safe_load(value)
+
+
+def load_config_file(cfg, path: str):
+    """A copy of dataclass `cfg` with YAML file `path` applied: top-level keys, sections as
+    nested mappings (`optim: {lr: 0.0001}`) or dotted keys (`optim.lr: 0.0001`).
+
+    Raises ValueError naming an unknown key and listing the valid keys of its section.
+    """
+    import yaml
+
+    from posttrain.workflows.config import override
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config file {path} must hold a mapping of key: value")
+    try:
+        return override(cfg, values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def config_annotation(cfg, key: str):
+    """The type annotation of dotted `key` in the nested dataclass `cfg` (None inside a dict
+    field, whose values are parsed as YAML).
+
+    Raises ValueError for an unknown key, listing the valid keys of its section.
+    """
+    obj, annotation, parts = cfg, None, key.split(".")
+    for i, part in enumerate(parts):
+        section = ".".join(parts[:i])
+        if dataclasses.is_dataclass(obj):
+            names = sorted(f.name for f in dataclasses.fields(obj))
+            if part not in names:
+                raise ValueError(f"unknown config key {key!r}; valid keys"
+                                 f"{' of ' + section if section else ''}: {', '.join(names)}")
+            annotation, obj = typing.get_type_hints(type(obj))[part], getattr(obj, part)
+        elif isinstance(obj, dict):
+            return None
+        else:
+            raise ValueError(f"config key {key!r}: {section!r} has no keys of its own")
+    return annotation
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """A copy of dataclass `cfg` with `key=value` strings applied; keys are dotted for nested
+    sections (`optim.lr=1e-4`) and values typed by the field annotations.
+
+    Raises ValueError naming an unknown key (and listing the valid keys of its section) or a
+    malformed override.
+    """
+    from posttrain.workflows.config import override
+
+    changes = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        annotation = config_annotation(cfg, key)
+        try:
+            changes[key] = _coerce(value, annotation)
+        except ValueError as e:
+            raise ValueError(f"config key {key!r}: {e}") from None
+    try:
+        return override(cfg, changes)
+    except TypeError as e:
+        raise ValueError(str(e)) from None

@@ -1,0 +1,443 @@
+"""Ablation sweeps from a cell: `sweep(recipe, grid, seeds=...)` runs every arm of a grid (the
+cartesian product of its value lists) once per seed, through `posttrain.launch.launch_array`
+(in-process "debug", "local" processes or a Slurm job array), and returns a `Sweep` handle.
+
+Layout: `<folder>/<arm>/seed<k>/` is the run folder of an arm and a seed (`out_dir`), with the
+usual results.json, metrics.jsonl, eval_*.csv and lineage.json; `<folder>/sweep.json` records the
+recipe, grid, seeds and baseline; `<folder>/launch/` holds the job files. Submitting the same
+sweep again (same folder) does not rerun a finished run (its config.json must match, else
+ValueError), leaves a running one alone, and resumes (`resume=True`) one that failed or was
+interrupted. A failed run shows its error in the table and does not stop the others.
+
+Statistics (`Sweep.summary`):
+  - per arm, the mean of the headline metric (`posttrain.workflows.lineage.main_metric`, e.g.
+    held-out accuracy after the last stage) over its finished seeds, with a two-sided 95%
+    Student-t interval, mean +- t_{0.975, n-1} * s / sqrt(n) (n >= 2 seeds; NaN for one);
+  - against the baseline arm: the paired difference on the same held-out items, run for run
+    with the same seed (the items are checked to be the same questions in the same order), by
+    `posttrain.rewards.evaluation.paired_bootstrap_diff` over the pooled (seed, item) pairs.
+
+Example:
+    >>> s = sweep("sft", {"optim.lr": [1e-3, 3e-3]}, seeds=[0, 1], executor="debug",
+    ...           base=load_recipe("sft").TINY, baseline="optim.lr=0.001")  # doctest: +SKIP
+    >>> s.summary()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import html
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pandas as pd
+
+from posttrain.launch import JobFailedError, Run, launch_array
+from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.workflows.config import override
+from posttrain.workflows.lineage import main_metric, run_status
+from posttrain.workflows.recipes import config_annotation, load_config_file, load_recipe
+from posttrain.workflows.reports import _check_resumed_config
+
+__all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
+
+SWEEP_FILE = "sweep.json"
+_NEEDED = ("out_dir", "seed", "resume")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One grid point: `values` maps dotted config keys to values; `name` is `key=value` pairs
+    joined by "," (in grid order), also its folder name."""
+
+    name: str
+    values: dict[str, Any]
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t distribution with `df` degrees of freedom, found by
+    bisection on its CDF, 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2 for t > 0 (regularised
+    incomplete beta from mpmath), to 1e-10.
+
+    Raises:
+        ValueError: for p outside (0.5, 1) or df < 1.
+    """
+    import mpmath
+
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+
+    def cdf(t: float) -> float:
+        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t),
+                                              regularized=True))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    while high - low > 1e-10:
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def _arm_name(values: Mapping[str, Any]) -> str:
+    name = ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                    for k, v in values.items())
+    return name.replace("/", "_").replace(" ", "") or "default"
+
+
+def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
+    if not isinstance(grid, Mapping) or not grid:
+        raise ValueError("sweep: grid must be a non-empty mapping of dotted config key -> list "
+                         "of values, e.g. {'optim.lr': [1e-3, 3e-3]}")
+    for key, values in grid.items():
+        config_annotation(cfg, key)  # ValueError naming the key and the valid keys of its section
+        if key in _NEEDED:
+            raise ValueError(f"sweep: grid key {key!r} is set by the sweep itself"
+                             + (" (pass seeds=[...])" if key == "seed" else ""))
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise ValueError(f"sweep: grid[{key!r}] must be a non-empty list of values, got "
+                             f"{values!r}")
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
+            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {list(values)}")
+    arms = [Arm(_arm_name(dict(zip(grid, combo))), dict(zip(grid, combo)))
+            for combo in itertools.product(*grid.values())]
+    for arm in arms:
+        try:
+            override(cfg, arm.values)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"sweep: arm {arm.name}: {e}") from None
+    return arms
+
+
+def _baseline(baseline: str | Mapping[str, Any] | None, arms: list[Arm]) -> Arm | None:
+    if baseline is None:
+        return None
+    for arm in arms:
+        if baseline == arm.name or (isinstance(baseline, Mapping) and dict(baseline) ==
+                                    arm.values):
+            return arm
+    raise ValueError(f"sweep: baseline {baseline!r} is not an arm of the grid; arms: "
+                     f"{', '.join(a.name for a in arms)}")
+
+
+def _base_config(module: ModuleType, base: Any, config: str | os.PathLike | None) -> Any:
+    cfg = module.Config()
+    if config is not None:
+        cfg = load_config_file(cfg, str(config))
+    if isinstance(base, Mapping):
+        cfg = override(cfg, dict(base))
+    elif base is not None:
+        if type(base) is not type(cfg):
+            raise ValueError(f"sweep: base must be a {type(cfg).__qualname__} or a mapping of "
+                             f"dotted overrides, got {type(base).__qualname__}")
+        cfg = base
+    missing = [f for f in _NEEDED if not any(x.name == f for x in dataclasses.fields(cfg))]
+    if missing:
+        raise ValueError(f"sweep: recipe config {type(cfg).__qualname__} lacks "
+                         f"{', '.join(missing)}; a sweep needs out_dir, seed and resume fields")
+    return cfg
+
+
+def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
+          seeds: Sequence[int] = (0,), base: Any = None, config: str | os.PathLike | None = None,
+          baseline: str | Mapping[str, Any] | None = None, executor: str = "local",
+          folder: str | os.PathLike | None = None, **launch_options: Any) -> Sweep:
+    """Run `recipe` for every arm of `grid` and every seed of `seeds`; returns at once (with
+    executor="debug" the runs happen in this process, in turn, before it returns).
+
+    Args:
+        recipe: a recipe name or file (`posttrain.workflows.recipes.load_recipe`), or a module
+            with `Config` and `main`.
+        grid: dotted config key -> list of values; the arms are the cartesian product.
+        seeds: training seeds (`cfg.seed`); every arm runs each.
+        base: the config the arms start from: a mapping of dotted overrides of `Config()`
+            (e.g. the recipe's TINY), or a `Config`; `config` (a YAML preset) applies first.
+        baseline: the arm the others are compared with, by name ("optim.lr=0.001") or values
+            ({"optim.lr": 0.001}).
+        executor, **launch_options: as `posttrain.launch.launch_array` (nodes, tasks_per_node,
+            timeout_min, partition, slurm_kwargs={"array_parallelism": k}, ...).
+        folder: the sweep folder (default runs/sweeps/<recipe>-<timestamp>).
+
+    Raises:
+        ValueError: before anything is submitted, for a grid key that is not a config field
+            (listing the valid keys), an empty grid or value list, a repeated value, no seeds
+            or a repeated seed, a baseline that is not an arm, or a finished run folder whose
+            config differs from its arm's.
+    """
+    module = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
+    name = Path(str(recipe)).stem if isinstance(recipe, (str, os.PathLike)) else \
+        module.__name__.removeprefix("posttrain_recipe_")
+    cfg = _base_config(module, base, config)
+    arms = _arms(cfg, grid)
+    base_arm = _baseline(baseline, arms)
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"sweep: seeds must be distinct integers (at least one), got {seeds}")
+    if folder is None:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        folder = Path("runs", "sweeps", f"{name}-{stamp}")
+    folder = Path(folder).absolute()
+    cells, todo = {}, []
+    for arm, seed in itertools.product(arms, seeds):
+        out = folder / arm.name / f"seed{seed}"
+        run_cfg = override(cfg, {**arm.values, "seed": seed, "out_dir": str(out),
+                                 "resume": False})
+        status = run_status(out) if (out / "config.json").is_file() else None
+        if status is not None:
+            _check_resumed_config(json.loads((out / "config.json").read_text()),
+                                  dataclasses.asdict(run_cfg), out)
+        cells[arm.name, seed] = None
+        if status in (None, "failed", "interrupted"):
+            todo.append(((arm.name, seed), dataclasses.replace(run_cfg,
+                                                               resume=status is not None)))
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"recipe": name, "grid": {k: list(v) for k, v in grid.items()}, "seeds": seeds,
+              "baseline": None if base_arm is None else base_arm.name,
+              "arms": [dataclasses.asdict(a) for a in arms]}
+    (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
+    if todo:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        runs = launch_array(module.main, [c for _, c in todo], executor=executor,
+                            folder=None if executor == "debug" else folder / "launch" / stamp,
+                            name=f"sweep-{name}", **launch_options)
+        cells.update({key: run for (key, _), run in zip(todo, runs)})
+    return Sweep(folder, arms, seeds, base_arm, cells)
+
+
+class Sweep:
+    """The handle `sweep` returns: `table()` (live), `wait()`, `watch()`, `summary()`, `plot()`.
+
+    `runs` maps (arm name, seed) to the `posttrain.launch.Run` submitted this time, or None for
+    a run found finished (or running) in its folder.
+    """
+
+    def __init__(self, folder: Path, arms: list[Arm], seeds: list[int], baseline: Arm | None,
+                 runs: dict[tuple[str, int], Run | None]) -> None:
+        self.folder, self.arms, self.seeds, self.baseline = folder, arms, seeds, baseline
+        self.runs = runs
+
+    def out_dir(self, arm: str, seed: int) -> Path:
+        """The run folder of arm `arm` (its name) and seed `seed`."""
+        return self.folder / arm / f"seed{seed}"
+
+    def _state(self, arm: str, seed: int) -> tuple[str, str | None]:
+        run, out = self.runs.get((arm, seed)), self.out_dir(arm, seed)
+        if run is not None and not run.done():
+            return ("pending" if run.status() == "PENDING" else "running"), None
+        if run is not None and run.status() != "COMPLETED":
+            try:
+                run.result()
+            except JobFailedError as e:
+                return "failed", _error_line(str(e))
+            return "failed", f"job ended {run.status()}"
+        if not (out / "config.json").is_file():
+            return "failed", "the job ended without starting the run"
+        status = run_status(out)
+        return status, (None if status in ("finished", "running") else
+                        "no results.json (the job was killed or crashed)")
+
+    def table(self) -> pd.DataFrame:
+        """One row per (arm, seed), read now: arm, the grid values, seed, status (pending,
+        running, finished, failed, interrupted), step (last metrics.jsonl row), metric and
+        value (the headline, once finished), error (a failed run's exception line) and
+        out_dir."""
+        rows = []
+        for arm, seed in itertools.product(self.arms, self.seeds):
+            out = self.out_dir(arm.name, seed)
+            status, error = self._state(arm.name, seed)
+            results = _results(out) if status == "finished" else None
+            metric, value = main_metric(results) if results else (None, None)
+            rows.append({"arm": arm.name, **arm.values, "seed": seed, "status": status,
+                         "step": _last_step(out), "metric": metric, "value": value,
+                         "error": error, "out_dir": str(out)})
+        return pd.DataFrame(rows)
+
+    def done(self) -> bool:
+        """True once no run is pending or running."""
+        return all(r is None or r.done() for r in self.runs.values()) and not any(
+            run_status(self.out_dir(a, s)) == "running" for (a, s), r in self.runs.items()
+            if r is None and (self.out_dir(a, s) / "config.json").is_file())
+
+    def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> pd.DataFrame:
+        """Block until every run has ended; returns `table()`.
+
+        Raises:
+            TimeoutError: runs still going after `timeout` seconds (they keep running).
+        """
+        start = time.monotonic()
+        while not self.done():
+            if timeout is not None and time.monotonic() - start >= timeout:
+                raise TimeoutError(f"sweep {self.folder}: runs still going after {timeout:g} s "
+                                   "(they keep running; sweep.table() shows them)")
+            time.sleep(poll_s)
+        return self.table()
+
+    def watch(self, every_s: float = 2.0, timeout: float | None = None) -> pd.DataFrame:
+        """Show `table()` refreshed every `every_s` s until every run has ended (Jupyter: one
+        output updated in place; elsewhere a printed table whenever it changes). Ctrl-C stops
+        watching, not the runs. Returns the last table."""
+        handle, last, start = None, None, time.monotonic()
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+
+            if getattr(get_ipython(), "kernel", None) is not None:
+                handle = display(self.table(), display_id=True)
+        except ImportError:
+            pass
+        try:
+            while True:
+                ended, table = self.done(), self.table()
+                shown = table.drop(columns=["out_dir"]).to_string(index=False)
+                if handle is not None:
+                    handle.update(table)
+                elif shown != last:
+                    print(shown, flush=True)
+                    last = shown
+                if ended or (timeout is not None and time.monotonic() - start >= timeout):
+                    return table
+                time.sleep(every_s)
+        except KeyboardInterrupt:
+            print("stopped watching; the runs go on (sweep.table() shows them)")
+            return self.table()
+
+    def summary(self) -> pd.DataFrame:
+        """One row per arm: arm, grid values, seeds (finished), metric, mean, ci_low, ci_high
+        (95% Student-t over seeds; NaN with one seed) and, with a baseline, diff, diff_ci_low,
+        diff_ci_high (paired bootstrap on the same held-out items, seed for seed), paired_items
+        and note (why a comparison is missing)."""
+        table = self.table()
+        rows = []
+        for arm in self.arms:
+            done = table[(table.arm == arm.name) & (table.status == "finished")]
+            values = done["value"].dropna().astype(float).tolist()
+            row = {"arm": arm.name, **arm.values, "seeds": len(values),
+                   "metric": done["metric"].iloc[0] if len(done) else None,
+                   **_mean_interval(values)}
+            if self.baseline is not None:
+                row.update(self._paired(arm, done["seed"].tolist()))
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def _paired(self, arm: Arm, seeds: list[int]) -> dict[str, Any]:
+        empty = {"diff": math.nan, "diff_ci_low": math.nan, "diff_ci_high": math.nan,
+                 "paired_items": 0}
+        if arm == self.baseline:
+            return {**empty, "note": "baseline"}
+        mine, theirs = [], []
+        for seed in seeds:
+            a, b = self.out_dir(arm.name, seed), self.out_dir(self.baseline.name, seed)
+            if run_status(b) != "finished":
+                continue
+            ta, tb = _item_table(a), _item_table(b)
+            if ta is None or tb is None:
+                return {**empty, "note": "no per-item evaluation table"}
+            if ta["question"].tolist() != tb["question"].tolist():
+                return {**empty, "note": f"seed {seed}: held-out items differ from the "
+                        "baseline's (a grid key changes the evaluation set)"}
+            mine += ta["correct"].astype(bool).tolist()
+            theirs += tb["correct"].astype(bool).tolist()
+        if not mine:
+            return {**empty, "note": "no seed finished for both this arm and the baseline"}
+        d = paired_bootstrap_diff(mine, theirs)
+        return {"diff": d["difference"], "diff_ci_low": d["ci_low"], "diff_ci_high":
+                d["ci_high"], "paired_items": d["num_items"], "note": None}
+
+    def plot(self, ax=None):
+        """The headline metric per arm: one dot per seed, the mean with its 95% interval, and
+        the baseline's mean as a dashed line; with a baseline, a second panel of the paired
+        differences with their intervals and zero. Returns the matplotlib Figure."""
+        import matplotlib.pyplot as plt
+
+        summary, table = self.summary(), self.table()
+        panels = 2 if self.baseline is not None else 1
+        fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 0.6 * len(self.arms) + 2),
+                                 squeeze=False)
+        ax, y = axes[0][0], range(len(self.arms))
+        for i, arm in enumerate(self.arms):
+            dots = table[(table.arm == arm.name) & (table.status == "finished")]["value"]
+            ax.plot(dots.astype(float), [i] * len(dots), "o", color="0.6", ms=4)
+        s = summary
+        ax.errorbar(s["mean"], y, xerr=[s["mean"] - s["ci_low"], s["ci_high"] - s["mean"]],
+                    fmt="s", color="C0", capsize=3)
+        if self.baseline is not None:
+            ax.axvline(float(s.loc[s.arm == self.baseline.name, "mean"].iloc[0]), ls="--",
+                       color="0.5")
+        ax.set_yticks(list(y), s["arm"])
+        ax.set_xlabel(str(s["metric"].dropna().iloc[0]) if s["metric"].notna().any() else
+                      "metric")
+        ax.set_title("per arm: seeds (dots), mean and 95% t-interval")
+        if self.baseline is not None:
+            ax2 = axes[0][1]
+            ax2.errorbar(s["diff"], y, xerr=[s["diff"] - s["diff_ci_low"],
+                                             s["diff_ci_high"] - s["diff"]], fmt="o",
+                         color="C1", capsize=3)
+            ax2.axvline(0, color="0.5", lw=1)
+            ax2.set_yticks(list(y), [""] * len(self.arms))
+            ax2.set_xlabel(f"minus {self.baseline.name} (paired, 95% CI)")
+        fig.tight_layout()
+        return fig
+
+    def _repr_html_(self) -> str:
+        return (f"<p>sweep {html.escape(str(self.folder))}</p>"
+                + self.table().drop(columns=["out_dir"]).to_html(index=False))
+
+    def __repr__(self) -> str:
+        return f"Sweep({self.folder}, {len(self.arms)} arms x {len(self.seeds)} seeds)"
+
+
+def _mean_interval(values: list[float]) -> dict[str, float]:
+    n = len(values)
+    if n == 0:
+        return {"mean": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    mean = sum(values) / n
+    if n == 1:
+        return {"mean": mean, "ci_low": math.nan, "ci_high": math.nan}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def _results(out: Path) -> dict[str, Any] | None:
+    path = out / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _item_table(out: Path) -> pd.DataFrame | None:
+    """The per-item evaluation table behind the headline metric: eval_after_rl.csv for an RL
+    run (`after_<algo>`), else eval_after.csv."""
+    results = _results(out) or {}
+    metric, _ = main_metric(results)
+    name = "eval_after_rl.csv" if metric and metric.startswith(f"after_{results.get('algo')}") \
+        else "eval_after.csv"
+    path = out / name
+    return pd.read_csv(path) if metric and path.is_file() else None
+
+
+def _last_step(out: Path) -> int | None:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1]).get("step") if lines else None
+    except json.JSONDecodeError:  # a line being written
+        return None
+
+
+def _error_line(message: str) -> str:
+    """The exception line of a JobFailedError message (its remote traceback's last line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if ("Error" in line or "Exception" in line) and not line.startswith(("File ", "raise")):
+            return line[:300]
+    return lines[0][:300] if lines else message
