@@ -40,3 +40,14 @@ class _FixedLogps:
         zeros = torch.zeros_like(per_token)
         return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
                                is_top1=zeros.bool())
+
+
+def _close(ours, theirs, tol=1e-6):
+    """|ours - theirs| <= tol, relative to |theirs| where that exceeds 1 (IPO's squared losses
+    reach ~25-400 here, where fp32 resolves ~2e-6 to 3e-5 absolute)."""
+    ours, theirs = torch.as_tensor(ours).float(), torch.as_tensor(theirs).float()
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    if ours.numel():
+        excess = (ours - theirs).abs() / theirs.abs().clamp(min=1.0)
+        worst = float(excess.max())
+        assert worst <= tol, f"largest (relative) difference {worst:.3g}"
