@@ -435,3 +435,15 @@ def test_cli_launch_refuses_an_infinite_timeout(tmp_path, capsys):
                      str(tmp_path / "launch")]) == 1
     assert "timeout_min=inf; must be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "launch").exists()
+
+
+def test_a_local_run_alive_at_exit_prints_no_traceback(tmp_path):
+    """A script that launches a local job and exits with the handle alive: submitit's
+    LocalJob.__del__ used to print "Exception ignored ... TypeError" at interpreter exit."""
+    script = (f"from posttrain.launch import launch\n"
+              f"run = launch(abs, -3, executor='local', folder={str(tmp_path / 'l')!r})\n"
+              f"assert run.result() == 3\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr

@@ -40,6 +40,18 @@ _NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", 
                  "InvalidAccount", "InvalidQOS"}
 
 
+class QuietLocalJob(LocalJob):
+    """submitit's LocalJob, without the traceback its `__del__` prints when a handle is still
+    alive as the interpreter exits (submitit's module globals are None by then: "Exception
+    ignored in LocalJob.__del__ ... TypeError"). Errors in `__del__` are never raised anyway."""
+
+    def __del__(self) -> None:
+        try:
+            super().__del__()
+        except (TypeError, AttributeError, ImportError):
+            pass
+
+
 class JobFailedError(RuntimeError):
     """A job raised, was cancelled, ended without a result, or can never start (Slurm keeps it
     pending for a reason that will not clear). The message holds the remote traceback (or the
@@ -144,7 +156,7 @@ class Run:
             if record["host"] != socket.gethostname():
                 raise ValueError(f"{path}: this local job runs on host {record['host']!r}; "
                                  f"attach to it there, not on {socket.gethostname()!r}")
-            job = LocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
+            job = QuietLocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
         elif executor == "slurm":
             from submitit.slurm.slurm import SlurmJob
 

@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 
 from submitit.core.utils import FailedJobError
 from submitit.local.debug import DebugExecutor
-from submitit.local.local import LocalExecutor, LocalJob
+from submitit.local.local import LocalExecutor
 
 from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
 from posttrain.launch.pickling import _check_pickles
 from posttrain.launch.plans import check_plan_memory, resolve_plan
 from posttrain.core.checkpoint_files import make_private_dir
-from posttrain.launch.run import RUN_FILE, JobFailedError, Run
+from posttrain.launch.run import RUN_FILE, JobFailedError, QuietLocalJob, Run
 
 if TYPE_CHECKING:
     from posttrain.train.parallel import ParallelPlan
@@ -377,7 +377,7 @@ class _LocalExecutor(LocalExecutor):
     otherwise stop the job too. The controller also gets its folder with `%j` filled in, so no
     stray folder named `%j` is created."""
 
-    def _submit_command(self, command: str) -> LocalJob:
+    def _submit_command(self, command: str) -> QuietLocalJob:
         ntasks = self.parameters.get("tasks_per_node", 1)
         n_gpus = self.parameters.get("gpus_per_node", 0)
         env = dict(os.environ)
@@ -397,5 +397,5 @@ class _LocalExecutor(LocalExecutor):
                 "Controller(Path(sys.argv[1].replace('%j', str(os.getpid())))).run()")
         process = subprocess.Popen([sys.executable, "-c", code, str(self.folder)], env=env,
                                    start_new_session=True)
-        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+        return QuietLocalJob(folder=self.folder, job_id=str(process.pid), process=process,
                         tasks=list(range(ntasks)))
