@@ -271,3 +271,15 @@ def test_a_row_whose_step_is_not_a_number_is_an_error_not_a_crash(widget, displa
     with pytest.warns(UserWarning, match="step='abc'"):
         dash(FakeTrainer(), {"step": "abc", "loss": 1.0})
     assert dash.errors == ["dashboard: a row with step='abc' (not a number) was not shown"]
+
+
+def test_sft_rows_get_a_throughput_panel_with_the_last_mfu():
+    frame = pd.DataFrame({"step": [1, 2, 3], "loss": [3.0, 2.5, 2.0],
+                          "tokens_per_s": [900.0, 1000.0, 1100.0], "mfu": [0.01, 0.012, 0.015]})
+    fig = plot_metrics(frame)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["loss (nats/token)", "throughput (tokens/s), MFU 1.50%"]
+    assert list(fig.axes[1].lines[0].get_ydata()) == [900.0, 1000.0, 1100.0]
+    no_mfu = plot_metrics(frame.drop(columns=["mfu"]))
+    assert [ax.get_title() for ax in no_mfu.axes if ax.get_visible()][1] == \
+        "throughput (tokens/s)"

@@ -259,3 +259,21 @@ def test_bad_batches_and_batch_sizes_raise_naming_the_problem(rm):
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=f"batch_size={bad!r}; must be an integer >= 1"):
             rm.score([[1, 2]], batch_size=bad)
+
+
+def test_throughput_counts_the_tokens_of_both_rows_not_pairs():
+    """tokens_per_s and mfu of a reward-model step count every real token of the chosen and
+    rejected rows (the forward covers them all), not the pairs the loss averages over."""
+    rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+            {"prompt": "10+1=", "chosen": "11", "rejected": "101"}]
+    tokenizer = ByteTokenizer()
+    ds = PreferenceDataset(rows, tokenizer, max_seq_len=32)
+    expected = sum(len(ds[i]["chosen_ids"]) + len(ds[i]["rejected_ids"]) for i in range(2))
+    model = RewardModel.from_spec("tiny-1m", seed=0)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                      data=PreferenceLoader(ds, batch_size=2), loss=BradleyTerryLoss(),
+                      progress=False)
+    row = trainer.step()
+    assert row["trained_tokens"] == 2  # the loss's normaliser: pairs
+    assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(expected, rel=1e-9)
+    assert expected > 2 * len("2+2=4")  # prompt and response of both rows

@@ -30,8 +30,9 @@ __all__ = ["plot_metrics", "metric_label", "SFT_DEFAULT_METRICS", "RL_DEFAULT_ME
 OUTCOMES_PANEL = "outcomes"
 """Pseudo-metric: the `outcome_<name>` count columns of RL rows, stacked, in one panel."""
 
-SFT_DEFAULT_METRICS = ("loss",)
-"""Panels when a run has no `reward_mean` column (plus any `eval/...` column present)."""
+SFT_DEFAULT_METRICS = ("loss", "tokens_per_s")
+"""Panels when a run has no `reward_mean` column (those present, plus any `eval/...` column);
+the throughput panel's title carries the last step's MFU when rows have an `mfu` column."""
 
 RL_DEFAULT_METRICS = ("loss", "reward_mean", "kl", "accuracy", OUTCOMES_PANEL)
 """Panels when a run has a `reward_mean` column (those present, plus any `eval/...` column)."""
@@ -106,7 +107,7 @@ def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, nc
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
     for k, (ax, name) in enumerate(zip(axes, metrics)):
-        ax.set_title(metric_label(name), fontsize=9)
+        ax.set_title(metric_label(name) + _mfu_suffix(frame, name), fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if k >= len(metrics) - ncols:
@@ -131,6 +132,14 @@ def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, nc
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
+
+
+def _mfu_suffix(frame: pd.DataFrame, name: str) -> str:
+    """", MFU 1.23%" (the last row's `mfu`) for the throughput panel, else ""."""
+    if name != "tokens_per_s" or "mfu" not in frame:
+        return ""
+    mfu = pd.to_numeric(frame["mfu"], errors="coerce").dropna()
+    return f", MFU {mfu.iloc[-1]:.2%}" if len(mfu) else ""
 
 
 def _draw_outcomes(ax, frame: pd.DataFrame, steps: pd.Series) -> None:

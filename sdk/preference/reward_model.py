@@ -91,6 +91,15 @@ class BradleyTerryLoss:
         return torch.tensor(0 if trains_nothing(batch) else pair_tensors(batch)[0].shape[0],
                             dtype=torch.long)
 
+    def num_tokens(self, batch: Any) -> Tensor:
+        """Real (non-padding) tokens of the chosen and rejected rows, prompt included: the
+        reward head reads the last one, so the forward and backward pass cover them all (int64
+        scalar, tokens; 0 for a data-parallel padding batch), for tokens_per_s and mfu."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        _, c_mask, _, r_mask = pair_tensors(batch)
+        return (c_mask.sum() + r_mask.sum()).to(dtype=torch.int64, device="cpu")
+
     def rewards(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
         """(r_chosen `[B]`, r_rejected `[B]`) from one forward pass of `model`."""
         c_ids, c_mask, r_ids, r_mask = pair_tensors(batch)

@@ -31,6 +31,7 @@ import html
 import itertools
 import json
 import math
+import numbers
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from typing import Any
 import pandas as pd
 
 from posttrain.launch import JobFailedError, Run, launch_array
+from posttrain.launch.submit import EXECUTORS
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.config import override
 from posttrain.workflows.lineage import main_metric, run_status
@@ -88,10 +90,56 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
+def _plain(value: Any) -> Any:
+    """`value` with numpy scalars as Python ones and tuples as lists (nested), for JSON."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
+
+
+def _key(value: Any) -> str:
+    """Equal config values give one key: 1 and 1.0 alike, True and 1 not (bools are tagged)."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, bool) or v is None:
+            return ["bool", v] if isinstance(v, bool) else None
+        if isinstance(v, (int, float)):
+            return ["num", float(v)]
+        if isinstance(v, Mapping):
+            return {k: norm(x) for k, x in v.items()}
+        return [norm(x) for x in v] if isinstance(v, list) else v
+    return json.dumps(norm(_plain(value)), sort_keys=True, default=repr)
+
+
+_UNSAFE = set("%/\\,= ")
+
+
+def _show(value: Any) -> str:
+    """A value as an arm name shows it: a string as is unless it reads as JSON (then quoted, so
+    "1" and 1 differ), anything else as compact JSON; then percent-encoded, so no two values
+    share a name and the name is one valid folder name."""
+    value = _plain(value)
+    text = value if isinstance(value, str) else None
+    if text is not None:
+        try:
+            json.loads(text)
+            text = json.dumps(text)
+        except ValueError:
+            pass
+    if text is None or text == "":
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    return "".join("".join(f"%{b:02X}" for b in c.encode()) if c in _UNSAFE or not
+                   c.isprintable() else c for c in text)
+
+
 def _arm_name(values: Mapping[str, Any]) -> str:
-    name = ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
-                    for k, v in values.items())
-    return name.replace("/", "_").replace(" ", "") or "default"
+    name = ",".join(f"{k}={_show(v)}" for k, v in values.items()) or "default"
+    if len(name.encode()) > 200:  # a folder name has at most 255 bytes
+        import hashlib
+        name = name.encode()[:150].decode(errors="ignore") + "~" + \
+            hashlib.sha1(name.encode()).hexdigest()[:16]
+    return name
 
 
 def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
@@ -99,6 +147,9 @@ def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
         raise ValueError("sweep: grid must be a non-empty mapping of dotted config key -> list "
                          "of values, e.g. {'optim.lr': [1e-3, 3e-3]}")
     for key, values in grid.items():
+        if not isinstance(key, str):
+            raise ValueError(f"sweep: grid key {key!r} must be a dotted config key (a str), "
+                             "e.g. 'optim.lr'")
         config_annotation(cfg, key)  # ValueError naming the key and the valid keys of its section
         if key in _NEEDED:
             raise ValueError(f"sweep: grid key {key!r} is set by the sweep itself"
@@ -106,10 +157,18 @@ def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
             raise ValueError(f"sweep: grid[{key!r}] must be a non-empty list of values, got "
                              f"{values!r}")
-        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) != len(values):
-            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {list(values)}")
+        keys = [_key(v) for v in values]
+        if len(set(keys)) != len(keys):
+            twice = [v for v, k in zip(values, keys) if keys.count(k) > 1]
+            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {twice} are the same "
+                             f"config value (in {list(values)})")
+    grid = {k: [v.item() if type(v).__module__ == "numpy" and hasattr(v, "item") else v
+                for v in vs] for k, vs in grid.items()}
     arms = [Arm(_arm_name(dict(zip(grid, combo))), dict(zip(grid, combo)))
             for combo in itertools.product(*grid.values())]
+    if len({a.name for a in arms}) != len(arms):  # only through a hash clash of long names
+        raise ValueError("sweep: two arms got the same folder name (grid values with the same "
+                         f"repr?): {[a.name for a in arms]}")
     for arm in arms:
         try:
             override(cfg, arm.values)
@@ -122,10 +181,12 @@ def _baseline(baseline: str | Mapping[str, Any] | None, arms: list[Arm]) -> Arm 
     if baseline is None:
         return None
     for arm in arms:
-        if baseline == arm.name or (isinstance(baseline, Mapping) and dict(baseline) ==
-                                    arm.values):
+        if baseline == arm.name or (isinstance(baseline, Mapping) and set(baseline) ==
+                                    set(arm.values) and all(_key(baseline[k]) == _key(v)
+                                                            for k, v in arm.values.items())):
             return arm
-    raise ValueError(f"sweep: baseline {baseline!r} is not an arm of the grid; arms: "
+    raise ValueError(f"sweep: baseline {baseline!r} is not an arm of the grid; give an arm's "
+                     f"name or its values as a mapping, e.g. {arms[0].values!r}; arms: "
                      f"{', '.join(a.name for a in arms)}")
 
 
@@ -179,9 +240,15 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
     cfg = _base_config(module, base, config)
     arms = _arms(cfg, grid)
     base_arm = _baseline(baseline, arms)
-    seeds = list(seeds)
-    if not seeds or len(set(seeds)) != len(seeds) or not all(isinstance(s, int) for s in seeds):
-        raise ValueError(f"sweep: seeds must be distinct integers (at least one), got {seeds}")
+    given = seeds
+    seeds = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else None
+    if not seeds or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                            for s in seeds) or len(set(map(int, seeds))) != len(seeds):
+        raise ValueError("sweep: seeds must be a list of distinct integers (at least one; not "
+                         f"bools), e.g. [0, 1, 2], got {given!r}")
+    seeds = [int(s) for s in seeds]
+    if executor not in EXECUTORS:
+        raise ValueError(f"sweep: executor={executor!r}; allowed: {', '.join(EXECUTORS)}")
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path("runs", "sweeps", f"{name}-{stamp}")
@@ -199,17 +266,17 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
         if status in (None, "failed", "interrupted"):
             todo.append(((arm.name, seed), dataclasses.replace(run_cfg,
                                                                resume=status is not None)))
-    folder.mkdir(parents=True, exist_ok=True)
-    record = {"recipe": name, "grid": {k: list(v) for k, v in grid.items()}, "seeds": seeds,
-              "baseline": None if base_arm is None else base_arm.name,
-              "arms": [dataclasses.asdict(a) for a in arms]}
-    (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
-    if todo:
+    if todo:  # launch_array checks its options before it submits or writes anything
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         runs = launch_array(module.main, [c for _, c in todo], executor=executor,
                             folder=None if executor == "debug" else folder / "launch" / stamp,
                             name=f"sweep-{name}", **launch_options)
         cells.update({key: run for (key, _), run in zip(todo, runs)})
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"recipe": name, "grid": {k: _plain(list(v)) for k, v in grid.items()},
+              "seeds": seeds, "baseline": None if base_arm is None else base_arm.name,
+              "arms": [dataclasses.asdict(a) for a in arms]}
+    (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
     return Sweep(folder, arms, seeds, base_arm, cells)
 
 
