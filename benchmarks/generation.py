@@ -15,6 +15,13 @@ the three produce the same tokens.
 Usage:
     python benchmarks/generation.py            # writes docs/benchmarks_generation.{md,png}
     python benchmarks/generation.py --reps 3 --naive-reps 1 --out /tmp/gen   # quicker
+    python benchmarks/generation.py --batch 128 --group-size 8 --prompt-len 48 --new-tokens 8 \
+        --out docs/benchmarks_generation_grouped   # GRPO's shape: 16 prompts x G=8, short answers
+
+With --group-size G, the batch is batch/G distinct prompts sampled G times each: `Policy.generate`
+prefills each distinct prompt once and copies its KV-cache rows to the G samples (prefix
+sharing); transformers `generate` gets the G copies as separate rows, as TRL's GRPOTrainer
+passes them.
 """
 
 from __future__ import annotations
@@ -103,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="G: batch/G distinct prompts, each sampled G times as in GRPO "
+                        "(Policy.generate(prompts, n=G); transformers gets the G copies as rows, "
+                        "as TRL's GRPOTrainer passes them)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--naive-reps", type=int, default=1)
@@ -112,17 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     torch.set_num_threads(args.threads)
-    B, P, N = args.batch, args.prompt_len, args.new_tokens
+    B, P, N, G = args.batch, args.prompt_len, args.new_tokens, args.group_size
+    if G < 1 or B % G:
+        parser.error(f"--group-size {G} must be >= 1 and divide --batch {B}")
     policy = make_policy()
-    prompts_BP = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0))
-    prompt_lists = prompts_BP.tolist()
+    distinct = torch.randint(0, 256, (B // G, P), generator=torch.Generator().manual_seed(0))
+    prompts_BP = distinct.repeat_interleave(G, dim=0)
+    prompt_lists = distinct.tolist()
     ones_BP = torch.ones_like(prompts_BP)
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_hf_model(policy, Path(tmp) / "ckpt")
 
     def ours(**kw):
-        return lambda: [c.token_ids for c in policy.generate(prompt_lists, max_new_tokens=N, **kw)]
+        return lambda: [c.token_ids for c in policy.generate(prompt_lists, n=G, max_new_tokens=N,
+                                                             **kw)]
 
     def theirs(**kw):
         def run():
@@ -154,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     greedy = [v for k, v in outputs.items() if "greedy" in k]
     same = all(g == greedy[0] for g in greedy)
 
-    setup = (f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}, prompt "
-             f"{P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
+    group = f" ({B // G} prompts x G={G} samples)" if G > 1 else ""
+    setup = (f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}{group}, "
+             f"prompt {P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
              f"each ({args.naive_reps} for the naive loop), round-robin, after a warm-up run; "
              f"torch "
              f"{torch.__version__}, transformers {transformers.__version__}")

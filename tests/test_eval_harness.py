@@ -16,8 +16,10 @@ from posttrain.rewards.pairwise import PairwiseOutcome, PairwiseResult, RewardMo
 from posttrain.rewards.reward_model import RewardModel
 from posttrain.verifiers.sandbox import sandbox_available
 from posttrain.workflows import TaskConfig, evaluate, held_out_items
+from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.evaluation import (ExactMatchSet, HumanEvalSet, JudgeWinRateSet,
-                                            RegressionError, SuiteResult, evaluate_suite,
+                                            RegressionError, SuiteResult,
+                                            bootstrap_mean_interval, evaluate_suite,
                                             regression_check)
 
 NO_SANDBOX = sandbox_available()
@@ -223,6 +225,22 @@ def _ok(name="a"):
     (lambda: [ExactMatchSet(name="", items=ITEMS, score_fn=_exact)], "name=''"),
     (lambda: [JudgeWinRateSet(name="j", items=ITEMS, baseline_policy=_ScriptedPolicy(),
                               judge=None)], "judge=None; must be a PairwiseJudge"),
+    # found by probing: these used to start generating, or fail deep inside it
+    (lambda: [ExactMatchSet(name="a", items="abc", score_fn=_exact)],
+     "items='abc'; must be a non-empty list"),
+    (lambda: [_ok(), ExactMatchSet(name="b", items=[{"question": "q"}, {"q": 1}], score_fn=_exact)],
+     r"ExactMatchSet\('b'\).items\[1\]=\{'q': 1\}; must be a mapping with a string 'question'"),
+    (lambda: [JudgeWinRateSet(name="j", items=[{"x": 1}], baseline_policy=_ScriptedPolicy(),
+                              judge=_ScriptedJudge([]))], r"items\[0\]=.*string 'question'"),
+    (lambda: [HumanEvalSet(name="h", n=2, k=(1, 1))], r"k=\(1, 1\); must be .*distinct ints"),
+    (lambda: [HumanEvalSet(name="h", top_p=0)], r"top_p=0; must be a number in \(0, 1\]"),
+    (lambda: [HumanEvalSet(name="h", temperature=-1)], "temperature=-1; must be a finite number"),
+    (lambda: [ExactMatchSet(name="a", items=ITEMS, score_fn=_exact, temperature=True)],
+     "temperature=True; must be a finite number > 0"),
+    (lambda: [ExactMatchSet(name="a", items=ITEMS, score_fn=_exact, temperature=float("inf"))],
+     "temperature=inf; must be a finite number > 0"),
+    (lambda: [ExactMatchSet(name="a", items=ITEMS, score_fn=_exact, chat="no")],
+     "chat='no'; must be True or False"),
 ])
 def test_bad_input_raises_before_any_generation(make, match):
     policy = _NoGeneration()
@@ -235,3 +253,82 @@ def test_a_field_changed_after_construction_is_caught_before_generation():
     s.samples = -2
     with pytest.raises(ValueError, match="samples=-2"):
         evaluate_suite(_NoGeneration(), [_ok("a"), s], progress=False)
+
+
+def _dup_rows():
+    r = _result([True])
+    return SuiteResult(pd.concat([r.table, r.table]), r.per_item)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: evaluate_suite(_NoGeneration(), [_ok()], seed=-1, progress=False),
+     "seed=-1; must be an int >= 0"),
+    (lambda: evaluate_suite(_NoGeneration(), [_ok()], seed=1.5, progress=False), "seed=1.5"),
+    (lambda: regression_check(_result([True]), _result([True]), num_resamples=0),
+     "num_resamples=0; must be an int >= 1"),
+    (lambda: regression_check(_result([True]), 5), "earlier=5; must be a SuiteResult or a saved"),
+    (lambda: regression_check("x", _result([True])), "current='x'; must be a SuiteResult"),
+    (lambda: regression_check(_dup_rows(), _result([True])), "lists a \\(set, metric\\) twice"),
+    (lambda: bootstrap_mean_interval([1.0, float("nan")]), "values_N holds NaN"),
+])
+def test_bad_arguments_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_loaded_numeric_looking_and_empty_questions_still_pair(tmp_path):
+    """Questions that pandas would read as numbers, NaN or missing keep their text on load, so
+    the check stays paired: 8 items, each 1 -> 0, difference -1 on every item."""
+    questions = ["01", "1", "1.0", "nan", "NA", "", " 2", "True"]
+    _result([True] * 8, questions).save(tmp_path / "old")
+    assert SuiteResult.load(tmp_path / "old").per_item["s"]["question"].tolist() == questions
+    [row] = regression_check(_result([False] * 8, questions), tmp_path / "old").to_dict("records")
+    assert row["method"] == "paired bootstrap on 8 items" and row["worse"]
+    assert (row["ci_low"], row["ci_high"]) == (-1.0, -1.0)
+
+
+def test_duplicate_questions_pair_row_for_row_when_in_the_same_order():
+    """Questions a, a, b, b: earlier right on rows 0 and 2, now on none: per-row differences
+    -1, 0, -1, 0 (mean -0.5). In another order the rows cannot be matched: interval overlap."""
+    qs = ["a", "a", "b", "b"]
+    [row] = regression_check(_result([False] * 4, qs),
+                             _result([True, False, True, False], qs)).to_dict("records")
+    want = paired_bootstrap_diff([False] * 4, [True, False, True, False])
+    assert row["method"] == "paired bootstrap on 4 items" and want["difference"] == -0.5
+    assert (row["ci_low"], row["ci_high"]) == (want["ci_low"], want["ci_high"])
+    other = regression_check(_result([False] * 4, ["b", "a", "b", "a"]),
+                             _result([True, False, True, False], qs))
+    assert other["method"][0] == "interval overlap (items differ)"
+
+
+def _scores(name, scores):
+    per = pd.DataFrame({"question": [f"q{i}" for i in range(len(scores))], "score": scores})
+    value = float(np.nanmean(scores)) if not np.isnan(scores).all() else float("nan")
+    row = dict(set=name, metric="win_rate", value=value, ci_low=0.0, ci_high=1.0,
+               n=int((~np.isnan(scores)).sum()), method="m", excluded=int(np.isnan(scores).sum()),
+               errors=0, per_item_column="score")
+    return SuiteResult(pd.DataFrame([row]), {name: per})
+
+
+def test_no_value_now_is_worse_and_the_paired_reason_uses_the_paired_items(capsys):
+    """A judge that errs on every item gives no win rate: that fails the check against an
+    earlier 0.75 rather than passing as "nothing to compare"."""
+    judge = _ScriptedJudge([["error", "error"], ["error", "error"]])
+    s = JudgeWinRateSet(name="j", items=[{"question": "q0"}, {"question": "q1"}],
+                        baseline_policy=_ScriptedPolicy(lambda q: "B"), judge=judge)
+    broken = evaluate_suite(_ScriptedPolicy(), [s])
+    assert "no item scored (2 excluded)" in capsys.readouterr().out
+    with pytest.raises(RegressionError, match="j/win_rate got worse: no value now .n=0, 2 excl"):
+        regression_check(broken, _scores("j", [0.5, 1.0]), raise_on_regression=True)
+    # earlier without a value (None in a hand-built table): nothing to compare, not worse
+    earlier = _scores("j", [0.5, 1.0])
+    earlier.table["value"] = earlier.table["value"].astype(object)
+    earlier.table.loc[0, "value"] = None
+    [row] = regression_check(_scores("j", [0.5, 1.0]), earlier).to_dict("records")
+    assert not row["worse"] and row["reason"] == "j/win_rate: no value to compare"
+    # earlier 0, 1, 1, 1 (0.75); now item 0 unscored, 1, 1, 1 (1.0): on the 3 items scored in
+    # both the paired difference is 0, though the values differ by +0.25
+    [row] = regression_check(_scores("j", [np.nan, 1, 1, 1]),
+                             _scores("j", [0.0, 1, 1, 1])).to_dict("records")
+    assert row["difference"] == 0.25 and row["method"] == "paired bootstrap on 3 items"
+    assert "paired difference +0.000" in row["reason"]

@@ -85,6 +85,20 @@ def test_greedy_kv_cache_equals_naive_loop(policy):
         assert c.finish_reason == ("eos" if tokens[-1] in (EOS, END) else "length")
 
 
+def test_shared_prompts_are_prefilled_once_and_each_row_decodes_its_own_prompt(policy):
+    """Prefix sharing: n samples of a prompt, and the same prompt given twice among others,
+    share one prefill; every row still equals the one-at-a-time full recomputation of its own
+    prompt (a row mapped to another prompt's cache would not)."""
+    prompts = ["ab", "12345 + 6 =", "ab", "x"]
+    completions = policy.generate(prompts, n=2, max_new_tokens=8, temperature=0)
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert completions[0].prompt_ids == completions[4].prompt_ids != completions[2].prompt_ids
+    for c in completions:
+        tokens, logprobs = _naive_greedy(policy, c.prompt_ids, 8)
+        assert c.token_ids == tokens
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(logprobs), atol=1e-5)
+
+
 def test_greedy_batched_equals_unbatched(policy):
     """Same completions alone or in a batch, also when rows finish early and leave the batch."""
     prompts = PROMPTS + ["x", "zz top", "12345678901234567890"]

@@ -129,12 +129,53 @@ def test_failed_arm_shown_others_finish_and_resubmit_reruns_only_it(fake, tmp_pa
     ({"optim.lr": [1e-3]}, {"seeds": [0, 0]}, "seeds must be distinct integers"),
     ({"optim.lr": [-1.0]}, {}, "arm optim.lr=-1.0: .*optim.lr"),
     ({"optim.lr": [1e-3]}, {"base": 3}, "base must be a SFTConfig or a mapping"),
+    # found by probing: these used to pass, crash outside sweep, or write the folder first
+    ({"optim.lr": [1e-3]}, {"seeds": [True]}, "seeds must be distinct integers .*not bools"),
+    ({"optim.lr": [1e-3]}, {"seeds": 0}, "seeds must be distinct integers"),
+    ({"optim.lr": [1, 1.0]}, {}, r"lists a value twice: \[1, 1.0\] are one value"),
+    ({1: [1e-3]}, {}, "grid key 1 must be a dotted config key"),
+    ({"optim.lr": [1e-3]}, {"executor": "bogus"}, "executor='bogus'; allowed: local, slurm, debug"),
+    ({"optim.lr": [1e-3]}, {"timeout_min": -1}, "timeout_min=-1"),
+    ({"optim.lr": [1e-3]}, {"baseline": {"optim.lr": True}}, "baseline .* is not an arm"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, grid, options, match):
     folder = tmp_path / "never"
     with pytest.raises(ValueError, match=match):
         sweep("sft", grid, folder=folder, **options)
     assert not folder.exists()
+
+
+def test_odd_grid_values_get_distinct_valid_folders(fake, tmp_path):
+    """Strings with slashes, spaces, commas or that read as JSON, None, bools, dicts and lists:
+    each arm its own folder (names written out by hand: percent-encoding of / space , = %, and
+    a string that reads as JSON is quoted). The runs fail (the fake recipe knows only ints)."""
+    values = ["a/b", "a_b", "a b", "ab", None, "null", True, "true", "1", 1, {"k": "v w"},
+              [1, 2], "x,fail_at=3", "50%"]
+    want = ["x=a%2Fb", "x=a_b", "x=a%20b", "x=ab", "x=null", 'x="null"', "x=true", 'x="true"',
+            'x="1"', "x=1", 'x={"k":"v%20w"}', "x=[1%2C2]", "x=x%2Cfail_at%3D3", "x=50%25"]
+    s = sweep(fake, {"x": values}, seeds=[0], executor="debug", folder=tmp_path / "odd")
+    table = s.table()
+    assert list(table.arm) == want
+    assert sorted(p.name for p in (tmp_path / "odd").iterdir() if p.is_dir()) == sorted(want)
+    # x=1 and x=true (True == 1 for the fake's lookup) finish with score 1 of 4
+    assert table.set_index("arm").loc[["x=1", "x=true"], "value"].tolist() == [0.25, 0.25]
+    # two keys: a comma or "=" inside a value must not make two arms one folder
+    s = sweep(fake, {"x": ["a,fail_at=b", "a"], "fail_at": ["c", "b,fail_at=c"]}, seeds=[0],
+              executor="debug", folder=tmp_path / "two")
+    assert len(set(s.table().out_dir)) == 4
+
+
+def test_numpy_seeds_and_values_and_a_baseline_of_another_number_type(fake, tmp_path):
+    np = pytest.importorskip("numpy")
+    s = sweep(fake, {"x": [np.int64(1), 2]}, seeds=[np.int64(0)], executor="debug",
+              baseline={"x": 1.0}, folder=tmp_path / "np")
+    assert s.baseline.name == "x=1" and s.seeds == [0]
+    table = s.table()
+    assert list(table.arm) == ["x=1", "x=2"] and list(table.value) == [0.25, 0.75]
+    assert json.loads((tmp_path / "np" / "sweep.json").read_text())["grid"] == {"x": [1, 2]}
+    # True is not the arm x=1, even though True == 1
+    with pytest.raises(ValueError, match="baseline {'x': True} is not an arm"):
+        sweep(fake, {"x": [1, 2]}, baseline={"x": True}, executor="debug", folder=tmp_path / "b")
 
 
 def test_real_sft_recipe_as_local_processes(tmp_path):

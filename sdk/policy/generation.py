@@ -1,6 +1,7 @@
 """Batched generation with a KV cache: the decoding loop behind `Policy.generate`.
 
-`_generate_tokens` prefills the left-padded prompts, then samples one token per step for the rows
+`_generate_tokens` prefills the left-padded prompts (each distinct prompt once: the G samples
+of a group share its prefill, whose cache rows are then copied), then samples one token per step for the rows
 still running (with `posttrain.policy.sampling.sampling_logprobs`, so the recorded log-probs are
 those of the distribution drawn from) and stops each row on a stop id, a stop string or its
 length budget; finished rows are dropped from the batch and the cache. `_decoding_attention`
@@ -81,11 +82,23 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
     # they are dropped from the batch and from the KV cache.
     live = torch.arange(B, device=device)
     running_b = torch.ones(B, dtype=torch.bool, device=device)
-    with _decoding_attention(model, batch_size=B, max_len=L,
+    # Prefix sharing: identical prompts (a group's G samples) are prefilled once; their cache
+    # rows and last logits are then copied to every row that shares them.
+    first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the unique prompts
+    unique: list[int] = []  # batch row of each unique prompt's first occurrence
+    for b, r in enumerate(rows):
+        if first.setdefault(tuple(r), len(unique)) == len(unique):
+            unique.append(b)
+    source_B = torch.tensor([first[tuple(r)] for r in rows], device=device)
+    unique_U = torch.tensor(unique, device=device)
+    with _decoding_attention(model, batch_size=len(unique), max_len=L,
                              padded=not bool(prompt_valid_BP.all())):
-        mask_BPP = get_causal_mask_from_padding_mask(prompt_valid_BP)
-        logits_bV = _as_tensor(model(tokens_BP, input_pos=positions_BL[:, :P],
-                                     mask=mask_BPP))[:, -1]
+        mask_UPP = get_causal_mask_from_padding_mask(prompt_valid_BP[unique_U])
+        logits_UV = _as_tensor(model(tokens_BP[unique_U], input_pos=positions_BL[unique_U, :P],
+                                     mask=mask_UPP))[:, -1]
+        if len(unique) < B:
+            _select_kv_cache_rows(model, source_B)
+        logits_bV = logits_UV[source_B]
         for step in range(N):
             next_b, logprob_b = pick(logits_bV)
             rows_r = live[running_b]
@@ -225,7 +238,8 @@ def _decoding_attention(model: nn.Module, *, batch_size: int, max_len: int, padd
 
 
 def _select_kv_cache_rows(model: nn.Module, keep_b: Tensor) -> None:
-    """Keep only batch rows `keep_b` of every KV cache (drops finished sequences)."""
+    """Rows `keep_b` of every KV cache, in that order: drops finished sequences, or repeats a
+    shared prompt's rows (prefix sharing; `keep_b` may list a row several times)."""
     for module in model.modules():
         if isinstance(module, _GrowingKVCache):
             module.select_rows(keep_b)

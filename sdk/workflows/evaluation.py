@@ -42,9 +42,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -75,9 +76,28 @@ def _int(name: str, value: Any, minimum: int) -> None:
         raise _fail(name, value, f"an int >= {minimum}")
 
 
-def _check_name(set_: Any) -> None:
+def _real(name: str, value: Any, must: str, ok: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise _fail(name, value, must)  # ok(nan) and ok(inf) are False for each use here
+
+
+def _check_common(set_: Any, items: Any, need_question: bool = True) -> str:
+    """Checks name, chat and items (None: not given) of an eval set; returns how errors name it."""
     if not isinstance(set_.name, str) or not set_.name.strip():
         raise _fail(f"{type(set_).__name__}.name", set_.name, "a non-empty string")
+    at = f"{type(set_).__name__}({set_.name!r})"
+    if not isinstance(getattr(set_, "chat", True), bool):  # HumanEvalSet has no chat
+        raise _fail(f"{at}.chat", set_.chat, "True or False")
+    _int(f"{at}.max_new_tokens", set_.max_new_tokens, 1)
+    if items is not None and (isinstance(items, (str, bytes)) or not isinstance(items, Sequence)
+                              or len(items) == 0):
+        raise ValueError(f"{at}.items={reprlib.repr(items)}; must be a non-empty list of items")
+    for i, item in enumerate(items or ()):
+        if not isinstance(item, Mapping) or need_question and not isinstance(item.get("question"),
+                                                                              str):
+            raise ValueError(f"{at}.items[{i}]={reprlib.repr(item)}; must be a mapping"
+                             + need_question * " with a string 'question'")
+    return at
 
 
 @dataclass(kw_only=True)
@@ -101,8 +121,7 @@ class ExactMatchSet:
         self.check()
 
     def check(self) -> None:
-        _check_name(self)
-        at = f"ExactMatchSet({self.name!r})"
+        at = _check_common(self, self.items)
         if (self.task is None) == (self.items is None):
             raise ValueError(f"{at}: give exactly one of task= (a TaskConfig) or items= with "
                              "score_fn=")
@@ -113,15 +132,11 @@ class ExactMatchSet:
                 raise _fail(f"{at}.task.eval_size", self.task.eval_size, "an int >= 1")
             if self.score_fn is not None:
                 raise _fail(f"{at}.score_fn", self.score_fn, "None with task= (its scorer)")
-        else:
-            if len(self.items) == 0:
-                raise _fail(f"{at}.items", self.items, "a non-empty list of items")
-            if not callable(self.score_fn):
-                raise _fail(f"{at}.score_fn", self.score_fn, "a callable (text, item) -> score")
-        _int(f"{at}.max_new_tokens", self.max_new_tokens, 1)
+        elif not callable(self.score_fn):
+            raise _fail(f"{at}.score_fn", self.score_fn, "a callable (text, item) -> score")
         _int(f"{at}.samples", self.samples, 0)
-        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise _fail(f"{at}.temperature", self.temperature, "a number > 0")
+        _real(f"{at}.temperature", self.temperature, "a finite number > 0",
+              lambda t: 0 < t < math.inf)
 
 
 @dataclass(kw_only=True)
@@ -144,18 +159,17 @@ class HumanEvalSet:
         self.check()
 
     def check(self) -> None:
-        _check_name(self)
-        at = f"HumanEvalSet({self.name!r})"
+        at = _check_common(self, self.items, need_question=False)
         _int(f"{at}.n", self.n, 1)
         ks = tuple(self.k) if isinstance(self.k, (tuple, list)) else None
-        if not ks or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n
-                         for k in ks):
-            raise _fail(f"{at}.k", self.k, f"a non-empty tuple of ints in [1, n={self.n}]")
-        _int(f"{at}.max_new_tokens", self.max_new_tokens, 1)
+        if not ks or len(set(ks)) != len(ks) or any(
+                isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.n for k in ks):
+            raise _fail(f"{at}.k", self.k, f"a non-empty tuple of distinct ints in [1, n={self.n}]")
         if self.limit is not None:
             _int(f"{at}.limit", self.limit, 1)
-        if self.items is not None and len(self.items) == 0:
-            raise _fail(f"{at}.items", self.items, "None (HumanEval) or non-empty code items")
+        _real(f"{at}.temperature", self.temperature, "a finite number >= 0 (0: greedy)",
+              lambda t: 0 <= t < math.inf)
+        _real(f"{at}.top_p", self.top_p, "a number in (0, 1]", lambda p: 0 < p <= 1)
 
 
 @dataclass(kw_only=True)
@@ -175,22 +189,22 @@ class JudgeWinRateSet:
         self.check()
 
     def check(self) -> None:
-        _check_name(self)
-        at = f"JudgeWinRateSet({self.name!r})"
-        if len(self.items) == 0:
-            raise _fail(f"{at}.items", self.items, "a non-empty list of items with 'question'")
+        at = _check_common(self, self.items if self.items is not None else [])
         if not hasattr(self.baseline_policy, "generate"):
             raise _fail(f"{at}.baseline_policy", self.baseline_policy, "a Policy")
         if not callable(getattr(self.judge, "compare", None)):
             raise _fail(f"{at}.judge", self.judge, "a PairwiseJudge (with .compare(a, b, items))")
-        _int(f"{at}.max_new_tokens", self.max_new_tokens, 1)
 
 
 def bootstrap_mean_interval(values_N: Sequence[float] | np.ndarray, *, seed: int = 0,
                             num_resamples: int = 10_000) -> tuple[float, float]:
     """95% percentile-bootstrap interval of the mean of `values_N` ([N] floats, N >= 1): items
-    resampled with replacement `num_resamples` times. NaN, NaN when N = 0."""
+    resampled with replacement `num_resamples` times. NaN, NaN when N = 0; ValueError for a NaN
+    value (drop unscored items first)."""
     v = np.asarray(values_N, dtype=float)
+    _int("num_resamples", num_resamples, 1)
+    if np.isnan(v).any():
+        raise ValueError("values_N holds NaN; must be numbers (drop unscored items first)")
     if v.size == 0:
         return math.nan, math.nan
     idx = np.random.default_rng(seed).integers(0, v.size, size=(num_resamples, v.size))
@@ -200,9 +214,8 @@ def bootstrap_mean_interval(values_N: Sequence[float] | np.ndarray, *, seed: int
 
 def _row(set_name: str, metric: str, value: float, ci: tuple[float, float], n: int, method: str,
          column: str, excluded: int = 0, errors: int = 0) -> dict[str, Any]:
-    return dict(set=set_name, metric=metric, value=float(value), ci_low=float(ci[0]),
-                ci_high=float(ci[1]), n=int(n), method=method, excluded=int(excluded),
-                errors=int(errors), per_item_column=column)
+    return dict(zip(COLUMNS, (set_name, metric, float(value), float(ci[0]), float(ci[1]), int(n),
+                              method, int(excluded), int(errors), column)))
 
 
 def _run_exact(policy, s: ExactMatchSet, seed: int):
@@ -223,22 +236,18 @@ def _run_exact(policy, s: ExactMatchSet, seed: int):
                                    seed=seed + 1, chat=s.chat)
         any_ok = sampled.table["correct"].to_numpy(bool).reshape(s.samples, -1).any(axis=0)
         per["pass@1"], per[f"pass@{s.samples}"] = sampled.per_item_pass1, any_ok.astype(float)
-        rows.append(_row(s.name, "pass@1", sampled.pass_at_1,
-                         bootstrap_mean_interval(sampled.per_item_pass1, seed=seed),
-                         len(items), f"{s.samples} samples at T={s.temperature}; {BOOTSTRAP}",
-                         "pass@1"))
-        rows.append(_row(s.name, f"pass@{s.samples}", sampled.pass_at_k,
-                         wilson_interval(int(any_ok.sum()), len(items)), len(items),
-                         f"{s.samples} samples at T={s.temperature}; Wilson score",
-                         f"pass@{s.samples}"))
+        at, n = f"{s.samples} samples at T={s.temperature}", len(items)
+        rows += [_row(s.name, "pass@1", sampled.pass_at_1, bootstrap_mean_interval(
+                     sampled.per_item_pass1, seed=seed), n, f"{at}; {BOOTSTRAP}", "pass@1"),
+                 _row(s.name, f"pass@{s.samples}", sampled.pass_at_k, wilson_interval(
+                     int(any_ok.sum()), n), n, f"{at}; Wilson score", f"pass@{s.samples}")]
     return rows, per
 
 
 def _run_humaneval(policy, s: HumanEvalSet, seed: int):
     from posttrain.verifiers.humaneval import evaluate_pass_at_k, humaneval_problems
 
-    items = list(s.items) if s.items is not None else humaneval_problems()
-    items = items[:s.limit] if s.limit is not None else items
+    items = (list(s.items) if s.items is not None else humaneval_problems())[:s.limit]
     result = evaluate_pass_at_k(items, policy=policy, n=s.n, ks=s.k,
                                 max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                                 top_p=s.top_p, seed=seed)
@@ -309,14 +318,14 @@ def _check_sets(sets: Any) -> None:
                              + ", ".join(t.__name__ for t in SET_TYPES))
         s.check()  # fields may have changed since construction
         if s.name in seen:
-            raise ValueError(f"sets[{i}].name={s.name!r} is a duplicate; set names must be "
-                             "unique")
+            raise ValueError(f"sets[{i}].name={s.name!r} is a duplicate; set names must be unique")
         seen.add(s.name)
 
 
 def evaluate_suite(policy, sets: Sequence[Any], *, seed: int = 0,
                    progress: bool = True) -> "SuiteResult":
-    """Evaluate `policy` on every eval set in `sets`, in order.
+    """Evaluate `policy` on every eval set in `sets`, in order; returns a `SuiteResult` (one
+    table row per (set, metric), one per-item table per set).
 
     Args:
         policy: a `posttrain.policy.Policy` (anything with `generate` and `tokenizer`).
@@ -324,22 +333,20 @@ def evaluate_suite(policy, sets: Sequence[Any], *, seed: int = 0,
         seed: sampling seed (sampled sets) and bootstrap seed.
         progress: print one line per set as it finishes.
 
-    Returns:
-        A `SuiteResult`: one table row per (set, metric), one per-item table per set.
-
     Raises:
         ValueError: before any generation, for empty `sets`, a duplicate name, an object that
             is not an eval set, or a bad field of a set (named, with what is allowed).
     """
+    _int("seed", seed, 0)
     _check_sets(sets)
     rows, per_item = [], {}
     for s in sets:
         set_rows, per_item[s.name] = SET_TYPES[type(s)](policy, s, seed)
         rows += set_rows
         if progress:
-            print(f"{s.name}: " + ", ".join(f"{r['metric']}={r['value']:.3f} "
-                                            f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
-                                            for r in set_rows))
+            print(f"{s.name}: " + ", ".join(
+                f"{r['metric']}={r['value']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]" if r["n"]
+                else f"{r['metric']}: no item scored ({r['excluded']} excluded)" for r in set_rows))
     return SuiteResult(pd.DataFrame(rows, columns=list(COLUMNS)), per_item)
 
 
@@ -380,9 +387,11 @@ class SuiteResult:
         doc = json.loads(path.read_text())
         table = pd.DataFrame(doc["table"], columns=list(COLUMNS)).astype(
             {"value": float, "ci_low": float, "ci_high": float})
-        per_item = {name: pd.read_csv(folder / f, keep_default_na=False,
-                                      na_values=[""], dtype={"question": str})
-                    for name, f in doc["per_item"].items()}
+        per_item = {}
+        for name, f in doc["per_item"].items():  # an empty question stays "", other cells NaN
+            cols = pd.read_csv(folder / f, nrows=0).columns
+            per_item[name] = pd.read_csv(folder / f, keep_default_na=False, dtype={"question": str},
+                                         na_values={c: [""] for c in cols if c != "question"})
         return cls(table, per_item)
 
     def _repr_html_(self) -> str:
@@ -399,20 +408,23 @@ class RegressionError(AssertionError):
         self.table = table
 
 
-def _paired(cur: SuiteResult, old: SuiteResult, r: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per-item values of (set, metric) matched by question, when both results have the same
-    questions (unique) and the metric's column; None otherwise."""
+def _paired(cur: SuiteResult, old: SuiteResult, r: Any) -> tuple[np.ndarray, np.ndarray] | str:
+    """Per-item values of (set, metric): row for row when both results list the same questions
+    in the same order, else matched by question when both are unique and the same set; a string
+    (why not) otherwise."""
     col, name = r.per_item_column, r.set
     tables = [res.per_item.get(name) for res in (cur, old)]
     if any(t is None or col not in t or "question" not in t for t in tables):
-        return None
+        return f"no per-item column {col!r} in both"
     q_cur, q_old = (t["question"].astype(str) for t in tables)
-    if not (q_cur.is_unique and q_old.is_unique) or set(q_cur) != set(q_old):
-        return None
-    a = tables[0].set_index(q_cur)[col].astype(float)
-    b = tables[1].set_index(q_old)[col].astype(float).reindex(a.index)
-    keep = ~(a.isna() | b.isna())  # items a judge could not score, in either run
-    return (a[keep].to_numpy(), b[keep].to_numpy()) if keep.any() else None
+    a, b = (t[col].astype(float).set_axis(q) for t, q in zip(tables, (q_cur, q_old)))
+    if list(q_cur) != list(q_old):
+        if not (q_cur.is_unique and q_old.is_unique) or set(q_cur) != set(q_old):
+            return "items differ"
+        b = b.reindex(a.index)
+    a, b = a.to_numpy(), b.to_numpy()
+    keep = ~(np.isnan(a) | np.isnan(b))  # items a judge could not score, in either run
+    return (a[keep], b[keep]) if keep.any() else "no item scored in both"
 
 
 def regression_check(current: SuiteResult, earlier: SuiteResult | str | Path, *, seed: int = 0,
@@ -423,11 +435,11 @@ def regression_check(current: SuiteResult, earlier: SuiteResult | str | Path, *,
     Method: when both per-item tables hold the same questions, a paired bootstrap of the
     per-item difference (`paired_bootstrap_diff`); worse when its 95% interval lies below 0.
     Otherwise the intervals of the two values: worse when current's upper bound is below
-    earlier's lower bound (no overlap).
+    earlier's lower bound (no overlap). No value now (NaN: nothing scored) where there was one
+    earlier is worse too, so a broken evaluation cannot pass the check.
 
     Args:
-        current: a `SuiteResult`.
-        earlier: a `SuiteResult` or a folder written by `SuiteResult.save`.
+        current, earlier: `SuiteResult`s; `earlier` may be a folder written by `save`.
         raise_on_regression: raise `RegressionError` naming every metric that got worse.
 
     Returns:
@@ -436,11 +448,21 @@ def regression_check(current: SuiteResult, earlier: SuiteResult | str | Path, *,
         method, worse (bool), reason.
 
     Raises:
-        ValueError: if no (set, metric) is in both.
+        ValueError: no (set, metric) in both, one listed twice, or a bad argument (named).
         RegressionError: with `raise_on_regression`, when a metric got worse.
     """
+    for arg, value, ok in (("current", current, SuiteResult), ("earlier", earlier,
+                                                               (SuiteResult, str, Path))):
+        if not isinstance(value, ok):
+            raise _fail(arg, value, "a SuiteResult" + (arg == "earlier") * " or a saved folder")
+    _int("seed", seed, 0)
+    _int("num_resamples", num_resamples, 1)
     old = earlier if isinstance(earlier, SuiteResult) else SuiteResult.load(earlier)
-    both = current.table.merge(old.table, on=["set", "metric"], suffixes=("", "_old"))
+    for label, t in (("current", current.table), ("earlier", old.table)):
+        if t.duplicated(["set", "metric"]).any():
+            raise ValueError(f"regression_check: {label}.table lists a (set, metric) twice")
+    both = current.table.merge(old.table, on=["set", "metric"], suffixes=("", "_old")).astype(
+        {c + sfx: float for c in ("value", "ci_low", "ci_high") for sfx in ("", "_old")})
     if both.empty:
         raise ValueError("regression_check: no (set, metric) in common; current has "
                          f"{list(zip(current.table['set'], current.table['metric']))}, earlier "
@@ -450,24 +472,25 @@ def regression_check(current: SuiteResult, earlier: SuiteResult | str | Path, *,
         what = f"{r.set}/{r.metric}"
         row = dict(set=r.set, metric=r.metric, current=r.value, earlier=r.value_old,
                    difference=r.value - r.value_old, ci_low=math.nan, ci_high=math.nan)
-        pair = _paired(current, old, r) if r.per_item_column == r.per_item_column_old else None
+        pair = (_paired(current, old, r) if r.per_item_column == r.per_item_column_old else
+                "per-item columns differ")
         if math.isnan(r.value) or math.isnan(r.value_old):
-            worse, method, reason = False, "none", f"{what}: no value to compare"
-        elif pair is not None:
+            worse, method = math.isnan(r.value) and not math.isnan(r.value_old), "none"
+            reason = (f"{what} got worse: no value now (n={r.n}, {r.excluded} excluded), "
+                      f"earlier {r.value_old:.3f}" if worse else f"{what}: no value to compare")
+        elif not isinstance(pair, str):
             d = paired_bootstrap_diff(*pair, seed=seed, num_resamples=num_resamples)
             row.update(ci_low=d["ci_low"], ci_high=d["ci_high"])
             worse, method = d["ci_high"] < 0, f"paired bootstrap on {d['num_items']} items"
-            reason = (f"{what} got worse: {r.value:.3f} vs {r.value_old:.3f}, difference "
-                      f"{row['difference']:+.3f} with 95% CI [{d['ci_low']:+.3f}, "
-                      f"{d['ci_high']:+.3f}] below 0" if worse else
-                      f"{what}: difference {row['difference']:+.3f}, 95% CI "
-                      f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}] includes or is above 0")
+            paired = (f"paired difference {d['difference']:+.3f} with 95% CI "
+                      f"[{d['ci_low']:+.3f}, {d['ci_high']:+.3f}]")
+            reason = (f"{what} got worse: {r.value:.3f} vs {r.value_old:.3f}, {paired} below 0"
+                      if worse else f"{what}: {paired} includes or is above 0")
         else:
-            worse, method = r.ci_high < r.ci_low_old, "interval overlap (items differ)"
-            reason = (f"{what} got worse: interval [{r.ci_low:.3f}, {r.ci_high:.3f}] is below "
-                      f"the earlier [{r.ci_low_old:.3f}, {r.ci_high_old:.3f}]" if worse else
-                      f"{what}: interval [{r.ci_low:.3f}, {r.ci_high:.3f}] overlaps or is above "
-                      f"the earlier [{r.ci_low_old:.3f}, {r.ci_high_old:.3f}]")
+            worse, method = r.ci_high < r.ci_low_old, f"interval overlap ({pair})"
+            ivs = (f"interval [{r.ci_low:.3f}, {r.ci_high:.3f}] vs the earlier "
+                   f"[{r.ci_low_old:.3f}, {r.ci_high_old:.3f}]")
+            reason = f"{what} got worse: {ivs}, below it" if worse else f"{what}: {ivs}, overlap"
         rows.append({**row, "method": method, "worse": bool(worse), "reason": reason})
     table = pd.DataFrame(rows)
     if raise_on_regression and table["worse"].any():

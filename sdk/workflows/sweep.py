@@ -34,7 +34,7 @@ import math
 import numbers
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -101,34 +101,27 @@ def _plain(value: Any) -> Any:
 
 def _key(value: Any) -> str:
     """Equal config values give one key: 1 and 1.0 alike, True and 1 not (bools are tagged)."""
-    def norm(v: Any) -> Any:
-        if isinstance(v, bool) or v is None:
-            return ["bool", v] if isinstance(v, bool) else None
+    def norm(v: Any) -> Any:  # None, str: as is
         if isinstance(v, (int, float)):
-            return ["num", float(v)]
+            return ["bool", v] if isinstance(v, bool) else ["num", float(v)]
         if isinstance(v, Mapping):
             return {k: norm(x) for k, x in v.items()}
         return [norm(x) for x in v] if isinstance(v, list) else v
     return json.dumps(norm(_plain(value)), sort_keys=True, default=repr)
 
 
-_UNSAFE = set("%/\\,= ")
+_UNSAFE = set("%/\\,= ")  # percent-encoded in arm names
 
 
 def _show(value: Any) -> str:
-    """A value as an arm name shows it: a string as is unless it reads as JSON (then quoted, so
-    "1" and 1 differ), anything else as compact JSON; then percent-encoded, so no two values
-    share a name and the name is one valid folder name."""
-    value = _plain(value)
-    text = value if isinstance(value, str) else None
-    if text is not None:
+    """A value in an arm name: a string as is unless it reads as JSON (then quoted: "1" is not 1),
+    else compact JSON; percent-encoded, so two values never share a valid folder name."""
+    text = json.dumps(value := _plain(value), sort_keys=True, separators=(",", ":"), default=repr)
+    if isinstance(value, str) and value:
         try:
-            json.loads(text)
-            text = json.dumps(text)
+            json.loads(value)
         except ValueError:
-            pass
-    if text is None or text == "":
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+            text = value
     return "".join("".join(f"%{b:02X}" for b in c.encode()) if c in _UNSAFE or not
                    c.isprintable() else c for c in text)
 
@@ -146,6 +139,7 @@ def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
     if not isinstance(grid, Mapping) or not grid:
         raise ValueError("sweep: grid must be a non-empty mapping of dotted config key -> list "
                          "of values, e.g. {'optim.lr': [1e-3, 3e-3]}")
+    grid = {k: list(v) if type(v).__module__ == "numpy" else v for k, v in grid.items()}  # arrays
     for key, values in grid.items():
         if not isinstance(key, str):
             raise ValueError(f"sweep: grid key {key!r} must be a dotted config key (a str), "
@@ -160,15 +154,13 @@ def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
         keys = [_key(v) for v in values]
         if len(set(keys)) != len(keys):
             twice = [v for v, k in zip(values, keys) if keys.count(k) > 1]
-            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {twice} are the same "
-                             f"config value (in {list(values)})")
+            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {twice} are one value")
     grid = {k: [v.item() if type(v).__module__ == "numpy" and hasattr(v, "item") else v
                 for v in vs] for k, vs in grid.items()}
     arms = [Arm(_arm_name(dict(zip(grid, combo))), dict(zip(grid, combo)))
             for combo in itertools.product(*grid.values())]
-    if len({a.name for a in arms}) != len(arms):  # only through a hash clash of long names
-        raise ValueError("sweep: two arms got the same folder name (grid values with the same "
-                         f"repr?): {[a.name for a in arms]}")
+    if len({a.name for a in arms}) != len(arms):  # values of one repr, or a hash clash
+        raise ValueError(f"sweep: two arms get one folder name: {[a.name for a in arms]}")
     for arm in arms:
         try:
             override(cfg, arm.values)
@@ -229,9 +221,10 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
         folder: the sweep folder (default runs/sweeps/<recipe>-<timestamp>).
 
     Raises:
-        ValueError: before anything is submitted, for a grid key that is not a config field
-            (listing the valid keys), an empty grid or value list, a repeated value, no seeds
-            or a repeated seed, a baseline that is not an arm, or a finished run folder whose
+        ValueError: before anything is submitted or written, for a grid key that is not a
+            config field (listing the valid keys), an empty grid or value list, a repeated
+            value (1 and 1.0 are one), no seeds, a repeated or non-integer seed, a bad executor
+            or launch option, a baseline that is not an arm, or a finished run folder whose
             config differs from its arm's.
     """
     module = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
@@ -240,11 +233,11 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
     cfg = _base_config(module, base, config)
     arms = _arms(cfg, grid)
     base_arm = _baseline(baseline, arms)
-    given = seeds
-    seeds = list(seeds) if isinstance(seeds, Sequence) and not isinstance(seeds, str) else None
+    seeds, given = (list(seeds) if isinstance(seeds, Iterable) and not isinstance(
+        seeds, (str, bytes, Mapping)) else None), seeds
     if not seeds or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
                             for s in seeds) or len(set(map(int, seeds))) != len(seeds):
-        raise ValueError("sweep: seeds must be a list of distinct integers (at least one; not "
+        raise ValueError("sweep: seeds must be distinct integers in a list (at least one; not "
                          f"bools), e.g. [0, 1, 2], got {given!r}")
     seeds = [int(s) for s in seeds]
     if executor not in EXECUTORS:
@@ -314,9 +307,8 @@ class Sweep:
 
     def table(self) -> pd.DataFrame:
         """One row per (arm, seed), read now: arm, the grid values, seed, status (pending,
-        running, finished, failed, interrupted), step (last metrics.jsonl row), metric and
-        value (the headline, once finished), error (a failed run's exception line) and
-        out_dir."""
+        running, finished, failed, interrupted), step (last metrics.jsonl row), metric, value
+        (the headline, once finished), error (a failed run's exception line), out_dir."""
         rows = []
         for arm, seed in itertools.product(self.arms, self.seeds):
             out = self.out_dir(arm.name, seed)
@@ -486,15 +478,12 @@ def _item_table(out: Path) -> pd.DataFrame | None:
     metric, _ = main_metric(results)
     name = "eval_after_rl.csv" if metric and metric.startswith(f"after_{results.get('algo')}") \
         else "eval_after.csv"
-    path = out / name
-    return pd.read_csv(path) if metric and path.is_file() else None
+    return pd.read_csv(out / name) if metric and (out / name).is_file() else None
 
 
 def _last_step(out: Path) -> int | None:
     path = out / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
     try:
         return json.loads(lines[-1]).get("step") if lines else None
     except json.JSONDecodeError:  # a line being written
