@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.checks import check_int
+from posttrain.policy.policy import generate_for_items
 from posttrain.data.synthetic_stages import (
     DEFAULT_DECONTAMINATION_N,
     DEFAULT_NEAR_DUP_N,
@@ -123,13 +124,10 @@ def generate_candidates(policy: Any, prompts: Sequence[str | Mapping[str, Any]],
     items = [{"question": p} if isinstance(p, str) else dict(p) for p in prompts]
     generation = {"source": source, "n": n, "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "top_p": top_p, "seed": seed, "chat": chat}
-    tok, rows = policy.tokenizer, []
-    for start in range(0, len(items), prompts_per_batch):
-        chunk = items[start:start + prompts_per_batch]
-        rendered = [tok.render_prompt([{"role": "user", "content": it["question"]}]) if chat
-                    else it["question"] for it in chunk]
-        completions = policy.generate(rendered, n=n, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, seed=seed + start)
+    rows = []
+    for start, chunk, completions in generate_for_items(
+            policy, items, batch_size=prompts_per_batch, chat=chat, seed=seed, n=n,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p):
         for c in completions:
             item = chunk[c.prompt_index]
             rows.append({"prompt": item["question"], "completion": c.text, "source": source,

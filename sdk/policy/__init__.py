@@ -5,6 +5,6 @@ teacher-forced log-probabilities, save and load.
 from __future__ import annotations
 
 from posttrain.policy.sampling import Completion, sampling_logprobs, token_logprobs
-from posttrain.policy.policy import Policy
+from posttrain.policy.policy import Policy, generate_for_items
 
-__all__ = ["Completion", "sampling_logprobs", "token_logprobs", "Policy"]
+__all__ = ["Completion", "sampling_logprobs", "token_logprobs", "Policy", "generate_for_items"]

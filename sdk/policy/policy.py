@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -284,3 +284,34 @@ class Policy:
                                  "tokens (one new token must fit)")
             out.append(ids)
         return out
+
+
+def generate_for_items(policy: Any, items: Sequence[Mapping[str, Any]], *, batch_size: int,
+                       chat: bool = True, seed: int = 0, **sampling: Any
+                       ) -> Iterator[tuple[int, list[Mapping[str, Any]], list[Completion]]]:
+    """`policy.generate` over task items in chunks: each item's "question" (a str; the caller
+    checks) is rendered as a one-turn user chat with the generation prompt (`chat=True`) or fed
+    as raw text after BOS (`chat=False`, for continued-pretraining models); the chunk of
+    `batch_size` items starting at item `start` is sampled with seed `seed + start`, so a
+    chunk's completions do not depend on the chunks before it. `policy` is a `Policy` or any
+    object with `generate(prompts, seed=..., **sampling)` and a `tokenizer.render_prompt`.
+
+    Yields:
+        (start, chunk, completions): `completions` as `generate` returns them for the chunk
+        (prompt-major, `n` per item; `Completion.prompt_index` indexes `chunk`).
+
+    `sampling`: the other keywords of `generate` (n, max_new_tokens, temperature, top_p, top_k,
+    stop).
+
+    Example:
+        >>> policy = Policy.from_spec("tiny-1m", seed=0)
+        >>> items = [{"question": "1 + 1 ="}, {"question": "2 + 2 ="}, {"question": "3 + 3 ="}]
+        >>> [(start, len(chunk), len(cs)) for start, chunk, cs in generate_for_items(
+        ...     policy, items, batch_size=2, n=2, max_new_tokens=2)]
+        [(0, 2, 4), (2, 1, 2)]
+    """
+    for start in range(0, len(items), batch_size):
+        chunk = list(items[start:start + batch_size])
+        prompts = [policy.tokenizer.render_prompt([{"role": "user", "content": it["question"]}])
+                   if chat else it["question"] for it in chunk]
+        yield start, chunk, policy.generate(prompts, seed=seed + start, **sampling)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score_batch
+from posttrain.policy.policy import generate_for_items
 
 __all__ = ["PairStats", "make_preference_pairs"]
 
@@ -92,13 +93,9 @@ def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
     stats = PairStats(prompts=len(items))
     stats.outcomes = {o.value: 0 for o in Outcome}
     rows: list[dict] = []
-    tok = policy.tokenizer
-    for start in range(0, len(items), prompts_per_batch):
-        chunk = items[start:start + prompts_per_batch]
-        prompts = [tok.render_prompt([{"role": "user", "content": it["question"]}]) if chat
-                   else it["question"] for it in chunk]
-        completions = policy.generate(prompts, n=n, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, top_p=top_p, seed=seed + start)
+    for _, chunk, completions in generate_for_items(
+            policy, items, batch_size=prompts_per_batch, chat=chat, seed=seed, n=n,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p):
         stats.samples += len(completions)
         texts = [[c.text for c in completions[j * n:(j + 1) * n]] for j in range(len(chunk))]
         if reference_answer is not None:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from posttrain.policy.policy import generate_for_items
 
 ScoreFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -75,21 +76,17 @@ def evaluate_generations(policy, items: Sequence[Mapping[str, Any]], *, score_fn
     """
     if not items:
         raise ValueError("evaluate_generations: items is empty")
-    prompts = []
     for i, item in enumerate(items):
         if not isinstance(item.get("question"), str):
             raise ValueError(f"evaluate_generations: item {i} has no string 'question'")
-        prompts.append(policy.tokenizer.render_prompt([{"role": "user", "content": item["question"]}])
-                       if chat else item["question"])
     rows = []
     was_training = policy.model.training
     try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start:start + batch_size]
-            completions = policy.generate(chunk, max_new_tokens=max_new_tokens,
-                                          temperature=temperature, seed=seed + start)
+        for start, chunk, completions in generate_for_items(
+                policy, items, batch_size=batch_size, chat=chat, seed=seed,
+                max_new_tokens=max_new_tokens, temperature=temperature):
             for c in completions:
-                item = items[start + c.prompt_index]
+                item = chunk[c.prompt_index]
                 score = float(score_fn(c.text, item))
                 rows.append({"question": item["question"], "answer": item.get("answer"),
                              "completion": c.text, "score": score,
