@@ -37,7 +37,7 @@ test: install
 	  scripts/browser-up.sh || echo "chromium not installed: browser test will skip"; fi; \
 	if ! scripts/sandbox-up.sh --check; then \
 	  scripts/sandbox-up.sh || echo "no code sandbox here: sandbox tests will skip"; fi; \
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(PY) -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 
 info: install
