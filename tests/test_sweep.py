@@ -178,6 +178,28 @@ def test_numpy_seeds_and_values_and_a_baseline_of_another_number_type(fake, tmp_
         sweep(fake, {"x": [1, 2]}, baseline={"x": True}, executor="debug", folder=tmp_path / "b")
 
 
+def test_paired_difference_says_which_seeds_the_baseline_lacks(fake, tmp_path):
+    s = sweep(fake, {"x": [1, 2]}, seeds=[0, 1], executor="debug", baseline="x=1",
+              folder=tmp_path / "p")
+    (tmp_path / "p" / "x=1" / "seed1" / "results.json").unlink()  # the baseline's seed 1 is lost
+    row = s.summary().set_index("arm").loc["x=2"]
+    # seed 0 only: x=2 right on 3 of 4 items, x=1 on 1 of 4 -> +0.5 over 4 pairs
+    assert (row["diff"], row["paired_items"]) == (0.5, 4)
+    assert row["note"] == "seeds [1] left out: the baseline did not finish them"
+    assert row["mean"] == pytest.approx((0.75 + 1.0) / 2)
+
+
+def test_bad_recipe_or_folder_is_a_value_error(fake, tmp_path):
+    with pytest.raises(ValueError, match="recipe=3; must be a recipe name or file, or a module"):
+        sweep(3, {"x": [1]}, executor="debug", folder=tmp_path / "r")
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="folder=.*file'\\); must be the path of a folder"):
+        sweep(fake, {"x": [1]}, executor="debug", folder=tmp_path / "file")
+    with pytest.raises(ValueError, match="folder=3; must be the path of a folder"):
+        sweep(fake, {"x": [1]}, executor="debug", folder=3)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "calls.txt").exists()
+
+
 def test_real_sft_recipe_as_local_processes(tmp_path):
     """Two arms of the real SFT recipe at tiny size, one seed, as local jobs: each arm's row is
     its own run folder's results, and the paired difference is the one recomputed from the two

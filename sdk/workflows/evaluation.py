@@ -81,7 +81,7 @@ def _real(name: str, value: Any, must: str, ok: Callable[[float], bool]) -> None
         raise _fail(name, value, must)  # ok(nan) and ok(inf) are False for each use here
 
 
-def _check_common(set_: Any, items: Any, need_question: bool = True) -> str:
+def _check_common(set_: Any, items: Any, keys: tuple[str, ...] = ("question",)) -> str:
     """Checks name, chat and items (None: not given) of an eval set; returns how errors name it."""
     if not isinstance(set_.name, str) or not set_.name.strip():
         raise _fail(f"{type(set_).__name__}.name", set_.name, "a non-empty string")
@@ -93,10 +93,9 @@ def _check_common(set_: Any, items: Any, need_question: bool = True) -> str:
                               or len(items) == 0):
         raise ValueError(f"{at}.items={reprlib.repr(items)}; must be a non-empty list of items")
     for i, item in enumerate(items or ()):
-        if not isinstance(item, Mapping) or need_question and not isinstance(item.get("question"),
-                                                                              str):
-            raise ValueError(f"{at}.items[{i}]={reprlib.repr(item)}; must be a mapping"
-                             + need_question * " with a string 'question'")
+        if not isinstance(item, Mapping) or any(not isinstance(item.get(k), str) for k in keys):
+            raise ValueError(f"{at}.items[{i}]={reprlib.repr(item)}; must be a mapping with "
+                             f"string {' and '.join(map(repr, keys))}")
     return at
 
 
@@ -159,7 +158,7 @@ class HumanEvalSet:
         self.check()
 
     def check(self) -> None:
-        at = _check_common(self, self.items, need_question=False)
+        at = _check_common(self, self.items, keys=("question", "test"))  # as humaneval_problems
         _int(f"{at}.n", self.n, 1)
         ks = tuple(self.k) if isinstance(self.k, (tuple, list)) else None
         if not ks or len(set(ks)) != len(ks) or any(

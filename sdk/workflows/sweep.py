@@ -57,8 +57,8 @@ _NEEDED = ("out_dir", "seed", "resume")
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One grid point: `values` maps dotted config keys to values; `name` is `key=value` pairs
-    joined by "," (in grid order), also its folder name."""
+    """One grid point: `values` maps dotted config keys to values; `name`, its folder name, is
+    `key=value` pairs joined by "," in grid order (values percent-encoded: `_show`)."""
 
     name: str
     values: dict[str, Any]
@@ -110,9 +110,6 @@ def _key(value: Any) -> str:
     return json.dumps(norm(_plain(value)), sort_keys=True, default=repr)
 
 
-_UNSAFE = set("%/\\,= ")  # percent-encoded in arm names
-
-
 def _show(value: Any) -> str:
     """A value in an arm name: a string as is unless it reads as JSON (then quoted: "1" is not 1),
     else compact JSON; percent-encoded, so two values never share a valid folder name."""
@@ -122,7 +119,7 @@ def _show(value: Any) -> str:
             json.loads(value)
         except ValueError:
             text = value
-    return "".join("".join(f"%{b:02X}" for b in c.encode()) if c in _UNSAFE or not
+    return "".join("".join(f"%{b:02X}" for b in c.encode()) if c in "%/\\,= " or not
                    c.isprintable() else c for c in text)
 
 
@@ -227,6 +224,9 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
             or launch option, a baseline that is not an arm, or a finished run folder whose
             config differs from its arm's.
     """
+    if not isinstance(recipe, (str, os.PathLike)) and not callable(getattr(recipe, "main", None)):
+        raise ValueError(f"sweep: recipe={recipe!r}; must be a recipe name or file, or a module "
+                         "with Config and main")
     module = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
     name = Path(str(recipe)).stem if isinstance(recipe, (str, os.PathLike)) else \
         module.__name__.removeprefix("posttrain_recipe_")
@@ -245,6 +245,9 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path("runs", "sweeps", f"{name}-{stamp}")
+    if not isinstance(folder, (str, os.PathLike)) or Path(folder).exists() and not \
+            Path(folder).is_dir():
+        raise ValueError(f"sweep: folder={folder!r}; must be the path of a folder (or of none)")
     folder = Path(folder).absolute()
     cells, todo = {}, []
     for arm, seed in itertools.product(arms, seeds):
@@ -327,11 +330,8 @@ class Sweep:
             if r is None and (self.out_dir(a, s) / "config.json").is_file())
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> pd.DataFrame:
-        """Block until every run has ended; returns `table()`.
-
-        Raises:
-            TimeoutError: runs still going after `timeout` seconds (they keep running).
-        """
+        """Block until every run has ended; returns `table()`. Raises TimeoutError when runs
+        are still going after `timeout` seconds (they keep running)."""
         start = time.monotonic()
         while not self.done():
             if timeout is not None and time.monotonic() - start >= timeout:
@@ -348,7 +348,6 @@ class Sweep:
         try:
             from IPython import get_ipython
             from IPython.display import display
-
             if getattr(get_ipython(), "kernel", None) is not None:
                 handle = display(self.table(), display_id=True)
         except ImportError:
@@ -360,8 +359,7 @@ class Sweep:
                 if handle is not None:
                     handle.update(table)
                 elif shown != last:
-                    print(shown, flush=True)
-                    last = shown
+                    print(last := shown, flush=True)
                 if ended or (timeout is not None and time.monotonic() - start >= timeout):
                     return table
                 time.sleep(every_s)
@@ -392,10 +390,11 @@ class Sweep:
                  "paired_items": 0}
         if arm == self.baseline:
             return {**empty, "note": "baseline"}
-        mine, theirs = [], []
+        mine, theirs, unpaired = [], [], []
         for seed in seeds:
             a, b = self.out_dir(arm.name, seed), self.out_dir(self.baseline.name, seed)
             if run_status(b) != "finished":
+                unpaired.append(seed)
                 continue
             ta, tb = _item_table(a), _item_table(b)
             if ta is None or tb is None:
@@ -409,7 +408,8 @@ class Sweep:
             return {**empty, "note": "no seed finished for both this arm and the baseline"}
         d = paired_bootstrap_diff(mine, theirs)
         return {"diff": d["difference"], "diff_ci_low": d["ci_low"], "diff_ci_high":
-                d["ci_high"], "paired_items": d["num_items"], "note": None}
+                d["ci_high"], "paired_items": d["num_items"], "note": unpaired and
+                f"seeds {unpaired} left out: the baseline did not finish them" or None}
 
     def plot(self, ax=None):
         """The headline metric per arm: one dot per seed, the mean with its 95% interval, and
