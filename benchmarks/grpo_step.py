@@ -38,6 +38,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import contextlib
 import io
 import os
@@ -63,7 +64,13 @@ from posttrain.models import ByteTokenizer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
+UNSHARED = "posttrain, no shared prefix"
 DIFFERENCES = """## Where the two setups differ
+
+- Scoring: posttrain scores a group's G rows in one packed sequence per prompt (the prompt once,
+  each completion attending to it and to itself; `posttrain.policy.shared_prefix`), for the
+  policy's forward + backward and the reference's forward; TRL scores each of the P x G rows
+  with its prompt. The third row of the table is posttrain with this switched off.
 
 - Prompt order: posttrain trains on items `step*P .. step*P+P-1` of the task in order; TRL's
   `RepeatSampler` draws a shuffled P prompts from the same items. Prompts are all 71-73 tokens, so
@@ -186,7 +193,7 @@ def trl_dataset(task, hf_tok):
 # --------------------------------------------------------------------------------------------
 
 
-def build_posttrain(model, spec, task, setup: Setup):
+def build_posttrain(model, spec, task, setup: Setup, share_prefix: bool = True):
     policy = Policy(model, ByteTokenizer(), spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     clock = StepClock()
@@ -194,7 +201,8 @@ def build_posttrain(model, spec, task, setup: Setup):
                         algo=RLAlgorithm.grpo(group_size=setup.group_size, kl_coef=setup.beta),
                         prompts_per_step=setup.prompts, max_new_tokens=setup.max_new_tokens,
                         temperature=1.0, max_grad_norm=setup.max_grad_norm, progress=False,
-                        seed=setup.seed, callbacks=[lambda _t, _row: clock.tick()])
+                        seed=setup.seed, callbacks=[lambda _t, _row: clock.tick()],
+                        share_prefix=share_prefix)
     return trainer, clock
 
 
@@ -332,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            Path(tmp) / "trl_out",
                                                            args.same_optimizer)
         diff = check_same_model(model, trl_trainer.model)
+        unshared, unshared_clock = build_posttrain(copy.deepcopy(model), spec, task, setup,
+                                                   share_prefix=False)
         ours, our_clock = build_posttrain(model, spec, task, setup)
         print(f"{setup.preset}: {n_params / 1e6:.2f}M params; max |logit diff| {diff:.1e}; "
               f"prompt tokens {min(prompt_lengths)}-{max(prompt_lengths)} (mean "
@@ -339,13 +349,15 @@ def main(argv: list[str] | None = None) -> int:
               f"TRL optimizer {type(trl_trainer.create_optimizer()).__name__}"
               f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}", flush=True)
 
-        results = {"posttrain": [], "TRL": []}
+        results = {"posttrain": [], "TRL": [], UNSHARED: []}
         for r in range(setup.repeats):
             results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))
             results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))
+            results[UNSHARED].append(run_posttrain_block(unshared, unshared_clock, setup))
             assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
             print(f"repeat {r + 1}/{setup.repeats}: posttrain {results['posttrain'][-1]:.3f} s/step"
-                  f" | TRL {results['TRL'][-1]:.3f} s/step", flush=True)
+                  f" | TRL {results['TRL'][-1]:.3f} s/step | {UNSHARED} "
+                  f"{results[UNSHARED][-1]:.3f} s/step", flush=True)
         ours_len = ours.metrics["response_length"].tolist()
         ours_reward = ours.metrics["reward_mean"].tolist()
         trl_len = trl_lengths(trl_trainer)
@@ -387,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         f"beta {setup.beta:g} to a frozen reference, 1 PPO epoch, 1 minibatch of "
         f"{rows_per_step} rows, AdamW lr {setup.lr:g} weight decay 0, clip grad norm "
         f"{setup.max_grad_norm:g}; posttrain torch.optim.AdamW (for-loop), TRL {trl_opt}",
-        f"- Timing: {setup.repeats} alternating block pairs (posttrain, then TRL), each "
+        f"- Timing: {setup.repeats} alternating rounds of blocks (posttrain, TRL, then {UNSHARED}: "
+        f"the same trainer scoring every row on its own, `share_prefix=False`), each "
         f"{setup.warmup} warm-up + {setup.steps} timed optimizer steps; a block's value is its "
         f"median step time (generation + reward + update); table: median, min, max over blocks",
         f"- Load average (1 min) at start / end: {load[0]:.2f} / {load_end[0]:.2f} on "
@@ -399,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {n} | {t:.3f} | {lo:.3f} | {hi:.3f} | {rows_per_step / t:.1f} |"
               for n, t, lo, hi in rows]
     summary = (f"TRL / posttrain step time = {ratio:.2f}x (ratio of the medians; per block pair: "
-               f"{', '.join(f'{x:.2f}' for x in pair_ratios)})")
+               f"{', '.join(f'{x:.2f}' for x in pair_ratios)}); shared-prefix scoring: "
+               f"{UNSHARED} / posttrain = {rows[2][1] / rows[0][1]:.2f}x")
     text = "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
     print("\n" + text)
     if args.quick:

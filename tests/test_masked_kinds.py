@@ -373,7 +373,8 @@ def test_the_value_head_ignores_hidden_states_of_unscored_positions(tiny_model):
     fill = {"value": 0.0}
     handle = model.norm.register_forward_hook(
         lambda mod, args, out: torch.where(used_BT1, out, torch.full_like(out, fill["value"])))
-    stub = SimpleNamespace(temperature=1.0, top_p=1.0, algo=SimpleNamespace(entropy_coef=0.0))
+    stub = SimpleNamespace(temperature=1.0, top_p=1.0, algo=SimpleNamespace(entropy_coef=0.0),
+                           share_prefix=False)  # the hook fills row positions
 
     def run(value):
         fill["value"] = value

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.core.masked import keep_selected
+from posttrain.policy.shared_prefix import SharedPrefixPack
 
 FinishReason = Literal["eos", "stop", "length"]
 
@@ -151,7 +152,7 @@ def nucleus_removed(logits_xV: Tensor, top_p: float) -> Tensor:
 
 def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
                    response_mask_BT: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float = 1.0) -> Tensor:
+                   top_p: float = 1.0, share_prefix: bool = False) -> Tensor:
     """Teacher-forced log-probability of every response token, keeping the autograd graph.
 
     `logprobs_BT[b, t] = log p(input_ids_BT[b, t] | input_ids_BT[b, :t])` under
@@ -176,6 +177,9 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
         attention_mask_BT: bool/int, 1 on real tokens.
         response_mask_BT: bool/int, 1 on the response tokens to score (a subset of the real ones).
         temperature, top_k, top_p: the sampling settings (see `sampling_logprobs`).
+        share_prefix: score rows that share a prompt in one packed sequence per prompt
+            (`posttrain.policy.shared_prefix`; right-padded rows only; same values up to float
+            rounding, fewer tokens when a prompt has several responses, as in a GRPO group).
 
     Returns:
         float32 `[B, T]`, differentiable with respect to the model's parameters.
@@ -199,25 +203,53 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
         raise ValueError("the model has KV caches enabled; score with a model without caches "
                          "(torchtune.modules.common_utils.delete_kv_caches)")
 
+    logits_BTV, _ = model_logits(model, input_ids_BT, valid_BT, response_BT,
+                                 share_prefix=share_prefix)
+    return picked_logprobs(logits_BTV, input_ids_BT, response_BT, temperature=temperature,
+                           top_k=top_k, top_p=top_p)[0]
+
+
+def model_logits(model: nn.Module, input_ids_BT: Tensor, valid_BT: Tensor, response_BT: Tensor,
+                 *, share_prefix: bool = False) -> tuple[Tensor, SharedPrefixPack | None]:
+    """The model's logits `[B, T, V]` on each row (position t: the logits after token t), and
+    the `SharedPrefixPack` they were computed through (None: one forward over the rows).
+
+    `valid_BT` and `response_BT` are bool `[B, T]` (real tokens; tokens to score). Right-padded
+    rows take the plain causal path; any other layout gets torchtune's causal mask and position
+    ids from the padding mask. With `share_prefix`, right-padded rows that share the prefix
+    before their first response token are scored once per prefix when that pays
+    (`SharedPrefixPack.build`); the logits equal the unshared ones up to float rounding.
+    """
     lengths_B = valid_BT.sum(dim=-1)
     right_padded = bool((valid_BT == (torch.arange(valid_BT.shape[1], device=valid_BT.device)
                                       < lengths_B[:, None])).all())
+    embed_dim = getattr(getattr(model, "tok_embeddings", None), "embedding_dim", 1024)
+    pack = SharedPrefixPack.build(input_ids_BT, valid_BT, response_BT, embed_dim=embed_dim) \
+        if share_prefix and right_padded else None
+    if pack is not None:
+        return pack.unpack(_as_tensor(pack.forward(model))), pack
     if right_padded:
-        logits_BTV = _as_tensor(model(input_ids_BT))
-    else:
-        from torchtune.generation import (get_causal_mask_from_padding_mask,
-                                          get_position_ids_from_padding_mask)
-        logits_BTV = _as_tensor(model(input_ids_BT,
-                                      mask=get_causal_mask_from_padding_mask(valid_BT),
-                                      input_pos=get_position_ids_from_padding_mask(valid_BT)))
-    # logits at t-1 predict the token at t; logits of unscored positions (padding may be NaN)
-    # are replaced by 0 first, or their log-softmax backward would make NaN gradients
+        return _as_tensor(model(input_ids_BT)), None
+    from torchtune.generation import (get_causal_mask_from_padding_mask,
+                                      get_position_ids_from_padding_mask)
+    return _as_tensor(model(input_ids_BT, mask=get_causal_mask_from_padding_mask(valid_BT),
+                            input_pos=get_position_ids_from_padding_mask(valid_BT))), None
+
+
+def picked_logprobs(logits_BTV: Tensor, input_ids_BT: Tensor, response_BT: Tensor, *,
+                    temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(logprobs_BT, logprobs_BTV) from row logits `[B, T, V]` (`model_logits`): float32
+    `[B, T]` log-probabilities of each response token (0 elsewhere) and the sampling
+    distribution `[B, T - 1, V]` after each position (all 0 where the next token is not scored:
+    those logits, NaN or not, are replaced by 0 before the log-softmax, so they add no NaN
+    gradient)."""
     logits_BTV = keep_selected(logits_BTV[:, :-1], response_BT[:, 1:, None])
     logprobs_BTV = sampling_logprobs(logits_BTV, temperature=temperature, top_k=top_k,
                                      top_p=top_p)
     picked_BT = logprobs_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
     picked_BT = torch.nn.functional.pad(picked_BT, (1, 0))
-    return torch.where(response_BT, picked_BT, torch.zeros_like(picked_BT))
+    return torch.where(response_BT, picked_BT, torch.zeros_like(picked_BT)), logprobs_BTV
 
 
 def _as_tensor(output: Tensor | list[Tensor]) -> Tensor:

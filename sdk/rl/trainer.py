@@ -79,7 +79,7 @@ from posttrain.rl.buffer import ReplayBuffer
 from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.rl.environment import EnvDataset, Group
-from posttrain.policy.sampling import sampling_logprobs, token_logprobs
+from posttrain.policy.sampling import model_logits, picked_logprobs
 from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
                                      sequence_advantages, step_units, value_loss)
 from posttrain.rl.config import RLAlgorithm
@@ -144,6 +144,9 @@ class RLTrainer(Engine):
         rollout_quantization: None, or a `posttrain.rl.lowbit_rollout.ROLLOUT_QUANTIZATIONS`
             name: the rollouts sample from a weight-only quantised copy of the current weights;
             the old log-probs are the policy's, recomputed; needs top_p == 1.
+        share_prefix: score a group's rows in one packed sequence per prompt (the prompt's
+            forward and backward once, not G times; `posttrain.policy.shared_prefix`) when
+            that saves work; equal to the unpacked scoring up to float rounding.
 
     Attributes:
         rollout_policy: under a plan, the plain `Policy` copy the rollouts sample from (full
@@ -172,7 +175,7 @@ class RLTrainer(Engine):
                  callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
                  resume: bool | str | os.PathLike = False,
                  plan: ParallelPlan | None = None,
-                 rollout_quantization: str | None = None) -> None:
+                 rollout_quantization: str | None = None, share_prefix: bool = True) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
@@ -190,6 +193,7 @@ class RLTrainer(Engine):
         self.prompts_per_step, self.max_new_tokens = prompts_per_step, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
         self.value_head, self.micro_batch_size = value_head, micro_batch_size
+        self.share_prefix = share_prefix
         self.seed, self.verifier_timeout_s = seed, verifier_timeout_s
         self.reference, self.rollout_report, self.rollout_quantization = None, None, \
             rollout_quantization
@@ -388,33 +392,27 @@ class RLTrainer(Engine):
         top-p), values [B, T] (with a value head) and that distribution's entropy [B, T] (if
         `entropy`; differentiable only when algo.entropy_coef > 0), 0 off the response."""
         captured: dict[str, Tensor] = {}
-        hooks = []
-        if value_head is not None:
-            hooks.append(model.norm.register_forward_hook(
-                lambda mod, inp, out: captured.__setitem__("hidden", out)))
-        if entropy:
-            hooks.append(model.register_forward_hook(
-                lambda mod, inp, out: captured.__setitem__("logits", out)))
-        try:
-            logprobs_BT = token_logprobs(model, m["input_ids_BT"], m["attention_mask_BT"],
-                                         m["response_mask_BT"], temperature=self.temperature,
-                                         top_p=self.top_p)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        hook = None if value_head is None else model.norm.register_forward_hook(
+            lambda mod, inp, out: captured.__setitem__("hidden", out))
         mask_BT = m["response_mask_BT"]
+        try:  # a group's rows share their prompt's forward (posttrain.policy.shared_prefix)
+            logits_BTV, pack = model_logits(model, m["input_ids_BT"],
+                                            m["attention_mask_BT"].bool(), mask_BT.bool(),
+                                            share_prefix=self.share_prefix)
+        finally:
+            if hook is not None:
+                hook.remove()
+        logprobs_BT, logp_BTV = picked_logprobs(logits_BTV, m["input_ids_BT"],
+                                                mask_BT.bool() & m["attention_mask_BT"].bool(),
+                                                temperature=self.temperature, top_p=self.top_p)
         values_BT = entropy_BT = None
         if value_head is not None:  # the state before token t is read at t - 1, like its logprob
-            hidden = captured["hidden"].to(next(value_head.parameters()).dtype)[:, :-1]
+            hidden = captured["hidden"] if pack is None else pack.unpack(captured["hidden"])
+            hidden = hidden.to(next(value_head.parameters()).dtype)[:, :-1]
             hidden = keep_selected(hidden, mask_BT[:, 1:, None])    # padding: any value
             values_BT = keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)
-        if entropy:
-            logits = captured["logits"]
-            logits = torch.cat(logits, dim=1) if isinstance(logits, list) else logits
-            logits = logits if self.algo.entropy_coef > 0 else logits.detach()
-            logits = torch.where(mask_BT[:, 1:, None] != 0, logits[:, :-1], 0.0)  # pad: any value
-            logp_BTV = sampling_logprobs(logits, temperature=self.temperature,
-                                         top_p=self.top_p)
+        if entropy:  # of the distribution sampled from; masked positions hold logits 0
+            logp_BTV = logp_BTV if self.algo.entropy_coef > 0 else logp_BTV.detach()
             ent_BT = -(logp_BTV.exp() * logp_BTV.nan_to_num(neginf=0.0)).sum(-1)
             entropy_BT = torch.nn.functional.pad(ent_BT, (1, 0)) * mask_BT
         return logprobs_BT, values_BT, entropy_BT
