@@ -102,7 +102,9 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-def _last_row(path: Path | None) -> dict[str, Any]:
+def last_metrics_row(path: Path | None) -> dict[str, Any]:
+    """The last complete JSON object of a metrics.jsonl file (a line being written is skipped);
+    {} when there is none or `path` is None / missing."""
     if path is None or not path.exists():
         return {}
     for line in reversed(_tail(path, 4).splitlines()):

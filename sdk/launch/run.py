@@ -21,8 +21,9 @@ from typing import Any
 from submitit.core.utils import JobPaths, pickle_load
 from submitit.local.local import LocalJob
 
-from posttrain.launch.records import (_controller_alive, _fmt, _headline, _last_row, _no_metrics,
-                                       _peek_outcome, _read_record, _squeue_reason, _tail)
+from posttrain.launch.records import (_controller_alive, _fmt, _headline, _no_metrics,
+                                       _peek_outcome, _read_record, _squeue_reason, _tail,
+                                       last_metrics_row)
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
 
@@ -390,7 +391,7 @@ class Run:
             reason = self.pending_reason()
         except Exception:  # noqa: BLE001 - a display must not raise
             reason = None
-        row = _last_row(None if self.out_dir is None else self.out_dir / "metrics.jsonl")
+        row = last_metrics_row(None if self.out_dir is None else self.out_dir / "metrics.jsonl")
         return {"job_id": self.job_id, "state": state, "executor": self.executor,
                 "target": self.target, "reason": reason, "row": row}
 

@@ -42,6 +42,7 @@ from typing import Any
 import pandas as pd
 
 from posttrain.launch import JobFailedError, Run, launch_array
+from posttrain.launch.records import last_metrics_row
 from posttrain.launch.submit import EXECUTORS
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.config import override
@@ -318,8 +319,9 @@ class Sweep:
             status, error = self._state(arm.name, seed)
             results = _results(out) if status == "finished" else None
             metric, value = main_metric(results) if results else (None, None)
+            step = last_metrics_row(out / "metrics.jsonl").get("step")
             rows.append({"arm": arm.name, **arm.values, "seed": seed, "status": status,
-                         "step": _last_step(out), "metric": metric, "value": value,
+                         "step": step, "metric": metric, "value": value,
                          "error": error, "out_dir": str(out)})
         return pd.DataFrame(rows)
 
@@ -479,15 +481,6 @@ def _item_table(out: Path) -> pd.DataFrame | None:
     name = "eval_after_rl.csv" if metric and metric.startswith(f"after_{results.get('algo')}") \
         else "eval_after.csv"
     return pd.read_csv(out / name) if metric and (out / name).is_file() else None
-
-
-def _last_step(out: Path) -> int | None:
-    path = out / "metrics.jsonl"
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
-    try:
-        return json.loads(lines[-1]).get("step") if lines else None
-    except json.JSONDecodeError:  # a line being written
-        return None
 
 
 def _error_line(message: str) -> str:
