@@ -447,3 +447,22 @@ def test_a_local_run_alive_at_exit_prints_no_traceback(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_watch_until_done_prints_each_new_state_once_and_stops_when_done(capsys):
+    """Outside a notebook the shared watch loop of Run.watch and Sweep.watch prints a state
+    only when it changed, returns True once done() is, and False after a timeout."""
+    from posttrain.launch.records import watch_until_done
+
+    states = iter(["a", "a", "b", "c"])
+    shown = {"now": None}
+
+    def done():
+        shown["now"] = next(states)
+        return shown["now"] == "c"
+
+    assert watch_until_done(done, as_html=lambda: "", as_text=lambda: shown["now"],
+                            every_s=0.0, timeout=None, stopped="stopped") is True
+    assert capsys.readouterr().out.split() == ["a", "b", "c"]
+    assert watch_until_done(lambda: False, as_html=lambda: "", as_text=lambda: "x",
+                            every_s=0.01, timeout=0.05, stopped="stopped") is False

@@ -1,7 +1,8 @@
 """What a `Run` reads about its job besides submitit's Job: whether a "local" job's controller
 still runs, why Slurm keeps a job pending (squeue), a task's outcome from its result pickle
 without loading the result, the end of a log file, the launch record in run.json, the last row
-of a metrics.jsonl, and the short forms of that row a `Run` shows (its repr and notebook table).
+of a metrics.jsonl, the short forms of that row a `Run` shows (its repr and notebook table),
+and the refresh loop that `Run.watch` and `Sweep.watch` share (`watch_until_done`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import html
 import json
 import os
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +161,38 @@ def _headline(row: dict[str, Any], limit: int = 2) -> dict[str, Any]:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def watch_until_done(done: Callable[[], bool], *, as_html: Callable[[], str],
+                     as_text: Callable[[], str], every_s: float, timeout: float | None,
+                     stopped: str) -> bool:
+    """Show a state until `done()` or `timeout` seconds: in a Jupyter kernel one HTML widget
+    (`as_html()`) updated in place every `every_s` s, elsewhere `as_text()` printed whenever it
+    changes. Ctrl-C / a kernel interrupt stops watching (prints `stopped`), not what is watched.
+    Returns whether it ended with `done()` True."""
+    widget = None
+    try:
+        from IPython import get_ipython
+
+        if getattr(get_ipython(), "kernel", None) is not None:
+            import ipywidgets
+            from IPython.display import display
+
+            widget = ipywidgets.HTML(as_html())
+            display(widget)
+    except ImportError:
+        pass
+    start, last = time.monotonic(), None
+    try:
+        while True:
+            ended = done()
+            if widget is not None:
+                widget.value = as_html()
+            elif (text := as_text()) != last:
+                print(last := text, flush=True)
+            if ended or (timeout is not None and time.monotonic() - start >= timeout):
+                return ended
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        print(stopped)
+        return False

@@ -23,7 +23,7 @@ from submitit.local.local import LocalJob
 
 from posttrain.launch.records import (_controller_alive, _fmt, _headline, _no_metrics,
                                        _peek_outcome, _read_record, _squeue_reason, _tail,
-                                       last_metrics_row)
+                                       last_metrics_row, watch_until_done)
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
 
@@ -423,34 +423,10 @@ class Run:
         seconds have passed (in Jupyter: one widget updated in place; elsewhere: a printed line
         whenever it changes). Ctrl-C / a kernel interrupt stops watching, not the job. Returns
         the last state seen."""
-        widget = None
-        try:
-            from IPython import get_ipython
-
-            if getattr(get_ipython(), "kernel", None) is not None:
-                import ipywidgets
-                from IPython.display import display
-
-                widget = ipywidgets.HTML(self._repr_html_())
-                display(widget)
-        except ImportError:
-            pass
-        start, last = time.monotonic(), None
-        try:
-            while True:
-                ended = self.done()
-                if widget is not None:
-                    widget.value = self._repr_html_()
-                else:
-                    line = repr(self)
-                    if line != last:
-                        print(line, flush=True)
-                        last = line
-                if ended or (timeout is not None and time.monotonic() - start >= timeout):
-                    break
-                time.sleep(every_s)
-        except KeyboardInterrupt:
-            print(f"stopped watching; job {self.job_id} keeps running (run.cancel() stops it)")
+        watch_until_done(self.done, as_html=self._repr_html_, as_text=lambda: repr(self),
+                         every_s=every_s, timeout=timeout,
+                         stopped=f"stopped watching; job {self.job_id} keeps running "
+                                 "(run.cancel() stops it)")
         return self.status()
 
     # ------------------------------------------------------------- internals

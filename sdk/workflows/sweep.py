@@ -42,7 +42,7 @@ from typing import Any
 import pandas as pd
 
 from posttrain.launch import JobFailedError, Run, launch_array
-from posttrain.launch.records import last_metrics_row
+from posttrain.launch.records import last_metrics_row, watch_until_done
 from posttrain.launch.submit import EXECUTORS
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.config import override
@@ -346,28 +346,12 @@ class Sweep:
         """Show `table()` refreshed every `every_s` s until every run has ended (Jupyter: one
         output updated in place; elsewhere a printed table whenever it changes). Ctrl-C stops
         watching, not the runs. Returns the last table."""
-        handle, last, start = None, None, time.monotonic()
-        try:
-            from IPython import get_ipython
-            from IPython.display import display
-            if getattr(get_ipython(), "kernel", None) is not None:
-                handle = display(self.table(), display_id=True)
-        except ImportError:
-            pass
-        try:
-            while True:
-                ended, table = self.done(), self.table()
-                shown = table.drop(columns=["out_dir"]).to_string(index=False)
-                if handle is not None:
-                    handle.update(table)
-                elif shown != last:
-                    print(last := shown, flush=True)
-                if ended or (timeout is not None and time.monotonic() - start >= timeout):
-                    return table
-                time.sleep(every_s)
-        except KeyboardInterrupt:
-            print("stopped watching; the runs go on (sweep.table() shows them)")
-            return self.table()
+        watch_until_done(self.done, as_html=lambda: self.table().to_html(index=False),
+                         as_text=lambda: self.table().drop(columns=["out_dir"]).to_string(
+                             index=False),
+                         every_s=every_s, timeout=timeout,
+                         stopped="stopped watching; the runs go on (sweep.table() shows them)")
+        return self.table()
 
     def summary(self) -> pd.DataFrame:
         """One row per arm: arm, grid values, seeds (finished), metric, mean, ci_low, ci_high
