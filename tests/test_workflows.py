@@ -133,3 +133,27 @@ def test_sampled_pass_at_k_of_the_rl_run_is_read_from_its_answer_tables(tmp_path
         assert got["pass_at_k"] == pytest.approx(per_item.any().mean()) and got["k"] == 3
     assert results["sampled_difference"]["difference"] == pytest.approx(
         results["sampled_after_grpo"]["pass_at_1"] - results["sampled_after_sft"]["pass_at_1"])
+
+
+def test_a_small_warm_start_trains_on_the_first_demonstrations_and_rl_on_the_whole_pool(
+        tmp_path):
+    """`sft.demonstrations=N`: the SFT stage's rows are the first N items of the task (minus
+    held-out questions), the same items that open the RL stage's larger prompt pool."""
+    import json
+
+    from posttrain.data import reasoning_gym_sft_rows
+    from posttrain.envs import ReasoningGymTask
+
+    module, cfg = _grpo(tmp_path / "run", **{"sft.demonstrations": 5, "sft.steps": 2})
+    module.main(cfg)
+    sft = json.loads((tmp_path / "run" / "sft" / "results.json").read_text())
+    task = ReasoningGymTask(name=cfg.task.name, size=cfg.task.train_size, seed=cfg.seed,
+                            config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
+                            held_out_seed=cfg.task.eval_seed)
+    pool = [item["question"] for item in task.train_items]
+    first = [r["messages"][0]["content"] for r in reasoning_gym_sft_rows(
+        cfg.task.name, size=5, seed=cfg.seed, **cfg.task.options)]
+    held = {it["question"] for it in task.held_out()}
+    kept = [q for q in first if q not in held]
+    assert sft["data"]["rows"] == len(kept) <= 5 < len(pool)
+    assert pool[:len(kept)] == kept

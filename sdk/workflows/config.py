@@ -270,14 +270,19 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class SFTWarmStartConfig:
     """The SFT stage that GRPO, PPO, DPO and the reward model start from (run folder `sft/`):
-    `steps` of `batch_size` at `lr`, warmup min(20, steps // 10), on the recipe's task."""
+    `steps` of `batch_size` at `lr`, warmup min(20, steps // 10), on the recipe's task;
+    `demonstrations` N: on its first N training items only (those whose question is held out
+    are left out as always; the later stages still use all `task.train_size`: RL on a large
+    pool of prompts with a small warm start); None: on all of them."""
 
     steps: int = 400
     lr: float = 2e-3
     batch_size: int = 64
+    demonstrations: int | None = None
 
     def check(self, at: str) -> None:
         ints(self, at, ("steps", "batch_size"), minimum=1)
+        ints(self, at, ("demonstrations",), minimum=1, optional=True)
         positive(self, at, ("lr",))
 
 

@@ -65,6 +65,11 @@ def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
     if cfg.task.is_file:
         raise fail(f"{at}.task.name", cfg.task.name, "a reasoning-gym task (not a data file)")
     ints(cfg.task, f"{at}.task", ("eval_size",), minimum=min_eval_size)
+    demonstrations = getattr(getattr(cfg, "sft", None), "demonstrations", None)
+    if demonstrations is not None and demonstrations > cfg.task.train_size:
+        raise fail(f"{at}.sft.demonstrations", demonstrations,
+                   f"at most task.train_size={cfg.task.train_size} (the warm start's items are "
+                   "the task's first ones), or None for all")
 
 
 @dataclass(kw_only=True)

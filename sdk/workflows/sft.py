@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,8 +166,10 @@ def warm_start(cfg: Any, out: Path) -> dict[str, Any]:
     (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/sft` (the policy
     lands in `out/sft/policy`), or, when resuming a run whose SFT stage finished, its saved
     results. Returns the SFT results dict."""
-    steps = cfg.sft.steps
-    sft_cfg = SFTConfig(model=ModelConfig(name=cfg.model.name), task=cfg.task,
+    steps, task = cfg.sft.steps, cfg.task
+    if cfg.sft.demonstrations is not None:  # the first N items of the same generator
+        task = dataclasses.replace(task, train_size=cfg.sft.demonstrations)
+    sft_cfg = SFTConfig(model=ModelConfig(name=cfg.model.name), task=task,
                         eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
                         optim=BatchOptimConfig(steps=steps, lr=cfg.sft.lr,
                                                batch_size=cfg.sft.batch_size,
