@@ -145,6 +145,34 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, grid, options
     assert not folder.exists()
 
 
+def test_a_grid_key_named_like_a_table_column_is_refused(tmp_path):
+    """A recipe field called like a column of `Sweep.table()` (here `status`) cannot be a grid
+    key: the table would show one of the two under that name."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Config:
+        status: int = 0
+        out_dir: str = "runs/x"
+        seed: int = 0
+        resume: bool = False
+
+    module = types.ModuleType("status_recipe")
+    module.Config, module.main = Config, lambda cfg: {}
+    with pytest.raises(ValueError, match="grid key 'status' would hide the sweep table's column"):
+        sweep(module, {"status": [1, 2]}, folder=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_arms_doctests():
+    import doctest
+
+    import posttrain.workflows.arms as arms
+
+    assert doctest.testmod(arms).failed == 0
+
+
 def test_odd_grid_values_get_distinct_valid_folders(fake, tmp_path):
     """Strings with slashes, spaces, commas or that read as JSON, None, bools, dicts and lists:
     each arm its own folder (names written out by hand: percent-encoding of / space , = %, and

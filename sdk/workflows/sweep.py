@@ -45,24 +45,16 @@ from posttrain.launch import JobFailedError, Run, launch_array
 from posttrain.launch.records import last_metrics_row, watch_until_done
 from posttrain.launch.submit import EXECUTORS
 from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.workflows.arms import NEEDED as _NEEDED
+from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
 from posttrain.workflows.config import override
 from posttrain.workflows.lineage import main_metric, run_status
-from posttrain.workflows.recipes import config_annotation, load_config_file, load_recipe
+from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
 
 SWEEP_FILE = "sweep.json"
-_NEEDED = ("out_dir", "seed", "resume")
-
-
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    """One grid point: `values` maps dotted config keys to values; `name`, its folder name, is
-    `key=value` pairs joined by "," in grid order (values percent-encoded: `_show`)."""
-
-    name: str
-    values: dict[str, Any]
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -89,95 +81,6 @@ def t_quantile(p: float, df: int) -> float:
         mid = (low + high) / 2
         low, high = (mid, high) if cdf(mid) < p else (low, mid)
     return (low + high) / 2
-
-
-def _plain(value: Any) -> Any:
-    """`value` with numpy scalars as Python ones and tuples as lists (nested), for JSON."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value.item() if type(value).__module__ == "numpy" and hasattr(value, "item") else value
-
-
-def _key(value: Any) -> str:
-    """Equal config values give one key: 1 and 1.0 alike, True and 1 not (bools are tagged)."""
-    def norm(v: Any) -> Any:  # None, str: as is
-        if isinstance(v, (int, float)):
-            return ["bool", v] if isinstance(v, bool) else ["num", float(v)]
-        if isinstance(v, Mapping):
-            return {k: norm(x) for k, x in v.items()}
-        return [norm(x) for x in v] if isinstance(v, list) else v
-    return json.dumps(norm(_plain(value)), sort_keys=True, default=repr)
-
-
-def _show(value: Any) -> str:
-    """A value in an arm name: a string as is unless it reads as JSON (then quoted: "1" is not 1),
-    else compact JSON; percent-encoded, so two values never share a valid folder name."""
-    text = json.dumps(value := _plain(value), sort_keys=True, separators=(",", ":"), default=repr)
-    if isinstance(value, str) and value:
-        try:
-            json.loads(value)
-        except ValueError:
-            text = value
-    return "".join("".join(f"%{b:02X}" for b in c.encode()) if c in "%/\\,= " or not
-                   c.isprintable() else c for c in text)
-
-
-def _arm_name(values: Mapping[str, Any]) -> str:
-    name = ",".join(f"{k}={_show(v)}" for k, v in values.items()) or "default"
-    if len(name.encode()) > 200:  # a folder name has at most 255 bytes
-        import hashlib
-        name = name.encode()[:150].decode(errors="ignore") + "~" + \
-            hashlib.sha1(name.encode()).hexdigest()[:16]
-    return name
-
-
-def _arms(cfg: Any, grid: Mapping[str, Sequence[Any]]) -> list[Arm]:
-    if not isinstance(grid, Mapping) or not grid:
-        raise ValueError("sweep: grid must be a non-empty mapping of dotted config key -> list "
-                         "of values, e.g. {'optim.lr': [1e-3, 3e-3]}")
-    grid = {k: list(v) if type(v).__module__ == "numpy" else v for k, v in grid.items()}  # arrays
-    for key, values in grid.items():
-        if not isinstance(key, str):
-            raise ValueError(f"sweep: grid key {key!r} must be a dotted config key (a str), "
-                             "e.g. 'optim.lr'")
-        config_annotation(cfg, key)  # ValueError naming the key and the valid keys of its section
-        if key in _NEEDED:
-            raise ValueError(f"sweep: grid key {key!r} is set by the sweep itself"
-                             + (" (pass seeds=[...])" if key == "seed" else ""))
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
-            raise ValueError(f"sweep: grid[{key!r}] must be a non-empty list of values, got "
-                             f"{values!r}")
-        keys = [_key(v) for v in values]
-        if len(set(keys)) != len(keys):
-            twice = [v for v, k in zip(values, keys) if keys.count(k) > 1]
-            raise ValueError(f"sweep: grid[{key!r}] lists a value twice: {twice} are one value")
-    grid = {k: [v.item() if type(v).__module__ == "numpy" and hasattr(v, "item") else v
-                for v in vs] for k, vs in grid.items()}
-    arms = [Arm(_arm_name(dict(zip(grid, combo))), dict(zip(grid, combo)))
-            for combo in itertools.product(*grid.values())]
-    if len({a.name for a in arms}) != len(arms):  # values of one repr, or a hash clash
-        raise ValueError(f"sweep: two arms get one folder name: {[a.name for a in arms]}")
-    for arm in arms:
-        try:
-            override(cfg, arm.values)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"sweep: arm {arm.name}: {e}") from None
-    return arms
-
-
-def _baseline(baseline: str | Mapping[str, Any] | None, arms: list[Arm]) -> Arm | None:
-    if baseline is None:
-        return None
-    for arm in arms:
-        if baseline == arm.name or (isinstance(baseline, Mapping) and set(baseline) ==
-                                    set(arm.values) and all(_key(baseline[k]) == _key(v)
-                                                            for k, v in arm.values.items())):
-            return arm
-    raise ValueError(f"sweep: baseline {baseline!r} is not an arm of the grid; give an arm's "
-                     f"name or its values as a mapping, e.g. {arms[0].values!r}; arms: "
-                     f"{', '.join(a.name for a in arms)}")
 
 
 def _base_config(module: ModuleType, base: Any, config: str | os.PathLike | None) -> Any:
@@ -232,8 +135,8 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
     name = Path(str(recipe)).stem if isinstance(recipe, (str, os.PathLike)) else \
         module.__name__.removeprefix("posttrain_recipe_")
     cfg = _base_config(module, base, config)
-    arms = _arms(cfg, grid)
-    base_arm = _baseline(baseline, arms)
+    arms = arms_of_grid(cfg, grid)
+    base_arm = baseline_arm(baseline, arms)
     seeds, given = (list(seeds) if isinstance(seeds, Iterable) and not isinstance(
         seeds, (str, bytes, Mapping)) else None), seeds
     if not seeds or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
@@ -270,7 +173,7 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
                             name=f"sweep-{name}", **launch_options)
         cells.update({key: run for (key, _), run in zip(todo, runs)})
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"recipe": name, "grid": {k: _plain(list(v)) for k, v in grid.items()},
+    record = {"recipe": name, "grid": {k: plain_value(list(v)) for k, v in grid.items()},
               "seeds": seeds, "baseline": None if base_arm is None else base_arm.name,
               "arms": [dataclasses.asdict(a) for a in arms]}
     (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
