@@ -278,3 +278,16 @@ def test_dpo_recipe_reaches_every_dpo_loss_type(overrides, expected):
     module = cli.load_recipe("dpo")
     built = override(module.Config(), overrides).build_loss()
     assert repr(built) == repr(DPOLoss(beta=0.1, **expected))
+
+
+def test_the_spell_backward_grpo_preset_runs_at_tiny_size(tmp_path, monkeypatch):
+    """The longer preset where GRPO measurably learns (docs/results.md) runs end to end at tiny
+    size on its own task, and its results name that task."""
+    monkeypatch.chdir(tmp_path)
+    module = cli.load_recipe("grpo")
+    cfg = cli.load_config_file(module.Config(), str(cli.recipe_dirs()[1] / "presets" /
+                                                     "grpo_spell_backward.yaml"))
+    assert (cfg.task.name, cfg.rl.prompts_per_step, cfg.optim.steps) == ("spell_backward", 64, 600)
+    results = module.main(override(cfg, {**module.TINY, "out_dir": str(tmp_path / "run")}))
+    assert results["task_config"] == {"min_word_len": 3, "max_word_len": 5}
+    assert 0.0 <= results["after_grpo"]["accuracy"] <= 1.0
