@@ -34,6 +34,10 @@ def test_docstring_examples_run(name):
     import doctest
 
     module = importlib.import_module(name)
+    if "needs a sandbox" in (module.__doc__ or ""):  # its example runs a sandboxed program
+        from posttrain.verifiers.sandbox import sandbox_available
+        if (reason := sandbox_available()) is not None:
+            pytest.skip(f"{name}'s example needs the code sandbox: {reason}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
                              report=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
