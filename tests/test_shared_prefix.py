@@ -60,6 +60,27 @@ def test_packed_logprobs_and_gradients_equal_the_unpacked_rows(model):
                                    msg=name)
 
 
+def test_packed_gradients_are_bitwise_equal_from_run_to_run_on_two_threads(model):
+    """A shared prompt position's gradient sums G rows; that sum must not depend on thread
+    timing (advanced indexing's backward adds with atomics across threads on CPU), or resume
+    and replay would not be bitwise exact. B x T x V is far above the size where CPU kernels
+    go parallel."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (40,), generator=g).tolist() for _ in range(3)]
+    responses = [[torch.randint(3, 250, (8,), generator=g).tolist() for _ in range(5)]
+                 for _ in prompts]  # 15 rows: the threads' halves split a group
+    ids, valid, response = _rows(prompts, responses)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [_scored(model, ids, valid, response, share=True)[1] for _ in range(8)]
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        for name, grad in runs[0].items():
+            assert torch.equal(other[name], grad), name
+
+
 def test_a_response_never_sees_another_response_of_its_group(model):
     """Changing row 0's response tokens changes nothing in row 1's log-probabilities."""
     prompt = [9, 10, 11, 12]

@@ -114,8 +114,16 @@ class SharedPrefixPack:
     def unpack(self, x_NSx: Tensor) -> Tensor:
         """A per-position output of the packed forward (`[N, S, ...]`: logits, hidden states) in
         row layout `[B, T, ...]`; differentiable (the shared prefix's gradient is the sum over
-        its rows). Padding positions hold an arbitrary real position's value."""
-        return x_NSx[self.sequence_B[:, None], self.index_BT]
+        its rows). Padding positions hold an arbitrary real position's value.
+
+        `index_select`, not advanced indexing: its backward (`index_add_`) sums a shared
+        position's gradients in a fixed order on CPU, where advanced indexing's (`index_put_`
+        with accumulate) adds them with atomics across threads, so a rerun would not be bitwise
+        equal."""
+        (N, S), (B, T) = x_NSx.shape[:2], self.index_BT.shape
+        flat_index = (self.sequence_B[:, None] * S + self.index_BT).reshape(-1)
+        rows = x_NSx.reshape(N * S, *x_NSx.shape[2:]).index_select(0, flat_index)
+        return rows.reshape(B, T, *x_NSx.shape[2:])
 
     def forward(self, model: torch.nn.Module) -> Tensor | list[Tensor]:
         """`model`'s output on the packed sequences (a torchtune `TransformerDecoder`: the
