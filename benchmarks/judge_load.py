@@ -192,7 +192,7 @@ CONFIGS = [
     Config("c32-nobatch", clients=32, requests=400, max_batch_size=8),
     Config("c64-queue8", clients=64, requests=800, max_queue=8),
 ]
-QUICK = [Config("quick", clients=8, requests=48, group_size=4, max_queue=4, max_wait_s=0.01)]
+QUICK = [Config("quick", clients=16, requests=48, group_size=4, max_queue=2, max_wait_s=0.01)]
 
 
 def table(results: list[Result]) -> str:
