@@ -334,3 +334,26 @@ def test_no_value_now_is_worse_and_the_paired_reason_uses_the_paired_items(capsy
                              _scores("j", [0.0, 1, 1, 1])).to_dict("records")
     assert row["difference"] == 0.25 and row["method"] == "paired bootstrap on 3 items"
     assert "paired difference +0.000" in row["reason"]
+
+
+# A sampled completion may hold any byte the tokenizer has; each of these once split a row or a
+# quoted field when a table was written with "\n" line ends (a bare "\r" was left unquoted).
+ODD_COMPLETIONS = ["a\rb", "x\r", "\r\n", "\r", "a\nb", '"q"', 'say "hi",\r\nok', "a,b", "\x00z"]
+
+
+@pytest.mark.parametrize("completion", ODD_COMPLETIONS)
+def test_every_table_writer_round_trips_a_completion_with_line_breaks_and_quotes(
+        completion, tmp_path):
+    from posttrain.workflows.reports import write_table
+
+    table = pd.DataFrame({"question": ["q0", "q1", "q2"], "completion": ["ok", completion, "z"],
+                          "score": [1.0, 0.25, 0.0], "correct": [True, False, False]})
+    write_table(table, tmp_path / "t.csv")
+    back = pd.read_csv(tmp_path / "t.csv", keep_default_na=False)
+    assert len(back) == 3 and back["completion"].tolist() == ["ok", completion, "z"]
+    assert back["correct"].tolist() == [True, False, False]
+
+    suite = _result([True, False, False], ["q0", completion, "q2"])
+    loaded = SuiteResult.load(suite.save(tmp_path / "suite"))
+    assert loaded.per_item["s"]["question"].tolist() == ["q0", completion, "q2"]
+    assert loaded.per_item["s"]["correct"].tolist() == [True, False, False]

@@ -54,6 +54,7 @@ from posttrain.rewards.evaluation import (ScoreFn, evaluate_generations, evaluat
                                           paired_bootstrap_diff, wilson_interval)
 from posttrain.rewards.pairwise import PairwiseOutcome
 from posttrain.workflows.config import TaskConfig
+from posttrain.workflows.reports import write_table
 from posttrain.workflows.sft import evaluate, held_out_items
 
 __all__ = ["ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "SuiteResult", "RegressionError",
@@ -370,7 +371,7 @@ class SuiteResult:
         files = {}
         for i, (name, per) in enumerate(self.per_item.items()):
             files[name] = f"items_{i:02d}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.csv"
-            per.to_csv(folder / files[name], index=False)
+            write_table(per, folder / files[name])
         doc = {"table": json.loads(self.table.to_json(orient="records")), "per_item": files}
         (folder / "eval_suite.json").write_text(json.dumps(doc, indent=1))
         return folder

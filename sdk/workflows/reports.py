@@ -191,8 +191,12 @@ def write_results(out: Path, results: dict[str, Any], markdown: str) -> None:
 
 
 def write_table(table: pd.DataFrame, path: Path) -> None:
-    """An evaluation table as CSV, written atomically (a resumed run reads it back whole)."""
-    write_text_atomic(path, table.to_csv(index=False))
+    """An evaluation table as CSV, written atomically (a resumed run reads it back whole).
+
+    Rows end in CRLF, as RFC 4180 has them: Python's csv writer quotes a field only when it holds
+    a character of the line terminator, so with a bare "\n" a sampled completion holding "\r"
+    was written unquoted and read back as two rows."""
+    write_text_atomic(path, table.to_csv(index=False, lineterminator="\r\n"))
 
 
 def read_table(path: Path) -> pd.DataFrame | None:
