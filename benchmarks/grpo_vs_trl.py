@@ -62,9 +62,16 @@ DOCS = ROOT / "docs"
 WARMUP_STEPS = 5
 
 
-def main_job_config(quick: bool, out: Path) -> RLRunConfig:
-    """`make run`'s config (or its RL_TINY shrink for --quick) with the run folder `out`."""
+def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunConfig:
+    """`RLRunConfig`'s defaults, the chain_sum job that was `make run`'s when this comparison
+    was made (or its RL_TINY shrink for --quick), with the run folder `out`."""
     cfg = RLRunConfig(out_dir=str(out), progress=False)
+    if preset is not None:  # a grpo recipe preset over those defaults (e.g. spell_backward's)
+        from posttrain.workflows.recipes import load_config_file
+
+        cfg = load_config_file(cfg, preset)
+        cfg = override(cfg, {"out_dir": str(out), "progress": False, "eval.every": 0,
+                             "baseline.steps": 0})
     if quick:
         cfg = override(cfg, {**RL_TINY, "out_dir": str(out)})
     return cfg
@@ -202,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (main job's: 100)")
     parser.add_argument("--lr", type=float, default=None, help="main job's: 1e-4")
     parser.add_argument("--beta", type=float, default=None, help="KL coefficient (main job's)")
+    parser.add_argument("--config", default=None,
+                        help="a grpo preset (YAML) for the task and settings instead of "
+                             "RLRunConfig's chain_sum defaults; writes grpo_vs_trl_<preset>.md")
     parser.add_argument("--samples", type=int, default=8, help="S samples per held-out question")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, nothing written")
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         run = args.sft_run or work / "run"
-        cfg = main_job_config(args.quick, run)
+        cfg = main_job_config(args.quick, run, args.config)
         steps = args.steps or cfg.optim.steps
         lr = args.lr or cfg.optim.lr
         beta = cfg.rl.algorithm().kl_coef if args.beta is None else args.beta
@@ -280,9 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if args.quick:
         return 0
-    figure = args.out / "figures" / "grpo_vs_trl.png"
+    tag = "" if args.config is None else "_" + Path(args.config).stem
+    figure = args.out / "figures" / f"grpo_vs_trl{tag}.png"
     plot(curves, figure, window=max(1, min(10, steps // 5)))
-    md = args.out / "grpo_vs_trl.md"
+    md = args.out / f"grpo_vs_trl{tag}.md"
     md.write_text("# GRPO from the main job's SFT policy: posttrain vs TRL `GRPOTrainer`\n\n"
                   "Produced by `python benchmarks/grpo_vs_trl.py`.\n\n" + text
                   + f"\n![training reward and KL per step](figures/{figure.name})\n")

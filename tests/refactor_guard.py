@@ -30,8 +30,10 @@ CASES: dict[str, tuple[str, str | None, dict]] = {
     "kto": ("dpo", "kto_chain_sum.yaml", {}),
     "orpo": ("dpo", "dpo_chain_sum.yaml", {"loss": "orpo"}),
     "reward_model": ("reward_model", "reward_model_chain_sum.yaml", {}),
-    # eval.samples 0: the sampled evaluation came after the recording
-    "grpo": ("grpo", "grpo_chain_sum.yaml", {"eval.samples": 0}),
+    # eval.samples, eval.every and baseline.steps 0: the sampled evaluation, the held-out curve
+    # and the more-SFT baseline came after the recording
+    "grpo": ("grpo", "grpo_chain_sum.yaml", {"eval.samples": 0, "eval.every": 0,
+                                             "baseline.steps": 0}),
     "ppo": ("ppo", None, {"eval.samples": 0}),
 }
 
@@ -85,8 +87,10 @@ def _drop_timing(value):
 
 
 def _evaluations(run: Path) -> dict[str, str]:
-    """sha256 of every evaluation table (the completions themselves) under the run folder."""
-    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+    """sha256 of every evaluation table (the completions themselves) under the run folder, with
+    CRLF row ends read as LF (tables were written with LF rows when the fixture was recorded)."""
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes().replace(b"\r\n", b"\n")
+                                                    ).hexdigest()
             for p in sorted(run.rglob("eval*.csv"))}
 
 

@@ -79,7 +79,7 @@ CONFIG_KEYS = {
         'task.eval_seed',
         'task.eval_size', 'task.name', 'task.options', 'task.train_size', 'val_pairs'],
     "grpo": [
-        'checkpoint.every', 'checkpoint.keep_last', 'eval.every', 'eval.max_new_tokens',
+        'baseline.lr', 'baseline.steps', 'checkpoint.every', 'checkpoint.keep_last', 'eval.every', 'eval.max_new_tokens',
         'eval.samples',
         'model.init_from', 'model.name', 'optim.lr', 'optim.max_grad_norm',
         'optim.min_lr_ratio', 'optim.steps', 'optim.warmup_steps', 'optim.weight_decay',
@@ -200,7 +200,8 @@ FAULTS = [
     ("dpo", "max_seq_len=513", r"Config\.max_seq_len=513; must be at most 512"),
     ("sft", "task.options.max_term=3", r"Config\.task\.options=.*unknown option.*'max_term'.*"
                                        r"valid options: min_terms, max_terms"),
-    ("grpo", "task.options.min_terms=3", r"Config\.task\.options=.*max_terms must be >= min_terms"),
+    ("ppo", "task.options.min_terms=3", r"Config\.task\.options=.*max_terms must be >= min_terms"),
+    ("grpo", "task.options.min_terms=3", r"Config\.task\.options=.*unknown option.*'min_terms'"),
     ("reward_model", "task.options={min_digits: 3, max_digits: 1}", r"Config\.task\.options="),
     ("sft", "seed=-1", r"Config\.seed=-1; must be an integer in \[0, 4294967295\]"),
     ("grpo", "task.eval_seed=4294967296", r"Config\.task\.eval_seed=4294967296"),

@@ -287,6 +287,23 @@ class SFTWarmStartConfig:
 
 
 @dataclass(kw_only=True)
+class MoreSFTBaselineConfig:
+    """The honest baseline of an RL run: instead of RL, `steps` more SFT steps from the SFT
+    policy on the same demonstrations (`sft.demonstrations` included), batch `sft.batch_size`,
+    at `lr` with warmup-cosine (run folder `more_sft/`), scored on the same held-out items as
+    the RL policy (greedy, sampled pass@1, pass@k) and compared with it, paired. 0: no baseline.
+    Choose `steps` so that the stage takes about the RL stage's wall time; the results report
+    both times."""
+
+    steps: int = 0
+    lr: float = 3e-4
+
+    def check(self, at: str) -> None:
+        ints(self, at, ("steps",), minimum=0)
+        positive(self, at, ("lr",))
+
+
+@dataclass(kw_only=True)
 class PairsConfig:
     """Preference pairs by rejection sampling: `samples_per_prompt` completions of each of
     `num_prompts` questions, best vs worst by the task's verifier; with `reference_answer` the

@@ -12,6 +12,12 @@ Held-out items: `task.eval_size` distinct questions from `task.eval_seed`; SFT d
 training row with one of them, and the RL task (`ReasoningGymTask` with the same held-out seed)
 drops them from its training items; the run checks both sets are the same.
 
+Optional stages: `eval.every` N > 0 evaluates held-out greedy accuracy every N RL steps
+(`HeldOutCurve`: `eval_curve.csv` / `eval_curve.png`, step 0 being the SFT policy);
+`baseline.steps` N > 0 runs the honest baseline after RL: N more SFT steps from the SFT policy on
+the same demonstrations (run folder `more_sft/`), scored like the RL policy and compared with
+it, paired (`rl_minus_more_sft`, `rl_minus_more_sft_sampled`), with both stages' wall times.
+
 Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one row per RL
 step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
 
@@ -44,9 +50,10 @@ from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.train.schedules import warmup_cosine_schedule
-from posttrain.workflows.config import (CheckpointConfig, ModelConfig, OptimConfig, RLConfig,
-                                        RLEvalConfig, SamplingConfig, SFTWarmStartConfig,
-                                        TaskConfig, fail, ints, run_fields, validate)
+from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBaselineConfig,
+                                        OptimConfig, RLConfig, RLEvalConfig, SamplingConfig,
+                                        SFTWarmStartConfig, TaskConfig, fail, ints, run_fields,
+                                        validate)
 from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
                                               check_converted_run, convert_for_training,
@@ -74,8 +81,10 @@ def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
 
 @dataclass(kw_only=True)
 class RLRunConfig:
-    """SFT -> RL -> evaluation; every field has a default that runs the main job (SFT of tiny-2m
-    for 900 steps, then 100 GRPO steps of 16 prompts x 8 samples; ~15 min on 2 CPU cores).
+    """SFT -> RL -> evaluation; every field has a default that runs (SFT of tiny-2m for 900
+    steps on 2-term chain_sum, then 100 GRPO steps of 16 prompts x 8 samples; ~10 min on 2 CPU
+    cores). `recipes/grpo.py` sets the main job's defaults (spell_backward, 64 x 8, the held-out
+    curve `eval.every` and the more-SFT `baseline`).
     Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
@@ -93,6 +102,8 @@ class RLRunConfig:
     # a quantised sampler copy and truncated importance sampling (quantization.rollout*)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: RLQuantizationConfig = field(default_factory=RLQuantizationConfig)
+    # the honest baseline: more SFT on the same demonstrations instead of RL (0 steps: none)
+    baseline: MoreSFTBaselineConfig = field(default_factory=MoreSFTBaselineConfig)
     seed: int = 0
     out_dir: str = "runs/grpo"
     resume: bool = False
@@ -107,10 +118,14 @@ class RLRunConfig:
         if self.model.init_from is not None:
             raise fail(f"{at}.model.init_from", self.model.init_from,
                        "None: the RL run starts from its own SFT stage (model.name)")
-        if self.eval.every:
-            raise fail(f"{at}.eval.every", self.eval.every, "0: the RL run has no validation set")
         check_parallel(self, at, divisible=("rl.prompts_per_step", "sft.batch_size"),
                        unsupported=("sp", "pp", "ep"))  # see posttrain.rl.parallel
+        if self.parallel.plan() is not None:  # rank 0 alone evaluates, on gathered weights
+            for key, value in (("eval.every", self.eval.every),
+                               ("baseline.steps", self.baseline.steps)):
+                if value:
+                    raise fail(f"{at}.{key}", value, "0 under a parallel plan (the held-out "
+                               "curve and the more-SFT baseline run in one process)")
         check_converted_run(self, at, training=("none", "fp8"))
 
 
@@ -120,7 +135,7 @@ RL_TINY: dict[str, Any] = {
     "eval.samples": 2,
     "sft.steps": 3, "sft.batch_size": 8, "optim.steps": 2, "optim.warmup_steps": 1,
     "rl.prompts_per_step": 2, "rl.group_size": 2, "sampling.max_new_tokens": 4,
-    "checkpoint.every": 1, "progress": False}
+    "checkpoint.every": 1, "progress": False, "eval.every": 0, "baseline.steps": 0}
 
 _CURVES = [("reward_mean", "reward (mean)"), ("accuracy", "accuracy (outcome ok)"),
            ("kl", "KL to reference"), ("ppo_kl", "KL old -> new (ppo_kl)")]
@@ -165,13 +180,18 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                                   weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    curve = HeldOutCurve(policy, items, scorer, every=cfg.eval.every,
+                         max_new_tokens=cfg.eval.max_new_tokens, path=out / "eval_curve.csv")
     trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
                         prompts_per_step=cfg.rl.prompts_per_step, max_new_tokens=s.max_new_tokens,
                         temperature=s.temperature, top_p=s.top_p, value_head=value_head,
                         lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
                         checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                         progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan,
-                        rollout_quantization=q.rollout_quantization())
+                        rollout_quantization=q.rollout_quantization(),
+                        callbacks=[curve] if cfg.eval.every else [])
+    if cfg.eval.every:  # (one process: refused under a plan, where rank > 0 has no results)
+        curve.start(trainer.step_count, sft_results["after"])
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo,
                                        "after_sft": (sft_results or {}).get("after")})
@@ -183,6 +203,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     rl_s = time.perf_counter() - start - sft_s
     plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
                 xlabel=f"{cfg.rl.algo} step")
+    if cfg.eval.every:
+        curve.plot(out / "eval_curve.png", xlabel=f"{cfg.rl.algo.upper()} step")
 
     # 3. Held-out evaluation after RL; paired comparison with the SFT policy on the same items
     after_rl = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
@@ -193,6 +215,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     sampled = _sampled_evaluations(cfg, out, items, scorer, policy)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
+    baseline = _more_sft_baseline(cfg, out, items, scorer, after_rl, sampled)  # may stop here
     algo_name = cfg.rl.algo
     results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
                "task_config": cfg.task.options, "eval_size": cfg.task.eval_size,
@@ -201,7 +224,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
-               **sampled, **adapters}
+               **sampled, **baseline, **adapters}
+    if cfg.eval.every:
+        results["eval_curve"] = curve.rows()
     if converters:
         results["converters"] = converters
     if q.rollout != "none":
@@ -213,25 +238,115 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     return results
 
 
+def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
+    """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`."""
+    return evaluate_sampled(policy, items, samples=cfg.eval.samples, seed=cfg.seed + 1,
+                            max_new_tokens=cfg.eval.max_new_tokens,
+                            score_fn=lambda text, item: scorer.score_answer(text.strip(), item))
+
+
 def _sampled_evaluations(cfg: RLRunConfig, out: Path, items: list[dict], scorer,
                          policy: Policy) -> dict[str, Any]:
     """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
     back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
     per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
-    `cfg.eval.samples` is 0."""
+    `cfg.eval.samples` is 0. The RL policy's per-item pass@1 ([N] float64) is under the private
+    key "_rl_per_item" for the baseline's comparison."""
     if not cfg.eval.samples:
         return {}
     algo, results = cfg.rl.algo, {}
     for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
-        r = evaluate_sampled(model, items, samples=cfg.eval.samples, seed=cfg.seed + 1,
-                             max_new_tokens=cfg.eval.max_new_tokens,
-                             score_fn=lambda text, item: scorer.score_answer(text.strip(), item))
+        r = _sampled(cfg, model, items, scorer)
         write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
-        results[f"sampled_after_{stage}"] = {**r.as_dict(), "per_item": r.per_item_pass1}
+        results[f"sampled_after_{stage}"] = r.as_dict()
+        results[f"_{stage}_per_item"] = r.per_item_pass1
     results["sampled_difference"] = paired_bootstrap_diff(
-        results[f"sampled_after_{algo}"].pop("per_item"),
-        results["sampled_after_sft"].pop("per_item"), seed=cfg.seed)
+        results[f"_{algo}_per_item"], results.pop("_sft_per_item"), seed=cfg.seed)
+    results["_rl_per_item"] = results.pop(f"_{algo}_per_item")
     return results
+
+
+def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl,
+                       sampled: dict[str, Any]) -> dict[str, Any]:
+    """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
+    policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
+    items, and RL minus more-SFT, paired (greedy; sampled pass@1 when `cfg.eval.samples`).
+    Pops `sampled["_rl_per_item"]`. {} when `cfg.baseline.steps` is 0."""
+    rl_per_item = sampled.pop("_rl_per_item", None)
+    if not cfg.baseline.steps:
+        return {}
+    start = time.perf_counter()
+    results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
+                         steps=cfg.baseline.steps, lr=cfg.baseline.lr)
+    more_sft_s = time.perf_counter() - start
+    greedy = pd.read_csv(out / "more_sft" / "eval_after.csv")["correct"].to_numpy()
+    baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,
+                             "lr": cfg.baseline.lr, "wall_s": more_sft_s},
+                "rl_minus_more_sft": paired_bootstrap_diff(
+                    after_rl.table["correct"].to_numpy(), greedy, seed=cfg.seed)}
+    if rl_per_item is not None:
+        r = _sampled(cfg, Policy.from_pretrained(out / "more_sft" / "policy"), items, scorer)
+        write_table(r.table, out / "eval_sampled_after_more_sft.csv")
+        baseline["sampled_after_more_sft"] = r.as_dict()
+        baseline["rl_minus_more_sft_sampled"] = paired_bootstrap_diff(
+            rl_per_item, r.per_item_pass1, seed=cfg.seed)
+    return baseline
+
+
+class HeldOutCurve:
+    """A trainer callback: greedy held-out accuracy of `policy` every `every` RL steps (the
+    same items, scorer and answer length as the final evaluation), one CSV row per point
+    (step, accuracy, ci_low, ci_high, num_items: a fraction and its 95% Wilson interval) in
+    `path`, written as it comes so a live run can be read. Greedy decoding draws no random
+    numbers, so the run trains exactly as without it.
+
+    Call `start(step, after_sft)` once the trainer exists: it writes step 0 (the SFT policy,
+    from its results) and drops rows of steps a resumed run will take again.
+    """
+
+    COLUMNS = ("step", "accuracy", "ci_low", "ci_high", "num_items")
+
+    def __init__(self, policy: Policy, items: list[dict], scorer, *, every: int,
+                 max_new_tokens: int, path: Path) -> None:
+        self.policy, self.items, self.scorer = policy, items, scorer
+        self.every, self.max_new_tokens, self.path = every, max_new_tokens, path
+
+    def start(self, step: int, after_sft: dict[str, Any]) -> None:
+        old = pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame()
+        first = pd.DataFrame([{"step": 0, **after_sft}])
+        kept = old[(old["step"] > 0) & (old["step"] <= step)] if len(old) else old
+        write_table(pd.concat([first, kept])[list(self.COLUMNS)], self.path)
+
+    def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
+        if trainer.step_count % self.every and trainer.step_count != trainer.target_steps:
+            return
+        r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
+        point = {"step": trainer.step_count, **r.as_dict()}
+        with open(self.path, "a", newline="") as f:  # write_table's CRLF rows
+            f.write(",".join(repr(point[c]) for c in self.COLUMNS) + "\r\n")
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The points so far, as dicts of `COLUMNS`."""
+        return pd.read_csv(self.path).to_dict("records")
+
+    def plot(self, path: Path, *, xlabel: str) -> None:
+        """Accuracy against step with its interval band, saved to `path` (100 dpi)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        data = pd.read_csv(self.path)
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.fill_between(data["step"], data["ci_low"], data["ci_high"], alpha=0.25)
+        ax.plot(data["step"], data["accuracy"], marker=".")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.set_title(f"{int(data['num_items'].iloc[0])} items, 95% Wilson interval", fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
 
 
 def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> None:
@@ -254,4 +369,21 @@ def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> 
                                   (algo.upper(), results[f"sampled_after_{algo}"]))]
         lines += ["", difference_line(f"{algo.upper()} minus SFT, sampled pass@1",
                                       results["sampled_difference"]), ""]
+    if "more_sft" in results:  # the honest baseline: the same demonstrations, more SFT
+        b = results["more_sft"]
+        lines += [f"Baseline: {b['steps']} more SFT steps instead (lr {b['lr']:g}, "
+                  f"{b['wall_s']:.0f} s; {algo.upper()} took {results['rl_s']:.0f} s): greedy "
+                  f"{b['accuracy']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}]" + (
+                      f", sampled pass@1 {results['sampled_after_more_sft']['pass_at_1']:.3f}, "
+                      f"pass@{results['sampled_after_more_sft']['k']} "
+                      f"{results['sampled_after_more_sft']['pass_at_k']:.3f}"
+                      if "sampled_after_more_sft" in results else ""), "",
+                  difference_line(f"{algo.upper()} minus more SFT", results["rl_minus_more_sft"])]
+        if "rl_minus_more_sft_sampled" in results:
+            lines.append(difference_line(f"{algo.upper()} minus more SFT, sampled pass@1",
+                                         results["rl_minus_more_sft_sampled"]))
+        lines.append("")
+    if "eval_curve" in results:
+        lines += [f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): " + ", ".join(
+            f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"]), ""]
     write_results(out, results, "\n".join(lines))

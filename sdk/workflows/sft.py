@@ -161,23 +161,33 @@ def evaluate(policy: Policy, items: list[dict], ds, *, max_new_tokens: int,
                                 score_fn=lambda text, item: ds.score_answer(text.strip(), item))
 
 
-def warm_start(cfg: Any, out: Path) -> dict[str, Any]:
+def warm_start(cfg: Any, out: Path, *, folder: str = "sft", init_from: Path | None = None,
+               steps: int | None = None, lr: float | None = None) -> dict[str, Any]:
     """The SFT stage of a recipe whose `cfg` has `model`, `task`, `eval`, `sft`
-    (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/sft` (the policy
-    lands in `out/sft/policy`), or, when resuming a run whose SFT stage finished, its saved
-    results. Returns the SFT results dict."""
-    steps, task = cfg.sft.steps, cfg.task
+    (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/folder` (the
+    policy lands in `out/folder/policy`), or, when resuming a run whose stage finished, its saved
+    results. Returns the SFT results dict.
+
+    `init_from` (a policy folder), `steps` and `lr` replace the fresh `cfg.model.name` policy and
+    `cfg.sft`'s steps and learning rate: the RL recipes' more-SFT baseline continues the warm
+    start's policy this way on the same demonstrations.
+    """
+    steps = cfg.sft.steps if steps is None else steps
+    lr = cfg.sft.lr if lr is None else lr
+    task = cfg.task
     if cfg.sft.demonstrations is not None:  # the first N items of the same generator
         task = dataclasses.replace(task, train_size=cfg.sft.demonstrations)
-    sft_cfg = SFTConfig(model=ModelConfig(name=cfg.model.name), task=task,
+    model = ModelConfig(name=cfg.model.name,
+                        init_from=None if init_from is None else str(init_from))
+    sft_cfg = SFTConfig(model=model, task=task,
                         eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
-                        optim=BatchOptimConfig(steps=steps, lr=cfg.sft.lr,
+                        optim=BatchOptimConfig(steps=steps, lr=lr,
                                                batch_size=cfg.sft.batch_size,
                                                warmup_steps=min(20, steps // 10)),
                         checkpoint=CheckpointConfig(every=max(1, steps // 10)), seed=cfg.seed,
-                        out_dir=str(out / "sft"), resume=cfg.resume, progress=cfg.progress,
+                        out_dir=str(out / folder), resume=cfg.resume, progress=cfg.progress,
                         parallel=cfg.parallel)
-    done = _finished_results(out / "sft") if cfg.resume else None
+    done = _finished_results(out / folder) if cfg.resume else None
     return done if done is not None else run_sft(sft_cfg)
 
 
