@@ -24,6 +24,7 @@ def _run(tmp_path, name, **changes):
     module = cli.load_recipe("grpo")
     cfg = override(module.Config(), {**module.TINY, "sft.steps": 6, "optim.steps": 4,
                                      "eval.every": 2, "baseline.steps": 3,
+                                     "sft.demonstrations": 40,
                                      "out_dir": str(tmp_path / name), **changes})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -74,7 +75,9 @@ def test_the_baseline_continues_the_sft_policy_and_is_compared_paired(runs):
     saved = json.loads((run / "more_sft" / "config.json").read_text())
     assert saved["model"]["init_from"] == str(run / "sft" / "policy")
     assert (saved["optim"]["steps"], saved["optim"]["lr"]) == (3, cfg.baseline.lr)
+    # the same demonstrations as the warm start: its first 40 items, not the RL pool of 64
     assert saved["task"] == json.loads((run / "sft" / "config.json").read_text())["task"]
+    assert (saved["task"]["train_size"], cfg.task.train_size) == (40, 64)
 
     # scored again here, from the saved policy: the same greedy answers and sampled pass@1
     items, ds = held_out_items(cfg.task)
