@@ -139,6 +139,13 @@ def test_a_curve_point_is_the_greedy_accuracy_of_the_policy_at_that_step(tmp_pat
     assert [r["step"] for r in curve.rows()] == [0]
 
 
+def test_a_curve_needs_a_positive_interval(tmp_path):
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    for every in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="every"):
+            HeldOutCurve(policy, [], None, every=every, max_new_tokens=2, path=tmp_path / "c.csv")
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"baseline.steps": -1}, "baseline.steps"),
     ({"baseline.lr": 0.0}, "baseline.lr"),

@@ -47,6 +47,7 @@ import torch
 from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
+from posttrain.core.checks import check_int
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.train.schedules import warmup_cosine_schedule
@@ -181,7 +182,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
                                       total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
     curve = HeldOutCurve(policy, items, scorer, every=cfg.eval.every,
-                         max_new_tokens=cfg.eval.max_new_tokens, path=out / "eval_curve.csv")
+                         max_new_tokens=cfg.eval.max_new_tokens,
+                         path=out / "eval_curve.csv") if cfg.eval.every else None
     trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
                         prompts_per_step=cfg.rl.prompts_per_step, max_new_tokens=s.max_new_tokens,
                         temperature=s.temperature, top_p=s.top_p, value_head=value_head,
@@ -189,8 +191,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                         checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                         progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan,
                         rollout_quantization=q.rollout_quantization(),
-                        callbacks=[curve] if cfg.eval.every else [])
-    if cfg.eval.every:  # (one process: refused under a plan, where rank > 0 has no results)
+                        callbacks=[curve] if curve else [])
+    if curve:  # (one process: refused under a plan, where rank > 0 has no results)
         curve.start(trainer.step_count, sft_results["after"])
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo,
@@ -203,7 +205,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     rl_s = time.perf_counter() - start - sft_s
     plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
                 xlabel=f"{cfg.rl.algo} step")
-    if cfg.eval.every:
+    if curve:
         curve.plot(out / "eval_curve.png", xlabel=f"{cfg.rl.algo.upper()} step")
 
     # 3. Held-out evaluation after RL; paired comparison with the SFT policy on the same items
@@ -225,7 +227,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
                **sampled, **baseline, **adapters}
-    if cfg.eval.every:
+    if curve:
         results["eval_curve"] = curve.rows()
     if converters:
         results["converters"] = converters
@@ -302,14 +304,18 @@ class HeldOutCurve:
 
     Call `start(step, after_sft)` once the trainer exists: it writes step 0 (the SFT policy,
     from its results) and drops rows of steps a resumed run will take again.
+
+    Raises:
+        ValueError: `every` is not an integer >= 1.
     """
 
     COLUMNS = ("step", "accuracy", "ci_low", "ci_high", "num_items")
 
     def __init__(self, policy: Policy, items: list[dict], scorer, *, every: int,
                  max_new_tokens: int, path: Path) -> None:
+        check_int("every", every, minimum=1)
         self.policy, self.items, self.scorer = policy, items, scorer
-        self.every, self.max_new_tokens, self.path = every, max_new_tokens, path
+        self.every, self.max_new_tokens, self.path = every, max_new_tokens, Path(path)
 
     def start(self, step: int, after_sft: dict[str, Any]) -> None:
         old = pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame()
@@ -384,6 +390,7 @@ def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> 
                                          results["rl_minus_more_sft_sampled"]))
         lines.append("")
     if "eval_curve" in results:
-        lines += [f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): " + ", ".join(
-            f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"]), ""]
+        points = ", ".join(f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"])
+        lines += [f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): {points}",
+                  ""]
     write_results(out, results, "\n".join(lines))
