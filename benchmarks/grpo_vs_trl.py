@@ -70,6 +70,10 @@ def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunC
         from posttrain.workflows.recipes import load_config_file
 
         cfg = load_config_file(cfg, preset)
+        if cfg.adapters.method != "none" or cfg.quantization != type(cfg.quantization)():
+            raise ValueError(f"{preset}: adapters or quantization are set; this comparison "
+                             "trains the full fp32 model on both sides, so it takes presets "
+                             "without them")
         cfg = override(cfg, {"out_dir": str(out), "progress": False, "eval.every": 0,
                              "baseline.steps": 0})
     if quick:

@@ -97,8 +97,24 @@ def test_the_baseline_continues_the_sft_policy_and_is_compared_paired(runs):
     rl_pass1 = rl_sampled.groupby("item")["correct"].mean().mean()
     assert results["rl_minus_more_sft_sampled"]["difference"] == pytest.approx(
         rl_pass1 - sampled.pass_at_1)
-    assert results["more_sft"]["wall_s"] > 0
+    steps = [json.loads(line) for line in (run / "more_sft" / "metrics.jsonl").read_text().splitlines()]
+    assert results["more_sft"]["train_s"] == pytest.approx(sum(r["step_time_s"] for r in steps))
+    rl_steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert results["rl_train_s"] == pytest.approx(sum(r["step_time_s"] for r in rl_steps))
     assert "more SFT steps instead" in (run / "results.md").read_text()
+
+
+def test_a_baseline_that_fails_leaves_the_rl_results_written(tmp_path):
+    """The more-SFT stage runs after the RL results are on disk: a diverging baseline raises,
+    and the RL run's results (its policy, evaluations and tables) are there to read."""
+    from posttrain.train.losses import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError):
+        _run(tmp_path, "diverges", **{"baseline.lr": 1e9, "eval.every": 0})
+    results = json.loads((tmp_path / "diverges" / "results.json").read_text())
+    final = pd.read_csv(tmp_path / "diverges" / "eval_after_rl.csv")["correct"]
+    assert results["after_grpo"]["accuracy"] == final.mean()
+    assert "more_sft" not in results and (tmp_path / "diverges" / "policy").is_dir()
 
 
 class _FirstLetterScorer:
@@ -124,6 +140,10 @@ def test_a_curve_point_is_the_greedy_accuracy_of_the_policy_at_that_step(tmp_pat
                          path=tmp_path / "curve.csv")
     curve.start(0, {"accuracy": 0.5, "ci_low": 0.1, "ci_high": 0.9, "num_items": 6})
     trainer = type("T", (), {"step_count": 3, "target_steps": 10})()
+    alone = HeldOutCurve(policy, items, scorer, every=3, max_new_tokens=3,
+                         path=tmp_path / "alone.csv")
+    alone(trainer, {})  # without start(): the file gets its header first
+    assert [r["step"] for r in alone.rows()] == [3]
     curve(trainer, {})                      # not a multiple of 5, not the last step: nothing
     trainer.step_count = 5
     curve(trainer, {})

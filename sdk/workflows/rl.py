@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,8 +126,9 @@ class RLRunConfig:
             for key, value in (("eval.every", self.eval.every),
                                ("baseline.steps", self.baseline.steps)):
                 if value:
-                    raise fail(f"{at}.{key}", value, "0 under a parallel plan (the held-out "
-                               "curve and the more-SFT baseline run in one process)")
+                    raise fail(f"{at}.{key}", value, "0 under a parallel plan: set eval.every=0 "
+                               "baseline.steps=0 (the held-out curve and the more-SFT "
+                               "baseline run in one process)")
         check_converted_run(self, at, training=("none", "fp8"))
 
 
@@ -217,7 +219,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     sampled = _sampled_evaluations(cfg, out, items, scorer, policy)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
-    baseline = _more_sft_baseline(cfg, out, items, scorer, after_rl, sampled)  # may stop here
+    rl_per_item = sampled.pop("_rl_per_item", None)
     algo_name = cfg.rl.algo
     results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
                "task_config": cfg.task.options, "eval_size": cfg.task.eval_size,
@@ -225,8 +227,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                f"after_{algo_name}": after_rl.as_dict(), "difference": diff,
                "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
                "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
+               "rl_train_s": float(metrics["step_time_s"].sum()),
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
-               **sampled, **baseline, **adapters}
+               **sampled, **adapters}
     if curve:
         results["eval_curve"] = curve.rows()
     if converters:
@@ -235,6 +238,10 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         results["rollout_quantization"] = q.rollout
         results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
     _write_results(results, out, cfg.task.name, algo_name)
+    if cfg.baseline.steps:  # after the RL results are on disk: a failed baseline loses none
+        results.update(_more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item))
+        results["wall_s"] = time.perf_counter() - start
+        _write_results(results, out, cfg.task.name, algo_name)
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk
     return results
@@ -269,21 +276,20 @@ def _sampled_evaluations(cfg: RLRunConfig, out: Path, items: list[dict], scorer,
 
 
 def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl,
-                       sampled: dict[str, Any]) -> dict[str, Any]:
+                       rl_per_item: Any) -> dict[str, Any]:
     """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
     policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
-    items, and RL minus more-SFT, paired (greedy; sampled pass@1 when `cfg.eval.samples`).
-    Pops `sampled["_rl_per_item"]`. {} when `cfg.baseline.steps` is 0."""
-    rl_per_item = sampled.pop("_rl_per_item", None)
-    if not cfg.baseline.steps:
-        return {}
-    start = time.perf_counter()
+    items, and RL minus more-SFT, paired (greedy; sampled pass@1 against `rl_per_item`, the RL
+    policy's per-item pass@1, when `cfg.eval.samples`). `train_s` is the sum of the stage's
+    step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
     results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
                          steps=cfg.baseline.steps, lr=cfg.baseline.lr)
-    more_sft_s = time.perf_counter() - start
     greedy = pd.read_csv(out / "more_sft" / "eval_after.csv")["correct"].to_numpy()
+    rows = [json.loads(line) for line in
+            (out / "more_sft" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,
-                             "lr": cfg.baseline.lr, "wall_s": more_sft_s},
+                             "lr": cfg.baseline.lr,
+                             "train_s": sum(r.get("step_time_s", 0.0) for r in rows)},
                 "rl_minus_more_sft": paired_bootstrap_diff(
                     after_rl.table["correct"].to_numpy(), greedy, seed=cfg.seed)}
     if rl_per_item is not None:
@@ -328,8 +334,9 @@ class HeldOutCurve:
             return
         r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
         point = {"step": trainer.step_count, **r.as_dict()}
+        header = "" if self.path.is_file() else ",".join(self.COLUMNS) + "\r\n"  # no start()
         with open(self.path, "a", newline="") as f:  # write_table's CRLF rows
-            f.write(",".join(repr(point[c]) for c in self.COLUMNS) + "\r\n")
+            f.write(header + ",".join(repr(point[c]) for c in self.COLUMNS) + "\r\n")
 
     def rows(self) -> list[dict[str, Any]]:
         """The points so far, as dicts of `COLUMNS`."""
@@ -377,8 +384,9 @@ def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> 
                                       results["sampled_difference"]), ""]
     if "more_sft" in results:  # the honest baseline: the same demonstrations, more SFT
         b = results["more_sft"]
-        lines += [f"Baseline: {b['steps']} more SFT steps instead (lr {b['lr']:g}, "
-                  f"{b['wall_s']:.0f} s; {algo.upper()} took {results['rl_s']:.0f} s): greedy "
+        lines += [f"Baseline: {b['steps']} more SFT steps instead (lr {b['lr']:g}; "
+                  f"{b['train_s']:.0f} s of training steps, {algo.upper()}'s "
+                  f"{results['rl_train_s']:.0f} s): greedy "
                   f"{b['accuracy']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}]" + (
                       f", sampled pass@1 {results['sampled_after_more_sft']['pass_at_1']:.3f}, "
                       f"pass@{results['sampled_after_more_sft']['k']} "
