@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +49,7 @@ from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.core.checks import check_int
 from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.core.metrics import read_metrics
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.train.schedules import warmup_cosine_schedule
 from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBaselineConfig,
@@ -61,8 +61,8 @@ from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConf
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
-                                         start_run, stop_if_interrupted, write_results,
-                                         write_table)
+                                         read_table, start_run, stop_if_interrupted,
+                                         write_results, write_table)
 from posttrain.workflows.sft import evaluate, held_out_items, warm_start
 
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
@@ -216,10 +216,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     after_sft = pd.read_csv(out / "sft" / "eval_after.csv")
     diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
                                  after_sft["correct"].to_numpy(), seed=cfg.seed)
-    sampled = _sampled_evaluations(cfg, out, items, scorer, policy)
+    sampled, rl_per_item = _sampled_evaluations(cfg, out, items, scorer, policy)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
-    rl_per_item = sampled.pop("_rl_per_item", None)
     algo_name = cfg.rl.algo
     results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
                "task_config": cfg.task.options, "eval_size": cfg.task.eval_size,
@@ -255,24 +254,23 @@ def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
 
 
 def _sampled_evaluations(cfg: RLRunConfig, out: Path, items: list[dict], scorer,
-                         policy: Policy) -> dict[str, Any]:
+                         policy: Policy) -> tuple[dict[str, Any], Any]:
     """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
     back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
     per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
-    `cfg.eval.samples` is 0. The RL policy's per-item pass@1 ([N] float64) is under the private
-    key "_rl_per_item" for the baseline's comparison."""
+    `cfg.eval.samples` is 0; with them, the RL policy's per-item pass@1 ([N] float64, None
+    without samples) for the baseline's comparison."""
     if not cfg.eval.samples:
-        return {}
-    algo, results = cfg.rl.algo, {}
+        return {}, None
+    algo, results, per_item = cfg.rl.algo, {}, {}
     for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
         r = _sampled(cfg, model, items, scorer)
         write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
         results[f"sampled_after_{stage}"] = r.as_dict()
-        results[f"_{stage}_per_item"] = r.per_item_pass1
-    results["sampled_difference"] = paired_bootstrap_diff(
-        results[f"_{algo}_per_item"], results.pop("_sft_per_item"), seed=cfg.seed)
-    results["_rl_per_item"] = results.pop(f"_{algo}_per_item")
-    return results
+        per_item[stage] = r.per_item_pass1
+    results["sampled_difference"] = paired_bootstrap_diff(per_item[algo], per_item["sft"],
+                                                          seed=cfg.seed)
+    return results, per_item[algo]
 
 
 def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl,
@@ -284,12 +282,10 @@ def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, a
     step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
     results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
                          steps=cfg.baseline.steps, lr=cfg.baseline.lr)
-    greedy = pd.read_csv(out / "more_sft" / "eval_after.csv")["correct"].to_numpy()
-    rows = [json.loads(line) for line in
-            (out / "more_sft" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    greedy = read_table(out / "more_sft" / "eval_after.csv")["correct"].to_numpy()
+    train_s = float(read_metrics(out / "more_sft")["step_time_s"].sum())
     baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,
-                             "lr": cfg.baseline.lr,
-                             "train_s": sum(r.get("step_time_s", 0.0) for r in rows)},
+                             "lr": cfg.baseline.lr, "train_s": train_s},
                 "rl_minus_more_sft": paired_bootstrap_diff(
                     after_rl.table["correct"].to_numpy(), greedy, seed=cfg.seed)}
     if rl_per_item is not None:
@@ -324,23 +320,23 @@ class HeldOutCurve:
         self.every, self.max_new_tokens, self.path = every, max_new_tokens, Path(path)
 
     def start(self, step: int, after_sft: dict[str, Any]) -> None:
-        old = pd.read_csv(self.path) if self.path.is_file() else pd.DataFrame()
-        first = pd.DataFrame([{"step": 0, **after_sft}])
-        kept = old[(old["step"] > 0) & (old["step"] <= step)] if len(old) else old
-        write_table(pd.concat([first, kept])[list(self.COLUMNS)], self.path)
+        old = read_table(self.path)
+        kept = [] if old is None else [r for r in old.to_dict("records") if 0 < r["step"] <= step]
+        self._write([{"step": 0, **after_sft}, *kept])
 
     def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
         if trainer.step_count % self.every and trainer.step_count != trainer.target_steps:
             return
         r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
-        point = {"step": trainer.step_count, **r.as_dict()}
-        header = "" if self.path.is_file() else ",".join(self.COLUMNS) + "\r\n"  # no start()
-        with open(self.path, "a", newline="") as f:  # write_table's CRLF rows
-            f.write(header + ",".join(repr(point[c]) for c in self.COLUMNS) + "\r\n")
+        self._write([*self.rows(), {"step": trainer.step_count, **r.as_dict()}])
+
+    def _write(self, points: list[dict[str, Any]]) -> None:
+        write_table(pd.DataFrame(points, columns=list(self.COLUMNS)), self.path)
 
     def rows(self) -> list[dict[str, Any]]:
-        """The points so far, as dicts of `COLUMNS`."""
-        return pd.read_csv(self.path).to_dict("records")
+        """The points so far, as dicts of `COLUMNS` (none before the first)."""
+        table = read_table(self.path)
+        return [] if table is None else table.to_dict("records")
 
     def plot(self, path: Path, *, xlabel: str) -> None:
         """Accuracy against step with its interval band, saved to `path` (100 dpi)."""
@@ -349,7 +345,7 @@ class HeldOutCurve:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        data = pd.read_csv(self.path)
+        data = read_table(self.path)
         fig, ax = plt.subplots(figsize=(5, 3))
         ax.fill_between(data["step"], data["ci_low"], data["ci_high"], alpha=0.25)
         ax.plot(data["step"], data["accuracy"], marker=".")
