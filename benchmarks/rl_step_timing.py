@@ -5,8 +5,9 @@ Setup: the `tiny-2m` preset (Qwen2, byte vocabulary, tied embeddings), P chain_s
 completions (temperature 1, at most `--max-new-tokens`), k3 KL to a frozen reference (beta 0.04,
 so the reference log-prob pass runs), one minibatch, AdamW, fp32, `--threads` intra-op threads.
 The matmul peak is measured once (`posttrain.core.timing.matmul_peak_flops`, fp32 1024 x 1024 on
-CPU, best of 5) and printed. Also timed: the cost of the instrumentation itself (`timing_row` on
-the last step's groups and batch, median of 200 calls, the peak already cached).
+CPU, best of 5 in one thread's CPU seconds x the intra-op threads) and printed. Also timed: the
+cost of the instrumentation itself (`timing_row` on the last step's groups and batch, median of
+200 calls, the peak already cached).
 
 Usage:
     python benchmarks/rl_step_timing.py            # writes docs/benchmarks_rl_timing.md
@@ -93,8 +94,8 @@ def main() -> None:
         "parameters (tied: the embedding counts once, as the LM-head matmul)",
         f"- Work per step: {args.prompts} chain_sum prompts x G={args.group_size}, at most "
         f"{args.max_new_tokens} new tokens, k3 KL beta 0.04 to a frozen reference, 1 minibatch",
-        f"- Measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (1024 x 1024, best of 5; "
-        f"measuring took {peak_s:.2f} s)",
+        f"- Measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s (1024 x 1024, best of 5 in one "
+        f"thread's CPU seconds x {torch.get_num_threads()} threads; measuring took {peak_s:.2f} s)",
         f"- {args.warmup} warm-up + {args.steps} timed steps; medians over the timed steps",
         f"- Load average (1 min) at start / end: {load_start:.2f} / {load_end:.2f} "
         "(other processes share this machine)",

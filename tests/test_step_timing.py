@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import doctest
+import logging
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -22,6 +25,7 @@ from _train_helpers import one_thread  # noqa: F401  (autouse: one intra-op thre
 def measured_peak(monkeypatch):
     """Every test starts from a measured (not overridden) peak and restores it."""
     monkeypatch.delenv(timing.PEAK_FLOPS_ENV, raising=False)
+    monkeypatch.setattr(timing, "_warned_above_peak", False)
     set_peak_flops(None)
     yield
     set_peak_flops(None)
@@ -100,6 +104,70 @@ def test_peak_is_measured_once_and_cached(monkeypatch):
         torch.set_num_threads(threads)
     assert len(calls) == 2
     assert timing.PEAK_MATMUL_SIZE["cpu"] == 1024
+
+
+def test_a_peak_measured_while_waiting_for_a_core_is_not_lowered(monkeypatch):
+    """A busy neighbour takes the core away in the middle of a timed matmul: simulated by a
+    50 ms sleep after every product (the process waits, it does not compute). Timed in wall
+    seconds the 128 x 128 peak could be at most 2 * 128^3 / 0.05 s = 84 MFLOP/s, and every
+    later step's MFU would be inflated by the same factor; timed in the thread's CPU seconds the
+    wait does not count. Any CPU multiplies 128 x 128 fp32 matrices at well over 10x that
+    (tens of GFLOP/s here), loaded or not."""
+    stall_s, n = 0.05, 128
+    real_mm = torch.mm
+
+    def descheduled_mm(a, b):
+        out = real_mm(a, b)
+        time.sleep(stall_s)
+        return out
+
+    monkeypatch.setattr(timing, "_peak_cache", {})
+    monkeypatch.setattr(timing.torch, "mm", descheduled_mm)
+    peak = matmul_peak_flops("cpu", size=n, repeats=2)
+    wall_bound = 2 * n ** 3 / stall_s
+    assert peak > 10 * wall_bound, f"peak {peak:.3g} FLOP/s; a wall-clock peak <= {wall_bound:.3g}"
+
+
+def test_cpu_peak_is_one_thread_cpu_time_rate_times_the_threads(monkeypatch):
+    """The product runs on one intra-op thread, is timed with time.thread_time, and the rate
+    scales with the threads the trainer runs on; the thread setting is restored."""
+    seen = []
+
+    def fake_best_rate(a, b, clock, sync, repeats):
+        seen.append((clock, torch.get_num_threads(), tuple(a.shape), repeats))
+        return 1e9
+
+    monkeypatch.setattr(timing, "_peak_cache", {})
+    monkeypatch.setattr(timing, "_best_rate", fake_best_rate)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert matmul_peak_flops("cpu", size=16, repeats=4) == 3e9
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [(time.thread_time, 1, (16, 16), 4)]
+
+
+def test_mfu_never_exceeds_one_and_warns_once(caplog):
+    """6 GFLOP in 1 s over a 1 GFLOP/s peak x 2 devices is 3x the peak: reported as 1.0, with
+    a warning that names both rates (once per process); at or below the peak it is the plain
+    ratio (by hand: 1.5e9 / (1 x 1e9 x 2) = 0.75; 2e9 / 2e9 = 1)."""
+    with caplog.at_level(logging.WARNING, logger="posttrain.core.timing"):
+        assert mfu(6e9, 1.0, peak_flops_per_s=1e9, devices=2) == 1.0
+        assert mfu(6e9, 1.0, peak_flops_per_s=1e9, devices=2) == 1.0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "6e+09 model FLOP/s over a peak of 1e+09 FLOP/s x 2 devices" in warnings[0]
+    assert "POSTTRAIN_PEAK_FLOPS" in warnings[0]
+    assert mfu(1.5e9, 1.0, peak_flops_per_s=1e9, devices=2) == 0.75
+    assert mfu(2e9, 1.0, peak_flops_per_s=1e9, devices=2) == 1.0
+    with pytest.raises(ValueError, match="peak_flops_per_s=0"):
+        mfu(1.0, 1.0, peak_flops_per_s=0.0)
+
+
+def test_timing_doctests():
+    assert doctest.testmod(timing).failed == 0
 
 
 def test_peak_overrides_env_and_setter(monkeypatch):

@@ -72,3 +72,20 @@ def test_dpo_row_counts_the_response_tokens_of_both_sides_and_mfu(tmp_path, fixe
     (row,) = read_metrics(tmp_path).to_dict("records")
     assert row["trained_tokens"] == 3          # the normaliser: pairs
     _check_row(row, hand, non_embedding_params(model))
+
+
+def test_a_peak_below_the_steps_rate_gives_mfu_one_not_more(tmp_path):
+    """A peak of 1 FLOP/s (as low as a peak timed while the process waited for a core can get)
+    against a real step of millions of model FLOPs: the row's mfu is 1.0, never above."""
+    set_peak_flops(1.0)
+    try:
+        model = tiny_model(0)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          data=sft_loader(2, batch_size=2, shuffle=False), run_dir=tmp_path,
+                          progress=False)
+        trainer.fit(1)
+    finally:
+        set_peak_flops(None)
+    (row,) = read_metrics(tmp_path).to_dict("records")
+    assert 6 * non_embedding_params(model) * row["tokens_per_s"] > 1.0  # far above the peak
+    assert row["mfu"] == 1.0

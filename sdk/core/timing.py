@@ -18,10 +18,20 @@ Three pieces, shared by the trainers:
                         `POSTTRAIN_PEAK_FLOPS` environment variable (FLOP/s) or
                         `set_peak_flops` override it (e.g. a datasheet figure)
 
-MFU = model FLOPs of the step / (step seconds x peak FLOP/s x devices). The peak is measured, not
-a datasheet number, so MFU says how close the step comes to what a plain fp32 matmul reaches on
-this very machine (fp32: the dtype the trainers run in on CPU; for bf16 training on a GPU set the
-bf16 peak with `set_peak_flops`).
+MFU = model FLOPs of the step / (step seconds x peak FLOP/s x devices), at most 1. The peak is
+measured, not a datasheet number, so MFU says how close the step comes to what a plain fp32
+matmul reaches on this very machine (fp32: the dtype the trainers run in on CPU; for bf16
+training on a GPU set the bf16 peak with `set_peak_flops`).
+
+A peak must not depend on how busy the machine was when it was measured: on a shared CPU a
+process that waits for a core sees its wall-clock matmul slow down several times, and a peak
+measured so would make every later step's MFU too high (above 1). On CPU the matmul therefore
+runs on one intra-op thread and is timed in that thread's CPU seconds (`time.thread_time`: the
+time it ran, not the time it waited), and the peak is that one-thread rate x the intra-op
+threads (perfect scaling, an upper bound of what the threads reach together). A step is timed
+in wall seconds, so waiting lowers its MFU, as it should. When a step's model FLOP/s still
+exceed the peak (a peak set too low, or a FLOP count above the work done: every MoE expert
+counted), `mfu` reports 1.0 and warns once per process, naming both rates.
 
 Example (a hand count: N = 1,000 parameters, 10 trained tokens):
     >>> model_flops(1_000, 10, kind="train"), model_flops(1_000, 10, kind="forward")
@@ -29,11 +39,14 @@ Example (a hand count: N = 1,000 parameters, 10 trained tokens):
     >>> set_peak_flops(1e9)
     >>> mfu(6e8, seconds=1.0)
     0.6
+    >>> mfu(6e9, seconds=1.0)   # 6 GFLOP/s of model FLOPs over a 1 GFLOP/s peak (warns)
+    1.0
     >>> set_peak_flops(None)    # back to measuring
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -51,9 +64,12 @@ PEAK_FLOPS_ENV = "POSTTRAIN_PEAK_FLOPS"
 PEAK_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 """n of the n x n fp32 matmul timed by `matmul_peak_flops`, per device type (others: 2048)."""
 
+log = logging.getLogger(__name__)
+
 _FLOPS_PER_PARAM_TOKEN = {"train": 6, "forward": 2}
 _peak_cache: dict[tuple[str, int, int, int], float] = {}
 _peak_override: float | None = None
+_warned_above_peak = False
 
 
 class PhaseTimer:
@@ -160,10 +176,13 @@ def matmul_peak_flops(device: torch.device | str = "cpu", *, size: int | None = 
                       repeats: int = 5) -> float:
     """Peak FLOP/s of `device`: `set_peak_flops`'s value, else `$POSTTRAIN_PEAK_FLOPS`, else
     measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each
-    2 n^3 FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`, timed with time.perf_counter
-    (synchronised on CUDA). Measured once per (device, n, repeats, torch intra-op threads) in
-    a process (a CPU peak on 1 thread is about half the 2-thread one); later calls return the
-    cached value. Costs ~0.1-0.5 s on a 2-core CPU (n = 1024).
+    2 n^3 FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`. On CPU each product runs on
+    one intra-op thread and is timed in that thread's CPU seconds (`time.thread_time`), so a
+    machine busy with other processes does not lower the peak; the result is that rate x
+    `torch.get_num_threads()`. Elsewhere the products run as configured and are timed in wall
+    seconds (time.perf_counter, synchronised on CUDA). Measured once per (device, n, repeats,
+    torch intra-op threads) in a process; later calls return the cached value. Costs
+    ~0.1-0.5 s on a 2-core CPU (n = 1024).
 
     Raises:
         ValueError: for size or repeats < 1, or a `$POSTTRAIN_PEAK_FLOPS` that is not a
@@ -191,33 +210,62 @@ def matmul_peak_flops(device: torch.device | str = "cpu", *, size: int | None = 
 
 
 def _measure(device: torch.device, n: int, repeats: int) -> float:
+    """FLOP/s of the fastest of `repeats` (n x n) fp32 products on `device` after a warm-up:
+    on CPU one thread's rate in its CPU seconds x the intra-op threads, else wall seconds."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(device)
     b = torch.randn(n, n, generator=generator).to(device)
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return threads * _best_rate(a, b, time.thread_time, lambda: None, repeats)
+        finally:
+            torch.set_num_threads(threads)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return _best_rate(a, b, time.perf_counter, sync, repeats)
+
+
+def _best_rate(a: torch.Tensor, b: torch.Tensor, clock, sync, repeats: int) -> float:
+    """2 n^3 / the fewest `clock` seconds one `a @ b` took over `repeats` tries (one warm-up)."""
     torch.mm(a, b)
     sync()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         torch.mm(a, b)
         sync()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * n ** 3 / max(best, 1e-9)
+        best = min(best, clock() - start)
+    return 2.0 * a.shape[0] ** 3 / max(best, 1e-9)
 
 
 def mfu(flops: float, seconds: float, *, peak_flops_per_s: float | None = None,
         devices: int = 1) -> float:
-    """Model FLOPs utilisation: `flops` / (`seconds` x peak x `devices`); the peak is
-    `matmul_peak_flops()` (CPU) unless given. NaN when seconds is 0.
+    """Model FLOPs utilisation, a fraction in [0, 1]: `flops` / (`seconds` x peak x `devices`);
+    the peak is `matmul_peak_flops()` (CPU) unless given. NaN when seconds is 0. A step whose
+    FLOP/s exceed peak x devices reports 1.0 (it cannot use more than the peak: the peak or the
+    FLOP count is off) and logs a warning, once per process, naming both rates and how to set
+    the peak.
 
     Raises:
-        ValueError: for negative flops or seconds, or devices < 1.
+        ValueError: for negative flops or seconds, devices < 1, or a peak that is not > 0.
     """
+    global _warned_above_peak
     if flops < 0 or seconds < 0 or devices < 1:
         raise ValueError(f"flops={flops!r}, seconds={seconds!r}, devices={devices!r}; flops "
                          "and seconds must be >= 0 and devices >= 1")
     if seconds == 0:
         return float("nan")
     peak = matmul_peak_flops() if peak_flops_per_s is None else peak_flops_per_s
-    return float(flops) / (seconds * peak * devices)
+    if not peak > 0:
+        raise ValueError(f"peak_flops_per_s={peak!r}; must be > 0 FLOP/s")
+    utilisation = float(flops) / (seconds * peak * devices)
+    if utilisation > 1.0:
+        if not _warned_above_peak:
+            _warned_above_peak = True
+            log.warning("a step ran %.3g model FLOP/s over a peak of %.3g FLOP/s x %d devices: "
+                        "MFU reported as 1.0 (the peak is too low or the FLOP count too high; "
+                        "set the peak with set_peak_flops or $%s)", flops / seconds, peak,
+                        devices, PEAK_FLOPS_ENV)
+        return 1.0
+    return utilisation
