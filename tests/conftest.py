@@ -3,6 +3,12 @@
 `slurm_cluster`: the local single-host Slurm cluster started by `scripts/slurm-up.sh` (root and
 apt needed; `make test` starts it when it can). Tests that use it skip when it is not up.
 
+`wait_for(predicate, what=..., timeout=...)`: the one way a test waits for a state (a file a
+job writes, a process that starts or ends, a line in a log): polls until the predicate holds,
+and past a generous deadline fails with a message that names what it waited for. Never a bare
+`time.sleep(n)` as a wait, never a loop that gives up silently: a machine shared with busy
+neighbours is 5-20x slower than a quiet one.
+
 A test run started in the background by a shell without job control inherits SIGINT ignored
 (POSIX shells do that to asynchronous commands), and Python then installs no KeyboardInterrupt
 handler: the Ctrl-C tests would see nothing. The session restores Python's default handler.
@@ -14,6 +20,8 @@ import os
 import re
 import signal
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +31,35 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
+WAIT_S = 300.0
+"""Default deadline of `wait_for`, seconds: generous, since a wait that holds returns at once."""
 SKIP_NO_SLURM = "no local Slurm cluster: run scripts/slurm-up.sh (needs root and apt)"
+
+
+def wait_for(predicate: Callable[[], object], *, what: str, timeout: float = WAIT_S,
+             poll_s: float = 0.05, detail: Callable[[], object] | None = None) -> object:
+    """Poll `predicate()` every `poll_s` seconds until it returns a truthy value; return that
+    value. Works in watcher threads too (it only raises).
+
+    Args:
+        what: the state waited for, as the failure message names it ("job 12 to write its pid").
+        timeout: seconds before giving up (generous: the wait ends as soon as the state holds).
+        detail: called once on time-out, its value added to the message (a log tail, a state).
+
+    Raises:
+        TimeoutError: "timed out after {timeout} s waiting for {what}" (+ detail).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            message = f"timed out after {timeout:g} s waiting for {what}"
+            if detail is not None:
+                message += f"; {detail()}"
+            raise TimeoutError(message)
+        time.sleep(poll_s)
 
 
 @dataclass(frozen=True)

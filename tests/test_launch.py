@@ -1,9 +1,11 @@
 """posttrain.launch.submit without a Slurm cluster: "debug" (in this process), "local" (job processes
 on this machine); submission to a stub Slurm is in tests/test_launch_slurm_stub.py.
 
-A local job takes 1-6 s to start on a loaded 2-core machine, so `local_runs` starts every local
-job of the module at once and the tests read them. Tests against a real Slurm cluster live
-elsewhere (fixture `slurm_cluster`).
+A local job takes 1-6 s to start on a quiet 2-core machine (a minute or more beside busy
+neighbours), so `local_runs` starts every local job of the module at once and the tests read
+them, in any order and however late: the jobs a test acts on (`sleep_long`, `preemptible`) wait
+for it, up to the generous JOB_S, and each wait names what it waited for. Tests against a real
+Slurm cluster live elsewhere (fixture `slurm_cluster`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import cloudpickle
 import pytest
 
+from conftest import wait_for
 from posttrain import cli
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.submit import (RUN_FILE, JobFailedError, Run, _Call, launch,
@@ -30,6 +33,10 @@ from posttrain.launch.submit import (RUN_FILE, JobFailedError, Run, _Call, launc
 # As in a notebook: the jobs cannot import this test module, so its functions and classes travel
 # by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+DEADLINE_S = 300.0  # for a local job to end: generous, the wait ends when the job does
+JOB_S = 900.0  # how long the jobs a test acts on wait for it (they are cancelled at the end)
+TIMEOUT_MIN = 20  # the jobs' time limit, above JOB_S
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -61,7 +68,7 @@ def sleep_long():
     the job as CANCELLED, not let it finish (the recipe would go on to evaluate and save)."""
     print("sleeping", flush=True)
     try:
-        time.sleep(120)
+        time.sleep(JOB_S)
     except KeyboardInterrupt:
         time.sleep(0.2)  # e.g. a quick evaluation after fit returned
         return "stopped cleanly"
@@ -73,22 +80,28 @@ def times_ten(x):
 
 def preemptible(cfg):
     """Steps until Slurm's warning signal (USR2), then saves at the step boundary and lets
-    submitit requeue; the requeued call has cfg.resume=True."""
+    submitit requeue; the requeued call has cfg.resume=True. Its pid appears (whole, by rename)
+    only once it defers the signal, and it steps for up to JOB_S: a test that comes late still
+    finds it stepping."""
     from posttrain.core import preemption
 
     out = Path(cfg.out_dir)
     if cfg.resume:
         return f"resumed after step {(out / 'saved').read_text()}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pid").write_text(str(os.getpid()))
+    deadline = time.monotonic() + JOB_S
     with preemption.deferring():
-        for step in range(1200):
+        (out / "pid.tmp").write_text(str(os.getpid()))
+        os.replace(out / "pid.tmp", out / "pid")
+        step = 0
+        while time.monotonic() < deadline:
             time.sleep(0.05)
+            step += 1
             preemption.step_boundary(lambda: (out / "saved").write_text(str(step)))
     return "never preempted"
 
 
-def _wait_all(runs, timeout=90):
+def _wait_all(runs, timeout=DEADLINE_S):
     for run in runs:
         run.wait(timeout=timeout, poll_s=0.1)
 
@@ -109,15 +122,16 @@ def local_runs(tmp_path_factory):
         print("train ran in", os.getpid(), flush=True)
         return {"total": cfg.n + offset, "resume": cfg.resume}
 
+    limit = {"timeout_min": TIMEOUT_MIN}
     runs = {
-        "ok": launch(train, Cfg(out_dir=str(tmp / "ok_out")), timeout_min=3),
-        "fail": launch(boom, {"code": 1234}, folder=tmp / "fail", timeout_min=3),
-        "generator": launch(make_generator, folder=tmp / "generator", timeout_min=3),
-        "dist": launch(all_reduce_rank, folder=tmp / "dist", tasks_per_node=2, timeout_min=3),
-        "sleep": launch(sleep_long, folder=tmp / "sleep", timeout_min=3),
-        "preempt": launch(preemptible, Cfg(out_dir=str(tmp / "preempt_out")), timeout_min=3),
+        "ok": launch(train, Cfg(out_dir=str(tmp / "ok_out")), **limit),
+        "fail": launch(boom, {"code": 1234}, folder=tmp / "fail", **limit),
+        "generator": launch(make_generator, folder=tmp / "generator", **limit),
+        "dist": launch(all_reduce_rank, folder=tmp / "dist", tasks_per_node=2, **limit),
+        "sleep": launch(sleep_long, folder=tmp / "sleep", **limit),
+        "preempt": launch(preemptible, Cfg(out_dir=str(tmp / "preempt_out")), **limit),
     }
-    runs["array"] = launch_array(times_ten, [1, 2], folder=tmp / "array", timeout_min=3)
+    runs["array"] = launch_array(times_ten, [1, 2], folder=tmp / "array", **limit)
     runs["tmp"] = tmp
     yield runs
     for key in ("sleep", "preempt"):  # no-ops for jobs that have ended
@@ -293,7 +307,7 @@ def test_checkpoint_flips_resume_for_a_dataclass_cfg():
 
 def test_local_job_runs_a_closure_and_returns(local_runs):
     run = local_runs["ok"]
-    run.wait(timeout=90, poll_s=0.1)
+    run.wait(timeout=DEADLINE_S, poll_s=0.1)
     assert run.result() == {"total": 103, "resume": False}
     assert run.state == "COMPLETED"
     assert run.folder == local_runs["tmp"] / "ok_out" / "launch"  # default: <out_dir>/launch
@@ -305,7 +319,7 @@ def test_local_job_runs_a_closure_and_returns(local_runs):
 
 def test_local_metrics_are_read_live(local_runs):
     run = local_runs["ok"]
-    run.wait(timeout=90, poll_s=0.1)
+    run.wait(timeout=DEADLINE_S, poll_s=0.1)
     frame = run.metrics()
     assert frame["step"].tolist() == [1, 2, 3]  # the half-written 4th row is left out
     assert frame["loss"].tolist() == pytest.approx([1.0, 0.5, 1 / 3])
@@ -350,11 +364,11 @@ def test_local_array_and_attach(local_runs):
 
 def test_attach_from_another_process(local_runs):
     run = local_runs["ok"]
-    run.wait(timeout=90, poll_s=0.1)
+    run.wait(timeout=DEADLINE_S, poll_s=0.1)
     code = ("import sys; from posttrain.launch.submit import Run; r = Run.attach(sys.argv[1]); "
             "print(r.job_id, r.state, r.result()['total'], len(r.metrics()))")
     out = subprocess.run([sys.executable, "-c", code, str(local_runs["tmp"] / "ok_out")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=DEADLINE_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [run.job_id, "COMPLETED", "103", "3"]
 
@@ -364,11 +378,12 @@ def test_preempted_local_job_is_requeued_with_resume(local_runs):
     requeue (the local controller starts the task again) -> target(cfg with resume=True)."""
     run = local_runs["preempt"]
     pid_file = local_runs["tmp"] / "preempt_out" / "pid"
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    os.kill(int(pid_file.read_text()), signal.SIGUSR2)
-    run.wait(timeout=60, poll_s=0.1)
+    pid = wait_for(lambda: pid_file.exists() and int(pid_file.read_text()),
+                   what=f"job {run.job_id} to write {pid_file} (it defers USR2 from then on)",
+                   timeout=DEADLINE_S, detail=lambda: f"state {run.state}, log: {run.logs()}")
+    assert run.state == "RUNNING", run.logs(tail=None)
+    os.kill(pid, signal.SIGUSR2)
+    assert run.wait(timeout=DEADLINE_S, poll_s=0.1) == "COMPLETED", run.logs(tail=None)
     saved = (local_runs["tmp"] / "preempt_out" / "saved").read_text()
     assert run.result() == f"resumed after step {saved}"
     assert "Requeued job" in run.logs(tail=None)
@@ -389,12 +404,12 @@ def test_a_second_launch_into_a_running_jobs_folder_is_refused(local_runs):
     run = local_runs["sleep"]
     record = (run.folder / RUN_FILE).read_text()
     with pytest.raises(ValueError, match=f"belongs to job {run.job_id} \\(RUNNING\\).*Cancel it"):
-        launch(sleep_long, folder=run.folder, timeout_min=3)
+        launch(sleep_long, folder=run.folder, timeout_min=TIMEOUT_MIN)
     assert (run.folder / RUN_FILE).read_text() == record and not run.done()
 
     ended = local_runs["generator"]
-    ended.wait(timeout=90, poll_s=0.1)
-    again = launch(times_ten, 5, folder=ended.folder, timeout_min=3)
+    ended.wait(timeout=DEADLINE_S, poll_s=0.1)
+    again = launch(times_ten, 5, folder=ended.folder, timeout_min=TIMEOUT_MIN)
     assert Run.attach(ended.folder).job_id == again.job_id != ended.job_id
     assert again.result() == 50
 
@@ -404,11 +419,11 @@ def test_cancel_stops_a_sleeping_local_job(local_runs):
     assert run.state == "RUNNING"
     with pytest.raises(TimeoutError, match=f"job {run.job_id} .* still RUNNING"):
         run.wait(timeout=0.2, poll_s=0.1)
-    deadline = time.monotonic() + 60
-    while "sleeping" not in run.logs() and time.monotonic() < deadline:
-        time.sleep(0.1)  # inside the function, where Ctrl-C would be caught
+    wait_for(lambda: "sleeping" in run.logs(), timeout=DEADLINE_S, poll_s=0.1,
+             what=f"job {run.job_id} to print 'sleeping' (inside the function, where Ctrl-C "
+                  "would be caught)", detail=lambda: f"state {run.state}")
     run.cancel()
-    assert run.wait(timeout=30, poll_s=0.1) == "CANCELLED"
+    assert run.wait(timeout=DEADLINE_S, poll_s=0.1) == "CANCELLED"
     with pytest.raises(JobFailedError, match="ended in state CANCELLED without a result"):
         run.result()
     assert Run.attach(run.folder).state == "CANCELLED"
@@ -444,7 +459,7 @@ def test_a_local_run_alive_at_exit_prints_no_traceback(tmp_path):
               f"run = launch(abs, -3, executor='local', folder={str(tmp_path / 'l')!r})\n"
               f"assert run.result() == 3\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=DEADLINE_S)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr
 
