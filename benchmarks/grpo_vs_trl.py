@@ -205,6 +205,20 @@ def plot(curves: dict[str, dict], path: Path, window: int) -> None:
     plt.close(fig)
 
 
+def command_line(argv: list[str] | None, sft_run: Path | None) -> str:
+    """The command as run, with the `--sft-run` folder written `RUN` (a report names the
+    command that makes its start, not a folder on the machine that ran it).
+
+    >>> command_line(["--sft-run", "/tmp/x", "--steps", "5"], Path("/tmp/x"))
+    '--sft-run RUN --steps 5'
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
+    if sft_run is not None:
+        words = ["--sft-run=RUN" if w.startswith("--sft-run=") else w for w in words]
+        words = ["RUN" if i and words[i - 1] == "--sft-run" else w for i, w in enumerate(words)]
+    return " ".join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-run", type=Path, default=None,
@@ -270,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"{r[-q:].mean():.3f} (last {q}); {seconds[name]:.0f} s for "
                             f"{steps} steps")
     setup = [
-        f"- Start: the main job's SFT stage ({cfg.model.name}, {cfg.sft.steps} steps"
-        + (f", {sft_s:.0f} s" if args.sft_run is None else f", from {args.sft_run}") + ")",
+        f"- Start: the main job's SFT stage ({cfg.model.name}, {cfg.sft.steps} steps, seed "
+        f"{cfg.seed}" + (f", {sft_s:.0f} s)" if args.sft_run is None else
+                         "; `--sft-run RUN` names the folder of a finished `posttrain run grpo"
+                         + (f" --config {args.config}" if args.config else "")
+                         + " out_dir=RUN`, whose `sft/policy` is the start)"),
         f"- Task: reasoning-gym {cfg.task.name} {dict(cfg.task.options)}, RL pool "
         f"{cfg.task.train_size} items minus the held-out questions; held-out "
         f"{len(items)} questions (seed {cfg.task.eval_seed})",
@@ -288,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- torch {torch.__version__}, transformers {transformers.__version__}, trl "
         f"{trl.__version__}; {cpu_model()}, {args.threads} thread(s); load average at start "
         f"{load[0]:.2f}, at end {os.getloadavg()[0]:.2f}",
-        f"- Command: `python benchmarks/grpo_vs_trl.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        f"- Command: `python benchmarks/grpo_vs_trl.py {command_line(argv, args.sft_run)}`",
     ]
     text = "\n".join(setup + [""] + table + [""] + diffs + [""] + reward_lines) + "\n"
     print("\n" + text)

@@ -47,3 +47,40 @@ def test_generation_grouped_tiny_matches_transformers_tokens(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Greedy tokens identical across the three methods: True" in proc.stdout
     assert "(2 prompts x G=4 samples)" in proc.stdout
+
+
+def _benchmark_module(stem: str):
+    import importlib.util
+
+    path = next(p for p in SCRIPTS if p.stem == stem)
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"bench_{stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_job_seeds_reports_mean_and_t_interval_over_seeds():
+    """Seeds 0.20, 0.40, 0.60: mean 0.40, sd 0.20, t(0.975, 2) = 4.303 (table), half-width
+    4.303 * 0.20 / sqrt(3) = 0.4969; differences are shown in points (x100)."""
+    m = _benchmark_module("main_job_seeds")
+    mean, low, high = m.mean_interval([0.2, 0.4, 0.6])
+    assert mean == pytest.approx(0.4) and high - mean == pytest.approx(0.4969, rel=1e-3)
+    assert low == pytest.approx(0.4 - 0.4969, rel=1e-3)
+    per_seed = {s: {"after_sft": {"accuracy": a}, "difference": {"difference": d}}
+                for s, a, d in ((0, 0.2, 0.01), (1, 0.4, 0.03), (2, 0.6, 0.05))}
+    rows = {r.split("|")[1].strip(): r for r in m.report(per_seed, m.FIGURES, []).splitlines()
+            if r.startswith("| ")}
+    assert "| 0.400 [-0.097, 0.897] | 0.200 | 0.600 | 0.200 | 0.400 | 0.600 |" in \
+        rows["greedy after SFT"]
+    # 1, 3, 5 points: sd 2, half-width 4.303 * 2 / sqrt(3) = 4.97
+    assert "| +3.0 [-2.0, +8.0] |" in rows["GRPO minus SFT, greedy (points)"]
+    assert "greedy after GRPO" not in rows  # a figure no seed has is left out
+
+
+def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
+    m = _benchmark_module("grpo_vs_trl")
+    assert m.command_line(["--sft-run", "/tmp/a", "--steps", "5"], Path("/tmp/a")) == \
+        "--sft-run RUN --steps 5"
+    assert m.command_line(["--sft-run=/tmp/a"], Path("/tmp/a")) == "--sft-run=RUN"
+    assert m.command_line(["--steps", "5"], None) == "--steps 5"
