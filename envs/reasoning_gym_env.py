@@ -156,8 +156,10 @@ class ReasoningGymTask:
     credit and, for the tasks with a metadata check (`GOLD_CHECKS`: chain_sum, basic_arithmetic,
     countdown, ...), the answer recomputed from the metadata must equal it. Items that fail are
     dropped before anything else, from training and held-out items alike, and counted in
-    `gold_train` / `gold_held_out` (and `repr(task)`, `task.stats()`). The held-out set is the
-    first `held_out_size` distinct questions among the items that pass.
+    `gold_train` / `gold_held_out` (and `repr(task)`, `task.stats()`). A task without a
+    metadata check is checked by its scorer only, which its reports say ("scorer only";
+    docs/gold_checks.md lists the recomputed tasks). The held-out set is the first
+    `held_out_size` distinct questions among the items that pass.
 
     Args:
         name: the reasoning-gym task name.

@@ -11,6 +11,7 @@ import dataclasses
 import doctest
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from posttrain.verifiers.reasoning_gym_gold import (GOLD_CHECKS, GoldReport, che
                                                     register_gold_check)
 
 BAD = "chain_sum_bad_gold_for_tests"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,13 +286,15 @@ CORRUPTIONS = {
     "number_sorting": ({}, lambda a: str(ast.literal_eval(a)[1:]), "metadata"),  # still sorted
     "base_conversion": ({}, lambda a: a + "1", "metadata"),
     "countdown": ({"min_numbers": 3, "max_numbers": 3}, lambda a: a + " + 1", "scorer"),
+    # seed 107: both answers and both item types, none of the items with a wrong gold
+    "syllogism": ({"seed": 107}, lambda a: {"Yes": "No", "No": "Yes"}[a], "metadata"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
 def test_each_check_accepts_real_golds_and_catches_a_corrupted_one(name):
     options, corrupt, caught_by = CORRUPTIONS[name]
-    dataset = reasoning_gym.create_dataset(name, size=5, seed=100, **options)
+    dataset = reasoning_gym.create_dataset(name, **{"size": 5, "seed": 100, **options})
     for item in dataset:
         assert gold_problem(name, dataset, item) is None, item
         problem = gold_problem(name, dataset, {**item, "answer": corrupt(item["answer"])})
@@ -357,6 +361,21 @@ def test_items_without_a_gold_are_kept_and_counted():
     assert len(kept) == 20 and report.no_gold == 20 and report.num_dropped == 0
 
 
+def test_a_task_checked_by_its_scorer_only_says_so():
+    """A task with no recomputation is marked in its report, its text and repr(task); a task
+    with one is not."""
+    task = ReasoningGymTask(name="propositional_logic", size=20, held_out_size=2)
+    assert len(task.train_items) >= 1
+    assert task.gold_train.recomputed is False and task.gold_held_out.recomputed is False
+    assert task.stats()["gold_train"]["recomputed"] is False
+    assert str(task.gold_train) == "0 of 20 dropped (scorer only: no recomputed answer)"
+    assert "scorer only" in repr(task)
+    checked = ReasoningGymTask(name="chain_sum", size=20, held_out_size=2)
+    checked.train_items
+    assert checked.gold_train.recomputed is True and "scorer only" not in repr(checked)
+    assert GoldReport("x").recomputed is None   # unknown until check_gold runs
+
+
 def test_exact_value_is_exact_and_executes_nothing():
     assert exact_value("1 / 3 + 1 / 6") == Fraction(1, 2)
     assert exact_value("-( 0.1 + 0.2 ) * 10") == -3
@@ -394,3 +413,47 @@ def test_report_timing_is_recorded():
     assert len(list(check_gold("chain_sum", dataset, dataset, report))) == 200
     assert 0 < report.seconds <= time.perf_counter() - start
     assert report.ms_per_1000 == pytest.approx(1e6 * report.seconds / 200)
+
+
+def _used_task_names() -> dict[str, set[str]]:
+    """Reasoning-gym task names (whole words) in the presets, recipes, notebooks, docs, README,
+    the environments and the workflows' defaults, with the files that name them."""
+    folders = {"recipes/presets": ".yaml", "recipes": ".py", "notebooks": ".ipynb",
+               "docs": ".md", "envs": ".py", "sdk/workflows": ".py"}
+    files = [os.path.join(ROOT, "README.md")] + [
+        os.path.join(ROOT, folder, name) for folder, ext in folders.items()
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))) if name.endswith(ext)]
+    used: dict[str, set[str]] = {}
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            words = set(re.findall(r"[A-Za-z0-9_]+", f.read()))
+        for name in words & set(DATASETS):
+            used.setdefault(name, set()).add(os.path.relpath(path, ROOT))
+    return used
+
+
+def _gold_checks_doc() -> str:
+    with open(os.path.join(ROOT, "docs", "gold_checks.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def _documented_unchecked() -> set[str]:
+    line = next(line for line in _gold_checks_doc().splitlines()
+                if line.startswith("Named as unchecked:"))
+    return set(re.findall(r"`([a-z0-9_]+)`", line))
+
+
+def test_every_task_the_project_uses_is_recomputed_or_named_as_unchecked():
+    used = _used_task_names()
+    assert {"chain_sum", "spell_backward", "basic_arithmetic", "countdown"} <= set(used)
+    unchecked = _documented_unchecked()
+    assert unchecked and unchecked <= set(DATASETS)
+    assert not unchecked & set(GOLD_CHECKS.names())
+    missing = {name: sorted(paths) for name, paths in used.items()
+               if name not in GOLD_CHECKS.names() and name not in unchecked}
+    assert not missing, (f"reasoning-gym tasks used without a gold recomputation: {missing}; "
+                         "register one (register_gold_check) or name the task under 'Named as "
+                         "unchecked:' in docs/gold_checks.md")
+    builtin = {n for n in GOLD_CHECKS.names() if n != BAD and not n.startswith("doc_")}
+    undocumented = [n for n in builtin if not re.search(rf"\b{n}\b", _gold_checks_doc())]
+    assert not undocumented, f"add {undocumented} to the table of docs/gold_checks.md"
