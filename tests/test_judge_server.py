@@ -10,6 +10,12 @@ The judge is real and tiny: `RewardModelJudge` on the `tiny-1m` reward model, or
 an untrained tiny policy. `Gated` holds a real judge back until the test opens its gate, so that
 queues can be filled at will; `Misbehaves` is a judge that breaks its contract. Nothing is
 mocked, except the one internal bug that shows a dead batcher answers rather than hangs.
+
+No assertion is on elapsed time or on a transient state read without waiting: a test waits for
+a state with `conftest.wait_for` (a generous deadline, a message naming the state), and every
+deadline that is not the thing tested is generous (`HTTP_TIMEOUT_S`), so the tests pass on a
+heavily loaded machine. That a failure comes at once rather than after a deadline is shown by
+what the answer says (its outcome and reason), not by a clock.
 """
 
 from __future__ import annotations
@@ -21,8 +27,6 @@ import math
 import pickle
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +34,8 @@ import cloudpickle
 import httpx
 import pytest
 import torch
+from _judge_helpers import HTTP_TIMEOUT_S, ITEM, Gated, post, scores
+from conftest import wait_for
 
 from posttrain.envs import JudgedGroupBuilder, chain_sum_task
 from posttrain.launch.judge import launch_judge
@@ -42,23 +48,9 @@ from posttrain.rewards.judge_server import JUDGE_PATH, ServerSettings, serve_jud
 from posttrain.rl import RLAlgorithm, RLTrainer, collect_groups
 
 ROOT = Path(__file__).resolve().parents[1]
-ITEM = {"question": "5 + 7 =", "answer": "12"}
 
 # The jobs cannot import this test module: its classes travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-class Gated:
-    """A real judge that waits for `gate` before each call (and counts the calls)."""
-
-    def __init__(self, inner):
-        self.inner, self.gate, self.calls = inner, threading.Event(), []
-
-    def judge(self, completions, items):
-        self.calls.append(list(completions))
-        if not self.gate.wait(30):
-            raise TimeoutError("gate never opened")
-        return self.inner.judge(completions, items)
 
 
 class RaisesOn:
@@ -82,23 +74,6 @@ def rm_judge():
 def server(rm_judge):
     with serve_judge(rm_judge, max_wait_s=0.002) as server:
         yield server
-
-
-def post(url, request_id, completions, items=None, **extra):
-    body = {"request_id": request_id, "completions": completions,
-            "items": items if items is not None else [ITEM] * len(completions), **extra}
-    return httpx.post(url + JUDGE_PATH, json=body, timeout=30)
-
-
-def scores(results):
-    return [r.score for r in results]
-
-
-def wait_until(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,10 +108,10 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_results(rm_judge)
     with serve_judge(gated, max_batch_size=64, max_wait_s=0.0) as server, \
             ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, server.url, "batch-0", work[0])]
-        wait_until(lambda: gated.calls)                  # the first request is in the judge
+        wait_for(lambda: gated.calls, what="the first request in the judge")
         futures += [pool.submit(post, server.url, f"batch-{i}", texts)
                     for i, texts in enumerate(work[1:], 1)]
-        wait_until(lambda: server.stats()["queue_depth"] == 5)   # the other five wait
+        wait_for(lambda: server.stats()["queue_depth"] == 5, what="the other five queued")
         gated.gate.set()
         answers = [f.result().json() for f in futures]
         stats = server.stats()
@@ -152,47 +127,48 @@ def test_a_full_queue_answers_429_with_retry_after_and_the_client_retries(rm_jud
     gated = Gated(rm_judge)
     with serve_judge(gated, max_queue=2, max_wait_s=0.0) as server, ThreadPoolExecutor(4) as pool:
         first = pool.submit(post, server.url, "q0", ["12"])
-        time.sleep(0.3)                                   # q0 is being judged
+        wait_for(lambda: gated.calls, what="q0 in the judge")
         queued = [pool.submit(post, server.url, f"q{i}", ["12"]) for i in (1, 2)]
-        time.sleep(0.3)
+        wait_for(lambda: server.stats()["queue_depth"] == 2, what="q1 and q2 queued")
         refused = post(server.url, "q3", ["12"])
         assert refused.status_code == 429
         assert int(refused.headers["Retry-After"]) >= 1
         assert refused.json()["retry_after_s"] > 0 and "queue is full" in refused.json()["detail"]
-        retrying = pool.submit(JudgeClient(server.url, timeout_s=20, retries=50,
+        retrying = pool.submit(JudgeClient(server.url, timeout_s=HTTP_TIMEOUT_S, retries=1000,
                                            backoff_s=0.02).judge, ["13"], [ITEM])
-        time.sleep(0.3)
+        wait_for(lambda: server.stats()["rejected_full"] >= 2,
+                 what="the client's first try refused with 429 (after q3)")
         gated.gate.set()
         assert [f.result().status_code for f in [first, *queued]] == [200, 200, 200]
         [result] = retrying.result()
         assert result.outcome in (Outcome.OK, Outcome.WRONG)
-        assert server.stats()["rejected_full"] >= 2   # q3 and the client's first tries
 
 
 def test_per_request_timeout_is_504_and_the_clients_timeout_outcome(rm_judge):
     gated = Gated(rm_judge)
-    with serve_judge(gated, max_wait_s=0.0) as server:
-        start = time.monotonic()
-        late = post(server.url, "slow", ["12"], timeout_s=0.3)
+    with serve_judge(gated, max_wait_s=0.0) as server:     # the gate stays shut: nothing
+        late = post(server.url, "slow", ["12"], timeout_s=0.3)   # is judged before it opens
         assert late.status_code == 504 and "not judged within 0.3 s" in late.json()["detail"]
-        assert time.monotonic() - start < 5
         results = JudgeClient(server.url, timeout_s=0.5).judge(["12", "13"], [ITEM] * 2)
         assert [r.outcome for r in results] == [Outcome.TIMEOUT] * 2
         assert all("gave no judgement within 0.5 s" in r.reason and r.score == 0.0
                    for r in results)
         gated.gate.set()
-        assert server.client().judge(["12"], [ITEM])[0].outcome in (Outcome.OK, Outcome.WRONG)
+        [after] = server.client(timeout_s=HTTP_TIMEOUT_S).judge(["12"], [ITEM])
+        assert after.outcome in (Outcome.OK, Outcome.WRONG)
 
 
 def test_graceful_shutdown_drains_the_queue(rm_judge):
     gated = Gated(rm_judge)
     server = serve_judge(gated, max_wait_s=0.0)
     with ThreadPoolExecutor(5) as pool:
-        queued = [pool.submit(post, server.url, f"d{i}", ["12", "13"]) for i in range(3)]
-        time.sleep(0.3)
+        queued = [pool.submit(post, server.url, "d0", ["12", "13"])]
+        wait_for(lambda: gated.calls, what="d0 in the judge")
+        queued += [pool.submit(post, server.url, f"d{i}", ["12", "13"]) for i in (1, 2)]
+        wait_for(lambda: server.stats()["queue_depth"] == 2, what="d1 and d2 queued")
         stopping = pool.submit(server.stop)
-        time.sleep(0.3)
-        assert server.state == "draining"
+        wait_for(lambda: server.state == "draining", what="the server to start draining",
+                 detail=lambda: f"state {server.state!r}")
         assert httpx.get(server.url + "/ready").json() == {"status": "draining"}
         refused = post(server.url, "late", ["12"])
         assert refused.status_code == 503 and "Retry-After" in refused.headers
@@ -200,7 +176,7 @@ def test_graceful_shutdown_drains_the_queue(rm_judge):
         assert [f.result().status_code for f in queued] == [200, 200, 200]
         final = stopping.result()
     assert final["requests"] == 3 and final["rejected_draining"] == 1
-    assert server.state == "stopped"
+    assert server.state == "stopped"        # stop() returns once the server thread has ended
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health")
 
@@ -210,12 +186,10 @@ def test_requests_left_when_the_drain_time_runs_out_get_503(rm_judge):
     server = serve_judge(gated, max_wait_s=0.0, drain_timeout_s=0.5)
     with ThreadPoolExecutor(3) as pool:
         queued = [pool.submit(post, server.url, "left0", ["12"])]
-        wait_until(lambda: gated.calls)                        # left0 is in the judge
+        wait_for(lambda: gated.calls, what="left0 in the judge")
         queued += [pool.submit(post, server.url, f"left{i}", ["12"]) for i in (1, 2)]
-        wait_until(lambda: server.stats()["queue_depth"] == 2)
-        start = time.monotonic()
-        final = server.stop()         # nothing moves within the 0.5 s drain time
-        assert time.monotonic() - start < 5
+        wait_for(lambda: server.stats()["queue_depth"] == 2, what="left1 and left2 queued")
+        final = server.stop()         # the gate is shut: nothing moves within the drain time
         answers = [f.result() for f in queued]
     gated.gate.set()
     assert [a.status_code for a in answers] == [503, 503, 503]
@@ -236,14 +210,19 @@ def test_a_request_id_is_judged_once(server, rm_judge):
 
 
 def test_a_raising_judge_fails_only_its_own_request(rm_judge):
+    """r0 holds the judge while r1 (with "boom") and r2 queue; they then share one batch, which
+    raises, and each is judged again alone."""
     gated = Gated(RaisesOn(rm_judge, "boom"))
-    with serve_judge(gated, max_wait_s=0.05) as server, ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(post, server.url, f"r{i}", texts)
-                   for i, texts in enumerate([["12"], ["boom", "13"], ["14"]])]
-        time.sleep(0.3)
+    with serve_judge(gated, max_wait_s=0.0) as server, ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post, server.url, "r0", ["12"])]
+        wait_for(lambda: gated.calls, what="r0 in the judge")
+        futures += [pool.submit(post, server.url, f"r{i}", texts)
+                    for i, texts in ((1, ["boom", "13"]), (2, ["14"]))]
+        wait_for(lambda: server.stats()["queue_depth"] == 2, what="r1 and r2 queued")
         gated.gate.set()
         answers = [f.result().json()["results"] for f in futures]
         assert server.stats()["judge_failures"] == 1
+    assert gated.calls[1] == ["boom", "13", "14"]     # one batch, then each alone
     assert [r["outcome"] for r in answers[1]] == ["error", "error"]
     assert answers[1][0]["reason"] == "judge raised RuntimeError: cannot judge 'boom'"
     assert {answers[0][0]["outcome"], answers[2][0]["outcome"]} <= {"ok", "wrong"}
@@ -253,7 +232,7 @@ def test_an_unparsable_verdict_is_error_in_process_and_served_alike():
     judge = LLMJudge(Policy.from_spec("tiny-1m", seed=0), "Is it correct?", max_new_tokens=6)
     local = judge.judge(["12", "13"], [ITEM] * 2)
     with serve_judge(judge) as server:
-        served = server.client(timeout_s=30).judge(["12", "13"], [ITEM] * 2)
+        served = server.client(timeout_s=HTTP_TIMEOUT_S).judge(["12", "13"], [ITEM] * 2)
     for r in (*local, *served):
         assert r.outcome is Outcome.ERROR and r.score == 0.0   # the judge's failure
         assert r.reason.startswith("no score found in judge output")
@@ -264,14 +243,16 @@ def test_client_failures_are_typed_outcomes(server):
     with serve_judge(RewardModelJudge(RewardModel.from_spec("tiny-1m", seed=1),
                                       ByteTokenizer())) as gone:
         url = gone.url
-    start = time.monotonic()
-    [down] = JudgeClient(url, timeout_s=5, retries=2, backoff_s=0.01).judge(["12"], [ITEM])
-    assert down.outcome is Outcome.ERROR and "failed 3 attempts" in down.reason
-    assert "ConnectError" in down.reason and time.monotonic() - start < 3
-    [refused] = JudgeClient(server.url).judge([None], [ITEM])   # not a str: 422, not retried
+    [down] = JudgeClient(url, timeout_s=HTTP_TIMEOUT_S, retries=2,
+                         backoff_s=0.01).judge(["12"], [ITEM])
+    assert down.outcome is Outcome.ERROR and "failed 3 attempts" in down.reason   # not a
+    assert "ConnectError" in down.reason                     # timeout: refused, and said so
+    [refused] = JudgeClient(server.url, timeout_s=HTTP_TIMEOUT_S).judge([None], [ITEM])
     assert refused.outcome is Outcome.ERROR and "refused the request: HTTP 422" in refused.reason
-    [bad_url] = JudgeClient("http://127.0.0.1:9", timeout_s=1, retries=0).judge(["1"], [ITEM])
-    assert bad_url.outcome is Outcome.ERROR
+    assert "body.completions.0: Input should be a valid string" in refused.reason  # not retried
+    [bad_url] = JudgeClient("http://127.0.0.1:9", timeout_s=HTTP_TIMEOUT_S,
+                            retries=0).judge(["1"], [ITEM])
+    assert bad_url.outcome is Outcome.ERROR and "ConnectError" in bad_url.reason
     with pytest.raises(ValueError, match="one item per completion"):
         JudgeClient(server.url).judge(["a", "b"], [ITEM])
     with pytest.raises(ValueError, match="url="):
@@ -281,16 +262,17 @@ def test_client_failures_are_typed_outcomes(server):
 
 
 def test_client_is_a_thread_isolated_picklable_verifier(server, rm_judge):
-    client = server.client(timeout_s=5)
+    client = server.client(timeout_s=HTTP_TIMEOUT_S)
     assert client.isolation == "thread" and JudgeVerifier.isolation == "thread"
     client.judge(["12"], [ITEM])                              # opens its connection pool
     copy = pickle.loads(cloudpickle.dumps(client))
-    result = run_verifier(copy, "12", ITEM, timeout_s=10)
+    result = run_verifier(copy, "12", ITEM, timeout_s=2 * HTTP_TIMEOUT_S)
     assert result.score == pytest.approx(rm_judge.judge(["12"], [ITEM])[0].score, abs=1e-5)
 
 
 def test_a_grpo_group_is_one_request(server, rm_judge):
-    builder = functools.partial(JudgedGroupBuilder, judge=server.client())
+    builder = functools.partial(JudgedGroupBuilder,
+                                judge=server.client(timeout_s=HTTP_TIMEOUT_S))
     task = chain_sum_task(size=8, held_out_size=2, builder=builder)
     before = server.stats()
     groups = collect_groups(Policy.from_spec("tiny-1m", seed=0), task.builders(0, 2),
@@ -309,6 +291,10 @@ def test_settings_are_validated_naming_the_field(rm_judge):
         ServerSettings(max_batch_size=0)
     with pytest.raises(ValueError, match="max_wait_s=-1"):
         ServerSettings(max_wait_s=-1)
+    with pytest.raises(ValueError, match=r"ServerSettings.max_body_bytes=0; must be an integer"):
+        ServerSettings(max_body_bytes=0)
+    with pytest.raises(ValueError, match=r"ServerSettings.max_request_completions=1.5; must be"):
+        ServerSettings(max_request_completions=1.5)
     with pytest.raises(ValueError, match=r"unknown server options \['batch'\]"):
         serve_judge(rm_judge, batch=3)
     with pytest.raises(TypeError, match="judge"):
@@ -326,7 +312,7 @@ def test_settings_are_validated_naming_the_field(rm_judge):
 
 def test_small_load_run_loses_and_duplicates_nothing_and_batches():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "judge_load.py"), "--quick",
-                           "--json"], capture_output=True, text=True, timeout=240)
+                           "--json"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert line["lost"] == 0 and line["duplicated"] == 0 and line["wrong"] == 0
@@ -344,7 +330,7 @@ def test_killing_and_restarting_the_server_mid_run(rm_judge, tmp_path):
     job = launch_judge(rm_judge, folder=tmp_path / "judge", max_wait_s=0.002)
     url = job.url
     port = int(url.rsplit(":", 1)[1])
-    client = JudgeClient(url, timeout_s=5, retries=2, backoff_s=0.05)
+    client = JudgeClient(url, timeout_s=HTTP_TIMEOUT_S, retries=2, backoff_s=0.05)
     task = chain_sum_task(size=32, held_out_size=2,
                           builder=functools.partial(JudgedGroupBuilder, judge=client))
     jobs, seen = [job], {}
@@ -389,7 +375,7 @@ def test_judge_server_as_a_slurm_job(slurm_cluster, rm_judge, tmp_path):
                        partition=slurm_cluster.partition, timeout_min=10)
     try:
         url = job.wait_ready(timeout_s=240)
-        results = JudgeClient(url, timeout_s=30).judge(["12", "13"], [ITEM] * 2)
+        results = JudgeClient(url, timeout_s=HTTP_TIMEOUT_S).judge(["12", "13"], [ITEM] * 2)
         local = rm_judge.judge(["12", "13"], [ITEM] * 2)
         assert scores(results) == pytest.approx(scores(local), abs=1e-5)
         final = job.stop(timeout_s=240)
@@ -421,17 +407,17 @@ class Misbehaves:
                                    Misbehaves(exc=BaseException("x")),
                                    Misbehaves(exc=KeyboardInterrupt())], ids=repr)
 def test_a_judge_that_returns_garbage_or_raises_anything_fails_only_that_request(judge):
-    with serve_judge(judge, request_timeout_s=3, max_wait_s=0.0) as server:
-        start = time.monotonic()
+    with serve_judge(judge, max_wait_s=0.0) as server:
         for _ in range(2):   # the batcher lives on: a second request is answered too
-            results = server.client(timeout_s=4, retries=1).judge(["a", "b"], [ITEM] * 2)
+            results = server.client(timeout_s=HTTP_TIMEOUT_S, retries=0).judge(["a", "b"],
+                                                                             [ITEM] * 2)
             assert [r.outcome for r in results] == [Outcome.ERROR] * 2
             assert all(r.score == 0.0 and r.reason for r in results)
-        assert time.monotonic() - start < 3 and server.state == "ready"
+        assert server.state == "ready"
         assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
         assert server.stats()["judge_failures"] == (0 if judge.exc is None else 2)
         assert ("raw_score=" if judge.exc is None else "judge raised") in results[0].reason
-    assert server.state == "stopped"
+    assert server.state == "stopped"        # stop() returns once the server thread has ended
     with pytest.raises(httpx.ConnectError):   # the socket is closed
         httpx.get(server.url + "/health")
 
@@ -441,13 +427,12 @@ def test_a_dead_batcher_is_not_ready_and_answers_503_never_a_hang(monkeypatch):
     the request in it and every later one get 503 at once, /ready says "failed"."""
     with serve_judge(Misbehaves(1.0), max_wait_s=0.0) as server:
         monkeypatch.setattr(server._batcher, "_record", lambda *a: 1 / 0)
-        start = time.monotonic()
-        [lost] = server.client(timeout_s=5, retries=0).judge(["12"], [ITEM])
-        assert lost.outcome is Outcome.ERROR and "batcher failed" in lost.reason
+        [lost] = server.client(timeout_s=HTTP_TIMEOUT_S, retries=0).judge(["12"], [ITEM])
+        assert lost.outcome is Outcome.ERROR and "batcher failed" in lost.reason  # not timeout
         assert "ZeroDivisionError" in lost.reason
         later = post(server.url, "after", ["12"])
         assert later.status_code == 503 and "batcher failed" in later.json()["detail"]
-        assert time.monotonic() - start < 3 and server.state == "failed"
+        assert server.state == "failed"
         assert httpx.get(server.url + "/ready").json() == {"status": "failed"}
         final = server.stop()
     assert final["rejected_failed"] == 1 and final["shut_down"] == 1

@@ -133,7 +133,7 @@ class JudgeJob:
         while True:
             if self.url_file.is_file():
                 url = json.loads(self.url_file.read_text())["url"]
-                if JudgeClient(url).ready(timeout_s=min(2.0, timeout_s)):
+                if JudgeClient(url).ready(timeout_s=min(10.0, timeout_s)):
                     self._url = url
                     return url
             if self.run.done():

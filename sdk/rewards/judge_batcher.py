@@ -9,9 +9,17 @@ Batching (as in NVIDIA Triton's dynamic batcher and TorchServe's `batchSize`/`ma
 a batch starts with the oldest waiting request and takes the next ones, whole, while their
 completions fit in `max_batch_size`; it waits for more to arrive until `max_wait_s` after its
 first request arrived (so a request that already waited for the judge goes at once), and not at
-all once it is full. One request (a GRPO group of G completions) is
-never split across batches; a request larger than `max_batch_size` is a batch of its own. While
-the judge works on one batch, the next one fills up.
+all once it is full. A request that fits (a GRPO group of G completions) is never split across
+batches. While the judge works on one batch, the next one fills up.
+
+Large requests and deadlines: a request of more than `max_batch_size` completions is judged in
+pieces of `max_batch_size`, each a batch of its own; after each piece the rest goes to the back
+of the queue, so requests that arrived meanwhile are judged first and no request holds the judge
+for longer than one batch at a time. A request carries a `deadline` (the latest time anyone
+waits for its answer, `time.monotonic()` seconds); once it has passed, what is left of the
+request is dropped (its future cancelled, counted as `expired` and `expired_completions`)
+instead of being judged for nobody: whether it is still queued, or between two of its pieces.
+A judge call in progress is never interrupted.
 
 Backpressure: at most `max_queue` requests wait; `offer` refuses the next one with the number of
 seconds after which a retry is likely to be taken (the queue's completions divided by the batch
@@ -66,25 +74,46 @@ class ServerShutDown(RuntimeError):
 @dataclass(eq=False)
 class JudgeRequest:
     """One request: `completions[i]` judged against `items[i]`; answered through `future`
-    (a `BatchOutput`), which belongs to the loop the request was made on."""
+    (a `BatchOutput`), which belongs to the loop the request was made on. `deadline`
+    (`time.monotonic()` seconds, default never): after it, nobody waits for the answer and the
+    batcher drops what is not judged yet; a retry that joins the request moves it later."""
 
     request_id: str
     completions: list[str]
     items: list[dict]
     future: asyncio.Future = field(default=None, repr=False)  # type: ignore[assignment]
     enqueued: float = field(default_factory=time.monotonic)
+    deadline: float = math.inf
     waiters: int = 0     # HTTP handlers waiting on `future` (a retried id adds one)
+    results: list[dict] = field(default_factory=list, repr=False)   # of the pieces judged
+    started: float | None = field(default=None, repr=False)        # its first judge call
+    judge_s: float = field(default=0.0, repr=False)                 # its pieces' judge seconds
 
     def __post_init__(self) -> None:
         if self.future is None:
             self.future = asyncio.get_running_loop().create_future()
+
+    @property
+    def remaining(self) -> int:
+        """Completions not judged yet."""
+        return len(self.completions) - len(self.results)
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Completions `start:stop` of `request`, one part of a batch."""
+
+    request: JudgeRequest
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
 class BatchOutput:
     """What a request gets back: one JSON-ready result per completion (`result_to_json`), the
     batch it rode in (`batch_id`, `batch_requests`, `batch_completions`), its seconds in the
-    queue and the judge's seconds on the whole batch."""
+    queue (until its first judge call) and the judge's seconds on its batch. A request judged
+    in pieces names the batch of its last piece and the judge's seconds on all of its pieces."""
 
     results: list[dict]
     batch_id: int
@@ -154,7 +183,7 @@ class Batcher:
         self.draining = False
         self.failed: str | None = None    # why the batching task died (a bug), else None
         self._queue: collections.deque[JudgeRequest] = collections.deque()
-        self._running: list[JudgeRequest] | None = None
+        self._running: list[_Piece] | None = None
         self._held = 0                    # requests taken and not yet answered or dropped
         self._closing = False
         self._abandoned = False           # fail_pending was called: do not wait for the judge
@@ -162,8 +191,9 @@ class Batcher:
         self._lock = threading.Lock()     # guards _stats (read by other threads)
         self._stats: dict[str, Any] = {
             "requests": 0, "completions": 0, "batches": 0, "rejected_full": 0,
-            "rejected_draining": 0, "rejected_failed": 0, "judge_failures": 0, "shut_down": 0, "max_queue_depth": 0,
-            "judge_s": 0.0, "batch_completions": {}, "batch_requests": {}}
+            "rejected_draining": 0, "rejected_failed": 0, "judge_failures": 0, "shut_down": 0,
+            "expired": 0, "expired_completions": 0, "max_queue_depth": 0, "judge_s": 0.0,
+            "batch_completions": {}, "batch_requests": {}}
 
     # ---------------------------------------------------------------- lifecycle (loop thread)
     async def start(self) -> None:
@@ -186,7 +216,7 @@ class Batcher:
         if why is None:
             return
         self.failed = why
-        for request in [*self._queue, *(self._running or ())]:
+        for request in self._pending():
             if not request.future.done():
                 request.future.set_exception(ServerShutDown(
                     f"the judge batcher failed ({why}); this request was not judged"))
@@ -228,7 +258,7 @@ class Batcher:
     def retry_after_s(self) -> float:
         """Seconds until the queue has likely moved on: batches ahead x recent seconds per batch
         (between 0.01 and 10)."""
-        ahead = math.ceil(sum(len(r.completions) for r in list(self._queue))
+        ahead = math.ceil(sum(r.remaining for r in list(self._queue))
                           / self.max_batch_size) or 1
         return min(10.0, max(0.01, ahead * self._batch_s))
 
@@ -248,7 +278,7 @@ class Batcher:
         self._abandoned = True
 
         def fail() -> None:
-            for request in [*self._queue, *(self._running or ())]:
+            for request in self._pending():
                 if not request.future.done():
                     request.future.set_exception(ServerShutDown(
                         "the judge server stopped before judging this request"))
@@ -258,15 +288,21 @@ class Batcher:
         self._loop.call_soon_threadsafe(fail)
 
     def is_judging(self, request: JudgeRequest) -> bool:
-        """True while `request` is in the batch the judge is working on."""
-        return any(r is request for r in (self._running or ()))
+        """True while `request` (or a piece of it) is in the batch the judge is working on."""
+        return any(p.request is request for p in (self._running or ()))
+
+    def _pending(self) -> list[JudgeRequest]:
+        """Every request taken and not answered: queued or in the judge."""
+        return [*self._queue, *(p.request for p in self._running or ())]
 
     def queue_depth(self) -> int:
         return len(self._queue)
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start: requests/completions judged, batches, the histograms of batch
-        sizes (completions -> batches, requests -> batches), refusals, seconds in the judge."""
+        """Counters since start: requests (answered with a judgement) and completions judged,
+        batches, the histograms of batch sizes (completions -> batches, requests or pieces of
+        one -> batches), refusals, requests dropped at their deadline (`expired`, with the
+        `expired_completions` left unjudged), seconds in the judge."""
         with self._lock:
             stats = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
         stats.update(queue_depth=len(self._queue), draining=self.draining,
@@ -291,25 +327,53 @@ class Batcher:
                 raise
             except BaseException as exc:  # noqa: BLE001 - last guard; _judge_batch catches all
                 why = f"judge worker raised {type(exc).__name__}: {exc}"
-                outputs = [[_error_json(why) for _ in r.completions] for r in batch]
+                outputs = [[_error_json(why)] * (p.stop - p.start) for p in batch]
             seconds = time.monotonic() - start   # `_running` stays set until all are answered
-            self._record(batch, seconds)
-            size = sum(len(r.completions) for r in batch)
+            finished = sum(p.stop == len(p.request.completions) for p in batch)
+            self._record(batch, finished, seconds)
+            size = sum(p.stop - p.start for p in batch)
             self._batch_s = 0.8 * self._batch_s + 0.2 * seconds
             batch_id = self._stats["batches"]
-            for request, results in zip(batch, outputs):
-                if not request.future.done():   # a request that timed out meanwhile is dropped
-                    request.future.set_result(BatchOutput(
-                        results, batch_id, len(batch), size, start - request.enqueued, seconds))
+            for piece, results in zip(batch, outputs):
+                request = piece.request
+                if request.future.done():   # timed out or failed meanwhile: dropped
+                    self._held -= 1
+                    continue
+                request.results.extend(results)
+                request.started = start if request.started is None else request.started
+                request.judge_s += seconds
+                if request.remaining:
+                    self._queue.append(request)   # the rest after those waiting now
+                    continue
+                request.future.set_result(BatchOutput(
+                    request.results, batch_id, len(batch), size,
+                    request.started - request.enqueued, request.judge_s))
                 self._held -= 1
             self._running = None
 
-    async def _next_batch(self) -> list[JudgeRequest] | None:
+    def _take(self, request: JudgeRequest, now: float) -> bool:
+        """False (and the request dropped) when nobody waits for it any more: its deadline has
+        passed (its future is then cancelled), its handler dropped it (cancelled), or it was
+        failed already. A cancelled one counts as `expired`, with what it had left."""
+        if not request.future.done() and now > request.deadline:
+            request.future.cancel()
+        if not request.future.done():
+            return True
+        if request.future.cancelled():
+            self._count("expired")
+            self._count("expired_completions", request.remaining)
+        self._held -= 1
+        return False
+
+    async def _next_batch(self) -> list[_Piece] | None:
         """The next batch, or None once closing with nothing left."""
         first = await self._pop()
         if first is None:
             return None
-        batch, size = [first], len(first.completions)
+        done = len(first.results)
+        if first.remaining > self.max_batch_size:     # a piece of a large request, alone
+            return [_Piece(first, done, done + self.max_batch_size)]
+        batch, size = [_Piece(first, done, len(first.completions))], first.remaining
         until = first.enqueued + self.max_wait_s   # from its arrival: a request that waited
         while size < self.max_batch_size:           # for the judge already goes at once
             if not self._queue:
@@ -323,53 +387,51 @@ class Batcher:
                     break
                 continue
             head = self._queue[0]
-            if head.future.done():   # timed out while queued
+            if not self._take(head, time.monotonic()):
                 self._queue.popleft()
-                self._held -= 1
                 continue
-            if size + len(head.completions) > self.max_batch_size:
+            if size + head.remaining > self.max_batch_size:
                 break
-            batch.append(self._queue.popleft())
-            size += len(head.completions)
+            batch.append(_Piece(self._queue.popleft(), len(head.results), len(head.completions)))
+            size += head.remaining
         return batch
 
     async def _pop(self) -> JudgeRequest | None:
         while True:
             while self._queue:
                 request = self._queue.popleft()
-                if not request.future.done():
+                if self._take(request, time.monotonic()):
                     return request
-                self._held -= 1     # timed out while queued
             if self._closing:
                 return None
             self._wake.clear()
             await self._wake.wait()
 
-    def _record(self, batch: list[JudgeRequest], seconds: float) -> None:
-        size = sum(len(r.completions) for r in batch)
+    def _record(self, batch: list[_Piece], finished: int, seconds: float) -> None:
+        size = sum(p.stop - p.start for p in batch)
         with self._lock:
             s = self._stats
             s["batches"] += 1
-            s["requests"] += len(batch)
+            s["requests"] += finished
             s["completions"] += size
             s["judge_s"] += seconds
             s["batch_completions"][size] = s["batch_completions"].get(size, 0) + 1
             s["batch_requests"][len(batch)] = s["batch_requests"].get(len(batch), 0) + 1
 
     # ---------------------------------------------------------------- the worker thread
-    def _judge_batch(self, batch: list[JudgeRequest]) -> list[list[dict]]:
-        """One judge call over the whole batch, split back per request; if it raises, each
-        request alone (one bad request fails only itself)."""
-        completions = [c for r in batch for c in r.completions]
-        items = [i for r in batch for i in r.items]
+    def _judge_batch(self, batch: list[_Piece]) -> list[list[dict]]:
+        """One judge call over the whole batch, split back per piece; if it raises, each piece
+        alone (one bad request fails only itself)."""
+        completions = [c for p in batch for c in p.request.completions[p.start:p.stop]]
+        items = [i for p in batch for i in p.request.items[p.start:p.stop]]
         try:
             results = list(self.judge.judge(completions, items))
             if len(results) != len(completions):
                 raise ValueError(f"{type(self.judge).__name__}.judge returned {len(results)} "
                                  f"results for {len(completions)} completions")
             out, start = [], 0
-            for request in batch:
-                n = len(request.completions)
+            for piece in batch:
+                n = piece.stop - piece.start
                 out.append([result_to_json(r) for r in results[start:start + n]])
                 start += n
             return out
@@ -377,7 +439,7 @@ class Batcher:
         # is the worker thread, which a Ctrl-C never reaches, and it must not end the server.
         except BaseException as exc:  # noqa: BLE001 - the judge's failure is data for the client
             if len(batch) > 1:
-                return [self._judge_batch([r])[0] for r in batch]
+                return [self._judge_batch([p])[0] for p in batch]
             self._count("judge_failures")
             why = f"judge raised {type(exc).__name__}: {exc}"[:500]
-            return [[_error_json(why) for _ in batch[0].completions]]
+            return [[_error_json(why)] * (batch[0].stop - batch[0].start)]

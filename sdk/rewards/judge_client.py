@@ -14,7 +14,7 @@ problem; every completion of a request that could not be judged gets the same fa
     other 5xx                           yes, with backoff      error (after the retries)
     the deadline passes first           no more tries          timeout
     504 (server: not judged in time)    while time remains     timeout
-    422 / other 4xx, malformed answer   no                     error
+    413, 422, other 4xx; bad answer     no                     error
     ==================================  =====================  ==========================
 
 Both failures are the checker's, never the policy's: RL excludes a group with an `error` or
@@ -40,7 +40,7 @@ Example (a server on 127.0.0.1; then the same client once the server is gone):
     >>> from posttrain.rewards.reward_model import RewardModel
     >>> server = serve_judge(RewardModelJudge(RewardModel.from_spec("tiny-1m", seed=0),
     ...                                       ByteTokenizer()))
-    >>> client = JudgeClient(server.url, timeout_s=2.0, retries=1, backoff_s=0.01)
+    >>> client = JudgeClient(server.url, timeout_s=60.0, retries=1, backoff_s=0.01)
     >>> results = client.judge(["12", "13"], [{"question": "5+7="}] * 2)   # one request
     >>> [r.outcome.value in ("ok", "wrong") for r in results]
     [True, True]
@@ -276,11 +276,18 @@ def _check_url(url: Any) -> None:
 
 
 def _detail(response: httpx.Response) -> str:
+    """The server's `detail`; a 422's list of errors as "body.items.3.question: msg; ..."."""
     try:
         detail = response.json().get("detail", "")
     except (ValueError, AttributeError):
         detail = response.text
-    return str(detail)[:200]
+    if isinstance(detail, list):
+        try:
+            detail = "; ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}"
+                               for e in detail)
+        except (KeyError, TypeError):
+            pass
+    return str(detail)[:300]
 
 
 def _retry_after(response: httpx.Response) -> float:

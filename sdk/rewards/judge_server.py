@@ -11,15 +11,19 @@ runs it locally or on Slurm; it writes its URL to a file and serves until a stop
 HTTP API (JSON bodies):
 
     =========================  ==============================================================
-    POST /v1/judge             {request_id, completions: [str], items: [{question, ...}],
+    POST /v1/judge             {request_id, completions: [str], items: [{question: str, ...}],
                                timeout_s?} -> 200 {request_id, results: [{score, outcome,
                                reason, raw, raw_score}], batch: {id, requests, completions},
                                queue_s, judge_s, replayed}
-                               422 malformed body (timeout_s must be finite, > 0); 429 queue full and 503 shutting down,
-                               both with Retry-After (header: whole seconds; body
-                               `retry_after_s`: the estimate); 504 not judged within
-                               min(request_timeout_s, timeout_s); 503 also when the drain
-                               time ran out before this request was judged
+                               413 body over max_body_bytes (counted as it is read, before
+                               parsing); 422 malformed body, named by `loc`: not UTF-8 JSON,
+                               more than max_request_completions completions, a lone
+                               surrogate in any string, an item without a string question,
+                               timeout_s not finite and > 0 (`posttrain.rewards.judge_limits`);
+                               429 queue full and 503 shutting down, both with Retry-After
+                               (header: whole seconds; body `retry_after_s`: the estimate);
+                               504 not judged within min(request_timeout_s, timeout_s); 503
+                               also when the drain time ran out before it was judged
     GET /health                200 {"status": "alive"} while the process serves (liveness)
     GET /ready                 200 {"status": "ready"}; 503 "starting" / "draining" /
                                "failed" (the batcher died; requests then get 503)
@@ -31,6 +35,11 @@ queued or being judged waits for the same judgement; a retry of one already answ
 same answer again (`replayed: true`) from a cache of the last `replay_cache` answers. So a
 client that retries after a lost response (or a 504) never makes the judge work twice, and
 every id gets exactly one judgement.
+
+Deadlines: a request is judged in batches of at most `max_batch_size` completions (a larger one in
+pieces, between other requests' batches); once no client waits for it any more (its deadline,
+moved later by a retry that joins it, has passed), what is left of it is dropped, not judged for
+nobody (`posttrain.rewards.judge_batcher`). So one client stalls the others by one batch at most.
 
 Judge failures are results, not HTTP errors: a judge that raises (SystemExit included) or returns
 what cannot be sent (a non-numeric `raw_score`) gives outcome `error` for the
@@ -48,7 +57,7 @@ Example (a reward-model judge on 127.0.0.1, a port the system picks):
     >>> from posttrain.rewards.reward_model import RewardModel
     >>> judge = RewardModelJudge(RewardModel.from_spec("tiny-1m", seed=0), ByteTokenizer())
     >>> with serve_judge(judge, max_wait_s=0.001) as server:
-    ...     [served] = server.client().judge(["12"], [{"question": "5 + 7 ="}])
+    ...     [served] = server.client(timeout_s=60).judge(["12"], [{"question": "5 + 7 ="}])
     ...     [local] = judge.judge(["12"], [{"question": "5 + 7 ="}])
     ...     abs(served.score - local.score) < 1e-6, server.stats()["requests"]
     (True, 1)
@@ -70,87 +79,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
 
-from posttrain.core.checks import check_int, require_int, require_positive
+from posttrain.core.checks import check_int, require_positive
 from posttrain.rewards.judge_batcher import Batcher, JudgeRequest, ServerShutDown
 from posttrain.rewards.judge_client import JUDGE_PATH, JudgeClient
+from posttrain.rewards.judge_limits import (BodyLimit, ServerSettings, check_address,
+                                            parse_request, validation_error_response)
 
 __all__ = ["ServerSettings", "JudgeServer", "serve_judge", "build_app", "JudgeJobSpec",
            "serve_until_stopped", "check_address", "JUDGE_PATH"]
-
-@dataclass(frozen=True, kw_only=True)
-class ServerSettings:
-    """How the judge server batches, queues and times out.
-
-    Attributes:
-        max_batch_size: completions per judge call (a request, e.g. a group of G, is never split).
-        max_wait_s: a batch waits for more requests until this many seconds after its first
-            one arrived (the latency cost of batching; 0 = take what is queued and go).
-        max_queue: requests that may wait for a batch; beyond it, 429 + Retry-After.
-        request_timeout_s: most seconds a request waits for its judgement (a request may ask for
-            less with `timeout_s`); beyond it, 504.
-        drain_timeout_s: at shutdown, seconds to finish what is queued before refusing it (503).
-        replay_cache: answers kept by request id for retries (>= 1).
-
-    Raises:
-        ValueError: for a value outside its range, naming the field.
-    """
-
-    max_batch_size: int = 64
-    max_wait_s: float = 0.005
-    max_queue: int = 256
-    request_timeout_s: float = 30.0
-    drain_timeout_s: float = 30.0
-    replay_cache: int = 4096
-
-    def __post_init__(self) -> None:
-        require_int(self, ("max_batch_size", "max_queue", "replay_cache"), minimum=1)
-        require_positive(self, ("request_timeout_s", "drain_timeout_s"))
-        if not (isinstance(self.max_wait_s, (int, float)) and not isinstance(self.max_wait_s, bool)
-                and 0 <= self.max_wait_s < math.inf):
-            raise ValueError(f"ServerSettings.max_wait_s={self.max_wait_s!r}; must be a finite "
-                             "number of seconds >= 0")
-
-
-class _Body(BaseModel):
-    request_id: str = Field(min_length=1, max_length=200)
-    completions: list[str]
-    items: list[dict[str, Any]]
-    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-
-
-def check_address(host: Any, port: Any, advertise_host: Any = None) -> None:
-    """Raise TypeError/ValueError, naming the argument, unless `host` is a non-empty str,
-    `port` an int in 0..65535 (0: the system picks) and `advertise_host` None or a non-empty
-    str. Used by `serve_judge` and `JudgeJobSpec` (so a job is checked before it is queued)."""
-    for name, value, optional in (("host", host, False), ("advertise_host", advertise_host, True)):
-        if optional and value is None:
-            continue
-        if not isinstance(value, str):
-            raise TypeError(f"{name}={value!r}; must be a str such as '127.0.0.1' or '0.0.0.0'"
-                            + (" or None" if optional else ""))
-        if not value.strip():
-            raise ValueError(f"{name}={value!r}; must be a non-empty host name or address")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port={port!r}; must be an integer in 0..65535 (0: a free port)")
-
 
 def _refusal(status: int, detail: str, retry_after_s: float) -> JSONResponse:
     return JSONResponse({"detail": detail, "retry_after_s": round(retry_after_s, 3)},
                         status_code=status,
                         headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
-
-
-def _validation_error(request: Any, exc: RequestValidationError) -> JSONResponse:
-    """422 for a malformed body: where and what, without echoing the input (it may hold NaN or
-    Infinity, which JSON cannot encode)."""
-    errors = [{"loc": [str(part) for part in e.get("loc", ())], "msg": str(e.get("msg", "")),
-               "type": str(e.get("type", ""))} for e in exc.errors()]
-    return JSONResponse({"detail": errors}, status_code=422)
 
 
 def _response(request_id: str, output: Any) -> dict:
@@ -167,7 +112,9 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
                       max_wait_s=settings.max_wait_s, max_queue=settings.max_queue)
     answered: OrderedDict[str, dict] = OrderedDict()   # request id -> response body
     in_flight: dict[str, JudgeRequest] = {}
-    state = {"ready": False, "replayed": 0, "timed_out": 0}
+    state = {"ready": False}
+    counters = {"replayed": 0, "joined": 0, "timed_out": 0, "rejected_too_large": 0,
+                "rejected_invalid": 0}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -178,7 +125,15 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
         await batcher.close()
 
     app = FastAPI(title="posttrain judge", lifespan=lifespan)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    def invalid(request: Any, exc: RequestValidationError) -> JSONResponse:
+        counters["rejected_invalid"] += 1
+        return validation_error_response(request, exc)
+
+    def too_large() -> None:
+        counters["rejected_too_large"] += 1
+
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, on_refuse=too_large)
 
     def remember(request_id: str, future: asyncio.Future) -> None:
         """Done callback: the request leaves `in_flight`; a judgement is kept for retries."""
@@ -188,18 +143,26 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
             while len(answered) > settings.replay_cache:
                 answered.popitem(last=False)
 
+    def timed_out(timeout_s: float) -> JSONResponse:
+        counters["timed_out"] += 1
+        return JSONResponse({"detail": f"not judged within {timeout_s:g} s"}, status_code=504)
+
     @app.post(JUDGE_PATH)
-    async def judge_endpoint(body: _Body) -> Any:
-        if len(body.completions) != len(body.items):
-            return JSONResponse({"detail": f"{len(body.completions)} completions but "
-                                 f"{len(body.items)} items; need one item per completion"},
-                                status_code=422)
+    async def judge_endpoint(http: Request) -> Any:
+        body = parse_request(await http.body(),
+                             max_request_completions=settings.max_request_completions)
         if body.request_id in answered:
-            state["replayed"] += 1
+            counters["replayed"] += 1
             return {**answered[body.request_id], "replayed": True}
+        timeout_s = min(settings.request_timeout_s, body.timeout_s or math.inf)
+        deadline = time.monotonic() + timeout_s
         request = in_flight.get(body.request_id)
-        if request is None:
-            request = JudgeRequest(body.request_id, body.completions, body.items)
+        if request is not None:          # a retry waits for the same judgement, and as long
+            counters["joined"] += 1
+            request.deadline = max(request.deadline, deadline)
+        else:
+            request = JudgeRequest(body.request_id, body.completions, body.items,
+                                   deadline=deadline)
             refused = batcher.offer(request)
             if refused is not None:
                 why, retry_after_s = refused
@@ -210,19 +173,19 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
                 return _refusal(429 if why == "full" else 503, detail, retry_after_s)
             in_flight[body.request_id] = request
             request.future.add_done_callback(lambda f, rid=body.request_id: remember(rid, f))
-        timeout_s = min(settings.request_timeout_s, body.timeout_s or math.inf)
         request.waiters += 1
         try:
             output = await asyncio.wait_for(asyncio.shield(request.future), timeout_s)
         except TimeoutError:
-            state["timed_out"] += 1
             if request.waiters == 1 and not batcher.is_judging(request):
-                request.future.cancel()   # still queued and nobody else waits: drop it
-            return JSONResponse({"detail": f"not judged within {timeout_s:g} s"}, status_code=504)
-        except (ServerShutDown, asyncio.CancelledError) as exc:
-            if not request.future.done():   # this handler itself is being cancelled
+                request.future.cancel()   # still queued and nobody else waits: drop it now
+            return timed_out(timeout_s)   # (between two pieces, the batcher drops the rest)
+        except asyncio.CancelledError:
+            if not request.future.cancelled():   # this handler itself is being cancelled
                 raise
-            return _refusal(503, str(exc) or "the judge server dropped this request", 1.0)
+            return timed_out(timeout_s)   # the batcher dropped it as its deadline passed
+        except ServerShutDown as exc:
+            return _refusal(503, str(exc), 1.0)
         finally:
             request.waiters -= 1
         return {**_response(body.request_id, output), "replayed": False}
@@ -241,9 +204,9 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {**batcher.stats(), "replayed": state["replayed"], "timed_out": state["timed_out"]}
+        return {**batcher.stats(), **counters}
 
-    app.state.batcher, app.state.counters = batcher, state
+    app.state.batcher, app.state.counters = batcher, counters
     return app, batcher
 
 
@@ -257,7 +220,7 @@ class JudgeServer:
     """
 
     def __init__(self, judge: Any, *, host: str, port: int, settings: ServerSettings,
-                 advertise_host: str | None = None, startup_timeout_s: float = 30.0) -> None:
+                 advertise_host: str | None = None, startup_timeout_s: float = 120.0) -> None:
         import uvicorn
 
         self.settings = settings
@@ -318,15 +281,20 @@ class JudgeServer:
         """The server's counters (as GET /stats); the final ones after `stop`."""
         if self._final_stats is not None:
             return dict(self._final_stats)
-        counters = self._app.state.counters
-        return {**self._batcher.stats(), "replayed": counters["replayed"],
-                "timed_out": counters["timed_out"]}
+        return {**self._batcher.stats(), **self._app.state.counters}
 
     def stop(self, drain: bool = True, timeout_s: float | None = None) -> dict[str, Any]:
         """Stop serving: refuse new requests (503), judge and answer what is queued (at most
         `timeout_s`, default `settings.drain_timeout_s`; every request not answered by then,
         queued or in the judge, gets 503), close. `drain=False` answers them 503 at once.
-        Returns the final `stats()`; calling it again does nothing."""
+        Returns the final `stats()` once the server thread has ended (`state` is then
+        "stopped"); calling it again does nothing.
+
+        Raises:
+            RuntimeError: if the server thread has not ended `timeout_s` + `drain_timeout_s` +
+                60 s after the stop began (uvicorn's own graceful close is bounded by
+                `drain_timeout_s`; the rest is a generous margin for a loaded machine).
+        """
         if self._final_stats is not None:
             return dict(self._final_stats)
         timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
@@ -338,7 +306,11 @@ class JudgeServer:
             if not self._batcher.idle():
                 self._batcher.fail_pending()
             self._server.should_exit = True   # uvicorn lets responses in progress finish
-            self._thread.join(timeout_s + 5.0)
+            limit = timeout_s + self.settings.drain_timeout_s + 60.0
+            self._thread.join(limit)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the judge server at {self.url} did not end within "
+                                   f"{limit:g} s of stop() (see the log above)")
         self._final_stats = self.stats()
         return dict(self._final_stats)
 
@@ -365,6 +337,7 @@ class JudgeServer:
                  "completions": s["completions"], "batches": s["batches"],
                  "mean batch": f"{mean:.1f}", "queue": f"{s['queue_depth']}/"
                  f"{self.settings.max_queue}", "429": s["rejected_full"], "504": s["timed_out"],
+                 "expired": s["expired"],
                  "judge failures": s["judge_failures"]}
         head = "".join(f"<th>{html.escape(str(k))}</th>" for k in cells)
         body = "".join(f"<td>{html.escape(str(v))}</td>" for v in cells.values())
