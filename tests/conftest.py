@@ -3,11 +3,19 @@
 `slurm_cluster`: the local single-host Slurm cluster started by `scripts/slurm-up.sh` (root and
 apt needed; `make test` starts it when it can). Tests that use it skip when it is not up.
 
-`wait_for(predicate, what=..., timeout=...)`: the one way a test waits for a state (a file a
-job writes, a process that starts or ends, a line in a log): polls until the predicate holds,
-and past a generous deadline fails with a message that names what it waited for. Never a bare
-`time.sleep(n)` as a wait, never a loop that gives up silently: a machine shared with busy
-neighbours is 5-20x slower than a quiet one.
+Waiting and timing on a shared machine (a busy neighbour is the normal case: wall-clock time
+runs 5-20x slower than on a quiet machine, and a process may wait 100 ms for a core):
+
+- `wait_for(predicate, what=..., timeout=...)`: the one way a test waits for a state (a file a
+  job writes, a process that starts or ends, a line in a log): polls until the predicate holds,
+  and past a generous deadline fails with a message that names what it waited for. Never a bare
+  `time.sleep(n)` as a wait, never a loop that gives up silently.
+- `thread_cpu_s(fn)`: (fn(), CPU seconds this thread spent in it), for "linear, not quadratic"
+  checks: CPU time does not grow while the process waits for a core, so a bound a few times
+  above the linear cost and far below the quadratic one holds on a loaded machine.
+- `LATE_S`: how late a call cut at its budget may return here; a test that checks a budget
+  holds asserts the typed outcome, and that the call ended within budget + LATE_S, against work
+  that would run far longer (minutes). Budgets of calls expected to succeed are generous.
 
 A test run started in the background by a shell without job control inherits SIGINT ignored
 (POSIX shells do that to asynchronous commands), and Python then installs no KeyboardInterrupt
@@ -33,6 +41,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
 WAIT_S = 300.0
 """Default deadline of `wait_for`, seconds: generous, since a wait that holds returns at once."""
+LATE_S = 60.0
+"""Seconds a call cut at its budget may return late on a loaded machine (a replacement worker's
+start included); work a budget must cut runs far longer (it sleeps or spins for 600 s)."""
 SKIP_NO_SLURM = "no local Slurm cluster: run scripts/slurm-up.sh (needs root and apt)"
 
 
@@ -60,6 +71,14 @@ def wait_for(predicate: Callable[[], object], *, what: str, timeout: float = WAI
                 message += f"; {detail()}"
             raise TimeoutError(message)
         time.sleep(poll_s)
+
+
+def thread_cpu_s(fn: Callable[[], object]) -> tuple[object, float]:
+    """(fn(), CPU seconds the calling thread spent in it: `time.thread_time`). Unlike wall time
+    it does not count waiting for a core; it does not count other threads or processes."""
+    start = time.thread_time()
+    value = fn()
+    return value, time.thread_time() - start
 
 
 @dataclass(frozen=True)

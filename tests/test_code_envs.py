@@ -30,7 +30,9 @@ from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, S
 NO_SANDBOX = sandbox_available()
 needs_sandbox = pytest.mark.skipif(NO_SANDBOX is not None, reason=f"no sandbox here: {NO_SANDBOX}")
 PICKLERS = [(pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)]
-TOOL = SandboxLimits(cpu_s=1.0, wall_s=3.0, memory_mb=256, output_bytes=65_536)
+# CPU limits end runaway programs whatever the load; the wall-clock limit (60 s) is a backstop
+# that a program expected to finish never reaches beside busy neighbours.
+TOOL = SandboxLimits(cpu_s=1.0, wall_s=60.0, memory_mb=256, output_bytes=65_536)
 ROWS = [{"task_id": i, "text": f"Write add{i}(x) returning x + {i}.",
          "test_list": [f"assert add{i}(1) == {1 + i}", f"assert add{i}(-{i}) == 0"],
          "code": f"def add{i}(x):\n    return x + {i}\n"} for i in range(20)]
@@ -165,15 +167,13 @@ def test_a_custom_builder_refuses_the_options_it_would_ignore():
 
 def test_held_out_scan_stops_when_the_task_runs_out_of_questions():
     """1-digit 2-term chain_sum has a few hundred questions: 40,000 held out stops early
-    (`found + 1000` candidates without a new question), not after 160,064 candidates."""
-    import time
+    (`found + 1000` candidates without a new question), not after 160,064 candidates (the
+    candidates read are counted in the message)."""
     from posttrain.envs.reasoning_gym_env import chain_sum_task
     task = chain_sum_task(size=20, held_out_size=40_000, max_digits=1)
-    start = time.monotonic()
     with pytest.raises(ValueError, match="gave only .* distinct questions .* in [0-9]{3,4} of "
                                          "160064 candidates read"):
         task.held_out()
-    assert time.monotonic() - start < 10
 
 
 class _StubSandbox:
@@ -248,7 +248,7 @@ def code_verifier():
     if NO_SANDBOX is not None:
         pytest.skip(f"no sandbox here: {NO_SANDBOX}")
     from posttrain.verifiers.code_exec import CodeTestsVerifier
-    return CodeTestsVerifier(limits=SandboxLimits(cpu_s=2.0, wall_s=4.0))
+    return CodeTestsVerifier(limits=SandboxLimits(cpu_s=2.0, wall_s=60.0))
 
 
 @needs_sandbox

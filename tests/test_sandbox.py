@@ -16,6 +16,7 @@ import time
 import cloudpickle
 import pytest
 from _sandbox_helpers import box, host_processes_of  # noqa: F401  (box is a fixture)
+from conftest import LATE_S, WAIT_S
 
 from posttrain.verifiers import sandbox as sandbox_module
 from posttrain.verifiers import sandbox_exec
@@ -205,7 +206,7 @@ def test_print_stdin_and_utf8(box):
     assert isinstance(result, ExecutionResult)
     assert (result.outcome, result.exit_code, result.signal) == (ExecOutcome.OK, 0, None)
     assert result.stdout == "42\né\n\ufffd\n" and result.stderr == ""
-    assert not result.stdout_truncated and 0 < result.wall_s < 5
+    assert not result.stdout_truncated and 0 < result.wall_s < LATE_S
 
 
 def test_large_stdin_is_streamed(box):
@@ -274,23 +275,32 @@ def test_runs_as_an_unprivileged_uid_without_capabilities(box):
 # Pool and pickling
 
 
+def _running(sleep_s: float, i: int) -> str:
+    """A program that prints i, its uid and the host clock (the sandbox shares it) when it
+    starts and when it ends, `sleep_s` apart."""
+    return (f"import os, time\nstart = time.time()\ntime.sleep({sleep_s})\n"
+            f"print({i}, os.getuid(), start, time.time())")
+
+
 def test_run_many_keeps_order_and_runs_in_parallel(box):
-    sources = [f"import os, time\ntime.sleep(0.6)\nprint({i}, os.getuid())" for i in range(4)]
+    """In parallel the four programs were all running at one moment (the latest start comes
+    before the earliest end); one worker runs them one after the other (each starts after the
+    previous one ended). Read from the programs' own clocks, so a slow start cannot fail it."""
     parallel = Sandbox(box.limits, max_workers=4)
     try:
-        t0 = time.monotonic()
-        results = parallel.run_many(sources)
-        elapsed = time.monotonic() - t0
+        results = parallel.run_many([_running(3.0, i) for i in range(4)])
     finally:
         parallel.close()
     assert [r.outcome for r in results] == [ExecOutcome.OK] * 4
     assert [int(r.stdout.split()[0]) for r in results] == [0, 1, 2, 3]
     assert len({r.stdout.split()[1] for r in results}) == 4   # one uid each
-    assert elapsed < 4 * 0.6                                  # serially it takes >= 2.4 s
+    spans = [tuple(map(float, r.stdout.split()[2:])) for r in results]
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
     serial = Sandbox(box.limits, max_workers=1)
-    t0 = time.monotonic()
-    assert [r.stdout.split()[0] for r in serial.run_many(sources[:2])] == ["0", "1"]
-    assert time.monotonic() - t0 >= 2 * 0.6
+    results = serial.run_many([_running(0.2, i) for i in range(2)])
+    assert [r.stdout.split()[0] for r in results] == ["0", "1"]
+    (_, first_end), (second_start, _) = (tuple(map(float, r.stdout.split()[2:])) for r in results)
+    assert first_end <= second_start
     assert box.run_many([]) == []
 
 
@@ -305,14 +315,14 @@ def test_sandbox_pickles_without_its_pool(box):
 
 def test_sweep_kills_what_a_slot_uid_left_on_the_host(box):
     """The second layer: a process owned by a held slot's uid, started outside any sandbox."""
-    slot, lock_fd = sandbox_exec.acquire_slot(time.monotonic() + 10)
+    slot, lock_fd = sandbox_exec.acquire_slot(time.monotonic() + WAIT_S)
     uid = sandbox_exec.UID_BASE + slot
     try:
         stray = subprocess.Popen(["/usr/bin/sleep", "30"], user=uid, group=uid,
                                  extra_groups=[], cwd="/")
         assert host_processes_of(uid) == [stray.pid]
         assert sandbox_exec.sweep_uid(uid) == 1
-        assert stray.wait(timeout=5) == -signal.SIGKILL
+        assert stray.wait(timeout=WAIT_S) == -signal.SIGKILL
         assert sandbox_exec.sweep_uid(uid) == 0
     finally:
         os.close(lock_fd)

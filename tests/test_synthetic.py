@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 
+from conftest import LATE_S
 from posttrain.data import SFTDataset, SFTLoader
 from posttrain.data.synthetic import (Decontaminate, ExactDedup, Length, MinScore, NearDedup,
                                       Score, SyntheticPipeline, build_stage, generate_candidates)
@@ -129,19 +130,19 @@ def failing_verifier(completion, item):
     if completion == "raise":
         raise RuntimeError("verifier bug")
     if completion == "hang":
-        time.sleep(30)
+        time.sleep(600)
     return 1.0 if completion == item["answer"] else 0.0
 
 
 def test_score_counts_and_removes_error_and_timeout_through_the_runner():
-    """Through `score_batch` with a 1 s budget: "raise" -> error, "hang" -> timeout, both
+    """Through `score_batch` with a 1 s budget: "raise" -> error, "hang" (600 s) -> timeout, both
     removed and counted; the others keep score and outcome (1.0 ok, 0.0 wrong, not dropped)."""
     item = {"question": "1+1=", "answer": "2"}
     rows = [{"prompt": "1+1=", "completion": c, "item": item} for c in ("2", "raise", "3", "hang")]
     stage = Score(partial(score_batch, failing_verifier, timeout_s=1.0, max_workers=2))
     start = time.monotonic()
     result = SyntheticPipeline([stage]).run(rows)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 1.0 + LATE_S   # cut at the budget, not after 600 s
     assert result.stats.reasons[0] == {"error": 1, "timeout": 1}
     assert int(result.stats.removed[0]) == 2
     assert [(r["completion"], r["score"], r["outcome"]) for r in result.dataset_rows] == [

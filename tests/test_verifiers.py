@@ -12,6 +12,7 @@ from fractions import Fraction
 import cloudpickle
 import pytest
 
+from conftest import LATE_S
 from posttrain.rewards import (Outcome, Verifier, VerifierResult, as_score_fn, count_outcomes,
                                run_verifier, score_batch)
 from posttrain.verifiers import get_verifier, register_verifier, registered_verifiers
@@ -69,7 +70,7 @@ def _raises(completion, item):
     raise ZeroDivisionError("boom")
 
 
-@pytest.mark.parametrize("timeout_s", [1.0, None])
+@pytest.mark.parametrize("timeout_s", [30.0, None])
 def test_a_verifier_that_raises_is_an_error(timeout_s):
     result = run_verifier(_raises, "x", {}, timeout_s=timeout_s)
     assert result.outcome is Outcome.ERROR and result.score == 0.0
@@ -77,18 +78,20 @@ def test_a_verifier_that_raises_is_an_error(timeout_s):
 
 
 def test_a_verifier_that_hangs_is_a_timeout_and_blocks_nothing_after_it():
+    """The hanging call sleeps 600 s: it is cut at its budget (late by at most LATE_S on a
+    loaded machine), and the next call does not queue behind it."""
     def hangs(completion, item):   # a local function: shipped by value (nothing to import)
-        time.sleep(5)
+        time.sleep(600)
         return 1.0
 
     start = time.monotonic()
     result = run_verifier(hangs, "x", {}, timeout_s=0.2)
     assert result.outcome is Outcome.TIMEOUT and result.score == 0.0
     assert result.reason == "verifier ran past 0.2 s (worker process killed)"
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 0.2 + LATE_S
     start = time.monotonic()   # not queued behind it: at most a replacement worker's start
-    assert run_verifier(lambda c, i: 1.0, "x", {}, timeout_s=0.2).ok
-    assert time.monotonic() - start < 1.0
+    assert run_verifier(lambda c, i: 1.0, "x", {}, timeout_s=30).ok
+    assert time.monotonic() - start < LATE_S
 
 
 @pytest.mark.parametrize("value, reason", [
@@ -121,9 +124,11 @@ def test_bare_numbers_are_accepted(value, outcome, score):
 
 
 def test_score_batch_keeps_order_and_finishes_quickly_with_several_hangers():
+    """Six calls sleep 600 s: each is cut at its 1 s budget, the batch ends long before any of
+    them would (a few rounds of the budget, late by at most LATE_S)."""
     def verifier(completion, item):
         if completion == "hang":
-            time.sleep(5)
+            time.sleep(600)
         if completion == "raise":
             raise RuntimeError("bad")
         return float(completion == item["answer"])
@@ -132,9 +137,9 @@ def test_score_batch_keeps_order_and_finishes_quickly_with_several_hangers():
     items = [{"answer": "1"}, {}, {"answer": "2"}, {}, {}, {}, {"answer": "3"}, {},
              {"answer": "1"}, {}, {}]
     start = time.monotonic()
-    results = score_batch(verifier, completions, items, timeout_s=0.2)
+    results = score_batch(verifier, completions, items, timeout_s=1.0)
     elapsed = time.monotonic() - start
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 6 * 1.0 + LATE_S, elapsed
     assert [r.outcome.value for r in results] == [
         "ok", "timeout", "ok", "timeout", "error", "timeout", "wrong", "timeout", "ok", "timeout",
         "timeout"]
@@ -150,14 +155,17 @@ def test_score_batch_with_one_worker_and_inline():
         assert all(r.ok for r in score_batch(verify, completions, items, **kwargs))
 
 
-def test_score_batch_is_fast_for_thousands_of_calls():
+def test_score_batch_is_cheap_for_thousands_of_calls():
+    """2,000 calls cost this process well under a second of CPU (the verifier is shipped once,
+    not per call); counted in CPU seconds, which waiting for a core does not inflate. Wall-clock
+    throughput is a benchmark's business."""
     verify = MathAnswerVerifier()
     items = [{"answer": str(i)} for i in range(2000)]
     completions = [f"so the answer is {i}." for i in range(2000)]
-    start = time.monotonic()
-    results = score_batch(verify, completions, items, timeout_s=5.0)
+    start = time.process_time()
+    results = score_batch(verify, completions, items, timeout_s=30.0)
     assert all(r.ok for r in results)
-    assert time.monotonic() - start < 5.0
+    assert time.process_time() - start < 5.0
 
 
 def test_score_batch_rejects_bad_arguments():
@@ -184,7 +192,7 @@ def test_notebook_closures_and_classes_are_verifiers():
 
 
 def test_as_score_fn_gives_plain_floats_and_pickles():
-    score = as_score_fn(MathAnswerVerifier(), timeout_s=1.0)
+    score = as_score_fn(MathAnswerVerifier(), timeout_s=30.0)
     assert score("\\boxed{2}", {"answer": "2"}) == 1.0
     assert score("nothing", {"answer": "2"}) == 0.0
     assert pickle.loads(pickle.dumps(score))("2", {"answer": "2"}) == 1.0
