@@ -1,6 +1,7 @@
 """MathAnswerVerifier on math-verify: where the answer is taken from, the equivalence table,
 typed outcomes (error for the reference, timeout from math-verify's own alarm), linear-time
-extraction, and agreement with Math-Verify's published test expectations."""
+extraction, and agreement with Math-Verify's published test expectations. Numbers and the case
+of variables: tests/test_math_rules.py; hedged answers: tests/test_math_statements.py."""
 
 import doctest
 import importlib.util
@@ -94,7 +95,6 @@ EQUAL = [
     ("\\boxed{\\frac{6}{8}}", "3/4"),
     ("\\boxed{x = 5}", "5"),
     ("\\boxed{\\boxed{3}}", "3"),
-    ("first \\boxed{1} then \\boxed{2}", "2"),      # words between boxes: the last one
     ("\\boxed{1} and \\boxed{2} and \\boxed{3}", "$\\{1,2,3\\}$"),   # a multi-part answer
     ("\\boxed{\\sqrt{2}}", "\\sqrt{2}"),
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
@@ -335,15 +335,21 @@ def test_adversarial_completions_return_quickly(completion):
 
 
 def test_agreement_with_math_verify_tests():
-    """270 gold/prediction pairs from Math-Verify's tests: set up as each case, >= 99% agree and
-    no false positive; with the verifier's stricter defaults still no false positive."""
+    """270 gold/prediction pairs from Math-Verify's tests: set up as each case, no false
+    positive and every disagreement one of the hedges the verifier refuses on purpose (listed
+    with its reason in the benchmark's WHY: 6 cases, 264 agree); with the verifier's stricter
+    defaults still no false positive."""
     agreement = _agreement_module()
     data = agreement.load_cases()
     assert data["source"]["repository"] == "huggingface/Math-Verify"
     assert len(data["source"]["commit"]) == 40 and len(data["cases"]) == 270
     as_case = agreement.summarize(agreement.score_cases(data["cases"]))
     assert as_case["false_positives"] == 0, as_case["disagreements"]
-    assert as_case["agree"] >= 0.99 * as_case["cases"], as_case["disagreements"]
+    refused = {case["id"] for case in as_case["disagreements"]}
+    assert refused <= set(agreement.WHY), refused - set(agreement.WHY)
+    assert all(case["outcome"] == "format_error" and case["reason"].startswith("not one answer")
+               for case in as_case["disagreements"]), as_case["disagreements"]
+    assert as_case["agree"] >= 264, as_case["disagreements"]
     defaults = agreement.summarize(agreement.score_cases(data["cases"], defaults=True))
     assert defaults["false_positives"] == 0, defaults["disagreements"]
 

@@ -38,16 +38,24 @@ comma), and as LaTeX (wrapped in `$...$`) otherwise (`\\sqrt{2}`, `2x+1`, `12:00
 reference (by the `numbers` ABCs: int, Fraction, Decimal, numpy scalars) is written without an
 exponent (1e-05 is `0.00001`; `np.float32(0.1)` is `0.1`, its shortest form); U+2212 is a minus.
 
-Equivalence is math-verify's: symbolic, floats rounded to `float_rounding` decimals first
-(0.333333333 equals 1/3 at 6, 0.3333 does not), a percentage equal to its number and to its
-fraction (`50\\%` equals 50 and 0.5).
+Equivalence is math-verify's (symbolic; a percentage equal to its number and to its fraction:
+`50\\%` equals 50 and 0.5) with two of its rules replaced (verifiers/math_rules.py): numbers
+compare exactly where both sides are exact (1/2^99 != 1/2^98, 100! != 100! + 1) and, where one is
+a float, at `float_rounding` significant digits and no fewer decimals (0.333333 equals 1/3 at 6,
+0.3333 does not, 1e-7 does not equal 2e-7); with `strict=True` variables keep their case (X != x).
+
+One answer (verifiers/math_statements.py): a completion that states more than one is a
+format_error whatever the extraction order: an alternative in or beside a stated answer
+(`3 (or 4)`, `$3$ or $4$`, `\\boxed{3} or \\boxed{4}`), a relation math-verify does not compare
+(`x \\approx 3`, `3 \\to 4`; =, <, \\le, \\neq, \\in and the like are answers), or two
+statements (box runs, the last marker) whose values differ (`\\boxed{3} ... \\boxed{4}`).
 
 Outcomes: ok (1.0) equivalent; wrong (0.0) not; format_error (0.0) no answer where `extract`
-looks, an answer math-verify reads nothing from, or one over `max_answer_chars`; error the
-reference cannot be used (a data problem, never charged to the policy: ValueError for a missing
-value, a returned result when math-verify reads nothing from it), the completion is not a str
-(TypeError: None is the caller's data, not the policy's answer) or math-verify itself raised;
-timeout math-verify's own timeout fired.
+looks, more than one answer stated, an answer math-verify reads nothing from, or one over
+`max_answer_chars`; error the reference cannot be used (a data problem, never charged to the
+policy: ValueError for a missing value, a returned result when math-verify reads nothing from
+it), the completion is not a str (TypeError: None is the caller's data, not the policy's answer)
+or math-verify itself raised; timeout math-verify's own timeout fired.
 
 Timeouts: math-verify bounds each parse and each comparison with `signal.alarm`, which works only
 in a process's main thread. There this verifier uses it (`math_verify_timeout_s`, whole seconds)
@@ -64,6 +72,8 @@ Example:
     <Outcome.OK: 'ok'>
     >>> verify("The answer is 0.3333.", {"answer": "1/3"}).outcome
     <Outcome.WRONG: 'wrong'>
+    >>> verify("The answer is 3 (or 4).", {"answer": "4"}).outcome
+    <Outcome.FORMAT_ERROR: 'format_error'>
     >>> verify("I do not know", {"answer": "7"}).outcome, verify("AZYUK2A", {"answer": 2}).outcome
     (<Outcome.FORMAT_ERROR: 'format_error'>, <Outcome.FORMAT_ERROR: 'format_error'>)
     >>> verify("$[0,1)$", {"answer": "$[0,1)$"}).ok, verify("1 000", {"answer": 1000}).ok
@@ -78,7 +88,6 @@ import dataclasses
 import logging
 import math
 import numbers
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
@@ -89,12 +98,14 @@ from typing import Any
 import numpy as np
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
+from posttrain.verifiers import math_rules
+from posttrain.verifiers.math_statements import (DEFAULT_EXTRACT, EXTRACT_SOURCES, Statement,
+                                                 as_math_text, check_extract, extract_answer,
+                                                 hedge, hedged, only_an_answer, statements)
 
-EXTRACT_SOURCES = ("boxed", "marker", "whole", "anywhere")
-"""Where `MathAnswerVerifier` can take the answer from (see the module docstring)."""
-
-DEFAULT_EXTRACT = ("boxed", "marker", "whole")
-"""The sources tried, in order, when `extract` is not given."""
+MAX_STATEMENTS = 8
+"""A completion with this many statements (box runs, last marker; distinct texts) besides the
+answer read is a format_error without comparing them (each costs a math-verify parse)."""
 
 MAX_MATH_VERIFY_TIMEOUT_S = 86_400
 """The largest `math_verify_timeout_s` (one day): `signal.alarm` takes a C unsigned int."""
@@ -103,145 +114,12 @@ TARGETS = ("latex", "expr")
 """Named math-verify extraction configs: "latex" is `LatexExtractionConfig(boxed_match_priority=0)`
 (as in Math-Verify's tests and TRL), "expr" is `ExprExtractionConfig()`."""
 
-_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_BRACE_TOKENS = re.compile(r"\\.|[{}]", re.DOTALL)     # an escaped character, or a brace
-_CONNECTOR = re.compile(r"(?:\s|[,;&$]|\\[()\[\],;:! ]|\\q?quad\b|and|or"
-                        r"|\\text\s*\{\s*(?:and|or|,)?\s*\})*")
-_MARKER = re.compile(r"answer\s*(?:is\b|:|=)|####", re.IGNORECASE)
-_SENTENCE_END = re.compile(r"\.(?!\d)|\n")
-_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
-_TEXT_GROUP = re.compile(r"\\(?:text\w*|math\w+|mbox|operatorname)\s*\{[^{}]*\}")
-_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
-_PERCENT_WORD = re.compile(r"(?<![A-Za-z])(?:percentage|percent|pct)(?![A-Za-z])", re.IGNORECASE)
-_NUMBER_CHARS = re.compile(r"[-+\u2212$\u20ac\u00a3\u00a5\d.,\s/%]+", re.ASCII)
-_SPANS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
-
-
-def _final_boxes(text: str) -> list[str] | None:
-    """The contents of the last `\\boxed{...}` / `\\fbox{...}` of `text` whose braces close, with
-    the boxes just before it that only connectors separate (`\\boxed{1}, \\boxed{2} and
-    \\boxed{3}`: a multi-part answer), in order; None when no box closes. Escaped braces (`\\{`)
-    do not count. Linear time: one pass for the braces, one for the connectors."""
-    opens = [(match.start(), match.end() - 1) for match in _BOX_OPEN.finditer(text)]
-    if not opens:
-        return None
-    closing: dict[int, int] = {}
-    stack: list[int] = []
-    for token in _BRACE_TOKENS.finditer(text):
-        if token.group() == "{":
-            stack.append(token.start())
-        elif token.group() == "}" and stack:
-            closing[stack.pop()] = token.start()
-    closed = [(start, brace, closing[brace]) for start, brace in opens if brace in closing]
-    if not closed:
-        return None
-    run = [closed[-1]]
-    for box in reversed(closed[:-1]):
-        first_start = run[0][0]
-        if box[2] > first_start or not _CONNECTOR.fullmatch(text, box[2] + 1, first_start):
-            break    # it encloses the later box, or words stand between them
-        run.insert(0, box)
-    return [text[brace + 1:end] for _, brace, end in run]
-
-
-def _last_marker(text: str) -> str | None:
-    """The text after the last answer marker (blank lines skipped): the math span it opens
-    with, else up to the end of its sentence or line."""
-    last = None
-    for last in _MARKER.finditer(text):
-        pass
-    if last is None:
-        return None
-    rest = text[last.end():].lstrip(" \t\r\n*:")
-    for left, right in _SPANS:
-        if rest.startswith(left):
-            close = rest.find(right, len(left))
-            if close != -1:
-                return rest[:close + len(right)]
-            break
-    end = _SENTENCE_END.search(rest)
-    return (rest[:end.start()] if end else rest).strip(" \t*")
-
-
-def _single_span(text: str) -> bool:
-    """True when `text` is exactly one math span: `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`."""
-    for left, right in _SPANS:
-        if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
-            inside = text[len(left):len(text) - len(right)]
-            unescaped = inside.replace("\\$", "")
-            return "$" not in unescaped and (left == "$" or left == "$$" or
-                                             (left not in inside and right not in inside))
-    return False
-
-
-def _is_plain_number(text: str) -> bool:
-    """Digits with separators, signs, `/`, `%` and a currency sign only (math-verify's number
-    syntax handles these better as plain text than as LaTeX: `1 000`, `1000,99`, `$5`)."""
-    return _NUMBER_CHARS.fullmatch(text) is not None and any(c.isdigit() for c in text)
-
-
-def _only_an_answer(text: str) -> bool:
-    """True when `text` is one math span, or bare math with no prose word (3+ letters outside
-    LaTeX commands and `\\text{}`), or a plain number (currency sign allowed)."""
-    if _single_span(text) or _is_plain_number(text):
-        return True
-    if any(delimiter in text for delimiter in _DELIMITERS):
-        return False
-    return _PROSE_WORD.search(_PERCENT_WORD.sub(" ", _TEXT_GROUP.sub(" ", text))) is None
-
-
-def _as_math_text(text: str) -> str:
-    """The string handed to math-verify for a stand-alone answer or a reference (module doc)."""
-    if _single_span(text) or _is_plain_number(text) or any(d in text for d in _DELIMITERS):
-        return text
-    return f"${text}$"
-
-
-def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRACT
-                   ) -> tuple[str, str] | None:
-    """Where the answer of `completion` is, as `(answer text, source)`, or None.
-
-    Args:
-        completion: the model's text.
-        extract: a source name or names from `EXTRACT_SOURCES`, tried in order.
-
-    Returns the first source's find (its text may be empty: `\\boxed{}`); for "anywhere" the
-    whole completion (math-verify searches it). Raises ValueError for an unknown source and
-    TypeError when `completion` is not a str.
-    """
-    if not isinstance(completion, str):
-        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
-    for source in _check_extract(extract):
-        if source == "boxed":
-            boxes = _final_boxes(completion)
-            found = None if boxes is None else ", ".join(box.strip() for box in boxes)
-        elif source == "marker":
-            found = _last_marker(completion)
-        elif source == "whole":
-            text = completion.strip()
-            text = text[:-1].rstrip() if text.endswith(".") else text
-            found = text if text and _only_an_answer(text) else None
-        else:
-            found = completion
-        if found is not None:
-            return found.strip(), source
-    return None
-
-
-def _check_extract(extract: str | Sequence[str]) -> tuple[str, ...]:
-    sources = (extract,) if isinstance(extract, str) else \
-        tuple(extract) if isinstance(extract, Sequence) else ()   # None: the error below
-    bad = [s for s in sources if s not in EXTRACT_SOURCES]
-    if not sources or bad or len(set(sources)) != len(sources):
-        raise ValueError(f"extract must be one of {EXTRACT_SOURCES} or a sequence of distinct "
-                         f"ones (tried in order), got {extract!r}")
-    return sources
-
 
 def _math_verify():
     """math_verify, imported on first use (~1 s), with its "timeout is disabled" notice muted
     (off the main thread this verifier disables math-verify's timeout on purpose) and LaTeX
-    percentages made parseable (`_percent_fix`)."""
+    percentages made parseable (`_percent_fix`); posttrain's number and case rules installed
+    (`math_rules`)."""
     import math_verify
 
     for name in ("math_verify.parser", "math_verify.grader"):
@@ -249,6 +127,7 @@ def _math_verify():
         if _mute_disabled_timeout not in logger.filters:
             logger.addFilter(_mute_disabled_timeout)
     _percent_fix()
+    math_rules.install()
     return math_verify
 
 
@@ -301,21 +180,24 @@ def _alarm_seconds(timeout_s: int | None) -> int | None:
     return timeout_s if threading.current_thread() is threading.main_thread() else None
 
 
-def _parse(text: str, configs: tuple, timeout_s: int | None) -> list:
-    """`math_verify.parse` with its errors raised; its TimeoutException becomes `_Timeout`."""
+def _parse(text: str, configs: tuple, timeout_s: int | None, case_sensitive: bool) -> list:
+    """`math_verify.parse` with its errors raised (symbols keep their case if `case_sensitive`);
+    its TimeoutException becomes `_Timeout`."""
     mv = _math_verify()
     from math_verify.errors import TimeoutException
     try:
-        return mv.parse(text, configs, parsing_timeout=_alarm_seconds(timeout_s),
-                        raise_on_error=True)
+        with math_rules.applied(case_sensitive=case_sensitive):
+            return mv.parse(text, configs, parsing_timeout=_alarm_seconds(timeout_s),
+                            raise_on_error=True)
     except TimeoutException:
         raise _Timeout(f"math-verify parsing ran past {timeout_s} s") from None
 
 
 @lru_cache(maxsize=1024)
-def _parse_reference(text: str, configs: tuple, timeout_s: int | None) -> tuple:
+def _parse_reference(text: str, configs: tuple, timeout_s: int | None,
+                     case_sensitive: bool) -> tuple:
     """The parsed reference, cached: a GRPO group shares one reference (errors are not cached)."""
-    return tuple(_parse(_as_math_text(text), configs, timeout_s))
+    return tuple(_parse(as_math_text(text), configs, timeout_s, case_sensitive))
 
 
 def _shown(parsed: Sequence) -> str:
@@ -334,9 +216,11 @@ class MathAnswerVerifier:
             module docstring).
         targets: math-verify extraction configs: names from `TARGETS` or
             `math_verify.LatexExtractionConfig` / `ExprExtractionConfig` objects.
-        float_rounding: decimals floats are rounded to before comparing (math-verify's
-            `float_rounding`, default 6).
-        strict: math-verify's `strict`: variable names matter and sets differ from tuples.
+        float_rounding: where a float takes part, the significant digits (of the larger side)
+            and the least number of decimals both sides must agree to (default 6; module
+            docstring, verifiers/math_rules.py); exact numbers compare exactly.
+        strict: math-verify's `strict`: variable names matter, in their case (X != x), and sets
+            differ from tuples; False lowercases symbols and matches variables by position.
         allow_set_relation_comp: compare a relation with a set (`1 < x < 2` with `(1, 2)`) even
             when the reference is the set (math-verify's option).
         max_answer_chars: a located answer (boxed, marker, whole) longer than this is a
@@ -365,7 +249,7 @@ class MathAnswerVerifier:
                  allow_set_relation_comp: bool = False, max_answer_chars: int = 2000,
                  math_verify_timeout_s: int | None = 2) -> None:
         self.answer_key = answer_key
-        self.extract = _check_extract(extract)
+        self.extract = check_extract(extract)
         self.targets = _targets(targets)
         _check_int("float_rounding", float_rounding, 0, 10**6, "an int from 0 to 10**6 (decimals)")
         _check_int("max_answer_chars", max_answer_chars, 1, 10**9, "an int from 1 to 10**9")
@@ -386,7 +270,8 @@ class MathAnswerVerifier:
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         reference = _reference_text(item[self.answer_key], self.answer_key).replace("\u2212", "-")
         try:
-            gold = _parse_reference(reference, self.targets, self.math_verify_timeout_s)
+            gold = _parse_reference(reference, self.targets, self.math_verify_timeout_s,
+                                    self.strict)
         except _Timeout as exc:
             return VerifierResult.failure(Outcome.TIMEOUT, f"reference: {exc}")
         except Exception as exc:   # noqa: BLE001 - math-verify's parser failed: the checker's fault
@@ -395,8 +280,8 @@ class MathAnswerVerifier:
         if not gold:
             return VerifierResult.failure(Outcome.ERROR, f"math-verify reads no answer from the "
                                           f"reference item[{self.answer_key!r}] = {reference!r:.60}")
-        found = extract_answer(completion.replace("\u2212", "-") if isinstance(completion, str)
-                               else completion, self.extract)   # else TypeError: not a str
+        text = completion.replace("\u2212", "-") if isinstance(completion, str) else completion
+        found = extract_answer(text, self.extract)   # TypeError when not a str
         if found is None or not found[0]:
             where = found[1] if found else " / ".join(self.extract)
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"no answer found ({where})")
@@ -405,9 +290,12 @@ class MathAnswerVerifier:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"the answer ({source}) is "
                                           f"{len(answer)} characters long, over max_answer_chars="
                                           f"{self.max_answer_chars}")
+        stated = statements(text)
+        reason = hedged(stated, text, answer, source)
+        if reason:
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: {reason}")
         try:
-            pred = _parse(self._math_text(answer, source), self._configs(answer, source),
-                          self.math_verify_timeout_s)
+            pred = self._parse_answer(answer, source)
         except _Timeout as exc:
             return VerifierResult.failure(Outcome.TIMEOUT, f"completion: {exc}")
         except Exception as exc:   # noqa: BLE001
@@ -416,19 +304,56 @@ class MathAnswerVerifier:
         if not pred:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"math-verify reads no answer "
                                           f"from {answer!r:.60} ({source})")
-        return self._compare(gold, pred, source)
+        reasons = [hedge(p) for p in pred if source == "anywhere" and isinstance(p, str)]
+        if any(reasons):   # what math-verify's own search found
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: "
+                                          f"{next(filter(None, reasons))} (anywhere)")
+        return self._one_value(stated, answer, source, pred) or self._compare(gold, pred, source)
+
+    def _parse_answer(self, answer: str, source: str) -> list:
+        return _parse(self._math_text(answer, source), self._configs(answer, source),
+                      self.math_verify_timeout_s, self.strict)
+
+    def _one_value(self, stated: Sequence[Statement], answer: str, source: str,
+                   pred: Sequence) -> VerifierResult | None:
+        """None when every other statement of the completion (`stated`: box runs, last marker)
+        has the value of the answer read (`pred`); else format_error (two different final
+        answers) or timeout. Statements math-verify reads nothing from are not counted."""
+        others = list(dict.fromkeys((s.text, s.source) for s in stated
+                                    if s.text != answer or source == "anywhere"))
+        if len(others) >= MAX_STATEMENTS:
+            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: {len(others)} "
+                                          f"statements (boxes, marker) besides the answer read, "
+                                          f"over MAX_STATEMENTS={MAX_STATEMENTS}")
+        for other, where in others:
+            try:
+                parsed = self._parse_answer(other, where)
+            except _Timeout as exc:
+                return VerifierResult.failure(Outcome.TIMEOUT, f"completion: {exc}")
+            except Exception:   # noqa: BLE001 - unreadable: not counted as a statement
+                continue
+            if not parsed:
+                continue
+            same = self._compare(parsed, pred, source)
+            if same.outcome is Outcome.TIMEOUT:
+                return same
+            if not same.ok:
+                return VerifierResult.failure(
+                    Outcome.FORMAT_ERROR, f"not one answer: {_shown(pred)!r:.40} ({source}) and "
+                    f"{other!r:.40} ({where}) differ")
+        return None
 
     def _math_text(self, answer: str, source: str) -> str:
         if source == "boxed":
             return f"\\boxed{{{answer}}}"
         if source == "anywhere":
             return answer
-        if source == "marker" and not _only_an_answer(answer):
+        if source == "marker" and not only_an_answer(answer):
             return f"answer: {answer}"     # "42 apples": math-verify's answer-anchored patterns
-        return _as_math_text(answer)
+        return as_math_text(answer)
 
     def _configs(self, answer: str, source: str) -> tuple:
-        if source == "marker" and not _only_an_answer(answer):
+        if source == "marker" and not only_an_answer(answer):
             return tuple(dataclasses.replace(c, try_extract_without_anchor=False)
                          for c in self.targets)
         return self.targets
@@ -442,10 +367,12 @@ class MathAnswerVerifier:
         for g in gold:
             for p in pred:
                 try:
-                    equal = mv.verify(g, p, float_rounding=self.float_rounding, strict=self.strict,
-                                      allow_set_relation_comp=self.allow_set_relation_comp,
-                                      timeout_seconds=_alarm_seconds(self.math_verify_timeout_s),
-                                      raise_on_error=True)
+                    with math_rules.applied(case_sensitive=self.strict):
+                        equal = mv.verify(g, p, float_rounding=self.float_rounding,
+                                          strict=self.strict,
+                                          allow_set_relation_comp=self.allow_set_relation_comp,
+                                          timeout_seconds=_alarm_seconds(self.math_verify_timeout_s),
+                                          raise_on_error=True)
                 except TimeoutException:
                     timed_out = True
                     continue
