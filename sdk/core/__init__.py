@@ -1,5 +1,6 @@
 """Foundations every other layer stands on: the name registry, argument checks, checkpoint
-files, the metrics log, preemption, distributed helpers and version information.
+files, stage files (checked on resume), the metrics log, preemption, distributed helpers and
+version information.
 
 The names below load on first use (`posttrain.core.lazy`): importing the package or one of
 its submodules does not import the others (nor torch).
@@ -34,6 +35,8 @@ _EXPORTS = {
     ],
     "registry": ["Registry"],
     "run_lock": ["LOCK_FILE", "RunDirInUseError", "claim_run_dir"],
+    "stage_files": ["RECORD_FILE", "StageFileError", "write_stage_file", "read_stage_file",
+                    "count_lines"],
 }
 
 __getattr__, __all__ = lazy_exports(__name__, _EXPORTS)

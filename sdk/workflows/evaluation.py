@@ -54,7 +54,8 @@ from posttrain.rewards.evaluation import (ScoreFn, evaluate_generations, evaluat
                                           paired_bootstrap_diff, wilson_interval)
 from posttrain.rewards.pairwise import PairwiseOutcome
 from posttrain.workflows.config import TaskConfig
-from posttrain.workflows.reports import write_table
+from posttrain.core.stage_files import read_stage_file, write_stage_file
+from posttrain.workflows.reports import read_table, write_table
 from posttrain.workflows.sft import evaluate, held_out_items
 
 __all__ = ["ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "SuiteResult", "RegressionError",
@@ -364,8 +365,9 @@ class SuiteResult:
     per_item: dict[str, pd.DataFrame]
 
     def save(self, folder: str | Path) -> Path:
-        """Write `folder/eval_suite.json` (the table, and which CSV holds each set's items) and
-        one per-item CSV per set. Returns the folder."""
+        """Write `folder/eval_suite.json` (the table, and which CSV holds each set's items) and one
+        per-item CSV per set, stage files that `load` checks (`posttrain.core.stage_files`).
+        Returns the folder."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         files = {}
@@ -373,25 +375,23 @@ class SuiteResult:
             files[name] = f"items_{i:02d}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.csv"
             write_table(per, folder / files[name])
         doc = {"table": json.loads(self.table.to_json(orient="records")), "per_item": files}
-        (folder / "eval_suite.json").write_text(json.dumps(doc, indent=1))
+        write_stage_file(folder / "eval_suite.json", json.dumps(doc, indent=1))
         return folder
 
     @classmethod
     def load(cls, folder: str | Path) -> "SuiteResult":
         """Read what `save` wrote. Raises FileNotFoundError if `folder/eval_suite.json` is not
-        there."""
+        there, StageFileError naming a file cut or changed after `save` wrote it."""
         folder = Path(folder)
-        path = folder / "eval_suite.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: not a folder written by SuiteResult.save")
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_stage_file(folder / "eval_suite.json", required=True))
         table = pd.DataFrame(doc["table"], columns=list(COLUMNS)).astype(
             {"value": float, "ci_low": float, "ci_high": float})
         per_item = {}
         for name, f in doc["per_item"].items():  # an empty question stays "", other cells NaN
-            cols = pd.read_csv(folder / f, nrows=0).columns
-            per_item[name] = pd.read_csv(folder / f, keep_default_na=False, dtype={"question": str},
-                                         na_values={c: [""] for c in cols if c != "question"})
+            cols = read_table(folder / f, required=True, nrows=0).columns  # checked first
+            per_item[name] = read_table(folder / f, required=True, keep_default_na=False,
+                                        dtype={"question": str},
+                                        na_values={c: [""] for c in cols if c != "question"})
         return cls(table, per_item)
 
     def _repr_html_(self) -> str:

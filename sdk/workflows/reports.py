@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 from posttrain.core.checkpoint import check_new_run_dir
 from posttrain.core.checkpoint_files import write_text_atomic
 from posttrain.core.run_lock import claim_run_dir
+from posttrain.core.stage_files import count_lines, read_stage_file, write_stage_file
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.workflows.config import validate
@@ -183,40 +185,67 @@ def accuracy_of(table: pd.DataFrame) -> dict[str, float]:
 
 
 def write_results(out: Path, results: dict[str, Any], markdown: str) -> None:
-    """`results.json` (values JSON cannot hold written as strings) and `results.md`; prints the
-    markdown."""
-    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+    """`results.json` (values JSON cannot hold written as strings; a stage file: a resumed run
+    reads a finished stage's results back, `posttrain.core.stage_files`) and `results.md`;
+    prints the markdown."""
+    write_stage_file(out / "results.json", json.dumps(results, indent=2, default=str))
     write_text_atomic(out / "results.md", markdown)
     print(markdown)
 
 
 def write_table(table: pd.DataFrame, path: Path) -> None:
-    """An evaluation table as CSV, written atomically (a resumed run reads it back whole).
+    """An evaluation table as CSV, written atomically with its row count and sha256 recorded
+    (a stage file, `posttrain.core.stage_files`: a resumed run reads it back, checked).
 
     Rows end in CRLF, as RFC 4180 has them: Python's csv writer quotes a field only when it holds
     a character of the line terminator, so with a bare "\n" a sampled completion holding "\r"
     was written unquoted and read back as two rows."""
-    write_text_atomic(path, table.to_csv(index=False, lineterminator="\r\n"))
+    write_stage_file(path, table.to_csv(index=False, lineterminator="\r\n"), rows=len(table))
 
 
-def read_table(path: Path) -> pd.DataFrame | None:
-    """An evaluation table written by `write_table`, or None if the stage did not finish."""
-    return pd.read_csv(path) if path.is_file() else None
+def read_table(path: Path, *, required: bool = False, **read_csv: Any) -> pd.DataFrame | None:
+    """An evaluation table written by `write_table`, or None if the stage did not finish (no
+    file, or a file without a record: its stage runs again). `read_csv` options go to
+    `pandas.read_csv`.
+
+    Args:
+        required: the stage that writes it is already done and will not run again: a missing
+            file raises FileNotFoundError, and a table written before tables carried records is
+            read unverified, with a warning.
+
+    Raises:
+        StageFileError: naming the file and the rows recorded and found, if it was cut or
+            changed after it was written (`posttrain.core.stage_files.read_stage_file`).
+        FileNotFoundError: with `required`, if it is missing.
+    """
+    data = read_stage_file(path, count_rows=_csv_rows, required=required)
+    return None if data is None else pd.read_csv(io.BytesIO(data), **read_csv)
+
+
+def _csv_rows(data: bytes) -> int:
+    return len(pd.read_csv(io.BytesIO(data)))
 
 
 def cached_pairs(out: Path, *, resume: bool, make: Any, stats_file: str = "pair_stats.json"
                  ) -> tuple[list[dict], dict[str, Any]]:
     """The rejection-sampling stage of a preference or reward-model run: `(rows, stats)` read
-    back when resuming and both files are whole, else `make()` (returning rows and a stats
-    dict), written atomically, the stats first and `pairs.jsonl` last (it marks the stage done).
+    back when resuming and both files are there and recorded, else `make()` (returning rows
+    and a stats dict), written as stage files (`posttrain.core.stage_files`: atomic, with
+    their row counts and sha256), the stats first and `pairs.jsonl` last.
+
+    Raises:
+        StageFileError: on resume, naming the file, if `pairs.jsonl` or the stats file was cut
+            or changed after it was written (a resumed run would have trained on fewer pairs).
     """
     pairs_path, stats_path = out / "pairs.jsonl", out / stats_file
-    if resume and pairs_path.is_file() and stats_path.is_file():
-        rows = [json.loads(line) for line in pairs_path.read_text().splitlines()]
-        return rows, json.loads(stats_path.read_text())
+    if resume:
+        pairs = read_stage_file(pairs_path, count_rows=count_lines)
+        stats_data = read_stage_file(stats_path)
+        if pairs is not None and stats_data is not None:
+            return [json.loads(line) for line in pairs.splitlines()], json.loads(stats_data)
     rows, stats = make()
-    write_text_atomic(stats_path, json.dumps(stats, indent=2))
-    write_text_atomic(pairs_path, "".join(json.dumps(r) + "\n" for r in rows))
+    write_stage_file(stats_path, json.dumps(stats, indent=2))
+    write_stage_file(pairs_path, "".join(json.dumps(r) + "\n" for r in rows), rows=len(rows))
     return rows, stats
 
 

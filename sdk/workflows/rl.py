@@ -213,7 +213,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     # 3. Held-out evaluation after RL; paired comparison with the SFT policy on the same items
     after_rl = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
     write_table(after_rl.table, out / "eval_after_rl.csv")
-    after_sft = pd.read_csv(out / "sft" / "eval_after.csv")
+    after_sft = read_table(out / "sft" / "eval_after.csv", required=True)
     diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
                                  after_sft["correct"].to_numpy(), seed=cfg.seed)
     sampled, rl_per_item = _sampled_evaluations(cfg, out, items, scorer, policy)
@@ -282,7 +282,7 @@ def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, a
     step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
     results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
                          steps=cfg.baseline.steps, lr=cfg.baseline.lr)
-    greedy = read_table(out / "more_sft" / "eval_after.csv")["correct"].to_numpy()
+    greedy = read_table(out / "more_sft" / "eval_after.csv", required=True)["correct"].to_numpy()
     train_s = float(read_metrics(out / "more_sft")["step_time_s"].sum())
     baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,
                              "lr": cfg.baseline.lr, "train_s": train_s},

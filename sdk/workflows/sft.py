@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 
 from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.core.stage_files import read_stage_file
 from posttrain.data.loader import SFTLoader
 from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text_documents,
                                 reasoning_gym_sft_rows)
@@ -192,12 +193,19 @@ def warm_start(cfg: Any, out: Path, *, folder: str = "sft", init_from: Path | No
 
 
 def _finished_results(out: Path) -> dict[str, Any] | None:
-    """The results of a finished stage in `out` (None if it did not finish or was interrupted)."""
-    path = out / "results.json"
-    if not path.is_file():
+    """The results of a finished stage in `out`; None if it did not finish, was interrupted, or
+    its held-out table `eval_after.csv` (which later stages read) is gone: the stage then runs
+    again from its last checkpoint.
+
+    Raises:
+        StageFileError: if `results.json` or `eval_after.csv` was cut or changed after it was
+            written (`posttrain.core.stage_files`).
+    """
+    data = read_stage_file(out / "results.json")
+    results = None if data is None else json.loads(data)
+    if results is None or results.get("interrupted"):
         return None
-    results = json.loads(path.read_text())
-    return None if results.get("interrupted") else results
+    return None if "after" in results and read_table(out / "eval_after.csv") is None else results
 
 
 def start_policy(cfg: Any, out: Path) -> tuple[Policy, dict[str, Any] | None]:

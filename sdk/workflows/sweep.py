@@ -50,7 +50,7 @@ from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_valu
 from posttrain.workflows.config import override
 from posttrain.workflows.lineage import main_metric, run_status
 from posttrain.workflows.recipes import load_config_file, load_recipe
-from posttrain.workflows.reports import _check_resumed_config
+from posttrain.workflows.reports import _check_resumed_config, read_table
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
 
@@ -367,7 +367,7 @@ def _item_table(out: Path) -> pd.DataFrame | None:
     metric, _ = main_metric(results)
     name = "eval_after_rl.csv" if metric and metric.startswith(f"after_{results.get('algo')}") \
         else "eval_after.csv"
-    return pd.read_csv(out / name) if metric and (out / name).is_file() else None
+    return read_table(out / name, required=True) if metric and (out / name).is_file() else None
 
 
 def _error_line(message: str) -> str:
