@@ -21,7 +21,7 @@ _EXPORTS = {
     "checkpoint_files": [
         "FILE_MODE", "DIR_MODE", "make_private_dir", "write_bytes", "write_text_atomic",
         "write_torch", "sha256_file", "write_manifest", "verify_manifest", "check_weights_only",
-        "read_weights_only",
+        "read_weights_only", "is_disk_full", "free_bytes", "no_space_error", "state_bytes",
     ],
     "checks": ["check_int", "require_int", "require_positive", "require_finite", "require_folder"],
     "distributed": ["rank_and_world_size", "barrier", "flat_collective", "device_of"],

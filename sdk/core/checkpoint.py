@@ -27,6 +27,10 @@ file (a checkpoint without a manifest, written before format 2, is refused the s
 `resolve_checkpoint` of a run folder skips corrupt checkpoints, with a warning naming them,
 and returns the newest good one.
 
+Full disk: a save the file system refuses for want of space raises `OSError(errno.ENOSPC)`
+naming the checkpoints folder, the bytes the checkpoint needs (its tensors' bytes) and the
+bytes free, and that the last checkpoint is untouched; the partial folder is removed first.
+
 Private: files are written with mode 0600; the checkpoint folders, `checkpoints/`, and the run
 folder when `save_checkpoint` creates it, with mode 0700.
 
@@ -60,8 +64,9 @@ import torch
 
 from posttrain.core.checkpoint_files import (MANIFEST_FILE, CheckpointCorruptError,
                                              UnsafeCheckpointError, check_weights_only,
-                                             make_private_dir, read_weights_only,
-                                             verify_manifest, write_manifest)
+                                             is_disk_full, make_private_dir, no_space_error,
+                                             read_weights_only, state_bytes, verify_manifest,
+                                             write_manifest)
 from posttrain.core.checkpoint_files import write_bytes as _write_bytes
 from posttrain.core.checkpoint_files import write_torch as _write_torch
 from posttrain.core.metrics import METRICS_FILE
@@ -188,6 +193,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
         ValueError: for a bad `step` or `keep_last`.
         TypeError: if `model_state` or `train_state` holds objects that would need full
             unpickling to load (e.g. a numpy array, a custom class), named; nothing is written.
+        OSError: errno ENOSPC if the file system is full, naming the checkpoints folder, the
+            bytes the checkpoint needs (its tensors' bytes) and the bytes free; the partial
+            checkpoint is removed and earlier checkpoints are untouched.
     """
     name = checkpoint_name(step)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
@@ -215,13 +223,24 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
             os.rename(final, old)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
+        needed = state_bytes((model_state, train_state)) + sum(
+            (tmp / f).stat().st_size for f in extra if (tmp / f).is_file())
+        full = is_disk_full(e, root, needed)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise no_space_error(root, needed, f"checkpoint {name}", estimate=True,
+                                 note=_last_good(run_dir)) from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep_last)
     return final
+
+
+def _last_good(run_dir: str | os.PathLike) -> str:
+    last = latest_checkpoint(run_dir)
+    return "" if last is None else f"; the last checkpoint, {last.name}, is untouched"
 
 
 def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:

@@ -10,6 +10,11 @@ empty file is named without hashing it) and raises `CheckpointCorruptError` nami
 and the file. sha256 runs at about 1.5 GB/s on one core; the manifest is a checksum against disk
 faults, not a signature: whoever can rewrite the files can rewrite it too.
 
+Full disk: a write the file system refuses for want of space (errno ENOSPC or EDQUOT, or torch's
+"enforce fail at inline_container.cc" RuntimeError that wraps it, sometimes without the errno)
+is raised again as `OSError(errno.ENOSPC)` whose message names the folder, the bytes the write
+needed and the bytes free (`is_disk_full`, `no_space_error`); the partial file is removed.
+
 Never runs code: `read_weights_only` loads with `torch.load(weights_only=True)` only (tensors,
 numbers, strings, lists, tuples, dicts, dtypes). A file whose unpickling would need any other
 object (a class or a function, which could execute anything) is refused with
@@ -28,10 +33,12 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -42,7 +49,7 @@ from torch.serialization import get_unsafe_globals_in_checkpoint
 __all__ = ["MANIFEST_FILE", "FILE_MODE", "DIR_MODE", "CheckpointCorruptError",
            "UnsafeCheckpointError", "make_private_dir", "write_bytes", "write_text_atomic", "write_torch",
            "sha256_file", "write_manifest", "verify_manifest", "check_weights_only",
-           "read_weights_only"]
+           "read_weights_only", "is_disk_full", "free_bytes", "no_space_error", "state_bytes"]
 
 MANIFEST_FILE = "manifest.json"
 """Size and sha256 of every other file of a checkpoint folder; written last."""
@@ -88,11 +95,24 @@ def write_bytes(data: bytes, path: Path) -> None:
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` (UTF-8) to `path` as a 0600 file that is either whole or absent: written to
     a temporary file in the same folder, fsync'ed, then renamed over `path`. A reader (a resumed
-    run) never sees half of it."""
+    run) never sees half of it; a failed write leaves `path` as it was and no temporary file.
+
+    Raises:
+        OSError: errno ENOSPC naming the folder, the bytes needed and free, if the file system
+            is full (`no_space_error`); any other OSError of the write as it is.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write_bytes(text.encode("utf-8"), tmp)
-    os.replace(tmp, path)
+    data = text.encode("utf-8")
+    try:
+        write_bytes(data, tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        full = is_disk_full(e, path.parent, len(data))
+        tmp.unlink(missing_ok=True)
+        if full:
+            raise no_space_error(path.parent, len(data), path.name) from e
+        raise
 
 
 def write_torch(obj: Any, path: Path) -> None:
@@ -112,6 +132,93 @@ def _write_private(path: Path, fill: Callable[[IO[bytes]], Any]) -> None:
         fill(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+# --------------------------------------------------------------------------------------------
+# Full disk
+# --------------------------------------------------------------------------------------------
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_TORCH_WRITE_FAILURES = ("inline_container", "iostream error")
+"""Words of the RuntimeError torch raises when its C++ zip writer fails to write."""
+
+
+def is_disk_full(exc: BaseException, folder: Path, needed: int) -> bool:
+    """Whether `exc`, raised while writing `needed` bytes into `folder`, means the file system
+    is full: an OSError with errno ENOSPC or EDQUOT anywhere in its chain (cause, context, the
+    per-rank failures of a torch.distributed.checkpoint CheckpointException), or torch's
+    zip-writer RuntimeError (which may have lost the errno) while `folder`'s file system has
+    fewer than `needed` bytes free. Call it before removing the partial write."""
+    seen, stack, torch_write_failed = set(), [exc], False
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+            return True
+        if isinstance(e, RuntimeError) and any(w in str(e) for w in _TORCH_WRITE_FAILURES):
+            torch_write_failed = True
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: (exc, trace)}
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        stack += [e.__cause__, e.__context__]
+    return torch_write_failed and free_bytes(folder) < needed
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes free to this user on the file system of `folder` (or of its nearest existing
+    parent)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def no_space_error(folder: Path, needed: int, what: str, *, estimate: bool = False,
+                   note: str = "") -> OSError:
+    """`OSError(errno.ENOSPC)` for a write of `what` (`needed` bytes, "about" if `estimate`)
+    into `folder` that the full file system refused:
+
+        [Errno 28] no space left on device: writing checkpoint step_000002 (about 4,000,512
+        bytes, 3.8 MiB) into /runs/a/checkpoints; 1,048,576 bytes (1.0 MiB) are free there
+        {note}. Free space on that file system or write elsewhere, then run again
+
+    Free bytes are measured now: call it after removing the partial write.
+    """
+    free = free_bytes(folder)
+    size = f"{'about ' if estimate else ''}{needed:,} bytes, {_mib(needed)}"
+    return OSError(errno.ENOSPC, f"no space left on device: writing {what} ({size}) into "
+                                 f"{folder}; {free:,} bytes ({_mib(free)}) are free there{note}. "
+                                 "Free space on that file system or write elsewhere, then run "
+                                 "again")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in `obj` (nested dicts, lists, tuples; each storage counted once,
+    a DTensor by its local shard): about what `torch.save(obj)` writes, which adds a few KiB."""
+    total, seen, stack = 0, set(), [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            stack += list(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack += list(x)
+        elif isinstance(x, torch.Tensor):
+            local = x.to_local() if hasattr(x, "to_local") else x
+            try:
+                storage = local.untyped_storage()
+                key, size = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+                key, size = id(local), local.numel() * local.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += size
+    return total
 
 
 # --------------------------------------------------------------------------------------------

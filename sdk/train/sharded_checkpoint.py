@@ -24,9 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.core.checkpoint import (CHECKPOINT_DIR, save_checkpoint, staging_dir)
+from posttrain.core.checkpoint import (CHECKPOINT_DIR, checkpoint_name, save_checkpoint,
+                                       staging_dir)
 from posttrain.core.checkpoint import SHARDED_DIR
-from posttrain.core.checkpoint_files import check_dcp_metadata, make_private_dir
+from posttrain.core.checkpoint_files import (check_dcp_metadata, is_disk_full, make_private_dir,
+                                             no_space_error, state_bytes)
 from posttrain.core.distributed import barrier
 
 __all__ = ["save_sharded_checkpoint", "load_sharded_state"]
@@ -36,7 +38,13 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
                             optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
                             meta: dict[str, Any], keep_last: int | None, rank: int) -> Path:
     """Save a sharded checkpoint (collective: every rank calls it). `train_state` must not hold
-    the optimizer (it goes into the shards). Returns the checkpoint folder."""
+    the optimizer (it goes into the shards). Returns the checkpoint folder.
+
+    Raises:
+        OSError: errno ENOSPC on every rank if the file system is full, naming the staging
+            folder, the bytes of this rank's shards and the bytes free (rank 0 removes the
+            partial shards; earlier checkpoints are untouched); from `save_checkpoint` likewise.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -48,8 +56,18 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
         stage.mkdir(mode=0o700)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state},
-             checkpoint_id=str(stage / SHARDED_DIR))
+    try:
+        dcp.save({"model": model_state, "optimizer": optim_state},
+                 checkpoint_id=str(stage / SHARDED_DIR))
+    except BaseException as e:  # DCP raises the same CheckpointException on every rank
+        needed = state_bytes((model_state, optim_state))
+        if not is_disk_full(e, stage, needed):
+            raise
+        if rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise no_space_error(stage.parent, needed, f"rank {rank}'s shards of checkpoint "
+                             f"{checkpoint_name(step)}", estimate=True,
+                             note="; earlier checkpoints are untouched") from e
     barrier()
     path = Path(run_dir) / CHECKPOINT_DIR / stage.name
     if rank == 0:
