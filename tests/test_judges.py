@@ -16,6 +16,7 @@ import cloudpickle
 import pytest
 import torch
 
+from conftest import thread_cpu_s
 from posttrain.rewards import judges as judges_module
 from posttrain.envs import ReasoningGymGroupBuilder, chain_sum_task
 from posttrain.rewards import (Judge, JudgeResult, LLMJudge, LLMPairwiseJudge, PairwiseJudge,
@@ -126,9 +127,11 @@ def test_linear_parsers_agree_with_the_backtracking_patterns():
     ("A" * 2**20, None, None),
 ])
 def test_parsers_are_fast_on_degenerate_and_1mb_replies(text, score, choice):
-    start = time.perf_counter()
-    assert parse_score(text) == score and parse_choice(text) == choice
-    assert time.perf_counter() - start < 1.0   # linear: milliseconds; cubic: hours
+    """Linear: milliseconds of CPU; cubic: hours (CPU seconds: waiting for a core does not
+    count)."""
+    parsed, cpu_s = thread_cpu_s(lambda: (parse_score(text), parse_choice(text)))
+    assert parsed == (score, choice)
+    assert cpu_s < 2.0, cpu_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def test_judge_failures_through_run_verifier_are_typed():
                                                 ITEM).reason
     verifier = judge_as_verifier(LLMJudge(ScriptedPolicy(
         lambda t: "Score: 8" if "Response:\n12" in t else "hmm"), "r"))
-    results = score_batch(verifier, ["12", "13", "12"], [ITEM] * 3, timeout_s=5.0)
+    results = score_batch(verifier, ["12", "13", "12"], [ITEM] * 3, timeout_s=60.0)
     assert count_outcomes(results) == {"ok": 2, "wrong": 0, "format_error": 0, "timeout": 0,
                                        "error": 1}
     assert isinstance(results[0], JudgeResult) and results[0].raw == "Score: 8"
@@ -288,7 +291,7 @@ def test_reward_model_judge_as_reward_in_a_grpo_rollout(tiny_policy, reward_mode
     rows = [t for g in groups for t in g]
     expected = reward_model.score([render_pair(ByteTokenizer(), it["question"], t.text)
                                    for it, g in zip(items, groups) for t in g])
-    assert [t.reward for t in rows] == pytest.approx(expected, abs=1e-5)  # raw rewards
+    assert [t.reward for t in rows] == pytest.approx(expected, rel=1e-6, abs=1e-5)  # raw rewards
     assert {t.outcome for t in rows} <= {"ok", "wrong"}
 
 
@@ -335,8 +338,8 @@ def test_reward_model_judge_scores_the_rendered_pair(reward_model):
     judge = RewardModelJudge(reward_model, tok)
     results = judge.judge(["12", "13"], [ITEM, ITEM])
     expected = reward_model.score([render_pair(tok, ITEM["question"], c) for c in ("12", "13")])
-    assert [r.raw_score for r in results] == pytest.approx(expected, abs=1e-6)
-    assert [r.score for r in results] == pytest.approx(expected, abs=1e-6)
+    assert [r.raw_score for r in results] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert [r.score for r in results] == pytest.approx(expected, rel=1e-6, abs=1e-6)
     assert all(r.outcome is (Outcome.OK if r.score >= 0 else Outcome.WRONG) for r in results)
     sig = RewardModelJudge(reward_model, tok, normalize="sigmoid").judge(["12"], [ITEM])[0]
     assert sig.score == pytest.approx(1 / (1 + math.exp(-expected[0])), abs=1e-6)

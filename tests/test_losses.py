@@ -39,14 +39,14 @@ def test_step_loss_worked_case_is_the_token_mean_not_the_mean_of_means():
     sum_a, n_a = token_cross_entropy_sum(logits_a, labels_a)
     sum_b, n_b = token_cross_entropy_sum(logits_b, labels_b)
     assert (int(n_a), int(n_b)) == (1, 3)
-    assert float(sum_a) == pytest.approx(2.0, abs=1e-6)
-    assert float(sum_b) == pytest.approx(3.0, abs=1e-6)
+    assert float(sum_a) == pytest.approx(2.0, rel=1e-6, abs=1e-6)
+    assert float(sum_b) == pytest.approx(3.0, rel=1e-6, abs=1e-6)
 
     n_step = n_a + n_b
     step_loss = normalize_by_step(sum_a, n_step) + normalize_by_step(sum_b, n_step)
-    assert float(step_loss) == pytest.approx(1.25, abs=1e-6)
+    assert float(step_loss) == pytest.approx(1.25, rel=1e-6, abs=1e-6)
     mean_of_means = (sum_a / n_a + sum_b / n_b) / 2
-    assert float(mean_of_means) == pytest.approx(1.5, abs=1e-6)
+    assert float(mean_of_means) == pytest.approx(1.5, rel=1e-6, abs=1e-6)
 
     # The exact numbers, without logits: shares 2/4 + 3/4.
     shares = normalize_by_step(torch.tensor(2.0), 4) + normalize_by_step(torch.tensor(3.0), 4)

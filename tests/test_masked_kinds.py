@@ -41,7 +41,7 @@ def _close(got, want, what):
     got = torch.as_tensor(got, dtype=torch.float64)
     want = torch.as_tensor(want, dtype=torch.float64)
     assert torch.isfinite(want).all(), f"{what}: the zero-filled reference is not finite"
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0, msg=what)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=what)   # IPO reaches ~25
 
 
 def _rollout(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -89,9 +89,9 @@ def test_gradient_accumulation_equivalence():
     loss_ref, ref = params[(8, 1)]
     for key in ((1, 8), (3, 3)):
         loss, got = params[key]
-        assert loss == pytest.approx(loss_ref, abs=1e-6)
+        assert loss == pytest.approx(loss_ref, rel=1e-6, abs=1e-6)
         for a, b in zip(ref, got):
-            torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,11 +129,11 @@ def test_reward_is_read_at_the_last_real_token(rm):
             mask[b, lo:lo + len(s)] = True
         with torch.no_grad():
             got = rm(ids, mask).tolist()
-        assert got == pytest.approx(independent, abs=1e-5), pad_kind
+        assert got == pytest.approx(independent, rel=1e-6, abs=1e-5), pad_kind
     with torch.no_grad():  # the last token matters
         changed = rm(torch.tensor([seqs[1][:-1] + [TOK.EOS]])).item()
     assert abs(changed - independent[1]) > 1e-4
-    assert rm.score(seqs, batch_size=2) == pytest.approx(independent, abs=1e-5)
+    assert rm.score(seqs, batch_size=2) == pytest.approx(independent, rel=1e-6, abs=1e-5)
 
 
 def test_forward_rejects_bad_shapes(rm):
@@ -214,7 +214,7 @@ def test_save_and_load_round_trip(rm, tmp_path):
     folder = rm.save(tmp_path / "rm", TOK)
     loaded, tokenizer = load_reward_model(folder)
     seqs = [render_pair(TOK, "2 + 2 =", "4"), render_pair(TOK, "9 - 1 =", "8")]
-    assert loaded.score(seqs) == pytest.approx(rm.score(seqs), abs=1e-6)
+    assert loaded.score(seqs) == pytest.approx(rm.score(seqs), rel=1e-6, abs=1e-6)
     assert loaded.spec == rm.spec and isinstance(tokenizer, ByteTokenizer)
     assert sorted(loaded.state_dict()) == sorted(rm.state_dict())
     rm.save(folder, TOK)  # replacing a reward-model folder is fine
