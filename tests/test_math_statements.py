@@ -55,6 +55,10 @@ def test_a_hedged_answer_is_never_credited(completion):
     ("\\boxed{\\boxed{3}}", "3"),
     ("The answer is $12$.\n\n\\boxed{12}", "12"),
     ("The forecast is 3, or so they say. Answer: 3", "3"),     # prose before the statement
+    # a reference that itself reads as alternatives or a relation is the question's own form
+    ("\\boxed{x = 1 \\text{ or } x = 2}", "x = 1 or x = 2"),
+    ("The answer is 3 or 4", "3 or 4"),
+    ("\\boxed{x \\approx 3}", "x \\approx 3"),
 ])
 def test_one_answer_stated_several_ways_is_credited(completion, reference):
     for extract in ORDERS[:3]:

@@ -49,6 +49,8 @@ format_error whatever the extraction order: an alternative in or beside a stated
 (`3 (or 4)`, `$3$ or $4$`, `\\boxed{3} or \\boxed{4}`), a relation math-verify does not compare
 (`x \\approx 3`, `3 \\to 4`; =, <, \\le, \\neq, \\in and the like are answers), or two
 statements (box runs, the last marker) whose values differ (`\\boxed{3} ... \\boxed{4}`).
+Where the reference itself reads so (`x = 1 or x = 2`), the first two rules do not apply: the
+answer is compared with it as written.
 
 Outcomes: ok (1.0) equivalent; wrong (0.0) not; format_error (0.0) no answer where `extract`
 looks, more than one answer stated, an answer math-verify reads nothing from, or one over
@@ -291,7 +293,10 @@ class MathAnswerVerifier:
                                           f"{len(answer)} characters long, over max_answer_chars="
                                           f"{self.max_answer_chars}")
         stated = statements(text)
-        reason = hedged(stated, text, answer, source)
+        # A reference that itself reads as several answers or a relation ("x = 1 or x = 2",
+        # "x \\approx 3") is the question's own form: math-verify compares it as written.
+        one_answer = hedge(reference) is None
+        reason = hedged(stated, text, answer, source) if one_answer else None
         if reason:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: {reason}")
         try:
@@ -304,7 +309,8 @@ class MathAnswerVerifier:
         if not pred:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"math-verify reads no answer "
                                           f"from {answer!r:.60} ({source})")
-        reasons = [hedge(p) for p in pred if source == "anywhere" and isinstance(p, str)]
+        reasons = [hedge(p) for p in pred
+                   if one_answer and source == "anywhere" and isinstance(p, str)]
         if any(reasons):   # what math-verify's own search found
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: "
                                           f"{next(filter(None, reasons))} (anywhere)")
