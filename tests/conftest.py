@@ -41,6 +41,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
 WAIT_S = 300.0
 """Default deadline of `wait_for`, seconds: generous, since a wait that holds returns at once."""
+RUN_S = 900.0
+"""Deadline of a subprocess that trains or benchmarks at tiny size (a minute when quiet)."""
 LATE_S = 60.0
 """Seconds a call cut at its budget may return late on a loaded machine (a replacement worker's
 start included); work a budget must cut runs far longer (it sleeps or spins for 600 s)."""
@@ -128,7 +130,7 @@ def slurm_cluster():
             env={**os.environ, "SLURM_CONF": conf},
             capture_output=True,
             text=True,
-            timeout=15,
+            timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired):
         pytest.skip(SKIP_NO_SLURM)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import WAIT_S
+
 SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
 
 
@@ -16,7 +18,7 @@ def test_benchmarks_found():
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_benchmark_help(script):
     proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=WAIT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower()
 

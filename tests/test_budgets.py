@@ -539,7 +539,7 @@ def test_what_a_worker_prints_does_not_reach_this_process():
               "    return float(os.system('echo from-a-child') == 0)\n"
               "print(run_verifier(loud, 'x', {}, timeout_s=60).outcome.value)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=WAIT_S)
     assert done.stdout == "ok\n" and len(done.stderr) < 10_000, done.stderr[-2000:]
 
 

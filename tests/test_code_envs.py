@@ -15,6 +15,7 @@ import sys
 import cloudpickle
 import pytest
 
+from conftest import WAIT_S
 from posttrain.envs import get_task, registered_tasks
 from posttrain.envs.code_env import CodeGroupBuilder, CodeTask, mbpp_item, split_held_out
 from posttrain.envs.python_tool_env import (PythonToolEnv, PythonToolGroupBuilder,
@@ -81,7 +82,8 @@ def test_split_is_the_same_in_another_process_with_another_hash_seed():
     code = ("import json; from posttrain.envs.code_env import split_held_out; "
             f"print(json.dumps(sorted(split_held_out({ids!r}, 0.25, seed=7))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": "12345"}, timeout=120, check=True)
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, timeout=WAIT_S,
+                         check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here and len(here) == 41
 
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -107,7 +106,7 @@ def test_a_run_folder_held_by_another_live_process_is_refused(tmp_path):
         from posttrain.core.run_lock import claim_run_dir
         claim_run_dir({str(tmp_path)!r})
         print("held", flush=True)
-        time.sleep(60)
+        time.sleep(600)   # killed below
     """)
     proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     try:
@@ -119,8 +118,7 @@ def test_a_run_folder_held_by_another_live_process_is_refused(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    time.sleep(0.1)
-    model = tiny_model(0)   # the holder is gone: the folder is free again
+    model = tiny_model(0)   # the holder is gone (reaped): the folder is free again
     Trainer(model, torch.optim.AdamW(model.parameters()), data=sft_loader(10, batch_size=3), run_dir=tmp_path,
             progress=False, resume=True)
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from posttrain.launch.submit import JobFailedError, Run, launch, launch_array
+from conftest import WAIT_S
 from test_launch import Cfg, times_ten
 
 
@@ -91,7 +92,7 @@ def test_a_job_that_can_never_start_says_why_instead_of_waiting(slurm_cluster, t
     try:
         with pytest.raises(JobFailedError, match="can never start.*reason PartitionConfig.*"
                                                  "stays queued: run.cancel"):
-            run.wait(timeout=60)
+            run.wait(timeout=WAIT_S)
         assert "reason='PartitionConfig'" in repr(run)
         assert "<td>PartitionConfig</td>" in run._repr_html_()
         with pytest.raises(JobFailedError, match="PartitionConfig"):

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from conftest import WAIT_S
+
 import posttrain
 
 HEAVY = ("torch", "torchtune", "verl", "transformers", "reasoning_gym")
@@ -45,7 +47,7 @@ def test_package_re_exports_load_on_first_use():
             "from posttrain.core import Registry\nfrom posttrain.rewards import Outcome\n"
             "print(Registry.__module__, Outcome.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split("\n")
+                         timeout=WAIT_S, check=True).stdout.split("\n")
     assert out[0] == "False"
     assert out[1] == "posttrain.core.registry posttrain.rewards.outcome"
     with pytest.raises(ValueError, match="'x' is exported by both 'a' and 'b'"):

@@ -23,6 +23,7 @@ from posttrain.train.qat import (GPU_SCHEMES, QAT_SCHEMES, QATConfig, convert_qa
                                  prepare_qat, quantize_post_training)
 
 from _train_helpers import sft_loader
+from conftest import RUN_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = get_preset("tiny-1m")
@@ -289,7 +290,7 @@ def test_qat_accuracy_benchmark_quick(tmp_path):
     out = tmp_path / "qat.md"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "qat_accuracy.py"),
                            "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=RUN_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     rows = {}

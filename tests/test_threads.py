@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import WAIT_S
+
 from posttrain.core.info import thread_report
 from posttrain.core.progress import progress_bar
 from posttrain.core.threads import apply_thread_env, thread_plan
@@ -76,7 +78,7 @@ def test_thread_report_says_count_and_why():
 
 def _info(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([POSTTRAIN, "info"], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=WAIT_S)
 
 
 def test_posttrain_info_sets_openmp_before_torch_starts():
@@ -122,7 +124,7 @@ def test_no_torchao_notices_in_posttrain_output():
     importing torchao after posttrain prints neither (`posttrain info`: see above)."""
     code = "import logging; logging.basicConfig(); import posttrain, torchao.kernel.intmm"
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120, env=_clean_env())
+                           timeout=WAIT_S, env=_clean_env())
     assert quiet.returncode == 0, quiet.stderr[-2000:]
     assert not any(n in quiet.stderr + quiet.stdout for n in NOTICES), quiet.stderr[-2000:]
 
@@ -190,6 +192,6 @@ def test_a_local_job_gets_the_wait_policy(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("POSTTRAIN_NUM_THREADS", raising=False)
-    run = launch(openmp_settings, folder=tmp_path / "job", timeout_min=3)
-    run.wait(timeout=120, poll_s=0.2)
+    run = launch(openmp_settings, folder=tmp_path / "job", timeout_min=20)
+    run.wait(timeout=WAIT_S, poll_s=0.2)
     assert run.result() == ("PASSIVE", len(os.sched_getaffinity(0)))
