@@ -116,6 +116,8 @@ BAD = {   # body -> (loc, type) of the one error
     "lone high surrogate": (_body(r'"12\ud800"'), ["body", "completions", 0], "lone_surrogate"),
     "lone low surrogate": (_body(r'"\udc00"'), ["body", "completions", 0], "lone_surrogate"),
     "pair reversed": (_body(r'"\udc00\ud800"'), ["body", "completions", 0], "lone_surrogate"),
+    "the first of several": (_body(r'"ok", "x\udc00", "\ud800"'), ["body", "completions", 1],
+                             "lone_surrogate"),
     "in the question": (_body(item=r'{"question": "5 + \ud800"}'),
                         ["body", "items", 0, "question"], "lone_surrogate"),
     "in a nested item value": (_body(item=r'{"question": "q", "meta": {"a": ["ok", "\ud83d"]}}'),
@@ -154,13 +156,16 @@ def test_text_that_is_not_unicode_or_an_item_without_a_string_question_is_422(se
 
 
 def test_a_surrogate_pair_is_valid_text_and_judged_as_in_process(server, rm_judge):
-    """The escaped pair \\ud83d\\ude00 is one character (U+1F600): judged, equal to the judge in
-    this process on that character. The client sends a lone surrogate escaped; it is refused."""
-    answer = httpx.post(server.url + JUDGE_PATH, content=_body(r'"ok \ud83d\ude00"'),
-                        headers=HEADERS, timeout=HTTP_TIMEOUT_S)
-    assert answer.status_code == 200
-    [local] = rm_judge.judge(["ok \U0001F600"], [{"question": "5 + 7 ="}])
-    assert answer.json()["results"][0]["score"] == pytest.approx(local.score, abs=1e-5)
+    """The escaped pair \\ud83d\\ude00 is one character (U+1F600), and an escaped backslash
+    before "ud800" is those six characters: both are judged, equal to the judge in this process
+    on that text. The client sends a lone surrogate escaped; it is refused."""
+    for i, (escaped, text) in enumerate(((r'"ok \ud83d\ude00"', "ok \U0001F600"),
+                                         (r'"\\ud800"', "\\ud800"))):
+        answer = httpx.post(server.url + JUDGE_PATH, content=_body(escaped, request_id=f'"p{i}"'),
+                            headers=HEADERS, timeout=HTTP_TIMEOUT_S)
+        assert answer.status_code == 200
+        [local] = rm_judge.judge([text], [{"question": "5 + 7 ="}])
+        assert answer.json()["results"][0]["score"] == pytest.approx(local.score, abs=1e-5)
     [refused] = JudgeClient(server.url, timeout_s=HTTP_TIMEOUT_S).judge(["a\ud800"], [ITEM])
     assert refused.outcome is Outcome.ERROR
     assert "HTTP 422: body.completions.0: a lone surrogate at character 1" in refused.reason

@@ -310,16 +310,25 @@ def test_settings_are_validated_naming_the_field(rm_judge):
 # --------------------------------------------------------------------------------------------
 
 
-def test_small_load_run_loses_and_duplicates_nothing_and_batches():
+def test_small_load_and_limits_runs_lose_and_duplicate_nothing():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "judge_load.py"), "--quick",
                            "--json"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    [line] = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    [line] = [x for x in lines if "limits" not in x]
     assert line["lost"] == 0 and line["duplicated"] == 0 and line["wrong"] == 0
     assert sum(line["batch_requests"].values()) == line["batches"]
     assert sum(int(k) * v for k, v in line["batch_requests"].items()) == 48   # every request
     assert max(int(k) for k in line["batch_requests"]) > 1                   # batched
     assert line["rejected_429"] > 0                                           # and retried
+    limits = {x["limits"]["case"]: x["limits"] for x in lines if "limits" in x}
+    assert limits["1.2 MB body, default limits"]["status"] == 413
+    assert limits["1.2 MB body, limits raised"]["status"] in (200, 504)   # parsed and queued
+    assert limits["2,000 completions, default cap"]["status"] == 422
+    gone = limits["2,000 completions, cap raised, deadline 0.5 s"]
+    assert gone["accounted"]            # every completion judged once or dropped, none lost
+    assert {limits[f"small request (8) {when} the big one"]["outcome"]
+            for when in ("during", "after")} == {"judged"}
 
 
 def test_killing_and_restarting_the_server_mid_run(rm_judge, tmp_path):

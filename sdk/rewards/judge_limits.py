@@ -1,13 +1,14 @@
 """What the judge server (`posttrain.rewards.judge_server`) accepts: its `ServerSettings` (the
 batching, queue, time and size limits), the address it listens on (`check_address`), and each
-request, checked before any work is queued: the size of a request's body, counted while it is read and before any of it is parsed;
-then valid UTF-8 JSON of the right shape; at most `max_request_completions` completions; an item
-with a string `question` for each completion; and text that is valid Unicode throughout.
+request, checked before any work is queued: the size of its body, counted while it is read and
+before any of it is parsed; then valid UTF-8 JSON of the right shape; at most
+`max_request_completions` completions; an item with a string `question` for each completion;
+and text that is valid Unicode throughout.
 
 Why each limit exists:
 
 - Body size (413). Parsing JSON costs far more memory than its bytes: a 50 MB body of short
-  strings took ~1.5 GB of server memory as Python objects before anything looked at it. So the
+  strings took ~1 GB of server memory as Python objects before anything looked at it. So the
   bytes are counted as they arrive (`BodyLimit`, an ASGI middleware in front of the app): a
   declared `Content-Length` over the limit is refused without reading, a chunked body is refused
   at the first chunk that passes it, and at most the limit plus one chunk is ever held.
@@ -17,6 +18,8 @@ Why each limit exists:
 - Unicode (422). JSON can spell a lone surrogate (`"\\ud800"`), which Python decodes into a str
   that no UTF-8 encoder takes: a judge's tokenizer fails on it and the answer can fail to
   encode. Such text is refused with where it is, never judged as an error outcome with 200.
+  Only a `\\uD800`-`\\uDFFF` escape can put one in a strictly decoded body, so a body without
+  one is not searched; one with one is checked in C and searched by bisection.
 
 Every refusal names the field (`loc`, as FastAPI does: ["body", "items", 3, "question"]) and
 the limit or the allowed values, and never echoes the input (it may not encode).
@@ -54,6 +57,9 @@ __all__ = ["ServerSettings", "check_address", "BodyLimit", "JudgeBody", "parse_r
            "validation_error_response"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a surrogate code point. Strict UTF-8 decoding refuses encoded surrogates, so
+only such an escape can put one in the parsed body: without one, no string need be searched."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +77,7 @@ class ServerSettings:
         drain_timeout_s: at shutdown, seconds to finish what is queued before refusing it (503).
         replay_cache: answers kept by request id for retries (>= 1).
         max_body_bytes: largest request body in bytes, counted while it is read, before it is
-            parsed; beyond it, 413 (default 8 MiB: JSON takes ~30x its size in memory once
+            parsed; beyond it, 413 (default 8 MiB: JSON takes ~20x its size in memory once
             parsed).
         max_request_completions: most completions in one request; beyond it, 422 (send them in
             several requests).
@@ -162,7 +168,7 @@ def parse_request(raw: bytes, *, max_request_completions: int) -> JudgeBody:
                       f"{len(completions)} completions in one request; this server takes at most "
                       f"{max_request_completions} (ServerSettings.max_request_completions): send "
                       "them in several requests", "too_many_completions")
-    where = _lone_surrogate(data, ["body"])
+    where = _lone_surrogate(data, ["body"]) if _SURROGATE_ESCAPE.search(text) else None
     if where is not None:
         loc, index = where
         raise _refuse(loc, f"a lone surrogate at character {index}: text must be valid Unicode "
@@ -186,24 +192,46 @@ def parse_request(raw: bytes, *, max_request_completions: int) -> JudgeBody:
     return body
 
 
+def _encodes(data: Any) -> bool:
+    """True when every string of the parsed JSON `data` encodes as UTF-8 (checked in C)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_failing(values: list) -> int:
+    """Index of the first element of `values` that does not encode (there is one): bisection,
+    each half checked by `_encodes`, so about twice one serialisation, in C."""
+    lo, hi = 0, len(values)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _encodes(values[lo:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _lone_surrogate(value: Any, loc: list) -> tuple[list, int] | None:
-    """(where, character index) of the first surrogate code point in any string of `value`
-    (object keys included), or None. In a Python str every surrogate is a lone one: a pair
-    decodes to one character."""
-    stack = [(value, loc)]
-    while stack:
-        value, loc = stack.pop()
-        if isinstance(value, str):
-            match = _SURROGATE.search(value)
-            if match is not None:
-                return loc, match.start()
-        elif isinstance(value, dict):
-            for key, child in reversed(value.items()):
-                stack.append((child, [*loc, key]))
-                stack.append((key, [*loc, "(key)"]))
-        elif isinstance(value, list):
-            stack.extend((child, [*loc, i]) for i, child in reversed(list(enumerate(value))))
-    return None
+    """(where, character index) of the first surrogate code point in any string of the parsed
+    JSON `value` (object keys included), or None. In a Python str every surrogate is a lone one:
+    a pair decodes to one character."""
+    if _encodes(value):
+        return None
+    while not isinstance(value, str):
+        if isinstance(value, dict):
+            keys = list(value)
+            if not _encodes(keys):
+                key = keys[_first_failing(keys)]
+                return [*loc, "(key)"], _SURROGATE.search(key).start()
+            key = keys[_first_failing([value[k] for k in keys])]
+            value, loc = value[key], [*loc, key]
+        else:
+            index = _first_failing(value)
+            value, loc = value[index], [*loc, index]
+    return loc, _SURROGATE.search(value).start()
 
 
 def validation_error_response(request: Any, exc: RequestValidationError) -> JSONResponse:

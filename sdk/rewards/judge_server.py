@@ -125,6 +125,7 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
         await batcher.close()
 
     app = FastAPI(title="posttrain judge", lifespan=lifespan)
+
     def invalid(request: Any, exc: RequestValidationError) -> JSONResponse:
         counters["rejected_invalid"] += 1
         return validation_error_response(request, exc)
