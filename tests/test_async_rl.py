@@ -1,6 +1,7 @@
-"""AsyncRLTrainer on an in-process Ray (one `ray.init` for the module): with staleness 0 the run
-equals the synchronous RLTrainer bitwise (groups and weights); with staleness 1 no consumed group
-lags the trainer by more than one version, and rollout k+1 samples with the weights of version k."""
+"""AsyncRLTrainer on one Ray node for the module (`ray_cluster()`, started with its generous
+start_timeout_s): with staleness 0 the run equals the synchronous RLTrainer bitwise (groups and
+weights); with staleness 1 no consumed group lags the trainer by more than one version, and
+rollout k+1 samples with the weights of version k."""
 
 import os
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from posttrain.envs import chain_sum_task
+from posttrain.launch.ray_cluster import ray_cluster
 from posttrain.policy import Policy
 from posttrain.rl import RLAlgorithm, RLTrainer, collect_groups
 from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule, step_seed
@@ -22,10 +24,11 @@ def ray_session():
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # driver and workers (which copy it): no oversubscribed cores
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    torch.set_num_threads(threads)
+    try:
+        with ray_cluster(num_cpus_per_node=2) as cluster:
+            yield cluster
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _trainer(**overrides):

@@ -1,17 +1,20 @@
-"""posttrain.launch.ray_cluster: bad input is refused before anything starts; outside Slurm it
-is an in-process `ray.init`; on the real local Slurm cluster (scripts/slurm-up.sh, fixture
+"""posttrain.launch.ray_cluster: bad input is refused before anything starts; a node's start is
+tried again until it is up or start_timeout_s has passed (with fake `ray start`s: one that
+exits, one whose raylet aborts and hangs, none that comes up); outside Slurm it is one head node
+on this host that the process connects to; on the real local Slurm cluster (scripts/slurm-up.sh, fixture
 `slurm_cluster`, skipped when it is not up) a job submitted with `launch(ray_job(fn), nodes=2)`
 runs a Ray head on n1 and a worker node on n2, its remote tasks run on both, two
 AsyncRLTrainer steps run with one rollout actor on each node, and no process of the job is left
 once it has ended.
 
-The in-process test and the Slurm job do not overlap: on the loaded 2-core machine three Ray
+The test outside Slurm and the Slurm job do not overlap: on the loaded 2-core machine three Ray
 nodes starting at once made the in-process raylet miss Ray's fixed 30 s registration deadline.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +26,7 @@ import pytest
 
 from posttrain.launch import RayCluster, Run, launch, ray_job
 import posttrain.launch.ray_cluster as rc
+import posttrain.launch.ray_node as rn
 from posttrain.launch.ray_cluster import current_cluster, default_port, ray_cluster
 
 # As in a notebook: the job cannot import this test module, so its functions travel by value.
@@ -134,6 +138,10 @@ def ray_slurm_job(slurm_cluster, tmp_path_factory):
     (dict(port=True), "port=True"),
     (dict(join_timeout_s=0), "join_timeout_s=0; must be a finite number"),
     (dict(join_timeout_s=float("inf")), "join_timeout_s=inf"),
+    (dict(start_timeout_s=0), "start_timeout_s=0; must be a finite number of seconds > 0"),
+    (dict(start_timeout_s=float("nan")), "start_timeout_s=nan"),
+    (dict(start_timeout_s=True), "start_timeout_s=True"),
+    (dict(start_timeout_s="60"), "start_timeout_s='60'"),
 ])
 def test_bad_input_is_refused_before_ray_starts(kwargs, match, monkeypatch):
     import ray
@@ -205,7 +213,7 @@ def test_other_tasks_of_a_node_start_nothing(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setattr(rc, "_ray_start", lambda *a: pytest.fail("started Ray"))
+    monkeypatch.setattr(rc, "start_node", lambda *a, **k: pytest.fail("started Ray"))
     with ray_cluster() as cluster:
         assert (cluster.role, cluster.is_driver, cluster.temp_dir) == ("idle", False,
                                                                        "/tmp/ray-77-0")
@@ -217,34 +225,116 @@ def test_stop_kills_what_is_left_in_the_session(monkeypatch):
     child = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60 & sleep 60 & wait"],
                              start_new_session=True)
     deadline = time.monotonic() + 10
-    while len(rc._session_pids(child.pid)) < 3 and time.monotonic() < deadline:
+    while len(rn.session_pids(child.pid)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(rc._session_pids(child.pid)) == 3
-    monkeypatch.setattr(rc, "_STOP_GRACE_S", 0.5)
-    rc._stop(child, "test")
-    assert child.returncode == -9 and rc._session_pids(child.pid) == []
+    assert len(rn.session_pids(child.pid)) == 3
+    rn.stop_node(child, "test", grace_s=0.5)
+    assert child.returncode == -9 and rn.session_pids(child.pid) == []
+
+
+# ----------------------------------------------------------------------------- a node's start
+
+FATAL = ("[2026-12-06 07:27:10,786 C 11 11] (raylet) node_manager.cc:3588:  An unexpected system "
+         "state has occurred. Check failed: s.has_value() Timed out waiting for file "
+         "/tmp/x/dashboard_agent_listen_port_abc")
+UP = 'echo 127.0.0.1:6379 > ray_current_cluster; exec sleep 60'  # what a node that came up does
+EXITS = 'exit 1'  # `ray start` failing by itself
+HANGS = ('mkdir -p s/logs && ln -sfn s session_latest && '  # the raylet aborted, `ray start`
+         f'printf "%s\\n" "{FATAL}" > s/logs/raylet.out; exec sleep 60')  # still waits
+
+
+def _fake_ray_starts(monkeypatch, scripts):
+    """Make `ray start` the given shell scripts, one per try (run in the node's temp dir, in a
+    session of their own); returns the list of (process, env) each try got."""
+    tries = []
+
+    def fake(args, env, temp_dir, cpus):
+        os.makedirs(temp_dir, exist_ok=True)
+        process = subprocess.Popen(["sh", "-c", scripts[len(tries)]], cwd=temp_dir,
+                                   start_new_session=True)
+        tries.append((process, env))
+        return process
+
+    monkeypatch.setattr(rn, "_ray_start", fake)
+    monkeypatch.setattr(rn, "POLL_S", 0.05)
+    return tries
+
+
+def test_a_node_start_is_tried_again_until_it_is_up(monkeypatch, tmp_path):
+    """Three failed tries (more than the 3 tries a start used to get): `ray start` exiting,
+    a raylet that aborted while `ray start` hangs on (stopped at once, not waited out), and
+    another exit; the 4th comes up and is returned running. Every try got the job's token."""
+    tries = _fake_ray_starts(monkeypatch, [EXITS, HANGS, EXITS, UP])
+    process = rn.start_node(["--head"], token="t0", temp_dir=str(tmp_path), cpus=1,
+                            start_timeout_s=120, what="head")
+    try:
+        assert len(tries) == 4 and tries[-1][0] is process and process.poll() is None
+        assert [p.returncode for p, _ in tries[:3]] == [1, -signal.SIGKILL, 1]
+        assert rn.session_pids(tries[1][0].pid) == []  # the hung try's session is gone
+        assert all(env["RAY_AUTH_TOKEN"] == "t0" for _, env in tries)
+    finally:
+        rn.stop_node(process, "head", grace_s=0.0)
+
+
+def test_a_node_not_up_within_start_timeout_s_is_an_error_naming_it(monkeypatch, tmp_path):
+    tries = _fake_ray_starts(monkeypatch, [HANGS] * 100)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=(
+            r"the Ray head was not up within start_timeout_s=1.5 s \(\d+ tries of `ray start`; "
+            r"the last raylet said: s.has_value\(\) Timed out waiting for file "
+            r"/tmp/x/dashboard_agent_listen_port_abc\); on a loaded machine pass a larger "
+            r"start_timeout_s")):
+        rn.start_node(["--head"], token="t0", temp_dir=str(tmp_path), cpus=1,
+                      start_timeout_s=1.5, what="head")
+    assert len(tries) >= 2 and time.monotonic() - start < 60  # tried again, then gave up
+    assert all(rn.session_pids(p.pid) == [] for p, _ in tries)  # nothing left running
+
+
+def test_start_env_gives_rays_startup_deadlines_the_start_timeout(monkeypatch):
+    """Each of Ray's startup deadlines with a knob gets max(Ray's default, start_timeout_s); one
+    set in the environment already is kept."""
+    for name in rn._KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    env = rn.start_env("t0", 200.5)
+    assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t0",
+                   "RAY_raylet_start_wait_time_s": "201",
+                   "RAY_gcs_server_port_wait_time_s": "201",
+                   "RAY_agent_register_timeout_ms": "200500",
+                   "RAY_worker_register_timeout_seconds": "201"}
+    small = rn.start_env("t0", 1)
+    assert (small["RAY_raylet_start_wait_time_s"], small["RAY_gcs_server_port_wait_time_s"],
+            small["RAY_agent_register_timeout_ms"],
+            small["RAY_worker_register_timeout_seconds"]) == ("10", "30", "30000", "60")
+    monkeypatch.setenv("RAY_raylet_start_wait_time_s", "900")
+    assert rn.start_env("t0", 200)["RAY_raylet_start_wait_time_s"] == "900"
 
 
 # ----------------------------------------------------------------------------- outside Slurm
 
 
 @pytest.mark.slow
-def test_outside_slurm_it_is_ray_in_this_process(monkeypatch):
+def test_outside_slurm_it_is_one_node_on_this_host_and_gone_after(monkeypatch):
+    """A head node in a session of its own that this process drives; the body raising still
+    shuts Ray down and stops every process of that session; the environment is as before."""
     import ray
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     assert not ray.is_initialized()
     with pytest.raises(ZeroDivisionError), ray_cluster(num_cpus_per_node=2) as cluster:
         assert current_cluster() is cluster
-        assert (cluster.role, cluster.is_driver, cluster.address) == ("local", True, None)
+        assert (cluster.role, cluster.is_driver) == ("local", True)
+        assert ray.get_runtime_context().gcs_address == cluster.address
         assert cluster.num_nodes == 1 and ray.cluster_resources()["CPU"] == 2
         pid = ray.get(ray.remote(num_cpus=1)(lambda: os.getpid()).remote())
-        assert pid != os.getpid()  # ran in one of Ray's worker processes
+        node_session = os.getsid(pid)  # ran in one of the node's worker processes
+        assert pid != os.getpid() and node_session != os.getsid(0)
         with pytest.raises(RuntimeError, match="already active"):
             with ray_cluster():
                 pass
         1 / 0  # the body raises: Ray is shut down all the same
     assert not ray.is_initialized() and current_cluster() is None
+    assert rn.session_pids(node_session) == [] and "RAY_AUTH_TOKEN" not in os.environ
     # a Ray the caller started is not taken over
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="already initialised"):

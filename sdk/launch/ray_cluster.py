@@ -4,24 +4,26 @@ Every task of the job enters `ray_cluster()` (`ray_job(fn)` does it for `launch`
 starts the Ray head on the allocation's first node and is the driver; the first task of every
 other node starts a Ray worker node; the driver waits for all of them, runs the body, and on
 leaving it (also on an exception) stops the worker nodes, then the head. Outside Slurm (no
-SLURM_JOB_ID) it is `ray.init(num_cpus=...)` in this process: the same notebook code runs.
+SLURM_JOB_ID) it starts one head node on this host for this process and connects to it: the
+same notebook code runs.
 
-Head port 61000 + job id mod 4000 (or the next free one); the head's address and the job's
-Ray auth token go to `<submitit job folder>/ray-<job id>-<restart>.json` (0600) for the worker
-nodes; Ray's temp dir is `/tmp/ray-<job id>-<node index>`; one `ray start --block` per node,
-never `ray stop` (it stops every Ray on the host). docs/async_rl.md ("On Slurm") has the why.
+Every node is one `ray start --block` in its own session, tried again until it is up or
+`start_timeout_s` has passed (`posttrain.launch.ray_node`: Ray 2.60's fixed startup deadlines
+fail on a loaded machine), stopped with its whole session, never with `ray stop` (it stops every
+Ray on the host). Slurm: head port 61000 + job id mod 4000 (or the next free one); the head's
+address and the job's Ray auth token go to `<submitit job folder>/ray-<job id>-<restart>.json`
+(0600) for the worker nodes; Ray's temp dir is `/tmp/ray-<job id>-<node index>`. Outside Slurm:
+a free port, temp dir `/tmp/ray-p<pid>`, a fresh token. docs/async_rl.md ("On Slurm", "Starting
+Ray on a loaded machine") has the why.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import json
-import math
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -33,12 +35,14 @@ from typing import Any
 
 from posttrain.core.checks import check_int
 from posttrain.launch.job import _resolvable
+from posttrain.launch.ray_node import (START_TIMEOUT_S, STOP_GRACE_S, _log, auth_env,
+                                       check_timeout, free_port, reread_ray_config, start_node,
+                                       stop_node, wait_for)
 
-__all__ = ["RayCluster", "ray_cluster", "ray_job", "current_cluster", "default_port"]
+__all__ = ["RayCluster", "ray_cluster", "ray_job", "current_cluster", "default_port",
+           "START_TIMEOUT_S"]
 
 PORT_BASE, PORT_SPAN = 61000, 4000  # head ports: 61000-64999
-_POLL_S = 0.5
-_STOP_GRACE_S = 15.0
 _CURRENT: RayCluster | None = None
 
 
@@ -47,10 +51,11 @@ class RayCluster:
     """What `ray_cluster` started, as seen by one task.
 
     Attributes:
-        address: "host:port" of the head (None in-process and on idle tasks).
+        address: "host:port" of the head (None on idle tasks).
         nodes: the job's node names (this host's in-process; () on idle tasks).
         is_driver: True on the task connected to Ray (rank 0; always True outside Slurm).
-        role: "head" (rank 0), "worker" (first task of another node), "idle" or "local".
+        role: "head" (rank 0), "worker" (first task of another node), "idle" or "local"
+            (outside Slurm).
         start_s: seconds from entering `ray_cluster` until every node had joined (driver).
         temp_dir: Ray's temp dir on this node.
     """
@@ -85,34 +90,41 @@ def default_port(job_id: str | int) -> int:
 
 @contextlib.contextmanager
 def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
-                join_timeout_s: float = 180.0) -> Iterator[RayCluster]:
+                join_timeout_s: float = 180.0,
+                start_timeout_s: float = START_TIMEOUT_S) -> Iterator[RayCluster]:
     """Start Ray for this job (or in this process outside Slurm), yield it, stop it on exit.
 
     Inside a Slurm job enter it on every task. Rank 0 starts the head, connects
     (`ray.init(address=...)`) and yields once every node has joined; the first task of each
     other node starts a worker node, yields at once with `is_driver` False and on leaving the
     block serves its node until the driver is done. Guard the work with `if cluster.is_driver:`
-    (`ray_job` does). Outside Slurm: `ray.init(num_cpus=..., include_dashboard=False)` here.
+    (`ray_job` does). Outside Slurm: a head node on this host (no dashboard) that this
+    process connects to; `ray.shutdown()` and the node's end when the block ends.
 
     Args:
         num_cpus_per_node: CPUs each Ray node offers (int >= 1). None: Slurm's
             SLURM_CPUS_ON_NODE inside a job, this process's usable CPUs outside.
         port: the head's port (1024-65535). None: `default_port(job id)`, or the next free
-            port above it; a port given here that is taken is an error.
-        join_timeout_s: seconds (finite, > 0) the driver waits for every node to join, and a
-            worker node for the head's address.
+            port above it (outside Slurm: a free port); a port given here that is taken is an
+            error.
+        join_timeout_s: seconds (finite, > 0) the driver waits, once its head is up, for
+            every other node to join; worker nodes start then, so it includes their start.
+        start_timeout_s: seconds (finite, > 0) one node may take to start, all its tries of
+            `ray start` together (`posttrain.launch.ray_node`); a worker node waits for the
+            head's address up to start_timeout_s + join_timeout_s.
 
     Raises:
-        ValueError: num_cpus_per_node < 1, a port outside 1024-65535, or a join_timeout_s that
-            is not a finite number > 0 (checked before anything starts).
+        ValueError: num_cpus_per_node < 1, a port outside 1024-65535, or a join_timeout_s or
+            start_timeout_s that is not a finite number > 0 (checked before anything starts).
         ImportError: Ray is not installed.
         RuntimeError: Ray already initialised here (outside Slurm), or a nested `ray_cluster`;
-            the port given is taken; a `ray start` exited early (its output: the task's log).
-        TimeoutError: not every node joined within join_timeout_s (says how many of how many
-            did), or, on a worker node, the head's address never appeared.
+            the port given is taken.
+        TimeoutError: a node was not up within start_timeout_s (names it, the tries and the
+            raylet's last fatal line); not every node joined within join_timeout_s (says how
+            many of how many did); on a worker node, the head's address never appeared.
 
     Example (as the function of `launch(fn, executor="slurm", nodes=2)`; outside Slurm it is
-    in-process Ray, ~15 s to start):
+    one node on this host, ~15-25 s to start on a quiet 2-core machine):
         >>> def fn():
         ...     with ray_cluster(num_cpus_per_node=4) as cluster:
         ...         if cluster.is_driver:
@@ -125,13 +137,14 @@ def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
         ValueError: num_cpus_per_node=0; must be an integer >= 1 or None
     """
     global _CURRENT
-    _check_args(num_cpus_per_node, port, join_timeout_s)
+    _check_args(num_cpus_per_node, port, join_timeout_s, start_timeout_s)
     _import_ray()
     if _CURRENT is not None:
         raise RuntimeError("ray_cluster() is already active in this process; nest no second one")
     start = time.monotonic()
-    manager = (_in_slurm(num_cpus_per_node, port, join_timeout_s, start)
-               if os.environ.get("SLURM_JOB_ID") else _local(num_cpus_per_node, start))
+    manager = (_in_slurm(num_cpus_per_node, port, join_timeout_s, start_timeout_s, start)
+               if os.environ.get("SLURM_JOB_ID")
+               else _local(num_cpus_per_node, port, start_timeout_s, start))
     with manager as cluster:
         _CURRENT = cluster
         try:
@@ -141,13 +154,15 @@ def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
 
 
 def ray_job(fn: Callable[..., Any], *, num_cpus_per_node: int | None = None,
-            port: int | None = None, join_timeout_s: float = 180.0) -> Callable[..., Any]:
+            port: int | None = None, join_timeout_s: float = 180.0,
+            start_timeout_s: float = START_TIMEOUT_S) -> Callable[..., Any]:
     """`fn` wrapped to run inside `ray_cluster(...)`: on the driver it returns `fn(*args)`, on the
     other tasks it serves its Ray node until the driver is done and returns None. For `launch`.
 
     Args:
         fn: what the driver runs with Ray connected; it must pickle (see `launch`).
-        num_cpus_per_node, port, join_timeout_s: as in `ray_cluster` (checked here, at once).
+        num_cpus_per_node, port, join_timeout_s, start_timeout_s: as in `ray_cluster`
+            (checked here, at once).
 
     Returns a picklable callable with fn's name (`launch` names the job after it).
     Raises TypeError if fn is not callable, ValueError as `ray_cluster`.
@@ -159,9 +174,9 @@ def ray_job(fn: Callable[..., Any], *, num_cpus_per_node: int | None = None,
     """
     if not callable(fn):
         raise TypeError(f"fn={fn!r} is not callable; pass the function to run with Ray")
-    _check_args(num_cpus_per_node, port, join_timeout_s)
+    _check_args(num_cpus_per_node, port, join_timeout_s, start_timeout_s)
     return _RayJob(fn, dict(num_cpus_per_node=num_cpus_per_node, port=port,
-                            join_timeout_s=join_timeout_s))
+                            join_timeout_s=join_timeout_s, start_timeout_s=start_timeout_s))
 
 
 class _RayJob:
@@ -177,15 +192,16 @@ class _RayJob:
         return None
 
 
-def _check_args(num_cpus_per_node: Any, port: Any, join_timeout_s: Any) -> None:
+def _check_args(num_cpus_per_node: Any, port: Any, join_timeout_s: Any,
+                start_timeout_s: Any) -> None:
     check_int("num_cpus_per_node", num_cpus_per_node, minimum=1, optional=True)
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
                              or not 1024 <= port <= 65535):
         raise ValueError(f"port={port!r}; must be an integer in 1024-65535 (a port that needs no "
-                         "root) or None to derive one from the Slurm job id")
-    if (isinstance(join_timeout_s, bool) or not isinstance(join_timeout_s, (int, float))
-            or not math.isfinite(join_timeout_s) or join_timeout_s <= 0):
-        raise ValueError(f"join_timeout_s={join_timeout_s!r}; must be a finite number > 0")
+                         "root) or None to derive one from the Slurm job id (a free one "
+                         "outside Slurm)")
+    check_timeout("join_timeout_s", join_timeout_s)
+    check_timeout("start_timeout_s", start_timeout_s)
 
 
 def _import_ray():
@@ -197,24 +213,60 @@ def _import_ray():
     return ray
 
 
-def _log(message: str) -> None:
-    print(f"posttrain.launch.ray_cluster: {message}", file=sys.stderr, flush=True)
+# No dashboard, no autoscaler monitor (the cluster is as large as it was started): two Python
+# processes fewer importing Ray beside the raylet's dashboard agent in its fixed 15 s window.
+_HEAD_ARGS = ["--head", "--include-dashboard", "false", "--no-monitor"]
 
 
 @contextlib.contextmanager
-def _local(num_cpus: int | None, start: float) -> Iterator[RayCluster]:
+def _local(num_cpus: int | None, port: int | None, start_timeout_s: float,
+           start: float) -> Iterator[RayCluster]:
+    """One head node on this host for this process (its own session and token), connected."""
     ray = _import_ray()
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process: call ray.shutdown() "
                            "first, or use that Ray without ray_cluster()")
-    temp_dir = f"/tmp/ray-p{os.getpid()}"
-    ray.init(num_cpus=num_cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-             _temp_dir=temp_dir)
+    if port is not None and not _bindable(port):
+        raise RuntimeError(f"port={port} is in use on this host: pass another port, or "
+                           "port=None to take a free one")
+    token, temp_dir = secrets.token_hex(32), f"/tmp/ray-p{os.getpid()}"
+    process = start_node([*_HEAD_ARGS, "--port", str(port or free_port()),
+                          "--dashboard-port", str(free_port()),
+                          "--ray-client-server-port", str(free_port())],
+                         token=token, temp_dir=temp_dir,
+                         cpus=num_cpus or len(os.sched_getaffinity(0)),
+                         start_timeout_s=start_timeout_s, what="head on this host")
     try:
-        yield RayCluster(address=None, nodes=(socket.gethostname(),), is_driver=True,
-                         role="local", start_s=time.monotonic() - start, temp_dir=temp_dir)
+        address = Path(temp_dir, "ray_current_cluster").read_text().strip()  # host:port
+        with _connected(ray, address, token):
+            yield RayCluster(address=address, nodes=(socket.gethostname(),), is_driver=True,
+                             role="local", start_s=time.monotonic() - start, temp_dir=temp_dir)
     finally:
-        ray.shutdown()
+        stop_node(process, "head on this host")
+
+
+@contextlib.contextmanager
+def _connected(ray, address: str, token: str, on_leave: Callable[[], Any] = lambda: None):
+    """This process as the driver of the cluster at `address` (token auth in its environment
+    while connected; the environment as it was afterwards). `on_leave()` runs while still
+    connected, before `ray.shutdown()`."""
+    saved = {k: os.environ.get(k) for k in auth_env(token)}
+    connected = False
+    try:
+        os.environ.update(auth_env(token))
+        reread_ray_config()
+        ray.init(address=address)
+        connected = True
+        yield
+    finally:
+        if connected:
+            with contextlib.suppress(Exception):  # teardown goes on whatever the GCS says
+                on_leave()
+            ray.shutdown()
+        os.environ.update({k: v for k, v in saved.items() if v is not None})  # as it was
+        for key in [k for k, v in saved.items() if v is None]:
+            os.environ.pop(key, None)
+        reread_ray_config()
 
 
 @dataclass(frozen=True)
@@ -261,14 +313,15 @@ class _Job:
 
 @contextlib.contextmanager
 def _in_slurm(num_cpus: int | None, port: int | None, join_timeout_s: float,
-              start: float) -> Iterator[RayCluster]:
+              start_timeout_s: float, start: float) -> Iterator[RayCluster]:
     job = _Job.from_env()
     cpus = num_cpus or int(os.environ.get("SLURM_CPUS_ON_NODE") or len(os.sched_getaffinity(0)))
     if job.rank == 0:
-        with _head(job, cpus, port, join_timeout_s, start) as cluster:
+        with _head(job, cpus, port, join_timeout_s, start_timeout_s, start) as cluster:
             yield cluster
     elif job.local_rank == 0:
-        with _worker(job, cpus, start + join_timeout_s, start) as cluster:
+        with _worker(job, cpus, start + start_timeout_s + join_timeout_s, start_timeout_s,
+                     start) as cluster:
             yield cluster
     else:
         yield RayCluster(address=None, nodes=(), is_driver=False, role="idle", start_s=0.0,
@@ -277,54 +330,47 @@ def _in_slurm(num_cpus: int | None, port: int | None, join_timeout_s: float,
 
 @contextlib.contextmanager
 def _head(job: _Job, cpus: int, port: int | None, join_timeout_s: float,
-          start: float) -> Iterator[RayCluster]:
+          start_timeout_s: float, start: float) -> Iterator[RayCluster]:
     ray = _import_ray()
     host, port, token = _resolvable(job.node), _pick_port(job, port), secrets.token_hex(32)
     address, rendezvous = f"{host}:{port}", job.rendezvous()
     _log(f"job {job.job_id}: starting the Ray head at {address} for {job.num_nodes} node(s)")
-    saved = {k: os.environ.get(k) for k in _auth_env(token)}
-    process, connected, deadline = None, False, start + join_timeout_s
+    process = start_node([*_HEAD_ARGS, "--port", str(port), "--dashboard-port", str(free_port()),
+                          "--ray-client-server-port", str(free_port())],
+                         token=token, temp_dir=job.temp_dir, cpus=cpus,
+                         start_timeout_s=start_timeout_s, what="head")
     try:
-        process = _start_node(["--head", "--port", str(port), "--include-dashboard", "false",
-                               "--dashboard-port", str(_free_port()),
-                               "--ray-client-server-port", str(_free_port())],
-                              token, job.temp_dir, cpus, deadline, "head")
         _write_private(rendezvous, {"address": address, "token": token})  # workers start now
-        os.environ.update(_auth_env(token))
-        _reread_ray_config()
-        ray.init(address=address)
-        connected = True
-        joined = _wait_nodes(ray, job.num_nodes, process, deadline, join_timeout_s)
-        elapsed = time.monotonic() - start
-        _log(f"job {job.job_id}: Ray cluster of {joined} node(s) up at {address} after "
-             f"{elapsed:.1f} s")
-        yield RayCluster(address=address, nodes=job.node_names(), is_driver=True, role="head",
-                         start_s=elapsed, temp_dir=job.temp_dir)
+
+        def leave() -> None:
+            rendezvous.unlink(missing_ok=True)  # the workers stop first: their cue
+            wait_for(lambda: _alive(ray) <= 1, None, time.monotonic() + STOP_GRACE_S, "")
+
+        with _connected(ray, address, token, on_leave=leave):
+            joined = _wait_nodes(ray, job.num_nodes, process,
+                                 time.monotonic() + join_timeout_s, join_timeout_s)
+            elapsed = time.monotonic() - start
+            _log(f"job {job.job_id}: Ray cluster of {joined} node(s) up at {address} after "
+                 f"{elapsed:.1f} s")
+            yield RayCluster(address=address, nodes=job.node_names(), is_driver=True,
+                             role="head", start_s=elapsed, temp_dir=job.temp_dir)
     finally:
-        rendezvous.unlink(missing_ok=True)  # the workers stop first: their cue
-        if connected:
-            with contextlib.suppress(Exception):  # teardown goes on whatever the GCS says
-                _wait_for(lambda: _alive(ray) <= 1, None, time.monotonic() + _STOP_GRACE_S, "")
-            ray.shutdown()
-        os.environ.update({k: v for k, v in saved.items() if v is not None})  # as it was
-        for key in [k for k, v in saved.items() if v is None]:
-            os.environ.pop(key, None)
-        _reread_ray_config()
-        if process is not None:
-            _stop(process, "head")
+        rendezvous.unlink(missing_ok=True)
+        stop_node(process, "head")
 
 
 @contextlib.contextmanager
-def _worker(job: _Job, cpus: int, deadline: float, start: float) -> Iterator[RayCluster]:
+def _worker(job: _Job, cpus: int, deadline: float, start_timeout_s: float,
+            start: float) -> Iterator[RayCluster]:
     rendezvous = job.rendezvous()
-    info = _wait_for(lambda: rendezvous.exists() and json.loads(rendezvous.read_text()), None,
-                     deadline, f"the Ray head (rank 0) of job {job.job_id} wrote no address to "
-                     f"{rendezvous}; see rank 0's log")
+    info = wait_for(lambda: rendezvous.exists() and json.loads(rendezvous.read_text()), None,
+                    deadline, f"the Ray head (rank 0) of job {job.job_id} wrote no address to "
+                    f"{rendezvous}; see rank 0's log")
     address, token = info["address"], info["token"]
     host, port = address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1])
     _log(f"job {job.job_id}: starting a Ray worker node on {job.node}, joining {address}")
-    process = _start_node(["--address", address], token, job.temp_dir, cpus, deadline,
-                          f"worker node on {job.node}")
+    process = start_node(["--address", address], token=token, temp_dir=job.temp_dir, cpus=cpus,
+                         start_timeout_s=start_timeout_s, what=f"worker node on {job.node}")
     try:
         yield RayCluster(address=address, nodes=(job.node,), is_driver=False, role="worker",
                          start_s=time.monotonic() - start, temp_dir=job.temp_dir)
@@ -337,128 +383,21 @@ def _worker(job: _Job, cpus: int, deadline: float, start: float) -> Iterator[Ray
             _log(f"job {job.job_id}: the Ray worker node on {job.node} exited (status "
                  f"{process.returncode}) before the driver was done")
     finally:
-        _stop(process, f"worker node on {job.node}")
-
-
-def _start_node(args: list[str], token: str, temp_dir: str, cpus: int, deadline: float,
-                what: str) -> subprocess.Popen:
-    """`ray start` until its node is up (it writes `ray_current_cluster` then), up to 3 times: on
-    a loaded host the raylet can miss Ray's fixed 15 s wait for its dashboard agent, and exits."""
-    ready, retries = Path(temp_dir, "ray_current_cluster"), 2
-    while True:
-        ready.unlink(missing_ok=True)
-        process = _ray_start(args, token, temp_dir, cpus)
-        try:
-            _wait_for(ready.exists, process, deadline, f"the Ray {what} was not up in time")
-            return process
-        except BaseException as e:
-            _stop(process, what)
-            if not (retries and isinstance(e, RuntimeError)):
-                raise
-            retries -= 1
-            _log(f"`ray start` of the {what} failed (its output is above); trying again")
+        stop_node(process, f"worker node on {job.node}")
 
 
 def _alive(ray) -> int:
     return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
-def _wait_for(condition: Callable[[], Any], process: subprocess.Popen | None, deadline: float,
-              timeout_message: str | Callable[[], str]) -> Any:
-    """`condition()` once truthy; RuntimeError if `process` exits, TimeoutError past deadline."""
-    while not (value := condition()):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"`ray start` exited with status {process.returncode} before "
-                               "its node was up; its output is in this task's log")
-        if time.monotonic() > deadline:
-            raise TimeoutError(timeout_message() if callable(timeout_message)
-                               else timeout_message)
-        time.sleep(_POLL_S)
-    return value
-
-
 def _wait_nodes(ray, expected: int, process: subprocess.Popen, deadline: float,
                 join_timeout_s: float) -> int:
-    _wait_for(lambda: _alive(ray) >= expected, process, deadline, lambda: (
+    wait_for(lambda: _alive(ray) >= expected, process, deadline, lambda: (
         f"only {_alive(ray)} of {expected} Ray nodes joined the head within "
         f"join_timeout_s={join_timeout_s:g} s: the first task of every node starts a worker "
         "node, so check each task's log (run.logs(stream='stderr', task=k)) for `ray start` "
         "errors, or raise join_timeout_s on a loaded cluster"))
     return _alive(ray)
-
-
-def _ray_start(args: list[str], token: str, temp_dir: str, cpus: int) -> subprocess.Popen:
-    """`ray start --block`, own session, output to the task's log, agent ports from the OS."""
-    os.makedirs(temp_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--num-cpus", str(cpus),
-           "--temp-dir", temp_dir, "--block", "--disable-usage-stats",
-           "--dashboard-agent-listen-port", str(_free_port()),
-           "--dashboard-agent-grpc-port", str(_free_port()),
-           "--metrics-export-port", str(_free_port()),
-           "--runtime-env-agent-port", str(_free_port())]
-    return subprocess.Popen(cmd, env={**os.environ, **_auth_env(token)}, start_new_session=True,
-                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent())
-
-
-def _die_with_parent() -> Callable[[], None]:
-    """A preexec_fn: SIGKILL to the child when its task dies (scancel, time limit: no `finally`
-    runs); `ray start --block` gives its daemons the same death signal (SIGTERM took > 30 s)."""
-    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the task died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
-def _auth_env(token: str) -> dict[str, str]:
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-
-
-def _reread_ray_config() -> None:
-    """Ray caches RAY_AUTH_MODE when imported; read it again after a change, as Ray's own
-    `authentication_token_setup._enable_token_auth` does (ray 2.60; elsewhere the env must do)."""
-    with contextlib.suppress(ImportError, AttributeError):
-        from ray._raylet import Config
-
-        Config.initialize("")
-
-
-def _stop(process: subprocess.Popen, what: str) -> None:
-    """SIGTERM to `ray start`, then SIGKILL to what is left of its session (Ray's workers)."""
-    graceful = True
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            graceful = False
-            _log(f"the Ray {what} did not stop within {_STOP_GRACE_S:g} s of SIGTERM; killing")
-    deadline = time.monotonic() + (5.0 if graceful else 0.0)  # workers leave after the raylet
-    while (left := _session_pids(process.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in left:  # `ray start` itself too: it leads the session
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait()
-    deadline = time.monotonic() + 5.0  # SIGKILL is sent, not yet done: wait for the exits
-    while _session_pids(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live processes (not zombies) of session `sid`, from /proc (Linux)."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:  # state ppid pgrp sid
-            pids.append(int(entry))
-    return pids
 
 
 def _pick_port(job: _Job, port: int | None) -> int:
@@ -478,12 +417,6 @@ def _bindable(port: int) -> bool:
         s.bind(("", port))
         return True
     return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _port_open(host: str, port: int) -> bool:
