@@ -1,13 +1,23 @@
 """AsyncRLTrainer on one Ray node for the module (`ray_cluster()`, started with its generous
 start_timeout_s): with staleness 0 the run equals the synchronous RLTrainer bitwise (groups and
 weights); with staleness 1 no consumed group lags the trainer by more than one version, and
-rollout k+1 samples with the weights of version k."""
+rollout k+1 samples with the weights of version k. A run SIGKILLed after a checkpoint and
+resumed equals an uninterrupted run bitwise, at staleness 0 and 1 (at 1 the checkpoint holds the
+rollout sampled ahead, with its weights version)."""
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from _train_helpers import assert_bitwise_equal
+from posttrain.core import latest_checkpoint, load_checkpoint, read_metrics
 from posttrain.envs import chain_sum_task
 from posttrain.launch.ray_cluster import ray_cluster
 from posttrain.policy import Policy
@@ -17,6 +27,7 @@ from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedul
 ray = pytest.importorskip("ray")
 
 STEPS = 3
+SCRIPT = Path(__file__).with_name("async_rl_resume_run.py")
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +139,90 @@ def test_staleness_one_never_trains_on_older_groups(ray_session):
     stats = trainer.buffer.stats()
     assert stats["rejected_stale"] == 0 and stats["evicted_stale"] == 0
     assert trainer.step_count == 4
+
+
+def test_a_resumed_checkpoint_with_more_lag_than_the_bound_is_refused(ray_session, tmp_path):
+    """A checkpoint of a one-step-off run holds the rollout of step 2 sampled with version 1;
+    resuming it with max_staleness=0 names the setting and the value that would take it."""
+    trainer = _trainer(run_dir=tmp_path, checkpoint_every=2)
+    runner = AsyncRLTrainer(trainer, max_staleness=1)
+    try:
+        runner.fit(2)
+    finally:
+        runner.close()
+    ahead = load_checkpoint(latest_checkpoint(tmp_path))["train_state"]["ahead"]
+    assert [(r["step"], r["policy_version"]) for r in ahead["rollouts"]] == [(2, 1)]
+    resumed = _trainer(run_dir=tmp_path, resume=True)
+    assert resumed.step_count == 2 and resumed.buffer.max_staleness == 1
+    with pytest.raises(ValueError, match=r"rollout of step 2 sampled with policy version 1 .*"
+                                         r"max_staleness=0 would refuse it: resume with "
+                                         r"max_staleness >= 1"):
+        AsyncRLTrainer(resumed, max_staleness=0)
+
+
+# ------------------------------------------------------------------- SIGKILL and resume (process)
+
+
+def _start(run_dir: Path, cluster, staleness: int, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # the Ray token too
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), "--address",
+                             cluster.address, "--staleness", str(staleness), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> None:
+    """Wait until the run reports `step` (it then sleeps), and SIGKILL it."""
+    marker, deadline = run_dir / "progress", time.monotonic() + timeout
+    while not (marker.exists() and marker.read_text() == str(step)):
+        if proc.poll() is not None:
+            pytest.fail(f"the run in {run_dir} exited before step {step}:\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run in {run_dir} did not report step {step} within {timeout} s")
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_session, tmp_path):
+    """6 steps, a checkpoint every 2; killed after step 3, so the run resumes from step 2 and
+    redoes step 3. At staleness 1 the checkpoint holds rollout 2, sampled with version 1 while
+    update 1 ran; the resumed run trains on it, not on a new rollout with version 2. Both
+    staleness values end bitwise equal to an uninterrupted run: the groups trained on at every
+    step, the weights, the losses and the consumed versions."""
+    runs = {s: (tmp_path / f"ref{s}", tmp_path / f"kill{s}") for s in (0, 1)}
+    procs = {s: (_start(ref, ray_session, s), _start(kill, ray_session, s, "--pause-after", "3"))
+             for s, (ref, kill) in runs.items()}
+    for s, (ref, kill) in runs.items():
+        _kill_after(procs[s][1], kill, 3)
+        checkpoint = latest_checkpoint(kill)
+        assert checkpoint.name == "step_000002"
+        ahead = load_checkpoint(checkpoint)["train_state"]["ahead"]
+        assert [(r["step"], r["policy_version"]) for r in ahead["rollouts"]] == \
+            ([] if s == 0 else [(2, 1)])
+    resumed = {s: _start(kill, ray_session, s, "--resume") for s, (_, kill) in runs.items()}
+    for s, (ref, kill) in runs.items():
+        _finish(procs[s][0])
+        assert "starting at step 2" in _finish(resumed[s])
+        for step in range(1, 7):
+            name = f"groups/step_{step}.json"
+            assert json.loads((kill / name).read_text()) == json.loads((ref / name).read_text()), \
+                (s, step)
+        versions = [g[3] for g in json.loads((kill / "groups/step_3.json").read_text())]
+        assert set(versions) == {2 - s}  # update 3 trained on rollout 2, of version 2 - s
+        assert_bitwise_equal(torch.load(kill / "final.pt", weights_only=True),
+                             torch.load(ref / "final.pt", weights_only=True))
+        assert json.loads((kill / "consumed.json").read_text()) == \
+            json.loads((ref / "consumed.json").read_text())
+        rows, expected = read_metrics(kill), read_metrics(ref)
+        assert rows["step"].tolist() == list(range(1, 7))
+        for column in ("loss", "reward_mean", "grad_norm", "lr"):
+            assert rows[column].equals(expected[column]), (s, column)

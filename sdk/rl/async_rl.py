@@ -21,13 +21,21 @@ before a rollout. With s = 0 every rollout waits for the previous update: the ru
 driver's torch thread count by default, since the float sums of a matmul depend on it). With
 s = 1 rollout k+1 samples with the weights of version k while update k runs.
 
-The trainer's replay buffer is replaced by an on-policy `ReplayBuffer(max_staleness=s)`: its
-`rejected_stale` / `evicted_stale` counters stay 0 unless the bound is broken, and the bound is
-also checked (RuntimeError) before a group is trained on. `consumed` records (step, trainer
-version, policy version) of every consumed group.
+The trainer's replay buffer becomes an on-policy `ReplayBuffer(max_staleness=s)` (its state
+kept): its `rejected_stale` / `evicted_stale` counters stay 0 unless the bound is broken, and
+the bound is also checked (RuntimeError) before a group is trained on. `consumed` records
+(step, trainer version, policy version) of every consumed group.
 
-Works from a notebook cell: call `ray.init(...)` in the kernel first (in-process driver). Not
-covered: a `ParallelPlan` policy, low-bit rollout, and exact resume of in-flight rollouts.
+Checkpoints and resume: the trainer's checkpoints (`checkpoint_every`, Ctrl-C, preemption) also
+hold the rollouts sampled ahead of the update, steps k+1 .. k+s after update k, with the policy
+version each was sampled with and `consumed` (`state_dict`): the checkpoint waits for them (at
+a checkpoint the update and those rollouts overlap, the next rollout does not). A trainer built
+with `resume=` and then wrapped here trains on them first, so a run killed after a checkpoint
+and resumed continues exactly as if it had not stopped, at any s (bitwise on CPU, fixed
+threads). The workers start with the checkpoint's weights, its version.
+
+Works from a notebook cell: start Ray first (`posttrain.launch.ray_cluster.ray_cluster()`, or
+`ray.init(...)` in the kernel). Not covered: a `ParallelPlan` policy and low-bit rollout.
 
 Example (the schedule only; `docs/async_rl.md` has a run with Ray):
     >>> [(j, v) for j, v, _ in rollout_schedule(4, max_staleness=1)]
@@ -36,18 +44,23 @@ Example (the schedule only; `docs/async_rl.md` has a run with Ray):
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from posttrain.core.checks import check_int
 from posttrain.rl.buffer import ReplayBuffer
+from posttrain.rl.environment import Group, Trajectory
 from posttrain.rl.rollout import collect_groups
 from posttrain.rl.trainer import RLTrainer
 from posttrain.train.sharding import plan_state
 
 __all__ = ["AsyncRLTrainer", "RolloutWorker", "rollout_schedule", "step_seed"]
+
+AHEAD_STATE_VERSION = 1
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -113,26 +126,29 @@ class RolloutWorker:
 
 class AsyncRLTrainer:
     """Runs an `RLTrainer`'s steps with rollouts on Ray actors, up to `max_staleness` steps
-    ahead of the update (see the module docstring for the schedule).
+    ahead of the update (see the module docstring for the schedule and for resume).
 
     Args:
         trainer: a built `RLTrainer` (no `ParallelPlan`, no `rollout_quantization`); its update
             path (`train_on_groups`: exclusion, advantages, buffer, optimizer, metrics,
-            checkpoints) is used as it is.
+            checkpoints) is used as it is. Built with `resume=`, the rollouts its checkpoint
+            holds are trained on first.
         num_workers: W, rollout actors (int >= 1); rollout j runs on worker j mod W.
         max_staleness: s (int >= 0); 0 reproduces `RLTrainer.step` exactly, 1 is one-step-off.
         worker_num_cpus: Ray CPUs reserved per actor (float > 0).
         num_threads: torch threads per worker (None: the driver's `torch.get_num_threads()`).
 
     Attributes:
-        consumed: one dict per consumed group: step, trainer_version, policy_version, lag.
+        consumed: one dict per consumed group: step, trainer_version, policy_version, lag
+            (restored on resume).
         workers: the Ray actor handles.
 
     Raises:
         RuntimeError: if Ray is not initialised (call `ray.init(...)` first).
         TypeError: if `trainer` is not an `RLTrainer`.
-        ValueError: for a plan or low-bit rollout on the trainer, a bad count, or more CPUs
-            asked for the workers than Ray has.
+        ValueError: for a plan or low-bit rollout on the trainer, a bad count, more CPUs asked
+            for the workers than Ray has, or a resumed checkpoint whose rollouts lag the
+            trainer by more than max_staleness (or come from another format version).
     """
 
     def __init__(self, trainer, *, num_workers: int = 1, max_staleness: int = 1,
@@ -159,15 +175,20 @@ class AsyncRLTrainer:
             raise ValueError(f"num_workers={num_workers} x worker_num_cpus={worker_num_cpus} "
                              f"exceeds the {cpus:g} CPUs Ray has; the actors would never start")
         self.trainer, self.max_staleness = trainer, max_staleness
+        self.consumed: list[dict[str, int]] = []
+        self._pending: dict[int, _Rollout] = {}  # step -> its rollout, submitted or restored
+        if trainer.resumed_ahead is not None:
+            self._load_state_dict(trainer.resumed_ahead)
         threads = torch.get_num_threads() if num_threads is None else num_threads
         actor = ray.remote(num_cpus=worker_num_cpus)(RolloutWorker)
         self.workers = [actor.remote(trainer.policy, trainer.step_count, threads)
                         for _ in range(num_workers)]
+        state = trainer.buffer.state_dict()  # its counters carry on under the bound
         trainer.buffer = ReplayBuffer(mode="on_policy", max_staleness=max_staleness,
                                       seed=trainer.seed)
+        trainer.buffer.load_state_dict({**state, "max_staleness": max_staleness})
         trainer.buffer.set_policy_version(trainer.step_count)
-        self.consumed: list[dict[str, int]] = []
-        self._pending: dict[int, tuple[Any, Any]] = {}  # step -> (ObjectRef, builders)
+        trainer.ahead_state, trainer.resumed_ahead = self.state_dict, None
         self._version = trainer.step_count  # version the workers hold
         self._last_loads: list[Any] = []  # the latest weight-load calls
 
@@ -181,8 +202,8 @@ class AsyncRLTrainer:
         for j in range(first, t.step_count + self.max_staleness + 1):
             builders = t.task.builders(j, t.prompts_per_step)
             worker = self.workers[j % len(self.workers)]
-            ref = worker.collect.remote(builders, step_seed(t.seed, j), options)
-            self._pending[j] = (ref, builders)
+            self._pending[j] = _Rollout(builders, ref=worker.collect.remote(
+                builders, step_seed(t.seed, j), options))
 
     def step(self) -> dict[str, float]:
         """One step: submit due rollouts, wait for this step's groups, train on them, sync the
@@ -194,12 +215,10 @@ class AsyncRLTrainer:
         Raises:
             RuntimeError: if the groups are older than the bound (a scheduling bug).
         """
-        import ray
-
         t, start = self.trainer, time.perf_counter()
         self._submit_due()
-        ref, builders = self._pending.pop(t.step_count)
-        groups, version, worker_s = ray.get(ref)
+        rollout = self._pending.pop(t.step_count)
+        groups, version, worker_s = rollout.result()
         waited = time.perf_counter() - start
         lag = t.step_count - version
         if lag > self.max_staleness or any(traj.policy_version != version
@@ -208,7 +227,8 @@ class AsyncRLTrainer:
                                f"max_staleness={self.max_staleness}")
         self.consumed += [{"step": t.step_count, "trainer_version": t.step_count,
                            "policy_version": version, "lag": lag} for _ in groups]
-        row = t.train_on_groups(groups, builders=builders, start=start, rollout_s=waited)
+        row = t.train_on_groups(groups, builders=rollout.builders, start=start,
+                                rollout_s=waited)
         sync = time.perf_counter()
         self._sync_weights()
         row.update(policy_version=version, staleness=lag, rollout_wait_s=waited,
@@ -224,17 +244,79 @@ class AsyncRLTrainer:
         self._last_loads = [w.load_weights.remote(state, self._version) for w in self.workers]
 
     def fit(self, num_steps: int) -> list[dict[str, float]]:
-        """Run `num_steps` steps (int >= 1); returns their metrics rows. Rollouts submitted
-        ahead of the last step are waited for and dropped by `close`."""
-        check_int("num_steps", num_steps, minimum=1)
-        return [self.step() for _ in range(num_steps)]
+        """Take steps until the trainer's `step_count == num_steps` (int >= 0), as
+        `RLTrainer.fit` does (a resumed run continues to the same total); returns the rows of
+        the steps taken. At the end a checkpoint is saved when `checkpoint_every` is set and
+        the last step has none. Rollouts submitted ahead of the last step are waited for and
+        dropped by `close`."""
+        check_int("num_steps", num_steps, minimum=0)
+        rows = [self.step() for _ in range(self.trainer.step_count, num_steps)]
+        every = self.trainer.checkpoint_every
+        if rows and every and self.trainer.step_count % every:
+            self.trainer.save_checkpoint()
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollouts sampled ahead of the update (waited for), with the policy version each
+        was sampled with, and `consumed`: what a checkpoint adds for this runner (plain
+        containers, so it loads with `torch.load(weights_only=True)`)."""
+        rollouts = []
+        for j in sorted(self._pending):
+            groups, version, worker_s = self._pending[j].result()
+            rollouts.append({"step": j, "policy_version": version, "worker_rollout_s": worker_s,
+                             "groups": [[dataclasses.asdict(t) for t in g] for g in groups]})
+        return {"version": AHEAD_STATE_VERSION, "max_staleness": self.max_staleness,
+                "rollouts": rollouts, "consumed": [dict(c) for c in self.consumed]}
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        if state.get("version") != AHEAD_STATE_VERSION:
+            raise ValueError(f"the checkpoint's rollouts have format version "
+                             f"{state.get('version')!r}; this posttrain reads "
+                             f"{AHEAD_STATE_VERSION}")
+        for saved in state["rollouts"]:
+            if saved["step"] - saved["policy_version"] > self.max_staleness:
+                raise ValueError(
+                    f"the checkpoint holds the rollout of step {saved['step']} sampled with "
+                    f"policy version {saved['policy_version']} (it was saved with "
+                    f"max_staleness={state['max_staleness']}); max_staleness="
+                    f"{self.max_staleness} would refuse it: resume with max_staleness >= "
+                    f"{saved['step'] - saved['policy_version']}")
+            groups = _groups_from_state(saved["groups"])
+            self._pending[saved["step"]] = _Rollout(
+                t.task.builders(saved["step"], t.prompts_per_step),
+                done=(groups, saved["policy_version"], saved["worker_rollout_s"]))
+        self.consumed = [dict(c) for c in state["consumed"]]
 
     def close(self) -> None:
         """Wait for in-flight calls, then end the worker actors."""
         import ray
 
-        ray.get([ref for ref, _ in self._pending.values()] + self._last_loads)
+        ray.get([r.ref for r in self._pending.values() if r.ref is not None]
+                + self._last_loads)
         self._pending.clear()
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+        if self.trainer.ahead_state == self.state_dict:
+            self.trainer.ahead_state = None
+
+
+class _Rollout:
+    """One step's rollout: its builders and the worker call in flight (`ref`), or its result
+    (groups, policy version, worker seconds) once fetched or restored from a checkpoint."""
+
+    def __init__(self, builders: Sequence, *, ref: Any = None, done: tuple | None = None):
+        self.builders, self.ref, self._done = builders, ref, done
+
+    def result(self) -> tuple[list[Group], int, float]:
+        if self._done is None:
+            import ray
+
+            self._done, self.ref = ray.get(self.ref), None
+        return self._done
+
+
+def _groups_from_state(state: list[list[dict[str, Any]]]) -> list[Group]:
+    """`Group`s from `AsyncRLTrainer.state_dict`'s plain form (one dict per trajectory)."""
+    return [Group([Trajectory(**t) for t in group]) for group in state]

@@ -209,6 +209,11 @@ class RLTrainer(Engine):
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.last_groups: list[Group] | None = None
         self.last_builders: Sequence | None = None
+        # Rollouts sampled ahead of the update by `posttrain.rl.async_rl.AsyncRLTrainer`: it sets
+        # `ahead_state` (their plain state, saved with every checkpoint); a resumed checkpoint's
+        # waits in `resumed_ahead` until one is built on this trainer (`step` samples anew).
+        self.ahead_state: Callable[[], dict] | None = None
+        self.resumed_ahead: dict | None = None
         self._start(resume)
 
     def _refresh_rollout_policy(self) -> None:
@@ -458,10 +463,17 @@ class RLTrainer(Engine):
             module.load_state_dict(state[name])
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"buffer": self.buffer.state_dict()}
+        state = {"buffer": self.buffer.state_dict()}
+        if self.ahead_state is not None:
+            state["ahead"] = self.ahead_state()
+        return state
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.buffer.load_state_dict(state["buffer"])
+        saved = state["buffer"]  # an asynchronous run's has its staleness bound
+        self.buffer = ReplayBuffer(mode=saved["mode"], capacity=saved["capacity"],
+                                   max_staleness=saved["max_staleness"], seed=self.seed)
+        self.buffer.load_state_dict(saved)
+        self.resumed_ahead = state.get("ahead")
 
     def _fixed_settings(self) -> dict[str, Any]:
         return {"algo": repr(self.algo), "prompts_per_step": self.prompts_per_step}
