@@ -7,7 +7,8 @@ after step 2 into OUT_DIR/ckpt4 (kept for the reshard phase); rank 0 exports the
 of the dp_shard=2 x tp=2 run as a HF folder OUT_DIR/hf.
 PHASE "kill" (2 ranks): dp_shard=2 towards `RESUME_STEPS` steps with a checkpoint every 2 steps
 into OUT_DIR/killed; every rank SIGKILLs itself after step 3 (one step after the checkpoint).
-PHASE "two" (2 ranks): the 2-rank plans of `PLANS_2`; the bitwise resume of OUT_DIR/killed under
+PHASE "two" (2 ranks): the 2-rank plans of `PLANS_2` and, with a no-grad forward before the
+optimizer is built, of `LOOKED_2`; the bitwise resume of OUT_DIR/killed under
 the same plan against an uninterrupted run; the refusals of a misused plan; two reshard resumes of OUT_DIR/ckpt4 (saved under
 dp_shard=4) under dp_shard=2 and under tp=2, and the full state dict of a sharded run.
 Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the single-process
@@ -59,11 +60,24 @@ PLANS_4 = {"dp_shard4": (ParallelPlan(dp_shard=4), TINY),
 PACKED_SEQ_LEN = 47  # odd: the sequence-parallel slices need padding (and a padded mask)
 
 
+LOOKED_2 = {"dp_shard2_looked": ParallelPlan(dp_shard=2), "sp2_looked": ParallelPlan(sp=2)}
+"""The notebook habit of PHASE "two": apply the plan, look at logits under torch.no_grad(), then
+build the optimizer (`run_plan(..., look_first=True)`)."""
+
+
+def look_at_logits(model: torch.nn.Module) -> torch.Tensor:
+    """A forward under torch.no_grad() on two 8-token rows, as a notebook cell looks at logits."""
+    tokens = torch.arange(16).reshape(2, 8) % TINY.vocab_size
+    with torch.no_grad():
+        return model(tokens)
+
+
 def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimizer: str = "sgd",
-             packed: bool = False, **trainer_kwargs) -> dict:
+             packed: bool = False, look_first: bool = False, **trainer_kwargs) -> dict:
     """A TINY SFT run: 17 rows (packed: 40 rows into 47-token rows with a block-causal mask),
     batch 8 x accumulation 2, clipping at 1.0 (active), under
-    `plan` on the initialised process group (None: a plain model, one process). Returns
+    `plan` on the initialised process group (None: a plain model, one process). `look_first`:
+    a no-grad forward between `plan.apply` and building the optimizer. Returns
     {"losses", "trained_tokens", "grad_norms", "params" (full, on every rank), "trainer"}."""
     model = build_model(spec, seed=0)
     if plan is not None:
@@ -71,6 +85,8 @@ def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimi
         data_rank, data_size = model._posttrain_plan_state.data_rank, plan.data_parallel_size
     else:
         data_rank, data_size = 0, 1
+    if look_first:
+        look_at_logits(model)
     loader = SFTLoader(sft_dataset(40 if packed else 17, max_seq_len=PACKED_SEQ_LEN), batch_size=8,
                        seed=0, rank=data_rank, world_size=data_size, pack=packed,
                        seq_len=PACKED_SEQ_LEN if packed else None)
@@ -107,6 +123,12 @@ def phase_four(out: Path) -> dict:
 def phase_two(out: Path, rank: int) -> dict:
     results = {name: _strip(run_plan(plan, spec, packed=name.endswith("packed")))
                for name, (plan, spec) in PLANS_2.items()}
+    results.update({name: _strip(run_plan(plan, look_first=True))
+                    for name, plan in LOOKED_2.items()})
+    looked = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
+    look_at_logits(looked)
+    results["looked_types"] = {name: type(p).__name__ for name, p in looked.named_parameters()
+                               if not name.startswith("layers.")}
     plan = ParallelPlan(dp_shard=2)
     found = sorted(p.name for p in (out / "killed" / "checkpoints").iterdir())
     resumed = run_plan(plan, steps=RESUME_STEPS, run_dir=out / "killed", checkpoint_every=2,
@@ -137,7 +159,8 @@ def phase_kill(out: Path) -> None:
 
 def _misuse() -> dict[str, str]:
     """The error messages of: an optimizer built before plan.apply, a plan passed to a Trainer
-    but never applied, and a loader sharded over all ranks instead of the data ranks."""
+    but never applied, a loader sharded over all ranks instead of the data ranks, and an
+    optimizer built after a forward with grad that no backward followed."""
     errors = {}
     loader = SFTLoader(sft_dataset(8), batch_size=4, rank=0, world_size=1)
     cases = {"optimizer_before_apply": lambda m: (torch.optim.SGD(m.parameters(), lr=0.1),
@@ -155,6 +178,17 @@ def _misuse() -> dict[str, str]:
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader, progress=False)
     except ValueError as e:
         errors["data_sharding"] = str(e)
+    # a forward with grad that no backward follows leaves FSDP2's root gathered
+    model = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
+    model(torch.arange(16).reshape(2, 8))
+    shards = SFTLoader(sft_dataset(8), batch_size=4, rank=model._posttrain_plan_state.data_rank,
+                       world_size=2)
+    try:
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=shards, progress=False)
+    except ValueError as e:
+        errors["gathered_copies"] = str(e)
+    # the refusal resharded the model: an optimizer built now holds its parameters
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=shards, progress=False)
     return errors
 
 

@@ -7,7 +7,8 @@ GRPO (with a split reference) and PPO (value head, split reference) under `PLANS
 sequence- and expert-parallel cases `CASES_SP_EP`; a PPO run
 under dp_shard=2 checkpointed after step 2 and resumed to step 3 next to the uninterrupted run;
 DPO under dp_shard=2 with the policy as its own reference, an eval_fn and a checkpoint every
-step; the refusals of a misused plan. PHASE "four" (4 ranks): DPO and GRPO under `PLANS_4`.
+step; the reward model under dp_shard=2 after a no-grad forward before its optimizer; the
+refusals of a misused plan. PHASE "four" (4 ranks): DPO and GRPO under `PLANS_4`.
 PHASE "recipes" (2 ranks): the grpo, dpo (KTO) and reward_model recipes at TINY size under a
 plan (`RECIPE_RUNS`).
 Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with plan=None is the one-process
@@ -98,12 +99,17 @@ def run_dpo(plan: ParallelPlan | None, *, self_reference: bool = False,
             "reference": dict(dataset.reference.values)}
 
 
-def run_reward_model(plan: ParallelPlan | None) -> dict[str, Any]:
-    """The Bradley-Terry reward model (backbone from seed 0 + head), the same batches as DPO."""
+def run_reward_model(plan: ParallelPlan | None, *, look_first: bool = False) -> dict[str, Any]:
+    """The Bradley-Terry reward model (backbone from seed 0 + head), the same batches as DPO.
+    `look_first`: rewards of two rows under torch.no_grad() before the optimizer is built (the
+    RewardModel, not its backbone, is FSDP2's root then)."""
     dataset = PreferenceDataset(preference_rows(), ByteTokenizer(), max_seq_len=48)
     model = RewardModel.from_spec(TINY, seed=0)
     if plan is not None:
         model = apply_plan_to_reward_model(plan, model)
+    if look_first:
+        with torch.no_grad():
+            model(torch.arange(16).reshape(2, 8))
     rank, size = _data_shard(model, plan)
     loader = ShardedPreferenceLoader(dataset, batch_size=4, seed=0, rank=rank, world_size=size)
     trainer = Trainer(model, _sgd(model.parameters()), data=loader, loss=BradleyTerryLoss(),
@@ -319,7 +325,9 @@ def main() -> None:
     try:
         if phase == "two":
             results = {"runs": {**run_all(PLANS_2), **sp_ep_runs()}, "resume": resume_runs(out),
-                       "errors": misuse(), "dpo_self_reference": self_reference_run(out)}
+                       "errors": misuse(), "dpo_self_reference": self_reference_run(out),
+                       "reward_model_looked": run_reward_model(ParallelPlan(dp_shard=2),
+                                                               look_first=True)}
         elif phase == "recipes":
             results = recipe_runs(out)
         else:

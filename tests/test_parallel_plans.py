@@ -28,7 +28,7 @@ import torch
 import parallel_plan_run as worker
 from _ranks import run_ranks
 from _train_helpers import TINY, one_thread  # noqa: F401  (autouse fixture)
-from posttrain.models import get_preset
+from posttrain.models import build_model, get_preset
 from posttrain.train import ParallelPlan
 
 LOSS_ATOL, SGD_WEIGHT_ATOL, ADAMW_WEIGHT_ATOL = 2e-6, 1e-6, 1e-4
@@ -94,6 +94,32 @@ def test_plan_equals_one_process_on_the_global_batch(runs, name):
     # every rank ends with the same full weights and logs the same losses
     assert all(r[name]["losses"] == ranks[0][name]["losses"] for r in ranks)
     assert _max_diff(ranks[-1][name]["params"], ranks[0][name]["params"]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(worker.LOOKED_2))
+def test_a_no_grad_forward_before_the_optimizer_trains_every_parameter(runs, name):
+    """The notebook habit: plan.apply, look at logits under torch.no_grad(), then build the
+    optimizer over model.parameters(). FSDP2 leaves its root (embedding, final norm) gathered
+    after a forward; an optimizer built over those copies never updated them, and the logged
+    gradient norm missed theirs. Every parameter must train as in one process."""
+    single = _single()
+    initial = build_model(TINY, seed=0).state_dict()
+    moved = {k: float((single["params"][k] - initial[k]).abs().max()) for k in initial}
+    # every parameter moves by over 10x the tolerance (least: a k_proj bias, ~2e-5; the
+    # embedding ~9e-2, the final norm ~7e-3), so one left unchanged fails the comparison below
+    assert min(moved.values()) > 10 * SGD_WEIGHT_ATOL, moved
+    for result in runs[1]["two"]:
+        _close(result[name]["losses"], single["losses"], LOSS_ATOL)
+        _close(result[name]["grad_norms"], single["grad_norms"], LOSS_ATOL)
+        assert _max_diff(result[name]["params"], single["params"]) <= SGD_WEIGHT_ATOL
+
+
+def test_the_plans_model_is_sharded_again_after_a_no_grad_forward(runs):
+    """After the forward, `model.parameters()` are the sharded DTensors, not FSDP2's gathered
+    copies (checked on the ranks: `looked_types`)."""
+    for result in runs[1]["two"]:
+        assert result["looked_types"] == {"tok_embeddings.weight": "DTensor",
+                                          "norm.scale": "DTensor"}
 
 
 def test_adamw_under_dp_shard_x_tp_stays_within_its_tolerance(runs):
@@ -188,6 +214,12 @@ def test_hf_export_of_a_sharded_run_has_logits_parity(runs):
 def test_misused_plans_are_refused_with_what_to_do(runs):
     errors = runs[1]["two"][0]["errors"]
     assert "built before ParallelPlan(tp=2) was applied" in errors["optimizer_before_apply"]
+    assert ("holds 20 parameter(s) the model no longer has: layers.0.attn.q_proj.weight"
+            in errors["optimizer_before_apply"])
+    assert errors["gathered_copies"].startswith(
+        "optimizer: holds FSDP2's gathered (unsharded) copies of tok_embeddings.weight, "
+        "norm.scale, registered on the model by a forward that no backward followed")
+    assert "build the optimizer over [p for p in model.parameters()" in errors["gathered_copies"]
     assert "was not applied to the model" in errors["not_applied"]
     assert ("rank 0 of world_size=2 among the data-parallel ranks of ParallelPlan(dp_shard=2)"
             in errors["data_sharding"])

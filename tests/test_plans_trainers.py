@@ -167,9 +167,9 @@ def test_trainer_under_dp_shard2_x_tp2_on_4_ranks_equals_one_process(four, train
 
 
 def test_dpo_with_the_policy_as_its_own_reference_eval_and_checkpoints(two):
-    """The DPO recipe's order: the split policy scores the reference log-probs (a no-grad
-    forward, after which FSDP2 leaves the root unsharded) before its optimizer is built; an
-    eval_fn runs before each sharded checkpoint. Both must leave the optimizer holding the
+    """The DPO recipe's order: the split policy scores the reference log-probs (no-grad
+    forwards, after which FSDP2 would leave the root gathered) before its optimizer is built;
+    an eval_fn runs before each sharded checkpoint. Both must leave the optimizer holding the
     parameters FSDP2 trains."""
     single = worker.run_dpo(None, self_reference=True)
     for rank in two:
@@ -179,6 +179,26 @@ def test_dpo_with_the_policy_as_its_own_reference_eval_and_checkpoints(two):
         _close(result["losses"], single["losses"], LOSS_ATOL, "loss")
         assert _max_diff(result["params"], single["params"]) <= SGD_WEIGHT_ATOL
         assert _max_diff(result["reference"], single["reference"]) <= REFERENCE_ATOL
+
+
+def test_reward_model_after_a_no_grad_forward_trains_every_parameter(two):
+    """Rewards looked at under torch.no_grad() between apply_plan_to_reward_model and building
+    the optimizer (the RewardModel is FSDP2's root, holding the head): the run equals one
+    process, the head and the backbone's embedding and final norm included."""
+    from posttrain.rewards import RewardModel
+
+    single = _single("reward_model", 1)
+    initial = RewardModel.from_spec(worker.TINY, seed=0).state_dict()
+    moved = {k: float((single["params"][k] - initial[k]).abs().max()) for k in initial}
+    # every parameter moves by over 10x the tolerance (least: a k_proj bias, ~3e-5; the head
+    # ~4e-2, the final norm ~1e-3), so one left unchanged fails the comparison below
+    assert min(moved.values()) > 10 * SGD_WEIGHT_ATOL, moved
+    for rank in two:
+        result = rank["reward_model_looked"]
+        assert result["units"] == single["units"]
+        _close(result["losses"], single["losses"], LOSS_ATOL, "loss")
+        _close(result["grad_norms"], single["grad_norms"], LOSS_ATOL, "grad_norm")
+        assert _max_diff(result["params"], single["params"]) <= SGD_WEIGHT_ATOL
 
 
 def test_sampler_logprobs_match_the_split_policy(two):

@@ -46,7 +46,9 @@ from torch import nn
 from posttrain.core.distributed import flat_collective
 from posttrain.data.preference import KTOBatch, PreferenceBatch, PreferenceLoader
 from posttrain.rewards.reward_model import RewardModel
-from posttrain.train.sharding import full_state_dict, plan_state
+from posttrain.train.optimizer_check import remember_parameters
+from posttrain.train.sharding import (full_state_dict, plan_state,
+                                      reshard_root_after_frozen_forward)
 
 __all__ = ["ShardedPreferenceLoader", "PaddingPreferenceBatch", "PaddingKTOBatch",
            "trains_nothing", "apply_plan_to_reward_model", "gathered_reward_model"]
@@ -137,7 +139,8 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
     its output projection is the identity, so TP treats it as a tied model (embedding and
     output stay replicated). The head is broadcast from rank 0 and, with data parallelism,
     becomes part of FSDP2's root (`fully_shard(model)` above the backbone's units, gradients
-    SUMmed like the rest); with TP alone it stays a replicated `nn.Linear`. The model then
+    SUMmed like the rest, resharded after a forward no backward follows, as `plan.apply` does
+    its root); with TP alone it stays a replicated `nn.Linear`. The model then
     carries the backbone's `PlanState`, so the `Trainer` sees the plan. Build the optimizer
     after this.
 
@@ -163,6 +166,7 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
                          "for a reward model (its head is placed for dp_replicate, dp_shard, tp "
                          "and sp); allowed pp and ep for a reward model: 1")
     backbone = model.backbone
+    remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     identity = backbone.output
     backbone.output = None  # no output module: TP leaves the embedding and output replicated
     try:
@@ -219,6 +223,7 @@ def _fsdp_root(plan: Any, model: nn.Module, backbone: nn.Module) -> None:
     if plan.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     fully_shard(model, **options)
+    reshard_root_after_frozen_forward(model)  # the model, not the backbone, is the root now
     model.set_gradient_divide_factor(1.0)
     model.set_force_sum_reduction_for_comms(True)
 

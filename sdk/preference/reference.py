@@ -158,21 +158,8 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
                                else _sum_over_data_ranks(parts, len(dataset), state))
     finally:
         model.train(was_training)
-        if state is not None:
-            _reshard(model)
     dataset.reference = ReferenceLogps(fingerprint, values)
     return dataset.reference
-
-
-def _reshard(model: nn.Module) -> None:
-    """FSDP2 keeps the root's parameters unsharded after a forward, registered in place of the
-    sharded ones: put them back, so that an optimizer built next over `model.parameters()` (the
-    recipes score the starting policy itself) holds the sharded parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def _all_ranks_fingerprint(local: str) -> str:

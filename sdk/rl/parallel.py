@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -76,7 +75,7 @@ from posttrain.train.sharding import check_plan, plan_state
 __all__ = ["setup_plan", "collect_under_plan", "frozen_forward_under_plan",
            "optimizer_step_under_plan", "data_shares", "rollout_seed", "gather_groups",
            "gather_rows", "padding_rows", "reduce_metrics", "sum_grads_over_data_ranks",
-           "plain_copy", "optimizer_without"]
+           "plain_copy"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,15 +84,16 @@ __all__ = ["setup_plan", "collect_under_plan", "frozen_forward_under_plan",
 
 
 def setup_plan(trainer: Any, plan: Any) -> None:
-    """Check the plan against the trainer's policy and optimizer, broadcast the value head, build
+    """Check the plan against the trainer's policy, broadcast the value head, build
     the rollout copy (`trainer.rollout_policy`) and the reference split by the same plan
     (`trainer.reference`, when algo.kl_coef > 0 and the policy has no LoRA adapters: a LoRA
     policy's reference is its own base, scored with the adapters disabled).
 
     Raises:
-        ValueError: a plan not applied to the policy (or another one), an optimizer built before
-            it, prompts_per_step not divisible by the data-parallel size, a split value head,
-            pp > 1, or sp > 1 with a value head (named, with the allowed values).
+        ValueError: a plan not applied to the policy (or another one), prompts_per_step not
+            divisible by the data-parallel size, a split value head, pp > 1, or sp > 1 with a
+            value head (named, with the allowed values). The optimizer is checked for every
+            trainer by the engine (`posttrain.train.optimizer_check`).
     """
     from torch.distributed.tensor import DTensor
 
@@ -101,7 +101,7 @@ def setup_plan(trainer: Any, plan: Any) -> None:
     from posttrain.policy.policy import Policy
 
     policy, head = trainer.policy, trainer.value_head
-    check_plan(policy.model, optimizer_without(trainer.optimizer, head), plan)
+    check_plan(policy.model, plan)
     state = plan_state(policy.model)
     if state.plan.pp > 1:
         raise ValueError(f"RLTrainer under {state.plan}: pp={state.plan.pp} is not supported (a "
@@ -290,13 +290,3 @@ def plain_copy(model: nn.Module, spec: Any) -> nn.Module:
 
     param = next(model.parameters())
     return build_model(spec, device=param.device, dtype=param.dtype, seed=0)
-
-
-def optimizer_without(optimizer: torch.optim.Optimizer, module: nn.Module | None) -> Any:
-    """A view of `optimizer`'s param groups without `module`'s parameters (the plan check of the
-    policy ignores the value head, which stays a plain module)."""
-    if module is None:
-        return optimizer
-    skip = {id(p) for p in module.parameters()}
-    return SimpleNamespace(param_groups=[{"params": [p for p in g["params"] if id(p) not in skip]}
-                                         for g in optimizer.param_groups])

@@ -123,7 +123,8 @@ class RLTrainer(Engine):
 
     Args:
         policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
-        optimizer: over the policy's parameters (and the value head's, when there is one).
+        optimizer: over exactly the trainable parameters of the policy and of the value head,
+            when there is one (built after `plan.apply` and any converter; checked by identity).
         task: an `EnvDataset`; step i trains on `task.builders(i, prompts_per_step)`.
         algo: every algorithmic choice (`RLAlgorithm.grpo()`, `.ppo()`, ...).
         prompts_per_step: groups per step (B = prompts_per_step x algo.group_size).
@@ -157,9 +158,11 @@ class RLTrainer(Engine):
         reference: the frozen reference model; None without KL or for a LoRA policy.
 
     Raises:
-        ValueError: for bad options, or a run_dir that holds a run while resume is False; under
-            a plan, a plan not applied to the policy, an optimizer built before it, a split value
-            head, or prompts_per_step not divisible by the data-parallel size.
+        ValueError: for bad options, a run_dir that holds a run while resume is False, or an
+            optimizer that does not hold exactly the trainable parameters of the policy and the
+            value head (named; `posttrain.train.optimizer_check`); under a plan, a plan not
+            applied to the policy, a split value head, or prompts_per_step not divisible by the
+            data-parallel size.
     """
 
     progress_desc = "rl"
@@ -202,10 +205,6 @@ class RLTrainer(Engine):
             setup_plan(self, plan)
         elif algo.kl_coef > 0 and not has_adapters(policy.model):
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
-        if value_head is not None and not any(
-                p is q for g in optimizer.param_groups for p in g["params"]
-                for q in value_head.parameters()):
-            raise ValueError("the optimizer must also hold value_head.parameters()")
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.last_groups: list[Group] | None = None
         self.last_builders: Sequence | None = None

@@ -42,6 +42,7 @@ from torch import nn
 
 from posttrain.models.conversion import (PLAN_AXES, ConversionReport, applied_converters,
                                          check_plan_axes, record_converter)
+from posttrain.train.optimizer_check import remember_parameters
 from posttrain.train.sharding import plan_state
 
 __all__ = ["CONVERTER_ORDER", "EXCLUSIVE", "PLAN_AXES", "register_converter",
@@ -136,6 +137,8 @@ def convert_model(model: nn.Module, configs: Sequence[Any], *,
                          "first (convert_model before plan.apply), then the plan")
     reports = []
     for config in sorted(configs, key=lambda c: CONVERTER_ORDER.index(c.converter)):
+        remember_parameters(model, f"convert_model applied {config.converter!r} (which "
+                                   "replaces modules)")
         reports.append(_REGISTRY[config.converter](model, config, spec=spec))
         record_converter(model, config.converter)
     return reports

@@ -48,9 +48,10 @@ from posttrain.core.distributed import barrier, device_of, flat_collective, rank
 from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.train.losses import check_finite_update
+from posttrain.train.optimizer_check import check_optimizer
 from posttrain.train.sharded_checkpoint import load_sharded_state, save_sharded_checkpoint
-from posttrain.train.sharding import (PlanState, clip_grads_with_norm_, plan_state, set_gradient_sync,
-                                      sum_over_data_ranks, total_grad_norm)
+from posttrain.train.sharding import (PlanState, clip_grads_with_norm_, plan_state, reshard,
+                                      set_gradient_sync, sum_over_data_ranks, total_grad_norm)
 
 __all__ = ["Engine"]
 
@@ -100,7 +101,14 @@ class Engine(abc.ABC):
         self._rolled_back = False
 
     def _start(self, resume: bool | str | os.PathLike) -> None:
-        """Apply the run-folder rules and `resume` (the last thing a trainer's __init__ does)."""
+        """Check the optimizer against the trained modules, then apply the run-folder rules and
+        `resume` (the last thing a trainer's __init__ does).
+
+        Raises:
+            ValueError: if the optimizer does not hold exactly the current trainable parameters
+                of `_checkpoint_module()` (`posttrain.train.optimizer_check.check_optimizer`).
+        """
+        check_optimizer(self.optimizer, self._checkpoint_module())
         if resume is True:
             if latest_checkpoint(self.run_dir) is not None:
                 self.resume(self.run_dir)
@@ -147,9 +155,10 @@ class Engine(abc.ABC):
 
     def _checkpoint_module(self) -> nn.Module:
         """The module a sharded checkpoint (under a ParallelPlan) holds with the optimizer:
-        `_module()` by default. A trainer that trains more than one module under a plan (RL: a
-        policy and a value head) returns one container of them, so that every parameter of the
-        optimizer has a name in it."""
+        `_module()` by default. A trainer that trains more than one module (RL: a policy and a
+        value head) returns one container of them, so that every parameter of the optimizer
+        has a name in it; its trainable parameters are what the optimizer must hold (checked
+        in `_start`)."""
         return self._module()
 
     # ------------------------------------------------------------------ the shared loop
@@ -352,7 +361,7 @@ class Engine(abc.ABC):
         state = self.plan_state
         if state is not None:
             del train_state["optimizer"]  # sharded with the model
-            _reshard(self._checkpoint_module())
+            reshard(self._checkpoint_module())  # after a forward with grad and no backward
             path = save_sharded_checkpoint(self.run_dir, self.step_count,
                                            model=self._checkpoint_module(),
                                            optimizer=self.optimizer, train_state=train_state,
@@ -415,16 +424,3 @@ class Engine(abc.ABC):
         self._log.reset(state["metrics"])
         self._last_saved_step = self.step_count
         return path
-
-
-def _reshard(module: nn.Module) -> None:
-    """Put every FSDP2 unit of `module` back in its sharded state. FSDP2 keeps the root's
-    parameters unsharded after a forward (also a no-grad one: an `eval_fn`), registered in place
-    of the sharded ones the optimizer holds; the optimizer's state would then not be found by
-    name."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-

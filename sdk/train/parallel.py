@@ -260,7 +260,9 @@ class ParallelPlan:
     def apply(self, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
         """Split `model` over the ranks in place and return it (see `posttrain.train.sharding`).
 
-        Build the optimizer after this: FSDP2 and TP replace the parameters by DTensors.
+        Build the optimizer after this, over `model.parameters()`: FSDP2 and TP replace the
+        parameters by DTensors (no-grad forwards in between, e.g. to look at logits, leave them
+        in place; the trainers refuse an optimizer over other tensors, by name).
         """
         from posttrain.train.sharding import apply_plan
 

@@ -14,7 +14,12 @@ Order of application (as torchtitan and torchtune's distributed recipes do it):
     5. FSDP2 (`fully_shard`) of every layer, then of the root, sharded over the ranks that
        compute their own gradient shares (dp_shard, ep and sp, flattened into one mesh
        dimension "fsdp") and, with dp_replicate > 1, replicated over dp_replicate (HSDP), with
-       the plan's mixed precision and CPU offload, gradient reduction set to SUM.
+       the plan's mixed precision and CPU offload, gradient reduction set to SUM. The root
+       keeps its parameters gathered after a forward for the backward that follows (FSDP2's
+       default); after a forward no backward follows (under `torch.no_grad()`, or with no
+       output that requires grad) it is resharded (`reshard_root_after_frozen_forward`), so
+       `model.parameters()` are always the sharded parameters that receive the gradients,
+       whatever ran between `plan.apply` and building the optimizer.
 
 Example (needs a process group; see tests/test_parallel_plans.py):
 
@@ -36,9 +41,10 @@ from torch import nn
 
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
+from posttrain.train.optimizer_check import remember_parameters
 
 __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
-           "set_gradient_sync",
+           "set_gradient_sync", "reshard", "reshard_root_after_frozen_forward",
            "full_state_dict", "sum_over_data_ranks"]
 
 
@@ -122,6 +128,7 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
                          "state from an accelerator to host memory; this model is on the CPU "
                          "already: allowed cpu_offload on CPU: False")
     mesh = mesh if mesh is not None else plan.build_mesh(device.type)
+    remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
     syncs = []
     pipeline_info = None
@@ -191,6 +198,52 @@ def _apply_one_rank(plan: Any, model: nn.Module, spec: Any) -> nn.Module:
     return model
 
 
+def reshard(module: nn.Module) -> None:
+    """Put every FSDP2 unit of `module` in its sharded state: the sharded parameters (the ones
+    that receive gradients and that the optimizer holds) registered on the modules again. A
+    no-op for a module without FSDP2 and for units already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def reshard_root_after_frozen_forward(root: nn.Module) -> None:
+    """Reshard the FSDP2 root `root` after every forward that no backward will follow.
+
+    FSDP2 does not reshard the root after its forward (the backward needs its parameters
+    first): until a backward reshards it, the root's gathered (unsharded) parameters are
+    registered in place of the sharded ones, and `root.parameters()` returns them. An optimizer
+    built then holds tensors that never receive a gradient: those parameters would silently
+    stay as they are. After a forward with no output that requires grad (under
+    `torch.no_grad()` / `torch.inference_mode()`, or of a frozen model), this hook reshards the
+    root at once, as FSDP2 does every other unit. After a forward whose outputs require grad
+    the root stays gathered until their backward has begun (a frozen forward in between, as
+    KTO's KL term, leaves it so); a forward with grad that is never backpropagated leaves it
+    gathered, and the trainers' check (`posttrain.train.optimizer_check`) reshards it and
+    names the tensors of an optimizer built meanwhile.
+    """
+    from torch.utils._pytree import tree_leaves
+
+    pending = {"backward": False}
+
+    def started_backward(grad: torch.Tensor) -> None:
+        pending["backward"] = False
+
+    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+        needs_grad = [t for t in tree_leaves(output)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needs_grad:
+            pending["backward"] = True
+            for t in needs_grad:
+                t.register_hook(started_backward)
+        elif not pending["backward"]:
+            module.reshard()
+
+    root.register_forward_hook(after_forward)  # after FSDP2's own post-forward hook
+
+
 def _group_over(mesh: Any, dims: tuple[str, ...]) -> Any:
     """The process group of the ranks that differ only in `dims` of `mesh` (which need not be
     adjacent), or None when that group has one rank. Collective: every rank creates every
@@ -240,6 +293,7 @@ def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any,
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    reshard_root_after_frozen_forward(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The trainers normalise by the global token count themselves: SUM, not average.
@@ -312,13 +366,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_plan(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Any) -> None:
-    """A trainer's checks of `plan` against `model` and `optimizer`.
+def check_plan(model: nn.Module, plan: Any) -> None:
+    """A trainer's check that `plan` (when given) is the plan applied to `model`. Whether the
+    optimizer holds the model's current parameters is checked for every trainer, with or
+    without a plan, by `posttrain.train.optimizer_check.check_optimizer`.
 
     Raises:
-        ValueError: if `plan` is given but was not applied to `model` (or another plan was), or
-            the optimizer holds parameters that are not the model's current ones (it was built
-            before `plan.apply`, which replaces parameters by DTensors).
+        ValueError: if `plan` is given but was not applied to `model`, or another plan was.
     """
     state = plan_state(model)
     if plan is not None and state is None:
@@ -326,15 +380,6 @@ def check_plan(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Any) ->
                          "spec=spec) first, then build the optimizer over model.parameters()")
     if plan is not None and state.plan != plan:
         raise ValueError(f"the model was split by {state.plan}, not by the given {plan}")
-    if state is None:
-        return
-    current = {id(p) for p in model.parameters()}
-    stale = sum(id(p) not in current for group in optimizer.param_groups
-                for p in group["params"])
-    if stale:
-        raise ValueError(f"the optimizer holds {stale} parameter(s) that are not the model's: it "
-                         f"was built before {state.plan} was applied (which replaces the "
-                         "parameters); build it after plan.apply(model)")
 
 
 def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -108,7 +108,8 @@ class Trainer(Engine):
     Args:
         model: a module; `loss` decides how it is called (SFT: `model(input_ids,
             mask=attention_mask, input_pos=position_ids)` -> logits [B, T, V]).
-        optimizer: built over the parameters to train.
+        optimizer: built over the model's trainable parameters, after `plan.apply` and any
+            converter (exactly those tensors: checked by identity).
         data: has `next_batch()` (endless); `state_dict()` / `load_state_dict()` to checkpoint
             and to put the position back after an interrupted step (`posttrain.data.loader.SFTLoader`).
         loss: a registered name (`posttrain.train.losses.get_loss`) or a `TrainingLoss` object.
@@ -165,8 +166,10 @@ class Trainer(Engine):
     plan N is this stage's parameters only.
 
     Raises:
-        ValueError: for bad options, a `run_dir` that holds a run while `resume` is False, or
-            data sharded for another world size or rank than the process group's.
+        ValueError: for bad options, a `run_dir` that holds a run while `resume` is False,
+            data sharded for another world size or rank than the process group's, or an
+            optimizer that does not hold exactly the model's current trainable parameters
+            (named; `posttrain.train.optimizer_check`).
         TypeError: for a `data` without `next_batch`, or a `loss` that is neither.
     """
 
@@ -200,7 +203,7 @@ class Trainer(Engine):
                            checkpoint_every=checkpoint_every, keep_last=keep_last,
                            progress=progress, callbacks=callbacks, resume=resume,
                            tensorboard=tensorboard)
-        check_plan(model, optimizer, plan)
+        check_plan(model, plan)
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
         if isinstance(loss, SFTCrossEntropy):

@@ -1,0 +1,139 @@
+"""The check every trainer makes of its optimizer: it must hold exactly the model's current
+trainable parameters, the very tensor objects, or some weights silently never change.
+
+Three ways an optimizer comes to hold other tensors, each refused by name:
+
+* built before the model's parameters were replaced: `plan.apply` (FSDP2 and TP register
+  DTensors in place of the parameters), or a converter that swaps modules; or built while FSDP2
+  had the root's gathered (unsharded) copies registered, after a forward with grad that no
+  backward followed. Those tensors never receive a gradient.
+* holding frozen parameters (requires_grad=False: a LoRA base after `convert_model`), which
+  the update skips.
+* missing trainable ones (a LoRA adapter added after the optimizer, a value head left out):
+  they receive gradients, are counted in the gradient norm, and never change.
+
+The check first reshards every FSDP2 unit of the model (`posttrain.train.sharding.reshard`),
+so that `model.parameters()` are the sharded parameters whatever ran before.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Linear(2, 2)
+    >>> check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    >>> check_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer: does not hold 1 trainable parameter(s) of the model: bias (they would receive gradients but never change); build the optimizer over [p for p in model.parameters() if p.requires_grad] right before the trainer (after plan.apply and any converter), or freeze what should not train with requires_grad_(False)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+
+__all__ = ["check_optimizer", "remember_parameters", "former_names"]
+
+_ATTR = "_posttrain_replaced"
+
+_SHOWN = 6  # names listed per kind in a message
+
+
+def _listed(names: list[str]) -> str:
+    more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def remember_parameters(model: nn.Module, event: str) -> None:
+    """Record `model`'s parameters by name, weakly, before `event` replaces some of them (a
+    ParallelPlan's DTensors, a converter's modules), so that an optimizer built earlier is
+    refused with their names (`former_names`). A parameter already recorded keeps its first
+    event."""
+    record = model.__dict__.setdefault(_ATTR, {})
+    for name, p in model.named_parameters():
+        kept = record.get(id(p))
+        if kept is None or kept[1]() is not p:  # a weak reference: an id may be reused
+            record[id(p)] = (name, weakref.ref(p), event)
+
+
+def former_names(module: nn.Module) -> dict[int, tuple[str, str]]:
+    """{id: (name, event)} of the parameters `remember_parameters` recorded on `module` or its
+    submodules (names prefixed) that are still alive, e.g. held by an optimizer."""
+    names: dict[int, tuple[str, str]] = {}
+    for prefix, sub in module.named_modules():
+        for key, (name, ref, event) in sub.__dict__.get(_ATTR, {}).items():
+            if ref() is not None:
+                names.setdefault(key, (f"{prefix}.{name}" if prefix else name, event))
+    return names
+
+
+def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optimizer") -> None:
+    """Refuse an optimizer whose parameters are not exactly `module`'s current trainable
+    parameters (compared by identity, as the optimizer updates them).
+
+    Reshards every FSDP2 unit of `module` first (a no-op without FSDP2), so that its registered
+    parameters are the sharded ones that receive the gradients.
+
+    Args:
+        optimizer: a `torch.optim.Optimizer` (anything with `param_groups`).
+        module: every module the trainer trains, in one container (names in the message are
+            relative to it).
+        argument: the trainer's argument named in the message.
+
+    Raises:
+        ValueError: naming `argument`, the parameters concerned and the fix, if the optimizer
+            holds a tensor that is not a current parameter of `module` (built before
+            `plan.apply` or a converter replaced it, or while FSDP2 had the root's gathered
+            copies registered), holds a frozen parameter, or lacks a trainable one.
+    """
+    from posttrain.train.sharding import reshard
+
+    gathered = {id(p): name for name, p in module.named_parameters()}
+    reshard(module)
+    current = {id(p): (name, p) for name, p in module.named_parameters()}
+    replaced = former_names(module)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    held_ids = {id(p) for p in held}
+    unknown, gathered_copies, frozen = [], [], []
+    before: dict[str, list[str]] = {}  # event -> names
+    for p in held:
+        if id(p) in current:
+            if not current[id(p)][1].requires_grad:
+                frozen.append(current[id(p)][0])
+        elif id(p) in gathered:
+            gathered_copies.append(gathered[id(p)])
+        elif id(p) in replaced:
+            name, event = replaced[id(p)]
+            before.setdefault(event, []).append(name)
+        else:
+            unknown.append(f"a tensor of shape {list(p.shape)}")
+    stale = set(gathered_copies).union(*before.values())  # their current ones: named once
+    missing = [name for key, (name, p) in current.items()
+               if p.requires_grad and key not in held_ids and name not in stale]
+    fix = ("build the optimizer over [p for p in model.parameters() if p.requires_grad] right "
+           "before the trainer (after plan.apply and any converter)")
+    problems = []
+    if gathered_copies:
+        problems.append(f"holds FSDP2's gathered (unsharded) copies of "
+                        f"{_listed(gathered_copies)}, registered on the model by a forward that "
+                        "no backward followed when the optimizer was built; they never receive "
+                        "a gradient (the model has its sharded parameters again now)")
+    for event, names in before.items():
+        problems.append(f"holds {len(names)} parameter(s) the model no longer has: "
+                        f"{_listed(names)}; it was built before {event}; they never receive a "
+                        "gradient")
+    if unknown:
+        problems.append(f"holds {len(unknown)} tensor(s) that are not parameters of the "
+                        f"model: {_listed(unknown)} (built before a converter replaced them, "
+                        "or over another model); they never receive a gradient")
+    if frozen:
+        problems.append(f"holds {len(frozen)} frozen parameter(s) (requires_grad=False): "
+                        f"{_listed(frozen)}")
+    if missing:
+        problems.append(f"does not hold {len(missing)} trainable parameter(s) of the model: "
+                        f"{_listed(missing)} (they would receive gradients but never change)")
+    if problems:
+        raise ValueError(f"{argument}: {'; '.join(problems)}; {fix}"
+                         + (", or freeze what should not train with requires_grad_(False)"
+                            if missing else ""))
