@@ -12,7 +12,7 @@ Three ways an optimizer comes to hold other tensors, each refused by name:
 * missing trainable ones (a LoRA adapter added after the optimizer, a value head left out):
   they receive gradients, are counted in the gradient norm, and never change.
 
-The check first reshards every FSDP2 unit of the model (`posttrain.train.sharding.reshard`),
+The check first reshards every FSDP2 unit of the model (`reshard`),
 so that `model.parameters()` are the sharded parameters whatever ran before.
 
 Example:
@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["check_optimizer", "remember_parameters", "former_names"]
+__all__ = ["check_optimizer", "remember_parameters", "former_names", "reshard"]
 
 _ATTR = "_posttrain_replaced"
 
@@ -43,6 +43,17 @@ _SHOWN = 6  # names listed per kind in a message
 def _listed(names: list[str]) -> str:
     more = f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else ""
     return ", ".join(names[:_SHOWN]) + more
+
+
+def reshard(module: nn.Module) -> None:
+    """Put every FSDP2 unit of `module` in its sharded state: the sharded parameters (the ones
+    that receive gradients and that the optimizer holds) registered on the modules again. A
+    no-op for a module without FSDP2 and for units already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def remember_parameters(model: nn.Module, event: str) -> None:
@@ -87,8 +98,6 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
             `plan.apply` or a converter replaced it, or while FSDP2 had the root's gathered
             copies registered), holds a frozen parameter, or lacks a trainable one.
     """
-    from posttrain.train.sharding import reshard
-
     gathered = {id(p): name for name, p in module.named_parameters()}
     reshard(module)
     current = {id(p): (name, p) for name, p in module.named_parameters()}

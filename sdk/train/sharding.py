@@ -41,7 +41,7 @@ from torch import nn
 
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
-from posttrain.train.optimizer_check import remember_parameters
+from posttrain.train.optimizer_check import remember_parameters, reshard
 
 __all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
            "set_gradient_sync", "reshard", "reshard_root_after_frozen_forward",
@@ -196,17 +196,6 @@ def _apply_one_rank(plan: Any, model: nn.Module, spec: Any) -> nn.Module:
     model._posttrain_plan_state = PlanState(plan=plan, mesh=None, data_rank=0, data_group=None,
                                             fsdp=False, spec=spec)
     return model
-
-
-def reshard(module: nn.Module) -> None:
-    """Put every FSDP2 unit of `module` in its sharded state: the sharded parameters (the ones
-    that receive gradients and that the optimizer holds) registered on the modules again. A
-    no-op for a module without FSDP2 and for units already sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def reshard_root_after_frozen_forward(root: nn.Module) -> None:
