@@ -112,6 +112,10 @@ EQUAL = [
     ("7", 7),
     ("0.5", 0.5),
     ("0.00001", 1e-05),                 # a float reference is written without an exponent
+    ("\\boxed{1.5e3}", "1500"),           # e-notation as text is a number, not Euler's e
+    ("The answer is 1500", "1.5e3"),
+    ("\\boxed{1e-3}", "0.001"),
+    ("\\boxed{6.02 \\times 10^{23}}", "6.02e23"),
     ("\\boxed{0.75}", Fraction(3, 4)),
 ]
 
@@ -121,6 +125,7 @@ DIFFERENT = [
     ("\\boxed{3.14159}", "22/7"),         # 22/7 = 3.142857...
     ("\\boxed{1/2}", "0.51"),
     ("\\boxed{-5}", "5"),
+    ("\\boxed{1.6e3}", "1.5e3"),
     ("\\boxed{1234}", "1,235"),
     ("\\boxed{12}", "1.2"),
     ("\\boxed{100000000000000001}", "100000000000000000"),   # integers are exact

@@ -66,6 +66,17 @@ def test_one_answer_stated_several_ways_is_credited(completion, reference):
         assert result.ok, (extract, result)
 
 
+@pytest.mark.parametrize("completion, reference", [
+    ("First we decide whether the answer is positive or negative. So \\boxed{-2}.", "-2"),
+    ("We check if the answer is an integer or a fraction: \\boxed{\\frac{1}{3}}.", "1/3"),
+])
+def test_prose_after_an_answer_marker_is_not_a_hedge(completion, reference):
+    """"the answer is positive or negative" in the reasoning states no answer: the box is read."""
+    assert MathAnswerVerifier()(completion, {"answer": reference}).ok
+    hedging = "First we decide whether the answer is 2 or -2. So \\boxed{-2}."
+    assert MathAnswerVerifier()(hedging, {"answer": "-2"}).outcome is Outcome.FORMAT_ERROR
+
+
 def test_statements_and_hedges_located():
     from posttrain.verifiers.math_statements import hedge, last_math, statements
 

@@ -103,7 +103,8 @@ from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifie
 from posttrain.verifiers import math_rules
 from posttrain.verifiers.math_statements import (DEFAULT_EXTRACT, EXTRACT_SOURCES, Statement,
                                                  as_math_text, check_extract, extract_answer,
-                                                 hedge, hedged, only_an_answer, statements)
+                                                 hedge, hedged, only_an_answer,
+                                                 positional, statements)
 
 MAX_STATEMENTS = 8
 """A completion with this many statements (box runs, last marker; distinct texts) besides the
@@ -351,7 +352,7 @@ class MathAnswerVerifier:
 
     def _math_text(self, answer: str, source: str) -> str:
         if source == "boxed":
-            return f"\\boxed{{{answer}}}"
+            return f"\\boxed{{{positional(answer)}}}"
         if source == "anywhere":
             return answer
         if source == "marker" and not only_an_answer(answer):

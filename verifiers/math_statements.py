@@ -37,6 +37,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 
 EXTRACT_SOURCES = ("boxed", "marker", "whole", "anywhere")
@@ -88,6 +89,8 @@ _DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 _TEXT_GROUP = re.compile(r"\\(?:text\w*|math\w+|mbox|operatorname)\s*\{[^{}]*\}")
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _PERCENT_WORD = re.compile(r"(?<![A-Za-z])(?:percentage|percent|pct)(?![A-Za-z])", re.IGNORECASE)
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")
+_MATH_CHARS = re.compile(r"[\d\\$]")
 _NUMBER_CHARS = re.compile(r"[-+\u2212$\u20ac\u00a3\u00a5\d.,\s/%]+", re.ASCII)
 
 
@@ -252,9 +255,18 @@ def only_an_answer(text: str) -> bool:
     return _PROSE_WORD.search(_PERCENT_WORD.sub(" ", _TEXT_GROUP.sub(" ", text))) is None
 
 
+def positional(text: str) -> str:
+    """`text` without its exponent when it is only a number in e-notation (`1.5e3` is `1500`,
+    `1e-3` is `0.001`; LaTeX would read the e as Euler's number); other text as it is."""
+    if _EXPONENT_NUMBER.fullmatch(text.strip()):
+        return format(Decimal(text.strip()), "f")
+    return text
+
+
 def as_math_text(text: str) -> str:
     """The string handed to math-verify for a stand-alone answer or a reference (`math_answer`'s
     module docstring)."""
+    text = positional(text)
     if _single_span(text) or _is_plain_number(text) or any(d in text for d in _DELIMITERS):
         return text
     return f"${text}$"
@@ -308,10 +320,12 @@ def hedged(stated: Sequence[Statement], text: str, answer: str, source: str) -> 
     math-verify does not compare, in or beside a statement: `math_statements.hedge`), or None.
     The statements are its boxes and last marker, the whole text when that is the answer, and
     for "anywhere" with neither, the last math span or number (math-verify's search falls back
-    to it)."""
+    to it). A marker that is not the answer read and holds no digit or LaTeX is prose."""
     extra = [Statement(answer, source, "", "")] if source == "whole" else \
         [last] if source == "anywhere" and not stated and (last := last_math(text)) else []
     for statement in (*stated, *extra):
+        if statement.source == "marker" != source and not _MATH_CHARS.search(statement.text):
+            continue   # prose ("whether the answer is positive or negative"), not an answer
         reason = hedge(statement.text, statement.before, statement.after)
         if reason:
             return f"{reason} ({statement.source}: {statement.text!r:.40})"
