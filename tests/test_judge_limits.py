@@ -138,6 +138,8 @@ BAD = {   # body -> (loc, type) of the one error
     "no question": (_body(item='{"answer": "12"}'), ["body", "items", 0, "question"],
                     "string_type"),
     "item not an object": (_body(item='"q"'), ["body", "items", 0], "dict_type"),
+    "nested 1,500 deep": (_body(item='{"question": "q", "x": ' + "[" * 1500 + "]" * 1500 + "}"),
+                          ["body"], "json_too_deep"),     # json.loads' RecursionError was a 500
 }
 
 

@@ -147,7 +147,8 @@ def parse_request(raw: bytes, *, max_request_completions: int) -> JudgeBody:
         string valid Unicode.
 
     Raises:
-        RequestValidationError: (422) with one error {loc, msg, type}: not UTF-8, not JSON,
+        RequestValidationError: (422) with one error {loc, msg, type}: not UTF-8, not JSON
+            (nested too deeply included),
             more completions than `max_request_completions` (type "too_many_completions",
             checked before the rest of the body), a lone surrogate anywhere ("lone_surrogate"),
             a field of the wrong type or range (pydantic's), completions and items of different
@@ -162,19 +163,26 @@ def parse_request(raw: bytes, *, max_request_completions: int) -> JudgeBody:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _refuse(["body", exc.pos], f"JSON decode error: {exc.msg}", "json_invalid") from None
+    except RecursionError:   # arrays or objects nested ~1,000 deep: a few KB of "[[[["
+        raise _refuse(["body"], "JSON nested too deeply to decode", "json_too_deep") from None
     completions = data.get("completions") if isinstance(data, dict) else None
     if isinstance(completions, list) and len(completions) > max_request_completions:
         raise _refuse(["body", "completions"],
                       f"{len(completions)} completions in one request; this server takes at most "
                       f"{max_request_completions} (ServerSettings.max_request_completions): send "
                       "them in several requests", "too_many_completions")
-    where = _lone_surrogate(data, ["body"]) if _SURROGATE_ESCAPE.search(text) else None
+    try:
+        where = _lone_surrogate(data, ["body"]) if _SURROGATE_ESCAPE.search(text) else None
+    except RecursionError:   # decoded near the limit, then one level deeper to serialise
+        raise _refuse(["body"], "JSON nested too deeply to check", "json_too_deep") from None
     if where is not None:
         loc, index = where
         raise _refuse(loc, f"a lone surrogate at character {index}: text must be valid Unicode "
                            "(a surrogate pair's halves must come together)", "lone_surrogate")
     try:
         body = JudgeBody.model_validate(data)
+    except RecursionError:
+        raise _refuse(["body"], "JSON nested too deeply to check", "json_too_deep") from None
     except ValidationError as exc:
         raise RequestValidationError([{"loc": ["body", *e["loc"]], "msg": e["msg"],
                                        "type": e["type"]} for e in exc.errors()]) from None
