@@ -111,6 +111,16 @@ def test_a_text_file_on_a_full_disk_keeps_its_old_content_and_names_the_exact_by
     assert sorted(p.name for p in small_fs.iterdir()) == ["results.json"]  # no temporary file
 
 
+def test_a_file_system_out_of_inodes_says_so_not_only_the_bytes(small_fs):
+    """Bytes to spare but no inode: "1 bytes needed, 2 MiB free" alone contradicted itself."""
+    subprocess.run(["mount", "-o", "remount,nr_inodes=2", str(small_fs)], check=True, timeout=60)
+    write_text_atomic(small_fs / "a.txt", "a")
+    with pytest.raises(OSError) as e:
+        write_text_atomic(small_fs / "b.txt", "b")
+    assert e.value.errno == errno.ENOSPC and f"into {small_fs};" in str(e.value)
+    assert "no file can be created there (0 inodes free)" in str(e.value), e.value
+
+
 def test_a_stage_file_on_a_full_disk_leaves_no_record_to_trust(small_fs):
     import pandas as pd
 

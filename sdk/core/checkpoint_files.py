@@ -163,7 +163,7 @@ def is_disk_full(exc: BaseException, folder: Path, needed: int) -> bool:
         if isinstance(failures, dict):
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         stack += [e.__cause__, e.__context__]
-    return torch_write_failed and free_bytes(folder) < needed
+    return torch_write_failed and (free_bytes(folder) < needed or free_files(folder) == 0)
 
 
 def free_bytes(folder: Path) -> int:
@@ -173,6 +173,16 @@ def free_bytes(folder: Path) -> int:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return shutil.disk_usage(folder).free
+
+
+def free_files(folder: Path) -> int | None:
+    """Files (inodes) this user may still create on the file system of `folder` (or of its
+    nearest existing parent); None where it does not count them (btrfs reports 0 of 0)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    stats = os.statvfs(folder)
+    return stats.f_favail if stats.f_files else None
 
 
 def no_space_error(folder: Path, needed: int, what: str, *, estimate: bool = False,
@@ -188,6 +198,8 @@ def no_space_error(folder: Path, needed: int, what: str, *, estimate: bool = Fal
     """
     free = free_bytes(folder)
     size = f"{'about ' if estimate else ''}{needed:,} bytes, {_mib(needed)}"
+    if free_files(folder) == 0:   # bytes to spare but no inode: every new file is refused
+        note = f" but no file can be created there (0 inodes free){note}"
     return OSError(errno.ENOSPC, f"no space left on device: writing {what} ({size}) into "
                                  f"{folder}; {free:,} bytes ({_mib(free)}) are free there{note}. "
                                  "Free space on that file system or write elsewhere, then run "
