@@ -80,8 +80,11 @@ def former_names(module: nn.Module) -> dict[int, tuple[str, str]]:
 
 
 def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optimizer") -> None:
-    """Refuse an optimizer whose parameters are not exactly `module`'s current trainable
-    parameters (compared by identity, as the optimizer updates them).
+    """Refuse an optimizer that does not hold every current trainable parameter of `module`
+    (compared by identity, as the optimizer updates them), or that holds a tensor that is not a
+    current parameter of `module`. Frozen parameters may be held: they receive no gradient, so
+    the optimizer leaves them as they are (AdamW(model.parameters()) on a LoRA model, or
+    progressive unfreezing, are accepted).
 
     Reshards every FSDP2 unit of `module` first (a no-op without FSDP2), so that its registered
     parameters are the sharded ones that receive the gradients.
@@ -96,7 +99,7 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
         ValueError: naming `argument`, the parameters concerned and the fix, if the optimizer
             holds a tensor that is not a current parameter of `module` (built before
             `plan.apply` or a converter replaced it, or while FSDP2 had the root's gathered
-            copies registered), holds a frozen parameter, or lacks a trainable one.
+            copies registered), or lacks a trainable one.
     """
     gathered = {id(p): name for name, p in module.named_parameters()}
     reshard(module)
@@ -104,13 +107,12 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
     replaced = former_names(module)
     held = [p for group in optimizer.param_groups for p in group["params"]]
     held_ids = {id(p) for p in held}
-    unknown, gathered_copies, frozen = [], [], []
+    unknown, gathered_copies = [], []
     before: dict[str, list[str]] = {}  # event -> names
     for p in held:
-        if id(p) in current:
-            if not current[id(p)][1].requires_grad:
-                frozen.append(current[id(p)][0])
-        elif id(p) in gathered:
+        if id(p) in current:   # frozen ones too: they get no gradient, so no update
+            continue            # (AdamW(model.parameters()) on LoRA, progressive unfreezing)
+        if id(p) in gathered:
             gathered_copies.append(gathered[id(p)])
         elif id(p) in replaced:
             name, event = replaced[id(p)]
@@ -136,9 +138,6 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
         problems.append(f"holds {len(unknown)} tensor(s) that are not parameters of the "
                         f"model: {_listed(unknown)} (built before a converter replaced them, "
                         "or over another model); they never receive a gradient")
-    if frozen:
-        problems.append(f"holds {len(frozen)} frozen parameter(s) (requires_grad=False): "
-                        f"{_listed(frozen)}")
     if missing:
         problems.append(f"does not hold {len(missing)} trainable parameter(s) of the model: "
                         f"{_listed(missing)} (they would receive gradients but never change)")
