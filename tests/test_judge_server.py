@@ -222,7 +222,8 @@ def test_a_raising_judge_fails_only_its_own_request(rm_judge):
         gated.gate.set()
         answers = [f.result().json()["results"] for f in futures]
         assert server.stats()["judge_failures"] == 1
-    assert gated.calls[1] == ["boom", "13", "14"]     # one batch, then each alone
+    assert sorted(gated.calls[1]) == ["13", "14", "boom"]   # one batch (in arrival order),
+    assert len(gated.calls) == 4                              # then each request alone
     assert [r["outcome"] for r in answers[1]] == ["error", "error"]
     assert answers[1][0]["reason"] == "judge raised RuntimeError: cannot judge 'boom'"
     assert {answers[0][0]["outcome"], answers[2][0]["outcome"]} <= {"ok", "wrong"}
