@@ -63,6 +63,7 @@ from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig,
 from posttrain.workflows import (cached_pairs, on_rank_zero, read_table, stop_if_interrupted,
                                  unsharded_policy, write_table)
 from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
+from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.config import choice, finite, ints
 from posttrain.workflows.parallel import check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
@@ -175,6 +176,7 @@ TINY: dict[str, Any] = {
     "optim.warmup_steps": 1, "checkpoint.every": 1, "progress": False}
 
 
+@recorded_run
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run the recipe; returns the results dict also written to `out_dir/results.json` (under
     a `parallel` plan on rank 0; None on the other ranks).

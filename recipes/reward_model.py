@@ -69,6 +69,7 @@ from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig,
                                  TaskConfig, check_gym_task, fail, run_fields, start_policy,
                                  start_run, validate, write_results)
 from posttrain.workflows import cached_pairs, on_rank_zero, stop_if_interrupted
+from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.config import finite, seeds
 from posttrain.workflows.parallel import check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
@@ -136,6 +137,7 @@ def reference_answer(item: dict) -> str:
     return str(item["answer"])
 
 
+@recorded_run
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run the recipe; returns the results dict also written to `out_dir/results.json` (under
     a `parallel` plan on rank 0; None on the other ranks).

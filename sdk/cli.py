@@ -168,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.command == "launch":
         return _launch(args, module, cfg)
+    from posttrain.core.run_lock import run_outcome
     from posttrain.workflows.lineage import run_origin
 
     out_dir = getattr(cfg, "out_dir", None)
     try:
-        with run_origin(out_dir, **origin) if out_dir else contextlib.nullcontext():
+        with run_origin(out_dir, **origin) if out_dir else contextlib.nullcontext(), \
+                run_outcome(out_dir):   # a run that raises records it (`posttrain runs`)
             module.main(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C: the stage stopped at a whole step (RunInterrupted)
         label = args.folder if args.command == "rerun" else args.recipe

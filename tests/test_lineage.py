@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from _run_helpers import hold_run_dir
+from conftest import wait_for
 
 from posttrain import cli
 from posttrain.workflows import RL_TINY, override
@@ -198,8 +201,8 @@ def test_load_run_config_needs_a_lineage(tmp_path):
 def test_runs_table_lists_runs_with_status_metric_and_parents(runs, tmp_path, monkeypatch):
     monkeypatch.chdir(runs.parent)
     table = runs_table("runs")
-    assert list(table.columns) == ["run", "recipe", "started", "commit", "status", "metric",
-                                   "value", "parents"]
+    assert list(table.columns) == ["run", "recipe", "started", "commit", "status", "error",
+                                   "metric", "value", "parents"]
     rows = table.set_index("run")
     assert set(rows.index) == {"runs/a", "runs/a-again", "runs/b", "runs/g", "runs/g/sft"}
     assert set(rows["status"]) == {"finished"}
@@ -211,23 +214,124 @@ def test_runs_table_lists_runs_with_status_metric_and_parents(runs, tmp_path, mo
     assert list(table["started"]) == sorted(table["started"])
 
 
-def test_run_status_from_results_and_lock(runs, tmp_path, monkeypatch):
+def _ctrl_c_at_step(monkeypatch, at: int) -> None:
+    """A real SIGINT, once, as the trainer starts step `at + 1`."""
+    from posttrain.train import Trainer
+
+    step, fired = Trainer.step, []
+
+    def step_with_ctrl_c(self):
+        if self.step_count == at and not fired:
+            fired.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", step_with_ctrl_c)
+
+
+def test_each_run_state_made_for_real_reads_the_same_in_every_view(runs, tmp_path, monkeypatch,
+                                                                   capsys):
+    """finished (runs/a), failed (the SFT recipe raised in this process, which lives on),
+    interrupted (Ctrl-C at step 2 of 3), running (a child holds the lock), dead (that child
+    killed with SIGKILL, not yet reaped, then reaped): runs_table, `posttrain runs` and a
+    sweep's table say the same."""
+    import pandas as pd
+
+    from posttrain.core.run_lock import lock_holder
+    from posttrain.train import Trainer
+    from posttrain.workflows.arms import Arm
+    from posttrain.workflows.sweep import Sweep
+
     monkeypatch.chdir(tmp_path)
-    for name in ("failed", "interrupted", "running"):
-        (tmp_path / "two" / name).mkdir(parents=True)
-        for f in ("config.json", LINEAGE_FILE):
-            shutil.copy(runs / "a" / f, tmp_path / "two" / name / f)
-    (tmp_path / "two" / "interrupted" / "results.json").write_text('{"interrupted": true}')
-    (tmp_path / "two" / "running" / ".posttrain.lock").write_text(
-        f"pid {os.getpid()} on host {socket.gethostname()}\n")
-    (tmp_path / "two" / "failed" / ".posttrain.lock").write_text("pid 999999999 on host x\n")
-    table = runs_table("two").set_index("run")
-    assert dict(table["status"]) == {"two/failed": "failed", "two/interrupted": "interrupted",
-                                     "two/running": "running"}
-    assert table["metric"].isna().all()
+    shutil.copytree(runs / "a", "states/finished/seed0")
+    args = [*_args(SFT_TINY), "eval.max_new_tokens=2"]
+
+    def disk_on_fire(self):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "step", disk_on_fire)   # the run raises in its first step
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            cli.main(["run", "sft", *args, "out_dir=states/failed/seed0"])
+    assert lock_holder("states/failed/seed0") is None    # released; this process lives on
+    with monkeypatch.context() as patch:
+        _ctrl_c_at_step(patch, 2)
+        assert cli.main(["run", "sft", *args, "out_dir=states/interrupted/seed0"]) == 130
+    for name in ("running", "dead"):
+        shutil.copytree(runs / "a", f"states/{name}/seed0",
+                        ignore=shutil.ignore_patterns("results.*", ".posttrain.lock"))
+    holder = hold_run_dir(tmp_path / "states" / "running" / "seed0")
+    victim = hold_run_dir(tmp_path / "states" / "dead" / "seed0")
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: lock_holder("states/dead/seed0") is None,   # the kernel drops it
+                 what="the lock of the child killed with SIGKILL to be dropped")
+        expected = {"finished": "finished", "failed": "failed", "interrupted": "interrupted",
+                    "running": "running", "dead": "dead"}
+        assert run_status("states/dead/seed0") == "dead"      # a zombie: pid there, no lock
+        victim.wait(timeout=120)
+        table = runs_table("states").set_index("run")
+        assert {r.split("/")[1]: s for r, s in table["status"].items()} == expected
+        errors = {r.split("/")[1]: None if pd.isna(e) else e   # pandas reads None as NaN
+                  for r, e in table["error"].items()}
+        assert errors["failed"] == "RuntimeError: disk on fire"
+        assert errors["interrupted"].startswith("posttrain.workflows.reports.RunInterrupted: ")
+        assert "interrupted after step 2 of 3" in errors["interrupted"]
+        assert errors["dead"].startswith("no results.json and no live process holds the run")
+        assert errors["finished"] is None and errors["running"] is None
+        stopped = json.loads((tmp_path / "states/failed/seed0/stopped.json").read_text())
+        assert stopped["status"] == "failed" and stopped["pid"] == os.getpid()
+
+        arms = [Arm(name, {}) for name in expected]
+        sweep_table = Sweep(tmp_path / "states", arms, [0], None,
+                            {(a.name, 0): None for a in arms}).table().set_index("arm")
+        assert dict(sweep_table["status"]) == expected
+        assert {a: None if pd.isna(e) else e for a, e in sweep_table["error"].items()} == errors
+
+        capsys.readouterr()
+        assert cli.main(["runs", "states"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        for name, status in expected.items():
+            assert any(f"states/{name}/seed0" in line and f" {status} " in line
+                       for line in lines), (name, lines)
+    finally:
+        for child in (holder, victim):
+            child.kill()
+            child.wait(timeout=120)
     assert run_status(runs / "a") == "finished"
     with pytest.raises(ValueError, match="runs folder 'nowhere' does not exist"):
         runs_table("nowhere")
+
+
+def test_a_resumed_run_is_running_whatever_an_earlier_attempt_left(tmp_path):
+    """A claim removes the stopped.json of an attempt that failed; results.json marked
+    interrupted does not hide a live owner; a run that raised before it claimed its folder
+    leaves the folder as it was."""
+    from posttrain.core.run_lock import claim_run_dir, read_stopped, release_run_dir, run_outcome
+
+    folder = tmp_path / "run"
+    claim_run_dir(folder)
+    with pytest.raises(ValueError), run_outcome(folder):
+        raise ValueError("bad batch")
+    assert run_status(folder) == "failed" and read_stopped(folder)["error"] == (
+        "ValueError: bad batch")
+    with pytest.raises(KeyError), run_outcome(folder):   # raised before claiming: no record
+        raise KeyError("x")
+    assert read_stopped(folder)["error"] == "ValueError: bad batch"
+    (folder / "results.json").write_text('{"interrupted": true}')
+    claim_run_dir(folder)
+    assert run_status(folder) == "running" and read_stopped(folder) is None
+    with pytest.raises(KeyboardInterrupt), run_outcome(folder):
+        raise KeyboardInterrupt
+    assert run_status(folder) == "interrupted" and read_stopped(folder)["status"] == (
+        "interrupted")
+    with pytest.raises(SystemExit), run_outcome(folder):   # a preempted job leaving: no record
+        claim_run_dir(folder)   # removes the record of the interrupted attempt
+        raise SystemExit(-1)
+    assert read_stopped(folder) is None and run_status(folder) == "interrupted"
+    assert not release_run_dir(folder)
+    (folder / "results.json").write_text('{"after": {"accuracy": 0.5}}')
+    assert run_status(folder) == "finished"
 
 
 def test_runs_command_prints_the_table(runs, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import math
 import textwrap
 
 import pytest
+from _run_helpers import hold_run_dir
 
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.recipes import load_recipe
@@ -24,6 +25,8 @@ SCORES = {(1, 0): 1, (1, 1): 2, (2, 0): 3, (2, 1): 4, (3, 0): 2, (3, 1): 2}
 RECIPE = textwrap.dedent('''
     import dataclasses, json
     from pathlib import Path
+
+    from posttrain.core.run_lock import claim_run_dir
 
     SCORES = {scores!r}
 
@@ -38,7 +41,7 @@ RECIPE = textwrap.dedent('''
 
     def main(cfg):
         out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(out)   # as start_run does
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         with open(out.parent.parent / "calls.txt", "a") as f:
             f.write(f"{{cfg.x}} {{cfg.seed}} {{cfg.resume}}\\n")
@@ -115,6 +118,30 @@ def test_failed_arm_shown_others_finish_and_resubmit_reruns_only_it(fake, tmp_pa
     # The same folder with another config for a finished run is refused.
     with pytest.raises(ValueError, match="fail_at"):
         sweep(fake, {"x": [1]}, seeds=[0], base={"fail_at": 3}, executor="debug", folder=folder)
+
+
+def test_a_dead_run_is_shown_dead_as_everywhere_and_resubmitted(fake, tmp_path):
+    """A resumed attempt killed with SIGKILL while it held the run: no results.json, no live
+    owner. The table says dead, as runs_table does, and a resubmitted sweep resumes it."""
+    import signal
+
+    from posttrain.workflows.run_state import run_state
+
+    folder = tmp_path / "sw" / "d"
+    s = sweep(fake, {"x": [1]}, seeds=[0], base={"fail_at": 1}, executor="debug", folder=folder)
+    assert s.table().loc[0, "status"] == "failed"
+    out = s.out_dir("x=1", 0)
+    child = hold_run_dir(out)   # the resumed attempt: its claim clears the failed record
+    assert s.table().loc[0, "status"] == "running" == run_state(out).status
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=120)
+    row = s.table().loc[0]
+    assert row.status == "dead" == run_state(out).status
+    assert row.error == run_state(out).detail and "no live process" in row.error
+    s2 = sweep(fake, {"x": [1]}, seeds=[0], base={"fail_at": 1}, executor="debug",
+               folder=folder)
+    assert _calls(folder) == ["1 0 False", "1 0 True"]   # resumed (and it fails again)
+    assert s2.table().loc[0, "status"] == "failed" == run_state(out).status
 
 
 @pytest.mark.parametrize("grid, options, match", [

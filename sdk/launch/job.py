@@ -1,8 +1,9 @@
 """What runs inside a job that `posttrain.launch.submit.launch` submitted: `_Call`, the pickled
 callable. It joins the torch.distributed process group when the job has several tasks, defers
 Slurm's warning signal to the Trainer's step boundaries (`posttrain.core.preemption`), runs
-`target(cfg)`, checks that the result pickles, and, when submitit checkpoints it, resubmits
-itself with `cfg.resume=True`. In a job of several tasks, ranks other than 0 leave after the
+`target(cfg)` (a run in `cfg.out_dir` that raises records how it stopped and frees its folder:
+`posttrain.core.run_lock.run_outcome`), checks that the result pickles, and, when submitit
+checkpoints it, resubmits itself with `cfg.resume=True`. In a job of several tasks, ranks other than 0 leave after the
 warning signal once rank 0 has checkpointed and requeued the job.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from submitit.core.utils import DelayedSubmission
 from submitit.helpers import Checkpointable
 
+from posttrain.core.run_lock import run_outcome
 from posttrain.launch.pickling import _check_result_pickles
 
 _LOG = logging.getLogger(__name__)
@@ -45,8 +47,12 @@ class _Call(Checkpointable):
             _install_preemption(self.num_tasks)
         group = _init_process_group(self.gpus_per_node, self.master_addr) if self.num_tasks > 1 \
             else None
+        out_dir = None if not self.has_cfg else (
+            self.cfg.get("out_dir") if isinstance(self.cfg, dict) else
+            getattr(self.cfg, "out_dir", None))
         try:
-            result = self.target(self.cfg) if self.has_cfg else self.target()
+            with run_outcome(out_dir):   # a run that raises records it and frees its folder
+                result = self.target(self.cfg) if self.has_cfg else self.target()
         finally:
             if group is not None and group.is_initialized():  # unless target destroyed it
                 group.destroy_process_group()

@@ -1,8 +1,8 @@
 """Recipe building blocks: the typed config sections every recipe nests (`ModelConfig`,
 `TaskConfig`, `OptimConfig`, ..., `ParallelConfig`), the one validation path and dotted
 overrides, the SFT stage (`run_sft`, the warm start other recipes begin with), the SFT -> RL
-run (`run_sft_then_rl`), and the start/end of a run (config echo, results.json/results.md, the
-curves plot).
+run (`run_sft_then_rl`), the start/end of a run (config echo, results.json/results.md, the
+curves plot) and its state (`run_state`: finished, running, failed, interrupted, dead).
 
 The top SDK layer below `notebook`: it stands on train, preference, rl, envs and rewards, and
 never imports `posttrain.notebook`. Recipes (`recipes/*.py`) import from here, never from each
@@ -59,6 +59,7 @@ from posttrain.workflows.reports import (
     start_run,
     write_results,
 )
+from posttrain.workflows.run_state import RunState, recorded_run, run_state, run_status
 from posttrain.workflows.sft import (
     MODES,
     SFTConfig,
@@ -96,4 +97,5 @@ __all__ = [
     "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
     "ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError", "SuiteResult",
     "evaluate_suite", "regression_check",
+    "RunState", "recorded_run", "run_state", "run_status",
 ]

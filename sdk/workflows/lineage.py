@@ -22,7 +22,8 @@ The sub-run itself records no link back: its parent folder is the folder above i
 
 Each entry is `{"path": relative to the run folder, "abs": absolute, "via": "sub_run" |
 "model.init_from" | "task.name" | "declared"}`. A resumed run keeps its lineage and appends the
-resume (time, command, code, host) to `resumes`.
+resume (time, command, code, host, and the folder it ran in: `run` records where the run
+started, and a folder that was moved or copied resumes in its new place) to `resumes`.
 
 Example:
     >>> sorted(code_version())  # doctest: +NORMALIZE_WHITESPACE
@@ -52,6 +53,7 @@ from typing import Any
 
 from posttrain.core.checkpoint_files import write_text_atomic
 from posttrain.core.run_lock import LOCK_FILE
+from posttrain.workflows.run_state import run_state, run_status
 
 __all__ = ["LINEAGE_FILE", "PACKAGES", "SDK_RECIPES", "RunOrigin", "run_origin", "code_version",
            "package_versions", "data_lineage", "check_parents", "write_lineage", "read_lineage",
@@ -283,7 +285,8 @@ def write_lineage(cfg: Any, out: Path, config: dict[str, Any],
     if getattr(cfg, "resume", False) and path.is_file():
         record = json.loads(path.read_text())
         record.setdefault("resumes", []).append(
-            {"started": _now(), "command": _command(origin), "hostname": host, "code": code})
+            {"started": _now(), "command": _command(origin), "hostname": host, "code": code,
+             "run": str(out.resolve())})  # a moved or copied folder resumes in its new place
     else:
         rerun_of = origin.rerun_of if origin is not None else None
         record = {"schema": 1, "run": str(out.resolve()), "recipe": _recipe(cfg, origin),
@@ -328,38 +331,6 @@ def find_runs(*folders: str | os.PathLike) -> list[Path]:
     return sorted(dict.fromkeys(found))
 
 
-def _holder_alive(folder: Path) -> bool:
-    """Whether the process named in the run's lock file (`pid N on host H`) is alive here."""
-    try:
-        words = (folder / LOCK_FILE).read_text().split()
-        pid, host = int(words[1]), words[4]
-    except (OSError, ValueError, IndexError):
-        return False
-    if host != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def run_status(folder: str | os.PathLike) -> str:
-    """"finished" (results.json), else "running" (the process holding the run's lock is alive
-    on this host), else "interrupted" (results.json marked so by Ctrl-C) or "failed" (no
-    results.json: it crashed, was killed, or runs on another host)."""
-    folder = Path(folder)
-    path = folder / "results.json"
-    results = json.loads(path.read_text()) if path.is_file() else None
-    if results is not None and not results.get("interrupted"):
-        return "finished"
-    if _holder_alive(folder):
-        return "running"
-    return "interrupted" if results is not None else "failed"
-
-
 def main_metric(results: dict[str, Any]) -> tuple[str | None, float | None]:
     """The headline number of a results.json: held-out accuracy after the last stage
     (`after_<algo>` of an RL run, `after` of SFT / DPO / reward model), else the final loss."""
@@ -390,8 +361,11 @@ def _parent_path(entry: dict[str, str], run: Path) -> Path:
 def runs_table(*folders: str | os.PathLike) -> Any:
     """A pandas DataFrame of the runs under `folders` (default: ./runs), one row per run folder
     sorted by start time: run (path), recipe, started (UTC), commit (10 hex digits, "+dirty"
-    for a changed checkout; the package version without git), status (`run_status`), metric
-    and value (`main_metric`), parents (their paths, comma-separated).
+    for a changed checkout; the package version without git), status (finished, running,
+    failed, interrupted or dead: `posttrain.workflows.run_state.run_state`, as a sweep's table
+    has it), error (a failed run's exception line, where an interrupted one stopped, why a
+    dead one is taken for dead), metric and value (`main_metric`), parents (their paths,
+    comma-separated).
 
     Raises:
         ValueError: naming a folder that does not exist.
@@ -407,11 +381,14 @@ def runs_table(*folders: str | os.PathLike) -> Any:
         path = run / "results.json"
         metric, value = main_metric(json.loads(path.read_text())) if path.is_file() else (None,
                                                                                           None)
+        state = run_state(run)
         rows.append({"run": _shown(run), "recipe": lineage.get("recipe", {}).get("name"),
                      "started": lineage.get("started"), "commit": commit,
-                     "status": run_status(run), "metric": metric, "value": value,
+                     "status": state.status, "error": state.error, "metric": metric,
+                     "value": value,
                      "parents": ", ".join(_shown(_parent_path(p, run))
                                           for p in lineage.get("parents", []))})
-    columns = ["run", "recipe", "started", "commit", "status", "metric", "value", "parents"]
+    columns = ["run", "recipe", "started", "commit", "status", "error", "metric", "value",
+               "parents"]
     table = pd.DataFrame(rows, columns=columns)
     return table.sort_values(["started", "run"], kind="stable").reset_index(drop=True)

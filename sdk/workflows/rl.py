@@ -60,6 +60,7 @@ from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
+from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
                                          read_table, start_run, stop_if_interrupted,
                                          write_results, write_table)
@@ -144,6 +145,7 @@ _CURVES = [("reward_mean", "reward (mean)"), ("accuracy", "accuracy (outcome ok)
            ("kl", "KL to reference"), ("ppo_kl", "KL old -> new (ppo_kl)")]
 
 
+@recorded_run
 def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     """Run SFT -> RL -> held-out evaluation; returns the results dict also written to
     `out_dir/results.json` (and .csv/.md); under a `parallel` plan, on rank 0 only (None on

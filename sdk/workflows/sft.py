@@ -50,6 +50,7 @@ from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig
                                               check_converted_run, convert_for_training,
                                               export_adapters, finish_quantized,
                                               trainable_parameters)
+from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.reports import (accuracy_of, accuracy_table, plot_curves, read_table,
                                          start_run, stop_if_interrupted, write_results,
                                          write_table)
@@ -231,6 +232,7 @@ def unsharded_policy(policy: Policy) -> Policy:
     return Policy(model, policy.tokenizer, policy.spec)
 
 
+@recorded_run
 def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     """Run SFT/CPT; returns the results dict also written to `out_dir/results.json`.
 

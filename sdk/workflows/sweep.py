@@ -6,8 +6,10 @@ Layout: `<folder>/<arm>/seed<k>/` is the run folder of an arm and a seed (`out_d
 usual results.json, metrics.jsonl, eval_*.csv and lineage.json; `<folder>/sweep.json` records the
 recipe, grid, seeds and baseline; `<folder>/launch/` holds the job files. Submitting the same
 sweep again (same folder) does not rerun a finished run (its config.json must match, else
-ValueError), leaves a running one alone, and resumes (`resume=True`) one that failed or was
-interrupted. A failed run shows its error in the table and does not stop the others.
+ValueError), leaves a running one alone, and resumes (`resume=True`) one that failed, was
+interrupted or died. A run's status is its folder's (`posttrain.workflows.run_state.run_state`,
+as `runs_table()` has it) once its job has started it; a failed run shows its exception line in
+the table and does not stop the others.
 
 Statistics (`Sweep.summary`):
   - per arm, the mean of the headline metric (`posttrain.workflows.lineage.main_metric`, e.g.
@@ -48,7 +50,8 @@ from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.arms import NEEDED as _NEEDED
 from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
 from posttrain.workflows.config import override
-from posttrain.workflows.lineage import main_metric, run_status
+from posttrain.workflows.lineage import main_metric
+from posttrain.workflows.run_state import run_state, run_status
 from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config, read_table
 
@@ -163,7 +166,7 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
             _check_resumed_config(json.loads((out / "config.json").read_text()),
                                   dataclasses.asdict(run_cfg), out)
         cells[arm.name, seed] = None
-        if status in (None, "failed", "interrupted"):
+        if status in (None, "failed", "interrupted", "dead"):
             todo.append(((arm.name, seed), dataclasses.replace(run_cfg,
                                                                resume=status is not None)))
     if todo:  # launch_array checks its options before it submits or writes anything
@@ -197,25 +200,34 @@ class Sweep:
         return self.folder / arm / f"seed{seed}"
 
     def _state(self, arm: str, seed: int) -> tuple[str, str | None]:
+        """(status, error): the job's while it has not ended (pending, running), then the run
+        folder's (`run_state`, whatever the job says: a later attempt may have run it); a job
+        that ended before its run started is failed, with the job's error."""
         run, out = self.runs.get((arm, seed)), self.out_dir(arm, seed)
         if run is not None and not run.done():
             return ("pending" if run.status() == "PENDING" else "running"), None
-        if run is not None and run.status() != "COMPLETED":
-            try:
-                run.result()
-            except JobFailedError as e:
-                return "failed", _error_line(str(e))
-            return "failed", f"job ended {run.status()}"
         if not (out / "config.json").is_file():
-            return "failed", "the job ended without starting the run"
-        status = run_status(out)
-        return status, (None if status in ("finished", "running") else
-                        "no results.json (the job was killed or crashed)")
+            return "failed", self._job_error(run) or "the job ended without starting the run"
+        state = run_state(out)
+        return state.status, state.error
+
+    @staticmethod
+    def _job_error(run: Run | None) -> str | None:
+        """How a job that ended without COMPLETED ended: its exception line, or its state."""
+        if run is None or not run.done() or run.status() == "COMPLETED":
+            return None
+        try:
+            run.result()
+        except JobFailedError as e:
+            return _error_line(str(e))
+        return f"job ended {run.status()}"
 
     def table(self) -> pd.DataFrame:
         """One row per (arm, seed), read now: arm, the grid values, seed, status (pending,
-        running, finished, failed, interrupted), step (last metrics.jsonl row), metric, value
-        (the headline, once finished), error (a failed run's exception line), out_dir."""
+        running, finished, failed, interrupted, dead: as `runs_table()` has it once the job
+        started the run), step (last metrics.jsonl row), metric, value (the headline, once
+        finished), error (a failed run's exception line, why a dead one is taken for dead),
+        out_dir."""
         rows = []
         for arm, seed in itertools.product(self.arms, self.seeds):
             out = self.out_dir(arm.name, seed)
