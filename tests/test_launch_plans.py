@@ -12,10 +12,11 @@ job resumes that run from the checkpoint taken at the signal, then runs the same
 uninterrupted. About 50-100 s with both jobs on a loaded 2-core machine (30-50 s for the local
 job alone), most of it process start-up, twice per job (before and after the requeue).
 
-Tolerances against one process, over the 10 steps (as tests/test_parallel_plans.py): per-step
-losses 2e-6 absolute (seen: 4.8e-7), weights 1e-6 (seen: 1.2e-7), gradient norms 2e-6 relative
-(seen: 1.9e-6 absolute on norms of 1-4, i.e. 6e-7 relative: a few float32 ulps that grow over
-10 steps); the resumed run against the uninterrupted one under the same plan: bitwise.
+Tolerances against one process, over the 10 steps: per-step losses 2e-6, relative to the loss
+where that exceeds 1 (losses are ~5.6, where one float32 step is 4.8e-7; seen: 4.8e-7), weights
+1e-6 (seen: 1.2e-7), gradient norms 2e-6 relative (seen: 1.9e-6 absolute on norms of 1-4, i.e.
+6e-7 relative: a few float32 ulps that grow over 10 steps); the resumed run against the
+uninterrupted one under the same plan: bitwise.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ for _module in (sys.modules[__name__], worker, _train_helpers):
     cloudpickle.register_pickle_by_value(_module)
 
 PLAN = ParallelPlan(dp_shard=2, tp=2)
-LOSS_ATOL, SGD_WEIGHT_ATOL, GRAD_NORM_RTOL = 2e-6, 1e-6, 2e-6
+LOSS_TOL, SGD_WEIGHT_ATOL, GRAD_NORM_RTOL = 2e-6, 1e-6, 2e-6
 PREEMPT_AFTER_STEP = 2
-DEADLINE_S = 240.0  # for a job to end; fails the test, never skips it
+DEADLINE_S = 600.0  # for a job to end (generous: the wait ends when the job does); fails the
+# test, never skips it
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -190,8 +192,10 @@ def test_dp_shard_x_tp_job_equals_one_process(jobs, executor):
     for r in results:
         sharded = r["uninterrupted"]
         assert sharded["trained_tokens"] == single["trained_tokens"]
-        worst = max(abs(a - b) for a, b in zip(sharded["losses"], single["losses"], strict=True))
-        assert worst <= LOSS_ATOL, f"rank {r['rank']}: losses differ by up to {worst:.3g}"
+        worst = max(abs(a - b) / max(1.0, abs(b))
+                    for a, b in zip(sharded["losses"], single["losses"], strict=True))
+        assert worst <= LOSS_TOL, f"rank {r['rank']}: losses differ by up to {worst:.3g} " \
+                                   "(relative where the loss exceeds 1)"
         assert sharded["grad_norms"] == pytest.approx(single["grad_norms"], rel=GRAD_NORM_RTOL)
         assert _max_diff(sharded["params"], single["params"]) <= SGD_WEIGHT_ATOL
     assert run.plan == PLAN
