@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import RUN_S
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,10 +26,12 @@ def free_port() -> int:
 
 def run_ranks(script: str | os.PathLike, world_size: int, out: Path, *args: str,
               log_prefix: str = "rank", expect_returncode: int = 0,
-              timeout_s: float = 300) -> None:
+              timeout_s: float = RUN_S) -> None:
     """Run the ranks until all end; a rank that fails leaves the others waiting in a collective,
     so they are stopped then. Asserts that every rank exited with `expect_returncode` (-9 for
-    ranks that SIGKILL themselves), showing the logs of those that did not."""
+    ranks that SIGKILL themselves), showing the logs of those that did not, and says so when
+    the ranks were still running after `timeout_s` (generous: a run of seconds on a quiet
+    machine takes minutes beside busy neighbours)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     logs = [out / f"{log_prefix}-{rank}.log" for rank in range(world_size)]
@@ -42,6 +46,8 @@ def run_ranks(script: str | os.PathLike, world_size: int, out: Path, *args: str,
             while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
                    and not any(p.poll() not in expected for p in procs)):
                 time.sleep(0.1)
+            late = [rank for rank, p in enumerate(procs) if p.poll() is None]
+            timed_out = bool(late) and time.monotonic() >= deadline
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -50,4 +56,7 @@ def run_ranks(script: str | os.PathLike, world_size: int, out: Path, *args: str,
     failed = [f"{log.name}, exit code {proc.returncode} (want {expect_returncode}):\n"
               f"{log.read_text()[-4000:]}"
               for proc, log in zip(procs, logs) if proc.returncode != expect_returncode]
+    if timed_out:
+        failed.insert(0, f"timed out after {timeout_s:g} s waiting for ranks {late} of "
+                         f"{Path(script).name} to exit (then killed)")
     assert not failed, "\n\n".join(failed)

@@ -32,7 +32,7 @@ def two_ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Run tests/distributed_sft_run.py on 2 gloo ranks; (its output folder, each rank's
     results)."""
     out = tmp_path_factory.mktemp("dp")
-    run_ranks(worker.__file__, WORLD_SIZE, out, str(out), timeout_s=180)
+    run_ranks(worker.__file__, WORLD_SIZE, out, str(out))
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
