@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from posttrain.policy import Policy
-from posttrain.workflows import ModelConfig, SamplingConfig, fail, validate
-from posttrain.workflows.config import seeds
+from posttrain.workflows import ModelConfig, SamplingConfig, check_seq_len, fail, validate
+from posttrain.workflows.config import folder_path, seeds
 
 
 @dataclass(kw_only=True)
@@ -36,10 +36,17 @@ class Config:
 
     def check(self, at: str) -> None:
         seeds(self, at, ("seed",))
-        if not str(self.out_dir).strip():
-            raise fail(f"{at}.out_dir", self.out_dir, "a non-empty folder path")
-        if not self.prompts or not all(isinstance(p, str) for p in self.prompts):
-            raise fail(f"{at}.prompts", self.prompts, "a non-empty list of strings")
+        folder_path(self, at, "out_dir", "where the policy is saved")
+        if (isinstance(self.prompts, str) or not isinstance(self.prompts, (list, tuple))
+                or not self.prompts or not all(isinstance(p, str) and p for p in self.prompts)):
+            raise fail(f"{at}.prompts", self.prompts, "a non-empty list of non-empty strings")
+        check_seq_len(self, at)
+        limit = self.model.max_seq_len()
+        longest = max(len(self.model.tokenizer().encode(p, add_bos=True)) for p in self.prompts)
+        if limit is not None and longest + self.sampling.max_new_tokens > limit:
+            raise fail(f"{at}.sampling.max_new_tokens", self.sampling.max_new_tokens,
+                       f"at most {limit - longest}: the longest prompt has {longest} tokens and "
+                       f"the model holds {limit}")
 
 
 def main(cfg: Config) -> pd.DataFrame:

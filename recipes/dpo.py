@@ -52,6 +52,7 @@ from posttrain.data import KTODataset, PreferenceDataset, PreferenceLoader, pair
 from posttrain.envs import ReasoningGymTask
 from posttrain.preference import (ShardedPreferenceLoader, compute_reference_logps,
                                   make_preference_pairs)
+from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import paired_bootstrap_diff
 from posttrain.train import Trainer, get_loss, plan_state, warmup_cosine_schedule
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
@@ -64,7 +65,8 @@ from posttrain.workflows import (cached_pairs, on_rank_zero, read_table, stop_if
                                  unsharded_policy, write_table)
 from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from posttrain.workflows.run_state import recorded_run
-from posttrain.workflows.config import choice, finite, ints
+from posttrain.workflows.config import choice, finite, flags, ints, positive
+from posttrain.workflows.sft import check_task_fits
 from posttrain.workflows.parallel import check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
@@ -73,6 +75,13 @@ from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig
 LOSSES = ("dpo", "ipo", "simpo", "kto", "orpo")
 DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}
 """beta when `Config.beta` is None (SimPO's scale is that of per-token averages)."""
+LOSS_OPTIONS = {"beta": "beta", "label_smoothing": "label_smoothing", "loss_type": "dpo_loss_type",
+                "f_divergence_type": "f_divergence_type",
+                "f_alpha_divergence_coef": "f_alpha_divergence_coef", "gamma": "simpo_gamma",
+                "length_normalize": "ipo_length_normalize",
+                "desirable_weight": "kto_desirable_weight",
+                "undesirable_weight": "kto_undesirable_weight"}
+"""The options `build_loss` passes to the loss, and the `Config` field each comes from."""
 
 
 @dataclass(kw_only=True)
@@ -89,9 +98,9 @@ class Config:
     dpo_loss_type: str = "sigmoid"
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
-    simpo_gamma: float = 1.0           # SimPO's target reward margin
+    simpo_gamma: float = 1.0           # SimPO's target reward margin (>= 0)
     ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
-    kto_desirable_weight: float = 1.0
+    kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
     kto_undesirable_weight: float = 1.0
     # the starting policy (also the reference): model.init_from, or SFT of model.name
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -125,12 +134,16 @@ class Config:
         check_gym_task(self, at)
         check_seq_len(self, at)
         ints(self, at, ("val_pairs",), minimum=1)
-        if self.val_pairs >= self.pairs.num_prompts:
-            raise ValueError(f"{at}.val_pairs={self.val_pairs} must be below {at}.pairs."
-                             f"num_prompts={self.pairs.num_prompts}: each prompt gives at most "
-                             "one pair")
-        finite(self, at, ("label_smoothing", "simpo_gamma", "kto_desirable_weight",
-                          "kto_undesirable_weight"))
+        prompts = min(self.pairs.num_prompts, self.task.train_size)
+        if self.val_pairs >= prompts:
+            which = "pairs.num_prompts" if prompts == self.pairs.num_prompts else "task.train_size"
+            raise ValueError(f"{at}.val_pairs={self.val_pairs} must be below {at}.{which}="
+                             f"{prompts}: the pairs come from that many training questions, "
+                             "each giving at most one pair")
+        finite(self, at, ("label_smoothing",))
+        finite(self, at, ("simpo_gamma",), low=0.0)  # SimPO's target reward margin
+        positive(self, at, ("kto_desirable_weight", "kto_undesirable_weight"))
+        flags(self, at, ("ipo_length_normalize",))
         choice(f"{at}.dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
         choice(f"{at}.f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
         for name, default in (("dpo_loss_type", "sigmoid"), ("f_divergence_type", "reverse_kl"),
@@ -144,8 +157,15 @@ class Config:
                        "ignore it")
         try:
             self.build_loss()
-        except ValueError as e:
-            raise ValueError(f"{at} (loss={self.loss!r}): {e}") from None
+        except ValueError as e:  # "beta=0.0; must be ..." -> "Config.beta=0.0; must be ..."
+            message = str(e)
+            for option, name in LOSS_OPTIONS.items():
+                if message.startswith(f"{option}="):
+                    message = f"{at}.{name}{message.removeprefix(option)}"
+                    break
+            else:
+                message = f"{at}: {message}"
+            raise ValueError(f"{message} (loss={self.loss!r})") from None
         check_parallel(self, at, divisible=("optim.batch_size",) + (
             ("sft.batch_size",) if self.model.init_from is None else ()),
                        unsupported=("pp",))  # the split policy scores the reference
@@ -182,10 +202,11 @@ def main(cfg: Config) -> dict[str, Any] | None:
     a `parallel` plan on rank 0; None on the other ranks).
 
     Raises ValueError before writing anything if `out_dir` already holds a run and
-    `cfg.resume` is False, or `cfg.parallel` does not fit the job, and if rejection sampling
-    gives too few pairs.
+    `cfg.resume` is False, `cfg.parallel` does not fit the job, or the task's data does not fit
+    the config (`check_task_fits`); later, if rejection sampling gives too few pairs.
     """
     start = time.perf_counter()
+    check_task_fits(cfg)
     out = start_run(cfg, sub_runs=("sft",))
     plan = cfg.parallel.plan()
     writes = plan is None or rank_and_world_size()[0] == 0
@@ -218,13 +239,17 @@ def main(cfg: Config) -> dict[str, Any] | None:
         return cached_pairs(out, resume=cfg.resume, make=make_pairs)
 
     rows, pair_stats = pairs() if plan is None else on_rank_zero(pairs)
+    # a pair whose sampled answer is empty, or too long once decoded and encoded again, is data:
+    # left out and counted (results["unusable_pairs"]) before the split
+    rows, unusable = usable_pairs(rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     times["pairs_s"] = time.perf_counter() - t0
     if writes:
-        print(f"{policy}\npairs: {pair_stats}")
+        print(f"{policy}\npairs: {pair_stats}" + (f", unusable: {unusable}" if unusable else ""))
     if len(rows) <= cfg.val_pairs:
-        raise ValueError(f"rejection sampling gave {len(rows)} pairs, not more than val_pairs="
-                         f"{cfg.val_pairs} ({pair_stats}); raise pairs.num_prompts or "
-                         "pairs.samples_per_prompt, or set pairs.reference_answer=true")
+        raise ValueError(f"rejection sampling gave {len(rows)} usable pairs, not more than "
+                         f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
+                         "pairs.num_prompts or pairs.samples_per_prompt, or set "
+                         "pairs.reference_answer=true")
     train_rows, val_rows = rows[:-cfg.val_pairs], rows[-cfg.val_pairs:]
 
     # 3. Datasets and reference log-probs under the starting policy
@@ -307,6 +332,8 @@ def main(cfg: Config) -> dict[str, Any] | None:
                "wall_s": time.perf_counter() - start, **adapters}
     if converters:
         results["converters"] = converters
+    if unusable:
+        results["unusable_pairs"] = unusable
     _write_results(results, out, cfg.task.name)
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk

@@ -62,6 +62,7 @@ from posttrain.envs import ReasoningGymTask
 from posttrain.preference import (BradleyTerryLoss, ShardedPreferenceLoader,
                                   apply_plan_to_reward_model, gathered_reward_model,
                                   make_preference_pairs)
+from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
 from posttrain.train import Trainer, plan_state, warmup_cosine_schedule
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
@@ -71,6 +72,7 @@ from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig,
 from posttrain.workflows import cached_pairs, on_rank_zero, stop_if_interrupted
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.config import finite, seeds
+from posttrain.workflows.sft import check_seq_len, check_task_fits
 from posttrain.workflows.parallel import check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
@@ -95,7 +97,7 @@ class Config:
     # reward model (optim.batch_size: pairs per micro-batch)
     optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
         steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
-    margin: float = 0.0
+    margin: float = 0.0                # Bradley-Terry margin (>= 0)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
@@ -112,8 +114,9 @@ class Config:
     def check(self, at: str) -> None:
         run_fields(self, at)
         check_gym_task(self, at, min_eval_size=0)
+        check_seq_len(self, at)
         seeds(self, at, ("prompt_seed",))
-        finite(self, at, ("margin",))
+        finite(self, at, ("margin",), low=0.0)
         if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
         check_parallel(self, at, divisible=("optim.batch_size",) + (
@@ -144,10 +147,12 @@ def main(cfg: Config) -> dict[str, Any] | None:
 
     Raises:
         ValueError: before writing anything if `out_dir` (or its `sft/`) already holds a run
-            and `cfg.resume` is False, or `cfg.parallel` does not fit the job; later, if the
-            pairs are too few to split.
+            and `cfg.resume` is False, `cfg.parallel` does not fit the job, or the task's data
+            does not fit the config (`check_task_fits`); later, if the pairs are too few to
+            split.
     """
     start = time.perf_counter()
+    check_task_fits(cfg)
     out = start_run(cfg, sub_runs=("sft",))
     plan = cfg.parallel.plan()
     writes = plan is None or rank_and_world_size()[0] == 0
@@ -174,12 +179,15 @@ def main(cfg: Config) -> dict[str, Any] | None:
                             stats_file="pairs_stats.json")
 
     rows, pair_stats = pairs() if plan is None else on_rank_zero(pairs)
+    # a pair whose sampled answer is empty, or too long once decoded and encoded again, is data:
+    # left out and counted (results["unusable_pairs"]) before the split
+    rows, unusable = usable_pairs(rows, policy.tokenizer, max_seq_len=policy.spec.max_seq_len)
     train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
     pairs_s = time.perf_counter() - start - policy_s
     if writes:
         print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
               f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
-              f"{pair_stats['outcomes']}")
+              f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else ""))
 
     # 3. the Bradley-Terry reward model, from the policy's backbone
     tokenizer = policy.tokenizer
@@ -250,6 +258,8 @@ def main(cfg: Config) -> dict[str, Any] | None:
                "wall_s": time.perf_counter() - start, **adapters}
     if converters:
         results["converters"] = converters
+    if unusable:
+        results["unusable_pairs"] = unusable
     write_results(out, results, _results_markdown(results, cfg.task.name))
     if plan is not None:
         barrier()  # the other ranks return once the results are on disk

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score_batch
 from posttrain.policy.policy import generate_for_items
 
-__all__ = ["PairStats", "make_preference_pairs"]
+__all__ = ["PairStats", "make_preference_pairs", "usable_pairs"]
 
 
 @dataclass
@@ -132,3 +132,26 @@ def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
                          "chosen_outcome": best[3].outcome.value,
                          "rejected_outcome": worst[3].outcome.value})
     return rows, stats
+
+
+def usable_pairs(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int,
+                 chat: bool = True) -> tuple[list[Mapping[str, Any]], dict[str, int]]:
+    """The rows of `make_preference_pairs` that `PreferenceDataset(..., max_seq_len=...)` takes,
+    and the count of the others by reason (`posttrain.data.rows.BAD_ROW_REASONS`:
+    "empty_response", a sampled answer that was only an end token; "overlong", prompt + answer
+    past `max_seq_len`, e.g. sampled bytes that are not UTF-8 decode to U+FFFD and encode again
+    to three bytes each). Such a pair is data, not an error: a recipe leaves it out, counted,
+    before it splits the rest into training and validation pairs.
+    """
+    from posttrain.data.preference import PreferenceDataset
+    from posttrain.data.rows import BadRowError
+
+    kept, skipped = [], {}
+    for row in rows:
+        try:
+            PreferenceDataset([row], tokenizer, max_seq_len=max_seq_len, chat=chat)
+        except BadRowError as e:
+            skipped[e.reason] = skipped.get(e.reason, 0) + 1
+            continue
+        kept.append(row)
+    return kept, skipped

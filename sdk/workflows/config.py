@@ -33,86 +33,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.checks import check_int
 from posttrain.models.specs import PRESETS
 from posttrain.rl.config import RLAlgorithm
 from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
+from posttrain.workflows.field_checks import (SEED_MAX, choice, fail, finite, flags, folder_path,
+                                              ints, positive, run_fields, seeds)
 
 __all__ = ["ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
            "EvalConfig", "RLEvalConfig", "CheckpointConfig", "SFTWarmStartConfig", "PairsConfig", "RLConfig",
-           "ROOT", "SEED_MAX", "validate", "override", "config_keys", "fail", "run_fields"]
+           "ROOT", "SEED_MAX", "validate", "override", "config_keys", "fail", "run_fields",
+           "flags", "folder_path"]
 
 ROOT = "Config"
 """How messages name the recipe config that holds every section."""
-SEED_MAX = 2**32 - 1
-"""Seeds are integers in [0, SEED_MAX] (numpy's and reasoning-gym's seeding accept those)."""
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".txt")
 
 
-def fail(name: str, value: Any, must: str) -> ValueError:
-    """The one error of a bad field: `name=value; must be ...` (`name` dotted: Config.optim.lr)."""
-    return ValueError(f"{name}={value!r}; must be {must}")
-
-
-def ints(cfg: Any, at: str, names: Iterable[str], *, minimum: int,
-         optional: bool = False) -> None:
-    """Each field of `cfg` in `names` is an int >= `minimum` (None too when `optional`)."""
-    for name in names:
-        check_int(f"{at}.{name}", getattr(cfg, name), minimum=minimum, optional=optional)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def positive(cfg: Any, at: str, names: Iterable[str], *, optional: bool = False) -> None:
-    """Each field is a finite number > 0 (or None when `optional`)."""
-    for name in names:
-        value = getattr(cfg, name)
-        if not ((optional and value is None) or (_number(value) and value > 0)):
-            raise fail(f"{at}.{name}", value, "a finite number > 0" + " or None" * optional)
-
-
-def finite(cfg: Any, at: str, names: Iterable[str], *, low: float = -math.inf,
-           high: float = math.inf) -> None:
-    """Each field is a finite number in [low, high]."""
-    for name in names:
-        value = getattr(cfg, name)
-        if not (_number(value) and low <= value <= high):
-            bounds = "" if (low, high) == (-math.inf, math.inf) else f" in [{low}, {high}]"
-            raise fail(f"{at}.{name}", value, "a finite number" + bounds)
-
-
-def seeds(cfg: Any, at: str, names: Iterable[str]) -> None:
-    """Each field is a seed: an int in [0, SEED_MAX]."""
-    for name in names:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
-            raise fail(f"{at}.{name}", value, f"an integer in [0, {SEED_MAX}] (a seed)")
-
-
-def run_fields(cfg: Any, at: str) -> None:
-    """The fields every recipe has: `seed` (a seed), `out_dir` (a non-empty path), `resume`
-    and `progress` (booleans)."""
-    seeds(cfg, at, ("seed",))
-    if not isinstance(cfg.out_dir, (str, Path)) or not str(cfg.out_dir).strip():
-        raise fail(f"{at}.out_dir", cfg.out_dir, "a non-empty folder path (the run folder)")
-    for name in ("resume", "progress"):
-        if not isinstance(getattr(cfg, name), bool):
-            raise fail(f"{at}.{name}", getattr(cfg, name), "true or false")
-
-
-def choice(name: str, value: Any, allowed: Iterable[str]) -> None:
-    """`value` is one of `allowed`."""
-    allowed = list(allowed)
-    if value not in allowed:
-        raise fail(name, value, f"one of {', '.join(map(str, allowed))}")
+POLICY_FILES = ("config.json",)
+"""Files a policy folder (`Policy.save`, a HF checkpoint) holds, besides its weights and one of
+`TOKENIZER_FILES`."""
+TOKENIZER_FILES = ("posttrain_tokenizer.json", "tokenizer.json")
+"""A policy folder's tokenizer: posttrain's byte tokenizer, or a Hugging Face tokenizer."""
 
 
 @dataclass(kw_only=True)
@@ -125,8 +71,23 @@ class ModelConfig:
     def check(self, at: str) -> None:
         if self.init_from is None:
             choice(f"{at}.name", self.name, sorted(PRESETS))
-        elif not Path(self.init_from).is_dir():
-            raise fail(f"{at}.init_from", self.init_from, "None or an existing folder (a policy)")
+            return
+        folder_path(self, at, "init_from", "a policy: config.json, weights and a tokenizer; "
+                    "or None")
+        folder = Path(self.init_from)
+        missing = [f for f in POLICY_FILES if not (folder / f).is_file()]
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            missing.append(" or ".join(TOKENIZER_FILES))
+        if not folder.is_dir() or missing:
+            why = "no such folder" if not folder.is_dir() else f"it has no {', '.join(missing)}"
+            raise fail(f"{at}.init_from", self.init_from, f"None or a policy folder "
+                       f"(Policy.save / a HF checkpoint); {why}")
+
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer: `ByteTokenizer` for a preset, the folder's otherwise."""
+        from posttrain.models.tokenizer import ByteTokenizer, load_tokenizer
+
+        return ByteTokenizer() if self.init_from is None else load_tokenizer(self.init_from)
 
     def max_seq_len(self) -> int | None:
         """The longest sequence the model holds: its preset's, or the HF folder's config."""
@@ -156,6 +117,9 @@ class TaskConfig:
         return self.name.endswith(DATA_FILE_SUFFIXES)
 
     def check(self, at: str) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise fail(f"{at}.name", self.name, "a reasoning-gym task name or a "
+                       f"{'/'.join(DATA_FILE_SUFFIXES)} data file")
         ints(self, at, ("train_size",), minimum=1)
         ints(self, at, ("eval_size",), minimum=0)
         seeds(self, at, ("eval_seed",))
@@ -315,8 +279,12 @@ class PairsConfig:
 
     def check(self, at: str) -> None:
         ints(self, at, ("num_prompts", "samples_per_prompt"), minimum=2)  # best vs worst
-        if not isinstance(self.reference_answer, bool):
-            raise fail(f"{at}.reference_answer", self.reference_answer, "true or false")
+        flags(self, at, ("reference_answer",))
+
+
+BATCH_WHITENED = ("gae", "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""verl advantage estimators that whiten over the batch's response tokens (`masked_whiten`:
+an error for a mask of one token)."""
 
 
 @dataclass(kw_only=True)
@@ -352,11 +320,17 @@ class RLConfig:
         if self.kl_coef is not None:
             finite(self, at, ("kl_coef",), low=0.0)
         try:
-            self.algorithm()
+            algorithm = self.algorithm()
         except ValueError as e:  # e.g. GRPO with group_size 1: no group baseline
             bad = next((f.name for f in dataclasses.fields(self) if f.name in str(e)), None)
             where = f"{at}.{bad}={getattr(self, bad)!r}" if bad else f"{at} (algo={self.algo!r})"
             raise ValueError(f"{where}: {e}") from None
+        if (algorithm.advantage_estimator in BATCH_WHITENED
+                and self.prompts_per_step * self.group_size < 2):
+            raise fail(f"{at}.prompts_per_step", self.prompts_per_step, f"at least 2 with "
+                       f"group_size={self.group_size}: {algorithm.advantage_estimator!r} "
+                       "whitens advantages over the step's response tokens, which needs two "
+                       "samples (a sample may be a single token)")
 
 
 def validate(cfg: Any, at: str = ROOT) -> None:

@@ -60,8 +60,8 @@ class ParallelConfig:
         return ParallelPlan(**fields)
 
     def check(self, at: str) -> None:
-        try:
-            self.plan()
+        try:  # every field, also where it equals its default (True == 1 is not a degree)
+            ParallelPlan(**dataclasses.asdict(self))
         except ValueError as e:  # "ParallelPlan.tp=0; ..." -> "Config.parallel.tp=0; ..."
             raise ValueError(str(e).replace("ParallelPlan.", f"{at}.")) from None
 

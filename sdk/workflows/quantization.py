@@ -75,8 +75,9 @@ class AdaptersConfig:
 
     def check(self, at: str) -> None:
         choice(f"{at}.method", self.method, ADAPTER_METHODS)
-        if not isinstance(self.modules, (list, tuple)):
-            raise fail(f"{at}.modules", self.modules, "a list of module names")
+        if (not isinstance(self.modules, (list, tuple)) or not self.modules
+                or not all(isinstance(m, str) for m in self.modules)):
+            raise fail(f"{at}.modules", self.modules, "a non-empty list of module names")
         try:
             (self if self.method != "none" else dataclasses.replace(self, method="lora")).lora()
         except ValueError as e:
@@ -95,31 +96,35 @@ class QuantizationConfig:
     qat_scheme: str = "int8da_int4w"
     qat_group_size: int = 32
 
-    def training_config(self):
-        """The converter config (`Float8Config` or `QATConfig`); None for training "none"."""
-        if self.training == "fp8":
+    def training_config(self, training: str | None = None):
+        """The converter config (`Float8Config` or `QATConfig`) of `training` (default: the
+        chosen one); None for "none"."""
+        training = self.training if training is None else training
+        if training == "fp8":
             from posttrain.train.float8 import Float8Config
 
             return Float8Config(recipe=self.fp8_recipe)
-        if self.training == "qat":
+        if training == "qat":
             from posttrain.train.qat import QATConfig
 
             return QATConfig(scheme=self.qat_scheme, group_size=self.qat_group_size)
         return None
 
     def check(self, at: str) -> None:
-        """The fields of the chosen `training` (the others are not read)."""
+        """Every field, those of a `training` not chosen too (a bad value is an error wherever
+        it is set, not when the section is switched on later)."""
         choice(f"{at}.training", self.training, TRAINING_QUANTIZATIONS)
         fields = {"fp8": {"recipe": "fp8_recipe"},
                   "qat": {"scheme": "qat_scheme", "group_size": "qat_group_size"}}
-        try:
-            self.training_config()
-        except ValueError as e:
-            message = str(e)
-            for name, ours in fields.get(self.training, {}).items():
-                for cls in ("Float8Config", "QATConfig"):
-                    message = message.replace(f"{cls}.{name}=", f"{at}.{ours}=")
-            raise ValueError(message) from None
+        for training, names in fields.items():
+            try:
+                self.training_config(training)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                for name, ours in names.items():
+                    for cls in ("Float8Config", "QATConfig"):
+                        message = message.replace(f"{cls}.{name}=", f"{at}.{ours}=")
+                raise ValueError(message) from None
 
 
 @dataclass(kw_only=True)

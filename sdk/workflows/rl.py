@@ -64,7 +64,8 @@ from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
                                          read_table, start_run, stop_if_interrupted,
                                          write_results, write_table)
-from posttrain.workflows.sft import evaluate, held_out_items, warm_start
+from posttrain.workflows.sft import (check_seq_len, check_task_fits, evaluate, held_out_items,
+                                     warm_start)
 
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
 
@@ -118,6 +119,7 @@ class RLRunConfig:
     def check(self, at: str) -> None:
         run_fields(self, at)
         check_gym_task(self, at)
+        check_seq_len(self, at)
         if self.model.init_from is not None:
             raise fail(f"{at}.model.init_from", self.model.init_from,
                        "None: the RL run starts from its own SFT stage (model.name)")
@@ -152,9 +154,10 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     the other ranks).
 
     Raises ValueError before writing anything if `out_dir` (or its `sft/`) already holds a run
-    and `cfg.resume` is False.
+    and `cfg.resume` is False, or the task's data does not fit the config (`check_task_fits`).
     """
     start = time.perf_counter()
+    check_task_fits(cfg)
     out = start_run(cfg, sub_runs=("sft",))
 
     # 1. SFT warm start (evaluates before and after on the held-out items)
