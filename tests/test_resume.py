@@ -223,3 +223,133 @@ def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):
         assert rows["step"].tolist() == list(range(1, 13))
         for column in ("loss", "lr", "grad_norm", "trained_tokens", "eval/noise"):
             assert rows[column].equals(expected_rows[column]), column
+
+
+# ------------------------------------------- a recipe run resumed under another plan, or moved
+
+import plan_resume_run as plan_worker  # noqa: E402
+from _ranks import run_ranks  # noqa: E402
+
+# Tolerances against one process (tests/test_parallel_plans.py): per-step losses 2e-6 (the
+# float rounding of a 2-rank sum; seen at most 4.8e-7), weights after AdamW steps 1e-4 (Adam's
+# first steps divide by |g| and scale that rounding up on near-zero gradients; seen 3.1e-6).
+LOSS_ATOL, ADAMW_WEIGHT_ATOL = 2e-6, 1e-4
+
+
+def _cut_back(run: Path, step: int) -> None:
+    """Leave `run` as a SIGKILL during step `step + 2` leaves a run that checkpoints every
+    step: checkpoints up to `step`, metrics rows up to `step + 1`, no results and no policy."""
+    import shutil
+
+    for path in list_checkpoints(run):
+        if int(path.name.removeprefix("step_")) > step:
+            shutil.rmtree(path)
+    for name in ("results.json", "results.md", "eval_after.csv", "loss.png"):
+        (run / name).unlink(missing_ok=True)
+    shutil.rmtree(run / "policy")
+    rows = [line for line in (run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] <= step + 1]
+    (run / "metrics.jsonl").write_text("".join(line + "\n" for line in rows))
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "policy" / "model.safetensors")
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def replanned(tmp_path_factory) -> Path:
+    """Both runs of tests/plan_resume_run.py: started under one plan, cut back to step 2,
+    resumed under the other."""
+    out = tmp_path_factory.mktemp("replanned")
+    run_ranks(plan_worker.__file__, 2, out, str(out), "first", log_prefix="first")
+    for name in plan_worker.RUNS:
+        _cut_back(out / name, plan_worker.RESUME_FROM)
+    run_ranks(plan_worker.__file__, 2, out, str(out), "resume", log_prefix="resume")
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """The same SFT run in one process, uninterrupted."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    sft, cfg = plan_worker.config(out)
+    sft.main(cfg)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(plan_worker.RUNS))
+def test_recipe_resumes_under_another_plan(replanned, single, name):
+    """dp_shard=2 (sharded checkpoint) -> dp_shard=1, and two plain replicas (full checkpoint)
+    -> dp_shard=2, both on 2 gloo ranks: the resumed run restarts from step 2, its config.json
+    records the new plan, and it ends as the uninterrupted one-process run does."""
+    run = replanned / name
+    first, resumed = plan_worker.RUNS[name]
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["parallel"]["dp_shard"] == resumed["parallel.dp_shard"]
+    lineage = json.loads((run / "lineage.json").read_text())
+    assert lineage["config"]["parallel"]["dp_shard"] == first["parallel.dp_shard"]
+    assert len(lineage["resumes"]) == 1
+    rows, expected = read_metrics(run), read_metrics(single)
+    assert rows["step"].tolist() == list(range(1, plan_worker.STEPS + 1))
+    worst = float((rows["loss"] - expected["loss"]).abs().max())
+    assert worst <= LOSS_ATOL, f"losses differ by {worst:.3g}"
+    assert _max_diff(_weights(run), _weights(single)) <= ADAMW_WEIGHT_ATOL
+    assert json.loads((run / "results.json").read_text())["steps"] == plan_worker.STEPS
+
+
+def test_a_moved_run_folder_resumes_in_its_new_place(single, tmp_path):
+    """A run cut back to step 2 (a SIGKILL during step 4), then moved: `resume=true` with the
+    new out_dir continues from step 2 and ends bitwise equal to the uninterrupted run; its
+    config.json and lineage name the new folder."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "elsewhere" / "new"
+    sft, cfg = plan_worker.config(old)
+    sft.main(cfg)
+    _cut_back(old, plan_worker.RESUME_FROM)
+    new.parent.mkdir()
+    shutil.move(old, new)
+    sft, cfg = plan_worker.config(new, resume=True)
+    sft.main(cfg)
+    assert read_metrics(new)["loss"].tolist() == read_metrics(single)["loss"].tolist()
+    assert_bitwise_equal(_weights(new), _weights(single))
+    assert json.loads((new / "config.json").read_text())["out_dir"] == str(new)
+    lineage = json.loads((new / "lineage.json").read_text())
+    assert (lineage["run"], lineage["resumes"][-1]["run"]) == (str(old), str(new))
+
+
+def test_a_moved_run_with_sub_runs_resumes_and_other_changes_are_still_refused(tmp_path):
+    """The GRPO recipe's more-SFT stage starts from `<out_dir>/sft/policy`, so its config.json
+    holds a path inside the run folder: after a move it is compared as the same path inside the
+    new folder. A setting that cannot change (the learning rate) is still refused, naming the
+    key; the plan and out_dir may change."""
+    import shutil
+
+    from posttrain import cli
+    from posttrain.workflows import override
+
+    grpo = cli.load_recipe("grpo")
+    old, new = tmp_path / "old", tmp_path / "new"
+    tiny = {**grpo.TINY, "eval.every": 0, "baseline.steps": 1, "eval.samples": 0}
+    first = grpo.main(override(grpo.Config(), {**tiny, "out_dir": str(old)}))
+    (old / "more_sft" / "results.json").unlink()  # the baseline stage must run again
+    shutil.rmtree(old / "more_sft" / "policy")
+    shutil.move(old, new)
+    sub = json.loads((new / "more_sft" / "config.json").read_text())
+    assert sub["model"]["init_from"] == str(old / "sft" / "policy")
+    with pytest.raises(ValueError, match=r"optim\.lr=0\.0001, this run has optim\.lr=0\.001;"
+                                         r" only resume, progress, checkpoint\.\*, parallel\.\*, "
+                                         r"out_dir may change"):
+        grpo.main(override(grpo.Config(), {**tiny, "out_dir": str(new), "resume": True,
+                                           "optim.lr": 1e-3}))
+    again = grpo.main(override(grpo.Config(), {**tiny, "out_dir": str(new), "resume": True}))
+    assert again["more_sft"]["accuracy"] == first["more_sft"]["accuracy"]
+    assert (new / "more_sft" / "policy").is_dir()

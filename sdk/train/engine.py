@@ -20,6 +20,7 @@ process per folder, `posttrain.core.run_lock`), and resume (model, optimizer, sc
 states, step count, metrics rows, and the trainer's own state such as a data position or a
 replay buffer), after which a run continues bit for bit (CPU, fixed threads). Under a plan the
 model and optimizer go into torch.distributed.checkpoint shards that reload under another plan
+or none, and a checkpoint of a run without a plan loads under a plan
 (`posttrain.train.sharded_checkpoint`).
 
 Settings that cannot change on resume (`_fixed_settings`: the loss, gradient accumulation, the
@@ -49,7 +50,8 @@ from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.train.losses import check_finite_update
 from posttrain.train.optimizer_check import check_optimizer
-from posttrain.train.sharded_checkpoint import load_sharded_state, save_sharded_checkpoint
+from posttrain.train.sharded_checkpoint import (load_full_state, load_sharded_state,
+                                               save_sharded_checkpoint)
 from posttrain.train.sharding import (PlanState, clip_grads_with_norm_, plan_state, reshard,
                                       set_gradient_sync, sum_over_data_ranks, total_grad_norm)
 
@@ -405,14 +407,12 @@ class Engine(abc.ABC):
             was = "without" if state["lr_scheduler"] is None else "with"
             has = "one" if self.lr_scheduler is not None else "none"
             raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
-        if ckpt["sharded"] is not None:
+        if ckpt["sharded"] is not None:  # under this plan, another one, or none
             load_sharded_state(ckpt["sharded"], model=self._checkpoint_module(),
                                optimizer=self.optimizer)
-        elif self.plan_state is not None:
-            raise ValueError(f"{path} holds full (unsharded) weights of a run without a "
-                             "ParallelPlan; this trainer's model is sharded and resumes only "
-                             "from a sharded checkpoint (load the weights into the model before "
-                             "applying the plan to start from them)")
+        elif self.plan_state is not None:  # a run without a plan continues under one
+            load_full_state(ckpt["model_state"], state["optimizer"],
+                            model=self._checkpoint_module(), optimizer=self.optimizer)
         else:
             self._load_model_state(ckpt["model_state"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -12,7 +12,8 @@ wait at a barrier, so a requeued job finds the same checkpoint on every rank.
 
 Loading reshards: the state dicts are keyed by parameter name (`get_state_dict`), so a checkpoint
 saved under one plan loads under another (dp_shard 4 -> 2, FSDP -> TP) or into one process
-without a plan (DCP reads the shards it needs and redistributes them).
+without a plan (DCP reads the shards it needs and redistributes them); the other way, a full
+checkpoint of a run without a plan loads under a plan (`load_full_state`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from posttrain.core.checkpoint_files import (check_dcp_metadata, is_disk_full, m
                                              no_space_error, state_bytes)
 from posttrain.core.distributed import barrier
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_state"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_state", "load_full_state"]
 
 
 def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
@@ -95,3 +96,52 @@ def load_sharded_state(folder: Path, *, model: nn.Module,
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
+
+
+def load_full_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], *,
+                    model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a checkpoint of a run without a plan (the full `state_dict()` of the module, or a
+    dict of them keyed by the names of `model`'s children, and `optimizer.state_dict()`) into
+    `model` split by a plan and its `optimizer`: every rank reads the whole checkpoint and keeps
+    its own shards (`set_state_dict` with `full_state_dict=True`). Collective under a plan.
+
+    The saved optimizer names its parameters by position; they are matched to `model`'s by the
+    position of the same parameters in `optimizer` (the same recipe builds it the same way).
+
+    Raises:
+        ValueError: if the saved optimizer holds another number of parameter groups or
+            parameters than `optimizer`, or a parameter of `optimizer` is not in `model`.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    flat = model_state
+    children = dict(model.named_children())
+    if model_state and all(isinstance(v, dict) for v in model_state.values()) \
+            and set(model_state) <= set(children):  # {"policy": {...}, "value_head": {...}}
+        flat = {f"{child}.{k}": v for child, sd in model_state.items() for k, v in sd.items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved_groups, groups = optimizer_state["param_groups"], optimizer.param_groups
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        raise ValueError(f"the checkpoint's optimizer has parameter groups of "
+                         f"{[len(g['params']) for g in saved_groups]} parameters; this one of "
+                         f"{[len(g['params']) for g in groups]}")
+    fqn: dict[int, str] = {}
+    for saved, group in zip(saved_groups, groups):
+        for index, param in zip(saved["params"], group["params"]):
+            if id(param) not in names:
+                raise ValueError("the optimizer holds a parameter that is not in the model "
+                                 "it is saved with")
+            fqn[index] = _canonical(names[id(param)])
+    optim = {"state": {fqn[i]: s for i, s in optimizer_state["state"].items()},
+             "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]}
+                              for g in saved_groups]}
+    set_state_dict(model, optimizer, model_state_dict=flat, optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def _canonical(name: str) -> str:
+    """A parameter name without the wrappers' prefixes (activation checkpointing, compile),
+    as `get_state_dict` names it."""
+    for prefix in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name

@@ -41,9 +41,13 @@ __all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "wri
            "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
            "RESUMABLE_KEYS", "cached_pairs", "check_tokenizer_covers_task", "on_rank_zero"]
 
-RESUMABLE_KEYS = ("resume", "progress", "checkpoint.")
-"""Config keys (and key prefixes) that may differ between a run and its resume; every other
-setting (model, data, schedule length, ...) is compared with the saved config.json."""
+RESUMABLE_KEYS = ("resume", "progress", "checkpoint.", "parallel.", "out_dir")
+"""Config keys (and key prefixes, ending in ".") that may differ between a run and its resume:
+`parallel.*` (a sharded checkpoint reshards to another plan, world size included, and one of a
+run without a plan loads under a plan) and `out_dir` (a run folder that was moved or copied
+resumes from its new place: a saved value that is a path inside the old folder is compared as
+the same path inside the new one). Every other setting (model, data, schedule length, ...) is
+compared with the saved config.json."""
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -149,14 +153,35 @@ they mean what that run did."""
 
 def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:
     saved, now = _flat(saved), _flat(json.loads(json.dumps(now, default=str)))
+    old_dir, new_dir = saved.get("out_dir"), now.get("out_dir")
     for key in sorted(set(saved) | set(now)):
-        if key.startswith(RESUMABLE_KEYS) or saved.get(key) == now.get(key):
+        moved = _rebased(saved.get(key), old_dir, new_dir)  # a path inside a moved run folder
+        if key.startswith(RESUMABLE_KEYS) or now.get(key) in (saved.get(key), moved):
             continue
         if key not in saved and key in _ADDED_DEFAULTS and now[key] == _ADDED_DEFAULTS[key]:
             continue
+        allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_KEYS)
         raise ValueError(f"resume: {out / 'config.json'} has {key}={saved.get(key)!r}, this run "
-                         f"has {key}={now.get(key)!r}; only {', '.join(RESUMABLE_KEYS)}* may "
-                         "change on resume (use a new out_dir for a different run)")
+                         f"has {key}={now.get(key)!r}; only {allowed} may change on resume "
+                         "(use a new out_dir for a different run)")
+
+
+def _rebased(value: Any, old_dir: Any, new_dir: Any) -> Any:
+    """`value`, if it is a path inside the folder that moved, as the same path in its new place;
+    else itself. The folder that moved is `old_dir` -> `new_dir` less their common last parts:
+    a sub-run `run/more_sft` moved with its run to `new/more_sft` moved `run` -> `new`, so its
+    `model.init_from` `run/sft/policy` is now `new/sft/policy`."""
+    if not (isinstance(value, str) and isinstance(old_dir, str) and isinstance(new_dir, str)):
+        return value
+    old, new = Path(old_dir).parts, Path(new_dir).parts
+    same = 0
+    while same < min(len(old), len(new)) - 1 and old[-1 - same] == new[-1 - same]:
+        same += 1
+    try:
+        inside = Path(value).relative_to(Path(*old[:len(old) - same]))
+    except ValueError:
+        return value
+    return str(Path(*new[:len(new) - same]) / inside)
 
 
 def accuracy_table(stages: Sequence[tuple[str, dict | None]],
