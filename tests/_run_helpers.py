@@ -1,12 +1,17 @@
-"""A real process that owns a run folder, for the run-state tests (lineage, sweeps)."""
+"""Real processes in tests: one that owns a run folder (run-state tests: lineage, sweeps), and
+a run killed with SIGKILL at a step it reports (kill-and-resume tests)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import wait_for
+import pytest
+
+from conftest import RUN_S, wait_for
 
 _HOLD = ("import sys, time; from pathlib import Path\n"
          "from posttrain.core.run_lock import claim_run_dir\n"
@@ -21,3 +26,30 @@ def hold_run_dir(folder: Path) -> subprocess.Popen:
              what=f"a child process to claim {folder}")
     assert child.poll() is None, f"the child that should hold {folder} exited ({child.returncode})"
     return child
+
+
+def finish(proc: subprocess.Popen, timeout: float = RUN_S) -> str:
+    """The output of `proc` (stdout with stderr) once it has exited 0; fails the test if not."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+def kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = RUN_S) -> None:
+    """Wait until the run reports `step` in `run_dir/progress` (it then sleeps), and SIGKILL it.
+    Fails the test, naming the folder and step, if it exits first or `timeout` s pass."""
+    marker = run_dir / "progress"
+
+    def reached() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"the run in {run_dir} exited before step {step}:\n{proc.stdout.read()}")
+        return marker.exists() and marker.read_text() == str(step)
+
+    try:
+        wait_for(reached, what=f"the run in {run_dir} to report step {step}", timeout=timeout)
+    except BaseException:
+        proc.kill()
+        raise
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL

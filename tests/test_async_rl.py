@@ -7,15 +7,14 @@ rollout sampled ahead, with its weights version)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from _run_helpers import finish, kill_after
 from _train_helpers import assert_bitwise_equal
 from posttrain.core import latest_checkpoint, load_checkpoint, read_metrics
 from posttrain.envs import chain_sum_task
@@ -170,27 +169,6 @@ def _start(run_dir: Path, cluster, staleness: int, *args: str) -> subprocess.Pop
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
-
-
-def _kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 600) -> None:
-    """Wait until the run reports `step` (it then sleeps), and SIGKILL it."""
-    marker, deadline = run_dir / "progress", time.monotonic() + timeout
-    while not (marker.exists() and marker.read_text() == str(step)):
-        if proc.poll() is not None:
-            pytest.fail(f"the run in {run_dir} exited before step {step}:\n{proc.stdout.read()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the run in {run_dir} did not report step {step} within {timeout} s")
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-
-
 @pytest.mark.slow
 def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_session, tmp_path):
     """6 steps, a checkpoint every 2; killed after step 3, so the run resumes from step 2 and
@@ -202,7 +180,7 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_
     procs = {s: (_start(ref, ray_session, s), _start(kill, ray_session, s, "--pause-after", "3"))
              for s, (ref, kill) in runs.items()}
     for s, (ref, kill) in runs.items():
-        _kill_after(procs[s][1], kill, 3)
+        kill_after(procs[s][1], kill, 3)
         checkpoint = latest_checkpoint(kill)
         assert checkpoint.name == "step_000002"
         ahead = load_checkpoint(checkpoint)["train_state"]["ahead"]
@@ -210,8 +188,8 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_
             ([] if s == 0 else [(2, 1)])
     resumed = {s: _start(kill, ray_session, s, "--resume") for s, (_, kill) in runs.items()}
     for s, (ref, kill) in runs.items():
-        _finish(procs[s][0])
-        assert "starting at step 2" in _finish(resumed[s])
+        finish(procs[s][0])
+        assert "starting at step 2" in finish(resumed[s])
         for step in range(1, 7):
             name = f"groups/step_{step}.json"
             assert json.loads((kill / name).read_text()) == json.loads((ref / name).read_text()), \

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 import torch
 
 from _train_helpers import one_thread  # noqa: F401  (autouse fixture)
+from _run_helpers import finish, kill_after
 from _train_helpers import assert_bitwise_equal, params_of, sft_loader, tiny_model
 from posttrain.core import checkpoint as ckpt_module
 from posttrain.core import (capture_rng_state, latest_checkpoint, list_checkpoints,
@@ -170,27 +169,6 @@ def _start(run_dir: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 120) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
-
-
-def _kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 120) -> None:
-    """Wait until the run reports `step` (it then sleeps), and SIGKILL it."""
-    marker, deadline = run_dir / "progress", time.monotonic() + timeout
-    while not (marker.exists() and marker.read_text() == str(step)):
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited before step {step}:\n{proc.stdout.read()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the run did not reach step {step} in {timeout} s")
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-
-
 def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):
     """12 steps, checkpoint every 3, 6 steps per epoch. Killed after step 5: resume from step 3
     (mid-epoch) and cross the epoch boundary after resuming. Killed after step 7: resume from
@@ -200,8 +178,8 @@ def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):
     reference = _start(ref_dir)
     killed5 = _start(kill5_dir, "--pause-after", "5")
     killed7 = _start(kill7_dir, "--pause-after", "7")
-    _kill_after(killed5, kill5_dir, 5)
-    _kill_after(killed7, kill7_dir, 7)
+    kill_after(killed5, kill5_dir, 5)
+    kill_after(killed7, kill7_dir, 7)
 
     assert latest_checkpoint(kill5_dir).name == "step_000003"
     assert latest_checkpoint(kill7_dir).name == "step_000006"
@@ -211,9 +189,9 @@ def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):
 
     resumed5 = _start(kill5_dir, "--resume")
     resumed7 = _start(kill7_dir, "--resume")
-    _finish(reference)
-    assert "starting at step 3" in _finish(resumed5)
-    assert "starting at step 6" in _finish(resumed7)
+    finish(reference)
+    assert "starting at step 3" in finish(resumed5)
+    assert "starting at step 6" in finish(resumed7)
 
     expected = torch.load(ref_dir / "final.pt", weights_only=True)
     expected_rows = read_metrics(ref_dir)
