@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import RUN_S
+from _waits import RUN_S
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RUN_S, wait_for
+from _waits import RUN_S, wait_for
 
 _HOLD = ("import sys, time; from pathlib import Path\n"
          "from posttrain.core.run_lock import claim_run_dir\n"

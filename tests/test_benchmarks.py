@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WAIT_S
+from _waits import WAIT_S
 
 SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
 

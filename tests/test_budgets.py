@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import LATE_S, WAIT_S, thread_cpu_s, wait_for
+from _waits import LATE_S, WAIT_S, thread_cpu_s, wait_for
 from posttrain.envs.calculator_env import (MAX_CALLS_PER_TURN, CalculatorEnv,
                                            evaluate_arithmetic)
 from posttrain.rewards.verifier import Outcome, VerifierResult, run_verifier, score_batch

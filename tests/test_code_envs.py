@@ -15,7 +15,7 @@ import sys
 import cloudpickle
 import pytest
 
-from conftest import WAIT_S
+from _waits import WAIT_S
 from posttrain.envs import get_task, registered_tasks
 from posttrain.envs.code_env import CodeGroupBuilder, CodeTask, mbpp_item, split_held_out
 from posttrain.envs.python_tool_env import (PythonToolEnv, PythonToolGroupBuilder,

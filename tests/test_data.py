@@ -543,7 +543,7 @@ def test_right_pad_shapes_dtypes_and_values():
 
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])
 def test_a_huge_row_is_cut_before_tokenising_and_gives_the_short_rows_sample(overlong):
-    from conftest import thread_cpu_s
+    from _waits import thread_cpu_s
 
     huge = "x" * 50_000_000
     rows = [chat("hi", "ok"), chat("hi", huge), chat("p" * 10_000_000, "ok")]

@@ -16,7 +16,7 @@ from fractions import Fraction
 import cloudpickle
 import pytest
 
-from conftest import WAIT_S, thread_cpu_s
+from _waits import WAIT_S, thread_cpu_s
 from posttrain.rewards import Outcome, run_verifier
 from posttrain.verifiers import get_verifier
 from posttrain.verifiers.code_exec import (CodeTestsVerifier, build_program, code_under_test,

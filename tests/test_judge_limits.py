@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from _judge_helpers import HTTP_TIMEOUT_S, ITEM, Gated, post, scores
-from conftest import wait_for
+from _waits import wait_for
 
 from posttrain.models import ByteTokenizer
 from posttrain.rewards import Outcome, RewardModel, RewardModelJudge

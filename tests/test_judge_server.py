@@ -35,7 +35,7 @@ import httpx
 import pytest
 import torch
 from _judge_helpers import HTTP_TIMEOUT_S, ITEM, Gated, post, scores
-from conftest import wait_for
+from _waits import wait_for
 
 from posttrain.envs import JudgedGroupBuilder, chain_sum_task
 from posttrain.launch.judge import launch_judge

@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 import torch
 
-from conftest import thread_cpu_s
+from _waits import thread_cpu_s
 from posttrain.rewards import judges as judges_module
 from posttrain.envs import ReasoningGymGroupBuilder, chain_sum_task
 from posttrain.rewards import (Judge, JudgeResult, LLMJudge, LLMPairwiseJudge, PairwiseJudge,

@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 import pytest
 
-from conftest import wait_for
+from _waits import wait_for
 from posttrain import cli
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.submit import (RUN_FILE, JobFailedError, Run, _Call, launch,

@@ -155,7 +155,7 @@ def jobs(request, tmp_path_factory):
 
 def _results(jobs, executor: str) -> tuple[Run, list[dict]]:
     if executor not in jobs["runs"]:
-        from conftest import SKIP_NO_SLURM
+        from _waits import SKIP_NO_SLURM
 
         pytest.skip(SKIP_NO_SLURM)
     run = jobs["runs"][executor]

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from posttrain.launch.submit import JobFailedError, Run, launch, launch_array
-from conftest import WAIT_S
+from _waits import WAIT_S
 from test_launch import Cfg, times_ten
 
 

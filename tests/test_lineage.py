@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _run_helpers import hold_run_dir
-from conftest import wait_for
+from _waits import wait_for
 
 from posttrain import cli
 from posttrain.workflows import RL_TINY, override

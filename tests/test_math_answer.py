@@ -15,7 +15,7 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from conftest import thread_cpu_s
+from _waits import thread_cpu_s
 from posttrain.rewards import Outcome, run_verifier
 from posttrain.verifiers import FormatVerifier, MathAnswerVerifier, extract_answer
 from posttrain.verifiers import math_answer

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import WAIT_S
+from _waits import WAIT_S
 
 import posttrain
 

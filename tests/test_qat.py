@@ -23,7 +23,7 @@ from posttrain.train.qat import (GPU_SCHEMES, QAT_SCHEMES, QATConfig, convert_qa
                                  prepare_qat, quantize_post_training)
 
 from _train_helpers import sft_loader
-from conftest import RUN_S
+from _waits import RUN_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = get_preset("tiny-1m")

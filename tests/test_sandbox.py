@@ -16,7 +16,7 @@ import time
 import cloudpickle
 import pytest
 from _sandbox_helpers import box, host_processes_of  # noqa: F401  (box is a fixture)
-from conftest import LATE_S, WAIT_S
+from _waits import LATE_S, WAIT_S
 
 from posttrain.verifiers import sandbox as sandbox_module
 from posttrain.verifiers import sandbox_exec

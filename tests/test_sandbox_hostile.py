@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from _sandbox_helpers import box, host_processes_of, host_processes_with_argv  # noqa: F401
-from conftest import LATE_S, wait_for
+from _waits import LATE_S, wait_for
 
 from posttrain.verifiers import sandbox_exec
 from posttrain.verifiers.sandbox import ExecOutcome, SandboxLimits

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 
-from conftest import LATE_S
+from _waits import LATE_S
 from posttrain.data import SFTDataset, SFTLoader
 from posttrain.data.synthetic import (Decontaminate, ExactDedup, Length, MinScore, NearDedup,
                                       Score, SyntheticPipeline, build_stage, generate_candidates)

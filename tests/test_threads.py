@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WAIT_S
+from _waits import WAIT_S
 
 from posttrain.core.info import thread_report
 from posttrain.core.progress import progress_bar

@@ -12,7 +12,7 @@ from fractions import Fraction
 import cloudpickle
 import pytest
 
-from conftest import LATE_S
+from _waits import LATE_S
 from posttrain.rewards import (Outcome, Verifier, VerifierResult, as_score_fn, count_outcomes,
                                run_verifier, score_batch)
 from posttrain.verifiers import get_verifier, register_verifier, registered_verifiers

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from conftest import wait_for
+from _waits import wait_for
 
 
 def test_returns_the_first_truthy_value_of_the_predicate():
