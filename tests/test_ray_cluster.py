@@ -248,7 +248,7 @@ def _fake_ray_starts(monkeypatch, scripts):
     session of their own); returns the list of (process, env) each try got."""
     tries = []
 
-    def fake(args, env, temp_dir, cpus):
+    def fake(args, env, temp_dir, cpus, listen_port):
         os.makedirs(temp_dir, exist_ok=True)
         process = subprocess.Popen(["sh", "-c", scripts[len(tries)]], cwd=temp_dir,
                                    start_new_session=True)
@@ -290,6 +290,31 @@ def test_a_node_not_up_within_start_timeout_s_is_an_error_naming_it(monkeypatch,
     assert all(rn.session_pids(p.pid) == [] for p, _ in tries)  # nothing left running
 
 
+def test_the_raylet_gets_the_agent_port_it_waits_for(tmp_path):
+    """`lend_agent_port` finds the raylet of a node's session by its command line and writes the
+    dashboard agent's listen-port file it waits for, with Ray's own writer (the agent's), so
+    Ray's reader parses it; an existing file (the agent was first) is left as it is."""
+    session = tmp_path / "session_1"
+    session.mkdir()
+    fake_raylet = subprocess.Popen(  # argv[0] ".../raylet", as Ray starts it; runs a sleep
+        [str(tmp_path / "raylet"), "-c", "import time; time.sleep(60)",
+         f"--session_dir={session}", f"--node_id={'ab' * 28}"], executable=sys.executable,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not rn.lend_agent_port(fake_raylet.pid, 43210):
+            assert time.monotonic() < deadline, "the fake raylet never showed in its session"
+            time.sleep(0.05)
+        (written,) = session.glob(f"dashboard_agent_listen_port_{'ab' * 28}*")
+        assert "43210" in written.read_text()
+        written.write_text("5")  # as if the agent had been first
+        assert rn.lend_agent_port(fake_raylet.pid, 43210)
+        assert written.read_text() == "5"  # left as it was
+    finally:
+        rn.stop_node(fake_raylet, "fake raylet", grace_s=0.0)
+    assert rn.lend_agent_port(os.getpid(), 1) is False  # no raylet in this session (yet)
+
+
 def test_start_env_gives_rays_startup_deadlines_the_start_timeout(monkeypatch):
     """Each of Ray's startup deadlines with a knob gets max(Ray's default, start_timeout_s); one
     set in the environment already is kept."""
@@ -315,7 +340,8 @@ def test_start_env_gives_rays_startup_deadlines_the_start_timeout(monkeypatch):
 @pytest.mark.slow
 def test_outside_slurm_it_is_one_node_on_this_host_and_gone_after(monkeypatch):
     """A head node in a session of its own that this process drives; the body raising still
-    shuts Ray down and stops every process of that session; the environment is as before."""
+    shuts Ray down and stops every process of that session; the environment is as before; a
+    second cluster after it connects with its own token."""
     import ray
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
@@ -335,6 +361,10 @@ def test_outside_slurm_it_is_one_node_on_this_host_and_gone_after(monkeypatch):
         1 / 0  # the body raises: Ray is shut down all the same
     assert not ray.is_initialized() and current_cluster() is None
     assert rn.session_pids(node_session) == [] and "RAY_AUTH_TOKEN" not in os.environ
+    # a second cluster in the same process, with its own token (Ray caches the first one)
+    with ray_cluster(num_cpus_per_node=1) as second:
+        assert ray.get_runtime_context().gcs_address == second.address != cluster.address
+        assert ray.get(ray.remote(num_cpus=1)(lambda: 7).remote()) == 7
     # a Ray the caller started is not taken over
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="already initialised"):

@@ -10,10 +10,14 @@ Two deadlines of Ray 2.60 end a start on a loaded machine:
   node's environment gets start_timeout_s for it.
 * The raylet waits a fixed 15 s for its Python dashboard agent to write its port files and
   aborts when they are late (raylet.out: "Check failed: ... Timed out waiting for file
-  <session>/dashboard_agent_listen_port_<node>"). No setting changes it. The agent needs
-  ~2.5 s of CPU (imports); on a 2-core machine at load 15-25 it got too little within 15 s.
-  So a try whose raylet wrote a fatal line is stopped at once (its whole session) and the node
-  is started again, clean, until start_timeout_s has passed.
+  <session>/dashboard_agent_listen_port_<node>"). No setting changes it (explicit agent ports
+  do not either). The agent needs ~2.5 s of CPU to import; at load 12-25
+  on 2 cores it wrote its ports 15-25 s after it started, and 14 of 14 tries failed this way.
+  The raylet needs only the port number, and `start_node` chose it (`--dashboard-agent-listen-
+  port`): `lend_agent_port` writes that file for the raylet as soon as the raylet runs (Ray's own
+  `persist_port`, the agent's writer), and the agent writes the same number when it is ready.
+  Should the raylet still abort (another Ray, another file), the try is stopped at once (its
+  whole session) and the node started again, clean, until start_timeout_s has passed.
 
 Ray's startup deadlines that have a knob get max(Ray's default, start_timeout_s) in the node's
 environment (`start_env`; a value already set in this process's environment wins):
@@ -150,9 +154,16 @@ def start_node(args: list[str], *, token: str, temp_dir: str, cpus: int,
         ready.unlink(missing_ok=True)
         latest.unlink(missing_ok=True)  # Ray links it to this try's session when it makes one
         tries += 1
-        process = _ray_start(args, start_env(token, start_timeout_s), temp_dir, cpus)
+        listen_port, lent = free_port(), [False]
+        process = _ray_start(args, start_env(token, start_timeout_s), temp_dir, cpus,
+                             listen_port)
+
+        def up() -> Any:
+            lent[0] = lent[0] or lend_agent_port(process.pid, listen_port)
+            return ready.exists() or raylet_failure(temp_dir)
+
         try:
-            wait_for(lambda: ready.exists() or raylet_failure(temp_dir), process, deadline, "")
+            wait_for(up, process, deadline, "")
             if ready.exists():
                 return process
             raise RuntimeError("the raylet aborted")
@@ -187,13 +198,52 @@ def wait_for(condition: Callable[[], Any], process: subprocess.Popen | None, dea
     return value
 
 
-def _ray_start(args: list[str], env: dict[str, str], temp_dir: str,
-               cpus: int) -> subprocess.Popen:
-    """`ray start --block`, own session, output to the task's log, agent ports from the OS."""
+def lend_agent_port(sid: int, port: int) -> bool:
+    """Write the dashboard agent's listen-port file that the raylet of session `sid` waits for
+    (with Ray's own `persist_port`, which the agent itself uses), unless it exists. The port
+    was chosen by `start_node` and given to the agent, which binds it and writes the same
+    number once it has imported Ray; the raylet has it 15 s sooner than that on a loaded
+    machine.
+
+    Returns True when there is nothing (more) to do: written, present, or this Ray has no such
+    file (then the retries must do); False while the raylet has not started yet.
+    """
+    try:
+        from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+    except ImportError:
+        return True
+    raylet = next((a for a in map(_cmdline, session_pids(sid))
+                   if a and Path(a[0]).name == "raylet"), None)
+    if raylet is None:
+        return False
+    flags = dict(a[2:].split("=", 1) for a in raylet if a.startswith("--") and "=" in a)
+    session_dir, node_id = flags.get("session_dir"), flags.get("node_id")
+    if not (session_dir and node_id):
+        return True
+    name = f"{DASHBOARD_AGENT_LISTEN_PORT_NAME}_{node_id}"
+    try:
+        if not any(f.name.startswith(name) for f in Path(session_dir).iterdir()):
+            persist_port(session_dir, node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME, port)
+    except OSError:
+        return False
+    return True
+
+
+def _cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path("/proc", str(pid), "cmdline").read_bytes().decode(errors="replace") \
+            .split("\0")[:-1]
+    return []
+
+
+def _ray_start(args: list[str], env: dict[str, str], temp_dir: str, cpus: int,
+               listen_port: int) -> subprocess.Popen:
+    """`ray start --block`, own session, output to the task's log, the agent's listen port
+    `listen_port`, its other ports from the OS."""
     os.makedirs(temp_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--num-cpus", str(cpus),
            "--temp-dir", temp_dir, "--block", "--disable-usage-stats",
-           "--dashboard-agent-listen-port", str(free_port()),
+           "--dashboard-agent-listen-port", str(listen_port),
            "--dashboard-agent-grpc-port", str(free_port()),
            "--metrics-export-port", str(free_port()),
            "--runtime-env-agent-port", str(free_port())]
@@ -258,9 +308,14 @@ def free_port() -> int:
 
 
 def reread_ray_config() -> None:
-    """Ray caches RAY_AUTH_MODE when imported; read it again after a change, as Ray's own
-    `authentication_token_setup._enable_token_auth` does (ray 2.60; elsewhere the env must do)."""
+    """Ray caches RAY_AUTH_MODE when imported and the auth token when first used; read both
+    again after a change (a second cluster in the same process has another token), as Ray's
+    own `authentication_token_setup` does (ray 2.60; elsewhere the env must do)."""
     with contextlib.suppress(ImportError, AttributeError):
         from ray._raylet import Config
 
         Config.initialize("")
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import AuthenticationTokenLoader
+
+        AuthenticationTokenLoader.instance().reset_cache()
