@@ -24,6 +24,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
+from _waits import WAIT_S
 from posttrain.launch import RayCluster, Run, launch, ray_job
 import posttrain.launch.ray_cluster as rc
 import posttrain.launch.ray_node as rn
@@ -286,7 +287,9 @@ def test_a_node_not_up_within_start_timeout_s_is_an_error_naming_it(monkeypatch,
             r"start_timeout_s")):
         rn.start_node(["--head"], token="t0", temp_dir=str(tmp_path), cpus=1,
                       start_timeout_s=1.5, what="head")
-    assert len(tries) >= 2 and time.monotonic() - start < 60  # tried again, then gave up
+    # gave up soon after the deadline (how many tries fit in 1.5 s depends on the machine's load;
+    # retrying is test_a_node_start_is_tried_again_until_it_is_up's)
+    assert tries and time.monotonic() - start < WAIT_S
     assert all(rn.session_pids(p.pid) == [] for p, _ in tries)  # nothing left running
 
 
