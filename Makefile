@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.posttrain-installed
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # OpenMP's idle threads sleep instead of spinning, so a busy neighbour on a shared machine costs
-# about its share of the CPU, not a 17x slowdown (docs/benchmarks_threads.md). It must be set
+# about its share of the CPU, not a 17x slowdown (docs/benchmarks/threads.md). It must be set
 # before torch is imported (the `posttrain` command sets it too). Threads: one per CPU of the
 # affinity mask unless OMP_NUM_THREADS or POSTTRAIN_NUM_THREADS is set (posttrain.core.threads).
 export OMP_WAIT_POLICY ?= PASSIVE

@@ -22,7 +22,7 @@ rest. Overlap = (rollout_s + update_s of sync-1t - step of async-s1) / min(rollo
 sync-1t): 1 when the shorter half is hidden completely, 0 when nothing is.
 
 Usage:
-    python benchmarks/async_rl.py            # writes docs/async_rl.md
+    python benchmarks/async_rl.py            # writes docs/guides/async_rl.md
     python benchmarks/async_rl.py --quick    # smoke run, nothing written
 """
 
@@ -133,7 +133,7 @@ def main() -> None:
              f"load average at the end {os.getloadavg()[0]:.1f}")
     print(setup, table, summary, sep="\n")
     if not args.quick:
-        doc = DOCS / "async_rl.md"
+        doc = DOCS / "guides" / "async_rl.md"
         text = doc.read_text()
         begin, end = "<!-- results -->", "<!-- /results -->"
         head, _, rest = text.partition(begin)

@@ -13,10 +13,10 @@ each, no early stop (stop ids disabled on every side), fp32, 2 threads. Greedy r
 the three produce the same tokens.
 
 Usage:
-    python benchmarks/generation.py            # writes docs/benchmarks_generation.{md,png}
+    python benchmarks/generation.py            # writes docs/benchmarks/generation.{md,png}
     python benchmarks/generation.py --reps 3 --naive-reps 1 --out /tmp/gen   # quicker
     python benchmarks/generation.py --batch 128 --group-size 8 --prompt-len 48 --new-tokens 8 \
-        --out docs/benchmarks_generation_grouped   # GRPO's shape: 16 prompts x G=8, short answers
+        --out docs/benchmarks/generation_grouped   # GRPO's shape: 16 prompts x G=8, short answers
 
 With --group-size G, the batch is batch/G distinct prompts sampled G times each: `Policy.generate`
 prefills each distinct prompt once and copies its KV-cache rows to the G samples (prefix
@@ -40,7 +40,7 @@ import torch
 from posttrain.policy import Policy
 from posttrain.models import ByteTokenizer
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--naive-reps", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks_generation")
+    parser.add_argument("--out", type=Path, default=DOCS / "generation")
     args = parser.parse_args(argv)
 
     import transformers

@@ -1,7 +1,7 @@
 """SFT model FLOPs utilisation (MFU) of the qwen2.5-0.5b spec in bf16 on one GPU under FSDP2.
 
 Prepared for one NVIDIA H200; NOT run yet (no GPU where it was written): see
-docs/benchmarks_parallel.md. It exits with a message when CUDA is absent.
+docs/benchmarks/parallel_memory.md. It exits with a message when CUDA is absent.
 
 What it does:
   * a 1-rank NCCL process group and a 1-D DeviceMesh ("dp_shard",) of size 1;

@@ -31,7 +31,7 @@ is `--warmup` untimed + `--steps` timed steps; a block's value is its median ste
 gives the median over blocks.
 
 Usage:
-    python benchmarks/grpo_step.py              # writes docs/benchmarks_grpo.md
+    python benchmarks/grpo_step.py              # writes docs/benchmarks/grpo_step.md
     python benchmarks/grpo_step.py --quick      # smoke run, nothing written
 """
 
@@ -62,7 +62,7 @@ from posttrain.rl import RLAlgorithm
 from posttrain.rl import RLTrainer
 from posttrain.models import ByteTokenizer
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 UNSHARED = "posttrain, no shared prefix"
 DIFFERENCES = """## Where the two setups differ
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="give TRL posttrain's torch.optim.AdamW instead of its fused default")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 1 repeat of 1 + 2 steps, nothing written")
-    parser.add_argument("--out", type=Path, default=DOCS, help="folder for benchmarks_grpo.md")
+    parser.add_argument("--out", type=Path, default=DOCS, help="folder for grpo_step.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats = 2, 1, 1
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    md = args.out / "benchmarks_grpo.md"
+    md = args.out / "grpo_step.md"
     md.write_text(f"# GRPO step time: posttrain `RLTrainer` vs TRL `GRPOTrainer` (CPU)\n\n"
                   f"Produced by `python benchmarks/grpo_step.py`.\n\n{text}\n{DIFFERENCES}")
     print(f"wrote {md}")

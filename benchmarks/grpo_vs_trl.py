@@ -17,8 +17,8 @@ reward function.
 Evaluation, the same for the start and both results: the main job's 500 held-out questions,
 greedy accuracy, sampled pass@1 (S samples per question at temperature 1) and pass@S, each
 trainer minus the start and TRL minus posttrain with a paired bootstrap over the questions
-(95% percentile interval, 10k resamples). Writes docs/grpo_vs_trl.md and
-docs/figures/grpo_vs_trl.png (training reward and KL per step, both trainers).
+(95% percentile interval, 10k resamples). Writes docs/benchmarks/grpo_vs_trl.md and
+docs/benchmarks/figures/grpo_vs_trl.png (training reward and KL per step, both trainers).
 
 Usage:
     python benchmarks/grpo_vs_trl.py                       # SFT stage + both trainers (~30 min)
@@ -58,7 +58,7 @@ from posttrain.workflows.rl import RL_TINY  # noqa: E402
 from posttrain.workflows.sft import held_out_items, warm_start  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "benchmarks"
 WARMUP_STEPS = 5
 
 

@@ -15,7 +15,7 @@ positive is ok where the case expects "not equal" (a reward for a wrong answer);
 negative is any other outcome where it expects "equal".
 
 Usage:
-    python benchmarks/math_verify_agreement.py            # prints, writes docs/benchmarks_math_verify.md
+    python benchmarks/math_verify_agreement.py            # prints, writes docs/benchmarks/math_verify_agreement.md
     python benchmarks/math_verify_agreement.py --previous 48fa468 289316f   # and earlier versions
     python benchmarks/math_verify_agreement.py --extract /path/to/Math-Verify.git [--commit SHA]
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "math_verify_cases.json"
-DOC = ROOT / "docs" / "benchmarks_math_verify.md"
+DOC = ROOT / "docs" / "benchmarks" / "math_verify_agreement.md"
 REPOSITORY = "huggingface/Math-Verify"
 TEST_FILES = ("tests/test_all.py", "tests/test_boxed.py", "tests/test_numina_cases.py",
               "tests/test_open_thoughts.py", "tests/test_strict.py", "tests/test_yujianll.py",

@@ -31,7 +31,7 @@ median of the steps after the first, wall and CPU (all ranks); the step-time pla
 global batch (8 rows x 256 tokens, 12M parameters).
 
 Usage:
-    python benchmarks/parallel_memory.py            # ~8 min; writes docs/benchmarks_parallel.md
+    python benchmarks/parallel_memory.py            # ~8 min; writes docs/benchmarks/parallel_memory.md
                                                     # (its generated block) and the figure
     python benchmarks/parallel_memory.py --quick    # two tiny configurations, nothing written
     python benchmarks/parallel_memory.py --only 30m_dp4_T1024   # some configurations, nothing
@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks_parallel.md"
-FIGURE = ROOT / "docs" / "figures" / "parallel_memory_vs_dp_shard.png"
+DOC = ROOT / "docs" / "benchmarks" / "parallel_memory.md"
+FIGURE = ROOT / "docs" / "benchmarks" / "figures" / "parallel_memory_vs_dp_shard.png"
 BEGIN, END = "<!-- parallel_memory:begin -->", "<!-- parallel_memory:end -->"
 MiB = 2**20
 

@@ -19,7 +19,7 @@ the training rows), scored by reasoning-gym, with 95% Wilson intervals; the pair
 (same items) use the paired bootstrap of `posttrain.rewards.evaluation`.
 
 Usage:
-    python benchmarks/qat_accuracy.py           # ~4-6 min on 2 cores; docs/benchmarks_qat.md
+    python benchmarks/qat_accuracy.py           # ~4-6 min on 2 cores; docs/benchmarks/qat_accuracy.md
     python benchmarks/qat_accuracy.py --quick     # < 30 s smoke run (tiny numbers)
     python benchmarks/qat_accuracy.py --scheme int8da_int8w --out /tmp/qat.md
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 10 + 4 steps, batch 8, 16 held-out questions")
-    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks_qat.md")
+    parser.add_argument("--out", type=Path, default=DOCS / "qat_accuracy.md")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.qat_steps, args.batch_size = 10, 4, 8
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(["## Setup", "", *setup, "", "## Held-out accuracy", "", *table, "",
                       "Paired differences (same items):", "", *diffs, ""])
     print("\n" + text)
-    if args.quick and args.out == DOCS / "benchmarks_qat.md":
+    if args.quick and args.out == DOCS / "qat_accuracy.md":
         print("--quick: nothing written (pass --out to write the table)")
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

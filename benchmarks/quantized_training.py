@@ -23,7 +23,7 @@ CPU (torch._scaled_mm upcasts), so FP8 is slower here, not faster; its speed-up 
 LoRA on any device; it buys memory.
 
 Usage:
-    python benchmarks/quantized_training.py           # ~4 min; writes docs/benchmarks_quantization.md
+    python benchmarks/quantized_training.py           # ~4 min; writes docs/benchmarks/quantized_training.md
                                                       # (its generated block)
     python benchmarks/quantized_training.py --quick   # tiny model, 2 steps, nothing written
 """
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("fp32", "lora", "qlora", "fp8")
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks_quantization.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "quantized_training.md"
 BEGIN, END = "<!-- quantized_training.py: begin -->", "<!-- quantized_training.py: end -->"
 
 

@@ -10,7 +10,7 @@ cost of the instrumentation itself (`timing_row` on the last step's groups and b
 200 calls, the peak already cached).
 
 Usage:
-    python benchmarks/rl_step_timing.py            # writes docs/benchmarks_rl_timing.md
+    python benchmarks/rl_step_timing.py            # writes docs/benchmarks/rl_step_timing.md
     python benchmarks/rl_step_timing.py --quick    # smoke run, nothing written
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 PARTS = ("time_rollout_s", "time_scoring_s", "time_logprobs_s", "time_update_s", "time_other_s")
 
 
@@ -112,7 +112,7 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if not args.quick:
-        (DOCS / "benchmarks_rl_timing.md").write_text(report)
+        (DOCS / "rl_step_timing.md").write_text(report)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ tokens/s / peak FLOP/s (Kaplan et al. 2020, eq. 2.1; attention-score and LM-head
 counted, the report gives the factor that adds them).
 
 Usage:
-    python benchmarks/sft_throughput.py                  # writes docs/benchmarks_sft.{md,png}
+    python benchmarks/sft_throughput.py                  # writes docs/benchmarks/sft_throughput.{md,png}
     python benchmarks/sft_throughput.py --quick          # < 60 s smoke run, nothing written
     python benchmarks/sft_throughput.py --profile        # also a torch.profiler table of each side
 """
@@ -59,7 +59,7 @@ from posttrain.models import save_hf_checkpoint
 from posttrain.models import ByteTokenizer
 from posttrain.train import Trainer
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 PRESET = "tiny-10m"
 
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="smoke run (< 60 s): batch 2 x 64 unless given, 1 repeat of 1 + 2 "
                         "steps, nothing written")
     parser.add_argument("--out", type=Path, default=DOCS,
-                        help="folder for benchmarks_sft.md / .png (default docs/)")
+                        help="folder for sft_throughput.md / .png (default docs/benchmarks/)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.interleave = 2, 1, 1, 2
@@ -436,9 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "benchmarks_sft.png"
+    png = args.out / "sft_throughput.png"
     _plot(stats, peak, setup, png)
-    md = args.out / "benchmarks_sft.md"
+    md = args.out / "sft_throughput.md"
     md.write_text(_markdown(text, png.name))
     print(f"wrote {md} and {png}")
     return 0

@@ -15,7 +15,7 @@ Makefile's old setting), `2-passive` (OMP_NUM_THREADS=2, OMP_WAIT_POLICY=PASSIVE
 and `default` (what `posttrain.core.threads.apply_thread_env` chooses for a clean environment).
 
 Usage:
-    python benchmarks/threads.py                     # the table of docs/benchmarks_threads.md
+    python benchmarks/threads.py                     # the table of docs/benchmarks/threads.md
     python benchmarks/threads.py --quick             # 2 s per measurement (a smoke run)
 """
 

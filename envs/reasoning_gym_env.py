@@ -158,7 +158,7 @@ class ReasoningGymTask:
     dropped before anything else, from training and held-out items alike, and counted in
     `gold_train` / `gold_held_out` (and `repr(task)`, `task.stats()`). A task without a
     metadata check is checked by its scorer only, which its reports say ("scorer only";
-    docs/gold_checks.md lists the recomputed tasks). The held-out set is the first
+    docs/reference/gold_checks.md lists the recomputed tasks). The held-out set is the first
     `held_out_size` distinct questions among the items that pass.
 
     Args:

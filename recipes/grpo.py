@@ -12,11 +12,11 @@ those of `posttrain.workflows.rl.run_sft_then_rl`; this recipe is its main-job d
   4. the honest baseline: as much more SFT on the same demonstrations as the GRPO stage's wall
      time allows (`baseline.steps`), scored and compared the same way.
 
-What it shows and why (docs/results.md has the measured run): in 15 minutes GRPO raises sampled
+What it shows and why (docs/benchmarks/results.md has the measured run): in 15 minutes GRPO raises sampled
 pass@1 by 5.1 points [+3.5, +6.7] and leaves greedy accuracy where it was (-2.6 [-5.4, +0.2]):
 it first sharpens the policy's samples, and greedy answers improve only after a few hundred
 steps of 512 samples. TRL's GRPOTrainer from the same start with the same settings does the
-same (docs/grpo_vs_trl_grpo_spell_backward.md). `recipes/presets/grpo_spell_backward.yaml`, this
+same (docs/benchmarks/grpo_vs_trl_grpo_spell_backward.md). `recipes/presets/grpo_spell_backward.yaml`, this
 job with 600 GRPO steps, gains on both: greedy +5.8 points [+2.6, +9.2], sampled pass@1 +11.3
 [+9.2, +13.6]. More SFT on the demonstrations does better per CPU second on this task.
 """

@@ -9,6 +9,7 @@ expressions with sympy (exact rationals), corrupted items by construction.
 import ast
 import dataclasses
 import doctest
+import glob
 import json
 import os
 import re
@@ -421,8 +422,8 @@ def _used_task_names() -> dict[str, set[str]]:
     folders = {"recipes/presets": ".yaml", "recipes": ".py", "notebooks": ".ipynb",
                "docs": ".md", "envs": ".py", "sdk/workflows": ".py"}
     files = [os.path.join(ROOT, "README.md")] + [
-        os.path.join(ROOT, folder, name) for folder, ext in folders.items()
-        for name in sorted(os.listdir(os.path.join(ROOT, folder))) if name.endswith(ext)]
+        path for folder, ext in folders.items()
+        for path in sorted(glob.glob(os.path.join(ROOT, folder, "**", f"*{ext}"), recursive=True))]
     used: dict[str, set[str]] = {}
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -433,7 +434,7 @@ def _used_task_names() -> dict[str, set[str]]:
 
 
 def _gold_checks_doc() -> str:
-    with open(os.path.join(ROOT, "docs", "gold_checks.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "reference", "gold_checks.md"), encoding="utf-8") as f:
         return f.read()
 
 
@@ -453,7 +454,7 @@ def test_every_task_the_project_uses_is_recomputed_or_named_as_unchecked():
                if name not in GOLD_CHECKS.names() and name not in unchecked}
     assert not missing, (f"reasoning-gym tasks used without a gold recomputation: {missing}; "
                          "register one (register_gold_check) or name the task under 'Named as "
-                         "unchecked:' in docs/gold_checks.md")
+                         "unchecked:' in docs/reference/gold_checks.md")
     builtin = {n for n in GOLD_CHECKS.names() if n != BAD and not n.startswith("doc_")}
     undocumented = [n for n in builtin if not re.search(rf"\b{n}\b", _gold_checks_doc())]
-    assert not undocumented, f"add {undocumented} to the table of docs/gold_checks.md"
+    assert not undocumented, f"add {undocumented} to the table of docs/reference/gold_checks.md"

@@ -2,7 +2,7 @@
 no two modules import each other (directly or round a cycle), and nothing in the SDK imports
 `posttrain.notebook`. Imports are read with `ast`, including those inside functions.
 
-The layers, lowest first, are `LAYERS` below (docs/architecture.md draws them). A failure names
+The layers, lowest first, are `LAYERS` below (docs/design/architecture.md draws them). A failure names
 the offending edge: the importing module, the imported one and their layers.
 """
 

@@ -229,7 +229,7 @@ def test_benchmark_quick_run_measures_and_predicts():
     """The benchmark's two tiny configurations run end to end (fresh processes, 1 and 2 ranks).
     At ~1M parameters the runtime memory no term holds (code pages, small heap: 4-15 MiB seen)
     is a large share of a ~40 MiB peak, so the bound is absolute here; the 1-50M
-    configurations of docs/benchmarks_parallel.md are within 6%."""
+    configurations of docs/benchmarks/parallel_memory.md are within 6%."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_memory.py"
     proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
                           text=True, timeout=300)

@@ -282,7 +282,7 @@ def test_dpo_recipe_reaches_every_dpo_loss_type(overrides, expected):
 
 
 def test_the_spell_backward_grpo_preset_runs_at_tiny_size(tmp_path, monkeypatch):
-    """The longer preset where GRPO measurably learns (docs/results.md) runs end to end at tiny
+    """The longer preset where GRPO measurably learns (docs/benchmarks/results.md) runs end to end at tiny
     size on its own task, and its results name that task."""
     monkeypatch.chdir(tmp_path)
     module = cli.load_recipe("grpo")

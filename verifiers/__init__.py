@@ -17,7 +17,7 @@ here are the registry's lookups with them loaded.
     ==============  ============================  =============================================
 
 Also here: the code sandbox (`Sandbox`, `SandboxLimits`, `sandbox_available`; see
-docs/sandbox.md), HumanEval problems and the unbiased pass@k estimator (`humaneval_problems`,
+docs/runbooks/sandbox.md), HumanEval problems and the unbiased pass@k estimator (`humaneval_problems`,
 `pass_at_k`, `evaluate_pass_at_k`), and the check of reasoning-gym gold answers that every task
 build runs (`check_gold`, `GoldReport`, `register_gold_check`).
 

@@ -24,7 +24,7 @@ A procedurally generated item `{question, answer, metadata}` carries its generat
 
 Items that fail are dropped and counted in a `GoldReport`, never trained or evaluated on. A task
 without a metadata check gets the scorer check only, which compares the gold with itself for most
-tasks: its report says so (`recomputed` False; "scorer only" in its text), and docs/gold_checks.md
+tasks: its report says so (`recomputed` False; "scorer only" in its text), and docs/reference/gold_checks.md
 lists the tasks that are recomputed.
 Measured on 2,000 items of each task (seed 0, default options; chain_sum also with the 2-term
 1-2-digit preset the recipes use): basic_arithmetic 19 fail (its generator floor-divides:

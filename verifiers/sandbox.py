@@ -21,7 +21,7 @@ daemon that tries to outlive the run) ends as one of these outcomes, and the hos
                     fault is never reported this way. `stderr` says what failed.
     ==============  =============================================================================
 
-Isolation (each run; see docs/sandbox.md for the measured cost and the known limits):
+Isolation (each run; see docs/runbooks/sandbox.md for the measured cost and the known limits):
 bubblewrap (`bwrap`, Debian package bubblewrap, installed by scripts/sandbox-up.sh) run as root
 makes new mount, PID, network, IPC, UTS and cgroup namespaces. The filesystem holds only /usr
 (read-only, with the /bin, /lib* links into it), a few /etc files python3 reads, a made-up

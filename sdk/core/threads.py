@@ -4,7 +4,7 @@ On a shared machine the OpenMP default (idle threads spin before they sleep) mak
 down far more than its share of the CPU when another process is busy: a spinning thread steals
 the core its partner needs to finish the parallel region. posttrain therefore runs OpenMP with
 the PASSIVE wait policy (idle threads sleep at once) and one thread per CPU this process may run
-on (the affinity mask, which Slurm and `taskset` narrow). docs/benchmarks_threads.md has the
+on (the affinity mask, which Slurm and `taskset` narrow). docs/benchmarks/threads.md has the
 measurements behind this choice (benchmarks/threads.py).
 
 Precedence of the thread count: `POSTTRAIN_NUM_THREADS`, then an explicit `OMP_NUM_THREADS`, then

@@ -8,7 +8,7 @@ each task joins a torch.distributed process group when the job has several tasks
 warning signal at the Trainer's next step boundary (`posttrain.core.preemption`) and, when requeued
 after preemption or a time limit, calls `target` again with `cfg.resume=True`.
 `<folder>/run.json` lets `Run.attach(folder)` find the job again from another process, e.g.
-after a kernel restart. docs/runbook-slurm.md is the operator's guide.
+after a kernel restart. docs/runbooks/slurm.md is the operator's guide.
 
 Parallel plans: a cfg whose `plan` or `parallel` field holds a `ParallelPlan` (or `plan=`, which
 `launch` writes into that field) is checked against the job's world size (nodes x

@@ -37,7 +37,7 @@ threads). The workers start with the checkpoint's weights, its version.
 Works from a notebook cell: start Ray first (`posttrain.launch.ray_cluster.ray_cluster()`, or
 `ray.init(...)` in the kernel). Not covered: a `ParallelPlan` policy and low-bit rollout.
 
-Example (the schedule only; `docs/async_rl.md` has a run with Ray):
+Example (the schedule only; `docs/guides/async_rl.md` has a run with Ray):
     >>> [(j, v) for j, v, _ in rollout_schedule(4, max_staleness=1)]
     [(0, 0), (1, 0), (2, 1), (3, 2)]
 """

@@ -88,7 +88,7 @@ How they add up (the "peak" row; each term enters where it is alive):
 
 rebuilt: one block's saved set under activation checkpointing (else 0); G_root: the root's
 gradients (unsharded under FSDP until the end of backward); G_block: one block's local
-gradients. Validated against peak RSS on CPU (docs/benchmarks_parallel.md); memory no term
+gradients. Validated against peak RSS on CPU (docs/benchmarks/parallel_memory.md); memory no term
 holds (code pages, small allocations) is the `runtime_bytes` row, 0 unless given.
 
 Example:
