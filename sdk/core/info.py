@@ -28,7 +28,7 @@ class Rule:
     why: str
 
 
-# Measured on this stack; see docs/design/architecture.md ("Versions").
+# Measured on this stack; see docs/reference/versions.md ("The pinned stack").
 RULES = (
     Rule(package="torchao", when="torchtune==0.6.1", max_version="0.15.99",
          why="torchtune 0.6.1 imports names that torchao 0.16 removed; pin torchao==0.15.0"),
