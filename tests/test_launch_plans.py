@@ -281,7 +281,7 @@ def test_a_recipe_section_is_read_and_errors_name_its_dotted_field(tmp_path):
                                          r"num_kv_heads=2 of the model \(cfg\.model\.name="
                                          r"'tiny-1m'\); allowed tp: 1, 2"):
         launch(print, cfg, tasks_per_node=16, executor="slurm")
-    with pytest.raises(ValueError, match=r"cfg\.parallel\.tp=0; must be a positive integer"):
+    with pytest.raises(ValueError, match=r"cfg\.parallel\.tp=0; must be an integer >= 1"):
         launch(print, RecipeLike(parallel={"tp": 0}), executor="debug")
     with pytest.raises(ValueError, match=r"cfg\['plan'\] has unknown plan field\(s\) tpp; "
                                          r"allowed: dp_replicate, dp_shard, tp"):

@@ -258,7 +258,7 @@ def test_recipe_parallel_sections_are_checked_before_any_work(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"Config\.parallel does not fit Config\.model: "
                                          r"Config\.parallel\.tp=3 must divide num_heads"):
         override(dpo.Config(), {"parallel.tp": 3})
-    with pytest.raises(ValueError, match=r"Config\.parallel\.dp_shard=0; must be a positive"):
+    with pytest.raises(ValueError, match=r"Config\.parallel\.dp_shard=0; must be an integer >= 1"):
         override(dpo.Config(), {"parallel.dp_shard": 0})
     with pytest.raises(ValueError, match=r"Config\.rl\.prompts_per_step=3; must be divisible "
                                          r"by the data-parallel size 2"):

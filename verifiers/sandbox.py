@@ -62,6 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from enum import Enum
 
+from posttrain.core.checks import check_number
 from posttrain.verifiers import sandbox_exec
 
 __all__ = ["ExecOutcome", "ExecutionResult", "Sandbox", "SandboxLimits", "SandboxUnavailable",
@@ -151,8 +152,11 @@ class SandboxLimits:
     lower hard limits ends as sandbox_error there.
 
     Raises:
-        TypeError: a field is not a number (bools are refused), or an int field is a float.
-        ValueError: a field is not finite or outside its range (the message names both).
+        TypeError: a field is not a number (bools are refused), or an int field is a float
+            (a `posttrain.core.checks.FieldTypeError`, a ValueError too).
+        ValueError: a field is not finite or outside its range. Both name the field, show the
+            value and give the range: `SandboxLimits.memory_mb=8; must be an integer in
+            [16, 1048576]`.
     """
 
     cpu_s: float = 5.0
@@ -166,15 +170,9 @@ class SandboxLimits:
     def __post_init__(self) -> None:
         ranges = limit_ranges()
         for f in fields(self):
-            value = getattr(self, f.name)
-            allowed = (int, float) if f.type == "float" else (int,)
-            if isinstance(value, bool) or not isinstance(value, allowed):
-                kind = "a number" if f.type == "float" else "an int"
-                raise TypeError(f"SandboxLimits.{f.name} must be {kind}, got {value!r}")
             low, high = ranges[f.name]
-            if not (math.isfinite(value) and low <= value <= high):
-                raise ValueError(f"SandboxLimits.{f.name} must be finite and in {low} .. {high}, "
-                                 f"got {value!r:.40}")
+            check_number(f"SandboxLimits.{f.name}", getattr(self, f.name),
+                         integer=f.type != "float", low=low, high=high)
 
 
 @dataclass(frozen=True)

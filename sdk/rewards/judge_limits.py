@@ -41,7 +41,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
-from posttrain.core.checks import require_int, require_positive
+from posttrain.core.checks import check_fields, require_int, require_positive
 
 __all__ = ["ServerSettings", "check_address", "BodyLimit", "JudgeBody", "parse_request",
            "validation_error_response"]
@@ -83,7 +82,8 @@ class ServerSettings:
             several requests).
 
     Raises:
-        ValueError: for a value outside its range, naming the field.
+        ValueError: naming the field, the value and its range, for a value outside the range
+            or not a number (then a `posttrain.core.checks.FieldTypeError`, a TypeError too).
     """
 
     max_batch_size: int = 64
@@ -99,10 +99,7 @@ class ServerSettings:
         require_int(self, ("max_batch_size", "max_queue", "replay_cache", "max_body_bytes",
                            "max_request_completions"), minimum=1)
         require_positive(self, ("request_timeout_s", "drain_timeout_s"))
-        if not (isinstance(self.max_wait_s, (int, float)) and not isinstance(self.max_wait_s, bool)
-                and 0 <= self.max_wait_s < math.inf):
-            raise ValueError(f"ServerSettings.max_wait_s={self.max_wait_s!r}; must be a finite "
-                             "number of seconds >= 0")
+        check_fields(self, ("max_wait_s",), low=0, note="seconds")
 
 
 def check_address(host: Any, port: Any, advertise_host: Any = None) -> None:

@@ -48,6 +48,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from posttrain.core.checks import check_fields
+
 __all__ = ["ParallelPlan", "MESH_DIMS", "AXES"]
 
 AXES = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")
@@ -108,22 +110,15 @@ class ParallelPlan:
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))  # numpy integers too
-        for name in AXES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelPlan.{name}={value!r}; must be a positive integer")
+        check_fields(self, AXES, integer=True, low=1)
         if self.pp_schedule not in _SCHEDULES:
             raise ValueError(f"ParallelPlan.pp_schedule={self.pp_schedule!r}; allowed: "
                              f"{', '.join(_SCHEDULES)}")
-        if self.n_microbatches is not None:
-            n = self.n_microbatches
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"ParallelPlan.n_microbatches={n!r}; must be a positive integer "
-                                 "or None (= pp)")
-            if self.pp == 1:
-                raise ValueError(f"ParallelPlan.n_microbatches={n} needs pp > 1 (it is the "
-                                 "pipeline's micro-batch count); use the trainer's "
-                                 "grad_accum_steps for micro-batches without a pipeline")
+        check_fields(self, ("n_microbatches",), integer=True, low=1, optional=True, note="= pp")
+        if self.n_microbatches is not None and self.pp == 1:
+            raise ValueError(f"ParallelPlan.n_microbatches={self.n_microbatches} needs pp > 1 "
+                             "(it is the pipeline's micro-batch count); use the trainer's "
+                             "grad_accum_steps for micro-batches without a pipeline")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or value not in _DTYPES):

@@ -1,6 +1,7 @@
 """The checks of one config field, shared by every recipe `Config` and its sections
 (`posttrain.workflows.config`): each raises `fail(name, value, must)`, the one error of a bad
 field, `Config.optim.lr=nan; must be a finite number > 0`, with the dotted name `at.field`.
+The numeric ones are `posttrain.core.checks.check_fields` with the section's dotted name.
 
 Example:
     >>> from types import SimpleNamespace
@@ -17,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from posttrain.core.checks import check_int
+from posttrain.core.checks import check_fields, fail
 
 __all__ = ["SEED_MAX", "fail", "ints", "positive", "finite", "seeds", "flags", "folder_path",
            "run_fields", "choice"]
@@ -26,46 +27,26 @@ SEED_MAX = 2**32 - 1
 """Seeds are integers in [0, SEED_MAX] (numpy's and reasoning-gym's seeding accept those)."""
 
 
-def fail(name: str, value: Any, must: str) -> ValueError:
-    """The one error of a bad field: `name=value; must be ...` (`name` dotted: Config.optim.lr)."""
-    return ValueError(f"{name}={value!r}; must be {must}")
-
-
 def ints(cfg: Any, at: str, names: Iterable[str], *, minimum: int,
          optional: bool = False) -> None:
     """Each field of `cfg` in `names` is an int >= `minimum` (None too when `optional`)."""
-    for name in names:
-        check_int(f"{at}.{name}", getattr(cfg, name), minimum=minimum, optional=optional)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    check_fields(cfg, names, at=at, integer=True, low=minimum, optional=optional)
 
 
 def positive(cfg: Any, at: str, names: Iterable[str], *, optional: bool = False) -> None:
     """Each field is a finite number > 0 (or None when `optional`)."""
-    for name in names:
-        value = getattr(cfg, name)
-        if not ((optional and value is None) or (_number(value) and value > 0)):
-            raise fail(f"{at}.{name}", value, "a finite number > 0" + " or None" * optional)
+    check_fields(cfg, names, at=at, above=0, optional=optional)
 
 
 def finite(cfg: Any, at: str, names: Iterable[str], *, low: float = -math.inf,
            high: float = math.inf) -> None:
     """Each field is a finite number in [low, high]."""
-    for name in names:
-        value = getattr(cfg, name)
-        if not (_number(value) and low <= value <= high):
-            bounds = "" if (low, high) == (-math.inf, math.inf) else f" in [{low}, {high}]"
-            raise fail(f"{at}.{name}", value, "a finite number" + bounds)
+    check_fields(cfg, names, at=at, low=low, high=high)
 
 
 def seeds(cfg: Any, at: str, names: Iterable[str]) -> None:
     """Each field is a seed: an int in [0, SEED_MAX]."""
-    for name in names:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
-            raise fail(f"{at}.{name}", value, f"an integer in [0, {SEED_MAX}] (a seed)")
+    check_fields(cfg, names, at=at, integer=True, low=0, high=SEED_MAX, note="a seed")
 
 
 def flags(cfg: Any, at: str, names: Iterable[str]) -> None:
