@@ -23,7 +23,8 @@ _EXPORTS = {
         "write_torch", "sha256_file", "write_manifest", "verify_manifest", "check_weights_only",
         "read_weights_only", "is_disk_full", "free_bytes", "no_space_error", "state_bytes",
     ],
-    "checks": ["check_int", "require_int", "require_positive", "require_finite", "require_folder"],
+    "checks": ["FieldTypeError", "check_number", "check_fields", "fail", "check_int",
+               "require_int", "require_positive", "require_finite", "require_folder"],
     "distributed": ["rank_and_world_size", "barrier", "flat_collective", "device_of"],
     "info": [
         "Rule", "installed_versions", "check_compatibility", "device_report", "format_report",
