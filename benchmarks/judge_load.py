@@ -35,7 +35,7 @@ Every judged completion of the big request is accounted for: judged + expired = 
 client gave up (the column "accounted").
 
 Usage:
-    python benchmarks/judge_load.py                 # writes the table into docs/guides/judge_server.md
+    python benchmarks/judge_load.py                 # writes the table into docs/benchmarks/judge_load.md
     python benchmarks/judge_load.py --limits        # writes the limits table there
     python benchmarks/judge_load.py --quick --json  # small runs of both (the test), nothing written
 """
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON lines")
     parser.add_argument("--server", choices=("process", "thread"), default=None,
                         help="where the server runs (default: process; thread with --quick)")
-    parser.add_argument("--out", type=Path, default=DOCS / "guides" / "judge_server.md")
+    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks" / "judge_load.md")
     args = parser.parse_args(argv)
     mode = args.server or ("thread" if args.quick else "process")
     judge = make_judge()

@@ -218,7 +218,7 @@ def headings(path: Path) -> set[str]:
 
 def test_sections_named_beside_a_docs_path_exist():
     named = named_sections()
-    assert ("docs/guides/async_rl.md", "On Slurm") in named
+    assert ("docs/runbooks/ray.md", "On Slurm") in named
     missing = {f"{doc} (\"{heading}\")": sorted(where) for (doc, heading), where in named.items()
                if not (ROOT / doc).is_file() or heading not in headings(ROOT / doc)}
     assert not missing, f"sections named that the page does not have: {missing}"

@@ -13,7 +13,7 @@ fail on a loaded machine), stopped with its whole session, never with `ray stop`
 Ray on the host). Slurm: head port 61000 + job id mod 4000 (or the next free one); the head's
 address and the job's Ray auth token go to `<submitit job folder>/ray-<job id>-<restart>.json`
 (0600) for the worker nodes; Ray's temp dir is `/tmp/ray-<job id>-<node index>`. Outside Slurm:
-a free port, temp dir `/tmp/ray-p<pid>`, a fresh token. docs/guides/async_rl.md ("On Slurm", "Starting
+a free port, temp dir `/tmp/ray-p<pid>`, a fresh token. docs/runbooks/ray.md ("On Slurm", "Starting
 Ray on a loaded machine") has the why.
 """
 
