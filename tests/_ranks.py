@@ -2,7 +2,8 @@
 (tests/test_distributed.py, tests/test_parallel_plans.py, tests/test_plans_trainers.py).
 
 Each rank is `python SCRIPT RANK WORLD_SIZE *args` in a fresh process, with MASTER_ADDR/PORT on
-a free local port and one thread, its output in `out/<log_prefix>-<rank>.log`.
+a free local port and one thread, its output in `out/<log_prefix>-<rank>.log`. Inside the
+script, `gloo_rank()` reads those arguments and holds the process group for the script's work.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from _waits import RUN_S
 
@@ -60,3 +63,33 @@ def run_ranks(script: str | os.PathLike, world_size: int, out: Path, *args: str,
         failed.insert(0, f"timed out after {timeout_s:g} s waiting for ranks {late} of "
                          f"{Path(script).name} to exit (then killed)")
     assert not failed, "\n\n".join(failed)
+
+
+class RankArgs(NamedTuple):
+    """A rank script's command line: `RANK WORLD_SIZE OUT [PHASE]`."""
+
+    rank: int
+    world_size: int
+    out: Path
+    phase: str | None
+
+
+@contextlib.contextmanager
+def gloo_rank(timeout_s: float = 90.0) -> Iterator[RankArgs]:
+    """The start and end of a script that `run_ranks` runs: its arguments from sys.argv, one
+    torch thread, and a gloo process group for the body of the `with`, destroyed after it also
+    when the body raises. The group's `timeout_s` is short, so a rank left alone in a
+    collective (its peer failed) fails instead of waiting torch's default 30 minutes."""
+    import datetime
+
+    import torch
+
+    args = RankArgs(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]),
+                    sys.argv[4] if len(sys.argv) > 4 else None)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
+                                         timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield args
+    finally:
+        torch.distributed.destroy_process_group()

@@ -18,15 +18,14 @@ reference the test runs itself.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import torch
 
+from _ranks import gloo_rank
 from _train_helpers import TINY, sft_dataset
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset, save_hf_checkpoint
@@ -193,18 +192,12 @@ def _misuse() -> dict[str, str]:
 
 
 def main() -> None:
-    rank, world_size, out, phase = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                         timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_rank() as (rank, _, out, phase):
         if phase == "kill":
             phase_kill(out)
             return
         results = phase_four(out) if phase == "four" else phase_two(out, rank)
         torch.save(results, out / f"{phase}-rank{rank}.pt")
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -13,11 +13,9 @@ parallel.dp_shard=2. Each rank writes nothing itself; the recipe's files are wha
 
 from __future__ import annotations
 
-import datetime
-import sys
 from pathlib import Path
 
-import torch
+from _ranks import gloo_rank
 
 STEPS, RESUME_FROM = 4, 2
 RUNS = {"shard2": ({"parallel.dp_shard": 2}, {"parallel.dp_shard": 1}),
@@ -37,17 +35,11 @@ def config(out: Path, **overrides):
 
 
 def main() -> None:
-    rank, world_size, out, phase = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                         timeout=datetime.timedelta(seconds=90))
-    try:
+    with gloo_rank() as args:
         for name, (first, resumed) in RUNS.items():
-            plan = first if phase == "first" else {**resumed, "resume": True}
-            sft, cfg = config(out / name, **plan)
+            plan = first if args.phase == "first" else {**resumed, "resume": True}
+            sft, cfg = config(args.out / name, **plan)
             sft.main(cfg)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
