@@ -10,7 +10,17 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 # affinity mask unless OMP_NUM_THREADS or POSTTRAIN_NUM_THREADS is set (posttrain.core.threads).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install run test info clean
+# Static checks (settings in pyproject.toml: [tool.ruff], [tool.mypy]). ruff lints and checks the
+# formatting of every Python file; mypy checks the posttrain package (sdk/, envs/, verifiers/,
+# found through the `posttrain -> sdk` link) and benchmarks/. Paths listed in LINT_PENDING are
+# skipped by all three: they are being restructured and are cleaned once that lands (then this
+# line is emptied). mypy reads a skipped module when another imports it, without reporting it.
+LINT_PENDING := sdk/train sdk/rl sdk/preference sdk/workflows sdk/cli.py sdk/notebook/replay.py \
+                recipes tests benchmarks/parallel_memory.py benchmarks/main_job_seeds.py
+RUFF_SKIP := $(addprefix --extend-exclude=,$(LINT_PENDING))
+MYPY_SKIP := $(foreach p,$(patsubst sdk/%,posttrain/%,$(LINT_PENDING)),--exclude='^$(p)(/|$$)')
+
+.PHONY: install run test lint format info clean
 
 install: $(STAMP)
 
@@ -21,6 +31,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -c constraints.txt -e '.[dev]'
 	$(VENV)/bin/posttrain info
 	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check $(RUFF_SKIP) .
+	$(VENV)/bin/ruff format --check $(RUFF_SKIP) .
+	$(VENV)/bin/mypy $(MYPY_SKIP)
+
+# Rewrites files: ruff's formatting and its safe lint fixes, on the paths `lint` checks.
+format: install
+	$(VENV)/bin/ruff format $(RUFF_SKIP) .
+	$(VENV)/bin/ruff check --fix $(RUFF_SKIP) .
 
 run: install
 	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S)
@@ -44,4 +64,4 @@ info: install
 	$(VENV)/bin/posttrain info
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
