@@ -46,11 +46,16 @@ def _trainer(args):
     from posttrain.rl import RLAlgorithm, RLTrainer
 
     policy = Policy.from_spec("tiny-1m", seed=0)
-    return RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-4),
-                     task=chain_sum_task(size=256, held_out_size=2),
-                     algo=RLAlgorithm.grpo(group_size=args.group_size, kl_coef=0.0),
-                     prompts_per_step=args.prompts, max_new_tokens=args.max_new_tokens,
-                     progress=False, seed=0)
+    return RLTrainer(
+        policy,
+        torch.optim.AdamW(policy.model.parameters(), lr=1e-4),
+        task=chain_sum_task(size=256, held_out_size=2),
+        algo=RLAlgorithm.grpo(group_size=args.group_size, kl_coef=0.0),
+        prompts_per_step=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        progress=False,
+        seed=0,
+    )
 
 
 def _run(mode: str, args) -> dict[str, float]:
@@ -108,29 +113,41 @@ def main() -> None:
         for _ in range(args.repeats):  # alternate the modes: other jobs' load hits them alike
             for mode in modes:
                 blocks[mode].append(_run(mode, args))
-    results = {mode: {k: statistics.median(b[k] for b in runs) for k in runs[0]}
-               for mode, runs in blocks.items()}
+    results = {
+        mode: {k: statistics.median(b[k] for b in runs) for k in runs[0]}
+        for mode, runs in blocks.items()
+    }
 
     base, s1 = results["sync-1t"], results["async-s1"]
-    overlap = (base["rollout_s"] + base["update_s"] - s1["step_s"]) / min(base["rollout_s"],
-                                                                           base["update_s"])
-    lines = ["| mode | step s (median) | rollout / wait s | rest of step s | worker rollout s |"
-             " weight sync s |", "|---|---|---|---|---|---|"]
+    overlap = (base["rollout_s"] + base["update_s"] - s1["step_s"]) / min(
+        base["rollout_s"], base["update_s"]
+    )
+    lines = [
+        "| mode | step s (median) | rollout / wait s | rest of step s | worker rollout s |"
+        " weight sync s |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, r in results.items():
-        lines.append(f"| {mode} | {r['step_s']:.3f} | {r['rollout_s']:.3f} | {r['update_s']:.3f} |"
-                     f" {r.get('worker_rollout_s', float('nan')):.3f} |"
-                     f" {r.get('weight_sync_s', float('nan')):.4f} |")
+        lines.append(
+            f"| {mode} | {r['step_s']:.3f} | {r['rollout_s']:.3f} | {r['update_s']:.3f} |"
+            f" {r.get('worker_rollout_s', float('nan')):.3f} |"
+            f" {r.get('weight_sync_s', float('nan')):.4f} |"
+        )
     table = "\n".join(lines)
-    summary = (f"overlap (async-s1 vs sync-1t) = {overlap:.2f}; speed-up async-s1 / sync-1t = "
-               f"{base['step_s'] / s1['step_s']:.2f}x, / sync-2t = "
-               f"{results['sync-2t']['step_s'] / s1['step_s']:.2f}x; Ray start {init_s:.1f} s; "
-               f"largest staleness trained on: s0 {results['async-s0']['max_staleness_seen']}, "
-               f"s1 {s1['max_staleness_seen']}")
-    setup = (f"P={args.prompts} prompts x G={args.group_size}, max_new_tokens="
-             f"{args.max_new_tokens}, warmup {args.warmup}, timed steps {args.steps}; "
-             f"{args.repeats} alternating blocks (median of block medians); "
-             f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-             f"load average at the end {os.getloadavg()[0]:.1f}")
+    summary = (
+        f"overlap (async-s1 vs sync-1t) = {overlap:.2f}; speed-up async-s1 / sync-1t = "
+        f"{base['step_s'] / s1['step_s']:.2f}x, / sync-2t = "
+        f"{results['sync-2t']['step_s'] / s1['step_s']:.2f}x; Ray start {init_s:.1f} s; "
+        f"largest staleness trained on: s0 {results['async-s0']['max_staleness_seen']}, "
+        f"s1 {s1['max_staleness_seen']}"
+    )
+    setup = (
+        f"P={args.prompts} prompts x G={args.group_size}, max_new_tokens="
+        f"{args.max_new_tokens}, warmup {args.warmup}, timed steps {args.steps}; "
+        f"{args.repeats} alternating blocks (median of block medians); "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average at the end {os.getloadavg()[0]:.1f}"
+    )
     print(setup, table, summary, sep="\n")
     if not args.quick:
         doc = DOCS / "guides" / "async_rl.md"

@@ -43,21 +43,40 @@ def main(argv: list[str] | None = None) -> int:
     for side, folder in (("a", args.policy_a), ("b", args.policy_b)):
         policy = Policy.from_pretrained(folder)
         greedy = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
-        sampled = evaluate_sampled(policy, items, samples=cfg.eval.samples, seed=cfg.seed + 1,
-                                   max_new_tokens=cfg.eval.max_new_tokens,
-                                   score_fn=lambda t, it: scorer.score_answer(t.strip(), it))
+        sampled = evaluate_sampled(
+            policy,
+            items,
+            samples=cfg.eval.samples,
+            seed=cfg.seed + 1,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            score_fn=lambda t, it: scorer.score_answer(t.strip(), it),
+        )
         scored[side] = (greedy, sampled)
-        print(f"{side}: {folder}: greedy {greedy.accuracy:.3f}, sampled pass@1 "
-              f"{sampled.pass_at_1:.4f}, pass@{sampled.k} {sampled.pass_at_k:.3f}", flush=True)
+        print(
+            f"{side}: {folder}: greedy {greedy.accuracy:.3f}, sampled pass@1 "
+            f"{sampled.pass_at_1:.4f}, pass@{sampled.k} {sampled.pass_at_k:.3f}",
+            flush=True,
+        )
     (ga, sa), (gb, sb) = scored["a"], scored["b"]
-    out = {"items": len(items), "task": cfg.task.name, "a": str(args.policy_a),
-           "b": str(args.policy_b),
-           "greedy": {"a": ga.accuracy, "b": gb.accuracy, "b_minus_a": paired_bootstrap_diff(
-               gb.table["correct"].to_numpy(), ga.table["correct"].to_numpy(), seed=cfg.seed)},
-           "sampled_pass_at_1": {"a": sa.pass_at_1, "b": sb.pass_at_1,
-                                 "b_minus_a": paired_bootstrap_diff(
-                                     sb.per_item_pass1, sa.per_item_pass1, seed=cfg.seed)},
-           f"pass_at_{sa.k}": {"a": sa.pass_at_k, "b": sb.pass_at_k}}
+    out = {
+        "items": len(items),
+        "task": cfg.task.name,
+        "a": str(args.policy_a),
+        "b": str(args.policy_b),
+        "greedy": {
+            "a": ga.accuracy,
+            "b": gb.accuracy,
+            "b_minus_a": paired_bootstrap_diff(
+                gb.table["correct"].to_numpy(), ga.table["correct"].to_numpy(), seed=cfg.seed
+            ),
+        },
+        "sampled_pass_at_1": {
+            "a": sa.pass_at_1,
+            "b": sb.pass_at_1,
+            "b_minus_a": paired_bootstrap_diff(sb.per_item_pass1, sa.per_item_pass1, seed=cfg.seed),
+        },
+        f"pass_at_{sa.k}": {"a": sa.pass_at_k, "b": sb.pass_at_k},
+    }
     print(json.dumps(out, indent=1, default=float))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1, default=float))

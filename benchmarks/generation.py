@@ -82,7 +82,7 @@ def naive_generate(model, prompt_BP: torch.Tensor, max_new_tokens: int) -> torch
     for _ in range(max_new_tokens):
         next_B1 = model(tokens)[:, -1].argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, next_B1], dim=1)
-    return tokens[:, prompt_BP.shape[1]:]
+    return tokens[:, prompt_BP.shape[1] :]
 
 
 def run_interleaved(cases, reps: int) -> dict[str, dict]:
@@ -110,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--group-size", type=int, default=1,
-                        help="G: batch/G distinct prompts, each sampled G times as in GRPO "
-                        "(Policy.generate(prompts, n=G); transformers gets the G copies as rows, "
-                        "as TRL's GRPOTrainer passes them)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=1,
+        help="G: batch/G distinct prompts, each sampled G times as in GRPO "
+        "(Policy.generate(prompts, n=G); transformers gets the G copies as rows, "
+        "as TRL's GRPOTrainer passes them)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--naive-reps", type=int, default=1)
@@ -136,26 +140,39 @@ def main(argv: list[str] | None = None) -> int:
         hf = make_hf_model(policy, Path(tmp) / "ckpt")
 
     def ours(**kw):
-        return lambda: [c.token_ids for c in policy.generate(prompt_lists, n=G, max_new_tokens=N,
-                                                             **kw)]
+        return lambda: [
+            c.token_ids for c in policy.generate(prompt_lists, n=G, max_new_tokens=N, **kw)
+        ]
 
     def theirs(**kw):
         def run():
             with torch.inference_mode():
-                out = hf.generate(input_ids=prompts_BP, attention_mask=ones_BP, max_new_tokens=N,
-                                  pad_token_id=256, **kw)
+                out = hf.generate(
+                    input_ids=prompts_BP,
+                    attention_mask=ones_BP,
+                    max_new_tokens=N,
+                    pad_token_id=256,
+                    **kw,
+                )
             return out[:, P:].tolist()
+
         return run
 
     sample = dict(temperature=1.0, top_p=0.9)
     cases = [  # (label, fn, reps)
         ("Policy.generate, greedy", ours(temperature=0), args.reps),
         ("transformers generate, greedy", theirs(do_sample=False), args.reps),
-        ("naive loop (no KV cache), greedy",
-         lambda: naive_generate(policy.model, prompts_BP, N).tolist(), args.naive_reps),
+        (
+            "naive loop (no KV cache), greedy",
+            lambda: naive_generate(policy.model, prompts_BP, N).tolist(),
+            args.naive_reps,
+        ),
         ("Policy.generate, T=1 top_p=0.9", ours(seed=0, **sample), args.reps),
-        ("transformers generate, T=1 top_p=0.9", theirs(do_sample=True, top_k=None, **sample),
-         args.reps),
+        (
+            "transformers generate, T=1 top_p=0.9",
+            theirs(do_sample=True, top_k=None, **sample),
+            args.reps,
+        ),
     ]
     load_before = os.getloadavg()[0]
     results = run_interleaved(cases, args.reps)
@@ -170,17 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     same = all(g == greedy[0] for g in greedy)
 
     group = f" ({B // G} prompts x G={G} samples)" if G > 1 else ""
-    setup = (f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}{group}, "
-             f"prompt {P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
-             f"each ({args.naive_reps} for the naive loop), round-robin, after a warm-up run; "
-             f"torch "
-             f"{torch.__version__}, transformers {transformers.__version__}")
+    setup = (
+        f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}{group}, "
+        f"prompt {P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
+        f"each ({args.naive_reps} for the naive loop), round-robin, after a warm-up run; "
+        f"torch "
+        f"{torch.__version__}, transformers {transformers.__version__}"
+    )
     setup += f"; 1-min load average {load_before:.1f} before, {load_after:.1f} after"
     hf_greedy = {r[0]: r[2] for r in rows}["transformers generate, greedy"]
-    lines = ["| method | median s | tokens/s (median) | best s | CPU s (median) | "
-             "vs transformers greedy |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {label} | {s:.3f} | {tps:,.0f} | {best:.3f} | {cpu:.2f} | "
-              f"{tps / hf_greedy:.2f}x |" for label, s, tps, best, cpu in rows]
+    lines = [
+        "| method | median s | tokens/s (median) | best s | CPU s (median) | "
+        "vs transformers greedy |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {label} | {s:.3f} | {tps:,.0f} | {best:.3f} | {cpu:.2f} | {tps / hf_greedy:.2f}x |"
+        for label, s, tps, best, cpu in rows
+    ]
     table = "\n".join(lines)
     text = f"{setup}\n\n{table}\n\nGreedy tokens identical across the three methods: {same}\n"
     print("\n" + text)
@@ -200,13 +224,20 @@ def _plot(rows, setup: str, path: Path, n_tokens: int) -> None:
 
     labels = [r[0].replace(", ", "\n") for r in rows]
     values = [r[2] for r in rows]
-    colors = ["tab:blue" if r[0].startswith("Policy") else "tab:orange"
-              if r[0].startswith("transformers") else "tab:gray" for r in rows]
+    colors = [
+        "tab:blue"
+        if r[0].startswith("Policy")
+        else "tab:orange"
+        if r[0].startswith("transformers")
+        else "tab:gray"
+        for r in rows
+    ]
     fig, ax = plt.subplots(figsize=(8, 4.2))
     best = [n_tokens / r[3] for r in rows]
     bars = ax.barh(labels[::-1], values[::-1], color=colors[::-1], label="median run")
-    ax.scatter(best[::-1], labels[::-1], marker="|", s=300, color="black", label="best run",
-               zorder=3)
+    ax.scatter(
+        best[::-1], labels[::-1], marker="|", s=300, color="black", label="best run", zorder=3
+    )
     ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values[::-1]], padding=3)
     ax.legend(loc="center right", fontsize=8)
     ax.set_xlabel("generated tokens / s (higher is better)")

@@ -68,8 +68,9 @@ def run_variant(name: str, *, batch: int, seq: int, warmup: int, steps: int) -> 
         layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    tokens_BT = torch.randint(0, spec.vocab_size, (batch, seq + 1), device="cuda",
-                              generator=generator)
+    tokens_BT = torch.randint(
+        0, spec.vocab_size, (batch, seq + 1), device="cuda", generator=generator
+    )
     for _ in range(warmup):
         _step(model, optimizer, tokens_BT)
     torch.cuda.synchronize()
@@ -78,10 +79,15 @@ def run_variant(name: str, *, batch: int, seq: int, warmup: int, steps: int) -> 
         loss = _step(model, optimizer, tokens_BT)
     torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps
-    result = {"variant": name, "params": sum(p.numel() for p in model.parameters()),
-              "step_s": elapsed, "tokens_per_s": batch * seq / elapsed,
-              "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
-              "converted": None if report is None else len(report.converted)}
+    result = {
+        "variant": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_s": elapsed,
+        "tokens_per_s": batch * seq / elapsed,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "loss": float(loss),
+        "converted": None if report is None else len(report.converted),
+    }
     del model, optimizer
     return result
 
@@ -98,21 +104,31 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_fp8.py needs a CUDA GPU (FP8 tensor cores: H100/H200); none here, nothing "
-              "measured", file=sys.stderr)
+        print(
+            "gpu_fp8.py needs a CUDA GPU (FP8 tensor cores: H100/H200); none here, nothing "
+            "measured",
+            file=sys.stderr,
+        )
         return 2
-    rows = [run_variant(v, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps)
-            for v in args.variants]
+    rows = [
+        run_variant(v, batch=args.batch, seq=args.seq, warmup=args.warmup, steps=args.steps)
+        for v in args.variants
+    ]
     base = next((r for r in rows if r["variant"] == "bf16"), None)
-    lines = [f"FP8 vs bf16, llama3.2-1b spec ({rows[0]['params'] / 1e9:.2f}B parameters), "
-             f"{torch.cuda.get_device_name()}, B={args.batch} x T={args.seq}, torch "
-             f"{torch.__version__}, {args.steps} timed steps after {args.warmup}", "",
-             "| variant | tokens/s | step (s) | speed-up vs bf16 | peak GiB | last loss |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"FP8 vs bf16, llama3.2-1b spec ({rows[0]['params'] / 1e9:.2f}B parameters), "
+        f"{torch.cuda.get_device_name()}, B={args.batch} x T={args.seq}, torch "
+        f"{torch.__version__}, {args.steps} timed steps after {args.warmup}",
+        "",
+        "| variant | tokens/s | step (s) | speed-up vs bf16 | peak GiB | last loss |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
-                     f"{speedup} | {r['peak_gib']:.1f} | {r['loss']:.4f} |")
+        lines.append(
+            f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | "
+            f"{speedup} | {r['peak_gib']:.1f} | {r['loss']:.4f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -55,17 +55,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps")
     parser.add_argument("--no-compile", action="store_true", help="eager blocks")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_FLOPS / 1e12,
-                        help="dense bf16 peak of the GPU (default 989, H200 SXM)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="stop the timed steps after this many seconds in all (default 420)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H200_BF16_DENSE_FLOPS / 1e12,
+        help="dense bf16 peak of the GPU (default 989, H200 SXM)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stop the timed steps after this many seconds in all (default 420)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_mfu_fsdp.py needs a CUDA GPU (torch.cuda.is_available() is False; this torch is "
-              f"{torch.__version__}); nothing was measured.", file=sys.stderr)
+        print(
+            "gpu_mfu_fsdp.py needs a CUDA GPU (torch.cuda.is_available() is False; this torch is "
+            f"{torch.__version__}); nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     start = time.perf_counter()
     import torch.distributed as dist
@@ -112,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        print(f"qwen2.5-0.5b: {n_params / 1e6:.1f}M parameters, B={B} T={T}, bf16 FSDP2 on 1 GPU "
-              f"({torch.cuda.get_device_name(0)}), compile={not args.no_compile}, "
-              f"activation checkpointing={args.activation_checkpointing}", flush=True)
+        print(
+            f"qwen2.5-0.5b: {n_params / 1e6:.1f}M parameters, B={B} T={T}, bf16 FSDP2 on 1 GPU "
+            f"({torch.cuda.get_device_name(0)}), compile={not args.no_compile}, "
+            f"activation checkpointing={args.activation_checkpointing}",
+            flush=True,
+        )
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             step()
@@ -124,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         times = []
         for _ in range(args.steps):
             if time.perf_counter() - start > args.budget_s:
-                print(f"stopping after {len(times)} timed steps: --budget-s {args.budget_s} "
-                      "reached")
+                print(
+                    f"stopping after {len(times)} timed steps: --budget-s {args.budget_s} reached"
+                )
                 break
             t = time.perf_counter()
             step()
@@ -138,18 +153,28 @@ def main(argv: list[str] | None = None) -> int:
         peak = args.peak_tflops * 1e12
         mfu = 6 * n_params * tokens_per_s / peak
         attn = 6 * spec.num_layers * T * spec.embed_dim * tokens_per_s / peak
-        plan = ParallelPlan(param_dtype="bfloat16", reduce_dtype="float32",
-                            activation_checkpointing=args.activation_checkpointing)
-        predicted = plan_memory(spec, plan, MemoryBatch(micro_batch_size=B, seq_len=T),
-                                device_type="cuda").attrs["peak_bytes"]
+        plan = ParallelPlan(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            activation_checkpointing=args.activation_checkpointing,
+        )
+        predicted = plan_memory(
+            spec, plan, MemoryBatch(micro_batch_size=B, seq_len=T), device_type="cuda"
+        ).attrs["peak_bytes"]
         measured = torch.cuda.max_memory_allocated()
-        print(f"timed steps: {len(times)}, median {sorted(times)[len(times) // 2] * 1e3:.1f} ms, "
-              f"{tokens_per_s:,.0f} tokens/s")
-        print(f"MFU (6N): {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s; with causal attention "
-              f"FLOPs: {mfu + attn:.1%}; target >= 45%: {'met' if mfu >= 0.45 else 'NOT met'}")
-        print(f"peak CUDA memory allocated {measured / 2**30:.1f} GiB; plan_memory predicts "
-              f"{predicted / 2**30:.1f} GiB (no FSDP buffers: it counts FSDP from 2 ranks) "
-              f"(ratio {measured / predicted:.2f}); total {time.perf_counter() - start:.0f} s")
+        print(
+            f"timed steps: {len(times)}, median {sorted(times)[len(times) // 2] * 1e3:.1f} ms, "
+            f"{tokens_per_s:,.0f} tokens/s"
+        )
+        print(
+            f"MFU (6N): {mfu:.1%} of {args.peak_tflops:.0f} TFLOP/s; with causal attention "
+            f"FLOPs: {mfu + attn:.1%}; target >= 45%: {'met' if mfu >= 0.45 else 'NOT met'}"
+        )
+        print(
+            f"peak CUDA memory allocated {measured / 2**30:.1f} GiB; plan_memory predicts "
+            f"{predicted / 2**30:.1f} GiB (no FSDP buffers: it counts FSDP from 2 ranks) "
+            f"(ratio {measured / predicted:.2f}); total {time.perf_counter() - start:.0f} s"
+        )
     finally:
         dist.destroy_process_group()
     return 0

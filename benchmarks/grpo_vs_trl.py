@@ -48,8 +48,11 @@ from grpo_step import check_same_model, cpu_model, hf_byte_tokenizer, trl_datase
 
 from posttrain.envs import ReasoningGymTask  # noqa: E402
 from posttrain.policy import Policy  # noqa: E402
-from posttrain.rewards.evaluation import (evaluate_generations, paired_bootstrap_diff,  # noqa: E402
-                                          wilson_interval)
+from posttrain.rewards.evaluation import (
+    evaluate_generations,
+    paired_bootstrap_diff,  # noqa: E402
+    wilson_interval,
+)
 from posttrain.rl import RLTrainer  # noqa: E402
 from posttrain.train.schedules import warmup_cosine_schedule  # noqa: E402
 from posttrain.workflows import RLRunConfig  # noqa: E402
@@ -71,11 +74,14 @@ def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunC
 
         cfg = load_config_file(cfg, preset)
         if cfg.adapters.method != "none" or cfg.quantization != type(cfg.quantization)():
-            raise ValueError(f"{preset}: adapters or quantization are set; this comparison "
-                             "trains the full fp32 model on both sides, so it takes presets "
-                             "without them")
-        cfg = override(cfg, {"out_dir": str(out), "progress": False, "eval.every": 0,
-                             "baseline.steps": 0})
+            raise ValueError(
+                f"{preset}: adapters or quantization are set; this comparison "
+                "trains the full fp32 model on both sides, so it takes presets "
+                "without them"
+            )
+        cfg = override(
+            cfg, {"out_dir": str(out), "progress": False, "eval.every": 0, "baseline.steps": 0}
+        )
     if quick:
         cfg = override(cfg, {**RL_TINY, "out_dir": str(out)})
     return cfg
@@ -84,10 +90,18 @@ def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunC
 def evaluate(policy: Policy, items, score, *, samples: int, max_new_tokens: int) -> dict:
     """Greedy correct [N] and sampled correct [S, N] (temperature 1, seed 1) on `items`."""
     greedy = evaluate_generations(policy, items, score_fn=score, max_new_tokens=max_new_tokens)
-    sampled = evaluate_generations(policy, list(items) * samples, score_fn=score, temperature=1.0,
-                                   max_new_tokens=max_new_tokens, seed=1)
-    return {"greedy": greedy.table["correct"].to_numpy(bool),
-            "sampled": sampled.table["correct"].to_numpy(bool).reshape(samples, len(items))}
+    sampled = evaluate_generations(
+        policy,
+        list(items) * samples,
+        score_fn=score,
+        temperature=1.0,
+        max_new_tokens=max_new_tokens,
+        seed=1,
+    )
+    return {
+        "greedy": greedy.table["correct"].to_numpy(bool),
+        "sampled": sampled.table["correct"].to_numpy(bool).reshape(samples, len(items)),
+    }
 
 
 def train_posttrain(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta: float):
@@ -95,21 +109,31 @@ def train_posttrain(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float,
     policy = Policy.from_pretrained(folder)
     algo = dataclasses.replace(cfg.rl.algorithm(), kl_coef=beta)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=min(WARMUP_STEPS, steps),
-                                      total_steps=steps, min_lr_ratio=1.0)
-    trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
-                        prompts_per_step=cfg.rl.prompts_per_step,
-                        max_new_tokens=cfg.sampling.max_new_tokens,
-                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                        lr_scheduler=schedule, max_grad_norm=cfg.optim.max_grad_norm,
-                        progress=False, seed=cfg.seed)
+    schedule = warmup_cosine_schedule(
+        optimizer, warmup_steps=min(WARMUP_STEPS, steps), total_steps=steps, min_lr_ratio=1.0
+    )
+    trainer = RLTrainer(
+        policy,
+        optimizer,
+        task=task,
+        algo=algo,
+        prompts_per_step=cfg.rl.prompts_per_step,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        lr_scheduler=schedule,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        progress=False,
+        seed=cfg.seed,
+    )
     metrics = trainer.fit(steps)
-    return policy, {"reward": metrics["reward_mean"].to_numpy(), "kl": metrics["kl"].to_numpy()
-                    if "kl" in metrics else None}
+    return policy, {
+        "reward": metrics["reward_mean"].to_numpy(),
+        "kl": metrics["kl"].to_numpy() if "kl" in metrics else None,
+    }
 
 
-def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta: float,
-              work: Path):
+def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta: float, work: Path):
     """TRL `GRPOTrainer` with the same settings from `folder`: returns (policy, metrics)."""
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -124,16 +148,39 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     P, G = cfg.rl.prompts_per_step, cfg.rl.group_size
     config = GRPOConfig(
-        output_dir=str(work / "trl_out"), max_steps=steps, per_device_train_batch_size=P * G,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=G, max_completion_length=cfg.sampling.max_new_tokens,
-        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, beta=beta, epsilon=0.2,
-        loss_type="grpo", scale_rewards="group", learning_rate=lr,
-        lr_scheduler_type="constant_with_warmup", warmup_steps=min(WARMUP_STEPS, steps),
-        weight_decay=0.0, max_grad_norm=cfg.optim.max_grad_norm, use_vllm=False,
-        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, report_to=[],
-        logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
-        log_completions=False, dataloader_num_workers=0, seed=cfg.seed)
+        output_dir=str(work / "trl_out"),
+        max_steps=steps,
+        per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=G,
+        max_completion_length=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        beta=beta,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=min(WARMUP_STEPS, steps),
+        weight_decay=0.0,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        use_vllm=False,
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+    )
     curves: dict[str, list[float]] = {"reward": [], "kl": []}
 
     class Curves(TrainerCallback):  # TRL clears its metrics when it logs the final summary
@@ -141,8 +188,14 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
             for key, values in curves.items():
                 values.extend(trainer._metrics["train"].get(key, [])[-1:])
 
-    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=config,
-                          train_dataset=dataset, processing_class=hf_tok, callbacks=[Curves()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=task_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=hf_tok,
+        callbacks=[Curves()],
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     saved = work / "trl_policy"
@@ -152,36 +205,44 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
             shutil.copy(folder / name, saved / name)
     policy = Policy.from_pretrained(saved)
     check_same_model(policy.model, trainer.model)
-    return policy, {key: np.asarray(values) if values else None
-                    for key, values in curves.items()}
+    return policy, {key: np.asarray(values) if values else None for key, values in curves.items()}
 
 
 def summary_rows(results: dict[str, dict]) -> list[str]:
-    lines = ["| policy | greedy accuracy [95% Wilson] | sampled pass@1 | pass@S |",
-             "|---|---|---:|---:|"]
+    lines = [
+        "| policy | greedy accuracy [95% Wilson] | sampled pass@1 | pass@S |",
+        "|---|---|---:|---:|",
+    ]
     for name, r in results.items():
         n, k = r["greedy"].size, int(r["greedy"].sum())
         lo, hi = wilson_interval(k, n)
-        lines.append(f"| {name} | {k / n:.3f} [{lo:.3f}, {hi:.3f}] | "
-                     f"{r['sampled'].mean():.3f} | {r['sampled'].any(0).mean():.3f} |")
+        lines.append(
+            f"| {name} | {k / n:.3f} [{lo:.3f}, {hi:.3f}] | "
+            f"{r['sampled'].mean():.3f} | {r['sampled'].any(0).mean():.3f} |"
+        )
     return lines
 
 
 def diff_rows(results: dict[str, dict], pairs: list[tuple[str, str]]) -> list[str]:
-    lines = ["| comparison | greedy, points [95% CI] | sampled pass@1, points [95% CI] |",
-             "|---|---|---|"]
+    lines = [
+        "| comparison | greedy, points [95% CI] | sampled pass@1, points [95% CI] |",
+        "|---|---|---|",
+    ]
     for a, b in pairs:
         cells = []
         for key, per_item in (("greedy", lambda x: x), ("sampled", lambda x: x.mean(0))):
             d = paired_bootstrap_diff(per_item(results[a][key]), per_item(results[b][key]))
-            cells.append(f"{100 * d['difference']:+.1f} [{100 * d['ci_low']:+.1f}, "
-                         f"{100 * d['ci_high']:+.1f}]")
+            cells.append(
+                f"{100 * d['difference']:+.1f} [{100 * d['ci_low']:+.1f}, "
+                f"{100 * d['ci_high']:+.1f}]"
+            )
         lines.append(f"| {a} minus {b} | {cells[0]} | {cells[1]} |")
     return lines
 
 
 def plot(curves: dict[str, dict], path: Path, window: int) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -221,15 +282,22 @@ def command_line(argv: list[str] | None, sft_run: Path | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft-run", type=Path, default=None,
-                        help="a main-job run folder whose sft/policy is the start (default: run "
-                             "the SFT stage first)")
+    parser.add_argument(
+        "--sft-run",
+        type=Path,
+        default=None,
+        help="a main-job run folder whose sft/policy is the start (default: run "
+        "the SFT stage first)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (main job's: 100)")
     parser.add_argument("--lr", type=float, default=None, help="main job's: 1e-4")
     parser.add_argument("--beta", type=float, default=None, help="KL coefficient (main job's)")
-    parser.add_argument("--config", default=None,
-                        help="a grpo preset (YAML) for the task and settings instead of "
-                             "RLRunConfig's chain_sum defaults; writes grpo_vs_trl_<preset>.md")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a grpo preset (YAML) for the task and settings instead of "
+        "RLRunConfig's chain_sum defaults; writes grpo_vs_trl_<preset>.md",
+    )
     parser.add_argument("--samples", type=int, default=8, help="S samples per held-out question")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, nothing written")
@@ -258,9 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         folder = run / "sft" / "policy"
         items, ds = held_out_items(cfg.task)
         score = lambda text, item: ds.score_answer(text.strip(), item)  # noqa: E731 (the job's)
-        task = ReasoningGymTask(name=cfg.task.name, size=cfg.task.train_size, seed=cfg.seed,
-                                config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
-                                held_out_seed=cfg.task.eval_seed)
+        task = ReasoningGymTask(
+            name=cfg.task.name,
+            size=cfg.task.train_size,
+            seed=cfg.seed,
+            config=dict(cfg.task.options),
+            held_out_size=cfg.task.eval_size,
+            held_out_seed=cfg.task.eval_seed,
+        )
         ev = dict(samples=args.samples, max_new_tokens=cfg.eval.max_new_tokens)
         results, curves, seconds = {}, {}, {}
         results["SFT start"] = evaluate(Policy.from_pretrained(folder), items, score, **ev)
@@ -270,25 +343,40 @@ def main(argv: list[str] | None = None) -> int:
             policy, curves[name] = train(folder, task, cfg, steps, lr, beta, *extra)
             seconds[name] = time.perf_counter() - t
             results[name] = evaluate(policy, items, score, **ev)
-            print(f"{name}: {steps} steps in {seconds[name]:.0f} s; greedy "
-                  f"{results[name]['greedy'].mean():.3f}, pass@1 "
-                  f"{results[name]['sampled'].mean():.3f}", flush=True)
+            print(
+                f"{name}: {steps} steps in {seconds[name]:.0f} s; greedy "
+                f"{results[name]['greedy'].mean():.3f}, pass@1 "
+                f"{results[name]['sampled'].mean():.3f}",
+                flush=True,
+            )
 
     table = summary_rows(results)
-    diffs = diff_rows(results, [("posttrain GRPO", "SFT start"), ("TRL GRPO", "SFT start"),
-                                ("TRL GRPO", "posttrain GRPO")])
+    diffs = diff_rows(
+        results,
+        [
+            ("posttrain GRPO", "SFT start"),
+            ("TRL GRPO", "SFT start"),
+            ("TRL GRPO", "posttrain GRPO"),
+        ],
+    )
     reward_lines = []
     for name, c in curves.items():
         r, q = c["reward"], max(1, len(c["reward"]) // 4)
-        reward_lines.append(f"- {name}: training reward {r[:q].mean():.3f} (first {q} steps) -> "
-                            f"{r[-q:].mean():.3f} (last {q}); {seconds[name]:.0f} s for "
-                            f"{steps} steps")
+        reward_lines.append(
+            f"- {name}: training reward {r[:q].mean():.3f} (first {q} steps) -> "
+            f"{r[-q:].mean():.3f} (last {q}); {seconds[name]:.0f} s for "
+            f"{steps} steps"
+        )
     setup = [
         f"- Start: the main job's SFT stage ({cfg.model.name}, {cfg.sft.steps} steps, seed "
-        f"{cfg.seed}" + (f", {sft_s:.0f} s)" if args.sft_run is None else
-                         "; `--sft-run RUN` names the folder of a finished `posttrain run grpo"
-                         + (f" --config {args.config}" if args.config else "")
-                         + " out_dir=RUN`, whose `sft/policy` is the start)"),
+        f"{cfg.seed}"
+        + (
+            f", {sft_s:.0f} s)"
+            if args.sft_run is None
+            else "; `--sft-run RUN` names the folder of a finished `posttrain run grpo"
+            + (f" --config {args.config}" if args.config else "")
+            + " out_dir=RUN`, whose `sft/policy` is the start)"
+        ),
         f"- Task: reasoning-gym {cfg.task.name} {dict(cfg.task.options)}, RL pool "
         f"{cfg.task.train_size} items minus the held-out questions; held-out "
         f"{len(items)} questions (seed {cfg.task.eval_seed})",
@@ -315,9 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     figure = args.out / "figures" / f"grpo_vs_trl{tag}.png"
     plot(curves, figure, window=max(1, min(10, steps // 5)))
     md = args.out / f"grpo_vs_trl{tag}.md"
-    md.write_text("# GRPO from the main job's SFT policy: posttrain vs TRL `GRPOTrainer`\n\n"
-                  "Produced by `python benchmarks/grpo_vs_trl.py`.\n\n" + text
-                  + f"\n![training reward and KL per step](figures/{figure.name})\n")
+    md.write_text(
+        "# GRPO from the main job's SFT policy: posttrain vs TRL `GRPOTrainer`\n\n"
+        "Produced by `python benchmarks/grpo_vs_trl.py`.\n\n"
+        + text
+        + f"\n![training reward and KL per step](figures/{figure.name})\n"
+    )
     print(f"wrote {md} and {figure}")
     return 0
 

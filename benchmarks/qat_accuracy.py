@@ -46,8 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--qat-steps", type=int, default=60, help="steps of each continuation")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3, help="peak lr of the SFT run")
-    parser.add_argument("--qat-lr", type=float, default=2e-4,
-                        help="constant lr of both continuations (QAT and fp32 control)")
+    parser.add_argument(
+        "--qat-lr",
+        type=float,
+        default=2e-4,
+        help="constant lr of both continuations (QAT and fp32 control)",
+    )
     parser.add_argument("--eval-size", type=int, default=200, help="held-out questions")
     parser.add_argument("--train-size", type=int, default=20000)
     parser.add_argument("--scheme", default="int8da_int4w")
@@ -55,8 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 10 + 4 steps, batch 8, 16 held-out questions")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 10 + 4 steps, batch 8, 16 held-out questions",
+    )
     parser.add_argument("--out", type=Path, default=DOCS / "qat_accuracy.md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -71,12 +78,24 @@ def train(model, dataset, *, steps: int, batch_size: int, lr: float, seed: int, 
     from posttrain.train import Trainer, warmup_cosine_schedule
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = (warmup_cosine_schedule(optimizer, warmup_steps=min(20, steps // 10),
-                                       total_steps=steps, min_lr_ratio=0.1) if warmup else None)
+    schedule = (
+        warmup_cosine_schedule(
+            optimizer, warmup_steps=min(20, steps // 10), total_steps=steps, min_lr_ratio=0.1
+        )
+        if warmup
+        else None
+    )
     loader = SFTLoader(dataset, batch_size=batch_size, seed=seed)
     start = time.perf_counter()
-    metrics = Trainer(model, optimizer, data=loader, lr_scheduler=schedule, max_grad_norm=1.0,
-                      progress=False, seed=seed).fit(steps)
+    metrics = Trainer(
+        model,
+        optimizer,
+        data=loader,
+        lr_scheduler=schedule,
+        max_grad_norm=1.0,
+        progress=False,
+        seed=seed,
+    ).fit(steps)
     return float(metrics["loss"].iloc[-1]), time.perf_counter() - start
 
 
@@ -85,24 +104,32 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.models import ByteTokenizer, build_model, get_preset
     from posttrain.policy import Policy
     from posttrain.rewards.evaluation import paired_bootstrap_diff
-    from posttrain.train.qat import (QATConfig, convert_qat, parameter_bytes, prepare_qat,
-                                     quantize_post_training)
-    from posttrain.workflows.config import (BatchOptimConfig, EvalConfig, ModelConfig,
-                                            TaskConfig)
+    from posttrain.train.qat import (
+        QATConfig,
+        convert_qat,
+        parameter_bytes,
+        prepare_qat,
+        quantize_post_training,
+    )
+    from posttrain.workflows.config import BatchOptimConfig, EvalConfig, ModelConfig, TaskConfig
     from posttrain.workflows.reports import accuracy_table, difference_line
     from posttrain.workflows.sft import SFTConfig, build_dataset, evaluate, held_out_items
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
     load_before = os.getloadavg()[0]
-    spec, config = get_preset(args.model), QATConfig(scheme=args.scheme,
-                                                     group_size=args.group_size)
+    spec, config = get_preset(args.model), QATConfig(scheme=args.scheme, group_size=args.group_size)
     task = TaskConfig(train_size=args.train_size, eval_size=args.eval_size)
-    cfg = SFTConfig(model=ModelConfig(name=args.model), task=task, seed=args.seed,
-                    eval=EvalConfig(max_new_tokens=args.max_new_tokens),
-                    optim=BatchOptimConfig(steps=args.steps, batch_size=args.batch_size,
-                                             warmup_steps=min(20, args.steps // 10)),
-                    progress=False)
+    cfg = SFTConfig(
+        model=ModelConfig(name=args.model),
+        task=task,
+        seed=args.seed,
+        eval=EvalConfig(max_new_tokens=args.max_new_tokens),
+        optim=BatchOptimConfig(
+            steps=args.steps, batch_size=args.batch_size, warmup_steps=min(20, args.steps // 10)
+        ),
+        progress=False,
+    )
     tokenizer = ByteTokenizer()
     items, ds = held_out_items(task)
     dataset, dropped = build_dataset(cfg, tokenizer, {it["question"] for it in items})
@@ -111,16 +138,26 @@ def main(argv: list[str] | None = None) -> int:
 
     def score(label: str, model) -> None:
         start = time.perf_counter()
-        results[label] = evaluate(Policy(model, tokenizer, spec), items, ds,
-                                  max_new_tokens=args.max_new_tokens)
+        results[label] = evaluate(
+            Policy(model, tokenizer, spec), items, ds, max_new_tokens=args.max_new_tokens
+        )
         times[label] = time.perf_counter() - start
         r = results[label]
-        print(f"{label}: {r.accuracy:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] "
-              f"({times[label]:.1f} s)", flush=True)
+        print(
+            f"{label}: {r.accuracy:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] ({times[label]:.1f} s)",
+            flush=True,
+        )
 
     model = build_model(spec, seed=args.seed)
-    sft_loss, sft_s = train(model, dataset, steps=args.steps, batch_size=args.batch_size,
-                            lr=args.lr, seed=args.seed, warmup=True)
+    sft_loss, sft_s = train(
+        model,
+        dataset,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        warmup=True,
+    )
     print(f"fp32 SFT: {args.steps} steps, final loss {sft_loss:.4f}, {sft_s:.0f} s", flush=True)
     fp32_bytes = parameter_bytes(model)
     score("(a) fp32, no QAT", model)
@@ -129,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     score(f"(b) fp32 + PTQ {args.scheme}", ptq)
 
     control, qat = copy.deepcopy(model), copy.deepcopy(model)
-    cont = dict(steps=args.qat_steps, batch_size=args.batch_size, lr=args.qat_lr,
-                seed=args.seed + 1, warmup=False)
+    cont = dict(
+        steps=args.qat_steps,
+        batch_size=args.batch_size,
+        lr=args.qat_lr,
+        seed=args.seed + 1,
+        warmup=False,
+    )
     control_loss, control_s = train(control, dataset, **cont)
     score("(e) fp32 continued, no QAT", control)
     quantize_post_training(control, config)
@@ -143,19 +185,33 @@ def main(argv: list[str] | None = None) -> int:
     score(f"(d) QAT, converted {args.scheme}", qat)
     quant_bytes = parameter_bytes(qat)
 
-    order = ["(a) fp32, no QAT", f"(b) fp32 + PTQ {args.scheme}", "(e) fp32 continued, no QAT",
-             f"(f) fp32 continued + PTQ {args.scheme}", "(c) QAT, fake-quantised",
-             f"(d) QAT, converted {args.scheme}"]
-    table = accuracy_table([(k, results[k].as_dict()) for k in order],
-                           header="model (greedy, held-out)")
+    order = [
+        "(a) fp32, no QAT",
+        f"(b) fp32 + PTQ {args.scheme}",
+        "(e) fp32 continued, no QAT",
+        f"(f) fp32 continued + PTQ {args.scheme}",
+        "(c) QAT, fake-quantised",
+        f"(d) QAT, converted {args.scheme}",
+    ]
+    table = accuracy_table(
+        [(k, results[k].as_dict()) for k in order], header="model (greedy, held-out)"
+    )
 
     def diff(a: str, b: str) -> str:
-        d = paired_bootstrap_diff(results[a].table["correct"].to_numpy(),
-                                  results[b].table["correct"].to_numpy(), seed=args.seed)
+        d = paired_bootstrap_diff(
+            results[a].table["correct"].to_numpy(),
+            results[b].table["correct"].to_numpy(),
+            seed=args.seed,
+        )
         return "- " + difference_line(f"{a[:3]} - {b[:3]}", d)
 
-    diffs = [diff(order[5], order[3]), diff(order[5], order[4]), diff(order[1], order[0]),
-             diff(order[3], order[2]), diff(order[2], order[0])]
+    diffs = [
+        diff(order[5], order[3]),
+        diff(order[5], order[4]),
+        diff(order[1], order[0]),
+        diff(order[3], order[2]),
+        diff(order[2], order[0]),
+    ]
     given = sys.argv[1:] if argv is None else argv
     command = " ".join(["python benchmarks/qat_accuracy.py", *given])
     setup = [
@@ -184,8 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0]:.1f} at end; total {time.perf_counter() - wall:.0f} s",
         f"- Command: `{command}`",
     ]
-    text = "\n".join(["## Setup", "", *setup, "", "## Held-out accuracy", "", *table, "",
-                      "Paired differences (same items):", "", *diffs, ""])
+    text = "\n".join(
+        [
+            "## Setup",
+            "",
+            *setup,
+            "",
+            "## Held-out accuracy",
+            "",
+            *table,
+            "",
+            "Paired differences (same items):",
+            "",
+            *diffs,
+            "",
+        ]
+    )
     print("\n" + text)
     if args.quick and args.out == DOCS / "qat_accuracy.md":
         print("--quick: nothing written (pass --out to write the table)")

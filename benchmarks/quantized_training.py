@@ -51,12 +51,32 @@ def model_spec(quick: bool):
     from posttrain.models import ModelSpec
 
     if quick:
-        return ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4,
-                         num_kv_heads=4, embed_dim=128, intermediate_dim=256, max_seq_len=128,
-                         rope_base=1e6, norm_eps=1e-6, tie_word_embeddings=True)
-    return ModelSpec(family="qwen2", vocab_size=272, num_layers=8, num_heads=8, num_kv_heads=8,
-                     embed_dim=512, intermediate_dim=1536, max_seq_len=512, rope_base=1e6,
-                     norm_eps=1e-6, tie_word_embeddings=True)
+        return ModelSpec(
+            family="qwen2",
+            vocab_size=272,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=4,
+            embed_dim=128,
+            intermediate_dim=256,
+            max_seq_len=128,
+            rope_base=1e6,
+            norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+    return ModelSpec(
+        family="qwen2",
+        vocab_size=272,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        embed_dim=512,
+        intermediate_dim=1536,
+        max_seq_len=512,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
 
 
 def _status_bytes(key: str) -> int:
@@ -93,8 +113,11 @@ def convert(model, spec, variant: str):
 
     modules = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
     if variant in ("lora", "qlora"):
-        return apply_lora(model, LoRAConfig(rank=16, alpha=32.0, modules=modules,
-                                            quantize_base=variant == "qlora"), spec=spec)
+        return apply_lora(
+            model,
+            LoRAConfig(rank=16, alpha=32.0, modules=modules, quantize_base=variant == "qlora"),
+            spec=spec,
+        )
     if variant == "fp8":
         return apply_float8(model, Float8Config(recipe="tensorwise"), spec=spec)
     return None
@@ -122,8 +145,12 @@ def worker(variant: str, quick: bool, steps: int, batch: int, seq: int) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
-    rows = [Sample.from_loss_mask(torch.randint(0, 256, (seq,), generator=generator).tolist(),
-                                  [True] * seq) for _ in range(batch * (steps + 1))]
+    rows = [
+        Sample.from_loss_mask(
+            torch.randint(0, 256, (seq,), generator=generator).tolist(), [True] * seq
+        )
+        for _ in range(batch * (steps + 1))
+    ]
     loader = SFTLoader(rows, batch_size=batch, seed=0, pad_id=0)
     trainer = Trainer(model, optimizer, data=loader, max_grad_norm=1.0, progress=False)
     times = []
@@ -132,20 +159,34 @@ def worker(variant: str, quick: bool, steps: int, batch: int, seq: int) -> dict:
         trainer.fit(trainer.step_count + 1)
         times.append(time.perf_counter() - start)
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {"variant": variant, "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in trainable),
-            "weight_bytes": _unique_bytes(list(model.parameters()) + list(model.buffers())),
-            # each gradient at the optimizer step has its parameter's shape and dtype
-            "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
-            "optimizer_bytes": _unique_bytes(state),
-            "peak_rss_bytes": _status_bytes("VmHWM") - baseline,
-            "step_s": statistics.median(times[1:] or times), "report": str(report)}
+    return {
+        "variant": variant,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in trainable),
+        "weight_bytes": _unique_bytes(list(model.parameters()) + list(model.buffers())),
+        # each gradient at the optimizer step has its parameter's shape and dtype
+        "grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
+        "optimizer_bytes": _unique_bytes(state),
+        "peak_rss_bytes": _status_bytes("VmHWM") - baseline,
+        "step_s": statistics.median(times[1:] or times),
+        "report": str(report),
+    }
 
 
 def launch(variant: str, args) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps),
-           "--batch", str(args.batch), "--seq", str(args.seq)] + (["--quick"] * args.quick)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        variant,
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+    ] + (["--quick"] * args.quick)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
@@ -155,15 +196,18 @@ def launch(variant: str, args) -> dict:
 def table(rows: list[dict]) -> str:
     mib = 2**20
     fp32 = next((r for r in rows if r["variant"] == "fp32"), rows[0])
-    lines = ["| variant | trainable params | weights MiB | grads MiB | AdamW state MiB | "
-             "peak RSS increase MiB | step s (median) | step vs fp32 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | trainable params | weights MiB | grads MiB | AdamW state MiB | "
+        "peak RSS increase MiB | step s (median) | step vs fp32 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['trainable']:,} | {r['weight_bytes'] / mib:.1f} | "
             f"{r['grad_bytes'] / mib:.1f} | {r['optimizer_bytes'] / mib:.1f} | "
             f"{r['peak_rss_bytes'] / mib:.0f} | {r['step_s']:.2f} | "
-            f"{r['step_s'] / fp32['step_s']:.2f}x |")
+            f"{r['step_s'] / fp32['step_s']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -173,20 +217,30 @@ def report(rows: list[dict], args, elapsed: float) -> str:
     spec = model_spec(args.quick)
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    return "\n".join([
-        BEGIN, "",
-        f"Measured {time.strftime('%Y-%m-%d')} with `python benchmarks/quantized_training.py"
-        f"{' --quick' * args.quick}` ({elapsed:.0f} s): {cpu}, 1 thread per process, torch "
-        f"{torch.__version__}; model {rows[0]['params'] / 1e6:.1f}M parameters (D="
-        f"{spec.embed_dim}, {spec.num_layers} layers), SFT steps of {args.batch} x {args.seq} "
-        f"random byte tokens, {args.steps} steps per variant.", "",
-        table(rows), "",
-        *[f"- {r['variant']}: {r['report']}" for r in rows if r["report"] != "None"], "",
-        END])
+    return "\n".join(
+        [
+            BEGIN,
+            "",
+            f"Measured {time.strftime('%Y-%m-%d')} with `python benchmarks/quantized_training.py"
+            f"{' --quick' * args.quick}` ({elapsed:.0f} s): {cpu}, 1 thread per process, torch "
+            f"{torch.__version__}; model {rows[0]['params'] / 1e6:.1f}M parameters (D="
+            f"{spec.embed_dim}, {spec.num_layers} layers), SFT steps of {args.batch} x {args.seq} "
+            f"random byte tokens, {args.steps} steps per variant.",
+            "",
+            table(rows),
+            "",
+            *[f"- {r['variant']}: {r['report']}" for r in rows if r["report"] != "None"],
+            "",
+            END,
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

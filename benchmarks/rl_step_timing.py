@@ -66,28 +66,43 @@ def main() -> None:
     peak = matmul_peak_flops()
     peak_s = time.perf_counter() - start
     policy = Policy.from_spec("tiny-2m", seed=0)
-    trainer = RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-5),
-                        task=chain_sum_task(size=args.prompts * (args.warmup + args.steps) + 8,
-                                            held_out_size=2),
-                        algo=RLAlgorithm.grpo(group_size=args.group_size, kl_coef=0.04),
-                        prompts_per_step=args.prompts, max_new_tokens=args.max_new_tokens,
-                        progress=False)
-    rows = [trainer.step() for _ in range(args.warmup + args.steps)][args.warmup:]
+    trainer = RLTrainer(
+        policy,
+        torch.optim.AdamW(policy.model.parameters(), lr=1e-5),
+        task=chain_sum_task(size=args.prompts * (args.warmup + args.steps) + 8, held_out_size=2),
+        algo=RLAlgorithm.grpo(group_size=args.group_size, kl_coef=0.04),
+        prompts_per_step=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        progress=False,
+    )
+    rows = [trainer.step() for _ in range(args.warmup + args.steps)][args.warmup :]
     groups = trainer.last_groups
     batch = make_batch(groups, policy.tokenizer.pad_id)
     costs = []
     for _ in range(200):
         t0 = time.perf_counter()
-        timing_row(new_step_timer(policy.model), model=policy.model, groups=groups, batch=batch,
-                   frozen_passes=1, ppo_epochs=1, collect_s=1.0, step_s=2.0)
+        timing_row(
+            new_step_timer(policy.model),
+            model=policy.model,
+            groups=groups,
+            batch=batch,
+            frozen_passes=1,
+            ppo_epochs=1,
+            collect_s=1.0,
+            step_s=2.0,
+        )
         costs.append(time.perf_counter() - t0)
     load_end = os.getloadavg()[0]
 
-    med = {k: statistics.median(r[k] for r in rows)
-           for k in PARTS + ("step_time_s", "tokens_per_s", "trained_tokens_per_s", "mfu")}
+    med = {
+        k: statistics.median(r[k] for r in rows)
+        for k in PARTS + ("step_time_s", "tokens_per_s", "trained_tokens_per_s", "mfu")
+    }
     lines = [
-        "# Where a GRPO step's time goes (CPU)", "",
-        "Produced by `python benchmarks/rl_step_timing.py`.", "",
+        "# Where a GRPO step's time goes (CPU)",
+        "",
+        "Produced by `python benchmarks/rl_step_timing.py`.",
+        "",
         f"- CPU: {_cpu_name()}; {os.cpu_count()} CPUs visible; "
         f"{args.threads} threads, fp32; torch {torch.__version__}",
         f"- Model: `tiny-2m`, N = {non_embedding_params(policy.model):,} non-embedding "
@@ -101,14 +116,21 @@ def main() -> None:
         "(other processes share this machine)",
         f"- Command: `python benchmarks/rl_step_timing.py {' '.join(sys.argv[1:])}`",
         f"- Instrumentation cost (`timing_row`, median of 200): "
-        f"{statistics.median(costs) * 1e6:.0f} us per step", "",
-        "| phase | s / step (median) | share of step |", "|---|---:|---:|"]
+        f"{statistics.median(costs) * 1e6:.0f} us per step",
+        "",
+        "| phase | s / step (median) | share of step |",
+        "|---|---:|---:|",
+    ]
     for k in PARTS:
         lines.append(f"| {k} | {med[k]:.3f} | {med[k] / med['step_time_s']:.0%} |")
-    lines += [f"| step_time_s | {med['step_time_s']:.3f} | 100% |", "",
-              f"Sampled tokens/s {med['tokens_per_s']:.1f}; trained tokens/s "
-              f"{med['trained_tokens_per_s']:.1f}; MFU {med['mfu']:.2%} of the measured peak "
-              "(6 N D train + 2 N D forward, no attention term).", ""]
+    lines += [
+        f"| step_time_s | {med['step_time_s']:.3f} | 100% |",
+        "",
+        f"Sampled tokens/s {med['tokens_per_s']:.1f}; trained tokens/s "
+        f"{med['trained_tokens_per_s']:.1f}; MFU {med['mfu']:.2%} of the measured peak "
+        "(6 N D train + 2 N D forward, no attention term).",
+        "",
+    ]
     report = "\n".join(lines)
     print(report)
     if not args.quick:

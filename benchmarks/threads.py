@@ -38,8 +38,14 @@ SETTINGS = {
     "2-passive": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
     "default": None,  # posttrain.core.threads.apply_thread_env on a clean environment
 }
-THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "GOMP_SPINCOUNT",
-               "KMP_BLOCKTIME", "POSTTRAIN_NUM_THREADS")
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "MKL_NUM_THREADS",
+    "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME",
+    "POSTTRAIN_NUM_THREADS",
+)
 
 
 def worker(batch: int, seq: int, warmup: int, seconds: float) -> dict:
@@ -83,17 +89,36 @@ def measure(setting: str, busy: bool, args) -> dict:
     try:
         time.sleep(0.5 if busy else 0)
         load = os.getloadavg()[0]
-        out = subprocess.run([sys.executable, __file__, "--worker", "--batch", str(args.batch),
-                              "--seq", str(args.seq), "--warmup", str(args.warmup),
-                              "--seconds", str(args.seconds)],
-                             env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--warmup",
+                str(args.warmup),
+                "--seconds",
+                str(args.seconds),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    row.update(setting=setting, busy=busy, load1=load,
-               env={k: env[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in env})
+    row.update(
+        setting=setting,
+        busy=busy,
+        load1=load,
+        env={k: env[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in env},
+    )
     return row
 
 
@@ -108,14 +133,17 @@ def report(rows: list[dict], args, command: str) -> str:
         pass
     import torch
 
-    lines = [f"CPU: {cpu}; {os.cpu_count()} CPUs, affinity mask {len(os.sched_getaffinity(0))}; "
-             f"torch {torch.__version__}; Python {platform.python_version()}.",
-             f"Work: tiny-10m, batch {args.batch} x {args.seq} tokens, AdamW, fp32; "
-             f"{args.warmup} warm-up steps, then >= {args.seconds:g} s of timed steps.",
-             f"Command: `{command}`", "",
-             "| setting | environment | threads | alone steps/s | busy steps/s | slowdown | "
-             "load (1 min) alone / busy |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {cpu}; {os.cpu_count()} CPUs, affinity mask {len(os.sched_getaffinity(0))}; "
+        f"torch {torch.__version__}; Python {platform.python_version()}.",
+        f"Work: tiny-10m, batch {args.batch} x {args.seq} tokens, AdamW, fp32; "
+        f"{args.warmup} warm-up steps, then >= {args.seconds:g} s of timed steps.",
+        f"Command: `{command}`",
+        "",
+        "| setting | environment | threads | alone steps/s | busy steps/s | slowdown | "
+        "load (1 min) alone / busy |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for setting in SETTINGS:
         alone = [r for r in rows if r["setting"] == setting and not r["busy"]]
         busy = [r for r in rows if r["setting"] == setting and r["busy"]]
@@ -123,9 +151,11 @@ def report(rows: list[dict], args, command: str) -> str:
             continue
         a, b = alone[0], busy[0]
         env = " ".join(f"{k}={v}" for k, v in a["env"].items())
-        lines.append(f"| {setting} | {env} | {a['threads']} | {a['steps_per_s']:.2f} | "
-                     f"{b['steps_per_s']:.2f} | {a['steps_per_s'] / b['steps_per_s']:.2f}x | "
-                     f"{a['load1']:.2f} / {b['load1']:.2f} |")
+        lines.append(
+            f"| {setting} | {env} | {a['threads']} | {a['steps_per_s']:.2f} | "
+            f"{b['steps_per_s']:.2f} | {a['steps_per_s'] / b['steps_per_s']:.2f}x | "
+            f"{a['load1']:.2f} / {b['load1']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -136,8 +166,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--settings", default=",".join(SETTINGS),
-                        help=f"comma-separated subset of {', '.join(SETTINGS)}")
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"comma-separated subset of {', '.join(SETTINGS)}",
+    )
     parser.add_argument("--quick", action="store_true", help="2 s per measurement, nothing written")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()

@@ -27,27 +27,59 @@ Example:
     ['user']
 """
 
-from posttrain.envs.calculator_env import (CALCULATOR_SYSTEM_PROMPT, CalculatorEnv,
-                                           CalculatorGroupBuilder, calculator_result,
-                                           calculator_task, evaluate_arithmetic)
+from posttrain.envs.calculator_env import (
+    CALCULATOR_SYSTEM_PROMPT,
+    CalculatorEnv,
+    CalculatorGroupBuilder,
+    calculator_result,
+    calculator_task,
+    evaluate_arithmetic,
+)
 from posttrain.rl.environment import get_task, register_task, registered_tasks
-from posttrain.envs.reasoning_gym_env import (CHAIN_SUM_CONFIG, ReasoningGymEnv,
-                                              ReasoningGymGroupBuilder, ReasoningGymTask,
-                                              chain_sum_task, prompt_messages)
+from posttrain.envs.reasoning_gym_env import (
+    CHAIN_SUM_CONFIG,
+    ReasoningGymEnv,
+    ReasoningGymGroupBuilder,
+    ReasoningGymTask,
+    chain_sum_task,
+    prompt_messages,
+)
 from posttrain.envs.judged_env import JudgedEnv, JudgedGroupBuilder
-from posttrain.envs.code_env import (CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task,
-                                     mbpp_item)
-from posttrain.envs.python_tool_env import (PYTHON_TOOL_SYSTEM_PROMPT, PythonToolEnv,
-                                            PythonToolGroupBuilder, python_tool_task,
-                                            tool_counts)
+from posttrain.envs.code_env import CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task, mbpp_item
+from posttrain.envs.python_tool_env import (
+    PYTHON_TOOL_SYSTEM_PROMPT,
+    PythonToolEnv,
+    PythonToolGroupBuilder,
+    python_tool_task,
+    tool_counts,
+)
 
 __all__ = [
-    "JudgedEnv", "JudgedGroupBuilder",
-    "CALCULATOR_SYSTEM_PROMPT", "CHAIN_SUM_CONFIG", "CalculatorEnv", "CalculatorGroupBuilder",
-    "ReasoningGymEnv", "ReasoningGymGroupBuilder", "ReasoningGymTask", "calculator_result",
-    "calculator_task", "chain_sum_task", "evaluate_arithmetic", "prompt_messages",
-    "CodeEnv", "CodeGroupBuilder", "CodeTask", "humaneval_task", "mbpp_item",
-    "PYTHON_TOOL_SYSTEM_PROMPT", "PythonToolEnv", "PythonToolGroupBuilder", "python_tool_task",
+    "JudgedEnv",
+    "JudgedGroupBuilder",
+    "CALCULATOR_SYSTEM_PROMPT",
+    "CHAIN_SUM_CONFIG",
+    "CalculatorEnv",
+    "CalculatorGroupBuilder",
+    "ReasoningGymEnv",
+    "ReasoningGymGroupBuilder",
+    "ReasoningGymTask",
+    "calculator_result",
+    "calculator_task",
+    "chain_sum_task",
+    "evaluate_arithmetic",
+    "prompt_messages",
+    "CodeEnv",
+    "CodeGroupBuilder",
+    "CodeTask",
+    "humaneval_task",
+    "mbpp_item",
+    "PYTHON_TOOL_SYSTEM_PROMPT",
+    "PythonToolEnv",
+    "PythonToolGroupBuilder",
+    "python_tool_task",
     "tool_counts",
-    "get_task", "register_task", "registered_tasks",
+    "get_task",
+    "register_task",
+    "registered_tasks",
 ]

@@ -47,7 +47,13 @@ from fractions import Fraction
 from typing import Any
 
 from posttrain.rl.environment import Messages, StepResult, register_task
-from posttrain.rewards.verifier import (DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult, run_verifier)
+from posttrain.rewards.verifier import (
+    DEFAULT_TIMEOUT_S,
+    Outcome,
+    Verifier,
+    VerifierResult,
+    run_verifier,
+)
 from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.rewards.verifier_threads import check_timeout
 from posttrain.verifiers.basic import extract_tag, tag_contents
@@ -60,12 +66,16 @@ CALCULATOR_SYSTEM_PROMPT = (
 )
 
 MAX_EXPRESSION_CHARS = 200
-MAX_ABS_VALUE = 10 ** 30
+MAX_ABS_VALUE = 10**30
 MAX_CALLS_PER_TURN = 64
 """Calculator calls evaluated in one assistant turn; the rest get one error result."""
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-              ast.Div: operator.truediv}
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def evaluate_arithmetic(expression: str) -> Fraction:
@@ -142,10 +152,15 @@ class CalculatorEnv:
     `StepResult.info` holds `turn`, `calls` (calculator calls so far) and `tool_errors`.
     """
 
-    def __init__(self, item: Mapping[str, Any], *, max_turns: int = 4,
-                 verifier: Verifier | None = None,
-                 system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        item: Mapping[str, Any],
+        *,
+        max_turns: int = 4,
+        verifier: Verifier | None = None,
+        system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
         if not (isinstance(max_turns, int) and max_turns >= 1):
             raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
         self.item = item
@@ -166,15 +181,18 @@ class CalculatorEnv:
 
     def step(self, assistant_text: str) -> StepResult:
         if self.done:
-            raise RuntimeError("this episode is over; environments are single-use (make new ones "
-                               "with the group builder)")
+            raise RuntimeError(
+                "this episode is over; environments are single-use (make new ones "
+                "with the group builder)"
+            )
         self.turn += 1
         answer = extract_tag(assistant_text, "answer")
         if answer is not None:
             self.done = True
             result = run_verifier(self.verifier, answer, self.item, timeout_s=self.timeout_s)
-            return StepResult(done=True, reward=result.score, verifier_result=result,
-                              info=self._info())
+            return StepResult(
+                done=True, reward=result.score, verifier_result=result, info=self._info()
+            )
         replies = []
         expressions = tag_contents(assistant_text, "calc")
         for expression in expressions[:MAX_CALLS_PER_TURN]:
@@ -186,18 +204,26 @@ class CalculatorEnv:
         if skipped > 0:
             self.calls += skipped
             self.tool_errors += skipped
-            replies.append(f"<result>error: {skipped} more calls not evaluated (at most "
-                           f"{MAX_CALLS_PER_TURN} a turn)</result>")
+            replies.append(
+                f"<result>error: {skipped} more calls not evaluated (at most "
+                f"{MAX_CALLS_PER_TURN} a turn)</result>"
+            )
         if self.turn >= self.max_turns:
             self.done = True
-            result = VerifierResult.failure(Outcome.FORMAT_ERROR,
-                                            f"no <answer> after {self.max_turns} turns")
+            result = VerifierResult.failure(
+                Outcome.FORMAT_ERROR, f"no <answer> after {self.max_turns} turns"
+            )
             return StepResult(done=True, reward=0.0, verifier_result=result, info=self._info())
         if not replies:
-            replies = ["<result>error: write <calc>expression</calc> to calculate or "
-                       "<answer>value</answer> to answer</result>"]
-        return StepResult(done=False, observation=[{"role": "tool", "content": "\n".join(replies)}],
-                          info=self._info())
+            replies = [
+                "<result>error: write <calc>expression</calc> to calculate or "
+                "<answer>value</answer> to answer</result>"
+            ]
+        return StepResult(
+            done=False,
+            observation=[{"role": "tool", "content": "\n".join(replies)}],
+            info=self._info(),
+        )
 
 
 @dataclass(frozen=True)
@@ -217,13 +243,25 @@ class CalculatorGroupBuilder:
     def make_envs(self, group_size: int) -> list[CalculatorEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        return [CalculatorEnv(self.item, max_turns=self.max_turns, system_prompt=self.system_prompt,
-                              timeout_s=self.timeout_s) for _ in range(group_size)]
+        return [
+            CalculatorEnv(
+                self.item,
+                max_turns=self.max_turns,
+                system_prompt=self.system_prompt,
+                timeout_s=self.timeout_s,
+            )
+            for _ in range(group_size)
+        ]
 
 
 @register_task("calculator")
-def calculator_task(*, max_turns: int = 4, system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
-                    timeout_s: float | None = DEFAULT_TIMEOUT_S, **overrides: Any):
+def calculator_task(
+    *,
+    max_turns: int = 4,
+    system_prompt: str | None = CALCULATOR_SYSTEM_PROMPT,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    **overrides: Any,
+):
     """The chain_sum preset (`chain_sum_task(**overrides)`) played with the calculator tool.
 
     `max_turns`, `system_prompt` and `timeout_s` are the `CalculatorGroupBuilder`'s, checked here
@@ -241,16 +279,23 @@ def calculator_task(*, max_turns: int = 4, system_prompt: str | None = CALCULATO
         2
     """
     from posttrain.envs.reasoning_gym_env import chain_sum_task
+
     for name in ("builder", "extract"):
         if name in overrides:
-            raise ValueError(f"calculator does not take {name}= (its builder is "
-                             "CalculatorGroupBuilder, which verifies the <answer> content); its "
-                             "own options: max_turns, system_prompt, timeout_s")
+            raise ValueError(
+                f"calculator does not take {name}= (its builder is "
+                "CalculatorGroupBuilder, which verifies the <answer> content); its "
+                "own options: max_turns, system_prompt, timeout_s"
+            )
     options = {"max_turns": max_turns, "system_prompt": system_prompt, "timeout_s": timeout_s}
     if system_prompt is not None and not isinstance(system_prompt, str):
-        raise TypeError(f"calculator system_prompt must be a str or None, got "
-                        f"{type(system_prompt).__name__}")
-    CalculatorEnv({}, **options)     # checks max_turns now
+        raise TypeError(
+            f"calculator system_prompt must be a str or None, got {type(system_prompt).__name__}"
+        )
+    CalculatorEnv({}, **options)  # checks max_turns now
     check_timeout(timeout_s)
-    return chain_sum_task(builder=functools.partial(CalculatorGroupBuilder, **options),
-                          timeout_s=timeout_s, **overrides)
+    return chain_sum_task(
+        builder=functools.partial(CalculatorGroupBuilder, **options),
+        timeout_s=timeout_s,
+        **overrides,
+    )

@@ -42,8 +42,15 @@ from posttrain.rewards.verifier import Verifier, as_score_fn
 from posttrain.envs.reasoning_gym_env import ReasoningGymEnv, cycle_builders
 from posttrain.verifiers.code_exec import CODE_LIMITS, CodeTestsVerifier
 
-__all__ = ["CODE_TIMEOUT_S", "CodeEnv", "CodeGroupBuilder", "CodeTask", "humaneval_task",
-           "mbpp_item", "split_held_out"]
+__all__ = [
+    "CODE_TIMEOUT_S",
+    "CodeEnv",
+    "CodeGroupBuilder",
+    "CodeTask",
+    "humaneval_task",
+    "mbpp_item",
+    "split_held_out",
+]
 
 CODE_TIMEOUT_S = CODE_LIMITS.wall_s + 5.0
 """The `run_verifier` budget of one check, in seconds: the sandbox's wall-clock limit plus 5 s
@@ -64,12 +71,18 @@ def mbpp_item(row: Mapping[str, Any]) -> dict:
     if not isinstance(text, str):
         raise ValueError(f"an MBPP row needs a 'text' string, got {text!r:.60}")
     if not (isinstance(tests, (list, tuple)) and tests and all(isinstance(t, str) for t in tests)):
-        raise ValueError(f"an MBPP row needs 'test_list', a non-empty list of assert strings, got "
-                         f"{tests!r:.60}")
+        raise ValueError(
+            f"an MBPP row needs 'test_list', a non-empty list of assert strings, got {tests!r:.60}"
+        )
     question = f"{text}\nYour code should pass this test:\n{tests[0]}"
-    return {"task_id": row.get("task_id"), "question": question, "prompt": "",
-            "test": "\n".join([row.get("test_setup_code") or "", *tests]).strip() + "\n",
-            "entry_point": None, "answer": row.get("code", "")}
+    return {
+        "task_id": row.get("task_id"),
+        "question": question,
+        "prompt": "",
+        "test": "\n".join([row.get("test_setup_code") or "", *tests]).strip() + "\n",
+        "entry_point": None,
+        "answer": row.get("code", ""),
+    }
 
 
 class CodeEnv(ReasoningGymEnv):
@@ -87,10 +100,21 @@ class CodeEnv(ReasoningGymEnv):
             from training) while the sandbox still runs them to its own limit.
     """
 
-    def __init__(self, item: Mapping[str, Any], verifier: Verifier, *,
-                 system_prompt: str | None = None, timeout_s: float | None = CODE_TIMEOUT_S):
-        super().__init__(item, verifier, system_prompt=system_prompt, timeout_s=timeout_s,
-                         info={"task_id": item.get("task_id")})
+    def __init__(
+        self,
+        item: Mapping[str, Any],
+        verifier: Verifier,
+        *,
+        system_prompt: str | None = None,
+        timeout_s: float | None = CODE_TIMEOUT_S,
+    ):
+        super().__init__(
+            item,
+            verifier,
+            system_prompt=system_prompt,
+            timeout_s=timeout_s,
+            info={"task_id": item.get("task_id")},
+        )
 
 
 @dataclass(frozen=True)
@@ -116,12 +140,15 @@ class CodeGroupBuilder:
     def make_envs(self, group_size: int) -> list[CodeEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        return [CodeEnv(self.item, self.verifier, system_prompt=self.system_prompt,
-                        timeout_s=self.timeout_s) for _ in range(group_size)]
+        return [
+            CodeEnv(
+                self.item, self.verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
+            )
+            for _ in range(group_size)
+        ]
 
 
-def split_held_out(task_ids: Sequence[Any], held_out_fraction: float,
-                   seed: int = 0) -> set[Any]:
+def split_held_out(task_ids: Sequence[Any], held_out_fraction: float, seed: int = 0) -> set[Any]:
     """The task ids held out: the `round(held_out_fraction * N)` ids with the smallest
     SHA-256 of `f"{seed}:{task_id}"` (deterministic in any process, independent of order).
 
@@ -133,7 +160,7 @@ def split_held_out(task_ids: Sequence[Any], held_out_fraction: float,
     if len(set(task_ids)) != len(task_ids):
         raise ValueError("task ids must be unique to split items by id")
     ranked = sorted(task_ids, key=lambda t: hashlib.sha256(f"{seed}:{t}".encode()).hexdigest())
-    return set(ranked[:round(held_out_fraction * len(task_ids))])
+    return set(ranked[: round(held_out_fraction * len(task_ids))])
 
 
 @dataclass(kw_only=True)
@@ -177,13 +204,16 @@ class CodeTask:
             if item.get("task_id") is None:
                 item["task_id"] = i
         self.items = items
-        held = split_held_out([item["task_id"] for item in items], self.held_out_fraction,
-                              self.split_seed)
+        held = split_held_out(
+            [item["task_id"] for item in items], self.held_out_fraction, self.split_seed
+        )
         self.train_items = [item for item in items if item["task_id"] not in held]
         self.held_out_items = [item for item in items if item["task_id"] in held]
         if not self.train_items:
-            raise ValueError(f"held_out_fraction={self.held_out_fraction} leaves no training "
-                             f"item out of {len(items)}")
+            raise ValueError(
+                f"held_out_fraction={self.held_out_fraction} leaves no training "
+                f"item out of {len(items)}"
+            )
         if self.verifier is None:
             self.verifier = CodeTestsVerifier()
 
@@ -193,8 +223,9 @@ class CodeTask:
 
     def make_builder(self, item: dict) -> EnvGroupBuilder:
         """The group builder of one item."""
-        return CodeGroupBuilder(item, verifier=self.verifier, system_prompt=self.system_prompt,
-                                timeout_s=self.timeout_s)
+        return CodeGroupBuilder(
+            item, verifier=self.verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
+        )
 
     def builders(self, batch_index: int, batch_size: int) -> list[EnvGroupBuilder]:
         """The builders of training batch `batch_index` (see the class docstring).
@@ -212,8 +243,9 @@ class CodeTask:
         """
         n = len(self.held_out_items) if n is None else n
         if not (isinstance(n, int) and 0 <= n <= len(self.held_out_items)):
-            raise ValueError(f"held_out(n) needs 0 <= n <= {len(self.held_out_items)} held-out "
-                             f"items, got {n!r}")
+            raise ValueError(
+                f"held_out(n) needs 0 <= n <= {len(self.held_out_items)} held-out items, got {n!r}"
+            )
         return copy.deepcopy(self.held_out_items[:n])
 
     def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
@@ -236,8 +268,9 @@ def humaneval_task(*, held_out_fraction: float = 0.2, **options: Any) -> CodeTas
     from posttrain.verifiers.humaneval import humaneval_problems, humaneval_verifier
 
     if "items" in options:
-        raise ValueError("humaneval_task has HumanEval's items; use get_task('code', items=...) "
-                         "for others")
+        raise ValueError(
+            "humaneval_task has HumanEval's items; use get_task('code', items=...) for others"
+        )
     if options.get("verifier") is None:
         options["verifier"] = humaneval_verifier()
     return CodeTask(items=humaneval_problems(), held_out_fraction=held_out_fraction, **options)

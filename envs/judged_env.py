@@ -57,8 +57,10 @@ class JudgedEnv:
 
     def step(self, assistant_text: str) -> StepResult:
         if self._done:
-            raise RuntimeError("this episode is over; environments are single-use (make new ones "
-                               "with the group builder)")
+            raise RuntimeError(
+                "this episode is over; environments are single-use (make new ones "
+                "with the group builder)"
+            )
         self._done = True
         return StepResult(done=True, reward=0.0, info={"judged": "by group"})
 
@@ -83,8 +85,10 @@ class JudgedGroupBuilder:
 
     def __post_init__(self) -> None:
         if not callable(getattr(self.judge, "judge", None)):
-            raise TypeError(f"judge must have a judge(completions, items) method; got "
-                            f"{type(self.judge).__name__}")
+            raise TypeError(
+                f"judge must have a judge(completions, items) method; got "
+                f"{type(self.judge).__name__}"
+            )
 
     def make_envs(self, group_size: int) -> list[JudgedEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
@@ -101,14 +105,20 @@ class JudgedGroupBuilder:
         """
         results: list[VerifierResult] = [
             VerifierResult.failure(t.outcome, t.info.get("error", "episode failed"))
-            if t.outcome in _FAILED else None for t in trajectories]  # type: ignore[misc]
+            if t.outcome in _FAILED
+            else None
+            for t in trajectories
+        ]  # type: ignore[misc]
         todo = [i for i, r in enumerate(results) if r is None]
         if todo:
-            judged = list(self.judge.judge([trajectories[i].text for i in todo],
-                                           [self.item] * len(todo)))
+            judged = list(
+                self.judge.judge([trajectories[i].text for i in todo], [self.item] * len(todo))
+            )
             if len(judged) != len(todo):
-                raise ValueError(f"{type(self.judge).__name__}.judge returned {len(judged)} "
-                                 f"results for {len(todo)} completions")
+                raise ValueError(
+                    f"{type(self.judge).__name__}.judge returned {len(judged)} "
+                    f"results for {len(todo)} completions"
+                )
             for i, result in zip(todo, judged):
                 results[i] = result
         return results

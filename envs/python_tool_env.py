@@ -56,16 +56,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.rl.environment import Messages, StepResult, register_task
-from posttrain.rewards.verifier import (DEFAULT_TIMEOUT_S, Outcome, Verifier, VerifierResult,
-                                        run_verifier)
+from posttrain.rewards.verifier import (
+    DEFAULT_TIMEOUT_S,
+    Outcome,
+    Verifier,
+    VerifierResult,
+    run_verifier,
+)
 from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.verifiers.basic import extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, SandboxLimits
 
-__all__ = ["MAX_TOOL_OUTPUT_CHARS", "PYTHON_TOOL_SYSTEM_PROMPT", "TOOL_COUNTS", "TOOL_LIMITS",
-           "PythonToolEnv", "PythonToolGroupBuilder", "format_tool_output", "python_tool_task",
-           "tool_counts"]
+__all__ = [
+    "MAX_TOOL_OUTPUT_CHARS",
+    "PYTHON_TOOL_SYSTEM_PROMPT",
+    "TOOL_COUNTS",
+    "TOOL_LIMITS",
+    "PythonToolEnv",
+    "PythonToolGroupBuilder",
+    "format_tool_output",
+    "python_tool_task",
+    "tool_counts",
+]
 
 PYTHON_TOOL_SYSTEM_PROMPT = (
     "You can run Python. Write <python>code</python>; it runs as a new Python 3 program and you "
@@ -79,12 +92,20 @@ TOOL_LIMITS = SandboxLimits(cpu_s=2.0, wall_s=5.0, memory_mb=256, output_bytes=6
 MAX_TOOL_OUTPUT_CHARS = 1000
 """Characters of one call's output returned to the policy; the rest is cut and counted."""
 
-TOOL_COUNTS = ("calls", "tool_errors", "tool_timeouts", "outputs_cut", "chars_cut",
-               "extra_calls_dropped")
+TOOL_COUNTS = (
+    "calls",
+    "tool_errors",
+    "tool_timeouts",
+    "outputs_cut",
+    "chars_cut",
+    "extra_calls_dropped",
+)
 """The counters of `StepResult.info["counts"]` that `tool_counts` sums."""
 
-_USAGE = ("<output>error: write <python>code</python> to run Python or <answer>value</answer> "
-          "to answer</output>")
+_USAGE = (
+    "<output>error: write <python>code</python> to run Python or <answer>value</answer> "
+    "to answer</output>"
+)
 
 
 def _outside_code(text: str) -> str:
@@ -100,22 +121,38 @@ def _outside_code(text: str) -> str:
     return "".join(parts) + text[start:]
 
 
-def _check_options(*, max_turns: Any, max_calls_per_turn: Any, max_output_chars: Any,
-                   system_prompt: Any, timeout_s: Any) -> None:
-    for name, value in (("max_turns", max_turns), ("max_calls_per_turn", max_calls_per_turn),
-                        ("max_output_chars", max_output_chars)):
+def _check_options(
+    *,
+    max_turns: Any,
+    max_calls_per_turn: Any,
+    max_output_chars: Any,
+    system_prompt: Any,
+    timeout_s: Any,
+) -> None:
+    for name, value in (
+        ("max_turns", max_turns),
+        ("max_calls_per_turn", max_calls_per_turn),
+        ("max_output_chars", max_output_chars),
+    ):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not (system_prompt is None or isinstance(system_prompt, str)):
         raise TypeError(f"system_prompt must be a str or None, got {type(system_prompt).__name__}")
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-            timeout_s, (int, float)) or not 0 < timeout_s < float("inf")):
-        raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
-                         f"{timeout_s!r}")
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not 0 < timeout_s < float("inf")
+    ):
+        raise ValueError(
+            f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}"
+        )
 
 
-def format_tool_output(run: ExecutionResult, *, max_chars: int = MAX_TOOL_OUTPUT_CHARS,
-                       ) -> tuple[str, int]:
+def format_tool_output(
+    run: ExecutionResult,
+    *,
+    max_chars: int = MAX_TOOL_OUTPUT_CHARS,
+) -> tuple[str, int]:
     """The tool message of one call and the number of characters cut from it.
 
     The text is stdout then stderr, stripped, cut to `max_chars` characters with a
@@ -138,10 +175,12 @@ def format_tool_output(run: ExecutionResult, *, max_chars: int = MAX_TOOL_OUTPUT
     cut = max(0, len(text) - max_chars)
     if cut:
         text = f"{text[:max_chars]}\n[... {cut} more characters cut]"
-    notes = {ExecOutcome.TIMEOUT: "error: timed out (the sandbox's time limit)",
-             ExecOutcome.MEMORY: "error: memory limit exceeded",
-             ExecOutcome.OUTPUT_LIMIT: "error: output over the sandbox's limit, cut",
-             ExecOutcome.KILLED: f"error: killed by signal {run.signal}"}
+    notes = {
+        ExecOutcome.TIMEOUT: "error: timed out (the sandbox's time limit)",
+        ExecOutcome.MEMORY: "error: memory limit exceeded",
+        ExecOutcome.OUTPUT_LIMIT: "error: output over the sandbox's limit, cut",
+        ExecOutcome.KILLED: f"error: killed by signal {run.signal}",
+    }
     note = notes.get(ExecOutcome(run.outcome))
     if note is None and run.stdout_truncated:
         note = "error: output over the sandbox's limit, cut"
@@ -171,14 +210,25 @@ class PythonToolEnv:
         SandboxUnavailable: (default sandbox only) when no sandbox can be made here.
     """
 
-    def __init__(self, item: Mapping[str, Any], *, sandbox: Sandbox | None = None,
-                 max_turns: int = 4, max_calls_per_turn: int = 4,
-                 max_output_chars: int = MAX_TOOL_OUTPUT_CHARS, verifier: Verifier | None = None,
-                 system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
-        _check_options(max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                       max_output_chars=max_output_chars, system_prompt=system_prompt,
-                       timeout_s=timeout_s)
+    def __init__(
+        self,
+        item: Mapping[str, Any],
+        *,
+        sandbox: Sandbox | None = None,
+        max_turns: int = 4,
+        max_calls_per_turn: int = 4,
+        max_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+        verifier: Verifier | None = None,
+        system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        _check_options(
+            max_turns=max_turns,
+            max_calls_per_turn=max_calls_per_turn,
+            max_output_chars=max_output_chars,
+            system_prompt=system_prompt,
+            timeout_s=timeout_s,
+        )
         self.item = item
         self.sandbox = Sandbox(TOOL_LIMITS) if sandbox is None else sandbox
         self.max_turns = max_turns
@@ -199,43 +249,55 @@ class PythonToolEnv:
 
     def _end(self, result: VerifierResult) -> StepResult:
         self.done = True
-        return StepResult(done=True, reward=result.score, verifier_result=result,
-                          info=self._info())
+        return StepResult(done=True, reward=result.score, verifier_result=result, info=self._info())
 
     def step(self, assistant_text: str) -> StepResult:
         if self.done:
-            raise RuntimeError("this episode is over; environments are single-use (make new ones "
-                               "with the group builder)")
+            raise RuntimeError(
+                "this episode is over; environments are single-use (make new ones "
+                "with the group builder)"
+            )
         self.turn += 1
         programs = tag_contents(assistant_text, "python")
         answer = extract_tag(_outside_code(assistant_text), "answer")
         if answer is not None:
             self.counts["extra_calls_dropped"] += len(programs)
-            return self._end(run_verifier(self.verifier, answer, self.item,
-                                          timeout_s=self.timeout_s))
+            return self._end(
+                run_verifier(self.verifier, answer, self.item, timeout_s=self.timeout_s)
+            )
         self.counts["extra_calls_dropped"] += max(0, len(programs) - self.max_calls_per_turn)
-        programs = programs[:self.max_calls_per_turn]
+        programs = programs[: self.max_calls_per_turn]
         replies = []
         if programs:
             for run in self.sandbox.run_many(programs):
                 if ExecOutcome(run.outcome) is ExecOutcome.SANDBOX_ERROR:
                     detail = (run.stderr.strip().splitlines() or ["no detail"])[-1][:200]
-                    return self._end(VerifierResult.failure(
-                        Outcome.ERROR, f"the sandbox failed on a tool call: {detail}"))
+                    return self._end(
+                        VerifierResult.failure(
+                            Outcome.ERROR, f"the sandbox failed on a tool call: {detail}"
+                        )
+                    )
                 reply, cut = format_tool_output(run, max_chars=self.max_output_chars)
                 outcome = ExecOutcome(run.outcome)
                 self.counts["calls"] += 1
                 self.counts["tool_errors"] += outcome is not ExecOutcome.OK
                 self.counts["tool_timeouts"] += outcome is ExecOutcome.TIMEOUT
-                self.counts["outputs_cut"] += bool(cut or run.stdout_truncated
-                                                   or outcome is ExecOutcome.OUTPUT_LIMIT)
+                self.counts["outputs_cut"] += bool(
+                    cut or run.stdout_truncated or outcome is ExecOutcome.OUTPUT_LIMIT
+                )
                 self.counts["chars_cut"] += cut
                 replies.append(reply)
         if self.turn >= self.max_turns:
-            return self._end(VerifierResult.failure(Outcome.FORMAT_ERROR,
-                                                    f"no <answer> after {self.max_turns} turns"))
-        return StepResult(done=False, info=self._info(),
-                          observation=[{"role": "tool", "content": "\n".join(replies or [_USAGE])}])
+            return self._end(
+                VerifierResult.failure(
+                    Outcome.FORMAT_ERROR, f"no <answer> after {self.max_turns} turns"
+                )
+            )
+        return StepResult(
+            done=False,
+            info=self._info(),
+            observation=[{"role": "tool", "content": "\n".join(replies or [_USAGE])}],
+        )
 
 
 @dataclass(frozen=True)
@@ -265,19 +327,30 @@ class PythonToolGroupBuilder:
     def __post_init__(self) -> None:
         if not isinstance(self.limits, SandboxLimits):
             raise TypeError(f"limits must be a SandboxLimits, got {type(self.limits).__name__}")
-        _check_options(max_turns=self.max_turns, max_calls_per_turn=self.max_calls_per_turn,
-                       max_output_chars=self.max_output_chars, system_prompt=self.system_prompt,
-                       timeout_s=self.timeout_s)
+        _check_options(
+            max_turns=self.max_turns,
+            max_calls_per_turn=self.max_calls_per_turn,
+            max_output_chars=self.max_output_chars,
+            system_prompt=self.system_prompt,
+            timeout_s=self.timeout_s,
+        )
 
     def make_envs(self, group_size: int) -> list[PythonToolEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
         sandbox = Sandbox(self.limits)
-        return [PythonToolEnv(self.item, sandbox=sandbox, max_turns=self.max_turns,
-                              max_calls_per_turn=self.max_calls_per_turn,
-                              max_output_chars=self.max_output_chars,
-                              system_prompt=self.system_prompt, timeout_s=self.timeout_s)
-                for _ in range(group_size)]
+        return [
+            PythonToolEnv(
+                self.item,
+                sandbox=sandbox,
+                max_turns=self.max_turns,
+                max_calls_per_turn=self.max_calls_per_turn,
+                max_output_chars=self.max_output_chars,
+                system_prompt=self.system_prompt,
+                timeout_s=self.timeout_s,
+            )
+            for _ in range(group_size)
+        ]
 
 
 def tool_counts(groups: Sequence[Any]) -> dict[str, int]:
@@ -292,15 +365,27 @@ def tool_counts(groups: Sequence[Any]) -> dict[str, int]:
     return totals
 
 
-_TOOL_OPTIONS = ("limits", "max_turns", "max_calls_per_turn", "max_output_chars",
-                 "system_prompt", "timeout_s")
+_TOOL_OPTIONS = (
+    "limits",
+    "max_turns",
+    "max_calls_per_turn",
+    "max_output_chars",
+    "system_prompt",
+    "timeout_s",
+)
 
 
 @register_task("python_tool")
-def python_tool_task(*, limits: SandboxLimits = TOOL_LIMITS, max_turns: int = 4,
-                     max_calls_per_turn: int = 4, max_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
-                     system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
-                     timeout_s: float | None = DEFAULT_TIMEOUT_S, **overrides: Any):
+def python_tool_task(
+    *,
+    limits: SandboxLimits = TOOL_LIMITS,
+    max_turns: int = 4,
+    max_calls_per_turn: int = 4,
+    max_output_chars: int = MAX_TOOL_OUTPUT_CHARS,
+    system_prompt: str | None = PYTHON_TOOL_SYSTEM_PROMPT,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    **overrides: Any,
+):
     """The chain_sum preset (`chain_sum_task(**overrides)`) played with the Python tool.
 
     `limits`, `max_turns`, `max_calls_per_turn`, `max_output_chars`, `system_prompt` and
@@ -318,20 +403,29 @@ def python_tool_task(*, limits: SandboxLimits = TOOL_LIMITS, max_turns: int = 4,
         2
     """
     from posttrain.envs.reasoning_gym_env import chain_sum_task
+
     for name in ("builder", "extract"):
         if name in overrides:
-            raise ValueError(f"python_tool does not take {name}= (its builder is "
-                             f"PythonToolGroupBuilder, which verifies the <answer> content); "
-                             f"its own options: {', '.join(_TOOL_OPTIONS)}")
-    options = {"limits": limits, "max_turns": max_turns, "max_calls_per_turn": max_calls_per_turn,
-               "max_output_chars": max_output_chars, "system_prompt": system_prompt,
-               "timeout_s": timeout_s}
-    PythonToolGroupBuilder({}, **options)     # checks every option now
+            raise ValueError(
+                f"python_tool does not take {name}= (its builder is "
+                f"PythonToolGroupBuilder, which verifies the <answer> content); "
+                f"its own options: {', '.join(_TOOL_OPTIONS)}"
+            )
+    options = {
+        "limits": limits,
+        "max_turns": max_turns,
+        "max_calls_per_turn": max_calls_per_turn,
+        "max_output_chars": max_output_chars,
+        "system_prompt": system_prompt,
+        "timeout_s": timeout_s,
+    }
+    PythonToolGroupBuilder({}, **options)  # checks every option now
     builder = functools.partial(PythonToolGroupBuilder, **options)
     try:
         return chain_sum_task(builder=builder, timeout_s=timeout_s, **overrides)
     except ValueError as exc:
         if "unknown option" not in str(exc):
             raise
-        raise ValueError(f"python_tool: {exc}; python_tool's own options: "
-                         f"{', '.join(_TOOL_OPTIONS)}") from None
+        raise ValueError(
+            f"python_tool: {exc}; python_tool's own options: {', '.join(_TOOL_OPTIONS)}"
+        ) from None

@@ -59,8 +59,9 @@ def prompt_messages(question: str, system_prompt: str | None = None) -> Messages
     return messages + [{"role": "user", "content": question}]
 
 
-def cycle_builders(items: Sequence[dict], batch_index: int, batch_size: int,
-                   make_builder: Callable[[dict], Any]) -> list:
+def cycle_builders(
+    items: Sequence[dict], batch_index: int, batch_size: int, make_builder: Callable[[dict], Any]
+) -> list:
     """The builders of training batch `batch_index`: items `batch_index * batch_size + j`
     (j < batch_size), cycling through `items`, each made by `make_builder` (the same for the same
     arguments, in any process).
@@ -87,9 +88,15 @@ class ReasoningGymEnv:
         info: extras for the final `StepResult.info` (e.g. the item's id).
     """
 
-    def __init__(self, item: Mapping[str, Any], verifier: Verifier, *,
-                 system_prompt: str | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 info: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        item: Mapping[str, Any],
+        verifier: Verifier,
+        *,
+        system_prompt: str | None = None,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        info: Mapping[str, Any] | None = None,
+    ):
         self.item = item
         self.verifier = verifier
         self.system_prompt = system_prompt
@@ -102,12 +109,15 @@ class ReasoningGymEnv:
 
     def step(self, assistant_text: str) -> StepResult:
         if self._done:
-            raise RuntimeError("this episode is over; environments are single-use (make new ones "
-                               "with the group builder)")
+            raise RuntimeError(
+                "this episode is over; environments are single-use (make new ones "
+                "with the group builder)"
+            )
         self._done = True
         result = run_verifier(self.verifier, assistant_text, self.item, timeout_s=self.timeout_s)
-        return StepResult(done=True, reward=result.score, verifier_result=result,
-                          info=dict(self.info))
+        return StepResult(
+            done=True, reward=result.score, verifier_result=result, info=dict(self.info)
+        )
 
 
 @dataclass(frozen=True)
@@ -135,8 +145,12 @@ class ReasoningGymGroupBuilder:
     def make_envs(self, group_size: int) -> list[ReasoningGymEnv]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-        return [ReasoningGymEnv(self.item, self.verifier, system_prompt=self.system_prompt,
-                                timeout_s=self.timeout_s) for _ in range(group_size)]
+        return [
+            ReasoningGymEnv(
+                self.item, self.verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
+            )
+            for _ in range(group_size)
+        ]
 
 
 @dataclass(kw_only=True)
@@ -212,10 +226,15 @@ class ReasoningGymTask:
         check_task_name(self.name)
         if not (isinstance(self.size, int) and self.size >= 1):
             raise ValueError(f"size must be an int >= 1, got {self.size!r}")
-        if not (isinstance(self.held_out_size, int) and not isinstance(self.held_out_size, bool)
-                and 0 <= self.held_out_size <= MAX_HELD_OUT_SIZE):
-            raise ValueError(f"held_out_size must be an int in 0 .. {MAX_HELD_OUT_SIZE}, got "
-                             f"{self.held_out_size!r}")
+        if not (
+            isinstance(self.held_out_size, int)
+            and not isinstance(self.held_out_size, bool)
+            and 0 <= self.held_out_size <= MAX_HELD_OUT_SIZE
+        ):
+            raise ValueError(
+                f"held_out_size must be an int in 0 .. {MAX_HELD_OUT_SIZE}, got "
+                f"{self.held_out_size!r}"
+            )
         self._check_options()
         if {"size", "seed"} & set(self.config):
             raise ValueError("pass size and seed as ReasoningGymTask arguments, not in config")
@@ -230,20 +249,29 @@ class ReasoningGymTask:
 
     def _check_options(self) -> None:
         timeout = self.timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or not 0 < timeout < float("inf")):
-            raise ValueError(f"timeout_s must be a positive number of seconds or None, got "
-                             f"{timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds or None, got {timeout!r}"
+            )
         if not (self.system_prompt is None or isinstance(self.system_prompt, str)):
-            raise TypeError(f"system_prompt must be a str or None, got "
-                            f"{type(self.system_prompt).__name__}")
+            raise TypeError(
+                f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}"
+            )
         if self.builder is not None:
             if not callable(self.builder):
-                raise TypeError(f"builder must be callable (item -> EnvGroupBuilder) or None, "
-                                f"got {type(self.builder).__name__}")
+                raise TypeError(
+                    f"builder must be callable (item -> EnvGroupBuilder) or None, "
+                    f"got {type(self.builder).__name__}"
+                )
             if self.system_prompt is not None:
-                raise ValueError("system_prompt is used only by the default builder; a custom "
-                                 "builder makes its own prompts: pass it to the builder")
+                raise ValueError(
+                    "system_prompt is used only by the default builder; a custom "
+                    "builder makes its own prompts: pass it to the builder"
+                )
 
     # Items are regenerated rather than pickled.
     def __getstate__(self) -> dict:
@@ -254,6 +282,7 @@ class ReasoningGymTask:
 
     def _dataset(self, size: int, seed: int):
         import reasoning_gym
+
         return reasoning_gym.create_dataset(self.name, size=size, seed=seed, **self.config)
 
     def _held_out_items(self) -> list[dict]:
@@ -266,7 +295,7 @@ class ReasoningGymTask:
             for item in check_gold(self.name, dataset, candidates, report) if want else ():
                 if item["question"] in seen:
                     stale += 1
-                    if stale >= len(items) + 1000:   # out of distinct questions
+                    if stale >= len(items) + 1000:  # out of distinct questions
                         break
                     continue
                 stale = 0
@@ -275,9 +304,11 @@ class ReasoningGymTask:
                 if len(items) == want:
                     break
             if len(items) < want:
-                raise ValueError(f"{self.name} gave only {len(items)} distinct questions with a "
-                                 f"trusted gold answer in {report.checked} of {len(dataset)} candidates "
-                                 f"read (gold check: {report}); lower held_out_size ({want})")
+                raise ValueError(
+                    f"{self.name} gave only {len(items)} distinct questions with a "
+                    f"trusted gold answer in {report.checked} of {len(dataset)} candidates "
+                    f"read (gold check: {report}); lower held_out_size ({want})"
+                )
             self._held_out = items
         return self._held_out
 
@@ -288,15 +319,18 @@ class ReasoningGymTask:
             held = {item["question"] for item in self._held_out_items()}
             dataset = self._dataset(self.size, self.seed)
             report = self.gold_train = GoldReport(self.name)
-            items = list(check_gold(self.name, dataset, (dataset[i] for i in range(self.size)),
-                                    report))
+            items = list(
+                check_gold(self.name, dataset, (dataset[i] for i in range(self.size)), report)
+            )
             train = [item for item in items if item["question"] not in held]
             self.num_dropped = len(items) - len(train)
             if not train:
                 example = f" (e.g. {report.examples[0]})" if report.examples else ""
-                raise ValueError(f"no training item of {self.name} is left: {self.num_dropped} "
-                                 f"held out, gold check {report}{example}; raise size or lower "
-                                 "held_out_size")
+                raise ValueError(
+                    f"no training item of {self.name} is left: {self.num_dropped} "
+                    f"held out, gold check {report}{example}; raise size or lower "
+                    "held_out_size"
+                )
             self._train = train
         return self._train
 
@@ -311,22 +345,29 @@ class ReasoningGymTask:
         question is held out) and the gold checks `gold_train` / `gold_held_out`
         (`GoldReport.as_dict()`: checked, dropped, ms_per_1000, ...)."""
         train = self.train_items
-        return {"task": self.name, "train_items": len(train),
-                "held_out_items": len(self._held_out_items()),
-                "dropped_held_out_questions": self.num_dropped,
-                "gold_train": self.gold_train.as_dict(),
-                "gold_held_out": self.gold_held_out.as_dict()}
+        return {
+            "task": self.name,
+            "train_items": len(train),
+            "held_out_items": len(self._held_out_items()),
+            "dropped_held_out_questions": self.num_dropped,
+            "gold_train": self.gold_train.as_dict(),
+            "gold_held_out": self.gold_held_out.as_dict(),
+        }
 
     def __repr__(self) -> str:
         config = "".join(f", {k}={v!r}" for k, v in self.config.items())
-        head = (f"ReasoningGymTask({self.name!r}, size={self.size}, seed={self.seed}{config}, "
-                f"held_out_size={self.held_out_size})")
+        head = (
+            f"ReasoningGymTask({self.name!r}, size={self.size}, seed={self.seed}{config}, "
+            f"held_out_size={self.held_out_size})"
+        )
         if self._train is None and self._held_out is None:
             return f"{head}: items not generated yet"
         parts = []
         if self._train is not None:
-            parts.append(f"{len(self._train)} training items ({self.num_dropped} dropped as "
-                         f"held-out questions, gold check {self.gold_train})")
+            parts.append(
+                f"{len(self._train)} training items ({self.num_dropped} dropped as "
+                f"held-out questions, gold check {self.gold_train})"
+            )
         if self._held_out is not None:
             parts.append(f"{len(self._held_out)} held out (gold check {self.gold_held_out})")
         return f"{head}: " + "; ".join(parts)
@@ -340,8 +381,13 @@ class ReasoningGymTask:
         the task's verifier, `system_prompt` and `timeout_s`."""
         if self.builder is not None:
             return self.builder(item)
-        return ReasoningGymGroupBuilder(item, self.name, verifier=self.verifier,
-                                        system_prompt=self.system_prompt, timeout_s=self.timeout_s)
+        return ReasoningGymGroupBuilder(
+            item,
+            self.name,
+            verifier=self.verifier,
+            system_prompt=self.system_prompt,
+            timeout_s=self.timeout_s,
+        )
 
     def builders(self, batch_index: int, batch_size: int) -> list[EnvGroupBuilder]:
         """The builders of training batch `batch_index` (see the class docstring).
@@ -359,8 +405,9 @@ class ReasoningGymTask:
         """
         n = self.held_out_size if n is None else n
         if not (isinstance(n, int) and 0 <= n <= self.held_out_size):
-            raise ValueError(f"held_out(n) needs 0 <= n <= held_out_size={self.held_out_size}, "
-                             f"got {n!r}")
+            raise ValueError(
+                f"held_out(n) needs 0 <= n <= held_out_size={self.held_out_size}, got {n!r}"
+            )
         return copy.deepcopy(self._held_out_items()[:n])
 
     def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
@@ -375,8 +422,9 @@ register_task("reasoning_gym")(ReasoningGymTask)
 CHAIN_SUM_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 """2-term sums/differences of 1-2-digit numbers (~8k distinct questions)."""
 
-_TASK_ARGS = frozenset(name for name in ReasoningGymTask.__dataclass_fields__
-                       if name not in ("name", "config"))
+_TASK_ARGS = frozenset(
+    name for name in ReasoningGymTask.__dataclass_fields__ if name not in ("name", "config")
+)
 
 
 @register_task("chain_sum")

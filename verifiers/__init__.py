@@ -27,25 +27,66 @@ Example:
     True
 """
 
-from posttrain.verifiers.basic import (ExactMatchVerifier, FormatVerifier, RegexVerifier,
-                                       extract_tag, normalize_whitespace)
+from posttrain.verifiers.basic import (
+    ExactMatchVerifier,
+    FormatVerifier,
+    RegexVerifier,
+    extract_tag,
+    normalize_whitespace,
+)
 from posttrain.verifiers.math_answer import MathAnswerVerifier, extract_answer
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier
-from posttrain.verifiers.reasoning_gym_gold import (GOLD_CHECKS, GoldReport, check_gold,
-                                                    gold_problem, register_gold_check)
-from posttrain.verifiers.sandbox import (ExecOutcome, ExecutionResult, Sandbox, SandboxLimits,
-                                         SandboxUnavailable, sandbox_available)
+from posttrain.verifiers.reasoning_gym_gold import (
+    GOLD_CHECKS,
+    GoldReport,
+    check_gold,
+    gold_problem,
+    register_gold_check,
+)
+from posttrain.verifiers.sandbox import (
+    ExecOutcome,
+    ExecutionResult,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    sandbox_available,
+)
 from posttrain.verifiers.code_exec import CodeTestsVerifier, extract_code
-from posttrain.verifiers.humaneval import (evaluate_pass_at_k, humaneval_problems,
-                                           humaneval_verifier, pass_at_k)
+from posttrain.verifiers.humaneval import (
+    evaluate_pass_at_k,
+    humaneval_problems,
+    humaneval_verifier,
+    pass_at_k,
+)
 from posttrain.rewards.verifier import get_verifier, register_verifier, registered_verifiers
 
 __all__ = [
-    "ExactMatchVerifier", "FormatVerifier", "MathAnswerVerifier", "ReasoningGymVerifier",
-    "RegexVerifier", "extract_answer", "extract_tag", "normalize_whitespace",
-    "ExecOutcome", "ExecutionResult", "Sandbox", "SandboxLimits", "SandboxUnavailable",
-    "sandbox_available", "CodeTestsVerifier", "extract_code", "evaluate_pass_at_k",
-    "humaneval_problems", "humaneval_verifier", "pass_at_k", "GOLD_CHECKS", "GoldReport",
-    "check_gold", "gold_problem", "register_gold_check",
-    "get_verifier", "register_verifier", "registered_verifiers",
+    "ExactMatchVerifier",
+    "FormatVerifier",
+    "MathAnswerVerifier",
+    "ReasoningGymVerifier",
+    "RegexVerifier",
+    "extract_answer",
+    "extract_tag",
+    "normalize_whitespace",
+    "ExecOutcome",
+    "ExecutionResult",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "sandbox_available",
+    "CodeTestsVerifier",
+    "extract_code",
+    "evaluate_pass_at_k",
+    "humaneval_problems",
+    "humaneval_verifier",
+    "pass_at_k",
+    "GOLD_CHECKS",
+    "GoldReport",
+    "check_gold",
+    "gold_problem",
+    "register_gold_check",
+    "get_verifier",
+    "register_verifier",
+    "registered_verifiers",
 ]

@@ -50,8 +50,10 @@ class ExactMatchVerifier:
         return VerifierResult(0.0, Outcome.WRONG, f"expected {want!r:.60}, got {got!r:.60}")
 
     def __repr__(self) -> str:
-        return (f"ExactMatchVerifier(answer_key={self.answer_key!r}, "
-                f"case_sensitive={self.case_sensitive})")
+        return (
+            f"ExactMatchVerifier(answer_key={self.answer_key!r}, "
+            f"case_sensitive={self.case_sensitive})"
+        )
 
 
 @register_verifier("regex")
@@ -106,9 +108,9 @@ def tag_contents(text: str, tag: str) -> list[str]:
     contents, start = [], 0
     while (begin := text.find(opening, start)) >= 0:
         end = text.find(closing, begin + len(opening))
-        if end < 0:   # no later opening tag can be closed either
+        if end < 0:  # no later opening tag can be closed either
             break
-        contents.append(text[begin + len(opening):end])
+        contents.append(text[begin + len(opening) : end])
         start = end + len(closing)
     return contents
 
@@ -144,13 +146,14 @@ class FormatVerifier:
             raise ValueError(f"FormatVerifier tag must be a tag name such as 'answer', got {tag!r}")
         self.tag = tag
         self.inner = inner
-        self.isolation = getattr(inner, "isolation", "process")   # a judge inside: its threads
+        self.isolation = getattr(inner, "isolation", "process")  # a judge inside: its threads
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         content = extract_tag(completion, self.tag)
         if not content:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR,
-                                          f"no non-empty <{self.tag}>...</{self.tag}>")
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR, f"no non-empty <{self.tag}>...</{self.tag}>"
+            )
         if self.inner is None:
             return VerifierResult(1.0, Outcome.OK)
         return self.inner(content, item)

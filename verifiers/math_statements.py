@@ -50,15 +50,73 @@ ALTERNATIVES = ("or", "maybe", "perhaps", "possibly", "alternatively")
 """Words that offer a second answer beside the first."""
 
 REFUSED_RELATIONS = (
-    "approx", "approxeq", "thickapprox", "sim", "simeq", "thicksim", "backsim", "backsimeq",
-    "eqsim", "cong", "ncong", "doteq", "doteqdot", "fallingdotseq", "risingdotseq", "lesssim",
-    "gtrsim", "lessapprox", "gtrapprox", "asymp", "propto", "varpropto", "equiv",
-    "to", "rightarrow", "longrightarrow", "Rightarrow", "Longrightarrow", "implies",
-    "impliedby", "iff", "leftrightarrow", "Leftrightarrow", "longleftrightarrow",
-    "Longleftrightarrow", "mapsto", "longmapsto", "leftarrow", "Leftarrow", "longleftarrow",
-    "Longleftarrow", "gets", "leadsto", "rightsquigarrow", "ll", "gg", "lll", "ggg", "prec",
-    "succ", "preceq", "succeq", "subset", "subseteq", "supset", "supseteq", "subsetneq",
-    "supsetneq", "notin", "ni", "parallel", "perp", "mid", "nmid", "vdash", "models")
+    "approx",
+    "approxeq",
+    "thickapprox",
+    "sim",
+    "simeq",
+    "thicksim",
+    "backsim",
+    "backsimeq",
+    "eqsim",
+    "cong",
+    "ncong",
+    "doteq",
+    "doteqdot",
+    "fallingdotseq",
+    "risingdotseq",
+    "lesssim",
+    "gtrsim",
+    "lessapprox",
+    "gtrapprox",
+    "asymp",
+    "propto",
+    "varpropto",
+    "equiv",
+    "to",
+    "rightarrow",
+    "longrightarrow",
+    "Rightarrow",
+    "Longrightarrow",
+    "implies",
+    "impliedby",
+    "iff",
+    "leftrightarrow",
+    "Leftrightarrow",
+    "longleftrightarrow",
+    "Longleftrightarrow",
+    "mapsto",
+    "longmapsto",
+    "leftarrow",
+    "Leftarrow",
+    "longleftarrow",
+    "Longleftarrow",
+    "gets",
+    "leadsto",
+    "rightsquigarrow",
+    "ll",
+    "gg",
+    "lll",
+    "ggg",
+    "prec",
+    "succ",
+    "preceq",
+    "succeq",
+    "subset",
+    "subseteq",
+    "supset",
+    "supseteq",
+    "subsetneq",
+    "supsetneq",
+    "notin",
+    "ni",
+    "parallel",
+    "perp",
+    "mid",
+    "nmid",
+    "vdash",
+    "models",
+)
 """LaTeX relations (without the backslash) math-verify 0.9.0 does not compare: it reads `a R b`
 as one side (`\\equiv` as =, `\\lesssim` as <=, most as the right side)."""
 
@@ -66,23 +124,36 @@ SPANS = (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$"))
 """Math delimiters, longest first."""
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_BRACE_TOKENS = re.compile(r"\\.|[{}]", re.DOTALL)     # an escaped character, or a brace
-_CONNECTOR = re.compile(r"(?:\s|[,;&$]|\\[()\[\],;:! ]|\\q?quad\b|and"
-                        r"|\\text\s*\{\s*(?:and|,)?\s*\})*")
+_BRACE_TOKENS = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped character, or a brace
+_CONNECTOR = re.compile(
+    r"(?:\s|[,;&$]|\\[()\[\],;:! ]|\\q?quad\b|and"
+    r"|\\text\s*\{\s*(?:and|,)?\s*\})*"
+)
 _MARKER = re.compile(r"answer\s*(?:is\b|:|=)|####", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"\.(?!\d)|\n")
 _WORD = "(?:" + "|".join(ALTERNATIVES) + ")"
 _ALTERNATIVE = re.compile(rf"(?<![A-Za-z\\]){_WORD}(?![A-Za-z])", re.IGNORECASE)
-_ALTERNATIVE_AFTER = re.compile(rf"[\s,;:.()\[\]$]*(?:\\(?:text\w*|mathrm|mbox)\s*\{{\s*)?\(?\s*"
-                                rf"{_WORD}(?![A-Za-z])", re.IGNORECASE)
-_ALTERNATIVE_BEFORE = re.compile(rf"(?<![A-Za-z\\]){_WORD}\}}?[\s,;:(]*(?:[A-Za-z]\s*=\s*)?"
-                                 rf"[\s$(]*(?:\\[(\[])?\s*\Z", re.IGNORECASE)
-_RELATION = re.compile(r"\\(?:" + "|".join(sorted(REFUSED_RELATIONS, key=len, reverse=True))
-                       + r")(?![A-Za-z])|[≈≊≃≅∼≍≐≡≢∝≲≳≪≫≺≻→⟶⇒⟹⇔⟺↔↦←⇐⊂⊆⊃⊇∉∥⊥∣∤]"
-                       r"|~=|<=>|(?<![<>=!])=>|->|(?:^|\s)~(?=\s)"
-                       r"|(?<![\w^_{.])\d+(?:\.\d+)?\s*\\in(?![A-Za-z])")   # 3 \in 4 reads as 4
-_MATH_ITEM = re.compile(r"\$\$[^$]+\$\$|\$(?:\\\$|[^$])+\$|\\\((?:[^\\]|\\[^()])*\\\)"
-                        r"|\\\[(?:[^\\]|\\[^\[\]])*\\\]|(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?!\w)")
+_ALTERNATIVE_AFTER = re.compile(
+    rf"[\s,;:.()\[\]$]*(?:\\(?:text\w*|mathrm|mbox)\s*\{{\s*)?\(?\s*"
+    rf"{_WORD}(?![A-Za-z])",
+    re.IGNORECASE,
+)
+_ALTERNATIVE_BEFORE = re.compile(
+    rf"(?<![A-Za-z\\]){_WORD}\}}?[\s,;:(]*(?:[A-Za-z]\s*=\s*)?"
+    rf"[\s$(]*(?:\\[(\[])?\s*\Z",
+    re.IGNORECASE,
+)
+_RELATION = re.compile(
+    r"\\(?:"
+    + "|".join(sorted(REFUSED_RELATIONS, key=len, reverse=True))
+    + r")(?![A-Za-z])|[≈≊≃≅∼≍≐≡≢∝≲≳≪≫≺≻→⟶⇒⟹⇔⟺↔↦←⇐⊂⊆⊃⊇∉∥⊥∣∤]"
+    r"|~=|<=>|(?<![<>=!])=>|->|(?:^|\s)~(?=\s)"
+    r"|(?<![\w^_{.])\d+(?:\.\d+)?\s*\\in(?![A-Za-z])"
+)  # 3 \in 4 reads as 4
+_MATH_ITEM = re.compile(
+    r"\$\$[^$]+\$\$|\$(?:\\\$|[^$])+\$|\\\((?:[^\\]|\\[^()])*\\\)"
+    r"|\\\[(?:[^\\]|\\[^\[\]])*\\\]|(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?!\w)"
+)
 _SCRIPT = re.compile(r"[_^]\s*\{(?:[^{}]|\{[^{}]*\})*\}")
 _CONTEXT_CHARS = 80
 _DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
@@ -132,12 +203,12 @@ def box_runs(text: str) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     boxes that only connectors (commas, "and", spaces, `\\quad`, `$`) separate form one run. A
     box that encloses a counted box is not counted itself (`\\boxed{\\boxed{3}}` is the box 3).
     Cached for the last few texts: the verifier asks for the runs of one completion twice."""
-    runs: list[list[tuple[int, int, int]]] = []     # each built from its last box backwards
+    runs: list[list[tuple[int, int, int]]] = []  # each built from its last box backwards
     for box in reversed(_closed_boxes(text)):
         if runs:
             first_start = runs[-1][-1][0]
             if box[2] > first_start:
-                continue                              # it encloses a box already counted
+                continue  # it encloses a box already counted
             if _CONNECTOR.fullmatch(text, box[2] + 1, first_start):
                 runs[-1].append(box)
                 continue
@@ -148,7 +219,7 @@ def box_runs(text: str) -> tuple[tuple[tuple[int, int, int], ...], ...]:
 def final_boxes(text: str) -> list[str] | None:
     """The contents of the last run of boxes of `text`, in order; None when no box closes."""
     runs = box_runs(text)
-    return [text[brace + 1:end] for _, brace, end in runs[-1]] if runs else None
+    return [text[brace + 1 : end] for _, brace, end in runs[-1]] if runs else None
 
 
 def last_marker(text: str) -> tuple[str, int] | None:
@@ -159,13 +230,13 @@ def last_marker(text: str) -> tuple[str, int] | None:
         pass
     if last is None:
         return None
-    start = len(text) - len(text[last.end():].lstrip(" \t\r\n*:"))
+    start = len(text) - len(text[last.end() :].lstrip(" \t\r\n*:"))
     rest = text[start:]
     for left, right in SPANS:
         if rest.startswith(left):
             close = rest.find(right, len(left))
             if close != -1:
-                return rest[:close + len(right)], start + close + len(right)
+                return rest[: close + len(right)], start + close + len(right)
             break
     end = _SENTENCE_END.search(rest)
     stop = end.start() if end else len(rest)
@@ -177,14 +248,23 @@ def statements(completion: str) -> list[Statement]:
     (unless it holds a box, which is counted as a box, or is empty). Empty boxes are skipped."""
     found = []
     for run in box_runs(completion):
-        text = ", ".join(completion[brace + 1:end].strip() for _, brace, end in run)
+        text = ", ".join(completion[brace + 1 : end].strip() for _, brace, end in run)
         if text:
-            found.append(Statement(text, "boxed", _before(completion, run[0][0]),
-                                   completion[run[-1][2] + 1:run[-1][2] + 1 + _CONTEXT_CHARS]))
+            found.append(
+                Statement(
+                    text,
+                    "boxed",
+                    _before(completion, run[0][0]),
+                    completion[run[-1][2] + 1 : run[-1][2] + 1 + _CONTEXT_CHARS],
+                )
+            )
     marker = last_marker(completion)
     if marker and marker[0].strip() and not _BOX_OPEN.search(marker[0]):
-        found.append(Statement(marker[0].strip(), "marker", "",
-                               completion[marker[1]:marker[1] + _CONTEXT_CHARS]))
+        found.append(
+            Statement(
+                marker[0].strip(), "marker", "", completion[marker[1] : marker[1] + _CONTEXT_CHARS]
+            )
+        )
     return found
 
 
@@ -197,12 +277,16 @@ def last_math(completion: str) -> Statement | None:
         pass
     if span is None:
         return None
-    return Statement(span.group(), "anywhere", _before(completion, span.start()),
-                     completion[span.end():span.end() + _CONTEXT_CHARS])
+    return Statement(
+        span.group(),
+        "anywhere",
+        _before(completion, span.start()),
+        completion[span.end() : span.end() + _CONTEXT_CHARS],
+    )
 
 
 def _before(text: str, start: int) -> str:
-    return text[max(0, start - _CONTEXT_CHARS):start]
+    return text[max(0, start - _CONTEXT_CHARS) : start]
 
 
 def hedge(answer: str, before: str = "", after: str = "") -> str | None:
@@ -232,10 +316,11 @@ def _single_span(text: str) -> bool:
     """True when `text` is exactly one math span: `$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`."""
     for left, right in SPANS:
         if len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right):
-            inside = text[len(left):len(text) - len(right)]
+            inside = text[len(left) : len(text) - len(right)]
             unescaped = inside.replace("\\$", "")
-            return "$" not in unescaped and (left == "$" or left == "$$" or
-                                             (left not in inside and right not in inside))
+            return "$" not in unescaped and (
+                left == "$" or left == "$$" or (left not in inside and right not in inside)
+            )
     return False
 
 
@@ -272,8 +357,9 @@ def as_math_text(text: str) -> str:
     return f"${text}$"
 
 
-def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRACT
-                   ) -> tuple[str, str] | None:
+def extract_answer(
+    completion: str, extract: str | Sequence[str] = DEFAULT_EXTRACT
+) -> tuple[str, str] | None:
     """Where the answer of `completion` is, as `(answer text, source)`, or None.
 
     Args:
@@ -306,12 +392,19 @@ def extract_answer(completion: str, extract: str | Sequence[str] = DEFAULT_EXTRA
 
 def check_extract(extract: str | Sequence[str]) -> tuple[str, ...]:
     """`extract` as a tuple of sources; ValueError naming the allowed ones otherwise."""
-    sources = (extract,) if isinstance(extract, str) else \
-        tuple(extract) if isinstance(extract, Sequence) else ()   # None: the error below
+    sources = (
+        (extract,)
+        if isinstance(extract, str)
+        else tuple(extract)
+        if isinstance(extract, Sequence)
+        else ()
+    )  # None: the error below
     bad = [s for s in sources if s not in EXTRACT_SOURCES]
     if not sources or bad or len(set(sources)) != len(sources):
-        raise ValueError(f"extract must be one of {EXTRACT_SOURCES} or a sequence of distinct "
-                         f"ones (tried in order), got {extract!r}")
+        raise ValueError(
+            f"extract must be one of {EXTRACT_SOURCES} or a sequence of distinct "
+            f"ones (tried in order), got {extract!r}"
+        )
     return sources
 
 
@@ -321,11 +414,16 @@ def hedged(stated: Sequence[Statement], text: str, answer: str, source: str) -> 
     The statements are its boxes and last marker, the whole text when that is the answer, and
     for "anywhere" with neither, the last math span or number (math-verify's search falls back
     to it). A marker that is not the answer read and holds no digit or LaTeX is prose."""
-    extra = [Statement(answer, source, "", "")] if source == "whole" else \
-        [last] if source == "anywhere" and not stated and (last := last_math(text)) else []
+    extra = (
+        [Statement(answer, source, "", "")]
+        if source == "whole"
+        else [last]
+        if source == "anywhere" and not stated and (last := last_math(text))
+        else []
+    )
     for statement in (*stated, *extra):
         if statement.source == "marker" != source and not _MATH_CHARS.search(statement.text):
-            continue   # prose ("whether the answer is positive or negative"), not an answer
+            continue  # prose ("whether the answer is positive or negative"), not an answer
         reason = hedge(statement.text, statement.before, statement.after)
         if reason:
             return f"{reason} ({statement.source}: {statement.text!r:.40})"

@@ -47,6 +47,7 @@ _DATASETS_LOCK = threading.Lock()
 def reasoning_gym_names() -> list[str]:
     """Names of the reasoning-gym tasks (`reasoning_gym.create_dataset` accepts these)."""
     from reasoning_gym.factory import DATASETS
+
     return sorted(DATASETS)
 
 
@@ -65,13 +66,15 @@ def check_task_config(name: str, config: Mapping[str, Any]) -> None:
     valid = [f.name for f in dataclasses.fields(config_class) if f.name not in ("size", "seed")]
     unknown = sorted(set(config) - set(valid))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for reasoning-gym task {name!r}; valid "
-                         f"options: {', '.join(valid)}")
+        raise ValueError(
+            f"unknown option(s) {unknown} for reasoning-gym task {name!r}; valid "
+            f"options: {', '.join(valid)}"
+        )
     try:
         built = config_class(**config)
         if callable(getattr(built, "validate", None)):
             built.validate()
-    except (AssertionError, ValueError, TypeError) as exc:   # reasoning-gym validates by assert
+    except (AssertionError, ValueError, TypeError) as exc:  # reasoning-gym validates by assert
         raise ValueError(f"invalid options for reasoning-gym task {name!r}: {exc}") from None
 
 
@@ -83,6 +86,7 @@ def scoring_dataset(name: str, config: Mapping[str, Any]) -> Any:
     with _DATASETS_LOCK:
         if key not in _DATASETS:
             import reasoning_gym
+
             _DATASETS[key] = reasoning_gym.create_dataset(name, size=1, seed=0, **config)
         return _DATASETS[key]
 
@@ -114,22 +118,30 @@ class ReasoningGymVerifier:
             extract mode.
     """
 
-    def __init__(self, dataset_or_name: Any, *,
-                 extract: str | Callable[[str], str | None] = "whole", **config: Any) -> None:
+    def __init__(
+        self,
+        dataset_or_name: Any,
+        *,
+        extract: str | Callable[[str], str | None] = "whole",
+        **config: Any,
+    ) -> None:
         if isinstance(dataset_or_name, str):
             check_task_name(dataset_or_name)
             check_task_config(dataset_or_name, config)
             self.name, self.config = dataset_or_name, dict(config)
         else:
             if config:
-                raise ValueError("pass task options only with a task name; a dataset object "
-                                 "already has its config")
+                raise ValueError(
+                    "pass task options only with a task name; a dataset object "
+                    "already has its config"
+                )
             self.name, self.config = _name_of(dataset_or_name), _config_of(dataset_or_name)
         if not callable(extract) and extract not in EXTRACT_MODES:
-            raise ValueError(f"extract must be one of {EXTRACT_MODES} or a callable, got "
-                             f"{extract!r}")
+            raise ValueError(
+                f"extract must be one of {EXTRACT_MODES} or a callable, got {extract!r}"
+            )
         self.extract = extract
-        scoring_dataset(self.name, self.config)   # import and build now, not inside a budget
+        scoring_dataset(self.name, self.config)  # import and build now, not inside a budget
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -138,16 +150,20 @@ class ReasoningGymVerifier:
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         answer = _extract(completion or "", self.extract)
         if answer is None:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"no answer found "
-                                                                f"(extract={self.extract!r})")
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR, f"no answer found (extract={self.extract!r})"
+            )
         entry = item if isinstance(item, dict) else dict(item)
         score = scoring_dataset(self.name, self.config).score_answer(answer, entry)
         result = VerifierResult.from_score(float(score))
         if result.ok:
             return result
-        return VerifierResult(result.score, Outcome.WRONG,
-                              f"{self.name} scored {result.score:g} for {answer!r:.60} "
-                              f"(reference {str(item.get('answer'))!r:.60})")
+        return VerifierResult(
+            result.score,
+            Outcome.WRONG,
+            f"{self.name} scored {result.score:g} for {answer!r:.60} "
+            f"(reference {str(item.get('answer'))!r:.60})",
+        )
 
     def __repr__(self) -> str:
         options = "".join(f", {k}={v!r}" for k, v in self.config.items())
@@ -156,17 +172,23 @@ class ReasoningGymVerifier:
 
 def _name_of(dataset: Any) -> str:
     from reasoning_gym.factory import DATASETS
+
     for name, registered in DATASETS.items():
         dataset_class = registered[0] if isinstance(registered, tuple) else registered
         if type(dataset) is dataset_class:
             return name
-    raise ValueError(f"{type(dataset).__name__} is not a registered reasoning-gym dataset; "
-                     "pass its task name instead")
+    raise ValueError(
+        f"{type(dataset).__name__} is not a registered reasoning-gym dataset; "
+        "pass its task name instead"
+    )
 
 
 def _config_of(dataset: Any) -> dict[str, Any]:
     config = getattr(dataset, "config", None)
     if config is None or not dataclasses.is_dataclass(config):
         return {}
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if f.name not in ("size", "seed")}
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name not in ("size", "seed")
+    }

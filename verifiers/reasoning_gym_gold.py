@@ -62,8 +62,14 @@ from typing import Any
 from posttrain.core.registry import Registry
 from posttrain.verifiers.reasoning_gym_gold_logic import syllogism_check
 
-__all__ = ["GOLD_CHECKS", "GoldReport", "check_gold", "exact_value", "gold_problem",
-           "register_gold_check"]
+__all__ = [
+    "GOLD_CHECKS",
+    "GoldReport",
+    "check_gold",
+    "exact_value",
+    "gold_problem",
+    "register_gold_check",
+]
 
 GoldCheck = Callable[..., str | None]
 """`check(item) -> None` when the item's gold agrees with its metadata, else a sentence saying
@@ -176,21 +182,28 @@ class GoldReport:
     def as_dict(self) -> dict[str, Any]:
         """Plain values for a log or results.json: checked, dropped (total), dropped_by,
         no_gold, recomputed, ms_per_1000, examples."""
-        return {"checked": self.checked, "dropped": self.num_dropped,
-                "dropped_by": dict(self.dropped), "no_gold": self.no_gold,
-                "recomputed": self.recomputed,
-                "ms_per_1000": round(self.ms_per_1000, 3), "examples": list(self.examples)}
+        return {
+            "checked": self.checked,
+            "dropped": self.num_dropped,
+            "dropped_by": dict(self.dropped),
+            "no_gold": self.no_gold,
+            "recomputed": self.recomputed,
+            "ms_per_1000": round(self.ms_per_1000, 3),
+            "examples": list(self.examples),
+        }
 
     def __str__(self) -> str:
         parts = [f"{k} {v}" for k, v in sorted(self.dropped.items())]
         if self.recomputed is False:
             parts.append("scorer only: no recomputed answer")
-        return (f"{self.num_dropped} of {self.checked} dropped"
-                + (f" ({', '.join(parts)})" if parts else ""))
+        return f"{self.num_dropped} of {self.checked} dropped" + (
+            f" ({', '.join(parts)})" if parts else ""
+        )
 
 
-def check_gold(name: str, dataset: Any, items: Iterable[Mapping[str, Any]],
-               report: GoldReport | None = None) -> Iterator[dict]:
+def check_gold(
+    name: str, dataset: Any, items: Iterable[Mapping[str, Any]], report: GoldReport | None = None
+) -> Iterator[dict]:
     """Yields, in order, the items of `items` whose gold `gold_problem` accepts (as dicts),
     counting every item checked, the others by reason, and the time spent into `report` (a new
     one when None). Lazy: a caller that stops early has checked only what it read.
@@ -229,8 +242,12 @@ def check_gold(name: str, dataset: Any, items: Iterable[Mapping[str, Any]],
 # The checks. Each recomputes the answer from the metadata with the standard library (or sympy,
 # which reasoning-gym depends on), never with the generator's own code.
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-              ast.Div: operator.truediv}
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 
 
 def exact_value(expression: str, names: Mapping[str, Fraction] | None = None) -> Fraction:

@@ -67,8 +67,10 @@ def follows(premises: Sequence[Statement], conclusion: Statement) -> bool:
         ValueError: for a form other than A/E/I/O, or more than `MAX_TERMS` distinct terms.
     """
     names: dict[str, int] = {}
-    canonical = tuple((form, names.setdefault(s, len(names)), names.setdefault(p, len(names)))
-                      for form, s, p in (*premises, conclusion))
+    canonical = tuple(
+        (form, names.setdefault(s, len(names)), names.setdefault(p, len(names)))
+        for form, s, p in (*premises, conclusion)
+    )
     if len(names) > MAX_TERMS:
         raise ValueError(f"{len(names)} terms: at most {MAX_TERMS} are decided")
     if any(form not in ("A", "E", "I", "O") for form, _, _ in canonical):
@@ -88,14 +90,18 @@ def _holds(statement: tuple[str, int, int], model: tuple[frozenset[int], ...]) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _follows(premises: tuple[tuple[str, int, int], ...], conclusion: tuple[str, int, int],
-             num_terms: int) -> bool:
-    regions = [frozenset(c) for k in range(1, num_terms + 1)
-               for c in itertools.combinations(range(num_terms), k)]
+def _follows(
+    premises: tuple[tuple[str, int, int], ...], conclusion: tuple[str, int, int], num_terms: int
+) -> bool:
+    regions = [
+        frozenset(c)
+        for k in range(1, num_terms + 1)
+        for c in itertools.combinations(range(num_terms), k)
+    ]
     for occupied in itertools.product((False, True), repeat=len(regions)):
         model = tuple(region for region, full in zip(regions, occupied) if full)
         if not all(any(term in region for region in model) for term in range(num_terms)):
-            continue   # a term that names nothing
+            continue  # a term that names nothing
         if all(_holds(premise, model) for premise in premises) and not _holds(conclusion, model):
             return False
     return True
@@ -121,5 +127,7 @@ def syllogism_check(item: Mapping[str, Any]) -> str | None:
         return None
     if valid:
         return f"{texts[2]!r} follows from {texts[0]!r} and {texts[1]!r}; the gold says 'No'"
-    return (f"{texts[2]!r} does not follow from {texts[0]!r} and {texts[1]!r} (a model of both "
-            "premises falsifies it); the gold says 'Yes'")
+    return (
+        f"{texts[2]!r} does not follow from {texts[0]!r} and {texts[1]!r} (a model of both "
+        "premises falsifies it); the gold says 'Yes'"
+    )

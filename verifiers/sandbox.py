@@ -65,8 +65,15 @@ from enum import Enum
 from posttrain.core.checks import check_number
 from posttrain.verifiers import sandbox_exec
 
-__all__ = ["ExecOutcome", "ExecutionResult", "Sandbox", "SandboxLimits", "SandboxUnavailable",
-           "limit_ranges", "sandbox_available"]
+__all__ = [
+    "ExecOutcome",
+    "ExecutionResult",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "limit_ranges",
+    "sandbox_available",
+]
 
 
 class SandboxUnavailable(RuntimeError):
@@ -88,8 +95,15 @@ class ExecOutcome(str, Enum):
         return self.value
 
 
-_MINIMUM = {"cpu_s": 0.001, "wall_s": 0.001, "memory_mb": 16, "file_size_mb": 1, "open_files": 8,
-            "processes": 1, "output_bytes": 1}
+_MINIMUM = {
+    "cpu_s": 0.001,
+    "wall_s": 0.001,
+    "memory_mb": 16,
+    "file_size_mb": 1,
+    "open_files": 8,
+    "processes": 1,
+    "output_bytes": 1,
+}
 MAX_SECONDS = 86_400.0
 """Upper bound of `cpu_s` and `wall_s`: one day."""
 MAX_MEMORY_MB = 1 << 20
@@ -104,6 +118,7 @@ def _hard_limit(name: str, fallback: int) -> int:
     """This process's hard rlimit `name` (the sandbox cannot raise it), or `fallback`."""
     try:
         import resource
+
         hard = resource.getrlimit(getattr(resource, name))[1]
     except (ImportError, AttributeError, OSError, ValueError):
         return fallback
@@ -118,12 +133,15 @@ def limit_ranges() -> dict[str, tuple[float, float]]:
     nr_open default and PID_MAX_LIMIT); `memory_mb` and `file_size_mb` likewise by hard
     RLIMIT_AS / RLIMIT_FSIZE when those are finite.
     """
-    maximum = {"cpu_s": MAX_SECONDS, "wall_s": MAX_SECONDS,
-               "memory_mb": _hard_limit("RLIMIT_AS", MAX_MEMORY_MB << 20) >> 20,
-               "file_size_mb": _hard_limit("RLIMIT_FSIZE", MAX_FILE_SIZE_MB << 20) >> 20,
-               "open_files": _hard_limit("RLIMIT_NOFILE", 1 << 20),
-               "processes": _hard_limit("RLIMIT_NPROC", 1 << 22),
-               "output_bytes": MAX_OUTPUT_BYTES}
+    maximum = {
+        "cpu_s": MAX_SECONDS,
+        "wall_s": MAX_SECONDS,
+        "memory_mb": _hard_limit("RLIMIT_AS", MAX_MEMORY_MB << 20) >> 20,
+        "file_size_mb": _hard_limit("RLIMIT_FSIZE", MAX_FILE_SIZE_MB << 20) >> 20,
+        "open_files": _hard_limit("RLIMIT_NOFILE", 1 << 20),
+        "processes": _hard_limit("RLIMIT_NPROC", 1 << 22),
+        "output_bytes": MAX_OUTPUT_BYTES,
+    }
     return {name: (_MINIMUM[name], maximum[name]) for name in _MINIMUM}
 
 
@@ -171,8 +189,13 @@ class SandboxLimits:
         ranges = limit_ranges()
         for f in fields(self):
             low, high = ranges[f.name]
-            check_number(f"SandboxLimits.{f.name}", getattr(self, f.name),
-                         integer=f.type != "float", low=low, high=high)
+            check_number(
+                f"SandboxLimits.{f.name}",
+                getattr(self, f.name),
+                integer=f.type != "float",
+                low=low,
+                high=high,
+            )
 
 
 @dataclass(frozen=True)
@@ -200,8 +223,10 @@ class ExecutionResult:
     wall_s: float
 
 
-_MEMORY_RE = re.compile(r"(^|\n)(\w+\.)*MemoryError\b[^\n]*\s*$|Cannot allocate memory|"
-                        r"std::bad_alloc|out of memory")
+_MEMORY_RE = re.compile(
+    r"(^|\n)(\w+\.)*MemoryError\b[^\n]*\s*$|Cannot allocate memory|"
+    r"std::bad_alloc|out of memory"
+)
 
 
 def classify(raw: sandbox_exec.RawRun, limits: SandboxLimits) -> ExecutionResult:
@@ -227,8 +252,9 @@ def classify(raw: sandbox_exec.RawRun, limits: SandboxLimits) -> ExecutionResult
         outcome = ExecOutcome.SANDBOX_ERROR
         what = raw.status.strip() or f"bubblewrap exited with {raw.bwrap_code} and no status"
         stderr = f"sandbox: {what}\n{stderr}"
-    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL
-                                   and status[2] >= math.ceil(limits.cpu_s) - 0.05):
+    elif sig == signal.SIGXCPU or (
+        sig == signal.SIGKILL and status[2] >= math.ceil(limits.cpu_s) - 0.05
+    ):
         outcome = ExecOutcome.TIMEOUT
     elif code == 0:
         outcome = ExecOutcome.OK
@@ -238,12 +264,18 @@ def classify(raw: sandbox_exec.RawRun, limits: SandboxLimits) -> ExecutionResult
         outcome = ExecOutcome.KILLED
     else:
         outcome = ExecOutcome.FAILED
-    return ExecutionResult(outcome=outcome, exit_code=code, signal=sig, stdout=stdout,
-                           stderr=stderr, stdout_truncated=raw.stdout_cut, wall_s=raw.wall_s)
+    return ExecutionResult(
+        outcome=outcome,
+        exit_code=code,
+        signal=sig,
+        stdout=stdout,
+        stderr=stderr,
+        stdout_truncated=raw.stdout_cut,
+        wall_s=raw.wall_s,
+    )
 
 
-_NUL_MESSAGE = ("SyntaxError: source code cannot contain null bytes (the program was not run)"
-                "\n")
+_NUL_MESSAGE = "SyntaxError: source code cannot contain null bytes (the program was not run)\n"
 _available_here = False  # a probe succeeded in this process (failures are not cached)
 _probe_lock = threading.Lock()
 
@@ -254,22 +286,41 @@ def _bwrap() -> str | None:
 
 def _execute(source: str, stdin: str, limits: SandboxLimits) -> ExecutionResult:
     if "\x00" in source:  # python3.11 stops reading main.py at a NUL: it would run a prefix
-        return ExecutionResult(outcome=ExecOutcome.FAILED, exit_code=None, signal=None,
-                               stdout="", stderr=_NUL_MESSAGE, stdout_truncated=False,
-                               wall_s=0.0)
+        return ExecutionResult(
+            outcome=ExecOutcome.FAILED,
+            exit_code=None,
+            signal=None,
+            stdout="",
+            stderr=_NUL_MESSAGE,
+            stdout_truncated=False,
+            wall_s=0.0,
+        )
     bwrap = _bwrap()
     if bwrap is None:
         raise SandboxUnavailable("bubblewrap (bwrap) is no longer on PATH")
     try:
-        raw = sandbox_exec.execute(bwrap, source, stdin, cpu_s=limits.cpu_s,
-                                   wall_s=limits.wall_s, memory_mb=limits.memory_mb,
-                                   file_size_mb=limits.file_size_mb,
-                                   open_files=limits.open_files, processes=limits.processes,
-                                   output_bytes=limits.output_bytes)
+        raw = sandbox_exec.execute(
+            bwrap,
+            source,
+            stdin,
+            cpu_s=limits.cpu_s,
+            wall_s=limits.wall_s,
+            memory_mb=limits.memory_mb,
+            file_size_mb=limits.file_size_mb,
+            open_files=limits.open_files,
+            processes=limits.processes,
+            output_bytes=limits.output_bytes,
+        )
     except (sandbox_exec.SlotsBusy, OSError) as exc:
-        return ExecutionResult(outcome=ExecOutcome.SANDBOX_ERROR, exit_code=None, signal=None,
-                               stdout="", stderr=f"sandbox: {type(exc).__name__}: {exc}\n",
-                               stdout_truncated=False, wall_s=0.0)
+        return ExecutionResult(
+            outcome=ExecOutcome.SANDBOX_ERROR,
+            exit_code=None,
+            signal=None,
+            stdout="",
+            stderr=f"sandbox: {type(exc).__name__}: {exc}\n",
+            stdout_truncated=False,
+            wall_s=0.0,
+        )
     return classify(raw, limits)
 
 
@@ -287,26 +338,34 @@ def sandbox_available() -> str | None:
     if not sys.platform.startswith("linux"):
         return f"the sandbox needs Linux namespaces; this is {sys.platform}"
     if os.geteuid() != 0:
-        return ("the sandbox needs root (it runs each program as its own unprivileged uid; "
-                f"RLIMIT_NPROC holds only after a real setuid); this process runs as uid "
-                f"{os.geteuid()}")
+        return (
+            "the sandbox needs root (it runs each program as its own unprivileged uid; "
+            f"RLIMIT_NPROC holds only after a real setuid); this process runs as uid "
+            f"{os.geteuid()}"
+        )
     if _bwrap() is None:
-        return ("bubblewrap (bwrap) is not installed: run scripts/sandbox-up.sh (installs the "
-                "Debian package bubblewrap)")
+        return (
+            "bubblewrap (bwrap) is not installed: run scripts/sandbox-up.sh (installs the "
+            "Debian package bubblewrap)"
+        )
     if not os.access(sandbox_exec.PYTHON, os.X_OK):
         return f"{sandbox_exec.PYTHON} is missing; the sandbox runs programs with it"
     base, top = sandbox_exec.UID_BASE, sandbox_exec.UID_BASE + sandbox_exec.UID_SLOTS
     taken = [p.pw_name for p in pwd.getpwall() if base <= p.pw_uid < top]
     if taken or base < 1000 or top > 2**32 - 2:
-        return (f"the sandbox's uids {base}..{top - 1} must be >= 1000, < 2**32 - 2 and used by no "
-                f"account (used by: {taken}); set POSTTRAIN_SANDBOX_UID_BASE to a free range")
+        return (
+            f"the sandbox's uids {base}..{top - 1} must be >= 1000, < 2**32 - 2 and used by no "
+            f"account (used by: {taken}); set POSTTRAIN_SANDBOX_UID_BASE to a free range"
+        )
     with _probe_lock:
         if _available_here:
             return None
         result = _execute("print(1)", "", SandboxLimits(wall_s=30.0))
         if result.outcome is not ExecOutcome.OK or result.stdout != "1\n":
-            return (f"bubblewrap could not run a sandboxed program here ({result.outcome.value}, "
-                    f"exit {result.exit_code}): {result.stderr.strip()[:500]}")
+            return (
+                f"bubblewrap could not run a sandboxed program here ({result.outcome.value}, "
+                f"exit {result.exit_code}): {result.stderr.strip()[:500]}"
+            )
         _available_here = True
     return None
 
@@ -344,8 +403,9 @@ class Sandbox:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def run(self, source: str, *, stdin: str = "",
-            limits: SandboxLimits | None = None) -> ExecutionResult:
+    def run(
+        self, source: str, *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> ExecutionResult:
         """Run `source` as a Python 3 program in a fresh sandbox and wait for it.
 
         Args:
@@ -370,8 +430,9 @@ class Sandbox:
             raise SandboxUnavailable(reason)
         return _execute(source, stdin, limits)
 
-    def run_many(self, sources: Sequence[str], *, stdin: str = "",
-                 limits: SandboxLimits | None = None) -> list[ExecutionResult]:
+    def run_many(
+        self, sources: Sequence[str], *, stdin: str = "", limits: SandboxLimits | None = None
+    ) -> list[ExecutionResult]:
         """Run every program of `sources` (each in its own sandbox, `max_workers` at a time) with
         the same `stdin` and limits; results in input order. Arguments and errors as `run`."""
         if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
@@ -400,8 +461,7 @@ class Sandbox:
         if limits is None:
             return self.limits
         if not isinstance(limits, SandboxLimits):
-            raise TypeError(f"limits must be a SandboxLimits or None, got "
-                            f"{type(limits).__name__}")
+            raise TypeError(f"limits must be a SandboxLimits or None, got {type(limits).__name__}")
         return limits
 
     def __getstate__(self) -> dict:

@@ -62,19 +62,42 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain.core.checkpoint_files import (MANIFEST_FILE, CheckpointCorruptError,
-                                             UnsafeCheckpointError, check_weights_only,
-                                             is_disk_full, make_private_dir, no_space_error,
-                                             read_weights_only, state_bytes, verify_manifest,
-                                             write_manifest)
+from posttrain.core.checkpoint_files import (
+    MANIFEST_FILE,
+    CheckpointCorruptError,
+    UnsafeCheckpointError,
+    check_weights_only,
+    is_disk_full,
+    make_private_dir,
+    no_space_error,
+    read_weights_only,
+    state_bytes,
+    verify_manifest,
+    write_manifest,
+)
 from posttrain.core.checkpoint_files import write_bytes as _write_bytes
 from posttrain.core.checkpoint_files import write_torch as _write_torch
 from posttrain.core.metrics import METRICS_FILE
 
-__all__ = ["CHECKPOINT_DIR", "FORMAT_VERSION", "MANIFEST_FILE", "CheckpointCorruptError",
-           "UnsafeCheckpointError", "check_new_run_dir", "checkpoint_name", "list_checkpoints",
-           "latest_checkpoint", "resolve_checkpoint", "verify_checkpoint", "save_checkpoint",
-           "load_checkpoint", "capture_rng_state", "restore_rng_state", "staging_dir", "SHARDED_DIR"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "check_new_run_dir",
+    "checkpoint_name",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resolve_checkpoint",
+    "verify_checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "capture_rng_state",
+    "restore_rng_state",
+    "staging_dir",
+    "SHARDED_DIR",
+]
 
 CHECKPOINT_DIR = "checkpoints"
 """Sub-folder of a run folder holding the `step_NNNNNN` checkpoints."""
@@ -146,9 +169,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             corrupt.append(str(e))
             continue
         if corrupt:
-            warnings.warn(f"skipping {len(corrupt)} corrupt checkpoint(s) of {path}: "
-                          f"{'; '.join(corrupt)}. Using {candidate}, the newest good one",
-                          stacklevel=2)
+            warnings.warn(
+                f"skipping {len(corrupt)} corrupt checkpoint(s) of {path}: "
+                f"{'; '.join(corrupt)}. Using {candidate}, the newest good one",
+                stacklevel=2,
+            )
         return candidate
     raise CheckpointCorruptError(f"every checkpoint of {path} is corrupt: {'; '.join(corrupt)}")
 
@@ -167,9 +192,16 @@ def verify_checkpoint(path: str | os.PathLike) -> Path:
     return path
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, Any],
-                    train_state: dict[str, Any], keep_last: int | None = None,
-                    meta: dict[str, Any] | None = None, staged: Path | None = None) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    model_state: dict[str, Any],
+    train_state: dict[str, Any],
+    keep_last: int | None = None,
+    meta: dict[str, Any] | None = None,
+    staged: Path | None = None,
+) -> Path:
     """Write `run_dir/checkpoints/step_NNNNNN/` atomically and return its path.
 
     Args:
@@ -204,16 +236,26 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     make_private_dir(root.parent)
     make_private_dir(root)
     final = root / name
-    tmp = Path(staged) if staged is not None else Path(tempfile.mkdtemp(prefix=f".tmp-{name}-",
-                                                                        dir=root))  # mode 0700
+    tmp = (
+        Path(staged)
+        if staged is not None
+        else Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    )  # mode 0700
     extra = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     try:
-        for state, file, what in ((model_state, MODEL_FILE, "model_state"),
-                                  (train_state, TRAIN_STATE_FILE, "train_state")):
+        for state, file, what in (
+            (model_state, MODEL_FILE, "model_state"),
+            (train_state, TRAIN_STATE_FILE, "train_state"),
+        ):
             _write_torch(state, tmp / file)
             check_weights_only(tmp / file, what)
-        record = {"format_version": FORMAT_VERSION, "step": step, "saved_at": time.time(),
-                  "files": [MODEL_FILE, TRAIN_STATE_FILE, *extra], **(meta or {})}
+        record = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "saved_at": time.time(),
+            "files": [MODEL_FILE, TRAIN_STATE_FILE, *extra],
+            **(meta or {}),
+        }
         _write_bytes((json.dumps(record, indent=2) + "\n").encode(), tmp / META_FILE)
         write_manifest(tmp, (*_VERIFIED_FILES, *extra))
         _fsync_dir(tmp)
@@ -225,12 +267,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
         _fsync_dir(root)
     except BaseException as e:
         needed = state_bytes((model_state, train_state)) + sum(
-            (tmp / f).stat().st_size for f in extra if (tmp / f).is_file())
+            (tmp / f).stat().st_size for f in extra if (tmp / f).is_file()
+        )
         full = is_disk_full(e, root, needed)
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
-            raise no_space_error(root, needed, f"checkpoint {name}", estimate=True,
-                                 note=_last_good(run_dir)) from e
+            raise no_space_error(
+                root, needed, f"checkpoint {name}", estimate=True, note=_last_good(run_dir)
+            ) from e
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -272,12 +316,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     verify_checkpoint(path)
     meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has checkpoint format_version={meta.get('format_version')!r}; "
-                         f"this posttrain reads version {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path} has checkpoint format_version={meta.get('format_version')!r}; "
+            f"this posttrain reads version {FORMAT_VERSION}"
+        )
     sharded = path / SHARDED_DIR
-    return {"model_state": read_weights_only(path / MODEL_FILE),
-            "train_state": read_weights_only(path / TRAIN_STATE_FILE), "meta": meta,
-            "sharded": sharded if sharded.is_dir() else None}
+    return {
+        "model_state": read_weights_only(path / MODEL_FILE),
+        "train_state": read_weights_only(path / TRAIN_STATE_FILE),
+        "meta": meta,
+        "sharded": sharded if sharded.is_dir() else None,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,11 +347,21 @@ def capture_rng_state() -> dict[str, Any]:
     """
     version, words, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64),
-                        "gauss_next": gauss_next},
-             "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(words, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -313,8 +372,9 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -350,5 +410,7 @@ def check_new_run_dir(run_dir: str | os.PathLike) -> None:
     """
     run_dir = Path(run_dir)
     if list_checkpoints(run_dir) or (run_dir / METRICS_FILE).exists():
-        raise ValueError(f"run_dir {run_dir} already holds a run (metrics.jsonl or "
-                         "checkpoints); pass resume=True to continue it, or use a new run_dir")
+        raise ValueError(
+            f"run_dir {run_dir} already holds a run (metrics.jsonl or "
+            "checkpoints); pass resume=True to continue it, or use a new run_dir"
+        )

@@ -46,10 +46,26 @@ from typing import IO, Any
 import torch
 from torch.serialization import get_unsafe_globals_in_checkpoint
 
-__all__ = ["MANIFEST_FILE", "FILE_MODE", "DIR_MODE", "CheckpointCorruptError",
-           "UnsafeCheckpointError", "make_private_dir", "write_bytes", "write_text_atomic", "write_torch",
-           "sha256_file", "write_manifest", "verify_manifest", "check_weights_only",
-           "read_weights_only", "is_disk_full", "free_bytes", "no_space_error", "state_bytes"]
+__all__ = [
+    "MANIFEST_FILE",
+    "FILE_MODE",
+    "DIR_MODE",
+    "CheckpointCorruptError",
+    "UnsafeCheckpointError",
+    "make_private_dir",
+    "write_bytes",
+    "write_text_atomic",
+    "write_torch",
+    "sha256_file",
+    "write_manifest",
+    "verify_manifest",
+    "check_weights_only",
+    "read_weights_only",
+    "is_disk_full",
+    "free_bytes",
+    "no_space_error",
+    "state_bytes",
+]
 
 MANIFEST_FILE = "manifest.json"
 """Size and sha256 of every other file of a checkpoint folder; written last."""
@@ -185,8 +201,9 @@ def free_files(folder: Path) -> int | None:
     return stats.f_favail if stats.f_files else None
 
 
-def no_space_error(folder: Path, needed: int, what: str, *, estimate: bool = False,
-                   note: str = "") -> OSError:
+def no_space_error(
+    folder: Path, needed: int, what: str, *, estimate: bool = False, note: str = ""
+) -> OSError:
     """`OSError(errno.ENOSPC)` for a write of `what` (`needed` bytes, "about" if `estimate`)
     into `folder` that the full file system refused:
 
@@ -198,12 +215,15 @@ def no_space_error(folder: Path, needed: int, what: str, *, estimate: bool = Fal
     """
     free = free_bytes(folder)
     size = f"{'about ' if estimate else ''}{needed:,} bytes, {_mib(needed)}"
-    if free_files(folder) == 0:   # bytes to spare but no inode: every new file is refused
+    if free_files(folder) == 0:  # bytes to spare but no inode: every new file is refused
         note = f" but no file can be created there (0 inodes free){note}"
-    return OSError(errno.ENOSPC, f"no space left on device: writing {what} ({size}) into "
-                                 f"{folder}; {free:,} bytes ({_mib(free)}) are free there{note}. "
-                                 "Free space on that file system or write elsewhere, then run "
-                                 "again")
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on device: writing {what} ({size}) into "
+        f"{folder}; {free:,} bytes ({_mib(free)}) are free there{note}. "
+        "Free space on that file system or write elsewhere, then run "
+        "again",
+    )
 
 
 def _mib(n: int) -> str:
@@ -249,8 +269,10 @@ def sha256_file(path: Path) -> str:
 
 def write_manifest(folder: Path, names: Iterable[str]) -> None:
     """Write `folder/manifest.json` with the size and sha256 of each file `names` in `folder`."""
-    files = {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
-             for name in names}
+    files = {
+        name: {"bytes": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
+        for name in names
+    }
     write_bytes((json.dumps({"files": files}, indent=2) + "\n").encode(), folder / MANIFEST_FILE)
 
 
@@ -267,8 +289,10 @@ def verify_manifest(folder: Path, *, required: Iterable[str]) -> dict[str, dict[
     files = _read_manifest(folder)
     unlisted = [name for name in required if name not in files]
     if unlisted:
-        raise CheckpointCorruptError(f"checkpoint {folder}: {MANIFEST_FILE} lists no checksum "
-                                     f"for {', '.join(unlisted)}, so it cannot be verified")
+        raise CheckpointCorruptError(
+            f"checkpoint {folder}: {MANIFEST_FILE} lists no checksum "
+            f"for {', '.join(unlisted)}, so it cannot be verified"
+        )
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():
@@ -277,11 +301,13 @@ def verify_manifest(folder: Path, *, required: Iterable[str]) -> dict[str, dict[
         if size != entry["bytes"]:
             raise CheckpointCorruptError(
                 f"checkpoint {folder}: {name} has {size} bytes where {MANIFEST_FILE} recorded "
-                f"{entry['bytes']} (truncated or overwritten after the save)")
+                f"{entry['bytes']} (truncated or overwritten after the save)"
+            )
         if sha256_file(path) != entry["sha256"]:
             raise CheckpointCorruptError(
                 f"checkpoint {folder}: {name} does not match its sha256 in {MANIFEST_FILE} (its "
-                "bytes changed after the save: disk corruption or tampering)")
+                "bytes changed after the save: disk corruption or tampering)"
+            )
     return files
 
 
@@ -291,18 +317,25 @@ def _read_manifest(folder: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointCorruptError(
             f"checkpoint {folder} has no {MANIFEST_FILE}, so its files cannot be verified: it was "
             "written before checkpoints carried checksums, or not by posttrain. posttrain loads "
-            "verified checkpoints only; resume from another checkpoint or start a new run_dir")
+            "verified checkpoints only; resume from another checkpoint or start a new run_dir"
+        )
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
         ok = isinstance(files, dict) and all(
-            _is_inside(name) and isinstance(entry["bytes"], int)
-            and isinstance(entry["sha256"], str) for name, entry in files.items())
+            _is_inside(name)
+            and isinstance(entry["bytes"], int)
+            and isinstance(entry["sha256"], str)
+            for name, entry in files.items()
+        )
     except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, missing keys
-        raise CheckpointCorruptError(f"checkpoint {folder}: {MANIFEST_FILE} is unreadable "
-                                     f"({type(e).__name__}: {e})") from None
+        raise CheckpointCorruptError(
+            f"checkpoint {folder}: {MANIFEST_FILE} is unreadable ({type(e).__name__}: {e})"
+        ) from None
     if not ok:
-        raise CheckpointCorruptError(f"checkpoint {folder}: {MANIFEST_FILE} is malformed (want "
-                                     '{"files": {name: {"bytes": int, "sha256": str}}})')
+        raise CheckpointCorruptError(
+            f"checkpoint {folder}: {MANIFEST_FILE} is malformed (want "
+            '{"files": {name: {"bytes": int, "sha256": str}}})'
+        )
     return files
 
 
@@ -315,16 +348,32 @@ def _is_inside(name: str) -> bool:
     """A manifest entry names a file of the checkpoint folder or of one sub-folder (`sharded/`):
     relative, no `..`, at most two parts."""
     parts = PurePosixPath(name).parts
-    return (str(PurePosixPath(name)) == name and 1 <= len(parts) <= 2 and ".." not in parts
-            and not PurePosixPath(name).is_absolute())
+    return (
+        str(PurePosixPath(name)) == name
+        and 1 <= len(parts) <= 2
+        and ".." not in parts
+        and not PurePosixPath(name).is_absolute()
+    )
 
 
 _DCP_METADATA_GLOBALS = {
-    ("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
-        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
 }
 
 
@@ -341,12 +390,14 @@ def check_dcp_metadata(path: Path) -> None:
     class _Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             allowed = (module, name) in _DCP_METADATA_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            )
             if not allowed:
                 raise UnsafeCheckpointError(
                     f"{path} would need {module}.{name} to unpickle; a sharded checkpoint's "
                     "metadata holds only torch.distributed.checkpoint classes, so it is refused "
-                    "without being loaded")
+                    "without being loaded"
+                )
             return super().find_class(module, name)
 
     try:
@@ -354,8 +405,9 @@ def check_dcp_metadata(path: Path) -> None:
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # truncated or not a pickle
-        raise UnsafeCheckpointError(f"{path} is not a readable sharded-checkpoint metadata file "
-                                    f"({type(e).__name__}: {e})") from None
+        raise UnsafeCheckpointError(
+            f"{path} is not a readable sharded-checkpoint metadata file ({type(e).__name__}: {e})"
+        ) from None
 
 
 def check_weights_only(path: Path, what: str) -> None:
@@ -368,10 +420,12 @@ def check_weights_only(path: Path, what: str) -> None:
     """
     unsafe = get_unsafe_globals_in_checkpoint(path)
     if unsafe:
-        raise TypeError(f"{what} holds objects a checkpoint cannot store ({', '.join(unsafe)}): "
-                        "loading them would need full unpickling, which posttrain refuses "
-                        "because it can run code. Store tensors, numbers, strings, lists and "
-                        "dicts (e.g. torch.from_numpy for an array)")
+        raise TypeError(
+            f"{what} holds objects a checkpoint cannot store ({', '.join(unsafe)}): "
+            "loading them would need full unpickling, which posttrain refuses "
+            "because it can run code. Store tensors, numbers, strings, lists and "
+            "dicts (e.g. torch.from_numpy for an array)"
+        )
 
 
 def read_weights_only(path: Path) -> Any:
@@ -389,10 +443,12 @@ def read_weights_only(path: Path) -> Any:
     except pickle.UnpicklingError as e:
         unsafe = [f"{e}".splitlines()[-1]]
     except (RuntimeError, ValueError, EOFError) as e:  # not a torch zip file, bad records
-        raise CheckpointCorruptError(f"torch cannot read {path} ({type(e).__name__}: "
-                                     f"{e})") from None
+        raise CheckpointCorruptError(
+            f"torch cannot read {path} ({type(e).__name__}: {e})"
+        ) from None
     raise UnsafeCheckpointError(
         f"{path} needs objects outside torch's weights-only allow-list to load "
         f"({', '.join(unsafe)}); posttrain will not unpickle it, because unpickling can run "
         "arbitrary code. A posttrain checkpoint holds tensors and plain containers only: this "
-        "file was not written by posttrain's save_checkpoint, or was tampered with")
+        "file was not written by posttrain's save_checkpoint, or was tampered with"
+    )

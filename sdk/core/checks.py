@@ -44,8 +44,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FieldTypeError", "check_number", "check_fields", "fail", "check_int", "require_int",
-           "require_positive", "require_finite", "require_folder"]
+__all__ = [
+    "FieldTypeError",
+    "check_number",
+    "check_fields",
+    "fail",
+    "check_int",
+    "require_int",
+    "require_positive",
+    "require_finite",
+    "require_folder",
+]
 
 _SHOWN_CHARS = 80
 """Longest value shown in a message (a longer repr is cut, with how long it was)."""
@@ -66,7 +75,7 @@ def _shown(value: Any) -> str:
         return f"<{type(value).__name__}{size}>"
     if len(text) <= _SHOWN_CHARS:
         return text
-    return f"{text[:_SHOWN_CHARS - 20]}... ({len(text):,} characters)"
+    return f"{text[: _SHOWN_CHARS - 20]}... ({len(text):,} characters)"
 
 
 def fail(name: str, value: Any, must: str, error: type[ValueError] = ValueError) -> ValueError:
@@ -75,8 +84,14 @@ def fail(name: str, value: Any, must: str, error: type[ValueError] = ValueError)
     return error(f"{name}={_shown(value)}; must be {must}")
 
 
-def _allowed(integer: bool, low: float | None, high: float | None, above: float | None,
-             optional: bool, note: str) -> str:
+def _allowed(
+    integer: bool,
+    low: float | None,
+    high: float | None,
+    above: float | None,
+    optional: bool,
+    note: str,
+) -> str:
     """What `check_number` allows, in words: `an integer in [16, 1048576] or None (note)`."""
     kind = "an integer" if integer else "a finite number"
     start = ("(", above) if above is not None else ("[", low) if low is not None else None
@@ -91,9 +106,17 @@ def _allowed(integer: bool, low: float | None, high: float | None, above: float 
     return words + " or None" * optional + (f" ({note})" if note else "")
 
 
-def check_number(name: str, value: Any, *, integer: bool = False, low: float | None = None,
-                 high: float | None = None, above: float | None = None, optional: bool = False,
-                 note: str = "") -> None:
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    low: float | None = None,
+    high: float | None = None,
+    above: float | None = None,
+    optional: bool = False,
+    note: str = "",
+) -> None:
     """Raise unless `value` is a number of the right kind in its range (or None if `optional`).
 
     Args:
@@ -117,13 +140,16 @@ def check_number(name: str, value: Any, *, integer: bool = False, low: float | N
         raise ValueError("check_number takes low= or above=, not both")
     if optional and value is None:
         return
-    is_number = (isinstance(value, int) if integer else isinstance(value, (int, float)))
+    is_number = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not is_number:
-        raise fail(name, value, _allowed(integer, low, high, above, optional, note),
-                   FieldTypeError)
+        raise fail(name, value, _allowed(integer, low, high, above, optional, note), FieldTypeError)
     # an int is finite (and math.isfinite of one past the float range raises OverflowError)
-    if not ((isinstance(value, int) or math.isfinite(value)) and (low is None or value >= low)
-            and (above is None or value > above) and (high is None or value <= high)):
+    if not (
+        (isinstance(value, int) or math.isfinite(value))
+        and (low is None or value >= low)
+        and (above is None or value > above)
+        and (high is None or value <= high)
+    ):
         raise fail(name, value, _allowed(integer, low, high, above, optional, note))
 
 
@@ -159,5 +185,6 @@ def require_folder(cfg: Any, name: str) -> None:
     """The field is None or an existing folder (e.g. a Hugging Face policy folder)."""
     value = getattr(cfg, name)
     if value is not None and not Path(value).is_dir():
-        raise fail(f"{type(cfg).__name__}.{name}", value,
-                   "None or an existing folder (a saved policy)")
+        raise fail(
+            f"{type(cfg).__name__}.{name}", value, "None or an existing folder (a saved policy)"
+        )

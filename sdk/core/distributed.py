@@ -35,8 +35,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def flat_collective(tensors: Sequence[torch.Tensor],
-                     collective: Callable[[torch.Tensor], object]) -> None:
+def flat_collective(
+    tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], object]
+) -> None:
     """Run an in-place `collective` (all_reduce, broadcast) over `tensors` through flat buffers
     of at most `_BUCKET_BYTES` (one dtype and device each; a larger tensor goes alone), and copy
     the results back. Every rank must pass tensors of the same shapes, dtypes and order."""
@@ -44,8 +45,11 @@ def flat_collective(tensors: Sequence[torch.Tensor],
     size = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if (not buckets or size + nbytes > _BUCKET_BYTES
-                or (t.dtype, t.device) != (buckets[-1][0].dtype, buckets[-1][0].device)):
+        if (
+            not buckets
+            or size + nbytes > _BUCKET_BYTES
+            or (t.dtype, t.device) != (buckets[-1][0].dtype, buckets[-1][0].device)
+        ):
             buckets.append([])
             size = 0
         buckets[-1].append(t)

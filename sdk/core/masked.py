@@ -94,5 +94,4 @@ def masked_max(x: Tensor, mask: Tensor, empty: float = 0.0) -> Tensor:
     """
     selected = mask != 0
     best = keep_selected(x, selected, -torch.inf).max()
-    return torch.where(selected.any(), best, torch.as_tensor(empty, dtype=x.dtype,
-                                                             device=x.device))
+    return torch.where(selected.any(), best, torch.as_tensor(empty, dtype=x.dtype, device=x.device))

@@ -47,8 +47,9 @@ class MetricsLog:
         ValueError: from `append`, if a row has no integer "step".
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, *,
-                 tensorboard: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike | None = None, *, tensorboard: bool = False
+    ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
         if tensorboard and self.run_dir is None:
             raise ValueError("tensorboard=True needs a run_dir to write event files into")
@@ -111,8 +112,9 @@ class MetricsLog:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR),
-                                         purge_step=self._purge_step)
+            self._writer = SummaryWriter(
+                log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step
+            )
             self._purge_step = None
         return self._writer
 
@@ -141,8 +143,9 @@ def read_metrics(path: str | os.PathLike) -> pd.DataFrame:
         except json.JSONDecodeError as e:
             if number == len(lines):  # no newline yet: the writer is mid-line
                 break
-            raise ValueError(f"{path}:{number} is not a JSON row ({e}); the file is corrupt "
-                             "there") from None
+            raise ValueError(
+                f"{path}:{number} is not a JSON row ({e}); the file is corrupt there"
+            ) from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number} is a JSON {type(row).__name__}, not a row object")
         rows.append(row)

@@ -31,10 +31,10 @@ from typing import Any
 __all__ = ["install", "uninstall", "requested", "deferring", "step_boundary", "sigint_held"]
 
 _lock = threading.Lock()
-_original: Any = None          # submitit's handler (or whatever was installed before)
+_original: Any = None  # submitit's handler (or whatever was installed before)
 _signum: int | None = None
 _pending: tuple[int, FrameType | None] | None = None
-_depth = 0                     # nesting of deferring()
+_depth = 0  # nesting of deferring()
 
 
 def install(signum: int | None = None) -> None:
@@ -43,6 +43,7 @@ def install(signum: int | None = None) -> None:
     global _original, _signum
     if signum is None:
         from submitit.core.job_environment import JobEnvironment
+
         signum = JobEnvironment._usr_sig()
     if _signum == signum:
         return
@@ -117,8 +118,10 @@ def sigint_held() -> Iterator[_Held]:
     `.received` tells whether one arrived. Only the main thread can handle signals; elsewhere
     this does nothing."""
     held = _Held()
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is None):  # a handler Python cannot restore
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is None
+    ):  # a handler Python cannot restore
         yield held
         return
 

@@ -25,8 +25,9 @@ from typing import Any, TextIO
 LOG_INTERVAL_S = 30.0
 """Seconds between two progress lines when stderr is not a terminal (plus a first and a last)."""
 
-LINE_FORMAT = ("{desc}{percentage:3.0f}% {n_fmt}/{total_fmt} "
-               "[{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+LINE_FORMAT = (
+    "{desc}{percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+)
 """tqdm `bar_format` of a progress line: no bar glyphs, so a log stays plain ASCII."""
 
 
@@ -53,8 +54,9 @@ def in_notebook() -> bool:
     return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
-def progress_bar(*, total: int, file: TextIO | None = None, interval: float = LOG_INTERVAL_S,
-                 **options: Any):
+def progress_bar(
+    *, total: int, file: TextIO | None = None, interval: float = LOG_INTERVAL_S, **options: Any
+):
     """A tqdm bar over `total` steps; `options` go to tqdm (`initial`, `desc`, `disable`, `unit`).
 
     `file` (default `sys.stderr`) decides the kind: a terminal or a notebook gets tqdm's live bar
@@ -76,6 +78,13 @@ def progress_bar(*, total: int, file: TextIO | None = None, interval: float = LO
 
     if options.get("desc"):
         options["desc"] = f"{options['desc']}: "
-    return tqdm(total=total, file=_Lines(stream), mininterval=interval,
-                maxinterval=max(interval, 1.0), miniters=1, bar_format=LINE_FORMAT, ascii=True,
-                **options)
+    return tqdm(
+        total=total,
+        file=_Lines(stream),
+        mininterval=interval,
+        maxinterval=max(interval, 1.0),
+        miniters=1,
+        bar_format=LINE_FORMAT,
+        ascii=True,
+        **options,
+    )

@@ -66,20 +66,29 @@ class Registry(Generic[F]):
             taken = self._factories.get(name)
             if taken is not None and taken is not factory:
                 if _identity(taken) != _identity(factory):
-                    raise ValueError(f"{self.kind} {name!r} is already registered (by {taken!r}); "
-                                     "choose another name")
-                warnings.warn(f"{self.kind} {name!r} registered again by the same definition "
-                              f"({'.'.join(filter(None, _identity(factory)))}); the new one "
-                              "replaces it", UserWarning, stacklevel=2)
+                    raise ValueError(
+                        f"{self.kind} {name!r} is already registered (by {taken!r}); "
+                        "choose another name"
+                    )
+                warnings.warn(
+                    f"{self.kind} {name!r} registered again by the same definition "
+                    f"({'.'.join(filter(None, _identity(factory)))}); the new one "
+                    "replaces it",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self._factories[name] = factory
             return factory
+
         return decorator
 
     def build(self, name: str, /, **options: Any) -> Any:
         if name not in self._factories:
             hint = f" ({self._hint})" if self._hint else ""
-            raise ValueError(f"unknown {self.kind} {name!r}; registered {_plural(self.kind)}: "
-                             f"{', '.join(sorted(self._factories)) or 'none'}{hint}")
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; registered {_plural(self.kind)}: "
+                f"{', '.join(sorted(self._factories)) or 'none'}{hint}"
+            )
         return self._factories[name](**options)
 
     def names(self) -> tuple[str, ...]:

@@ -49,8 +49,16 @@ from typing import Any
 
 from posttrain.core.checkpoint_files import make_private_dir, write_text_atomic
 
-__all__ = ["LOCK_FILE", "STOPPED_FILE", "RunDirInUseError", "claim_run_dir", "lock_holder",
-           "read_stopped", "release_run_dir", "run_outcome"]
+__all__ = [
+    "LOCK_FILE",
+    "STOPPED_FILE",
+    "RunDirInUseError",
+    "claim_run_dir",
+    "lock_holder",
+    "read_stopped",
+    "release_run_dir",
+    "run_outcome",
+]
 
 LOCK_FILE = ".posttrain.lock"
 STOPPED_FILE = "stopped.json"
@@ -58,7 +66,7 @@ CLAIM_RETRY_S = 1.0
 """How long a claim retries a taken lock before refusing: `lock_holder`, asked from another
 process (`posttrain runs`, a sweep's table), holds the lock for a few microseconds."""
 
-_HELD: dict[str, int] = {}   # resolved run folder -> the open, locked file descriptor
+_HELD: dict[str, int] = {}  # resolved run folder -> the open, locked file descriptor
 _BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
 
 
@@ -99,7 +107,8 @@ def claim_run_dir(run_dir: str | os.PathLike) -> Path:
             raise RunDirInUseError(
                 f"run_dir {folder} is in use by another live process ({holder}); wait for it "
                 "to finish or stop it (Run.cancel / scancel) before resuming, or use a new "
-                "run_dir") from None
+                "run_dir"
+            ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
     _HELD[str(folder)] = fd
@@ -140,7 +149,7 @@ def lock_holder(run_dir: str | os.PathLike) -> str | None:
             raise
         return os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
     finally:
-        os.close(fd)   # closing drops the probe's lock, if it got it
+        os.close(fd)  # closing drops the probe's lock, if it got it
     return None
 
 
@@ -157,8 +166,11 @@ def _error_line(exc: BaseException) -> str:
     """The first line of the exception as a traceback ends: "RuntimeError: diverged",
     "posttrain.train.losses.NonFiniteLossError: ..." (at most 300 characters)."""
     kind = type(exc)
-    name = kind.__qualname__ if kind.__module__ in ("builtins", "__main__") else \
-        f"{kind.__module__}.{kind.__qualname__}"
+    name = (
+        kind.__qualname__
+        if kind.__module__ in ("builtins", "__main__")
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
     lines = str(exc).strip().splitlines()
     return (f"{name}: {lines[0]}" if lines else name)[:300]
 
@@ -185,12 +197,15 @@ def run_outcome(run_dir: str | os.PathLike | None) -> Iterator[None]:
         yield
     except BaseException as exc:
         if str(folder) in _HELD and not isinstance(exc, SystemExit):
-            record = {"status": "interrupted" if isinstance(exc, KeyboardInterrupt) else
-                      "failed", "error": _error_line(exc),
-                      "traceback": traceback.format_exception(exc)[-6:],
-                      "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "pid": os.getpid(), "host": socket.gethostname()}
-            with contextlib.suppress(OSError):   # never hide the run's own exception
+            record = {
+                "status": "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                "error": _error_line(exc),
+                "traceback": traceback.format_exception(exc)[-6:],
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+            with contextlib.suppress(OSError):  # never hide the run's own exception
                 write_text_atomic(folder / STOPPED_FILE, json.dumps(record, indent=2))
         raise
     finally:

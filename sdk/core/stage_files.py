@@ -51,8 +51,7 @@ from typing import Any
 
 from posttrain.core.checkpoint_files import write_text_atomic
 
-__all__ = ["RECORD_FILE", "StageFileError", "write_stage_file", "read_stage_file",
-           "count_lines"]
+__all__ = ["RECORD_FILE", "StageFileError", "write_stage_file", "read_stage_file", "count_lines"]
 
 RECORD_FILE = "stage_files.json"
 """The file, in each folder that holds stage files, with their sizes, sha256 and row counts."""
@@ -97,8 +96,12 @@ def write_stage_file(path: str | os.PathLike, text: str, *, rows: int | None = N
         _write_records(path.parent, records)
 
 
-def read_stage_file(path: str | os.PathLike, *, count_rows: Callable[[bytes], int] | None = None,
-                    required: bool = False) -> bytes | None:
+def read_stage_file(
+    path: str | os.PathLike,
+    *,
+    count_rows: Callable[[bytes], int] | None = None,
+    required: bool = False,
+) -> bytes | None:
     """The bytes of stage file `path` if they are what `write_stage_file` recorded; None if the
     stage did not finish (no file, or no record: a warning names the file, whose stage then
     runs again). `count_rows(data)` counts the rows found for the error message (lines by
@@ -124,9 +127,11 @@ def read_stage_file(path: str | os.PathLike, *, count_rows: Callable[[bytes], in
     entry = _read_records(path.parent).get(path.name)
     if entry is None:
         what = "it is read unverified" if required else "its stage runs again"
-        warnings.warn(f"{path} has no record in {RECORD_FILE} (written before stage files carried "
-                      f"records, or its write was interrupted), so it cannot be verified: {what}",
-                      stacklevel=2)
+        warnings.warn(
+            f"{path} has no record in {RECORD_FILE} (written before stage files carried "
+            f"records, or its write was interrupted), so it cannot be verified: {what}",
+            stacklevel=2,
+        )
         return data if required else None
     if len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]:
         return data
@@ -139,7 +144,8 @@ def read_stage_file(path: str | os.PathLike, *, count_rows: Callable[[bytes], in
         f"{path} has {found} {unit} ({len(data)} bytes) where {RECORD_FILE} recorded "
         f"{entry[unit]} {unit} ({entry['bytes']} bytes) when it was written: it was cut or "
         "changed afterwards, so a resumed run cannot trust it. Delete the file (its stage runs "
-        "again) or use a new out_dir")
+        "again) or use a new out_dir"
+    )
 
 
 def _read_records(folder: Path) -> dict[str, dict[str, Any]]:
@@ -149,21 +155,28 @@ def _read_records(folder: Path) -> dict[str, dict[str, Any]]:
     try:
         files = json.loads(path.read_bytes())["files"]
         ok = isinstance(files, dict) and all(
-            isinstance(e, dict) and isinstance(e.get("bytes"), int)
+            isinstance(e, dict)
+            and isinstance(e.get("bytes"), int)
             and isinstance(e.get("sha256"), str)
-            and isinstance(e.get("rows", e.get("lines")), int) for e in files.values())
+            and isinstance(e.get("rows", e.get("lines")), int)
+            for e in files.values()
+        )
     except (ValueError, KeyError, TypeError) as e:  # bad JSON or UTF-8, no "files"
-        raise StageFileError(f"{path} is unreadable ({type(e).__name__}: {e}); it records the "
-                             f"stage files of {folder}: delete the folder's stage files and "
-                             f"{RECORD_FILE} (their stages run again) or use a new out_dir"
-                             ) from None
+        raise StageFileError(
+            f"{path} is unreadable ({type(e).__name__}: {e}); it records the "
+            f"stage files of {folder}: delete the folder's stage files and "
+            f"{RECORD_FILE} (their stages run again) or use a new out_dir"
+        ) from None
     if not ok:
-        raise StageFileError(f"{path} is malformed (want {{\"files\": {{name: {{\"bytes\": int, "
-                             f"\"sha256\": str, \"rows\" or \"lines\": int}}}}}}); delete the "
-                             f"folder's stage files and {RECORD_FILE} or use a new out_dir")
+        raise StageFileError(
+            f'{path} is malformed (want {{"files": {{name: {{"bytes": int, '
+            f'"sha256": str, "rows" or "lines": int}}}}}}); delete the '
+            f"folder's stage files and {RECORD_FILE} or use a new out_dir"
+        )
     return files
 
 
 def _write_records(folder: Path, records: dict[str, dict[str, Any]]) -> None:
-    write_text_atomic(folder / RECORD_FILE,
-                      json.dumps({"files": dict(sorted(records.items()))}, indent=1) + "\n")
+    write_text_atomic(
+        folder / RECORD_FILE, json.dumps({"files": dict(sorted(records.items()))}, indent=1) + "\n"
+    )

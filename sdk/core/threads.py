@@ -68,8 +68,10 @@ def _positive_int(name: str, value: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: give a positive integer "
-                         f"(the number of intra-op threads), or unset it")
+        raise ValueError(
+            f"{name}={value!r} is not allowed: give a positive integer "
+            f"(the number of intra-op threads), or unset it"
+        )
     return n
 
 
@@ -85,8 +87,9 @@ def thread_plan(environ: Mapping[str, str] | None = None, *, cpus: int | None = 
     cpus = available_cpus() if cpus is None else cpus
     policy = env.get("OMP_WAIT_POLICY", "").strip()
     if policy and policy.upper() not in _POLICIES:
-        raise ValueError(f"OMP_WAIT_POLICY={policy!r} is not allowed: use one of "
-                         f"{', '.join(_POLICIES)}")
+        raise ValueError(
+            f"OMP_WAIT_POLICY={policy!r} is not allowed: use one of {', '.join(_POLICIES)}"
+        )
     why = f"OMP_WAIT_POLICY={policy.upper()}" if policy else "posttrain's default"
     policy = policy.upper() or WAIT_POLICY
     if env.get(OVERRIDE, "").strip():
@@ -100,8 +103,9 @@ def thread_plan(environ: Mapping[str, str] | None = None, *, cpus: int | None = 
     return ThreadPlan(num_threads=n, wait_policy=policy, reason=reason, policy_reason=why)
 
 
-def apply_thread_env(environ: MutableMapping[str, str] | None = None, *,
-                     cpus: int | None = None) -> ThreadPlan:
+def apply_thread_env(
+    environ: MutableMapping[str, str] | None = None, *, cpus: int | None = None
+) -> ThreadPlan:
     """Write the `thread_plan` into `environ` (default `os.environ`) for torch, when imported
     later in this process, and for child processes (a local or Slurm job inherits the
     environment): always `OMP_WAIT_POLICY`; `OMP_NUM_THREADS` only when `POSTTRAIN_NUM_THREADS`

@@ -55,8 +55,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["PhaseTimer", "model_flops", "non_embedding_params", "matmul_peak_flops",
-           "set_peak_flops", "mfu", "on_cuda", "PEAK_FLOPS_ENV", "PEAK_MATMUL_SIZE"]
+__all__ = [
+    "PhaseTimer",
+    "model_flops",
+    "non_embedding_params",
+    "matmul_peak_flops",
+    "set_peak_flops",
+    "mfu",
+    "on_cuda",
+    "PEAK_FLOPS_ENV",
+    "PEAK_MATMUL_SIZE",
+]
 
 PEAK_FLOPS_ENV = "POSTTRAIN_PEAK_FLOPS"
 """Environment variable: a peak in FLOP/s (e.g. "1.5e11") used instead of measuring."""
@@ -141,8 +150,11 @@ def non_embedding_params(model: nn.Module) -> int:
     skip = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
     n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     output = getattr(model, "output", None)
-    if skip and output is not None and not any(True for _ in getattr(
-            output, "parameters", lambda: iter(()))()):
+    if (
+        skip
+        and output is not None
+        and not any(True for _ in getattr(output, "parameters", lambda: iter(()))())
+    ):
         n += sum(p.numel() for p in embedding.parameters())
     return n
 
@@ -166,14 +178,14 @@ def set_peak_flops(flops_per_s: float | None) -> None:
     """Use `flops_per_s` as the peak for every later `matmul_peak_flops` call in this process
     (None: measure again, cached). Raises ValueError for a value that is not > 0."""
     global _peak_override
-    if flops_per_s is not None and not (isinstance(flops_per_s, (int, float))
-                                        and flops_per_s > 0):
+    if flops_per_s is not None and not (isinstance(flops_per_s, (int, float)) and flops_per_s > 0):
         raise ValueError(f"flops_per_s={flops_per_s!r}; must be a number > 0 or None")
     _peak_override = None if flops_per_s is None else float(flops_per_s)
 
 
-def matmul_peak_flops(device: torch.device | str = "cpu", *, size: int | None = None,
-                      repeats: int = 5) -> float:
+def matmul_peak_flops(
+    device: torch.device | str = "cpu", *, size: int | None = None, repeats: int = 5
+) -> float:
     """Peak FLOP/s of `device`: `set_peak_flops`'s value, else `$POSTTRAIN_PEAK_FLOPS`, else
     measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each
     2 n^3 FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`. On CPU each product runs on
@@ -239,8 +251,9 @@ def _best_rate(a: torch.Tensor, b: torch.Tensor, clock, sync, repeats: int) -> f
     return 2.0 * a.shape[0] ** 3 / max(best, 1e-9)
 
 
-def mfu(flops: float, seconds: float, *, peak_flops_per_s: float | None = None,
-        devices: int = 1) -> float:
+def mfu(
+    flops: float, seconds: float, *, peak_flops_per_s: float | None = None, devices: int = 1
+) -> float:
     """Model FLOPs utilisation, a fraction in [0, 1]: `flops` / (`seconds` x peak x `devices`);
     the peak is `matmul_peak_flops()` (CPU) unless given. NaN when seconds is 0. A step whose
     FLOP/s exceed peak x devices reports 1.0 (it cannot use more than the peak: the peak or the
@@ -252,8 +265,10 @@ def mfu(flops: float, seconds: float, *, peak_flops_per_s: float | None = None,
     """
     global _warned_above_peak
     if flops < 0 or seconds < 0 or devices < 1:
-        raise ValueError(f"flops={flops!r}, seconds={seconds!r}, devices={devices!r}; flops "
-                         "and seconds must be >= 0 and devices >= 1")
+        raise ValueError(
+            f"flops={flops!r}, seconds={seconds!r}, devices={devices!r}; flops "
+            "and seconds must be >= 0 and devices >= 1"
+        )
     if seconds == 0:
         return float("nan")
     peak = matmul_peak_flops() if peak_flops_per_s is None else peak_flops_per_s
@@ -263,9 +278,14 @@ def mfu(flops: float, seconds: float, *, peak_flops_per_s: float | None = None,
     if utilisation > 1.0:
         if not _warned_above_peak:
             _warned_above_peak = True
-            log.warning("a step ran %.3g model FLOP/s over a peak of %.3g FLOP/s x %d devices: "
-                        "MFU reported as 1.0 (the peak is too low or the FLOP count too high; "
-                        "set the peak with set_peak_flops or $%s)", flops / seconds, peak,
-                        devices, PEAK_FLOPS_ENV)
+            log.warning(
+                "a step ran %.3g model FLOP/s over a peak of %.3g FLOP/s x %d devices: "
+                "MFU reported as 1.0 (the peak is too low or the FLOP count too high; "
+                "set the peak with set_peak_flops or $%s)",
+                flops / seconds,
+                peak,
+                devices,
+                PEAK_FLOPS_ENV,
+            )
         return 1.0
     return utilisation

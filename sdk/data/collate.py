@@ -25,8 +25,9 @@ from torch import Tensor
 __all__ = ["right_pad"]
 
 
-def right_pad(sequences: Sequence[Sequence[Any] | Tensor], pad_id: Any, *,
-              dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor]:
+def right_pad(
+    sequences: Sequence[Sequence[Any] | Tensor], pad_id: Any, *, dtype: torch.dtype = torch.int64
+) -> tuple[Tensor, Tensor]:
     """Right-pad sequences to the longest one.
 
     Args:
@@ -46,6 +47,6 @@ def right_pad(sequences: Sequence[Sequence[Any] | Tensor], pad_id: Any, *,
     values_BT = torch.full((B, T), pad_id, dtype=dtype)
     mask_BT = torch.zeros(B, T, dtype=torch.bool)
     for b, s in enumerate(sequences):
-        values_BT[b, :len(s)] = torch.as_tensor(s, dtype=dtype)
-        mask_BT[b, :len(s)] = True
+        values_BT[b, : len(s)] = torch.as_tensor(s, dtype=dtype)
+        mask_BT[b, : len(s)] = True
     return values_BT, mask_BT

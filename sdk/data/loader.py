@@ -62,11 +62,23 @@ from posttrain.data.sft import (  # re-exported: `from posttrain.data import ...
 )
 
 __all__ = [
-    "IGNORE_INDEX", "Batch", "Sample", "SFTDataset", "CPTDataset", "EpochOrderLoader", "SFTLoader",
+    "IGNORE_INDEX",
+    "Batch",
+    "Sample",
+    "SFTDataset",
+    "CPTDataset",
+    "EpochOrderLoader",
+    "SFTLoader",
     "collate_padded",
-    "pack_samples", "stack_rows",
-    "labels_from_loss_mask", "epoch_order", "load_sft_rows", "load_text_documents",
-    "normalize_sft_row", "normalize_document", "reasoning_gym_sft_rows",
+    "pack_samples",
+    "stack_rows",
+    "labels_from_loss_mask",
+    "epoch_order",
+    "load_sft_rows",
+    "load_text_documents",
+    "normalize_sft_row",
+    "normalize_document",
+    "reasoning_gym_sft_rows",
 ]
 
 
@@ -101,14 +113,17 @@ class Batch:
         for name in ("input_ids", "labels", "position_ids"):
             t = getattr(self, name)
             if t.shape != self.input_ids.shape or t.dtype != torch.int64:
-                raise ValueError(f"Batch.{name} is {t.dtype} {tuple(t.shape)}; expected int64 "
-                                 f"{tuple(self.input_ids.shape)}")
+                raise ValueError(
+                    f"Batch.{name} is {t.dtype} {tuple(t.shape)}; expected int64 "
+                    f"{tuple(self.input_ids.shape)}"
+                )
         if self.attention_mask is not None:
             B, T = self.input_ids.shape
             m = self.attention_mask
             if m.shape != (B, T, T) or m.dtype != torch.bool:
-                raise ValueError(f"Batch.attention_mask is {m.dtype} {tuple(m.shape)}; expected "
-                                 f"bool {(B, T, T)}")
+                raise ValueError(
+                    f"Batch.attention_mask is {m.dtype} {tuple(m.shape)}; expected bool {(B, T, T)}"
+                )
 
     @property
     def num_trained_tokens(self) -> int:
@@ -118,8 +133,9 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         """A copy with every tensor on `device`."""
         move = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
-                        for k, v in move.items()})
+        return Batch(
+            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in move.items()}
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,8 +167,9 @@ def _pack_row(samples: Sequence[Sample], seq_len: int, pad_id: int) -> Batch:
     pieces = [s.input_ids for s in samples] + [torch.full((seq_len - used,), pad_id)]
     input_ids = torch.cat(pieces).to(torch.int64)
     # A sample's last label is IGNORE_INDEX already: no label points into the next sample.
-    labels = torch.cat([s.labels for s in samples]
-                       + [torch.full((seq_len - used,), IGNORE_INDEX)]).to(torch.int64)
+    labels = torch.cat(
+        [s.labels for s in samples] + [torch.full((seq_len - used,), IGNORE_INDEX)]
+    ).to(torch.int64)
     lengths = [len(s) for s in samples] + ([seq_len - used] if used < seq_len else [])
     position_ids = torch.cat([torch.arange(n) for n in lengths]).to(torch.int64)
     doc_T = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -189,7 +206,7 @@ def pack_samples(samples: Sequence[Sample], seq_len: int, pad_id: int) -> list[B
     """
     rows, start = [], 0
     for count in _greedy_rows([len(s) for s in samples], seq_len):
-        rows.append(_pack_row(samples[start: start + count], seq_len, pad_id))
+        rows.append(_pack_row(samples[start : start + count], seq_len, pad_id))
         start += count
     return rows
 
@@ -204,10 +221,13 @@ def stack_rows(rows: Sequence[Batch]) -> Batch:
     masks = [r.attention_mask for r in rows]
     if any(m is None for m in masks) and not all(m is None for m in masks):
         raise ValueError("stack_rows: cannot mix rows with and without attention_mask")
-    return Batch(torch.cat([r.input_ids for r in rows]), torch.cat([r.labels for r in rows]),
-                 torch.cat([r.position_ids for r in rows]),
-                 None if masks[0] is None else torch.cat(masks),
-                 sum(r.num_samples for r in rows))
+    return Batch(
+        torch.cat([r.input_ids for r in rows]),
+        torch.cat([r.labels for r in rows]),
+        torch.cat([r.position_ids for r in rows]),
+        None if masks[0] is None else torch.cat(masks),
+        sum(r.num_samples for r in rows),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,25 +259,35 @@ class EpochOrderLoader:
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.offset = epoch, 0
-        self._order = epoch_order(len(self.dataset), seed=self.seed, epoch=epoch,
-                                  shuffle=self.shuffle)
+        self._order = epoch_order(
+            len(self.dataset), seed=self.seed, epoch=epoch, shuffle=self.shuffle
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """{"epoch", "offset", "seed", "shuffle", "order"}: plain ints/bools/lists (JSON-safe)."""
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
-                "shuffle": self.shuffle, "order": list(self._order)}
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "order": list(self._order),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`. Raises ValueError if it was made with another seed, shuffle
         setting or dataset size, or is inconsistent."""
         for key in ("seed", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"loader state has {key}={state[key]!r} but this loader has "
-                                 f"{key}={getattr(self, key)!r}; the order would not match")
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has "
+                    f"{key}={getattr(self, key)!r}; the order would not match"
+                )
         order = [int(i) for i in state["order"]]
         if sorted(order) != list(range(len(self.dataset))):
-            raise ValueError(f"loader state's order covers {len(order)} samples, not a "
-                             f"permutation of this dataset's {len(self.dataset)}")
+            raise ValueError(
+                f"loader state's order covers {len(order)} samples, not a "
+                f"permutation of this dataset's {len(self.dataset)}"
+            )
         if not 0 <= state["offset"] <= len(order):
             raise ValueError(f"loader state offset={state['offset']} outside 0..{len(order)}")
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), order
@@ -307,18 +337,29 @@ class SFTLoader(EpochOrderLoader):
             (pack=True) a sample longer than `seq_len`.
     """
 
-    def __init__(self, dataset: Sequence[Sample], *, batch_size: int, shuffle: bool = True,
-                 seed: int = 0, pack: bool = False, seq_len: int | None = None,
-                 pad_id: int | None = None, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Sequence[Sample],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        pack: bool = False,
+        seq_len: int | None = None,
+        pad_id: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}; must be a positive integer")
         rank, world_size = _rank_and_world_size(rank, world_size)
         if batch_size % world_size:
-            raise ValueError(f"SFTLoader: batch_size={batch_size} is not divisible by "
-                             f"world_size={world_size}; batch_size is the global batch of all "
-                             "ranks together, and each rank takes batch_size / world_size of "
-                             "its rows")
+            raise ValueError(
+                f"SFTLoader: batch_size={batch_size} is not divisible by "
+                f"world_size={world_size}; batch_size is the global batch of all "
+                "ranks together, and each rank takes batch_size / world_size of "
+                "its rows"
+            )
         if len(dataset) == 0:
             raise ValueError("SFTLoader: the dataset is empty")
         if pad_id is None:
@@ -331,11 +372,15 @@ class SFTLoader(EpochOrderLoader):
                 raise ValueError(f"seq_len={seq_len!r}; pack=True needs a positive seq_len")
             for i, s in enumerate(dataset):
                 if len(s) > seq_len:
-                    raise ValueError(f"sample {i} has {len(s)} tokens, more than seq_len="
-                                     f"{seq_len}; raise seq_len or lower max_seq_len")
+                    raise ValueError(
+                        f"sample {i} has {len(s)} tokens, more than seq_len="
+                        f"{seq_len}; raise seq_len or lower max_seq_len"
+                    )
         elif seq_len is not None:
-            raise ValueError("seq_len is only used with pack=True (padded batches are as long "
-                             "as their longest sample)")
+            raise ValueError(
+                "seq_len is only used with pack=True (padded batches are as long "
+                "as their longest sample)"
+            )
         self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
         self.pack, self.seq_len, self.pad_id = pack, seq_len, pad_id
         self.rank, self.world_size = rank, world_size
@@ -355,7 +400,7 @@ class SFTLoader(EpochOrderLoader):
         the end of an epoch and under data parallelism)."""
         order, start = self._order, self.offset
         if not self.pack:
-            rows = [[i] for i in order[start: start + self.batch_size]]
+            rows = [[i] for i in order[start : start + self.batch_size]]
         else:
             lengths = (self._lengths[order[j]] for j in range(start, len(order)))
             counts = _greedy_rows(lengths, self.seq_len, max_rows=self.batch_size)
@@ -364,7 +409,7 @@ class SFTLoader(EpochOrderLoader):
         self.offset += sum(len(row) for row in rows)
         if self.offset == len(self._order):
             self._start_epoch(self.epoch + 1)
-        return self._collate(rows[self.rank::self.world_size])
+        return self._collate(rows[self.rank :: self.world_size])
 
     def _collate(self, rows: list[list[int]]) -> Batch:
         """One Batch of the given rows (each a list of dataset indices); a padding row that
@@ -372,11 +417,16 @@ class SFTLoader(EpochOrderLoader):
         if not self.pack:
             if not rows:
                 ids = torch.full((1, 1), self.pad_id, dtype=torch.int64)
-                return Batch(ids, torch.full_like(ids, IGNORE_INDEX), torch.zeros_like(ids),
-                             None, 0)
+                return Batch(
+                    ids, torch.full_like(ids, IGNORE_INDEX), torch.zeros_like(ids), None, 0
+                )
             return collate_padded([self.dataset[i] for row in rows for i in row], self.pad_id)
-        return stack_rows([_pack_row([self.dataset[i] for i in row], self.seq_len, self.pad_id)
-                           for row in rows or [[]]])
+        return stack_rows(
+            [
+                _pack_row([self.dataset[i] for i in row], self.seq_len, self.pad_id)
+                for row in rows or [[]]
+            ]
+        )
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
@@ -395,6 +445,7 @@ def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int,
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; must be a positive integer")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r}; must be an integer in 0..world_size-1 "
-                         f"(world_size={world_size})")
+        raise ValueError(
+            f"rank={rank!r}; must be an integer in 0..world_size-1 (world_size={world_size})"
+        )
     return rank, world_size

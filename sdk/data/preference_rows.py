@@ -31,6 +31,7 @@ from posttrain.models.chat import ROLES
 
 __all__ = ["load_preference_rows", "pairs_to_kto_rows"]
 
+
 def load_preference_rows(source: Any) -> list[Any]:
     """Rows as found, from a list of dicts, a pandas DataFrame or a .jsonl/.json path.
 
@@ -47,8 +48,9 @@ def _check_row(row: Any, index: int, fields: str) -> None:
     if isinstance(row, BadLine):
         raise BadRowError(index, None, "bad_json", row.detail)
     if not isinstance(row, Mapping):
-        raise BadRowError(index, None, "not_a_dict", f"is a {type(row).__name__}, "
-                          f"expected a dict with {fields}")
+        raise BadRowError(
+            index, None, "not_a_dict", f"is a {type(row).__name__}, expected a dict with {fields}"
+        )
 
 
 def _prompt(row: Mapping, index: int, chat: bool) -> str | list[dict]:
@@ -56,24 +58,37 @@ def _prompt(row: Mapping, index: int, chat: bool) -> str | list[dict]:
         raise BadRowError(index, "prompt", "missing_field", "has no 'prompt'")
     prompt = row["prompt"]
     if hasattr(prompt, "tolist") and not isinstance(prompt, str):
-        prompt = prompt.tolist()   # Arrow-backed frames hold message lists as arrays
+        prompt = prompt.tolist()  # Arrow-backed frames hold message lists as arrays
     if isinstance(prompt, str):
         if not prompt.strip():
             raise BadRowError(index, "prompt", "empty", "the prompt is empty")
         return [{"role": "user", "content": prompt}] if chat else prompt
-    if chat and isinstance(prompt, Sequence) and prompt and all(
-            isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt):
+    if (
+        chat
+        and isinstance(prompt, Sequence)
+        and prompt
+        and all(isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt)
+    ):
         for j, m in enumerate(prompt):
             if m.get("role") not in ROLES:
-                raise BadRowError(index, "prompt", "render_error", f"message {j} has role "
-                                  f"{m.get('role')!r}; allowed: {', '.join(ROLES)}")
+                raise BadRowError(
+                    index,
+                    "prompt",
+                    "render_error",
+                    f"message {j} has role {m.get('role')!r}; allowed: {', '.join(ROLES)}",
+                )
         if prompt[-1].get("role") == "assistant":
-            raise BadRowError(index, "prompt", "render_error", "a message prompt must not "
-                              "end with an assistant turn")
+            raise BadRowError(
+                index,
+                "prompt",
+                "render_error",
+                "a message prompt must not end with an assistant turn",
+            )
         return [{"role": m.get("role"), "content": m["content"]} for m in prompt]
     allowed = "a str or a list of {'role', 'content'} messages" if chat else "a str (chat=False)"
-    raise BadRowError(index, "prompt", "non_string",
-                      f"is a {type(prompt).__name__}; expected {allowed}")
+    raise BadRowError(
+        index, "prompt", "non_string", f"is a {type(prompt).__name__}; expected {allowed}"
+    )
 
 
 def _response(row: Mapping, index: int, key: str) -> str:
@@ -82,12 +97,22 @@ def _response(row: Mapping, index: int, key: str) -> str:
     value = row[key]
     if hasattr(value, "tolist") and not isinstance(value, str):
         value = value.tolist()
-    if (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 1
-            and isinstance(value[0], Mapping) and value[0].get("role") == "assistant"):
-        value = value[0].get("content")   # TRL's conversational form: [assistant message]
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) == 1
+        and isinstance(value[0], Mapping)
+        and value[0].get("role") == "assistant"
+    ):
+        value = value[0].get("content")  # TRL's conversational form: [assistant message]
     if not isinstance(value, str):
-        raise BadRowError(index, key, "non_string", f"is a {type(value).__name__}; "
-                          "expected a str or [{'role': 'assistant', 'content': str}]")
+        raise BadRowError(
+            index,
+            key,
+            "non_string",
+            f"is a {type(value).__name__}; "
+            "expected a str or [{'role': 'assistant', 'content': str}]",
+        )
     if not value.strip():
         raise BadRowError(index, key, "empty_response", f"the {key} is empty")
     return value

@@ -29,31 +29,38 @@ from typing import Any
 
 from posttrain.models.tokenizer import Tokenizer
 
-__all__ = ["BAD_ROW_REASONS", "BadRowError", "DataStats", "read_rows", "read_json_rows",
-           "read_text_file", "text_char_limit"]
+__all__ = [
+    "BAD_ROW_REASONS",
+    "BadRowError",
+    "DataStats",
+    "read_rows",
+    "read_json_rows",
+    "read_text_file",
+    "text_char_limit",
+]
 
 BAD_ROW_REASONS = (
     # any row
-    "not_a_dict",          # the row is not a mapping
-    "render_error",        # the tokenizer's chat template rejected the conversation
+    "not_a_dict",  # the row is not a mapping
+    "render_error",  # the tokenizer's chat template rejected the conversation
     # SFT / CPT rows (posttrain.data.sft)
-    "no_messages",         # neither "messages" nor "prompt"/"completion"
-    "bad_message",         # a message that is not a dict, or lacks "role" / "content"
+    "no_messages",  # neither "messages" nor "prompt"/"completion"
+    "bad_message",  # a message that is not a dict, or lacks "role" / "content"
     "non_string_content",  # content (or prompt/completion/text) is not a str
-    "unknown_role",        # role outside posttrain.models.chat.ROLES
-    "empty_assistant",     # an assistant turn with empty (or whitespace-only) content
-    "no_assistant",        # no assistant turn at all: nothing to train
+    "unknown_role",  # role outside posttrain.models.chat.ROLES
+    "empty_assistant",  # an assistant turn with empty (or whitespace-only) content
+    "no_assistant",  # no assistant turn at all: nothing to train
     "last_not_assistant",  # turns after the last assistant turn would be trained on nothing
-    "empty_text",          # CPT: an empty (or whitespace-only) document
+    "empty_text",  # CPT: an empty (or whitespace-only) document
     # preference and KTO rows (posttrain.data.preference_rows)
-    "bad_json",            # a line of a .jsonl file that is not JSON (the detail names the line)
-    "missing_field",       # no prompt / chosen / rejected (KTO: completion / label)
-    "non_string",          # a field that is neither a string nor the accepted message form
-    "empty",               # an empty (whitespace-only) prompt
-    "empty_response",      # an empty (whitespace-only) chosen, rejected or completion
-    "same_response",       # chosen == rejected, surrounding whitespace ignored
-    "bad_label",           # KTO label that is not a bool
-    "overlong",            # prompt + response longer than max_seq_len
+    "bad_json",  # a line of a .jsonl file that is not JSON (the detail names the line)
+    "missing_field",  # no prompt / chosen / rejected (KTO: completion / label)
+    "non_string",  # a field that is neither a string nor the accepted message form
+    "empty",  # an empty (whitespace-only) prompt
+    "empty_response",  # an empty (whitespace-only) chosen, rejected or completion
+    "same_response",  # chosen == rejected, surrounding whitespace ignored
+    "bad_label",  # KTO label that is not a bool
+    "overlong",  # prompt + response longer than max_seq_len
 )
 """Reasons a row is rejected; the keys of `DataStats.skipped_by_reason`."""
 
@@ -147,8 +154,10 @@ def read_text_file(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         line_no = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line_no}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
-                         f"offset {e.start}: {e.reason}); data files must be UTF-8") from None
+        raise ValueError(
+            f"{path}:{line_no}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
+            f"offset {e.start}: {e.reason}); data files must be UTF-8"
+        ) from None
 
 
 def read_json_rows(path: Path, *, keep_bad_lines: bool = False) -> list[Any]:
@@ -171,8 +180,9 @@ def read_json_rows(path: Path, *, keep_bad_lines: bool = False) -> list[Any]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from e
         if not isinstance(data, list):
-            raise ValueError(f"{path}: a .json data file must hold a list of rows, "
-                             f"got {type(data).__name__}")
+            raise ValueError(
+                f"{path}: a .json data file must hold a list of rows, got {type(data).__name__}"
+            )
         return data
     rows: list[Any] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
@@ -181,8 +191,10 @@ def read_json_rows(path: Path, *, keep_bad_lines: bool = False) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            detail = (f"{path}:{line_no}: not valid JSON ({e.msg}); each line of a JSONL file "
-                      "must be one JSON object")
+            detail = (
+                f"{path}:{line_no}: not valid JSON ({e.msg}); each line of a JSONL file "
+                "must be one JSON object"
+            )
             if not keep_bad_lines:
                 raise ValueError(detail) from e
             rows.append(BadLine(detail))
@@ -216,8 +228,10 @@ def read_rows(source: Any, what: str, *, keep_bad_lines: bool = False) -> list[A
         return [{k: v for k, v in r.items() if not is_missing(v)} for r in records]
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         return list(source)
-    raise ValueError(f"cannot read {what} rows from a {type(source).__name__}; pass a list of "
-                     "dicts, a pandas DataFrame, or a .jsonl/.json path")
+    raise ValueError(
+        f"cannot read {what} rows from a {type(source).__name__}; pass a list of "
+        "dicts, a pandas DataFrame, or a .jsonl/.json path"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,11 +248,12 @@ def _max_token_chars(tokenizer: Tokenizer) -> int:
         return _TOKEN_CHARS[tokenizer]
     except (KeyError, TypeError):
         pass
-    longest = max(len(tokenizer.decode([i], skip_special_tokens=False))
-                  for i in range(tokenizer.vocab_size))
+    longest = max(
+        len(tokenizer.decode([i], skip_special_tokens=False)) for i in range(tokenizer.vocab_size)
+    )
     try:
         _TOKEN_CHARS[tokenizer] = longest + 1
-    except TypeError:   # not weak-referenceable: computed again next time
+    except TypeError:  # not weak-referenceable: computed again next time
         pass
     return longest + 1
 

@@ -43,8 +43,17 @@ from typing import Any, Literal
 
 import torch
 
-from posttrain.data.rows import (BadRowError, DataStats, cap_messages, is_frame, is_missing,
-                                 read_json_rows, read_rows, read_text_file, text_char_limit)
+from posttrain.data.rows import (
+    BadRowError,
+    DataStats,
+    cap_messages,
+    is_frame,
+    is_missing,
+    read_json_rows,
+    read_rows,
+    read_text_file,
+    text_char_limit,
+)
 from posttrain.models.chat import ROLES
 from posttrain.models.tokenizer import Tokenizer
 
@@ -91,54 +100,94 @@ def normalize_sft_row(row: Any, index: int) -> list[dict]:
         BadRowError (a ValueError): naming `index` and one of `BAD_ROW_REASONS`.
     """
     if not isinstance(row, Mapping):
-        raise BadRowError(index, None, "not_a_dict", f"is a {type(row).__name__}, expected a "
-                          f"dict with 'messages' or 'prompt'/'completion'")
+        raise BadRowError(
+            index,
+            None,
+            "not_a_dict",
+            f"is a {type(row).__name__}, expected a dict with 'messages' or 'prompt'/'completion'",
+        )
     if "messages" in row:
         messages = _as_list(row["messages"])
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise BadRowError(index, None, "no_messages",
-                              f"'messages' is a {type(messages).__name__}, expected a list")
+            raise BadRowError(
+                index,
+                None,
+                "no_messages",
+                f"'messages' is a {type(messages).__name__}, expected a list",
+            )
     elif "prompt" in row or "completion" in row:
         for key in ("prompt", "completion"):
             if key not in row:
-                raise BadRowError(index, None, "no_messages", f"has no {key!r} (a "
-                                  f"prompt/completion row needs both)")
+                raise BadRowError(
+                    index,
+                    None,
+                    "no_messages",
+                    f"has no {key!r} (a prompt/completion row needs both)",
+                )
             if not isinstance(row[key], str):
-                raise BadRowError(index, None, "non_string_content",
-                                  f"{key!r} is a {type(row[key]).__name__}, expected str")
-        messages = [{"role": "user", "content": row["prompt"]},
-                    {"role": "assistant", "content": row["completion"]}]
+                raise BadRowError(
+                    index,
+                    None,
+                    "non_string_content",
+                    f"{key!r} is a {type(row[key]).__name__}, expected str",
+                )
+        messages = [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
     else:
-        raise BadRowError(index, None, "no_messages", f"has keys {sorted(map(str, row))}; expected "
-                          f"'messages' or 'prompt' and 'completion'")
+        raise BadRowError(
+            index,
+            None,
+            "no_messages",
+            f"has keys {sorted(map(str, row))}; expected 'messages' or 'prompt' and 'completion'",
+        )
     out = []
     for j, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise BadRowError(index, None, "bad_message", f"message {j} must be a dict with "
-                              f"'role' and 'content', got {m!r:.80}")
+            raise BadRowError(
+                index,
+                None,
+                "bad_message",
+                f"message {j} must be a dict with 'role' and 'content', got {m!r:.80}",
+            )
         role, content = m["role"], m["content"]
         if role not in ROLES:
-            raise BadRowError(index, None, "unknown_role", f"message {j} has role {role!r}; "
-                              f"allowed roles: {', '.join(ROLES)}")
+            raise BadRowError(
+                index,
+                None,
+                "unknown_role",
+                f"message {j} has role {role!r}; allowed roles: {', '.join(ROLES)}",
+            )
         if not isinstance(content, str):
-            raise BadRowError(index, None, "non_string_content", f"message {j} content is a "
-                              f"{type(content).__name__}, expected str")
+            raise BadRowError(
+                index,
+                None,
+                "non_string_content",
+                f"message {j} content is a {type(content).__name__}, expected str",
+            )
         if role == "assistant" and not content.strip():
-            raise BadRowError(index, None, "empty_assistant",
-                              f"message {j} is an empty assistant turn")
+            raise BadRowError(
+                index, None, "empty_assistant", f"message {j} is an empty assistant turn"
+            )
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in out):
-        raise BadRowError(index, None, "no_assistant",
-                          "has no assistant turn, so nothing to train on")
+        raise BadRowError(
+            index, None, "no_assistant", "has no assistant turn, so nothing to train on"
+        )
     if out[-1]["role"] != "assistant":
-        raise BadRowError(index, None, "last_not_assistant",
-                          f"ends with a {out[-1]['role']!r} turn; an SFT row must end with the "
-                          f"assistant turn")
+        raise BadRowError(
+            index,
+            None,
+            "last_not_assistant",
+            f"ends with a {out[-1]['role']!r} turn; an SFT row must end with the assistant turn",
+        )
     return out
 
 
-def load_text_documents(source: Sequence[Any] | Any | str | os.PathLike, *,
-                        field: str = "text") -> list[Any]:
+def load_text_documents(
+    source: Sequence[Any] | Any | str | os.PathLike, *, field: str = "text"
+) -> list[Any]:
     """Read CPT documents: a list of str, a DataFrame column, a `.jsonl`/`.json` file of
     {field: str} rows, or a `.txt` file (the whole file is one document).
 
@@ -159,28 +208,38 @@ def load_text_documents(source: Sequence[Any] | Any | str | os.PathLike, *,
         return [r.get(field) if isinstance(r, Mapping) else r for r in read_json_rows(path)]
     if is_frame(source):
         if field not in source.columns:
-            raise ValueError(f"DataFrame has no column {field!r} (columns: "
-                             f"{', '.join(map(str, source.columns))}); pass field=...")
+            raise ValueError(
+                f"DataFrame has no column {field!r} (columns: "
+                f"{', '.join(map(str, source.columns))}); pass field=..."
+            )
         return [None if is_missing(v) else v for v in source[field].tolist()]
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
         return [r.get(field) if isinstance(r, Mapping) else r for r in source]
-    raise ValueError(f"cannot read documents from a {type(source).__name__}; pass a list of str, "
-                     f"a DataFrame with a {field!r} column, or a .txt/.jsonl path")
+    raise ValueError(
+        f"cannot read documents from a {type(source).__name__}; pass a list of str, "
+        f"a DataFrame with a {field!r} column, or a .txt/.jsonl path"
+    )
 
 
 def normalize_document(doc: Any, index: int) -> str:
     """Validate one CPT document. Raises BadRowError (a ValueError) naming `index`."""
     if not isinstance(doc, str):
-        raise BadRowError(index, None, "non_string_content",
-                          f"document is a {type(doc).__name__}, expected str")
+        raise BadRowError(
+            index, None, "non_string_content", f"document is a {type(doc).__name__}, expected str"
+        )
     if not doc.strip():
         raise BadRowError(index, None, "empty_text", "document is empty")
     return doc
 
 
-def reasoning_gym_sft_rows(name: str, *, size: int, seed: int,
-                           item_filter: Callable[[Any, Any], Iterable[Mapping]] | None = None,
-                           **task_config: Any) -> list[dict]:
+def reasoning_gym_sft_rows(
+    name: str,
+    *,
+    size: int,
+    seed: int,
+    item_filter: Callable[[Any, Any], Iterable[Mapping]] | None = None,
+    **task_config: Any,
+) -> list[dict]:
     """SFT rows from a reasoning-gym task: the question, exactly as the task words it, is the
     user turn; the task's reference answer is the assistant turn.
 
@@ -206,9 +265,15 @@ def reasoning_gym_sft_rows(name: str, *, size: int, seed: int,
 
     dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **task_config)
     items = dataset if item_filter is None else item_filter(dataset, dataset)
-    return [{"messages": [{"role": "user", "content": item["question"]},
-                          {"role": "assistant", "content": item["answer"]}]}
-            for item in items]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": item["question"]},
+                {"role": "assistant", "content": item["answer"]},
+            ]
+        }
+        for item in items
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,8 +306,10 @@ class Sample:
     @classmethod
     def from_loss_mask(cls, input_ids: Sequence[int], loss_mask: Sequence[bool]) -> Sample:
         labels = labels_from_loss_mask(input_ids, loss_mask)
-        return cls(torch.tensor(list(input_ids), dtype=torch.int64),
-                   torch.tensor(labels, dtype=torch.int64))
+        return cls(
+            torch.tensor(list(input_ids), dtype=torch.int64),
+            torch.tensor(labels, dtype=torch.int64),
+        )
 
     def __len__(self) -> int:
         return self.input_ids.numel()
@@ -291,9 +358,11 @@ class _TokenizedDataset(Sequence):
 
     def _check_not_empty(self, what: str) -> None:
         if not self.samples:
-            raise ValueError(f"{type(self).__name__}: no usable {what} ({self.stats.rows} read, "
-                             f"skipped {self.stats.skipped_by_reason}, {self.stats.dropped} "
-                             f"dropped as over-long); the dataset is empty")
+            raise ValueError(
+                f"{type(self).__name__}: no usable {what} ({self.stats.rows} read, "
+                f"skipped {self.stats.skipped_by_reason}, {self.stats.dropped} "
+                f"dropped as over-long); the dataset is empty"
+            )
 
 
 class SFTDataset(_TokenizedDataset):
@@ -319,9 +388,15 @@ class SFTDataset(_TokenizedDataset):
         ValueError: for bad options, or if no row is usable.
     """
 
-    def __init__(self, rows: Any, tokenizer: Tokenizer, *, max_seq_len: int,
-                 on_bad_row: Literal["raise", "skip"] = "raise",
-                 overlong: Literal["truncate", "drop"] = "truncate") -> None:
+    def __init__(
+        self,
+        rows: Any,
+        tokenizer: Tokenizer,
+        *,
+        max_seq_len: int,
+        on_bad_row: Literal["raise", "skip"] = "raise",
+        overlong: Literal["truncate", "drop"] = "truncate",
+    ) -> None:
         _check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
         _check_choice("overlong", overlong, OVERLONG)
         _check_max_seq_len(max_seq_len)
@@ -341,8 +416,9 @@ class SFTDataset(_TokenizedDataset):
                     raise BadRowError(i, None, "render_error", str(e)) from e
                 trained = [t for t, m in enumerate(chat.loss_mask) if m]
                 if not trained:
-                    raise BadRowError(i, None, "render_error", "the chat template marked no "
-                                      "token as trained")
+                    raise BadRowError(
+                        i, None, "render_error", "the chat template marked no token as trained"
+                    )
             except BadRowError as e:
                 self._bad_row(e, on_bad_row)
                 continue
@@ -384,8 +460,15 @@ class CPTDataset(_TokenizedDataset):
         ValueError: for bad options, or if no document is usable.
     """
 
-    def __init__(self, documents: Any, tokenizer: Tokenizer, *, max_seq_len: int,
-                 on_bad_row: Literal["raise", "skip"] = "raise", field: str = "text") -> None:
+    def __init__(
+        self,
+        documents: Any,
+        tokenizer: Tokenizer,
+        *,
+        max_seq_len: int,
+        on_bad_row: Literal["raise", "skip"] = "raise",
+        field: str = "text",
+    ) -> None:
         _check_choice("on_bad_row", on_bad_row, ON_BAD_ROW)
         _check_max_seq_len(max_seq_len)
         self.max_seq_len, self.pad_id = max_seq_len, tokenizer.pad_id
@@ -403,6 +486,6 @@ class CPTDataset(_TokenizedDataset):
             starts = range(0, max(len(ids) - 1, 1), stride)
             self.stats.split_documents += len(starts) > 1
             for s in starts:
-                chunk = ids[s: s + max_seq_len]
+                chunk = ids[s : s + max_seq_len]
                 self._keep(Sample.from_loss_mask(chunk, [True] * len(chunk)), i)
         self._check_not_empty("documents")

@@ -80,10 +80,25 @@ from posttrain.data.synthetic_stages import (
     build_stage,
 )
 
-__all__ = ["generate_candidates", "GENERATED_FIELDS", "SyntheticPipeline", "SyntheticResult", "Stage", "Score",
-           "ExactDedup", "NearDedup", "Length", "MinScore", "Decontaminate", "STAGES",
-           "build_stage", "FAILED_OUTCOMES", "DEFAULT_DECONTAMINATION_N", "DEFAULT_NEAR_DUP_N",
-           "DEFAULT_NEAR_DUP_THRESHOLD"]
+__all__ = [
+    "generate_candidates",
+    "GENERATED_FIELDS",
+    "SyntheticPipeline",
+    "SyntheticResult",
+    "Stage",
+    "Score",
+    "ExactDedup",
+    "NearDedup",
+    "Length",
+    "MinScore",
+    "Decontaminate",
+    "STAGES",
+    "build_stage",
+    "FAILED_OUTCOMES",
+    "DEFAULT_DECONTAMINATION_N",
+    "DEFAULT_NEAR_DUP_N",
+    "DEFAULT_NEAR_DUP_THRESHOLD",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,10 +106,19 @@ __all__ = ["generate_candidates", "GENERATED_FIELDS", "SyntheticPipeline", "Synt
 # --------------------------------------------------------------------------------------------
 
 
-def generate_candidates(policy: Any, prompts: Sequence[str | Mapping[str, Any]], *, n: int = 4,
-                        max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                        seed: int = 0, source: str = "policy", chat: bool = True,
-                        prompts_per_batch: int = 64) -> list[dict]:
+def generate_candidates(
+    policy: Any,
+    prompts: Sequence[str | Mapping[str, Any]],
+    *,
+    n: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    source: str = "policy",
+    chat: bool = True,
+    prompts_per_batch: int = 64,
+) -> list[dict]:
     """`n` sampled completions of each prompt, one row each (prompt-major).
 
     Args:
@@ -122,28 +146,62 @@ def generate_candidates(policy: Any, prompts: Sequence[str | Mapping[str, Any]],
     """
     _check_generation(prompts, n, max_new_tokens, seed, prompts_per_batch, source)
     items = [{"question": p} if isinstance(p, str) else dict(p) for p in prompts]
-    generation = {"source": source, "n": n, "max_new_tokens": max_new_tokens,
-                  "temperature": temperature, "top_p": top_p, "seed": seed, "chat": chat}
+    generation = {
+        "source": source,
+        "n": n,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+        "chat": chat,
+    }
     rows = []
     for start, chunk, completions in generate_for_items(
-            policy, items, batch_size=prompts_per_batch, chat=chat, seed=seed, n=n,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p):
+        policy,
+        items,
+        batch_size=prompts_per_batch,
+        chat=chat,
+        seed=seed,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+    ):
         for c in completions:
             item = chunk[c.prompt_index]
-            rows.append({"prompt": item["question"], "completion": c.text, "source": source,
-                         "prompt_id": start + c.prompt_index, "sample_index": c.sample_index,
-                         "seed": seed + start, "finish_reason": c.finish_reason, "item": item,
-                         "provenance": {"generation": dict(generation)}})
+            rows.append(
+                {
+                    "prompt": item["question"],
+                    "completion": c.text,
+                    "source": source,
+                    "prompt_id": start + c.prompt_index,
+                    "sample_index": c.sample_index,
+                    "seed": seed + start,
+                    "finish_reason": c.finish_reason,
+                    "item": item,
+                    "provenance": {"generation": dict(generation)},
+                }
+            )
     return rows
 
 
-GENERATED_FIELDS = ("prompt", "completion", "source", "prompt_id", "sample_index", "seed",
-                    "finish_reason", "item", "provenance")
+GENERATED_FIELDS = (
+    "prompt",
+    "completion",
+    "source",
+    "prompt_id",
+    "sample_index",
+    "seed",
+    "finish_reason",
+    "item",
+    "provenance",
+)
 """The fields of every row `generate_candidates` returns."""
 
 
-def _check_generation(prompts: Any, n: Any, max_new_tokens: Any, seed: Any,
-                      prompts_per_batch: Any, source: Any) -> None:
+def _check_generation(
+    prompts: Any, n: Any, max_new_tokens: Any, seed: Any, prompts_per_batch: Any, source: Any
+) -> None:
     check_int("n", n, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     check_int("prompts_per_batch", prompts_per_batch, minimum=1)
@@ -151,14 +209,19 @@ def _check_generation(prompts: Any, n: Any, max_new_tokens: Any, seed: Any,
     if not isinstance(source, str) or not source:
         raise ValueError(f"source={source!r}; must be a non-empty str naming the generator")
     if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a list of str or of items with a 'question', got a "
-                         f"{type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a list of str or of items with a 'question', got a "
+            f"{type(prompts).__name__}"
+        )
     if not prompts:
         raise ValueError("prompts is empty; nothing to generate")
     for i, p in enumerate(prompts):
-        if not (isinstance(p, str) or isinstance(p, Mapping) and isinstance(p.get("question"), str)):
-            raise ValueError(f"prompts[{i}] is {p!r:.80}; expected a str or a mapping with a "
-                             f"str 'question'")
+        if not (
+            isinstance(p, str) or isinstance(p, Mapping) and isinstance(p.get("question"), str)
+        ):
+            raise ValueError(
+                f"prompts[{i}] is {p!r:.80}; expected a str or a mapping with a str 'question'"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,8 +274,10 @@ class SyntheticPipeline:
 
     def __init__(self, stages: Sequence[Stage | str | tuple | Mapping]) -> None:
         if isinstance(stages, (str, Mapping)) or not isinstance(stages, Sequence) or not stages:
-            raise ValueError(f"stages must be a non-empty list of stages; registered names: "
-                             f"{', '.join(STAGES.names())}")
+            raise ValueError(
+                f"stages must be a non-empty list of stages; registered names: "
+                f"{', '.join(STAGES.names())}"
+            )
         self.stages = [build_stage(s) for s in stages]
 
     def describe(self) -> list[dict[str, Any]]:
@@ -224,9 +289,11 @@ class SyntheticPipeline:
         for stage in self.stages:
             missing = [f for f in stage.needs if f not in have]
             if missing:
-                raise ValueError(f"stage {stage.name!r} reads row field(s) {missing}, which the "
-                                 f"rows lack and no earlier stage adds; put a stage that adds "
-                                 f"them first (a Score stage adds 'score') or give rows them")
+                raise ValueError(
+                    f"stage {stage.name!r} reads row field(s) {missing}, which the "
+                    f"rows lack and no earlier stage adds; put a stage that adds "
+                    f"them first (a Score stage adds 'score') or give rows them"
+                )
             have |= set(stage.adds)
 
     def run(self, rows: Sequence[Mapping[str, Any]]) -> SyntheticResult:
@@ -242,33 +309,50 @@ class SyntheticPipeline:
             raise ValueError("rows must be a non-empty list of row mappings")
         for i, row in enumerate(rows):
             if not isinstance(row, Mapping) or not all(
-                    isinstance(row.get(k), str) for k in ("prompt", "completion")):
-                raise ValueError(f"rows[{i}] must be a mapping with str 'prompt' and "
-                                 f"'completion', got {row!r:.80}")
+                isinstance(row.get(k), str) for k in ("prompt", "completion")
+            ):
+                raise ValueError(
+                    f"rows[{i}] must be a mapping with str 'prompt' and "
+                    f"'completion', got {row!r:.80}"
+                )
         self._check_fields(rows)
         current = [_copy_row(r) for r in rows]
         table = []
         for stage in self.stages:
             kept, reasons = stage.apply(current)
             assert sum(reasons.values()) == len(current) - len(kept), (stage.name, reasons)
-            table.append({"stage": stage.name, "params": _params_text(stage.params()),
-                          "rows_in": len(current), "removed": len(current) - len(kept),
-                          "rows_out": len(kept), "reasons": dict(reasons)})
+            table.append(
+                {
+                    "stage": stage.name,
+                    "params": _params_text(stage.params()),
+                    "rows_in": len(current),
+                    "removed": len(current) - len(kept),
+                    "rows_out": len(kept),
+                    "reasons": dict(reasons),
+                }
+            )
             if not kept:
-                raise ValueError(f"stage {stage.name!r} ({_params_text(stage.params())}) removed "
-                                 f"all {len(current)} rows that came in (reasons: {reasons}); "
-                                 f"loosen its parameters or check the rows it got")
+                raise ValueError(
+                    f"stage {stage.name!r} ({_params_text(stage.params())}) removed "
+                    f"all {len(current)} rows that came in (reasons: {reasons}); "
+                    f"loosen its parameters or check the rows it got"
+                )
             current = kept
         described = self.describe()
         for row in current:
             row.setdefault("provenance", {})["stages"] = described
         import pandas as pd
 
-        return SyntheticResult(current, pd.DataFrame(
-            table, columns=["stage", "params", "rows_in", "removed", "rows_out", "reasons"]))
+        return SyntheticResult(
+            current,
+            pd.DataFrame(
+                table, columns=["stage", "params", "rows_in", "removed", "rows_out", "reasons"]
+            ),
+        )
 
-    def generate_and_run(self, policy: Any, prompts: Sequence[str | Mapping[str, Any]],
-                         **generation: Any) -> SyntheticResult:
+    def generate_and_run(
+        self, policy: Any, prompts: Sequence[str | Mapping[str, Any]], **generation: Any
+    ) -> SyntheticResult:
         """`run(generate_candidates(policy, prompts, **generation))`; the pipeline is already
         checked (in `__init__`), and so are the fields its stages read (against the fields of
         generated rows, `GENERATED_FIELDS`) and the generation arguments, before sampling."""

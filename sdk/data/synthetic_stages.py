@@ -30,10 +30,24 @@ from typing import Any, Protocol, runtime_checkable
 from posttrain.core.checks import check_int
 from posttrain.core.registry import Registry
 
-__all__ = ["Stage", "Score", "ExactDedup", "NearDedup", "Length", "MinScore", "Decontaminate",
-           "STAGES", "build_stage", "jaccard", "word_ngrams", "decontamination_ngrams",
-           "FAILED_OUTCOMES", "DEFAULT_DECONTAMINATION_N", "DEFAULT_NEAR_DUP_N",
-           "DEFAULT_NEAR_DUP_THRESHOLD"]
+__all__ = [
+    "Stage",
+    "Score",
+    "ExactDedup",
+    "NearDedup",
+    "Length",
+    "MinScore",
+    "Decontaminate",
+    "STAGES",
+    "build_stage",
+    "jaccard",
+    "word_ngrams",
+    "decontamination_ngrams",
+    "FAILED_OUTCOMES",
+    "DEFAULT_DECONTAMINATION_N",
+    "DEFAULT_NEAR_DUP_N",
+    "DEFAULT_NEAR_DUP_THRESHOLD",
+]
 
 FAILED_OUTCOMES = ("timeout", "error")
 """Outcomes whose rows `Score` removes: the scorer failed, so the row has no score."""
@@ -94,13 +108,17 @@ def build_stage(spec: Stage | str | tuple | Mapping) -> Stage:
         options = {k: v for k, v in spec.items() if k != "name"}
         name = spec["name"]
     else:
-        raise ValueError(f"stage {spec!r:.80} is not a Stage, a registered name, a "
-                         f"(name, options) pair or a mapping with a 'name'; registered names: "
-                         f"{', '.join(STAGES.names())}")
+        raise ValueError(
+            f"stage {spec!r:.80} is not a Stage, a registered name, a "
+            f"(name, options) pair or a mapping with a 'name'; registered names: "
+            f"{', '.join(STAGES.names())}"
+        )
     unknown = sorted(set(options) - _OPTIONS[name]) if name in _OPTIONS else []
     if unknown:
-        raise ValueError(f"stage {name!r} has no option(s) {unknown}; allowed: "
-                         f"{', '.join(sorted(_OPTIONS[name]))}")
+        raise ValueError(
+            f"stage {name!r} has no option(s) {unknown}; allowed: "
+            f"{', '.join(sorted(_OPTIONS[name]))}"
+        )
     return STAGES.build(name, **options)
 
 
@@ -109,25 +127,31 @@ _OPTIONS: dict[str, set[str]] = {}
 
 def _register(name: str) -> Callable[[type], type]:
     """Register a built-in stage class under `name`, remembering its options for messages."""
+
     def decorator(cls: type) -> type:
         _OPTIONS[name] = {f.name for f in dataclasses.fields(cls)}
         return STAGES.register(name)(cls)
+
     return decorator
 
 
-def _real(owner: str, name: str, value: Any, low: float | None = None,
-          high: float | None = None) -> None:
+def _real(
+    owner: str, name: str, value: Any, low: float | None = None, high: float | None = None
+) -> None:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok and (low is None or value >= low) and (high is None or value <= high):
         return
-    where = (f" in [{low:g}, {high:g}]" if high is not None else f" >= {low:g}") if (
-        low is not None) else ""
+    where = (
+        (f" in [{low:g}, {high:g}]" if high is not None else f" >= {low:g}")
+        if (low is not None)
+        else ""
+    )
     raise ValueError(f"{owner}.{name}={value!r}; must be a finite number{where}")
 
 
 def _describe(fn: Any) -> str:
     """A short, stable description of a scorer for the stats table and provenance."""
-    if hasattr(fn, "func") and hasattr(fn, "keywords"):   # functools.partial
+    if hasattr(fn, "func") and hasattr(fn, "keywords"):  # functools.partial
         args = [repr(a)[:120] for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
         return f"{getattr(fn.func, '__name__', repr(fn.func))}({', '.join(args)})"
     owner = getattr(fn, "__self__", None)
@@ -162,8 +186,10 @@ class Score:
 
     def __post_init__(self) -> None:
         if not callable(getattr(self.scorer, "judge", None)) and not callable(self.scorer):
-            raise TypeError(f"Score.scorer must be a batch scorer (completions, items) -> results "
-                            f"or a Judge, got a {type(self.scorer).__name__}")
+            raise TypeError(
+                f"Score.scorer must be a batch scorer (completions, items) -> results "
+                f"or a Judge, got a {type(self.scorer).__name__}"
+            )
 
     def _fn(self) -> Callable:
         judge = getattr(self.scorer, "judge", None)
@@ -175,20 +201,26 @@ class Score:
     def apply(self, rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
         items = [r.get("item") or {"question": r["prompt"]} for r in rows]
         results = self._fn()([r["completion"] for r in rows], items)
-        if not isinstance(results, Sequence) or len(results) != len(rows) or not all(
-                hasattr(x, "score") and hasattr(x, "outcome") for x in results):
-            raise TypeError(f"stage {self.name!r}: the scorer returned {results!r:.120} for "
-                            f"{len(rows)} rows; it must return one VerifierResult per row (a "
-                            f"per-completion Verifier goes through "
-                            f"functools.partial(score_batch, verifier, timeout_s=...))")
+        if (
+            not isinstance(results, Sequence)
+            or len(results) != len(rows)
+            or not all(hasattr(x, "score") and hasattr(x, "outcome") for x in results)
+        ):
+            raise TypeError(
+                f"stage {self.name!r}: the scorer returned {results!r:.120} for "
+                f"{len(rows)} rows; it must return one VerifierResult per row (a "
+                f"per-completion Verifier goes through "
+                f"functools.partial(score_batch, verifier, timeout_s=...))"
+            )
         kept, removed = [], Counter()
         for row, res in zip(rows, results):
             outcome = str(getattr(res.outcome, "value", res.outcome))
             if outcome in FAILED_OUTCOMES:
                 removed[outcome] += 1
                 continue
-            row.update(score=float(res.score), outcome=outcome,
-                       reason=str(getattr(res, "reason", "")))
+            row.update(
+                score=float(res.score), outcome=outcome, reason=str(getattr(res, "reason", ""))
+            )
             kept.append(row)
         return kept, dict(removed)
 
@@ -232,7 +264,7 @@ def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     words = text.split()
     if 0 < len(words) < n:
         return {tuple(words)}
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def jaccard(a: set, b: set) -> float:
@@ -321,8 +353,10 @@ class Length:
         if self.min_length is None and self.max_length is None:
             raise ValueError("Length needs min_length, max_length or both")
         if None not in (self.min_length, self.max_length) and self.min_length > self.max_length:
-            raise ValueError(f"Length.min_length={self.min_length} > Length.max_length="
-                             f"{self.max_length}; min_length must be <= max_length")
+            raise ValueError(
+                f"Length.min_length={self.min_length} > Length.max_length="
+                f"{self.max_length}; min_length must be <= max_length"
+            )
 
     def params(self) -> dict[str, Any]:
         return {"min_length": self.min_length, "max_length": self.max_length, "unit": self.unit}
@@ -372,7 +406,7 @@ def decontamination_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     """Word n-grams for decontamination: lowercased words and single symbol characters
     ("3 + 4 = 7" is 5 tokens: 3, +, 4, =, 7); a text of fewer than n tokens has none."""
     tokens = _TOKEN.findall(text.lower())
-    return {tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)}
+    return {tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
 
 
 @_register("decontaminate")
@@ -401,13 +435,17 @@ class Decontaminate:
     def __post_init__(self) -> None:
         check_int("Decontaminate.n", self.n, minimum=1)
         if not isinstance(self.held_out, Mapping) or not self.held_out:
-            raise ValueError(f"Decontaminate.held_out={self.held_out!r:.80}; must be a non-empty "
-                             f"dict of set name -> list of texts or items")
+            raise ValueError(
+                f"Decontaminate.held_out={self.held_out!r:.80}; must be a non-empty "
+                f"dict of set name -> list of texts or items"
+            )
         grams: dict[tuple[str, ...], str] = {}
         for set_name, texts in self.held_out.items():
             if isinstance(texts, (str, bytes, Mapping)) or not isinstance(texts, Sequence):
-                raise ValueError(f"Decontaminate.held_out[{set_name!r}] is a "
-                                 f"{type(texts).__name__}; must be a list of texts or items")
+                raise ValueError(
+                    f"Decontaminate.held_out[{set_name!r}] is a "
+                    f"{type(texts).__name__}; must be a list of texts or items"
+                )
             for text in texts:
                 for part in _texts_of(text, set_name):
                     for gram in decontamination_ngrams(part, self.n):
@@ -421,8 +459,15 @@ class Decontaminate:
         kept, removed = [], Counter()
         grams = self._grams
         for row in rows:
-            hit = next((grams[g] for field_ in ("prompt", "completion")
-                        for g in decontamination_ngrams(row[field_], self.n) if g in grams), None)
+            hit = next(
+                (
+                    grams[g]
+                    for field_ in ("prompt", "completion")
+                    for g in decontamination_ngrams(row[field_], self.n)
+                    if g in grams
+                ),
+                None,
+            )
             if hit is None:
                 kept.append(row)
             else:
@@ -435,5 +480,7 @@ def _texts_of(entry: Any, set_name: Any) -> list[str]:
         return [entry]
     if isinstance(entry, Mapping):
         return [str(entry[k]) for k in ("question", "answer") if entry.get(k) is not None]
-    raise ValueError(f"Decontaminate.held_out[{set_name!r}] holds a {type(entry).__name__}; "
-                     f"entries must be str or mappings with 'question'/'answer'")
+    raise ValueError(
+        f"Decontaminate.held_out[{set_name!r}] holds a {type(entry).__name__}; "
+        f"entries must be str or mappings with 'question'/'answer'"
+    )

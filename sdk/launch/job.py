@@ -36,8 +36,17 @@ class _Call(Checkpointable):
     cfg is resubmitted as it is, so such a function starts again from scratch.
     """
 
-    def __init__(self, target: Callable[..., Any], cfg: Any, *, has_cfg: bool, num_tasks: int,
-                 gpus_per_node: int, master_addr: str | None, in_job: bool) -> None:
+    def __init__(
+        self,
+        target: Callable[..., Any],
+        cfg: Any,
+        *,
+        has_cfg: bool,
+        num_tasks: int,
+        gpus_per_node: int,
+        master_addr: str | None,
+        in_job: bool,
+    ) -> None:
         self.target, self.cfg, self.has_cfg = target, cfg, has_cfg
         self.num_tasks, self.gpus_per_node = num_tasks, gpus_per_node
         self.master_addr, self.in_job = master_addr, in_job
@@ -45,13 +54,22 @@ class _Call(Checkpointable):
     def __call__(self) -> Any:
         if self.in_job:
             _install_preemption(self.num_tasks)
-        group = _init_process_group(self.gpus_per_node, self.master_addr) if self.num_tasks > 1 \
+        group = (
+            _init_process_group(self.gpus_per_node, self.master_addr)
+            if self.num_tasks > 1
             else None
-        out_dir = None if not self.has_cfg else (
-            self.cfg.get("out_dir") if isinstance(self.cfg, dict) else
-            getattr(self.cfg, "out_dir", None))
+        )
+        out_dir = (
+            None
+            if not self.has_cfg
+            else (
+                self.cfg.get("out_dir")
+                if isinstance(self.cfg, dict)
+                else getattr(self.cfg, "out_dir", None)
+            )
+        )
         try:
-            with run_outcome(out_dir):   # a run that raises records it and frees its folder
+            with run_outcome(out_dir):  # a run that raises records it and frees its folder
                 result = self.target(self.cfg) if self.has_cfg else self.target()
         finally:
             if group is not None and group.is_initialized():  # unless target destroyed it
@@ -99,14 +117,21 @@ class _LeaveAfterRequeue:
     def __call__(self, signum: int, frame: Any) -> None:
         self.handler(signum, frame)
         rank = os.environ.get("RANK", "?")
-        print(f"posttrain.launch: rank {rank} leaves after the preemption signal; rank 0 "
-              "has checkpointed and requeued the job", file=sys.stderr, flush=True)
+        print(
+            f"posttrain.launch: rank {rank} leaves after the preemption signal; rank 0 "
+            "has checkpointed and requeued the job",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(0)
 
 
 def _has_field(cfg: Any, name: str) -> bool:
-    return (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
-            and any(f.name == name for f in dataclasses.fields(cfg)))
+    return (
+        dataclasses.is_dataclass(cfg)
+        and not isinstance(cfg, type)
+        and any(f.name == name for f in dataclasses.fields(cfg))
+    )
 
 
 def _init_process_group(gpus_per_node: int, master_addr: str | None):
@@ -121,14 +146,19 @@ def _init_process_group(gpus_per_node: int, master_addr: str | None):
     if gpus_per_node:  # one GPU per task: the local_rank-th of the node's visible devices
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
         if len(visible) != 1:
-            os.environ["CUDA_VISIBLE_DEVICES"] = (visible[env.local_rank % len(visible)]
-                                                  if visible else str(env.local_rank))
+            os.environ["CUDA_VISIBLE_DEVICES"] = (
+                visible[env.local_rank % len(visible)] if visible else str(env.local_rank)
+            )
     env.export(set_cuda_visible_devices=False, overwrite=True)
     backend = "nccl" if gpus_per_node and torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(0)
-    print(f"posttrain.launch: rank {env.rank}/{env.world_size} joining a {backend} process group "
-          f"at {env.master_addr}:{env.master_port}", file=sys.stderr, flush=True)
+    print(
+        f"posttrain.launch: rank {env.rank}/{env.world_size} joining a {backend} process group "
+        f"at {env.master_addr}:{env.master_port}",
+        file=sys.stderr,
+        flush=True,
+    )
     dist.init_process_group(backend=backend)
     return dist
 
@@ -140,7 +170,9 @@ def _resolvable(host: str) -> str:
         socket.getaddrinfo(host, None)
         return host
     except OSError:
-        _LOG.warning("posttrain.launch: master host %r does not resolve; using 127.0.0.1, which "
-                     "only works when every task runs on this host (pass master_addr= otherwise)",
-                     host)
+        _LOG.warning(
+            "posttrain.launch: master host %r does not resolve; using 127.0.0.1, which "
+            "only works when every task runs on this host (pass master_addr= otherwise)",
+            host,
+        )
         return "127.0.0.1"

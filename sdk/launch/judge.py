@@ -46,12 +46,24 @@ from posttrain.rewards.judge_server import JudgeJobSpec, ServerSettings, serve_u
 __all__ = ["launch_judge", "JudgeJob"]
 
 
-def launch_judge(judge: Any, *, executor: str = "local", folder: str | os.PathLike | None = None,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 settings: ServerSettings | None = None, timeout_min: float = 60,
-                 name: str = "judge_server", cpus_per_task: int = 1, gpus_per_node: int = 0,
-                 torch_threads: int | None = None, partition: str | None = None,
-                 slurm_kwargs: dict[str, Any] | None = None, **server_options: Any) -> JudgeJob:
+def launch_judge(
+    judge: Any,
+    *,
+    executor: str = "local",
+    folder: str | os.PathLike | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    settings: ServerSettings | None = None,
+    timeout_min: float = 60,
+    name: str = "judge_server",
+    cpus_per_task: int = 1,
+    gpus_per_node: int = 0,
+    torch_threads: int | None = None,
+    partition: str | None = None,
+    slurm_kwargs: dict[str, Any] | None = None,
+    **server_options: Any,
+) -> JudgeJob:
     """Serve `judge` from a job; returns its `JudgeJob` at once (the job may still start).
 
     Args:
@@ -76,32 +88,52 @@ def launch_judge(judge: Any, *, executor: str = "local", folder: str | os.PathLi
             (named; all checked before anything is submitted), or what `launch` refuses.
     """
     if executor == "debug":
-        raise ValueError("executor='debug' would serve in this process until stopped, blocking "
-                         "the cell; use posttrain.rewards.judge_server.serve_judge(judge) here, "
-                         "or executor='local' / 'slurm'")
+        raise ValueError(
+            "executor='debug' would serve in this process until stopped, blocking "
+            "the cell; use posttrain.rewards.judge_server.serve_judge(judge) here, "
+            "or executor='local' / 'slurm'"
+        )
     if settings is None:
         unknown = set(server_options) - set(ServerSettings.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown server options {sorted(unknown)}; allowed: "
-                             f"{sorted(ServerSettings.__dataclass_fields__)}")
+            raise ValueError(
+                f"unknown server options {sorted(unknown)}; allowed: "
+                f"{sorted(ServerSettings.__dataclass_fields__)}"
+            )
         settings = ServerSettings(**server_options)
     elif server_options:
-        raise ValueError(f"pass either settings= or its fields as keywords, not both "
-                         f"({sorted(server_options)})")
+        raise ValueError(
+            f"pass either settings= or its fields as keywords, not both ({sorted(server_options)})"
+        )
     check_int("cpus_per_task", cpus_per_task, minimum=1)
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path("runs", "launch", f"{name}-{stamp}")
     folder = Path(folder).expanduser().absolute()
-    tag = uuid.uuid4().hex[:8]   # files of this launch only: a stale URL is never read
+    tag = uuid.uuid4().hex[:8]  # files of this launch only: a stale URL is never read
     # JudgeJobSpec checks the judge, host, port and torch_threads here, before the queue wait.
-    spec = JudgeJobSpec(judge=judge, url_file=str(folder / f"judge_server-{tag}.json"),
-                        stop_file=str(folder / f"judge_server-{tag}.stop"), host=host,
-                        port=port, advertise_host=advertise_host, settings=settings,
-                        torch_threads=cpus_per_task if torch_threads is None else torch_threads)
-    run = launch(serve_until_stopped, spec, executor=executor, folder=folder, name=name,
-                 timeout_min=timeout_min, cpus_per_task=cpus_per_task,
-                 gpus_per_node=gpus_per_node, partition=partition, slurm_kwargs=slurm_kwargs)
+    spec = JudgeJobSpec(
+        judge=judge,
+        url_file=str(folder / f"judge_server-{tag}.json"),
+        stop_file=str(folder / f"judge_server-{tag}.stop"),
+        host=host,
+        port=port,
+        advertise_host=advertise_host,
+        settings=settings,
+        torch_threads=cpus_per_task if torch_threads is None else torch_threads,
+    )
+    run = launch(
+        serve_until_stopped,
+        spec,
+        executor=executor,
+        folder=folder,
+        name=name,
+        timeout_min=timeout_min,
+        cpus_per_task=cpus_per_task,
+        gpus_per_node=gpus_per_node,
+        partition=partition,
+        slurm_kwargs=slurm_kwargs,
+    )
     return JudgeJob(run, Path(spec.url_file), Path(spec.stop_file))
 
 
@@ -139,11 +171,14 @@ class JudgeJob:
             if self.run.done():
                 raise JobFailedError(
                     f"judge server job {self.run.job_id} ended ({self.run.state}) before it "
-                    f"served. End of its log:\n{self.run.logs(20, stream='stderr')}")
+                    f"served. End of its log:\n{self.run.logs(20, stream='stderr')}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"judge server job {self.run.job_id} is {self.run.state} but "
-                                   f"not ready after {timeout_s:g} s (its URL file: "
-                                   f"{self.url_file}); it keeps running (kill() stops it)")
+                raise TimeoutError(
+                    f"judge server job {self.run.job_id} is {self.run.state} but "
+                    f"not ready after {timeout_s:g} s (its URL file: "
+                    f"{self.url_file}); it keeps running (kill() stops it)"
+                )
             time.sleep(poll_s)
 
     def client(self, **options: Any) -> JudgeClient:
@@ -167,13 +202,16 @@ class JudgeJob:
         self.run.cancel()
 
     def __repr__(self) -> str:
-        return (f"JudgeJob(job_id={self.run.job_id!r}, state={self.run.state!r}, "
-                f"url={self._url!r})")
+        return f"JudgeJob(job_id={self.run.job_id!r}, state={self.run.state!r}, url={self._url!r})"
 
     def _repr_html_(self) -> str:
-        cells = {"job": self.run.job_id, "executor": self.run.executor,
-                 "state": self.run.state, "url": self._url or "(not ready yet)",
-                 "folder": str(self.url_file.parent)}
+        cells = {
+            "job": self.run.job_id,
+            "executor": self.run.executor,
+            "state": self.run.state,
+            "url": self._url or "(not ready yet)",
+            "folder": str(self.url_file.parent),
+        }
         head = "".join(f"<th>{html.escape(str(k))}</th>" for k in cells)
         body = "".join(f"<td>{html.escape(str(v))}</td>" for v in cells.values())
         return f"<table><tr>{head}</tr><tr>{body}</tr></table>"

@@ -16,8 +16,10 @@ import cloudpickle
 
 __all__ = ["LaunchPickleError"]
 
-_FIX = ("define it in the notebook, or make its module importable on the cluster, or pass a "
-        "path/name instead of the live object (e.g. a tokenizer's folder, not the tokenizer)")
+_FIX = (
+    "define it in the notebook, or make its module importable on the cluster, or pass a "
+    "path/name instead of the live object (e.g. a tokenizer's folder, not the tokenizer)"
+)
 
 
 class LaunchPickleError(TypeError):
@@ -49,8 +51,9 @@ def _pickle_error(obj: Any) -> Exception | None:
         return e
 
 
-def _find_unpicklable(obj: Any, path: str, depth: int = 0,
-                      seen: set[int] | None = None) -> tuple[str, Any, Exception]:
+def _find_unpicklable(
+    obj: Any, path: str, depth: int = 0, seen: set[int] | None = None
+) -> tuple[str, Any, Exception]:
     """(attribute path, object, error) of the innermost part of `obj` that fails to pickle;
     `obj` itself if none of its parts fails alone."""
     seen = set() if seen is None else seen
@@ -132,5 +135,6 @@ def _check_pickles(call: Any, what: str) -> None:
             raise LaunchPickleError(
                 f"cannot send {what} to the job: {path} ({_type_name(bad)}) cannot be pickled "
                 f"({type(err).__name__}: {err}). submitit ships the function and its config to the "
-                f"job with cloudpickle; {_FIX}.")
+                f"job with cloudpickle; {_FIX}."
+            )
     raise LaunchPickleError(f"cannot send {what} to the job: {_pickle_error(call)}; {_FIX}.")

@@ -64,7 +64,9 @@ def _fields(cfg: Any) -> dict[str, Any] | None:
     if isinstance(cfg, Mapping):
         return dict(cfg)
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(cfg, f.name)}
+        return {
+            f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(cfg, f.name)
+        }
     return None
 
 
@@ -87,21 +89,29 @@ def _as_plan(value: Any, where: str) -> ParallelPlan | None:
     if callable(getattr(value, "to_plan", None)):
         plan = value.to_plan()
         if not isinstance(plan, ParallelPlan):
-            raise ValueError(f"{where}.to_plan() returned a {type(plan).__name__}, not a "
-                             "posttrain.train.ParallelPlan")
+            raise ValueError(
+                f"{where}.to_plan() returned a {type(plan).__name__}, not a "
+                "posttrain.train.ParallelPlan"
+            )
         return plan
     if isinstance(value, Mapping):
         fields = dict(value)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type) and any(
-            hasattr(value, axis) for axis in AXES):
+    elif (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and any(hasattr(value, axis) for axis in AXES)
+    ):
         fields = {k: getattr(value, k) for k in names if hasattr(value, k)}
     else:
-        raise ValueError(f"{where} holds a {type(value).__name__}; a plan is a posttrain.train."
-                         "ParallelPlan, a mapping of its fields, a section with to_plan(), or None")
+        raise ValueError(
+            f"{where} holds a {type(value).__name__}; a plan is a posttrain.train."
+            "ParallelPlan, a mapping of its fields, a section with to_plan(), or None"
+        )
     unknown = sorted(set(fields) - set(names))
     if unknown:
-        raise ValueError(f"{where} has unknown plan field(s) {', '.join(unknown)}; allowed: "
-                         f"{', '.join(names)}")
+        raise ValueError(
+            f"{where} has unknown plan field(s) {', '.join(unknown)}; allowed: {', '.join(names)}"
+        )
     try:
         return ParallelPlan(**fields)
     except ValueError as e:
@@ -117,8 +127,10 @@ def _plan_field(cfg: Any) -> tuple[str | None, Any]:
     present = [name for name in PLAN_FIELDS if name in fields]
     held = [name for name in present if fields[name] is not None]
     if len(held) > 1:
-        raise ValueError(f"{_where(cfg, held[0])} and {_where(cfg, held[1])} both hold a plan; "
-                         "keep one of them (the other None)")
+        raise ValueError(
+            f"{_where(cfg, held[0])} and {_where(cfg, held[1])} both hold a plan; "
+            "keep one of them (the other None)"
+        )
     name = held[0] if held else (present[0] if present else None)
     return name, None if name is None else fields[name]
 
@@ -159,7 +171,8 @@ def spec_of(cfg: Any) -> tuple[str | None, ModelSpec | None]:
             path = Path(init_from).expanduser() / "config.json"
             try:
                 return f"{where}.init_from={str(init_from)!r}", spec_from_hf_config(
-                    json.loads(path.read_text()))
+                    json.loads(path.read_text())
+                )
             except (OSError, ValueError):
                 continue
         preset = _get(value, "name")
@@ -176,8 +189,15 @@ def _fitting_dp_shard(plan: ParallelPlan, world_size: int) -> str:
     return ""
 
 
-def check_plan_fits(plan: ParallelPlan, where: str, *, nodes: int, tasks_per_node: int,
-                    spec: ModelSpec | None = None, spec_where: str | None = None) -> None:
+def check_plan_fits(
+    plan: ParallelPlan,
+    where: str,
+    *,
+    nodes: int,
+    tasks_per_node: int,
+    spec: ModelSpec | None = None,
+    spec_where: str | None = None,
+) -> None:
     """Raise ValueError unless `plan` (found at `where`) fits a job of `nodes` x `tasks_per_node`
     ranks and the model `spec` (named at `spec_where`), naming the field and allowed values.
     A plan of one rank is no plan and fits any job. Logs a warning when tensor- or
@@ -191,18 +211,28 @@ def check_plan_fits(plan: ParallelPlan, where: str, *, nodes: int, tasks_per_nod
             f"x ep), but the job has nodes={nodes} x tasks_per_node={tasks_per_node} = "
             f"{world_size} ranks; the axes must multiply to {world_size}"
             f"{_fitting_dp_shard(plan, world_size)}, or launch nodes x tasks_per_node = "
-            f"{plan.world_size}")
+            f"{plan.world_size}"
+        )
     try:
         plan.validate(spec=spec)
     except ValueError as e:
         model = f" ({spec_where})" if spec_where else ""
-        raise ValueError(str(e).replace("ParallelPlan.", f"{where}.").replace(
-            "of the model", f"of the model{model}")) from None
+        raise ValueError(
+            str(e)
+            .replace("ParallelPlan.", f"{where}.")
+            .replace("of the model", f"of the model{model}")
+        ) from None
     inner = plan.tp * plan.sp
     if nodes > 1 and inner > 1 and tasks_per_node % inner:
-        _LOG.warning("%s=%s: tp x sp = %d does not divide tasks_per_node=%d, so some tensor/"
-                     "sequence-parallel groups span nodes (slow: they communicate in every "
-                     "layer)", where, plan, inner, tasks_per_node)
+        _LOG.warning(
+            "%s=%s: tp x sp = %d does not divide tasks_per_node=%d, so some tensor/"
+            "sequence-parallel groups span nodes (slow: they communicate in every "
+            "layer)",
+            where,
+            plan,
+            inner,
+            tasks_per_node,
+        )
 
 
 def _with_plan(cfg: Any, where: str, name: str, current: Any, plan: ParallelPlan) -> Any:
@@ -215,22 +245,28 @@ def _with_plan(cfg: Any, where: str, name: str, current: Any, plan: ParallelPlan
         value = plan.to_dict()
     elif dataclasses.is_dataclass(current):
         names = {f.name for f in dataclasses.fields(current)}
-        value = dataclasses.replace(current, **{k: v for k, v in plan.to_dict().items()
-                                                if k in names})
+        value = dataclasses.replace(
+            current, **{k: v for k, v in plan.to_dict().items() if k in names}
+        )
     else:
-        raise ValueError(f"plan= cannot be written into {where} (a {type(current).__name__}); "
-                         f"put the plan into the cfg yourself")
+        raise ValueError(
+            f"plan= cannot be written into {where} (a {type(current).__name__}); "
+            f"put the plan into the cfg yourself"
+        )
     if _as_plan(value, where) != plan:
-        raise ValueError(f"plan={plan} cannot be expressed in {where} (a "
-                         f"{type(current).__name__} without all of the plan's fields); put the "
-                         "plan into the cfg yourself")
+        raise ValueError(
+            f"plan={plan} cannot be expressed in {where} (a "
+            f"{type(current).__name__} without all of the plan's fields); put the "
+            "plan into the cfg yourself"
+        )
     if isinstance(cfg, Mapping):
         return {**cfg, name: value}
     return dataclasses.replace(cfg, **{name: value})
 
 
-def check_plan_memory(cfg: Any, plan: ParallelPlan | None, *, executor: str,
-                      tasks_per_node: int) -> None:
+def check_plan_memory(
+    cfg: Any, plan: ParallelPlan | None, *, executor: str, tasks_per_node: int
+) -> None:
     """Refuse, before submitting, a plan whose memory floor cannot fit this machine: the
     parameters, gradients and AdamW state one rank holds (`plan_memory` at one token, so any
     real batch needs more) against an accelerator's memory, or this host's available RAM shared
@@ -256,12 +292,14 @@ def check_plan_memory(cfg: Any, plan: ParallelPlan | None, *, executor: str,
     try:
         fits(spec, plan, MemoryBatch(micro_batch_size=1, seq_len=1), device_bytes=device)
     except ValueError as e:
-        raise ValueError(f"{e} (the model {spec_where}, at a batch of one token: the floor of "
-                         "any run)") from None
+        raise ValueError(
+            f"{e} (the model {spec_where}, at a batch of one token: the floor of any run)"
+        ) from None
 
 
-def resolve_plan(cfg: Any, plan: ParallelPlan | None, *, nodes: int,
-                 tasks_per_node: int) -> tuple[Any, ParallelPlan | None]:
+def resolve_plan(
+    cfg: Any, plan: ParallelPlan | None, *, nodes: int, tasks_per_node: int
+) -> tuple[Any, ParallelPlan | None]:
     """(cfg, plan) for one job: `cfg` with `plan` written into its plan field when `plan` is
     given (else unchanged), and the job's plan (None without one), checked against the job
     (`check_plan_fits`) and the spec the cfg names.
@@ -281,18 +319,21 @@ def resolve_plan(cfg: Any, plan: ParallelPlan | None, *, nodes: int,
         if not isinstance(plan, ParallelPlan):
             raise TypeError(f"plan={plan!r}; must be a posttrain.train.ParallelPlan or None")
         if where is None:
-            raise ValueError(f"plan={plan} needs a cfg with a {' or '.join(PLAN_FIELDS)} field (a "
-                             "dataclass field or dict key) to carry it to the job; got a "
-                             f"{type(cfg).__name__} without one")
+            raise ValueError(
+                f"plan={plan} needs a cfg with a {' or '.join(PLAN_FIELDS)} field (a "
+                "dataclass field or dict key) to carry it to the job; got a "
+                f"{type(cfg).__name__} without one"
+            )
         if found is not None and found.world_size > 1 and found != plan:
-            raise ValueError(f"plan={plan} and {where}={found} disagree; give the plan once "
-                             f"(plan=, or {where})")
+            raise ValueError(
+                f"plan={plan} and {where}={found} disagree; give the plan once (plan=, or {where})"
+            )
         cfg = _with_plan(cfg, where, name, current, plan)
         found, where = plan, "plan"  # errors name the keyword the plan came from
     if found is None:
         return cfg, None
     spec_where, spec = spec_of(cfg)
-    check_plan_fits(found, where, nodes=nodes, tasks_per_node=tasks_per_node, spec=spec,
-                    spec_where=spec_where)
+    check_plan_fits(
+        found, where, nodes=nodes, tasks_per_node=tasks_per_node, spec=spec, spec_where=spec_where
+    )
     return cfg, found
-

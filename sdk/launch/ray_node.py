@@ -47,8 +47,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["START_TIMEOUT_S", "check_timeout", "start_env", "start_node", "stop_node",
-           "raylet_failure"]
+__all__ = [
+    "START_TIMEOUT_S",
+    "check_timeout",
+    "start_env",
+    "start_node",
+    "stop_node",
+    "raylet_failure",
+]
 
 START_TIMEOUT_S = 600.0
 """Default seconds one Ray node may take to start, all its tries together (generous: a try
@@ -59,10 +65,12 @@ POLL_S = 0.5
 STOP_GRACE_S = 15.0
 
 # Ray's startup deadlines that have a knob: name -> (Ray's default, unit factor from seconds)
-_KNOBS = {"RAY_raylet_start_wait_time_s": (10, 1),
-          "RAY_gcs_server_port_wait_time_s": (30, 1),
-          "RAY_agent_register_timeout_ms": (30_000, 1000),
-          "RAY_worker_register_timeout_seconds": (60, 1)}
+_KNOBS = {
+    "RAY_raylet_start_wait_time_s": (10, 1),
+    "RAY_gcs_server_port_wait_time_s": (30, 1),
+    "RAY_agent_register_timeout_ms": (30_000, 1000),
+    "RAY_worker_register_timeout_seconds": (60, 1),
+}
 
 
 def _log(message: str) -> None:
@@ -71,8 +79,12 @@ def _log(message: str) -> None:
 
 def check_timeout(name: str, value: Any) -> None:
     """Raise ValueError unless `value` is a finite number of seconds > 0 (not a bool)."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(f"{name}={value!r}; must be a finite number of seconds > 0")
 
 
@@ -125,8 +137,9 @@ def raylet_failure(temp_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def start_node(args: list[str], *, token: str, temp_dir: str, cpus: int,
-               start_timeout_s: float, what: str) -> subprocess.Popen:
+def start_node(
+    args: list[str], *, token: str, temp_dir: str, cpus: int, start_timeout_s: float, what: str
+) -> subprocess.Popen:
     """`ray start --block` with `args`, tried again until its node is up (it writes
     `temp_dir/ray_current_cluster` then) or `start_timeout_s` has passed.
 
@@ -155,8 +168,7 @@ def start_node(args: list[str], *, token: str, temp_dir: str, cpus: int,
         latest.unlink(missing_ok=True)  # Ray links it to this try's session when it makes one
         tries += 1
         listen_port, lent = free_port(), [False]
-        process = _ray_start(args, start_env(token, start_timeout_s), temp_dir, cpus,
-                             listen_port)
+        process = _ray_start(args, start_env(token, start_timeout_s), temp_dir, cpus, listen_port)
 
         def up() -> Any:
             lent[0] = lent[0] or lend_agent_port(process.pid, listen_port)
@@ -171,29 +183,37 @@ def start_node(args: list[str], *, token: str, temp_dir: str, cpus: int,
             failure = raylet_failure(temp_dir)
             stop_node(process, what, grace_s=0.0)  # a failed try: nothing in it to keep
             if isinstance(e, RuntimeError) and time.monotonic() < deadline:
-                _log(f"`ray start` of the {what} failed (try {tries}; raylet: "
-                     f"{failure or 'no fatal line'}); trying again")
+                _log(
+                    f"`ray start` of the {what} failed (try {tries}; raylet: "
+                    f"{failure or 'no fatal line'}); trying again"
+                )
                 continue
             raise TimeoutError(
                 f"the Ray {what} was not up within start_timeout_s={start_timeout_s:g} s "
                 f"({tries} {'try' if tries == 1 else 'tries'} of `ray start`; the last raylet "
                 f"{'said: ' + failure if failure else 'wrote no fatal line'}); on a loaded "
-                "machine pass a larger start_timeout_s (ray_cluster, ray_job)") from None
+                "machine pass a larger start_timeout_s (ray_cluster, ray_job)"
+            ) from None
         except BaseException:
             stop_node(process, what)
             raise
 
 
-def wait_for(condition: Callable[[], Any], process: subprocess.Popen | None, deadline: float,
-             timeout_message: str | Callable[[], str]) -> Any:
+def wait_for(
+    condition: Callable[[], Any],
+    process: subprocess.Popen | None,
+    deadline: float,
+    timeout_message: str | Callable[[], str],
+) -> Any:
     """`condition()` once truthy; RuntimeError if `process` exits, TimeoutError past deadline."""
     while not (value := condition()):
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"`ray start` exited with status {process.returncode} before "
-                               "its node was up; its output is in this task's log")
+            raise RuntimeError(
+                f"`ray start` exited with status {process.returncode} before "
+                "its node was up; its output is in this task's log"
+            )
         if time.monotonic() > deadline:
-            raise TimeoutError(timeout_message() if callable(timeout_message)
-                               else timeout_message)
+            raise TimeoutError(timeout_message() if callable(timeout_message) else timeout_message)
         time.sleep(POLL_S)
     return value
 
@@ -212,8 +232,9 @@ def lend_agent_port(sid: int, port: int) -> bool:
         from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
     except ImportError:
         return True
-    raylet = next((a for a in map(_cmdline, session_pids(sid))
-                   if a and Path(a[0]).name == "raylet"), None)
+    raylet = next(
+        (a for a in map(_cmdline, session_pids(sid)) if a and Path(a[0]).name == "raylet"), None
+    )
     if raylet is None:
         return False
     flags = dict(a[2:].split("=", 1) for a in raylet if a.startswith("--") and "=" in a)
@@ -231,24 +252,49 @@ def lend_agent_port(sid: int, port: int) -> bool:
 
 def _cmdline(pid: int) -> list[str]:
     with contextlib.suppress(OSError):
-        return Path("/proc", str(pid), "cmdline").read_bytes().decode(errors="replace") \
+        return (
+            Path("/proc", str(pid), "cmdline")
+            .read_bytes()
+            .decode(errors="replace")
             .split("\0")[:-1]
+        )
     return []
 
 
-def _ray_start(args: list[str], env: dict[str, str], temp_dir: str, cpus: int,
-               listen_port: int) -> subprocess.Popen:
+def _ray_start(
+    args: list[str], env: dict[str, str], temp_dir: str, cpus: int, listen_port: int
+) -> subprocess.Popen:
     """`ray start --block`, own session, output to the task's log, the agent's listen port
     `listen_port`, its other ports from the OS."""
     os.makedirs(temp_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--num-cpus", str(cpus),
-           "--temp-dir", temp_dir, "--block", "--disable-usage-stats",
-           "--dashboard-agent-listen-port", str(listen_port),
-           "--dashboard-agent-grpc-port", str(free_port()),
-           "--metrics-export-port", str(free_port()),
-           "--runtime-env-agent-port", str(free_port())]
-    return subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
-                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent())
+    cmd = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        *args,
+        "--num-cpus",
+        str(cpus),
+        "--temp-dir",
+        temp_dir,
+        "--block",
+        "--disable-usage-stats",
+        "--dashboard-agent-listen-port",
+        str(listen_port),
+        "--dashboard-agent-grpc-port",
+        str(free_port()),
+        "--metrics-export-port",
+        str(free_port()),
+        "--runtime-env-agent-port",
+        str(free_port()),
+    ]
+    return subprocess.Popen(
+        cmd,
+        env={**os.environ, **env},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent(),
+    )
 
 
 def _die_with_parent() -> Callable[[], None]:

@@ -40,8 +40,9 @@ def _controller_alive(pid: int) -> bool:
 def _squeue_reason(job_id: str) -> str | None:
     """Why Slurm keeps `job_id` pending (`squeue -h -j ID -o %r`), None if squeue says none."""
     try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
-                             text=True, timeout=15)
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=15
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
@@ -50,7 +51,7 @@ def _squeue_reason(job_id: str) -> str | None:
 
 
 def _peek_outcome(path: Path) -> str | None:
-    """"success" / "error" from submitit's result pickle without loading the result; None if
+    """ "success" / "error" from submitit's result pickle without loading the result; None if
     the file does not exist (yet)."""
     try:
         with open(path, "rb") as f:
@@ -89,19 +90,28 @@ def _read_record(path: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); it is not a launch record "
-                         "(written by posttrain.launch.submit), or was damaged") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); it is not a launch record "
+            "(written by posttrain.launch.submit), or was damaged"
+        ) from None
     if not isinstance(record, dict):
         raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
     missing = [k for k in _RECORD_KEYS if k not in record]
     if missing:
-        raise ValueError(f"{path} is not a launch record written by posttrain.launch.submit: it has "
-                         f"no {', '.join(repr(k) for k in missing)}")
+        raise ValueError(
+            f"{path} is not a launch record written by posttrain.launch.submit: it has "
+            f"no {', '.join(repr(k) for k in missing)}"
+        )
     jobs = record["jobs"]
-    if not isinstance(jobs, list) or not jobs or not all(
-            isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs):
-        raise ValueError(f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
-                         f"entries, got {jobs!r:.200}")
+    if (
+        not isinstance(jobs, list)
+        or not jobs
+        or not all(isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs)
+    ):
+        raise ValueError(
+            f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
+            f"entries, got {jobs!r:.200}"
+        )
     return record
 
 
@@ -163,9 +173,15 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def watch_until_done(done: Callable[[], bool], *, as_html: Callable[[], str],
-                     as_text: Callable[[], str], every_s: float, timeout: float | None,
-                     stopped: str) -> bool:
+def watch_until_done(
+    done: Callable[[], bool],
+    *,
+    as_html: Callable[[], str],
+    as_text: Callable[[], str],
+    every_s: float,
+    timeout: float | None,
+    stopped: str,
+) -> bool:
     """Show a state until `done()` or `timeout` seconds: in a Jupyter kernel one HTML widget
     (`as_html()`) updated in place every `every_s` s, elsewhere `as_text()` printed whenever it
     changes. Ctrl-C / a kernel interrupt stops watching (prints `stopped`), not what is watched.

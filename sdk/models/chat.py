@@ -39,27 +39,36 @@ class RenderedChat:
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
-            raise ValueError(f"RenderedChat: {len(self.input_ids)} input_ids but "
-                             f"{len(self.loss_mask)} loss_mask entries; they must match")
+            raise ValueError(
+                f"RenderedChat: {len(self.input_ids)} input_ids but "
+                f"{len(self.loss_mask)} loss_mask entries; they must match"
+            )
 
 
 def _check_messages(messages: Any) -> list[dict]:
     """Raise ValueError, naming the message index, unless `messages` is a non-empty chat."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
-                         f"got {type(messages).__name__}")
+        raise ValueError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+            f"got {type(messages).__name__}"
+        )
     if not messages:
         raise ValueError("messages is empty; render_chat needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise ValueError(f"messages[{i}] is a {type(m).__name__}; each message must be a dict "
-                             f"with string 'role' and 'content'")
+            raise ValueError(
+                f"messages[{i}] is a {type(m).__name__}; each message must be a dict "
+                f"with string 'role' and 'content'"
+            )
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"messages[{i}]['role'] is {role!r}; allowed roles: {', '.join(ROLES)}")
+            raise ValueError(
+                f"messages[{i}]['role'] is {role!r}; allowed roles: {', '.join(ROLES)}"
+            )
         if not isinstance(content, str):
-            raise ValueError(f"messages[{i}]['content'] is {type(content).__name__}; "
-                             f"it must be a string")
+            raise ValueError(
+                f"messages[{i}]['content'] is {type(content).__name__}; it must be a string"
+            )
     return list(messages)
 
 

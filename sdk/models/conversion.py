@@ -13,12 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ConversionReport", "PLAN_AXES", "applied_converters", "record_converter",
-           "forget_converter", "check_plan_axes"]
+__all__ = [
+    "ConversionReport",
+    "PLAN_AXES",
+    "applied_converters",
+    "record_converter",
+    "forget_converter",
+    "check_plan_axes",
+]
 
 PLAN_AXES: dict[str, tuple[str, ...]] = {
-    "lora": ("dp_replicate", "dp_shard"), "qlora": ("dp_replicate", "dp_shard"),
-    "float8": ("dp_replicate", "dp_shard", "tp"), "qat": ("dp_replicate", "dp_shard")}
+    "lora": ("dp_replicate", "dp_shard"),
+    "qlora": ("dp_replicate", "dp_shard"),
+    "float8": ("dp_replicate", "dp_shard", "tp"),
+    "qat": ("dp_replicate", "dp_shard"),
+}
 """The ParallelPlan axes (degree > 1) a model converted by each converter may use: FSDP2 / HSDP
 hold adapters, NF4 bases and float8 linears, and float8 linears also take torchtune's TP plan
 (tests/test_float8.py: tp=2 against one process); that TP plan, Ulysses, pipeline stages and
@@ -56,8 +65,10 @@ class ConversionReport:
             text += f", {len(self.skipped)} skipped ({reasons}{more})"
         if self.trainable_parameters is not None and self.total_parameters:
             share = 100 * self.trainable_parameters / self.total_parameters
-            text += (f"; {self.trainable_parameters:,} of {self.total_parameters:,} parameters "
-                     f"train ({share:.2f}%)")
+            text += (
+                f"; {self.trainable_parameters:,} of {self.total_parameters:,} parameters "
+                f"train ({share:.2f}%)"
+            )
         return text
 
 
@@ -84,6 +95,8 @@ def check_plan_axes(model: Any, plan: Any) -> None:
     for name in applied_converters(model):
         bad = [axis for axis in used if axis not in PLAN_AXES.get(name, _AXES)]
         if bad:
-            raise ValueError(f"{plan} on a model converted by {name!r}: {bad[0]}="
-                             f"{getattr(plan, bad[0])} is not supported with {name}; allowed "
-                             f"axes with {name}: {', '.join(PLAN_AXES[name])}")
+            raise ValueError(
+                f"{plan} on a model converted by {name!r}: {bad[0]}="
+                f"{getattr(plan, bad[0])} is not supported with {name}; allowed "
+                f"axes with {name}: {', '.join(PLAN_AXES[name])}"
+            )

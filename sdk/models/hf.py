@@ -67,28 +67,41 @@ def _tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch
 
 
 def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
-                head_dim=spec.head_dim)
+    dims = dict(
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        dim=spec.embed_dim,
+        head_dim=spec.head_dim,
+    )
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
+
         return qwen2_hf_to_tune(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
     from torchtune.models.convert_weights import hf_to_tune
+
     return hf_to_tune(sd, **dims)
 
 
 def _dense_tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, dim=spec.embed_dim,
-                head_dim=spec.head_dim)
+    dims = dict(
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        dim=spec.embed_dim,
+        head_dim=spec.head_dim,
+    )
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
         return qwen2_tune_to_hf(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
     from torchtune.models.convert_weights import tune_to_hf
+
     return tune_to_hf(sd, **dims)
 
 
 def _hf_key_map(spec: ModelSpec, tune_keys: Iterable[str]) -> dict[str, str]:
     """torchtune key -> HF key for each of `tune_keys`."""
     from torchtune.models.convert_weights import get_mapped_key
+
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import _FROM_HF
     else:
@@ -114,12 +127,16 @@ def _expected_tune_shapes(spec: ModelSpec) -> dict[str, torch.Size]:
     return {key: value.shape for key, value in model.state_dict().items()}
 
 
-def _check_keys(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Size],
-                what: str, against: str) -> None:
+def _check_keys(
+    found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Size], what: str, against: str
+) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    wrong = sorted(f"{k}: {tuple(found[k].shape)} != expected {tuple(expected[k])}"
-                   for k in set(found) & set(expected) if found[k].shape != expected[k])
+    wrong = sorted(
+        f"{k}: {tuple(found[k].shape)} != expected {tuple(expected[k])}"
+        for k in set(found) & set(expected)
+        if found[k].shape != expected[k]
+    )
     problems = []
     if missing:
         problems.append(f"missing keys {missing}")
@@ -135,8 +152,9 @@ def _check_keys(found: Mapping[str, torch.Tensor], expected: Mapping[str, torch.
 # Load
 
 
-def load_hf_checkpoint(folder: str | os.PathLike, *,
-                       dtype: torch.dtype = torch.float32) -> tuple[nn.Module, ModelSpec]:
+def load_hf_checkpoint(
+    folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, ModelSpec]:
     """Load a HF Qwen2 / Qwen2-MoE / Llama checkpoint folder as a torchtune `TransformerDecoder`
     (MoE layers: `posttrain.models.moe.MoEFeedForward`).
 
@@ -161,8 +179,10 @@ def load_hf_checkpoint(folder: str | os.PathLike, *,
     folder = Path(folder)
     config_path = folder / CONFIG_NAME
     if not config_path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_NAME} in {folder} (a HF checkpoint folder holds "
-                                f"{CONFIG_NAME} and *.safetensors)")
+        raise FileNotFoundError(
+            f"no {CONFIG_NAME} in {folder} (a HF checkpoint folder holds "
+            f"{CONFIG_NAME} and *.safetensors)"
+        )
     spec = spec_from_hf_config(json.loads(config_path.read_text()))
     hf_sd = _read_safetensors(folder)
     for key in [k for k in hf_sd if k.endswith("rotary_emb.inv_freq")]:
@@ -171,8 +191,7 @@ def load_hf_checkpoint(folder: str | os.PathLike, *,
         hf_sd.pop("lm_head.weight", None)  # HF re-ties it to the embedding as well
     if spec.is_moe:
         hf_moe.drop_absent_shared_expert(hf_sd, spec)
-    _check_keys(hf_sd, _expected_hf_shapes(spec), f"the safetensors in {folder}",
-                "its config.json")
+    _check_keys(hf_sd, _expected_hf_shapes(spec), f"the safetensors in {folder}", "its config.json")
     tune_sd = {k: v.to(dtype) for k, v in _hf_to_tune(hf_sd, spec).items()}
     del hf_sd
 
@@ -200,8 +219,10 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         present = sorted(p.name for p in folder.iterdir())
-        raise FileNotFoundError(f"no *.safetensors in {folder} (found {present}; pytorch_model.bin "
-                                "checkpoints are not supported)")
+        raise FileNotFoundError(
+            f"no *.safetensors in {folder} (found {present}; pytorch_model.bin "
+            "checkpoints are not supported)"
+        )
     state_dict: dict[str, torch.Tensor] = {}
     for path in files:
         shard = load_file(path, device="cpu")
@@ -226,12 +247,17 @@ def _init_rope_buffers(model: nn.Module) -> None:
 # Save
 
 
-def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathLike, *,
-                       bos_token_id: int | None = None,
-                       eos_token_id: int | list[int] | None = None,
-                       pad_token_id: int | None = None,
-                       generation_config: Mapping[str, Any] | None = None,
-                       extra_files: Mapping[str, str | bytes | os.PathLike] | None = None) -> Path:
+def save_hf_checkpoint(
+    model: nn.Module,
+    spec: ModelSpec,
+    folder: str | os.PathLike,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    generation_config: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, str | bytes | os.PathLike] | None = None,
+) -> Path:
     """Write `model` as a HF checkpoint folder that `AutoModelForCausalLM.from_pretrained` loads.
 
     Writes config.json (fresh from `spec`, see `hf_config_from_spec`), model.safetensors (HF key
@@ -265,11 +291,18 @@ def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathL
     _check_keys(state_dict, _expected_tune_shapes(spec), "the model's parameters", "`spec`")
     dtypes = {v.dtype for v in state_dict.values()}
     if len(dtypes) != 1:
-        raise ValueError(f"the model's parameters have mixed dtypes {sorted(map(str, dtypes))}; "
-                         "cast it to one dtype before saving")
+        raise ValueError(
+            f"the model's parameters have mixed dtypes {sorted(map(str, dtypes))}; "
+            "cast it to one dtype before saving"
+        )
     hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in _tune_to_hf(state_dict, spec).items()}
-    config = hf_config_from_spec(spec, dtype=dtypes.pop(), bos_token_id=bos_token_id,
-                                 eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    config = hf_config_from_spec(
+        spec,
+        dtype=dtypes.pop(),
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
     extra = _check_extra_files(extra_files or {})
     _check_replaceable(folder)
 
@@ -280,7 +313,8 @@ def save_hf_checkpoint(model: nn.Module, spec: ModelSpec, folder: str | os.PathL
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
             (tmp / GENERATION_CONFIG_NAME).write_text(
-                json.dumps(dict(generation_config), indent=2, sort_keys=True) + "\n")
+                json.dumps(dict(generation_config), indent=2, sort_keys=True) + "\n"
+            )
         for name, content in extra.items():
             target = tmp / name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -308,9 +342,11 @@ def _plain_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     inner = getattr(t, "_tensor", None)
     if type(t).__name__ == "WeightWithDynamicFloat8CastTensor" and isinstance(inner, torch.Tensor):
         return inner
-    raise ValueError(f"parameter {name} is a {type(t).__name__}, not a plain tensor; a HF folder "
-                     "holds plain weights: merge adapters first (merge_lora), and save a QAT "
-                     "model before converting it")
+    raise ValueError(
+        f"parameter {name} is a {type(t).__name__}, not a plain tensor; a HF folder "
+        "holds plain weights: merge adapters first (merge_lora), and save a QAT "
+        "model before converting it"
+    )
 
 
 def _check_extra_files(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -320,11 +356,14 @@ def _check_extra_files(extra: Mapping[str, Any]) -> dict[str, Any]:
         if Path(name).is_absolute() or ".." in parts or not parts:
             raise ValueError(f"extra_files name {name!r} must be a relative path without '..'")
         if name in reserved:
-            raise ValueError(f"extra_files name {name!r} clashes with a file the checkpoint writes "
-                             f"({', '.join(sorted(reserved))})")
+            raise ValueError(
+                f"extra_files name {name!r} clashes with a file the checkpoint writes "
+                f"({', '.join(sorted(reserved))})"
+            )
         if not isinstance(content, (str, bytes, os.PathLike)):
-            raise TypeError(f"extra_files[{name!r}] must be str, bytes or a path, "
-                            f"got {type(content).__name__}")
+            raise TypeError(
+                f"extra_files[{name!r}] must be str, bytes or a path, got {type(content).__name__}"
+            )
     return dict(extra)
 
 
@@ -336,8 +375,10 @@ def _check_replaceable(folder: Path) -> None:
     entries = list(folder.iterdir())
     looks_like_checkpoint = (folder / CONFIG_NAME).is_file() or any(folder.glob("*.safetensors"))
     if entries and not looks_like_checkpoint:
-        raise FileExistsError(f"{folder} is a non-empty folder without {CONFIG_NAME} or "
-                              "*.safetensors; refusing to replace it (remove it or pick another)")
+        raise FileExistsError(
+            f"{folder} is a non-empty folder without {CONFIG_NAME} or "
+            "*.safetensors; refusing to replace it (remove it or pick another)"
+        )
 
 
 def _replace_folder(tmp: Path, folder: Path) -> None:

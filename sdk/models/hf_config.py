@@ -43,12 +43,28 @@ _MODEL_TYPE_OF_FAMILY = {"qwen2": "qwen2", "llama3": "llama"}
 # (pinned against the classes in tests/test_models_hf.py). num_key_value_heads None means "equal
 # to num_attention_heads".
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                  max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     hf_moe.MODEL_TYPE: hf_moe.HF_DEFAULTS,
 }
 _HF_DEFAULT_ROPE_THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
@@ -78,8 +94,10 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     """
     model_type = config.get("model_type")
     if model_type not in _FAMILY_OF_MODEL_TYPE:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported; allowed: "
-                         f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}")
+        raise ValueError(
+            f"config.json model_type={model_type!r} is not supported; allowed: "
+            f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}"
+        )
     family = _FAMILY_OF_MODEL_TYPE[model_type]
     get = {**_HF_DEFAULTS[model_type], **config}.get
 
@@ -95,15 +113,24 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     moe = hf_moe.moe_fields_from_hf_config(config) if model_type == hf_moe.MODEL_TYPE else {}
     try:
         return ModelSpec(
-            family=family, vocab_size=get("vocab_size"), num_layers=get("num_hidden_layers"),
-            num_heads=num_heads, num_kv_heads=num_kv_heads, embed_dim=hidden,
-            intermediate_dim=get("intermediate_size"), max_seq_len=max_seq_len,
-            rope_base=rope_base, norm_eps=norm_eps,
-            tie_word_embeddings=bool(get("tie_word_embeddings")), rope_scaling=rope_scaling,
-            **moe)
+            family=family,
+            vocab_size=get("vocab_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            embed_dim=hidden,
+            intermediate_dim=get("intermediate_size"),
+            max_seq_len=max_seq_len,
+            rope_base=rope_base,
+            norm_eps=norm_eps,
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            rope_scaling=rope_scaling,
+            **moe,
+        )
     except ValueError as e:
-        raise ValueError(f"config.json (model_type {model_type!r}) describes an invalid model: "
-                         f"{e}") from e
+        raise ValueError(
+            f"config.json (model_type {model_type!r}) describes an invalid model: {e}"
+        ) from e
 
 
 def _as_float(value: Any, key: str) -> float:
@@ -112,37 +139,53 @@ def _as_float(value: Any, key: str) -> float:
     return float(value)
 
 
-def _check_supported_features(config: Mapping[str, Any], model_type: str, hidden: int,
-                              num_heads: int) -> None:
+def _check_supported_features(
+    config: Mapping[str, Any], model_type: str, hidden: int, num_heads: int
+) -> None:
     where = f"config.json (model_type {model_type!r})"
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where} hidden_act={act!r}; only 'silu' is supported")
     head_dim = config.get("head_dim")
-    if head_dim is not None and isinstance(hidden, int) and isinstance(num_heads, int) \
-            and num_heads > 0 and head_dim != hidden // num_heads:
-        raise ValueError(f"{where} head_dim={head_dim} differs from hidden_size / "
-                         f"num_attention_heads = {hidden // num_heads}; not supported")
+    if (
+        head_dim is not None
+        and isinstance(hidden, int)
+        and isinstance(num_heads, int)
+        and num_heads > 0
+        and head_dim != hidden // num_heads
+    ):
+        raise ValueError(
+            f"{where} head_dim={head_dim} differs from hidden_size / "
+            f"num_attention_heads = {hidden // num_heads}; not supported"
+        )
     if config.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where} partial_rotary_factor={config['partial_rotary_factor']}; "
-                         "only 1.0 is supported")
+        raise ValueError(
+            f"{where} partial_rotary_factor={config['partial_rotary_factor']}; "
+            "only 1.0 is supported"
+        )
     if model_type == "llama":
         for key in ("attention_bias", "mlp_bias"):
             if config.get(key):
-                raise ValueError(f"{where} {key}=true is not supported (torchtune llama3 has no "
-                                 "biases)")
+                raise ValueError(
+                    f"{where} {key}=true is not supported (torchtune llama3 has no biases)"
+                )
     if model_type in ("qwen2", hf_moe.MODEL_TYPE):
         if config.get("use_sliding_window"):
-            raise ValueError(f"{where} use_sliding_window=true is not supported (torchtune qwen2 "
-                             "has full attention only)")
+            raise ValueError(
+                f"{where} use_sliding_window=true is not supported (torchtune qwen2 "
+                "has full attention only)"
+            )
         layer_types = config.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{where} layer_types={sorted(set(layer_types))}; only "
-                             "'full_attention' is supported")
+            raise ValueError(
+                f"{where} layer_types={sorted(set(layer_types))}; only "
+                "'full_attention' is supported"
+            )
 
 
-def _rope_from_hf_config(config: Mapping[str, Any], family: str,
-                         max_seq_len: int) -> tuple[float, RopeScaling | None]:
+def _rope_from_hf_config(
+    config: Mapping[str, Any], family: str, max_seq_len: int
+) -> tuple[float, RopeScaling | None]:
     """(rope_theta, llama3 scaling or None), with transformers 5's precedence rules."""
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if not isinstance(rope, Mapping):
@@ -150,22 +193,27 @@ def _rope_from_hf_config(config: Mapping[str, Any], family: str,
     nested = [v for v in rope.values() if isinstance(v, Mapping)]
     if nested:  # per-layer-type parameters, e.g. {"full_attention": {...}}
         if any(v != nested[0] for v in nested) or len(nested) != len(rope):
-            raise ValueError(f"config.json has different RoPE parameters per layer type: {rope!r}; "
-                             "not supported")
+            raise ValueError(
+                f"config.json has different RoPE parameters per layer type: {rope!r}; not supported"
+            )
         rope = nested[0]
     theta = rope.get("rope_theta")
     if theta is None:
         theta = config.get("rope_theta", _HF_DEFAULT_ROPE_THETA)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"config.json rope_type={rope_type!r} is not supported; allowed: "
-                         f"{', '.join(_SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"config.json rope_type={rope_type!r} is not supported; allowed: "
+            f"{', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
     theta = _as_float(theta, "rope_theta")
     if rope_type == "default":
         return theta, None
     if family != "llama3":
-        raise ValueError(f"config.json rope_type='llama3' is only supported for model_type "
-                         f"'llama', got {_MODEL_TYPE_OF_FAMILY[family]!r}")
+        raise ValueError(
+            f"config.json rope_type='llama3' is only supported for model_type "
+            f"'llama', got {_MODEL_TYPE_OF_FAMILY[family]!r}"
+        )
     missing = [k for k in _LLAMA3_ROPE_KEYS if rope.get(k) is None]
     if missing:
         raise ValueError(f"config.json llama3 RoPE scaling lacks {', '.join(missing)}: {rope!r}")
@@ -176,13 +224,18 @@ def _rope_from_hf_config(config: Mapping[str, Any], family: str,
         factor=_as_float(rope["factor"], "factor"),
         low_freq_factor=_as_float(rope["low_freq_factor"], "low_freq_factor"),
         high_freq_factor=_as_float(rope["high_freq_factor"], "high_freq_factor"),
-        original_max_position_embeddings=original)
+        original_max_position_embeddings=original,
+    )
 
 
-def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
-                        bos_token_id: int | None = None,
-                        eos_token_id: int | list[int] | None = None,
-                        pad_token_id: int | None = None) -> dict[str, Any]:
+def hf_config_from_spec(
+    spec: ModelSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> dict[str, Any]:
     """A config.json dict for `spec` that transformers loads as the same model (an MoE spec as
     model_type qwen2_moe, `Qwen2MoeForCausalLM`; see `posttrain.models.hf_moe`).
 
@@ -205,10 +258,13 @@ def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
     rope_scaling = None
     if spec.rope_scaling is not None:
         rs = spec.rope_scaling
-        rope_scaling = {"rope_type": "llama3", "factor": float(rs.factor),
-                        "low_freq_factor": float(rs.low_freq_factor),
-                        "high_freq_factor": float(rs.high_freq_factor),
-                        "original_max_position_embeddings": rs.original_max_position_embeddings}
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": float(rs.factor),
+            "low_freq_factor": float(rs.low_freq_factor),
+            "high_freq_factor": float(rs.high_freq_factor),
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
         rope_parameters = {**rope_scaling, "rope_theta": theta}
     dtype_name = str(dtype).removeprefix("torch.")
     config: dict[str, Any] = {
@@ -234,11 +290,13 @@ def hf_config_from_spec(spec: ModelSpec, *, dtype: torch.dtype = torch.float32,
         "torch_dtype": dtype_name,
     }
     if spec.family == "qwen2":  # q/k/v biases are built into Qwen2Attention (no config key)
-        config.update(use_sliding_window=False, sliding_window=None,
-                      max_window_layers=spec.num_layers)
+        config.update(
+            use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers
+        )
     else:
-        config.update(head_dim=spec.head_dim, attention_bias=False, mlp_bias=False,
-                      pretraining_tp=1)
+        config.update(
+            head_dim=spec.head_dim, attention_bias=False, mlp_bias=False, pretraining_tp=1
+        )
     if spec.is_moe:
         config.update(hf_moe.hf_moe_config_fields(spec))
     # Written even when None: an absent key would take the config class default (LlamaConfig:

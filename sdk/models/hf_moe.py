@@ -43,9 +43,16 @@ ARCHITECTURE = "Qwen2MoeForCausalLM"
 
 # Qwen2MoeConfig (transformers 5.10) defaults of the keys shared with Qwen2Config.
 HF_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-    num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=32768,
-    rms_norm_eps=1e-6, tie_word_embeddings=False)
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 # config.json key -> (ModelSpec field, Qwen2MoeConfig default).
 _MOE_KEYS: dict[str, tuple[str, Any]] = {
     "num_experts": ("num_experts", 60),
@@ -59,8 +66,12 @@ _MOE_KEYS: dict[str, tuple[str, Any]] = {
 _TUNE_MLP = re.compile(r"^layers\.(\d+)\.mlp\.(.+)$")
 _HF_MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
 _HF_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
-           "shared_expert.down_proj.weight", "shared_expert_gate.weight")
+_SHARED = (
+    "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight",
+    "shared_expert_gate.weight",
+)
 
 
 # ---------------------------------------------------------------------------------- config.json
@@ -76,21 +87,28 @@ def moe_fields_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     where = f"config.json (model_type {MODEL_TYPE!r})"
     step = config.get("decoder_sparse_step", 1)
     if step != 1:
-        raise ValueError(f"{where} decoder_sparse_step={step!r}; only 1 (every layer MoE) is "
-                         "supported")
+        raise ValueError(
+            f"{where} decoder_sparse_step={step!r}; only 1 (every layer MoE) is supported"
+        )
     dense_layers = config.get("mlp_only_layers") or []
     if dense_layers:
-        raise ValueError(f"{where} mlp_only_layers={list(dense_layers)}; dense layers inside an "
-                         "MoE model are not supported")
+        raise ValueError(
+            f"{where} mlp_only_layers={list(dense_layers)}; dense layers inside an "
+            "MoE model are not supported"
+        )
     if not config.get("qkv_bias", True):
-        raise ValueError(f"{where} qkv_bias=false is not supported (torchtune qwen2 attention "
-                         "has q/k/v biases)")
+        raise ValueError(
+            f"{where} qkv_bias=false is not supported (torchtune qwen2 attention has q/k/v biases)"
+        )
     fields = {name: config.get(key, default) for key, (name, default) in _MOE_KEYS.items()}
     if fields["num_experts"] in (0, None):
-        raise ValueError(f"{where} num_experts={fields['num_experts']!r}; a qwen2_moe config "
-                         "without experts is not supported (write it as model_type 'qwen2')")
-    if isinstance(fields["router_aux_loss_coef"], int) \
-            and not isinstance(fields["router_aux_loss_coef"], bool):
+        raise ValueError(
+            f"{where} num_experts={fields['num_experts']!r}; a qwen2_moe config "
+            "without experts is not supported (write it as model_type 'qwen2')"
+        )
+    if isinstance(fields["router_aux_loss_coef"], int) and not isinstance(
+        fields["router_aux_loss_coef"], bool
+    ):
         fields["router_aux_loss_coef"] = float(fields["router_aux_loss_coef"])
     return fields
 
@@ -98,9 +116,15 @@ def moe_fields_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def hf_moe_config_fields(spec: ModelSpec) -> dict[str, Any]:
     """The qwen2_moe config.json keys for an MoE `spec` (merged into the qwen2 ones)."""
     fields = {key: getattr(spec, name) for key, (name, _) in _MOE_KEYS.items()}
-    return {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, **fields,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True,
-            "output_router_logits": False}
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        **fields,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "qkv_bias": True,
+        "output_router_logits": False,
+    }
 
 
 # -------------------------------------------------------------------------------------- weights
@@ -177,7 +201,8 @@ def moe_hf_to_tune(sd: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str,
             out[prefix + name] = value
     for (layer, name), by_index in experts.items():
         out[f"layers.{layer}.mlp.{name}"] = torch.stack(
-            [by_index[e] for e in range(spec.num_experts)])
+            [by_index[e] for e in range(spec.num_experts)]
+        )
     return out
 
 
@@ -212,5 +237,9 @@ def drop_absent_shared_expert(sd: dict[str, torch.Tensor], spec: ModelSpec) -> N
 
 def _zero_shared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     D = spec.embed_dim
-    return {"shared_expert.gate_proj.weight": (0, D), "shared_expert.up_proj.weight": (0, D),
-            "shared_expert.down_proj.weight": (D, 0), "shared_expert_gate.weight": (1, D)}
+    return {
+        "shared_expert.gate_proj.weight": (0, D),
+        "shared_expert.up_proj.weight": (0, D),
+        "shared_expert.down_proj.weight": (D, 0),
+        "shared_expert_gate.weight": (1, D),
+    }

@@ -37,8 +37,15 @@ HF_SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 _KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 
 # The named special tokens transformers passes to a chat template (`special_tokens_map`).
-_TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                        "cls_token", "mask_token")
+_TEMPLATE_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 # Used by `HFTokenizer` when the folder has no chat template: the byte tokenizer's role markers,
 # as plain text, with EOS closing every turn (so EOS is the only stop id).
@@ -68,7 +75,9 @@ def _compile_chat_template(source: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(
+                lineno
+            )
 
         def _body(self, caller):
             return caller()
@@ -77,11 +86,13 @@ def _compile_chat_template(source: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -141,14 +152,19 @@ class HFTokenizer:
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             if "default" not in named:
-                raise ValueError(f"chat_template lists templates {sorted(map(str, named))} but "
-                                 f"none named 'default'")
+                raise ValueError(
+                    f"chat_template lists templates {sorted(map(str, named))} but "
+                    f"none named 'default'"
+                )
             template = named["default"]
         if template is not None and not isinstance(template, str):
             raise ValueError(f"chat_template must be a string, got {type(template).__name__}")
         self.chat_template: str | None = template
-        self._template_tokens = {k: t for k in _TEMPLATE_TOKEN_KEYS
-                                 if (t := _token_text(self._config.get(k))) is not None}
+        self._template_tokens = {
+            k: t
+            for k in _TEMPLATE_TOKEN_KEYS
+            if (t := _token_text(self._config.get(k))) is not None
+        }
 
         eos = self._template_tokens.get("eos_token")
         if eos is None:
@@ -163,8 +179,9 @@ class HFTokenizer:
     def _resolve(self, token: str, key: str) -> int:
         token_id = self._backend.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"tokenizer_config {key}={token!r} is not in the vocabulary of "
-                             f"tokenizer.json")
+            raise ValueError(
+                f"tokenizer_config {key}={token!r} is not in the vocabulary of tokenizer.json"
+            )
         return token_id
 
     @classmethod
@@ -188,8 +205,13 @@ class HFTokenizer:
             config = json.loads((path / HF_CONFIG_FILE).read_text(encoding="utf-8"))
         if (path / HF_SPECIAL_TOKENS_FILE).is_file():
             legacy = json.loads((path / HF_SPECIAL_TOKENS_FILE).read_text(encoding="utf-8"))
-            config.update({k: v for k, v in legacy.items()
-                           if k in _TEMPLATE_TOKEN_KEYS and config.get(k) is None})
+            config.update(
+                {
+                    k: v
+                    for k, v in legacy.items()
+                    if k in _TEMPLATE_TOKEN_KEYS and config.get(k) is None
+                }
+            )
         if (path / HF_CHAT_TEMPLATE_FILE).is_file():
             config["chat_template"] = (path / HF_CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
         return cls(Backend.from_file(str(path / HF_TOKENIZER_FILE)), config)
@@ -210,8 +232,9 @@ class HFTokenizer:
     def unk_id(self) -> int | None:
         """Id of the unknown token, or None when the model has none (byte-level BPE covers
         every text, so it never needs one)."""
-        unk = self._template_tokens.get("unk_token") or getattr(self._backend.model, "unk_token",
-                                                                  None)
+        unk = self._template_tokens.get("unk_token") or getattr(
+            self._backend.model, "unk_token", None
+        )
         return None if unk is None else self._backend.token_to_id(unk)
 
     @property
@@ -237,12 +260,17 @@ class HFTokenizer:
 
         template = _compile_chat_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
         try:
-            return template.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **self._template_tokens)
+            return template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_tokens,
+            )
         except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template could not render {len(messages)} message(s): "
-                             f"{e}") from e
+            raise ValueError(
+                f"the chat template could not render {len(messages)} message(s): {e}"
+            ) from e
 
     def _assistant_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
         spans = []
@@ -252,19 +280,23 @@ class HFTokenizer:
             try:
                 head = self._render_text(messages[:i], True)
             except ValueError as e:
-                raise ValueError(f"assistant message {i}: the chat template cannot render the "
-                                 f"prompt before it ({e})") from e
+                raise ValueError(
+                    f"assistant message {i}: the chat template cannot render the "
+                    f"prompt before it ({e})"
+                ) from e
             upto = self._render_text(messages[: i + 1], False)
             if not (upto.startswith(head) and text.startswith(upto)):
                 raise ValueError(
                     f"the chat template renders messages[:{i}] differently once later messages "
                     f"follow (it rewrites earlier turns), so the loss mask of assistant message "
-                    f"{i} cannot be located; render each assistant turn as its own sample")
-            spans.append((len(head), len(upto[len(head):].rstrip()) + len(head)))
+                    f"{i} cannot be located; render each assistant turn as its own sample"
+                )
+            spans.append((len(head), len(upto[len(head) :].rstrip()) + len(head)))
         return spans
 
-    def render_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> RenderedChat:
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = False
+    ) -> RenderedChat:
         """Token ids and loss mask of a conversation rendered with the chat template.
 
         Raises:
@@ -276,8 +308,10 @@ class HFTokenizer:
         spans = self._assistant_spans(messages, text)
         encoding = self._backend.encode(text, add_special_tokens=False)
         ids = list(encoding.ids)
-        mask = [any(max(s, a) < min(e, b) or (s == e and a <= s < b) for a, b in spans)
-                for s, e in encoding.offsets]
+        mask = [
+            any(max(s, a) < min(e, b) or (s == e and a <= s < b) for a, b in spans)
+            for s, e in encoding.offsets
+        ]
         if self._bos_id is not None:
             lead = 0
             while lead < len(ids) and ids[lead] == self._bos_id:
@@ -291,15 +325,16 @@ class HFTokenizer:
         return self.render_chat(messages, add_generation_prompt=True).input_ids
 
     def _find_stop_ids(self) -> frozenset[int]:
-        special = {t.content: i for i, t in self._backend.get_added_tokens_decoder().items()
-                   if t.special}
+        special = {
+            t.content: i for i, t in self._backend.get_added_tokens_decoder().items() if t.special
+        }
         stops = {self._eos_id}
         template = self.chat_template or FALLBACK_CHAT_TEMPLATE
         stops.update(special[t] for t in _KNOWN_END_OF_TURN if t in special and t in template)
         probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
         try:
             head = self._render_text(probe[:1], True)
-            turn = self._render_text(probe, False)[len(head):].rstrip()
+            turn = self._render_text(probe, False)[len(head) :].rstrip()
         except ValueError:
             return frozenset(stops)  # the template wants another shape of chat; skip the probe
         tail = self._backend.encode(turn, add_special_tokens=False).ids[-1:]
@@ -315,9 +350,12 @@ class HFTokenizer:
         config = dict(self._config)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (path / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                           encoding="utf-8")
+        (path / HF_CONFIG_FILE).write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
 
     def __repr__(self) -> str:
-        return (f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-                f"eos_id={self.eos_id}, pad_id={self.pad_id}, stop_ids={sorted(self.stop_ids)})")
+        return (
+            f"HFTokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, pad_id={self.pad_id}, stop_ids={sorted(self.stop_ids)})"
+        )

@@ -64,18 +64,23 @@ def load_balancing_loss(router_probs_NE: Tensor, selected_NK: Tensor, num_expert
     Raises:
         ValueError: if the shapes disagree with each other or with `num_experts`.
     """
-    if (router_probs_NE.dim() != 2 or selected_NK.dim() != 2
-            or router_probs_NE.shape[0] != selected_NK.shape[0]
-            or router_probs_NE.shape[1] != num_experts):
-        raise ValueError(f"router_probs must be [N, E={num_experts}] and selected [N, K]; got "
-                         f"{tuple(router_probs_NE.shape)} and {tuple(selected_NK.shape)}")
+    if (
+        router_probs_NE.dim() != 2
+        or selected_NK.dim() != 2
+        or router_probs_NE.shape[0] != selected_NK.shape[0]
+        or router_probs_NE.shape[1] != num_experts
+    ):
+        raise ValueError(
+            f"router_probs must be [N, E={num_experts}] and selected [N, K]; got "
+            f"{tuple(router_probs_NE.shape)} and {tuple(selected_NK.shape)}"
+        )
     probs_NE = router_probs_NE.float()
     num_tokens = probs_NE.shape[0]
     if num_tokens == 0:
         return probs_NE.sum() * 0.0
     counts_E = F.one_hot(selected_NK, num_experts).sum(dim=(0, 1)).to(probs_NE.dtype)
-    fraction_E = counts_E / num_tokens                    # f_i, summing to K
-    mean_prob_E = probs_NE.mean(dim=0)                    # P_i
+    fraction_E = counts_E / num_tokens  # f_i, summing to K
+    mean_prob_E = probs_NE.mean(dim=0)  # P_i
     return num_experts * (fraction_E * mean_prob_E).sum()
 
 
@@ -124,23 +129,42 @@ class MoEFeedForward(nn.Module):
             K is outside 1..E, or the coefficient is negative or not finite.
     """
 
-    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, experts_per_token: int,
-                 norm_topk_prob: bool = False, shared_expert_dim: int = 0,
-                 router_aux_loss_coef: float = 0.0, init_std: float = 0.02) -> None:
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        experts_per_token: int,
+        norm_topk_prob: bool = False,
+        shared_expert_dim: int = 0,
+        router_aux_loss_coef: float = 0.0,
+        init_std: float = 0.02,
+    ) -> None:
         super().__init__()
-        for name, value, low in (("dim", dim, 1), ("hidden_dim", hidden_dim, 1),
-                                 ("num_experts", num_experts, 1),
-                                 ("shared_expert_dim", shared_expert_dim, 0)):
+        for name, value, low in (
+            ("dim", dim, 1),
+            ("hidden_dim", hidden_dim, 1),
+            ("num_experts", num_experts, 1),
+            ("shared_expert_dim", shared_expert_dim, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"MoEFeedForward {name}={value!r}; must be an integer >= {low}")
-        if not isinstance(experts_per_token, int) or isinstance(experts_per_token, bool) \
-                or not 1 <= experts_per_token <= num_experts:
-            raise ValueError(f"MoEFeedForward experts_per_token={experts_per_token!r}; must be in "
-                             f"1..num_experts={num_experts}")
+        if (
+            not isinstance(experts_per_token, int)
+            or isinstance(experts_per_token, bool)
+            or not 1 <= experts_per_token <= num_experts
+        ):
+            raise ValueError(
+                f"MoEFeedForward experts_per_token={experts_per_token!r}; must be in "
+                f"1..num_experts={num_experts}"
+            )
         coef = float(router_aux_loss_coef)
         if not (coef >= 0.0 and coef < float("inf")):
-            raise ValueError(f"MoEFeedForward router_aux_loss_coef={router_aux_loss_coef!r}; must "
-                             "be a finite number >= 0")
+            raise ValueError(
+                f"MoEFeedForward router_aux_loss_coef={router_aux_loss_coef!r}; must "
+                "be a finite number >= 0"
+            )
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.experts_per_token = experts_per_token
         self.norm_topk_prob = bool(norm_topk_prob)
@@ -174,8 +198,13 @@ class MoEFeedForward(nn.Module):
             weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
         return probs_NE, weights_NK.to(x_ND.dtype), experts_NK
 
-    def _run_experts(self, tokens_sorted_by_expert: Tensor, counts_per_expert: Tensor | list[int],
-                     expert_range: range, weights: dict[str, Tensor] | None = None) -> Tensor:
+    def _run_experts(
+        self,
+        tokens_sorted_by_expert: Tensor,
+        counts_per_expert: Tensor | list[int],
+        expert_range: range,
+        weights: dict[str, Tensor] | None = None,
+    ) -> Tensor:
         """Apply experts to tokens already grouped by expert.
 
         Args:
@@ -194,19 +223,29 @@ class MoEFeedForward(nn.Module):
         Raises:
             ValueError: if the counts do not match `expert_range` or the number of rows.
         """
-        counts = counts_per_expert.tolist() if isinstance(counts_per_expert, Tensor) \
+        counts = (
+            counts_per_expert.tolist()
+            if isinstance(counts_per_expert, Tensor)
             else list(counts_per_expert)
+        )
         if len(counts) != len(expert_range) or sum(counts) != tokens_sorted_by_expert.shape[0]:
-            raise ValueError(f"counts_per_expert {counts} must have one entry per expert of "
-                             f"{expert_range} and sum to the {tokens_sorted_by_expert.shape[0]} "
-                             "rows")
-        w = weights or {"gate_proj": self.gate_proj, "up_proj": self.up_proj,
-                        "down_proj": self.down_proj}
+            raise ValueError(
+                f"counts_per_expert {counts} must have one entry per expert of "
+                f"{expert_range} and sum to the {tokens_sorted_by_expert.shape[0]} "
+                "rows"
+            )
+        w = weights or {
+            "gate_proj": self.gate_proj,
+            "up_proj": self.up_proj,
+            "down_proj": self.down_proj,
+        }
         outputs = []
         for expert, rows_AD in zip(expert_range, torch.split(tokens_sorted_by_expert, counts)):
             if rows_AD.shape[0] == 0:
                 continue
-            hidden_AH = F.silu(rows_AD @ w["gate_proj"][expert].t()) * (rows_AD @ w["up_proj"][expert].t())
+            hidden_AH = F.silu(rows_AD @ w["gate_proj"][expert].t()) * (
+                rows_AD @ w["up_proj"][expert].t()
+            )
             outputs.append(hidden_AH @ w["down_proj"][expert].t())
         if not outputs:
             # No rows here. The result still depends on the rows and the weights: an
@@ -242,9 +281,11 @@ class MoEFeedForward(nn.Module):
 
     def extra_repr(self) -> str:
         shared = self.shared_expert.gate_proj.out_features if self.shared_expert is not None else 0
-        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
-                f"experts_per_token={self.experts_per_token}, norm_topk_prob={self.norm_topk_prob}, "
-                f"shared_expert_dim={shared}, router_aux_loss_coef={self.router_aux_loss_coef}")
+        return (
+            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+            f"experts_per_token={self.experts_per_token}, norm_topk_prob={self.norm_topk_prob}, "
+            f"shared_expert_dim={shared}, router_aux_loss_coef={self.router_aux_loss_coef}"
+        )
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
@@ -272,8 +313,10 @@ def moe_aux_loss(model: nn.Module, *, scaled: bool = False) -> Tensor | None:
         return None
     missing = [i for i, m in enumerate(layers) if m.aux_loss is None]
     if missing:
-        raise RuntimeError(f"MoE layers {missing} (in module order) hold no aux loss: call "
-                           "moe_aux_loss after a forward pass of the model")
+        raise RuntimeError(
+            f"MoE layers {missing} (in module order) hold no aux loss: call "
+            "moe_aux_loss after a forward pass of the model"
+        )
     total = None
     for m in layers:
         term = m.aux_loss * m.router_aux_loss_coef if scaled else m.aux_loss

@@ -27,29 +27,65 @@ from typing import Any
 
 import torch
 
-__all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "TUNE_TO_HF_MODULE", "HF_TO_TUNE_MODULE",
-           "UNSUPPORTED_OPTIONS", "peft_config", "lora_settings_from_peft_config",
-           "tune_to_peft_weights", "peft_to_tune_weights",
-           "check_weights", "shared_settings"]
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "TUNE_TO_HF_MODULE",
+    "HF_TO_TUNE_MODULE",
+    "UNSUPPORTED_OPTIONS",
+    "peft_config",
+    "lora_settings_from_peft_config",
+    "tune_to_peft_weights",
+    "peft_to_tune_weights",
+    "check_weights",
+    "shared_settings",
+]
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 
-TUNE_TO_HF_MODULE = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj",
-                     "output_proj": "o_proj", "w1": "gate_proj", "w2": "down_proj",
-                     "w3": "up_proj"}
+TUNE_TO_HF_MODULE = {
+    "q_proj": "q_proj",
+    "k_proj": "k_proj",
+    "v_proj": "v_proj",
+    "output_proj": "o_proj",
+    "w1": "gate_proj",
+    "w2": "down_proj",
+    "w3": "up_proj",
+}
 """torchtune linear name -> HF (and PEFT target_modules) name, for the modules LoRA targets."""
 HF_TO_TUNE_MODULE = {hf: tune for tune, hf in TUNE_TO_HF_MODULE.items()}
-_BLOCK = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "output_proj": "attn",
-          "w1": "mlp", "w2": "mlp", "w3": "mlp"}
+_BLOCK = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "output_proj": "attn",
+    "w1": "mlp",
+    "w2": "mlp",
+    "w3": "mlp",
+}
 _HF_BLOCK = {"attn": "self_attn", "mlp": "mlp"}
 
 UNSUPPORTED_OPTIONS: dict[str, Any] = {
-    "use_dora": False, "use_rslora": False, "modules_to_save": None, "layers_to_transform": None,
-    "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False,
-    "lora_bias": False, "use_qalora": False, "exclude_modules": None, "target_parameters": None,
-    "trainable_token_indices": None, "layer_replication": None, "alora_invocation_tokens": None,
-    "megatron_config": None, "use_bdlora": None, "arrow_config": None, "monteclora_config": None,
+    "use_dora": False,
+    "use_rslora": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "fan_in_fan_out": False,
+    "lora_bias": False,
+    "use_qalora": False,
+    "exclude_modules": None,
+    "target_parameters": None,
+    "trainable_token_indices": None,
+    "layer_replication": None,
+    "alora_invocation_tokens": None,
+    "megatron_config": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "monteclora_config": None,
     "kasa_config": None,
 }
 """adapter_config.json options that change what the adapter computes or where it sits, with the
@@ -58,12 +94,20 @@ refused: a torchtune `LoRALinear` on every layer computes plain LoRA only."""
 
 _PREFIX = "base_model.model."
 _TUNE_KEY = re.compile(r"^layers\.(\d+)\.(attn|mlp)\.(\w+)\.lora_([ab])\.weight$")
-_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
-                       r"\.lora_([AB])\.weight$")
+_PEFT_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"\.lora_([AB])\.weight$"
+)
 
 
-def peft_config(*, rank: int, alpha: float, dropout: float, modules: tuple[str, ...],
-                base_model_name_or_path: str = "") -> dict[str, Any]:
+def peft_config(
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    modules: tuple[str, ...],
+    base_model_name_or_path: str = "",
+) -> dict[str, Any]:
     """The adapter_config.json dict of plain LoRA on `modules` (torchtune names) of every layer.
 
     Target names are mapped by torchtune's `tune_to_peft_adapter_config` (output_proj -> o_proj,
@@ -73,36 +117,49 @@ def peft_config(*, rank: int, alpha: float, dropout: float, modules: tuple[str, 
 
     unknown = [m for m in modules if m not in TUNE_TO_HF_MODULE]
     if unknown:
-        raise ValueError(f"module {unknown[0]!r} has no PEFT name; allowed: "
-                         f"{', '.join(TUNE_TO_HF_MODULE)}")
+        raise ValueError(
+            f"module {unknown[0]!r} has no PEFT name; allowed: {', '.join(TUNE_TO_HF_MODULE)}"
+        )
     config = tune_to_peft_adapter_config(
         {"r": rank, "lora_alpha": alpha, "target_modules": list(modules)},
-        base_model_name_or_path=base_model_name_or_path or None)
+        base_model_name_or_path=base_model_name_or_path or None,
+    )
     config.setdefault("base_model_name_or_path", base_model_name_or_path or None)
-    config.update(peft_type="LORA", task_type="CAUSAL_LM", lora_dropout=dropout, bias="none",
-                  inference_mode=True, init_lora_weights=True,
-                  target_modules=sorted(config["target_modules"]))
+    config.update(
+        peft_type="LORA",
+        task_type="CAUSAL_LM",
+        lora_dropout=dropout,
+        bias="none",
+        inference_mode=True,
+        init_lora_weights=True,
+        target_modules=sorted(config["target_modules"]),
+    )
     config.update({k: v for k, v in UNSUPPORTED_OPTIONS.items() if v is not None})
     return config
 
 
-def shared_settings(adapters: Mapping[str, tuple[int, float, float]], *,
-                    num_layers: int) -> dict[str, Any]:
+def shared_settings(
+    adapters: Mapping[str, tuple[int, float, float]], *, num_layers: int
+) -> dict[str, Any]:
     """The one (rank, alpha, dropout) and the module names that `adapters` (qualified module
     name, e.g. "layers.0.attn.q_proj" -> (rank, alpha, dropout)) share, as `peft_config` takes
     them. Raises ValueError when the settings differ or the adapters do not sit on the same
     modules of every one of `num_layers` layers (one adapter_config.json cannot say that)."""
     found = set(adapters.values())
     if len(found) != 1:
-        raise ValueError(f"the adapters have different (rank, alpha, dropout) settings "
-                         f"{sorted(found)}; a PEFT adapter_config.json holds one")
+        raise ValueError(
+            f"the adapters have different (rank, alpha, dropout) settings "
+            f"{sorted(found)}; a PEFT adapter_config.json holds one"
+        )
     rank, alpha, dropout = found.pop()
     modules = tuple(m for m in TUNE_TO_HF_MODULE if any(n.endswith(f".{m}") for n in adapters))
     expected = {f"layers.{i}.{_BLOCK[m]}.{m}" for i in range(num_layers) for m in modules}
     if set(adapters) != expected:
-        raise ValueError(f"adapters on {sorted(set(adapters) ^ expected)[:4]} break the pattern "
-                         f"of {', '.join(modules)} on every layer that PEFT's target_modules "
-                         "expresses")
+        raise ValueError(
+            f"adapters on {sorted(set(adapters) ^ expected)[:4]} break the pattern "
+            f"of {', '.join(modules)} on every layer that PEFT's target_modules "
+            "expresses"
+        )
     return {"rank": rank, "alpha": alpha, "dropout": dropout, "modules": modules}
 
 
@@ -120,6 +177,7 @@ def lora_settings_from_peft_config(config: Mapping[str, Any]) -> dict[str, Any]:
             string such as "all-linear" is refused), or r / lora_alpha / lora_dropout are out
             of range.
     """
+
     def bad(field: str, allowed: str) -> ValueError:
         return ValueError(f"adapter_config.json {field}={config.get(field)!r}; {allowed}")
 
@@ -135,14 +193,23 @@ def lora_settings_from_peft_config(config: Mapping[str, Any]) -> dict[str, Any]:
             raise bad(field, f"only plain LoRA is supported; allowed: {off!r}")
     targets = config.get("target_modules")
     if not isinstance(targets, (list, tuple)) or not targets:
-        raise bad("target_modules", "must be a non-empty list of module names from "
-                  f"{', '.join(HF_TO_TUNE_MODULE)} (regex strings such as 'all-linear' are not "
-                  "supported)")
+        raise bad(
+            "target_modules",
+            "must be a non-empty list of module names from "
+            f"{', '.join(HF_TO_TUNE_MODULE)} (regex strings such as 'all-linear' are not "
+            "supported)",
+        )
     unknown = [t for t in targets if t not in HF_TO_TUNE_MODULE]
     if unknown:
-        raise bad("target_modules", f"{unknown[0]!r} is not supported; allowed: "
-                  f"{', '.join(HF_TO_TUNE_MODULE)}")
-    rank, alpha, dropout = config.get("r"), config.get("lora_alpha"), config.get("lora_dropout", 0.0)
+        raise bad(
+            "target_modules",
+            f"{unknown[0]!r} is not supported; allowed: {', '.join(HF_TO_TUNE_MODULE)}",
+        )
+    rank, alpha, dropout = (
+        config.get("r"),
+        config.get("lora_alpha"),
+        config.get("lora_dropout", 0.0),
+    )
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise bad("r", "must be an integer >= 1")
     if not _is_number(alpha) or not (math.isfinite(alpha) and alpha > 0):
@@ -150,13 +217,23 @@ def lora_settings_from_peft_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if not _is_number(dropout) or not 0 <= dropout < 1:
         raise bad("lora_dropout", "must be a number in [0, 1)")
     wanted = {HF_TO_TUNE_MODULE[t] for t in targets}
-    return {"rank": rank, "alpha": float(alpha), "dropout": float(dropout),
-            "modules": tuple(m for m in TUNE_TO_HF_MODULE if m in wanted)}
+    return {
+        "rank": rank,
+        "alpha": float(alpha),
+        "dropout": float(dropout),
+        "modules": tuple(m for m in TUNE_TO_HF_MODULE if m in wanted),
+    }
 
 
-def tune_to_peft_weights(adapter_state: Mapping[str, torch.Tensor], *, family: str,
-                         num_heads: int, num_kv_heads: int, embed_dim: int,
-                         head_dim: int) -> dict[str, torch.Tensor]:
+def tune_to_peft_weights(
+    adapter_state: Mapping[str, torch.Tensor],
+    *,
+    family: str,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    head_dim: int,
+) -> dict[str, torch.Tensor]:
     """torchtune adapter state (`layers.{i}.attn.q_proj.lora_a.weight` ...) -> PEFT keys
     (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` ...).
 
@@ -167,14 +244,20 @@ def tune_to_peft_weights(adapter_state: Mapping[str, torch.Tensor], *, family: s
     for key in adapter_state:
         match = _TUNE_KEY.match(key)
         if match is None or match.group(3) not in TUNE_TO_HF_MODULE:
-            raise ValueError(f"adapter key {key!r} is not a LoRA weight of a transformer layer "
-                             "(layers.{i}.attn|mlp.<module>.lora_a|lora_b.weight)")
+            raise ValueError(
+                f"adapter key {key!r} is not a LoRA weight of a transformer layer "
+                "(layers.{i}.attn|mlp.<module>.lora_a|lora_b.weight)"
+            )
     if family == "llama3":
         from torchtune.models.convert_weights import tune_to_peft_adapter_weights
 
-        return tune_to_peft_adapter_weights(dict(adapter_state), num_heads=num_heads,
-                                            num_kv_heads=num_kv_heads, dim=embed_dim,
-                                            head_dim=head_dim)
+        return tune_to_peft_adapter_weights(
+            dict(adapter_state),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            dim=embed_dim,
+            head_dim=head_dim,
+        )
     out = {}
     for key, value in adapter_state.items():
         layer, block, name, ab = _TUNE_KEY.match(key).groups()
@@ -183,9 +266,14 @@ def tune_to_peft_weights(adapter_state: Mapping[str, torch.Tensor], *, family: s
     return out
 
 
-def peft_to_tune_weights(peft_state: Mapping[str, torch.Tensor], *, family: str,
-                         num_heads: int, num_kv_heads: int,
-                         head_dim: int) -> dict[str, torch.Tensor]:
+def peft_to_tune_weights(
+    peft_state: Mapping[str, torch.Tensor],
+    *,
+    family: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> dict[str, torch.Tensor]:
     """The inverse of `tune_to_peft_weights`: PEFT keys -> torchtune adapter keys, with the
     llama q/k lora_B rows permuted back into torchtune's interleaved RoPE order (the row
     permutation of `torchtune.models.convert_weights.hf_to_tune`).
@@ -197,9 +285,11 @@ def peft_to_tune_weights(peft_state: Mapping[str, torch.Tensor], *, family: str,
     for key, value in peft_state.items():
         match = _PEFT_KEY.match(key)
         if match is None or match.group(3) not in HF_TO_TUNE_MODULE:
-            raise ValueError(f"{ADAPTER_WEIGHTS_NAME} key {key!r} is not a LoRA weight of a "
-                             "supported module (base_model.model.model.layers.{i}.self_attn|mlp."
-                             f"<{'|'.join(HF_TO_TUNE_MODULE)}>.lora_A|lora_B.weight)")
+            raise ValueError(
+                f"{ADAPTER_WEIGHTS_NAME} key {key!r} is not a LoRA weight of a "
+                "supported module (base_model.model.model.layers.{i}.self_attn|mlp."
+                f"<{'|'.join(HF_TO_TUNE_MODULE)}>.lora_A|lora_B.weight)"
+            )
         layer, _, hf_name, ab = match.groups()
         name = HF_TO_TUNE_MODULE[hf_name]
         if family == "llama3" and ab == "B" and name in ("q_proj", "k_proj"):
@@ -209,22 +299,27 @@ def peft_to_tune_weights(peft_state: Mapping[str, torch.Tensor], *, family: str,
     return out
 
 
-def check_weights(state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
-                  *, where: Any) -> None:
+def check_weights(
+    state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], *, where: Any
+) -> None:
     """Raise ValueError unless `state` (torchtune adapter keys, as `peft_to_tune_weights` gives)
     holds exactly the keys of `expected`, each with the expected shape (A `[r, in]`, B
     `[out, r]`). The message lists missing / unexpected keys, or names the key and both shapes;
     `where` (the file) is named too."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{where} does not match the model and adapter_config.json "
-                         f"target_modules: missing {missing[:4]}, unexpected {unexpected[:4]} "
-                         f"({len(missing)} / {len(unexpected)} keys)")
+        raise ValueError(
+            f"{where} does not match the model and adapter_config.json "
+            f"target_modules: missing {missing[:4]}, unexpected {unexpected[:4]} "
+            f"({len(missing)} / {len(unexpected)} keys)"
+        )
     for key, shape in expected.items():
         if tuple(state[key].shape) != tuple(shape):
-            raise ValueError(f"adapter weight {key} in {where} has shape "
-                             f"{tuple(state[key].shape)} but the model needs {tuple(shape)}; the "
-                             "adapter was trained on another base (or with another r)")
+            raise ValueError(
+                f"adapter weight {key} in {where} has shape "
+                f"{tuple(state[key].shape)} but the model needs {tuple(shape)}; the "
+                "adapter was trained on another base (or with another r)"
+            )
 
 
 def _hf_to_tune_rows(t_OR: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -234,8 +329,11 @@ def _hf_to_tune_rows(t_OR: torch.Tensor, n_heads: int, head_dim: int) -> torch.T
     if t_OR.dim() != 2 or t_OR.shape[0] != n_heads * head_dim:
         return t_OR  # a misfit; the caller's shape check names the weight and both shapes
     rank = t_OR.shape[1]
-    return (t_OR.reshape(n_heads, 2, head_dim // 2, rank).transpose(1, 2)
-            .reshape(n_heads * head_dim, rank))
+    return (
+        t_OR.reshape(n_heads, 2, head_dim // 2, rank)
+        .transpose(1, 2)
+        .reshape(n_heads * head_dim, rank)
+    )
 
 
 def _is_number(value: Any) -> bool:

@@ -26,8 +26,13 @@ from posttrain.models.moe import MoEFeedForward
 FAMILIES = ("llama3", "qwen2")
 MOE_FAMILIES = ("qwen2",)
 # ModelSpec fields that only an MoE spec (num_experts > 0) may change from their defaults.
-_MOE_FIELDS = ("experts_per_token", "moe_intermediate_dim", "shared_expert_dim", "norm_topk_prob",
-               "router_aux_loss_coef")
+_MOE_FIELDS = (
+    "experts_per_token",
+    "moe_intermediate_dim",
+    "shared_expert_dim",
+    "norm_topk_prob",
+    "router_aux_loss_coef",
+)
 
 
 def _is_number(value: Any) -> bool:
@@ -53,12 +58,16 @@ class RopeScaling:
             if not _is_number(value) or not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"RopeScaling.{name}={value!r}; must be a positive number")
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
-                             f"low_freq_factor={self.low_freq_factor}")
+            raise ValueError(
+                f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
         value = self.original_max_position_embeddings
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"RopeScaling.original_max_position_embeddings={value!r}; must be a "
-                             "positive integer")
+            raise ValueError(
+                f"RopeScaling.original_max_position_embeddings={value!r}; must be a "
+                "positive integer"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,35 +129,49 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"ModelSpec.family={self.family!r}; allowed: {', '.join(FAMILIES)}")
-        for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "embed_dim",
-                     "intermediate_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "embed_dim",
+            "intermediate_dim",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec.{name}={value!r}; must be a positive integer")
         if self.embed_dim % self.num_heads:
             raise ValueError(
-                f"ModelSpec.embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}")
+                f"ModelSpec.embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelSpec.num_heads={self.num_heads} must be divisible by "
-                f"num_kv_heads={self.num_kv_heads}")
+                f"num_kv_heads={self.num_kv_heads}"
+            )
         if (self.embed_dim // self.num_heads) % 2:
             raise ValueError(
                 f"ModelSpec head_dim={self.embed_dim // self.num_heads} (embed_dim / num_heads) "
-                "must be even for RoPE")
+                "must be even for RoPE"
+            )
         if not (_is_number(self.rope_base) and 0 < self.rope_base < math.inf):
             raise ValueError(f"ModelSpec.rope_base={self.rope_base!r}; must be a positive number")
         if not (_is_number(self.norm_eps) and 0 < self.norm_eps < 1):
             raise ValueError(f"ModelSpec.norm_eps={self.norm_eps!r}; must be in (0, 1)")
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"ModelSpec.tie_word_embeddings={self.tie_word_embeddings!r}; "
-                             "must be True or False")
+            raise ValueError(
+                f"ModelSpec.tie_word_embeddings={self.tie_word_embeddings!r}; must be True or False"
+            )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"ModelSpec.rope_scaling={self.rope_scaling!r}; must be a "
-                             "RopeScaling or None")
+            raise ValueError(
+                f"ModelSpec.rope_scaling={self.rope_scaling!r}; must be a RopeScaling or None"
+            )
         if self.rope_scaling is not None and self.family != "llama3":
-            raise ValueError(f"ModelSpec.rope_scaling is only supported for family 'llama3', "
-                             f"got family={self.family!r}")
+            raise ValueError(
+                f"ModelSpec.rope_scaling is only supported for family 'llama3', "
+                f"got family={self.family!r}"
+            )
         self._check_moe_fields()
 
     def _check_moe_fields(self) -> None:
@@ -157,35 +180,46 @@ class ModelSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ModelSpec.{name}={value!r}; must be a non-negative integer")
         if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"ModelSpec.norm_topk_prob={self.norm_topk_prob!r}; must be True or "
-                             "False")
+            raise ValueError(
+                f"ModelSpec.norm_topk_prob={self.norm_topk_prob!r}; must be True or False"
+            )
         coef = self.router_aux_loss_coef
         if not (_is_number(coef) and 0 <= coef < math.inf):
-            raise ValueError(f"ModelSpec.router_aux_loss_coef={coef!r}; must be a finite number "
-                             ">= 0")
+            raise ValueError(
+                f"ModelSpec.router_aux_loss_coef={coef!r}; must be a finite number >= 0"
+            )
         k = self.experts_per_token
         if not isinstance(k, int) or isinstance(k, bool):
             raise ValueError(f"ModelSpec.experts_per_token={k!r}; must be an integer")
         if self.num_experts == 0:
-            defaults = {f.name: f.default for f in dataclasses.fields(self)
-                        if f.name in _MOE_FIELDS}
-            changed = [f"{n}={getattr(self, n)!r}" for n in _MOE_FIELDS
-                       if getattr(self, n) != defaults[n]]
+            defaults = {
+                f.name: f.default for f in dataclasses.fields(self) if f.name in _MOE_FIELDS
+            }
+            changed = [
+                f"{n}={getattr(self, n)!r}" for n in _MOE_FIELDS if getattr(self, n) != defaults[n]
+            ]
             if changed:
-                raise ValueError(f"ModelSpec.{changed[0]} is set but num_experts=0 (a dense model); "
-                                 "set num_experts > 0 for an MoE model or leave "
-                                 f"{', '.join(_MOE_FIELDS)} at their defaults")
+                raise ValueError(
+                    f"ModelSpec.{changed[0]} is set but num_experts=0 (a dense model); "
+                    "set num_experts > 0 for an MoE model or leave "
+                    f"{', '.join(_MOE_FIELDS)} at their defaults"
+                )
             return
         if self.family not in MOE_FAMILIES:
-            raise ValueError(f"ModelSpec.num_experts={self.num_experts} (MoE) is only supported for "
-                             f"family {', '.join(map(repr, MOE_FAMILIES))}, got "
-                             f"family={self.family!r}")
+            raise ValueError(
+                f"ModelSpec.num_experts={self.num_experts} (MoE) is only supported for "
+                f"family {', '.join(map(repr, MOE_FAMILIES))}, got "
+                f"family={self.family!r}"
+            )
         if not 1 <= k <= self.num_experts:
-            raise ValueError(f"ModelSpec.experts_per_token={k}; must be in 1..num_experts="
-                             f"{self.num_experts}")
+            raise ValueError(
+                f"ModelSpec.experts_per_token={k}; must be in 1..num_experts={self.num_experts}"
+            )
         if self.moe_intermediate_dim < 1:
-            raise ValueError(f"ModelSpec.moe_intermediate_dim={self.moe_intermediate_dim}; an MoE "
-                             f"spec (num_experts={self.num_experts}) needs a positive integer")
+            raise ValueError(
+                f"ModelSpec.moe_intermediate_dim={self.moe_intermediate_dim}; an MoE "
+                f"spec (num_experts={self.num_experts}) needs a positive integer"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -220,45 +254,124 @@ class ModelSpec:
 
 PRESETS: dict[str, ModelSpec] = {
     # Byte-level vocabulary (256 bytes + specials, see posttrain.models.tokenizer.ByteTokenizer).
-    "tiny-1m": ModelSpec(family="qwen2", vocab_size=272, num_layers=4, num_heads=4, num_kv_heads=2,
-                         embed_dim=128, intermediate_dim=512, max_seq_len=512, rope_base=1e6,
-                         norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny-2m": ModelSpec(family="qwen2", vocab_size=272, num_layers=4, num_heads=6, num_kv_heads=2,
-                         embed_dim=192, intermediate_dim=768, max_seq_len=512, rope_base=1e6,
-                         norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny-10m": ModelSpec(family="qwen2", vocab_size=272, num_layers=8, num_heads=8, num_kv_heads=2,
-                          embed_dim=320, intermediate_dim=1280, max_seq_len=1024, rope_base=1e6,
-                          norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny-llama-1m": ModelSpec(family="llama3", vocab_size=272, num_layers=4, num_heads=4,
-                               num_kv_heads=2, embed_dim=128, intermediate_dim=512, max_seq_len=512,
-                               rope_base=5e5, norm_eps=1e-5, tie_word_embeddings=True),
+    "tiny-1m": ModelSpec(
+        family="qwen2",
+        vocab_size=272,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=128,
+        intermediate_dim=512,
+        max_seq_len=512,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny-2m": ModelSpec(
+        family="qwen2",
+        vocab_size=272,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        embed_dim=192,
+        intermediate_dim=768,
+        max_seq_len=512,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny-10m": ModelSpec(
+        family="qwen2",
+        vocab_size=272,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        embed_dim=320,
+        intermediate_dim=1280,
+        max_seq_len=1024,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "tiny-llama-1m": ModelSpec(
+        family="llama3",
+        vocab_size=272,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=128,
+        intermediate_dim=512,
+        max_seq_len=512,
+        rope_base=5e5,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
     # Real sizes (HF config.json numbers); build on the meta device for size/memory reports.
-    "qwen2.5-0.5b": ModelSpec(family="qwen2", vocab_size=151936, num_layers=24, num_heads=14,
-                              num_kv_heads=2, embed_dim=896, intermediate_dim=4864,
-                              max_seq_len=32768, rope_base=1e6, norm_eps=1e-6,
-                              tie_word_embeddings=True),
-    "llama3.2-1b": ModelSpec(family="llama3", vocab_size=128256, num_layers=16, num_heads=32,
-                             num_kv_heads=8, embed_dim=2048, intermediate_dim=8192,
-                             max_seq_len=131072, rope_base=5e5, norm_eps=1e-5,
-                             tie_word_embeddings=True, rope_scaling=RopeScaling()),
+    "qwen2.5-0.5b": ModelSpec(
+        family="qwen2",
+        vocab_size=151936,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        embed_dim=896,
+        intermediate_dim=4864,
+        max_seq_len=32768,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "llama3.2-1b": ModelSpec(
+        family="llama3",
+        vocab_size=128256,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=2048,
+        intermediate_dim=8192,
+        max_seq_len=131072,
+        rope_base=5e5,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_scaling=RopeScaling(),
+    ),
     # Qwen2-MoE blocks: 4 routed experts, top-2, plus a gated shared expert (byte vocabulary).
-    "tiny-moe": ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4,
-                          num_kv_heads=2, embed_dim=64, intermediate_dim=128, max_seq_len=512,
-                          rope_base=1e6, norm_eps=1e-6, tie_word_embeddings=True, num_experts=4,
-                          experts_per_token=2, moe_intermediate_dim=64, shared_expert_dim=64),
+    "tiny-moe": ModelSpec(
+        family="qwen2",
+        vocab_size=272,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=64,
+        intermediate_dim=128,
+        max_seq_len=512,
+        rope_base=1e6,
+        norm_eps=1e-6,
+        tie_word_embeddings=True,
+        num_experts=4,
+        experts_per_token=2,
+        moe_intermediate_dim=64,
+        shared_expert_dim=64,
+    ),
 }
 
 
 def get_preset(name: str) -> ModelSpec:
     """The `ModelSpec` registered under `name`. Raises ValueError listing the valid names."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        raise ValueError(
+            f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
+        )
     return PRESETS[name]
 
 
-def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
-                dtype: torch.dtype = torch.float32, seed: int | None = None,
-                init_std: float = 0.02) -> nn.Module:
+def build_model(
+    spec: ModelSpec,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int | None = None,
+    init_std: float = 0.02,
+) -> nn.Module:
     """Build the torchtune `TransformerDecoder` for `spec`, initialised for training from scratch.
 
     torchtune's builders keep PyTorch's default initialisation (embeddings N(0, 1)), which gives
@@ -286,12 +399,18 @@ def build_model(spec: ModelSpec, *, device: str | torch.device | None = None,
     from torchtune.models.qwen2._component_builders import qwen2
     from torchtune.modules import TiedLinear
 
-    common = dict(vocab_size=spec.vocab_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
-                  num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim,
-                  # MoE: every MLP is replaced below, so the placeholder is 1 wide
-                  intermediate_dim=1 if spec.is_moe else spec.intermediate_dim,
-                  max_seq_len=spec.max_seq_len,
-                  rope_base=spec.rope_base, norm_eps=spec.norm_eps)
+    common = dict(
+        vocab_size=spec.vocab_size,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        embed_dim=spec.embed_dim,
+        # MoE: every MLP is replaced below, so the placeholder is 1 wide
+        intermediate_dim=1 if spec.is_moe else spec.intermediate_dim,
+        max_seq_len=spec.max_seq_len,
+        rope_base=spec.rope_base,
+        norm_eps=spec.norm_eps,
+    )
     fork = torch.random.fork_rng(devices=[]) if seed is not None else _nullcontext()
     with fork, torch.device(device or "cpu"):
         if seed is not None:
@@ -330,20 +449,30 @@ def _use_moe(model: nn.Module, spec: ModelSpec, init_std: float) -> None:
     for layer in model.layers:
         del layer.mlp
         layer.mlp = MoEFeedForward(
-            dim=spec.embed_dim, hidden_dim=spec.moe_intermediate_dim,
-            num_experts=spec.num_experts, experts_per_token=spec.experts_per_token,
-            norm_topk_prob=spec.norm_topk_prob, shared_expert_dim=spec.shared_expert_dim,
-            router_aux_loss_coef=spec.router_aux_loss_coef, init_std=init_std)
+            dim=spec.embed_dim,
+            hidden_dim=spec.moe_intermediate_dim,
+            num_experts=spec.num_experts,
+            experts_per_token=spec.experts_per_token,
+            norm_topk_prob=spec.norm_topk_prob,
+            shared_expert_dim=spec.shared_expert_dim,
+            router_aux_loss_coef=spec.router_aux_loss_coef,
+            init_std=init_std,
+        )
 
 
 def _use_scaled_rope(model: nn.Module, spec: ModelSpec) -> None:
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 
     rs = spec.rope_scaling
-    rope = Llama3ScaledRoPE(dim=spec.head_dim, max_seq_len=spec.max_seq_len, base=spec.rope_base,
-                            scale_factor=rs.factor, low_freq_factor=rs.low_freq_factor,
-                            high_freq_factor=rs.high_freq_factor,
-                            old_context_len=rs.original_max_position_embeddings)
+    rope = Llama3ScaledRoPE(
+        dim=spec.head_dim,
+        max_seq_len=spec.max_seq_len,
+        base=spec.rope_base,
+        scale_factor=rs.factor,
+        low_freq_factor=rs.low_freq_factor,
+        high_freq_factor=rs.high_freq_factor,
+        old_context_len=rs.original_max_position_embeddings,
+    )
     for layer in model.layers:
         layer.attn.pos_embeddings = rope
 

@@ -66,8 +66,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> RenderedChat: ...
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = False
+    ) -> RenderedChat: ...
 
     def render_prompt(self, messages: list[dict]) -> list[int]: ...
 
@@ -132,8 +133,13 @@ class ByteTokenizer:
     @classmethod
     def token_name(cls, token_id: int) -> str:
         """Text of a special id, e.g. 262 -> '<|end|>'. Raises ValueError for a byte id."""
-        names = {cls.PAD: "pad", cls.BOS: "bos", cls.EOS: "eos", cls.END: "end",
-                 **{v: k for k, v in cls.ROLE_IDS.items()}}
+        names = {
+            cls.PAD: "pad",
+            cls.BOS: "bos",
+            cls.EOS: "eos",
+            cls.END: "end",
+            **{v: k for k, v in cls.ROLE_IDS.items()},
+        }
         if not 256 <= token_id < cls.VOCAB_SIZE:
             raise ValueError(f"{token_id} is not a special id (256..{cls.VOCAB_SIZE - 1})")
         return f"<|{names.get(token_id, f'reserved_{token_id}')}|>"
@@ -158,8 +164,10 @@ class ByteTokenizer:
                 run.append(i)
                 continue
             if not 256 <= i < self.VOCAB_SIZE:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary "
-                                 f"0..{self.VOCAB_SIZE - 1}")
+                raise ValueError(
+                    f"token id {i} is outside the byte tokenizer's vocabulary "
+                    f"0..{self.VOCAB_SIZE - 1}"
+                )
             parts.append(run.decode("utf-8", errors="replace"))
             run.clear()
             if not skip_special_tokens:
@@ -167,8 +175,9 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def render_chat(self, messages: list[dict], *,
-                    add_generation_prompt: bool = False) -> RenderedChat:
+    def render_chat(
+        self, messages: list[dict], *, add_generation_prompt: bool = False
+    ) -> RenderedChat:
         """Token ids and loss mask of a conversation (format in the class docstring).
 
         Raises:
@@ -219,15 +228,24 @@ def load_tokenizer(folder: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
     if (path / BYTE_TOKENIZER_FILE).is_file():
         record = json.loads((path / BYTE_TOKENIZER_FILE).read_text(encoding="utf-8"))
         if record.get("kind") != "byte":
-            raise ValueError(f"{path / BYTE_TOKENIZER_FILE} has kind={record.get('kind')!r}; "
-                             f"known kinds: 'byte'")
+            raise ValueError(
+                f"{path / BYTE_TOKENIZER_FILE} has kind={record.get('kind')!r}; known kinds: 'byte'"
+            )
         if record.get("version") != ByteTokenizer.FORMAT_VERSION:
-            raise ValueError(f"{path / BYTE_TOKENIZER_FILE} has version={record.get('version')!r};"
-                             f" this posttrain reads version {ByteTokenizer.FORMAT_VERSION}")
+            raise ValueError(
+                f"{path / BYTE_TOKENIZER_FILE} has version={record.get('version')!r};"
+                f" this posttrain reads version {ByteTokenizer.FORMAT_VERSION}"
+            )
         return ByteTokenizer()
     if (path / HF_TOKENIZER_FILE).is_file():
         return HFTokenizer.from_folder(path)
-    hint = (" (tokenizer.model is a sentencepiece file; convert it to tokenizer.json with "
-            "transformers' save_pretrained)" if (path / "tokenizer.model").is_file() else "")
-    raise FileNotFoundError(f"{path} has neither {BYTE_TOKENIZER_FILE} (byte tokenizer) nor "
-                            f"{HF_TOKENIZER_FILE} (Hugging Face tokenizer){hint}")
+    hint = (
+        " (tokenizer.model is a sentencepiece file; convert it to tokenizer.json with "
+        "transformers' save_pretrained)"
+        if (path / "tokenizer.model").is_file()
+        else ""
+    )
+    raise FileNotFoundError(
+        f"{path} has neither {BYTE_TOKENIZER_FILE} (byte tokenizer) nor "
+        f"{HF_TOKENIZER_FILE} (Hugging Face tokenizer){hint}"
+    )

@@ -24,8 +24,14 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-__all__ = ["plot_metrics", "metric_label", "SFT_DEFAULT_METRICS", "RL_DEFAULT_METRICS",
-           "OUTCOMES_PANEL", "METRIC_LABELS"]
+__all__ = [
+    "plot_metrics",
+    "metric_label",
+    "SFT_DEFAULT_METRICS",
+    "RL_DEFAULT_METRICS",
+    "OUTCOMES_PANEL",
+    "METRIC_LABELS",
+]
 
 OUTCOMES_PANEL = "outcomes"
 """Pseudo-metric: the `outcome_<name>` count columns of RL rows, stacked, in one panel."""
@@ -63,8 +69,13 @@ METRIC_LABELS = {
 }
 """Axis titles with units for known columns; others are titled by their name."""
 
-_OUTCOME_COLORS = {"ok": "#2ca02c", "wrong": "#7f7f7f", "format_error": "#ff7f0e",
-                   "timeout": "#9467bd", "error": "#d62728"}
+_OUTCOME_COLORS = {
+    "ok": "#2ca02c",
+    "wrong": "#7f7f7f",
+    "format_error": "#ff7f0e",
+    "timeout": "#9467bd",
+    "error": "#d62728",
+}
 
 
 def metric_label(name: str) -> str:
@@ -72,7 +83,7 @@ def metric_label(name: str) -> str:
     if name in METRIC_LABELS:
         return METRIC_LABELS[name]
     if name.startswith("eval/"):
-        return f"held-out {name[len('eval/'):]}"
+        return f"held-out {name[len('eval/') :]}"
     return name
 
 
@@ -97,8 +108,15 @@ def _smoothed(values: pd.Series, weight: float) -> pd.Series:
     return values.ewm(alpha=1.0 - weight, adjust=True, ignore_na=True).mean()
 
 
-def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, ncols: int,
-          xlabel: str = "step") -> None:
+def _draw(
+    fig,
+    frame: pd.DataFrame,
+    metrics: Sequence[str],
+    *,
+    smooth: float,
+    ncols: int,
+    xlabel: str = "step",
+) -> None:
     """Draw one panel per metric into `fig` (cleared first)."""
     fig.clear()
     n = max(len(metrics), 1)
@@ -117,8 +135,16 @@ def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, nc
             continue
         values = pd.to_numeric(frame[name], errors="coerce") if name in frame else None
         if values is None or values.notna().sum() == 0:
-            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes,
-                    fontsize=8, color="#777777")
+            ax.text(
+                0.5,
+                0.5,
+                "no data yet",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=8,
+                color="#777777",
+            )
             continue
         keep = values.notna()
         x, y = steps[keep], values[keep]
@@ -130,12 +156,12 @@ def _draw(fig, frame: pd.DataFrame, metrics: Sequence[str], *, smooth: float, nc
             ax.plot(x, y, lw=1.2, color="C0", marker=marker, ms=3)
         if name == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    for ax in axes[len(metrics):]:
+    for ax in axes[len(metrics) :]:
         ax.set_visible(False)
 
 
 def _mfu_suffix(frame: pd.DataFrame, name: str) -> str:
-    """", MFU 1.23%" (the last row's `mfu`) for the throughput panel, else ""."""
+    """ ", MFU 1.23%" (the last row's `mfu`) for the throughput panel, else ""."""
     if name != "tokens_per_s" or "mfu" not in frame:
         return ""
     mfu = pd.to_numeric(frame["mfu"], errors="coerce").dropna()
@@ -145,11 +171,19 @@ def _mfu_suffix(frame: pd.DataFrame, name: str) -> str:
 def _draw_outcomes(ax, frame: pd.DataFrame, steps: pd.Series) -> None:
     columns = _outcome_columns(frame.columns)
     if not columns:
-        ax.text(0.5, 0.5, "no outcome_* columns", ha="center", va="center",
-                transform=ax.transAxes, fontsize=8, color="#777777")
+        ax.text(
+            0.5,
+            0.5,
+            "no outcome_* columns",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="#777777",
+        )
         return
     counts = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
-    labels = [c[len("outcome_"):] for c in columns]
+    labels = [c[len("outcome_") :] for c in columns]
     colors = [_OUTCOME_COLORS.get(label, None) for label in labels]
     if len(frame) <= 50:
         bottom = pd.Series(0.0, index=frame.index)
@@ -203,10 +237,16 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plot_metrics(source: pd.DataFrame | str | os.PathLike, metrics: Sequence[str] | None = None,
-                 *, smooth: float = 0.0, ncols: int = 3,
-                 figsize: tuple[float, float] | None = None, dpi: int = 100,
-                 title: str | None = None):
+def plot_metrics(
+    source: pd.DataFrame | str | os.PathLike,
+    metrics: Sequence[str] | None = None,
+    *,
+    smooth: float = 0.0,
+    ncols: int = 3,
+    figsize: tuple[float, float] | None = None,
+    dpi: int = 100,
+    title: str | None = None,
+):
     """One figure of per-step metrics, one panel per metric, x = step.
 
     Args:
@@ -245,8 +285,12 @@ def plot_metrics(source: pd.DataFrame | str | os.PathLike, metrics: Sequence[str
         metrics = _default_metrics(frame.columns)
     else:
         metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-        missing = [m for m in metrics if m not in frame.columns and not (
-            m == OUTCOMES_PANEL and _outcome_columns(frame.columns))]
+        missing = [
+            m
+            for m in metrics
+            if m not in frame.columns
+            and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))
+        ]
         if missing:
             available = sorted(c for c in frame.columns if c != "step")
             if _outcome_columns(frame.columns):
@@ -259,4 +303,3 @@ def plot_metrics(source: pd.DataFrame | str | os.PathLike, metrics: Sequence[str
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
-

@@ -36,16 +36,32 @@ from posttrain.rewards.verifier import DEFAULT_MAX_WORKERS, DEFAULT_TIMEOUT_S, s
 
 __all__ = ["rescore", "compare_rewards", "RESCORE_COLUMNS"]
 
-RESCORE_COLUMNS = ("group_id", "sample", "policy_version", "prompt", "completion", "answer",
-                   "old_reward", "old_outcome", "new_reward", "new_outcome", "new_reason",
-                   "changed")
+RESCORE_COLUMNS = (
+    "group_id",
+    "sample",
+    "policy_version",
+    "prompt",
+    "completion",
+    "answer",
+    "old_reward",
+    "old_outcome",
+    "new_reward",
+    "new_outcome",
+    "new_reason",
+    "changed",
+)
 """Columns of `rescore`'s result."""
 
 
-def rescore(source: Any, verifier: Any, *,
-            items: Sequence[Any] | Mapping[Any, Any] | None = None, tokenizer: Any = None,
-            timeout_s: float | None = DEFAULT_TIMEOUT_S,
-            max_workers: int = DEFAULT_MAX_WORKERS) -> pd.DataFrame:
+def rescore(
+    source: Any,
+    verifier: Any,
+    *,
+    items: Sequence[Any] | Mapping[Any, Any] | None = None,
+    tokenizer: Any = None,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> pd.DataFrame:
     """Score every completion again with `verifier` (e.g. an edited one) and put the old and
     new reward and outcome side by side.
 
@@ -71,21 +87,24 @@ def rescore(source: Any, verifier: Any, *,
     frame = rollouts_frame(source, items=items, tokenizer=tokenizer)
     no_item = [row for row, item in frame["item"].items() if not isinstance(item, Mapping)]
     if no_item:
-        raise ValueError(f"rows {no_item[:10]} have no task item to verify against; pass "
-                         "items=[b.item for b in builders] (one per group) or a dict "
-                         "group_id -> item, or rescore a file saved with items")
+        raise ValueError(
+            f"rows {no_item[:10]} have no task item to verify against; pass "
+            "items=[b.item for b in builders] (one per group) or a dict "
+            "group_id -> item, or rescore a file saved with items"
+        )
     completions = [c if isinstance(c, str) else "" for c in frame["completion"]]
-    results = score_batch(verifier, completions, list(frame["item"]), timeout_s=timeout_s,
-                          max_workers=max_workers)
-    out = frame[["group_id", "sample", "policy_version", "prompt", "completion",
-                 "answer"]].copy()
+    results = score_batch(
+        verifier, completions, list(frame["item"]), timeout_s=timeout_s, max_workers=max_workers
+    )
+    out = frame[["group_id", "sample", "policy_version", "prompt", "completion", "answer"]].copy()
     out["old_reward"] = frame["reward"]
     out["old_outcome"] = frame["outcome"]
     out["new_reward"] = [r.score for r in results]
     out["new_outcome"] = [r.outcome.value for r in results]
     out["new_reason"] = [r.reason for r in results]
-    out["changed"] = (out["new_reward"] != out["old_reward"]) | \
-        (out["new_outcome"] != out["old_outcome"])
+    out["changed"] = (out["new_reward"] != out["old_reward"]) | (
+        out["new_outcome"] != out["old_outcome"]
+    )
     return out[list(RESCORE_COLUMNS)]
 
 
@@ -112,17 +131,26 @@ def compare_rewards(before: Any, after: Any = None, *, bins: int = 20):
     """
     paired = after is None
     if paired:
-        if not isinstance(before, pd.DataFrame) or not {"old_reward", "new_reward",
-                                                        "old_outcome", "new_outcome"} <= set(
-                before.columns):
-            raise ValueError("compare_rewards(x) needs a rescore() result; to compare two sets "
-                             "of rollouts pass both: compare_rewards(before, after)")
+        if not isinstance(before, pd.DataFrame) or not {
+            "old_reward",
+            "new_reward",
+            "old_outcome",
+            "new_outcome",
+        } <= set(before.columns):
+            raise ValueError(
+                "compare_rewards(x) needs a rescore() result; to compare two sets "
+                "of rollouts pass both: compare_rewards(before, after)"
+            )
         b_reward, b_outcome = before["old_reward"], before["old_outcome"]
         a_reward, a_outcome = before["new_reward"], before["new_outcome"]
     else:
         b, a = (_rewards_frame(x) for x in (before, after))
-        b_reward, b_outcome, a_reward, a_outcome = b["reward"], b["outcome"], a["reward"], a[
-            "outcome"]
+        b_reward, b_outcome, a_reward, a_outcome = (
+            b["reward"],
+            b["outcome"],
+            a["reward"],
+            a["outcome"],
+        )
     if len(b_reward) == 0 or len(a_reward) == 0:
         raise ValueError("nothing to compare: a side has no rollouts")
     stats_b, stats_a = _stats(b_reward, b_outcome), _stats(a_reward, a_outcome)
@@ -143,9 +171,11 @@ def _rewards_frame(source: Any) -> pd.DataFrame:
 def _stats(reward: pd.Series, outcome: pd.Series) -> dict[str, float]:
     outcome = outcome.astype(str)
     judged = ~outcome.isin(["error", "timeout"])  # a failure has no reward to average in
-    stats = {"rows": float(len(reward)),
-             "reward_mean": float(reward[judged].astype(float).mean()),
-             "accuracy": float((outcome == "ok").mean())}
+    stats = {
+        "rows": float(len(reward)),
+        "reward_mean": float(reward[judged].astype(float).mean()),
+        "accuracy": float((outcome == "ok").mean()),
+    }
     for name in _OUTCOMES:
         stats[f"outcome_{name}"] = float((outcome == name).sum())
     return stats
@@ -163,14 +193,24 @@ def _compare_figure(b_reward, b_outcome, a_reward, a_outcome, summary: pd.DataFr
     if low == high:
         low, high = low - 0.5, high + 0.5
     edges = np.linspace(low, high, bins + 1)
-    ax_hist.hist(np.asarray(b_reward, float), bins=edges, histtype="stepfilled", alpha=0.35,
-                 color="#7f7f7f", label="before")
-    ax_hist.hist(np.asarray(a_reward, float), bins=edges, histtype="step", lw=1.5, color="C0",
-                 label="after")
+    ax_hist.hist(
+        np.asarray(b_reward, float),
+        bins=edges,
+        histtype="stepfilled",
+        alpha=0.35,
+        color="#7f7f7f",
+        label="before",
+    )
+    ax_hist.hist(
+        np.asarray(a_reward, float), bins=edges, histtype="step", lw=1.5, color="C0", label="after"
+    )
     ax_hist.set_xlabel("reward")
     ax_hist.set_ylabel("rollouts")
-    ax_hist.set_title(f"reward mean {summary.at['reward_mean', 'before']:.3g} -> "
-                      f"{summary.at['reward_mean', 'after']:.3g}", fontsize=9)
+    ax_hist.set_title(
+        f"reward mean {summary.at['reward_mean', 'before']:.3g} -> "
+        f"{summary.at['reward_mean', 'after']:.3g}",
+        fontsize=9,
+    )
     ax_hist.legend(fontsize=8, frameon=False)
     x = np.arange(len(_OUTCOMES))
     counts_b = [summary.at[f"outcome_{o}", "before"] for o in _OUTCOMES]
@@ -180,11 +220,12 @@ def _compare_figure(b_reward, b_outcome, a_reward, a_outcome, summary: pd.DataFr
     ax_out.bar(x + 0.2, counts_a, width=0.4, color=colors, label="after")
     ax_out.set_xticks(x, list(_OUTCOMES), fontsize=8)
     ax_out.set_ylabel("rollouts")
-    ax_out.set_title(f"accuracy {summary.at['accuracy', 'before']:.3g} -> "
-                     f"{summary.at['accuracy', 'after']:.3g} (left: before, right: after)",
-                     fontsize=9)
+    ax_out.set_title(
+        f"accuracy {summary.at['accuracy', 'before']:.3g} -> "
+        f"{summary.at['accuracy', 'after']:.3g} (left: before, right: after)",
+        fontsize=9,
+    )
     for ax in (ax_hist, ax_out):
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
     return fig
-

@@ -29,14 +29,27 @@ from posttrain.policy.sampling import FinishReason, _as_tensor, sampling_logprob
 
 
 @torch.inference_mode()
-def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens: int,
-                     max_seq_len: int, temperature: float, top_k: int | None, top_p: float,
-                     stop_ids: list[int], stops: list[str], decode, pad_id: int, seed: int
-                     ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
+def _generate_tokens(
+    model: nn.Module,
+    rows: list[list[int]],
+    *,
+    max_new_tokens: int,
+    max_seq_len: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float,
+    stop_ids: list[int],
+    stops: list[str],
+    decode,
+    pad_id: int,
+    seed: int,
+) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
     """The decoding loop: prefill the left-padded prompts, then one token per step for the live
     rows. Returns per row: token ids, their logprobs, finish reason."""
-    from torchtune.generation import (get_causal_mask_from_padding_mask,
-                                      get_position_ids_from_padding_mask)
+    from torchtune.generation import (
+        get_causal_mask_from_padding_mask,
+        get_position_ids_from_padding_mask,
+    )
 
     device = next(model.parameters()).device
     B = len(rows)
@@ -50,8 +63,8 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
     tokens_BP = torch.full((B, P), pad_id, dtype=torch.long, device=device)
     prompt_valid_BP = torch.zeros(B, P, dtype=torch.bool, device=device)
     for b, r in enumerate(rows):
-        tokens_BP[b, P - len(r):] = torch.tensor(r, dtype=torch.long)
-        prompt_valid_BP[b, P - len(r):] = True
+        tokens_BP[b, P - len(r) :] = torch.tensor(r, dtype=torch.long)
+        prompt_valid_BP[b, P - len(r) :] = True
     valid_BL = torch.nn.functional.pad(prompt_valid_BP, (0, N), value=True)
     positions_BL = get_position_ids_from_padding_mask(valid_BL)
 
@@ -69,8 +82,9 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
     stop_window = max((len(s.encode()) for s in stops), default=0) + 8
 
     def pick(logits_bV: Tensor) -> tuple[Tensor, Tensor]:
-        logprobs_bV = sampling_logprobs(logits_bV, temperature=temperature, top_k=top_k,
-                                        top_p=top_p)
+        logprobs_bV = sampling_logprobs(
+            logits_bV, temperature=temperature, top_k=top_k, top_p=top_p
+        )
         if temperature == 0:
             next_b = logits_bV.argmax(dim=-1)
         else:
@@ -91,11 +105,13 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
             unique.append(b)
     source_B = torch.tensor([first[tuple(r)] for r in rows], device=device)
     unique_U = torch.tensor(unique, device=device)
-    with _decoding_attention(model, batch_size=len(unique), max_len=L,
-                             padded=not bool(prompt_valid_BP.all())):
+    with _decoding_attention(
+        model, batch_size=len(unique), max_len=L, padded=not bool(prompt_valid_BP.all())
+    ):
         mask_UPP = get_causal_mask_from_padding_mask(prompt_valid_BP[unique_U])
-        logits_UV = _as_tensor(model(tokens_BP[unique_U], input_pos=positions_BL[unique_U, :P],
-                                     mask=mask_UPP))[:, -1]
+        logits_UV = _as_tensor(
+            model(tokens_BP[unique_U], input_pos=positions_BL[unique_U, :P], mask=mask_UPP)
+        )[:, -1]
         if len(unique) < B:
             _select_kv_cache_rows(model, source_B)
         logits_bV = logits_UV[source_B]
@@ -120,8 +136,7 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
             finished_b = eos_b | stop_b | length_b
             if bool(finished_b.any()):
                 for j in finished_b.nonzero().flatten().tolist():
-                    reasons[int(live[j])] = ("eos" if eos_b[j] else
-                                             "stop" if stop_b[j] else "length")
+                    reasons[int(live[j])] = "eos" if eos_b[j] else "stop" if stop_b[j] else "length"
                 running_b = running_b & ~finished_b
                 if not bool(running_b.any()):
                     break
@@ -131,13 +146,14 @@ def _generate_tokens(model: nn.Module, rows: list[list[int]], *, max_new_tokens:
                     live, next_b, running_b = live[keep], next_b[keep], running_b[keep]
             # the new token sits at cache position P + step and sees the cache up to itself
             cache_pos = P + step
-            mask_b1S = valid_BL[live, None, :cache_pos + 1]
-            input_pos_b1 = positions_BL[live, cache_pos:cache_pos + 1]
-            logits_bV = _as_tensor(model(next_b[:, None], mask=mask_b1S,
-                                         input_pos=input_pos_b1))[:, -1]
+            mask_b1S = valid_BL[live, None, : cache_pos + 1]
+            input_pos_b1 = positions_BL[live, cache_pos : cache_pos + 1]
+            logits_bV = _as_tensor(model(next_b[:, None], mask=mask_b1S, input_pos=input_pos_b1))[
+                :, -1
+            ]
     assert all(r is not None for r in reasons), reasons
-    tokens = [out_tokens_BN[b, :int(n_generated_B[b])].tolist() for b in range(B)]
-    logprobs = [out_logprobs_BN[b, :int(n_generated_B[b])].tolist() for b in range(B)]
+    tokens = [out_tokens_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
+    logprobs = [out_logprobs_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
     return tokens, logprobs, reasons  # type: ignore[return-value]
 
 
@@ -150,14 +166,23 @@ class _GrowingKVCache(nn.Module):
     the filled part.
     """
 
-    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
+        )
         self.size = 0
 
     def reset(self) -> None:
@@ -166,8 +191,8 @@ class _GrowingKVCache(nn.Module):
     def update(self, k_val: Tensor, v_val: Tensor) -> tuple[Tensor, Tensor]:
         end = self.size + k_val.shape[2]
         assert end <= self.k_cache.shape[2], "KV cache overflow"
-        self.k_cache[:, :, self.size:end] = k_val
-        self.v_cache[:, :, self.size:end] = v_val
+        self.k_cache[:, :, self.size : end] = k_val
+        self.v_cache[:, :, self.size : end] = v_val
         self.size = end
         return self.k_cache[:, :, :end], self.v_cache[:, :, :end]
 
@@ -185,13 +210,20 @@ def _sdpa_gqa(*, padded: bool):
     is plainly causal and a one-token step sees the whole filled cache, so it is dropped.
     """
 
-    def attention_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
-                       is_causal: bool) -> Tensor:
+    def attention_call(
+        q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, is_causal: bool
+    ) -> Tensor:
         if not padded:
             mask, is_causal = None, q.shape[2] > 1
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else mask[:, None], dropout_p=dropout_p,
-            is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1])
+            q,
+            k,
+            v,
+            attn_mask=None if mask is None else mask[:, None],
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
 
     return attention_call
 
@@ -215,16 +247,19 @@ def _decoding_attention(model: nn.Module, *, batch_size: int, max_len: int, padd
     from torchtune.modules import MultiHeadAttention
 
     if model.caches_are_setup():
-        raise ValueError("the model already has KV caches set up; Policy.generate sets up its "
-                         "own (remove them with torchtune.modules.common_utils.delete_kv_caches)")
+        raise ValueError(
+            "the model already has KV caches set up; Policy.generate sets up its "
+            "own (remove them with torchtune.modules.common_utils.delete_kv_caches)"
+        )
     param = next(model.parameters())
     attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     saved = [(a.num_kv_heads, a._attention_call) for a in attns]
     attention_call = _sdpa_gqa(padded=padded)
     try:
         for attn in attns:
-            attn.kv_cache = _GrowingKVCache(batch_size, max_len, attn.num_kv_heads, attn.head_dim,
-                                            param.dtype, param.device)
+            attn.kv_cache = _GrowingKVCache(
+                batch_size, max_len, attn.num_kv_heads, attn.head_dim, param.dtype, param.device
+            )
             attn.cache_enabled = True
             attn.num_kv_heads = attn.num_heads
             attn._attention_call = attention_call
@@ -257,6 +292,7 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop)
     for s in stops:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop={stop!r}; must be None, a non-empty str or a list of "
-                             "non-empty str")
+            raise ValueError(
+                f"stop={stop!r}; must be None, a non-empty str or a list of non-empty str"
+            )
     return stops

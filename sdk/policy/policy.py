@@ -53,17 +53,25 @@ class Policy:
 
     def __init__(self, model: nn.Module, tokenizer: "Tokenizer", spec: ModelSpec) -> None:
         if tokenizer.vocab_size > spec.vocab_size:
-            raise ValueError(f"tokenizer.vocab_size={tokenizer.vocab_size} exceeds "
-                             f"spec.vocab_size={spec.vocab_size}; the model cannot embed its ids")
+            raise ValueError(
+                f"tokenizer.vocab_size={tokenizer.vocab_size} exceeds "
+                f"spec.vocab_size={spec.vocab_size}; the model cannot embed its ids"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
 
     # ----------------------------------------------------------------------------- construction
     @classmethod
-    def from_spec(cls, spec: ModelSpec | str, *, tokenizer: "Tokenizer | None" = None,
-                  seed: int = 0, device: str | torch.device | None = None,
-                  dtype: torch.dtype = torch.float32) -> "Policy":
+    def from_spec(
+        cls,
+        spec: ModelSpec | str,
+        *,
+        tokenizer: "Tokenizer | None" = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "Policy":
         """A freshly initialised policy. `spec` is a `ModelSpec` or a preset name ("tiny-1m");
         the tokenizer defaults to `ByteTokenizer()`; parameters come from `seed` (global RNG
         untouched)."""
@@ -71,12 +79,18 @@ class Policy:
             spec = get_preset(spec)
         if tokenizer is None:
             from posttrain.models.tokenizer import ByteTokenizer
+
             tokenizer = ByteTokenizer()
         return cls(build_model(spec, device=device, dtype=dtype, seed=seed), tokenizer, spec)
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, *, device: str | torch.device | None = None,
-                        dtype: torch.dtype = torch.float32) -> "Policy":
+    def from_pretrained(
+        cls,
+        folder: str | os.PathLike,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "Policy":
         """Load an HF-format folder (config.json + safetensors + tokenizer files)."""
         from posttrain.models.hf import load_hf_checkpoint
         from posttrain.models.tokenizer import load_tokenizer
@@ -98,11 +112,19 @@ class Policy:
             tok.save(tmp)  # written with the weights in one atomic folder replacement
             tokenizer_files = {p.name: p for p in Path(tmp).iterdir() if p.is_file()}
             save_hf_checkpoint(
-                self.model, self.spec, folder, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                self.model,
+                self.spec,
+                folder,
+                bos_token_id=tok.bos_id,
+                eos_token_id=tok.eos_id,
                 pad_token_id=tok.pad_id,
-                generation_config={"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id,
-                                   "eos_token_id": sorted(tok.stop_ids)},
-                extra_files=tokenizer_files)
+                generation_config={
+                    "bos_token_id": tok.bos_id,
+                    "pad_token_id": tok.pad_id,
+                    "eos_token_id": sorted(tok.stop_ids),
+                },
+                extra_files=tokenizer_files,
+            )
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -120,15 +142,25 @@ class Policy:
     def __repr__(self) -> str:
         n = self.num_parameters()
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-        return (f"Policy(family={self.spec.family}, params={size}, vocab={self.spec.vocab_size}, "
-                f"layers={self.spec.num_layers}, device={self.device}, "
-                f"dtype={str(self.dtype).removeprefix('torch.')})")
+        return (
+            f"Policy(family={self.spec.family}, params={size}, vocab={self.spec.vocab_size}, "
+            f"layers={self.spec.num_layers}, device={self.device}, "
+            f"dtype={str(self.dtype).removeprefix('torch.')})"
+        )
 
     # ------------------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[str | Sequence[int]], *, n: int = 1,
-                 max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int | None = None, stop: str | Sequence[str] | None = None,
-                 seed: int | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> list[Completion]:
         """Sample `n` completions of every prompt, batched, with a KV cache.
 
         Prompts of different lengths are left-padded; padding is tracked by position (a padding
@@ -171,10 +203,19 @@ class Policy:
         try:
             with torch.inference_mode():
                 tokens, logprobs, reasons = _generate_tokens(
-                    self.model, rows, max_new_tokens=max_new_tokens,
-                    max_seq_len=self.spec.max_seq_len, temperature=temperature, top_k=top_k,
-                    top_p=top_p, stop_ids=sorted(self.tokenizer.stop_ids), stops=stops,
-                    decode=self.tokenizer.decode, pad_id=self.tokenizer.pad_id or 0, seed=seed)
+                    self.model,
+                    rows,
+                    max_new_tokens=max_new_tokens,
+                    max_seq_len=self.spec.max_seq_len,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    stop_ids=sorted(self.tokenizer.stop_ids),
+                    stops=stops,
+                    decode=self.tokenizer.decode,
+                    pad_id=self.tokenizer.pad_id or 0,
+                    seed=seed,
+                )
         finally:
             self.model.train(was_training)
 
@@ -182,16 +223,30 @@ class Policy:
         for i, (ids, lps, reason) in enumerate(zip(tokens, logprobs, reasons)):
             text = self.tokenizer.decode(ids)
             if reason == "stop":
-                text = text[:_first_stop(text, stops)]
-            completions.append(Completion(prompt_index=i // n, sample_index=i % n,
-                                          prompt_ids=list(rows[i]), token_ids=ids, text=text,
-                                          logprobs=lps, finish_reason=reason))
+                text = text[: _first_stop(text, stops)]
+            completions.append(
+                Completion(
+                    prompt_index=i // n,
+                    sample_index=i % n,
+                    prompt_ids=list(rows[i]),
+                    token_ids=ids,
+                    text=text,
+                    logprobs=lps,
+                    finish_reason=reason,
+                )
+            )
         return completions
 
     # --------------------------------------------------------------------------------- scoring
-    def logprobs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
-                 *, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float = 1.0) -> list[Tensor]:
+    def logprobs(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+    ) -> list[Tensor]:
         """Teacher-forced log-probability of each response token given its prompt.
 
         Uses the same `sampling_logprobs` as `generate`, so with the same settings and unchanged
@@ -209,8 +264,10 @@ class Policy:
         if isinstance(prompt_ids, (str, bytes)) or isinstance(response_ids, (str, bytes)):
             raise ValueError("prompt_ids and response_ids must be lists of token-id lists")
         if len(prompt_ids) != len(response_ids):
-            raise ValueError(f"len(prompt_ids)={len(prompt_ids)} != "
-                             f"len(response_ids)={len(response_ids)}; need one response per prompt")
+            raise ValueError(
+                f"len(prompt_ids)={len(prompt_ids)} != "
+                f"len(response_ids)={len(response_ids)}; need one response per prompt"
+            )
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty; pass at least one prompt")
         _check_sampling_args(temperature, top_k, top_p)
@@ -218,8 +275,10 @@ class Policy:
             self._check_ids(f"prompt_ids[{b}]", p, allow_empty=False)
             self._check_ids(f"response_ids[{b}]", r, allow_empty=True)
             if len(p) + len(r) > self.spec.max_seq_len:
-                raise ValueError(f"prompt_ids[{b}] + response_ids[{b}] has {len(p) + len(r)} "
-                                 f"tokens; spec.max_seq_len={self.spec.max_seq_len} is the most")
+                raise ValueError(
+                    f"prompt_ids[{b}] + response_ids[{b}] has {len(p) + len(r)} "
+                    f"tokens; spec.max_seq_len={self.spec.max_seq_len} is the most"
+                )
 
         lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         B, T = len(lengths), max(lengths)
@@ -227,28 +286,48 @@ class Policy:
         attention_BT = torch.zeros(B, T, dtype=torch.bool)
         response_BT = torch.zeros(B, T, dtype=torch.bool)
         for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-            input_ids_BT[b, :lengths[b]] = torch.tensor(list(p) + list(r), dtype=torch.long)
-            attention_BT[b, :lengths[b]] = True
-            response_BT[b, len(p):lengths[b]] = True
+            input_ids_BT[b, : lengths[b]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+            attention_BT[b, : lengths[b]] = True
+            response_BT[b, len(p) : lengths[b]] = True
         device = self.device
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode():
                 logprobs_BT = token_logprobs(
-                    self.model, input_ids_BT.to(device), attention_BT.to(device),
-                    response_BT.to(device), temperature=temperature, top_k=top_k, top_p=top_p)
+                    self.model,
+                    input_ids_BT.to(device),
+                    attention_BT.to(device),
+                    response_BT.to(device),
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                )
         finally:
             self.model.train(was_training)
         logprobs_BT = logprobs_BT.cpu()
-        return [logprobs_BT[b, len(p):lengths[b]].clone() for b, p in enumerate(prompt_ids)]
+        return [logprobs_BT[b, len(p) : lengths[b]].clone() for b, p in enumerate(prompt_ids)]
 
-    def logprobs_tensor(self, input_ids_BT: Tensor, attention_mask_BT: Tensor,
-                        response_mask_BT: Tensor, *, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float = 1.0) -> Tensor:
+    def logprobs_tensor(
+        self,
+        input_ids_BT: Tensor,
+        attention_mask_BT: Tensor,
+        response_mask_BT: Tensor,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+    ) -> Tensor:
         """Differentiable `[B, T]` token log-probabilities for training; see `token_logprobs`."""
-        return token_logprobs(self.model, input_ids_BT, attention_mask_BT, response_mask_BT,
-                              temperature=temperature, top_k=top_k, top_p=top_p)
+        return token_logprobs(
+            self.model,
+            input_ids_BT,
+            attention_mask_BT,
+            response_mask_BT,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
 
     # --------------------------------------------------------------------------------- helpers
     def _check_ids(self, name: str, ids: Sequence[int], *, allow_empty: bool) -> None:
@@ -258,13 +337,16 @@ class Policy:
             raise ValueError(f"{name} is empty; a prompt needs at least one token")
         for i in ids:
             if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.spec.vocab_size:
-                raise ValueError(f"{name} contains {i!r}; token ids must be ints in "
-                                 f"[0, {self.spec.vocab_size})")
+                raise ValueError(
+                    f"{name} contains {i!r}; token ids must be ints in [0, {self.spec.vocab_size})"
+                )
 
     def _encode_prompts(self, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"prompts must be a list of prompts (str or token-id lists); got "
-                             f"{type(prompts).__name__}: wrap a single prompt as [prompt]")
+            raise ValueError(
+                f"prompts must be a list of prompts (str or token-id lists); got "
+                f"{type(prompts).__name__}: wrap a single prompt as [prompt]"
+            )
         if len(prompts) == 0:
             raise ValueError("prompts=[] is empty; pass at least one prompt")
         out = []
@@ -272,23 +354,32 @@ class Policy:
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 if not prompt:
-                    raise ValueError(f"prompts[{i}]='' is empty; a prompt needs at least one "
-                                     "character or token")
+                    raise ValueError(
+                        f"prompts[{i}]='' is empty; a prompt needs at least one character or token"
+                    )
                 ids = self.tokenizer.encode(prompt, add_bos=True)
             else:
                 self._check_ids(f"prompts[{i}]", prompt, allow_empty=False)
                 ids = list(prompt)
             if len(ids) > limit:
-                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; spec.max_seq_len="
-                                 f"{self.spec.max_seq_len} leaves room for at most {limit} prompt "
-                                 "tokens (one new token must fit)")
+                raise ValueError(
+                    f"prompts[{i}] has {len(ids)} tokens; spec.max_seq_len="
+                    f"{self.spec.max_seq_len} leaves room for at most {limit} prompt "
+                    "tokens (one new token must fit)"
+                )
             out.append(ids)
         return out
 
 
-def generate_for_items(policy: Any, items: Sequence[Mapping[str, Any]], *, batch_size: int,
-                       chat: bool = True, seed: int = 0, **sampling: Any
-                       ) -> Iterator[tuple[int, list[Mapping[str, Any]], list[Completion]]]:
+def generate_for_items(
+    policy: Any,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    batch_size: int,
+    chat: bool = True,
+    seed: int = 0,
+    **sampling: Any,
+) -> Iterator[tuple[int, list[Mapping[str, Any]], list[Completion]]]:
     """`policy.generate` over task items in chunks: each item's "question" (a str; the caller
     checks) is rendered as a one-turn user chat with the generation prompt (`chat=True`) or fed
     as raw text after BOS (`chat=False`, for continued-pretraining models); the chunk of
@@ -311,7 +402,11 @@ def generate_for_items(policy: Any, items: Sequence[Mapping[str, Any]], *, batch
         [(0, 2, 4), (2, 1, 2)]
     """
     for start in range(0, len(items), batch_size):
-        chunk = list(items[start:start + batch_size])
-        prompts = [policy.tokenizer.render_prompt([{"role": "user", "content": it["question"]}])
-                   if chat else it["question"] for it in chunk]
+        chunk = list(items[start : start + batch_size])
+        prompts = [
+            policy.tokenizer.render_prompt([{"role": "user", "content": it["question"]}])
+            if chat
+            else it["question"]
+            for it in chunk
+        ]
         yield start, chunk, policy.generate(prompts, seed=seed + start, **sampling)

@@ -58,8 +58,9 @@ class Completion:
     finish_reason: FinishReason
 
 
-def sampling_logprobs(logits_xV: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                      top_p: float = 1.0) -> Tensor:
+def sampling_logprobs(
+    logits_xV: Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
     """Log-probabilities of the distribution a sampler with these settings draws from.
 
     The logits are divided by `temperature`, then all but the `top_k` largest are removed (ties
@@ -150,9 +151,17 @@ def nucleus_removed(logits_xV: Tensor, top_p: float) -> Tensor:
     return torch.empty_like(remove_sorted).scatter_(-1, order, remove_sorted)
 
 
-def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
-                   response_mask_BT: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float = 1.0, share_prefix: bool = False) -> Tensor:
+def token_logprobs(
+    model: nn.Module,
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    share_prefix: bool = False,
+) -> Tensor:
     """Teacher-forced log-probability of every response token, keeping the autograd graph.
 
     `logprobs_BT[b, t] = log p(input_ids_BT[b, t] | input_ids_BT[b, :t])` under
@@ -189,28 +198,43 @@ def token_logprobs(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
     """
     if input_ids_BT.ndim != 2:
         raise ValueError(f"input_ids_BT must be 2-D [B, T]; got shape {tuple(input_ids_BT.shape)}")
-    for name, t in (("attention_mask_BT", attention_mask_BT),
-                    ("response_mask_BT", response_mask_BT)):
+    for name, t in (
+        ("attention_mask_BT", attention_mask_BT),
+        ("response_mask_BT", response_mask_BT),
+    ):
         if t.shape != input_ids_BT.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; must equal input_ids_BT's "
-                             f"{tuple(input_ids_BT.shape)}")
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; must equal input_ids_BT's "
+                f"{tuple(input_ids_BT.shape)}"
+            )
     valid_BT = attention_mask_BT.bool()
     response_BT = response_mask_BT.bool() & valid_BT
     if response_BT[:, 0].any():
-        raise ValueError("response_mask_BT[:, 0] must be 0: the first token has no context to be "
-                         "predicted from")
+        raise ValueError(
+            "response_mask_BT[:, 0] must be 0: the first token has no context to be predicted from"
+        )
     if getattr(model, "caches_are_enabled", lambda: False)():
-        raise ValueError("the model has KV caches enabled; score with a model without caches "
-                         "(torchtune.modules.common_utils.delete_kv_caches)")
+        raise ValueError(
+            "the model has KV caches enabled; score with a model without caches "
+            "(torchtune.modules.common_utils.delete_kv_caches)"
+        )
 
-    logits_BTV, _ = model_logits(model, input_ids_BT, valid_BT, response_BT,
-                                 share_prefix=share_prefix)
-    return picked_logprobs(logits_BTV, input_ids_BT, response_BT, temperature=temperature,
-                           top_k=top_k, top_p=top_p)[0]
+    logits_BTV, _ = model_logits(
+        model, input_ids_BT, valid_BT, response_BT, share_prefix=share_prefix
+    )
+    return picked_logprobs(
+        logits_BTV, input_ids_BT, response_BT, temperature=temperature, top_k=top_k, top_p=top_p
+    )[0]
 
 
-def model_logits(model: nn.Module, input_ids_BT: Tensor, valid_BT: Tensor, response_BT: Tensor,
-                 *, share_prefix: bool = False) -> tuple[Tensor, SharedPrefixPack | None]:
+def model_logits(
+    model: nn.Module,
+    input_ids_BT: Tensor,
+    valid_BT: Tensor,
+    response_BT: Tensor,
+    *,
+    share_prefix: bool = False,
+) -> tuple[Tensor, SharedPrefixPack | None]:
     """The model's logits `[B, T, V]` on each row (position t: the logits after token t), and
     the `SharedPrefixPack` they were computed through (None: one forward over the rows).
 
@@ -221,32 +245,52 @@ def model_logits(model: nn.Module, input_ids_BT: Tensor, valid_BT: Tensor, respo
     (`SharedPrefixPack.build`); the logits equal the unshared ones up to float rounding.
     """
     lengths_B = valid_BT.sum(dim=-1)
-    right_padded = bool((valid_BT == (torch.arange(valid_BT.shape[1], device=valid_BT.device)
-                                      < lengths_B[:, None])).all())
+    right_padded = bool(
+        (
+            valid_BT
+            == (torch.arange(valid_BT.shape[1], device=valid_BT.device) < lengths_B[:, None])
+        ).all()
+    )
     embed_dim = getattr(getattr(model, "tok_embeddings", None), "embedding_dim", 1024)
-    pack = SharedPrefixPack.build(input_ids_BT, valid_BT, response_BT, embed_dim=embed_dim) \
-        if share_prefix and right_padded else None
+    pack = (
+        SharedPrefixPack.build(input_ids_BT, valid_BT, response_BT, embed_dim=embed_dim)
+        if share_prefix and right_padded
+        else None
+    )
     if pack is not None:
         return pack.unpack(_as_tensor(pack.forward(model))), pack
     if right_padded:
         return _as_tensor(model(input_ids_BT)), None
-    from torchtune.generation import (get_causal_mask_from_padding_mask,
-                                      get_position_ids_from_padding_mask)
-    return _as_tensor(model(input_ids_BT, mask=get_causal_mask_from_padding_mask(valid_BT),
-                            input_pos=get_position_ids_from_padding_mask(valid_BT))), None
+    from torchtune.generation import (
+        get_causal_mask_from_padding_mask,
+        get_position_ids_from_padding_mask,
+    )
+
+    return _as_tensor(
+        model(
+            input_ids_BT,
+            mask=get_causal_mask_from_padding_mask(valid_BT),
+            input_pos=get_position_ids_from_padding_mask(valid_BT),
+        )
+    ), None
 
 
-def picked_logprobs(logits_BTV: Tensor, input_ids_BT: Tensor, response_BT: Tensor, *,
-                    temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+def picked_logprobs(
+    logits_BTV: Tensor,
+    input_ids_BT: Tensor,
+    response_BT: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor]:
     """(logprobs_BT, logprobs_BTV) from row logits `[B, T, V]` (`model_logits`): float32
     `[B, T]` log-probabilities of each response token (0 elsewhere) and the sampling
     distribution `[B, T - 1, V]` after each position (all 0 where the next token is not scored:
     those logits, NaN or not, are replaced by 0 before the log-softmax, so they add no NaN
     gradient)."""
     logits_BTV = keep_selected(logits_BTV[:, :-1], response_BT[:, 1:, None])
-    logprobs_BTV = sampling_logprobs(logits_BTV, temperature=temperature, top_k=top_k,
-                                     top_p=top_p)
+    logprobs_BTV = sampling_logprobs(logits_BTV, temperature=temperature, top_k=top_k, top_p=top_p)
     picked_BT = logprobs_BTV.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
     picked_BT = torch.nn.functional.pad(picked_BT, (1, 0))
     return torch.where(response_BT, picked_BT, torch.zeros_like(picked_BT)), logprobs_BTV
@@ -259,8 +303,12 @@ def _as_tensor(output: Tensor | list[Tensor]) -> Tensor:
 
 
 def _check_sampling_args(temperature: float, top_k: int | None, top_p: float) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or \
-            not temperature >= 0 or math.isinf(temperature):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not temperature >= 0
+        or math.isinf(temperature)
+    ):
         raise ValueError(f"temperature={temperature!r}; must be a finite number >= 0 (0 = greedy)")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k={top_k!r}; must be None (no top-k) or an integer >= 1")

@@ -53,8 +53,9 @@ class SharedPrefixPack:
     index_BT: Tensor
 
     @classmethod
-    def build(cls, input_ids_BT: Tensor, valid_BT: Tensor, response_BT: Tensor, *,
-              embed_dim: int = 1024) -> SharedPrefixPack | None:
+    def build(
+        cls, input_ids_BT: Tensor, valid_BT: Tensor, response_BT: Tensor, *, embed_dim: int = 1024
+    ) -> SharedPrefixPack | None:
         """Pack right-padded rows by the prefix before each row's first response token; None
         when packing does not pay: no prefix is shared, or the packed forward would cost more
         than 0.9x the rows' by a flop count of 6 x `embed_dim` per token (the projections,
@@ -71,21 +72,22 @@ class SharedPrefixPack:
         B, T = input_ids_BT.shape
         lengths = valid_BT.sum(-1).tolist()
         has_response = response_BT.any(-1)
-        firsts = torch.where(has_response, response_BT.int().argmax(-1),
-                             valid_BT.sum(-1)).tolist()
+        firsts = torch.where(has_response, response_BT.int().argmax(-1), valid_BT.sum(-1)).tolist()
         ids = input_ids_BT.tolist()
         groups: dict[tuple[int, ...], list[int]] = {}
         for b in range(B):
-            groups.setdefault(tuple(ids[b][:firsts[b]]), []).append(b)
+            groups.setdefault(tuple(ids[b][: firsts[b]]), []).append(b)
         if len(groups) == B:
             return None
         N = len(groups)
-        S = max(len(prefix) + sum(lengths[b] - firsts[b] for b in rows)
-                for prefix, rows in groups.items())
+        S = max(
+            len(prefix) + sum(lengths[b] - firsts[b] for b in rows)
+            for prefix, rows in groups.items()
+        )
         if N * S * (6 * embed_dim + S) >= 0.9 * B * T * (6 * embed_dim + T / 2):
             return None
         packed_ids, segment, position = (torch.zeros(N, S, dtype=torch.long) for _ in range(3))
-        segment.fill_(-2)                        # -2: padding, -1: the prefix, j: row j's part
+        segment.fill_(-2)  # -2: padding, -1: the prefix, j: row j's part
         sequence_B = torch.empty(B, dtype=torch.long)
         index_BT = torch.zeros(B, T, dtype=torch.long)
         for n, (prefix, rows) in enumerate(groups.items()):
@@ -96,20 +98,25 @@ class SharedPrefixPack:
             offset = P
             for j, b in enumerate(rows):
                 L = lengths[b] - P
-                packed_ids[n, offset:offset + L] = input_ids_BT[b, P:P + L]
-                segment[n, offset:offset + L] = j
-                position[n, offset:offset + L] = torch.arange(P, P + L)
+                packed_ids[n, offset : offset + L] = input_ids_BT[b, P : P + L]
+                segment[n, offset : offset + L] = j
+                position[n, offset : offset + L] = torch.arange(P, P + L)
                 sequence_B[b] = n
                 index_BT[b, :P] = torch.arange(P)
-                index_BT[b, P:P + L] = torch.arange(offset, offset + L)
+                index_BT[b, P : P + L] = torch.arange(offset, offset + L)
                 offset += L
         q, k = segment[:, :, None], segment[:, None, :]
         causal = torch.ones(S, S, dtype=torch.bool).tril()
         mask = causal & ((k == -1) | (k == q)) & (q != -2)
-        mask |= torch.eye(S, dtype=torch.bool)   # padding sees itself: no empty softmax row
+        mask |= torch.eye(S, dtype=torch.bool)  # padding sees itself: no empty softmax row
         device = input_ids_BT.device
-        return cls(packed_ids.to(device), mask.to(device), position.to(device),
-                   sequence_B.to(device), index_BT.to(device))
+        return cls(
+            packed_ids.to(device),
+            mask.to(device),
+            position.to(device),
+            sequence_B.to(device),
+            index_BT.to(device),
+        )
 
     def unpack(self, x_NSx: Tensor) -> Tensor:
         """A per-position output of the packed forward (`[N, S, ...]`: logits, hidden states) in

@@ -38,8 +38,12 @@ class EvalResult:
     table: pd.DataFrame
 
     def as_dict(self) -> dict[str, float]:
-        return {"accuracy": self.accuracy, "ci_low": self.ci_low, "ci_high": self.ci_high,
-                "num_items": self.num_items}
+        return {
+            "accuracy": self.accuracy,
+            "ci_low": self.ci_low,
+            "ci_high": self.ci_high,
+            "num_items": self.num_items,
+        }
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -48,7 +52,9 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     Raises ValueError if n < 1 or successes is outside [0, n].
     """
     if n < 1 or not 0 <= successes <= n:
-        raise ValueError(f"wilson_interval needs 0 <= successes <= n and n >= 1, got {successes}/{n}")
+        raise ValueError(
+            f"wilson_interval needs 0 <= successes <= n and n >= 1, got {successes}/{n}"
+        )
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
@@ -56,10 +62,18 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def evaluate_generations(policy, items: Sequence[Mapping[str, Any]], *, score_fn: ScoreFn,
-                         max_new_tokens: int = 32, batch_size: int = 64,
-                         temperature: float = 0.0, seed: int = 0,
-                         correct_threshold: float = 1.0, chat: bool = True) -> EvalResult:
+def evaluate_generations(
+    policy,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    score_fn: ScoreFn,
+    max_new_tokens: int = 32,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    correct_threshold: float = 1.0,
+    chat: bool = True,
+) -> EvalResult:
     """Generate an answer to each item's `question` (as a one-turn chat) and score it.
 
     Args:
@@ -83,27 +97,44 @@ def evaluate_generations(policy, items: Sequence[Mapping[str, Any]], *, score_fn
     was_training = policy.model.training
     try:
         for start, chunk, completions in generate_for_items(
-                policy, items, batch_size=batch_size, chat=chat, seed=seed,
-                max_new_tokens=max_new_tokens, temperature=temperature):
+            policy,
+            items,
+            batch_size=batch_size,
+            chat=chat,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+        ):
             for c in completions:
                 item = chunk[c.prompt_index]
                 score = float(score_fn(c.text, item))
-                rows.append({"question": item["question"], "answer": item.get("answer"),
-                             "completion": c.text, "score": score,
-                             "correct": score >= correct_threshold,
-                             "finish_reason": c.finish_reason})
+                rows.append(
+                    {
+                        "question": item["question"],
+                        "answer": item.get("answer"),
+                        "completion": c.text,
+                        "score": score,
+                        "correct": score >= correct_threshold,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
     finally:
         policy.model.train(was_training)
     table = pd.DataFrame(rows)
     successes = int(table["correct"].sum())
     low, high = wilson_interval(successes, len(table))
-    return EvalResult(accuracy=successes / len(table), ci_low=low, ci_high=high,
-                      num_items=len(table), table=table)
+    return EvalResult(
+        accuracy=successes / len(table), ci_low=low, ci_high=high, num_items=len(table), table=table
+    )
 
 
-def paired_bootstrap_diff(correct_a: Sequence[bool] | np.ndarray,
-                          correct_b: Sequence[bool] | np.ndarray, *, seed: int = 0,
-                          num_resamples: int = 10_000) -> dict[str, Any]:
+def paired_bootstrap_diff(
+    correct_a: Sequence[bool] | np.ndarray,
+    correct_b: Sequence[bool] | np.ndarray,
+    *,
+    seed: int = 0,
+    num_resamples: int = 10_000,
+) -> dict[str, Any]:
     """Accuracy of A minus accuracy of B on the same items, with a 95% percentile interval from
     a paired bootstrap (items resampled with replacement, both arms together; Efron & Tibshirani
     1993, ch. 13).
@@ -120,8 +151,13 @@ def paired_bootstrap_diff(correct_a: Sequence[bool] | np.ndarray,
         raise ValueError(f"need two equal-length 1-D arrays; got {a.shape} and {b.shape}")
     idx = np.random.default_rng(seed).integers(0, a.size, size=(num_resamples, a.size))
     low, high = np.percentile((a[idx] - b[idx]).mean(axis=1), [2.5, 97.5])
-    return {"difference": float((a - b).mean()), "ci_low": float(low), "ci_high": float(high),
-            "num_items": int(a.size), "method": "paired bootstrap, 10k resamples, percentile"}
+    return {
+        "difference": float((a - b).mean()),
+        "ci_low": float(low),
+        "ci_high": float(high),
+        "num_items": int(a.size),
+        "method": "paired bootstrap, 10k resamples, percentile",
+    }
 
 
 @dataclass(frozen=True)
@@ -142,13 +178,26 @@ class SampledEvalResult:
     table: pd.DataFrame
 
     def as_dict(self) -> dict[str, float]:
-        return {"pass_at_1": self.pass_at_1, "pass_at_k": self.pass_at_k, "k": self.k,
-                "num_items": self.num_items}
+        return {
+            "pass_at_1": self.pass_at_1,
+            "pass_at_k": self.pass_at_k,
+            "k": self.k,
+            "num_items": self.num_items,
+        }
 
 
-def evaluate_sampled(policy, items: Sequence[Mapping[str, Any]], *, score_fn: ScoreFn,
-                     samples: int = 8, temperature: float = 1.0, max_new_tokens: int = 32,
-                     seed: int = 1, batch_size: int = 64, chat: bool = True) -> SampledEvalResult:
+def evaluate_sampled(
+    policy,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    score_fn: ScoreFn,
+    samples: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 1,
+    batch_size: int = 64,
+    chat: bool = True,
+) -> SampledEvalResult:
     """`samples` answers per item at `temperature` (seeded: the same weights give the same
     answers), scored like `evaluate_generations`; returns pass@1 and pass@`samples`.
 
@@ -161,13 +210,26 @@ def evaluate_sampled(policy, items: Sequence[Mapping[str, Any]], *, score_fn: Sc
     if not temperature > 0:
         raise ValueError(f"evaluate_sampled: temperature={temperature!r}; must be > 0")
     n = len(items)
-    result = evaluate_generations(policy, list(items) * samples, score_fn=score_fn,
-                                  max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                  temperature=temperature, seed=seed, chat=chat)
+    result = evaluate_generations(
+        policy,
+        list(items) * samples,
+        score_fn=score_fn,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        temperature=temperature,
+        seed=seed,
+        chat=chat,
+    )
     correct = result.table["correct"].to_numpy(bool).reshape(samples, n)
-    table = result.table.assign(sample=np.repeat(np.arange(samples), n),
-                                item=np.tile(np.arange(n), samples))
+    table = result.table.assign(
+        sample=np.repeat(np.arange(samples), n), item=np.tile(np.arange(n), samples)
+    )
     per_item = correct.mean(axis=0)
-    return SampledEvalResult(pass_at_1=float(per_item.mean()),
-                             pass_at_k=float(correct.any(axis=0).mean()), k=samples,
-                             num_items=n, per_item_pass1=per_item, table=table)
+    return SampledEvalResult(
+        pass_at_1=float(per_item.mean()),
+        pass_at_k=float(correct.any(axis=0).mean()),
+        k=samples,
+        num_items=n,
+        per_item_pass1=per_item,
+        table=table,
+    )

@@ -84,10 +84,10 @@ class JudgeRequest:
     future: asyncio.Future = field(default=None, repr=False)  # type: ignore[assignment]
     enqueued: float = field(default_factory=time.monotonic)
     deadline: float = math.inf
-    waiters: int = 0     # HTTP handlers waiting on `future` (a retried id adds one)
-    results: list[dict] = field(default_factory=list, repr=False)   # of the pieces judged
-    started: float | None = field(default=None, repr=False)        # its first judge call
-    judge_s: float = field(default=0.0, repr=False)                 # its pieces' judge seconds
+    waiters: int = 0  # HTTP handlers waiting on `future` (a retried id adds one)
+    results: list[dict] = field(default_factory=list, repr=False)  # of the pieces judged
+    started: float | None = field(default=None, repr=False)  # its first judge call
+    judge_s: float = field(default=0.0, repr=False)  # its pieces' judge seconds
 
     def __post_init__(self) -> None:
         if self.future is None:
@@ -130,8 +130,9 @@ def result_to_json(result: Any) -> dict:
     whose fields cannot be read, becomes outcome error, saying what it was."""
     try:
         if not isinstance(result, VerifierResult):
-            return _error_json(f"judge returned {type(result).__name__} {result!r:.80}, not a "
-                               "VerifierResult")
+            return _error_json(
+                f"judge returned {type(result).__name__} {result!r:.80}, not a VerifierResult"
+            )
         raw_score = getattr(result, "raw_score", None)
         if raw_score is not None:
             number = None
@@ -139,23 +140,34 @@ def result_to_json(result: Any) -> dict:
                 with contextlib.suppress(TypeError, ValueError, RuntimeError):
                     number = float(raw_score)
             if number is None or not math.isfinite(number):
-                return _error_json(f"judge returned raw_score={raw_score!r:.80}; must be a "
-                                   "finite number or None")
+                return _error_json(
+                    f"judge returned raw_score={raw_score!r:.80}; must be a finite number or None"
+                )
             raw_score = number
         score = float(result.score)
         if not math.isfinite(score):
             return _error_json(f"judge returned score={score!r}; must be finite")
-        return {"score": score, "outcome": Outcome(result.outcome).value,
-                "reason": str(result.reason), "raw": str(getattr(result, "raw", "")),
-                "raw_score": raw_score}
+        return {
+            "score": score,
+            "outcome": Outcome(result.outcome).value,
+            "reason": str(result.reason),
+            "raw": str(getattr(result, "raw", "")),
+            "raw_score": raw_score,
+        }
     except Exception as exc:  # noqa: BLE001 - a malformed result is data for the client
-        return _error_json(f"judge returned a result that cannot be sent: "
-                           f"{type(exc).__name__}: {exc}"[:300])
+        return _error_json(
+            f"judge returned a result that cannot be sent: {type(exc).__name__}: {exc}"[:300]
+        )
 
 
 def _error_json(reason: str) -> dict:
-    return {"score": 0.0, "outcome": Outcome.ERROR.value, "reason": reason, "raw": "",
-            "raw_score": None}
+    return {
+        "score": 0.0,
+        "outcome": Outcome.ERROR.value,
+        "reason": reason,
+        "raw": "",
+        "raw_score": None,
+    }
 
 
 class Batcher:
@@ -172,8 +184,9 @@ class Batcher:
         ValueError: for a setting outside its range (named).
     """
 
-    def __init__(self, judge: Any, *, max_batch_size: int, max_wait_s: float,
-                 max_queue: int) -> None:
+    def __init__(
+        self, judge: Any, *, max_batch_size: int, max_wait_s: float, max_queue: int
+    ) -> None:
         check_int("max_batch_size", max_batch_size, minimum=1)
         check_int("max_queue", max_queue, minimum=1)
         if not (isinstance(max_wait_s, (int, float)) and 0 <= max_wait_s < math.inf):
@@ -181,19 +194,30 @@ class Batcher:
         self.judge, self.max_batch_size = judge, max_batch_size
         self.max_wait_s, self.max_queue = float(max_wait_s), max_queue
         self.draining = False
-        self.failed: str | None = None    # why the batching task died (a bug), else None
+        self.failed: str | None = None  # why the batching task died (a bug), else None
         self._queue: collections.deque[JudgeRequest] = collections.deque()
         self._running: list[_Piece] | None = None
-        self._held = 0                    # requests taken and not yet answered or dropped
+        self._held = 0  # requests taken and not yet answered or dropped
         self._closing = False
-        self._abandoned = False           # fail_pending was called: do not wait for the judge
-        self._batch_s = 0.05              # running mean seconds per batch, for Retry-After
-        self._lock = threading.Lock()     # guards _stats (read by other threads)
+        self._abandoned = False  # fail_pending was called: do not wait for the judge
+        self._batch_s = 0.05  # running mean seconds per batch, for Retry-After
+        self._lock = threading.Lock()  # guards _stats (read by other threads)
         self._stats: dict[str, Any] = {
-            "requests": 0, "completions": 0, "batches": 0, "rejected_full": 0,
-            "rejected_draining": 0, "rejected_failed": 0, "judge_failures": 0, "shut_down": 0,
-            "expired": 0, "expired_completions": 0, "max_queue_depth": 0, "judge_s": 0.0,
-            "batch_completions": {}, "batch_requests": {}}
+            "requests": 0,
+            "completions": 0,
+            "batches": 0,
+            "rejected_full": 0,
+            "rejected_draining": 0,
+            "rejected_failed": 0,
+            "judge_failures": 0,
+            "shut_down": 0,
+            "expired": 0,
+            "expired_completions": 0,
+            "max_queue_depth": 0,
+            "judge_s": 0.0,
+            "batch_completions": {},
+            "batch_requests": {},
+        }
 
     # ---------------------------------------------------------------- lifecycle (loop thread)
     async def start(self) -> None:
@@ -218,8 +242,9 @@ class Batcher:
         self.failed = why
         for request in self._pending():
             if not request.future.done():
-                request.future.set_exception(ServerShutDown(
-                    f"the judge batcher failed ({why}); this request was not judged"))
+                request.future.set_exception(
+                    ServerShutDown(f"the judge batcher failed ({why}); this request was not judged")
+                )
                 self._count("shut_down")
         self._queue.clear()
         self._running, self._held = None, 0
@@ -258,8 +283,7 @@ class Batcher:
     def retry_after_s(self) -> float:
         """Seconds until the queue has likely moved on: batches ahead x recent seconds per batch
         (between 0.01 and 10)."""
-        ahead = math.ceil(sum(r.remaining for r in list(self._queue))
-                          / self.max_batch_size) or 1
+        ahead = math.ceil(sum(r.remaining for r in list(self._queue)) / self.max_batch_size) or 1
         return min(10.0, max(0.01, ahead * self._batch_s))
 
     # ---------------------------------------------------------------- any thread
@@ -280,11 +304,13 @@ class Batcher:
         def fail() -> None:
             for request in self._pending():
                 if not request.future.done():
-                    request.future.set_exception(ServerShutDown(
-                        "the judge server stopped before judging this request"))
+                    request.future.set_exception(
+                        ServerShutDown("the judge server stopped before judging this request")
+                    )
                     self._count("shut_down")
             self._held -= len(self._queue)
             self._queue.clear()
+
         self._loop.call_soon_threadsafe(fail)
 
     def is_judging(self, request: JudgeRequest) -> bool:
@@ -305,8 +331,9 @@ class Batcher:
         `expired_completions` left unjudged), seconds in the judge."""
         with self._lock:
             stats = {k: dict(v) if isinstance(v, dict) else v for k, v in self._stats.items()}
-        stats.update(queue_depth=len(self._queue), draining=self.draining,
-                     judging=self._running is not None)
+        stats.update(
+            queue_depth=len(self._queue), draining=self.draining, judging=self._running is not None
+        )
         return stats
 
     # ---------------------------------------------------------------- the batching loop
@@ -328,7 +355,7 @@ class Batcher:
             except BaseException as exc:  # noqa: BLE001 - last guard; _judge_batch catches all
                 why = f"judge worker raised {type(exc).__name__}: {exc}"
                 outputs = [[_error_json(why)] * (p.stop - p.start) for p in batch]
-            seconds = time.monotonic() - start   # `_running` stays set until all are answered
+            seconds = time.monotonic() - start  # `_running` stays set until all are answered
             finished = sum(p.stop == len(p.request.completions) for p in batch)
             self._record(batch, finished, seconds)
             size = sum(p.stop - p.start for p in batch)
@@ -336,18 +363,25 @@ class Batcher:
             batch_id = self._stats["batches"]
             for piece, results in zip(batch, outputs):
                 request = piece.request
-                if request.future.done():   # timed out or failed meanwhile: dropped
+                if request.future.done():  # timed out or failed meanwhile: dropped
                     self._held -= 1
                     continue
                 request.results.extend(results)
                 request.started = start if request.started is None else request.started
                 request.judge_s += seconds
                 if request.remaining:
-                    self._queue.append(request)   # the rest after those waiting now
+                    self._queue.append(request)  # the rest after those waiting now
                     continue
-                request.future.set_result(BatchOutput(
-                    request.results, batch_id, len(batch), size,
-                    request.started - request.enqueued, request.judge_s))
+                request.future.set_result(
+                    BatchOutput(
+                        request.results,
+                        batch_id,
+                        len(batch),
+                        size,
+                        request.started - request.enqueued,
+                        request.judge_s,
+                    )
+                )
                 self._held -= 1
             self._running = None
 
@@ -371,11 +405,11 @@ class Batcher:
         if first is None:
             return None
         done = len(first.results)
-        if first.remaining > self.max_batch_size:     # a piece of a large request, alone
+        if first.remaining > self.max_batch_size:  # a piece of a large request, alone
             return [_Piece(first, done, done + self.max_batch_size)]
         batch, size = [_Piece(first, done, len(first.completions))], first.remaining
-        until = first.enqueued + self.max_wait_s   # from its arrival: a request that waited
-        while size < self.max_batch_size:           # for the judge already goes at once
+        until = first.enqueued + self.max_wait_s  # from its arrival: a request that waited
+        while size < self.max_batch_size:  # for the judge already goes at once
             if not self._queue:
                 remaining = until - time.monotonic()
                 if remaining <= 0 or self.draining or self._closing:
@@ -422,17 +456,19 @@ class Batcher:
     def _judge_batch(self, batch: list[_Piece]) -> list[list[dict]]:
         """One judge call over the whole batch, split back per piece; if it raises, each piece
         alone (one bad request fails only itself)."""
-        completions = [c for p in batch for c in p.request.completions[p.start:p.stop]]
-        items = [i for p in batch for i in p.request.items[p.start:p.stop]]
+        completions = [c for p in batch for c in p.request.completions[p.start : p.stop]]
+        items = [i for p in batch for i in p.request.items[p.start : p.stop]]
         try:
             results = list(self.judge.judge(completions, items))
             if len(results) != len(completions):
-                raise ValueError(f"{type(self.judge).__name__}.judge returned {len(results)} "
-                                 f"results for {len(completions)} completions")
+                raise ValueError(
+                    f"{type(self.judge).__name__}.judge returned {len(results)} "
+                    f"results for {len(completions)} completions"
+                )
             out, start = [], 0
             for piece in batch:
                 n = piece.stop - piece.start
-                out.append([result_to_json(r) for r in results[start:start + n]])
+                out.append([result_to_json(r) for r in results[start : start + n]])
                 start += n
             return out
         # BaseException too (SystemExit, KeyboardInterrupt raised by the judge's own code): this

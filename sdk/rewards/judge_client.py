@@ -95,16 +95,29 @@ class JudgeClient:
 
     isolation = "thread"
 
-    def __init__(self, url: str, *, timeout_s: float = 10.0, retries: int = 5,
-                 backoff_s: float = 0.05, max_backoff_s: float = 1.0,
-                 connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 10.0,
+        retries: int = 5,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
         _check_url(url)
         check_int("retries", retries, minimum=0)
-        for name, value in (("timeout_s", timeout_s), ("backoff_s", backoff_s),
-                            ("max_backoff_s", max_backoff_s),
-                            ("connect_timeout_s", connect_timeout_s)):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not 0 < value < math.inf):
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("backoff_s", backoff_s),
+            ("max_backoff_s", max_backoff_s),
+            ("connect_timeout_s", connect_timeout_s),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < math.inf
+            ):
                 raise ValueError(f"{name}={value!r}; must be a finite number of seconds > 0")
         self.url = url.rstrip("/")
         self.timeout_s, self.retries = float(timeout_s), retries
@@ -119,8 +132,9 @@ class JudgeClient:
         self._random = random.Random()
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("_http", "_pid", "_lock", "_random")}
+        return {
+            k: v for k, v in self.__dict__.items() if k not in ("_http", "_pid", "_lock", "_random")
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -133,8 +147,13 @@ class JudgeClient:
             return self._http
 
     # ---------------------------------------------------------------- Judge and Verifier
-    def judge(self, completions: Sequence[str], items: Sequence[Mapping[str, Any]], *,
-              request_id: str | None = None) -> list[VerifierResult]:
+    def judge(
+        self,
+        completions: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+        *,
+        request_id: str | None = None,
+    ) -> list[VerifierResult]:
         """One request for all completions; one result per completion, in order.
 
         `items` travel as JSON; a value JSON cannot hold is sent as its `str()`. `request_id`
@@ -152,9 +171,11 @@ class JudgeClient:
             raise ValueError(f"request_id={request_id!r}; must be a str of 1 to 200 characters")
         if not completions:
             return []
-        payload = {"request_id": request_id, "completions": list(completions),
-                   "items": [dict(item) if isinstance(item, Mapping) else item
-                             for item in items]}
+        payload = {
+            "request_id": request_id,
+            "completions": list(completions),
+            "items": [dict(item) if isinstance(item, Mapping) else item for item in items],
+        }
         outcome, why = self._post(payload, len(completions))
         if isinstance(outcome, list):
             return outcome
@@ -173,21 +194,27 @@ class JudgeClient:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return Outcome.TIMEOUT, (f"judge server at {self.url} gave no judgement within "
-                                         f"{self.timeout_s:g} s ({attempts} attempts; last: "
-                                         f"{last})")
+                return Outcome.TIMEOUT, (
+                    f"judge server at {self.url} gave no judgement within "
+                    f"{self.timeout_s:g} s ({attempts} attempts; last: "
+                    f"{last})"
+                )
             attempts += 1
             wait = self._backoff(attempts)
-            body = json.dumps({**payload, "timeout_s": max(1e-3, 0.95 * remaining)},
-                              default=str)
+            body = json.dumps({**payload, "timeout_s": max(1e-3, 0.95 * remaining)}, default=str)
             try:
-                response = http.post(endpoint, content=body, headers={
-                    "content-type": "application/json"}, timeout=httpx.Timeout(
-                        remaining, connect=min(self.connect_timeout_s, remaining)))
+                response = http.post(
+                    endpoint,
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout=httpx.Timeout(
+                        remaining, connect=min(self.connect_timeout_s, remaining)
+                    ),
+                )
             except httpx.TimeoutException as exc:
                 last = f"{type(exc).__name__} after {remaining:.3g} s"
                 if time.monotonic() >= deadline:
-                    continue   # the loop reports the timeout
+                    continue  # the loop reports the timeout
             except httpx.TransportError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -199,13 +226,15 @@ class JudgeClient:
                 if status == 504:
                     continue
                 if status not in _RETRIED:
-                    return Outcome.ERROR, (f"judge server at {self.url} refused the request: "
-                                           f"{last}")
+                    return Outcome.ERROR, (
+                        f"judge server at {self.url} refused the request: {last}"
+                    )
                 if status in (429, 503):
                     wait = max(wait, _retry_after(response))
             if attempts > self.retries:
-                return Outcome.ERROR, (f"judge server at {self.url} failed {attempts} attempts; "
-                                       f"last: {last}")
+                return Outcome.ERROR, (
+                    f"judge server at {self.url} failed {attempts} attempts; last: {last}"
+                )
             time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
 
     def _backoff(self, attempt: int) -> float:
@@ -214,9 +243,14 @@ class JudgeClient:
 
     def _results(self, response: httpx.Response, request_id: str, n: int) -> list:
         """The results of a 200 answer; every completion `error` when the answer is malformed."""
+
         def failed(why: str) -> list:
-            return [JudgeResult.failure(Outcome.ERROR, f"judge server at {self.url} sent a "
-                                                       f"malformed answer: {why}")] * n
+            return [
+                JudgeResult.failure(
+                    Outcome.ERROR, f"judge server at {self.url} sent a malformed answer: {why}"
+                )
+            ] * n
+
         try:
             answer = response.json()
             results = answer["results"]
@@ -225,16 +259,24 @@ class JudgeClient:
         if answer.get("request_id") != request_id:
             return failed(f"it answers request {answer.get('request_id')!r}, not {request_id!r}")
         if not isinstance(results, list) or len(results) != n:
-            return failed(f"{len(results) if isinstance(results, list) else results!r} results "
-                          f"for {n} completions")
+            return failed(
+                f"{len(results) if isinstance(results, list) else results!r} results "
+                f"for {n} completions"
+            )
         out = []
         for r in results:
             try:
-                out.append(JudgeResult(r["score"], r["outcome"], r.get("reason", ""),
-                                       raw=r.get("raw", ""), raw_score=r.get("raw_score")))
+                out.append(
+                    JudgeResult(
+                        r["score"],
+                        r["outcome"],
+                        r.get("reason", ""),
+                        raw=r.get("raw", ""),
+                        raw_score=r.get("raw_score"),
+                    )
+                )
             except (ValueError, KeyError, TypeError) as exc:
-                out.append(JudgeResult.failure(Outcome.ERROR, f"malformed result {r!r:.80}: "
-                                                              f"{exc}"))
+                out.append(JudgeResult.failure(Outcome.ERROR, f"malformed result {r!r:.80}: {exc}"))
         return out
 
     # ---------------------------------------------------------------- probes
@@ -252,8 +294,7 @@ class JudgeClient:
         return response.json()
 
     def __repr__(self) -> str:
-        return (f"JudgeClient({self.url!r}, timeout_s={self.timeout_s:g}, "
-                f"retries={self.retries})")
+        return f"JudgeClient({self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries})"
 
 
 def _check_url(url: Any) -> None:
@@ -283,8 +324,7 @@ def _detail(response: httpx.Response) -> str:
         detail = response.text
     if isinstance(detail, list):
         try:
-            detail = "; ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}"
-                               for e in detail)
+            detail = "; ".join(".".join(str(p) for p in e["loc"]) + f": {e['msg']}" for e in detail)
         except (KeyError, TypeError):
             pass
     return str(detail)[:300]

@@ -52,8 +52,14 @@ from pydantic import BaseModel, Field, ValidationError
 
 from posttrain.core.checks import check_fields, require_int, require_positive
 
-__all__ = ["ServerSettings", "check_address", "BodyLimit", "JudgeBody", "parse_request",
-           "validation_error_response"]
+__all__ = [
+    "ServerSettings",
+    "check_address",
+    "BodyLimit",
+    "JudgeBody",
+    "parse_request",
+    "validation_error_response",
+]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -96,8 +102,17 @@ class ServerSettings:
     max_request_completions: int = 1024
 
     def __post_init__(self) -> None:
-        require_int(self, ("max_batch_size", "max_queue", "replay_cache", "max_body_bytes",
-                           "max_request_completions"), minimum=1)
+        require_int(
+            self,
+            (
+                "max_batch_size",
+                "max_queue",
+                "replay_cache",
+                "max_body_bytes",
+                "max_request_completions",
+            ),
+            minimum=1,
+        )
         require_positive(self, ("request_timeout_s", "drain_timeout_s"))
         check_fields(self, ("max_wait_s",), low=0, note="seconds")
 
@@ -110,13 +125,14 @@ def check_address(host: Any, port: Any, advertise_host: Any = None) -> None:
         if optional and value is None:
             continue
         if not isinstance(value, str):
-            raise TypeError(f"{name}={value!r}; must be a str such as '127.0.0.1' or '0.0.0.0'"
-                            + (" or None" if optional else ""))
+            raise TypeError(
+                f"{name}={value!r}; must be a str such as '127.0.0.1' or '0.0.0.0'"
+                + (" or None" if optional else "")
+            )
         if not value.strip():
             raise ValueError(f"{name}={value!r}; must be a non-empty host name or address")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port={port!r}; must be an integer in 0..65535 (0: a free port)")
-
 
 
 class JudgeBody(BaseModel):
@@ -154,46 +170,62 @@ def parse_request(raw: bytes, *, max_request_completions: int) -> JudgeBody:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise _refuse(["body"], f"not UTF-8: byte {exc.start} ({raw[exc.start]:#04x}) cannot be "
-                                "decoded", "utf8_invalid") from None
+        raise _refuse(
+            ["body"],
+            f"not UTF-8: byte {exc.start} ({raw[exc.start]:#04x}) cannot be decoded",
+            "utf8_invalid",
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _refuse(["body", exc.pos], f"JSON decode error: {exc.msg}", "json_invalid") from None
-    except RecursionError:   # arrays or objects nested ~1,000 deep: a few KB of "[[[["
+    except RecursionError:  # arrays or objects nested ~1,000 deep: a few KB of "[[[["
         raise _refuse(["body"], "JSON nested too deeply to decode", "json_too_deep") from None
     completions = data.get("completions") if isinstance(data, dict) else None
     if isinstance(completions, list) and len(completions) > max_request_completions:
-        raise _refuse(["body", "completions"],
-                      f"{len(completions)} completions in one request; this server takes at most "
-                      f"{max_request_completions} (ServerSettings.max_request_completions): send "
-                      "them in several requests", "too_many_completions")
+        raise _refuse(
+            ["body", "completions"],
+            f"{len(completions)} completions in one request; this server takes at most "
+            f"{max_request_completions} (ServerSettings.max_request_completions): send "
+            "them in several requests",
+            "too_many_completions",
+        )
     try:
         where = _lone_surrogate(data, ["body"]) if _SURROGATE_ESCAPE.search(text) else None
-    except RecursionError:   # decoded near the limit, then one level deeper to serialise
+    except RecursionError:  # decoded near the limit, then one level deeper to serialise
         raise _refuse(["body"], "JSON nested too deeply to check", "json_too_deep") from None
     if where is not None:
         loc, index = where
-        raise _refuse(loc, f"a lone surrogate at character {index}: text must be valid Unicode "
-                           "(a surrogate pair's halves must come together)", "lone_surrogate")
+        raise _refuse(
+            loc,
+            f"a lone surrogate at character {index}: text must be valid Unicode "
+            "(a surrogate pair's halves must come together)",
+            "lone_surrogate",
+        )
     try:
         body = JudgeBody.model_validate(data)
     except RecursionError:
         raise _refuse(["body"], "JSON nested too deeply to check", "json_too_deep") from None
     except ValidationError as exc:
-        raise RequestValidationError([{"loc": ["body", *e["loc"]], "msg": e["msg"],
-                                       "type": e["type"]} for e in exc.errors()]) from None
+        raise RequestValidationError(
+            [{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        ) from None
     if len(body.completions) != len(body.items):
-        raise _refuse(["body", "items"], f"{len(body.completions)} completions but "
-                                         f"{len(body.items)} items; need one item per completion",
-                      "length_mismatch")
+        raise _refuse(
+            ["body", "items"],
+            f"{len(body.completions)} completions but "
+            f"{len(body.items)} items; need one item per completion",
+            "length_mismatch",
+        )
     for i, item in enumerate(body.items):
         question = item.get("question")
         if not isinstance(question, str):
-            raise _refuse(["body", "items", i, "question"],
-                          f"must be a string (the question the completion answers); got "
-                          f"{'nothing' if question is None else type(question).__name__}",
-                          "string_type")
+            raise _refuse(
+                ["body", "items", i, "question"],
+                f"must be a string (the question the completion answers); got "
+                f"{'nothing' if question is None else type(question).__name__}",
+                "string_type",
+            )
     return body
 
 
@@ -243,10 +275,18 @@ def validation_error_response(request: Any, exc: RequestValidationError) -> JSON
     """422 for a malformed body: where and what, without echoing the input (it may hold NaN,
     Infinity or a lone surrogate, which JSON cannot send). Keys that are not valid Unicode are
     shown escaped."""
+
     def part(p: Any) -> Any:
         return p if isinstance(p, int) else str(p).encode("utf-8", "backslashreplace").decode()
-    errors = [{"loc": [part(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")),
-               "type": str(e.get("type", ""))} for e in exc.errors()]
+
+    errors = [
+        {
+            "loc": [part(p) for p in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
     return JSONResponse({"detail": errors}, status_code=422)
 
 
@@ -267,8 +307,9 @@ class BodyLimit:
         on_refuse: called (no arguments) for each 413, e.g. to count them.
     """
 
-    def __init__(self, app: Any, max_body_bytes: int,
-                 on_refuse: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, app: Any, max_body_bytes: int, on_refuse: Callable[[], None] | None = None
+    ) -> None:
         self.app, self.max_body_bytes, self.on_refuse = app, max_body_bytes, on_refuse
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -277,14 +318,13 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large(scope, receive, send,
-                                  f"Content-Length is {int(declared)} bytes")
+            await self._too_large(scope, receive, send, f"Content-Length is {int(declared)} bytes")
             return
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return           # the client left before its body ended: nobody to answer
+                return  # the client left before its body ended: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
@@ -299,7 +339,7 @@ class BodyLimit:
         async def replay() -> dict:
             nonlocal handed
             if handed:
-                return await receive()    # http.disconnect, when the client goes
+                return await receive()  # http.disconnect, when the client goes
             handed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
@@ -308,7 +348,10 @@ class BodyLimit:
     async def _too_large(self, scope: dict, receive: Any, send: Any, seen: str) -> None:
         if self.on_refuse is not None:
             self.on_refuse()
-        detail = (f"request body too large: {seen}; this server takes at most "
-                  f"{self.max_body_bytes} bytes (ServerSettings.max_body_bytes)")
-        await JSONResponse({"detail": detail, "max_body_bytes": self.max_body_bytes},
-                           status_code=413)(scope, receive, send)
+        detail = (
+            f"request body too large: {seen}; this server takes at most "
+            f"{self.max_body_bytes} bytes (ServerSettings.max_body_bytes)"
+        )
+        await JSONResponse(
+            {"detail": detail, "max_body_bytes": self.max_body_bytes}, status_code=413
+        )(scope, receive, send)

@@ -28,11 +28,15 @@ __all__ = ["parse_score", "parse_choice"]
 # The whole number: "Score: 1e3" is 1000 (not 1), "Score: 7.5" is 7.5, "Score: 7/10" is 7. The
 # look-ahead refuses a number that goes on ("1.2.3"); being possessive, a malformed exponent
 # ("1e5.5") is refused too instead of falling back to "1".
-_SCORE = re.compile(r"score\s*+[:=]\s*+([-+]?+\d++(?:\.\d++)?+(?:e[-+]?+\d++)?+)(?!\.?\d)",
-                    re.IGNORECASE)
+_SCORE = re.compile(
+    r"score\s*+[:=]\s*+([-+]?+\d++(?:\.\d++)?+(?:e[-+]?+\d++)?+)(?!\.?\d)", re.IGNORECASE
+)
 
-_CHOICE = re.compile(r"(?:answer|better|choice|winner)\s*+(?:is)?+\s*+[:=]?+\s*+\(?+\[?+"
-                     r"\b([AB])\b", re.IGNORECASE)
+_CHOICE = re.compile(
+    r"(?:answer|better|choice|winner)\s*+(?:is)?+\s*+[:=]?+\s*+\(?+\[?+"
+    r"\b([AB])\b",
+    re.IGNORECASE,
+)
 
 
 def parse_score(text: str) -> float | None:
@@ -51,7 +55,7 @@ def parse_score(text: str) -> float | None:
 
 
 def parse_choice(text: str) -> str | None:
-    """"A" or "B" from a pairwise judge's text: the letter after the last "Answer:" / "Better:" /
+    """ "A" or "B" from a pairwise judge's text: the letter after the last "Answer:" / "Better:" /
     "Choice:" / "Winner:" (an "is", a colon, "(" or "[" may come between), or the whole text when
     it is just the letter (punctuation and case ignored); None otherwise. Linear time.
 

@@ -37,18 +37,21 @@ def check_reward(value: Any, *, name: str = "reward") -> float:
         ...     print(exc)
         score must be a finite number within float32 range (|x| <= 3.4028235e+38), got 1e+39
     """
-    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real)
-                                               or hasattr(value, "__float__")):
-        raise ValueError(f"{name} must be a real number, got {type(value).__name__} "
-                         f"{value!r:.80}")
+    if isinstance(value, (str, bytes)) or not (
+        isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    ):
+        raise ValueError(f"{name} must be a real number, got {type(value).__name__} {value!r:.80}")
     try:
         number = float(value)
-    except Exception as exc:   # noqa: BLE001 - e.g. a multi-element tensor, 10**400
-        raise ValueError(f"{name} {value!r:.80} does not convert to float: "
-                         f"{type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - e.g. a multi-element tensor, 10**400
+        raise ValueError(
+            f"{name} {value!r:.80} does not convert to float: {type(exc).__name__}: {exc}"
+        ) from None
     if not (math.isfinite(number) and abs(number) <= FLOAT32_MAX):
-        raise ValueError(f"{name} must be a finite number within float32 range "
-                         f"(|x| <= {FLOAT32_MAX:.8g}), got {number!r}")
+        raise ValueError(
+            f"{name} must be a finite number within float32 range "
+            f"(|x| <= {FLOAT32_MAX:.8g}), got {number!r}"
+        )
     return number
 
 
@@ -90,8 +93,10 @@ class VerifierResult:
         try:
             outcome = Outcome(self.outcome)
         except ValueError:
-            raise ValueError(f"VerifierResult outcome {self.outcome!r} is not one of "
-                             f"{[o.value for o in Outcome]}") from None
+            raise ValueError(
+                f"VerifierResult outcome {self.outcome!r} is not one of "
+                f"{[o.value for o in Outcome]}"
+            ) from None
         object.__setattr__(self, "score", score)
         object.__setattr__(self, "outcome", outcome)
         object.__setattr__(self, "reason", str(self.reason))
@@ -129,16 +134,19 @@ def coerce_result(value: Any) -> VerifierResult:
         verifier returned NoneType None; expected a VerifierResult or a real number
     """
     if isinstance(value, VerifierResult):
-        try:   # only fails for a result built around __post_init__
+        try:  # only fails for a result built around __post_init__
             check_reward(value.score, name="verifier score")
         except ValueError as exc:
             return VerifierResult.failure(Outcome.ERROR, str(exc))
         return value
-    if isinstance(value, (str, bytes)) or not (isinstance(value, numbers.Real)
-                                               or hasattr(value, "__float__")):
+    if isinstance(value, (str, bytes)) or not (
+        isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    ):
         return VerifierResult.failure(
-            Outcome.ERROR, f"verifier returned {type(value).__name__} {value!r:.80}; expected a "
-            "VerifierResult or a real number")
+            Outcome.ERROR,
+            f"verifier returned {type(value).__name__} {value!r:.80}; expected a "
+            "VerifierResult or a real number",
+        )
     try:
         score = check_reward(value, name="verifier score")
     except ValueError as exc:

@@ -40,12 +40,26 @@ from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.rewards.judge_parsing import parse_choice
-from posttrain.rewards.judges import (RewardModelJudge, _Generator, _check_lengths, _check_real,
-                                      _check_template, _quote, _sigmoid, _text_problem)
+from posttrain.rewards.judges import (
+    RewardModelJudge,
+    _Generator,
+    _check_lengths,
+    _check_real,
+    _check_template,
+    _quote,
+    _sigmoid,
+    _text_problem,
+)
 
 __all__ = [
-    "parse_choice", "DEFAULT_PAIRWISE_TEMPLATE", "DEFAULT_PAIRWISE_RUBRIC", "PairwiseOutcome",
-    "PairwiseResult", "PairwiseJudge", "LLMPairwiseJudge", "RewardModelPairwiseJudge",
+    "parse_choice",
+    "DEFAULT_PAIRWISE_TEMPLATE",
+    "DEFAULT_PAIRWISE_RUBRIC",
+    "PairwiseOutcome",
+    "PairwiseResult",
+    "PairwiseJudge",
+    "LLMPairwiseJudge",
+    "RewardModelPairwiseJudge",
     "count_pairwise",
 ]
 
@@ -57,11 +71,11 @@ __all__ = [
 class PairwiseOutcome(str, Enum):
     """What a pairwise comparison gave. Compares equal to its string value."""
 
-    A = "a"                         # A is better (in both orders, when both are judged)
-    B = "b"                         # B is better
-    TIE = "tie"                     # equal scores (reward-model judges)
-    INCONSISTENT = "inconsistent"   # the two orders disagree: position bias
-    ERROR = "error"                 # the judge failed (no verdict, too long, no question, ...)
+    A = "a"  # A is better (in both orders, when both are judged)
+    B = "b"  # B is better
+    TIE = "tie"  # equal scores (reward-model judges)
+    INCONSISTENT = "inconsistent"  # the two orders disagree: position bias
+    ERROR = "error"  # the judge failed (no verdict, too long, no question, ...)
 
     def __str__(self) -> str:
         return self.value
@@ -88,14 +102,16 @@ class PairwiseResult:
         object.__setattr__(self, "outcome", PairwiseOutcome(self.outcome))
         decided = self.outcome in (PairwiseOutcome.A, PairwiseOutcome.B, PairwiseOutcome.TIE)
         if decided != (self.prob_a is not None):
-            raise ValueError(f"PairwiseResult {self.outcome.value!r} needs prob_a "
-                             f"{'in [0, 1]' if decided else 'None'}, got {self.prob_a!r}")
+            raise ValueError(
+                f"PairwiseResult {self.outcome.value!r} needs prob_a "
+                f"{'in [0, 1]' if decided else 'None'}, got {self.prob_a!r}"
+            )
         if self.prob_a is not None and not 0.0 <= self.prob_a <= 1.0:
             raise ValueError(f"PairwiseResult prob_a={self.prob_a!r}; must be in [0, 1]")
 
     @property
     def winner(self) -> str | None:
-        """"A", "B", or None (tie or no decision)."""
+        """ "A", "B", or None (tie or no decision)."""
         return {PairwiseOutcome.A: "A", PairwiseOutcome.B: "B"}.get(self.outcome)
 
 
@@ -103,8 +119,12 @@ class PairwiseResult:
 class PairwiseJudge(Protocol):
     """Compares `completions_a[i]` with `completions_b[i]` as answers to `items[i]`."""
 
-    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
-                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]: ...
+    def compare(
+        self,
+        completions_a: Sequence[str],
+        completions_b: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+    ) -> list[PairwiseResult]: ...
 
 
 def count_pairwise(results: Sequence[PairwiseResult]) -> dict[str, int]:
@@ -117,7 +137,8 @@ def count_pairwise(results: Sequence[PairwiseResult]) -> dict[str, int]:
 
 DEFAULT_PAIRWISE_TEMPLATE = (
     "{rubric}\n\nQuestion:\n{question}\n\n[Answer A]\n{completion_a}\n\n[Answer B]\n"
-    "{completion_b}\n\nWhich answer is better, A or B? Reply 'Answer: A' or 'Answer: B'.")
+    "{completion_b}\n\nWhich answer is better, A or B? Reply 'Answer: A' or 'Answer: B'."
+)
 """Placeholders: rubric, question, completion_a, completion_b, reference."""
 
 DEFAULT_PAIRWISE_RUBRIC = "Judge which answer answers the question correctly and clearly."
@@ -155,23 +176,44 @@ class LLMPairwiseJudge:
         ('inconsistent', None, ('Answer: A', 'Answer: A'))
     """
 
-    def __init__(self, policy, *, rubric: str = DEFAULT_PAIRWISE_RUBRIC,
-                 template: str = DEFAULT_PAIRWISE_TEMPLATE,
-                 parse: Callable[[str], str | None] = parse_choice, both_orders: bool = True,
-                 max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0,
-                 batch_size: int = 32, chat: bool = True) -> None:
-        _check_template(template, {"rubric", "question", "completion_a", "completion_b",
-                                   "reference"}, required=("question", "completion_a",
-                                                           "completion_b"))
+    def __init__(
+        self,
+        policy,
+        *,
+        rubric: str = DEFAULT_PAIRWISE_RUBRIC,
+        template: str = DEFAULT_PAIRWISE_TEMPLATE,
+        parse: Callable[[str], str | None] = parse_choice,
+        both_orders: bool = True,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int = 0,
+        batch_size: int = 32,
+        chat: bool = True,
+    ) -> None:
+        _check_template(
+            template,
+            {"rubric", "question", "completion_a", "completion_b", "reference"},
+            required=("question", "completion_a", "completion_b"),
+        )
         self.rubric, self.template, self.parse = rubric, template, parse
         self.both_orders = both_orders
-        self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=seed, batch_size=batch_size)
+        self._generate = _Generator(
+            policy,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            batch_size=batch_size,
+        )
 
     def _render(self, first: str, second: str, item: Mapping[str, Any]) -> str:
-        return self.template.format(rubric=self.rubric, question=item["question"],
-                                    completion_a=first, completion_b=second,
-                                    reference=item.get("answer", ""))
+        return self.template.format(
+            rubric=self.rubric,
+            question=item["question"],
+            completion_a=first,
+            completion_b=second,
+            reference=item.get("answer", ""),
+        )
 
     def _verdict(self, text: str) -> tuple[str | None, str]:
         """("A" | "B", "") or (None, why not)."""
@@ -183,8 +225,12 @@ class LLMPairwiseJudge:
             return choice, ""
         return None, f"no A/B verdict in judge output {_quote(text)}"
 
-    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
-                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]:
+    def compare(
+        self,
+        completions_a: Sequence[str],
+        completions_b: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+    ) -> list[PairwiseResult]:
         """One `PairwiseResult` per pair. Raises ValueError if the lengths differ."""
         _check_lengths(completions_a, items)
         _check_lengths(completions_b, items)
@@ -197,17 +243,21 @@ class LLMPairwiseJudge:
                 results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, problem)
                 continue
             try:
-                pair = [self._render(a, b, item)] + ([self._render(b, a, item)] if orders == 2
-                                                     else [])
+                pair = [self._render(a, b, item)] + (
+                    [self._render(b, a, item)] if orders == 2 else []
+                )
             except (KeyError, TypeError) as exc:
-                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, f"cannot render the "
-                                            f"judge prompt: {type(exc).__name__}: {exc}")
+                results[i] = PairwiseResult(
+                    PairwiseOutcome.ERROR,
+                    None,
+                    f"cannot render the judge prompt: {type(exc).__name__}: {exc}",
+                )
                 continue
             prompts += pair
             where.append(i)
         generated = self._generate(prompts)
         for k, i in enumerate(where):
-            texts = generated[k * orders:(k + 1) * orders]
+            texts = generated[k * orders : (k + 1) * orders]
             raw = tuple(t or "" for t, _ in texts)
             errors = [why for t, why in texts if t is None]
             if errors:
@@ -216,19 +266,24 @@ class LLMPairwiseJudge:
             # a verdict in the B-first order names the swapped positions
             verdicts, whys = zip(*(self._verdict(t) for t, _ in texts))
             if None in verdicts:
-                results[i] = PairwiseResult(PairwiseOutcome.ERROR, None,
-                                            whys[verdicts.index(None)], raw)
+                results[i] = PairwiseResult(
+                    PairwiseOutcome.ERROR, None, whys[verdicts.index(None)], raw
+                )
                 continue
-            winners = [verdicts[0]] + ([{"A": "B", "B": "A"}[verdicts[1]]] if orders == 2
-                                       else [])
+            winners = [verdicts[0]] + ([{"A": "B", "B": "A"}[verdicts[1]]] if orders == 2 else [])
             if len(set(winners)) > 1:
-                results[i] = PairwiseResult(PairwiseOutcome.INCONSISTENT, None,
-                                            f"A-first says {verdicts[0]}, B-first says "
-                                            f"{verdicts[1]} (same position both times)", raw)
+                results[i] = PairwiseResult(
+                    PairwiseOutcome.INCONSISTENT,
+                    None,
+                    f"A-first says {verdicts[0]}, B-first says "
+                    f"{verdicts[1]} (same position both times)",
+                    raw,
+                )
             else:
                 win = winners[0]
-                results[i] = PairwiseResult(PairwiseOutcome(win.lower()),
-                                            1.0 if win == "A" else 0.0, f"{win} better", raw)
+                results[i] = PairwiseResult(
+                    PairwiseOutcome(win.lower()), 1.0 if win == "A" else 0.0, f"{win} better", raw
+                )
         return results  # type: ignore[return-value]
 
 
@@ -245,20 +300,24 @@ class RewardModelPairwiseJudge:
         tie_tol: reward difference treated as a tie (a finite number >= 0), in reward units.
     """
 
-    def __init__(self, reward_model, tokenizer, *, tie_tol: float = 1e-5,
-                 batch_size: int = 32) -> None:
+    def __init__(
+        self, reward_model, tokenizer, *, tie_tol: float = 1e-5, batch_size: int = 32
+    ) -> None:
         if not _check_real("tie_tol", tie_tol, "a finite number >= 0") >= 0:
             raise ValueError(f"tie_tol={tie_tol!r}; must be a finite number >= 0")
         self._scorer = RewardModelJudge(reward_model, tokenizer, batch_size=batch_size)
         self.tie_tol = tie_tol
 
-    def compare(self, completions_a: Sequence[str], completions_b: Sequence[str],
-                items: Sequence[Mapping[str, Any]]) -> list[PairwiseResult]:
+    def compare(
+        self,
+        completions_a: Sequence[str],
+        completions_b: Sequence[str],
+        items: Sequence[Mapping[str, Any]],
+    ) -> list[PairwiseResult]:
         """One `PairwiseResult` per pair. Raises ValueError if the lengths differ."""
         _check_lengths(completions_a, items)
         _check_lengths(completions_b, items)
-        rewards = self._scorer.rewards(list(completions_a) + list(completions_b),
-                                       list(items) * 2)
+        rewards = self._scorer.rewards(list(completions_a) + list(completions_b), list(items) * 2)
         n, results = len(items), []
         for r_a, r_b in zip(rewards[:n], rewards[n:]):
             if isinstance(r_a, str) or isinstance(r_b, str):
@@ -266,9 +325,13 @@ class RewardModelPairwiseJudge:
                 results.append(PairwiseResult(PairwiseOutcome.ERROR, None, why))
                 continue
             diff = r_a - r_b
-            outcome = (PairwiseOutcome.TIE if abs(diff) <= self.tie_tol else
-                       PairwiseOutcome.A if diff > 0 else PairwiseOutcome.B)
+            outcome = (
+                PairwiseOutcome.TIE
+                if abs(diff) <= self.tie_tol
+                else PairwiseOutcome.A
+                if diff > 0
+                else PairwiseOutcome.B
+            )
             prob = 0.5 if outcome is PairwiseOutcome.TIE else _sigmoid(diff)
             results.append(PairwiseResult(outcome, prob, f"r_A={r_a:.4g} r_B={r_b:.4g}"))
         return results
-

@@ -52,9 +52,17 @@ from posttrain.data.collate import right_pad
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.models.specs import ModelSpec, build_model, get_preset
 
-__all__ = ["RewardModel", "render_pair", "bradley_terry_loss", "PairwiseAccuracy",
-           "accuracy_from_rewards", "pairwise_accuracy", "load_reward_model", "RM_CONFIG_FILE",
-           "RM_WEIGHTS_FILE"]
+__all__ = [
+    "RewardModel",
+    "render_pair",
+    "bradley_terry_loss",
+    "PairwiseAccuracy",
+    "accuracy_from_rewards",
+    "pairwise_accuracy",
+    "load_reward_model",
+    "RM_CONFIG_FILE",
+    "RM_WEIGHTS_FILE",
+]
 
 RM_CONFIG_FILE = "reward_model.json"
 RM_WEIGHTS_FILE = "reward_model.safetensors"
@@ -109,8 +117,7 @@ class RewardModel(nn.Module):
         self.backbone = backbone
         self.spec = spec
         param = next(backbone.parameters())
-        self.head = nn.Linear(spec.embed_dim, 1, bias=False, device=param.device,
-                              dtype=param.dtype)
+        self.head = nn.Linear(spec.embed_dim, 1, bias=False, device=param.device, dtype=param.dtype)
         generator = torch.Generator(device=param.device).manual_seed(seed)
         with torch.no_grad():
             nn.init.normal_(self.head.weight, std=1.0 / (spec.embed_dim + 1), generator=generator)
@@ -121,8 +128,9 @@ class RewardModel(nn.Module):
         return cls(copy.deepcopy(policy.model), policy.spec, seed=seed)
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0,
-                  device: str | torch.device | None = None) -> RewardModel:
+    def from_spec(
+        cls, spec: ModelSpec | str, *, seed: int = 0, device: str | torch.device | None = None
+    ) -> RewardModel:
         """A freshly initialised reward model (`spec` may be a preset name)."""
         spec = get_preset(spec) if isinstance(spec, str) else spec
         return cls(build_model(spec, device=device, seed=seed), spec, seed=seed)
@@ -144,32 +152,45 @@ class RewardModel(nn.Module):
             raise ValueError(f"input_ids_BT must be [B, T]; got {tuple(input_ids_BT.shape)}")
         B, T = input_ids_BT.shape
         if B == 0 or T == 0:
-            raise ValueError(f"input_ids_BT is empty (shape {(B, T)}); a reward needs at least "
-                             "one sequence of at least one token")
+            raise ValueError(
+                f"input_ids_BT is empty (shape {(B, T)}); a reward needs at least "
+                "one sequence of at least one token"
+            )
         V = self.spec.vocab_size
         if bool(((input_ids_BT < 0) | (input_ids_BT >= V)).any()):
-            raise ValueError(f"input_ids_BT holds token ids in [{int(input_ids_BT.min())}, "
-                             f"{int(input_ids_BT.max())}]; the model's vocabulary is [0, {V}) "
-                             "(spec.vocab_size): was it tokenised with another tokenizer?")
+            raise ValueError(
+                f"input_ids_BT holds token ids in [{int(input_ids_BT.min())}, "
+                f"{int(input_ids_BT.max())}]; the model's vocabulary is [0, {V}) "
+                "(spec.vocab_size): was it tokenised with another tokenizer?"
+            )
         if attention_mask_BT is None:
             valid_BT = torch.ones(B, T, dtype=torch.bool, device=input_ids_BT.device)
         else:
             if attention_mask_BT.shape != input_ids_BT.shape:
-                raise ValueError(f"attention_mask_BT has shape {tuple(attention_mask_BT.shape)}; "
-                                 f"must equal input_ids_BT's {(B, T)}")
+                raise ValueError(
+                    f"attention_mask_BT has shape {tuple(attention_mask_BT.shape)}; "
+                    f"must equal input_ids_BT's {(B, T)}"
+                )
             valid_BT = attention_mask_BT.bool()
         lengths_B = valid_BT.sum(-1)
         if bool((lengths_B == 0).any()):
-            raise ValueError("a row of attention_mask_BT has no real token; every sequence "
-                             "needs at least one")
+            raise ValueError(
+                "a row of attention_mask_BT has no real token; every sequence needs at least one"
+            )
         positions_T = torch.arange(T, device=valid_BT.device)
         if bool((valid_BT == (positions_T < lengths_B[:, None])).all()):
             hidden = self.backbone(input_ids_BT)
         else:
-            from torchtune.generation import (get_causal_mask_from_padding_mask,
-                                              get_position_ids_from_padding_mask)
-            hidden = self.backbone(input_ids_BT, mask=get_causal_mask_from_padding_mask(valid_BT),
-                                   input_pos=get_position_ids_from_padding_mask(valid_BT))
+            from torchtune.generation import (
+                get_causal_mask_from_padding_mask,
+                get_position_ids_from_padding_mask,
+            )
+
+            hidden = self.backbone(
+                input_ids_BT,
+                mask=get_causal_mask_from_padding_mask(valid_BT),
+                input_pos=get_position_ids_from_padding_mask(valid_BT),
+            )
         hidden_BTD = torch.cat(hidden, dim=1) if isinstance(hidden, list) else hidden
         last_B = (positions_T * valid_BT).argmax(-1)  # the last real position of each row
         hidden_BD = hidden_BTD[torch.arange(B, device=hidden_BTD.device), last_B]
@@ -188,13 +209,15 @@ class RewardModel(nn.Module):
             raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
         for i, ids in enumerate(sequences):
             if not 1 <= len(ids) <= self.spec.max_seq_len:
-                raise ValueError(f"sequences[{i}] has {len(ids)} tokens; need 1.."
-                                 f"{self.spec.max_seq_len} (spec.max_seq_len)")
+                raise ValueError(
+                    f"sequences[{i}] has {len(ids)} tokens; need 1.."
+                    f"{self.spec.max_seq_len} (spec.max_seq_len)"
+                )
         device, was_training, out = self.head.weight.device, self.training, []
         self.eval()
         try:
             for start in range(0, len(sequences), batch_size):
-                ids_BT, mask_BT = right_pad(sequences[start:start + batch_size], 0)
+                ids_BT, mask_BT = right_pad(sequences[start : start + batch_size], 0)
                 out += self(ids_BT.to(device), mask_BT.to(device)).tolist()
         finally:
             self.train(was_training)
@@ -212,15 +235,20 @@ class RewardModel(nn.Module):
 
         folder = Path(folder)
         if folder.exists() and any(folder.iterdir()) and not (folder / RM_CONFIG_FILE).is_file():
-            raise FileExistsError(f"{folder} is a non-empty folder without {RM_CONFIG_FILE}; "
-                                  "refusing to replace it")
+            raise FileExistsError(
+                f"{folder} is a non-empty folder without {RM_CONFIG_FILE}; refusing to replace it"
+            )
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
         try:
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
             save_file(state, str(tmp / RM_WEIGHTS_FILE), metadata={"format": "pt"})
-            record = {**_FORMAT, "spec": self.spec.to_dict(), "head": "linear_no_bias",
-                      "dtype": str(self.head.weight.dtype).removeprefix("torch.")}
+            record = {
+                **_FORMAT,
+                "spec": self.spec.to_dict(),
+                "head": "linear_no_bias",
+                "dtype": str(self.head.weight.dtype).removeprefix("torch."),
+            }
             (tmp / RM_CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
             tokenizer.save(tmp)
             if folder.exists():
@@ -239,8 +267,9 @@ class RewardModel(nn.Module):
         return f"family={self.spec.family}, embed_dim={self.spec.embed_dim}"
 
 
-def load_reward_model(folder: str | os.PathLike, *, device: str | torch.device | None = None
-                      ) -> tuple[RewardModel, Any]:
+def load_reward_model(
+    folder: str | os.PathLike, *, device: str | torch.device | None = None
+) -> tuple[RewardModel, Any]:
     """(RewardModel, tokenizer) from a folder written by `RewardModel.save`.
 
     Raises:
@@ -272,8 +301,9 @@ def load_reward_model(folder: str | os.PathLike, *, device: str | torch.device |
 # --------------------------------------------------------------------------------------------
 
 
-def bradley_terry_loss(rewards_chosen_B: Tensor, rewards_rejected_B: Tensor, *,
-                       margin: float | Tensor = 0.0) -> Tensor:
+def bradley_terry_loss(
+    rewards_chosen_B: Tensor, rewards_rejected_B: Tensor, *, margin: float | Tensor = 0.0
+) -> Tensor:
     """Per-pair Bradley-Terry loss `-log sigmoid(r_chosen - r_rejected - margin)`, `[B]`.
 
     Bradley & Terry 1952; Ouyang et al. 2022, eq. 1 (InstructGPT reward model); the margin is
@@ -289,8 +319,10 @@ def bradley_terry_loss(rewards_chosen_B: Tensor, rewards_rejected_B: Tensor, *,
         ValueError: if the shapes differ.
     """
     if rewards_chosen_B.shape != rewards_rejected_B.shape:
-        raise ValueError(f"chosen rewards {tuple(rewards_chosen_B.shape)} and rejected rewards "
-                         f"{tuple(rewards_rejected_B.shape)} must have the same shape")
+        raise ValueError(
+            f"chosen rewards {tuple(rewards_chosen_B.shape)} and rejected rewards "
+            f"{tuple(rewards_rejected_B.shape)} must have the same shape"
+        )
     return -F.logsigmoid(rewards_chosen_B.float() - rewards_rejected_B.float() - margin)
 
 
@@ -316,8 +348,9 @@ class PairwiseAccuracy:
         return dict(self.__dict__)
 
 
-def accuracy_from_rewards(rewards_chosen: Sequence[float],
-                          rewards_rejected: Sequence[float]) -> PairwiseAccuracy:
+def accuracy_from_rewards(
+    rewards_chosen: Sequence[float], rewards_rejected: Sequence[float]
+) -> PairwiseAccuracy:
     """`PairwiseAccuracy` of already computed rewards of the same pairs.
 
     Example:
@@ -329,22 +362,36 @@ def accuracy_from_rewards(rewards_chosen: Sequence[float],
         ValueError: for no pairs or different lengths.
     """
     if len(rewards_chosen) != len(rewards_rejected) or not rewards_chosen:
-        raise ValueError(f"need the same non-zero number of chosen and rejected rewards, got "
-                         f"{len(rewards_chosen)} and {len(rewards_rejected)}")
+        raise ValueError(
+            f"need the same non-zero number of chosen and rejected rewards, got "
+            f"{len(rewards_chosen)} and {len(rewards_rejected)}"
+        )
     rc, rr = torch.tensor(rewards_chosen), torch.tensor(rewards_rejected)
     correct, n = int((rc > rr).sum()), len(rewards_chosen)
     low, high = wilson_interval(correct, n)
-    return PairwiseAccuracy(accuracy=correct / n, ci_low=low, ci_high=high, num_pairs=n,
-                            num_ties=int((rc == rr).sum()), mean_margin=float((rc - rr).mean()),
-                            loss=float(bradley_terry_loss(rc, rr).mean()))
+    return PairwiseAccuracy(
+        accuracy=correct / n,
+        ci_low=low,
+        ci_high=high,
+        num_pairs=n,
+        num_ties=int((rc == rr).sum()),
+        mean_margin=float((rc - rr).mean()),
+        loss=float(bradley_terry_loss(rc, rr).mean()),
+    )
 
 
-def pairwise_accuracy(reward_model: RewardModel, chosen: Sequence[Sequence[int]],
-                      rejected: Sequence[Sequence[int]], *,
-                      batch_size: int = 32) -> PairwiseAccuracy:
+def pairwise_accuracy(
+    reward_model: RewardModel,
+    chosen: Sequence[Sequence[int]],
+    rejected: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 32,
+) -> PairwiseAccuracy:
     """Held-out pairwise accuracy of `reward_model` on token-id pairs (`chosen[i]` vs
     `rejected[i]`, each rendered prompt + response, e.g. by `render_pair`)."""
     if len(chosen) != len(rejected):
         raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected sequences")
-    return accuracy_from_rewards(reward_model.score(chosen, batch_size=batch_size),
-                                 reward_model.score(rejected, batch_size=batch_size))
+    return accuracy_from_rewards(
+        reward_model.score(chosen, batch_size=batch_size),
+        reward_model.score(rejected, batch_size=batch_size),
+    )

@@ -62,15 +62,35 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.core.registry import Registry
-from posttrain.rewards.outcome import (FLOAT32_MAX, Outcome, VerifierResult, check_reward,
-                                       coerce_result, raised_result)
+from posttrain.rewards.outcome import (
+    FLOAT32_MAX,
+    Outcome,
+    VerifierResult,
+    check_reward,
+    coerce_result,
+    raised_result,
+)
 from posttrain.rewards.verifier_pool import DEFAULT_MAX_WORKERS, run_calls
 from posttrain.rewards.verifier_threads import MAX_TIMEOUT_S, check_timeout
 
-__all__ = ["DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "DEFAULT_MAX_WORKERS", "FLOAT32_MAX", "Outcome",
-           "VerifierResult", "Verifier", "check_reward", "run_verifier", "score_batch",
-           "count_outcomes", "as_score_fn", "VERIFIERS", "register_verifier", "get_verifier",
-           "registered_verifiers"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
+    "DEFAULT_MAX_WORKERS",
+    "FLOAT32_MAX",
+    "Outcome",
+    "VerifierResult",
+    "Verifier",
+    "check_reward",
+    "run_verifier",
+    "score_batch",
+    "count_outcomes",
+    "as_score_fn",
+    "VERIFIERS",
+    "register_verifier",
+    "get_verifier",
+    "registered_verifiers",
+]
 
 DEFAULT_TIMEOUT_S = 5.0
 """Default time budget of one verifier call, in seconds (wall clock)."""
@@ -96,9 +116,13 @@ class Verifier(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion: str,
-                 item: Mapping[str, Any], *,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> VerifierResult:
+def run_verifier(
+    verifier: Verifier | Callable[[str, Mapping], Any],
+    completion: str,
+    item: Mapping[str, Any],
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> VerifierResult:
     """Verify one completion; every failure of the verifier becomes a typed outcome.
 
     - raises -> outcome error, reason "ExceptionType: message";
@@ -138,15 +162,19 @@ def run_verifier(verifier: Verifier | Callable[[str, Mapping], Any], completion:
     if timeout_s is None:
         try:
             return coerce_result(verifier(completion, item))
-        except Exception as exc:   # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             return raised_result(exc)
     return run_calls(verifier, [(completion, item)], timeout_s=timeout_s, max_workers=1)[0]
 
 
-def score_batch(verifier: Verifier | Callable[[str, Mapping], Any], completions: Sequence[str],
-                items: Sequence[Mapping[str, Any]], *,
-                timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                max_workers: int = DEFAULT_MAX_WORKERS) -> list[VerifierResult]:
+def score_batch(
+    verifier: Verifier | Callable[[str, Mapping], Any],
+    completions: Sequence[str],
+    items: Sequence[Mapping[str, Any]],
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+) -> list[VerifierResult]:
     """`run_verifier` over a batch, up to `max_workers` calls at a time.
 
     Each call has its own budget of `timeout_s` seconds from its start; a hung call holds one
@@ -181,23 +209,30 @@ def score_batch(verifier: Verifier | Callable[[str, Mapping], Any], completions:
         (['timeout', 'timeout'], True)
     """
     if isinstance(completions, (str, bytes, Mapping)):
-        raise TypeError(f"score_batch completions must be a sequence (list, tuple) of str, one "
-                        f"per item, got a {type(completions).__name__}; wrap a single "
-                        f"completion in a list")
+        raise TypeError(
+            f"score_batch completions must be a sequence (list, tuple) of str, one "
+            f"per item, got a {type(completions).__name__}; wrap a single "
+            f"completion in a list"
+        )
     if isinstance(items, (str, bytes, Mapping)):
-        raise TypeError(f"score_batch items must be a sequence (list, tuple) of item mappings, "
-                        f"one per completion, got a {type(items).__name__}; wrap a single "
-                        f"item in a list")
+        raise TypeError(
+            f"score_batch items must be a sequence (list, tuple) of item mappings, "
+            f"one per completion, got a {type(items).__name__}; wrap a single "
+            f"item in a list"
+        )
     if len(completions) != len(items):
-        raise ValueError(f"score_batch needs one item per completion, got {len(completions)} "
-                         f"completions and {len(items)} items")
+        raise ValueError(
+            f"score_batch needs one item per completion, got {len(completions)} "
+            f"completions and {len(items)} items"
+        )
     check_timeout(timeout_s)
     if not (isinstance(max_workers, int) and max_workers >= 1):
         raise ValueError(f"max_workers must be an int >= 1, got {max_workers!r}")
     if timeout_s is None:
         return [run_verifier(verifier, c, i, timeout_s=None) for c, i in zip(completions, items)]
-    return run_calls(verifier, list(zip(completions, items)), timeout_s=timeout_s,
-                     max_workers=max_workers)
+    return run_calls(
+        verifier, list(zip(completions, items)), timeout_s=timeout_s, max_workers=max_workers
+    )
 
 
 def count_outcomes(results: Iterable[VerifierResult]) -> dict[str, int]:
@@ -209,8 +244,11 @@ def count_outcomes(results: Iterable[VerifierResult]) -> dict[str, int]:
     return counts
 
 
-def as_score_fn(verifier: Verifier | Callable[[str, Mapping], Any], *,
-                timeout_s: float | None = DEFAULT_TIMEOUT_S) -> Callable[[str, Mapping], float]:
+def as_score_fn(
+    verifier: Verifier | Callable[[str, Mapping], Any],
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> Callable[[str, Mapping], float]:
     """A `(completion, item) -> float` function (the verified score; 0.0 for failures), for
     code that wants a plain score such as `posttrain.rewards.evaluation.evaluate_generations`.
 
@@ -237,7 +275,8 @@ VerifierFactory = Callable[..., Verifier]
 
 
 VERIFIERS: Registry[VerifierFactory] = Registry(
-    "verifier", builtins_hint="the built-in verifiers register on `import posttrain.verifiers`")
+    "verifier", builtins_hint="the built-in verifiers register on `import posttrain.verifiers`"
+)
 
 
 def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]:

@@ -37,10 +37,16 @@ def check_timeout(timeout_s: float | None) -> None:
     (0, MAX_TIMEOUT_S] (not a bool, not NaN or inf)."""
     if timeout_s is None:
         return
-    if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
-            and math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s must be None (no budget) or a number of seconds in "
-                         f"(0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+    if not (
+        isinstance(timeout_s, numbers.Real)
+        and not isinstance(timeout_s, bool)
+        and math.isfinite(timeout_s)
+        and 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(
+            f"timeout_s must be None (no budget) or a number of seconds in "
+            f"(0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}"
+        )
 
 
 class _GrowingPool:
@@ -59,7 +65,7 @@ class _GrowingPool:
         os.register_at_fork(after_in_child=self._reset)
 
     def _reset(self) -> None:
-        self._lock = threading.Lock()   # a lock copied by fork may be held by a lost thread
+        self._lock = threading.Lock()  # a lock copied by fork may be held by a lost thread
         self._pid = os.getpid()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = 0
@@ -74,8 +80,9 @@ class _GrowingPool:
             tasks = self._tasks
             tasks.put(fn)
         if spawn:
-            threading.Thread(target=self._work, args=(tasks,), name="posttrain-verifier",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._work, args=(tasks,), name="posttrain-verifier", daemon=True
+            ).start()
 
     def _work(self, tasks: queue.SimpleQueue) -> None:
         while True:
@@ -89,8 +96,9 @@ class _GrowingPool:
 _THREADS = _GrowingPool()
 
 
-def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: float,
-                   max_workers: int) -> list[VerifierResult]:
+def run_on_threads(
+    verifier: Callable, calls: Sequence[Call], *, timeout_s: float, max_workers: int
+) -> list[VerifierResult]:
     """Run `verifier` on every (completion, item) of `calls` on daemon threads, at most
     `max_workers` at a time, each with a budget of `timeout_s` seconds from its start. A hung
     call holds its slot until its deadline and is then abandoned. Returns one result per call,
@@ -102,8 +110,8 @@ def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: floa
     check_timeout(timeout_s)
     n = len(calls)
     results: list[VerifierResult | None] = [None] * n
-    posted: queue.SimpleQueue = queue.SimpleQueue()   # abandoned threads post here too: ignored
-    deadlines: dict[int, float] = {}                   # index -> monotonic deadline, in flight
+    posted: queue.SimpleQueue = queue.SimpleQueue()  # abandoned threads post here too: ignored
+    deadlines: dict[int, float] = {}  # index -> monotonic deadline, in flight
 
     def start(index: int) -> None:
         completion, item = calls[index]
@@ -111,7 +119,7 @@ def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: floa
         def work() -> None:
             try:
                 result = coerce_result(verifier(completion, item))
-            except BaseException as exc:   # noqa: BLE001 - any failure of user code is data
+            except BaseException as exc:  # noqa: BLE001 - any failure of user code is data
                 result = raised_result(exc)
             posted.put((index, capped(result)))
 
@@ -129,7 +137,8 @@ def run_on_threads(verifier: Callable, calls: Sequence[Call], *, timeout_s: floa
             now = time.monotonic()
             for index in [i for i, deadline in deadlines.items() if deadline <= now]:
                 results[index] = VerifierResult.failure(
-                    Outcome.TIMEOUT, f"verifier ran past {timeout_s:g} s (on a thread, abandoned)")
+                    Outcome.TIMEOUT, f"verifier ran past {timeout_s:g} s (on a thread, abandoned)"
+                )
                 del deadlines[index]
             continue
         if deadlines.pop(index, None) is not None:

@@ -53,7 +53,7 @@ from typing import Any
 import cloudpickle  # the blobs' by-value functions need it in the worker too
 
 
-_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
 
 MAX_REASON_CHARS = 4096
@@ -71,6 +71,7 @@ def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         try:
             import ctypes
+
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -146,6 +147,7 @@ def capped(result):
     if len(reason) <= MAX_REASON_CHARS:
         return result
     from posttrain.rewards.outcome import VerifierResult
+
     keep = MAX_REASON_CHARS // 2
     cut = f" [... {len(reason) - 2 * keep} characters cut ...] "
     return VerifierResult(result.score, result.outcome, reason[:keep] + cut + reason[-keep:])
@@ -175,7 +177,7 @@ def serve(fd_in: int, fd_out: int) -> None:
             verifiers.pop(evict, None)
             try:
                 verifiers[key] = pickle.loads(blob)
-            except BaseException as exc:   # noqa: BLE001 - reported to the parent
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 if not _send(outbox, ("load_failed", index, _describe(exc)[:MAX_REASON_CHARS])):
                     return
                 continue
@@ -183,15 +185,16 @@ def serve(fd_in: int, fd_out: int) -> None:
                 return
         try:
             completion, item = pickle.loads(payload)
-        except BaseException as exc:   # noqa: BLE001
-            result = VerifierResult.failure("error", f"the item did not unpickle in the worker: "
-                                                     f"{_describe(exc)}")
+        except BaseException as exc:  # noqa: BLE001
+            result = VerifierResult.failure(
+                "error", f"the item did not unpickle in the worker: {_describe(exc)}"
+            )
         else:
             try:
                 result = coerce_result(verifiers[key](completion, item))
-            except BaseException as exc:   # noqa: BLE001 - any failure of user code is data
+            except BaseException as exc:  # noqa: BLE001 - any failure of user code is data
                 result = raised_result(exc)
-        end_leftovers()   # a call leaves no process behind
+        end_leftovers()  # a call leaves no process behind
         if not _send(outbox, ("result", index, capped(result))):
             return
 
@@ -201,11 +204,12 @@ def _send(outbox, reply: tuple) -> bool:
     subclass) does not pickle goes as a plain VerifierResult with the same fields."""
     try:
         data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:   # noqa: BLE001
+    except Exception:  # noqa: BLE001
         data = b""
     if reply[0] == "result" and (not data or len(data) > MAX_REPLY_BYTES // 2):
-        kind, index, result = reply   # a subclass that does not pickle, or has large fields
+        kind, index, result = reply  # a subclass that does not pickle, or has large fields
         from posttrain.rewards.outcome import VerifierResult
+
         plain = capped(VerifierResult(result.score, result.outcome, result.reason))
         data = pickle.dumps((kind, index, plain), protocol=pickle.HIGHEST_PROTOCOL)
     try:
@@ -256,20 +260,25 @@ class WorkerProcess:
         try:
             proc = subprocess.Popen(
                 [sys.executable, WORKER_FILE, str(from_parent), str(to_parent), str(os.getpid())],
-                pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=(from_parent, to_parent),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except BaseException:
             for fd in (from_parent, to_worker, from_worker, to_parent):
                 os.close(fd)
             raise
         os.close(from_parent)
         os.close(to_parent)
-        worker = cls(proc, Connection(to_worker, readable=False),
-                     Connection(from_worker, writable=False))
+        worker = cls(
+            proc, Connection(to_worker, readable=False), Connection(from_worker, writable=False)
+        )
         try:
             worker.inbox.send_bytes(dumps_message(list(sys.path)))
         except OSError:
-            pass   # it died at once: its first call finds out
+            pass  # it died at once: its first call finds out
         return worker
 
     def kill(self) -> None:
@@ -280,11 +289,11 @@ class WorkerProcess:
         Once the worker has been reaped its pid may belong to another process (group), so a
         reaped worker is never signalled again: killing it twice is safe."""
         if self.proc.returncode is None:
-            try:   # stopped, it starts nothing more; its descendants' orphans still come to it
+            try:  # stopped, it starts nothing more; its descendants' orphans still come to it
                 os.kill(self.pid, signal.SIGSTOP)
             except (ProcessLookupError, PermissionError):
                 pass
-            kill_descendants(self.pid)   # those that left its group too (setsid)
+            kill_descendants(self.pid)  # those that left its group too (setsid)
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -318,7 +327,7 @@ def dumps_message(obj: Any) -> bytes:
     lambda or a class from a notebook cell)."""
     try:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:   # noqa: BLE001 - a lambda or local class inside an item, ...
+    except Exception:  # noqa: BLE001 - a lambda or local class inside an item, ...
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -338,7 +347,7 @@ def what_does_not_pickle(verifier: Any) -> str:
             continue
         try:
             cloudpickle.dumps(value)
-        except Exception:   # noqa: BLE001 - any failure names the culprit
+        except Exception:  # noqa: BLE001 - any failure names the culprit
             return f" (in {name!r}, a {type(value).__name__})"
     return ""
 
@@ -350,15 +359,16 @@ class Launcher:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="posttrain-verifier-launcher",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._serve, name="posttrain-verifier-launcher", daemon=True
+        ).start()
 
     def _serve(self) -> None:
         while True:
             job, box = self._jobs.get()
             try:
                 value = job()
-            except BaseException as exc:   # noqa: BLE001 - handed back to the caller
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
                 value = exc
             if box is not None:
                 box.put(value)
@@ -377,10 +387,9 @@ class Launcher:
         self._jobs.put((job, None))
 
 
-
 def main(argv: list[str]) -> None:
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        del sys.path[0]   # run by path: this folder's files must not shadow top-level modules
+        del sys.path[0]  # run by path: this folder's files must not shadow top-level modules
     fd_in, fd_out, parent_pid = (int(a) for a in argv[1:4])
     _die_with_parent(parent_pid)
     serve(fd_in, fd_out)
