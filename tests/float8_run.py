@@ -50,14 +50,13 @@ def run_case(plan: ParallelPlan | None, config: Float8Config, *, steps: int = ST
     at 1.0, under `plan` on the initialised process group (None: one process)."""
     model = tiny_model(0)
     apply_float8(model, config)
-    rank, size = 0, 1
-    if plan is not None:
-        model = plan.apply(model, spec=TINY)
-        rank, size = model._posttrain_plan_state.data_rank, plan.data_parallel_size
+    runtime = None if plan is None else plan.parallelize(model, spec=TINY)
+    rank, size = (0, 1) if runtime is None else (runtime.data_rank, runtime.data_size)
     loader = SFTLoader(sft_dataset(200), batch_size=8, shuffle=True, seed=0, pack=True,
                        seq_len=64, rank=rank, world_size=size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    trainer = Trainer(model, opt, data=loader, max_grad_norm=1.0, progress=False, plan=plan)
+    trainer = Trainer(model, opt, data=loader, max_grad_norm=1.0, progress=False,
+                      runtime=runtime)
     metrics = trainer.fit(steps)
     return {"losses": metrics["loss"].tolist(), "gather_dtypes": gather_dtypes(model)}
 

@@ -8,7 +8,8 @@ of the dp_shard=2 x tp=2 run as a HF folder OUT_DIR/hf.
 PHASE "kill" (2 ranks): dp_shard=2 towards `RESUME_STEPS` steps with a checkpoint every 2 steps
 into OUT_DIR/killed; every rank SIGKILLs itself after step 3 (one step after the checkpoint).
 PHASE "two" (2 ranks): the 2-rank plans of `PLANS_2` and, with a no-grad forward before the
-optimizer is built, of `LOOKED_2`; the bitwise resume of OUT_DIR/killed under
+optimizer is built, of `LOOKED_2`; dp_shard=2 through the deprecated spelling (`plan.apply`,
+`plan_state`, `Trainer(..., plan=plan)`); the bitwise resume of OUT_DIR/killed under
 the same plan against an uninterrupted run; the refusals of a misused plan; two reshard resumes of OUT_DIR/ckpt4 (saved under
 dp_shard=4) under dp_shard=2 and under tp=2, and the full state dict of a sharded run.
 Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the single-process
@@ -29,7 +30,7 @@ from _ranks import gloo_rank
 from _train_helpers import TINY, sft_dataset
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset, save_hf_checkpoint
-from posttrain.train import ParallelPlan, Trainer, full_state_dict
+from posttrain.train import ParallelPlan, Trainer, full_state_dict, plan_state
 
 STEPS, RESUME_STEPS = 3, 5
 UNTIED = dataclasses.replace(TINY, tie_word_embeddings=False)
@@ -72,18 +73,23 @@ def look_at_logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimizer: str = "sgd",
-             packed: bool = False, look_first: bool = False, **trainer_kwargs) -> dict:
+             packed: bool = False, look_first: bool = False, deprecated: bool = False,
+             **trainer_kwargs) -> dict:
     """A TINY SFT run: 17 rows (packed: 40 rows into 47-token rows with a block-causal mask),
     batch 8 x accumulation 2, clipping at 1.0 (active), under
     `plan` on the initialised process group (None: a plain model, one process). `look_first`:
-    a no-grad forward between `plan.apply` and building the optimizer. Returns
+    a no-grad forward between `plan.parallelize` and building the optimizer. `deprecated`: the
+    earlier spelling (`plan.apply`, `plan_state`, `plan=`). Returns
     {"losses", "trained_tokens", "grad_norms", "params" (full, on every rank), "trainer"}."""
     model = build_model(spec, seed=0)
-    if plan is not None:
+    runtime, data_rank, data_size = None, 0, 1
+    if plan is not None and deprecated:
         model = plan.apply(model, spec=spec)
-        data_rank, data_size = model._posttrain_plan_state.data_rank, plan.data_parallel_size
-    else:
-        data_rank, data_size = 0, 1
+        data_rank, data_size = plan_state(model).data_rank, plan.data_parallel_size
+        trainer_kwargs["plan"] = plan
+    elif plan is not None:
+        runtime = plan.parallelize(model, spec=spec)
+        data_rank, data_size = runtime.data_rank, runtime.data_size
     if look_first:
         look_at_logits(model)
     loader = SFTLoader(sft_dataset(40 if packed else 17, max_seq_len=PACKED_SEQ_LEN), batch_size=8,
@@ -94,11 +100,11 @@ def run_plan(plan: ParallelPlan | None, spec=TINY, *, steps: int = STEPS, optimi
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-3))
     trainer = Trainer(model, opt, data=loader, grad_accum_steps=2, max_grad_norm=1.0,
-                      progress=False, plan=plan, **trainer_kwargs)
+                      progress=False, runtime=runtime, **trainer_kwargs)
     metrics = trainer.fit(steps)
     return {"losses": metrics["loss"].tolist(), "trained_tokens": metrics["trained_tokens"].tolist(),
-            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(model),
-            "trainer": trainer}
+            "grad_norms": metrics["grad_norm"].tolist(),
+            "params": full_state_dict(model if runtime is None else runtime), "trainer": trainer}
 
 
 def _strip(result: dict) -> dict:
@@ -124,7 +130,8 @@ def phase_two(out: Path, rank: int) -> dict:
                for name, (plan, spec) in PLANS_2.items()}
     results.update({name: _strip(run_plan(plan, look_first=True))
                     for name, plan in LOOKED_2.items()})
-    looked = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
+    results["dp_shard2_deprecated"] = _strip(run_plan(ParallelPlan(dp_shard=2), deprecated=True))
+    looked = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY).model
     look_at_logits(looked)
     results["looked_types"] = {name: type(p).__name__ for name, p in looked.named_parameters()
                                if not name.startswith("layers.")}
@@ -157,37 +164,60 @@ def phase_kill(out: Path) -> None:
 
 
 def _misuse() -> dict[str, str]:
-    """The error messages of: an optimizer built before plan.apply, a plan passed to a Trainer
-    but never applied, a loader sharded over all ranks instead of the data ranks, and an
+    """The error messages of: an optimizer built before plan.parallelize, a plan passed to a
+    Trainer (the deprecated plan=) but never applied, a split model without its runtime, a
+    runtime of another model, a loader sharded over all ranks instead of the data ranks, and an
     optimizer built after a forward with grad that no backward followed."""
     errors = {}
     loader = SFTLoader(sft_dataset(8), batch_size=4, rank=0, world_size=1)
-    cases = {"optimizer_before_apply": lambda m: (torch.optim.SGD(m.parameters(), lr=0.1),
-                                                  ParallelPlan(tp=2).apply(m, spec=TINY)),
-             "not_applied": lambda m: (torch.optim.SGD(m.parameters(), lr=0.1), None)}
-    for name, build in cases.items():
-        model = build_model(TINY, seed=0)
-        opt, applied = build(model)
+
+    def attempt(name, build):
         try:
-            Trainer(model, opt, data=loader, progress=False, plan=ParallelPlan(tp=2))
+            build()
         except ValueError as e:
             errors[name] = str(e)
-    model = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
-    try:
+
+    def before():
+        model = build_model(TINY, seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        runtime = ParallelPlan(tp=2).parallelize(model, spec=TINY)
+        Trainer(model, opt, data=loader, progress=False, runtime=runtime)
+
+    def not_applied():
+        model = build_model(TINY, seed=0)
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader, progress=False,
+                plan=ParallelPlan(tp=2))
+
+    def without_runtime():
+        model = ParallelPlan(tp=2).parallelize(build_model(TINY, seed=0), spec=TINY).model
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader, progress=False)
-    except ValueError as e:
-        errors["data_sharding"] = str(e)
+
+    def other_model():
+        runtime = ParallelPlan(tp=2).parallelize(build_model(TINY, seed=0), spec=TINY)
+        model = build_model(TINY, seed=0)
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader, progress=False,
+                runtime=runtime)
+
+    def data_sharding():
+        runtime = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY)
+        Trainer(runtime.model, torch.optim.SGD(runtime.model.parameters(), lr=0.1), data=loader,
+                progress=False, runtime=runtime)
+
+    for name, build in {"optimizer_before_apply": before, "not_applied": not_applied,
+                        "without_runtime": without_runtime, "other_model": other_model,
+                        "data_sharding": data_sharding}.items():
+        attempt(name, build)
     # a forward with grad that no backward follows leaves FSDP2's root gathered
-    model = ParallelPlan(dp_shard=2).apply(build_model(TINY, seed=0), spec=TINY)
+    runtime = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY)
+    model = runtime.model
     model(torch.arange(16).reshape(2, 8))
-    shards = SFTLoader(sft_dataset(8), batch_size=4, rank=model._posttrain_plan_state.data_rank,
-                       world_size=2)
-    try:
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=shards, progress=False)
-    except ValueError as e:
-        errors["gathered_copies"] = str(e)
+    shards = SFTLoader(sft_dataset(8), batch_size=4, rank=runtime.data_rank,
+                       world_size=runtime.data_size)
+    attempt("gathered_copies", lambda: Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                               data=shards, progress=False, runtime=runtime))
     # the refusal resharded the model: an optimizer built now holds its parameters
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=shards, progress=False)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=shards, progress=False,
+            runtime=runtime)
     return errors
 
 

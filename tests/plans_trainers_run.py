@@ -31,12 +31,12 @@ from posttrain.data import PreferenceDataset
 from posttrain.models import ByteTokenizer, build_model, get_preset
 from posttrain.policy import Policy
 from posttrain.preference import (BradleyTerryLoss, DPOLoss, ShardedPreferenceLoader,
-                                  apply_plan_to_reward_model, compute_reference_logps)
+                                  compute_reference_logps, parallelize_reward_model)
 from posttrain.rewards import RewardModel, VerifierResult
 from posttrain.rl import Group, RLAlgorithm, RLTrainer, StepResult, ValueHead, make_batch
 from posttrain.rl.parallel import data_shares, rollout_seed
 from posttrain.rl.rollout import collect_groups
-from posttrain.train import ParallelPlan, Trainer, full_state_dict, plan_state
+from posttrain.train import ParallelPlan, Runtime, Trainer, full_state_dict
 
 PLANS_2 = {"dp_shard2": ParallelPlan(dp_shard=2), "tp2": ParallelPlan(tp=2)}
 PLANS_4 = {"dp_shard2_tp2": ParallelPlan(dp_shard=2, tp=2)}
@@ -63,8 +63,8 @@ def preference_rows(n: int = 9) -> list[dict]:
             for i in range(n)]
 
 
-def _data_shard(model: torch.nn.Module, plan: ParallelPlan | None) -> tuple[int, int]:
-    return (0, 1) if plan is None else (plan_state(model).data_rank, plan.data_parallel_size)
+def _data_shard(runtime: Runtime | None) -> tuple[int, int]:
+    return (0, 1) if runtime is None else (runtime.data_rank, runtime.data_size)
 
 
 def _sgd(params) -> torch.optim.Optimizer:
@@ -80,22 +80,27 @@ def run_dpo(plan: ParallelPlan | None, *, self_reference: bool = False,
     step in `run_dir` (a no-grad forward before a sharded save)."""
     dataset = PreferenceDataset(preference_rows(), ByteTokenizer(), max_seq_len=48)
     policy, reference = build_model(TINY, seed=0), build_model(TINY, seed=1)
+    runtime = reference_runtime = None
     if plan is not None:
-        policy, reference = plan.apply(policy, spec=TINY), plan.apply(reference, spec=TINY)
+        runtime = plan.parallelize(policy, spec=TINY)
+        reference_runtime = plan.parallelize(reference, spec=TINY)
     objective, options = DPOLoss(beta=0.1), {}
-    reference = policy if self_reference else reference.requires_grad_(False)
-    compute_reference_logps(reference, dataset, batch_size=4)
+    reference.requires_grad_(False)
+    scored = (runtime or policy) if self_reference else (reference_runtime or reference)
+    compute_reference_logps(scored, dataset, batch_size=4)
     if self_reference:
         batch = dataset.collate(range(3))
         options = dict(eval_fn=lambda m: objective.metrics(m, batch), eval_every=1,
                        run_dir=run_dir, checkpoint_every=1 if run_dir else 0)
-    rank, size = _data_shard(policy, plan)
+    rank, size = _data_shard(runtime)
     loader = ShardedPreferenceLoader(dataset, batch_size=4, seed=0, rank=rank, world_size=size)
     trainer = Trainer(policy, _sgd(policy.parameters()), data=loader, loss=objective,
-                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, plan=plan, **options)
+                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, runtime=runtime,
+                      **options)
     metrics = trainer.fit(PREF_STEPS)
     return {"losses": metrics["loss"].tolist(), "units": metrics["trained_tokens"].tolist(),
-            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(policy),
+            "grad_norms": metrics["grad_norm"].tolist(),
+            "params": full_state_dict(runtime or policy),
             "reference": dict(dataset.reference.values)}
 
 
@@ -105,18 +110,18 @@ def run_reward_model(plan: ParallelPlan | None, *, look_first: bool = False) -> 
     RewardModel, not its backbone, is FSDP2's root then)."""
     dataset = PreferenceDataset(preference_rows(), ByteTokenizer(), max_seq_len=48)
     model = RewardModel.from_spec(TINY, seed=0)
-    if plan is not None:
-        model = apply_plan_to_reward_model(plan, model)
+    runtime = None if plan is None else parallelize_reward_model(plan, model)
     if look_first:
         with torch.no_grad():
             model(torch.arange(16).reshape(2, 8))
-    rank, size = _data_shard(model, plan)
+    rank, size = _data_shard(runtime)
     loader = ShardedPreferenceLoader(dataset, batch_size=4, seed=0, rank=rank, world_size=size)
     trainer = Trainer(model, _sgd(model.parameters()), data=loader, loss=BradleyTerryLoss(),
-                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, plan=plan)
+                      grad_accum_steps=2, max_grad_norm=1.0, progress=False, runtime=runtime)
     metrics = trainer.fit(PREF_STEPS)
     return {"losses": metrics["loss"].tolist(), "units": metrics["trained_tokens"].tolist(),
-            "grad_norms": metrics["grad_norm"].tolist(), "params": full_state_dict(model)}
+            "grad_norms": metrics["grad_norm"].tolist(),
+            "params": full_state_dict(runtime or model)}
 
 
 # ---------------------------------------------------------------------- RL
@@ -193,8 +198,7 @@ def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
     (before any update)."""
     algo = ALGOS[algo_name]()
     policy = Policy(build_model(spec, seed=0), ByteTokenizer(), spec)
-    if plan is not None:
-        plan.apply(policy.model, spec=spec)
+    runtime = None if plan is None else plan.parallelize(policy.model, spec=spec)
     head = ValueHead(spec.embed_dim) if algo.use_value_head else None
     params = list(policy.model.parameters()) + (list(head.parameters()) if head else [])
     cls = type("Sliced", (SlicedRollouts,), {"rollout_ranks": rollout_ranks}) if plan is None \
@@ -202,7 +206,7 @@ def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
     rollouts = []
     trainer = cls(policy, torch.optim.SGD(params, lr=0.1, momentum=0.9), task=ToyTask(),
                   algo=algo, prompts_per_step=4, max_new_tokens=4, value_head=head,
-                  micro_batch_size=2, progress=False, plan=plan,
+                  micro_batch_size=2, progress=False, runtime=runtime,
                   callbacks=[lambda t, row: rollouts.append(_groups_record(t.last_groups))],
                   **trainer_kwargs)
     delta = None
@@ -216,7 +220,8 @@ def run_rl(plan: ParallelPlan | None, algo_name: str, *, rollout_ranks: int = 1,
     metrics = trainer.fit(steps)
     rows = [{k: v for k, v in row.items() if not k.endswith("_s") and k != "mfu"}
             for row in metrics.to_dict("records")]
-    return {"rows": rows, "rollouts": rollouts, "params": full_state_dict(policy.model),
+    return {"rows": rows, "rollouts": rollouts,
+            "params": full_state_dict(runtime or policy.model),
             "value_head": None if head is None else {k: v.detach().clone()
                                                      for k, v in head.state_dict().items()},
             "delta_logp": delta}
@@ -259,8 +264,8 @@ def resume_runs(out: Path) -> dict[str, Any]:
 
 
 def misuse() -> dict[str, str]:
-    """Errors of: an RL optimizer built before plan.apply; prompts_per_step not divisible by the
-    data-parallel size; a value head under sp=2."""
+    """Errors of: an RL optimizer built before plan.parallelize; prompts_per_step not divisible by
+    the data-parallel size; a value head under sp=2."""
     errors = {}
     plan = ParallelPlan(dp_shard=2)
 
@@ -273,24 +278,25 @@ def misuse() -> dict[str, str]:
     def before_apply():
         policy = Policy(build_model(TINY, seed=0), ByteTokenizer(), TINY)
         opt = torch.optim.SGD(policy.model.parameters(), lr=0.1)
-        plan.apply(policy.model, spec=TINY)
+        runtime = plan.parallelize(policy.model, spec=TINY)
         RLTrainer(policy, opt, task=ToyTask(), algo=RLAlgorithm.grpo(group_size=2),
-                  prompts_per_step=2, max_new_tokens=2, progress=False, plan=plan)
+                  prompts_per_step=2, max_new_tokens=2, progress=False, runtime=runtime)
 
     def indivisible():
-        policy = Policy(plan.apply(build_model(TINY, seed=0), spec=TINY), ByteTokenizer(), TINY)
+        runtime = plan.parallelize(build_model(TINY, seed=0), spec=TINY)
+        policy = Policy(runtime.model, ByteTokenizer(), TINY)
         RLTrainer(policy, torch.optim.SGD(policy.model.parameters(), lr=0.1), task=ToyTask(),
                   algo=RLAlgorithm.grpo(group_size=2), prompts_per_step=3, max_new_tokens=2,
-                  progress=False, plan=plan)
+                  progress=False, runtime=runtime)
 
     def value_head_under_sp():
-        sp = ParallelPlan(sp=2)
-        policy = Policy(sp.apply(build_model(TINY, seed=0), spec=TINY), ByteTokenizer(), TINY)
+        runtime = ParallelPlan(sp=2).parallelize(build_model(TINY, seed=0), spec=TINY)
+        policy = Policy(runtime.model, ByteTokenizer(), TINY)
         head = ValueHead(TINY.embed_dim)
         RLTrainer(policy, torch.optim.SGD([*policy.model.parameters(), *head.parameters()],
                                           lr=0.1),
                   task=ToyTask(), algo=RLAlgorithm.ppo(), prompts_per_step=2, max_new_tokens=2,
-                  value_head=head, progress=False, plan=sp)
+                  value_head=head, progress=False, runtime=runtime)
 
     attempt("optimizer_before_apply", before_apply)
     attempt("prompts_not_divisible", indivisible)

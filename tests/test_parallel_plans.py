@@ -98,7 +98,7 @@ def test_plan_equals_one_process_on_the_global_batch(runs, name):
 
 @pytest.mark.parametrize("name", sorted(worker.LOOKED_2))
 def test_a_no_grad_forward_before_the_optimizer_trains_every_parameter(runs, name):
-    """The notebook habit: plan.apply, look at logits under torch.no_grad(), then build the
+    """The notebook habit: plan.parallelize, look at logits under torch.no_grad(), then build the
     optimizer over model.parameters(). FSDP2 leaves its root (embedding, final norm) gathered
     after a forward; an optimizer built over those copies never updated them, and the logged
     gradient norm missed theirs. Every parameter must train as in one process."""
@@ -120,6 +120,15 @@ def test_the_plans_model_is_sharded_again_after_a_no_grad_forward(runs):
     for result in runs[1]["two"]:
         assert result["looked_types"] == {"tok_embeddings.weight": "DTensor",
                                           "norm.scale": "DTensor"}
+
+
+def test_the_deprecated_spelling_trains_exactly_as_the_runtime(runs):
+    """`model = plan.apply(model)`, `plan_state(model).data_rank` and `Trainer(..., plan=plan)`
+    still work for one release: the same run, bitwise, as `plan.parallelize` + `runtime=`."""
+    for result in runs[1]["two"]:
+        new, old = result["dp_shard2"], result["dp_shard2_deprecated"]
+        assert old["losses"] == new["losses"] and old["grad_norms"] == new["grad_norms"]
+        assert _max_diff(old["params"], new["params"]) == 0.0
 
 
 def test_adamw_under_dp_shard_x_tp_stays_within_its_tolerance(runs):
@@ -221,6 +230,8 @@ def test_misused_plans_are_refused_with_what_to_do(runs):
         "norm.scale, registered on the model by a forward that no backward followed")
     assert "build the optimizer over [p for p in model.parameters()" in errors["gathered_copies"]
     assert "was not applied to the model" in errors["not_applied"]
+    assert "no runtime was given: pass runtime=" in errors["without_runtime"]
+    assert "runtime.model is not the model given to the trainer" in errors["other_model"]
     assert ("rank 0 of world_size=2 among the data-parallel ranks of ParallelPlan(dp_shard=2)"
             in errors["data_sharding"])
 
@@ -261,7 +272,7 @@ def test_cpu_offload_of_a_model_on_the_cpu_is_refused():
     from posttrain.models import build_model
 
     with pytest.raises(ValueError, match="allowed cpu_offload on CPU: False"):
-        ParallelPlan(cpu_offload=True).apply(build_model(TINY, seed=0), spec=TINY)
+        ParallelPlan(cpu_offload=True).parallelize(build_model(TINY, seed=0), spec=TINY)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -294,31 +305,31 @@ def test_a_one_rank_plan_applies_activation_checkpointing_without_a_process_grou
     losses = []
     for plan in (None, ParallelPlan(activation_checkpointing=True)):
         model = build_model(TINY, seed=0)
-        if plan is not None:
-            model = plan.apply(model, spec=TINY)
+        runtime = None if plan is None else plan.parallelize(model, spec=TINY)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loader = SFTLoader(sft_dataset(8), batch_size=4, seed=0)
-        losses.append(Trainer(model, opt, data=loader, progress=False, plan=plan).fit(2)["loss"].tolist())
+        losses.append(Trainer(model, opt, data=loader, progress=False,
+                              runtime=runtime).fit(2)["loss"].tolist())
     assert losses[0] == losses[1]
 
 
 def test_trainer_memory_check_refuses_a_plan_that_does_not_fit_before_any_step():
-    """The check the Trainer runs under a plan (spec from apply_plan, batch from the loader):
-    a 0.5B model at 64 rows x 500 tokens needs far more than 8 GiB per rank."""
+    """The check the Trainer runs under a plan (spec from plan.parallelize, batch from the
+    loader): a 0.5B model at 64 rows x 500 tokens needs far more than 8 GiB per rank."""
     from _train_helpers import sft_dataset
     from posttrain.data import SFTLoader
+    from posttrain.train import LocalRuntime, PlanRuntime
     from posttrain.train.memory_check import check_memory
-    from posttrain.train.sharding import PlanState
 
     model = torch.nn.Linear(2, 2)
-    model._posttrain_plan_state = PlanState(plan=ParallelPlan(), mesh=None, data_rank=0,
-                                            data_group=None, fsdp=False,
-                                            spec=get_preset("qwen2.5-0.5b"))
+    runtime = PlanRuntime(model=model, plan=ParallelPlan(), mesh=None, data_rank=0,
+                          data_group=None, fsdp=False, spec=get_preset("qwen2.5-0.5b"))
     loader = SFTLoader(sft_dataset(8, max_seq_len=500), batch_size=64)
     with pytest.raises(ValueError, match="GiB per rank") as info:
-        check_memory(model, loader, device_bytes=8 * 2**30)
+        check_memory(runtime, loader, device_bytes=8 * 2**30)
     assert "raise" in str(info.value) or "lower" in str(info.value)  # names the fixing axis
-    check_memory(model, loader, device_bytes=2**50)  # fits a large enough device
+    check_memory(runtime, loader, device_bytes=2**50)  # fits a large enough device
+    check_memory(LocalRuntime(model), loader, device_bytes=1)  # no plan: nothing to check
 
 
 def test_plan_sizes_and_mesh_need_a_process_group():

@@ -8,16 +8,19 @@ the trainer's `train_on_groups`: the step's update, metrics row and callbacks ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.notebook.inspector import to_groups
+
+if TYPE_CHECKING:
+    from posttrain.rl.trainer import RLTrainer
 
 __all__ = ["replay_step"]
 
 _SEAM = "train_on_groups"
 
 
-def replay_step(trainer: Any, rollouts: Any) -> dict[str, float]:
+def replay_step(trainer: RLTrainer, rollouts: Any) -> dict[str, float]:
     """Run ONE RL training step of `trainer` on saved rollouts instead of fresh samples (to
     debug an update: a batch that produced a NaN, a spike in KL, a verifier change).
 

@@ -43,6 +43,7 @@ from posttrain.preference.reward_model import (
 )
 from posttrain.preference.parallel import (
     ShardedPreferenceLoader,
+    parallelize_reward_model,
     apply_plan_to_reward_model,
     gathered_reward_model,
     trains_nothing,
@@ -75,6 +76,7 @@ __all__ = [
     "pair_tensors",
     "BradleyTerryLoss",
     "ShardedPreferenceLoader",
+    "parallelize_reward_model",
     "apply_plan_to_reward_model",
     "gathered_reward_model",
     "trains_nothing",

@@ -3,9 +3,10 @@ batch an empty share gets, and the reward model (backbone + scalar head) split b
 
 Notation: B = pairs (or KTO rows) of a batch, W = data-parallel ranks.
 
-The DPO family needs nothing else: the policy is split with `plan.apply(model, spec=spec)` and
-trained by the `Trainer(..., plan=plan)` like SFT; the reference log-probabilities are computed
-once, up front, by `posttrain.preference.reference.compute_reference_logps`, which accepts a
+The DPO family needs nothing else: the policy is split with `runtime = plan.parallelize(model,
+spec=spec)` and trained by `Trainer(runtime.model, ..., runtime=runtime)` like SFT; the
+reference log-probabilities are computed once, up front, by
+`posttrain.preference.reference.compute_reference_logps`, which accepts the runtime of a
 reference split by the same plan (each data-parallel rank scores its share of the batches, the
 values are summed over the data ranks). A separate frozen reference is only needed when the
 policy has already moved; the recipes score the starting policy itself before its first step.
@@ -27,17 +28,17 @@ validated yet.
 Example (needs a process group of 2 ranks; see tests/test_plans_trainers.py):
 
     plan = ParallelPlan(dp_shard=2)
-    rm = apply_plan_to_reward_model(plan, RewardModel.from_spec(spec, seed=0))
-    opt = torch.optim.AdamW(rm.parameters(), lr=1e-4)             # after the plan
-    rank, size = plan_state(rm).data_rank, plan.data_parallel_size
-    loader = ShardedPreferenceLoader(dataset, batch_size=8, rank=rank, world_size=size)
-    Trainer(rm, opt, data=loader, loss=BradleyTerryLoss(), plan=plan).fit(10)
+    runtime = parallelize_reward_model(plan, RewardModel.from_spec(spec, seed=0))
+    opt = torch.optim.AdamW(runtime.model.parameters(), lr=1e-4)   # after the plan
+    loader = ShardedPreferenceLoader(dataset, batch_size=8, rank=runtime.data_rank,
+                                     world_size=runtime.data_size)
+    Trainer(runtime.model, opt, data=loader, loss=BradleyTerryLoss(), runtime=runtime).fit(10)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,17 @@ from posttrain.core.distributed import flat_collective
 from posttrain.data.preference import KTOBatch, PreferenceBatch, PreferenceLoader
 from posttrain.rewards.reward_model import RewardModel
 from posttrain.train.optimizer_check import remember_parameters
-from posttrain.train.sharding import (full_state_dict, plan_state,
-                                      reshard_root_after_frozen_forward)
+from posttrain.train.parallel import ParallelPlan
+from posttrain.train.plan_compat import register, runtime_of, warn_deprecated
+from posttrain.train.runtime import PlanRuntime, Runtime
+from posttrain.train.sharding import parallelized, reshard_root_after_frozen_forward
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ShardedPreferenceLoader", "PaddingPreferenceBatch", "PaddingKTOBatch",
-           "trains_nothing", "apply_plan_to_reward_model", "gathered_reward_model"]
+           "trains_nothing", "parallelize_reward_model", "gathered_reward_model",
+           "apply_plan_to_reward_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +100,8 @@ class ShardedPreferenceLoader(PreferenceLoader):
     Args:
         dataset, batch_size, shuffle, seed: as `PreferenceLoader`.
         rank, world_size: this rank's place among the data-parallel ranks; under a plan
-            `plan_state(model).data_rank` and `plan.data_parallel_size` (tensor-parallel ranks
-            of one data rank get the same share). Default: the default process group's rank
+            `runtime.data_rank` and `runtime.data_size` (tensor-parallel ranks of one data rank
+            get the same share). Default: the default process group's rank
             and size (0 and 1 without one).
 
     Raises:
@@ -131,18 +138,18 @@ class ShardedPreferenceLoader(PreferenceLoader):
         return _as_padding(self.dataset.collate(indices[:1]))
 
 
-def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = None) -> RewardModel:
-    """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns it.
+def parallelize_reward_model(plan: ParallelPlan, model: RewardModel, *,
+                             mesh: DeviceMesh | None = None) -> PlanRuntime:
+    """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns
+    its `PlanRuntime` (`runtime.model is model`), which the `Trainer` takes as `runtime=`.
 
-    The backbone gets `plan.apply` (TP, Ulysses SP, activation checkpointing, FSDP2 per layer
-    and its root);
-    its output projection is the identity, so TP treats it as a tied model (embedding and
-    output stay replicated). The head is broadcast from rank 0 and, with data parallelism,
-    becomes part of FSDP2's root (`fully_shard(model)` above the backbone's units, gradients
-    SUMmed like the rest, resharded after a forward no backward follows, as `plan.apply` does
-    its root); with TP alone it stays a replicated `nn.Linear`. The model then
-    carries the backbone's `PlanState`, so the `Trainer` sees the plan. Build the optimizer
-    after this.
+    The backbone gets `plan.parallelize` (TP, Ulysses SP, activation checkpointing, FSDP2 per
+    layer and its root); its output projection is the identity, so TP treats it as a tied
+    model (embedding and output stay replicated). The head is broadcast from rank 0 and, with
+    data parallelism, becomes part of FSDP2's root (`fully_shard(model)` above the backbone's
+    units, gradients SUMmed like the rest, resharded after a forward no backward follows, as
+    `parallelize` does its root); with TP alone it stays a replicated `nn.Linear`. Build the
+    optimizer after this.
 
     Args:
         plan: a `posttrain.train.ParallelPlan`.
@@ -150,19 +157,21 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
         mesh: the plan's DeviceMesh (default: built here).
 
     Raises:
-        ValueError: if the model already has a plan or the plan does not fit it.
         TypeError: if `model` is not a RewardModel.
-        ValueError: also for pp or ep > 1 (named, with the allowed values).
+        ValueError: if the model already has a plan, the plan does not fit it, or pp or ep > 1
+            (named, with the allowed values).
     """
     if not isinstance(model, RewardModel):
-        raise TypeError(f"apply_plan_to_reward_model takes a RewardModel; got "
-                        f"{type(model).__name__} (use plan.apply for a plain decoder)")
-    if plan_state(model) is not None:
-        raise ValueError("this reward model already has a ParallelPlan applied; build a fresh one")
+        raise TypeError(f"parallelize_reward_model takes a RewardModel; got "
+                        f"{type(model).__name__} (use plan.parallelize for a plain decoder)")
+    done = parallelized(model)
+    if done is not None:
+        raise ValueError(f"this reward model already has a ParallelPlan applied ({done}); build "
+                         "a fresh one")
     others = [f"{axis}={getattr(plan, axis)}" for axis in ("pp", "ep")
               if getattr(plan, axis) > 1]
     if others:
-        raise ValueError(f"apply_plan_to_reward_model: {', '.join(others)} is not supported "
+        raise ValueError(f"parallelize_reward_model: {', '.join(others)} is not supported "
                          "for a reward model (its head is placed for dp_replicate, dp_shard, tp "
                          "and sp); allowed pp and ep for a reward model: 1")
     backbone = model.backbone
@@ -170,17 +179,30 @@ def apply_plan_to_reward_model(plan: Any, model: RewardModel, *, mesh: Any = Non
     identity = backbone.output
     backbone.output = None  # no output module: TP leaves the embedding and output replicated
     try:
-        plan.apply(backbone, spec=model.spec, mesh=mesh)
+        runtime = plan.parallelize(backbone, spec=model.spec, mesh=mesh)
     finally:
         backbone.output = identity
-    state = plan_state(backbone)
-    flat_collective(list(model.head.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    if dist.is_initialized():  # (a plan of one rank applies without a process group)
+        flat_collective(list(model.head.parameters()), lambda flat: dist.broadcast(flat, src=0))
     if plan.sp > 1:
         _count_head_grads_once_over_sp(model.head, plan.sp)
-    if state.fsdp:
+    if runtime.fsdp:
         _fsdp_root(plan, model, backbone)
-    model._posttrain_plan_state = state
-    return model
+    return dataclasses.replace(runtime, model=model)
+
+
+def apply_plan_to_reward_model(plan: ParallelPlan, model: RewardModel, *,
+                               mesh: DeviceMesh | None = None) -> RewardModel:
+    """Deprecated (one release): `runtime = parallelize_reward_model(plan, model)` and pass
+    `runtime=runtime` to the `Trainer`. Splits `model` in place and returns it.
+
+    Raises:
+        As `parallelize_reward_model`.
+    """
+    warn_deprecated("apply_plan_to_reward_model(plan, model)",
+                    instead="runtime = parallelize_reward_model(plan, model), then pass "
+                            "runtime=runtime to the Trainer")
+    return register(parallelize_reward_model(plan, model, mesh=mesh))
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -209,7 +231,7 @@ def _count_head_grads_once_over_sp(head: nn.Module, sp: int) -> None:
     head.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / sp))
 
 
-def _fsdp_root(plan: Any, model: nn.Module, backbone: nn.Module) -> None:
+def _fsdp_root(plan: ParallelPlan, model: nn.Module, backbone: nn.Module) -> None:
     """FSDP2 over `model` as the root above `backbone`'s units (its own parameter group: the
     head), on the mesh the plan sharded the backbone's root over (that of its final norm, which
     no tensor-parallel style touches), with the plan's mixed precision and offload, reducing
@@ -228,14 +250,19 @@ def _fsdp_root(plan: Any, model: nn.Module, backbone: nn.Module) -> None:
     model.set_force_sum_reduction_for_comms(True)
 
 
-def gathered_reward_model(model: RewardModel) -> RewardModel:
-    """A plain (unsharded) `RewardModel` with the full weights of `model` (a collective under a
-    plan: every rank calls it and gets the copy; `model` itself without a plan). Use it to
-    `save` a sharded reward model."""
-    if plan_state(model) is None:
-        return model
-    state = full_state_dict(model)
-    plain = RewardModel(_fresh_backbone(model), model.spec)
+def gathered_reward_model(model: RewardModel | Runtime) -> RewardModel:
+    """A plain (unsharded) `RewardModel` with the full weights of a split one (a collective
+    under a plan: every rank calls it and gets the copy), given its runtime; a plain reward
+    model (or its `LocalRuntime`) is returned as it is. Use it to `save` a sharded reward model.
+
+    Raises:
+        ValueError: for a reward model split by a plan given without its runtime.
+    """
+    runtime = runtime_of(model)
+    if runtime.plan is None:
+        return runtime.model
+    state = runtime.full_state_dict()
+    plain = RewardModel(_fresh_backbone(runtime.model), runtime.model.spec)
     plain.load_state_dict(state)
     return plain
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,9 @@ from posttrain.core.distributed import device_of
 from posttrain.data.preference import KTODataset, PreferenceDataset
 from posttrain.models.lora import adapters_disabled, has_adapters
 from posttrain.policy.sampling import token_logprobs
+
+if TYPE_CHECKING:
+    from posttrain.train.runtime import Runtime
 
 __all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint",
            "compute_reference_logps"]
@@ -102,8 +105,8 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     (`posttrain.models.lora.adapters_disabled`): the reference policy of a LoRA run is the
     frozen base, with no second copy in memory.
 
-    A reference split by a `ParallelPlan` (`plan.apply`; frozen, no optimizer) is a collective:
-    every rank calls this with the same dataset. The forwards are the same batches as in one
+    A reference split by a `ParallelPlan` (given as the `PlanRuntime` of `plan.parallelize`;
+    frozen, no optimizer) is a collective: every rank calls this with the same dataset. The forwards are the same batches as in one
     process; data-parallel rank r scores batches r, r + W, ... (W data ranks; a rank with one
     batch fewer repeats a forward it discards, as FSDP2 needs every rank in every forward), and
     the values are summed over the data ranks (each item is scored by exactly one, so the sum
@@ -111,7 +114,7 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
 
     Args:
         reference: a `posttrain.policy.policy.Policy` or a torchtune decoder (`nn.Module`),
-            plain or split by a ParallelPlan.
+            or the `Runtime` of one (split by a ParallelPlan: its `PlanRuntime`).
         dataset: a `PreferenceDataset` or `KTODataset`.
         batch_size: sequences per forward (>= 1).
 
@@ -120,23 +123,26 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
 
     Raises:
         ValueError: for batch_size < 1.
-        ValueError: for a reference split into pipeline stages (pp > 1).
+        ValueError: for a reference split into pipeline stages (pp > 1), or a model split by a
+            plan given without its runtime.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
-    from posttrain.train.sharding import plan_state
+    from posttrain.train.plan_compat import runtime_of
+    from posttrain.train.runtime import Runtime
 
-    model = getattr(reference, "model", reference)
-    state = plan_state(model)
-    if state is not None and state.plan.pp > 1:
+    runtime = (reference if isinstance(reference, Runtime)
+               else runtime_of(getattr(reference, "model", reference)))
+    model = runtime.model
+    if runtime.pipeline is not None:
         raise ValueError(f"compute_reference_logps: a reference split into pipeline stages "
-                         f"({state.plan}) has no plain forward to score with; allowed pp: 1")
+                         f"({runtime.plan}) has no plain forward to score with; allowed pp: 1")
     fingerprint = reference_fingerprint(model)
-    if state is not None:
+    if runtime.plan is not None:  # every rank holds shards of it
         fingerprint = _all_ranks_fingerprint(fingerprint)
     if dataset.reference is not None and dataset.reference.fingerprint == fingerprint:
         return dataset.reference
-    rank, ranks = (0, 1) if state is None else (state.data_rank, state.plan.data_parallel_size)
+    rank, ranks = runtime.data_rank, runtime.data_size
     starts = list(range(0, len(dataset), batch_size))
     mine = starts[rank::ranks]
     rounds = -(-len(starts) // ranks)  # forwards per rank: the same on every rank
@@ -155,7 +161,7 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
                     if i < len(mine):
                         parts[start] = logps_B.float().cpu()
                 values[key] = (torch.cat([parts[s] for s in starts]) if ranks == 1
-                               else _sum_over_data_ranks(parts, len(dataset), state))
+                               else _sum_over_data_ranks(parts, len(dataset), runtime))
     finally:
         model.train(was_training)
     dataset.reference = ReferenceLogps(fingerprint, values)
@@ -171,14 +177,11 @@ def _all_ranks_fingerprint(local: str) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
-def _sum_over_data_ranks(parts: dict[int, Tensor], n: int, state: Any) -> Tensor:
+def _sum_over_data_ranks(parts: dict[int, Tensor], n: int, runtime: Runtime) -> Tensor:
     """[n] fp32: this rank's batches (keyed by their first item) in place, zeros elsewhere,
-    SUMmed over the plan's data-parallel ranks."""
-    import torch.distributed as dist
-
+    SUMmed over the runtime's data-parallel ranks."""
     full = torch.zeros(n, dtype=torch.float32)
     for start, logps_B in parts.items():
         full[start:start + logps_B.numel()] = logps_B
-    buffer = full.to(state.mesh.device_type)  # NCCL reduces on the GPU, gloo on the CPU
-    dist.all_reduce(buffer, group=state.data_group)
-    return buffer.cpu()
+    # NCCL reduces on the GPU, gloo on the CPU
+    return runtime.sum_over_data_ranks(full.to(runtime.collective_device)).cpu()

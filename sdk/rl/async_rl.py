@@ -56,7 +56,6 @@ from posttrain.rl.buffer import ReplayBuffer
 from posttrain.rl.environment import Group, Trajectory
 from posttrain.rl.rollout import collect_groups
 from posttrain.rl.trainer import RLTrainer
-from posttrain.train.sharding import plan_state
 
 __all__ = ["AsyncRLTrainer", "RolloutWorker", "rollout_schedule", "step_seed"]
 
@@ -157,8 +156,9 @@ class AsyncRLTrainer:
 
         if not isinstance(trainer, RLTrainer):
             raise TypeError(f"trainer is a {type(trainer).__name__}; pass an RLTrainer")
-        if plan_state(trainer.policy.model) is not None:
-            raise ValueError("AsyncRLTrainer supports a policy without a ParallelPlan only")
+        if trainer.runtime.plan is not None:
+            raise ValueError(f"AsyncRLTrainer supports a policy without a ParallelPlan only; "
+                             f"this trainer's runtime has {trainer.runtime.plan}")
         if trainer.rollout_quantization is not None:
             raise ValueError(f"rollout_quantization={trainer.rollout_quantization!r}; "
                              "AsyncRLTrainer supports None only")

@@ -33,16 +33,16 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from posttrain.models.conversion import ConversionReport
+from posttrain.policy.policy import Policy
 from posttrain.rl.config import _VERL_ROLLOUT_IS, ROLLOUT_CORRECTIONS, RLAlgorithm
 
 __all__ = ["ROLLOUT_QUANTIZATIONS", "SAMPLER_METRICS", "ROLLOUT_IS_METRICS",
-           "check_rollout_quantization", "quantized_rollout_copy", "refresh_sampler",
+           "check_rollout_quantization", "quantized_rollout_copy", "quantized_sampler",
            "scores_apart_from_sampler", "frozen_logprobs", "sampler_mismatch_metrics",
            "rollout_correction_weights", "decouple_sampler"]
 
@@ -139,20 +139,12 @@ def quantized_rollout_copy(model: nn.Module, name: str) -> tuple[nn.Module, Conv
                                        skipped=skipped)
 
 
-def refresh_sampler(trainer: Any) -> Any:
-    """The `Policy` this step's rollouts sample with: `trainer.rollout_policy` (the policy itself,
-    or under a plan its gathered plain copy, refreshed by the caller) when
-    `trainer.rollout_quantization` is None; else a new quantised copy of it, stored as
-    `trainer.sampler_policy` with its report as `trainer.rollout_report`."""
-    from posttrain.policy.policy import Policy
-
-    source = trainer.rollout_policy
-    if trainer.rollout_quantization is None:
-        return source
-    model, trainer.rollout_report = quantized_rollout_copy(source.model,
-                                                           trainer.rollout_quantization)
-    trainer.sampler_policy = Policy(model, source.tokenizer, source.spec)
-    return trainer.sampler_policy
+def quantized_sampler(source: Policy, name: str) -> tuple[Policy, ConversionReport]:
+    """A new `Policy` whose model is `quantized_rollout_copy(source.model, name)` (the weights
+    of `source` now), with `source`'s tokenizer and spec, and the conversion's report: what a
+    step's rollouts sample with under `rollout_quantization=name`."""
+    model, report = quantized_rollout_copy(source.model, name)
+    return Policy(model, source.tokenizer, source.spec), report
 
 
 def scores_apart_from_sampler(rollout_quantization: str | None, algo: RLAlgorithm) -> bool:

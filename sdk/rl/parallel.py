@@ -1,18 +1,26 @@
 """RL under a `ParallelPlan`: how `RLTrainer` samples, scores and updates when the policy (and
-the reference) are split over the ranks of a job.
+the reference) are split over the ranks of a job (`RLTrainer(..., runtime=plan.parallelize(
+policy.model, spec=policy.spec))`).
+
+The trainer runs one step, with or without a plan: every rank samples, scores and trains its
+data rank's share through its `runtime` (`posttrain.train.runtime`); with one data rank (no
+plan, or tp/sp only) the shares are the whole batch and every collective is a no-op. This
+module holds the pieces: the setup under a plan (`plan_rollout_parts`), the shares and seeds of
+the data ranks, the gathering of groups and the padding rows.
 
 Notation: B = trajectories of the step (all data-parallel ranks together), T = padded tokens per
-row, W = data-parallel ranks (`plan.data_parallel_size`), r = this rank's index among them.
+row, W = data-parallel ranks (`runtime.data_size`), r = this rank's index among them
+(`runtime.data_rank`).
 
 One step under a plan (every rank runs it; the collectives are marked *):
 
-    rollout copy  <- full_state_dict(policy)*          one gather per step, into a plain
+    rollout copy  <- runtime.full_state_dict()*        one gather per step, into a plain
                                                        (unsharded) copy of the policy per rank;
                                                        with rollout_quantization, the rollouts
                                                        sample from a quantised copy of it
     local groups  = collect_groups(copy, builders[r-th of W equal slices],
                                    seed = step_seed * W + r)   # no collective per token
-    groups        = all_gather(local groups)*          in data-rank order, group ids renumbered
+    groups        = gather_groups(local groups)*       in data-rank order, group ids renumbered
                                                        0..P-1: every rank holds the global batch
     ref logprobs, old values: rank r scores its contiguous share of the B rows (FSDP2/TP
                   forward*), the shares are all-gathered*
@@ -59,150 +67,85 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.core.distributed import flat_collective
-from posttrain.rl.algorithms import accumulate_metrics, step_units
+from posttrain.models.specs import ModelSpec
+from posttrain.policy.policy import Policy
 from posttrain.rl.environment import Group
-from posttrain.rl.lowbit_rollout import refresh_sampler
-from posttrain.rl.rollout import collect_groups
-from posttrain.train.sharding import check_plan, plan_state
+from posttrain.train.collectives import gather_rows, reduce_metrics, sum_grads_over_group
 
-__all__ = ["setup_plan", "collect_under_plan", "frozen_forward_under_plan",
-           "optimizer_step_under_plan", "data_shares", "rollout_seed", "gather_groups",
-           "gather_rows", "padding_rows", "reduce_metrics", "sum_grads_over_data_ranks",
-           "plain_copy"]
+if TYPE_CHECKING:
+    from posttrain.train.runtime import PlanRuntime, Runtime
 
+__all__ = ["plan_rollout_parts", "data_shares", "rollout_seed", "gather_groups", "padding_rows",
+           "plain_copy", "gather_rows", "reduce_metrics", "sum_grads_over_data_ranks"]
 
-# --------------------------------------------------------------------------------------------
-# The parts of RLTrainer that differ under a plan (`trainer` is the RLTrainer)
-# --------------------------------------------------------------------------------------------
+sum_grads_over_data_ranks = sum_grads_over_group
+"""The earlier name of `posttrain.train.collectives.sum_grads_over_group`."""
 
 
-def setup_plan(trainer: Any, plan: Any) -> None:
-    """Check the plan against the trainer's policy, broadcast the value head, build
-    the rollout copy (`trainer.rollout_policy`) and the reference split by the same plan
-    (`trainer.reference`, when algo.kl_coef > 0 and the policy has no LoRA adapters: a LoRA
-    policy's reference is its own base, scored with the adapters disabled).
+def plan_rollout_parts(runtime: PlanRuntime, policy: Policy, *, value_head: nn.Module | None,
+                       prompts_per_step: int,
+                       with_reference: bool) -> tuple[Policy, nn.Module | None]:
+    """Check a plan for RL, broadcast the value head, and build what the trainer samples and
+    scores with under it: the plain rollout copy of the policy (full weights, refreshed every
+    step) and, when `with_reference`, the frozen reference split by the same plan from the
+    starting weights.
+
+    Args:
+        runtime: the `PlanRuntime` of `policy.model`.
+        policy: the trained `Policy` (its model split by the plan).
+        value_head: PPO's value head (stays a plain module), or None.
+        prompts_per_step: groups per step, shared out among the data ranks.
+        with_reference: build the reference (algo.kl_coef > 0 and no LoRA adapters: a LoRA
+            policy's reference is its own base, scored with the adapters disabled).
+
+    Returns:
+        (rollout copy, reference or None).
 
     Raises:
-        ValueError: a plan not applied to the policy (or another one), prompts_per_step not
-            divisible by the data-parallel size, a split value head, pp > 1, or sp > 1 with a
-            value head (named, with the allowed values). The optimizer is checked for every
-            trainer by the engine (`posttrain.train.optimizer_check`).
+        ValueError: pp > 1, sp > 1 with a value head, prompts_per_step not divisible by the
+            data-parallel size, or a split value head (named, with the allowed values). The
+            optimizer is checked for every trainer by the engine
+            (`posttrain.train.optimizer_check`).
     """
     from torch.distributed.tensor import DTensor
 
-    from posttrain.models.lora import has_adapters
-    from posttrain.policy.policy import Policy
-
-    policy, head = trainer.policy, trainer.value_head
-    check_plan(policy.model, plan)
-    state = plan_state(policy.model)
-    if state.plan.pp > 1:
-        raise ValueError(f"RLTrainer under {state.plan}: pp={state.plan.pp} is not supported (a "
-                         "pipelined policy has no plain forward to score the rollouts with); "
-                         "allowed pp for RL: 1 (split with dp_replicate, dp_shard, tp, sp or ep)")
-    if head is not None and state.plan.sp > 1:
-        raise ValueError(f"RLTrainer under {state.plan}: a value head with sp={state.plan.sp} "
-                         "is not supported: the head reads the hidden state of model.norm "
-                         "through a hook, inside the sequence-parallel region, where each sp "
-                         "rank holds only its slice of the sequence; allowed sp for PPO: 1 "
-                         "(GRPO, without a value head, runs under sp)")
-    ranks = state.plan.data_parallel_size
-    if trainer.prompts_per_step % ranks:
-        raise ValueError(f"prompts_per_step={trainer.prompts_per_step} must be divisible by the "
-                         f"data-parallel size {ranks} of {state.plan}: each data rank samples "
+    plan = runtime.plan
+    if plan.pp > 1:
+        raise ValueError(f"RLTrainer under {plan}: pp={plan.pp} is not supported (a pipelined "
+                         "policy has no plain forward to score the rollouts with); allowed pp "
+                         "for RL: 1 (split with dp_replicate, dp_shard, tp, sp or ep)")
+    if value_head is not None and plan.sp > 1:
+        raise ValueError(f"RLTrainer under {plan}: a value head with sp={plan.sp} is not "
+                         "supported: the head reads the hidden state of model.norm through a "
+                         "hook, inside the sequence-parallel region, where each sp rank holds "
+                         "only its slice of the sequence; allowed sp for PPO: 1 (GRPO, without "
+                         "a value head, runs under sp)")
+    ranks = plan.data_parallel_size
+    if prompts_per_step % ranks:
+        raise ValueError(f"prompts_per_step={prompts_per_step} must be divisible by the "
+                         f"data-parallel size {ranks} of {plan}: each data rank samples "
                          "prompts_per_step / data_parallel_size prompts")
-    if head is not None:
-        if any(isinstance(p, DTensor) for p in head.parameters()):
+    if value_head is not None:
+        if any(isinstance(p, DTensor) for p in value_head.parameters()):
             raise ValueError("the value head must stay a plain module under a plan (the trainer "
                              "sums its gradients over the data-parallel ranks); apply the plan "
                              "to policy.model only")
-        flat_collective(list(head.parameters()), lambda flat: dist.broadcast(flat, src=0))
-    trainer.rollout_policy = Policy(plain_copy(policy.model, policy.spec), policy.tokenizer,
-                                    policy.spec)
-    trainer.sampler_policy = trainer.rollout_policy  # a quantised copy after the first rollout
-    trainer._refresh_rollout_policy()
-    if trainer.algo.kl_coef > 0 and not has_adapters(policy.model):
-        # the starting weights, split by the same plan, frozen
-        reference = plain_copy(policy.model, policy.spec)
-        reference.load_state_dict(trainer.rollout_policy.model.state_dict())
-        state.plan.apply(reference, spec=policy.spec, mesh=state.mesh)
-        trainer.reference = reference.eval().requires_grad_(False)
-
-
-def collect_under_plan(trainer: Any, builders: Sequence, step_seed: int,
-                       options: dict[str, Any]) -> list[Group]:
-    """The step's groups: this data rank's slice of `builders` sampled with the refreshed plain
-    copy, or a quantised copy of it (`refresh_sampler`; seed `rollout_seed`), then every data
-    rank's groups (collectives)."""
-    trainer._refresh_rollout_policy()
-    rank, ranks = trainer.data_rank_and_size
-    mine = data_shares(len(builders), ranks)[rank]
-    local = collect_groups(refresh_sampler(trainer), builders[mine.start:mine.stop],
-                           seed=rollout_seed(step_seed, rank, ranks), **options)
-    if ranks == 1:
-        return local
-    return gather_groups(local, rank=rank, offset=mine.start,
-                         group=trainer.plan_state.data_group)
-
-
-def frozen_forward_under_plan(trainer: Any, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Reference log-probs and old values of the global batch: this data rank scores its
-    contiguous share of the rows (a padding row when it has none), the shares are gathered."""
-    rank, ranks = trainer.data_rank_and_size
-    shares = data_shares(batch["scores_B"].shape[0], ranks)
-    mine = shares[rank]
-    rows = ({k: v[mine.start:mine.stop] for k, v in batch.items()} if len(mine)
-            else padding_rows(batch))
-    out = trainer._frozen_outputs(rows)
-    if ranks == 1 or not out:
-        return out
-    return gather_rows(out, [len(s) for s in shares], trainer.plan_state.data_group)
-
-
-def optimizer_step_under_plan(trainer: Any, mb: dict[str, Tensor]) -> dict[str, float]:
-    """One optimizer step on a minibatch of the global batch: this data rank's contiguous share
-    of its rows, in as many micro-batches as the largest share needs (a padding micro-batch runs
-    the same forward and backward and contributes nothing); FSDP2/TP reduce the policy's
-    gradients, the value head's are summed here, the metrics too. Returns the metrics."""
-    algo, model, head = trainer.algo, trainer.policy.model, trainer.value_head
-    model.train()
-    units = step_units(mb["response_mask_BT"], algo.loss_agg_mode)  # the whole minibatch
-    units_tokens = mb["response_mask_BT"].sum()
-    rank, ranks = trainer.data_rank_and_size
-    shares = data_shares(mb["scores_B"].shape[0], ranks)
-    mine, largest = shares[rank], len(shares[0])
-    micro = trainer.micro_batch_size or largest
-    rounds = -(-largest // micro)
-    totals: dict[str, Tensor] = {}
-    for i in range(rounds):
-        rows = mine[i * micro:(i + 1) * micro]
-        m = {k: v[rows.start:rows.stop] for k, v in mb.items()} if len(rows) else padding_rows(mb)
-        trainer._set_gradient_sync(i == rounds - 1)
-        loss, metrics, logprobs_BT, values_BT = trainer._micro_batch_loss(model, m, units, head)
-        if not len(rows):  # padding: the same graph and collectives, no contribution
-            loss = logprobs_BT.sum() * 0.0 + (0.0 if values_BT is None else values_BT.sum() * 0.0)
-            metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
-        loss.backward()
-        accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
-    group = trainer.plan_state.data_group
-    if group is not None:
-        totals = reduce_metrics(totals, group)
-        if head is not None:
-            sum_grads_over_data_ranks(head, group)
-    trainer._sum_gradients_across_ranks()  # the plan's own syncs (experts over dp x sp ranks)
-    grad_norm = trainer.clip_and_check(totals["loss"])
-    totals["lr"] = torch.tensor(float(trainer.optimizer.param_groups[0]["lr"]))
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    totals["grad_norm"] = grad_norm
-    return {k: float(v) for k, v in totals.items()}
+        flat_collective(list(value_head.parameters()), lambda flat: dist.broadcast(flat, src=0))
+    rollout = Policy(plain_copy(policy.model, policy.spec), policy.tokenizer, policy.spec)
+    rollout.model.load_state_dict(runtime.full_state_dict())
+    if not with_reference:
+        return rollout, None
+    reference = plain_copy(policy.model, policy.spec)  # the starting weights, split the same way
+    reference.load_state_dict(rollout.model.state_dict())
+    plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
+    return rollout, reference.eval().requires_grad_(False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,14 +167,15 @@ def rollout_seed(step_seed: int, rank: int, ranks: int) -> int:
     return step_seed * ranks + rank
 
 
-def gather_groups(local: Sequence[Group], *, rank: int, offset: int, group: Any) -> list[Group]:
+def gather_groups(local: Sequence[Group], *, offset: int, runtime: Runtime) -> list[Group]:
     """Every data rank's groups, in data-rank order, with group ids renumbered to their global
-    index (`offset` = this rank's first; a collective over `group`, the data-parallel group)."""
+    index (`offset` = this rank's first; a collective over the data ranks of `runtime`); `local`
+    itself with one data rank."""
+    if runtime.data_size == 1:
+        return list(local)
     renumbered = [Group([dataclasses.replace(t, group_id=offset + i) for t in g])
                   for i, g in enumerate(local)]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (rank, renumbered), group=group)
-    return [g for _, groups in sorted(gathered, key=lambda item: item[0]) for g in groups]
+    return [g for groups in runtime.gather_objects(renumbered) for g in groups]
 
 
 def padding_rows(batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -242,48 +186,7 @@ def padding_rows(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return rows
 
 
-def gather_rows(local: dict[str, Tensor], sizes: Sequence[int], group: Any) -> dict[str, Tensor]:
-    """Concatenate every data rank's row tensors ([sizes[r], ...] each, in data-rank order; a
-    collective over `group`): each is padded to the largest share, all-gathered, and cut back."""
-    out = {}
-    most = max(sizes)
-    for key in sorted(local):
-        mine = local[key]
-        padded = torch.zeros((most, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
-        rows = min(most, mine.shape[0])
-        padded[:rows] = mine[:rows]
-        pieces = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(pieces, padded, group=group)
-        out[key] = torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
-    return out
-
-
-def reduce_metrics(totals: dict[str, Tensor], group: Any) -> dict[str, Tensor]:
-    """A minibatch's metrics over the data ranks: step shares and token-weighted means are
-    SUMmed, `ratio_max` is the MAX (a collective over `group`; the keys are the same on every
-    rank)."""
-    keys = sorted(k for k in totals if k != "ratio_max")
-    flat = torch.stack([totals[k].float().reshape(()) for k in keys])
-    dist.all_reduce(flat, group=group)
-    out = dict(zip(keys, flat.unbind()))
-    if "ratio_max" in totals:
-        top = totals["ratio_max"].float().reshape(1).clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        out["ratio_max"] = top[0]
-    return out
-
-
-def sum_grads_over_data_ranks(module: nn.Module, group: Any) -> None:
-    """SUM the gradients of a replicated (plain) module over the data ranks, in place; a
-    parameter without a gradient on this rank counts as zero."""
-    params = list(module.parameters())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat_collective([p.grad for p in params], lambda flat: dist.all_reduce(flat, group=group))
-
-
-def plain_copy(model: nn.Module, spec: Any) -> nn.Module:
+def plain_copy(model: nn.Module, spec: ModelSpec) -> nn.Module:
     """A plain (unsharded) decoder of `spec` on `model`'s device and dtype, for the full weights
     of a split model (its own initialisation is overwritten on the first load)."""
     from posttrain.models.specs import build_model

@@ -7,10 +7,10 @@ Every row of `RLTrainer.step` (and of `train_on_groups`) gets, in seconds of wal
 (time.perf_counter; synchronised at the phase boundaries only when the policy is on CUDA):
 
     time_rollout_s    generation: the `policy.generate` calls of the rollout (under a
-                      ParallelPlan the whole rollout, scoring and the gather of the groups
-                      included, since the planned rollout is not split further)
+                      ParallelPlan those of this rank's share of the prompts)
     time_scoring_s    the rest of the rollout: environment steps with their verifier / judge
-                      calls, prompt rendering and group reward hooks (0 under a plan)
+                      calls, prompt rendering and group reward hooks (under a plan also the
+                      gathering of the full weights and of every data rank's groups)
     time_logprobs_s   the frozen forward passes: reference log-probs, the trainer's own old
                       log-probs (low-bit rollout) and old values (PPO)
     time_update_s     every minibatch's forward, backward and optimizer step
@@ -100,7 +100,7 @@ def timing_row(timer: PhaseTimer, *, model, groups: Sequence[Group],
                          f"collect_s={collect_s!r}, step_s={step_s!r}; all must be >= 0")
     devices = dist.get_world_size() if planned and dist.is_initialized() else 1
     generation = timer.seconds.get("rollout")
-    if generation is None:  # generation was not timed apart (a plan, or given groups)
+    if generation is None:  # generation was not timed apart (given groups)
         timer.add("rollout", collect_s)
     else:
         timer.add("scoring", max(collect_s - generation, 0.0))

@@ -36,13 +36,15 @@ the update it is held until the step is done. Either way `fit` stops at a whole 
 checkpoint there when checkpointing is on and sets `interrupted`. With several ranks and no
 plan, rank 0 alone writes; the ranks sample the same groups and train identical replicas.
 
-Under a `ParallelPlan` (`plan=`; the policy split by `plan.apply` before the optimizer was
-built): each data-parallel rank samples its share of the prompts with a plain copy of the
-policy that receives the full weights once per step, the groups are gathered so that every rank
-holds the step's global batch, the reference (a copy split by the same plan) and the value head
-(a replicated `nn.Linear` whose gradients are summed over the data ranks) score and train it,
-each data rank its share of every minibatch (`posttrain.rl.parallel` has the whole design).
-Checkpoints are then DCP shards of policy, value head and reference with the optimizer.
+Under a `ParallelPlan` (`runtime=plan.parallelize(policy.model, spec=policy.spec)`, before the
+optimizer was built): each data-parallel rank samples its share of the prompts with a plain copy
+of the policy that receives the full weights once per step, the groups are gathered so that
+every rank holds the step's global batch, the reference (a copy split by the same plan) and the
+value head (a replicated `nn.Linear` whose gradients are summed over the data ranks) score and
+train it, each data rank its share of every minibatch (`posttrain.rl.parallel` has the whole
+design). The step is the same code with or without a plan: what differs is the trainer's
+`runtime`; without a plan there is one data rank and every collective is a no-op. Checkpoints
+are then DCP shards of policy, value head and reference with the optimizer.
 
 Low-bit rollout (`rollout_quantization="int8"`): a quantised copy samples, the full-precision
 policy trains and rescores the rollouts (`posttrain.rl.lowbit_rollout` has the design).
@@ -72,48 +74,31 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from posttrain.core.masked import keep_selected
 from posttrain.core.preemption import sigint_held
 from posttrain.models.lora import has_adapters
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.train.engine import Engine
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
 from posttrain.rl.environment import EnvDataset, Group
-from posttrain.policy.sampling import model_logits, picked_logprobs
 from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
                                      sequence_advantages, step_units, value_loss)
 from posttrain.rl.config import RLAlgorithm
 from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sampler,
-                                         frozen_logprobs, refresh_sampler,
+                                         frozen_logprobs, quantized_sampler,
                                          scores_apart_from_sampler)
-from posttrain.rl.parallel import (collect_under_plan, frozen_forward_under_plan,
-                                   optimizer_step_under_plan, setup_plan)
+from posttrain.rl.parallel import (data_shares, gather_groups, padding_rows,
+                                   plan_rollout_parts, rollout_seed)
 from posttrain.rl.batch import make_batch, split_groups
 from posttrain.rl.rollout import (EXCLUDED_OUTCOMES, collect_filtered, collect_groups,
                                   rollout_metrics)
+from posttrain.rl.scoring import ValueHead, score_rows
 from posttrain.rl.step_timing import TimedGeneration, new_step_timer, timing_row
 from posttrain.train.parallel import ParallelPlan
-from posttrain.train.sharding import full_state_dict, plan_state
+from posttrain.train.plan_compat import resolve_runtime
+from posttrain.train.runtime import Runtime
 
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
-
-
-class ValueHead(nn.Module):
-    """Scalar value per position from the policy's final-norm hidden state (PPO critic).
-
-    Shapes: hidden [B, T, D] -> values [B, T]. Initialised to zero output (weight 0, bias 0), so
-    the first GAE baseline is 0.
-    """
-
-    def __init__(self, embed_dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(embed_dim, 1)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
-
-    def forward(self, hidden_BTD: Tensor) -> Tensor:
-        return self.proj(hidden_BTD).squeeze(-1)
 
 
 class RLTrainer(Engine):
@@ -124,7 +109,8 @@ class RLTrainer(Engine):
     Args:
         policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
         optimizer: over exactly the trainable parameters of the policy and of the value head,
-            when there is one (built after `plan.apply` and any converter; checked by identity).
+            when there is one (built after `plan.parallelize` and any converter; checked by
+            identity).
         task: an `EnvDataset`; step i trains on `task.builders(i, prompts_per_step)`.
         algo: every algorithmic choice (`RLAlgorithm.grpo()`, `.ppo()`, ...).
         prompts_per_step: groups per step (B = prompts_per_step x algo.group_size).
@@ -138,10 +124,13 @@ class RLTrainer(Engine):
         run_dir, checkpoint_every, keep_last, progress, seed, resume: as in `Trainer`.
         verifier_timeout_s: passed to `collect_groups`.
         callbacks: `callback(trainer, row)` after every step.
-        plan: the `ParallelPlan` already applied to `policy.model` (`plan.apply(policy.model,
-            spec=policy.spec)`, before the optimizer was built), or None; a policy with a plan
-            is recognised without it. The value head stays a plain module (not split), and
-            `prompts_per_step` must be divisible by `plan.data_parallel_size`.
+        runtime: the `PlanRuntime` of `policy.model` under a plan (`runtime =
+            plan.parallelize(policy.model, spec=policy.spec)`, before the optimizer was built),
+            or None (a `LocalRuntime`: without a plan, ranks of a process group repeat the same
+            work). The value head stays a plain module (not split), and `prompts_per_step` must
+            be divisible by `runtime.data_size`.
+        plan: deprecated (one release): the `ParallelPlan` applied to `policy.model` by the
+            deprecated `plan.apply`; checked against the applied plan.
         rollout_quantization: None, or a `posttrain.rl.lowbit_rollout.ROLLOUT_QUANTIZATIONS`
             name: the rollouts sample from a weight-only quantised copy of the current weights;
             the old log-probs are the policy's, recomputed; needs top_p == 1.
@@ -161,8 +150,8 @@ class RLTrainer(Engine):
         ValueError: for bad options, a run_dir that holds a run while resume is False, or an
             optimizer that does not hold exactly the trainable parameters of the policy and the
             value head (named; `posttrain.train.optimizer_check`); under a plan, a plan not
-            applied to the policy, a split value head, or prompts_per_step not divisible by the
-            data-parallel size.
+            applied to the policy, a runtime of another model, a split value head, or
+            prompts_per_step not divisible by the data-parallel size.
     """
 
     progress_desc = "rl"
@@ -176,7 +165,7 @@ class RLTrainer(Engine):
                  keep_last: int | None = 2, progress: bool = True, seed: int = 0,
                  verifier_timeout_s: float | None = None,
                  callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False,
+                 resume: bool | str | os.PathLike = False, runtime: Runtime | None = None,
                  plan: ParallelPlan | None = None,
                  rollout_quantization: str | None = None, share_prefix: bool = True) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
@@ -184,10 +173,13 @@ class RLTrainer(Engine):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
         check_rollout_quantization(rollout_quantization, top_p=top_p)
+        runtime = resolve_runtime(policy.model, runtime=runtime, plan=plan, replicas=False,
+                                  argument="policy.model")
         self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
                            max_grad_norm=max_grad_norm, run_dir=run_dir,
                            checkpoint_every=checkpoint_every, keep_last=keep_last,
-                           progress=progress, callbacks=callbacks, resume=resume)
+                           progress=progress, callbacks=callbacks, resume=resume,
+                           runtime=runtime)
         if algo.use_value_head and value_head is None:
             value_head = ValueHead(policy.spec.embed_dim)
         if value_head is not None and not algo.use_value_head:
@@ -201,9 +193,13 @@ class RLTrainer(Engine):
         self.reference, self.rollout_report, self.rollout_quantization = None, None, \
             rollout_quantization
         self.rollout_policy = self.sampler_policy = policy
-        if plan is not None or plan_state(policy.model) is not None:
-            setup_plan(self, plan)
-        elif algo.kl_coef > 0 and not has_adapters(policy.model):
+        with_reference = algo.kl_coef > 0 and not has_adapters(policy.model)
+        if runtime.plan is not None:  # a plain copy samples; the reference is split too
+            self.rollout_policy, self.reference = plan_rollout_parts(
+                runtime, policy, value_head=value_head, prompts_per_step=prompts_per_step,
+                with_reference=with_reference)
+            self.sampler_policy = self.rollout_policy
+        elif with_reference:
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.last_groups: list[Group] | None = None
@@ -216,16 +212,27 @@ class RLTrainer(Engine):
         self._start(resume)
 
     def _refresh_rollout_policy(self) -> None:
-        """Load the policy's full weights into the rollout copy (a collective under a plan)."""
-        self.rollout_policy.model.load_state_dict(full_state_dict(self.policy.model))
+        """Load the policy's full weights into the rollout copy (a collective under a plan); a
+        no-op when the policy samples itself."""
+        if self.rollout_policy is not self.policy:
+            self.rollout_policy.model.load_state_dict(self.runtime.full_state_dict())
 
     def gathered_policy(self):
         """A `Policy` with the current full weights that runs without collectives: under a plan
         the refreshed rollout copy (a collective: every rank calls it), else `policy` itself.
         Use it to evaluate or save a sharded run (rank 0)."""
-        if plan_state(self.policy.model) is not None:
-            self._refresh_rollout_policy()
+        self._refresh_rollout_policy()
         return self.rollout_policy
+
+    def _sampler(self):
+        """The `Policy` this step's rollouts sample with: the refreshed rollout copy, or with
+        `rollout_quantization` a new quantised copy of it (`sampler_policy`, its report in
+        `rollout_report`)."""
+        self._refresh_rollout_policy()
+        if self.rollout_quantization is not None:
+            self.sampler_policy, self.rollout_report = quantized_sampler(
+                self.rollout_policy, self.rollout_quantization)
+        return self.sampler_policy
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, float]:
@@ -251,17 +258,21 @@ class RLTrainer(Engine):
                                     rollout_s=time.perf_counter() - start, sampled=sampled)
 
     def _collect(self, builders: Sequence, gen_batch: int = 0) -> list[Group]:
-        """The step's rollout groups (of its `gen_batch`-th batch under dynamic sampling).
-        Under a plan: this data rank's slice of `builders` sampled with the refreshed plain
-        copy, then every rank's groups (a collective)."""
+        """The step's rollout groups (of its `gen_batch`-th batch under dynamic sampling): this
+        data rank's slice of `builders` (all of them with one data rank) sampled with seed
+        `rollout_seed`, then every data rank's groups (a collective under a plan)."""
         step_seed = self.seed * 1_000_003 + self.step_count + gen_batch * 1_000_000_007
-        options = dict(group_size=self.algo.group_size, max_new_tokens=self.max_new_tokens,
-                       temperature=self.temperature, top_p=self.top_p,
-                       policy_version=self.step_count, verifier_timeout_s=self.verifier_timeout_s)
-        if plan_state(self.policy.model) is None:
-            return collect_groups(TimedGeneration(refresh_sampler(self), self._timer), builders,
-                                  seed=step_seed, **options)
-        return collect_under_plan(self, builders, step_seed, options)
+        rank, ranks = self.data_rank_and_size
+        mine = data_shares(len(builders), ranks)[rank]
+        sampler, timer = self._sampler(), self.__dict__.get("_timer")  # (a step's timer)
+        local = collect_groups(sampler if timer is None else TimedGeneration(sampler, timer),
+                               builders[mine.start:mine.stop],
+                               seed=rollout_seed(step_seed, rank, ranks),
+                               group_size=self.algo.group_size,
+                               max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                               top_p=self.top_p, policy_version=self.step_count,
+                               verifier_timeout_s=self.verifier_timeout_s)
+        return gather_groups(local, offset=mine.start, runtime=self.runtime)
 
     def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
                         start: float | None = None, rollout_s: float = 0.0,
@@ -280,9 +291,7 @@ class RLTrainer(Engine):
         with sigint_held() as interrupt:
             row = self._train_on_groups(groups, builders, start, rollout_s,
                                         groups if sampled is None else sampled)
-        if interrupt.received:
-            raise KeyboardInterrupt
-        return row
+        return self._complete_step(row, interrupted=interrupt.received)
 
     def _train_on_groups(self, groups: Sequence[Group], builders: Sequence | None,
                          start: float | None, rollout_s: float,
@@ -324,9 +333,7 @@ class RLTrainer(Engine):
         row.update(timing_row(timer, model=self.policy.model, groups=sampled, batch=batch,
                               frozen_passes=len(frozen), ppo_epochs=algo.ppo_epochs,
                               collect_s=rollout_s, step_s=elapsed,
-                              planned=plan_state(self.policy.model) is not None))
-        self._record(row)
-        self._checkpoint_if_due()
+                              planned=self.runtime.plan is not None))
         return row
 
     def _update(self, batch: dict[str, Tensor]) -> dict[str, float]:
@@ -370,64 +377,62 @@ class RLTrainer(Engine):
         return loss, metrics, logprobs_BT, values_BT
 
     def _optimizer_step(self, mb: dict[str, Tensor]) -> dict[str, float]:
-        if plan_state(self.policy.model) is not None:
-            return optimizer_step_under_plan(self, mb)
-        algo, model = self.algo, self.policy.model
+        """One optimizer step on a minibatch of the global batch: this data rank's contiguous
+        share of its rows (all of them with one data rank), in as many micro-batches as the
+        largest share needs (a padding micro-batch runs the same forward and backward and
+        contributes nothing); the gradients and metrics are summed over the data ranks (FSDP2/TP
+        reduce the policy's, the runtime the value head's), then `update`. Returns the metrics."""
+        algo, model, head = self.algo, self.policy.model, self.value_head
         model.train()
         units = step_units(mb["response_mask_BT"], algo.loss_agg_mode)  # the whole minibatch
         units_tokens = mb["response_mask_BT"].sum()
-        micro = self.micro_batch_size or mb["scores_B"].shape[0]
+        rank, ranks = self.data_rank_and_size
+        shares = data_shares(mb["scores_B"].shape[0], ranks)
+        mine, largest = shares[rank], len(shares[0])
+        micro = self.micro_batch_size or largest
+        rounds = -(-largest // micro)
         totals: dict[str, Tensor] = {}
-        for first in range(0, mb["scores_B"].shape[0], micro):
-            m = {k: v[first:first + micro] for k, v in mb.items()}
-            loss, metrics, _, _ = self._micro_batch_loss(model, m, units, self.value_head)
+        for i in range(rounds):
+            rows = mine[i * micro:(i + 1) * micro]
+            m = ({k: v[rows.start:rows.stop] for k, v in mb.items()} if len(rows)
+                 else padding_rows(mb))
+            self._set_gradient_sync(i == rounds - 1)
+            loss, metrics, logprobs_BT, values_BT = self._micro_batch_loss(model, m, units, head)
+            if not len(rows):  # padding: the same graph and collectives, no contribution
+                loss = logprobs_BT.sum() * 0.0 + (0.0 if values_BT is None
+                                                  else values_BT.sum() * 0.0)
+                metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
             loss.backward()
             accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
-        grad_norm = self.clip_and_check(totals["loss"])
-        totals["lr"] = torch.tensor(float(self.optimizer.param_groups[0]["lr"]))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        totals = self.runtime.reduce_metrics(totals)
+        if head is not None:
+            self.runtime.sum_module_grads(head)
+        self._sum_gradients_across_ranks()  # the plan's own syncs (experts over dp x sp ranks)
+        grad_norm, lr = self.update(totals["loss"], schedule=False)  # once per RL step: below
+        totals["lr"] = torch.tensor(lr)
         totals["grad_norm"] = grad_norm
         return {k: float(v) for k, v in totals.items()}
 
     def _forward(self, model: nn.Module, m: dict[str, Tensor], *, value_head: ValueHead | None,
                  entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Teacher-forced log-probs [B, T] under the sampling distribution (same temperature and
-        top-p), values [B, T] (with a value head) and that distribution's entropy [B, T] (if
-        `entropy`; differentiable only when algo.entropy_coef > 0), 0 off the response."""
-        captured: dict[str, Tensor] = {}
-        hook = None if value_head is None else model.norm.register_forward_hook(
-            lambda mod, inp, out: captured.__setitem__("hidden", out))
-        mask_BT = m["response_mask_BT"]
-        try:  # a group's rows share their prompt's forward (posttrain.policy.shared_prefix)
-            logits_BTV, pack = model_logits(model, m["input_ids_BT"],
-                                            m["attention_mask_BT"].bool(), mask_BT.bool(),
-                                            share_prefix=self.share_prefix)
-        finally:
-            if hook is not None:
-                hook.remove()
-        logprobs_BT, logp_BTV = picked_logprobs(logits_BTV, m["input_ids_BT"],
-                                                mask_BT.bool() & m["attention_mask_BT"].bool(),
-                                                temperature=self.temperature, top_p=self.top_p)
-        values_BT = entropy_BT = None
-        if value_head is not None:  # the state before token t is read at t - 1, like its logprob
-            hidden = captured["hidden"] if pack is None else pack.unpack(captured["hidden"])
-            hidden = hidden.to(next(value_head.parameters()).dtype)[:, :-1]
-            hidden = keep_selected(hidden, mask_BT[:, 1:, None])    # padding: any value
-            values_BT = keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)
-        if entropy:  # of the distribution sampled from; masked positions hold logits 0
-            logp_BTV = logp_BTV if self.algo.entropy_coef > 0 else logp_BTV.detach()
-            ent_BT = -(logp_BTV.exp() * logp_BTV.nan_to_num(neginf=0.0)).sum(-1)
-            entropy_BT = torch.nn.functional.pad(ent_BT, (1, 0)) * mask_BT
-        return logprobs_BT, values_BT, entropy_BT
+        """`posttrain.rl.scoring.score_rows` of micro-batch `m` under the sampling distribution
+        (the trainer's temperature and top-p); the entropy is differentiable only when
+        algo.entropy_coef > 0."""
+        return score_rows(model, m, value_head=value_head, temperature=self.temperature,
+                          top_p=self.top_p, share_prefix=self.share_prefix, entropy=entropy,
+                          entropy_grad=self.algo.entropy_coef > 0)
 
     @torch.no_grad()
     def _frozen_forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Reference log-probs and old values of the batch's rows. Under a plan each data rank
-        scores its contiguous share and the shares are all-gathered."""
-        if plan_state(self.policy.model) is None:
-            return self._frozen_outputs(batch)
-        return frozen_forward_under_plan(self, batch)
+        """Reference log-probs and old values of the batch's rows: each data rank scores its
+        contiguous share (a padding row when it has none), the shares are gathered."""
+        rank, ranks = self.data_rank_and_size
+        shares = data_shares(batch["scores_B"].shape[0], ranks)
+        mine = shares[rank]
+        rows = ({k: v[mine.start:mine.stop] for k, v in batch.items()} if len(mine)
+                else padding_rows(batch))
+        out = self._frozen_outputs(rows)
+        return self.runtime.gather_rows(out, [len(s) for s in shares]) if out else out
 
     def _frozen_outputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}

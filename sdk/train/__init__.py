@@ -1,6 +1,7 @@
 """The training engine every trainer shares (step loop, accumulation, clipping, schedules,
-checkpoints, resume, preemption), the loss registry, parallel plans (FSDP2/HSDP, TP, SP, PP, EP)
-and model converters (LoRA/QLoRA, FP8 training, QAT: `convert_model`).
+checkpoints, resume, preemption), the loss registry, parallel plans (FSDP2/HSDP, TP, SP, PP, EP;
+`plan.parallelize(model)` returns the `PlanRuntime` the trainers hold) and model converters
+(LoRA/QLoRA, FP8 training, QAT: `convert_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from posttrain.train.converters import convert_model, registered_converters
 from posttrain.train.float8 import Float8Config, apply_float8
 from posttrain.train.parallel import AXES, MESH_DIMS, ParallelPlan
 from posttrain.train.qat import QATConfig, convert_qat, prepare_qat, quantize_post_training
-from posttrain.train.sharding import apply_plan, full_state_dict, plan_state
+from posttrain.train.runtime import LocalRuntime, PlanRuntime, Runtime
+from posttrain.train.sharding import parallelize
+from posttrain.train.plan_compat import full_state_dict
+from posttrain.train.plan_compat import apply_plan, plan_state  # deprecated (one release)
 from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
 from posttrain.train.trainer import Trainer
 from posttrain.train.distill import GKDLoss, OnPolicyData, generalized_jsd_loss, teacher_generate
@@ -47,8 +51,12 @@ __all__ = [
     "AXES",
     "MESH_DIMS",
     "ParallelPlan",
-    "apply_plan",
+    "parallelize",
+    "Runtime",
+    "LocalRuntime",
+    "PlanRuntime",
     "full_state_dict",
+    "apply_plan",
     "plan_state",
     "convert_model",
     "registered_converters",

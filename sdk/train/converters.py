@@ -4,7 +4,7 @@ and before a `ParallelPlan` splits it and the optimizer is built.
 
     model = build_model(spec)                      # or load_hf_checkpoint(...)
     convert_model(model, [LoRAConfig(rank=8)], spec=spec)   # this module
-    plan.apply(model, spec=spec)                   # optional: FSDP2 / HSDP (see PLAN_AXES)
+    runtime = plan.parallelize(model, spec=spec)   # optional: FSDP2 / HSDP (see PLAN_AXES)
     optimizer = AdamW(p for p in model.parameters() if p.requires_grad)
 
 Each config names its converter (`config.converter`): "lora" and "qlora"
@@ -19,7 +19,7 @@ QAT (both replace the same linears), FP8 or QAT on a QLoRA model (the base is NF
 converter twice, a model that already carries a plan (converters come first).
 
 Under a ParallelPlan, a converted model may use the axes in `PLAN_AXES[name]` only (checked by
-`posttrain.models.conversion.check_plan_axes`, called from `posttrain.train.sharding.apply_plan`):
+`posttrain.models.conversion.check_plan_axes`, called from `posttrain.train.sharding.parallelize`):
 FSDP2 / HSDP work with adapters, NF4 bases and float8 linears; torchtune's TP plan, Ulysses,
 pipeline stages and expert parallelism were not built for LoRALinear / Float8Linear modules.
 
@@ -43,7 +43,6 @@ from torch import nn
 from posttrain.models.conversion import (PLAN_AXES, ConversionReport, applied_converters,
                                          check_plan_axes, record_converter)
 from posttrain.train.optimizer_check import remember_parameters
-from posttrain.train.sharding import plan_state
 
 __all__ = ["CONVERTER_ORDER", "EXCLUSIVE", "PLAN_AXES", "register_converter",
            "registered_converters", "convert_model", "applied_converters", "check_plan_axes",
@@ -132,9 +131,14 @@ def convert_model(model: nn.Module, configs: Sequence[Any], *,
     for pair, why in EXCLUSIVE:
         if pair <= set(every):
             raise ValueError(f"converters {' + '.join(sorted(pair))} cannot be combined: {why}")
-    if names and plan_state(model) is not None:
-        raise ValueError("this model already has a ParallelPlan applied; apply converters "
-                         "first (convert_model before plan.apply), then the plan")
+    if names:
+        from posttrain.train.sharding import parallelized
+
+        done = parallelized(model)
+        if done is not None:
+            raise ValueError(f"this model already has a ParallelPlan applied ({done}); apply "
+                             "converters first (convert_model before plan.parallelize), then "
+                             "the plan")
     reports = []
     for config in sorted(configs, key=lambda c: CONVERTER_ORDER.index(c.converter)):
         remember_parameters(model, f"convert_model applied {config.converter!r} (which "

@@ -1,26 +1,37 @@
 """The training engine: the part of the loop every trainer shares.
 
 A trainer (`Trainer` for SFT/CPT, the DPO family and reward models; `RLTrainer` for RL) is an
-`Engine` that provides `step()` (one optimizer step's worth of work, returning its metrics row)
-and says what its checkpoint holds. The engine owns everything around the step:
+`Engine` that provides `step()` (one step's work) and says what its checkpoint holds. The
+engine owns everything around the step:
 
     fit(n):  while step_count < n:
-                 row = step()                  # the trainer's work; rolls itself back on error
-                 record(row)                   # metrics.jsonl (rank 0), callbacks, progress bar
-                 checkpoint when due           # atomic, verified; rank 0 writes, all wait
+                 row = step()                  # the trainer's work; rolls itself back on error;
+                                               # ends in _complete_step(row): the row recorded
+                                               # (metrics.jsonl on rank 0, callbacks), then a
+                                               # checkpoint when due (atomic, verified; rank 0
+                                               # or every rank's shards, all wait)
+                 progress bar
                  preemption boundary           # Slurm's warning signal acts here, never mid-step
+             at the end: a checkpoint of the last step when checkpointing is on
              Ctrl-C: the step in flight is rolled back (or finished, if its update had begun),
                      a checkpoint is saved at the last whole step, `interrupted` is set.
 
-plus gradient SUM across data-parallel ranks (or, under a `ParallelPlan`, the sums over its
-data-parallel ranks with FSDP2/TP doing the gradient reduction, `posttrain.train.sharding`),
-clipping and the refusal of non-finite updates
-(`clip_and_check`), the run-folder rules (a folder that holds a run needs `resume`; one live
-process per folder, `posttrain.core.run_lock`), and resume (model, optimizer, scheduler, RNG
-states, step count, metrics rows, and the trainer's own state such as a data position or a
-replay buffer), after which a run continues bit for bit (CPU, fixed threads). Under a plan the
-model and optimizer go into torch.distributed.checkpoint shards that reload under another plan
-or none, and a checkpoint of a run without a plan loads under a plan
+A step called directly (`trainer.step()`, RL's `train_on_groups`) is recorded and checkpointed
+the same way, since `_complete_step` ends it. Every parameter update goes through one method,
+`update(loss)`: the global gradient norm, refusal of a non-finite loss or norm (the gradients
+are discarded, nothing is applied), clipping to `max_grad_norm`, `optimizer.step()`, the
+learning-rate schedule, `optimizer.zero_grad()`.
+
+What depends on how the model is split is the trainer's `runtime` (`posttrain.train.runtime`):
+the sums over the data-parallel ranks (plain all-reduces over the default process group without
+a plan; under a `ParallelPlan` FSDP2/TP reduce the gradients and the sums go over the plan's
+data-parallel group), the gradient norm and clipping, and the checkpoint format. The engine
+also applies the run-folder rules (a folder that holds a run needs `resume`; one live process
+per folder, `posttrain.core.run_lock`) and resume (model, optimizer, scheduler, RNG states, step
+count, metrics rows, and the trainer's own state such as a data position or a replay buffer),
+after which a run continues bit for bit (CPU, fixed threads). Under a plan the model and
+optimizer go into torch.distributed.checkpoint shards that reload under another plan or none,
+and a checkpoint of a run without a plan loads under a plan
 (`posttrain.train.sharded_checkpoint`).
 
 Settings that cannot change on resume (`_fixed_settings`: the loss, gradient accumulation, the
@@ -32,8 +43,9 @@ from __future__ import annotations
 
 import abc
 import os
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -41,37 +53,45 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core import preemption
-from posttrain.core.checkpoint import (CHECKPOINT_DIR, capture_rng_state, check_new_run_dir,
-                                       checkpoint_name, latest_checkpoint, load_checkpoint,
-                                       resolve_checkpoint, restore_rng_state, save_checkpoint)
+from posttrain.core.checkpoint import (capture_rng_state, check_new_run_dir, latest_checkpoint,
+                                       load_checkpoint, resolve_checkpoint, restore_rng_state)
 from posttrain.core.checks import check_int
-from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
+from posttrain.core.distributed import device_of, rank_and_world_size
 from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.train.losses import check_finite_update
 from posttrain.train.optimizer_check import check_optimizer
-from posttrain.train.sharded_checkpoint import (load_full_state, load_sharded_state,
-                                               save_sharded_checkpoint)
-from posttrain.train.sharding import (PlanState, clip_grads_with_norm_, plan_state, reshard,
-                                      set_gradient_sync, sum_over_data_ranks, total_grad_norm)
+from posttrain.train.runtime import PlanRuntime, Runtime
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "StepUpdate"]
 
 TRAIN_STATE_VERSION = 1
+
+
+class StepUpdate(NamedTuple):
+    """What `Engine.update` applied: the gradient norm before clipping (a 0-dim float32
+    tensor) and the learning rate the optimizer step used."""
+
+    grad_norm: torch.Tensor
+    lr: float
 
 
 class Engine(abc.ABC):
     """Base of every trainer: fit, metrics, checkpoints, resume, preemption, Ctrl-C, ranks.
 
-    A subclass calls `_setup_engine(...)` early in `__init__` and `_start(resume)` last, and
-    implements `step()`, `_module()` (the model whose device and parameters the engine uses),
+    A subclass calls `_setup_engine(...)` early in `__init__` (with its `runtime`) and
+    `_start(resume)` last, and implements `step()` (ending in `_complete_step(row)`, its updates
+    through `update(loss)`), `_module()` (the model whose device and parameters the engine uses),
     `_model_state()` / `_load_model_state(state)` and optionally `_extra_state()` /
     `_load_extra_state(state)`, `_fixed_settings()`, `_check_can_save()`, `_postfix(row)` and
     `_checkpoint_module()` (what a sharded checkpoint holds).
 
     Attributes:
         step_count: optimizer steps taken (RL: RL steps).
-        rank, world_size: this process's place in the data-parallel group (0 and 1 without one).
+        rank, world_size: this process's place in the default process group (0 and 1 without
+            one).
+        runtime: the `Runtime` of the trained model (`LocalRuntime` without a plan, the
+            `PlanRuntime` of `plan.parallelize` under one).
         interrupted: True after `fit` stopped on Ctrl-C (reset by the next `fit`).
         metrics: the per-step rows as a DataFrame.
     """
@@ -81,7 +101,7 @@ class Engine(abc.ABC):
     def _setup_engine(self, *, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                       max_grad_norm: float | None, run_dir: str | os.PathLike | None,
                       checkpoint_every: int, keep_last: int | None, progress: bool,
-                      callbacks: Any, resume: bool | str | os.PathLike,
+                      callbacks: Any, resume: bool | str | os.PathLike, runtime: Runtime,
                       tensorboard: bool = False) -> None:
         check_int("checkpoint_every", checkpoint_every, minimum=0)
         check_int("keep_last", keep_last, minimum=1, optional=True)
@@ -90,6 +110,7 @@ class Engine(abc.ABC):
         if (checkpoint_every or resume is True or tensorboard) and run_dir is None:
             raise ValueError("checkpoint_every, resume=True and tensorboard need a run_dir")
         self.rank, self.world_size = rank_and_world_size()
+        self.runtime = runtime
         self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
@@ -178,10 +199,27 @@ class Engine(abc.ABC):
         if self.checkpoint_every and self.step_count % self.checkpoint_every == 0:
             self.save_checkpoint()
 
+    def _complete_step(self, row: dict[str, Any], *, interrupted: bool = False) -> dict[str, Any]:
+        """The end of every step: record its row (metrics.jsonl on rank 0, TensorBoard,
+        callbacks), then checkpoint when due. Returns `row`.
+
+        Raises:
+            KeyboardInterrupt: after recording, when a Ctrl-C was held during the step
+                (`interrupted`); no checkpoint then (`fit` saves one where it stops).
+        """
+        self._record(row)
+        if interrupted:
+            raise KeyboardInterrupt
+        self._checkpoint_if_due()
+        return row
+
     def fit(self, num_steps: int) -> pd.DataFrame:
         """Take steps until `step_count == num_steps` (so a second call continues).
 
-        A KeyboardInterrupt (Ctrl-C) stops the run at a whole step: the step in flight is
+        Each `step()` records its row (metrics.jsonl on rank 0, TensorBoard, callbacks) and
+        saves a checkpoint when one is due, in `_complete_step`; `fit` adds the progress bar,
+        the preemption boundary after every step (checkpoint, then requeue) and the checkpoint
+        at the end. A KeyboardInterrupt (Ctrl-C) stops the run at a whole step: the step in flight is
         rolled back, or finished when its update had begun; a checkpoint of the last whole step
         is saved (when checkpointing is on), `interrupted` is set, a line says where it stopped,
         and `fit` returns. Call it again to continue. At the end a checkpoint is saved if
@@ -256,56 +294,45 @@ class Engine(abc.ABC):
 
     # ------------------------------------------------------------------ gradients
     @property
-    def plan_state(self) -> PlanState | None:
-        """The `PlanState` of the trained model when a ParallelPlan was applied to it."""
-        return plan_state(self._module())
+    def plan_state(self) -> PlanRuntime | None:
+        """Deprecated: `runtime` (a `PlanRuntime` under a plan)."""
+        warnings.warn("Engine.plan_state is deprecated and will be removed in the next release: "
+                      "use trainer.runtime (trainer.runtime.plan is None without a plan)",
+                      DeprecationWarning, stacklevel=2)
+        return self.runtime if isinstance(self.runtime, PlanRuntime) else None
 
     @property
     def data_rank_and_size(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that see different data: the plan's
-        data-parallel ranks, or every rank without a plan."""
-        state = self.plan_state
-        if state is None:
-            return self.rank, self.world_size
-        return state.data_rank, state.plan.data_parallel_size
+        data-parallel ranks, or every rank without a plan (`runtime.data_rank`, `.data_size`)."""
+        return self.runtime.data_rank, self.runtime.data_size
 
     def _check_data_shard(self, data: Any) -> None:
         """Raise ValueError if `data` is sharded for another data-parallel rank or size."""
         expected = self.data_rank_and_size
         shard = (getattr(data, "rank", expected[0]), getattr(data, "world_size", expected[1]))
         if shard != expected:
-            where = "" if self.plan_state is None else f" of {self.plan_state.plan}"
             raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
                              f"this process is rank {expected[0]} of world_size={expected[1]} "
-                             f"among the data-parallel ranks{where}; build the loader after "
-                             "initialising "
-                             "torch.distributed (or pass it rank= and world_size=)")
+                             f"among the data-parallel ranks{self.runtime.describe()}; build the "
+                             "loader after initialising torch.distributed (or pass it rank= and "
+                             "world_size=: runtime.data_rank and runtime.data_size)")
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Under FSDP2: reduce gradients in the coming backward (the step's last micro-batch)."""
-        set_gradient_sync(self._module(), enabled)
+        self.runtime.set_gradient_sync(enabled)
 
     def _sum_across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """SUM of a scalar over the data-parallel ranks (`value` itself with one rank)."""
-        if self.plan_state is not None:
-            return sum_over_data_ranks(self._module(), value)
-        if self.world_size == 1:
-            return value
-        value = value.detach().to(device_of(self._module()), copy=True)
-        dist.all_reduce(value)
-        return value
+        return self.runtime.sum_over_data_ranks(value)
 
     def _sum_gradients_across_ranks(self) -> None:
-        """Replace every gradient by its SUM over the ranks (in flat buckets); under a plan
-        FSDP2 and TP have reduced them already."""
-        state = self.plan_state
-        if state is not None and state.grad_sync is not None:
-            state.grad_sync()
-        if self.world_size > 1 and state is None:
-            flat_collective(self._grads(), dist.all_reduce)
+        """Make every gradient its SUM over the data-parallel ranks (flat all-reduce buckets
+        without a plan; under a plan FSDP2 and TP have reduced them, the plan's own syncs run)."""
+        self.runtime.sync_gradients(self._params_with_grads())
 
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"]
+    def _params_with_grads(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]
                 if p.grad is not None]
 
     def clip_and_check(self, loss: torch.Tensor) -> torch.Tensor:
@@ -316,32 +343,55 @@ class Engine(abc.ABC):
             ValueError: if no parameter of the optimizer received a gradient.
             NonFiniteLossError: for a non-finite loss or gradient norm (gradients discarded).
         """
-        grads = self._grads()
-        if not grads:
+        params = self._params_with_grads()
+        if not params:
             raise ValueError("no parameter of the optimizer received a gradient; does the loss "
                              "depend on the optimizer's parameters?")
-        if self.plan_state is not None:
-            norm = total_grad_norm(grads, self.plan_state)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = self.runtime.grad_norm(params)
         try:
             check_finite_update(self.step_count + 1, loss, norm)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        if self.max_grad_norm is not None and self.plan_state is not None:
-            clip_grads_with_norm_(grads, self.max_grad_norm, norm)
-        elif self.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(
-                [p for group in self.optimizer.param_groups for p in group["params"]
-                 if p.grad is not None], self.max_grad_norm, norm)
+        if self.max_grad_norm is not None:
+            self.runtime.clip_grads_(params, self.max_grad_norm, norm)
         return norm
+
+    def update(self, loss: torch.Tensor, *, schedule: bool = True) -> StepUpdate:
+        """Apply the accumulated gradients: clip -> optimizer step -> learning-rate schedule ->
+        zero_grad. The one place every trainer updates its parameters.
+
+        Call it after the last backward (and the gradient sums) of an optimizer step, inside
+        `posttrain.core.preemption.sigint_held()`: from the optimizer step on, the update must
+        not be cut in half.
+
+        Args:
+            loss: the step's loss (a scalar, summed over the ranks), checked to be finite.
+            schedule: step the `lr_scheduler` after the optimizer (RL steps it once per RL
+                step, after all its minibatch updates: False there).
+
+        Returns:
+            The gradient norm before clipping and the learning rate the step used.
+
+        Raises:
+            ValueError: if no parameter of the optimizer received a gradient.
+            NonFiniteLossError: for a non-finite loss or gradient norm: the gradients are
+                discarded and nothing is applied (`clip_and_check`).
+        """
+        grad_norm = self.clip_and_check(loss)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        if schedule and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepUpdate(grad_norm, lr)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Save everything needed to continue exactly into `run_dir/checkpoints/step_NNNNNN/`
-        (atomically; older ones beyond `keep_last` deleted). With data parallelism every rank
-        calls it: rank 0 writes, then all ranks wait at a barrier.
+        (atomically; older ones beyond `keep_last` deleted). With several ranks every rank
+        calls it: rank 0 writes (under a plan every rank writes its shards), then all ranks wait
+        at a barrier (`runtime.save_checkpoint`).
 
         Raises:
             ValueError: without a run_dir, or when the trainer cannot save (e.g. data without
@@ -360,22 +410,11 @@ class Engine(abc.ABC):
             **self._extra_state(),
         }
         meta = {**self._fixed_settings(), "world_size": self.world_size}
-        state = self.plan_state
-        if state is not None:
-            del train_state["optimizer"]  # sharded with the model
-            reshard(self._checkpoint_module())  # after a forward with grad and no backward
-            path = save_sharded_checkpoint(self.run_dir, self.step_count,
-                                           model=self._checkpoint_module(),
-                                           optimizer=self.optimizer, train_state=train_state,
-                                           meta={**meta, "plan": state.plan.to_dict()},
-                                           keep_last=self.keep_last, rank=self.rank)
-            self._last_saved_step = self.step_count
-            return path
-        path = self.run_dir / CHECKPOINT_DIR / checkpoint_name(self.step_count)
-        if self.rank == 0:
-            path = save_checkpoint(self.run_dir, self.step_count, model_state=self._model_state(),
-                                   train_state=train_state, keep_last=self.keep_last, meta=meta)
-        barrier()
+        path = self.runtime.save_checkpoint(self.run_dir, self.step_count,
+                                            module=self._checkpoint_module(),
+                                            optimizer=self.optimizer, train_state=train_state,
+                                            meta=meta, keep_last=self.keep_last, rank=self.rank,
+                                            model_state=self._model_state)
         self._last_saved_step = self.step_count
         return path
 
@@ -407,15 +446,10 @@ class Engine(abc.ABC):
             was = "without" if state["lr_scheduler"] is None else "with"
             has = "one" if self.lr_scheduler is not None else "none"
             raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
-        if ckpt["sharded"] is not None:  # under this plan, another one, or none
-            load_sharded_state(ckpt["sharded"], model=self._checkpoint_module(),
-                               optimizer=self.optimizer)
-        elif self.plan_state is not None:  # a run without a plan continues under one
-            load_full_state(ckpt["model_state"], state["optimizer"],
-                            model=self._checkpoint_module(), optimizer=self.optimizer)
-        else:
-            self._load_model_state(ckpt["model_state"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        # sharded or full, saved under this plan, another one or none
+        self.runtime.load_checkpoint(ckpt, module=self._checkpoint_module(),
+                                     optimizer=self.optimizer,
+                                     load_model_state=self._load_model_state)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._load_extra_state(state)

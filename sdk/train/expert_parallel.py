@@ -66,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
         local = moe.num_experts // ep
         start = ep_mesh.get_local_rank() * local
         for name in _EXPERT_WEIGHTS:
-            full = getattr(moe, name)  # the same on every rank (apply_plan broadcast it)
+            full = getattr(moe, name)  # the same on every rank (parallelize broadcast it)
             piece = full.detach()[start:start + local].clone()
             sharded = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=full.requires_grad))

@@ -28,7 +28,7 @@ different, equally valid scaling). Under data parallelism each rank scales its o
 (the tensorwise activation amax is a per-rank statistic), so a dp run is not bitwise equal to
 one process on the same global batch (tests/test_float8.py states the bound). `apply_float8`
 refuses no plan; which axes a model converted through `posttrain.train.converters.convert_model`
-may use is `posttrain.models.conversion.PLAN_AXES["float8"]`, checked by `apply_plan`.
+may use is `posttrain.models.conversion.PLAN_AXES["float8"]`, checked by `parallelize`.
 
 `torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model)` is an optional speed-up of the
 float8 all-gather (one all-reduce for the amaxes of all weights instead of one per weight). It
@@ -253,14 +253,15 @@ def apply_float8(model: nn.Module, config: Float8Config, *, spec: Any = None
             entry names nothing, the spec is not a ModelSpec, or the filter leaves nothing to
             convert (the message lists each nn.Linear considered and why it was skipped).
     """
-    from posttrain.train.sharding import plan_state
+    from posttrain.train.sharding import parallelized
 
     if isinstance(model, nn.Linear):
         raise TypeError("model is a single nn.Linear; apply_float8 converts the linears inside "
                         "a model (torchao would return a new module instead of converting in "
                         "place)")
-    if isinstance(model, nn.Module) and plan_state(model) is not None:
-        raise ValueError(f"this model already has {plan_state(model).plan} applied; apply "
+    done = parallelized(model) if isinstance(model, nn.Module) else None
+    if done is not None:
+        raise ValueError(f"this model already has a ParallelPlan applied ({done}); apply "
                          "float8 first, then the ParallelPlan (which replaces the parameters "
                          "by DTensors), then build the optimizer")
     if isinstance(spec, str):

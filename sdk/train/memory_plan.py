@@ -63,8 +63,8 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
   optimizer step    CPU for-loop AdamW: 2 x the largest local tensor (sqrt and division
   temporaries       temporaries of the denominator); CUDA foreach AdamW: 1 x all local
                     parameters (the foreach sqrt of exp_avg_sq).
-  model build       every rank builds the whole model in p bytes before `plan.apply` shards it,
-                    plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
+  model build       every rank builds the whole model in p bytes before `plan.parallelize`
+                    shards it, plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
                     (`flat_collective` concatenates the next bucket while the previous one is
                     still referenced).
   reference model   phases dpo, grpo, ppo: a forward-only copy sharded like the policy, in
@@ -366,9 +366,9 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
             "for-loop AdamW: 2 x largest tensor" if device_type == "cpu"
             else "foreach AdamW: 1 x local parameters")
     whole = _all_parameters(c, spec) * p
-    applied = plan != ParallelPlan()  # plan.apply broadcasts from rank 0 first
+    applied = plan != ParallelPlan()  # plan.parallelize broadcasts from rank 0 first
     build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
-    add("model build", build, "1", "every rank builds the whole model before plan.apply"
+    add("model build", build, "1", "every rank builds the whole model before plan.parallelize"
         + (" (+ 2 broadcast buckets)" if applied else ""))
     ref = held * ref_p if phase in ("dpo", "grpo", "ppo") else 0.0
     if ref:

@@ -3,7 +3,7 @@ trainable parameters, the very tensor objects, or some weights silently never ch
 
 Three ways an optimizer comes to hold other tensors, each refused by name:
 
-* built before the model's parameters were replaced: `plan.apply` (FSDP2 and TP register
+* built before the model's parameters were replaced: `plan.parallelize` (FSDP2 and TP register
   DTensors in place of the parameters), or a converter that swaps modules; or built while FSDP2
   had the root's gathered (unsharded) copies registered, after a forward with grad that no
   backward followed. Those tensors never receive a gradient.
@@ -23,7 +23,7 @@ Example:
     >>> check_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)
     Traceback (most recent call last):
     ...
-    ValueError: optimizer: does not hold 1 trainable parameter(s) of the model: bias (they would receive gradients but never change); build the optimizer over [p for p in model.parameters() if p.requires_grad] right before the trainer (after plan.apply and any converter), or freeze what should not train with requires_grad_(False)
+    ValueError: optimizer: does not hold 1 trainable parameter(s) of the model: bias (they would receive gradients but never change); build the optimizer over [p for p in model.parameters() if p.requires_grad] right before the trainer (after plan.parallelize and any converter), or freeze what should not train with requires_grad_(False)
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from torch import nn
 
 __all__ = ["check_optimizer", "remember_parameters", "former_names", "reshard"]
 
-_ATTR = "_posttrain_replaced"
+_REPLACED: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[str, Any, str]]] = \
+    weakref.WeakKeyDictionary()
+"""module -> {id: (name, weak reference, event)} of its parameters before an event replaced
+them (kept here, not on the module; weak both ways)."""
 
 _SHOWN = 6  # names listed per kind in a message
 
@@ -61,7 +64,7 @@ def remember_parameters(model: nn.Module, event: str) -> None:
     ParallelPlan's DTensors, a converter's modules), so that an optimizer built earlier is
     refused with their names (`former_names`). A parameter already recorded keeps its first
     event."""
-    record = model.__dict__.setdefault(_ATTR, {})
+    record = _REPLACED.setdefault(model, {})
     for name, p in model.named_parameters():
         kept = record.get(id(p))
         if kept is None or kept[1]() is not p:  # a weak reference: an id may be reused
@@ -73,7 +76,7 @@ def former_names(module: nn.Module) -> dict[int, tuple[str, str]]:
     submodules (names prefixed) that are still alive, e.g. held by an optimizer."""
     names: dict[int, tuple[str, str]] = {}
     for prefix, sub in module.named_modules():
-        for key, (name, ref, event) in sub.__dict__.get(_ATTR, {}).items():
+        for key, (name, ref, event) in _REPLACED.get(sub, {}).items():
             if ref() is not None:
                 names.setdefault(key, (f"{prefix}.{name}" if prefix else name, event))
     return names
@@ -98,7 +101,7 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
     Raises:
         ValueError: naming `argument`, the parameters concerned and the fix, if the optimizer
             holds a tensor that is not a current parameter of `module` (built before
-            `plan.apply` or a converter replaced it, or while FSDP2 had the root's gathered
+            `plan.parallelize` or a converter replaced it, or while FSDP2 had the root's gathered
             copies registered), or lacks a trainable one.
     """
     gathered = {id(p): name for name, p in module.named_parameters()}
@@ -123,7 +126,7 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
     missing = [name for key, (name, p) in current.items()
                if p.requires_grad and key not in held_ids and name not in stale]
     fix = ("build the optimizer over [p for p in model.parameters() if p.requires_grad] right "
-           "before the trainer (after plan.apply and any converter)")
+           "before the trainer (after plan.parallelize and any converter)")
     problems = []
     if gathered_copies:
         problems.append(f"holds FSDP2's gathered (unsharded) copies of "

@@ -252,13 +252,23 @@ class ParallelPlan:
         sizes = tuple(getattr(self, name) for name in MESH_DIMS)
         return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
-    def apply(self, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
-        """Split `model` over the ranks in place and return it (see `posttrain.train.sharding`).
+    def parallelize(self, model: nn.Module, *, spec: Any = None, mesh: Any = None):
+        """Split `model` over the ranks in place and return its `PlanRuntime`
+        (`posttrain.train.sharding.parallelize`), which the trainers take as `runtime=`.
 
-        Build the optimizer after this, over `model.parameters()`: FSDP2 and TP replace the
-        parameters by DTensors (no-grad forwards in between, e.g. to look at logits, leave them
-        in place; the trainers refuse an optimizer over other tensors, by name).
+        Build the optimizer after this, over `runtime.model.parameters()`: FSDP2 and TP replace
+        the parameters by DTensors (no-grad forwards in between, e.g. to look at logits, leave
+        them in place; the trainers refuse an optimizer over other tensors, by name).
         """
-        from posttrain.train.sharding import apply_plan
+        from posttrain.train.sharding import parallelize
 
-        return apply_plan(self, model, spec=spec, mesh=mesh)
+        return parallelize(self, model, spec=spec, mesh=mesh)
+
+    def apply(self, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
+        """Deprecated (one release): `runtime = plan.parallelize(model, spec=spec)` and pass
+        `runtime=runtime` to the trainer. Splits `model` in place and returns it; its runtime is
+        recorded for `plan_state(model)` and for trainers given the model (and `plan=`) only
+        (`posttrain.train.plan_compat`)."""
+        from posttrain.train.plan_compat import apply_plan
+
+        return apply_plan(self, model, spec=spec, mesh=mesh, _stacklevel=4)

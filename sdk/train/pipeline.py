@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["split_into_stage", "PipelineRunner", "stage_layers"]
+__all__ = ["split_into_stage", "PipelineRunner", "stage_layers", "is_stage"]
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -62,6 +62,11 @@ def split_into_stage(model: nn.Module, mesh: Any) -> dict[str, Any]:
     model.forward = _StageForward(model, first, last)
     return {"stage": stage, "pp": pp, "group": pp_mesh.get_group(), "tied": tied,
             "first": first, "last": last, **facts}
+
+
+def is_stage(model: nn.Module) -> bool:
+    """Whether `split_into_stage` made `model` a pipeline stage."""
+    return isinstance(model.__dict__.get("forward"), _StageForward)
 
 
 class _StageForward:

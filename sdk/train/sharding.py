@@ -1,17 +1,20 @@
-"""Applying a `ParallelPlan` to a torchtune decoder, and the collectives the trainers need under
-one: sums over the data-parallel ranks, the gradient norm of DTensor gradients, gradient sync
-across micro-batches, and full (unsharded) weights for export.
+"""Applying a `ParallelPlan` to a torchtune decoder: `parallelize(plan, model, spec=spec)` splits
+the model in place and returns the `PlanRuntime` the trainer holds (`posttrain.train.runtime`:
+sums over the data-parallel ranks, gradient syncs and norm, full weights, checkpoint shards).
 
-Order of application (as torchtitan and torchtune's distributed recipes do it):
+Order of application (as torchtitan's `parallelize_llama` and torchtune's distributed recipes
+do it), one small function per axis:
 
     1. broadcast every parameter from global rank 0 (all ranks start from the same weights);
-    2. TP: `torchtune.training.prepare_mha_for_tp` (heads per rank) then `parallelize_module`
+    2. PP: keep this rank's pipeline stage (`posttrain.train.pipeline.split_into_stage`);
+    3. TP: `torchtune.training.prepare_mha_for_tp` (heads per rank) then `parallelize_module`
        with `torchtune.models.llama3.base_llama_tp_plan()` on mesh["tp"]; with tied embeddings
        the embedding and output projection stay replicated (the tied output is not a module);
-    3. SP: Ulysses all-to-alls around each attention call, the input sliced along the sequence
+    4. SP: Ulysses all-to-alls around each attention call, the input sliced along the sequence
        and the logits gathered back (`posttrain.train.sequence_parallel`);
-    4. activation checkpointing of every transformer layer (torchtune's helper);
-    5. FSDP2 (`fully_shard`) of every layer, then of the root, sharded over the ranks that
+    5. EP: the experts of an MoE model split over mesh["ep"] (`posttrain.train.expert_parallel`);
+    6. activation checkpointing of every transformer layer (torchtune's helper);
+    7. FSDP2 (`fully_shard`) of every layer, then of the root, sharded over the ranks that
        compute their own gradient shares (dp_shard, ep and sp, flattened into one mesh
        dimension "fsdp") and, with dp_replicate > 1, replicated over dp_replicate (HSDP), with
        the plan's mixed precision and CPU offload, gradient reduction set to SUM. The root
@@ -19,21 +22,27 @@ Order of application (as torchtitan and torchtune's distributed recipes do it):
        default); after a forward no backward follows (under `torch.no_grad()`, or with no
        output that requires grad) it is resharded (`reshard_root_after_frozen_forward`), so
        `model.parameters()` are always the sharded parameters that receive the gradients,
-       whatever ran between `plan.apply` and building the optimizer.
+       whatever ran between `parallelize` and building the optimizer.
+
+Nothing about the plan is stored on the model: the trainer holds the runtime. The earlier
+spelling, `model = plan.apply(model, spec=spec)` and `Trainer(model, ..., plan=plan)`, works for
+one more release with a DeprecationWarning (`posttrain.train.plan_compat`, which also has
+`full_state_dict(model_or_runtime)`).
 
 Example (needs a process group; see tests/test_parallel_plans.py):
 
     plan = ParallelPlan(dp_shard=2, tp=2)
-    model = plan.apply(build_model(spec, seed=0), spec=spec)   # in place, returns it
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)       # after apply
-    Trainer(model, opt, data=loader, plan=plan).fit(10)
+    runtime = plan.parallelize(build_model(spec, seed=0), spec=spec)  # splits it in place
+    opt = torch.optim.AdamW(runtime.model.parameters(), lr=1e-3)     # after parallelize
+    loader = SFTLoader(dataset, batch_size=8, rank=runtime.data_rank,
+                       world_size=runtime.data_size)
+    Trainer(runtime.model, opt, data=loader, runtime=runtime).fit(10)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,48 +51,18 @@ from torch import nn
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
 from posttrain.train.optimizer_check import remember_parameters, reshard
+from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm  # noqa: F401
+from posttrain.train.runtime import PlanRuntime
 
-__all__ = ["apply_plan", "check_plan", "clip_grads_with_norm_", "PlanState", "plan_state", "total_grad_norm",
-           "set_gradient_sync", "reshard", "reshard_root_after_frozen_forward",
-           "full_state_dict", "sum_over_data_ranks"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
+    from posttrain.models.specs import ModelSpec
+    from posttrain.train.parallel import ParallelPlan
 
-
-@dataclass(frozen=True)
-class PlanState:
-    """What `apply_plan` leaves on a model (`plan_state(model)`).
-
-    Attributes:
-        plan: the ParallelPlan applied.
-        mesh: its DeviceMesh (dimensions `MESH_DIMS`).
-        data_rank: this rank's index among the data-parallel ranks (0..data_parallel_size-1).
-        data_group: the process group of the ranks that see different data and share this
-            rank's tp/sp/pp coordinates (sums of token counts and losses go over it).
-        fsdp: whether FSDP2 was applied (data_parallel_size > 1).
-        grad_sync: called after the step's last backward to reduce the gradients no wrapper
-            reduced (expert weights over the ranks that hold the same experts; the two copies
-            of a tied embedding matrix on the first and last pipeline stage), or None.
-        pipeline: the `PipelineRunner` of this rank's stage (pp > 1), or None.
-        pp_group: the pipeline group (the gradient norm sums over its stages), or None.
-        tied_copy: the last stage's copy of a tied embedding matrix (left out of the norm).
-        spec: the model's ModelSpec when `apply_plan` was given one (the memory check uses it).
-    """
-
-    plan: Any
-    mesh: Any
-    data_rank: int
-    data_group: Any
-    fsdp: bool
-    grad_sync: Any = None
-    pipeline: Any = None
-    pp_group: Any = None
-    tied_copy: Any = None
-    spec: Any = None
-
-
-def plan_state(model: nn.Module) -> PlanState | None:
-    """The `PlanState` of a model a plan was applied to; None for a plain model."""
-    return getattr(model, "_posttrain_plan_state", None)
+__all__ = ["parallelize", "parallelized", "reshard_root_after_frozen_forward", "reshard",
+           "total_grad_norm", "clip_grads_with_norm_"]
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -94,25 +73,56 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
-    """Split `model` over this job's ranks according to `plan`, in place; returns `model`.
+def parallelized(model: nn.Module) -> str | None:
+    """What shows that a plan was applied to `model` (FSDP2 units, DTensor parameters,
+    activation-checkpoint wrappers, a pipeline stage's forward), or None for a plain model.
+    Read from the modules themselves: nothing about the plan is stored on the model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from posttrain.train.pipeline import is_stage
+
+    if is_stage(model):
+        return "a pipeline stage"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            return "FSDP2"
+        if isinstance(module, CheckpointWrapper):
+            return "activation checkpointing"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "DTensor parameters"
+    return None
+
+
+def parallelize(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str | None = None,
+                mesh: DeviceMesh | None = None) -> PlanRuntime:
+    """Split `model` over this job's ranks according to `plan`, in place; returns the
+    `PlanRuntime` the trainers take (`runtime.model is model`).
 
     Args:
         plan: a `posttrain.train.parallel.ParallelPlan`.
         model: a torchtune decoder built identically on every rank (same seed); its parameters
             are broadcast from rank 0 first, so a different init elsewhere is overwritten.
-        spec: its `ModelSpec`, for the model-dependent checks of `plan.validate`.
+            Apply converters (LoRA, FP8, QAT) before, build the optimizer after.
+        spec: its `ModelSpec` (or a preset name), for the model-dependent checks of
+            `plan.validate` and the trainers' memory check.
         mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here).
 
     Raises:
-        ValueError: if the plan does not fit the world size or the model (`plan.validate`), or
-            the model already has a plan, or a converter applied to it (LoRA, FP8, ...) does
-            not support one of the plan's axes (`posttrain.train.converters.PLAN_AXES`).
+        ValueError: if the plan does not fit the world size or the model (`plan.validate`), the
+            model already has a plan applied (`parallelized`), or a converter applied to it
+            (LoRA, FP8, ...) does not support one of the plan's axes
+            (`posttrain.train.converters.PLAN_AXES`).
         ValueError: for cpu_offload on a model that is on the CPU, or pp > 1 on an MoE model.
-        RuntimeError: without an initialised process group.
+        TypeError: for a model without `.layers` (not a torchtune decoder).
+        RuntimeError: without an initialised process group (a plan of one rank without FSDP2
+            settings needs none: only activation checkpointing applies).
     """
-    if plan_state(model) is not None:
-        raise ValueError("this model already has a ParallelPlan applied; build a fresh model")
+    done = parallelized(model)
+    if done is not None:
+        raise ValueError(f"this model already has a ParallelPlan applied ({done}); build a "
+                         "fresh model")
     check_plan_axes(model, plan)  # a converted model (LoRA, FP8, ...) allows fewer axes
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
     if isinstance(spec, str):
@@ -120,7 +130,7 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
 
         spec = get_preset(spec)
     if plan.world_size == 1 and not plan.fsdp and not dist.is_initialized():
-        return _apply_one_rank(plan, model, spec)
+        return _parallelize_one_rank(plan, model, spec)
     layers = _layers(model)
     device = next(model.parameters()).device
     if plan.cpu_offload and device.type == "cpu":
@@ -157,45 +167,44 @@ def apply_plan(plan: Any, model: nn.Module, *, spec: Any = None, mesh: Any = Non
         if group is not None:
             syncs.append(lambda: sync_expert_grads(model, group))
     if plan.activation_checkpointing:
-        from torchtune.modules import TransformerSelfAttentionLayer
-        from torchtune.training import set_activation_checkpointing
-
-        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+        _apply_ac(model)
         layers = _layers(model)
-    fsdp = plan.fsdp
-    if fsdp:
+    if plan.fsdp:
         _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
     data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
                  + coordinate["ep"])
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
-    state = dict(plan=plan, mesh=mesh, data_rank=data_rank, data_group=data_group, fsdp=fsdp,
-                 spec=spec,
-                 grad_sync=(lambda: [sync() for sync in syncs]) if syncs else None)
+    parts: dict[str, Any] = {}
     if pipeline_info is not None:
         from posttrain.train.pipeline import PipelineRunner
 
         last_tied = pipeline_info["tied"] and pipeline_info["last"]
-        state.update(pipeline=PipelineRunner(model, pipeline_info, plan),
+        parts = dict(pipeline=PipelineRunner(model, pipeline_info, plan),
                      pp_group=pipeline_info["group"],
                      tied_copy=model.tok_embeddings.weight if last_tied else None)
-    model._posttrain_plan_state = PlanState(**state)
-    return model
+    return PlanRuntime(model=model, plan=plan, mesh=mesh, data_rank=data_rank,
+                       data_group=data_group, fsdp=plan.fsdp, grad_syncs=tuple(syncs),
+                       spec=spec, **parts)
 
 
-def _apply_one_rank(plan: Any, model: nn.Module, spec: Any) -> nn.Module:
+def _parallelize_one_rank(plan: ParallelPlan, model: nn.Module,
+                          spec: ModelSpec | None) -> PlanRuntime:
     """A plan of one rank without FSDP2 settings, in a process without a process group: only
     activation checkpointing applies."""
     _layers(model)
     if plan.activation_checkpointing:
-        from torchtune.modules import TransformerSelfAttentionLayer
-        from torchtune.training import set_activation_checkpointing
+        _apply_ac(model)
+    return PlanRuntime(model=model, plan=plan, mesh=None, data_rank=0, data_group=None,
+                       fsdp=False, spec=spec)
 
-        set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
-    model._posttrain_plan_state = PlanState(plan=plan, mesh=None, data_rank=0, data_group=None,
-                                            fsdp=False, spec=spec)
-    return model
+
+def _apply_ac(model: nn.Module) -> None:
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
 
 
 def reshard_root_after_frozen_forward(root: nn.Module) -> None:
@@ -233,7 +242,7 @@ def reshard_root_after_frozen_forward(root: nn.Module) -> None:
     root.register_forward_hook(after_forward)  # after FSDP2's own post-forward hook
 
 
-def _group_over(mesh: Any, dims: tuple[str, ...]) -> Any:
+def _group_over(mesh: DeviceMesh, dims: tuple[str, ...]) -> ProcessGroup | None:
     """The process group of the ranks that differ only in `dims` of `mesh` (which need not be
     adjacent), or None when that group has one rank. Collective: every rank creates every
     group, in the same order."""
@@ -247,7 +256,7 @@ def _group_over(mesh: Any, dims: tuple[str, ...]) -> Any:
     return mine
 
 
-def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtune.models.llama3 import base_llama_tp_plan
     from torchtune.training import prepare_mha_for_tp
@@ -262,7 +271,7 @@ def _apply_tp(model: nn.Module, tp_mesh: Any) -> None:
     parallelize_module(model, tp_mesh, layer_plan)
 
 
-def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any,
+def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
                 ignored: set[nn.Parameter]) -> None:
     from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                         fully_shard)
@@ -288,95 +297,3 @@ def _apply_fsdp(plan: Any, model: nn.Module, layers: list[nn.Module], mesh: Any,
             # The trainers normalise by the global token count themselves: SUM, not average.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-
-
-def sum_over_data_ranks(model: nn.Module, value: torch.Tensor) -> torch.Tensor:
-    """SUM of a tensor over the data-parallel ranks of `model`'s plan (a copy; `value` itself
-    with one data rank)."""
-    state = plan_state(model)
-    if state is None or state.data_group is None:
-        return value
-    value = value.detach().clone()
-    dist.all_reduce(value, group=state.data_group)
-    return value
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """FSDP2: reduce gradients in this backward (`enabled`, the step's last micro-batch) or
-    keep accumulating them unsharded (earlier micro-batches). No-op for a model without FSDP."""
-    state = plan_state(model)
-    if state is not None and state.fsdp:
-        model.set_requires_gradient_sync(enabled)
-
-
-def total_grad_norm(grads: list[torch.Tensor], state: PlanState | None = None) -> torch.Tensor:
-    """Global L2 norm of gradients that may be DTensors on different meshes (FSDP2 shards,
-    TP shards, replicated plain tensors): one `get_total_norm` per mesh, each made whole with
-    `full_tensor()`, combined as sqrt(sum of squares); under pipeline parallelism the squares
-    are summed over the stages, a tied embedding matrix counted once. Returns a plain 0-dim
-    float tensor."""
-    from torch.distributed.tensor import DTensor
-
-    skip = state.tied_copy.grad if state is not None and state.tied_copy is not None else None
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for g in grads:
-        if g is skip:
-            continue
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
-    squares = []
-    for key, members in groups.items():
-        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.double() ** 2)
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-    if state is not None and state.pp_group is not None:
-        dist.all_reduce(total, group=state.pp_group)
-    return total.sqrt().to(torch.float32)
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded `state_dict()` of a model under a plan, on CPU, on every rank (collective:
-    every rank must call it); the plain state dict for a model without a plan. Use it to export
-    a sharded run (`posttrain.models.save_hf_checkpoint` on rank 0)."""
-    if plan_state(model) is None:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=False))
-    state = {k: v.detach().cpu() for k, v in state.items()}
-    pp_group = plan_state(model).pp_group
-    if pp_group is not None:  # each stage holds some of the names: merge them
-        stages: list[Any] = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(stages, state, group=pp_group)
-        state = {k: v for stage in stages for k, v in stage.items()}
-    return state
-
-
-def check_plan(model: nn.Module, plan: Any) -> None:
-    """A trainer's check that `plan` (when given) is the plan applied to `model`. Whether the
-    optimizer holds the model's current parameters is checked for every trainer, with or
-    without a plan, by `posttrain.train.optimizer_check.check_optimizer`.
-
-    Raises:
-        ValueError: if `plan` is given but was not applied to `model`, or another plan was.
-    """
-    state = plan_state(model)
-    if plan is not None and state is None:
-        raise ValueError(f"{plan} was not applied to the model: call model = plan.apply(model, "
-                         "spec=spec) first, then build the optimizer over model.parameters()")
-    if plan is not None and state.plan != plan:
-        raise ValueError(f"the model was split by {state.plan}, not by the given {plan}")
-
-
-def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients (DTensors on any mesh, or plain) by min(1, max_norm / (total_norm +
-    1e-6)), the coefficient of `torch.nn.utils.clip_grads_with_norm_`, in place on each rank's
-    local shard (a scalar scale needs no communication)."""
-    from torch.distributed.tensor import DTensor
-
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    torch._foreach_mul_(local, coef.to(local[0].device))

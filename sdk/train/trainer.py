@@ -8,7 +8,8 @@ name from `posttrain.train.losses`. One step:
     units = sum(loss.num_units(b) for b in batches)                  # trained tokens of the step
     for b in batches:
         loss(model, b, units).backward()                             # share = loss_sum / units
-    clip grad norm; optimizer.step(); lr_scheduler.step(); optimizer.zero_grad()
+    update(loss_sum)   # the engine's: clip grad norm; optimizer.step(); lr_scheduler.step();
+                       # optimizer.zero_grad()
 
 so the gradient is that of the token mean over the whole step, whatever the micro-batching.
 
@@ -80,7 +81,6 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
-from posttrain.core.distributed import flat_collective
 from posttrain.core.preemption import sigint_held
 from posttrain.core.timing import matmul_peak_flops, mfu, model_flops, non_embedding_params
 from posttrain.train.converters import (applied_converters, checkpoint_state,
@@ -90,7 +90,8 @@ from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_re
 from posttrain.train.losses import SFTCrossEntropy, TrainingLoss, get_loss
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.memory_check import check_memory
-from posttrain.train.sharding import check_plan
+from posttrain.train.plan_compat import resolve_runtime
+from posttrain.train.runtime import Runtime
 from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]
@@ -108,8 +109,8 @@ class Trainer(Engine):
     Args:
         model: a module; `loss` decides how it is called (SFT: `model(input_ids,
             mask=attention_mask, input_pos=position_ids)` -> logits [B, T, V]).
-        optimizer: built over the model's trainable parameters, after `plan.apply` and any
-            converter (exactly those tensors: checked by identity).
+        optimizer: built over the model's trainable parameters, after `plan.parallelize` and
+            any converter (exactly those tensors: checked by identity).
         data: has `next_batch()` (endless); `state_dict()` / `load_state_dict()` to checkpoint
             and to put the position back after an interrupted step (`posttrain.data.loader.SFTLoader`).
         loss: a registered name (`posttrain.train.losses.get_loss`) or a `TrainingLoss` object.
@@ -137,15 +138,17 @@ class Trainer(Engine):
             there is one (the requeue idiom). A path: continue from that checkpoint folder or
             the latest one of that run folder.
 
-        plan: the `ParallelPlan` already applied to `model` (`plan.apply(model)`, before the
-            optimizer was built), or None. A model with a plan is recognised without it; passing
-            it states the intent and is checked.
+        runtime: the `PlanRuntime` of `model` under a plan (`runtime =
+            plan.parallelize(model, spec=spec)`, before the optimizer was built; `model` must
+            be `runtime.model`), or None: a `LocalRuntime` (no plan).
+        plan: deprecated (one release): the `ParallelPlan` already applied to `model` by the
+            deprecated `plan.apply(model)`; checked against the applied plan.
 
     Data parallelism (see the module docstring) needs no option: it follows the initialised
     `torch.distributed` process group. Under a plan, the data must be sharded over the plan's
-    data-parallel ranks (`engine.data_rank_and_size`); FSDP2 and TP reduce the gradients and
-    the token normaliser is summed over the data-parallel ranks only. `callbacks` and `eval_fn`
-    run on every rank.
+    data-parallel ranks (`runtime.data_rank`, `runtime.data_size`); FSDP2 and TP reduce the
+    gradients and the token normaliser is summed over the data-parallel ranks only.
+    `callbacks` and `eval_fn` run on every rank.
 
     Attributes:
         step_count: optimizer steps taken.
@@ -167,10 +170,12 @@ class Trainer(Engine):
 
     Raises:
         ValueError: for bad options, a `run_dir` that holds a run while `resume` is False,
-            data sharded for another world size or rank than the process group's, or an
+            data sharded for another world size or rank than the process group's, an
             optimizer that does not hold exactly the model's current trainable parameters
-            (named; `posttrain.train.optimizer_check`).
-        TypeError: for a `data` without `next_batch`, or a `loss` that is neither.
+            (named; `posttrain.train.optimizer_check`), a `runtime` of another model, or a
+            model split by a plan without its runtime.
+        TypeError: for a `data` without `next_batch`, a `loss` that is neither, or a `runtime`
+            that is not a `Runtime`.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, data: Any,
@@ -182,7 +187,8 @@ class Trainer(Engine):
                  eval_every: int = 0, checkpoint_every: int = 0, keep_last: int | None = 2,
                  tensorboard: bool = False, progress: bool = True, seed: int = 0,
                  callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False, plan: ParallelPlan | None = None) -> None:
+                 resume: bool | str | os.PathLike = False, runtime: Runtime | None = None,
+                 plan: ParallelPlan | None = None) -> None:
         if not callable(getattr(data, "next_batch", None)):
             raise TypeError(f"data must have a next_batch() method (e.g. posttrain.data.loader."
                             f"SFTLoader); got {type(data).__name__}")
@@ -198,27 +204,26 @@ class Trainer(Engine):
         if checkpoint_every and not has_state(data):
             raise ValueError(f"checkpoint_every needs data with state_dict()/load_state_dict() "
                              f"(to resume at the same position); {type(data).__name__} has none")
+        runtime = resolve_runtime(model, runtime=runtime, plan=plan)
         self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
                            max_grad_norm=max_grad_norm, run_dir=run_dir,
                            checkpoint_every=checkpoint_every, keep_last=keep_last,
                            progress=progress, callbacks=callbacks, resume=resume,
-                           tensorboard=tensorboard)
-        check_plan(model, plan)
+                           runtime=runtime, tensorboard=tensorboard)
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
         if isinstance(loss, SFTCrossEntropy):
-            check_memory(model, data, phase="sft")  # under a plan with a spec: refuse early
-        if eval_fn is not None and self.plan_state is not None and self.plan_state.pipeline:
-            raise ValueError(f"eval_fn with {self.plan_state.plan}: a pipeline stage holds part "
-                             "of the model; evaluate the exported full model instead "
-                             "(posttrain.train.full_state_dict)")
+            check_memory(runtime, data, phase="sft")  # under a plan with a spec: refuse early
+        if eval_fn is not None and runtime.pipeline is not None:
+            raise ValueError(f"eval_fn with {runtime.plan}: a pipeline stage holds part of the "
+                             "model; evaluate the exported full model instead "
+                             "(runtime.full_state_dict())")
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self._flops_n: int | None = None
         self._flops_device = torch.device("cpu")
         self.eval_fn, self.eval_every = eval_fn, eval_every
         seed_all(seed)
-        if self.world_size > 1 and self.plan_state is None:  # (apply_plan broadcast already)
-            flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
+        runtime.share_initial_weights()  # replicas: rank 0's weights (a plan's are already)
         self._start(resume)
 
     # ------------------------------------------------------------------ the step
@@ -241,12 +246,10 @@ class Trainer(Engine):
                 row.update(self.evaluate())
         except KeyboardInterrupt:
             interrupted = True  # the step stands; its row goes without eval metrics
-        finally:
-            self._record(row)
-        if interrupted:
-            raise KeyboardInterrupt
-        self._checkpoint_if_due()
-        return row
+        except BaseException:
+            self._record(row)  # the step stands: its row is kept, then the error
+            raise
+        return self._complete_step(row, interrupted=interrupted)
 
     def _optimizer_step(self) -> tuple[dict[str, float], bool]:
         self._rolled_back = False
@@ -268,32 +271,22 @@ class Trainer(Engine):
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
                                  "hold no trained token; check the loss masks of the data")
             loss_sum = None
-            pipeline = None if self.plan_state is None else self.plan_state.pipeline
             for i, batch in enumerate(batches):
                 self._set_gradient_sync(i == len(batches) - 1)
-                if pipeline is not None:  # forward and backward through the stages
-                    share = pipeline.step(self.loss, batch, units)
-                else:
-                    share = self.loss(self.model, batch, units)
-                    share.backward()
+                share = self.runtime.forward_backward(self.loss, batch, units)  # or the pipeline
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()
             # Data parallelism: the per-rank sums add up to the single-process step.
             self._sum_gradients_across_ranks()
             loss_sum = self._sum_across_ranks(loss_sum)
-            grad_norm = self.clip_and_check(loss_sum)
         except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
-            if data_state is not None:
-                self.data.load_state_dict(data_state)
-            restore_rng_state(rng_state)
-            self._rolled_back = True
+            self._roll_back(data_state, rng_state)
             raise
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        with sigint_held() as interrupt:
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        with sigint_held() as interrupt:  # from here the step is never cut in half
+            try:
+                grad_norm, lr = self.update(loss_sum)
+            except BaseException:  # a refused update (non-finite): nothing was applied
+                self._roll_back(data_state, rng_state)
+                raise
             self.step_count += 1
         elapsed = time.perf_counter() - start
         # after the clock stopped: the all-reduce of the token count and the (cached) peak
@@ -304,6 +297,14 @@ class Trainer(Engine):
                "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                "mfu": self._step_mfu(tokens, elapsed)}
         return row, interrupt.received
+
+    def _roll_back(self, data_state: dict[str, Any] | None, rng_state: Any) -> None:
+        """Undo a step that applied nothing: gradients, data position and RNG states."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if data_state is not None:
+            self.data.load_state_dict(data_state)
+        restore_rng_state(rng_state)
+        self._rolled_back = True
 
     def _step_mfu(self, tokens: int, seconds: float) -> float:
         """MFU of a step that trained on `tokens` tokens in `seconds` wall seconds:

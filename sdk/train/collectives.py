@@ -1,0 +1,108 @@
+"""The collectives a `Runtime` runs over the data-parallel ranks, and the gradient norm and
+clipping of gradients split over a mesh.
+
+Notation: W = ranks of the group, sizes[r] = rows of rank r.
+
+Every function here is a collective over its `group` (the default process group for None):
+every rank of it calls it, with tensors of the same keys, dtypes and trailing shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from posttrain.core.distributed import flat_collective
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from posttrain.train.runtime import PlanRuntime
+
+__all__ = ["total_grad_norm", "clip_grads_with_norm_", "gather_rows", "reduce_metrics",
+           "sum_grads_over_group"]
+
+
+def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> Tensor:
+    """Global L2 norm of gradients that may be DTensors on different meshes (FSDP2 shards,
+    TP shards, replicated plain tensors): one `get_total_norm` per mesh, each made whole with
+    `full_tensor()`, combined as sqrt(sum of squares); under pipeline parallelism (`runtime`'s
+    pp_group) the squares are summed over the stages, its tied embedding copy counted once.
+    Returns a plain 0-dim float32 tensor."""
+    from torch.distributed.tensor import DTensor
+
+    tied = runtime.tied_copy if runtime is not None else None
+    skip = tied.grad if tied is not None else None
+    groups: dict[Any, list[Tensor]] = {}
+    for g in grads:
+        if g is skip:
+            continue
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for key, members in groups.items():
+        norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.double() ** 2)
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if runtime is not None and runtime.pp_group is not None:
+        dist.all_reduce(total, group=runtime.pp_group)
+    return total.sqrt().to(torch.float32)
+
+
+def clip_grads_with_norm_(grads: list[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    """Scale gradients (DTensors on any mesh, or plain) by min(1, max_norm / (total_norm +
+    1e-6)), the coefficient of `torch.nn.utils.clip_grads_with_norm_`, in place on each rank's
+    local shard (a scalar scale needs no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    torch._foreach_mul_(local, coef.to(local[0].device))
+
+
+def gather_rows(local: dict[str, Tensor], sizes: Sequence[int],
+                group: ProcessGroup | None) -> dict[str, Tensor]:
+    """Concatenate every rank's row tensors ([sizes[r], ...] each, in rank order of `group`, the
+    default group for None): each is padded to the largest share, all-gathered, and cut back."""
+    out = {}
+    most = max(sizes)
+    for key in sorted(local):
+        mine = local[key]
+        padded = torch.zeros((most, *mine.shape[1:]), dtype=mine.dtype, device=mine.device)
+        rows = min(most, mine.shape[0])
+        padded[:rows] = mine[:rows]
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded, group=group)
+        out[key] = torch.cat([piece[:size] for piece, size in zip(pieces, sizes)])
+    return out
+
+
+def reduce_metrics(totals: dict[str, Tensor], group: ProcessGroup | None) -> dict[str, Tensor]:
+    """Metrics over the ranks of `group` (the default group for None): step shares and
+    token-weighted means are SUMmed, `ratio_max` is the MAX (the keys are the same on every
+    rank)."""
+    keys = sorted(k for k in totals if k != "ratio_max")
+    flat = torch.stack([totals[k].float().reshape(()) for k in keys])
+    dist.all_reduce(flat, group=group)
+    out = dict(zip(keys, flat.unbind()))
+    if "ratio_max" in totals:
+        top = totals["ratio_max"].float().reshape(1).clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        out["ratio_max"] = top[0]
+    return out
+
+
+def sum_grads_over_group(module: nn.Module, group: ProcessGroup | None) -> None:
+    """SUM the gradients of a replicated (plain) module over the ranks of `group` (the default
+    group for None), in place; a parameter without a gradient on this rank counts as zero."""
+    params = list(module.parameters())
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat_collective([p.grad for p in params], lambda flat: dist.all_reduce(flat, group=group))
