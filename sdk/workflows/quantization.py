@@ -186,7 +186,7 @@ def check_converted_run(cfg: Any, at: str, *,
         raise ValueError(f"{at}.parallel={parallel.plan()} with {at}.{used} set: a recipe runs "
                          "adapters and quantised training in one process (set the parallel "
                          "section to its defaults, or use posttrain.train.converters with "
-                         "plan.apply in your own loop)")
+                         "plan.parallelize in your own loop)")
     names = {c.converter for c in configs}
     from posttrain.train.converters import EXCLUSIVE
 

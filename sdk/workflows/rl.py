@@ -181,8 +181,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                                    rollout_is_threshold=q.rollout_is_threshold)
     converters = [str(r) for r in convert_for_training(
         policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0)]
-    if plan is not None:  # before the optimizer: the plan replaces the parameters
-        plan.apply(policy.model, spec=policy.spec)
+    runtime = None  # before the optimizer: the plan replaces the parameters
+    if plan is not None:
+        runtime = plan.parallelize(policy.model, spec=policy.spec)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model, value_head), lr=o.lr,
                                   weight_decay=o.weight_decay)
@@ -196,7 +197,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                         temperature=s.temperature, top_p=s.top_p, value_head=value_head,
                         lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
                         checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan,
+                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, runtime=runtime,
                         rollout_quantization=q.rollout_quantization(),
                         callbacks=[curve] if curve else [])
     if curve:  # (one process: refused under a plan, where rank > 0 has no results)

@@ -40,7 +40,8 @@ from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.train.schedules import warmup_cosine_schedule
-from posttrain.train.sharding import full_state_dict, plan_state
+from posttrain.train.plan_compat import runtime_of
+from posttrain.train.runtime import Runtime
 from posttrain.train.trainer import Trainer
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import (ROOT, BatchOptimConfig, CheckpointConfig, EvalConfig,
@@ -346,17 +347,22 @@ def start_policy(cfg: Any, out: Path) -> tuple[Policy, dict[str, Any] | None]:
     return Policy.from_pretrained(out / "sft" / "policy"), results
 
 
-def unsharded_policy(policy: Policy) -> Policy:
+def unsharded_policy(policy: Policy, runtime: Runtime | None = None) -> Policy:
     """A plain `Policy` with the full weights of `policy` (a collective when its model is split
-    by a ParallelPlan: every rank calls it and gets the copy; `policy` itself otherwise), for
-    evaluation and `save` on rank 0."""
-    if plan_state(policy.model) is None:
+    by a ParallelPlan, whose `runtime` is given: every rank calls it and gets the copy; `policy`
+    itself otherwise), for evaluation and `save` on rank 0.
+
+    Raises:
+        ValueError: for a policy split by a plan given without its runtime.
+    """
+    runtime = runtime_of(policy.model) if runtime is None else runtime
+    if runtime.plan is None:
         return policy
     from posttrain.models.specs import build_model
 
     param = next(policy.model.parameters())
     model = build_model(policy.spec, device=param.device, dtype=param.dtype, seed=0)
-    model.load_state_dict(full_state_dict(policy.model))
+    model.load_state_dict(runtime.full_state_dict())
     return Policy(model, policy.tokenizer, policy.spec)
 
 
@@ -406,11 +412,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     reports = convert_for_training(policy.model, cfg, spec=policy.spec, verbose=writes)
     if reports:
         results["converters"] = [str(r) for r in reports]
-    shard = {}
+    runtime, shard = None, {}
     if plan is not None:
-        plan.apply(policy.model, spec=policy.spec)
-        shard = {"rank": plan_state(policy.model).data_rank,
-                 "world_size": plan.data_parallel_size}
+        runtime = plan.parallelize(policy.model, spec=policy.spec)
+        shard = {"rank": runtime.data_rank, "world_size": runtime.data_size}
     loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
                        seq_len=cfg.max_seq_len if cfg.pack else None, **shard)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
@@ -421,10 +426,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
                       run_dir=out, checkpoint_every=cfg.checkpoint.every,
                       keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
-                      resume=cfg.resume, plan=plan)
+                      resume=cfg.resume, runtime=runtime)
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, results)
-    policy = unsharded_policy(policy)  # every rank, under a plan
+    policy = unsharded_policy(policy, trainer.runtime)  # every rank, under a plan
     if writes:
         _finish(policy, cfg, metrics, items, ds, results)
     barrier()  # the other ranks return once the results are on disk
