@@ -54,7 +54,7 @@ from posttrain.preference import (ShardedPreferenceLoader, compute_reference_log
                                   make_preference_pairs)
 from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import paired_bootstrap_diff
-from posttrain.train import Trainer, get_loss, plan_state, warmup_cosine_schedule
+from posttrain.train import Trainer, get_loss, warmup_cosine_schedule
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
                                  PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, accuracy_of, accuracy_table, check_gym_task,
@@ -263,14 +263,14 @@ def main(cfg: Config) -> dict[str, Any] | None:
     # adapters / FP8: the reference is the base (adapters disabled: no second copy in memory)
     converters = [str(r) for r in convert_for_training(policy.model, cfg, spec=policy.spec,
                                                        verbose=writes)]
-    before_table = None
+    before_table = runtime = None
     if plan is not None:  # evaluate the plain policy (rank 0), then split it
         before_table = _before(cfg, policy, items, scorer, before_csv) if writes else None
-        plan.apply(policy.model, spec=policy.spec)
+        runtime = plan.parallelize(policy.model, spec=policy.spec)
     t0 = time.perf_counter()
     if objective.needs_reference:  # the starting policy is the reference (split, if planned)
-        compute_reference_logps(policy, dataset)
-        compute_reference_logps(policy, val_dataset)
+        compute_reference_logps(policy if runtime is None else runtime, dataset)
+        compute_reference_logps(policy if runtime is None else runtime, val_dataset)
     times["reference_s"] = time.perf_counter() - t0
     val_batch = val_dataset.collate(range(len(val_dataset)))
 
@@ -286,8 +286,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
         loader = PreferenceLoader(dataset, batch_size=o.batch_size, seed=cfg.seed)
     else:
         loader = ShardedPreferenceLoader(dataset, batch_size=o.batch_size, seed=cfg.seed,
-                                         rank=plan_state(policy.model).data_rank,
-                                         world_size=plan.data_parallel_size)
+                                         rank=runtime.data_rank, world_size=runtime.data_size)
     optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
                                   weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
@@ -297,14 +296,14 @@ def main(cfg: Config) -> dict[str, Any] | None:
                       max_grad_norm=o.max_grad_norm, run_dir=out, eval_fn=eval_fn,
                       eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
                       keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
-                      resume=cfg.resume, plan=plan)
+                      resume=cfg.resume, runtime=runtime)
     t0 = time.perf_counter()
     val_start = trainer.evaluate() if trainer.step_count == 0 else {}
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"loss": cfg.loss, "pairs": pair_stats})
     times["train_s"] = time.perf_counter() - t0
     if plan is not None:
-        policy = unsharded_policy(policy)  # every rank; then rank 0 alone evaluates and writes
+        policy = unsharded_policy(policy, runtime)  # every rank; then rank 0 evaluates, writes
         if not writes:
             barrier()
             return None

@@ -25,7 +25,7 @@ Run folder: `results.json` / `results.md`, `metrics.jsonl`, `checkpoints/`, `pai
 `reward_model/`, `sft/` (when the recipe ran SFT).
 
 With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
-reward model (head included, `apply_plan_to_reward_model`) are split by it, rank 0 samples the
+reward model (head included, `parallelize_reward_model`) are split by it, rank 0 samples the
 pairs (broadcast to the others), the pairs are sharded over the data-parallel ranks, every rank
 takes part in the held-out scoring, and rank 0 saves the gathered weights; only rank 0 returns
 the results (the others None).
@@ -60,11 +60,11 @@ from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.data import PreferenceDataset, PreferenceLoader
 from posttrain.envs import ReasoningGymTask
 from posttrain.preference import (BradleyTerryLoss, ShardedPreferenceLoader,
-                                  apply_plan_to_reward_model, gathered_reward_model,
+                                  gathered_reward_model, parallelize_reward_model,
                                   make_preference_pairs)
 from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
-from posttrain.train import Trainer, plan_state, warmup_cosine_schedule
+from posttrain.train import Trainer, warmup_cosine_schedule
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
                                  PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, check_gym_task, fail, run_fields, start_policy,
@@ -121,7 +121,7 @@ class Config:
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
         check_parallel(self, at, divisible=("optim.batch_size",) + (
             ("sft.batch_size",) if self.model.init_from is None else ()),
-                       unsupported=("sp", "pp", "ep"))  # apply_plan_to_reward_model
+                       unsupported=("sp", "pp", "ep"))  # parallelize_reward_model
         check_converted_run(self, at, training=("none", "fp8"))
 
 
@@ -207,13 +207,13 @@ def main(cfg: Config) -> dict[str, Any] | None:
                                                        verbose=writes)]  # adapters, FP8
     before = held_out_accuracy(model)
     o = cfg.optim
+    runtime = None
     if plan is None:
         loader = PreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed)
     else:  # the head too; before the optimizer (the plan replaces the parameters)
-        model = apply_plan_to_reward_model(plan, model)
+        runtime = parallelize_reward_model(plan, model)
         loader = ShardedPreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed,
-                                         rank=plan_state(model).data_rank,
-                                         world_size=plan.data_parallel_size)
+                                         rank=runtime.data_rank, world_size=runtime.data_size)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr,
                                   weight_decay=o.weight_decay)
     schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
@@ -223,14 +223,14 @@ def main(cfg: Config) -> dict[str, Any] | None:
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
                       run_dir=out, eval_fn=eval_fn, eval_every=cfg.eval.every,
                       checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, plan=plan)
+                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, runtime=runtime)
     metrics = trainer.fit(o.steps)
     stop_if_interrupted(trainer, out, {"pairs": pair_stats, "num_pairs": len(rows)})
     after = held_out_accuracy(model)  # every rank, under a plan
     fit = pairwise_accuracy(model, *_ids(train, range(min(len(train), 1000))))  # memorisation
     rm_s = time.perf_counter() - start - policy_s - pairs_s
     if plan is not None:
-        model = gathered_reward_model(model)  # every rank; then rank 0 alone saves and writes
+        model = gathered_reward_model(runtime)  # every rank; then rank 0 alone saves, writes
         if not writes:
             barrier()
             return None
