@@ -151,7 +151,7 @@ def _local_bytes(tensors) -> int:
 
 def _warm_up() -> None:
     import torch
-    import torch.distributed.fsdp  # noqa: F401  (what plan.apply imports)
+    import torch.distributed.fsdp  # noqa: F401  (what plan.parallelize imports)
     import torch.distributed.tensor.parallel  # noqa: F401
     import torchtune.models.llama3  # noqa: F401
     import torchtune.training  # noqa: F401
@@ -194,11 +194,8 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     baseline, baseline_file = _status_bytes("VmRSS"), _status_bytes("RssFile")
 
     model = build_model(spec, seed=0)
-    data_rank, data_size = 0, 1
-    if applied:
-        model = plan.apply(model, spec=spec)
-        state = model._posttrain_plan_state
-        data_rank, data_size = state.data_rank, plan.data_parallel_size
+    runtime = plan.parallelize(model, spec=spec) if applied else None
+    data_rank, data_size = (0, 1) if runtime is None else (runtime.data_rank, runtime.data_size)
     loader = SFTLoader(samples, batch_size=global_batch, seed=0, pad_id=ByteTokenizer.PAD,
                        rank=data_rank, world_size=data_size, shuffle=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
@@ -211,7 +208,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         clock.append((time.perf_counter(), time.process_time()))
 
     trainer = Trainer(model, opt, data=loader, max_grad_norm=1.0, progress=False,
-                      plan=plan if applied else None, callbacks=[tick])
+                      runtime=runtime, callbacks=[tick])
     trainer.fit(cfg.steps)
     peak = _status_bytes("VmHWM") - baseline
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
