@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from posttrain.policy import Policy
 from posttrain.models import ByteTokenizer
+from posttrain.policy import Policy
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 

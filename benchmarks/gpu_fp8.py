@@ -13,8 +13,8 @@ tensorwise and the rowwise recipe):
     line of the converter is printed;
   * `torch.compile` of every transformer block (float8 needs compile to fuse its casts and
     scaling; without it FP8 is slower than bf16), then SFT steps on random tokens: B rows of T
-    tokens, every next token trained, `posttrain.train.token_cross_entropy_sum` / tokens,
-    backward, clipping at 1.0, fused AdamW (lr 1e-5), zero_grad. `--warmup` untimed steps (compilation), then
+    tokens, every next token trained, `posttrain.train.token_cross_entropy_sum` / tokens, backward,
+    clipping at 1.0, fused AdamW (lr 1e-5), zero_grad. `--warmup` untimed steps (compilation), then
     `--steps` timed, CUDA-synchronised.
 
 Reported (a markdown table on stdout, also written to `--out` when given): tokens/s, step time,

@@ -38,8 +38,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
 import io
 import os
 import platform
@@ -55,12 +55,9 @@ from pathlib import Path
 import torch
 
 from posttrain.envs import chain_sum_task
-from posttrain.models import build_model, get_preset
-from posttrain.models import save_hf_checkpoint
+from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
 from posttrain.policy import Policy
-from posttrain.rl import RLAlgorithm
-from posttrain.rl import RLTrainer
-from posttrain.models import ByteTokenizer
+from posttrain.rl import RLAlgorithm, RLTrainer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 

@@ -383,10 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         f"- Both trainers: {steps} steps of {cfg.rl.prompts_per_step} prompts x G="
         f"{cfg.rl.group_size}, temperature {cfg.sampling.temperature:g}, top-p "
         f"{cfg.sampling.top_p:g}, {cfg.sampling.max_new_tokens} new tokens, clip 0.2, k3 KL beta "
-        f"{beta:g}, lr {lr:g} (AdamW, {min(WARMUP_STEPS, steps)} warm-up steps then constant, weight decay "
-        f"0), clip grad norm {cfg.optim.max_grad_norm:g}, fp32; TRL's optimizer is its default "
-        "fused AdamW, posttrain's torch.optim.AdamW; TRL shuffles the prompts, posttrain takes "
-        "them in order",
+        f"{beta:g}, lr {lr:g} (AdamW, {min(WARMUP_STEPS, steps)} warm-up steps then constant, "
+        f"weight decay 0), clip grad norm {cfg.optim.max_grad_norm:g}, fp32; TRL's optimizer is "
+        "its default fused AdamW, posttrain's torch.optim.AdamW; TRL shuffles the prompts, "
+        "posttrain takes them in order",
         f"- Evaluation (both, and the start): greedy and {args.samples} samples per question at "
         f"temperature 1, {cfg.eval.max_new_tokens} new tokens, the task's scorer; differences by "
         "paired bootstrap over the questions (pass@1 per question = share of its samples right)",

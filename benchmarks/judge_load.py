@@ -35,9 +35,9 @@ Every judged completion of the big request is accounted for: judged + expired = 
 client gave up (the column "accounted").
 
 Usage:
-    python benchmarks/judge_load.py                 # writes the table into docs/benchmarks/judge_load.md
-    python benchmarks/judge_load.py --limits        # writes the limits table there
-    python benchmarks/judge_load.py --quick --json  # small runs of both (the test), nothing written
+    python benchmarks/judge_load.py                # the table into docs/benchmarks/judge_load.md
+    python benchmarks/judge_load.py --limits       # writes the limits table there
+    python benchmarks/judge_load.py --quick --json # small runs of both (the test), nothing written
 """
 
 from __future__ import annotations

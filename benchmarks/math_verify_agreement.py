@@ -15,7 +15,8 @@ positive is ok where the case expects "not equal" (a reward for a wrong answer);
 negative is any other outcome where it expects "equal".
 
 Usage:
-    python benchmarks/math_verify_agreement.py            # prints, writes docs/benchmarks/math_verify_agreement.md
+    python benchmarks/math_verify_agreement.py   # prints, writes its docs/benchmarks/ page:
+                                                 # docs/benchmarks/math_verify_agreement.md
     python benchmarks/math_verify_agreement.py --previous 48fa468 289316f   # and earlier versions
     python benchmarks/math_verify_agreement.py --extract /path/to/Math-Verify.git [--commit SHA]
 """
@@ -49,8 +50,9 @@ TEST_FILES = (
     "tests/test_raise_on_error.py",
 )
 
-# compare_strings(...) in tests/test_all.py: "latex" is LatexExtractionConfig(boxed_match_priority=0),
-# "expr" ExprExtractionConfig(); verify(..., float_rounding=precision, strict, allow_set_relation_comp).
+# compare_strings(...) in tests/test_all.py: "latex" is
+# LatexExtractionConfig(boxed_match_priority=0), "expr" ExprExtractionConfig();
+# verify(..., float_rounding=precision, strict, allow_set_relation_comp).
 COMPARE_DEFAULTS = {
     "match_types": ["latex", "expr"],
     "precision": 6,
@@ -315,11 +317,8 @@ def previous_runs(ref: str, cases: list[dict]) -> dict[str, list[dict]]:
             ),
         }
     except (TypeError, AttributeError):  # an early version: no targets / extract settings
-        return {
-            f"previous verifier at `{ref}`, defaults (exact rationals, last-number fallback)": score_with(
-                module.MathAnswerVerifier(), cases
-            )
-        }
+        name = f"previous verifier at `{ref}`, defaults (exact rationals, last-number fallback)"
+        return {name: score_with(module.MathAnswerVerifier(), cases)}
 
 
 def changes(now: list[dict], before: list[dict]) -> list[str]:

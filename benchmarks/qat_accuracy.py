@@ -19,7 +19,7 @@ the training rows), scored by reasoning-gym, with 95% Wilson intervals; the pair
 (same items) use the paired bootstrap of `posttrain.rewards.evaluation`.
 
 Usage:
-    python benchmarks/qat_accuracy.py           # ~4-6 min on 2 cores; docs/benchmarks/qat_accuracy.md
+    python benchmarks/qat_accuracy.py       # ~4-6 min on 2 cores; docs/benchmarks/qat_accuracy.md
     python benchmarks/qat_accuracy.py --quick     # < 30 s smoke run (tiny numbers)
     python benchmarks/qat_accuracy.py --scheme int8da_int8w --out /tmp/qat.md
 """
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- Parameter bytes: fp32 {fp32_bytes:,}, converted {quant_bytes:,} "
         f"({quant_bytes / fp32_bytes:.2f}x; `parameter_bytes`, int4 values stored unpacked in "
         f"int8 on this CPU path)",
-        f"- Evaluation time (s): " + ", ".join(f"{k[:3]} {v:.1f}" for k, v in times.items()),
+        "- Evaluation time (s): " + ", ".join(f"{k[:3]} {v:.1f}" for k, v in times.items()),
         f"- Machine: {platform.processor() or platform.machine()}, {args.threads} threads, "
         f"torch {torch.__version__}; 1-min load average {load_before:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end; total {time.perf_counter() - wall:.0f} s",

@@ -23,9 +23,9 @@ CPU (torch._scaled_mm upcasts), so FP8 is slower here, not faster; its speed-up 
 LoRA on any device; it buys memory.
 
 Usage:
-    python benchmarks/quantized_training.py           # ~4 min; writes docs/benchmarks/quantized_training.md
-                                                      # (its generated block)
-    python benchmarks/quantized_training.py --quick   # tiny model, 2 steps, nothing written
+    python benchmarks/quantized_training.py          # ~4 min; writes the generated block of
+                                                     # docs/benchmarks/quantized_training.md
+    python benchmarks/quantized_training.py --quick  # tiny model, 2 steps, nothing written
 """
 
 from __future__ import annotations
@@ -217,11 +217,8 @@ def report(rows: list[dict], args, elapsed: float) -> str:
     spec = model_spec(args.quick)
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in open("/proc/cpuinfo")
-            if line.startswith("model name")
-        )
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return "\n".join(

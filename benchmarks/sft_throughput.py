@@ -29,9 +29,9 @@ tokens/s / peak FLOP/s (Kaplan et al. 2020, eq. 2.1; attention-score and LM-head
 counted, the report gives the factor that adds them).
 
 Usage:
-    python benchmarks/sft_throughput.py                  # writes docs/benchmarks/sft_throughput.{md,png}
-    python benchmarks/sft_throughput.py --quick          # < 60 s smoke run, nothing written
-    python benchmarks/sft_throughput.py --profile        # also a torch.profiler table of each side
+    python benchmarks/sft_throughput.py            # writes docs/benchmarks/sft_throughput.{md,png}
+    python benchmarks/sft_throughput.py --quick    # < 60 s smoke run, nothing written
+    python benchmarks/sft_throughput.py --profile  # also a torch.profiler table of each side
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ from pathlib import Path
 import torch
 
 from posttrain.data import Sample, SFTLoader
-from posttrain.models import build_model, get_preset
-from posttrain.models import save_hf_checkpoint
-from posttrain.models import ByteTokenizer
+from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
 from posttrain.train import Trainer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"

@@ -35,7 +35,15 @@ from posttrain.envs.calculator_env import (
     calculator_task,
     evaluate_arithmetic,
 )
-from posttrain.rl.environment import get_task, register_task, registered_tasks
+from posttrain.envs.code_env import CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task, mbpp_item
+from posttrain.envs.judged_env import JudgedEnv, JudgedGroupBuilder
+from posttrain.envs.python_tool_env import (
+    PYTHON_TOOL_SYSTEM_PROMPT,
+    PythonToolEnv,
+    PythonToolGroupBuilder,
+    python_tool_task,
+    tool_counts,
+)
 from posttrain.envs.reasoning_gym_env import (
     CHAIN_SUM_CONFIG,
     ReasoningGymEnv,
@@ -44,15 +52,7 @@ from posttrain.envs.reasoning_gym_env import (
     chain_sum_task,
     prompt_messages,
 )
-from posttrain.envs.judged_env import JudgedEnv, JudgedGroupBuilder
-from posttrain.envs.code_env import CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task, mbpp_item
-from posttrain.envs.python_tool_env import (
-    PYTHON_TOOL_SYSTEM_PROMPT,
-    PythonToolEnv,
-    PythonToolGroupBuilder,
-    python_tool_task,
-    tool_counts,
-)
+from posttrain.rl.environment import get_task, register_task, registered_tasks
 
 __all__ = [
     "JudgedEnv",

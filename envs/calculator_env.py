@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from posttrain.rl.environment import Messages, StepResult, register_task
+from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.rewards.verifier import (
     DEFAULT_TIMEOUT_S,
     Outcome,
@@ -54,8 +54,8 @@ from posttrain.rewards.verifier import (
     VerifierResult,
     run_verifier,
 )
-from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.rewards.verifier_threads import check_timeout
+from posttrain.rl.environment import Messages, StepResult, register_task
 from posttrain.verifiers.basic import extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 

@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.rl.environment import EnvGroupBuilder, register_task
-from posttrain.rewards.verifier import Verifier, as_score_fn
 from posttrain.envs.reasoning_gym_env import ReasoningGymEnv, cycle_builders
+from posttrain.rewards.verifier import Verifier, as_score_fn
+from posttrain.rl.environment import EnvGroupBuilder, register_task
 from posttrain.verifiers.code_exec import CODE_LIMITS, CodeTestsVerifier
 
 __all__ = [

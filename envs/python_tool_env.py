@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.rl.environment import Messages, StepResult, register_task
+from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.rewards.verifier import (
     DEFAULT_TIMEOUT_S,
     Outcome,
@@ -63,7 +63,7 @@ from posttrain.rewards.verifier import (
     VerifierResult,
     run_verifier,
 )
-from posttrain.envs.reasoning_gym_env import prompt_messages
+from posttrain.rl.environment import Messages, StepResult, register_task
 from posttrain.verifiers.basic import extract_tag, tag_contents
 from posttrain.verifiers.math_answer import MathAnswerVerifier
 from posttrain.verifiers.sandbox import ExecOutcome, ExecutionResult, Sandbox, SandboxLimits

@@ -42,11 +42,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.rl.environment import EnvGroupBuilder, Messages, StepResult, register_task
 from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
+from posttrain.rl.environment import EnvGroupBuilder, Messages, StepResult, register_task
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_name
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
-
 
 MAX_HELD_OUT_SIZE = 50_000
 """Largest `held_out_size`: the held-out scan reads up to 4 times as many candidates (~75 us

@@ -17,9 +17,9 @@ here are the registry's lookups with them loaded.
     ==============  ============================  =============================================
 
 Also here: the code sandbox (`Sandbox`, `SandboxLimits`, `sandbox_available`; see
-docs/runbooks/sandbox.md), HumanEval problems and the unbiased pass@k estimator (`humaneval_problems`,
-`pass_at_k`, `evaluate_pass_at_k`), and the check of reasoning-gym gold answers that every task
-build runs (`check_gold`, `GoldReport`, `register_gold_check`).
+docs/runbooks/sandbox.md), HumanEval problems and the unbiased pass@k estimator
+(`humaneval_problems`, `pass_at_k`, `evaluate_pass_at_k`), and the check of reasoning-gym gold
+answers that every task build runs (`check_gold`, `GoldReport`, `register_gold_check`).
 
 Example:
     >>> from posttrain.verifiers import get_verifier
@@ -27,12 +27,20 @@ Example:
     True
 """
 
+from posttrain.rewards.verifier import get_verifier, register_verifier, registered_verifiers
 from posttrain.verifiers.basic import (
     ExactMatchVerifier,
     FormatVerifier,
     RegexVerifier,
     extract_tag,
     normalize_whitespace,
+)
+from posttrain.verifiers.code_exec import CodeTestsVerifier, extract_code
+from posttrain.verifiers.humaneval import (
+    evaluate_pass_at_k,
+    humaneval_problems,
+    humaneval_verifier,
+    pass_at_k,
 )
 from posttrain.verifiers.math_answer import MathAnswerVerifier, extract_answer
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier
@@ -51,14 +59,6 @@ from posttrain.verifiers.sandbox import (
     SandboxUnavailable,
     sandbox_available,
 )
-from posttrain.verifiers.code_exec import CodeTestsVerifier, extract_code
-from posttrain.verifiers.humaneval import (
-    evaluate_pass_at_k,
-    humaneval_problems,
-    humaneval_verifier,
-    pass_at_k,
-)
-from posttrain.rewards.verifier import get_verifier, register_verifier, registered_verifiers
 
 __all__ = [
     "ExactMatchVerifier",

@@ -3,10 +3,10 @@
 One program per check, run as a fresh Python 3 program in `posttrain.verifiers.sandbox`. The
 code under test (`code_under_test`) is
 
-    item["prompt"]                                # code before the completion (signature, docstring)
-    code                                          # taken from the completion (`extract_code`)
-    item["test"]                                  # the tests (HumanEval: defines check(candidate))
-    check(item["entry_point"])                    # only when the item names an entry point
+    item["prompt"]             # code before the completion (signature, docstring)
+    code                       # taken from the completion (`extract_code`)
+    item["test"]               # the tests (HumanEval: defines check(candidate))
+    check(item["entry_point"]) # only when the item names an entry point
 
 and the program (`build_program`) is a small harness that runs it as `__main__` with `exec`:
 

@@ -101,10 +101,18 @@ import numpy as np
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
 from posttrain.verifiers import math_rules
-from posttrain.verifiers.math_statements import (DEFAULT_EXTRACT, EXTRACT_SOURCES, Statement,
-                                                 as_math_text, check_extract, extract_answer,
-                                                 hedge, hedged, only_an_answer,
-                                                 positional, statements)
+from posttrain.verifiers.math_statements import (
+    DEFAULT_EXTRACT,
+    Statement,
+    as_math_text,
+    check_extract,
+    extract_answer,
+    hedge,
+    hedged,
+    only_an_answer,
+    positional,
+    statements,
+)
 
 MAX_STATEMENTS = 8
 """A completion with this many statements (box runs, last marker; distinct texts) besides the
@@ -281,8 +289,9 @@ class MathAnswerVerifier:
             return VerifierResult.failure(Outcome.ERROR, f"math-verify raised parsing the "
                                           f"reference {reference!r:.60}: {type(exc).__name__}")
         if not gold:
-            return VerifierResult.failure(Outcome.ERROR, f"math-verify reads no answer from the "
-                                          f"reference item[{self.answer_key!r}] = {reference!r:.60}")
+            return VerifierResult.failure(
+                Outcome.ERROR, f"math-verify reads no answer from the reference "
+                f"item[{self.answer_key!r}] = {reference!r:.60}")
         text = completion.replace("\u2212", "-") if isinstance(completion, str) else completion
         found = extract_answer(text, self.extract)   # TypeError when not a str
         if found is None or not found[0]:

@@ -225,9 +225,8 @@ def final_boxes(text: str) -> list[str] | None:
 def last_marker(text: str) -> tuple[str, int] | None:
     """The text after the last answer marker (blank lines skipped), with where it ends in
     `text`: the math span it opens with, else up to the end of its sentence or line."""
-    last = None
-    for last in _MARKER.finditer(text):
-        pass
+    markers = list(_MARKER.finditer(text))
+    last = markers[-1] if markers else None
     if last is None:
         return None
     start = len(text) - len(text[last.end() :].lstrip(" \t\r\n*:"))
@@ -272,9 +271,8 @@ def last_math(completion: str) -> Statement | None:
     """The last math span (`$...$`, `\\(...\\)`, ...) or stand-alone number of `completion`, as a
     statement with source "anywhere": where math-verify's own search falls back to when no box or
     marker states the answer."""
-    span = None
-    for span in _MATH_ITEM.finditer(completion):
-        pass
+    spans = list(_MATH_ITEM.finditer(completion))
+    span = spans[-1] if spans else None
     if span is None:
         return None
     return Statement(

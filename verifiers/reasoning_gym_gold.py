@@ -24,19 +24,18 @@ A procedurally generated item `{question, answer, metadata}` carries its generat
 
 Items that fail are dropped and counted in a `GoldReport`, never trained or evaluated on. A task
 without a metadata check gets the scorer check only, which compares the gold with itself for most
-tasks: its report says so (`recomputed` False; "scorer only" in its text), and docs/reference/gold_checks.md
-lists the tasks that are recomputed.
-Measured on 2,000 items of each task (seed 0, default options; chain_sum also with the 2-term
-1-2-digit preset the recipes use): basic_arithmetic 19 fail (its generator floor-divides:
-"-1 / -( -( -( -2 - 9 ) ) + -3 + -13 )" is -1/27, the gold says -1), simple_equations 2
-("0 = 0": every value solves it), base_conversion 2 (the value 0: empty number, empty gold),
-syllogism 258 (its generator accepts an undistributed middle term: "All ants are dolphins, some
-dolphins are not spiders" does not give "some ants are not spiders", the gold says Yes);
-0 of chain_sum (both), countdown, decimal_chain_sum, products, gcd, lcm, prime_factorization,
-count_bits, leg_counting, spell_backward, letter_counting, number_sorting, and of 16 tasks
-with the scorer check only (propositional_logic and graph_color have no gold: `no_gold`).
-Cost on a 2-core machine, per 1000 items: chain_sum 8-13 ms, basic_arithmetic 15, the others
-1-55, countdown 340 (its scorer parses with sympy; generating the items takes 10 s).
+tasks: its report says so (`recomputed` False; "scorer only" in its text), and
+docs/reference/gold_checks.md lists the tasks that are recomputed. Measured on 2,000 items of each
+task (seed 0, default options; chain_sum also with the 2-term 1-2-digit preset the recipes use):
+basic_arithmetic 19 fail (its generator floor-divides: "-1 / -( -( -( -2 - 9 ) ) + -3 + -13 )" is
+-1/27, the gold says -1), simple_equations 2 ("0 = 0": every value solves it), base_conversion 2
+(the value 0: empty number, empty gold), syllogism 258 (its generator accepts an undistributed
+middle term: "All ants are dolphins, some dolphins are not spiders" does not give "some ants are not
+spiders", the gold says Yes); 0 of chain_sum (both), countdown, decimal_chain_sum, products, gcd,
+lcm, prime_factorization, count_bits, leg_counting, spell_backward, letter_counting, number_sorting,
+and of 16 tasks with the scorer check only (propositional_logic and graph_color have no gold:
+`no_gold`). Cost on a 2-core machine, per 1000 items: chain_sum 8-13 ms, basic_arithmetic 15, the
+others 1-55, countdown 340 (its scorer parses with sympy; generating the items takes 10 s).
 
 Example:
     >>> from posttrain.verifiers.reasoning_gym import scoring_dataset
@@ -133,7 +132,7 @@ def gold_problem(name: str, dataset: Any, item: Mapping[str, Any]) -> str | None
             score = dataset.score_answer(answer=entry["answer"], entry=entry)
         except Exception as exc:  # noqa: BLE001 - any scorer failure distrusts the item
             return f"scorer: raised {type(exc).__name__}: {exc}"
-        if not score == 1.0:  # also catches NaN and non-numbers
+        if score != 1.0:  # also catches NaN and non-numbers
             return f"scorer: gives its own gold {score!r}, not 1.0"
     if name in GOLD_CHECKS.names():
         try:

@@ -404,7 +404,7 @@ def check_dcp_metadata(path: Path) -> None:
         _Restricted(io.BytesIO(path.read_bytes())).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as e:  # truncated or not a pickle
+    except Exception as e:  # noqa: BLE001 - truncated, or not a pickle: any unpickling error
         raise UnsafeCheckpointError(
             f"{path} is not a readable sharded-checkpoint metadata file ({type(e).__name__}: {e})"
         ) from None

@@ -162,7 +162,8 @@ def check_fields(obj: Any, names: Iterable[str], *, at: str | None = None, **bou
 
 
 def check_int(name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
-    """Raise ValueError unless `value` is an int (not a bool) >= `minimum` (or None if `optional`)."""
+    """Raise ValueError unless `value` is an int (not a bool) >= `minimum` (or None if
+    `optional`)."""
     check_number(name, value, integer=True, low=minimum, optional=optional)
 
 

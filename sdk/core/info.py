@@ -1,8 +1,9 @@
-"""Environment report: versions of the stack, the device, threads, and the known compatibility matrix.
+"""Environment report: versions of the stack, the device, threads, the known compatibility matrix.
 
 Example:
     >>> from posttrain.core.info import check_compatibility
-    >>> check_compatibility({"torchtune": "0.6.1", "torchao": "0.16.0"})[0].startswith("torchao 0.16.0")
+    >>> problems = check_compatibility({"torchtune": "0.6.1", "torchao": "0.16.0"})
+    >>> problems[0].startswith("torchao 0.16.0")
     True
 """
 

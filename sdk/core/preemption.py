@@ -5,13 +5,13 @@ Slurm sends a warning signal (USR2 with submitit's `--signal=USR2@90` default, o
 signal's handler checkpoints the submitted callable, requeues the job and exits the process at
 once, which may be in the middle of an optimizer step.
 
-`install()` (called by `posttrain.launch.submit` inside each job) puts a deferring handler in front of
-submitit's. While a `Trainer` is inside `fit` (`deferring()`), the signal only marks a request;
-the trainer calls `step_boundary(save)` after each completed step, which saves a checkpoint
-(rank 0 writes it) and then hands over to submitit's handler (requeue and exit on rank 0;
-nothing on other ranks, whose processes Slurm stops with the requeue). Outside `deferring()`
-the signal goes straight to submitit's handler, as without posttrain. The requeued job resumes
-from that checkpoint, so no completed step is lost or repeated.
+`install()` (called by `posttrain.launch.submit` inside each job) puts a deferring handler in front
+of submitit's. While a `Trainer` is inside `fit` (`deferring()`), the signal only marks a request;
+the trainer calls `step_boundary(save)` after each completed step, which saves a checkpoint (rank 0
+writes it) and then hands over to submitit's handler (requeue and exit on rank 0; nothing on other
+ranks, whose processes Slurm stops with the requeue). Outside `deferring()` the signal goes straight
+to submitit's handler, as without posttrain. The requeued job resumes from that checkpoint, so no
+completed step is lost or repeated.
 
 Example (outside a job nothing is installed and a boundary is a no-op):
     >>> requested()

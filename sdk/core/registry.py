@@ -52,8 +52,8 @@ class Registry(Generic[F]):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
         ...     _ = shapes.register("square")(cell())
-        >>> str(caught[0].message)
-        "shape 'square' registered again by the same definition (...square); the new one replaces it"
+        >>> print(caught[0].message)
+        shape 'square' registered again by the same definition (...square); the new one replaces it
     """
 
     def __init__(self, kind: str, *, builtins_hint: str | None = None) -> None:

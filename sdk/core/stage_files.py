@@ -138,7 +138,7 @@ def read_stage_file(
     unit = "rows" if "rows" in entry else "lines"
     try:
         found = str((count_rows or count_lines)(data) if unit == "rows" else count_lines(data))
-    except Exception:  # a cut quoted field, a cut UTF-8 sequence: the parser gives up
+    except Exception:  # noqa: BLE001 - a cut quoted field, a cut UTF-8 sequence: parser gives up
         found = "unreadable"
     raise StageFileError(
         f"{path} has {found} {unit} ({len(data)} bytes) where {RECORD_FILE} recorded "

@@ -187,14 +187,14 @@ def matmul_peak_flops(
     device: torch.device | str = "cpu", *, size: int | None = None, repeats: int = 5
 ) -> float:
     """Peak FLOP/s of `device`: `set_peak_flops`'s value, else `$POSTTRAIN_PEAK_FLOPS`, else
-    measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each
-    2 n^3 FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`. On CPU each product runs on
-    one intra-op thread (torch's thread setting is 1 while it measures, then restored) and is
-    timed in that thread's CPU seconds (`time.thread_time`), so a machine busy with other
-    processes does not lower the peak; the result is that rate x `torch.get_num_threads()`. Elsewhere the products run as configured and are timed in wall
-    seconds (time.perf_counter, synchronised on CUDA). Measured once per (device, n, repeats,
-    torch intra-op threads) in a process; later calls return the cached value. Costs
-    ~0.1-0.5 s on a 2-core CPU (n = 1024).
+    measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each 2 n^3
+    FLOPs, n = `size` or `PEAK_MATMUL_SIZE[device type]`. On CPU each product runs on one intra-op
+    thread (torch's thread setting is 1 while it measures, then restored) and is timed in that
+    thread's CPU seconds (`time.thread_time`), so a machine busy with other processes does not lower
+    the peak; the result is that rate x `torch.get_num_threads()`. Elsewhere the products run as
+    configured and are timed in wall seconds (time.perf_counter, synchronised on CUDA). Measured
+    once per (device, n, repeats, torch intra-op threads) in a process; later calls return the
+    cached value. Costs ~0.1-0.5 s on a 2-core CPU (n = 1024).
 
     Raises:
         ValueError: for size or repeats < 1, or a `$POSTTRAIN_PEAK_FLOPS` that is not a

@@ -5,43 +5,43 @@ filter: `posttrain.data.synthetic`).
 
 from __future__ import annotations
 
-from posttrain.data.rows import (
-    BAD_ROW_REASONS,
-    BadRowError,
-    DataStats,
-    text_char_limit,
-)
 from posttrain.data.collate import right_pad
 from posttrain.data.loader import (
     IGNORE_INDEX,
     Batch,
-    Sample,
-    SFTDataset,
     CPTDataset,
     EpochOrderLoader,
+    Sample,
+    SFTDataset,
     SFTLoader,
     collate_padded,
-    pack_samples,
-    stack_rows,
-    labels_from_loss_mask,
     epoch_order,
+    labels_from_loss_mask,
     load_sft_rows,
     load_text_documents,
-    normalize_sft_row,
     normalize_document,
+    normalize_sft_row,
+    pack_samples,
     reasoning_gym_sft_rows,
+    stack_rows,
+)
+from posttrain.data.preference import (
+    KTOBatch,
+    KTODataset,
+    PreferenceBatch,
+    PreferenceDataset,
+    PreferenceLoader,
+    render_response,
 )
 from posttrain.data.preference_rows import (
     load_preference_rows,
     pairs_to_kto_rows,
 )
-from posttrain.data.preference import (
-    PreferenceDataset,
-    KTODataset,
-    PreferenceBatch,
-    KTOBatch,
-    PreferenceLoader,
-    render_response,
+from posttrain.data.rows import (
+    BAD_ROW_REASONS,
+    BadRowError,
+    DataStats,
+    text_char_limit,
 )
 from posttrain.data.sft import ON_BAD_ROW, OVERLONG
 from posttrain.data.synthetic import (

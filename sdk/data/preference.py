@@ -50,8 +50,7 @@ from torch import Tensor
 from posttrain.data.collate import right_pad
 from posttrain.data.loader import EpochOrderLoader
 from posttrain.data.preference_rows import _check_row, _prompt, _response
-from posttrain.data.rows import (BadRowError, DataStats, cap_messages, read_rows,
-                                 text_char_limit)
+from posttrain.data.rows import BadRowError, DataStats, cap_messages, read_rows, text_char_limit
 from posttrain.models.tokenizer import Tokenizer
 
 __all__ = ["PreferenceDataset", "KTODataset", "PreferenceBatch", "KTOBatch", "PreferenceLoader",
@@ -391,8 +390,9 @@ def _moved(batch: Any, device: torch.device | str) -> dict[str, Any]:
 class PreferenceLoader(EpochOrderLoader):
     """An endless stream of batches over a `PreferenceDataset` or `KTODataset`, epoch after
     epoch, in a seeded order (`posttrain.data.loader.epoch_order`, the global RNG untouched), that
-    resumes exactly from `state_dict()` (the same rules as `posttrain.data.loader.SFTLoader`: batches
-    never span two epochs; the state counts items, so batch_size may change across a resume).
+    resumes exactly from `state_dict()` (the same rules as `posttrain.data.loader.SFTLoader`:
+    batches never span two epochs; the state counts items, so batch_size may change across a
+    resume).
 
     Reference log-probs are read from the dataset's cache when a batch is made, so call
     `posttrain.preference.reference.compute_reference_logps` before the first batch.

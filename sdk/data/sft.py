@@ -1,7 +1,7 @@
 """From rows to tokenized samples: readers, row validation, `SFTDataset` and `CPTDataset`.
 
-Notation: L = tokens of one sample. `posttrain.data.loader` re-exports everything public here and turns
-samples into batches.
+Notation: L = tokens of one sample. `posttrain.data.loader` re-exports everything public here and
+turns samples into batches.
 
 Readers (`load_sft_rows`, `load_text_documents`, `reasoning_gym_sft_rows`) return rows *as
 found*; `normalize_sft_row` / `normalize_document` validate one row, raising

@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.checks import check_int
-from posttrain.policy.policy import generate_for_items
 from posttrain.data.synthetic_stages import (
     DEFAULT_DECONTAMINATION_N,
     DEFAULT_NEAR_DUP_N,
@@ -79,6 +78,7 @@ from posttrain.data.synthetic_stages import (
     Stage,
     build_stage,
 )
+from posttrain.policy.policy import generate_for_items
 
 __all__ = [
     "generate_candidates",
@@ -141,8 +141,8 @@ def generate_candidates(
 
     Raises:
         ValueError: for n, max_new_tokens or prompts_per_batch < 1, a negative or non-int seed,
-            an empty `source` or `prompts`, or a prompt that is neither a str nor a mapping with a str "question";
-            all checked before anything is generated.
+            an empty `source` or `prompts`, or a prompt that is neither a str nor a mapping with
+            a str "question"; all checked before anything is generated.
     """
     _check_generation(prompts, n, max_new_tokens, seed, prompts_per_batch, source)
     items = [{"question": p} if isinstance(p, str) else dict(p) for p in prompts]

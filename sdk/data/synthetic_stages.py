@@ -288,9 +288,10 @@ class NearDedup:
         n: words per shingle (>= 1).
 
     Example (shingles {ab, bc, cd} and {ab, bc, ce}: 2 shared of 4, Jaccard 0.5):
-        >>> rows = [{"prompt": "p", "completion": "a b c d"}, {"prompt": "p", "completion": "a b c e"}]
-        >>> len(NearDedup(threshold=0.5, n=2).apply(rows)[0]), len(NearDedup(0.6, n=2).apply(rows)[0])
-        (1, 2)
+        >>> rows = [{"prompt": "p", "completion": "a b c d"},
+        ...         {"prompt": "p", "completion": "a b c e"}]
+        >>> [len(NearDedup(threshold=t, n=2).apply(rows)[0]) for t in (0.5, 0.6)]
+        [1, 2]
     """
 
     threshold: float = DEFAULT_NEAR_DUP_THRESHOLD

@@ -3,8 +3,8 @@ callable. It joins the torch.distributed process group when the job has several 
 Slurm's warning signal to the Trainer's step boundaries (`posttrain.core.preemption`), runs
 `target(cfg)` (a run in `cfg.out_dir` that raises records how it stopped and frees its folder:
 `posttrain.core.run_lock.run_outcome`), checks that the result pickles, and, when submitit
-checkpoints it, resubmits itself with `cfg.resume=True`. In a job of several tasks, ranks other than 0 leave after the
-warning signal once rank 0 has checkpointed and requeued the job.
+checkpoints it, resubmits itself with `cfg.resume=True`. In a job of several tasks, ranks other than
+0 leave after the warning signal once rank 0 has checkpointed and requeued the job.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Example:
     >>> resolve_plan(cfg, None, nodes=2, tasks_per_node=4)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: cfg['parallel']=ParallelPlan(dp_shard=2, tp=2) needs 4 ranks ..., but the job has nodes=2 x tasks_per_node=4 = 8 ranks; ...
+    ValueError: cfg['parallel']=ParallelPlan(dp_shard=2, tp=2) needs 4 ranks ... 8 ranks; ...
 """
 
 from __future__ import annotations
@@ -283,8 +283,8 @@ def check_plan_memory(
         return
     import torch
 
-    from posttrain.train.memory_plan import MemoryBatch, check_plan_fits as fits
-    from posttrain.train.memory_plan import device_memory_bytes
+    from posttrain.train.memory_plan import MemoryBatch, device_memory_bytes
+    from posttrain.train.memory_plan import check_plan_fits as fits
 
     device = device_memory_bytes()
     if not torch.cuda.is_available():

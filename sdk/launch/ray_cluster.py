@@ -35,9 +35,18 @@ from typing import Any
 
 from posttrain.core.checks import check_int
 from posttrain.launch.job import _resolvable
-from posttrain.launch.ray_node import (START_TIMEOUT_S, STOP_GRACE_S, _log, auth_env,
-                                       check_timeout, free_port, reread_ray_config, start_node,
-                                       stop_node, wait_for)
+from posttrain.launch.ray_node import (
+    START_TIMEOUT_S,
+    STOP_GRACE_S,
+    _log,
+    auth_env,
+    check_timeout,
+    free_port,
+    reread_ray_config,
+    start_node,
+    stop_node,
+    wait_for,
+)
 
 __all__ = ["RayCluster", "ray_cluster", "ray_job", "current_cluster", "default_port",
            "START_TIMEOUT_S"]

@@ -170,8 +170,8 @@ def start_node(
         listen_port, lent = free_port(), [False]
         process = _ray_start(args, start_env(token, start_timeout_s), temp_dir, cpus, listen_port)
 
-        def up() -> Any:
-            lent[0] = lent[0] or lend_agent_port(process.pid, listen_port)
+        def up() -> Any:  # called only by this iteration's wait_for
+            lent[0] = lent[0] or lend_agent_port(process.pid, listen_port)  # noqa: B023
             return ready.exists() or raylet_failure(temp_dir)
 
         try:

@@ -136,7 +136,7 @@ def _no_metrics(note: str):
     return frame
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _no_metrics_class():
     import pandas as pd
 

@@ -11,19 +11,28 @@ from __future__ import annotations
 import datetime
 import html
 import os
-import socket
 import signal
-import traceback
+import socket
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 from submitit.core.utils import JobPaths, pickle_load
 from submitit.local.local import LocalJob
 
-from posttrain.launch.records import (_controller_alive, _fmt, _headline, _no_metrics,
-                                       _peek_outcome, _read_record, _squeue_reason, _tail,
-                                       last_metrics_row, watch_until_done)
+from posttrain.launch.records import (
+    _controller_alive,
+    _fmt,
+    _headline,
+    _no_metrics,
+    _peek_outcome,
+    _read_record,
+    _squeue_reason,
+    _tail,
+    last_metrics_row,
+    watch_until_done,
+)
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
 

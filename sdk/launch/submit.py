@@ -25,7 +25,7 @@ Example ("debug" runs the function here and now, writes no files, never opens pd
     >>> launch(lambda: 1 / 0, executor="debug").result()  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    posttrain.launch.run.JobFailedError: job DEBUG_... (submit.lambda) failed ...ZeroDivisionError...
+    posttrain.launch.run.JobFailedError: job DEBUG_... failed ...ZeroDivisionError...
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ from submitit.core.utils import FailedJobError
 from submitit.local.debug import DebugExecutor
 from submitit.local.local import LocalExecutor
 
+from posttrain.core.checkpoint_files import make_private_dir
 from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
 from posttrain.launch.pickling import _check_pickles
 from posttrain.launch.plans import check_plan_memory, resolve_plan
-from posttrain.core.checkpoint_files import make_private_dir
 from posttrain.launch.run import RUN_FILE, JobFailedError, QuietLocalJob, Run
 
 if TYPE_CHECKING:

@@ -6,46 +6,46 @@ templates.
 from __future__ import annotations
 
 from posttrain.models.chat import ROLES, RenderedChat
+from posttrain.models.conversion import ConversionReport
 from posttrain.models.hf import (
     CONFIG_NAME,
-    WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
     GENERATION_CONFIG_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from posttrain.models.hf_config import spec_from_hf_config, hf_config_from_spec
-from posttrain.models.conversion import ConversionReport
-from posttrain.models.lora import (
-    LoRAConfig,
-    apply_lora,
-    merge_lora,
-    save_peft_adapter,
-    load_peft_adapter,
-    has_adapters,
-    adapters_disabled,
-)
-from posttrain.models.moe import MoEFeedForward, moe_aux_loss
+from posttrain.models.hf_config import hf_config_from_spec, spec_from_hf_config
 from posttrain.models.hf_tokenizer import (
-    HF_TOKENIZER_FILE,
-    HF_CONFIG_FILE,
-    HF_CHAT_TEMPLATE_FILE,
-    HF_SPECIAL_TOKENS_FILE,
     FALLBACK_CHAT_TEMPLATE,
+    HF_CHAT_TEMPLATE_FILE,
+    HF_CONFIG_FILE,
+    HF_SPECIAL_TOKENS_FILE,
+    HF_TOKENIZER_FILE,
     HFTokenizer,
 )
+from posttrain.models.lora import (
+    LoRAConfig,
+    adapters_disabled,
+    apply_lora,
+    has_adapters,
+    load_peft_adapter,
+    merge_lora,
+    save_peft_adapter,
+)
+from posttrain.models.moe import MoEFeedForward, moe_aux_loss
 from posttrain.models.specs import (
     FAMILIES,
-    RopeScaling,
-    ModelSpec,
     PRESETS,
-    get_preset,
+    ModelSpec,
+    RopeScaling,
     build_model,
+    get_preset,
 )
 from posttrain.models.tokenizer import (
     BYTE_TOKENIZER_FILE,
-    Tokenizer,
     ByteTokenizer,
+    Tokenizer,
     load_tokenizer,
 )
 

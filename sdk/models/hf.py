@@ -3,8 +3,8 @@
 A HF checkpoint folder holds `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). This module turns `config.json` into a `ModelSpec` (with
 `posttrain.models.hf_config`, which holds the config.json conversion and its traps), builds the
-torchtune model with `posttrain.models.specs.build_model`, and converts the weights with torchtune's own
-key maps (`torchtune.models.convert_weights.hf_to_tune` / `tune_to_hf` for Llama, which permute
+torchtune model with `posttrain.models.specs.build_model`, and converts the weights with torchtune's
+own key maps (`torchtune.models.convert_weights.hf_to_tune` / `tune_to_hf` for Llama, which permute
 q/k between HF's rotate-half RoPE and torchtune's interleaved RoPE; `qwen2_hf_to_tune` /
 `qwen2_tune_to_hf` for Qwen2, which need no permutation because torchtune's Qwen2 RoPE is
 rotate-half already). These are the functions `torchtune.training.FullModelHFCheckpointer` calls;

@@ -143,7 +143,8 @@ class ModelSpec:
                 raise ValueError(f"ModelSpec.{name}={value!r}; must be a positive integer")
         if self.embed_dim % self.num_heads:
             raise ValueError(
-                f"ModelSpec.embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}"
+                f"ModelSpec.embed_dim={self.embed_dim} must be divisible by "
+                f"num_heads={self.num_heads}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -230,7 +231,7 @@ class ModelSpec:
         """True when the MLPs are Mixture-of-Experts layers (num_experts > 0)."""
         return self.num_experts > 0
 
-    def replace(self, **changes: Any) -> "ModelSpec":
+    def replace(self, **changes: Any) -> ModelSpec:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -238,7 +239,7 @@ class ModelSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         d = dict(d)
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])

@@ -4,35 +4,35 @@ Nothing in the SDK imports this package.
 
 from __future__ import annotations
 
-from posttrain.notebook.plots import (
-    plot_metrics,
-    metric_label,
-    SFT_DEFAULT_METRICS,
-    RL_DEFAULT_METRICS,
-    OUTCOMES_PANEL,
-    METRIC_LABELS,
-)
 from posttrain.notebook.dashboard import (
     LiveDashboard,
-    latest_rollouts,
     in_notebook,
+    latest_rollouts,
 )
 from posttrain.notebook.inspector import (
+    FRAME_COLUMNS,
+    ROLLOUTS_FORMAT,
+    TOKEN_COLUMNS,
+    load_rollouts,
     rollouts_frame,
     save_rollouts,
-    load_rollouts,
     to_groups,
-    FRAME_COLUMNS,
-    TOKEN_COLUMNS,
-    ROLLOUTS_FORMAT,
 )
-from posttrain.notebook.rescoring import (
-    rescore,
-    compare_rewards,
-    RESCORE_COLUMNS,
+from posttrain.notebook.plots import (
+    METRIC_LABELS,
+    OUTCOMES_PANEL,
+    RL_DEFAULT_METRICS,
+    SFT_DEFAULT_METRICS,
+    metric_label,
+    plot_metrics,
 )
 from posttrain.notebook.replay import (
     replay_step,
+)
+from posttrain.notebook.rescoring import (
+    RESCORE_COLUMNS,
+    compare_rewards,
+    rescore,
 )
 
 __all__ = [

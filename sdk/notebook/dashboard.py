@@ -41,8 +41,15 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.notebook.plots import (OUTCOMES_PANEL, _OUTCOME_COLORS, _default_metrics, _draw,
-                                      _new_figure, _outcome_columns, _png)
+from posttrain.notebook.plots import (
+    _OUTCOME_COLORS,
+    OUTCOMES_PANEL,
+    _default_metrics,
+    _draw,
+    _new_figure,
+    _outcome_columns,
+    _png,
+)
 
 __all__ = ["LiveDashboard", "latest_rollouts", "in_notebook", "TIME_PANEL"]
 

@@ -56,8 +56,8 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.rl.environment import Group, Trajectory
 from posttrain.rewards.verifier import Outcome
+from posttrain.rl.environment import Group, Trajectory
 
 __all__ = ["rollouts_frame", "save_rollouts", "load_rollouts", "to_groups", "FRAME_COLUMNS",
            "TOKEN_COLUMNS", "ROLLOUTS_FORMAT"]

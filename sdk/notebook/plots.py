@@ -184,7 +184,7 @@ def _draw_outcomes(ax, frame: pd.DataFrame, steps: pd.Series) -> None:
         return
     counts = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
     labels = [c[len("outcome_") :] for c in columns]
-    colors = [_OUTCOME_COLORS.get(label, None) for label in labels]
+    colors = [_OUTCOME_COLORS.get(label) for label in labels]
     if len(frame) <= 50:
         bottom = pd.Series(0.0, index=frame.index)
         for column, label, color in zip(columns, labels, colors):

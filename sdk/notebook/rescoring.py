@@ -65,11 +65,11 @@ def rescore(
     """Score every completion again with `verifier` (e.g. an edited one) and put the old and
     new reward and outcome side by side.
 
-    Each row is `posttrain.rewards.verifier.score_batch(verifier, completions, items)`: a verifier that
-    raises gives outcome "error" (reward 0.0, the exception in `new_reason`), one past
-    `timeout_s` gives "timeout"; nothing is a silent 0.0. The completion is the stored text, so
-    this re-runs the per-trajectory verifier only: a builder's group-level reward hook or a
-    multi-turn environment's own scoring is not replayed.
+    Each row is `posttrain.rewards.verifier.score_batch(verifier, completions, items)`: a verifier
+    that raises gives outcome "error" (reward 0.0, the exception in `new_reason`), one past
+    `timeout_s` gives "timeout"; nothing is a silent 0.0. The completion is the stored text, so this
+    re-runs the per-trajectory verifier only: a builder's group-level reward hook or a multi-turn
+    environment's own scoring is not replayed.
 
     Args:
         source: as in `rollouts_frame` (a filtered frame rescores just those rows).

@@ -4,7 +4,7 @@ teacher-forced log-probabilities, save and load.
 
 from __future__ import annotations
 
-from posttrain.policy.sampling import Completion, sampling_logprobs, token_logprobs
 from posttrain.policy.policy import Policy, generate_for_items
+from posttrain.policy.sampling import Completion, sampling_logprobs, token_logprobs
 
 __all__ = ["Completion", "sampling_logprobs", "token_logprobs", "Policy", "generate_for_items"]

@@ -1,11 +1,11 @@
 """Batched generation with a KV cache: the decoding loop behind `Policy.generate`.
 
-`_generate_tokens` prefills the left-padded prompts (each distinct prompt once: the G samples
-of a group share its prefill, whose cache rows are then copied), then samples one token per step for the rows
-still running (with `posttrain.policy.sampling.sampling_logprobs`, so the recorded log-probs are
-those of the distribution drawn from) and stops each row on a stop id, a stop string or its
-length budget; finished rows are dropped from the batch and the cache. `_decoding_attention`
-swaps torchtune's KV caches for `_GrowingKVCache` (attend over the filled positions only) and its
+`_generate_tokens` prefills the left-padded prompts (each distinct prompt once: the G samples of a
+group share its prefill, whose cache rows are then copied), then samples one token per step for the
+rows still running (with `posttrain.policy.sampling.sampling_logprobs`, so the recorded log-probs
+are those of the distribution drawn from) and stops each row on a stop id, a stop string or its
+length budget; finished rows are dropped from the batch and the cache. `_decoding_attention` swaps
+torchtune's KV caches for `_GrowingKVCache` (attend over the filled positions only) and its
 attention call for `_sdpa_gqa` (grouped-query heads without copies) for the duration.
 
 Shape legend: B = sequences in a batch, b = the rows still in the batch, P = padded prompt

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from posttrain.models.specs import ModelSpec, build_model, get_preset
 from posttrain.core.checks import check_int
+from posttrain.models.specs import ModelSpec, build_model, get_preset
 from posttrain.policy.generation import _check_stop, _first_stop, _generate_tokens
 from posttrain.policy.sampling import Completion, _check_sampling_args, token_logprobs
 
@@ -51,7 +51,7 @@ class Policy:
         spec: the model's `ModelSpec`.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: "Tokenizer", spec: ModelSpec) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, spec: ModelSpec) -> None:
         if tokenizer.vocab_size > spec.vocab_size:
             raise ValueError(
                 f"tokenizer.vocab_size={tokenizer.vocab_size} exceeds "
@@ -67,11 +67,11 @@ class Policy:
         cls,
         spec: ModelSpec | str,
         *,
-        tokenizer: "Tokenizer | None" = None,
+        tokenizer: Tokenizer | None = None,
         seed: int = 0,
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
-    ) -> "Policy":
+    ) -> Policy:
         """A freshly initialised policy. `spec` is a `ModelSpec` or a preset name ("tiny-1m");
         the tokenizer defaults to `ByteTokenizer()`; parameters come from `seed` (global RNG
         untouched)."""
@@ -90,7 +90,7 @@ class Policy:
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
-    ) -> "Policy":
+    ) -> Policy:
         """Load an HF-format folder (config.json + safetensors + tokenizer files)."""
         from posttrain.models.hf import load_hf_checkpoint
         from posttrain.models.tokenizer import load_tokenizer

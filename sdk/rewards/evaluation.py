@@ -5,8 +5,9 @@ Example:
     >>> from posttrain.rewards.evaluation import evaluate_generations
     >>> policy = Policy.from_spec("tiny-1m", seed=0)
     >>> items = [{"question": "1 + 1 =", "answer": "2"}]
-    >>> result = evaluate_generations(policy, items, max_new_tokens=4,
-    ...                               score_fn=lambda text, item: float(text.strip() == item["answer"]))
+    >>> def exact(text, item):
+    ...     return float(text.strip() == item["answer"])
+    >>> result = evaluate_generations(policy, items, max_new_tokens=4, score_fn=exact)
     >>> result.num_items, 0.0 <= result.accuracy <= 1.0
     (1, True)
 """
@@ -14,11 +15,13 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
+
 from posttrain.policy.policy import generate_for_items
 
 ScoreFn = Callable[[str, Mapping[str, Any]], float]
@@ -96,7 +99,7 @@ def evaluate_generations(
     rows = []
     was_training = policy.model.training
     try:
-        for start, chunk, completions in generate_for_items(
+        for _start, chunk, completions in generate_for_items(
             policy,
             items,
             batch_size=batch_size,

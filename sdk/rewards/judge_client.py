@@ -28,10 +28,11 @@ left of it, so it answers 504 rather than judge for nobody. Backoff: `backoff_s`
 1, ...), capped at `max_backoff_s`, times a random factor in [0.5, 1] ("full jitter" halved,
 Brooker 2015, "Exponential Backoff And Jitter", AWS Architecture Blog), never past the deadline.
 
-`isolation = "thread"`: `run_verifier` calls it on a thread (network I/O with its own
-deadline), not in a worker process; there the smaller of `run_verifier`'s `timeout_s` and the
-client's deadline applies (give the client the smaller one: its reason says what happened). It pickles (only the URL and settings; each process opens
-its own connection pool), so it travels to Slurm jobs inside a task's group builders.
+`isolation = "thread"`: `run_verifier` calls it on a thread (network I/O with its own deadline), not
+in a worker process; there the smaller of `run_verifier`'s `timeout_s` and the client's deadline
+applies (give the client the smaller one: its reason says what happened). It pickles (only the URL
+and settings; each process opens its own connection pool), so it travels to Slurm jobs inside a
+task's group builders.
 
 Example (a server on 127.0.0.1; then the same client once the server is gone):
     >>> from posttrain.models import ByteTokenizer

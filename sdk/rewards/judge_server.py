@@ -86,8 +86,13 @@ from fastapi.responses import JSONResponse
 from posttrain.core.checks import check_int, require_positive
 from posttrain.rewards.judge_batcher import Batcher, JudgeRequest, ServerShutDown
 from posttrain.rewards.judge_client import JUDGE_PATH, JudgeClient
-from posttrain.rewards.judge_limits import (BodyLimit, ServerSettings, check_address,
-                                            parse_request, validation_error_response)
+from posttrain.rewards.judge_limits import (
+    BodyLimit,
+    ServerSettings,
+    check_address,
+    parse_request,
+    validation_error_response,
+)
 
 __all__ = ["ServerSettings", "JudgeServer", "serve_judge", "build_app", "JudgeJobSpec",
            "serve_until_stopped", "check_address", "JUDGE_PATH"]

@@ -42,7 +42,8 @@ Example (a stub stands in for the judge model's `generate`):
     >>> from posttrain.models import ByteTokenizer
     >>> verdicts = iter(["Score: 7", "no idea"])
     >>> def generate(prompts, **settings):
-    ...     return [Completion(i, 0, p, [], next(verdicts), [], "eos") for i, p in enumerate(prompts)]
+    ...     return [Completion(i, 0, p, [], next(verdicts), [], "eos")
+    ...             for i, p in enumerate(prompts)]
     >>> stub = SimpleNamespace(generate=generate, tokenizer=ByteTokenizer(),
     ...                        spec=SimpleNamespace(max_seq_len=512))
     >>> judge = LLMJudge(stub, "Is the answer correct?")
@@ -61,9 +62,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from posttrain.core.checks import check_int
 from posttrain.rewards.judge_parsing import parse_score
 from posttrain.rewards.verifier import Outcome, VerifierResult
-from posttrain.core.checks import check_int
 
 __all__ = [
     "JudgeResult", "Judge", "LLMJudge", "RewardModelJudge", "judge_as_verifier", "JudgeVerifier",
@@ -326,8 +327,8 @@ class RewardModelJudge:
     """Scores (question, completion) with a Bradley-Terry reward model.
 
     The sequence is rendered exactly as the reward model was trained on it
-    (`posttrain.rewards.reward_model.render_pair`: the question as the user turn, the completion as the
-    assistant turn) and the reward read at its last token.
+    (`posttrain.rewards.reward_model.render_pair`: the question as the user turn, the completion as
+    the assistant turn) and the reward read at its last token.
 
     Args:
         reward_model: a `posttrain.rewards.reward_model.RewardModel`.

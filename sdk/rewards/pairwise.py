@@ -42,10 +42,10 @@ from typing import Any, Protocol, runtime_checkable
 from posttrain.rewards.judge_parsing import parse_choice
 from posttrain.rewards.judges import (
     RewardModelJudge,
-    _Generator,
     _check_lengths,
     _check_real,
     _check_template,
+    _Generator,
     _quote,
     _sigmoid,
     _text_problem,
@@ -168,7 +168,8 @@ class LLMPairwiseJudge:
         >>> from posttrain.policy import Completion
         >>> from posttrain.models import ByteTokenizer
         >>> def generate(prompts, **settings):
-        ...     return [Completion(i, 0, p, [], "Answer: A", [], "eos") for i, p in enumerate(prompts)]
+        ...     return [Completion(i, 0, p, [], "Answer: A", [], "eos")
+        ...             for i, p in enumerate(prompts)]
         >>> stub = SimpleNamespace(generate=generate, tokenizer=ByteTokenizer(),
         ...                        spec=SimpleNamespace(max_seq_len=512))
         >>> [r] = LLMPairwiseJudge(stub).compare(["12"], ["13"], [{"question": "5+7="}])

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.data.collate import right_pad
-from posttrain.rewards.evaluation import wilson_interval
 from posttrain.models.specs import ModelSpec, build_model, get_preset
+from posttrain.rewards.evaluation import wilson_interval
 
 __all__ = [
     "RewardModel",

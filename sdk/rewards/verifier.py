@@ -29,16 +29,17 @@ outcome error here, never an exception that ends a run. `Outcome`, `VerifierResu
 `check_reward` are defined in `posttrain.rewards.outcome` and are the same objects here.
 
 Time budgets: each budgeted call runs in a worker process of a bounded pool
-(`posttrain.rewards.verifier_pool`); a call past `timeout_s` is outcome timeout within its
-budget plus a few milliseconds (at most `verifier_pool.KILL_MARGIN_S`), and its worker is killed
-with everything it started (`setsid` included), so a CPU-bound check (a catastrophic regex,
-`10**10**9`) stops instead of spinning on; a call that returns leaves no process running either.
-A budget is at most `MAX_TIMEOUT_S` (1e6 s); `timeout_s=None` means none. What a verifier prints
-in a worker is discarded, and a `reason` longer than 4096 characters comes back cut. Verifiers travel to the workers with cloudpickle, once per worker, so
-classes and closures defined in notebook cells work. A verifier that holds a model or talks to
-a server declares `isolation = "thread"` and runs on a daemon thread instead, bounding its own
-time; a verifier that cannot be pickled runs on threads too, with a warning. The budget of a
-call starts when its worker starts it (not while a worker starts or first loads the verifier).
+(`posttrain.rewards.verifier_pool`); a call past `timeout_s` is outcome timeout within its budget
+plus a few milliseconds (at most `verifier_pool.KILL_MARGIN_S`), and its worker is killed with
+everything it started (`setsid` included), so a CPU-bound check (a catastrophic regex, `10**10**9`)
+stops instead of spinning on; a call that returns leaves no process running either. A budget is at
+most `MAX_TIMEOUT_S` (1e6 s); `timeout_s=None` means none. What a verifier prints in a worker is
+discarded, and a `reason` longer than 4096 characters comes back cut. Verifiers travel to the
+workers with cloudpickle, once per worker, so classes and closures defined in notebook cells work. A
+verifier that holds a model or talks to a server declares `isolation = "thread"` and runs on a
+daemon thread instead, bounding its own time; a verifier that cannot be pickled runs on threads too,
+with a warning. The budget of a call starts when its worker starts it (not while a worker starts or
+first loads the verifier).
 
 Example:
     >>> from posttrain.rewards.verifier import run_verifier, score_batch, count_outcomes

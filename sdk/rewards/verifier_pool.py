@@ -16,23 +16,22 @@ budget to `run_calls`, which reads the verifier's `isolation` attribute (class o
                                                         bound its own time (a request deadline)
     =========  =======================================  ========================================
 
-Worker processes are fresh interpreters (`subprocess.Popen` of `verifier_worker.py`: fork +
-exec), never a fork of the training process (which holds torch, CUDA or server threads) and
-never a re-import of its `__main__` script (what multiprocessing's spawn and forkserver do).
-Each runs in a session of its own and is the subreaper of its descendants (Linux
-`PR_SET_CHILD_SUBREAPER`): a process a verifier starts stays its descendant even after `setsid`
-or its own parent's exit, so killing a worker kills them all first (`WorkerProcess.kill`), and
-after each call the worker kills whatever the call left running. Each is started from one
-long-lived launcher thread and asks Linux to kill it when that thread ends
-(`PR_SET_PDEATHSIG`), so a training process killed by SIGKILL leaves no worker spinning; not
-covered: processes that a call *still running* at that moment had started outlive it (between
-calls a worker has none). A worker's stdout and stderr are discarded (`/dev/null`: a verifier's
-prints would flood a notebook; run it with `timeout_s=None` to see them), and the `reason` it
-sends back is cut to `verifier_worker.MAX_REASON_CHARS`. A worker gets the parent's `sys.path`
-and working directory, and does not import torch unless the verifier does (posttrain's
-packages load their re-exports on first use: `posttrain.core.lazy`). The pool starts lazily, keeps its workers
-between calls, is shut down at interpreter exit, and is never shared with a forked child (the
-child closes its copies of the pipes and starts its own pool when it needs one).
+Worker processes are fresh interpreters (`subprocess.Popen` of `verifier_worker.py`: fork + exec),
+never a fork of the training process (which holds torch, CUDA or server threads) and never a
+re-import of its `__main__` script (what multiprocessing's spawn and forkserver do). Each runs in a
+session of its own and is the subreaper of its descendants (Linux `PR_SET_CHILD_SUBREAPER`): a
+process a verifier starts stays its descendant even after `setsid` or its own parent's exit, so
+killing a worker kills them all first (`WorkerProcess.kill`), and after each call the worker kills
+whatever the call left running. Each is started from one long-lived launcher thread and asks Linux
+to kill it when that thread ends (`PR_SET_PDEATHSIG`), so a training process killed by SIGKILL
+leaves no worker spinning; not covered: processes that a call *still running* at that moment had
+started outlive it (between calls a worker has none). A worker's stdout and stderr are discarded
+(`/dev/null`: a verifier's prints would flood a notebook; run it with `timeout_s=None` to see them),
+and the `reason` it sends back is cut to `verifier_worker.MAX_REASON_CHARS`. A worker gets the
+parent's `sys.path` and working directory, and does not import torch unless the verifier does
+(posttrain's packages load their re-exports on first use: `posttrain.core.lazy`). The pool starts
+lazily, keeps its workers between calls, is shut down at interpreter exit, and is never shared with
+a forked child (the child closes its copies of the pipes and starts its own pool when it needs one).
 
 A verifier is shipped to a worker once (cloudpickle, so classes and closures from notebook cells
 work) and kept there by key: the same object (a bound method: the same function and instance)
@@ -70,8 +69,13 @@ import cloudpickle
 
 from posttrain.rewards.outcome import Outcome, VerifierResult
 from posttrain.rewards.verifier_threads import Call, check_timeout, run_on_threads
-from posttrain.rewards.verifier_worker import (MAX_REPLY_BYTES, Launcher, WorkerProcess,
-                                               dumps_message, what_does_not_pickle)
+from posttrain.rewards.verifier_worker import (
+    MAX_REPLY_BYTES,
+    Launcher,
+    WorkerProcess,
+    dumps_message,
+    what_does_not_pickle,
+)
 
 DEFAULT_MAX_WORKERS = 8
 """Most verifier calls `score_batch` runs at the same time by default (and the most worker

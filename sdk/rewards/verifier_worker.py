@@ -52,7 +52,6 @@ from typing import Any
 
 import cloudpickle  # the blobs' by-value functions need it in the worker too
 
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
 
