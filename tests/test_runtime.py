@@ -222,3 +222,22 @@ def test_the_earlier_reward_model_spelling_works_with_a_deprecation_warning():
     assert isinstance(runtime, PlanRuntime) and isinstance(runtime.model, RewardModel)
     plain = gathered_reward_model(runtime)
     assert_bitwise_equal(params_of(plain), params_of(runtime.model))
+
+
+def test_reference_logps_under_a_one_rank_plan_without_a_process_group_equal_the_plain_models():
+    """A runtime without a mesh runs no collective: the reference log-probs of a one-rank plan
+    (activation checkpointing only, no process group) are those of the plain model, bitwise."""
+    from posttrain.data import PreferenceDataset
+    from posttrain.models import ByteTokenizer
+    from posttrain.preference import compute_reference_logps
+
+    rows = [{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+            for i in range(5)]
+    values = []
+    for plan in (None, ParallelPlan(activation_checkpointing=True)):
+        model = build_model(TINY, seed=0)
+        runtime = LocalRuntime(model) if plan is None else plan.parallelize(model, spec=TINY)
+        dataset = PreferenceDataset(rows, ByteTokenizer(), max_seq_len=32)
+        values.append(compute_reference_logps(runtime, dataset, batch_size=2).values)
+    assert values[0].keys() == values[1].keys()
+    assert all(torch.equal(values[0][k], values[1][k]) for k in values[0])

@@ -138,7 +138,7 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
         raise ValueError(f"compute_reference_logps: a reference split into pipeline stages "
                          f"({runtime.plan}) has no plain forward to score with; allowed pp: 1")
     fingerprint = reference_fingerprint(model)
-    if runtime.plan is not None:  # every rank holds shards of it
+    if runtime.mesh is not None:  # split over a mesh: every rank holds shards of it
         fingerprint = _all_ranks_fingerprint(fingerprint)
     if dataset.reference is not None and dataset.reference.fingerprint == fingerprint:
         return dataset.reference
