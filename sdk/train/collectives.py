@@ -44,7 +44,7 @@ def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> 
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         groups.setdefault(key, []).append(g)
     squares = []
-    for key, members in groups.items():
+    for members in groups.values():
         norm = torch.nn.utils.get_total_norm(members, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
