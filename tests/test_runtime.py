@@ -191,10 +191,15 @@ def test_the_earlier_spelling_works_with_a_deprecation_warning():
     assert state.data_rank == 0 and state.spec == TINY
     assert _plan_attributes(model) == []  # kept by the compatibility shim, not on the model
     loader = SFTLoader(sft_dataset(8), batch_size=4, seed=0)
-    with pytest.warns(DeprecationWarning, match="plan= argument"):
+    with pytest.warns(DeprecationWarning, match="plan= argument") as caught:
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader,
                           progress=False, plan=plan)
     assert trainer.runtime is state
+    assert [w.filename for w in caught if w.category is DeprecationWarning] == [__file__]
+    with pytest.warns(DeprecationWarning, match="a model split by plan.apply"):
+        other = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader,
+                        progress=False)  # recognised without plan=, as before
+    assert other.runtime is state
     with pytest.warns(DeprecationWarning, match="trainer.runtime"):
         assert trainer.plan_state is state
     assert full_state_dict(model).keys() == build_model(TINY, seed=0).state_dict().keys()

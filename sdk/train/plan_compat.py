@@ -166,8 +166,9 @@ def resolve_runtime(model: nn.Module, *, runtime: Runtime | None, plan: Parallel
         warnings.warn("the plan= argument of the trainers is deprecated and will be removed in "
                       f"the next release: {_NEW_SPELLING}", DeprecationWarning, stacklevel=3)
     if runtime is None and model in _RUNTIMES:
-        warnings.warn("a model split by plan.apply is deprecated and will be removed in the "
-                      f"next release: {_NEW_SPELLING}", DeprecationWarning, stacklevel=3)
+        if plan is None:  # (one warning per call)
+            warnings.warn("a model split by plan.apply is deprecated and will be removed in the "
+                          f"next release: {_NEW_SPELLING}", DeprecationWarning, stacklevel=3)
         runtime = _RUNTIMES[model]
     check_plan(model, plan, runtime)
     if runtime is not None:
