@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from _ranks import gloo_rank
 from _train_helpers import TINY, sft_dataset
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset, save_hf_checkpoint
@@ -222,6 +221,10 @@ def _misuse() -> dict[str, str]:
 
 
 def main() -> None:
+    # imported here: tests/test_launch_plans.py ships this module by value to jobs, which
+    # cannot import the test helpers
+    from _ranks import gloo_rank
+
     with gloo_rank() as (rank, _, out, phase):
         if phase == "kill":
             phase_kill(out)
