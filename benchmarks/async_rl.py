@@ -107,7 +107,7 @@ def main() -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     modes = ("sync-2t", "sync-1t", "async-s0", "async-s1")
-    blocks = {mode: [] for mode in modes}
+    blocks: dict[str, list] = {mode: [] for mode in modes}
     with ray_cluster(num_cpus_per_node=2) as cluster:  # tried again on a loaded machine
         init_s = cluster.start_s
         for _ in range(args.repeats):  # alternate the modes: other jobs' load hits them alike

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,7 +60,8 @@ def make_policy(seed: int = 0) -> Policy:
         for w in policy.model.parameters():
             if w.ndim >= 2:
                 w.copy_(torch.randn(w.shape, generator=g) * 0.02)
-    return policy.model.eval() and policy
+    policy.model.eval()
+    return policy
 
 
 def make_hf_model(policy: Policy, folder: Path):
@@ -89,7 +91,9 @@ def run_interleaved(cases, reps: int) -> dict[str, dict]:
     """Time every case round-robin (rep 1 of each, rep 2 of each, ...) so that the load of a
     shared machine falls on all alike; a case may ask for fewer reps. Every case has one untimed
     warm-up run first, except the slow naive loop (the model is warm by then)."""
-    results = {label: {"out": None, "wall": [], "cpu": []} for label, _, _ in cases}
+    results: dict[str, dict[str, Any]] = {
+        label: {"out": None, "wall": [], "cpu": []} for label, _, _ in cases
+    }
     for label, fn, case_reps in cases:
         if case_reps > 1:
             results[label]["out"] = fn()

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         print(f"warm-up: {args.warmup} steps in {time.perf_counter() - t0:.1f} s", flush=True)
         torch.cuda.reset_peak_memory_stats()
-        times = []
+        times: list[float] = []
         for _ in range(args.steps):
             if time.perf_counter() - start > args.budget_s:
                 print(

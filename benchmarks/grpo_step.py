@@ -51,6 +51,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -239,7 +240,7 @@ def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: b
         use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0, seed=setup.seed)
-    optimizers = (None, None)
+    optimizers: tuple[Any, Any] = (None, None)
     if same_optimizer:
         optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
     trainer = GRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config,
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
               f"TRL optimizer {type(trl_trainer.create_optimizer()).__name__}"
               f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}", flush=True)
 
-        results = {"posttrain": [], "TRL": [], UNSHARED: []}
+        results: dict[str, list] = {"posttrain": [], "TRL": [], UNSHARED: []}
         for r in range(setup.repeats):
             results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))
             results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))

@@ -39,6 +39,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -166,7 +167,8 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=min(WARMUP_STEPS, steps),
         weight_decay=0.0,
-        max_grad_norm=cfg.optim.max_grad_norm,
+        # None (off): transformers' Trainer then clips nothing, though the field says float
+        max_grad_norm=cast(Any, cfg.optim.max_grad_norm),
         use_vllm=False,
         gradient_checkpointing=False,
         bf16=False,
@@ -199,12 +201,13 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     saved = work / "trl_policy"
-    trainer.model.save_pretrained(saved)
+    trained: Any = trainer.model  # a transformers PreTrainedModel
+    trained.save_pretrained(saved)
     for name in os.listdir(folder):  # the byte tokenizer's files, so Policy can load the folder
         if "token" in name and not (saved / name).exists():
             shutil.copy(folder / name, saved / name)
     policy = Policy.from_pretrained(saved)
-    check_same_model(policy.model, trainer.model)
+    check_same_model(policy.model, trained)
     return policy, {key: np.asarray(values) if values else None for key, values in curves.items()}
 
 

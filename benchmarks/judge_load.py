@@ -52,8 +52,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BEGIN, END = "<!-- judge_load:begin -->", "<!-- judge_load:end -->"
@@ -186,8 +188,8 @@ def run_load(url: str, config: Config, reference: list[list[float]], work) -> Re
 
 def serve(judge, config: Config, mode: str, folder: Path):
     """(url, stop) for a server with `config`'s batching settings."""
-    settings = dict(max_batch_size=config.max_batch_size, max_wait_s=config.max_wait_s,
-                    max_queue=config.max_queue)
+    settings: dict[str, Any] = dict(max_batch_size=config.max_batch_size,
+                                    max_wait_s=config.max_wait_s, max_queue=config.max_queue)
     if mode == "thread":
         from posttrain.rewards.judge_server import serve_judge
 
@@ -233,6 +235,7 @@ class LimitServer:
     """A judge server with `settings` (a local job, or a thread with --server thread)."""
 
     def __init__(self, judge, mode: str, folder: Path, **settings) -> None:
+        self.stop: Callable[..., Any]
         if mode == "thread":
             from posttrain.rewards.judge_server import serve_judge
 
@@ -267,11 +270,12 @@ def run_limits(judge, mode: str, folder: Path, quick: bool) -> list[dict]:
     from posttrain.rewards.judge_client import JudgeClient
 
     body_mb, n_big, deadline = (1.2, 2_000, 0.5) if quick else (50, 10_000, BIG_DEADLINE_S)
-    raised = dict(max_body_bytes=int(body_mb + 8) * 2**20, max_request_completions=10**7)
-    default = {}
+    raised: dict[str, Any] = dict(max_body_bytes=int(body_mb + 8) * 2**20,
+                                  max_request_completions=10**7)
+    default: dict[str, Any] = {}
     if quick:     # a 1 MiB limit, and a 504 after 1 s rather than 30 s
-        default, raised = dict(max_body_bytes=2**20), dict(raised, request_timeout_s=1.0)
-    rows = []
+        default, raised = dict(max_body_bytes=2**20), {**raised, "request_timeout_s": 1.0}
+    rows: list[dict] = []
     body = huge_body(int(body_mb * 10**6))
     for label, settings in (("default limits", default), ("limits raised", raised)):
         server = LimitServer(judge, mode, folder / f"body-{len(rows)}", **settings)
@@ -305,7 +309,7 @@ def run_limits(judge, mode: str, folder: Path, quick: bool) -> list[dict]:
                                                                   request_id=f"small-{name}")
         done[name] = ([r.outcome.value for r in results], time.perf_counter() - start)
 
-    before = JudgeClient(server.url).stats()
+    stats_before = JudgeClient(server.url).stats()
     thread = threading.Thread(target=big_client)
     thread.start()
     time.sleep(deadline / 3)        # the big request is being judged
@@ -314,7 +318,7 @@ def run_limits(judge, mode: str, folder: Path, quick: bool) -> list[dict]:
     small_client("after")
     stats = JudgeClient(server.url).stats()
     server.stop()
-    judged = stats["completions"] - before["completions"] - 2 * len(small[0])
+    judged = stats["completions"] - stats_before["completions"] - 2 * len(small[0])
     for name in ("during", "after"):
         outcomes, seconds = done[name]
         judged_ok = all(o in ("ok", "wrong") for o in outcomes)

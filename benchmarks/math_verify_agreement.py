@@ -29,9 +29,9 @@ import collections
 import json
 import math
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data" / "math_verify_cases.json"
@@ -66,7 +66,7 @@ COMPARE_DEFAULTS = {
 # --------------------------------------------------------------------------------------------
 
 
-def _value(node: ast.AST, params: dict):
+def _value(node: Any, params: dict) -> Any:
     """A literal, a test parameter by name, or an f-string over `math` (test_float_precision);
     None for anything else (a config object in a parameter list)."""
     if isinstance(node, ast.Name) and node.id in params:
@@ -84,12 +84,13 @@ def _parametrizations(function: ast.FunctionDef) -> list[tuple[int, dict]]:
     for decorator in function.decorator_list:
         if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "parametrize":
             names = [n.strip() for n in _value(decorator.args[0], {}).split(",")]
+            table: Any = decorator.args[1]  # a list or tuple node of parameter tuples
             return [
                 (
                     element.lineno,
                     dict(zip(names, (_value(v, {}) for v in element.elts), strict=True)),
                 )
-                for element in decorator.args[1].elts
+                for element in table.elts
             ]
     return [(function.lineno, {})]
 
@@ -101,12 +102,13 @@ def _pair(test: ast.expr, params: dict) -> dict | None:
         isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
     ):
         return None
-    call, expected = test.left, _value(test.comparators[0], params)
+    call: Any = test.left  # an ast node of any kind, read by its fields
+    expected = _value(test.comparators[0], params)
     if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "int":
         call = call.args[0]
     name = getattr(call.func, "id", "") if isinstance(call, ast.Call) else ""
     if name == "compare_strings":
-        options = dict(COMPARE_DEFAULTS)
+        options: dict[str, Any] = dict(COMPARE_DEFAULTS)
         options.update({k.arg: _value(k.value, params) for k in call.keywords})
         gold, pred = (_value(a, params) for a in call.args[:2])
         return {
@@ -140,7 +142,8 @@ def _pair(test: ast.expr, params: dict) -> dict | None:
 def extract_cases(repo: Path, commit: str) -> dict:
     """The gold/prediction cases of Math-Verify's tests at `commit` of the git repository `repo`,
     with the tests that are not such pairs counted by file."""
-    cases, other = [], collections.Counter()
+    cases: list[dict] = []
+    other: collections.Counter[str] = collections.Counter()
     for path in TEST_FILES:
         source = subprocess.run(
             ["git", "-C", str(repo), "show", f"{commit}:{path}"],
@@ -465,4 +468,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -77,6 +77,7 @@ def main() -> None:
     )
     rows = [trainer.step() for _ in range(args.warmup + args.steps)][args.warmup :]
     groups = trainer.last_groups
+    assert groups is not None  # set by every step
     batch = make_batch(groups, policy.tokenizer.pad_id)
     costs = []
     for _ in range(200):

@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,7 +113,7 @@ class StepClock:
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self.then: Callable[[], None] | None = None  # run after each tick (interleaving)
+        self.then: Callable[[], object] | None = None  # run after each tick (interleaving)
 
     def tick(self) -> None:
         self.times.append(time.perf_counter())
@@ -180,7 +181,7 @@ def build_trl(folder: Path, rows: list[list[int]], setup: Setup, out_dir: Path,
         padding_free=False, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, seed=setup.seed)
-    optimizers = (None, None)
+    optimizers: tuple[Any, Any] = (None, None)
     if same_optimizer:
         optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
     trainer = SFTTrainer(model=model, args=config,
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{type(trl_trainer.create_optimizer()).__name__}"
               f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}", flush=True)
 
-        peaks, results = [], {"posttrain": [], "TRL": []}
+        peaks: list[float] = []
+        results: dict[str, list] = {"posttrain": [], "TRL": []}
         for r in range(setup.repeats):
             peaks.append(matmul_gflops())
             results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))

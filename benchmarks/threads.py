@@ -22,6 +22,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -78,13 +79,13 @@ def worker(batch: int, seq: int, warmup: int, seconds: float) -> dict:
 
 def measure(setting: str, busy: bool, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
-    if SETTINGS[setting] is None:
+    chosen = SETTINGS[setting]
+    if chosen is None:
         sys.path.insert(0, str(ROOT / "sdk" / "core"))
-        from threads import apply_thread_env  # stdlib only: no torch in this process
-
-        apply_thread_env(env)
+        # sdk/core/threads.py as a module of its own: stdlib only, no torch in this process
+        importlib.import_module("threads").apply_thread_env(env)
     else:
-        env.update(SETTINGS[setting])
+        env.update(chosen)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         time.sleep(0.5 if busy else 0)

@@ -287,7 +287,11 @@ def calculator_task(
                 "CalculatorGroupBuilder, which verifies the <answer> content); its "
                 "own options: max_turns, system_prompt, timeout_s"
             )
-    options = {"max_turns": max_turns, "system_prompt": system_prompt, "timeout_s": timeout_s}
+    options: dict[str, Any] = {
+        "max_turns": max_turns,
+        "system_prompt": system_prompt,
+        "timeout_s": timeout_s,
+    }
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise TypeError(
             f"calculator system_prompt must be a str or None, got {type(system_prompt).__name__}"

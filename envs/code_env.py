@@ -39,7 +39,7 @@ from typing import Any
 
 from posttrain.envs.reasoning_gym_env import ReasoningGymEnv, cycle_builders
 from posttrain.rewards.verifier import Verifier, as_score_fn
-from posttrain.rl.environment import EnvGroupBuilder, register_task
+from posttrain.rl.environment import EnvGroupBuilder, Environment, register_task
 from posttrain.verifiers.code_exec import CODE_LIMITS, CodeTestsVerifier
 
 __all__ = [
@@ -137,13 +137,13 @@ class CodeGroupBuilder:
         if self.verifier is None:
             object.__setattr__(self, "verifier", CodeTestsVerifier())
 
-    def make_envs(self, group_size: int) -> list[CodeEnv]:
+    def make_envs(self, group_size: int) -> list[Environment]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        verifier = self.verifier
+        assert verifier is not None  # __post_init__ made one
         return [
-            CodeEnv(
-                self.item, self.verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
-            )
+            CodeEnv(self.item, verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s)
             for _ in range(group_size)
         ]
 
@@ -251,6 +251,7 @@ class CodeTask:
     def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
         """`(completion, item) -> score` with this task's verifier, for
         `posttrain.rewards.evaluation.evaluate_generations`."""
+        assert self.verifier is not None  # __post_init__ made one
         return as_score_fn(self.verifier, timeout_s=self.timeout_s)
 
 

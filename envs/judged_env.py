@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from posttrain.envs.reasoning_gym_env import prompt_messages
 from posttrain.rewards.judges import Judge
@@ -103,12 +103,12 @@ class JudgedGroupBuilder:
             ValueError: if the judge returns another number of results than it was asked for
                 (the rollout then marks the whole group `error`).
         """
-        results: list[VerifierResult] = [
+        results: list[VerifierResult | None] = [
             VerifierResult.failure(t.outcome, t.info.get("error", "episode failed"))
             if t.outcome in _FAILED
             else None
             for t in trajectories
-        ]  # type: ignore[misc]
+        ]
         todo = [i for i, r in enumerate(results) if r is None]
         if todo:
             judged = list(
@@ -121,4 +121,5 @@ class JudgedGroupBuilder:
                 )
             for i, result in zip(todo, judged):
                 results[i] = result
-        return results
+        assert all(r is not None for r in results)  # the failed ones, then the judged ones
+        return cast("list[VerifierResult]", results)

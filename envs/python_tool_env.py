@@ -411,7 +411,7 @@ def python_tool_task(
                 f"PythonToolGroupBuilder, which verifies the <answer> content); "
                 f"its own options: {', '.join(_TOOL_OPTIONS)}"
             )
-    options = {
+    options: dict[str, Any] = {
         "limits": limits,
         "max_turns": max_turns,
         "max_calls_per_turn": max_calls_per_turn,

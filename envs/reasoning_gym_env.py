@@ -43,7 +43,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Verifier, as_score_fn, run_verifier
-from posttrain.rl.environment import EnvGroupBuilder, Messages, StepResult, register_task
+from posttrain.rl.environment import (
+    EnvGroupBuilder,
+    Environment,
+    Messages,
+    StepResult,
+    register_task,
+)
 from posttrain.verifiers.reasoning_gym import ReasoningGymVerifier, check_task_name
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 
@@ -141,12 +147,14 @@ class ReasoningGymGroupBuilder:
         if self.verifier is None:
             object.__setattr__(self, "verifier", ReasoningGymVerifier(self.task))
 
-    def make_envs(self, group_size: int) -> list[ReasoningGymEnv]:
+    def make_envs(self, group_size: int) -> list[Environment]:
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+        verifier = self.verifier
+        assert verifier is not None  # __post_init__ made one
         return [
             ReasoningGymEnv(
-                self.item, self.verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
+                self.item, verifier, system_prompt=self.system_prompt, timeout_s=self.timeout_s
             )
             for _ in range(group_size)
         ]
@@ -287,9 +295,12 @@ class ReasoningGymTask:
     def _held_out_items(self) -> list[dict]:
         if self._held_out is None:
             want = self.held_out_size
+            assert self.held_out_seed is not None  # __post_init__ derives it from seed
             dataset = self._dataset(4 * want + 64, self.held_out_seed)
             report = self.gold_held_out = GoldReport(self.name)
-            items, seen, stale = [], set(), 0
+            items: list[dict] = []
+            seen: set[Any] = set()
+            stale = 0
             candidates = (dataset[index] for index in range(len(dataset)))
             for item in check_gold(self.name, dataset, candidates, report) if want else ():
                 if item["question"] in seen:

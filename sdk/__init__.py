@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __version__ = "0.1.0"
 
@@ -85,10 +88,14 @@ _NOTICES = {
     "torchao": "Skipping import of cpp extensions due to incompatible torch version",
     "torchao.kernel.intmm": "Warning: Detected no triton",
 }
+
+
+def _not_starting_with(prefix: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: not str(record.msg).startswith(prefix)
+
+
 for _logger, _prefix in _NOTICES.items():
-    logging.getLogger(_logger).addFilter(
-        lambda record, prefix=_prefix: not str(record.msg).startswith(prefix)
-    )
+    logging.getLogger(_logger).addFilter(_not_starting_with(_prefix))
 
 
 def __getattr__(name: str) -> Any:

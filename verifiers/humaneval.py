@@ -30,13 +30,16 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, count_outcomes, register_verifier
 from posttrain.verifiers.code_exec import CodeTestsVerifier
+
+if TYPE_CHECKING:
+    from posttrain.policy.policy import Policy
 
 __all__ = [
     "HUMANEVAL_INSTRUCTION",
@@ -179,7 +182,7 @@ def evaluate_pass_at_k(
     items: Sequence[Mapping[str, Any]],
     *,
     completions: Sequence[Sequence[str]] | None = None,
-    policy: Any = None,
+    policy: Policy | None = None,
     n: int | None = None,
     ks: Sequence[int] = (1,),
     verifier: CodeTestsVerifier | None = None,
@@ -290,7 +293,7 @@ def _check_samples(completions: Any) -> None:
 
 
 def _sample(
-    policy: Any,
+    policy: Policy,
     items: Sequence[Mapping[str, Any]],
     *,
     n: int,

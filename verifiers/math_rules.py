@@ -108,7 +108,9 @@ def install() -> None:
                 return _parse_latex_keeping_case(latex)
             return own_parse(latex)
 
-        sympy_numeric_eq.posttrain_rules = parse_latex_cached.posttrain_rules = True
+        # a mark on the installed functions, so that installing twice is seen
+        sympy_numeric_eq.posttrain_rules = True  # type: ignore[attr-defined]
+        parse_latex_cached.posttrain_rules = True  # type: ignore[attr-defined]
         grader.sympy_numeric_eq, parser.parse_latex_cached = sympy_numeric_eq, parse_latex_cached
 
 

@@ -299,8 +299,9 @@ def hedge(answer: str, before: str = "", after: str = "") -> str | None:
         return f"'{relation.group().strip()}' in the answer"
     after_match, before_match = _ALTERNATIVE_AFTER.match(after), _ALTERNATIVE_BEFORE.search(before)
     for side, match in (("after", after_match), ("before", before_match)):
-        if match:
-            return f"'{_ALTERNATIVE.search(match.group()).group().lower()}' right {side} the answer"
+        word = _ALTERNATIVE.search(match.group()) if match else None
+        if word:
+            return f"'{word.group().lower()}' right {side} the answer"
     return None
 
 

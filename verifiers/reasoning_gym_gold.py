@@ -268,7 +268,7 @@ def exact_value(expression: str, names: Mapping[str, Fraction] | None = None) ->
         if isinstance(node, ast.Constant) and type(node.value) is int:
             return Fraction(node.value)
         if isinstance(node, ast.Constant) and type(node.value) is float:
-            return Fraction(ast.get_source_segment(expression, node))
+            return Fraction(ast.get_source_segment(expression, node) or repr(node.value))
         if isinstance(node, ast.Name) and node.id in names:
             return Fraction(names[node.id])
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):

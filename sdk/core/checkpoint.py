@@ -355,7 +355,7 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "numpy": {
             "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),

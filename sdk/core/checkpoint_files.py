@@ -165,7 +165,9 @@ def is_disk_full(exc: BaseException, folder: Path, needed: int) -> bool:
     per-rank failures of a torch.distributed.checkpoint CheckpointException), or torch's
     zip-writer RuntimeError (which may have lost the errno) while `folder`'s file system has
     fewer than `needed` bytes free. Call it before removing the partial write."""
-    seen, stack, torch_write_failed = set(), [exc], False
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    torch_write_failed = False
     while stack:
         e = stack.pop()
         if e is None or id(e) in seen:
@@ -233,7 +235,7 @@ def _mib(n: int) -> str:
 def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in `obj` (nested dicts, lists, tuples; each storage counted once,
     a DTensor by its local shard): about what `torch.save(obj)` writes, which adds a few KiB."""
-    total, seen, stack = 0, set(), [obj]
+    total, seen, stack = 0, set[object](), [obj]
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
@@ -244,7 +246,8 @@ def state_bytes(obj: Any) -> int:
             local = x.to_local() if hasattr(x, "to_local") else x
             try:
                 storage = local.untyped_storage()
-                key, size = (storage.data_ptr(), storage.nbytes()), storage.nbytes()
+                key: object = (storage.data_ptr(), storage.nbytes())
+                size = storage.nbytes()
             except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
                 key, size = id(local), local.numel() * local.element_size()
             if key not in seen:

@@ -70,7 +70,7 @@ class MetricsLog:
             raise ValueError(f"a metrics row needs an integer 'step', got {step!r}")
         row = dict(row)
         self.rows.append(row)
-        if self.path is not None:
+        if self.run_dir is not None and self.path is not None:
             make_private_dir(self.run_dir)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
@@ -86,7 +86,7 @@ class MetricsLog:
         `metrics.jsonl` atomically, dropping rows a killed run wrote after its last checkpoint,
         and makes TensorBoard discard events after the last kept step."""
         self.rows = [dict(r) for r in rows]
-        if self.path is not None and (self.rows or self.path.exists()):
+        if self.run_dir is not None and self.path is not None and (self.rows or self.path.exists()):
             make_private_dir(self.run_dir)
             tmp = self.path.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
             with open(tmp, "w", encoding="utf-8") as f:

@@ -155,6 +155,7 @@ def non_embedding_params(model: nn.Module) -> int:
         and output is not None
         and not any(True for _ in getattr(output, "parameters", lambda: iter(()))())
     ):
+        assert isinstance(embedding, nn.Module)  # skip is empty otherwise
         n += sum(p.numel() for p in embedding.parameters())
     return n
 

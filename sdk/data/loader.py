@@ -132,9 +132,13 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """A copy with every tensor on `device`."""
-        move = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Batch(
-            **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in move.items()}
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
         )
 
 
@@ -181,7 +185,8 @@ def _pack_row(samples: Sequence[Sample], seq_len: int, pad_id: int) -> Batch:
 def _greedy_rows(lengths: Iterable[int], seq_len: int, max_rows: int | None = None) -> list[int]:
     """Number of samples in each packed row, filling rows in order (next-fit); stops once
     `max_rows` rows are full."""
-    counts, used = [], seq_len + 1
+    counts: list[int] = []
+    used = seq_len + 1
     for n in lengths:
         if n > seq_len:
             raise ValueError(f"a sample of {n} tokens does not fit in seq_len={seq_len}")
@@ -225,7 +230,7 @@ def stack_rows(rows: Sequence[Batch]) -> Batch:
         torch.cat([r.input_ids for r in rows]),
         torch.cat([r.labels for r in rows]),
         torch.cat([r.position_ids for r in rows]),
-        None if masks[0] is None else torch.cat(masks),
+        None if masks[0] is None else torch.cat([m for m in masks if m is not None]),
         sum(r.num_samples for r in rows),
     )
 
@@ -388,11 +393,17 @@ class SFTLoader(EpochOrderLoader):
         self._start_epoch(0)
 
     @property
+    def _row_len(self) -> int:
+        """Tokens per packed row (`seq_len`, checked in __init__ when pack=True)."""
+        assert self.seq_len is not None, "only packed loaders have rows of seq_len"
+        return self.seq_len
+
+    @property
     def batches_per_epoch(self) -> int:
         """Batches in a full epoch. Packed: of the current epoch (packing depends on the order)."""
         if not self.pack:
             return math.ceil(len(self.dataset) / self.batch_size)
-        rows = _greedy_rows([self._lengths[i] for i in self._order], self.seq_len)
+        rows = _greedy_rows([self._lengths[i] for i in self._order], self._row_len)
         return math.ceil(len(rows) / self.batch_size)
 
     def next_batch(self) -> Batch:
@@ -403,7 +414,7 @@ class SFTLoader(EpochOrderLoader):
             rows = [[i] for i in order[start : start + self.batch_size]]
         else:
             lengths = (self._lengths[order[j]] for j in range(start, len(order)))
-            counts = _greedy_rows(lengths, self.seq_len, max_rows=self.batch_size)
+            counts = _greedy_rows(lengths, self._row_len, max_rows=self.batch_size)
             bounds = list(itertools.accumulate(counts, initial=start))
             rows = [order[a:b] for a, b in zip(bounds, bounds[1:])]
         self.offset += sum(len(row) for row in rows)
@@ -423,7 +434,7 @@ class SFTLoader(EpochOrderLoader):
             return collate_padded([self.dataset[i] for row in rows for i in row], self.pad_id)
         return stack_rows(
             [
-                _pack_row([self.dataset[i] for i in row], self.seq_len, self.pad_id)
+                _pack_row([self.dataset[i] for i in row], self._row_len, self.pad_id)
                 for row in rows or [[]]
             ]
         )

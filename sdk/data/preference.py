@@ -88,9 +88,10 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
             index: int, key: str) -> tuple[list[int], list[bool]]:
     """Token ids of prompt + response and the response mask (see the module docstring)."""
     if chat:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         try:
-            prefix = list(tokenizer.render_prompt(prompt))
-            full = tokenizer.render_chat(prompt + [{"role": "assistant", "content": response}])
+            prefix = list(tokenizer.render_prompt(messages))
+            full = tokenizer.render_chat(messages + [{"role": "assistant", "content": response}])
         except ValueError as e:
             raise BadRowError(index, key, "render_error", str(e)) from e
         ids = list(full.input_ids)
@@ -99,6 +100,7 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
                               "prompt differently when a response follows it")
         mask = [bool(m) and t >= len(prefix) for t, m in enumerate(full.loss_mask)]
     else:
+        assert isinstance(prompt, str)  # rows give a str prompt when chat=False
         prefix = tokenizer.encode(prompt, add_bos=True)
         body = tokenizer.encode(response)
         ids, mask = prefix + body, [False] * len(prefix) + [True] * len(body)
@@ -137,7 +139,8 @@ class _RowDataset(Sequence):
             raise ValueError(f"max_seq_len={max_seq_len!r}; must be an integer >= 2")
         self.tokenizer, self.max_seq_len, self.chat = tokenizer, max_seq_len, bool(chat)
         self.on_bad_row, self.pad_id = on_bad_row, tokenizer.pad_id
-        self.stats, self.row_indices, self.reference = DataStats.counting(*PAIR_COUNTS), [], None
+        self.stats, self.reference = DataStats.counting(*PAIR_COUNTS), None
+        self.row_indices: list[int] = []
         self._char_limit = text_char_limit(tokenizer, max_seq_len)
 
     def _bad_row(self, error: BadRowError) -> None:
@@ -226,13 +229,13 @@ class PreferenceDataset(_RowDataset):
             self.stats.samples += 1
             for key in self.REFERENCE_KEYS:
                 self.stats.tokens += len(item[f"{key}_ids"])
-                self.stats.response_tokens += int(item[f"{key}_mask"].sum())
+                self.stats.add("response_tokens", int(item[f"{key}_mask"].sum()))
         self._check_not_empty()
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.items[i]
 
     def sequence(self, i: int, key: str) -> tuple[Tensor, Tensor]:
@@ -283,24 +286,24 @@ class KTODataset(_RowDataset):
             self.row_indices.append(i)
             self.stats.samples += 1
             self.stats.tokens += len(ids)
-            self.stats.response_tokens += sum(mask)
+            self.stats.add("response_tokens", sum(mask))
         if len(kept) < 2:
             raise ValueError(f"KTODataset: {len(kept)} usable row(s) ({self.stats.rows} read, "
                              f"skipped {self.stats.skipped_by_reason}); the KL estimate needs at "
                              "least 2")
-        self.items = []
+        self.items: list[dict[str, Any]] = []
         for j, (prompt, _, desirable, i, ids, mask) in enumerate(kept):
             kl_ids, kl_mask = _render(tokenizer, prompt, kept[j - 1][1], self.chat, i, "kl")
             if len(kl_ids) > max_seq_len:
                 kl_ids, kl_mask = kl_ids[:max_seq_len], kl_mask[:max_seq_len]
-                self.stats.kl_truncated += 1
+                self.stats.add("kl_truncated", 1)
             self.items.append({"completion": _as_tensors(ids, mask),
                                "kl": _as_tensors(kl_ids, kl_mask), "desirable": desirable})
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.items[i]
 
     def sequence(self, i: int, key: str) -> tuple[Tensor, Tensor]:
@@ -403,6 +406,8 @@ class PreferenceLoader(EpochOrderLoader):
     Raises:
         ValueError: for a batch_size below 1 or an empty dataset.
     """
+
+    dataset: PreferenceDataset | KTODataset
 
     def __init__(self, dataset: PreferenceDataset | KTODataset, *, batch_size: int,
                  shuffle: bool = True, seed: int = 0) -> None:

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from posttrain.models.tokenizer import Tokenizer
 
@@ -117,7 +117,13 @@ class DataStats:
     @classmethod
     def counting(cls, *names: str) -> DataStats:
         """Stats that keep the optional counts `names` (starting at 0) and no other."""
-        return cls(**dict.fromkeys(names, 0))
+        return cls(**cast("dict[str, Any]", dict.fromkeys(names, 0)))
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Add `n` to the optional count `name`, which these stats must keep (`counting`)."""
+        value = getattr(self, name)
+        assert value is not None, f"DataStats does not count {name!r} here"
+        setattr(self, name, value + n)
 
     @property
     def skipped(self) -> int:
@@ -206,7 +212,7 @@ def is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def is_frame(source: Any) -> bool:
+def is_frame(source: Any) -> TypeGuard[Any]:
     return type(source).__name__ == "DataFrame" and hasattr(source, "to_dict")
 
 

@@ -341,7 +341,7 @@ class _TokenizedDataset(Sequence):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self.samples[i]
 
     def _bad_row(self, error: BadRowError, on_bad_row: str) -> None:
@@ -354,7 +354,7 @@ class _TokenizedDataset(Sequence):
         self.row_indices.append(index)
         self.stats.samples += 1
         self.stats.tokens += len(sample)
-        self.stats.trained_tokens += sample.num_trained_tokens
+        self.stats.add("trained_tokens", sample.num_trained_tokens)
 
     def _check_not_empty(self, what: str) -> None:
         if not self.samples:
@@ -428,13 +428,13 @@ class SFTDataset(_TokenizedDataset):
                 mask.append(True)
             if len(ids) > max_seq_len:
                 if overlong == "drop":
-                    self.stats.dropped += 1
+                    self.stats.add("dropped", 1)
                     continue
                 ids, mask = ids[:max_seq_len], mask[:max_seq_len]
                 if not any(mask[1:]):
-                    self.stats.dropped += 1
+                    self.stats.add("dropped", 1)
                     continue
-                self.stats.truncated += 1
+                self.stats.add("truncated", 1)
             self._keep(Sample.from_loss_mask(ids, mask), i)
         self._check_not_empty("rows")
 
@@ -484,7 +484,7 @@ class CPTDataset(_TokenizedDataset):
                 continue
             ids = tokenizer.encode(text, add_bos=True, add_eos=True)
             starts = range(0, max(len(ids) - 1, 1), stride)
-            self.stats.split_documents += len(starts) > 1
+            self.stats.add("split_documents", int(len(starts) > 1))
             for s in starts:
                 chunk = ids[s : s + max_seq_len]
                 self._keep(Sample.from_loss_mask(chunk, [True] * len(chunk)), i)

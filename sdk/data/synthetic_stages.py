@@ -25,10 +25,13 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 from posttrain.core.checks import check_int
 from posttrain.core.registry import Registry
+
+if TYPE_CHECKING:
+    from posttrain.models.tokenizer import Tokenizer
 
 __all__ = [
     "Stage",
@@ -123,14 +126,16 @@ def build_stage(spec: Stage | str | tuple | Mapping) -> Stage:
 
 
 _OPTIONS: dict[str, set[str]] = {}
+_C = TypeVar("_C", bound=type)
 
 
-def _register(name: str) -> Callable[[type], type]:
-    """Register a built-in stage class under `name`, remembering its options for messages."""
+def _register(name: str) -> Callable[[_C], _C]:
+    """Register a built-in stage (a dataclass) under `name`, remembering its options."""
 
-    def decorator(cls: type) -> type:
-        _OPTIONS[name] = {f.name for f in dataclasses.fields(cls)}
-        return STAGES.register(name)(cls)
+    def decorator(cls: _C) -> _C:
+        _OPTIONS[name] = {f.name for f in dataclasses.fields(cast(Any, cls))}
+        STAGES.register(name)(cls)
+        return cls
 
     return decorator
 
@@ -212,7 +217,7 @@ class Score:
                 f"per-completion Verifier goes through "
                 f"functools.partial(score_batch, verifier, timeout_s=...))"
             )
-        kept, removed = [], Counter()
+        kept, removed = [], Counter[str]()
         for row, res in zip(rows, results):
             outcome = str(getattr(res.outcome, "value", res.outcome))
             if outcome in FAILED_OUTCOMES:
@@ -338,7 +343,7 @@ class Length:
     min_length: int | None = None
     max_length: int | None = None
     unit: str = "chars"
-    tokenizer: Any = None
+    tokenizer: Tokenizer | None = None
     name: str = "length"
     version = "1"
     needs = ("completion",)
@@ -353,7 +358,8 @@ class Length:
             raise ValueError("Length.unit='tokens' needs a tokenizer (Length(..., tokenizer=tok))")
         if self.min_length is None and self.max_length is None:
             raise ValueError("Length needs min_length, max_length or both")
-        if None not in (self.min_length, self.max_length) and self.min_length > self.max_length:
+        low, high = self.min_length, self.max_length
+        if low is not None and high is not None and low > high:
             raise ValueError(
                 f"Length.min_length={self.min_length} > Length.max_length="
                 f"{self.max_length}; min_length must be <= max_length"
@@ -363,10 +369,15 @@ class Length:
         return {"min_length": self.min_length, "max_length": self.max_length, "unit": self.unit}
 
     def apply(self, rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
-        kept, removed = [], Counter()
+        kept, removed = [], Counter[str]()
+        tokenizer = self.tokenizer
         for row in rows:
             text = row["completion"].strip()
-            size = len(self.tokenizer.encode(text)) if self.unit == "tokens" else len(text)
+            if self.unit == "tokens":
+                assert tokenizer is not None  # __post_init__ refuses unit "tokens" without one
+                size = len(tokenizer.encode(text))
+            else:
+                size = len(text)
             if self.min_length is not None and size < self.min_length:
                 removed["too_short"] += 1
             elif self.max_length is not None and size > self.max_length:
@@ -457,8 +468,8 @@ class Decontaminate:
         return {"n": self.n, "held_out": {str(k): len(v) for k, v in self.held_out.items()}}
 
     def apply(self, rows: list[dict]) -> tuple[list[dict], dict[str, int]]:
-        kept, removed = [], Counter()
-        grams = self._grams
+        kept, removed = [], Counter[str]()
+        grams: dict[tuple[str, ...], str] = vars(self)["_grams"]  # set in __post_init__
         for row in rows:
             hit = next(
                 (

@@ -35,7 +35,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.checks import check_int
 from posttrain.launch.run import JobFailedError, Run
@@ -43,11 +43,14 @@ from posttrain.launch.submit import launch
 from posttrain.rewards.judge_client import JudgeClient
 from posttrain.rewards.judge_server import JudgeJobSpec, ServerSettings, serve_until_stopped
 
+if TYPE_CHECKING:
+    from posttrain.rewards.judges import Judge
+
 __all__ = ["launch_judge", "JudgeJob"]
 
 
 def launch_judge(
-    judge: Any,
+    judge: Judge,
     *,
     executor: str = "local",
     folder: str | os.PathLike | None = None,

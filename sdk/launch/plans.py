@@ -243,7 +243,7 @@ def _with_plan(cfg: Any, where: str, name: str, current: Any, plan: ParallelPlan
         value: Any = plan
     elif isinstance(current, Mapping):
         value = plan.to_dict()
-    elif dataclasses.is_dataclass(current):
+    elif dataclasses.is_dataclass(current) and not isinstance(current, type):
         names = {f.name for f in dataclasses.fields(current)}
         value = dataclasses.replace(
             current, **{k: v for k, v in plan.to_dict().items() if k in names}
@@ -318,7 +318,7 @@ def resolve_plan(
     if plan is not None:
         if not isinstance(plan, ParallelPlan):
             raise TypeError(f"plan={plan!r}; must be a posttrain.train.ParallelPlan or None")
-        if where is None:
+        if where is None or name is None:
             raise ValueError(
                 f"plan={plan} needs a cfg with a {' or '.join(PLAN_FIELDS)} field (a "
                 "dataclass field or dict key) to carry it to the job; got a "
@@ -330,7 +330,7 @@ def resolve_plan(
             )
         cfg = _with_plan(cfg, where, name, current, plan)
         found, where = plan, "plan"  # errors name the keyword the plan came from
-    if found is None:
+    if found is None or where is None:  # plan_of gives both or neither
         return cfg, None
     spec_where, spec = spec_of(cfg)
     check_plan_fits(

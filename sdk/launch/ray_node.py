@@ -229,7 +229,11 @@ def lend_agent_port(sid: int, port: int) -> bool:
     file (then the retries must do); False while the raylet has not started yet.
     """
     try:
-        from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+        # not in the stub of Ray's compiled core (ray/_raylet.pyi), present in the module
+        from ray._raylet import (  # type: ignore[attr-defined]
+            DASHBOARD_AGENT_LISTEN_PORT_NAME,
+            persist_port,
+        )
     except ImportError:
         return True
     raylet = next(
@@ -358,10 +362,10 @@ def reread_ray_config() -> None:
     again after a change (a second cluster in the same process has another token), as Ray's
     own `authentication_token_setup` does (ray 2.60; elsewhere the env must do)."""
     with contextlib.suppress(ImportError, AttributeError):
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # absent from the stub
 
         Config.initialize("")
     with contextlib.suppress(ImportError, AttributeError):
-        from ray._raylet import AuthenticationTokenLoader
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
 
         AuthenticationTokenLoader.instance().reset_cache()

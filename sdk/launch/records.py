@@ -160,7 +160,7 @@ def _no_metrics_class():
 
 def _headline(row: dict[str, Any], limit: int = 2) -> dict[str, Any]:
     """step, loss and the next few numeric metrics of a metrics row."""
-    out = {k: row[k] for k in ("step", "loss") if k in row}
+    out: dict[str, Any] = {k: row[k] for k in ("step", "loss") if k in row}
     for k, v in row.items():
         if len(out) >= limit + 1:
             break

@@ -16,8 +16,9 @@ import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from submitit.core.core import Job
 from submitit.core.utils import JobPaths, pickle_load
 from submitit.local.local import LocalJob
 
@@ -33,6 +34,9 @@ from posttrain.launch.records import (
     last_metrics_row,
     watch_until_done,
 )
+
+if TYPE_CHECKING:
+    from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
 
@@ -99,7 +103,7 @@ class Run:
 
     def __init__(self, job: Any, *, executor: str, folder: Path | None, log_folder: Path | None,
                  out_dir: Path | None, target: str, num_tasks: int, index: int = 0,
-                 plan: Any = None) -> None:
+                 plan: ParallelPlan | None = None) -> None:
         self.job, self.executor, self.folder = job, executor, folder
         self.log_folder, self.out_dir, self.target = log_folder, out_dir, target
         self.num_tasks, self.index, self.plan = num_tasks, index, plan
@@ -113,7 +117,8 @@ class Run:
     # ------------------------------------------------------------- construction
 
     @classmethod
-    def _run_debug(cls, job: Any, name: str, out_dir: Path | None, plan: Any = None) -> Run:
+    def _run_debug(cls, job: Any, name: str, out_dir: Path | None,
+                   plan: ParallelPlan | None = None) -> Run:
         run = cls(job, executor="debug", folder=None, log_folder=None, out_dir=out_dir,
                   target=name, num_tasks=1, plan=plan)
         # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
@@ -166,18 +171,18 @@ class Run:
             if record["host"] != socket.gethostname():
                 raise ValueError(f"{path}: this local job runs on host {record['host']!r}; "
                                  f"attach to it there, not on {socket.gethostname()!r}")
-            job = QuietLocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
+            job: Job[Any] = QuietLocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
         elif executor == "slurm":
             from submitit.slurm.slurm import SlurmJob
 
             job = SlurmJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
         else:
             raise ValueError(f"{path}: executor {executor!r} cannot be attached to")
-        plan = entry.get("plan")  # absent in records written before plans were recorded
-        if plan is not None:
+        plan = None
+        if entry.get("plan") is not None:  # absent in records written before plans were recorded
             from posttrain.train.parallel import ParallelPlan
 
-            plan = ParallelPlan(**plan)
+            plan = ParallelPlan(**entry["plan"])
         return cls(job, executor=executor, folder=path.parent, log_folder=log_folder,
                    out_dir=None if entry["out_dir"] is None else Path(entry["out_dir"]),
                    target=record["name"], num_tasks=len(tasks), index=index, plan=plan)
@@ -186,6 +191,7 @@ class Run:
     def attach_array(cls, folder: str | os.PathLike) -> list[Run]:
         """Every Run recorded in `folder/run.json` (see `attach`)."""
         first = cls.attach(folder, 0)
+        assert first.folder is not None  # an attached run has its launch folder
         count = len(_read_record(first.folder / RUN_FILE)["jobs"])
         return [first] + [cls.attach(first.folder, i) for i in range(1, count)]
 
@@ -198,6 +204,7 @@ class Run:
         if self._final is not None:
             return self._final
         if self.executor == "debug":
+            assert self._debug_outcome is not None  # set by _run_debug
             return "COMPLETED" if self._debug_outcome[0] == "success" else "FAILED"
         outcomes = self._outcomes()
         if self.executor == "local":
@@ -314,6 +321,7 @@ class Run:
         Raises: as `result`.
         """
         if self.executor == "debug":
+            assert self._debug_outcome is not None  # set by _run_debug
             outcome, value = self._debug_outcome
             if outcome == "error":
                 tb = value.__traceback__  # from the target's frame on: skip submitit and _Call

@@ -11,7 +11,10 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "ConversionReport",
@@ -72,23 +75,23 @@ class ConversionReport:
         return text
 
 
-def applied_converters(model: Any) -> tuple[str, ...]:
+def applied_converters(model: nn.Module) -> tuple[str, ...]:
     """Names of the converters applied to `model`, in order (empty for a plain model)."""
     return getattr(model, _ATTR, ())
 
 
-def record_converter(model: Any, name: str) -> None:
+def record_converter(model: nn.Module, name: str) -> None:
     """Note on `model` that converter `name` was applied (what `applied_converters` reads)."""
     setattr(model, _ATTR, applied_converters(model) + (name,))
 
 
-def forget_converter(model: Any, name: str) -> None:
+def forget_converter(model: nn.Module, name: str) -> None:
     """Drop `name` from the converters recorded on `model` (after its effect was undone, e.g.
     adapters merged into the base by `posttrain.models.lora.merge_lora`)."""
     setattr(model, _ATTR, tuple(n for n in applied_converters(model) if n != name))
 
 
-def check_plan_axes(model: Any, plan: Any) -> None:
+def check_plan_axes(model: nn.Module, plan: object) -> None:
     """Raise ValueError if `plan` (a ParallelPlan) uses an axis that a converter applied to
     `model` does not support (`PLAN_AXES`); a plain model passes."""
     used = [axis for axis in _AXES if getattr(plan, axis, 1) > 1]

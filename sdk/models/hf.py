@@ -238,9 +238,10 @@ def _init_rope_buffers(model: nn.Module) -> None:
     seen: set[int] = set()
     with torch.device("cpu"):
         for module in model.modules():
-            if hasattr(module, "rope_init") and id(module) not in seen:
+            rope_init = getattr(module, "rope_init", None)
+            if callable(rope_init) and id(module) not in seen:
                 seen.add(id(module))
-                module.rope_init()
+                rope_init()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,11 +31,15 @@ from typing import Any
 import torch
 
 from posttrain.models import hf_moe
-from posttrain.models.specs import ModelSpec, RopeScaling
+from posttrain.models.specs import Family, ModelSpec, RopeScaling
 
 # model_type in config.json -> ModelSpec.family, HF architecture class (of a dense spec; an MoE
 # spec is written as hf_moe.MODEL_TYPE / hf_moe.ARCHITECTURE).
-_FAMILY_OF_MODEL_TYPE = {"qwen2": "qwen2", "llama": "llama3", hf_moe.MODEL_TYPE: "qwen2"}
+_FAMILY_OF_MODEL_TYPE: dict[str, Family] = {
+    "qwen2": "qwen2",
+    "llama": "llama3",
+    hf_moe.MODEL_TYPE: "qwen2",
+}
 _ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama3": "LlamaForCausalLM"}
 _MODEL_TYPE_OF_FAMILY = {"qwen2": "qwen2", "llama3": "llama"}
 
@@ -99,7 +103,10 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
             f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}"
         )
     family = _FAMILY_OF_MODEL_TYPE[model_type]
-    get = {**_HF_DEFAULTS[model_type], **config}.get
+    merged = {**_HF_DEFAULTS[model_type], **config}
+
+    def get(key: str) -> Any:  # a missing key is None; ModelSpec names it
+        return merged.get(key)
 
     num_heads = get("num_attention_heads")
     num_kv_heads = get("num_key_value_heads")

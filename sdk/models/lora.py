@@ -28,13 +28,16 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from posttrain.models import peft_format
 from posttrain.models.conversion import ConversionReport, forget_converter
+
+if TYPE_CHECKING:
+    from posttrain.models.specs import ModelSpec
 
 __all__ = ["LORA_MODULES", "HF_MODULE_ALIASES", "NF4_NUMEL_MULTIPLE", "ADAPTER_INIT_SEED",
            "LoRAConfig", "apply_lora",
@@ -117,7 +120,9 @@ class LoRAConfig:
 # Apply
 
 
-def apply_lora(model: nn.Module, config: LoRAConfig, *, spec: Any = None) -> ConversionReport:
+def apply_lora(
+    model: nn.Module, config: LoRAConfig, *, spec: ModelSpec | None = None
+) -> ConversionReport:
     """Replace the targeted `nn.Linear` of every transformer layer by a torchtune `LoRALinear`,
     in place, and freeze everything but the adapters.
 
@@ -197,7 +202,7 @@ def _replace_linear(model: nn.Module, name: str, linear: nn.Linear, config: LoRA
 
 
 def _find_targets(model: nn.Module, modules: tuple[str, ...],
-                  spec: Any) -> list[tuple[str, nn.Linear]]:
+                  spec: ModelSpec | None) -> list[tuple[str, nn.Linear]]:
     """(qualified name, linear) of every targeted linear, or ValueError before any change."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -358,7 +363,7 @@ def parameter_bytes(model: nn.Module) -> int:
 # PEFT folders (formats in posttrain.models.peft_format)
 
 
-def save_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: Any,
+def save_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: ModelSpec,
                       base_model_name_or_path: str = "") -> Path:
     """Write the model's adapters as a PEFT LoRA folder: adapter_config.json and
     adapter_model.safetensors (HF key names, llama q/k lora_B rows in HF's order, tensors in the
@@ -393,7 +398,7 @@ def save_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: Any,
     return folder
 
 
-def load_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: Any,
+def load_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: ModelSpec,
                       quantize_base: bool = False) -> ConversionReport:
     """Put the adapters of a PEFT LoRA folder (e.g. written by `peft` itself) onto a plain
     model: `apply_lora` with the folder's r / lora_alpha / lora_dropout / target_modules, then

@@ -275,7 +275,7 @@ class MoEFeedForward(nn.Module):
         out_AD = out_AD * weights_NK.reshape(-1)[order_A].unsqueeze(-1)
         y_ND = torch.zeros_like(x_ND).index_add_(0, token_A, out_AD)
 
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
             y_ND = y_ND + torch.sigmoid(self.shared_expert_gate(x_ND)) * self.shared_expert(x_ND)
         return y_ND.reshape(shape)
 
@@ -317,8 +317,9 @@ def moe_aux_loss(model: nn.Module, *, scaled: bool = False) -> Tensor | None:
             f"MoE layers {missing} (in module order) hold no aux loss: call "
             "moe_aux_loss after a forward pass of the model"
         )
-    total = None
+    total: Tensor | None = None
     for m in layers:
+        assert m.aux_loss is not None  # `missing` above is empty
         term = m.aux_loss * m.router_aux_loss_coef if scaled else m.aux_loss
         total = term if total is None else total + term
     return total

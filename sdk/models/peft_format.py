@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -260,7 +260,13 @@ def tune_to_peft_weights(
         )
     out = {}
     for key, value in adapter_state.items():
-        layer, block, name, ab = _TUNE_KEY.match(key).groups()
+        match = _TUNE_KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"adapter key {key!r} is not a torchtune LoRA key "
+                "(layers.N.attn|mlp.NAME.lora_a|lora_b.weight)"
+            )
+        layer, block, name, ab = match.groups()
         hf = f"model.layers.{layer}.{_HF_BLOCK[block]}.{TUNE_TO_HF_MODULE[name]}"
         out[f"{_PREFIX}{hf}.lora_{ab.upper()}.weight"] = value
     return out
@@ -336,5 +342,5 @@ def _hf_to_tune_rows(t_OR: torch.Tensor, n_heads: int, head_dim: int) -> torch.T
     )
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

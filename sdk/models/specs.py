@@ -16,14 +16,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from posttrain.models.moe import MoEFeedForward
 
-FAMILIES = ("llama3", "qwen2")
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
+
+Family = Literal["llama3", "qwen2"]
+FAMILIES: tuple[Family, ...] = ("llama3", "qwen2")
 MOE_FAMILIES = ("qwen2",)
 # ModelSpec fields that only an MoE spec (num_experts > 0) may change from their defaults.
 _MOE_FIELDS = (
@@ -107,7 +111,7 @@ class ModelSpec:
         ValueError: naming the field, its value and what is allowed.
     """
 
-    family: Literal["llama3", "qwen2"]
+    family: Family
     vocab_size: int
     num_layers: int
     num_heads: int
@@ -372,7 +376,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
     init_std: float = 0.02,
-) -> nn.Module:
+) -> TransformerDecoder:
     """Build the torchtune `TransformerDecoder` for `spec`, initialised for training from scratch.
 
     torchtune's builders keep PyTorch's default initialisation (embeddings N(0, 1)), which gives
@@ -423,7 +427,7 @@ def build_model(
         else:
             model = llama3(**common)
             if spec.rope_scaling is not None:
-                _use_scaled_rope(model, spec)
+                _use_scaled_rope(model, spec, spec.rope_scaling)
             if spec.tie_word_embeddings:
                 del model.output  # an nn.Linear submodule; TiedLinear is a plain callable
                 model.output = TiedLinear(model.tok_embeddings)
@@ -437,8 +441,9 @@ def _init_weights(model: nn.Module, std: float) -> None:
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
         elif hasattr(module, "scale") and isinstance(module.scale, nn.Parameter):
             module.scale.fill_(1.0)  # torchtune RMSNorm
         elif isinstance(module, MoEFeedForward):  # its nn.Linear children are reached above
@@ -446,7 +451,7 @@ def _init_weights(model: nn.Module, std: float) -> None:
                 stacked.normal_(0.0, std)
 
 
-def _use_moe(model: nn.Module, spec: ModelSpec, init_std: float) -> None:
+def _use_moe(model: TransformerDecoder, spec: ModelSpec, init_std: float) -> None:
     for layer in model.layers:
         del layer.mlp
         layer.mlp = MoEFeedForward(
@@ -461,10 +466,9 @@ def _use_moe(model: nn.Module, spec: ModelSpec, init_std: float) -> None:
         )
 
 
-def _use_scaled_rope(model: nn.Module, spec: ModelSpec) -> None:
+def _use_scaled_rope(model: TransformerDecoder, spec: ModelSpec, rs: RopeScaling) -> None:
     from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 
-    rs = spec.rope_scaling
     rope = Llama3ScaledRoPE(
         dim=spec.head_dim,
         max_seq_len=spec.max_seq_len,

@@ -37,7 +37,7 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -50,6 +50,9 @@ from posttrain.notebook.plots import (
     _outcome_columns,
     _png,
 )
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["LiveDashboard", "latest_rollouts", "in_notebook", "TIME_PANEL"]
 
@@ -171,7 +174,8 @@ class LiveDashboard:
             import ipywidgets  # noqa: F401  (fail here, with the real ImportError)
         self.mode = "widget" if widget else "text"
         self.widget = None
-        self.header = self.progress = self.image = self.table = self.out = None
+        unmade: Any = None  # ipywidgets (no type information), made by `display()`
+        self.header = self.progress = self.image = self.table = self.out = unmade
         self.renders = 0
         self.displays = 0
         self.errors: list[str] = []
@@ -179,7 +183,7 @@ class LiveDashboard:
         self._row: dict | None = None
         self._pending = False
         self._next_time = -math.inf
-        self._fig = None
+        self._fig: Figure | None = None
         self._fig_metrics: list[str] | None = None
         self._hooked: Callable | None = None
         self._metrics_checked = False
@@ -206,7 +210,7 @@ class LiveDashboard:
         if not isinstance(step, numbers.Real) or isinstance(step, bool) or not math.isfinite(step):
             self._report(f"dashboard: a row with step={step!r} (not a number) was not shown")
             return
-        step = int(step)
+        step = step if isinstance(step, int) else int(float(step))
         self._trainer, self._row = trainer, {**row, "step": step}
         total = self._total()
         final = total is not None and step >= total
@@ -461,7 +465,8 @@ def _draw_time_split(ax, frame: pd.DataFrame) -> None:
     xlabel = ax.get_xlabel()
     ax.clear()
     columns = _time_columns(frame.columns)
-    mfu = pd.to_numeric(frame["mfu"], errors="coerce").dropna() if "mfu" in frame else ()
+    mfu = (pd.to_numeric(frame["mfu"], errors="coerce").dropna() if "mfu" in frame
+           else pd.Series(dtype=float))
     title = "step time split (s)" + (f", MFU {mfu.iloc[-1]:.2%}" if len(mfu) else "")
     ax.set_title(title, fontsize=9)
     ax.tick_params(labelsize=8)

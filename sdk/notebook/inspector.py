@@ -52,12 +52,15 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from posttrain.rewards.verifier import Outcome
 from posttrain.rl.environment import Group, Trajectory
+
+if TYPE_CHECKING:
+    from posttrain.models.tokenizer import Tokenizer
 
 __all__ = ["rollouts_frame", "save_rollouts", "load_rollouts", "to_groups", "FRAME_COLUMNS",
            "TOKEN_COLUMNS", "ROLLOUTS_FORMAT"]
@@ -81,7 +84,7 @@ _OUTCOMES = tuple(o.value for o in Outcome)
 
 
 def rollouts_frame(source: Any, *, items: Sequence[Any] | Mapping[Any, Any] | None = None,
-                   tokenizer: Any = None, min_reward: float | None = None,
+                   tokenizer: Tokenizer | None = None, min_reward: float | None = None,
                    max_reward: float | None = None, outcome: str | Iterable[str] | None = None,
                    min_len: int | None = None, max_len: int | None = None,
                    tokens: bool = False) -> pd.DataFrame:
@@ -245,7 +248,7 @@ def _attach_items(frame: pd.DataFrame, items: Sequence[Any] | Mapping[Any, Any])
     return frame
 
 
-def _decode_prompts(frame: pd.DataFrame, tokenizer: Any) -> pd.DataFrame:
+def _decode_prompts(frame: pd.DataFrame, tokenizer: Tokenizer) -> pd.DataFrame:
     if "prompt_ids" not in frame.columns or frame["prompt"].notna().all():
         return frame
     frame = frame.copy()
@@ -282,8 +285,8 @@ def _filter(frame: pd.DataFrame, *, min_reward, max_reward, outcome, min_len,
 
 
 def save_rollouts(source: Any, path: str | os.PathLike, *,
-                  items: Sequence[Any] | Mapping[Any, Any] | None = None, tokenizer: Any = None,
-                  append: bool = False) -> int:
+                  items: Sequence[Any] | Mapping[Any, Any] | None = None,
+                  tokenizer: Tokenizer | None = None, append: bool = False) -> int:
     """Write rollouts as JSON lines (one trajectory per line, every frame and token column, plus
     `"rollouts_format": ROLLOUTS_FORMAT`). Floats round-trip exactly; a NaN advantage is
     written as null. Items should hold JSON values (tuples come back as lists; other objects

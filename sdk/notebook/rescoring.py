@@ -26,13 +26,21 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from posttrain.notebook.inspector import _OUTCOMES, rollouts_frame
-from posttrain.rewards.verifier import DEFAULT_MAX_WORKERS, DEFAULT_TIMEOUT_S, score_batch
+from posttrain.rewards.verifier import (
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_TIMEOUT_S,
+    Verifier,
+    score_batch,
+)
+
+if TYPE_CHECKING:
+    from posttrain.models.tokenizer import Tokenizer
 
 __all__ = ["rescore", "compare_rewards", "RESCORE_COLUMNS"]
 
@@ -55,10 +63,10 @@ RESCORE_COLUMNS = (
 
 def rescore(
     source: Any,
-    verifier: Any,
+    verifier: Verifier | Callable[[str, Mapping], Any],
     *,
     items: Sequence[Any] | Mapping[Any, Any] | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     max_workers: int = DEFAULT_MAX_WORKERS,
 ) -> pd.DataFrame:

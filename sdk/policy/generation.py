@@ -20,12 +20,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from posttrain.policy.sampling import FinishReason, _as_tensor, sampling_logprobs
+
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
 
 
 @torch.inference_mode()
@@ -177,6 +181,8 @@ class _GrowingKVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k_cache: Tensor
+        self.v_cache: Tensor
         self.register_buffer(
             "k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False
         )
@@ -229,7 +235,9 @@ def _sdpa_gqa(*, padded: bool):
 
 
 @contextlib.contextmanager
-def _decoding_attention(model: nn.Module, *, batch_size: int, max_len: int, padded: bool):
+def _decoding_attention(
+    model: TransformerDecoder, *, batch_size: int, max_len: int, padded: bool
+) -> Iterator[None]:
     """Prepare every torchtune `MultiHeadAttention` of `model` for incremental decoding, and put
     it back as it was on exit (like torchtune's `local_kv_cache`, fresh caches every call, so the
     "second setup_caches is silently skipped" and "other batch size raises" traps cannot occur).

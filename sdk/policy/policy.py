@@ -372,7 +372,7 @@ class Policy:
 
 
 def generate_for_items(
-    policy: Any,
+    policy: Policy,
     items: Sequence[Mapping[str, Any]],
     *,
     batch_size: int,

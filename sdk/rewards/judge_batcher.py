@@ -59,10 +59,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.checks import check_int
 from posttrain.rewards.verifier import Outcome, VerifierResult
+
+if TYPE_CHECKING:
+    from posttrain.rewards.judges import Judge
 
 __all__ = ["Batcher", "JudgeRequest", "BatchOutput", "ServerShutDown", "result_to_json"]
 
@@ -81,7 +84,7 @@ class JudgeRequest:
     request_id: str
     completions: list[str]
     items: list[dict]
-    future: asyncio.Future = field(default=None, repr=False)  # type: ignore[assignment]
+    future: asyncio.Future = field(default=None, repr=False)  # type: ignore[arg-type]  # set on submit
     enqueued: float = field(default_factory=time.monotonic)
     deadline: float = math.inf
     waiters: int = 0  # HTTP handlers waiting on `future` (a retried id adds one)
@@ -185,7 +188,7 @@ class Batcher:
     """
 
     def __init__(
-        self, judge: Any, *, max_batch_size: int, max_wait_s: float, max_queue: int
+        self, judge: Judge, *, max_batch_size: int, max_wait_s: float, max_queue: int
     ) -> None:
         check_int("max_batch_size", max_batch_size, minimum=1)
         check_int("max_queue", max_queue, minimum=1)

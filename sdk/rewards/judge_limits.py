@@ -117,6 +117,13 @@ class ServerSettings:
         check_fields(self, ("max_wait_s",), low=0, note="seconds")
 
 
+def _surrogate_at(text: str) -> int:
+    """Index of the first lone surrogate in `text`, which `_encodes` found to hold one."""
+    found = _SURROGATE.search(text)
+    assert found is not None, "the text encodes; no surrogate to point at"
+    return found.start()
+
+
 def check_address(host: Any, port: Any, advertise_host: Any = None) -> None:
     """Raise TypeError/ValueError, naming the argument, unless `host` is a non-empty str,
     `port` an int in 0..65535 (0: the system picks) and `advertise_host` None or a non-empty
@@ -262,13 +269,13 @@ def _lone_surrogate(value: Any, loc: list) -> tuple[list, int] | None:
             keys = list(value)
             if not _encodes(keys):
                 key = keys[_first_failing(keys)]
-                return [*loc, "(key)"], _SURROGATE.search(key).start()
+                return [*loc, "(key)"], _surrogate_at(key)
             key = keys[_first_failing([value[k] for k in keys])]
             value, loc = value[key], [*loc, key]
         else:
             index = _first_failing(value)
             value, loc = value[index], [*loc, index]
-    return loc, _SURROGATE.search(value).start()
+    return loc, _surrogate_at(value)
 
 
 def validation_error_response(request: Any, exc: RequestValidationError) -> JSONResponse:
@@ -333,7 +340,8 @@ class BodyLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body, chunks = b"".join(chunks), None
+        body = b"".join(chunks)
+        chunks.clear()
         handed = False
 
         async def replay() -> dict:

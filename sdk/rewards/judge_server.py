@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import html
 import json
 import math
@@ -77,7 +78,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,6 +94,9 @@ from posttrain.rewards.judge_limits import (
     parse_request,
     validation_error_response,
 )
+
+if TYPE_CHECKING:
+    from posttrain.rewards.judges import Judge
 
 __all__ = ["ServerSettings", "JudgeServer", "serve_judge", "build_app", "JudgeJobSpec",
            "serve_until_stopped", "check_address", "JUDGE_PATH"]
@@ -110,7 +114,9 @@ def _response(request_id: str, output: Any) -> dict:
             "queue_s": round(output.queue_s, 6), "judge_s": round(output.judge_s, 6)}
 
 
-def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[FastAPI, Batcher]:
+def build_app(
+    judge: Judge, settings: ServerSettings = ServerSettings()
+) -> tuple[FastAPI, Batcher]:
     """The FastAPI app serving `judge` (the HTTP API of the module docstring) and its `Batcher`
     (started and closed by the app's lifespan)."""
     batcher = Batcher(judge, max_batch_size=settings.max_batch_size,
@@ -131,8 +137,9 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
 
     app = FastAPI(title="posttrain judge", lifespan=lifespan)
 
-    def invalid(request: Any, exc: RequestValidationError) -> JSONResponse:
+    def invalid(request: Any, exc: Exception) -> JSONResponse:
         counters["rejected_invalid"] += 1
+        assert isinstance(exc, RequestValidationError)  # the only class it handles
         return validation_error_response(request, exc)
 
     def too_large() -> None:
@@ -178,7 +185,7 @@ def build_app(judge: Any, settings: ServerSettings = ServerSettings()) -> tuple[
                                   "wait)"}[why]
                 return _refusal(429 if why == "full" else 503, detail, retry_after_s)
             in_flight[body.request_id] = request
-            request.future.add_done_callback(lambda f, rid=body.request_id: remember(rid, f))
+            request.future.add_done_callback(functools.partial(remember, body.request_id))
         request.waiters += 1
         try:
             output = await asyncio.wait_for(asyncio.shield(request.future), timeout_s)
@@ -225,7 +232,7 @@ class JudgeServer:
         settings: its `ServerSettings`.
     """
 
-    def __init__(self, judge: Any, *, host: str, port: int, settings: ServerSettings,
+    def __init__(self, judge: Judge, *, host: str, port: int, settings: ServerSettings,
                  advertise_host: str | None = None, startup_timeout_s: float = 120.0) -> None:
         import uvicorn
 
@@ -244,8 +251,10 @@ class JudgeServer:
         self.host, self.port = host, self._socket.getsockname()[1]
         shown = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)
         self.url = f"http://{f'[{shown}]' if ':' in shown else shown}:{self.port}"
+        # timeout_graceful_shutdown: uvicorn waits with asyncio, so float seconds work too
+        drain_s: Any = settings.drain_timeout_s
         config = uvicorn.Config(self._app, log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=settings.drain_timeout_s)
+                                timeout_graceful_shutdown=drain_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"posttrain-judge-server-{self.port}")
@@ -350,7 +359,7 @@ class JudgeServer:
         return f"<table><tr>{head}</tr><tr>{body}</tr></table>"
 
 
-def serve_judge(judge: Any, *, host: str = "127.0.0.1", port: int = 0,
+def serve_judge(judge: Judge, *, host: str = "127.0.0.1", port: int = 0,
                 advertise_host: str | None = None, settings: ServerSettings | None = None,
                 **options: Any) -> JudgeServer:
     """Serve `judge` over HTTP from this process (a daemon thread); returns a `JudgeServer`.
@@ -414,7 +423,7 @@ class JudgeJobSpec:
             2-core machine).
     """
 
-    judge: Any
+    judge: Judge
     url_file: str
     stop_file: str
     host: str = "127.0.0.1"

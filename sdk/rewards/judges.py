@@ -285,7 +285,8 @@ class LLMJudge:
         for i, (text, why) in zip(where, self._generate(prompts)):
             results[i] = (JudgeResult.failure(Outcome.ERROR, why) if text is None
                           else self._score(text))
-        return results  # type: ignore[return-value]
+        return [r if r is not None else JudgeResult.failure(Outcome.ERROR, "not judged")
+                for r in results]
 
     def _score(self, text: str) -> JudgeResult:
         low, high = self.score_range

@@ -11,7 +11,7 @@ import math
 import numbers
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar, cast
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32, `torch.finfo(torch.float32).max`: the bound of `check_reward`."""
@@ -68,6 +68,9 @@ class Outcome(str, Enum):
         return self.value
 
 
+_R = TypeVar("_R", bound="VerifierResult")  # a subclass's constructors return it
+
+
 @dataclass(frozen=True)
 class VerifierResult:
     """The typed result of one verification.
@@ -112,14 +115,14 @@ class VerifierResult:
         return self.outcome in (Outcome.OK, Outcome.WRONG)
 
     @classmethod
-    def from_score(cls, score: float, reason: str = "") -> VerifierResult:
+    def from_score(cls: type[_R], score: float, reason: str = "") -> _R:
         """`ok` when `score >= 1`, else `wrong` with that score (partial credit is kept)."""
         return cls(score, Outcome.OK if score >= 1.0 else Outcome.WRONG, reason)
 
     @classmethod
-    def failure(cls, outcome: Outcome | str, reason: str) -> VerifierResult:
+    def failure(cls: type[_R], outcome: Outcome | str, reason: str) -> _R:
         """A failed verification (format_error, timeout or error) with score 0.0."""
-        return cls(0.0, outcome, reason)
+        return cls(0.0, cast(Outcome, outcome), reason)  # __post_init__ checks and converts it
 
 
 def coerce_result(value: Any) -> VerifierResult:

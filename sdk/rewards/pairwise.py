@@ -265,7 +265,7 @@ class LLMPairwiseJudge:
                 results[i] = PairwiseResult(PairwiseOutcome.ERROR, None, errors[0], raw)
                 continue
             # a verdict in the B-first order names the swapped positions
-            verdicts, whys = zip(*(self._verdict(t) for t, _ in texts))
+            verdicts, whys = zip(*(self._verdict(t or "") for t, _ in texts))  # no t is None
             if None in verdicts:
                 results[i] = PairwiseResult(
                     PairwiseOutcome.ERROR, None, whys[verdicts.index(None)], raw
@@ -322,7 +322,7 @@ class RewardModelPairwiseJudge:
         n, results = len(items), []
         for r_a, r_b in zip(rewards[:n], rewards[n:]):
             if isinstance(r_a, str) or isinstance(r_b, str):
-                why = r_a if isinstance(r_a, str) else r_b
+                why = r_a if isinstance(r_a, str) else str(r_b)
                 results.append(PairwiseResult(PairwiseOutcome.ERROR, None, why))
                 continue
             diff = r_a - r_b

@@ -42,7 +42,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from torch import Tensor, nn
 from posttrain.data.collate import right_pad
 from posttrain.models.specs import ModelSpec, build_model, get_preset
 from posttrain.rewards.evaluation import wilson_interval
+
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
 
 __all__ = [
     "RewardModel",
@@ -110,7 +113,7 @@ class RewardModel(nn.Module):
         [<class 'float'>, <class 'float'>]
     """
 
-    def __init__(self, backbone: nn.Module, spec: ModelSpec, *, seed: int = 0) -> None:
+    def __init__(self, backbone: TransformerDecoder, spec: ModelSpec, *, seed: int = 0) -> None:
         super().__init__()
         backbone.output = nn.Identity()
         backbone.num_output_chunks = 0

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from posttrain.core.registry import Registry
 from posttrain.rewards.outcome import (
@@ -260,7 +260,7 @@ def as_score_fn(
 
 @dataclass(frozen=True)
 class _ScoreFn:
-    verifier: Any
+    verifier: Verifier | Callable[[str, Mapping], Any]
     timeout_s: float | None
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> float:
@@ -280,7 +280,10 @@ VERIFIERS: Registry[VerifierFactory] = Registry(
 )
 
 
-def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]:
+_F = TypeVar("_F", bound=VerifierFactory)
+
+
+def register_verifier(name: str) -> Callable[[_F], _F]:
     """Decorator registering a verifier factory (usually its class) under `name`
     (see `posttrain.core.registry.Registry` for the rules on registering twice).
 
@@ -294,7 +297,7 @@ def register_verifier(name: str) -> Callable[[VerifierFactory], VerifierFactory]
     Raises:
         ValueError: if `name` is already registered by another definition.
     """
-    return VERIFIERS.register(name)
+    return cast("Callable[[_F], _F]", VERIFIERS.register(name))
 
 
 def get_verifier(name: str, /, **options: Any) -> Verifier:

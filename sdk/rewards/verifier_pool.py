@@ -298,7 +298,7 @@ class WorkerPool:
                                     batch.problem, timeout_s, max_workers)
             for index, result in zip(batch.on_threads, done):
                 batch.results[index] = result
-        return batch.results  # type: ignore[return-value]
+        return batch.results
 
     # ---------------------------------------------------------------- a batch
     def _dispatch(self, worker: WorkerProcess, shipment: _Shipment, batch: _Batch) -> None:
@@ -343,7 +343,7 @@ class WorkerPool:
             worker = by_outbox[outbox]
             call = busy[worker]
             try:
-                reply = pickle.loads(outbox.recv_bytes(MAX_REPLY_BYTES))   # the worker caps
+                reply = pickle.loads(worker.outbox.recv_bytes(MAX_REPLY_BYTES))   # the worker caps
             except (EOFError, OSError, pickle.UnpicklingError):
                 del busy[worker]
                 batch.results[call.index] = self._died(worker, call)
@@ -477,6 +477,7 @@ class WorkerPool:
                 return
             self._workers.discard(worker)
             launcher = self._launcher
+        assert launcher is not None  # made before the first worker started
         launcher.post(worker.proc.wait)
         launcher.post(self._replace)   # keeps the slot (`_alive`) for the replacement
 

@@ -165,7 +165,7 @@ def serve(fd_in: int, fd_out: int) -> None:
         return
     from posttrain.rewards.outcome import VerifierResult, coerce_result, raised_result
 
-    verifiers: dict[int, object] = {}
+    verifiers: dict[int, Callable[[Any, Any], Any]] = {}
     while True:
         try:
             _, index, key, load, payload = pickle.loads(inbox.recv_bytes())
