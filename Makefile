@@ -58,7 +58,8 @@ run: install
 # Slurm tests skip. Chromium for the browser test (scripts/browser-up.sh: root + apt, ~30 s once)
 # is installed when missing and stays; without it the browser test skips. bubblewrap for the code
 # sandbox (scripts/sandbox-up.sh: root + apt, ~3 s once) likewise; without it the sandbox tests skip.
-test: install
+# The static checks (`lint`) run first: a finding stops the run before any test.
+test: install lint
 	up=0; if ! scripts/slurm-up.sh --check; then \
 	  if scripts/slurm-up.sh; then up=1; else echo "local Slurm not started: Slurm tests will skip"; fi; fi; \
 	if ! scripts/browser-up.sh --check; then \
