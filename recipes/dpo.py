@@ -54,7 +54,7 @@ from posttrain.preference import (ShardedPreferenceLoader, compute_reference_log
                                   make_preference_pairs)
 from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import paired_bootstrap_diff
-from posttrain.train import Trainer, get_loss, warmup_cosine_schedule
+from posttrain.train import Trainer, get_loss
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
                                  PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, accuracy_of, accuracy_table, check_gym_task,
@@ -287,10 +287,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
     else:
         loader = ShardedPreferenceLoader(dataset, batch_size=o.batch_size, seed=cfg.seed,
                                          rank=runtime.data_rank, world_size=runtime.data_size)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
-                                  weight_decay=o.weight_decay)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
-                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    optimizer, schedule = o.build(trainable_parameters(policy.model))
     trainer = Trainer(policy.model, optimizer, data=loader, loss=objective,
                       lr_scheduler=schedule, grad_accum_steps=o.grad_accum_steps,
                       max_grad_norm=o.max_grad_norm, run_dir=out, eval_fn=eval_fn,

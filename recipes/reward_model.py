@@ -54,7 +54,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.data import PreferenceDataset, PreferenceLoader
@@ -64,7 +63,7 @@ from posttrain.preference import (BradleyTerryLoss, ShardedPreferenceLoader,
                                   make_preference_pairs)
 from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
-from posttrain.train import Trainer, warmup_cosine_schedule
+from posttrain.train import Trainer
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
                                  PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, check_gym_task, fail, run_fields, start_policy,
@@ -214,10 +213,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
         runtime = parallelize_reward_model(plan, model)
         loader = ShardedPreferenceLoader(train, batch_size=o.batch_size, seed=cfg.seed,
                                          rank=runtime.data_rank, world_size=runtime.data_size)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr,
-                                  weight_decay=o.weight_decay)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
-                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    optimizer, schedule = o.build(trainable_parameters(model))
     trainer = Trainer(model, optimizer, data=loader,
                       loss=BradleyTerryLoss(margin=cfg.margin), lr_scheduler=schedule,
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,

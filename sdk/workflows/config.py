@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,29 @@ class OptimConfig:
         finite(self, at, ("weight_decay",), low=0.0)
         finite(self, at, ("min_lr_ratio",), low=0.0, high=1.0)
 
+    def build(self, params: Iterable[Any]) -> tuple[Any, Any]:
+        """The optimizer and learning-rate schedule these settings describe, over `params`
+        (the parameters that train, e.g. `trainable_parameters(model)`; built after any
+        `ParallelPlan` was applied, which replaces them).
+
+        Returns:
+            `(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay), scheduler)`: the
+            scheduler is `posttrain.train.warmup_cosine_schedule` (a `LambdaLR`): step k of
+            training runs at `lr * k / warmup_steps` during warmup, then cosine to
+            `min_lr_ratio * lr` at `steps`. Gradient clipping (`max_grad_norm`) is the trainer's.
+
+        Raises:
+            ValueError: from the optimizer for empty `params`.
+        """
+        import torch
+
+        from posttrain.train.schedules import warmup_cosine_schedule
+
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+        return optimizer, warmup_cosine_schedule(optimizer, warmup_steps=self.warmup_steps,
+                                                 total_steps=self.steps,
+                                                 min_lr_ratio=self.min_lr_ratio)
+
 
 @dataclass(kw_only=True)
 class BatchOptimConfig(OptimConfig):
@@ -249,6 +272,13 @@ class SFTWarmStartConfig:
         ints(self, at, ("demonstrations",), minimum=1, optional=True)
         positive(self, at, ("lr",))
 
+    def optim(self) -> BatchOptimConfig:
+        """The stage's optimizer settings: `steps` of `batch_size` at `lr`, warmup
+        min(20, steps // 10), the rest `BatchOptimConfig`'s defaults (`.build(params)` makes
+        the optimizer and schedule)."""
+        return BatchOptimConfig(steps=self.steps, lr=self.lr, batch_size=self.batch_size,
+                                warmup_steps=min(20, self.steps // 10))
+
 
 @dataclass(kw_only=True)
 class MoreSFTBaselineConfig:
@@ -265,6 +295,11 @@ class MoreSFTBaselineConfig:
     def check(self, at: str) -> None:
         ints(self, at, ("steps",), minimum=0)
         positive(self, at, ("lr",))
+
+    def warm_start(self, sft: SFTWarmStartConfig) -> SFTWarmStartConfig:
+        """The SFT stage this baseline runs: the recipe's `sft` section (its batch size and
+        demonstrations) with this section's `steps` and `lr`."""
+        return dataclasses.replace(sft, steps=self.steps, lr=self.lr)
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 from posttrain.policy.policy import Policy
@@ -51,7 +50,6 @@ from posttrain.core.checks import check_int
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.core.metrics import read_metrics
 from posttrain.rl.trainer import RLTrainer, ValueHead
-from posttrain.train.schedules import warmup_cosine_schedule
 from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBaselineConfig,
                                         OptimConfig, RLConfig, RLEvalConfig, SamplingConfig,
                                         SFTWarmStartConfig, TaskConfig, fail, ints, run_fields,
@@ -185,10 +183,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if plan is not None:
         runtime = plan.parallelize(policy.model, spec=policy.spec)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
-    optimizer = torch.optim.AdamW(trainable_parameters(policy.model, value_head), lr=o.lr,
-                                  weight_decay=o.weight_decay)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
-                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    optimizer, schedule = o.build(trainable_parameters(policy.model, value_head))
     curve = HeldOutCurve(policy, items, scorer, every=cfg.eval.every,
                          max_new_tokens=cfg.eval.max_new_tokens,
                          path=out / "eval_curve.csv") if cfg.eval.every else None
@@ -287,7 +282,7 @@ def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, a
     policy's per-item pass@1, when `cfg.eval.samples`). `train_s` is the sum of the stage's
     step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
     results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
-                         steps=cfg.baseline.steps, lr=cfg.baseline.lr)
+                         sft=cfg.baseline.warm_start(cfg.sft))
     greedy = read_table(out / "more_sft" / "eval_after.csv", required=True)["correct"].to_numpy()
     train_s = float(read_metrics(out / "more_sft")["step_time_s"].sum())
     baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.core.stage_files import read_stage_file
@@ -39,14 +38,13 @@ from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text
                                 reasoning_gym_sft_rows)
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
-from posttrain.train.schedules import warmup_cosine_schedule
 from posttrain.train.plan_compat import runtime_of
 from posttrain.train.runtime import Runtime
 from posttrain.train.trainer import Trainer
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import (ROOT, BatchOptimConfig, CheckpointConfig, EvalConfig,
-                                        ModelConfig, TaskConfig, choice, fail, flags, ints,
-                                        run_fields, validate)
+                                        ModelConfig, SFTWarmStartConfig, TaskConfig, choice, fail,
+                                        flags, ints, run_fields, validate)
 from posttrain.workflows.parallel import ParallelConfig, check_parallel
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
@@ -293,31 +291,28 @@ def evaluate(policy: Policy, items: list[dict], ds, *, max_new_tokens: int,
 
 
 def warm_start(cfg: Any, out: Path, *, folder: str = "sft", init_from: Path | None = None,
-               steps: int | None = None, lr: float | None = None) -> dict[str, Any]:
+               sft: SFTWarmStartConfig | None = None) -> dict[str, Any]:
     """The SFT stage of a recipe whose `cfg` has `model`, `task`, `eval`, `sft`
     (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/folder` (the
     policy lands in `out/folder/policy`), or, when resuming a run whose stage finished, its saved
     results. Returns the SFT results dict.
 
-    `init_from` (a policy folder), `steps` and `lr` replace the fresh `cfg.model.name` policy and
-    `cfg.sft`'s steps and learning rate: the RL recipes' more-SFT baseline continues the warm
-    start's policy this way on the same demonstrations.
+    `init_from` (a policy folder) replaces the fresh `cfg.model.name` policy and `sft` replaces
+    `cfg.sft` (steps, learning rate, batch, demonstrations; its `optim()` is the stage's
+    optimizer): the RL recipes' more-SFT baseline continues the warm start's policy this way
+    on the same demonstrations (`MoreSFTBaselineConfig.warm_start`).
     """
-    steps = cfg.sft.steps if steps is None else steps
-    lr = cfg.sft.lr if lr is None else lr
+    sft = cfg.sft if sft is None else sft
     task = cfg.task
-    if cfg.sft.demonstrations is not None:  # the first N items of the same generator
-        task = dataclasses.replace(task, train_size=cfg.sft.demonstrations)
+    if sft.demonstrations is not None:  # the first N items of the same generator
+        task = dataclasses.replace(task, train_size=sft.demonstrations)
     model = ModelConfig(name=cfg.model.name,
                         init_from=None if init_from is None else str(init_from))
     sft_cfg = SFTConfig(model=model, task=task,
                         eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
-                        optim=BatchOptimConfig(steps=steps, lr=lr,
-                                               batch_size=cfg.sft.batch_size,
-                                               warmup_steps=min(20, steps // 10)),
-                        checkpoint=CheckpointConfig(every=max(1, steps // 10)), seed=cfg.seed,
-                        out_dir=str(out / folder), resume=cfg.resume, progress=cfg.progress,
-                        parallel=cfg.parallel)
+                        optim=sft.optim(), checkpoint=CheckpointConfig(every=max(1, sft.steps // 10)),
+                        seed=cfg.seed, out_dir=str(out / folder), resume=cfg.resume,
+                        progress=cfg.progress, parallel=cfg.parallel)
     done = _finished_results(out / folder) if cfg.resume else None
     return done if done is not None else run_sft(sft_cfg)
 
@@ -418,10 +413,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
         shard = {"rank": runtime.data_rank, "world_size": runtime.data_size}
     loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
                        seq_len=cfg.max_seq_len if cfg.pack else None, **shard)
-    optimizer = torch.optim.AdamW(trainable_parameters(policy.model), lr=o.lr,
-                                  weight_decay=o.weight_decay)
-    schedule = warmup_cosine_schedule(optimizer, warmup_steps=o.warmup_steps,
-                                      total_steps=o.steps, min_lr_ratio=o.min_lr_ratio)
+    optimizer, schedule = o.build(trainable_parameters(policy.model))
     trainer = Trainer(policy.model, optimizer, data=loader, lr_scheduler=schedule,
                       grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
                       run_dir=out, checkpoint_every=cfg.checkpoint.every,
