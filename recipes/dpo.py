@@ -56,7 +56,7 @@ from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import paired_bootstrap_diff
 from posttrain.train import Trainer, get_loss
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
-                                 PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
+                                 PairsConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, accuracy_of, accuracy_table, check_gym_task,
                                  check_seq_len, difference_line, evaluate, fail, held_out_items,
                                  plot_curves, run_fields, start_policy, start_run, validate,
@@ -67,7 +67,7 @@ from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.config import choice, finite, flags, ints, positive
 from posttrain.workflows.sft import check_task_fits
-from posttrain.workflows.parallel import check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
@@ -116,7 +116,7 @@ class Config:
         steps=150, lr=1e-4, warmup_steps=10, batch_size=32))
     max_seq_len: int = 128
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
     # LoRA / QLoRA adapters and FP8 training of the preference stage (the SFT stage trains in full)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
@@ -208,7 +208,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
     start = time.perf_counter()
     check_task_fits(cfg)
     out = start_run(cfg, sub_runs=("sft",))
-    plan = cfg.parallel.plan()
+    plan = plan_of(cfg)
     writes = plan is None or rank_and_world_size()[0] == 0
     times: dict[str, float] = {}
 

@@ -65,14 +65,14 @@ from posttrain.preference.pairs import usable_pairs
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
 from posttrain.train import Trainer
 from posttrain.workflows import (BatchOptimConfig, CheckpointConfig, EvalConfig, ModelConfig,
-                                 PairsConfig, ParallelConfig, SamplingConfig, SFTWarmStartConfig,
+                                 PairsConfig, SamplingConfig, SFTWarmStartConfig,
                                  TaskConfig, check_gym_task, fail, run_fields, start_policy,
                                  start_run, validate, write_results)
 from posttrain.workflows import cached_pairs, on_rank_zero, stop_if_interrupted
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.config import finite, seeds
 from posttrain.workflows.sft import check_seq_len, check_task_fits
-from posttrain.workflows.parallel import check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
@@ -98,7 +98,7 @@ class Config:
         steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
     margin: float = 0.0                # Bradley-Terry margin (>= 0)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
     # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
@@ -153,7 +153,7 @@ def main(cfg: Config) -> dict[str, Any] | None:
     start = time.perf_counter()
     check_task_fits(cfg)
     out = start_run(cfg, sub_runs=("sft",))
-    plan = cfg.parallel.plan()
+    plan = plan_of(cfg)
     writes = plan is None or rank_and_world_size()[0] == 0
 
     # 1. the policy that samples the pairs

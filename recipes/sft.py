@@ -15,7 +15,8 @@ recipes also use for their SFT warm start.
 Several processes (`posttrain.launch` with more than one task, which initialises
 torch.distributed): data-parallel training of the same global batch; rank 0 evaluates and writes.
 With `parallel.*` set (e.g. `parallel.dp_shard=2 parallel.tp=2` on 4 ranks) the policy is split
-by that `ParallelPlan` (FSDP2 / HSDP / TP); see `posttrain.workflows.ParallelConfig`.
+by that `ParallelPlan` (FSDP2 / HSDP / TP; the section is the plan itself,
+`posttrain.train.ParallelPlan`).
 """
 
 from __future__ import annotations

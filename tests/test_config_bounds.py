@@ -122,6 +122,8 @@ def _leaf(cfg, key: str):
 def _kinds(annotation) -> tuple[set[type], bool]:
     """The types an annotation names (`int | None` -> {int}, True)."""
     args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:  # named values: their type's bad values
+        return {type(a) for a in args}, False
     if type(None) in args:
         return {typing.get_origin(a) or a for a in args if a is not type(None)}, True
     return {typing.get_origin(annotation) or annotation}, False

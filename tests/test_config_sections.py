@@ -13,6 +13,8 @@ half a cosine down to `min_lr_ratio`):
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
@@ -77,3 +79,54 @@ def test_a_learning_rate_typed_on_the_command_line_reaches_the_optimizer(recipe,
     cfg = apply_overrides(cli.load_recipe(recipe).Config(), [f"{key}=0.0123"])
     optimizer, _ = section(cfg).build([torch.nn.Parameter(torch.zeros(1))])
     assert optimizer.param_groups[0]["initial_lr"] == 0.0123
+
+
+# ------------------------------------------------------------------ the parallel section
+def test_dotted_keys_build_the_parallel_plan_itself():
+    from posttrain.train import ParallelPlan
+    from posttrain.workflows import SFTConfig, override, plan_of
+
+    cfg = apply_overrides(SFTConfig(), ["parallel.dp_shard=2", "parallel.pp_schedule=gpipe",
+                                        "parallel.param_dtype=bfloat16",
+                                        "parallel.activation_checkpointing=true"])
+    want = ParallelPlan(dp_shard=2, pp_schedule="gpipe", param_dtype="bfloat16",
+                        activation_checkpointing=True)
+    assert cfg.parallel == want and plan_of(cfg) == want
+    # a YAML preset's nested mapping, and back to the defaults: no plan
+    assert override(cfg, {"parallel": {"dp_shard": 1, "pp_schedule": "1f1b",
+                                       "param_dtype": None,
+                                       "activation_checkpointing": False}}).parallel == \
+        ParallelPlan()
+    assert plan_of(override(cfg, {"parallel": {"dp_shard": 1, "pp_schedule": "1f1b",
+                                               "param_dtype": None,
+                                               "activation_checkpointing": False}})) is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("parallel.tp", 0, r"^Config\.parallel\.tp=0; must be "),
+    ("parallel.dp_shard", True, r"^Config\.parallel\.dp_shard=True; must be "),
+    ("parallel.pp_schedule", "zigzag", r"^Config\.parallel\.pp_schedule='zigzag'; allowed: "
+                                       r"gpipe, 1f1b$"),
+    ("parallel.n_microbatches", 2, r"^Config\.parallel\.n_microbatches=2 needs pp > 1"),
+    ("parallel.cpu_offload", "yes", r"^Config\.parallel\.cpu_offload='yes'; must be a bool$"),
+])
+def test_a_bad_parallel_field_is_named_by_its_dotted_key(key, value, message):
+    """The plan checks itself when built ("ParallelPlan.tp=0; ..."); the config machinery
+    names the field where the user set it."""
+    from posttrain.workflows import SFTConfig, override
+
+    with pytest.raises(ValueError, match=message):
+        override(SFTConfig(), {key: value})
+
+
+def test_the_command_line_types_a_named_value_field():
+    from posttrain.train import ParallelPlan
+    from posttrain.workflows.recipes import config_annotation
+
+    assert typing.get_origin(config_annotation(cli.load_recipe("sft").Config(),
+                                               "parallel.pp_schedule")) is typing.Literal
+    with pytest.raises(ValueError, match=r"Config\.parallel\.pp_schedule='1'; allowed"):
+        apply_overrides(cli.load_recipe("sft").Config(), ["parallel.pp_schedule=1"])
+    assert apply_overrides(cli.load_recipe("sft").Config(), ["parallel.pp=2",
+                                                            "parallel.pp_schedule=1f1b"]
+                           ).parallel == ParallelPlan(pp=2)

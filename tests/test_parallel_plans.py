@@ -340,16 +340,15 @@ def test_plan_sizes_and_mesh_need_a_process_group():
         plan.build_mesh()
 
 
-def test_the_recipes_parallel_section_has_exactly_the_plans_fields_and_defaults():
-    """`posttrain.workflows.ParallelConfig` (mutable, for dotted overrides) mirrors the frozen
-    ParallelPlan field by field: a field added to one and not the other fails here."""
-    import dataclasses
+def test_the_recipes_parallel_section_is_the_plan_and_its_defaults_are_no_plan():
+    """A recipe's `parallel` section is a ParallelPlan (no copy of its fields to drift);
+    `ParallelConfig`, the former copy, is a deprecated alias of it."""
+    from posttrain.workflows import SFTConfig, plan_of
 
-    from posttrain.workflows import ParallelConfig
-
-    def fields(cls):
-        return [(f.name, f.default) for f in dataclasses.fields(cls)]
-
-    assert fields(ParallelConfig) == fields(ParallelPlan)
-    assert ParallelConfig().plan() is None
-    assert ParallelConfig(dp_shard=2, tp=2).plan() == ParallelPlan(dp_shard=2, tp=2)
+    assert type(SFTConfig().parallel) is ParallelPlan
+    assert plan_of(SFTConfig()) is None
+    plan = ParallelPlan(dp_shard=2, tp=2)
+    assert plan_of(SFTConfig(parallel=plan)) is plan
+    with pytest.deprecated_call(match="ParallelConfig is deprecated"):
+        from posttrain.workflows import ParallelConfig
+    assert ParallelConfig is ParallelPlan

@@ -251,10 +251,10 @@ def test_recipes_run_under_a_plan_and_rank_0_writes(tmp_path_factory):
 # ---------------------------------------------------------------------- no processes
 def test_recipe_parallel_sections_are_checked_before_any_work(tmp_path, monkeypatch):
     from posttrain import cli
-    from posttrain.workflows import override
+    from posttrain.workflows import override, plan_of
 
     dpo, grpo = cli.load_recipe("dpo"), cli.load_recipe("grpo")
-    assert dpo.Config().parallel.plan() is None  # the default: no plan
+    assert plan_of(dpo.Config()) is None  # the default: no plan
     with pytest.raises(ValueError, match=r"Config\.parallel does not fit Config\.model: "
                                          r"Config\.parallel\.tp=3 must divide num_heads"):
         override(dpo.Config(), {"parallel.tp": 3})

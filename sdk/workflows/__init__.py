@@ -1,5 +1,5 @@
 """Recipe building blocks: the typed config sections every recipe nests (`ModelConfig`,
-`TaskConfig`, `OptimConfig`, ..., `ParallelConfig`), the one validation path and dotted
+`TaskConfig`, `OptimConfig`, ..., the `parallel` section, a `ParallelPlan`), the one validation path and dotted
 overrides, the SFT stage (`run_sft`, the warm start other recipes begin with), the SFT -> RL
 run (`run_sft_then_rl`), the start/end of a run (config echo, results.json/results.md, the
 curves plot) and its state (`run_state`: finished, running, failed, interrupted, dead).
@@ -33,10 +33,11 @@ from posttrain.workflows.config import (
     validate,
 )
 from posttrain.workflows.parallel import (
-    ParallelConfig,
+    ParallelPlan,
     check_parallel,
     check_world_size,
     model_spec,
+    plan_of,
 )
 from posttrain.workflows.quantization import (
     AdaptersConfig,
@@ -86,9 +87,9 @@ __all__ = [
     "stop_if_interrupted",
     "write_table",
     "ROOT", "SEED_MAX", "BatchOptimConfig", "CheckpointConfig", "EvalConfig", "ModelConfig",
-    "MoreSFTBaselineConfig", "OptimConfig", "PairsConfig", "ParallelConfig", "RLConfig", "RLEvalConfig", "SamplingConfig",
+    "MoreSFTBaselineConfig", "OptimConfig", "PairsConfig", "ParallelPlan", "RLConfig", "RLEvalConfig", "SamplingConfig",
     "SFTWarmStartConfig", "TaskConfig", "config_keys", "fail", "override", "run_fields",
-    "validate", "check_parallel", "check_world_size", "model_spec",
+    "validate", "check_parallel", "check_world_size", "model_spec", "plan_of",
     "AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig",
     "accuracy_of", "accuracy_table", "difference_line", "plot_curves", "start_run",
     "write_results",
@@ -99,3 +100,11 @@ __all__ = [
     "evaluate_suite", "regression_check",
     "RunState", "recorded_run", "run_state", "run_status",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ParallelConfig":  # deprecated: warns, then gives ParallelPlan
+        from posttrain.workflows import parallel
+
+        return parallel.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -453,7 +453,19 @@ def _apply(obj: Any, node: Mapping[str, Any], at: str) -> Any:
             new[name] = {**current, **value}
         else:
             new[name] = value
-    return dataclasses.replace(obj, **new)
+    try:
+        return dataclasses.replace(obj, **new)
+    except (TypeError, ValueError) as e:
+        raise _renamed(e, type(obj).__name__, at) from None
+
+
+def _renamed(error: Exception, cls: str, at: str) -> Exception:
+    """The error of a section that checks itself when built (a `ParallelPlan`: "ParallelPlan.tp=0;
+    must be ..."), naming the field by its dotted path ("Config.parallel.tp=0; must be ...")."""
+    message = str(error)
+    if at == ROOT or not message.startswith(f"{cls}."):
+        return error
+    return type(error)(f"{at}.{message.removeprefix(cls + '.')}")
 
 
 def config_keys(cfg: Any, at: str = "") -> list[str]:

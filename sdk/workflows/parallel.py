@@ -1,23 +1,34 @@
-"""The `parallel` section of the recipes' configs (`ParallelConfig`: the fields of a
-`posttrain.train.ParallelPlan`) and its checks: against the model when the config is validated
+"""The `parallel` section of the recipes' configs: a `posttrain.train.ParallelPlan` itself
+(the config machinery builds it from dotted keys, `parallel.dp_shard=2`, and names a bad field
+`Config.parallel.tp`), the one rule that a plan with every field at its default is no plan
+(`plan_of`), and its checks: against the model when the config is validated
 (`check_parallel`, with the global batches that must split over the data-parallel ranks), and
 against the job's world size when a run starts (`check_world_size`, from `start_run`).
 
+A recipe with a plan applies it to every model it trains (and to the frozen ones it scores
+with) before building the optimizers, passes it to the trainers, and checks it against the
+model and the world size before any work. Every field at its default means no plan: the recipe
+runs as without the section (one process, or plain data-parallel replicas for SFT under a
+process group).
+
+`ParallelConfig`, the section's former class (a copy of the plan's fields), is a deprecated
+alias of `ParallelPlan`.
+
 Example:
-    >>> ParallelConfig().plan() is None            # the default: no plan
+    >>> from dataclasses import dataclass, field
+    >>> @dataclass(kw_only=True)
+    ... class Config:
+    ...     parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    >>> plan_of(Config()) is None                   # the default: no plan
     True
-    >>> str(ParallelConfig(dp_shard=2, tp=2).plan())
+    >>> str(plan_of(Config(parallel=ParallelPlan(dp_shard=2, tp=2))))
     'ParallelPlan(dp_shard=2, tp=2)'
-    >>> sorted(f.name for f in dataclasses.fields(ParallelConfig)) == sorted(
-    ...     f.name for f in dataclasses.fields(ParallelPlan))   # the same fields
-    True
 """
 
 from __future__ import annotations
 
-import dataclasses
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,45 +36,27 @@ from posttrain.models.specs import PRESETS
 from posttrain.train.parallel import ParallelPlan
 from posttrain.workflows.config import ROOT, ModelConfig, fail
 
-__all__ = ["ParallelConfig", "model_spec", "check_parallel", "check_world_size"]
+__all__ = ["ParallelPlan", "plan_of", "model_spec", "check_parallel", "check_world_size"]
+
+NO_PLAN = ParallelPlan()
+"""The section at its defaults: no plan."""
 
 
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How the recipe's models are split over the ranks of a job: the fields of
-    `posttrain.train.ParallelPlan` (dp_replicate x dp_shard x tp x sp x pp x ep = the job's
-    world size; FSDP2 mixed precision, CPU offload, activation checkpointing). Every field at
-    its default means no plan: the recipe runs as without this section (one process, or plain
-    data-parallel replicas for SFT under a process group). With a plan, the recipe applies it
-    to every model it trains (and to the frozen ones it scores with) before building the
-    optimizers, passes it to the trainers, and checks it against the model and the world size
-    before any work (`check_plan_fits`)."""
+def plan_of(cfg: Any) -> ParallelPlan | None:
+    """The `parallel` plan of a recipe config; None when it has no `parallel` section or every
+    field of it is at its default (the one place that rule lives: the recipes run as without
+    the section then)."""
+    plan = getattr(cfg, "parallel", None)
+    return None if plan is None or plan == NO_PLAN else plan
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    sp: int = 1
-    pp: int = 1
-    ep: int = 1
-    pp_schedule: str = "1f1b"
-    n_microbatches: int | None = None
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
 
-    def plan(self) -> ParallelPlan | None:
-        """The `ParallelPlan` of these fields; None when every field is at its default."""
-        fields = dataclasses.asdict(self)
-        if fields == dataclasses.asdict(ParallelConfig()):
-            return None
-        return ParallelPlan(**fields)
-
-    def check(self, at: str) -> None:
-        try:  # every field, also where it equals its default (True == 1 is not a degree)
-            ParallelPlan(**dataclasses.asdict(self))
-        except ValueError as e:  # "ParallelPlan.tp=0; ..." -> "Config.parallel.tp=0; ..."
-            raise ValueError(str(e).replace("ParallelPlan.", f"{at}.")) from None
+def __getattr__(name: str) -> Any:
+    if name == "ParallelConfig":
+        warnings.warn("posttrain.workflows.ParallelConfig is deprecated: a recipe's parallel "
+                      "section is a posttrain.train.ParallelPlan (the same fields)",
+                      DeprecationWarning, stacklevel=2)
+        return ParallelPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_spec(model: ModelConfig) -> Any:
@@ -88,7 +81,7 @@ def check_parallel(cfg: Any, at: str, *, divisible: Iterable[str] = (),
     pairs, prompts) is divisible by the plan's data-parallel size, and the axes in
     `unsupported` (what one of the recipe's stages cannot run under yet) are 1. Nothing to
     check without a plan. The world size is checked when the run starts (`check_world_size`)."""
-    plan = cfg.parallel.plan()
+    plan = plan_of(cfg)
     if plan is None:
         return
     for axis in unsupported:
@@ -118,8 +111,7 @@ def check_world_size(cfg: Any, at: str = ROOT) -> None:
     Raises:
         ValueError: naming `Config.parallel`, the plan's world size and the job's.
     """
-    section = getattr(cfg, "parallel", None)
-    plan = section.plan() if section is not None else None
+    plan = plan_of(cfg)
     if plan is None:
         return
     from posttrain.core.distributed import rank_and_world_size

@@ -179,11 +179,13 @@ def check_converted_run(cfg: Any, at: str, *,
     configs = _configs(cfg)
     if not configs:
         return
-    parallel = getattr(cfg, "parallel", None)
-    if parallel is not None and parallel.plan() is not None:
+    from posttrain.workflows.parallel import plan_of
+
+    plan = plan_of(cfg)
+    if plan is not None:
         used = "adapters.method" if getattr(cfg.adapters, "method", "none") != "none" else \
             "quantization.training"
-        raise ValueError(f"{at}.parallel={parallel.plan()} with {at}.{used} set: a recipe runs "
+        raise ValueError(f"{at}.parallel={plan} with {at}.{used} set: a recipe runs "
                          "adapters and quantised training in one process (set the parallel "
                          "section to its defaults, or use posttrain.train.converters with "
                          "plan.parallelize in your own loop)")

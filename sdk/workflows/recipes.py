@@ -69,6 +69,9 @@ def _coerce(value: str, annotation) -> object:
         if value.lower() in ("none", "null"):
             return None
         annotation = args[0] if len(args) == 1 else str
+    if origin is typing.Literal:  # one of the named values: taken as written
+        annotation = type(args[0]) if args and all(type(a) is type(args[0]) for a in args) \
+            else str
     if annotation is bool:
         if value.lower() in ("1", "true", "yes"):
             return True

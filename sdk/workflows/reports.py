@@ -35,7 +35,7 @@ from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.workflows.config import validate
 from posttrain.workflows.lineage import check_parents, write_lineage
-from posttrain.workflows.parallel import ParallelConfig, check_world_size
+from posttrain.workflows.parallel import ParallelPlan, check_world_size
 
 __all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
            "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
@@ -146,7 +146,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_ADDED_DEFAULTS = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelConfig()).items()}
+_ADDED_DEFAULTS = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelPlan()).items()}
 """Keys that a config.json written before the `parallel` section existed lacks; at these values
 they mean what that run did."""
 

@@ -54,7 +54,7 @@ from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBa
                                         OptimConfig, RLConfig, RLEvalConfig, SamplingConfig,
                                         SFTWarmStartConfig, TaskConfig, fail, ints, run_fields,
                                         validate)
-from posttrain.workflows.parallel import ParallelConfig, check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
@@ -99,7 +99,7 @@ class RLRunConfig:
         steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0))
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
     # LoRA / QLoRA adapters and FP8 training of the RL stage (the SFT stage trains in full);
     # a quantised sampler copy and truncated importance sampling (quantization.rollout*)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
@@ -123,7 +123,7 @@ class RLRunConfig:
                        "None: the RL run starts from its own SFT stage (model.name)")
         check_parallel(self, at, divisible=("rl.prompts_per_step", "sft.batch_size"),
                        unsupported=("sp", "pp", "ep"))  # see posttrain.rl.parallel
-        if self.parallel.plan() is not None:  # rank 0 alone evaluates, on gathered weights
+        if plan_of(self) is not None:  # rank 0 alone evaluates, on gathered weights
             for key, value in (("eval.every", self.eval.every),
                                ("baseline.steps", self.baseline.steps)):
                 if value:
@@ -172,7 +172,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
     if rank_and_world_size()[0] == 0:  # items kept, dropped as held out or for a bad gold
         print(f"RL task: {task.stats()}")
-    algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, cfg.parallel.plan()
+    algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, plan_of(cfg)
     q = cfg.quantization
     if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler
         algo = dataclasses.replace(algo, rollout_correction=q.rollout_correction,

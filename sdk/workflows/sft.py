@@ -9,7 +9,7 @@ Held-out items: `task.eval_size` distinct questions generated from `task.eval_se
 
 Several processes (`posttrain.launch` with more than one task, which initialises
 torch.distributed): data-parallel training of the same global batch; rank 0 evaluates and writes.
-With a `parallel` plan (`ParallelConfig`) the policy is split by it before the optimizer is
+With a `parallel` plan (a `ParallelPlan`) the policy is split by it before the optimizer is
 built, the loader shards over the plan's data-parallel ranks, and after training every rank
 gathers the full weights (`unsharded_policy`) so that rank 0 evaluates and saves a plain policy.
 
@@ -45,7 +45,7 @@ from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import (ROOT, BatchOptimConfig, CheckpointConfig, EvalConfig,
                                         ModelConfig, SFTWarmStartConfig, TaskConfig, choice, fail,
                                         flags, ints, run_fields, validate)
-from posttrain.workflows.parallel import ParallelConfig, check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, finish_quantized,
@@ -95,7 +95,7 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     max_seq_len: int = 128
@@ -402,7 +402,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
 
     # The loader shards each global batch over the ranks of the process group, if there is one
     # (under a plan: over its data-parallel ranks, after the plan split the policy).
-    o, plan = cfg.optim, cfg.parallel.plan()
+    o, plan = cfg.optim, plan_of(cfg)
     # adapters, FP8 or QAT (when the config sets them), before the plan and the optimizer
     reports = convert_for_training(policy.model, cfg, spec=policy.spec, verbose=writes)
     if reports:
