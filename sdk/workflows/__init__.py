@@ -73,6 +73,9 @@ from posttrain.workflows.sft import (
     warm_start,
 )
 from posttrain.workflows.rl import RL_TINY, RLRunConfig, check_gym_task, run_sft_then_rl
+from posttrain.workflows.preference import PreferenceRunConfig, run_preference
+from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
+from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.evaluation import (ExactMatchSet, HumanEvalSet, JudgeWinRateSet,
                                             RegressionError, SuiteResult, evaluate_suite,
                                             regression_check)
@@ -96,6 +99,8 @@ __all__ = [
     "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
     "start_policy", "unsharded_policy", "warm_start",
     "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
+    "PreferenceRunConfig", "run_preference", "RewardModelRunConfig", "run_reward_model",
+    "RecipeRun",
     "ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError", "SuiteResult",
     "evaluate_suite", "regression_check",
     "RunState", "recorded_run", "run_state", "run_status",

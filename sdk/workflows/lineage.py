@@ -64,7 +64,9 @@ PACKAGES = ("torch", "transformers", "trl", "verl", "torchao", "torchtune", "rea
             "numpy", "pandas")
 """Packages whose installed versions a lineage records (those that are installed)."""
 SDK_RECIPES = {"posttrain.workflows.sft.SFTConfig": "sft",
-               "posttrain.workflows.rl.RLRunConfig": "grpo"}
+               "posttrain.workflows.rl.RLRunConfig": "grpo",
+               "posttrain.workflows.preference.PreferenceRunConfig": "dpo",
+               "posttrain.workflows.reward_model.RewardModelRunConfig": "reward_model"}
 """The recipe that runs a config class defined in the SDK (recipes/sft.py: `Config =
 SFTConfig`); a class defined in a recipe file names its recipe by its module."""
 QUESTIONS_HASH_MAX = 50_000

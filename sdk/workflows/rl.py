@@ -36,18 +36,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.core.checks import check_int
-from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.core.distributed import rank_and_world_size
 from posttrain.core.metrics import read_metrics
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBaselineConfig,
@@ -58,12 +56,13 @@ from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
                                               check_converted_run, convert_for_training,
                                               export_adapters, trainable_parameters)
-from posttrain.workflows.run_state import recorded_run
+from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
-                                         read_table, start_run, stop_if_interrupted,
-                                         write_results, write_table)
-from posttrain.workflows.sft import (check_seq_len, check_task_fits, evaluate, held_out_items,
-                                     warm_start)
+                                         read_table, write_table)
+from posttrain.workflows.run_state import recorded_run
+from posttrain.workflows.sft import warm_start
+from posttrain.workflows.task_data import (check_seq_len, evaluate, held_out_items,
+                                           training_task)
 
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
 
@@ -154,25 +153,20 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     Raises ValueError before writing anything if `out_dir` (or its `sft/`) already holds a run
     and `cfg.resume` is False, or the task's data does not fit the config (`check_task_fits`).
     """
-    start = time.perf_counter()
-    check_task_fits(cfg)
-    out = start_run(cfg, sub_runs=("sft",))
+    run = RecipeRun.start(cfg, sub_runs=("sft",))
+    out, plan = run.out, run.plan
 
     # 1. SFT warm start (evaluates before and after on the held-out items)
     sft_results = warm_start(cfg, out)
-    sft_s = time.perf_counter() - start
+    sft_s = run.seconds()
     items, scorer = held_out_items(cfg.task)
 
     # 2. RL from the SFT policy, on the same task without the held-out questions
     policy = Policy.from_pretrained(out / "sft" / "policy")
-    task = ReasoningGymTask(name=cfg.task.name, size=cfg.task.train_size, seed=cfg.seed,
-                            config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
-                            held_out_seed=cfg.task.eval_seed)
-    if [it["question"] for it in task.held_out()] != [it["question"] for it in items]:
-        raise RuntimeError("the RL task's held-out items differ from the SFT stage's")
+    task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
     if rank_and_world_size()[0] == 0:  # items kept, dropped as held out or for a bad gold
         print(f"RL task: {task.stats()}")
-    algo, o, s, plan = cfg.rl.algorithm(), cfg.optim, cfg.sampling, plan_of(cfg)
+    algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling
     q = cfg.quantization
     if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler
         algo = dataclasses.replace(algo, rollout_correction=q.rollout_correction,
@@ -198,14 +192,13 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if curve:  # (one process: refused under a plan, where rank > 0 has no results)
         curve.start(trainer.step_count, sft_results["after"])
     metrics = trainer.fit(o.steps)
-    stop_if_interrupted(trainer, out, {"algo": cfg.rl.algo,
-                                       "after_sft": (sft_results or {}).get("after")})
+    run.stop_if_interrupted(trainer, {"algo": cfg.rl.algo,
+                                      "after_sft": (sft_results or {}).get("after")})
     if plan is not None:
         policy = trainer.gathered_policy()  # every rank; then rank 0 alone evaluates and writes
-        if rank_and_world_size()[0] != 0:
-            barrier()
-            return None
-    rl_s = time.perf_counter() - start - sft_s
+    if run.others_return():
+        return None
+    rl_s = run.seconds() - sft_s
     plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
                 xlabel=f"{cfg.rl.algo} step")
     if curve:
@@ -226,7 +219,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
                "before_sft": sft_results.get("before"), "after_sft": sft_results["after"],
                f"after_{algo_name}": after_rl.as_dict(), "difference": diff,
                "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
-               "sft_s": sft_s, "rl_s": rl_s, "wall_s": time.perf_counter() - start,
+               "sft_s": sft_s, "rl_s": rl_s, "wall_s": run.seconds(),
                "rl_train_s": float(metrics["step_time_s"].sum()),
                "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
                **sampled, **adapters}
@@ -237,14 +230,12 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if q.rollout != "none":
         results["rollout_quantization"] = q.rollout
         results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
-    _write_results(results, out, cfg.task.name, algo_name)
+    _write_results(run, results, cfg.task.name, algo_name)
     if cfg.baseline.steps:  # after the RL results are on disk: a failed baseline loses none
         results.update(_more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item))
-        results["wall_s"] = time.perf_counter() - start
-        _write_results(results, out, cfg.task.name, algo_name)
-    if plan is not None:
-        barrier()  # the other ranks return once the results are on disk
-    return results
+        results["wall_s"] = run.seconds()
+        _write_results(run, results, cfg.task.name, algo_name)
+    return run.done(results)
 
 
 def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
@@ -359,11 +350,12 @@ class HeldOutCurve:
         plt.close(fig)
 
 
-def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> None:
+def _write_results(run: RecipeRun, results: dict[str, Any], task: str, algo: str) -> None:
+    """results.csv (the held-out accuracy of each stage), results.json and results.md."""
     stages = [("before SFT", results["before_sft"]), ("after SFT", results["after_sft"]),
               (f"after {algo.upper()}", results[f"after_{algo}"])]
     write_table(pd.DataFrame([{"stage": name, **r} for name, r in stages if r is not None]),
-                out / "results.csv")
+                run.out / "results.csv")
     lines = [f"# SFT -> {algo.upper()} on {task} {results['task_config']}", "",
              f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
              f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
@@ -398,4 +390,4 @@ def _write_results(results: dict[str, Any], out: Path, task: str, algo: str) -> 
         points = ", ".join(f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"])
         lines += [f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): {points}",
                   ""]
-    write_results(out, results, "\n".join(lines))
+    run.write(results, "\n".join(lines))

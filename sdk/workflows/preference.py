@@ -1,0 +1,322 @@
+"""Preference optimisation on a reasoning-gym task: SFT warm start -> pairs by rejection
+sampling -> DPO (or IPO, SimPO, KTO, ORPO) -> held-out greedy accuracy before and after. The run
+of `recipes/dpo.py` (`PreferenceRunConfig`, `run_preference`).
+
+Stages, all on the reasoning-gym task `task.name` (the task's own question text):
+  1. The starting policy: `model.init_from` (a HF folder), or the SFT warm start
+     (`posttrain.workflows.sft.warm_start`, section `sft`; run folder `sft/`).
+  2. Pairs (`posttrain.workflows.pairs`): `pairs.samples_per_prompt` completions of each of
+     `pairs.num_prompts` training questions from the starting policy (section `sampling`),
+     ranked by the task's verifier; best vs worst where they differ. The last `val_pairs` pairs
+     are kept out of training for the preference metrics. KTO gets each pair as one desirable
+     and one undesirable row.
+  3. Held-out greedy accuracy of the starting policy, and reference log-probs of every pair
+     under it (the reference), once.
+  4. Training with the chosen loss (`posttrain.preference.objectives`), pair-normalised over
+     each step.
+  5. Held-out greedy accuracy of the trained policy on the same `task.eval_size` items
+     (`held_out_items`, never in any training set), 95% Wilson intervals, and the difference
+     with a 95% paired-bootstrap interval.
+
+Run folder: `results.json` / `results.md`, `metrics.jsonl` (per step; eval/val_* = loss, rewards,
+margin and reward accuracy on the held-out pairs), `preference_curves.png`, `pairs.jsonl`,
+`eval_before.csv` / `eval_after.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
+
+With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
+policy are split by it, rank 0 samples the pairs (broadcast to the others) and evaluates (the
+starting policy before the split), the reference log-probs are computed once on the split
+starting policy (it is the reference), the pairs are sharded over the data-parallel ranks
+(`ShardedPreferenceLoader`), and rank 0 saves the gathered weights; only rank 0 returns the
+results (the others None).
+
+Example:
+    >>> PreferenceRunConfig(loss="ipo", label_smoothing=0.1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Config.label_smoothing=0.1; must be 0: it is used by dpo and simpo only, ...
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.data import KTODataset, PreferenceDataset, pairs_to_kto_rows
+from posttrain.preference import compute_reference_logps
+from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
+from posttrain.rewards import paired_bootstrap_diff
+from posttrain.train import Trainer, get_loss
+from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
+                                        ModelConfig, PairsConfig, SamplingConfig,
+                                        SFTWarmStartConfig, TaskConfig, choice, fail, finite,
+                                        flags, ints, positive, run_fields, validate)
+from posttrain.workflows.pairs import pair_loader, sampled_pairs
+from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, trainable_parameters)
+from posttrain.workflows.recipe_run import RecipeRun
+from posttrain.workflows.reports import (accuracy_of, accuracy_table, difference_line,
+                                         plot_curves, read_table, write_table)
+from posttrain.workflows.rl import check_gym_task
+from posttrain.workflows.run_state import recorded_run
+from posttrain.workflows.sft import start_policy, unsharded_policy
+from posttrain.workflows.task_data import (check_seq_len, evaluate, held_out_items,
+                                           training_task)
+
+__all__ = ["PreferenceRunConfig", "run_preference", "LOSSES", "DEFAULT_BETA"]
+
+LOSSES = ("dpo", "ipo", "simpo", "kto", "orpo")
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}
+"""beta when `Config.beta` is None (SimPO's scale is that of per-token averages)."""
+LOSS_OPTIONS = {"beta": "beta", "label_smoothing": "label_smoothing", "loss_type": "dpo_loss_type",
+                "f_divergence_type": "f_divergence_type",
+                "f_alpha_divergence_coef": "f_alpha_divergence_coef", "gamma": "simpo_gamma",
+                "length_normalize": "ipo_length_normalize",
+                "desirable_weight": "kto_desirable_weight",
+                "undesirable_weight": "kto_undesirable_weight"}
+"""The options `build_loss` passes to the loss, and the `Config` field each comes from."""
+
+
+
+@dataclass(kw_only=True)
+class PreferenceRunConfig:
+    """SFT -> rejection-sampled pairs -> preference optimisation -> evaluation: the config of
+    `recipes/dpo.py`. Every field has a default that runs (~10 min on 2 shared CPU cores).
+    Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
+
+    loss: str = "dpo"                  # dpo | ipo | simpo | kto | orpo
+    beta: float | None = None          # None: DEFAULT_BETA[loss]
+    label_smoothing: float = 0.0       # dpo (cDPO) and simpo
+    # loss=dpo only: any DPOTrainer loss_type of TRL 1.16 or "dpop", and its f-divergence
+    # (posttrain.preference.dpo_family), so a loss ablation is one config key
+    dpo_loss_type: str = "sigmoid"
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    simpo_gamma: float = 1.0           # SimPO's target reward margin (>= 0)
+    ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
+    kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
+    kto_undesirable_weight: float = 1.0
+    # the starting policy (also the reference): model.init_from, or SFT of model.name
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=16, every=25))
+    sft: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
+    # pairs by rejection sampling; the last val_pairs are kept out of training
+    pairs: PairsConfig = field(default_factory=PairsConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    val_pairs: int = 64
+    # preference optimisation (optim.batch_size: pairs, or KTO rows, per micro-batch)
+    optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
+        steps=150, lr=1e-4, warmup_steps=10, batch_size=32))
+    max_seq_len: int = 128
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    # LoRA / QLoRA adapters and FP8 training of the preference stage (the SFT stage trains in full)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    seed: int = 0
+    out_dir: str = "runs/dpo"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        choice(f"{at}.loss", self.loss, LOSSES)
+        run_fields(self, at)
+        check_gym_task(self, at)
+        check_seq_len(self, at)
+        ints(self, at, ("val_pairs",), minimum=1)
+        prompts = min(self.pairs.num_prompts, self.task.train_size)
+        if self.val_pairs >= prompts:
+            which = "pairs.num_prompts" if prompts == self.pairs.num_prompts else "task.train_size"
+            raise ValueError(f"{at}.val_pairs={self.val_pairs} must be below {at}.{which}="
+                             f"{prompts}: the pairs come from that many training questions, "
+                             "each giving at most one pair")
+        finite(self, at, ("label_smoothing",))
+        finite(self, at, ("simpo_gamma",), low=0.0)  # SimPO's target reward margin
+        positive(self, at, ("kto_desirable_weight", "kto_undesirable_weight"))
+        flags(self, at, ("ipo_length_normalize",))
+        choice(f"{at}.dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
+        choice(f"{at}.f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
+        for name, default in (("dpo_loss_type", "sigmoid"), ("f_divergence_type", "reverse_kl"),
+                              ("f_alpha_divergence_coef", 0.5)):
+            if self.loss != "dpo" and getattr(self, name) != default:
+                raise fail(f"{at}.{name}", getattr(self, name),
+                           f"{default!r}: it is read by loss='dpo' only, not {self.loss!r}")
+        if self.label_smoothing and self.loss not in ("dpo", "simpo"):
+            raise fail(f"{at}.label_smoothing", self.label_smoothing,
+                       f"0: it is used by dpo and simpo only, and loss={self.loss!r} would "
+                       "ignore it")
+        try:
+            self.build_loss()
+        except ValueError as e:  # "beta=0.0; must be ..." -> "Config.beta=0.0; must be ..."
+            message = str(e)
+            for option, name in LOSS_OPTIONS.items():
+                if message.startswith(f"{option}="):
+                    message = f"{at}.{name}{message.removeprefix(option)}"
+                    break
+            else:
+                message = f"{at}: {message}"
+            raise ValueError(f"{message} (loss={self.loss!r})") from None
+        check_parallel(self, at, divisible=("optim.batch_size",) + (
+            ("sft.batch_size",) if self.model.init_from is None else ()),
+                       unsupported=("pp",))  # the split policy scores the reference
+        check_converted_run(self, at, training=("none", "fp8"))
+
+    def build_loss(self):
+        """The `TrainingLoss` these settings describe."""
+        beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
+        dpo = {"loss_type": self.dpo_loss_type, "f_divergence_type": self.f_divergence_type}
+        if self.f_alpha_divergence_coef != 0.5:  # an error unless the divergence reads it
+            dpo["f_alpha_divergence_coef"] = self.f_alpha_divergence_coef
+        options = {"dpo": {"label_smoothing": self.label_smoothing, **dpo},
+                   "ipo": {"length_normalize": self.ipo_length_normalize},
+                   "simpo": {"gamma": self.simpo_gamma, "label_smoothing": self.label_smoothing},
+                   "kto": {"desirable_weight": self.kto_desirable_weight,
+                           "undesirable_weight": self.kto_undesirable_weight},
+                   "orpo": {}}[self.loss]
+        return get_loss(self.loss, beta=beta, **options)
+
+
+@recorded_run
+def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
+    """Run SFT -> pairs -> preference optimisation -> evaluation; returns the results dict also
+    written to `out_dir/results.json` (under a `parallel` plan on rank 0; None on the other
+    ranks).
+
+    Raises:
+        ValueError: before writing anything if `out_dir` already holds a run and `cfg.resume`
+            is False, `cfg.parallel` does not fit the job, or the task's data does not fit the
+            config (`check_task_fits`); later, if rejection sampling gives too few pairs.
+    """
+    run = RecipeRun.start(cfg, sub_runs=("sft",))
+    out, plan = run.out, run.plan
+    times: dict[str, float] = {}
+
+    # 1. The starting policy (= the reference)
+    policy, _ = start_policy(cfg, out)
+    times["start_policy_s"] = run.seconds()
+
+    # 2. Pairs by rejection sampling on training questions, ranked by the task's verifier
+    items, scorer = held_out_items(cfg.task)
+    task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
+    t0 = time.perf_counter()
+    rows, pair_stats, unusable = sampled_pairs(run, policy, task, max_seq_len=cfg.max_seq_len,
+                                               stats_file="pair_stats.json")
+    times["pairs_s"] = time.perf_counter() - t0
+    if run.writes:
+        print(f"{policy}\npairs: {pair_stats}" + (f", unusable: {unusable}" if unusable else ""))
+    if len(rows) <= cfg.val_pairs:
+        raise ValueError(f"rejection sampling gave {len(rows)} usable pairs, not more than "
+                         f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
+                         "pairs.num_prompts or pairs.samples_per_prompt, or set "
+                         "pairs.reference_answer=true")
+    train_rows, val_rows = rows[:-cfg.val_pairs], rows[-cfg.val_pairs:]
+
+    # 3. Datasets; held-out accuracy and reference log-probs of the starting policy
+    objective = cfg.build_loss()
+    if cfg.loss == "kto":
+        train_rows, val_rows = pairs_to_kto_rows(train_rows), pairs_to_kto_rows(val_rows)
+    dataset_cls = KTODataset if cfg.loss == "kto" else PreferenceDataset
+    dataset = dataset_cls(train_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
+    val_dataset = dataset_cls(val_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
+    # adapters / FP8: the reference is the base (adapters disabled: no second copy in memory)
+    converters = [str(r) for r in convert_for_training(policy.model, cfg, spec=policy.spec,
+                                                       verbose=run.writes)]
+    # the plain policy, evaluated before a plan splits it (rank 0 alone evaluates)
+    before_table = _before(cfg, policy, items, scorer, out) if run.writes else None
+    runtime = None if plan is None else plan.parallelize(policy.model, spec=policy.spec)
+    t0 = time.perf_counter()
+    if objective.needs_reference:  # the starting policy is the reference (split, if planned)
+        compute_reference_logps(policy if runtime is None else runtime, dataset)
+        compute_reference_logps(policy if runtime is None else runtime, val_dataset)
+    times["reference_s"] = time.perf_counter() - t0
+    val_batch = val_dataset.collate(range(len(val_dataset)))
+
+    # 4. Training
+    def eval_fn(model: torch.nn.Module) -> dict[str, float]:
+        return {f"val_{k}": v for k, v in objective.metrics(model, val_batch).items()}
+
+    o = cfg.optim
+    loader = pair_loader(dataset, batch_size=o.batch_size, seed=cfg.seed, runtime=runtime)
+    optimizer, schedule = o.build(trainable_parameters(policy.model))
+    trainer = Trainer(policy.model, optimizer, data=loader, loss=objective,
+                      lr_scheduler=schedule, grad_accum_steps=o.grad_accum_steps,
+                      max_grad_norm=o.max_grad_norm, run_dir=out, eval_fn=eval_fn,
+                      eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
+                      keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
+                      resume=cfg.resume, runtime=runtime)
+    t0 = time.perf_counter()
+    val_start = trainer.evaluate() if trainer.step_count == 0 else {}
+    metrics = trainer.fit(o.steps)
+    run.stop_if_interrupted(trainer, {"loss": cfg.loss, "pairs": pair_stats})
+    times["train_s"] = time.perf_counter() - t0
+    policy = unsharded_policy(policy, trainer.runtime)  # under a plan: every rank gathers
+    if run.others_return():
+        return None
+    plot_curves(metrics, out / "preference_curves.png",
+                [(c, c) for c in ("loss", "eval/val_reward_margin", "eval/val_reward_accuracy")],
+                xlabel=f"{cfg.loss} step")
+
+    # 5. Held-out accuracy after, paired with before on the same items
+    after = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
+    write_table(after.table, out / "eval_after.csv")
+    diff = paired_bootstrap_diff(after.table["correct"].to_numpy(),
+                                 before_table["correct"].to_numpy(), seed=cfg.seed)
+    adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
+    policy.save(out / "policy")
+    results = {"loss": cfg.loss, "objective": repr(objective), "model": cfg.model.name,
+               "init_from": cfg.model.init_from, "params": policy.num_parameters(),
+               "task_config": cfg.task.options, "pairs": pair_stats,
+               "train_samples": len(dataset), "val_samples": len(val_dataset),
+               "data": dataset.stats.as_dict(), "steps": o.steps,
+               "before": accuracy_of(before_table), "after": after.as_dict(), "difference": diff,
+               "val_at_start": val_start,
+               "val_at_end": {c: float(metrics[c].dropna().iloc[-1]) for c in metrics
+                              if str(c).startswith("eval/") and metrics[c].notna().any()},
+               "final_train_loss": float(metrics["loss"].iloc[-1]), **times,
+               "wall_s": run.seconds(), **adapters}
+    if converters:
+        results["converters"] = converters
+    if unusable:
+        results["unusable_pairs"] = unusable
+    run.write(results, _results_markdown(results, cfg.task.name))
+    return run.done(results)
+
+
+def _before(cfg: PreferenceRunConfig, policy, items, scorer, out) -> Any:
+    """The held-out evaluation table of the starting policy, `eval_before.csv` (read back when
+    resuming)."""
+    path = out / "eval_before.csv"
+    table = read_table(path) if cfg.resume else None
+    if table is None:
+        table = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens).table
+        write_table(table, path)
+    return table
+
+
+def _results_markdown(results: dict[str, Any], task: str) -> str:
+    p = results["pairs"]
+    loss = results["loss"].upper()
+    lines = [f"# {loss} on {task} {results['task_config']}", "",
+             f"{results['objective']}, model {results['model']} "
+             f"({results['params'] / 1e6:.2f}M params), {results['steps']} steps, "
+             f"wall {results['wall_s']:.0f} s", "",
+             f"pairs: {p['pairs']} from {p['prompts']} prompts x "
+             f"{p['samples'] // max(p['prompts'], 1)} samples; skipped "
+             f"{p['skipped_all_equal']} all-equal, {p['skipped_too_few']} too few usable; "
+             f"excluded {p['excluded']}; {results['train_samples']} training / "
+             f"{results['val_samples']} validation {'rows' if loss == 'KTO' else 'pairs'}", "",
+             *accuracy_table([(f"{name} {loss}", results[name]) for name in ("before", "after")]),
+             "", difference_line("after minus before", results["difference"]), "",
+             "validation set, start -> end: " + ", ".join(
+                 f"{k.removeprefix('eval/val_')} {v:.3f} -> "
+                 f"{results['val_at_end'].get(k, float('nan')):.3f}"
+                 for k, v in results["val_at_start"].items()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""The start and the end that every recipe's run shares (`RecipeRun`), so that a recipe's entry
+point holds its own stages and nothing else:
+
+    @recorded_run                                      # stopped.json: failed / interrupted
+    def run_x(cfg):
+        run = RecipeRun.start(cfg, sub_runs=("sft",))  # checks, run folder, lock, config.json,
+        ...                                            #   lineage, seed; run.plan: the plan
+        metrics = trainer.fit(steps)
+        run.stop_if_interrupted(trainer, {...})        # Ctrl-C: results.json marked interrupted
+        policy = ...                                   # under a plan: the gathered weights
+        if run.others_return():                        # ranks > 0 wait for rank 0's results
+            return None
+        ...                                            # rank 0: evaluate, save
+        run.write(results, markdown)                   # results.json + results.md
+        return run.done(results)                       # the other ranks are released
+
+What each step does is in `posttrain.workflows.reports` (`start_run`, `stop_if_interrupted`,
+`write_results`), `posttrain.workflows.task_data.check_task_fits` and
+`posttrain.workflows.run_state.recorded_run`; this module puts them in their one order.
+
+Ranks: a run is shared by the ranks of a process group under a `parallel` plan, or with
+`data_parallel` (SFT's plain data parallelism); then rank 0 alone evaluates and writes while the
+others wait, and only rank 0 returns the results. Otherwise every process runs the recipe as
+its own run.
+
+Example:
+    >>> import tempfile
+    >>> from posttrain.workflows.config import TaskConfig
+    >>> from posttrain.workflows.sft import SFTConfig
+    >>> cfg = SFTConfig(task=TaskConfig(eval_size=0, train_size=64),
+    ...                 out_dir=tempfile.mkdtemp() + "/run")
+    >>> run = RecipeRun.start(cfg)
+    >>> run.plan is None, run.writes, (run.out / "config.json").is_file()
+    (True, True, True)
+    >>> run.done({"steps": 0})
+    {'steps': 0}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.train.parallel import ParallelPlan
+from posttrain.workflows.parallel import plan_of
+from posttrain.workflows.reports import start_run, stop_if_interrupted, write_results
+from posttrain.workflows.task_data import check_task_fits
+
+__all__ = ["RecipeRun"]
+
+
+@dataclass(frozen=True)
+class RecipeRun:
+    """A recipe's run between its start and its results.
+
+    Attributes:
+        cfg: the recipe config (validated again at the start).
+        out: the run folder.
+        plan: the config's `ParallelPlan`, or None without one (`plan_of`).
+        shared: whether the ranks of a process group share the run (rank 0 writes).
+        started: `time.perf_counter()` when the run started.
+    """
+
+    cfg: Any
+    out: Path
+    plan: ParallelPlan | None
+    shared: bool
+    started: float
+
+    @classmethod
+    def start(cls, cfg: Any, *, sub_runs: Sequence[str] = (),
+              data_parallel: bool = False) -> RecipeRun:
+        """Start a run of `cfg`: check that the task's data fits it (`check_task_fits`), then
+        `start_run` (refuse a used folder or a changed resume, claim the folder, write
+        config.json and lineage.json, seed torch). `sub_runs`: the stage folders inside it
+        ("sft"); `data_parallel`: the ranks of a process group train one run without a plan.
+
+        Raises:
+            ValueError: before anything is written, naming the field (see `start_run` and
+                `check_task_fits`).
+            RunDirInUseError: if another live process holds the folder.
+        """
+        started = time.perf_counter()
+        check_task_fits(cfg)
+        out = start_run(cfg, sub_runs=sub_runs)
+        plan = plan_of(cfg)
+        return cls(cfg=cfg, out=out, plan=plan, shared=plan is not None or data_parallel,
+                   started=started)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process evaluates and writes: rank 0 of a shared run, or any process
+        running its own."""
+        return not self.shared or rank_and_world_size()[0] == 0
+
+    def seconds(self) -> float:
+        """Wall seconds since the run started."""
+        return time.perf_counter() - self.started
+
+    def stop_if_interrupted(self, trainer: Any, results: dict[str, Any]) -> None:
+        """After `trainer.fit`: on Ctrl-C, results.json marked interrupted (with `results`, what
+        the run knows so far) and `RunInterrupted` (`reports.stop_if_interrupted`)."""
+        stop_if_interrupted(trainer, self.out, results)
+
+    def others_return(self) -> bool:
+        """On the ranks that do not write (a shared run's ranks > 0): wait until rank 0 has
+        written the results (its `done`), then True: the caller returns None. False where this
+        process writes. Call it after the last collective (gathering the weights)."""
+        if self.writes:
+            return False
+        barrier()
+        return True
+
+    def write(self, results: dict[str, Any], markdown: str) -> None:
+        """`results.json` and `results.md` in the run folder (`reports.write_results`)."""
+        write_results(self.out, results, markdown)
+
+    def done(self, results: dict[str, Any]) -> dict[str, Any]:
+        """The end of a run on the writing process: release the ranks waiting in
+        `others_return` (a shared run) and return `results`."""
+        if self.shared:
+            barrier()
+        return results

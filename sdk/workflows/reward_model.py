@@ -1,0 +1,265 @@
+"""A Bradley-Terry reward model from a policy's preference pairs: SFT policy -> pairs by
+rejection sampling -> reward model -> held-out pairwise accuracy. The run of
+`recipes/reward_model.py` (`RewardModelRunConfig`, `run_reward_model`).
+
+Stages, on a reasoning-gym task (the task's own question text):
+  1. The policy: `model.init_from` (a HF folder), or the SFT warm start of a fresh tiny policy
+     (`posttrain.workflows.sft.warm_start`, section `sft`; run folder `sft/`).
+  2. Pairs (`posttrain.workflows.pairs`): `pairs.samples_per_prompt` sampled answers to each of
+     `pairs.num_prompts` questions generated from `prompt_seed`, ranked by the task's verifier;
+     the best against the worst when they rank differently (format_error ranks lowest;
+     timeouts and errors are excluded, counted). The SFT held-out questions never become pair
+     prompts. Pairs go to `pairs.jsonl`.
+  3. Split by question (seeded, `split_by_question`): `held_out_fraction` of the questions give
+     the held-out pairs.
+  4. `RewardModel.from_policy(policy)` (the policy's backbone + a scalar head; Ouyang et al.
+     2022, section 3.5) trained by the `Trainer` with the "bradley_terry" loss; held-out
+     pairwise accuracy (r_chosen > r_rejected, 95% Wilson interval) before and after, and every
+     `eval.every` steps in metrics.jsonl.
+  5. Save `reward_model/` (`RewardModelJudge.from_pretrained` loads it; reloading is checked to
+     give the same accuracy). The policy the pairs were sampled from is `model.init_from`, or
+     `sft/policy/` when the run trained one.
+
+Run folder: `results.json` / `results.md`, `metrics.jsonl`, `checkpoints/`, `pairs.jsonl`,
+`reward_model/`, `sft/` (when the run trained the policy).
+
+With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
+reward model (head included, `parallelize_reward_model`) are split by it, rank 0 samples the
+pairs (broadcast to the others), the pairs are sharded over the data-parallel ranks, every rank
+takes part in the held-out scoring, and rank 0 saves the gathered weights; only rank 0 returns
+the results (the others None).
+
+Example:
+    >>> rows = [{"prompt": p, "chosen": "1", "rejected": "2"} for p in "abcde"]
+    >>> train, held = split_by_question(rows, 0.4, seed=0)
+    >>> len(train), len(held), {r["prompt"] for r in held}.isdisjoint(r["prompt"] for r in train)
+    (3, 2, True)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.data import PreferenceDataset
+from posttrain.preference import (BradleyTerryLoss, gathered_reward_model,
+                                  parallelize_reward_model)
+from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
+from posttrain.train import Trainer
+from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
+                                        ModelConfig, PairsConfig, SamplingConfig,
+                                        SFTWarmStartConfig, TaskConfig, fail, finite, run_fields,
+                                        seeds, validate)
+from posttrain.workflows.pairs import pair_loader, sampled_pairs
+from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
+                                              check_converted_run, convert_for_training,
+                                              export_adapters, trainable_parameters)
+from posttrain.workflows.recipe_run import RecipeRun
+from posttrain.workflows.rl import check_gym_task
+from posttrain.workflows.run_state import recorded_run
+from posttrain.workflows.sft import start_policy
+from posttrain.workflows.task_data import check_seq_len, training_task
+
+__all__ = ["RewardModelRunConfig", "run_reward_model", "split_by_question"]
+
+
+@dataclass(kw_only=True)
+class RewardModelRunConfig:
+    """Policy -> pairs -> Bradley-Terry reward model -> held-out pairwise accuracy: the config
+    of `recipes/reward_model.py`. Every field has a default that runs. Raises ValueError in
+    `__post_init__` naming the dotted field and what is allowed."""
+
+    # the policy that samples the pairs: model.init_from, or SFT of model.name (section sft)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=lambda: TaskConfig(eval_size=200))
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=8, every=50))
+    sft: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
+    # pairs by rejection sampling on prompts generated from prompt_seed (never a held-out question)
+    pairs: PairsConfig = field(default_factory=lambda: PairsConfig(num_prompts=2000))
+    prompt_seed: int = 1
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    held_out_fraction: float = 0.2
+    # reward model (optim.batch_size: pairs per micro-batch)
+    optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
+        steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
+    margin: float = 0.0                # Bradley-Terry margin (>= 0)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    seed: int = 0
+    out_dir: str = "runs/reward_model"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        run_fields(self, at)
+        check_gym_task(self, at, min_eval_size=0)
+        check_seq_len(self, at)
+        seeds(self, at, ("prompt_seed",))
+        finite(self, at, ("margin",), low=0.0)
+        if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
+            raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
+        check_parallel(self, at, divisible=("optim.batch_size",) + (
+            ("sft.batch_size",) if self.model.init_from is None else ()),
+                       unsupported=("sp", "pp", "ep"))  # parallelize_reward_model
+        check_converted_run(self, at, training=("none", "fp8"))
+
+
+@recorded_run
+def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
+    """Run policy -> pairs -> reward model -> held-out pairwise accuracy; returns the results
+    dict also written to `out_dir/results.json` (under a `parallel` plan on rank 0; None on the
+    other ranks).
+
+    Raises:
+        ValueError: before writing anything if `out_dir` (or its `sft/`) already holds a run
+            and `cfg.resume` is False, `cfg.parallel` does not fit the job, or the task's data
+            does not fit the config (`check_task_fits`); later, if the pairs are too few to
+            split.
+        RuntimeError: if the saved reward model does not reproduce the trained one's accuracy.
+    """
+    run = RecipeRun.start(cfg, sub_runs=("sft",))
+    out, plan = run.out, run.plan
+
+    # 1. the policy that samples the pairs
+    policy, sft_results = start_policy(cfg, out)
+    policy_s = run.seconds()
+
+    # 2. pairs by rejection sampling, ranked by the task's verifier; split by question
+    task = training_task(cfg, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed)
+    rows, pair_stats, unusable = sampled_pairs(run, policy, task,
+                                               max_seq_len=policy.spec.max_seq_len,
+                                               stats_file="pairs_stats.json")
+    train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
+    pairs_s = run.seconds() - policy_s
+    if run.writes:
+        print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
+              f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
+              f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else ""))
+
+    # 3. the Bradley-Terry reward model, from the policy's backbone
+    tokenizer = policy.tokenizer
+    train = PreferenceDataset(train_rows, tokenizer, max_seq_len=policy.spec.max_seq_len)
+    held = PreferenceDataset(held_rows, tokenizer, max_seq_len=policy.spec.max_seq_len)
+    held_chosen, held_rejected = _ids(held, range(len(held)))
+
+    def held_out_accuracy(model: RewardModel) -> PairwiseAccuracy:
+        return pairwise_accuracy(model, held_chosen, held_rejected)
+
+    def eval_fn(model: RewardModel) -> dict[str, float]:
+        result = held_out_accuracy(model)
+        return {"pairwise_accuracy": result.accuracy, "bt_loss": result.loss}
+
+    model = RewardModel.from_policy(policy, seed=cfg.seed)
+    converters = [str(r) for r in convert_for_training(model.backbone, cfg, spec=policy.spec,
+                                                       verbose=run.writes)]  # adapters, FP8
+    before = held_out_accuracy(model)
+    # the head too; before the optimizer (the plan replaces the parameters)
+    runtime = None if plan is None else parallelize_reward_model(plan, model)
+    o = cfg.optim
+    loader = pair_loader(train, batch_size=o.batch_size, seed=cfg.seed, runtime=runtime)
+    optimizer, schedule = o.build(trainable_parameters(model))
+    trainer = Trainer(model, optimizer, data=loader,
+                      loss=BradleyTerryLoss(margin=cfg.margin), lr_scheduler=schedule,
+                      grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
+                      run_dir=out, eval_fn=eval_fn, eval_every=cfg.eval.every,
+                      checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
+                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, runtime=runtime)
+    metrics = trainer.fit(o.steps)
+    run.stop_if_interrupted(trainer, {"pairs": pair_stats, "num_pairs": len(rows)})
+    after = held_out_accuracy(model)  # every rank, under a plan
+    fit = pairwise_accuracy(model, *_ids(train, range(min(len(train), 1000))))  # memorisation
+    rm_s = run.seconds() - policy_s - pairs_s
+    model = gathered_reward_model(trainer.runtime)  # under a plan: every rank gathers
+    if run.others_return():
+        return None
+
+    # 4. save (adapters merged into the backbone first); the saved folder must reproduce the
+    # accuracy of the model it holds
+    adapters = export_adapters(model.backbone, cfg, None, spec=policy.spec)
+    if adapters:
+        after = held_out_accuracy(model)  # the merged model, as saved
+    model.save(out / "reward_model", tokenizer)
+    reloaded, _ = load_reward_model(out / "reward_model")
+    reloaded_accuracy = held_out_accuracy(reloaded).accuracy
+    if reloaded_accuracy != after.accuracy:
+        raise RuntimeError(f"the saved reward model gives held-out accuracy {reloaded_accuracy}, "
+                           f"the trained one {after.accuracy}")
+    results = {"model": cfg.model.name if cfg.model.init_from is None else cfg.model.init_from,
+               "params": sum(p.numel() for p in model.parameters()),
+               "policy_held_out_accuracy": (sft_results or {}).get("after"),
+               "pairs": pair_stats, "num_pairs": len(rows), "num_train_pairs": len(train),
+               "num_held_out_pairs": len(held), "before": before.as_dict(),
+               "after": after.as_dict(), "train_pairs_after": fit.as_dict(),
+               "rm_steps": o.steps,
+               "final_loss": float(metrics["loss"].tail(10).mean()),
+               "policy_s": policy_s, "pairs_s": pairs_s, "rm_s": rm_s,
+               "wall_s": run.seconds(), **adapters}
+    if converters:
+        results["converters"] = converters
+    if unusable:
+        results["unusable_pairs"] = unusable
+    run.write(results, _results_markdown(results, cfg.task.name))
+    return run.done(results)
+
+
+def _ids(dataset: PreferenceDataset, indices) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of the chosen and of the rejected sequences of items `indices`."""
+    return ([dataset[i]["chosen_ids"].tolist() for i in indices],
+            [dataset[i]["rejected_ids"].tolist() for i in indices])
+
+
+def split_by_question(rows: list[dict], held_out_fraction: float, *,
+                      seed: int) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): a seeded `held_out_fraction` of the distinct prompts (at
+    least one, at most all but one) and all their pairs are held out, so no held-out prompt is
+    trained on.
+
+    Raises:
+        ValueError: if the pairs come from fewer than two prompts.
+    """
+    questions = sorted({r["prompt"] for r in rows})
+    if len(questions) < 2:
+        raise ValueError(f"{len(rows)} pairs from {len(questions)} prompt(s): too few to split "
+                         "into training and held-out pairs; raise pairs.num_prompts or "
+                         "pairs.samples_per_prompt, train the policy longer (sft.steps), or "
+                         "set pairs.reference_answer=true")
+    random.Random(seed).shuffle(questions)
+    n_held = min(len(questions) - 1, max(1, round(held_out_fraction * len(questions))))
+    held = set(questions[:n_held])
+    return ([r for r in rows if r["prompt"] not in held], [r for r in rows if r["prompt"] in held])
+
+
+def _results_markdown(results: dict[str, Any], task: str) -> str:
+    p = results["pairs"]
+    lines = [f"# Bradley-Terry reward model on {task} pairs ({results['model']}, "
+             f"{results['params'] / 1e6:.2f}M params)", "",
+             f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
+             f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "
+             f"skipped: all equal {p['skipped_all_equal']}, too few {p['skipped_too_few']}; "
+             f"reference answer chosen in {p['reference_chosen']}); {results['num_train_pairs']} "
+             f"train / {results['num_held_out_pairs']} held-out pairs (split by prompt).", "",
+             f"{results['rm_steps']} steps, final loss {results['final_loss']:.4f}; wall "
+             f"{results['wall_s']:.0f} s (policy {results['policy_s']:.0f} s, pairs "
+             f"{results['pairs_s']:.0f} s, reward model {results['rm_s']:.0f} s)", "",
+             "| pairs | accuracy (r_chosen > r_rejected) | 95% Wilson CI | mean margin |"
+             " BT loss | pairs |", "|---|---|---|---|---|---|"]
+    for key, name in (("before", "held-out, before training"),
+                      ("after", "held-out, after training"),
+                      ("train_pairs_after", "training pairs, after")):
+        r = results[key]
+        lines.append(f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
+                     f"{r['ci_high']:.3f}] | {r['mean_margin']:+.3f} | {r['loss']:.4f} | "
+                     f"{r['num_pairs']} |")
+    policy = results.get("policy_held_out_accuracy")
+    if policy:
+        lines += ["", f"sampling policy held-out greedy accuracy {policy['accuracy']:.3f} "
+                      f"[{policy['ci_low']:.3f}, {policy['ci_high']:.3f}]"]
+    return "\n".join(lines) + "\n"
