@@ -15,8 +15,9 @@ import pandas as pd
 import torch
 
 from posttrain.policy import Policy
-from posttrain.workflows import ModelConfig, SamplingConfig, check_seq_len, fail, validate
-from posttrain.workflows.config import folder_path, seeds
+from posttrain.workflows import ModelConfig, SamplingConfig, validate
+from posttrain.workflows.config import fail, folder_path, seeds
+from posttrain.workflows.task_data import check_seq_len
 
 
 @dataclass(kw_only=True)

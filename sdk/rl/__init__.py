@@ -1,9 +1,24 @@
 """Reinforcement learning: environments (tasks), RLAlgorithm, advantages and policy losses on
 verl, rollout, the replay buffer, RLTrainer, and low-bit rollout (a quantised sampler copy, the
-train/infer mismatch, truncated importance sampling).
-"""
+train/infer mismatch, truncated importance sampling). Grouped by purpose, one module each; the
+package exports what a run is assembled from (`__all__`):
 
+    algorithm     algorithms (RLAlgorithm, the advantage / policy-loss registries; the tensor
+                  functions: compute_advantages, policy_loss, kl_loss, ...), config (verl's
+                  configs)
+    environments  environment (Environment, EnvGroupBuilder, Trajectory, Group, the task
+                  registry)
+    rollout       rollout (collect_groups), buffer (ReplayBuffer), lowbit_rollout (a quantised
+                  sampler copy, mismatch metrics, truncated importance sampling)
+    training      trainer (RLTrainer, ValueHead), async_rl (AsyncRLTrainer, RolloutWorker)
+
+The algorithms' tensor functions, verl's configs and the low-bit rollout helpers are imported
+from their modules; the names the package exported before it was grouped (`FORMER_NAMES`)
+still import from it.
+"""
 from __future__ import annotations
+
+from posttrain.core.lazy import lazy_exports
 
 from posttrain.rl.algorithms import (
     RLAlgorithm,
@@ -15,17 +30,8 @@ from posttrain.rl.algorithms import (
     is_group_estimator,
     register_advantage_estimator,
     register_policy_loss,
-    step_units,
-    scores_to_token_rewards,
-    compute_advantages,
-    sequence_advantages,
-    aggregate,
-    kl_loss,
-    policy_loss,
-    value_loss,
 )
 from posttrain.rl.buffer import ReplayBuffer, TRAJECTORY_FIELDS, DATAFRAME_COLUMNS
-from posttrain.rl.config import verl_actor_config, verl_algo_config
 from posttrain.rl.environment import (
     StepResult,
     Environment,
@@ -41,68 +47,36 @@ from posttrain.rl.environment import (
     get_task,
     registered_tasks,
 )
-from posttrain.rl.lowbit_rollout import (
-    ROLLOUT_QUANTIZATIONS,
-    SAMPLER_METRICS,
-    ROLLOUT_IS_METRICS,
-    quantized_rollout_copy,
-    sampler_mismatch_metrics,
-    rollout_correction_weights,
-)
 from posttrain.rl.rollout import collect_groups, outcome_counts
 from posttrain.rl.trainer import RLTrainer, ValueHead, EXCLUDED_OUTCOMES, split_groups, make_batch
 from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
 
 __all__ = [
-    "RLAlgorithm",
-    "LOSS_AGG_MODES",
-    "KL_ESTIMATORS",
-    "ROLLOUT_CORRECTIONS",
-    "advantage_estimators",
-    "policy_losses",
-    "is_group_estimator",
-    "register_advantage_estimator",
-    "register_policy_loss",
-    "step_units",
-    "scores_to_token_rewards",
-    "compute_advantages",
-    "sequence_advantages",
-    "aggregate",
-    "kl_loss",
-    "policy_loss",
-    "value_loss",
-    "ReplayBuffer",
-    "TRAJECTORY_FIELDS",
-    "DATAFRAME_COLUMNS",
-    "verl_actor_config",
-    "verl_algo_config",
-    "StepResult",
-    "Environment",
-    "EnvGroupBuilder",
-    "EnvDataset",
-    "group_rewards",
-    "FINISH_REASONS",
-    "Trajectory",
-    "Group",
-    "TextEpisode",
-    "run_text_episode",
-    "TASKS",
-    "get_task",
-    "registered_tasks",
-    "ROLLOUT_QUANTIZATIONS",
-    "SAMPLER_METRICS",
-    "ROLLOUT_IS_METRICS",
-    "quantized_rollout_copy",
-    "sampler_mismatch_metrics",
-    "rollout_correction_weights",
-    "collect_groups",
-    "outcome_counts",
-    "RLTrainer",
-    "ValueHead",
-    "EXCLUDED_OUTCOMES",
-    "split_groups",
-    "make_batch",
-    "AsyncRLTrainer",
-    "RolloutWorker",
-    "rollout_schedule",
+    # algorithm
+    "RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
+    "advantage_estimators", "policy_losses", "is_group_estimator",
+    "register_advantage_estimator", "register_policy_loss",
+    # environments
+    "StepResult", "Environment", "EnvGroupBuilder", "EnvDataset", "group_rewards",
+    "FINISH_REASONS", "Trajectory", "Group", "TextEpisode", "run_text_episode", "TASKS",
+    "get_task", "registered_tasks",
+    # rollout
+    "collect_groups", "outcome_counts", "ReplayBuffer", "TRAJECTORY_FIELDS", "DATAFRAME_COLUMNS",
+    # training
+    "RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch",
+    "AsyncRLTrainer", "RolloutWorker", "rollout_schedule",
 ]
+
+FORMER_NAMES: dict[str, str] = {
+    **dict.fromkeys(("step_units", "scores_to_token_rewards", "compute_advantages",
+                     "sequence_advantages", "aggregate", "kl_loss", "policy_loss", "value_loss"),
+                    "algorithms"),
+    **dict.fromkeys(("verl_actor_config", "verl_algo_config"), "config"),
+    **dict.fromkeys(("ROLLOUT_QUANTIZATIONS", "SAMPLER_METRICS", "ROLLOUT_IS_METRICS",
+                     "quantized_rollout_copy", "sampler_mismatch_metrics",
+                     "rollout_correction_weights"), "lowbit_rollout"),
+}
+"""Names `posttrain.rl` exported before it was grouped by purpose -> the module that holds each
+(`posttrain.rl.<module>`); `from posttrain.rl import NAME` still works."""
+
+__getattr__, _ = lazy_exports(__name__, {}, former=FORMER_NAMES)

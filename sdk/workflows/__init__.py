@@ -1,8 +1,23 @@
-"""Recipe building blocks: the typed config sections every recipe nests (`ModelConfig`,
-`TaskConfig`, `OptimConfig`, ..., the `parallel` section, a `ParallelPlan`), the one validation path and dotted
-overrides, the SFT stage (`run_sft`, the warm start other recipes begin with), the SFT -> RL
-run (`run_sft_then_rl`), the start/end of a run (config echo, results.json/results.md, the
-curves plot) and its state (`run_state`: finished, running, failed, interrupted, dead).
+"""The recipes' runs and the config sections they are made of. Grouped by purpose, one module
+each; the package exports the runs, their configs and the sections (`__all__`):
+
+    the runs         sft (SFTConfig, run_sft, the SFT warm start), rl (RLRunConfig,
+                     run_sft_then_rl), preference (PreferenceRunConfig, run_preference),
+                     reward_model (RewardModelRunConfig, run_reward_model); what they share:
+                     recipe_run (RecipeRun: a run's start and end), task_data (held-out items,
+                     the checks that the data fits), pairs (rejection-sampled pairs)
+    config sections  config (ModelConfig, TaskConfig, OptimConfig, ...; validate, override,
+                     config_keys), parallel (the section is a ParallelPlan; plan_of),
+                     quantization (adapters, quantised training), field_checks
+    run files        reports (start_run, write_results, tables, plots), run_state (finished,
+                     running, failed, interrupted, dead), lineage (lineage.json, runs_table)
+    running recipes  recipes (by name, presets, overrides), sweep (arms x seeds), arms
+    evaluation       evaluation (evaluate_suite: several sets, one table, regression_check)
+
+The building blocks of a recipe of one's own are imported from their modules
+(`from posttrain.workflows.reports import write_results`). The names the package exported
+before it was grouped (`FORMER_NAMES`: name -> its module) still import from it;
+`ParallelConfig`, the former copy of the plan's fields, is a deprecated alias of `ParallelPlan`.
 
 The top SDK layer below `notebook`: it stands on train, preference, rl, envs and rewards, and
 never imports `posttrain.notebook`. Recipes (`recipes/*.py`) import from here, never from each
@@ -11,9 +26,18 @@ other.
 
 from __future__ import annotations
 
+from typing import Any
+
+from posttrain.core.lazy import lazy_exports
+# the runs and what they share
+from posttrain.workflows.sft import SFTConfig, run_sft, warm_start
+from posttrain.workflows.rl import RL_TINY, RLRunConfig, run_sft_then_rl
+from posttrain.workflows.preference import PreferenceRunConfig, run_preference
+from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
+from posttrain.workflows.recipe_run import RecipeRun
+from posttrain.workflows.task_data import evaluate, held_out_items
+# config sections and the one validation path
 from posttrain.workflows.config import (
-    ROOT,
-    SEED_MAX,
     BatchOptimConfig,
     CheckpointConfig,
     EvalConfig,
@@ -27,89 +51,56 @@ from posttrain.workflows.config import (
     SFTWarmStartConfig,
     TaskConfig,
     config_keys,
-    fail,
     override,
-    run_fields,
     validate,
 )
-from posttrain.workflows.parallel import (
-    ParallelPlan,
-    check_parallel,
-    check_world_size,
-    model_spec,
-    plan_of,
-)
+from posttrain.workflows.parallel import ParallelPlan, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     QuantizationConfig,
     RLQuantizationConfig,
 )
-from posttrain.workflows.reports import (
-    RESUMABLE_KEYS,
-    RunInterrupted,
-    cached_pairs,
-    check_tokenizer_covers_task,
-    on_rank_zero,
-    read_table,
-    stop_if_interrupted,
-    write_table,
-    accuracy_of,
-    accuracy_table,
-    difference_line,
-    plot_curves,
-    start_run,
-    write_results,
-)
-from posttrain.workflows.run_state import RunState, recorded_run, run_state, run_status
-from posttrain.workflows.sft import (
-    MODES,
-    SFTConfig,
-    check_seq_len,
-    evaluate,
-    held_out_items,
-    run_sft,
-    start_policy,
-    unsharded_policy,
-    warm_start,
-)
-from posttrain.workflows.rl import RL_TINY, RLRunConfig, check_gym_task, run_sft_then_rl
-from posttrain.workflows.preference import PreferenceRunConfig, run_preference
-from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
-from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.evaluation import (ExactMatchSet, HumanEvalSet, JudgeWinRateSet,
-                                            RegressionError, SuiteResult, evaluate_suite,
-                                            regression_check)
+# a run's state
+from posttrain.workflows.run_state import RunState, recorded_run, run_state
 
 __all__ = [
-    "RESUMABLE_KEYS",
-    "RunInterrupted",
-    "cached_pairs",
-    "check_tokenizer_covers_task",
-    "on_rank_zero",
-    "read_table",
-    "stop_if_interrupted",
-    "write_table",
-    "ROOT", "SEED_MAX", "BatchOptimConfig", "CheckpointConfig", "EvalConfig", "ModelConfig",
-    "MoreSFTBaselineConfig", "OptimConfig", "PairsConfig", "ParallelPlan", "RLConfig", "RLEvalConfig", "SamplingConfig",
-    "SFTWarmStartConfig", "TaskConfig", "config_keys", "fail", "override", "run_fields",
-    "validate", "check_parallel", "check_world_size", "model_spec", "plan_of",
-    "AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig",
-    "accuracy_of", "accuracy_table", "difference_line", "plot_curves", "start_run",
-    "write_results",
-    "MODES", "SFTConfig", "check_seq_len", "evaluate", "held_out_items", "run_sft",
-    "start_policy", "unsharded_policy", "warm_start",
-    "RL_TINY", "RLRunConfig", "check_gym_task", "run_sft_then_rl",
+    # the runs
+    "SFTConfig", "run_sft", "warm_start", "RLRunConfig", "run_sft_then_rl", "RL_TINY",
     "PreferenceRunConfig", "run_preference", "RewardModelRunConfig", "run_reward_model",
-    "RecipeRun",
-    "ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError", "SuiteResult",
-    "evaluate_suite", "regression_check",
-    "RunState", "recorded_run", "run_state", "run_status",
+    "RecipeRun", "held_out_items", "evaluate",
+    # config sections
+    "ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
+    "EvalConfig", "RLEvalConfig", "CheckpointConfig", "SFTWarmStartConfig",
+    "MoreSFTBaselineConfig", "PairsConfig", "RLConfig", "AdaptersConfig", "QuantizationConfig",
+    "RLQuantizationConfig", "ParallelPlan", "plan_of", "config_keys", "override", "validate",
+    # a run's state
+    "RunState", "run_state", "recorded_run",
 ]
 
+FORMER_NAMES: dict[str, str] = {
+    **dict.fromkeys(("ROOT", "SEED_MAX", "fail", "run_fields"), "config"),
+    **dict.fromkeys(("check_parallel", "check_world_size", "model_spec"), "parallel"),
+    **dict.fromkeys(("RESUMABLE_KEYS", "RunInterrupted", "cached_pairs",
+                     "check_tokenizer_covers_task", "on_rank_zero", "read_table",
+                     "stop_if_interrupted", "write_table", "accuracy_of", "accuracy_table",
+                     "difference_line", "plot_curves", "start_run", "write_results"), "reports"),
+    "run_status": "run_state",
+    **dict.fromkeys(("MODES", "start_policy", "unsharded_policy"), "sft"),
+    "check_seq_len": "task_data",
+    "check_gym_task": "rl",
+    **dict.fromkeys(("ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError",
+                     "SuiteResult", "evaluate_suite", "regression_check"), "evaluation"),
+}
+"""Names `posttrain.workflows` exported before it was grouped by purpose -> the module that holds
+each now (`posttrain.workflows.<module>`); `from posttrain.workflows import NAME` still works."""
 
-def __getattr__(name: str):
+
+_former, _ = lazy_exports(__name__, {}, former=FORMER_NAMES)
+
+
+def __getattr__(name: str) -> Any:
     if name == "ParallelConfig":  # deprecated: warns, then gives ParallelPlan
         from posttrain.workflows import parallel
 
         return parallel.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _former(name)
