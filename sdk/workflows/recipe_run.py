@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.train.engine import Engine
 from posttrain.train.parallel import ParallelPlan
 from posttrain.workflows.parallel import plan_of
 from posttrain.workflows.reports import start_run, stop_if_interrupted, write_results
@@ -101,7 +102,7 @@ class RecipeRun:
         """Wall seconds since the run started."""
         return time.perf_counter() - self.started
 
-    def stop_if_interrupted(self, trainer: Any, results: dict[str, Any]) -> None:
+    def stop_if_interrupted(self, trainer: Engine, results: dict[str, Any]) -> None:
         """After `trainer.fit`: on Ctrl-C, results.json marked interrupted (with `results`, what
         the run knows so far) and `RunInterrupted` (`reports.stop_if_interrupted`)."""
         stop_if_interrupted(trainer, self.out, results)

@@ -33,6 +33,7 @@ from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.stage_files import count_lines, read_stage_file, write_stage_file
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
+from posttrain.train.engine import Engine
 from posttrain.workflows.config import validate
 from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelPlan, check_world_size
@@ -288,7 +289,7 @@ def on_rank_zero(make: Any) -> Any:
     return box[0]
 
 
-def stop_if_interrupted(trainer: Any, out: Path, results: dict[str, Any]) -> None:
+def stop_if_interrupted(trainer: Engine, out: Path, results: dict[str, Any]) -> None:
     """After `trainer.fit`: if it stopped on Ctrl-C, write `results.json` / `results.md` marked
     interrupted with the real step count and raise `RunInterrupted` (so no later stage starts
     and the command line exits non-zero). Rank 0 writes; every rank raises."""
