@@ -18,7 +18,8 @@ from posttrain.rewards.judge_limits import ServerSettings
 from posttrain.train import ParallelPlan
 from posttrain.verifiers.sandbox import SandboxLimits
 from posttrain.workflows import field_checks
-from posttrain.workflows.parallel import ParallelConfig
+from posttrain.workflows import SFTConfig
+from posttrain.workflows.config import override
 
 SEED_MAX = 4294967295
 
@@ -116,7 +117,7 @@ def test_check_fields_names_the_class_or_the_given_section():
     (lambda: ParallelPlan(tp=0), "ParallelPlan.tp=0; must be an integer >= 1"),
     (lambda: ParallelPlan(pp=2, n_microbatches=0),
      "ParallelPlan.n_microbatches=0; must be an integer >= 1 or None (= pp)"),
-    (lambda: ParallelConfig(dp_shard=0).check("Config.parallel"),
+    (lambda: override(SFTConfig(), {"parallel.dp_shard": 0}),  # a recipe's parallel section
      "Config.parallel.dp_shard=0; must be an integer >= 1"),
     (lambda: field_checks.seeds(SimpleNamespace(seed=2**32), "Config", ("seed",)),
      f"Config.seed={2**32}; must be an integer in [0, {SEED_MAX}] (a seed)"),
