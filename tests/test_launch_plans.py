@@ -219,7 +219,10 @@ def test_preempted_sharded_job_is_requeued_and_resumes_bitwise(jobs, executor):
         assert r["rows"] == list(range(1, steps + 1))
         assert r["preempted"] == r["uninterrupted"]["losses"]  # bitwise
     log = run.logs(tail=None)
-    assert log.count("Starting with JobEnvironment") == 2 and "Requeued job" in log
+    # two starts of the same job (the requeue itself is `resumed` above); submitit's own
+    # "Requeued job" line is not asserted: the first attempt is killed right after writing it,
+    # and on a loaded machine the line was missing from the log while the requeue had happened
+    assert log.count("Starting with JobEnvironment") == 2
     for task in (1, 2, 3):
         assert "leaves after the preemption signal" in run.logs(tail=None, stream="stderr",
                                                                  task=task)
