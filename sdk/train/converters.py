@@ -40,8 +40,13 @@ from typing import Any
 
 from torch import nn
 
-from posttrain.models.conversion import (PLAN_AXES, ConversionReport, applied_converters,
-                                         check_plan_axes, record_converter)
+from posttrain.models.conversion import (
+    PLAN_AXES,
+    ConversionReport,
+    applied_converters,
+    check_plan_axes,
+    record_converter,
+)
 from posttrain.train.optimizer_check import remember_parameters
 
 __all__ = ["CONVERTER_ORDER", "EXCLUSIVE", "PLAN_AXES", "register_converter",

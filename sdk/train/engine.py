@@ -53,8 +53,14 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core import preemption
-from posttrain.core.checkpoint import (capture_rng_state, check_new_run_dir, latest_checkpoint,
-                                       load_checkpoint, resolve_checkpoint, restore_rng_state)
+from posttrain.core.checkpoint import (
+    capture_rng_state,
+    check_new_run_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    restore_rng_state,
+)
 from posttrain.core.checks import check_int
 from posttrain.core.distributed import device_of, rank_and_world_size
 from posttrain.core.metrics import MetricsLog
@@ -111,7 +117,8 @@ class Engine(abc.ABC):
             raise ValueError("checkpoint_every, resume=True and tensorboard need a run_dir")
         self.rank, self.world_size = rank_and_world_size()
         self.runtime = runtime
-        self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.max_grad_norm = max_grad_norm
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.checkpoint_every, self.keep_last = checkpoint_every, keep_last
         self.progress, self.callbacks = progress, list(callbacks)
@@ -164,13 +171,13 @@ class Engine(abc.ABC):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
+    def _load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Restore what `_extra_state` added to the train state (nothing by default)."""
 
     def _fixed_settings(self) -> dict[str, Any]:
         return {}
 
-    def _check_can_save(self) -> None:
+    def _check_can_save(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Raise ValueError if a checkpoint could not be resumed from (fine by default)."""
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
@@ -219,11 +226,11 @@ class Engine(abc.ABC):
         Each `step()` records its row (metrics.jsonl on rank 0, TensorBoard, callbacks) and
         saves a checkpoint when one is due, in `_complete_step`; `fit` adds the progress bar,
         the preemption boundary after every step (checkpoint, then requeue) and the checkpoint
-        at the end. A KeyboardInterrupt (Ctrl-C) stops the run at a whole step: the step in flight is
-        rolled back, or finished when its update had begun; a checkpoint of the last whole step
-        is saved (when checkpointing is on), `interrupted` is set, a line says where it stopped,
-        and `fit` returns. Call it again to continue. At the end a checkpoint is saved if
-        `checkpoint_every` is set and the last step has none yet.
+        at the end. A KeyboardInterrupt (Ctrl-C) stops the run at a whole step: the step in
+        flight is rolled back, or finished when its update had begun; a checkpoint of the last
+        whole step is saved (when checkpointing is on), `interrupted` is set, a line says where
+        it stopped, and `fit` returns. Call it again to continue. At the end a checkpoint is
+        saved if `checkpoint_every` is set and the last step has none yet.
 
         Returns:
             `self.metrics`.
@@ -250,7 +257,8 @@ class Engine(abc.ABC):
                 return self.metrics
             finally:
                 bar.close()
-            if self.checkpoint_every and self.step_count and self._last_saved_step != self.step_count:
+            unsaved = self._last_saved_step != self.step_count
+            if self.checkpoint_every and self.step_count and unsaved:
                 self.save_checkpoint()
         return self.metrics
 

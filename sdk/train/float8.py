@@ -71,7 +71,8 @@ class Float8Config:
         skip_modules: modules kept in high precision, matched against the last component of a
             module's name ("output", "w2") or its full name ("layers.0.mlp.w2"). The default
             keeps the output projection (the logits are sensitive to rounding; torchtitan's
-            float8 converter skips it by default, `filter_fqns = ["output"]`). Every entry must name some module.
+            float8 converter skips it by default, `filter_fqns = ["output"]`). Every entry must
+            name some module.
         fsdp_float8_all_gather: with "tensorwise", mark the converted weights so FSDP2
             all-gathers them already cast to float8 (torchao `enable_fsdp_float8_all_gather`);
             without FSDP2 it changes nothing. torchao supports it for "tensorwise" only: with

@@ -52,8 +52,9 @@ def evaluate_model(model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str,
     for key, value in result.items():
         try:
             value = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"eval_fn returned {key!r}={value!r}; values must be numbers")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"eval_fn returned {key!r}={value!r}; values must be numbers") from exc
         out[key if str(key).startswith("eval/") else f"eval/{key}"] = value
     return out
 

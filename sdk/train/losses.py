@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from posttrain.data.loader import IGNORE_INDEX
 from posttrain.core.distributed import device_of
 from posttrain.core.masked import keep_selected
 from posttrain.core.registry import Registry
+from posttrain.data.loader import IGNORE_INDEX
 from posttrain.models.moe import moe_aux_loss
 
 __all__ = ["IGNORE_INDEX", "token_cross_entropy_sum", "normalize_by_step", "TrainingLoss",

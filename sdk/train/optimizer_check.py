@@ -20,10 +20,14 @@ Example:
     >>> from torch import nn
     >>> model = nn.Linear(2, 2)
     >>> check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    >>> check_optimizer(torch.optim.SGD([model.weight], lr=0.1), model)
+    >>> check_optimizer(  # doctest: +NORMALIZE_WHITESPACE
+    ...     torch.optim.SGD([model.weight], lr=0.1), model)
     Traceback (most recent call last):
     ...
-    ValueError: optimizer: does not hold 1 trainable parameter(s) of the model: bias (they would receive gradients but never change); build the optimizer over [p for p in model.parameters() if p.requires_grad] right before the trainer (after plan.parallelize and any converter), or freeze what should not train with requires_grad_(False)
+    ValueError: optimizer: does not hold 1 trainable parameter(s) of the model: bias (they would
+    receive gradients but never change); build the optimizer over [p for p in
+    model.parameters() if p.requires_grad] right before the trainer (after plan.parallelize and
+    any converter), or freeze what should not train with requires_grad_(False)
 """
 
 from __future__ import annotations

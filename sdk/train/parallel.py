@@ -31,10 +31,12 @@ Example:
     >>> plan.world_size, plan.data_parallel_size
     (4, 2)
     >>> plan.validate(world_size=4, spec=get_preset("tiny-1m"))
-    >>> ParallelPlan(tp=3).validate(world_size=3, spec=get_preset("tiny-1m"))
+    >>> ParallelPlan(tp=3).validate(  # doctest: +NORMALIZE_WHITESPACE
+    ...     world_size=3, spec=get_preset("tiny-1m"))
     Traceback (most recent call last):
     ...
-    ValueError: ParallelPlan.tp=3 must divide num_heads=4 and num_kv_heads=2 of the model; allowed tp: 1, 2
+    ValueError: ParallelPlan.tp=3 must divide num_heads=4 and num_kv_heads=2 of the model;
+    allowed tp: 1, 2
 """
 
 from __future__ import annotations
@@ -178,8 +180,9 @@ class ParallelPlan:
         Raises:
             ValueError: naming the field and the allowed values: a bad world_size or spec; the
                 product differs from world_size; tp does not divide num_heads, num_kv_heads and
-                the embedding and MLP widths; sp does not divide the heads per tp rank; pp exceeds num_layers; ep > 1 on a model without
-                experts, or ep does not divide num_experts; tp or pp > 1 on an MoE model.
+                the embedding and MLP widths; sp does not divide the heads per tp rank; pp
+                exceeds num_layers; ep > 1 on a model without experts, or ep does not divide
+                num_experts; tp or pp > 1 on an MoE model.
         """
         if world_size is not None and (not isinstance(world_size, int)
                                        or isinstance(world_size, bool) or world_size < 1):

@@ -180,7 +180,8 @@ class PipelineRunner:
             tokens = torch.cat([tokens, tokens[-1:].expand(rows, -1)])
             labels = torch.cat([labels, labels.new_full((rows, labels.shape[1]),
                                                          self._ignore_index)])
-            kwargs = {k: torch.cat([v, v[-1:].expand(rows, *v.shape[1:])]) for k, v in kwargs.items()}
+            kwargs = {k: torch.cat([v, v[-1:].expand(rows, *v.shape[1:])])
+                      for k, v in kwargs.items()}
         schedule = self._schedule(tuple(tokens.shape), device)
         losses: list[Tensor] = []
         if self.info["first"]:
@@ -190,7 +191,7 @@ class PipelineRunner:
             schedule.step(target=labels, losses=losses, **kwargs)
         else:
             schedule.step(**kwargs)
-        share = (torch.stack([l.detach() for l in losses]).sum() if losses
+        share = (torch.stack([loss.detach() for loss in losses]).sum() if losses
                  else torch.zeros((), device=device))
         dist.all_reduce(share, group=self.info["group"])
         return share

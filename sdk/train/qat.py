@@ -41,8 +41,9 @@ and, per token (row of the last dimension) for int8 activations [qmin, qmax] = [
 
 Rounding passes gradients straight through (torchao `_Round`; Bengio et al. 2013). After
 `convert_qat` the same numbers are stored as integer tensors (int8 storage, int4 values
-unpacked on these CPU paths) with fp32 scales, inside torchao tensor subclasses; the logits of the converted model equal the fake-quantised ones (measured
-difference 0.0 on tiny-1m, tests/test_qat.py).
+unpacked on these CPU paths) with fp32 scales, inside torchao tensor subclasses; the logits of
+the converted model equal the fake-quantised ones (measured difference 0.0 on tiny-1m,
+tests/test_qat.py).
 
 What is converted: every `nn.Linear` of the decoder except the output projection (untied:
 kept in full precision; tied: it is the token embedding, never an `nn.Linear`), the token
@@ -61,8 +62,11 @@ after loading.
 Example:
     >>> from posttrain.models import build_model, get_preset
     >>> model = build_model(get_preset("tiny-1m"), seed=0)
-    >>> print(prepare_qat(model, QATConfig()))
-    qat: 28 modules converted, 2 skipped (tok_embeddings: the token embedding stays in full precision (QAT here quantises nn.Linear layers); output: the output projection is tied to tok_embeddings and stays in full precision); 1,020,032 of 1,020,032 parameters train (100.00%)
+    >>> print(prepare_qat(model, QATConfig()))  # doctest: +NORMALIZE_WHITESPACE
+    qat: 28 modules converted, 2 skipped (tok_embeddings: the token embedding stays in full
+    precision (QAT here quantises nn.Linear layers); output: the output projection is tied to
+    tok_embeddings and stays in full precision); 1,020,032 of 1,020,032 parameters train
+    (100.00%)
     >>> is_qat_prepared(model)
     True
     >>> print(convert_qat(model, QATConfig()).converted[0])
@@ -111,8 +115,7 @@ def _int8da_int4w(group_size: int):
 
 def _intx(dtype: torch.dtype, *, activations: bool) -> Callable[[int], Any]:
     def build(group_size: int):
-        from torchao.quantization import (Int8DynamicActivationIntxWeightConfig,
-                                          IntxWeightOnlyConfig)
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
         from torchao.quantization.granularity import PerGroup
 
         if activations:

@@ -58,11 +58,19 @@ from torch import Tensor, nn
 
 from posttrain.core.checkpoint import CHECKPOINT_DIR, checkpoint_name, save_checkpoint
 from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
-from posttrain.train.collectives import (clip_grads_with_norm_, gather_rows, reduce_metrics,
-                                         sum_grads_over_group, total_grad_norm)
+from posttrain.train.collectives import (
+    clip_grads_with_norm_,
+    gather_rows,
+    reduce_metrics,
+    sum_grads_over_group,
+    total_grad_norm,
+)
 from posttrain.train.optimizer_check import reshard
-from posttrain.train.sharded_checkpoint import (load_full_state, load_sharded_state,
-                                               save_sharded_checkpoint)
+from posttrain.train.sharded_checkpoint import (
+    load_full_state,
+    load_sharded_state,
+    save_sharded_checkpoint,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -131,10 +139,10 @@ class Runtime(abc.ABC):
         """Step metrics over the data ranks: SUM, `ratio_max` MAX (`totals` itself with one)."""
 
     # ------------------------------------------------------------------ gradients
-    def share_initial_weights(self) -> None:
+    def share_initial_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Make every data rank start from the same weights (rank 0's); a no-op by default."""
 
-    def set_gradient_sync(self, enabled: bool) -> None:
+    def set_gradient_sync(self, enabled: bool) -> None:  # noqa: B027 - optional hook, a no-op by default
         """FSDP2: reduce gradients in the coming backward (the step's last micro-batch) or keep
         accumulating them unsharded; a no-op without FSDP2."""
 
@@ -381,8 +389,7 @@ class PlanRuntime(Runtime):
     def full_state_dict(self) -> dict[str, Tensor]:
         """Gathered with `get_model_state_dict(full_state_dict=True)`; under pp the stages'
         names are merged (every rank gets all of them)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                          cpu_offload=False))

@@ -6,9 +6,11 @@ the sequence; attention alone needs the whole sequence, and gets it by trading h
 sequence:
 
     tokens [B, T] -> pad T to a multiple of sp -> this rank's slice [B, T'/sp]
-    per layer:  q, k, v [B, H, T'/sp, D] --all-to-all--> [B, H/sp, T', D]   (gather_seq_scatter_heads)
+    per layer:  q, k, v [B, H, T'/sp, D] --all-to-all--> [B, H/sp, T', D]
+                    (gather_seq_scatter_heads)
                 attention over the whole sequence (causal, or the batch's [B, T', T'] mask)
-                out [B, H/sp, T', D] --all-to-all--> [B, H, T'/sp, D]          (gather_heads_scatter_seq)
+                out [B, H/sp, T', D] --all-to-all--> [B, H, T'/sp, D]
+                    (gather_heads_scatter_seq)
     logits [B, T'/sp, V] --all-gather--> [B, T, V]   (verl's gather_outputs_and_unpad)
 
 so the model's output, and every loss computed from it, is that of the unsharded model. The

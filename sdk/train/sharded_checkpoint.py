@@ -25,11 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from posttrain.core.checkpoint import (CHECKPOINT_DIR, checkpoint_name, save_checkpoint,
-                                       staging_dir)
-from posttrain.core.checkpoint import SHARDED_DIR
-from posttrain.core.checkpoint_files import (check_dcp_metadata, is_disk_full, make_private_dir,
-                                             no_space_error, state_bytes)
+from posttrain.core.checkpoint import (
+    CHECKPOINT_DIR,
+    SHARDED_DIR,
+    checkpoint_name,
+    save_checkpoint,
+    staging_dir,
+)
+from posttrain.core.checkpoint_files import (
+    check_dcp_metadata,
+    is_disk_full,
+    make_private_dir,
+    no_space_error,
+    state_bytes,
+)
 from posttrain.core.distributed import barrier
 
 __all__ = ["save_sharded_checkpoint", "load_sharded_state", "load_full_state"]

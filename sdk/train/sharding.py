@@ -50,8 +50,8 @@ from torch import nn
 
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
-from posttrain.train.optimizer_check import remember_parameters, reshard
 from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm  # noqa: F401
+from posttrain.train.optimizer_check import remember_parameters, reshard
 from posttrain.train.runtime import PlanRuntime
 
 if TYPE_CHECKING:
@@ -158,8 +158,11 @@ def parallelize(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str |
         apply_ulysses(model, mesh)
     ignored: set[nn.Parameter] = set()
     if plan.ep > 1:
-        from posttrain.train.expert_parallel import (apply_expert_parallel, expert_parameters,
-                                                     sync_expert_grads)
+        from posttrain.train.expert_parallel import (
+            apply_expert_parallel,
+            expert_parameters,
+            sync_expert_grads,
+        )
 
         apply_expert_parallel(model, mesh)
         ignored = set(expert_parameters(model))
@@ -273,8 +276,12 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
                 ignored: set[nn.Parameter]) -> None:
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                        fully_shard)
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     # Parameters are replicated over every rank that computes its own share of the gradient:
     # the data-parallel ranks and the sp ranks. FSDP2 shards over (dp_shard, ep, sp) flattened,

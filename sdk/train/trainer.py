@@ -14,8 +14,8 @@ name from `posttrain.train.losses`. One step:
 so the gradient is that of the token mean over the whole step, whatever the micro-batching.
 
 Data parallelism: when a `torch.distributed` default process group is initialised with more
-than one rank (`posttrain.launch.submit` does it in a job; gloo on CPU, NCCL on GPUs), every rank holds
-a full replica of the model and optimizer and its own share of each global batch (an
+than one rank (`posttrain.launch.submit` does it in a job; gloo on CPU, NCCL on GPUs), every
+rank holds a full replica of the model and optimizer and its own share of each global batch (an
 `SFTLoader` shards by itself). The step above then gains three SUM all-reduces:
 
     units = all_reduce(units)              # before any forward: the global normaliser
@@ -80,19 +80,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
+from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
+from posttrain.core.checks import check_int
 from posttrain.core.preemption import sigint_held
 from posttrain.core.timing import matmul_peak_flops, mfu, model_flops, non_embedding_params
-from posttrain.train.converters import (applied_converters, checkpoint_state,
-                                        load_checkpoint_state)
+from posttrain.train.converters import applied_converters, checkpoint_state, load_checkpoint_state
 from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
 from posttrain.train.losses import SFTCrossEntropy, TrainingLoss, get_loss
-from posttrain.train.parallel import ParallelPlan
 from posttrain.train.memory_check import check_memory
+from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_compat import resolve_runtime
 from posttrain.train.runtime import Runtime
-from posttrain.core.checks import check_int
 
 __all__ = ["Trainer"]
 
@@ -112,7 +111,8 @@ class Trainer(Engine):
         optimizer: built over the model's trainable parameters, after `plan.parallelize` and
             any converter (exactly those tensors: checked by identity).
         data: has `next_batch()` (endless); `state_dict()` / `load_state_dict()` to checkpoint
-            and to put the position back after an interrupted step (`posttrain.data.loader.SFTLoader`).
+            and to put the position back after an interrupted step
+            (`posttrain.data.loader.SFTLoader`).
         loss: a registered name (`posttrain.train.losses.get_loss`) or a `TrainingLoss` object.
         lr_scheduler: stepped once per optimizer step, after it (or None).
         grad_accum_steps: micro-batches per optimizer step.
