@@ -21,7 +21,11 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _RECIPES = ("recipe_dirs", "find_recipe", "load_recipe", "load_config_file", "apply_overrides")
 """Names that live in `posttrain.workflows.recipes`, reachable here too; imported on first use,
@@ -36,7 +40,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _load_run(folder: str):
+def _load_run(folder: str) -> tuple[ModuleType, str, DataclassInstance]:
     """(recipe module, recipe name, Config) of the run in `folder` (see `load_run_config`)."""
     from posttrain.workflows.config import override
     from posttrain.workflows.lineage import read_lineage
@@ -145,11 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         return _runs(parser, args.folders)
     from posttrain.workflows.recipes import apply_overrides, load_config_file, load_recipe
 
-    origin = {"command": "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    command = "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)
+    origin: dict[str, object] = {"command": command}
     try:
         if args.command == "rerun":
             module, name, cfg = _load_run(args.folder)
-            defaults = {"out_dir": f"{args.folder.rstrip('/')}-rerun"}
+            defaults: dict[str, object] = {"out_dir": f"{args.folder.rstrip('/')}-rerun"}
             if any(f.name == "resume" for f in dataclasses.fields(cfg)):
                 defaults["resume"] = False
             from posttrain.workflows.config import override
@@ -183,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _source_file(module) -> str | None:
-    return str(Path(module.__file__).resolve()) if getattr(module, "__file__", None) else None
+def _source_file(module: ModuleType) -> str | None:
+    file = getattr(module, "__file__", None)
+    return str(Path(file).resolve()) if file else None
 
 
-def _runs(parser, folders: list[str]) -> int:
+def _runs(parser: argparse.ArgumentParser, folders: list[str]) -> int:
     """Print `posttrain.workflows.lineage.runs_table(*folders)`."""
     import pandas as pd
 
@@ -205,7 +211,7 @@ def _runs(parser, folders: list[str]) -> int:
     return 0
 
 
-def _launch(args, module, cfg) -> int:
+def _launch(args: argparse.Namespace, module: ModuleType, cfg: object) -> int:
     """Submit `module.main(cfg)`; print the Run and how to reattach (and the result with --wait)."""
     from posttrain.launch.run import JobFailedError
     from posttrain.launch.submit import launch

@@ -10,43 +10,43 @@ that a lookup through this package always sees them.
 from __future__ import annotations
 
 from posttrain.preference.losses import (
+    DPO_LOSS_TYPES,
     dpo_loss,
     ipo_loss,
-    simpo_loss,
     kto_loss,
     kto_reference_point,
     orpo_loss,
+    simpo_loss,
     step_share,
-    DPO_LOSS_TYPES,
 )
-from posttrain.preference.reference import (
-    response_logps,
-    ReferenceLogps,
-    reference_fingerprint,
-    compute_reference_logps,
+from posttrain.preference.objectives import (  # importing it registers dpo, ipo, simpo, kto, orpo
+    BUILTIN_LOSSES,
+    DPOLoss,
+    IPOLoss,
+    KTOLoss,
+    ORPOLoss,
+    SimPOLoss,
 )
 from posttrain.preference.pairs import (
     PairStats,
     make_preference_pairs,
 )
-from posttrain.preference.objectives import (  # importing it registers dpo, ipo, simpo, kto, orpo
-    DPOLoss,
-    IPOLoss,
-    SimPOLoss,
-    KTOLoss,
-    ORPOLoss,
-    BUILTIN_LOSSES,
-)
-from posttrain.preference.reward_model import (
-    pair_tensors,
-    BradleyTerryLoss,
-)
 from posttrain.preference.parallel import (
     ShardedPreferenceLoader,
-    parallelize_reward_model,
     apply_plan_to_reward_model,
     gathered_reward_model,
+    parallelize_reward_model,
     trains_nothing,
+)
+from posttrain.preference.reference import (
+    ReferenceLogps,
+    compute_reference_logps,
+    reference_fingerprint,
+    response_logps,
+)
+from posttrain.preference.reward_model import (
+    BradleyTerryLoss,
+    pair_tensors,
 )
 from posttrain.train.losses import get_loss, registered_losses
 

@@ -51,15 +51,8 @@ tensor is [B], fp32 in practice, log-probs in nats summed over the response toke
     MPO, Wang et al. 2024 (weighted sigmoid + bco_pair + sft); DPOP, Pal et al. 2024, "Smaug:
     Fixing Failure Modes of Preference Optimisation with DPO-Positive" (not in TRL).
 
-f-divergences (f-DPO: Wang et al. 2023, "Beyond Reverse KL: Generalizing Direct Preference
-Optimization with Diverse Divergence Constraints"; s = f'(pi/ref) as TRL 1.16 writes it), allowed
-only with the loss types of `F_DIVERGENCE_LOSS_TYPES` (TRL's list; the others raise ValueError):
-
-    reverse_kl        s = rho (DPO)
-    forward_kl        s = 1 - exp(-rho)
-    js_divergence     s = log 2 + log s(rho)
-    alpha_divergence  s = (exp((alpha-1) rho) - 1) / (alpha-1), the exponent clamped at 80
-                      (11 in fp16) as TRL does; |alpha - 1| < 1e-6 gives s = rho
+f-divergences (f-DPO, `f_divergence_type`: the scores s of the log-ratios, and the loss types
+that allow one other than reverse_kl) are in `posttrain.preference.f_divergence`.
 
 Overflow, as in TRL: discopop's exp(-beta h) is inf for beta h below about -88 (fp32), where
 its weight m is 0, so the loss is 0 * inf = NaN. With reverse_kl that needs h < -88 / beta;
@@ -84,28 +77,38 @@ batch-coupled, rewards and gradients), and DPOP against a hand computation of eq
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.preference.f_divergence import (  # importable from here too
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCE_TYPES,
+    f_divergence_scores,
+)
+
 __all__ = ["DPO_LOSS_TYPES", "F_DIVERGENCE_TYPES", "F_DIVERGENCE_LOSS_TYPES",
-           "LENGTH_LOSS_TYPES", "DPO_OPTION_DEFAULTS", "check_dpo_options", "dpo_family_losses"]
-
-F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
-"""`f_divergence_type=...` values (TRL 1.16 `DPOConfig.f_divergence_type`)."""
-
-F_DIVERGENCE_LOSS_TYPES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair",
-                                     "robust", "discopop", "sft"})
-"""The loss types that accept an f_divergence_type other than reverse_kl (TRL's list: the
-others have no valid f-divergence form)."""
+           "LENGTH_LOSS_TYPES", "DPOOptions", "DPO_OPTION_DEFAULTS", "check_dpo_options",
+           "dpo_family_losses"]
 
 LENGTH_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")
 """The loss types that need chosen_lengths_B and rejected_lengths_B."""
 
-DPO_OPTION_DEFAULTS = {"label_smoothing": 0.0, "f_divergence_type": "reverse_kl",
+class DPOOptions(TypedDict):
+    """The options of the DPO family that have a default, by name and type."""
+
+    label_smoothing: float
+    f_divergence_type: str
+    f_alpha_divergence_coef: float
+    discopop_tau: float
+    dpop_lambda: float
+
+
+DPO_OPTION_DEFAULTS: DPOOptions = {"label_smoothing": 0.0, "f_divergence_type": "reverse_kl",
                        "f_alpha_divergence_coef": 0.5, "discopop_tau": 0.05, "dpop_lambda": 50.0}
 """The defaults of the options (TRL 1.16's, for those TRL has). dpop_lambda = 50 is the value
 the Smaug paper's experiments use, as recalled here (not rechecked against the paper)."""
@@ -151,7 +154,8 @@ def _smoothed(logits_B: Tensor, e: float) -> Tensor:
     return -F.logsigmoid(logits_B) * (1 - e) - F.logsigmoid(-logits_B) * e
 
 
-def _per_token(scores_B: Tensor, lengths_B: Tensor) -> Tensor:
+def _per_token(scores_B: Tensor, lengths_B: Tensor | None) -> Tensor:
+    assert lengths_B is not None, "dpo_family_losses refuses a length loss type without lengths"
     return scores_B / lengths_B.to(scores_B.dtype).clamp(min=1.0)
 
 
@@ -247,6 +251,7 @@ def _discopop(p: _Pairs) -> Tensor:
 
 @_register("sft", uses=("lengths",))
 def _sft(p: _Pairs) -> Tensor:
+    assert p.chosen_lengths is not None, "dpo_family_losses refuses sft without lengths"
     tokens = p.chosen_lengths.to(p.policy_chosen.dtype).sum().clamp(min=1.0)
     return (-p.policy_chosen.sum() / tokens).expand(p.policy_chosen.shape[0])
 
@@ -266,20 +271,6 @@ def _dpop(p: _Pairs) -> Tensor:
 
 DPO_LOSS_TYPES = tuple(_LOSSES)
 """`loss_type=...` values: TRL 1.16 `DPOConfig.loss_type`'s, in its order, then "dpop"."""
-
-
-def _scores(logratios_B: Tensor, f_divergence_type: str, alpha: float) -> Tensor:
-    """s = f'(pi/ref) of the log-ratios, as TRL 1.16 computes it."""
-    if f_divergence_type == "forward_kl":
-        return 1 - torch.exp(-logratios_B)
-    if f_divergence_type == "js_divergence":
-        return math.log(2) + F.logsigmoid(logratios_B)
-    if f_divergence_type == "alpha_divergence" and abs(alpha - 1.0) >= 1e-6:
-        t_B = (alpha - 1.0) * logratios_B
-        clamp_max = 11.0 if t_B.dtype == torch.float16 else 80.0
-        return (torch.exp(torch.clamp(t_B.float(), max=clamp_max)) - 1.0).to(t_B.dtype) * (
-            1.0 / (alpha - 1.0))
-    return logratios_B
 
 
 def check_dpo_options(*, beta: float = 0.1, loss_type: str | Sequence[str] = "sigmoid",
@@ -342,14 +333,15 @@ def check_dpo_options(*, beta: float = 0.1, loss_type: str | Sequence[str] = "si
         used.add("f_alpha_divergence_coef")
     given = {"label_smoothing": label_smoothing, "discopop_tau": discopop_tau,
              "dpop_lambda": dpop_lambda, "f_alpha_divergence_coef": f_alpha_divergence_coef}
+    defaults: Mapping[str, object] = DPO_OPTION_DEFAULTS  # looked up by a name held in a str
     for name, value in given.items():
-        if name not in used and value != DPO_OPTION_DEFAULTS[name]:
+        if name not in used and value != defaults[name]:
             readers = sorted(t for t in DPO_LOSS_TYPES if name in _USES[t])
             where = (f"loss_type {', '.join(readers)}" if readers
                      else "f_divergence_type='alpha_divergence'")
             raise ValueError(f"{name}={value!r} is read only by {where}; with loss_type "
                              f"{list(types)} and f_divergence_type={f_divergence_type!r} it "
-                             f"would be ignored: leave it at {DPO_OPTION_DEFAULTS[name]!r}")
+                             f"would be ignored: leave it at {defaults[name]!r}")
     return types, weights
 
 
@@ -399,8 +391,9 @@ def dpo_family_losses(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Te
                                  "them: pass chosen_lengths_B and rejected_lengths_B)")
     chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
     rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
-    chosen_scores_B = _scores(chosen_logratios_B, f_divergence_type, f_alpha_divergence_coef)
-    rejected_scores_B = _scores(rejected_logratios_B, f_divergence_type, f_alpha_divergence_coef)
+    alpha = f_alpha_divergence_coef
+    chosen_scores_B = f_divergence_scores(chosen_logratios_B, f_divergence_type, alpha)
+    rejected_scores_B = f_divergence_scores(rejected_logratios_B, f_divergence_type, alpha)
     pairs = _Pairs(beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                    dpop_lambda=dpop_lambda, policy_chosen=policy_chosen_logps_B,
                    policy_rejected=policy_rejected_logps_B, ref_chosen=ref_chosen_logps_B,
@@ -408,10 +401,10 @@ def dpo_family_losses(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Te
                    rejected_logratios=rejected_logratios_B, chosen_scores=chosen_scores_B,
                    rejected_scores=rejected_scores_B, delta=chosen_scores_B - rejected_scores_B,
                    chosen_lengths=chosen_lengths_B, rejected_lengths=rejected_lengths_B)
-    losses_B = None
-    for i, name in enumerate(types):
-        term_B = _LOSSES[name](pairs)
-        if weights is not None:
-            term_B = weights[i] * term_B
-        losses_B = term_B if losses_B is None else losses_B + term_B
+    terms_B = [_LOSSES[name](pairs) for name in types]
+    if weights is not None:
+        terms_B = [w * term_B for w, term_B in zip(weights, terms_B)]
+    losses_B = terms_B[0]  # check_dpo_options refuses an empty loss_type list
+    for term_B in terms_B[1:]:
+        losses_B = losses_B + term_B
     return losses_B, beta * chosen_logratios_B.detach(), beta * rejected_logratios_B.detach()

@@ -47,8 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.preference.dpo_family import (DPO_LOSS_TYPES, F_DIVERGENCE_TYPES,
-                                             dpo_family_losses)
+from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES, dpo_family_losses
+from posttrain.preference.loss_checks import (
+    check_beta,
+    check_label_smoothing,
+    check_lengths,
+    check_pairs,
+)
 from posttrain.train.losses import normalize_by_step
 
 __all__ = ["dpo_loss", "ipo_loss", "simpo_loss", "kto_loss", "kto_reference_point", "orpo_loss",
@@ -114,13 +119,13 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
             the allowed values), an option a selected loss does not read set to a non-default
             value, or missing lengths (`posttrain.preference.dpo_family.check_dpo_options`).
     """
-    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
                  policy_rejected_logps_B=policy_rejected_logps_B,
                  ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
-    _check_beta(beta)
-    _check_label_smoothing(label_smoothing)
+    check_beta(beta)
+    check_label_smoothing(label_smoothing)
     if chosen_lengths_B is not None or rejected_lengths_B is not None:
-        _check_lengths(policy_chosen_logps_B, chosen_lengths_B, rejected_lengths_B)
+        check_lengths(policy_chosen_logps_B, chosen_lengths_B, rejected_lengths_B)
     return dpo_family_losses(
         policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B, ref_rejected_logps_B,
         beta=beta, loss_type=loss_type, loss_weights=loss_weights,
@@ -159,10 +164,10 @@ def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
         ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
             a negative length, or beta <= 0.
     """
-    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
                  policy_rejected_logps_B=policy_rejected_logps_B,
                  ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
-    _check_beta(beta)
+    check_beta(beta)
     chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
     rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
     chosen_score_B, rejected_score_B = _per_token(chosen_logratios_B, rejected_logratios_B,
@@ -200,10 +205,10 @@ def simpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *
         ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
             a negative length, beta <= 0, gamma < 0 or e outside [0, 0.5).
     """
-    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
                  policy_rejected_logps_B=policy_rejected_logps_B)
-    _check_beta(beta)
-    _check_label_smoothing(label_smoothing)
+    check_beta(beta)
+    check_label_smoothing(label_smoothing)
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"gamma={gamma!r}; must be a finite number >= 0")
     chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B, policy_rejected_logps_B,
@@ -230,7 +235,7 @@ def kto_reference_point(policy_kl_logps_K: Tensor, ref_kl_logps_K: Tensor) -> Te
     Raises:
         ValueError: if the shapes differ, a log-prob is NaN or infinite, or K = 0.
     """
-    _check_pairs(policy_kl_logps_K=policy_kl_logps_K, ref_kl_logps_K=ref_kl_logps_K)
+    check_pairs(policy_kl_logps_K=policy_kl_logps_K, ref_kl_logps_K=ref_kl_logps_K)
     if policy_kl_logps_K.numel() == 0:
         raise ValueError("kto_reference_point needs at least one mismatched pair (K >= 1)")
     return (policy_kl_logps_K - ref_kl_logps_K).mean().clamp(min=0).detach()
@@ -266,12 +271,12 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
         ValueError: for mismatched shapes, a NaN or infinite log-prob, a non-bool
             `desirable_N`, a reference_point that is not a finite scalar, beta or a weight <= 0.
     """
-    _check_pairs(policy_logps_N=policy_logps_N, ref_logps_N=ref_logps_N)
+    check_pairs(policy_logps_N=policy_logps_N, ref_logps_N=ref_logps_N)
     if desirable_N.shape != policy_logps_N.shape or desirable_N.dtype != torch.bool:
         raise ValueError(f"desirable_N must be a bool tensor shaped like the log-probs "
                          f"{tuple(policy_logps_N.shape)}; got {desirable_N.dtype} "
                          f"{tuple(desirable_N.shape)}")
-    _check_beta(beta)
+    check_beta(beta)
     for name, weight in (("desirable_weight", desirable_weight),
                          ("undesirable_weight", undesirable_weight)):
         if not (math.isfinite(weight) and weight > 0):
@@ -316,9 +321,9 @@ def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
             >= 0 (odds P / (1 - P) need P < 1), only one of the lengths, a negative length, or
             beta <= 0.
     """
-    _check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
+    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
                  policy_rejected_logps_B=policy_rejected_logps_B)
-    _check_beta(beta)
+    check_beta(beta)
     chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B.float(),
                                               policy_rejected_logps_B.float(),
                                               chosen_lengths_B, rejected_lengths_B)
@@ -342,7 +347,7 @@ def step_share(losses_B: Tensor, num_units_in_step: Tensor | int) -> Tensor:
             on an accelerator is not checked, to avoid a host sync; the trainer checks the
             count once per step).
     """
-    count = num_units_in_step
+    count: Tensor | float = num_units_in_step
     if isinstance(count, Tensor) and count.device.type == "cpu" and count.numel() == 1:
         count = count.item()
     if isinstance(count, (int, float)) and not count >= 1:
@@ -367,56 +372,13 @@ def _per_token(chosen_B: Tensor, rejected_B: Tensor, chosen_lengths_B: Tensor | 
                rejected_lengths_B: Tensor | None) -> tuple[Tensor, Tensor]:
     if chosen_lengths_B is None and rejected_lengths_B is None:
         return chosen_B, rejected_B
-    _check_lengths(chosen_B, chosen_lengths_B, rejected_lengths_B)
+    chosen_lengths_B, rejected_lengths_B = check_lengths(
+        chosen_B, chosen_lengths_B, rejected_lengths_B)
     return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
             rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
-
-
-def _check_lengths(logps_B: Tensor, chosen_lengths_B: Tensor | None,
-                   rejected_lengths_B: Tensor | None) -> None:
-    """Both lengths are given, shaped like `logps_B`, and >= 0."""
-    if (chosen_lengths_B is None) != (rejected_lengths_B is None):
-        raise ValueError("pass both chosen_lengths_B and rejected_lengths_B, or neither")
-    _check_pairs(finite=False, logps_B=logps_B, chosen_lengths_B=chosen_lengths_B,
-                 rejected_lengths_B=rejected_lengths_B)
-    if not bool(((chosen_lengths_B >= 0) & (rejected_lengths_B >= 0)).all()):
-        raise ValueError(f"response lengths must be >= 0; got chosen_lengths_B "
-                         f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
-                         f"{rejected_lengths_B.tolist()}")
 
 
 def _log1mexp(x: Tensor) -> Tensor:
     """log(1 - exp(x)) for x < 0, without cancellation (Maechler 2012, "Accurately computing
     log(1 - exp(-|a|))": log(-expm1(x)) above -log 2, log1p(-exp(x)) below)."""
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
-
-
-def _check_pairs(*, finite: bool = True, **tensors: Tensor) -> None:
-    """The named inputs are tensors of one 1-D shape and, with `finite`, hold no NaN or inf
-    (one host sync for all of them)."""
-    for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} is a {type(t).__name__}; expected a 1-D torch.Tensor")
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
-        raise ValueError(f"expected 1-D tensors of one shape [B]; got {shapes}")
-    if not finite:
-        return
-    device = next(iter(tensors.values())).device
-    finite_flags = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()])
-    if not bool(finite_flags.all()):
-        bad = [name for name, ok in zip(tensors, finite_flags.tolist()) if not ok]
-        raise ValueError(f"{', '.join(bad)} must be finite; got NaN or inf (a log-prob of -inf "
-                         "is a probability of 0, which these losses cannot train on)")
-
-
-def _check_beta(beta: float) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
-            math.isfinite(beta) and beta > 0):
-        raise ValueError(f"beta={beta!r}; must be a finite number > 0")
-
-
-def _check_label_smoothing(label_smoothing: float) -> None:
-    if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
-        raise ValueError(f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
-                         "probability that a preference label is flipped)")

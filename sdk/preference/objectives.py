@@ -24,16 +24,24 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from posttrain.preference.dpo_family import DPO_OPTION_DEFAULTS
-from posttrain.preference.losses import (LossTriple, _check_beta, dpo_loss, ipo_loss, kto_loss,
-                                         kto_reference_point, orpo_loss, simpo_loss,
-                                         step_share)
+from posttrain.preference.dpo_family import DPO_OPTION_DEFAULTS, DPOOptions
+from posttrain.preference.loss_checks import check_beta
+from posttrain.preference.losses import (
+    LossTriple,
+    dpo_loss,
+    ipo_loss,
+    kto_loss,
+    kto_reference_point,
+    orpo_loss,
+    simpo_loss,
+    step_share,
+)
 from posttrain.preference.parallel import trains_nothing
 from posttrain.preference.reference import response_logps
 from posttrain.train.losses import register_loss
@@ -128,13 +136,13 @@ class DPOLoss(_PairObjective):
                  dpop_lambda: float = DPO_OPTION_DEFAULTS["dpop_lambda"]) -> None:
         loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
         loss_weights = None if loss_weights is None else tuple(loss_weights)
-        options = dict(f_divergence_type=f_divergence_type,
-                       f_alpha_divergence_coef=f_alpha_divergence_coef,
-                       discopop_tau=discopop_tau, dpop_lambda=dpop_lambda)
+        options = DPOOptions(label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
+                             f_alpha_divergence_coef=f_alpha_divergence_coef,
+                             discopop_tau=discopop_tau, dpop_lambda=dpop_lambda)
         one = torch.ones(1)
-        dpo_loss(0 * one, 0 * one, 0 * one, 0 * one, beta=beta, label_smoothing=label_smoothing,
-                 loss_type=loss_type, loss_weights=loss_weights, chosen_lengths_B=one,
-                 rejected_lengths_B=one, **options)   # validates the options
+        dpo_loss(0 * one, 0 * one, 0 * one, 0 * one, beta=beta, loss_type=loss_type,
+                 loss_weights=loss_weights, chosen_lengths_B=one, rejected_lengths_B=one,
+                 **options)   # validates the options
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
         self.loss_weights = loss_weights
         self.f_divergence_type = f_divergence_type
@@ -154,13 +162,14 @@ class DPOLoss(_PairObjective):
 
     def __repr__(self) -> str:
         """beta, label_smoothing and loss_type always; the other options where not default."""
-        shown = {"beta": self.beta, "label_smoothing": self.label_smoothing,
+        shown: dict[str, object] = {"beta": self.beta, "label_smoothing": self.label_smoothing,
                  "loss_type": self.loss_type}
         if self.loss_weights is not None:
             shown["loss_weights"] = self.loss_weights
+        defaults: Mapping[str, object] = DPO_OPTION_DEFAULTS  # looked up by a name held in a str
         for name in ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
                      "dpop_lambda"):
-            if getattr(self, name) != DPO_OPTION_DEFAULTS[name]:
+            if getattr(self, name) != defaults[name]:
                 shown[name] = getattr(self, name)
         return f"DPOLoss({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
@@ -174,7 +183,7 @@ class IPOLoss(_PairObjective):
     """
 
     def __init__(self, *, beta: float = 0.1, length_normalize: bool = True) -> None:
-        _check_beta(beta)
+        check_beta(beta)
         self.beta, self.length_normalize = beta, bool(length_normalize)
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
@@ -221,7 +230,7 @@ class ORPOLoss(_PairObjective):
     needs_reference = False
 
     def __init__(self, *, beta: float = 0.1) -> None:
-        _check_beta(beta)
+        check_beta(beta)
         self.beta = beta
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score_batch
 from posttrain.policy.policy import generate_for_items
+from posttrain.rewards.verifier import DEFAULT_TIMEOUT_S, Outcome, count_outcomes, score_batch
 
 __all__ = ["PairStats", "make_preference_pairs", "usable_pairs"]
 
@@ -56,11 +56,12 @@ def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
     the best against the worst when they rank differently (best-vs-worst of n, as in RSO / the
     Llama 2 rejection-sampling recipe).
 
-    Ranking: every candidate goes through `posttrain.rewards.verifier.score_batch(rank, ...)`, so `rank`
-    is a verifier (typed `VerifierResult`s) or any `(completion, item) -> float` (a judge).
-    Outcomes ok / wrong rank by score. timeout / error are excluded and counted, never scored 0.
-    format_error (no answer found: the policy's fault) ranks below every scored candidate
-    (`format_error="lowest"`) or is excluded ("exclude"). Ties go to the earliest sample.
+    Ranking: every candidate goes through `posttrain.rewards.verifier.score_batch(rank, ...)`,
+    so `rank` is a verifier (typed `VerifierResult`s) or any `(completion, item) -> float`
+    (a judge). Outcomes ok / wrong rank by score. timeout / error are excluded and counted,
+    never scored 0. format_error (no answer found: the policy's fault) ranks below every scored
+    candidate (`format_error="lowest"`) or is excluded ("exclude"). Ties go to the earliest
+    sample.
 
     Args:
         policy: a `posttrain.policy.policy.Policy`.
@@ -146,7 +147,8 @@ def usable_pairs(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_seq_l
     from posttrain.data.preference import PreferenceDataset
     from posttrain.data.rows import BadRowError
 
-    kept, skipped = [], {}
+    kept: list[Mapping[str, Any]] = []
+    skipped: dict[str, int] = {}
     for row in rows:
         try:
             PreferenceDataset([row], tokenizer, max_seq_len=max_seq_len, chat=chat)

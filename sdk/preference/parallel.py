@@ -55,6 +55,7 @@ from posttrain.train.sharding import parallelized, reshard_root_after_frozen_for
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torchtune.modules import TransformerDecoder
 
 __all__ = ["ShardedPreferenceLoader", "PaddingPreferenceBatch", "PaddingKTOBatch",
            "trains_nothing", "parallelize_reward_model", "gathered_reward_model",
@@ -202,7 +203,8 @@ def apply_plan_to_reward_model(plan: ParallelPlan, model: RewardModel, *,
     warn_deprecated("apply_plan_to_reward_model(plan, model)",
                     instead="runtime = parallelize_reward_model(plan, model), then pass "
                             "runtime=runtime to the Trainer")
-    return register(parallelize_reward_model(plan, model, mesh=mesh))
+    register(parallelize_reward_model(plan, model, mesh=mesh))  # its runtime holds `model`
+    return model
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -231,7 +233,7 @@ def _count_head_grads_once_over_sp(head: nn.Module, sp: int) -> None:
     head.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / sp))
 
 
-def _fsdp_root(plan: ParallelPlan, model: nn.Module, backbone: nn.Module) -> None:
+def _fsdp_root(plan: ParallelPlan, model: RewardModel, backbone: TransformerDecoder) -> None:
     """FSDP2 over `model` as the root above `backbone`'s units (its own parameter group: the
     head), on the mesh the plan sharded the backbone's root over (that of its final norm, which
     no tensor-parallel style touches), with the plan's mixed precision and offload, reducing
@@ -244,10 +246,10 @@ def _fsdp_root(plan: ParallelPlan, model: nn.Module, backbone: nn.Module) -> Non
                                                                   reduce_dtype=reduce_dtype))
     if plan.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    fully_shard(model, **options)
+    root = fully_shard(model, **options)
     reshard_root_after_frozen_forward(model)  # the model, not the backbone, is the root now
-    model.set_gradient_divide_factor(1.0)
-    model.set_force_sum_reduction_for_comms(True)
+    root.set_gradient_divide_factor(1.0)
+    root.set_force_sum_reduction_for_comms(True)
 
 
 def gathered_reward_model(model: RewardModel | Runtime) -> RewardModel:
@@ -257,12 +259,17 @@ def gathered_reward_model(model: RewardModel | Runtime) -> RewardModel:
 
     Raises:
         ValueError: for a reward model split by a plan given without its runtime.
+        TypeError: for the runtime of a model that is not a `RewardModel`.
     """
     runtime = runtime_of(model)
+    reward_model = runtime.model
+    if not isinstance(reward_model, RewardModel):
+        raise TypeError(f"gathered_reward_model takes a RewardModel or its runtime; got the "
+                        f"runtime of a {type(reward_model).__name__}")
     if runtime.plan is None:
-        return runtime.model
+        return reward_model
     state = runtime.full_state_dict()
-    plain = RewardModel(_fresh_backbone(runtime.model), runtime.model.spec)
+    plain = RewardModel(_fresh_backbone(reward_model), reward_model.spec)
     plain.load_state_dict(state)
     return plain
 

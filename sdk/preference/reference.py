@@ -43,8 +43,9 @@ def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
                    response_mask_BT: Tensor) -> tuple[Tensor, Tensor]:
     """Summed log-probabilities of the response tokens and their counts, in one forward.
 
-    Uses `posttrain.policy.sampling.token_logprobs` (temperature 1, the model's own distribution), which
-    keeps the autograd graph; padding and prompt are excluded by position (`response_mask_BT`).
+    Uses `posttrain.policy.sampling.token_logprobs` (temperature 1, the model's own
+    distribution), which keeps the autograd graph; padding and prompt are excluded by position
+    (`response_mask_BT`).
 
     Args:
         model: a torchtune decoder; the tensors are moved to its device.
@@ -106,9 +107,10 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     frozen base, with no second copy in memory.
 
     A reference split by a `ParallelPlan` (given as the `PlanRuntime` of `plan.parallelize`;
-    frozen, no optimizer) is a collective: every rank calls this with the same dataset. The forwards are the same batches as in one
-    process; data-parallel rank r scores batches r, r + W, ... (W data ranks; a rank with one
-    batch fewer repeats a forward it discards, as FSDP2 needs every rank in every forward), and
+    frozen, no optimizer) is a collective: every rank calls this with the same dataset. The
+    forwards are the same batches as in one process; data-parallel rank r scores batches r,
+    r + W, ... (W data ranks; a rank with one batch fewer repeats a forward it discards, as FSDP2
+    needs every rank in every forward), and
     the values are summed over the data ranks (each item is scored by exactly one, so the sum
     is exact). Every rank then holds all values. The fingerprint combines every rank's shards.
 

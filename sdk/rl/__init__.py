@@ -19,37 +19,36 @@ still import from it.
 from __future__ import annotations
 
 from posttrain.core.lazy import lazy_exports
-
 from posttrain.rl.algorithms import (
-    RLAlgorithm,
-    LOSS_AGG_MODES,
     KL_ESTIMATORS,
+    LOSS_AGG_MODES,
     ROLLOUT_CORRECTIONS,
+    RLAlgorithm,
     advantage_estimators,
-    policy_losses,
     is_group_estimator,
+    policy_losses,
     register_advantage_estimator,
     register_policy_loss,
 )
-from posttrain.rl.buffer import ReplayBuffer, TRAJECTORY_FIELDS, DATAFRAME_COLUMNS
+from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
+from posttrain.rl.buffer import DATAFRAME_COLUMNS, TRAJECTORY_FIELDS, ReplayBuffer
 from posttrain.rl.environment import (
-    StepResult,
-    Environment,
-    EnvGroupBuilder,
-    EnvDataset,
-    group_rewards,
     FINISH_REASONS,
-    Trajectory,
-    Group,
-    TextEpisode,
-    run_text_episode,
     TASKS,
+    EnvDataset,
+    EnvGroupBuilder,
+    Environment,
+    Group,
+    StepResult,
+    TextEpisode,
+    Trajectory,
     get_task,
+    group_rewards,
     registered_tasks,
+    run_text_episode,
 )
 from posttrain.rl.rollout import collect_groups, outcome_counts
-from posttrain.rl.trainer import RLTrainer, ValueHead, EXCLUDED_OUTCOMES, split_groups, make_batch
-from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
+from posttrain.rl.trainer import EXCLUDED_OUTCOMES, RLTrainer, ValueHead, make_batch, split_groups
 
 __all__ = [
     # algorithm

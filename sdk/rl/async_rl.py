@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from posttrain.core.checks import check_int
+from posttrain.policy.policy import Policy
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.rl.environment import Group, Trajectory
 from posttrain.rl.rollout import collect_groups
@@ -101,7 +102,7 @@ class RolloutWorker:
         num_threads: torch threads in this worker (int >= 1), or None to keep the default.
     """
 
-    def __init__(self, policy, version: int = 0, num_threads: int | None = None) -> None:
+    def __init__(self, policy: Policy, version: int = 0, num_threads: int | None = None) -> None:
         check_int("version", version, minimum=0)
         check_int("num_threads", num_threads, minimum=1, optional=True)
         if num_threads is not None:
@@ -150,7 +151,7 @@ class AsyncRLTrainer:
             trainer by more than max_staleness (or come from another format version).
     """
 
-    def __init__(self, trainer, *, num_workers: int = 1, max_staleness: int = 1,
+    def __init__(self, trainer: RLTrainer, *, num_workers: int = 1, max_staleness: int = 1,
                  worker_num_cpus: float = 1.0, num_threads: int | None = None) -> None:
         import ray
 
@@ -202,8 +203,10 @@ class AsyncRLTrainer:
         for j in range(first, t.step_count + self.max_staleness + 1):
             builders = t.task.builders(j, t.prompts_per_step)
             worker = self.workers[j % len(self.workers)]
-            self._pending[j] = _Rollout(builders, ref=worker.collect.remote(
-                builders, step_seed(t.seed, j), options))
+            # ray types a method without @ray.method as the plain function; the handle's has .remote
+            collect = worker.collect.remote  # type: ignore[union-attr]
+            self._pending[j] = _Rollout(builders, ref=collect(builders, step_seed(t.seed, j),
+                                                              options))
 
     def step(self) -> dict[str, float]:
         """One step: submit due rollouts, wait for this step's groups, train on them, sync the
@@ -241,7 +244,9 @@ class AsyncRLTrainer:
 
         state = ray.put({k: v.detach() for k, v in self.trainer.policy.model.state_dict().items()})
         self._version = self.trainer.step_count
-        self._last_loads = [w.load_weights.remote(state, self._version) for w in self.workers]
+        self._last_loads = [  # (ray types the method as the plain function, as in _submit_due)
+            w.load_weights.remote(state, self._version)  # type: ignore[union-attr]
+            for w in self.workers]
 
     def fit(self, num_steps: int) -> list[dict[str, float]]:
         """Take steps until the trainer's `step_count == num_steps` (int >= 0), as
@@ -295,8 +300,8 @@ class AsyncRLTrainer:
         ray.get([r.ref for r in self._pending.values() if r.ref is not None]
                 + self._last_loads)
         self._pending.clear()
-        for worker in self.workers:
-            ray.kill(worker)
+        for worker in self.workers:  # ray's handle type (ActorProxy) is not what its kill takes
+            ray.kill(worker)  # type: ignore[arg-type]
         self.workers = []
         if self.trainer.ahead_state == self.state_dict:
             self.trainer.ahead_state = None

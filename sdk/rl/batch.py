@@ -42,7 +42,8 @@ def make_batch(groups: Sequence[Group], pad_id: int) -> dict[str, Tensor]:
     completion tokens), old_logprobs_BT (float32, the sampler's, 0 elsewhere), scores_B,
     group_ids_B (int64, dense: 0, 1, ... in order of first appearance)}.
     """
-    rows, dense = [t for g in groups for t in g], {}
+    rows = [t for g in groups for t in g]
+    dense: dict[int | str, int] = {}
     input_ids_BT, attention_mask_BT = right_pad(
         [list(t.prompt_ids) + list(t.completion_ids) for t in rows], pad_id)
     masks = [t.completion_mask if t.completion_mask is not None else [True] * len(t.completion_ids)

@@ -51,6 +51,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+
 from posttrain.core.checks import check_int
 
 __all__ = ["ReplayBuffer", "TRAJECTORY_FIELDS", "DATAFRAME_COLUMNS"]

@@ -2,8 +2,9 @@
 
 The names come from verl's registries (`verl.trainer.ppo.core_algos`, verl 0.9.1), read when a
 config is validated, so an estimator or loss registered with `register_advantage_estimator` /
-`register_policy_loss` (or verl's own decorators) is accepted like a built-in one. This module is
-the one place that decides what a name means; `posttrain.rl.algorithms` only calls what it resolves.
+`register_policy_loss` (or verl's own decorators) is accepted like a built-in one. This module and
+`posttrain.rl.verl_registry` (the names, and the registering; importable from here too) are the
+one place that decides what a name means; `posttrain.rl.algorithms` only calls what it resolves.
 
     >>> algo = RLAlgorithm.grpo(group_size=4)
     >>> algo.advantage_estimator, algo.policy_loss, algo.loss_agg_mode, algo.kl_estimator
@@ -19,111 +20,35 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
 from posttrain.core.checks import check_int
+from posttrain.rl.verl_registry import (  # the names it accepts; importable from here too
+    _VERL_ROLLOUT_IS,
+    FIXED_AGG_MODE,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    ROLLOUT_CORRECTIONS,
+    _estimator_fn,
+    _kl_penalty,
+    _required_params,
+    advantage_estimators,
+    is_group_estimator,
+    policy_losses,
+    register_advantage_estimator,
+    register_policy_loss,
+    verl_algo_config,
+)
 
 __all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
            "advantage_estimators",
            "policy_losses", "is_group_estimator", "register_advantage_estimator",
            "register_policy_loss", "verl_actor_config", "verl_algo_config"]
-
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
-"""Aggregation modes of verl's `agg_loss` (verl 0.9.1 lists them only inside ActorConfig)."""
-
-KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "k1+", "k3+", "kl+",
-                 "low_var_kl+", "abs+")
-"""Names verl's `kl_penalty` accepts (verl has no registry for them). k1 = kl, k2 = mse,
-k3 = low_var_kl; a `+` suffix keeps the forward value and takes the gradient of k2."""
-
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "sequence_tis")
-"""Truncated importance-sampling corrections of a sampler that is not the trained policy (verl
-0.9.1 `rollout_corr_helper.compute_rollout_correction_weights`; Yao et al. 2025, "Your
-efficient RL framework secretly brings you off-policy RL training"): "token_tis" is verl's
-rollout_is="token", "sequence_tis" its rollout_is="sequence"."""
-
-_VERL_ROLLOUT_IS = {"none": None, "token_tis": "token", "sequence_tis": "sequence"}
-
-# Inputs posttrain can give an advantage estimator; an estimator needing anything else (remax's
-# reward_baselines, optimal_token_baseline's sum_pi_squared) is not offered.
-_ADV_INPUTS = frozenset({"token_level_rewards", "response_mask", "index", "values", "gamma",
-                         "lam", "config", "epsilon", "norm_adv_by_std_in_grpo"})
-
-# Losses that ignore `loss_agg_mode`: the mode they use instead (verl 0.9.1 source).
-FIXED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
-
-
-def _required_params(fn: Callable) -> set[str]:
-    return {name for name, p in inspect.signature(fn).parameters.items()
-            if p.default is inspect.Parameter.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-
-
-def advantage_estimators() -> tuple[str, ...]:
-    """Names of verl's registered advantage estimators that posttrain can call (sorted)."""
-    return tuple(sorted(name for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items()
-                        if _required_params(fn) <= _ADV_INPUTS))
-
-
-def policy_losses() -> tuple[str, ...]:
-    """Names of verl's registered policy losses (sorted)."""
-    return tuple(sorted(core_algos.POLICY_LOSS_REGISTRY))
-
-
-def is_group_estimator(name: str) -> bool:
-    """Whether the estimator computes advantages relative to a group (it takes verl's `index`).
-
-    Raises:
-        ValueError: if `name` is not a usable estimator.
-    """
-    return "index" in inspect.signature(_estimator_fn(name)).parameters
-
-
-def _estimator_fn(name: str) -> Callable:
-    if name not in advantage_estimators():
-        raise ValueError(f"unknown advantage_estimator {name!r}; valid: "
-                         f"{', '.join(advantage_estimators())}")
-    return core_algos.get_adv_estimator_fn(name)
-
-
-def register_advantage_estimator(name: str) -> Callable[[Callable], Callable]:
-    """Register an advantage estimator in verl's registry under `name`, refusing duplicates.
-
-    The function takes verl's arguments (`token_level_rewards`, `response_mask` and any of
-    `index`, `values`, `gamma`, `lam`, `norm_adv_by_std_in_grpo`, `config`) and returns
-    `(advantages_BT, returns_BT)`. Taking `index` makes it a group estimator.
-
-    Raises:
-        ValueError: if `name` is already registered.
-    """
-    if name in core_algos.ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"advantage estimator {name!r} is already registered; choose another "
-                         "name")
-    return core_algos.register_adv_est(name)
-
-
-def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Register a policy loss in verl's registry under `name`, refusing duplicates (verl's own
-    decorator silently replaces an existing entry).
-
-    The function has verl's `PolicyLossFn` signature: (old_log_prob, log_prob, advantages,
-    response_mask, loss_agg_mode, config: ActorConfig, rollout_is_weights) -> (loss, metrics),
-    and should aggregate with `agg_loss(..., **config.global_batch_info)`.
-
-    Raises:
-        ValueError: if `name` is already registered.
-    """
-    if name in core_algos.POLICY_LOSS_REGISTRY:
-        raise ValueError(f"policy loss {name!r} is already registered; choose another name")
-    return core_algos.register_policy_loss(name)
-
 
 @dataclass(kw_only=True)
 class RLAlgorithm:
@@ -279,7 +204,7 @@ class RLAlgorithm:
     def rollout_is(self) -> str | None:
         """verl's `rollout_is` level of `rollout_correction` ("token", "sequence"; None for
         "none")."""
-        return _VERL_ROLLOUT_IS[self.rollout_correction]
+        return _VERL_ROLLOUT_IS.get(self.rollout_correction)
 
     def _dry_run(self) -> None:
         """Call the verl loss once on a 1 x 2 case, so that verl's own checks (e.g. dro needs
@@ -290,7 +215,7 @@ class RLAlgorithm:
                 old_log_prob=logprob, log_prob=logprob, advantages=torch.ones(1, 2),
                 response_mask=torch.ones(1, 2), loss_agg_mode=self.loss_agg_mode,
                 config=verl_actor_config(self), rollout_is_weights=None)
-            core_algos.kl_penalty(logprob, logprob, self.kl_estimator)
+            _kl_penalty(logprob, logprob, self.kl_estimator)
         except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
             raise ValueError(f"verl rejects policy_loss={self.policy_loss!r} with these settings "
                              f"({type(e).__name__}: {e}); check policy_loss_options") from e
@@ -379,12 +304,6 @@ def verl_actor_config(algo: RLAlgorithm, **global_batch_info: Any) -> ActorConfi
                                                       **algo.policy_loss_options))
     config.global_batch_info.update(global_batch_info)
     return config
-
-
-def verl_algo_config(*, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool) -> AlgoConfig:
-    """A verl `AlgoConfig` for the estimators that read `config.gamma` (reinforce_plus_plus) or
-    `config.norm_adv_by_std_in_grpo` (grpo_passk)."""
-    return AlgoConfig(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
 
 
 def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:

@@ -39,7 +39,8 @@ from posttrain.core.registry import Registry
 from posttrain.rewards.verifier import Outcome, VerifierResult, check_reward
 
 Messages = list[dict]
-"""A conversation: `[{"role": "user", "content": "..."}, ...]` (roles of posttrain.models.tokenizer)."""
+"""A conversation: `[{"role": "user", "content": "..."}, ...]` (the roles of
+posttrain.models.tokenizer)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class Trajectory:
                              f"{len(self.logprobs)} logprobs; they must match one to one")
         mask = self.completion_mask
         if mask is not None and len(mask) != len(self.completion_ids):
-            raise ValueError(f"Trajectory completion_mask has {len(self.completion_mask)} entries "
+            raise ValueError(f"Trajectory completion_mask has {len(mask)} entries "
                              f"for {len(self.completion_ids)} completion ids")
         self.reward = check_reward(self.reward, name="Trajectory reward")
         try:
@@ -294,7 +295,9 @@ class TextEpisode:
 
     @property
     def reward(self) -> float:
-        return self.final.reward  # type: ignore[return-value]  (done => reward is set)
+        reward = self.final.reward
+        assert reward is not None, "StepResult refuses done=True without a reward"
+        return reward
 
     @property
     def outcome(self) -> str:

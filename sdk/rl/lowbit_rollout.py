@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from posttrain.models.conversion import ConversionReport
 from posttrain.policy.policy import Policy
-from posttrain.rl.config import _VERL_ROLLOUT_IS, ROLLOUT_CORRECTIONS, RLAlgorithm
+from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.verl_registry import _VERL_ROLLOUT_IS, ROLLOUT_CORRECTIONS
 
 __all__ = ["ROLLOUT_QUANTIZATIONS", "SAMPLER_METRICS", "ROLLOUT_IS_METRICS",
            "check_rollout_quantization", "quantized_rollout_copy", "quantized_sampler",

@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 from posttrain.rewards.verifier import Outcome
+from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 
 __all__ = ["EXCLUDED_OUTCOMES", "collect_filtered", "collect_groups", "outcome_counts",
            "rollout_metrics"]
@@ -88,8 +88,8 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
         group_size: G, environments (and completions) per builder.
         max_new_tokens: most tokens sampled per assistant turn.
         temperature, top_p: sampling settings; the trajectories' `logprobs` are under exactly
-            this distribution (`posttrain.policy.sampling.sampling_logprobs`), so the trainer must score
-            with the same settings.
+            this distribution (`posttrain.policy.sampling.sampling_logprobs`), so the trainer
+            must score with the same settings.
         seed: turn k samples with seed `seed + k` (same seed, same weights -> same groups).
         policy_version: stored on each trajectory (optimizer steps of the sampling policy).
         verifier_timeout_s: if given, set as `timeout_s` on every environment that has that
@@ -145,7 +145,7 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
         trajectories = [_trajectory(e, policy_version) for e in members]
         try:
             rewards = group_rewards(builder, trajectories)
-        except Exception as e:  # a broken group hook fails its group, not the run
+        except Exception as e:  # noqa: BLE001 - a broken group hook fails its group, not the run
             rewards = [0.0] * len(trajectories)
             for t in trajectories:
                 t.outcome = Outcome.ERROR.value
@@ -166,7 +166,7 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
     episode.messages.append({"role": "assistant", "content": completion.text})
     try:
         result = episode.env.step(completion.text)
-    except Exception as e:  # an environment (or a NaN reward it built) fails this episode only
+    except Exception as e:  # noqa: BLE001 - a failing environment (or NaN reward) fails its episode only
         episode.fail(f"{type(episode.env).__name__}.step raised {type(e).__name__}: {e}")
         return
     info = dict(result.info)
@@ -174,6 +174,7 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
         info["verifier_reason"] = result.verifier_result.reason
     episode.info.update(info)
     if result.done:
+        assert result.reward is not None, "StepResult refuses done=True without a reward"
         episode.done, episode.reward, episode.outcome = True, float(result.reward), result.outcome
         return
     # Multi-turn: the tokens the chat template puts after this assistant turn and the
@@ -263,7 +264,9 @@ def collect_filtered(collect: Callable[[Sequence[EnvGroupBuilder], int], list[Gr
         >>> builders, [g.group_id for g in groups], len(sampled)
         ([1.0], [0], 6)
     """
-    builders, groups, sampled = [], [], []
+    builders: list[EnvGroupBuilder] = []
+    groups: list[Group] = []
+    sampled: list[Group] = []
     for i in range(max_batches):
         batch_builders = list(batch(i))
         batch_groups = collect(batch_builders, i)

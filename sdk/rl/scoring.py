@@ -8,11 +8,16 @@ at t - 1); positions off the response hold 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from posttrain.core.masked import keep_selected
 from posttrain.policy.sampling import model_logits, picked_logprobs
+
+if TYPE_CHECKING:
+    from torchtune.modules import TransformerDecoder
 
 __all__ = ["ValueHead", "score_rows"]
 
@@ -34,7 +39,7 @@ class ValueHead(nn.Module):
         return self.proj(hidden_BTD).squeeze(-1)
 
 
-def score_rows(model: nn.Module, m: dict[str, Tensor], *, value_head: nn.Module | None,
+def score_rows(model: TransformerDecoder, m: dict[str, Tensor], *, value_head: nn.Module | None,
                temperature: float, top_p: float, share_prefix: bool, entropy: bool = False,
                entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Teacher-forced log-probs [B, T] under the sampling distribution (`temperature`, `top_p`),

@@ -40,8 +40,14 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from posttrain.core.timing import (PhaseTimer, matmul_peak_flops, mfu, model_flops,
-                                   non_embedding_params, on_cuda)
+from posttrain.core.timing import (
+    PhaseTimer,
+    matmul_peak_flops,
+    mfu,
+    model_flops,
+    non_embedding_params,
+    on_cuda,
+)
 from posttrain.rl.environment import Group
 
 __all__ = ["RL_TIME_PHASES", "TIMING_COLUMNS", "TimedGeneration", "new_step_timer",

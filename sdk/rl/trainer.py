@@ -4,8 +4,9 @@ Notation: B = trajectories in a (mini)batch, T = padded tokens per row (prompt +
 G = group size.
 
 `RLTrainer.step` is the whole algorithm in one screen; everything it calls is either a pure
-function over tensors (`posttrain.rl.algorithms`: verl's estimators and losses chosen by name through
-`RLAlgorithm`) or a small helper below. One step:
+function over tensors (`posttrain.rl.algorithms`: verl's estimators and losses chosen by name
+through `RLAlgorithm`) or a small helper below (the minibatch updates: `posttrain.rl.update`).
+One step:
 
     builders  = task.builders(step, prompts_per_step)           # deterministic per step
     groups    = collect_groups(policy, builders, G, ...)        # rollout + verifier outcomes
@@ -72,39 +73,53 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
+from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.core.preemption import sigint_held
+from posttrain.models.conversion import ConversionReport
 from posttrain.models.lora import has_adapters
-from posttrain.rl.buffer import ReplayBuffer
-from posttrain.train.engine import Engine
-from posttrain.core.checkpoint import (capture_rng_state, restore_rng_state)
-from posttrain.rl.environment import EnvDataset, Group
-from posttrain.rl.algorithms import (accumulate_metrics, compute_advantages, policy_loss,
-                                     sequence_advantages, step_units, value_loss)
-from posttrain.rl.config import RLAlgorithm
-from posttrain.rl.lowbit_rollout import (check_rollout_quantization, decouple_sampler,
-                                         frozen_logprobs, quantized_sampler,
-                                         scores_apart_from_sampler)
-from posttrain.rl.parallel import (data_shares, gather_groups, padding_rows,
-                                   plan_rollout_parts, rollout_seed)
+from posttrain.policy.policy import Policy
+from posttrain.rl.algorithms import (
+    compute_advantages,
+    sequence_advantages,
+)
 from posttrain.rl.batch import make_batch, split_groups
-from posttrain.rl.rollout import (EXCLUDED_OUTCOMES, collect_filtered, collect_groups,
-                                  rollout_metrics)
-from posttrain.rl.scoring import ValueHead, score_rows
+from posttrain.rl.buffer import ReplayBuffer
+from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.environment import EnvDataset, Group
+from posttrain.rl.lowbit_rollout import (
+    check_rollout_quantization,
+    decouple_sampler,
+    quantized_sampler,
+)
+from posttrain.rl.parallel import (
+    data_shares,
+    gather_groups,
+    plan_rollout_parts,
+    rollout_seed,
+)
+from posttrain.rl.rollout import (
+    EXCLUDED_OUTCOMES,
+    collect_filtered,
+    collect_groups,
+    rollout_metrics,
+)
+from posttrain.rl.scoring import ValueHead
 from posttrain.rl.step_timing import TimedGeneration, new_step_timer, timing_row
+from posttrain.rl.update import RLUpdateEngine
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_compat import resolve_runtime
-from posttrain.train.runtime import Runtime
+from posttrain.train.runtime import PlanRuntime, Runtime
 
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
 
 
-class RLTrainer(Engine):
+class RLTrainer(RLUpdateEngine):
     """Runs RL steps on built parts (policy, optimizer, task, algorithm), on the training engine
     (`posttrain.train.engine.Engine`: fit, checkpoints, resume, preemption, Ctrl-C, rank 0
-    writes).
+    writes) with the update half of a step (`posttrain.rl.update.RLUpdateEngine`).
 
     Args:
         policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
@@ -156,7 +171,7 @@ class RLTrainer(Engine):
 
     progress_desc = "rl"
 
-    def __init__(self, policy, optimizer: torch.optim.Optimizer, *, task: EnvDataset,
+    def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, *, task: EnvDataset,
                  algo: RLAlgorithm, prompts_per_step: int, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0,
                  value_head: ValueHead | None = None, micro_batch_size: int | None = None,
@@ -190,11 +205,12 @@ class RLTrainer(Engine):
         self.value_head, self.micro_batch_size = value_head, micro_batch_size
         self.share_prefix = share_prefix
         self.seed, self.verifier_timeout_s = seed, verifier_timeout_s
-        self.reference, self.rollout_report, self.rollout_quantization = None, None, \
-            rollout_quantization
+        self.reference: nn.Module | None = None
+        self.rollout_report: ConversionReport | None = None
+        self.rollout_quantization = rollout_quantization
         self.rollout_policy = self.sampler_policy = policy
         with_reference = algo.kl_coef > 0 and not has_adapters(policy.model)
-        if runtime.plan is not None:  # a plain copy samples; the reference is split too
+        if isinstance(runtime, PlanRuntime):  # a plain copy samples; the reference is split too
             self.rollout_policy, self.reference = plan_rollout_parts(
                 runtime, policy, value_head=value_head, prompts_per_step=prompts_per_step,
                 with_reference=with_reference)
@@ -217,14 +233,14 @@ class RLTrainer(Engine):
         if self.rollout_policy is not self.policy:
             self.rollout_policy.model.load_state_dict(self.runtime.full_state_dict())
 
-    def gathered_policy(self):
+    def gathered_policy(self) -> Policy:
         """A `Policy` with the current full weights that runs without collectives: under a plan
         the refreshed rollout copy (a collective: every rank calls it), else `policy` itself.
         Use it to evaluate or save a sharded run (rank 0)."""
         self._refresh_rollout_policy()
         return self.rollout_policy
 
-    def _sampler(self):
+    def _sampler(self) -> Policy:
         """The `Policy` this step's rollouts sample with: the refreshed rollout copy, or with
         `rollout_quantization` a new quantised copy of it (`sampler_policy`, its report in
         `rollout_report`)."""
@@ -336,123 +352,11 @@ class RLTrainer(Engine):
                               planned=self.runtime.plan is not None))
         return row
 
-    def _update(self, batch: dict[str, Tensor]) -> dict[str, float]:
-        """algo.ppo_epochs passes of shuffled minibatches, one optimizer step per minibatch.
-        Returns the metrics averaged over minibatches (first-minibatch ratio kept apart)."""
-        B = batch["scores_B"].shape[0]
-        size = self.algo.minibatch_size or B
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step_count)
-        sums: dict[str, float] = {}
-        n = 0
-        for epoch in range(self.algo.ppo_epochs):
-            order = torch.randperm(B, generator=generator)
-            for first in range(0, B, size):
-                rows = order[first:first + size]
-                metrics = self._optimizer_step({k: v[rows] for k, v in batch.items()})
-                if n == 0:
-                    sums["first_ratio_mean"] = metrics["ratio_mean"]
-                    sums["first_clipfrac"] = metrics["clipfrac"]
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n += 1
-        return {k: (v if k.startswith("first_") else v / n) for k, v in sums.items()}
-
-    def _micro_batch_loss(self, model: nn.Module, m: dict[str, Tensor], units: Tensor,
-                          value_head: nn.Module | None):
-        """(loss share, metrics, logprobs_BT, values_BT) of micro-batch `m`: the policy loss plus
-        `value_coef` x the value loss with a value head, normalised by the minibatch's `units`."""
-        algo = self.algo
-        logprobs_BT, values_BT, entropy_BT = self._forward(model, m, value_head=value_head,
-                                                           entropy=True)
-        loss, metrics = policy_loss(
-            logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
-            algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
-            num_units_in_step=units, rollout_is_weights_BT=m.get("rollout_is_weights_BT"))
-        if values_BT is not None:
-            v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
-                                           m["response_mask_BT"], algo=algo,
-                                           num_units_in_step=units)
-            loss = loss + algo.value_coef * v_loss
-            metrics.update(v_metrics)
-        return loss, metrics, logprobs_BT, values_BT
-
-    def _optimizer_step(self, mb: dict[str, Tensor]) -> dict[str, float]:
-        """One optimizer step on a minibatch of the global batch: this data rank's contiguous
-        share of its rows (all of them with one data rank), in as many micro-batches as the
-        largest share needs (a padding micro-batch runs the same forward and backward and
-        contributes nothing); the gradients and metrics are summed over the data ranks (FSDP2/TP
-        reduce the policy's, the runtime the value head's), then `update`. Returns the metrics."""
-        algo, model, head = self.algo, self.policy.model, self.value_head
-        model.train()
-        units = step_units(mb["response_mask_BT"], algo.loss_agg_mode)  # the whole minibatch
-        units_tokens = mb["response_mask_BT"].sum()
-        rank, ranks = self.data_rank_and_size
-        shares = data_shares(mb["scores_B"].shape[0], ranks)
-        mine, largest = shares[rank], len(shares[0])
-        micro = self.micro_batch_size or largest
-        rounds = -(-largest // micro)
-        totals: dict[str, Tensor] = {}
-        for i in range(rounds):
-            rows = mine[i * micro:(i + 1) * micro]
-            m = ({k: v[rows.start:rows.stop] for k, v in mb.items()} if len(rows)
-                 else padding_rows(mb))
-            self._set_gradient_sync(i == rounds - 1)
-            loss, metrics, logprobs_BT, values_BT = self._micro_batch_loss(model, m, units, head)
-            if not len(rows):  # padding: the same graph and collectives, no contribution
-                loss = logprobs_BT.sum() * 0.0 + (0.0 if values_BT is None
-                                                  else values_BT.sum() * 0.0)
-                metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
-            loss.backward()
-            accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
-        totals = self.runtime.reduce_metrics(totals)
-        if head is not None:
-            self.runtime.sum_module_grads(head)
-        self._sum_gradients_across_ranks()  # the plan's own syncs (experts over dp x sp ranks)
-        grad_norm, lr = self.update(totals["loss"], schedule=False)  # once per RL step: below
-        totals["lr"] = torch.tensor(lr)
-        totals["grad_norm"] = grad_norm
-        return {k: float(v) for k, v in totals.items()}
-
-    def _forward(self, model: nn.Module, m: dict[str, Tensor], *, value_head: ValueHead | None,
-                 entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """`posttrain.rl.scoring.score_rows` of micro-batch `m` under the sampling distribution
-        (the trainer's temperature and top-p); the entropy is differentiable only when
-        algo.entropy_coef > 0."""
-        return score_rows(model, m, value_head=value_head, temperature=self.temperature,
-                          top_p=self.top_p, share_prefix=self.share_prefix, entropy=entropy,
-                          entropy_grad=self.algo.entropy_coef > 0)
-
-    @torch.no_grad()
-    def _frozen_forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Reference log-probs and old values of the batch's rows: each data rank scores its
-        contiguous share (a padding row when it has none), the shares are gathered."""
-        rank, ranks = self.data_rank_and_size
-        shares = data_shares(batch["scores_B"].shape[0], ranks)
-        mine = shares[rank]
-        rows = ({k: v[mine.start:mine.stop] for k, v in batch.items()} if len(mine)
-                else padding_rows(batch))
-        out = self._frozen_outputs(rows)
-        return self.runtime.gather_rows(out, [len(s) for s in shares]) if out else out
-
-    def _frozen_outputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        score = lambda model: self._forward(model, batch, value_head=None)[0]  # noqa: E731
-        if self.reference is not None:
-            out["ref_logprobs_BT"] = score(self.reference)
-        elif self.algo.kl_coef > 0:  # a LoRA policy: the reference is its base
-            out["ref_logprobs_BT"] = frozen_logprobs(score, self.policy.model, base=True)
-        if scores_apart_from_sampler(self.rollout_quantization, self.algo):
-            out["trainer_logprobs_BT"] = frozen_logprobs(score, self.policy.model)
-        if self.value_head is not None:
-            _, out["old_values_BT"], _ = self._forward(self.policy.model, batch,
-                                                    value_head=self.value_head)
-        return out
-
     # ------------------------------------------------------------------ engine hooks
     def _module(self) -> nn.Module:
         return self.policy.model
 
-    def _checkpoint_module(self) -> nn.Module:
+    def _checkpoint_module(self) -> nn.ModuleDict:
         """Policy, value head and reference in one container (a sharded checkpoint's names:
         policy.*, value_head.*, reference.*; each only when there is one)."""
         parts = {"policy": self.policy.model, "value_head": self.value_head,
