@@ -52,8 +52,10 @@ def _load_run(folder: str) -> tuple[ModuleType, str, DataclassInstance]:
     recipe = read_lineage(folder).get("recipe", {})
     name, file = recipe.get("name"), recipe.get("file")
     if name is None and not (file and Path(file).is_file()):
-        raise ValueError(f"{folder}/lineage.json names no recipe that runs config class "
-                         f"{recipe.get('config_class')!r}")
+        raise ValueError(
+            f"{folder}/lineage.json names no recipe that runs config class "
+            f"{recipe.get('config_class')!r}"
+        )
     try:
         module = load_recipe(name if name is not None else file)
     except ValueError:
@@ -62,8 +64,10 @@ def _load_run(folder: str) -> tuple[ModuleType, str, DataclassInstance]:
         module = load_recipe(file)
     cls = module.Config
     if f"{cls.__module__}.{cls.__qualname__}" != recipe.get("config_class"):
-        raise ValueError(f"{folder} ran config class {recipe.get('config_class')!r}, but recipe "
-                         f"{name!r} now defines {cls.__module__}.{cls.__qualname__}")
+        raise ValueError(
+            f"{folder} ran config class {recipe.get('config_class')!r}, but recipe "
+            f"{name!r} now defines {cls.__module__}.{cls.__qualname__}"
+        )
     try:
         cfg = override(module.Config(), json.loads(path.read_text()))
     except (TypeError, ValueError) as e:
@@ -107,23 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a recipe: posttrain run RECIPE [key=value ...]")
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     run.add_argument("--config", help="YAML preset applied before the key=value overrides")
-    run.add_argument("--parent", action="append", default=[], metavar="FOLDER",
-                     help="a run this run derives from (recorded in lineage.json; repeatable)")
+    run.add_argument(
+        "--parent",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="a run this run derives from (recorded in lineage.json; repeatable)",
+    )
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
     runs = sub.add_parser("runs", help="table of the runs under FOLDER ... (default: ./runs)")
     runs.add_argument("folders", nargs="*", default=["runs"])
-    rerun = sub.add_parser("rerun", help="run again from a run folder's config.json: posttrain "
-                           "rerun FOLDER [out_dir=...] [key=value ...] (default out_dir: "
-                           "FOLDER-rerun)")
+    rerun = sub.add_parser(
+        "rerun",
+        help="run again from a run folder's config.json: posttrain "
+        "rerun FOLDER [out_dir=...] [key=value ...] (default out_dir: "
+        "FOLDER-rerun)",
+    )
     rerun.add_argument("folder", help="a run folder (config.json + lineage.json)")
     rerun.add_argument("overrides", nargs="*", help="config overrides key=value")
-    launch = sub.add_parser("launch", help="submit a recipe as a job (posttrain.launch.submit): "
-                            "posttrain launch RECIPE [options] [key=value ...]")
+    launch = sub.add_parser(
+        "launch",
+        help="submit a recipe as a job (posttrain.launch.submit): "
+        "posttrain launch RECIPE [options] [key=value ...]",
+    )
     launch.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
     launch.add_argument("--config", help="YAML preset applied before the key=value overrides")
     launch.add_argument("--executor", default="local", choices=("local", "slurm", "debug"))
-    for flag, default in (("--nodes", 1), ("--tasks-per-node", 1), ("--gpus-per-node", 0),
-                          ("--cpus-per-task", 1)):
+    for flag, default in (
+        ("--nodes", 1),
+        ("--tasks-per-node", 1),
+        ("--gpus-per-node", 0),
+        ("--cpus-per-task", 1),
+    ):
         launch.add_argument(flag, type=int, default=default)
     launch.add_argument("--timeout-min", type=float, default=60)
     launch.add_argument("--partition")
@@ -167,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.config:
                 cfg = load_config_file(cfg, args.config)
             cfg = apply_overrides(cfg, args.overrides)
-            origin.update(recipe=Path(args.recipe).stem, recipe_file=_source_file(module),
-                          parents=getattr(args, "parent", []))
+            origin.update(
+                recipe=Path(args.recipe).stem,
+                recipe_file=_source_file(module),
+                parents=getattr(args, "parent", []),
+            )
     except ValueError as e:
         parser.error(str(e))
     if args.command == "launch":
@@ -178,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = getattr(cfg, "out_dir", None)
     try:
-        with run_origin(out_dir, **origin) if out_dir else contextlib.nullcontext(), \
-                run_outcome(out_dir):   # a run that raises records it (`posttrain runs`)
+        with (
+            run_origin(out_dir, **origin) if out_dir else contextlib.nullcontext(),
+            run_outcome(out_dir),
+        ):  # a run that raises records it (`posttrain runs`)
             module.main(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C: the stage stopped at a whole step (RunInterrupted)
         label = args.folder if args.command == "rerun" else args.recipe
@@ -217,10 +241,19 @@ def _launch(args: argparse.Namespace, module: ModuleType, cfg: object) -> int:
     from posttrain.launch.submit import launch
 
     try:  # load_recipe registered the recipe module to travel by value
-        run = launch(module.main, cfg, executor=args.executor, nodes=args.nodes,
-                     tasks_per_node=args.tasks_per_node, gpus_per_node=args.gpus_per_node,
-                     cpus_per_task=args.cpus_per_task, timeout_min=args.timeout_min,
-                     partition=args.partition, folder=args.folder, name=args.name)
+        run = launch(
+            module.main,
+            cfg,
+            executor=args.executor,
+            nodes=args.nodes,
+            tasks_per_node=args.tasks_per_node,
+            gpus_per_node=args.gpus_per_node,
+            cpus_per_task=args.cpus_per_task,
+            timeout_min=args.timeout_min,
+            partition=args.partition,
+            folder=args.folder,
+            name=args.name,
+        )
     except (RuntimeError, TypeError, ValueError) as e:  # bad resources, unpicklable, sbatch
         print(f"posttrain launch: {e}", file=sys.stderr)
         return 1

@@ -44,16 +44,20 @@ def replay_step(trainer: RLTrainer, rollouts: Any) -> dict[str, float]:
     """
     seam = getattr(trainer, _SEAM, None)
     if not callable(seam):
-        raise TypeError(f"replay_step needs a trainer with {_SEAM}(groups) (posttrain."
-                        f"rl_trainer.RLTrainer); got {type(trainer).__name__}")
+        raise TypeError(
+            f"replay_step needs a trainer with {_SEAM}(groups) (posttrain."
+            f"rl_trainer.RLTrainer); got {type(trainer).__name__}"
+        )
     groups = to_groups(rollouts)
-    vocab = getattr(getattr(getattr(trainer, "policy", None), "tokenizer", None),
-                    "vocab_size", None)
+    vocab = getattr(
+        getattr(getattr(trainer, "policy", None), "tokenizer", None), "vocab_size", None
+    )
     if vocab is not None:
         top = max(max(t.prompt_ids + t.completion_ids, default=0) for g in groups for t in g)
         if top >= vocab:
-            raise ValueError(f"the rollouts hold token id {top}, outside this policy's "
-                             f"vocabulary (0..{vocab - 1}); were they sampled by another "
-                             "tokenizer?")
+            raise ValueError(
+                f"the rollouts hold token id {top}, outside this policy's "
+                f"vocabulary (0..{vocab - 1}); were they sampled by another "
+                "tokenizer?"
+            )
     return seam(groups)
-

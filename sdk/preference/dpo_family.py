@@ -91,12 +91,20 @@ from posttrain.preference.f_divergence import (  # importable from here too
     f_divergence_scores,
 )
 
-__all__ = ["DPO_LOSS_TYPES", "F_DIVERGENCE_TYPES", "F_DIVERGENCE_LOSS_TYPES",
-           "LENGTH_LOSS_TYPES", "DPOOptions", "DPO_OPTION_DEFAULTS", "check_dpo_options",
-           "dpo_family_losses"]
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "F_DIVERGENCE_TYPES",
+    "F_DIVERGENCE_LOSS_TYPES",
+    "LENGTH_LOSS_TYPES",
+    "DPOOptions",
+    "DPO_OPTION_DEFAULTS",
+    "check_dpo_options",
+    "dpo_family_losses",
+]
 
 LENGTH_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")
 """The loss types that need chosen_lengths_B and rejected_lengths_B."""
+
 
 class DPOOptions(TypedDict):
     """The options of the DPO family that have a default, by name and type."""
@@ -108,8 +116,13 @@ class DPOOptions(TypedDict):
     dpop_lambda: float
 
 
-DPO_OPTION_DEFAULTS: DPOOptions = {"label_smoothing": 0.0, "f_divergence_type": "reverse_kl",
-                       "f_alpha_divergence_coef": 0.5, "discopop_tau": 0.05, "dpop_lambda": 50.0}
+DPO_OPTION_DEFAULTS: DPOOptions = {
+    "label_smoothing": 0.0,
+    "f_divergence_type": "reverse_kl",
+    "f_alpha_divergence_coef": 0.5,
+    "discopop_tau": 0.05,
+    "dpop_lambda": 50.0,
+}
 """The defaults of the options (TRL 1.16's, for those TRL has). dpop_lambda = 50 is the value
 the Smaug paper's experiments use, as recalled here (not rechecked against the paper)."""
 
@@ -141,11 +154,13 @@ _USES: dict[str, frozenset[str]] = {}
 
 def _register(name: str, *, uses: Sequence[str] = ()) -> Callable:
     """Register the formula of loss_type `name`; `uses` names the options it reads."""
+
     def add(fn: Callable[[_Pairs], Tensor]) -> Callable[[_Pairs], Tensor]:
         if name in _LOSSES:
             raise ValueError(f"DPO loss_type {name!r} is registered twice")
         _LOSSES[name], _USES[name] = fn, frozenset(uses)
         return fn
+
     return add
 
 
@@ -163,7 +178,7 @@ def _per_token(scores_B: Tensor, lengths_B: Tensor | None) -> Tensor:
 def _sigmoid(p: _Pairs) -> Tensor:
     logits_B = p.beta * p.delta
     losses_B = -F.logsigmoid(logits_B)
-    if p.label_smoothing:   # cDPO; e = 0 keeps the one-term form, bit for bit
+    if p.label_smoothing:  # cDPO; e = 0 keeps the one-term form, bit for bit
         e = p.label_smoothing
         losses_B = (1 - e) * losses_B - e * F.logsigmoid(-logits_B)
     return losses_B
@@ -176,8 +191,9 @@ def _hinge(p: _Pairs) -> Tensor:
 
 @_register("ipo", uses=("lengths",))
 def _ipo(p: _Pairs) -> Tensor:
-    ipo_delta = _per_token(p.chosen_scores, p.chosen_lengths) - _per_token(p.rejected_scores,
-                                                                           p.rejected_lengths)
+    ipo_delta = _per_token(p.chosen_scores, p.chosen_lengths) - _per_token(
+        p.rejected_scores, p.rejected_lengths
+    )
     return (ipo_delta - 1 / (2 * p.beta)) ** 2
 
 
@@ -193,8 +209,7 @@ def _exo_pair(p: _Pairs) -> Tensor:
 @_register("nca_pair")
 def _nca_pair(p: _Pairs) -> Tensor:
     chosen_B, rejected_B = p.beta * p.chosen_logratios, p.beta * p.rejected_logratios
-    return -F.logsigmoid(chosen_B) - 0.5 * F.logsigmoid(-chosen_B) - 0.5 * F.logsigmoid(
-        -rejected_B)
+    return -F.logsigmoid(chosen_B) - 0.5 * F.logsigmoid(-chosen_B) - 0.5 * F.logsigmoid(-rejected_B)
 
 
 @_register("robust", uses=("label_smoothing",))
@@ -207,8 +222,7 @@ def _robust(p: _Pairs) -> Tensor:
 
 @_register("bco_pair")
 def _bco_pair(p: _Pairs) -> Tensor:
-    return (-F.logsigmoid(p.beta * p.chosen_logratios)
-            - F.logsigmoid(-p.beta * p.rejected_logratios))
+    return -F.logsigmoid(p.beta * p.chosen_logratios) - F.logsigmoid(-p.beta * p.rejected_logratios)
 
 
 @_register("sppo_hard")
@@ -233,13 +247,15 @@ def _aot_unpaired(p: _Pairs) -> Tensor:
 @_register("apo_zero")
 def _apo_zero(p: _Pairs) -> Tensor:
     return (1 - torch.sigmoid(p.beta * p.chosen_logratios)) + torch.sigmoid(
-        p.beta * p.rejected_logratios)
+        p.beta * p.rejected_logratios
+    )
 
 
 @_register("apo_down")
 def _apo_down(p: _Pairs) -> Tensor:
-    return torch.sigmoid(p.beta * p.chosen_logratios) + (1 - torch.sigmoid(
-        p.beta * (p.chosen_logratios - p.rejected_logratios)))
+    return torch.sigmoid(p.beta * p.chosen_logratios) + (
+        1 - torch.sigmoid(p.beta * (p.chosen_logratios - p.rejected_logratios))
+    )
 
 
 @_register("discopop", uses=("discopop_tau",))
@@ -258,8 +274,9 @@ def _sft(p: _Pairs) -> Tensor:
 
 @_register("sigmoid_norm", uses=("lengths",))
 def _sigmoid_norm(p: _Pairs) -> Tensor:
-    delta_B = _per_token(p.chosen_scores, p.chosen_lengths) - _per_token(p.rejected_scores,
-                                                                         p.rejected_lengths)
+    delta_B = _per_token(p.chosen_scores, p.chosen_lengths) - _per_token(
+        p.rejected_scores, p.rejected_lengths
+    )
     return -F.logsigmoid(p.beta * delta_B)
 
 
@@ -273,11 +290,17 @@ DPO_LOSS_TYPES = tuple(_LOSSES)
 """`loss_type=...` values: TRL 1.16 `DPOConfig.loss_type`'s, in its order, then "dpop"."""
 
 
-def check_dpo_options(*, beta: float = 0.1, loss_type: str | Sequence[str] = "sigmoid",
-                      loss_weights: Sequence[float] | None = None, label_smoothing: float = 0.0,
-                      f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
-                      discopop_tau: float = 0.05, dpop_lambda: float = 50.0
-                      ) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+def check_dpo_options(
+    *,
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+    dpop_lambda: float = 50.0,
+) -> tuple[tuple[str, ...], tuple[float, ...] | None]:
     """Validate the options of `dpo_family_losses`; returns (loss types, weights or None).
 
     Raises:
@@ -289,13 +312,18 @@ def check_dpo_options(*, beta: float = 0.1, loss_type: str | Sequence[str] = "si
             outside `F_DIVERGENCE_LOSS_TYPES`, or an option changed from its default that no
             selected loss type reads.
     """
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
-            math.isfinite(beta) and beta > 0):
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, (int, float))
+        or not (math.isfinite(beta) and beta > 0)
+    ):
         raise ValueError(f"beta={beta!r}; must be a finite number > 0")
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     if not types or len(set(types)) != len(types):
-        raise ValueError(f"loss_type={loss_type!r}; must be one name or a list of distinct names "
-                         f"from: {', '.join(DPO_LOSS_TYPES)}")
+        raise ValueError(
+            f"loss_type={loss_type!r}; must be one name or a list of distinct names "
+            f"from: {', '.join(DPO_LOSS_TYPES)}"
+        )
     for name in types:
         if name not in _LOSSES:
             raise ValueError(f"loss_type={name!r}; allowed: {', '.join(DPO_LOSS_TYPES)}")
@@ -303,57 +331,87 @@ def check_dpo_options(*, beta: float = 0.1, loss_type: str | Sequence[str] = "si
     if loss_weights is not None:
         weights = tuple(loss_weights)
         if len(weights) != len(types) or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
-                for w in weights):
-            raise ValueError(f"loss_weights={loss_weights!r}; must be {len(types)} finite "
-                             f"number(s), one per loss_type {list(types)}")
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+            for w in weights
+        ):
+            raise ValueError(
+                f"loss_weights={loss_weights!r}; must be {len(types)} finite "
+                f"number(s), one per loss_type {list(types)}"
+            )
     if f_divergence_type not in F_DIVERGENCE_TYPES:
-        raise ValueError(f"f_divergence_type={f_divergence_type!r}; allowed: "
-                         f"{', '.join(F_DIVERGENCE_TYPES)}")
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r}; allowed: {', '.join(F_DIVERGENCE_TYPES)}"
+        )
     if f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSS_TYPES:
-        raise ValueError(f"f_divergence_type={f_divergence_type!r} works only with the loss types "
-                         f"{', '.join(sorted(F_DIVERGENCE_LOSS_TYPES))}; got loss_type "
-                         f"{list(types)} (use f_divergence_type='reverse_kl' with these)")
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} works only with the loss types "
+            f"{', '.join(sorted(F_DIVERGENCE_LOSS_TYPES))}; got loss_type "
+            f"{list(types)} (use f_divergence_type='reverse_kl' with these)"
+        )
     if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
-        raise ValueError(f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
-                         "probability that a preference label is flipped)")
+        raise ValueError(
+            f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
+            "probability that a preference label is flipped)"
+        )
     if "exo_pair" in types and label_smoothing == 0:
-        raise ValueError("label_smoothing=0 with loss_type 'exo_pair'; must be > 0 (EXO's "
-                         "epsilon; the EXO paper recommends 1e-3)")
+        raise ValueError(
+            "label_smoothing=0 with loss_type 'exo_pair'; must be > 0 (EXO's "
+            "epsilon; the EXO paper recommends 1e-3)"
+        )
     for name, value, ok, must in (
-            ("discopop_tau", discopop_tau, lambda v: v > 0, "a finite number > 0"),
-            ("dpop_lambda", dpop_lambda, lambda v: v >= 0, "a finite number >= 0"),
-            ("f_alpha_divergence_coef", f_alpha_divergence_coef, lambda v: True,
-             "a finite number")):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                math.isfinite(value) and ok(value)):
+        ("discopop_tau", discopop_tau, lambda v: v > 0, "a finite number > 0"),
+        ("dpop_lambda", dpop_lambda, lambda v: v >= 0, "a finite number >= 0"),
+        ("f_alpha_divergence_coef", f_alpha_divergence_coef, lambda v: True, "a finite number"),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and ok(value))
+        ):
             raise ValueError(f"{name}={value!r}; must be {must}")
     used = set().union(*(_USES[name] for name in types))
     if f_divergence_type == "alpha_divergence":
         used.add("f_alpha_divergence_coef")
-    given = {"label_smoothing": label_smoothing, "discopop_tau": discopop_tau,
-             "dpop_lambda": dpop_lambda, "f_alpha_divergence_coef": f_alpha_divergence_coef}
+    given = {
+        "label_smoothing": label_smoothing,
+        "discopop_tau": discopop_tau,
+        "dpop_lambda": dpop_lambda,
+        "f_alpha_divergence_coef": f_alpha_divergence_coef,
+    }
     defaults: Mapping[str, object] = DPO_OPTION_DEFAULTS  # looked up by a name held in a str
     for name, value in given.items():
         if name not in used and value != defaults[name]:
             readers = sorted(t for t in DPO_LOSS_TYPES if name in _USES[t])
-            where = (f"loss_type {', '.join(readers)}" if readers
-                     else "f_divergence_type='alpha_divergence'")
-            raise ValueError(f"{name}={value!r} is read only by {where}; with loss_type "
-                             f"{list(types)} and f_divergence_type={f_divergence_type!r} it "
-                             f"would be ignored: leave it at {defaults[name]!r}")
+            where = (
+                f"loss_type {', '.join(readers)}"
+                if readers
+                else "f_divergence_type='alpha_divergence'"
+            )
+            raise ValueError(
+                f"{name}={value!r} is read only by {where}; with loss_type "
+                f"{list(types)} and f_divergence_type={f_divergence_type!r} it "
+                f"would be ignored: leave it at {defaults[name]!r}"
+            )
     return types, weights
 
 
-def dpo_family_losses(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
-                      ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *,
-                      beta: float = 0.1, loss_type: str | Sequence[str] = "sigmoid",
-                      loss_weights: Sequence[float] | None = None, label_smoothing: float = 0.0,
-                      f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
-                      discopop_tau: float = 0.05, dpop_lambda: float = 50.0,
-                      chosen_lengths_B: Tensor | None = None,
-                      rejected_lengths_B: Tensor | None = None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+def dpo_family_losses(
+    policy_chosen_logps_B: Tensor,
+    policy_rejected_logps_B: Tensor,
+    ref_chosen_logps_B: Tensor,
+    ref_rejected_logps_B: Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+    dpop_lambda: float = 50.0,
+    chosen_lengths_B: Tensor | None = None,
+    rejected_lengths_B: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Losses of the DPO family per pair (module docstring: the formulas and their sources).
 
     This validates the options, not the tensors: call it through
@@ -378,29 +436,46 @@ def dpo_family_losses(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Te
         ValueError: as `check_dpo_options`, and for a length loss type without both lengths.
     """
     types, weights = check_dpo_options(
-        beta=beta, loss_type=loss_type, loss_weights=loss_weights,
-        label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
-        f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
-        dpop_lambda=dpop_lambda)
+        beta=beta,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        label_smoothing=label_smoothing,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
+        discopop_tau=discopop_tau,
+        dpop_lambda=dpop_lambda,
+    )
     if chosen_lengths_B is None or rejected_lengths_B is None:
         for name in types:
             if name in LENGTH_LOSS_TYPES:
                 without = [t for t in DPO_LOSS_TYPES if t not in LENGTH_LOSS_TYPES]
-                raise ValueError(f"loss_type={name!r}; allowed: {', '.join(without)} without "
-                                 f"response lengths ({', '.join(LENGTH_LOSS_TYPES)} divide by "
-                                 "them: pass chosen_lengths_B and rejected_lengths_B)")
+                raise ValueError(
+                    f"loss_type={name!r}; allowed: {', '.join(without)} without "
+                    f"response lengths ({', '.join(LENGTH_LOSS_TYPES)} divide by "
+                    "them: pass chosen_lengths_B and rejected_lengths_B)"
+                )
     chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
     rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
     alpha = f_alpha_divergence_coef
     chosen_scores_B = f_divergence_scores(chosen_logratios_B, f_divergence_type, alpha)
     rejected_scores_B = f_divergence_scores(rejected_logratios_B, f_divergence_type, alpha)
-    pairs = _Pairs(beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
-                   dpop_lambda=dpop_lambda, policy_chosen=policy_chosen_logps_B,
-                   policy_rejected=policy_rejected_logps_B, ref_chosen=ref_chosen_logps_B,
-                   ref_rejected=ref_rejected_logps_B, chosen_logratios=chosen_logratios_B,
-                   rejected_logratios=rejected_logratios_B, chosen_scores=chosen_scores_B,
-                   rejected_scores=rejected_scores_B, delta=chosen_scores_B - rejected_scores_B,
-                   chosen_lengths=chosen_lengths_B, rejected_lengths=rejected_lengths_B)
+    pairs = _Pairs(
+        beta=beta,
+        label_smoothing=label_smoothing,
+        discopop_tau=discopop_tau,
+        dpop_lambda=dpop_lambda,
+        policy_chosen=policy_chosen_logps_B,
+        policy_rejected=policy_rejected_logps_B,
+        ref_chosen=ref_chosen_logps_B,
+        ref_rejected=ref_rejected_logps_B,
+        chosen_logratios=chosen_logratios_B,
+        rejected_logratios=rejected_logratios_B,
+        chosen_scores=chosen_scores_B,
+        rejected_scores=rejected_scores_B,
+        delta=chosen_scores_B - rejected_scores_B,
+        chosen_lengths=chosen_lengths_B,
+        rejected_lengths=rejected_lengths_B,
+    )
     terms_B = [_LOSSES[name](pairs) for name in types]
     if weights is not None:
         terms_B = [w * term_B for w, term_B in zip(weights, terms_B)]

@@ -32,8 +32,9 @@ __all__ = ["F_DIVERGENCE_TYPES", "F_DIVERGENCE_LOSS_TYPES", "f_divergence_scores
 F_DIVERGENCE_TYPES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 """`f_divergence_type=...` values (TRL 1.16 `DPOConfig.f_divergence_type`)."""
 
-F_DIVERGENCE_LOSS_TYPES = frozenset({"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair",
-                                     "robust", "discopop", "sft"})
+F_DIVERGENCE_LOSS_TYPES = frozenset(
+    {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+)
 """The loss types that accept an f_divergence_type other than reverse_kl (TRL's list: the
 others have no valid f-divergence form)."""
 
@@ -51,5 +52,6 @@ def f_divergence_scores(logratios_B: Tensor, f_divergence_type: str, alpha: floa
         t_B = (alpha - 1.0) * logratios_B
         clamp_max = 11.0 if t_B.dtype == torch.float16 else 80.0
         return (torch.exp(torch.clamp(t_B.float(), max=clamp_max)) - 1.0).to(t_B.dtype) * (
-            1.0 / (alpha - 1.0))
+            1.0 / (alpha - 1.0)
+        )
     return logratios_B

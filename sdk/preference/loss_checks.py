@@ -43,26 +43,34 @@ def check_pairs(*, finite: bool = True, **tensors: Tensor) -> None:
     finite_flags = torch.stack([torch.isfinite(t).all().to(device) for t in tensors.values()])
     if not bool(finite_flags.all()):
         bad = [name for name, ok in zip(tensors, finite_flags.tolist()) if not ok]
-        raise ValueError(f"{', '.join(bad)} must be finite; got NaN or inf (a log-prob of -inf "
-                         "is a probability of 0, which these losses cannot train on)")
+        raise ValueError(
+            f"{', '.join(bad)} must be finite; got NaN or inf (a log-prob of -inf "
+            "is a probability of 0, which these losses cannot train on)"
+        )
 
 
 def check_beta(beta: float) -> None:
     """Raises ValueError unless `beta` is a finite number > 0 (a bool is not a number here)."""
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (
-            math.isfinite(beta) and beta > 0):
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, (int, float))
+        or not (math.isfinite(beta) and beta > 0)
+    ):
         raise ValueError(f"beta={beta!r}; must be a finite number > 0")
 
 
 def check_label_smoothing(label_smoothing: float) -> None:
     """Raises ValueError unless `label_smoothing` is a number in [0, 0.5)."""
     if not (isinstance(label_smoothing, (int, float)) and 0 <= label_smoothing < 0.5):
-        raise ValueError(f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
-                         "probability that a preference label is flipped)")
+        raise ValueError(
+            f"label_smoothing={label_smoothing!r}; must be in [0, 0.5) (the "
+            "probability that a preference label is flipped)"
+        )
 
 
-def check_lengths(logps_B: Tensor, chosen_lengths_B: Tensor | None,
-                   rejected_lengths_B: Tensor | None) -> tuple[Tensor, Tensor]:
+def check_lengths(
+    logps_B: Tensor, chosen_lengths_B: Tensor | None, rejected_lengths_B: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """Both lengths are given, shaped like `logps_B`, and >= 0; returns them. Called when at
     least one is given.
 
@@ -72,10 +80,16 @@ def check_lengths(logps_B: Tensor, chosen_lengths_B: Tensor | None,
     """
     if chosen_lengths_B is None or rejected_lengths_B is None:
         raise ValueError("pass both chosen_lengths_B and rejected_lengths_B, or neither")
-    check_pairs(finite=False, logps_B=logps_B, chosen_lengths_B=chosen_lengths_B,
-                 rejected_lengths_B=rejected_lengths_B)
+    check_pairs(
+        finite=False,
+        logps_B=logps_B,
+        chosen_lengths_B=chosen_lengths_B,
+        rejected_lengths_B=rejected_lengths_B,
+    )
     if not bool(((chosen_lengths_B >= 0) & (rejected_lengths_B >= 0)).all()):
-        raise ValueError(f"response lengths must be >= 0; got chosen_lengths_B "
-                         f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
-                         f"{rejected_lengths_B.tolist()}")
+        raise ValueError(
+            f"response lengths must be >= 0; got chosen_lengths_B "
+            f"{chosen_lengths_B.tolist()}, rejected_lengths_B "
+            f"{rejected_lengths_B.tolist()}"
+        )
     return chosen_lengths_B, rejected_lengths_B

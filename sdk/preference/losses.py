@@ -56,8 +56,17 @@ from posttrain.preference.loss_checks import (
 )
 from posttrain.train.losses import normalize_by_step
 
-__all__ = ["dpo_loss", "ipo_loss", "simpo_loss", "kto_loss", "kto_reference_point", "orpo_loss",
-           "step_share", "DPO_LOSS_TYPES", "F_DIVERGENCE_TYPES"]
+__all__ = [
+    "dpo_loss",
+    "ipo_loss",
+    "simpo_loss",
+    "kto_loss",
+    "kto_reference_point",
+    "orpo_loss",
+    "step_share",
+    "DPO_LOSS_TYPES",
+    "F_DIVERGENCE_TYPES",
+]
 
 LossTriple = tuple[Tensor, Tensor, Tensor]
 
@@ -66,13 +75,23 @@ LossTriple = tuple[Tensor, Tensor, Tensor]
 # --------------------------------------------------------------------------------------------
 
 
-def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
-             ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *, beta: float = 0.1,
-             label_smoothing: float = 0.0, loss_type: str | Sequence[str] = "sigmoid",
-             loss_weights: Sequence[float] | None = None, f_divergence_type: str = "reverse_kl",
-             f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
-             dpop_lambda: float = 50.0, chosen_lengths_B: Tensor | None = None,
-             rejected_lengths_B: Tensor | None = None) -> LossTriple:
+def dpo_loss(
+    policy_chosen_logps_B: Tensor,
+    policy_rejected_logps_B: Tensor,
+    ref_chosen_logps_B: Tensor,
+    ref_rejected_logps_B: Tensor,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+    dpop_lambda: float = 50.0,
+    chosen_lengths_B: Tensor | None = None,
+    rejected_lengths_B: Tensor | None = None,
+) -> LossTriple:
     """Direct Preference Optimization and its family, per pair: every `loss_type` and
     `f_divergence_type` of TRL 1.16's `DPOTrainer`, plus DPOP (`DPO_LOSS_TYPES`,
     `F_DIVERGENCE_TYPES`; the formulas and their papers are tabled in
@@ -119,26 +138,44 @@ def dpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
             the allowed values), an option a selected loss does not read set to a non-default
             value, or missing lengths (`posttrain.preference.dpo_family.check_dpo_options`).
     """
-    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
-                 policy_rejected_logps_B=policy_rejected_logps_B,
-                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
+    check_pairs(
+        policy_chosen_logps_B=policy_chosen_logps_B,
+        policy_rejected_logps_B=policy_rejected_logps_B,
+        ref_chosen_logps_B=ref_chosen_logps_B,
+        ref_rejected_logps_B=ref_rejected_logps_B,
+    )
     check_beta(beta)
     check_label_smoothing(label_smoothing)
     if chosen_lengths_B is not None or rejected_lengths_B is not None:
         check_lengths(policy_chosen_logps_B, chosen_lengths_B, rejected_lengths_B)
     return dpo_family_losses(
-        policy_chosen_logps_B, policy_rejected_logps_B, ref_chosen_logps_B, ref_rejected_logps_B,
-        beta=beta, loss_type=loss_type, loss_weights=loss_weights,
-        label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
-        f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
-        dpop_lambda=dpop_lambda, chosen_lengths_B=chosen_lengths_B,
-        rejected_lengths_B=rejected_lengths_B)
+        policy_chosen_logps_B,
+        policy_rejected_logps_B,
+        ref_chosen_logps_B,
+        ref_rejected_logps_B,
+        beta=beta,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        label_smoothing=label_smoothing,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
+        discopop_tau=discopop_tau,
+        dpop_lambda=dpop_lambda,
+        chosen_lengths_B=chosen_lengths_B,
+        rejected_lengths_B=rejected_lengths_B,
+    )
 
 
-def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
-             ref_chosen_logps_B: Tensor, ref_rejected_logps_B: Tensor, *, beta: float = 0.1,
-             chosen_lengths_B: Tensor | None = None,
-             rejected_lengths_B: Tensor | None = None) -> LossTriple:
+def ipo_loss(
+    policy_chosen_logps_B: Tensor,
+    policy_rejected_logps_B: Tensor,
+    ref_chosen_logps_B: Tensor,
+    ref_rejected_logps_B: Tensor,
+    *,
+    beta: float = 0.1,
+    chosen_lengths_B: Tensor | None = None,
+    rejected_lengths_B: Tensor | None = None,
+) -> LossTriple:
     """Identity Preference Optimisation loss per pair (Azar et al. 2023, "A General Theoretical
     Paradigm to Understand Learning from Human Preferences", eq. 17, beta = tau):
 
@@ -164,22 +201,32 @@ def ipo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor,
         ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
             a negative length, or beta <= 0.
     """
-    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
-                 policy_rejected_logps_B=policy_rejected_logps_B,
-                 ref_chosen_logps_B=ref_chosen_logps_B, ref_rejected_logps_B=ref_rejected_logps_B)
+    check_pairs(
+        policy_chosen_logps_B=policy_chosen_logps_B,
+        policy_rejected_logps_B=policy_rejected_logps_B,
+        ref_chosen_logps_B=ref_chosen_logps_B,
+        ref_rejected_logps_B=ref_rejected_logps_B,
+    )
     check_beta(beta)
     chosen_logratios_B = policy_chosen_logps_B - ref_chosen_logps_B
     rejected_logratios_B = policy_rejected_logps_B - ref_rejected_logps_B
-    chosen_score_B, rejected_score_B = _per_token(chosen_logratios_B, rejected_logratios_B,
-                                                  chosen_lengths_B, rejected_lengths_B)
+    chosen_score_B, rejected_score_B = _per_token(
+        chosen_logratios_B, rejected_logratios_B, chosen_lengths_B, rejected_lengths_B
+    )
     losses_B = (chosen_score_B - rejected_score_B - 1 / (2 * beta)) ** 2
     return (losses_B, beta * chosen_logratios_B.detach(), beta * rejected_logratios_B.detach())
 
 
-def simpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
-               beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0,
-               chosen_lengths_B: Tensor | None = None,
-               rejected_lengths_B: Tensor | None = None) -> LossTriple:
+def simpo_loss(
+    policy_chosen_logps_B: Tensor,
+    policy_rejected_logps_B: Tensor,
+    *,
+    beta: float = 2.0,
+    gamma: float = 1.0,
+    label_smoothing: float = 0.0,
+    chosen_lengths_B: Tensor | None = None,
+    rejected_lengths_B: Tensor | None = None,
+) -> LossTriple:
     """Simple Preference Optimization loss per pair (Meng et al. 2024, "SimPO", eq. 6): no
     reference model, length-normalised log-probabilities and a target reward margin gamma:
 
@@ -205,14 +252,16 @@ def simpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *
         ValueError: for mismatched shapes, a NaN or infinite log-prob, only one of the lengths,
             a negative length, beta <= 0, gamma < 0 or e outside [0, 0.5).
     """
-    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
-                 policy_rejected_logps_B=policy_rejected_logps_B)
+    check_pairs(
+        policy_chosen_logps_B=policy_chosen_logps_B, policy_rejected_logps_B=policy_rejected_logps_B
+    )
     check_beta(beta)
     check_label_smoothing(label_smoothing)
     if not (math.isfinite(gamma) and gamma >= 0):
         raise ValueError(f"gamma={gamma!r}; must be a finite number >= 0")
-    chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B, policy_rejected_logps_B,
-                                              chosen_lengths_B, rejected_lengths_B)
+    chosen_avg_B, rejected_avg_B = _per_token(
+        policy_chosen_logps_B, policy_rejected_logps_B, chosen_lengths_B, rejected_lengths_B
+    )
     # written as TRL writes it: beta * ((a_c - a_r) - gamma / beta)
     logits_B = beta * ((chosen_avg_B - rejected_avg_B) - gamma / beta)
     losses_B = _smoothed_logistic(logits_B, label_smoothing)
@@ -241,9 +290,16 @@ def kto_reference_point(policy_kl_logps_K: Tensor, ref_kl_logps_K: Tensor) -> Te
     return (policy_kl_logps_K - ref_kl_logps_K).mean().clamp(min=0).detach()
 
 
-def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *,
-             reference_point: Tensor | float = 0.0, beta: float = 0.1,
-             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> LossTriple:
+def kto_loss(
+    policy_logps_N: Tensor,
+    ref_logps_N: Tensor,
+    desirable_N: Tensor,
+    *,
+    reference_point: Tensor | float = 0.0,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> LossTriple:
     """Kahneman-Tversky Optimization loss per row (Ethayarajh et al. 2024, "KTO: Model
     Alignment as Prospect Theoretic Optimization", eq. 8; TRL's comment cites it as eq. 7 of the
     arXiv version). With r = log pi(y|x) - log ref(y|x) and z0 the reference point:
@@ -273,19 +329,25 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
     """
     check_pairs(policy_logps_N=policy_logps_N, ref_logps_N=ref_logps_N)
     if desirable_N.shape != policy_logps_N.shape or desirable_N.dtype != torch.bool:
-        raise ValueError(f"desirable_N must be a bool tensor shaped like the log-probs "
-                         f"{tuple(policy_logps_N.shape)}; got {desirable_N.dtype} "
-                         f"{tuple(desirable_N.shape)}")
+        raise ValueError(
+            f"desirable_N must be a bool tensor shaped like the log-probs "
+            f"{tuple(policy_logps_N.shape)}; got {desirable_N.dtype} "
+            f"{tuple(desirable_N.shape)}"
+        )
     check_beta(beta)
-    for name, weight in (("desirable_weight", desirable_weight),
-                         ("undesirable_weight", undesirable_weight)):
+    for name, weight in (
+        ("desirable_weight", desirable_weight),
+        ("undesirable_weight", undesirable_weight),
+    ):
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"{name}={weight!r}; must be a finite number > 0")
     logratios_N = policy_logps_N - ref_logps_N
     z0 = torch.as_tensor(reference_point, dtype=logratios_N.dtype, device=logratios_N.device)
     if z0.ndim != 0 or not bool(torch.isfinite(z0)):
-        raise ValueError(f"reference_point must be a finite scalar (a float or a 0-dim tensor); "
-                         f"got shape {tuple(z0.shape)}" + ("" if z0.ndim else f", value {z0}"))
+        raise ValueError(
+            f"reference_point must be a finite scalar (a float or a 0-dim tensor); "
+            f"got shape {tuple(z0.shape)}" + ("" if z0.ndim else f", value {z0}")
+        )
     desirable_losses_N = desirable_weight * (1 - torch.sigmoid(beta * (logratios_N - z0)))
     undesirable_losses_N = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios_N)))
     losses_N = torch.where(desirable_N, desirable_losses_N, undesirable_losses_N)
@@ -293,9 +355,14 @@ def kto_loss(policy_logps_N: Tensor, ref_logps_N: Tensor, desirable_N: Tensor, *
     return losses_N, rewards_N[desirable_N], rewards_N[~desirable_N]
 
 
-def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
-              beta: float = 0.1, chosen_lengths_B: Tensor | None = None,
-              rejected_lengths_B: Tensor | None = None) -> LossTriple:
+def orpo_loss(
+    policy_chosen_logps_B: Tensor,
+    policy_rejected_logps_B: Tensor,
+    *,
+    beta: float = 0.1,
+    chosen_lengths_B: Tensor | None = None,
+    rejected_lengths_B: Tensor | None = None,
+) -> LossTriple:
     """The odds-ratio term of ORPO per pair (Hong et al. 2024, "ORPO: Monolithic Preference
     Optimization without Reference Model", eqs. 4 and 7), weighted by beta (lambda in the paper):
 
@@ -321,18 +388,25 @@ def orpo_loss(policy_chosen_logps_B: Tensor, policy_rejected_logps_B: Tensor, *,
             >= 0 (odds P / (1 - P) need P < 1), only one of the lengths, a negative length, or
             beta <= 0.
     """
-    check_pairs(policy_chosen_logps_B=policy_chosen_logps_B,
-                 policy_rejected_logps_B=policy_rejected_logps_B)
+    check_pairs(
+        policy_chosen_logps_B=policy_chosen_logps_B, policy_rejected_logps_B=policy_rejected_logps_B
+    )
     check_beta(beta)
-    chosen_avg_B, rejected_avg_B = _per_token(policy_chosen_logps_B.float(),
-                                              policy_rejected_logps_B.float(),
-                                              chosen_lengths_B, rejected_lengths_B)
+    chosen_avg_B, rejected_avg_B = _per_token(
+        policy_chosen_logps_B.float(),
+        policy_rejected_logps_B.float(),
+        chosen_lengths_B,
+        rejected_lengths_B,
+    )
     if not bool(((chosen_avg_B < 0) & (rejected_avg_B < 0)).all()):
-        raise ValueError(f"orpo_loss needs average log-probs < 0 (P < 1, else the odds are "
-                         f"infinite); got policy_chosen_logps_B max {float(chosen_avg_B.max()):g}, "
-                         f"policy_rejected_logps_B max {float(rejected_avg_B.max()):g} per token")
-    log_odds_B = (chosen_avg_B - rejected_avg_B) - (_log1mexp(chosen_avg_B)
-                                                    - _log1mexp(rejected_avg_B))
+        raise ValueError(
+            f"orpo_loss needs average log-probs < 0 (P < 1, else the odds are "
+            f"infinite); got policy_chosen_logps_B max {float(chosen_avg_B.max()):g}, "
+            f"policy_rejected_logps_B max {float(rejected_avg_B.max()):g} per token"
+        )
+    log_odds_B = (chosen_avg_B - rejected_avg_B) - (
+        _log1mexp(chosen_avg_B) - _log1mexp(rejected_avg_B)
+    )
     losses_B = -beta * F.logsigmoid(log_odds_B)
     return losses_B, beta * chosen_avg_B.detach(), beta * rejected_avg_B.detach()
 
@@ -351,8 +425,10 @@ def step_share(losses_B: Tensor, num_units_in_step: Tensor | int) -> Tensor:
     if isinstance(count, Tensor) and count.device.type == "cpu" and count.numel() == 1:
         count = count.item()
     if isinstance(count, (int, float)) and not count >= 1:
-        raise ValueError(f"num_units_in_step={count!r}; it counts the pairs (KTO: rows) of the "
-                         "whole optimizer step and must be >= 1")
+        raise ValueError(
+            f"num_units_in_step={count!r}; it counts the pairs (KTO: rows) of the "
+            "whole optimizer step and must be >= 1"
+        )
     return normalize_by_step(losses_B.sum(), num_units_in_step)
 
 
@@ -368,14 +444,21 @@ def _smoothed_logistic(logits_B: Tensor, label_smoothing: float) -> Tensor:
     return losses_B
 
 
-def _per_token(chosen_B: Tensor, rejected_B: Tensor, chosen_lengths_B: Tensor | None,
-               rejected_lengths_B: Tensor | None) -> tuple[Tensor, Tensor]:
+def _per_token(
+    chosen_B: Tensor,
+    rejected_B: Tensor,
+    chosen_lengths_B: Tensor | None,
+    rejected_lengths_B: Tensor | None,
+) -> tuple[Tensor, Tensor]:
     if chosen_lengths_B is None and rejected_lengths_B is None:
         return chosen_B, rejected_B
     chosen_lengths_B, rejected_lengths_B = check_lengths(
-        chosen_B, chosen_lengths_B, rejected_lengths_B)
-    return (chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
-            rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0))
+        chosen_B, chosen_lengths_B, rejected_lengths_B
+    )
+    return (
+        chosen_B / chosen_lengths_B.to(chosen_B.dtype).clamp(min=1.0),
+        rejected_B / rejected_lengths_B.to(rejected_B.dtype).clamp(min=1.0),
+    )
 
 
 def _log1mexp(x: Tensor) -> Tensor:

@@ -56,8 +56,9 @@ class _PairObjective:
 
     def num_units(self, batch: Any) -> Tensor:
         """Pairs in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
-        return torch.tensor(0 if trains_nothing(batch) else batch.chosen_input_ids.shape[0],
-                            dtype=torch.int64)
+        return torch.tensor(
+            0 if trains_nothing(batch) else batch.chosen_input_ids.shape[0], dtype=torch.int64
+        )
 
     def num_tokens(self, batch: Any) -> Tensor:
         """Response tokens of the chosen and rejected rows (the tokens the loss covers; int64
@@ -65,7 +66,8 @@ class _PairObjective:
         if trains_nothing(batch):
             return torch.tensor(0, dtype=torch.int64)
         return (batch.chosen_response_mask.sum() + batch.rejected_response_mask.sum()).to(
-            dtype=torch.int64, device="cpu")
+            dtype=torch.int64, device="cpu"
+        )
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_B, _, _ = self.pair_losses(model, batch)
@@ -78,13 +80,19 @@ class _PairObjective:
         logps_2B, lengths_2B = response_logps(model, input_ids, attention_mask, response_mask)
         chosen_logps_B, rejected_logps_B = logps_2B.chunk(2)
         chosen_lengths_B, rejected_lengths_B = lengths_2B.chunk(2)
-        out = {"chosen": chosen_logps_B, "rejected": rejected_logps_B,
-               "chosen_lengths": chosen_lengths_B, "rejected_lengths": rejected_lengths_B}
+        out = {
+            "chosen": chosen_logps_B,
+            "rejected": rejected_logps_B,
+            "chosen_lengths": chosen_lengths_B,
+            "rejected_lengths": rejected_lengths_B,
+        }
         if self.needs_reference:
             if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
-                raise ValueError(f"{type(self).__name__} needs reference log-probs in the batch; "
-                                 "run posttrain.preference.reference.compute_reference_logps("
-                                 "reference, dataset) before building the loader")
+                raise ValueError(
+                    f"{type(self).__name__} needs reference log-probs in the batch; "
+                    "run posttrain.preference.reference.compute_reference_logps("
+                    "reference, dataset) before building the loader"
+                )
             out["ref_chosen"] = batch.ref_chosen_logps.to(chosen_logps_B.device)
             out["ref_rejected"] = batch.ref_rejected_logps.to(chosen_logps_B.device)
         return out
@@ -96,10 +104,13 @@ class _PairObjective:
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
         """Mean loss, rewards, margin and reward accuracy (chosen reward > rejected) on `batch`."""
         losses_B, chosen_B, rejected_B = self.pair_losses(model, batch)
-        return {"loss": float(losses_B.mean()), "chosen_reward": float(chosen_B.mean()),
-                "rejected_reward": float(rejected_B.mean()),
-                "reward_margin": float((chosen_B - rejected_B).mean()),
-                "reward_accuracy": float((chosen_B > rejected_B).float().mean())}
+        return {
+            "loss": float(losses_B.mean()),
+            "chosen_reward": float(chosen_B.mean()),
+            "rejected_reward": float(rejected_B.mean()),
+            "reward_margin": float((chosen_B - rejected_B).mean()),
+            "reward_accuracy": float((chosen_B > rejected_B).float().mean()),
+        }
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -127,22 +138,40 @@ class DPOLoss(_PairObjective):
         ValueError: for the options `dpo_loss` rejects, naming the option.
     """
 
-    def __init__(self, *, beta: float = 0.1, label_smoothing: float = 0.0,
-                 loss_type: str | Sequence[str] = "sigmoid",
-                 loss_weights: Sequence[float] | None = None,
-                 f_divergence_type: str = DPO_OPTION_DEFAULTS["f_divergence_type"],
-                 f_alpha_divergence_coef: float = DPO_OPTION_DEFAULTS["f_alpha_divergence_coef"],
-                 discopop_tau: float = DPO_OPTION_DEFAULTS["discopop_tau"],
-                 dpop_lambda: float = DPO_OPTION_DEFAULTS["dpop_lambda"]) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        label_smoothing: float = 0.0,
+        loss_type: str | Sequence[str] = "sigmoid",
+        loss_weights: Sequence[float] | None = None,
+        f_divergence_type: str = DPO_OPTION_DEFAULTS["f_divergence_type"],
+        f_alpha_divergence_coef: float = DPO_OPTION_DEFAULTS["f_alpha_divergence_coef"],
+        discopop_tau: float = DPO_OPTION_DEFAULTS["discopop_tau"],
+        dpop_lambda: float = DPO_OPTION_DEFAULTS["dpop_lambda"],
+    ) -> None:
         loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
         loss_weights = None if loss_weights is None else tuple(loss_weights)
-        options = DPOOptions(label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
-                             f_alpha_divergence_coef=f_alpha_divergence_coef,
-                             discopop_tau=discopop_tau, dpop_lambda=dpop_lambda)
+        options = DPOOptions(
+            label_smoothing=label_smoothing,
+            f_divergence_type=f_divergence_type,
+            f_alpha_divergence_coef=f_alpha_divergence_coef,
+            discopop_tau=discopop_tau,
+            dpop_lambda=dpop_lambda,
+        )
         one = torch.ones(1)
-        dpo_loss(0 * one, 0 * one, 0 * one, 0 * one, beta=beta, loss_type=loss_type,
-                 loss_weights=loss_weights, chosen_lengths_B=one, rejected_lengths_B=one,
-                 **options)   # validates the options
+        dpo_loss(
+            0 * one,
+            0 * one,
+            0 * one,
+            0 * one,
+            beta=beta,
+            loss_type=loss_type,
+            loss_weights=loss_weights,
+            chosen_lengths_B=one,
+            rejected_lengths_B=one,
+            **options,
+        )  # validates the options
         self.beta, self.label_smoothing, self.loss_type = beta, label_smoothing, loss_type
         self.loss_weights = loss_weights
         self.f_divergence_type = f_divergence_type
@@ -151,24 +180,34 @@ class DPOLoss(_PairObjective):
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
-        return dpo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
-                        beta=self.beta, label_smoothing=self.label_smoothing,
-                        loss_type=self.loss_type, loss_weights=self.loss_weights,
-                        f_divergence_type=self.f_divergence_type,
-                        f_alpha_divergence_coef=self.f_alpha_divergence_coef,
-                        discopop_tau=self.discopop_tau, dpop_lambda=self.dpop_lambda,
-                        chosen_lengths_B=lp["chosen_lengths"],
-                        rejected_lengths_B=lp["rejected_lengths"])
+        return dpo_loss(
+            lp["chosen"],
+            lp["rejected"],
+            lp["ref_chosen"],
+            lp["ref_rejected"],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            loss_type=self.loss_type,
+            loss_weights=self.loss_weights,
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+            discopop_tau=self.discopop_tau,
+            dpop_lambda=self.dpop_lambda,
+            chosen_lengths_B=lp["chosen_lengths"],
+            rejected_lengths_B=lp["rejected_lengths"],
+        )
 
     def __repr__(self) -> str:
         """beta, label_smoothing and loss_type always; the other options where not default."""
-        shown: dict[str, object] = {"beta": self.beta, "label_smoothing": self.label_smoothing,
-                 "loss_type": self.loss_type}
+        shown: dict[str, object] = {
+            "beta": self.beta,
+            "label_smoothing": self.label_smoothing,
+            "loss_type": self.loss_type,
+        }
         if self.loss_weights is not None:
             shown["loss_weights"] = self.loss_weights
         defaults: Mapping[str, object] = DPO_OPTION_DEFAULTS  # looked up by a name held in a str
-        for name in ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau",
-                     "dpop_lambda"):
+        for name in ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "dpop_lambda"):
             if getattr(self, name) != defaults[name]:
                 shown[name] = getattr(self, name)
         return f"DPOLoss({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
@@ -188,10 +227,20 @@ class IPOLoss(_PairObjective):
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
-        lengths = ((lp["chosen_lengths"], lp["rejected_lengths"]) if self.length_normalize
-                   else (None, None))
-        return ipo_loss(lp["chosen"], lp["rejected"], lp["ref_chosen"], lp["ref_rejected"],
-                        beta=self.beta, chosen_lengths_B=lengths[0], rejected_lengths_B=lengths[1])
+        lengths = (
+            (lp["chosen_lengths"], lp["rejected_lengths"])
+            if self.length_normalize
+            else (None, None)
+        )
+        return ipo_loss(
+            lp["chosen"],
+            lp["rejected"],
+            lp["ref_chosen"],
+            lp["ref_rejected"],
+            beta=self.beta,
+            chosen_lengths_B=lengths[0],
+            rejected_lengths_B=lengths[1],
+        )
 
 
 class SimPOLoss(_PairObjective):
@@ -203,18 +252,25 @@ class SimPOLoss(_PairObjective):
 
     needs_reference = False
 
-    def __init__(self, *, beta: float = 2.0, gamma: float = 1.0,
-                 label_smoothing: float = 0.0) -> None:
-        simpo_loss(torch.zeros(1), torch.zeros(1), beta=beta, gamma=gamma,
-                   label_smoothing=label_smoothing)   # validates the options
+    def __init__(
+        self, *, beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0
+    ) -> None:
+        simpo_loss(
+            torch.zeros(1), torch.zeros(1), beta=beta, gamma=gamma, label_smoothing=label_smoothing
+        )  # validates the options
         self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
-        return simpo_loss(lp["chosen"], lp["rejected"], beta=self.beta, gamma=self.gamma,
-                          label_smoothing=self.label_smoothing,
-                          chosen_lengths_B=lp["chosen_lengths"],
-                          rejected_lengths_B=lp["rejected_lengths"])
+        return simpo_loss(
+            lp["chosen"],
+            lp["rejected"],
+            beta=self.beta,
+            gamma=self.gamma,
+            label_smoothing=self.label_smoothing,
+            chosen_lengths_B=lp["chosen_lengths"],
+            rejected_lengths_B=lp["rejected_lengths"],
+        )
 
 
 class ORPOLoss(_PairObjective):
@@ -237,8 +293,12 @@ class ORPOLoss(_PairObjective):
         lp = self.forward_pairs(model, batch)
         chosen_lengths_B = lp["chosen_lengths"].clamp(min=1)
         losses_B, chosen_B, rejected_B = orpo_loss(
-            lp["chosen"], lp["rejected"], beta=self.beta, chosen_lengths_B=chosen_lengths_B,
-            rejected_lengths_B=lp["rejected_lengths"])
+            lp["chosen"],
+            lp["rejected"],
+            beta=self.beta,
+            chosen_lengths_B=chosen_lengths_B,
+            rejected_lengths_B=lp["rejected_lengths"],
+        )
         return losses_B - lp["chosen"] / chosen_lengths_B, chosen_B, rejected_B
 
 
@@ -258,17 +318,30 @@ class KTOLoss:
 
     needs_reference = True
 
-    def __init__(self, *, beta: float = 0.1, desirable_weight: float = 1.0,
-                 undesirable_weight: float = 1.0, use_kl: bool = True) -> None:
-        kto_loss(torch.zeros(1), torch.zeros(1), torch.ones(1, dtype=torch.bool), beta=beta,
-                 desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        use_kl: bool = True,
+    ) -> None:
+        kto_loss(
+            torch.zeros(1),
+            torch.zeros(1),
+            torch.ones(1, dtype=torch.bool),
+            beta=beta,
+            desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight,
+        )
         self.beta, self.use_kl = beta, bool(use_kl)
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
 
     def num_units(self, batch: Any) -> Tensor:
         """Rows in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
-        return torch.tensor(0 if trains_nothing(batch) else batch.input_ids.shape[0],
-                            dtype=torch.int64)
+        return torch.tensor(
+            0 if trains_nothing(batch) else batch.input_ids.shape[0], dtype=torch.int64
+        )
 
     def num_tokens(self, batch: Any) -> Tensor:
         """Response tokens of the rows (the tokens the loss trains on; int64 scalar, tokens;
@@ -285,21 +358,30 @@ class KTOLoss:
     def row_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         """`kto_loss` of the batch's rows, with z0 from its mismatched pairs."""
         if batch.ref_logps is None or (self.use_kl and batch.ref_kl_logps is None):
-            raise ValueError("KTOLoss needs reference log-probs in the batch; run posttrain."
-                             "preference.reference.compute_reference_logps(reference, dataset) "
-                             "first")
-        logps_N, _ = response_logps(model, batch.input_ids, batch.attention_mask,
-                                    batch.response_mask)
+            raise ValueError(
+                "KTOLoss needs reference log-probs in the batch; run posttrain."
+                "preference.reference.compute_reference_logps(reference, dataset) "
+                "first"
+            )
+        logps_N, _ = response_logps(
+            model, batch.input_ids, batch.attention_mask, batch.response_mask
+        )
         z0 = torch.zeros((), device=logps_N.device)
         if self.use_kl:
             with torch.no_grad():
-                kl_logps_K, _ = response_logps(model, batch.kl_input_ids, batch.kl_attention_mask,
-                                               batch.kl_response_mask)
+                kl_logps_K, _ = response_logps(
+                    model, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_response_mask
+                )
             z0 = kto_reference_point(kl_logps_K, batch.ref_kl_logps.to(logps_N.device))
-        return kto_loss(logps_N, batch.ref_logps.to(logps_N.device),
-                        batch.desirable.to(logps_N.device), reference_point=z0, beta=self.beta,
-                        desirable_weight=self.desirable_weight,
-                        undesirable_weight=self.undesirable_weight)
+        return kto_loss(
+            logps_N,
+            batch.ref_logps.to(logps_N.device),
+            batch.desirable.to(logps_N.device),
+            reference_point=z0,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+        )
 
     @torch.no_grad()
     def metrics(self, model: nn.Module, batch: Any) -> dict[str, float]:
@@ -319,8 +401,13 @@ class KTOLoss:
         return f"KTOLoss({options})"
 
 
-BUILTIN_LOSSES = {"dpo": DPOLoss, "ipo": IPOLoss, "simpo": SimPOLoss, "kto": KTOLoss,
-                  "orpo": ORPOLoss}
+BUILTIN_LOSSES = {
+    "dpo": DPOLoss,
+    "ipo": IPOLoss,
+    "simpo": SimPOLoss,
+    "kto": KTOLoss,
+    "orpo": ORPOLoss,
+}
 """The objectives this module registers in `posttrain.train.losses` under these names, in this
 order, when it is imported."""
 

@@ -44,14 +44,22 @@ class PairStats:
         return dataclasses.asdict(self)
 
 
-def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
-                          rank: Callable[[str, Mapping[str, Any]], Any], n: int = 8,
-                          max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0,
-                          seed: int = 0, prompts_per_batch: int = 64, chat: bool = True,
-                          timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                          format_error: Literal["lowest", "exclude"] = "lowest",
-                          reference_answer: Callable[[Mapping[str, Any]], str] | None = None,
-                          ) -> tuple[list[dict], PairStats]:
+def make_preference_pairs(
+    policy: Any,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    rank: Callable[[str, Mapping[str, Any]], Any],
+    n: int = 8,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    prompts_per_batch: int = 64,
+    chat: bool = True,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    format_error: Literal["lowest", "exclude"] = "lowest",
+    reference_answer: Callable[[Mapping[str, Any]], str] | None = None,
+) -> tuple[list[dict], PairStats]:
     """Preference pairs by rejection sampling: `n` completions per item's question, ranked, and
     the best against the worst when they rank differently (best-vs-worst of n, as in RSO / the
     Llama 2 rejection-sampling recipe).
@@ -95,25 +103,36 @@ def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
     stats.outcomes = {o.value: 0 for o in Outcome}
     rows: list[dict] = []
     for _, chunk, completions in generate_for_items(
-            policy, items, batch_size=prompts_per_batch, chat=chat, seed=seed, n=n,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p):
+        policy,
+        items,
+        batch_size=prompts_per_batch,
+        chat=chat,
+        seed=seed,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+    ):
         stats.samples += len(completions)
-        texts = [[c.text for c in completions[j * n:(j + 1) * n]] for j in range(len(chunk))]
+        texts = [[c.text for c in completions[j * n : (j + 1) * n]] for j in range(len(chunk))]
         if reference_answer is not None:
             texts = [t + [reference_answer(it)] for t, it in zip(texts, chunk)]
         flat = [(t, it) for ts, it in zip(texts, chunk) for t in ts]
-        results = score_batch(rank, [t for t, _ in flat], [it for _, it in flat],
-                              timeout_s=timeout_s)
+        results = score_batch(
+            rank, [t for t, _ in flat], [it for _, it in flat], timeout_s=timeout_s
+        )
         for outcome, count in count_outcomes(results).items():
             stats.outcomes[outcome] += count
         at = 0
         for ts, item in zip(texts, chunk):
             candidates = []
-            for k, (text, result) in enumerate(zip(ts, results[at:at + len(ts)])):
+            for k, (text, result) in enumerate(zip(ts, results[at : at + len(ts)])):
                 if result.outcome in (Outcome.TIMEOUT, Outcome.ERROR) or (
-                        result.outcome is Outcome.FORMAT_ERROR and format_error == "exclude"):
-                    stats.excluded[result.outcome.value] = stats.excluded.get(
-                        result.outcome.value, 0) + 1
+                    result.outcome is Outcome.FORMAT_ERROR and format_error == "exclude"
+                ):
+                    stats.excluded[result.outcome.value] = (
+                        stats.excluded.get(result.outcome.value, 0) + 1
+                    )
                     continue
                 key = (0, 0.0) if result.outcome is Outcome.FORMAT_ERROR else (1, result.score)
                 candidates.append((key, k, text, result))
@@ -128,15 +147,23 @@ def make_preference_pairs(policy: Any, items: Sequence[Mapping[str, Any]], *,
                 continue
             stats.pairs += 1
             stats.reference_chosen += reference_answer is not None and best[1] == n
-            rows.append({"prompt": item["question"], "chosen": best[2], "rejected": worst[2],
-                         "chosen_score": best[3].score, "rejected_score": worst[3].score,
-                         "chosen_outcome": best[3].outcome.value,
-                         "rejected_outcome": worst[3].outcome.value})
+            rows.append(
+                {
+                    "prompt": item["question"],
+                    "chosen": best[2],
+                    "rejected": worst[2],
+                    "chosen_score": best[3].score,
+                    "rejected_score": worst[3].score,
+                    "chosen_outcome": best[3].outcome.value,
+                    "rejected_outcome": worst[3].outcome.value,
+                }
+            )
     return rows, stats
 
 
-def usable_pairs(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int,
-                 chat: bool = True) -> tuple[list[Mapping[str, Any]], dict[str, int]]:
+def usable_pairs(
+    rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_seq_len: int, chat: bool = True
+) -> tuple[list[Mapping[str, Any]], dict[str, int]]:
     """The rows of `make_preference_pairs` that `PreferenceDataset(..., max_seq_len=...)` takes,
     and the count of the others by reason (`posttrain.data.rows.BAD_ROW_REASONS`:
     "empty_response", a sampled answer that was only an end token; "overlong", prompt + answer

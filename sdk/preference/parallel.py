@@ -57,9 +57,15 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torchtune.modules import TransformerDecoder
 
-__all__ = ["ShardedPreferenceLoader", "PaddingPreferenceBatch", "PaddingKTOBatch",
-           "trains_nothing", "parallelize_reward_model", "gathered_reward_model",
-           "apply_plan_to_reward_model"]
+__all__ = [
+    "ShardedPreferenceLoader",
+    "PaddingPreferenceBatch",
+    "PaddingKTOBatch",
+    "trains_nothing",
+    "parallelize_reward_model",
+    "gathered_reward_model",
+    "apply_plan_to_reward_model",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +115,16 @@ class ShardedPreferenceLoader(PreferenceLoader):
         ValueError: for bad options, or a `batch_size` not divisible by `world_size`.
     """
 
-    def __init__(self, dataset: Any, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed)
         if rank is None or world_size is None:
             from posttrain.core.distributed import rank_and_world_size
@@ -122,25 +136,28 @@ class ShardedPreferenceLoader(PreferenceLoader):
         if rank >= world_size:
             raise ValueError(f"rank={rank} must be below world_size={world_size}")
         if batch_size % world_size:
-            raise ValueError(f"ShardedPreferenceLoader: batch_size={batch_size} is not divisible "
-                             f"by world_size={world_size}; batch_size is the global batch of all "
-                             "data-parallel ranks together")
+            raise ValueError(
+                f"ShardedPreferenceLoader: batch_size={batch_size} is not divisible "
+                f"by world_size={world_size}; batch_size is the global batch of all "
+                "data-parallel ranks together"
+            )
         self.rank, self.world_size = rank, world_size
 
     def next_batch(self) -> PreferenceBatch | KTOBatch:
         """This rank's share of the next global batch (a padding batch when it is empty)."""
-        indices = self._order[self.offset: self.offset + self.batch_size]
+        indices = self._order[self.offset : self.offset + self.batch_size]
         self.offset += len(indices)
         if self.offset == len(self._order):
             self._start_epoch(self.epoch + 1)
-        share = indices[self.rank::self.world_size]
+        share = indices[self.rank :: self.world_size]
         if share:
             return self.dataset.collate(share)
         return _as_padding(self.dataset.collate(indices[:1]))
 
 
-def parallelize_reward_model(plan: ParallelPlan, model: RewardModel, *,
-                             mesh: DeviceMesh | None = None) -> PlanRuntime:
+def parallelize_reward_model(
+    plan: ParallelPlan, model: RewardModel, *, mesh: DeviceMesh | None = None
+) -> PlanRuntime:
     """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns
     its `PlanRuntime` (`runtime.model is model`), which the `Trainer` takes as `runtime=`.
 
@@ -163,18 +180,22 @@ def parallelize_reward_model(plan: ParallelPlan, model: RewardModel, *,
             (named, with the allowed values).
     """
     if not isinstance(model, RewardModel):
-        raise TypeError(f"parallelize_reward_model takes a RewardModel; got "
-                        f"{type(model).__name__} (use plan.parallelize for a plain decoder)")
+        raise TypeError(
+            f"parallelize_reward_model takes a RewardModel; got "
+            f"{type(model).__name__} (use plan.parallelize for a plain decoder)"
+        )
     done = parallelized(model)
     if done is not None:
-        raise ValueError(f"this reward model already has a ParallelPlan applied ({done}); build "
-                         "a fresh one")
-    others = [f"{axis}={getattr(plan, axis)}" for axis in ("pp", "ep")
-              if getattr(plan, axis) > 1]
+        raise ValueError(
+            f"this reward model already has a ParallelPlan applied ({done}); build a fresh one"
+        )
+    others = [f"{axis}={getattr(plan, axis)}" for axis in ("pp", "ep") if getattr(plan, axis) > 1]
     if others:
-        raise ValueError(f"parallelize_reward_model: {', '.join(others)} is not supported "
-                         "for a reward model (its head is placed for dp_replicate, dp_shard, tp "
-                         "and sp); allowed pp and ep for a reward model: 1")
+        raise ValueError(
+            f"parallelize_reward_model: {', '.join(others)} is not supported "
+            "for a reward model (its head is placed for dp_replicate, dp_shard, tp "
+            "and sp); allowed pp and ep for a reward model: 1"
+        )
     backbone = model.backbone
     remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     identity = backbone.output
@@ -192,17 +213,20 @@ def parallelize_reward_model(plan: ParallelPlan, model: RewardModel, *,
     return dataclasses.replace(runtime, model=model)
 
 
-def apply_plan_to_reward_model(plan: ParallelPlan, model: RewardModel, *,
-                               mesh: DeviceMesh | None = None) -> RewardModel:
+def apply_plan_to_reward_model(
+    plan: ParallelPlan, model: RewardModel, *, mesh: DeviceMesh | None = None
+) -> RewardModel:
     """Deprecated (one release): `runtime = parallelize_reward_model(plan, model)` and pass
     `runtime=runtime` to the `Trainer`. Splits `model` in place and returns it.
 
     Raises:
         As `parallelize_reward_model`.
     """
-    warn_deprecated("apply_plan_to_reward_model(plan, model)",
-                    instead="runtime = parallelize_reward_model(plan, model), then pass "
-                            "runtime=runtime to the Trainer")
+    warn_deprecated(
+        "apply_plan_to_reward_model(plan, model)",
+        instead="runtime = parallelize_reward_model(plan, model), then pass "
+        "runtime=runtime to the Trainer",
+    )
     register(parallelize_reward_model(plan, model, mesh=mesh))  # its runtime holds `model`
     return model
 
@@ -229,7 +253,8 @@ def _count_head_grads_once_over_sp(head: nn.Module, sp: int) -> None:
     is 1/sp of each rank's (summing to one), the backbone's is unchanged (exact for sp a
     power of two)."""
     head.register_forward_pre_hook(
-        lambda module, args: (_ScaleGrad.apply(args[0], float(sp)), *args[1:]))
+        lambda module, args: (_ScaleGrad.apply(args[0], float(sp)), *args[1:])
+    )
     head.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / sp))
 
 
@@ -241,9 +266,10 @@ def _fsdp_root(plan: ParallelPlan, model: RewardModel, backbone: TransformerDeco
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     param_dtype, reduce_dtype = plan.torch_dtypes()
-    options: dict[str, Any] = dict(mesh=backbone.norm.scale.device_mesh,
-                                   mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                                  reduce_dtype=reduce_dtype))
+    options: dict[str, Any] = dict(
+        mesh=backbone.norm.scale.device_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    )
     if plan.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     root = fully_shard(model, **options)
@@ -264,8 +290,10 @@ def gathered_reward_model(model: RewardModel | Runtime) -> RewardModel:
     runtime = runtime_of(model)
     reward_model = runtime.model
     if not isinstance(reward_model, RewardModel):
-        raise TypeError(f"gathered_reward_model takes a RewardModel or its runtime; got the "
-                        f"runtime of a {type(reward_model).__name__}")
+        raise TypeError(
+            f"gathered_reward_model takes a RewardModel or its runtime; got the "
+            f"runtime of a {type(reward_model).__name__}"
+        )
     if runtime.plan is None:
         return reward_model
     state = runtime.full_state_dict()

@@ -35,12 +35,12 @@ from posttrain.policy.sampling import token_logprobs
 if TYPE_CHECKING:
     from posttrain.train.runtime import Runtime
 
-__all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint",
-           "compute_reference_logps"]
+__all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint", "compute_reference_logps"]
 
 
-def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor,
-                   response_mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+def response_logps(
+    model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor, response_mask_BT: Tensor
+) -> tuple[Tensor, Tensor]:
     """Summed log-probabilities of the response tokens and their counts, in one forward.
 
     Uses `posttrain.policy.sampling.token_logprobs` (temperature 1, the model's own
@@ -57,8 +57,9 @@ def response_logps(model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Te
 
     device = device_of(model)
     response_BT = response_mask_BT.to(device).bool()
-    logprobs_BT = token_logprobs(model, input_ids_BT.to(device), attention_mask_BT.to(device),
-                                 response_BT)
+    logprobs_BT = token_logprobs(
+        model, input_ids_BT.to(device), attention_mask_BT.to(device), response_BT
+    )
     return logprobs_BT.sum(dim=-1), response_BT.sum(dim=-1)
 
 
@@ -94,8 +95,9 @@ def reference_fingerprint(model: nn.Module, *, sample: int = 65536) -> str:
     return digest.hexdigest()
 
 
-def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTODataset, *,
-                            batch_size: int = 32) -> ReferenceLogps:
+def compute_reference_logps(
+    reference: Any, dataset: PreferenceDataset | KTODataset, *, batch_size: int = 32
+) -> ReferenceLogps:
     """Summed response log-probs of every item under `reference`, computed once and cached on
     `dataset.reference`, keyed by `reference_fingerprint` of the reference's parameters: a
     second call with the same parameters returns the cache; other parameters recompute.
@@ -133,12 +135,17 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
     from posttrain.train.plan_compat import runtime_of
     from posttrain.train.runtime import Runtime
 
-    runtime = (reference if isinstance(reference, Runtime)
-               else runtime_of(getattr(reference, "model", reference)))
+    runtime = (
+        reference
+        if isinstance(reference, Runtime)
+        else runtime_of(getattr(reference, "model", reference))
+    )
     model = runtime.model
     if runtime.pipeline is not None:
-        raise ValueError(f"compute_reference_logps: a reference split into pipeline stages "
-                         f"({runtime.plan}) has no plain forward to score with; allowed pp: 1")
+        raise ValueError(
+            f"compute_reference_logps: a reference split into pipeline stages "
+            f"({runtime.plan}) has no plain forward to score with; allowed pp: 1"
+        )
     fingerprint = reference_fingerprint(model)
     if runtime.mesh is not None:  # split over a mesh: every rank holds shards of it
         fingerprint = _all_ranks_fingerprint(fingerprint)
@@ -162,8 +169,11 @@ def compute_reference_logps(reference: Any, dataset: PreferenceDataset | KTOData
                     logps_B, _ = response_logps(model, *dataset.padded(indices, key))
                     if i < len(mine):
                         parts[start] = logps_B.float().cpu()
-                values[key] = (torch.cat([parts[s] for s in starts]) if ranks == 1
-                               else _sum_over_data_ranks(parts, len(dataset), runtime))
+                values[key] = (
+                    torch.cat([parts[s] for s in starts])
+                    if ranks == 1
+                    else _sum_over_data_ranks(parts, len(dataset), runtime)
+                )
     finally:
         model.train(was_training)
     dataset.reference = ReferenceLogps(fingerprint, values)
@@ -184,6 +194,6 @@ def _sum_over_data_ranks(parts: dict[int, Tensor], n: int, runtime: Runtime) -> 
     SUMmed over the runtime's data-parallel ranks."""
     full = torch.zeros(n, dtype=torch.float32)
     for start, logps_B in parts.items():
-        full[start:start + logps_B.numel()] = logps_B
+        full[start : start + logps_B.numel()] = logps_B
     # NCCL reduces on the GPU, gloo on the CPU
     return runtime.sum_over_data_ranks(full.to(runtime.collective_device)).cpu()

@@ -44,12 +44,18 @@ def pair_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         TypeError: if the batch has none of these layouts.
     """
     try:
-        return (batch.chosen_input_ids, batch.chosen_attention_mask, batch.rejected_input_ids,
-                batch.rejected_attention_mask)
+        return (
+            batch.chosen_input_ids,
+            batch.chosen_attention_mask,
+            batch.rejected_input_ids,
+            batch.rejected_attention_mask,
+        )
     except AttributeError:
-        raise TypeError(f"{type(batch).__name__} is not a preference batch: it needs "
-                        "chosen_input_ids, chosen_attention_mask, rejected_input_ids and "
-                        "rejected_attention_mask") from None
+        raise TypeError(
+            f"{type(batch).__name__} is not a preference batch: it needs "
+            "chosen_input_ids, chosen_attention_mask, rejected_input_ids and "
+            "rejected_attention_mask"
+        ) from None
 
 
 @register_loss("bradley_terry")
@@ -88,8 +94,9 @@ class BradleyTerryLoss:
 
     def num_units(self, batch: Any) -> Tensor:
         """Pairs in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
-        return torch.tensor(0 if trains_nothing(batch) else pair_tensors(batch)[0].shape[0],
-                            dtype=torch.long)
+        return torch.tensor(
+            0 if trains_nothing(batch) else pair_tensors(batch)[0].shape[0], dtype=torch.long
+        )
 
     def num_tokens(self, batch: Any) -> Tensor:
         """Real (non-padding) tokens of the chosen and rejected rows, prompt included: the
@@ -104,10 +111,15 @@ class BradleyTerryLoss:
         """(r_chosen `[B]`, r_rejected `[B]`) from one forward pass of `model`."""
         c_ids, c_mask, r_ids, r_mask = pair_tensors(batch)
         B, T = c_ids.shape[0], max(c_ids.shape[1], r_ids.shape[1])
-        ids = torch.cat([F.pad(c_ids, (0, T - c_ids.shape[1])),
-                         F.pad(r_ids, (0, T - r_ids.shape[1]))])
-        mask = torch.cat([F.pad(c_mask.bool(), (0, T - c_mask.shape[1])),
-                          F.pad(r_mask.bool(), (0, T - r_mask.shape[1]))])
+        ids = torch.cat(
+            [F.pad(c_ids, (0, T - c_ids.shape[1])), F.pad(r_ids, (0, T - r_ids.shape[1]))]
+        )
+        mask = torch.cat(
+            [
+                F.pad(c_mask.bool(), (0, T - c_mask.shape[1])),
+                F.pad(r_mask.bool(), (0, T - r_mask.shape[1])),
+            ]
+        )
         device = next(model.parameters()).device
         rewards_2B = model(ids.to(device), mask.to(device))
         return rewards_2B[:B], rewards_2B[B:]

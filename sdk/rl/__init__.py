@@ -16,6 +16,7 @@ The algorithms' tensor functions, verl's configs and the low-bit rollout helpers
 from their modules; the names the package exported before it was grouped (`FORMER_NAMES`)
 still import from it.
 """
+
 from __future__ import annotations
 
 from posttrain.core.lazy import lazy_exports
@@ -52,28 +53,72 @@ from posttrain.rl.trainer import EXCLUDED_OUTCOMES, RLTrainer, ValueHead, make_b
 
 __all__ = [
     # algorithm
-    "RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
-    "advantage_estimators", "policy_losses", "is_group_estimator",
-    "register_advantage_estimator", "register_policy_loss",
+    "RLAlgorithm",
+    "LOSS_AGG_MODES",
+    "KL_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
+    "advantage_estimators",
+    "policy_losses",
+    "is_group_estimator",
+    "register_advantage_estimator",
+    "register_policy_loss",
     # environments
-    "StepResult", "Environment", "EnvGroupBuilder", "EnvDataset", "group_rewards",
-    "FINISH_REASONS", "Trajectory", "Group", "TextEpisode", "run_text_episode", "TASKS",
-    "get_task", "registered_tasks",
+    "StepResult",
+    "Environment",
+    "EnvGroupBuilder",
+    "EnvDataset",
+    "group_rewards",
+    "FINISH_REASONS",
+    "Trajectory",
+    "Group",
+    "TextEpisode",
+    "run_text_episode",
+    "TASKS",
+    "get_task",
+    "registered_tasks",
     # rollout
-    "collect_groups", "outcome_counts", "ReplayBuffer", "TRAJECTORY_FIELDS", "DATAFRAME_COLUMNS",
+    "collect_groups",
+    "outcome_counts",
+    "ReplayBuffer",
+    "TRAJECTORY_FIELDS",
+    "DATAFRAME_COLUMNS",
     # training
-    "RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch",
-    "AsyncRLTrainer", "RolloutWorker", "rollout_schedule",
+    "RLTrainer",
+    "ValueHead",
+    "EXCLUDED_OUTCOMES",
+    "split_groups",
+    "make_batch",
+    "AsyncRLTrainer",
+    "RolloutWorker",
+    "rollout_schedule",
 ]
 
 FORMER_NAMES: dict[str, str] = {
-    **dict.fromkeys(("step_units", "scores_to_token_rewards", "compute_advantages",
-                     "sequence_advantages", "aggregate", "kl_loss", "policy_loss", "value_loss"),
-                    "algorithms"),
+    **dict.fromkeys(
+        (
+            "step_units",
+            "scores_to_token_rewards",
+            "compute_advantages",
+            "sequence_advantages",
+            "aggregate",
+            "kl_loss",
+            "policy_loss",
+            "value_loss",
+        ),
+        "algorithms",
+    ),
     **dict.fromkeys(("verl_actor_config", "verl_algo_config"), "config"),
-    **dict.fromkeys(("ROLLOUT_QUANTIZATIONS", "SAMPLER_METRICS", "ROLLOUT_IS_METRICS",
-                     "quantized_rollout_copy", "sampler_mismatch_metrics",
-                     "rollout_correction_weights"), "lowbit_rollout"),
+    **dict.fromkeys(
+        (
+            "ROLLOUT_QUANTIZATIONS",
+            "SAMPLER_METRICS",
+            "ROLLOUT_IS_METRICS",
+            "quantized_rollout_copy",
+            "sampler_mismatch_metrics",
+            "rollout_correction_weights",
+        ),
+        "lowbit_rollout",
+    ),
 }
 """Names `posttrain.rl` exported before it was grouped by purpose -> the module that holds each
 (`posttrain.rl.<module>`); `from posttrain.rl import NAME` still works."""

@@ -43,8 +43,9 @@ from posttrain.rl.verl_registry import _estimator_fn, verl_algo_config
 __all__ = ["scores_to_token_rewards", "compute_advantages", "sequence_advantages"]
 
 # Estimators whose advantage is exactly 0 when every reward of a group is equal (by definition).
-_ZERO_FOR_EQUAL_GROUPS = frozenset({"grpo", "grpo_vectorized", "grpo_passk", "rloo",
-                                    "rloo_vectorized", "opo", "gpg"})
+_ZERO_FOR_EQUAL_GROUPS = frozenset(
+    {"grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg"}
+)
 
 
 def scores_to_token_rewards(scores_B: Tensor, response_mask_BT: Tensor) -> Tensor:
@@ -54,32 +55,49 @@ def scores_to_token_rewards(scores_B: Tensor, response_mask_BT: Tensor) -> Tenso
     Raises:
         ValueError: on mismatched shapes, or a row without response tokens.
     """
-    if scores_B.dim() != 1 or response_mask_BT.dim() != 2 or \
-            scores_B.shape[0] != response_mask_BT.shape[0]:
-        raise ValueError(f"scores must be [B] and response_mask [B, T]; got "
-                         f"{tuple(scores_B.shape)} and {tuple(response_mask_BT.shape)}")
+    if (
+        scores_B.dim() != 1
+        or response_mask_BT.dim() != 2
+        or scores_B.shape[0] != response_mask_BT.shape[0]
+    ):
+        raise ValueError(
+            f"scores must be [B] and response_mask [B, T]; got "
+            f"{tuple(scores_B.shape)} and {tuple(response_mask_BT.shape)}"
+        )
     mask = response_mask_BT != 0
     lengths_B = mask.sum(dim=-1)
     if bool((lengths_B == 0).any()):
         rows = torch.nonzero(lengths_B == 0).flatten().tolist()
-        raise ValueError(f"rows {rows} have no response token, so their score has nowhere to go;"
-                         " drop them (or record them as failed rollouts) before computing "
-                         "advantages")
+        raise ValueError(
+            f"rows {rows} have no response token, so their score has nowhere to go;"
+            " drop them (or record them as failed rollouts) before computing "
+            "advantages"
+        )
     T = mask.shape[1]
     last_B = T - 1 - mask.flip(-1).int().argmax(dim=-1)
-    rewards_BT = torch.zeros(mask.shape, dtype=scores_B.dtype if scores_B.is_floating_point()
-                             else torch.float32, device=scores_B.device)
-    rewards_BT[torch.arange(mask.shape[0], device=mask.device), last_B] = \
-        scores_B.to(rewards_BT.dtype)
+    rewards_BT = torch.zeros(
+        mask.shape,
+        dtype=scores_B.dtype if scores_B.is_floating_point() else torch.float32,
+        device=scores_B.device,
+    )
+    rewards_BT[torch.arange(mask.shape[0], device=mask.device), last_B] = scores_B.to(
+        rewards_BT.dtype
+    )
     return rewards_BT
 
 
-def compute_advantages(name: str, *, response_mask_BT: Tensor,
-                       token_level_rewards_BT: Tensor | None = None,
-                       scores_B: Tensor | None = None,
-                       group_ids: Sequence[Any] | np.ndarray | Tensor | None = None,
-                       values_BT: Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
-                       norm_adv_by_std_in_grpo: bool = True) -> tuple[Tensor, Tensor]:
+def compute_advantages(
+    name: str,
+    *,
+    response_mask_BT: Tensor,
+    token_level_rewards_BT: Tensor | None = None,
+    scores_B: Tensor | None = None,
+    group_ids: Sequence[Any] | np.ndarray | Tensor | None = None,
+    values_BT: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Advantages and returns from verl's estimator `name`.
 
     Args:
@@ -116,15 +134,22 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
         token_level_rewards_BT = scores_to_token_rewards(scores_B, response_mask_BT)
     assert token_level_rewards_BT is not None  # exactly one of the two was given (above)
     if token_level_rewards_BT.shape != response_mask_BT.shape:
-        raise ValueError(f"token_level_rewards_BT {tuple(token_level_rewards_BT.shape)} and "
-                         f"response_mask_BT {tuple(response_mask_BT.shape)} differ in shape")
+        raise ValueError(
+            f"token_level_rewards_BT {tuple(token_level_rewards_BT.shape)} and "
+            f"response_mask_BT {tuple(response_mask_BT.shape)} differ in shape"
+        )
     token_level_rewards_BT = keep_selected(token_level_rewards_BT, response_mask_BT)
     if not bool(torch.isfinite(token_level_rewards_BT).all()):
-        raise ValueError("rewards contain NaN or inf on response tokens; record the failed "
-                         "rollouts as typed outcomes and give them an explicit reward (or drop "
-                         "them) first")
-    out_dtype = (token_level_rewards_BT.dtype if token_level_rewards_BT.is_floating_point()
-                 else torch.float32)
+        raise ValueError(
+            "rewards contain NaN or inf on response tokens; record the failed "
+            "rollouts as typed outcomes and give them an explicit reward (or drop "
+            "them) first"
+        )
+    out_dtype = (
+        token_level_rewards_BT.dtype
+        if token_level_rewards_BT.is_floating_point()
+        else torch.float32
+    )
     rewards_BT = token_level_rewards_BT.detach().to(torch.float64)
     mask_BT = response_mask_BT.detach().to(torch.float64)
     B = mask_BT.shape[0]
@@ -136,9 +161,11 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
         kwargs["index"] = index
     if "values" in params:
         if values_BT is None or values_BT.shape != mask_BT.shape:
-            raise ValueError(f"advantage estimator {name!r} needs values_BT of shape "
-                             f"{tuple(mask_BT.shape)}; got "
-                             f"{None if values_BT is None else tuple(values_BT.shape)}")
+            raise ValueError(
+                f"advantage estimator {name!r} needs values_BT of shape "
+                f"{tuple(mask_BT.shape)}; got "
+                f"{None if values_BT is None else tuple(values_BT.shape)}"
+            )
         kwargs["values"] = keep_selected(values_BT.detach().to(torch.float64), mask_BT)
     if "gamma" in params:
         kwargs["gamma"] = gamma
@@ -147,8 +174,9 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
     if "norm_adv_by_std_in_grpo" in params:
         kwargs["norm_adv_by_std_in_grpo"] = norm_adv_by_std_in_grpo
     if "config" in params:
-        kwargs["config"] = verl_algo_config(gamma=gamma, lam=lam,
-                                            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        kwargs["config"] = verl_algo_config(
+            gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo
+        )
     advantages_BT, returns_BT = fn(**kwargs)
 
     if name in _ZERO_FOR_EQUAL_GROUPS and index is not None:
@@ -157,8 +185,10 @@ def compute_advantages(name: str, *, response_mask_BT: Tensor,
             advantages_BT = advantages_BT.masked_fill(flat_B[:, None], 0.0)
             returns_BT = returns_BT.masked_fill(flat_B[:, None], 0.0)
     # gae's whitening leaves (0 - mean) / std on padding: zero everything outside the mask.
-    return (keep_selected(advantages_BT, mask_BT).to(out_dtype),
-            keep_selected(returns_BT, mask_BT).to(out_dtype))
+    return (
+        keep_selected(advantages_BT, mask_BT).to(out_dtype),
+        keep_selected(returns_BT, mask_BT).to(out_dtype),
+    )
 
 
 def sequence_advantages(advantages_BT: Tensor, response_mask_BT: Tensor) -> list[float]:
@@ -172,8 +202,10 @@ def sequence_advantages(advantages_BT: Tensor, response_mask_BT: Tensor) -> list
 def _dense_group_index(group_ids: Any, B: int, name: str) -> np.ndarray:
     """Group ids -> int64 array of dense ids in order of first appearance; checks group sizes."""
     if group_ids is None:
-        raise ValueError(f"advantage estimator {name!r} compares completions of the same prompt:"
-                         " pass group_ids (one id per row)")
+        raise ValueError(
+            f"advantage estimator {name!r} compares completions of the same prompt:"
+            " pass group_ids (one id per row)"
+        )
     ids = group_ids.tolist() if isinstance(group_ids, (Tensor, np.ndarray)) else list(group_ids)
     if len(ids) != B:
         raise ValueError(f"group_ids has {len(ids)} entries for {B} rows")
@@ -182,9 +214,11 @@ def _dense_group_index(group_ids: Any, B: int, name: str) -> np.ndarray:
     sizes = np.bincount(index)
     if (sizes < 2).any():
         lonely = [g for g, i in dense.items() if sizes[i] < 2]
-        raise ValueError(f"advantage estimator {name!r} needs at least 2 completions per group; "
-                         f"groups {lonely[:5]} have one (verl would use the raw reward as its "
-                         "advantage). Drop them or sample more completions")
+        raise ValueError(
+            f"advantage estimator {name!r} needs at least 2 completions per group; "
+            f"groups {lonely[:5]} have one (verl would use the raw reward as its "
+            "advantage). Drop them or sample more completions"
+        )
     return index
 
 

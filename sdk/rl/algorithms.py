@@ -68,13 +68,27 @@ from posttrain.rl.config import (
 )
 from posttrain.rl.verl_registry import _kl_penalty
 
-__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
-           "advantage_estimators",
-           "policy_losses", "is_group_estimator", "register_advantage_estimator",
-           "register_policy_loss", "step_units", "accumulate_metrics", "STEP_SHARES",
-           "scores_to_token_rewards",
-           "compute_advantages", "sequence_advantages", "aggregate", "kl_loss", "policy_loss",
-           "value_loss"]
+__all__ = [
+    "RLAlgorithm",
+    "LOSS_AGG_MODES",
+    "KL_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
+    "advantage_estimators",
+    "policy_losses",
+    "is_group_estimator",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "step_units",
+    "accumulate_metrics",
+    "STEP_SHARES",
+    "scores_to_token_rewards",
+    "compute_advantages",
+    "sequence_advantages",
+    "aggregate",
+    "kl_loss",
+    "policy_loss",
+    "value_loss",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,8 +107,9 @@ def step_units(response_mask_BT: Tensor, loss_agg_mode: str) -> Tensor:
         ValueError: for an unknown mode.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: "
-                         f"{', '.join(LOSS_AGG_MODES)}")
+        raise ValueError(
+            f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}"
+        )
     mask = response_mask_BT != 0
     if loss_agg_mode.startswith("token-"):
         return mask.sum()
@@ -106,8 +121,9 @@ STEP_SHARES = frozenset({"loss", "pg_loss", "kl_loss", "entropy_loss", "vf_loss"
 micro-batches); the others are per-token means of the micro-batch, or ratio_max."""
 
 
-def accumulate_metrics(totals: dict[str, Tensor], metrics: dict[str, Tensor],
-                       weight: Tensor) -> None:
+def accumulate_metrics(
+    totals: dict[str, Tensor], metrics: dict[str, Tensor], weight: Tensor
+) -> None:
     """Add one micro-batch's metrics to the minibatch's `totals`, in place: step shares
     (`STEP_SHARES`) are summed, ratio_max is a maximum, per-token means are weighted by
     `weight`, the micro-batch's share of the minibatch's response tokens."""
@@ -124,23 +140,36 @@ def accumulate_metrics(totals: dict[str, Tensor], metrics: dict[str, Tensor],
 # --------------------------------------------------------------------------------------------
 
 
-def _global_batch_info(loss_agg_mode: str, num_units_in_step: Tensor | int | None,
-                       dp_size: int, loss_scale_factor: int | None) -> dict[str, Any]:
+def _global_batch_info(
+    loss_agg_mode: str,
+    num_units_in_step: Tensor | int | None,
+    dp_size: int,
+    loss_scale_factor: int | None,
+) -> dict[str, Any]:
     if isinstance(num_units_in_step, int) and num_units_in_step < 1:
-        raise ValueError(f"num_units_in_step={num_units_in_step}; a step must train at least one "
-                         "unit")
+        raise ValueError(
+            f"num_units_in_step={num_units_in_step}; a step must train at least one unit"
+        )
     if dp_size > 1 and num_units_in_step is None:
         raise ValueError("dp_size > 1 needs num_units_in_step counted over all ranks")
     token_mode = loss_agg_mode.startswith("token-")
-    return {"dp_size": dp_size,
-            "batch_num_tokens": num_units_in_step if token_mode else None,
-            "global_batch_size": None if token_mode else num_units_in_step,
-            "loss_scale_factor": loss_scale_factor}
+    return {
+        "dp_size": dp_size,
+        "batch_num_tokens": num_units_in_step if token_mode else None,
+        "global_batch_size": None if token_mode else num_units_in_step,
+        "loss_scale_factor": loss_scale_factor,
+    }
 
 
-def aggregate(loss_BT: Tensor, response_mask_BT: Tensor, *, loss_agg_mode: str,
-              num_units_in_step: Tensor | int | None = None, dp_size: int = 1,
-              loss_scale_factor: int | None = None) -> Tensor:
+def aggregate(
+    loss_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    loss_agg_mode: str,
+    num_units_in_step: Tensor | int | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: int | None = None,
+) -> Tensor:
     """verl's `agg_loss` with the step normaliser. Scalar.
 
     Modes (M = mask, sums over the micro-batch, N = num_units_in_step, local count if None):
@@ -155,16 +184,25 @@ def aggregate(loss_BT: Tensor, response_mask_BT: Tensor, *, loss_agg_mode: str,
     computing `loss_BT` from tensors that may hold NaN/inf on padding sanitises those inputs
     with `keep_selected` first, or the gradient of that computation is NaN there.
     """
-    return core_algos.agg_loss(loss_mat=keep_selected(loss_BT, response_mask_BT),
-                               loss_mask=response_mask_BT.to(loss_BT.dtype),
-                               loss_agg_mode=loss_agg_mode,
-                               **_global_batch_info(loss_agg_mode, num_units_in_step, dp_size,
-                                                    loss_scale_factor))
+    return core_algos.agg_loss(
+        loss_mat=keep_selected(loss_BT, response_mask_BT),
+        loss_mask=response_mask_BT.to(loss_BT.dtype),
+        loss_agg_mode=loss_agg_mode,
+        **_global_batch_info(loss_agg_mode, num_units_in_step, dp_size, loss_scale_factor),
+    )
 
 
-def kl_loss(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, response_mask_BT: Tensor, *,
-            estimator: str, loss_agg_mode: str, num_units_in_step: Tensor | int | None = None,
-            dp_size: int = 1, loss_scale_factor: int | None = None) -> tuple[Tensor, Tensor]:
+def kl_loss(
+    logprobs_BT: Tensor,
+    ref_logprobs_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    estimator: str,
+    loss_agg_mode: str,
+    num_units_in_step: Tensor | int | None = None,
+    dp_size: int = 1,
+    loss_scale_factor: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """KL to a frozen reference as a loss term: verl `kl_penalty(logprob, ref, estimator)`
     aggregated like the policy loss. Minimising it pulls the policy towards the reference.
 
@@ -179,20 +217,36 @@ def kl_loss(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, response_mask_BT: Tens
     Returns:
         (loss share, per-token estimates [B, T] detached, 0 on masked positions).
     """
-    kl_BT = _kl_penalty(keep_selected(logprobs_BT, response_mask_BT),
-                        keep_selected(ref_logprobs_BT.detach(), response_mask_BT), estimator)
+    kl_BT = _kl_penalty(
+        keep_selected(logprobs_BT, response_mask_BT),
+        keep_selected(ref_logprobs_BT.detach(), response_mask_BT),
+        estimator,
+    )
     kl_BT = keep_selected(kl_BT, response_mask_BT)
-    loss = aggregate(kl_BT, response_mask_BT, loss_agg_mode=loss_agg_mode,
-                     num_units_in_step=num_units_in_step, dp_size=dp_size,
-                     loss_scale_factor=loss_scale_factor)
+    loss = aggregate(
+        kl_BT,
+        response_mask_BT,
+        loss_agg_mode=loss_agg_mode,
+        num_units_in_step=num_units_in_step,
+        dp_size=dp_size,
+        loss_scale_factor=loss_scale_factor,
+    )
     return loss, kl_BT.detach()
 
 
-def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor,
-                response_mask_BT: Tensor, *, algo: RLAlgorithm,
-                ref_logprobs_BT: Tensor | None = None, entropy_BT: Tensor | None = None,
-                num_units_in_step: Tensor | int | None = None, dp_size: int = 1,
-                rollout_is_weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    algo: RLAlgorithm,
+    ref_logprobs_BT: Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+    num_units_in_step: Tensor | int | None = None,
+    dp_size: int = 1,
+    rollout_is_weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """This micro-batch's share of the step's policy loss: verl's `algo.policy_loss`, plus
     `algo.kl_coef` x KL to the reference, minus `algo.entropy_coef` x entropy.
 
@@ -231,13 +285,20 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
         ValueError: on shape mismatches or a missing reference / entropy input.
     """
     shape = logprobs_BT.shape
-    named = {"old_logprobs_BT": old_logprobs_BT, "advantages_BT": advantages_BT,
-             "response_mask_BT": response_mask_BT, "ref_logprobs_BT": ref_logprobs_BT,
-             "entropy_BT": entropy_BT, "rollout_is_weights_BT": rollout_is_weights_BT}
+    named = {
+        "old_logprobs_BT": old_logprobs_BT,
+        "advantages_BT": advantages_BT,
+        "response_mask_BT": response_mask_BT,
+        "ref_logprobs_BT": ref_logprobs_BT,
+        "entropy_BT": entropy_BT,
+        "rollout_is_weights_BT": rollout_is_weights_BT,
+    }
     if logprobs_BT.dim() != 2 or any(t is not None and t.shape != shape for t in named.values()):
-        raise ValueError("logprobs_BT and the other [B, T] inputs must share one 2-D shape; got "
-                         f"logprobs_BT {tuple(shape)}, " + ", ".join(
-                             f"{k} {tuple(v.shape)}" for k, v in named.items() if v is not None))
+        raise ValueError(
+            "logprobs_BT and the other [B, T] inputs must share one 2-D shape; got "
+            f"logprobs_BT {tuple(shape)}, "
+            + ", ".join(f"{k} {tuple(v.shape)}" for k, v in named.items() if v is not None)
+        )
     if algo.kl_coef > 0 and ref_logprobs_BT is None:
         raise ValueError(f"algo.kl_coef={algo.kl_coef} needs ref_logprobs_BT (or set kl_coef=0)")
     if algo.entropy_coef > 0 and entropy_BT is None:
@@ -245,45 +306,66 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
     mask_BT = response_mask_BT.to(logprobs_BT.dtype)
     # padding may hold anything (NaN, inf, -inf log-probs): 0 there before verl's (x * mask)
     logprobs_BT, old_logprobs_BT, advantages_BT = (
-        keep_selected(t, mask_BT) for t in (logprobs_BT, old_logprobs_BT, advantages_BT))
+        keep_selected(t, mask_BT) for t in (logprobs_BT, old_logprobs_BT, advantages_BT)
+    )
     ref_logprobs_BT, entropy_BT, rollout_is_weights_BT = (
         None if t is None else keep_selected(t, mask_BT)
-        for t in (ref_logprobs_BT, entropy_BT, rollout_is_weights_BT))
-    info = _global_batch_info(algo.loss_agg_mode, num_units_in_step, dp_size,
-                              algo.loss_scale_factor)
+        for t in (ref_logprobs_BT, entropy_BT, rollout_is_weights_BT)
+    )
+    info = _global_batch_info(
+        algo.loss_agg_mode, num_units_in_step, dp_size, algo.loss_scale_factor
+    )
     config = verl_actor_config(algo, **info)
     pg_loss, verl_metrics = core_algos.get_policy_loss_fn(algo.policy_loss)(
-        old_log_prob=old_logprobs_BT.detach(), log_prob=logprobs_BT,
-        advantages=advantages_BT.detach(), response_mask=mask_BT,
-        loss_agg_mode=algo.loss_agg_mode, config=config,
-        rollout_is_weights=(None if rollout_is_weights_BT is None
-                            else rollout_is_weights_BT.detach()))
+        old_log_prob=old_logprobs_BT.detach(),
+        log_prob=logprobs_BT,
+        advantages=advantages_BT.detach(),
+        response_mask=mask_BT,
+        loss_agg_mode=algo.loss_agg_mode,
+        config=config,
+        rollout_is_weights=(
+            None if rollout_is_weights_BT is None else rollout_is_weights_BT.detach()
+        ),
+    )
     if algo.policy_loss == "geo_mean" and num_units_in_step is not None:
         # verl's geo_mean is torch.mean over this micro-batch's rows: make it a share of the step.
         pg_loss = pg_loss * (shape[0] * dp_size) / num_units_in_step
 
     with torch.no_grad():
         ratio_BT = torch.exp(logprobs_BT.detach() - old_logprobs_BT.detach())
-        metrics = {"ratio_mean": masked_mean(ratio_BT, mask_BT),
-                   "ratio_max": masked_max(ratio_BT, mask_BT)}
+        metrics = {
+            "ratio_mean": masked_mean(ratio_BT, mask_BT),
+            "ratio_max": masked_max(ratio_BT, mask_BT),
+        }
     for key, value in verl_metrics.items():
         key = key.removeprefix("actor/").replace("pg_clipfrac", "clipfrac")
         metrics[key] = torch.as_tensor(value, dtype=torch.float32)
 
     loss = pg_loss
     if ref_logprobs_BT is not None:
-        kl_share, kl_BT = kl_loss(logprobs_BT, ref_logprobs_BT, mask_BT,
-                                  estimator=algo.kl_estimator, loss_agg_mode=algo.loss_agg_mode,
-                                  num_units_in_step=num_units_in_step, dp_size=dp_size,
-                                  loss_scale_factor=algo.loss_scale_factor)
+        kl_share, kl_BT = kl_loss(
+            logprobs_BT,
+            ref_logprobs_BT,
+            mask_BT,
+            estimator=algo.kl_estimator,
+            loss_agg_mode=algo.loss_agg_mode,
+            num_units_in_step=num_units_in_step,
+            dp_size=dp_size,
+            loss_scale_factor=algo.loss_scale_factor,
+        )
         if algo.kl_coef > 0:
             loss = loss + algo.kl_coef * kl_share
         metrics["kl_loss"] = kl_share.detach()
         metrics["kl"] = masked_mean(kl_BT, mask_BT)
     if entropy_BT is not None:
-        entropy_share = aggregate(entropy_BT, mask_BT, loss_agg_mode=algo.loss_agg_mode,
-                                  num_units_in_step=num_units_in_step, dp_size=dp_size,
-                                  loss_scale_factor=algo.loss_scale_factor)
+        entropy_share = aggregate(
+            entropy_BT,
+            mask_BT,
+            loss_agg_mode=algo.loss_agg_mode,
+            num_units_in_step=num_units_in_step,
+            dp_size=dp_size,
+            loss_scale_factor=algo.loss_scale_factor,
+        )
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy_share
         metrics["entropy_loss"] = entropy_share.detach()
@@ -293,10 +375,16 @@ def policy_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Ten
     return loss, metrics
 
 
-def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor,
-               response_mask_BT: Tensor, *, algo: RLAlgorithm,
-               num_units_in_step: Tensor | int | None = None,
-               dp_size: int = 1) -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values_BT: Tensor,
+    old_values_BT: Tensor,
+    returns_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    algo: RLAlgorithm,
+    num_units_in_step: Tensor | int | None = None,
+    dp_size: int = 1,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss of PPO (verl `compute_value_loss`, from TRL):
         0.5 x agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)),  c = algo.value_clip,
     aggregated with algo.loss_agg_mode and the step normaliser. The caller adds
@@ -315,15 +403,25 @@ def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor,
     """
     shape = values_BT.shape
     if any(t.shape != shape for t in (old_values_BT, returns_BT, response_mask_BT)):
-        raise ValueError(f"values_BT {tuple(shape)}, old_values_BT {tuple(old_values_BT.shape)}, "
-                         f"returns_BT {tuple(returns_BT.shape)} and response_mask_BT "
-                         f"{tuple(response_mask_BT.shape)} must have one shape")
-    info = _global_batch_info(algo.loss_agg_mode, num_units_in_step, dp_size,
-                              algo.loss_scale_factor)
-    values_BT, old_values_BT, returns_BT = (keep_selected(t, response_mask_BT) for t in (
-        values_BT, old_values_BT.detach(), returns_BT.detach()))
+        raise ValueError(
+            f"values_BT {tuple(shape)}, old_values_BT {tuple(old_values_BT.shape)}, "
+            f"returns_BT {tuple(returns_BT.shape)} and response_mask_BT "
+            f"{tuple(response_mask_BT.shape)} must have one shape"
+        )
+    info = _global_batch_info(
+        algo.loss_agg_mode, num_units_in_step, dp_size, algo.loss_scale_factor
+    )
+    values_BT, old_values_BT, returns_BT = (
+        keep_selected(t, response_mask_BT)
+        for t in (values_BT, old_values_BT.detach(), returns_BT.detach())
+    )
     loss, clipfrac = core_algos.compute_value_loss(
-        vpreds=values_BT, returns=returns_BT, values=old_values_BT,
-        response_mask=response_mask_BT.to(values_BT.dtype), cliprange_value=algo.value_clip,
-        loss_agg_mode=algo.loss_agg_mode, **info)
+        vpreds=values_BT,
+        returns=returns_BT,
+        values=old_values_BT,
+        response_mask=response_mask_BT.to(values_BT.dtype),
+        cliprange_value=algo.value_clip,
+        loss_agg_mode=algo.loss_agg_mode,
+        **info,
+    )
     return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac.detach()}

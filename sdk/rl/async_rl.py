@@ -69,8 +69,9 @@ def step_seed(seed: int, step: int) -> int:
     return seed * 1_000_003 + step
 
 
-def rollout_schedule(num_steps: int, *, max_staleness: int,
-                     start: int = 0) -> list[tuple[int, int, int]]:
+def rollout_schedule(
+    num_steps: int, *, max_staleness: int, start: int = 0
+) -> list[tuple[int, int, int]]:
     """Which weights each rollout samples with under the one-step-off schedule.
 
     Args:
@@ -119,8 +120,9 @@ class RolloutWorker:
         """`collect_groups(policy, builders, seed=seed, policy_version=self.version, **options)`.
         Returns (groups, the version sampled with, seconds spent sampling and scoring)."""
         start = time.perf_counter()
-        groups = collect_groups(self.policy, builders, seed=seed, policy_version=self.version,
-                                **options)
+        groups = collect_groups(
+            self.policy, builders, seed=seed, policy_version=self.version, **options
+        )
         return groups, self.version, time.perf_counter() - start
 
 
@@ -151,30 +153,48 @@ class AsyncRLTrainer:
             trainer by more than max_staleness (or come from another format version).
     """
 
-    def __init__(self, trainer: RLTrainer, *, num_workers: int = 1, max_staleness: int = 1,
-                 worker_num_cpus: float = 1.0, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        trainer: RLTrainer,
+        *,
+        num_workers: int = 1,
+        max_staleness: int = 1,
+        worker_num_cpus: float = 1.0,
+        num_threads: int | None = None,
+    ) -> None:
         import ray
 
         if not isinstance(trainer, RLTrainer):
             raise TypeError(f"trainer is a {type(trainer).__name__}; pass an RLTrainer")
         if trainer.runtime.plan is not None:
-            raise ValueError(f"AsyncRLTrainer supports a policy without a ParallelPlan only; "
-                             f"this trainer's runtime has {trainer.runtime.plan}")
+            raise ValueError(
+                f"AsyncRLTrainer supports a policy without a ParallelPlan only; "
+                f"this trainer's runtime has {trainer.runtime.plan}"
+            )
         if trainer.rollout_quantization is not None:
-            raise ValueError(f"rollout_quantization={trainer.rollout_quantization!r}; "
-                             "AsyncRLTrainer supports None only")
+            raise ValueError(
+                f"rollout_quantization={trainer.rollout_quantization!r}; "
+                "AsyncRLTrainer supports None only"
+            )
         check_int("num_workers", num_workers, minimum=1)
         check_int("max_staleness", max_staleness, minimum=0)
-        if not isinstance(worker_num_cpus, (int, float)) or isinstance(worker_num_cpus, bool) \
-                or worker_num_cpus <= 0:
+        if (
+            not isinstance(worker_num_cpus, (int, float))
+            or isinstance(worker_num_cpus, bool)
+            or worker_num_cpus <= 0
+        ):
             raise ValueError(f"worker_num_cpus={worker_num_cpus!r}; must be a number > 0")
         if not ray.is_initialized():
-            raise RuntimeError("Ray is not initialised: call ray.init(...) first (in a notebook: "
-                               "ray.init(num_cpus=..., include_dashboard=False))")
+            raise RuntimeError(
+                "Ray is not initialised: call ray.init(...) first (in a notebook: "
+                "ray.init(num_cpus=..., include_dashboard=False))"
+            )
         cpus = ray.cluster_resources().get("CPU", 0)
         if num_workers * worker_num_cpus > cpus:
-            raise ValueError(f"num_workers={num_workers} x worker_num_cpus={worker_num_cpus} "
-                             f"exceeds the {cpus:g} CPUs Ray has; the actors would never start")
+            raise ValueError(
+                f"num_workers={num_workers} x worker_num_cpus={worker_num_cpus} "
+                f"exceeds the {cpus:g} CPUs Ray has; the actors would never start"
+            )
         self.trainer, self.max_staleness = trainer, max_staleness
         self.consumed: list[dict[str, int]] = []
         self._pending: dict[int, _Rollout] = {}  # step -> its rollout, submitted or restored
@@ -182,11 +202,13 @@ class AsyncRLTrainer:
             self._load_state_dict(trainer.resumed_ahead)
         threads = torch.get_num_threads() if num_threads is None else num_threads
         actor = ray.remote(num_cpus=worker_num_cpus)(RolloutWorker)
-        self.workers = [actor.remote(trainer.policy, trainer.step_count, threads)
-                        for _ in range(num_workers)]
+        self.workers = [
+            actor.remote(trainer.policy, trainer.step_count, threads) for _ in range(num_workers)
+        ]
         state = trainer.buffer.state_dict()  # its counters carry on under the bound
-        trainer.buffer = ReplayBuffer(mode="on_policy", max_staleness=max_staleness,
-                                      seed=trainer.seed)
+        trainer.buffer = ReplayBuffer(
+            mode="on_policy", max_staleness=max_staleness, seed=trainer.seed
+        )
         trainer.buffer.load_state_dict({**state, "max_staleness": max_staleness})
         trainer.buffer.set_policy_version(trainer.step_count)
         trainer.ahead_state, trainer.resumed_ahead = self.state_dict, None
@@ -196,17 +218,22 @@ class AsyncRLTrainer:
     def _submit_due(self) -> None:
         """Submit every rollout j <= trainer version + s not yet submitted."""
         t = self.trainer
-        options = dict(group_size=t.algo.group_size, max_new_tokens=t.max_new_tokens,
-                       temperature=t.temperature, top_p=t.top_p,
-                       verifier_timeout_s=t.verifier_timeout_s)
+        options = dict(
+            group_size=t.algo.group_size,
+            max_new_tokens=t.max_new_tokens,
+            temperature=t.temperature,
+            top_p=t.top_p,
+            verifier_timeout_s=t.verifier_timeout_s,
+        )
         first = max(self._pending, default=t.step_count - 1) + 1
         for j in range(first, t.step_count + self.max_staleness + 1):
             builders = t.task.builders(j, t.prompts_per_step)
             worker = self.workers[j % len(self.workers)]
             # ray types a method without @ray.method as the plain function; the handle's has .remote
             collect = worker.collect.remote  # type: ignore[union-attr]
-            self._pending[j] = _Rollout(builders, ref=collect(builders, step_seed(t.seed, j),
-                                                              options))
+            self._pending[j] = _Rollout(
+                builders, ref=collect(builders, step_seed(t.seed, j), options)
+            )
 
     def step(self) -> dict[str, float]:
         """One step: submit due rollouts, wait for this step's groups, train on them, sync the
@@ -224,18 +251,32 @@ class AsyncRLTrainer:
         groups, version, worker_s = rollout.result()
         waited = time.perf_counter() - start
         lag = t.step_count - version
-        if lag > self.max_staleness or any(traj.policy_version != version
-                                           for g in groups for traj in g):
-            raise RuntimeError(f"step {t.step_count}: groups of policy version {version}, "
-                               f"max_staleness={self.max_staleness}")
-        self.consumed += [{"step": t.step_count, "trainer_version": t.step_count,
-                           "policy_version": version, "lag": lag} for _ in groups]
-        row = t.train_on_groups(groups, builders=rollout.builders, start=start,
-                                rollout_s=waited)
+        if lag > self.max_staleness or any(
+            traj.policy_version != version for g in groups for traj in g
+        ):
+            raise RuntimeError(
+                f"step {t.step_count}: groups of policy version {version}, "
+                f"max_staleness={self.max_staleness}"
+            )
+        self.consumed += [
+            {
+                "step": t.step_count,
+                "trainer_version": t.step_count,
+                "policy_version": version,
+                "lag": lag,
+            }
+            for _ in groups
+        ]
+        row = t.train_on_groups(groups, builders=rollout.builders, start=start, rollout_s=waited)
         sync = time.perf_counter()
         self._sync_weights()
-        row.update(policy_version=version, staleness=lag, rollout_wait_s=waited,
-                   worker_rollout_s=worker_s, weight_sync_s=time.perf_counter() - sync)
+        row.update(
+            policy_version=version,
+            staleness=lag,
+            rollout_wait_s=waited,
+            worker_rollout_s=worker_s,
+            weight_sync_s=time.perf_counter() - sync,
+        )
         return row
 
     def _sync_weights(self) -> None:
@@ -246,7 +287,8 @@ class AsyncRLTrainer:
         self._version = self.trainer.step_count
         self._last_loads = [  # (ray types the method as the plain function, as in _submit_due)
             w.load_weights.remote(state, self._version)  # type: ignore[union-attr]
-            for w in self.workers]
+            for w in self.workers
+        ]
 
     def fit(self, num_steps: int) -> list[dict[str, float]]:
         """Take steps until the trainer's `step_count == num_steps` (int >= 0), as
@@ -268,17 +310,29 @@ class AsyncRLTrainer:
         rollouts = []
         for j in sorted(self._pending):
             groups, version, worker_s = self._pending[j].result()
-            rollouts.append({"step": j, "policy_version": version, "worker_rollout_s": worker_s,
-                             "groups": [[dataclasses.asdict(t) for t in g] for g in groups]})
-        return {"version": AHEAD_STATE_VERSION, "max_staleness": self.max_staleness,
-                "rollouts": rollouts, "consumed": [dict(c) for c in self.consumed]}
+            rollouts.append(
+                {
+                    "step": j,
+                    "policy_version": version,
+                    "worker_rollout_s": worker_s,
+                    "groups": [[dataclasses.asdict(t) for t in g] for g in groups],
+                }
+            )
+        return {
+            "version": AHEAD_STATE_VERSION,
+            "max_staleness": self.max_staleness,
+            "rollouts": rollouts,
+            "consumed": [dict(c) for c in self.consumed],
+        }
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
         if state.get("version") != AHEAD_STATE_VERSION:
-            raise ValueError(f"the checkpoint's rollouts have format version "
-                             f"{state.get('version')!r}; this posttrain reads "
-                             f"{AHEAD_STATE_VERSION}")
+            raise ValueError(
+                f"the checkpoint's rollouts have format version "
+                f"{state.get('version')!r}; this posttrain reads "
+                f"{AHEAD_STATE_VERSION}"
+            )
         for saved in state["rollouts"]:
             if saved["step"] - saved["policy_version"] > self.max_staleness:
                 raise ValueError(
@@ -286,19 +340,20 @@ class AsyncRLTrainer:
                     f"policy version {saved['policy_version']} (it was saved with "
                     f"max_staleness={state['max_staleness']}); max_staleness="
                     f"{self.max_staleness} would refuse it: resume with max_staleness >= "
-                    f"{saved['step'] - saved['policy_version']}")
+                    f"{saved['step'] - saved['policy_version']}"
+                )
             groups = _groups_from_state(saved["groups"])
             self._pending[saved["step"]] = _Rollout(
                 t.task.builders(saved["step"], t.prompts_per_step),
-                done=(groups, saved["policy_version"], saved["worker_rollout_s"]))
+                done=(groups, saved["policy_version"], saved["worker_rollout_s"]),
+            )
         self.consumed = [dict(c) for c in state["consumed"]]
 
     def close(self) -> None:
         """Wait for in-flight calls, then end the worker actors."""
         import ray
 
-        ray.get([r.ref for r in self._pending.values() if r.ref is not None]
-                + self._last_loads)
+        ray.get([r.ref for r in self._pending.values() if r.ref is not None] + self._last_loads)
         self._pending.clear()
         for worker in self.workers:  # ray's handle type (ActorProxy) is not what its kill takes
             ray.kill(worker)  # type: ignore[arg-type]

@@ -22,8 +22,10 @@ def split_groups(groups: Sequence[Group]) -> tuple[list[Group], dict[str, int]]:
     """Apply the exclusion rule. Returns (kept groups, counts): groups_excluded_error (a member
     has an outcome in `EXCLUDED_OUTCOMES`), groups_excluded_empty (a member sampled no token),
     groups_zero_signal (kept, all rewards equal: zero advantage under group estimators)."""
-    kept, counts = [], {"groups_excluded_error": 0, "groups_excluded_empty": 0,
-                        "groups_zero_signal": 0}
+    kept, counts = (
+        [],
+        {"groups_excluded_error": 0, "groups_excluded_empty": 0, "groups_zero_signal": 0},
+    )
     for group in screen_rewards(groups):  # a reward that breaks check_reward -> outcome error
         if any(t.outcome in EXCLUDED_OUTCOMES for t in group):
             counts["groups_excluded_error"] += 1
@@ -45,15 +47,27 @@ def make_batch(groups: Sequence[Group], pad_id: int) -> dict[str, Tensor]:
     rows = [t for g in groups for t in g]
     dense: dict[int | str, int] = {}
     input_ids_BT, attention_mask_BT = right_pad(
-        [list(t.prompt_ids) + list(t.completion_ids) for t in rows], pad_id)
-    masks = [t.completion_mask if t.completion_mask is not None else [True] * len(t.completion_ids)
-             for t in rows]
-    response_mask_BT, _ = right_pad([[False] * len(t.prompt_ids) + list(mask)
-                                     for t, mask in zip(rows, masks)], False, dtype=torch.bool)
-    old_logprobs_BT, _ = right_pad([[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in rows],
-                                   0.0, dtype=torch.float32)
-    return {"input_ids_BT": input_ids_BT, "attention_mask_BT": attention_mask_BT,
-            "response_mask_BT": response_mask_BT, "old_logprobs_BT": old_logprobs_BT,
-            "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
-            "group_ids_B": torch.tensor([dense.setdefault(t.group_id, len(dense)) for t in rows],
-                                        dtype=torch.long)}
+        [list(t.prompt_ids) + list(t.completion_ids) for t in rows], pad_id
+    )
+    masks = [
+        t.completion_mask if t.completion_mask is not None else [True] * len(t.completion_ids)
+        for t in rows
+    ]
+    response_mask_BT, _ = right_pad(
+        [[False] * len(t.prompt_ids) + list(mask) for t, mask in zip(rows, masks)],
+        False,
+        dtype=torch.bool,
+    )
+    old_logprobs_BT, _ = right_pad(
+        [[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in rows], 0.0, dtype=torch.float32
+    )
+    return {
+        "input_ids_BT": input_ids_BT,
+        "attention_mask_BT": attention_mask_BT,
+        "response_mask_BT": response_mask_BT,
+        "old_logprobs_BT": old_logprobs_BT,
+        "scores_B": torch.tensor([t.reward for t in rows], dtype=torch.float32),
+        "group_ids_B": torch.tensor(
+            [dense.setdefault(t.group_id, len(dense)) for t in rows], dtype=torch.long
+        ),
+    }

@@ -56,12 +56,31 @@ from posttrain.core.checks import check_int
 
 __all__ = ["ReplayBuffer", "TRAJECTORY_FIELDS", "DATAFRAME_COLUMNS"]
 
-TRAJECTORY_FIELDS = ("group_id", "prompt_ids", "completion_ids", "logprobs", "reward", "outcome",
-                     "finish_reason", "text", "policy_version", "info", "completion_mask")
+TRAJECTORY_FIELDS = (
+    "group_id",
+    "prompt_ids",
+    "completion_ids",
+    "logprobs",
+    "reward",
+    "outcome",
+    "finish_reason",
+    "text",
+    "policy_version",
+    "info",
+    "completion_mask",
+)
 """Fields read from each added trajectory (plus `advantage`)."""
 
-DATAFRAME_COLUMNS = ("group_id", "reward", "outcome", "advantage", "length", "finish_reason",
-                     "policy_version", "text")
+DATAFRAME_COLUMNS = (
+    "group_id",
+    "reward",
+    "outcome",
+    "advantage",
+    "length",
+    "finish_reason",
+    "policy_version",
+    "text",
+)
 """Columns of `ReplayBuffer.to_dataframe()` (indexed by uid)."""
 
 _REQUIRED = ("group_id", "prompt_ids", "completion_ids", "reward")
@@ -83,8 +102,14 @@ class ReplayBuffer:
         ValueError: for an unknown mode or a bad capacity / staleness.
     """
 
-    def __init__(self, *, mode: str = "on_policy", capacity: int | None = None,
-                 max_staleness: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        mode: str = "on_policy",
+        capacity: int | None = None,
+        max_staleness: int | None = None,
+        seed: int = 0,
+    ) -> None:
         if mode not in _MODES:
             raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(_MODES)}")
         check_int("capacity", capacity, minimum=1, optional=True)
@@ -95,8 +120,14 @@ class ReplayBuffer:
         self._items: list[dict[str, Any]] = []
         self._policy_version = 0
         self._next_uid = 0
-        self._counts = {"added": 0, "sampled": 0, "consumed": 0, "evicted_stale": 0,
-                        "rejected_stale": 0, "evicted_capacity": 0}
+        self._counts = {
+            "added": 0,
+            "sampled": 0,
+            "consumed": 0,
+            "evicted_stale": 0,
+            "rejected_stale": 0,
+            "evicted_capacity": 0,
+        }
 
     # ---------------------------------------------------------------------------------------
     # Adding and evicting
@@ -124,8 +155,10 @@ class ReplayBuffer:
         flat = list(_flatten(items))
         if advantages is not None and len(advantages) != len(flat):
             raise ValueError(f"{len(advantages)} advantages for {len(flat)} trajectories")
-        records = [self._record(t, None if advantages is None else advantages[i], i)
-                   for i, t in enumerate(flat)]
+        records = [
+            self._record(t, None if advantages is None else advantages[i], i)
+            for i, t in enumerate(flat)
+        ]
         stored = 0
         for record in records:
             if self._is_stale(record["policy_version"]):
@@ -158,8 +191,9 @@ class ReplayBuffer:
         return evicted
 
     def _is_stale(self, version: int) -> bool:
-        return self.max_staleness is not None and \
-            self._policy_version - version > self.max_staleness
+        return (
+            self.max_staleness is not None and self._policy_version - version > self.max_staleness
+        )
 
     # ---------------------------------------------------------------------------------------
     # Sampling
@@ -176,8 +210,10 @@ class ReplayBuffer:
         """
         check_int("n", n, minimum=1)
         if n > len(self._items):
-            raise ValueError(f"asked for {n} trajectories; the buffer holds {len(self._items)} "
-                             f"(stats: {self.stats()})")
+            raise ValueError(
+                f"asked for {n} trajectories; the buffer holds {len(self._items)} "
+                f"(stats: {self.stats()})"
+            )
         order = torch.randperm(len(self._items), generator=generator or self._generator)
         picked = order[:n].tolist()
         self._counts["sampled"] += n
@@ -210,10 +246,17 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: settings, trajectories, counters, policy
         version and the sampling generator's state. Plain containers and one uint8 tensor."""
-        return {"version": _STATE_VERSION, "mode": self.mode, "capacity": self.capacity,
-                "max_staleness": self.max_staleness, "policy_version": self._policy_version,
-                "next_uid": self._next_uid, "counts": dict(self._counts),
-                "items": copy.deepcopy(self._items), "generator": self._generator.get_state()}
+        return {
+            "version": _STATE_VERSION,
+            "mode": self.mode,
+            "capacity": self.capacity,
+            "max_staleness": self.max_staleness,
+            "policy_version": self._policy_version,
+            "next_uid": self._next_uid,
+            "counts": dict(self._counts),
+            "items": copy.deepcopy(self._items),
+            "generator": self._generator.get_state(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`'s result.
@@ -222,12 +265,16 @@ class ReplayBuffer:
             ValueError: if it comes from another format version or a buffer with other settings.
         """
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"buffer state version {state.get('version')!r}; this posttrain reads"
-                             f" {_STATE_VERSION}")
+            raise ValueError(
+                f"buffer state version {state.get('version')!r}; this posttrain reads"
+                f" {_STATE_VERSION}"
+            )
         for name in ("mode", "capacity", "max_staleness"):
             if state[name] != getattr(self, name):
-                raise ValueError(f"the saved buffer had {name}={state[name]!r}, this one "
-                                 f"{getattr(self, name)!r}; build it with the saved settings")
+                raise ValueError(
+                    f"the saved buffer had {name}={state[name]!r}, this one "
+                    f"{getattr(self, name)!r}; build it with the saved settings"
+                )
         self._policy_version = int(state["policy_version"])
         self._next_uid = int(state["next_uid"])
         self._counts = dict(state["counts"])
@@ -237,23 +284,37 @@ class ReplayBuffer:
     def to_dataframe(self) -> pd.DataFrame:
         """One row per held trajectory, indexed by uid, with `DATAFRAME_COLUMNS`; `length` is the
         number of completion tokens, `advantage` the mean of per-token advantages."""
-        rows = [{"group_id": t["group_id"], "reward": t["reward"], "outcome": t["outcome"],
-                 "advantage": _mean(t["advantage"]), "length": len(t["completion_ids"]),
-                 "finish_reason": t["finish_reason"], "policy_version": t["policy_version"],
-                 "text": t["text"]} for t in self._items]
+        rows = [
+            {
+                "group_id": t["group_id"],
+                "reward": t["reward"],
+                "outcome": t["outcome"],
+                "advantage": _mean(t["advantage"]),
+                "length": len(t["completion_ids"]),
+                "finish_reason": t["finish_reason"],
+                "policy_version": t["policy_version"],
+                "text": t["text"],
+            }
+            for t in self._items
+        ]
         index = pd.Index([t["uid"] for t in self._items], name="uid", dtype="int64")
         return pd.DataFrame(rows, index=index, columns=list(DATAFRAME_COLUMNS))
 
     def __repr__(self) -> str:
-        return (f"ReplayBuffer(mode={self.mode!r}, capacity={self.capacity}, max_staleness="
-                f"{self.max_staleness}, size={len(self._items)}, "
-                f"policy_version={self._policy_version})")
+        return (
+            f"ReplayBuffer(mode={self.mode!r}, capacity={self.capacity}, max_staleness="
+            f"{self.max_staleness}, size={len(self._items)}, "
+            f"policy_version={self._policy_version})"
+        )
 
     # ---------------------------------------------------------------------------------------
 
     def _record(self, item: Any, advantage: Any, position: int) -> dict[str, Any]:
-        get = (lambda k, d=None: item.get(k, d)) if isinstance(item, Mapping) else \
-            (lambda k, d=None: getattr(item, k, d))
+        get = (
+            (lambda k, d=None: item.get(k, d))
+            if isinstance(item, Mapping)
+            else (lambda k, d=None: getattr(item, k, d))
+        )
         where = f"trajectory {position} ({type(item).__name__})"
         missing = [k for k in _REQUIRED if get(k) is None]
         if missing:
@@ -261,45 +322,68 @@ class ReplayBuffer:
         completion_ids = _int_list(get("completion_ids"))
         reward = float(get("reward"))
         if math.isnan(reward):
-            raise ValueError(f"{where} has a NaN reward; give failed rollouts an explicit "
-                             "reward and a typed outcome")
+            raise ValueError(
+                f"{where} has a NaN reward; give failed rollouts an explicit "
+                "reward and a typed outcome"
+            )
         logprobs = get("logprobs")
         if logprobs is not None:
             logprobs = _float_list(logprobs)
             if len(logprobs) != len(completion_ids):
-                raise ValueError(f"{where} has {len(logprobs)} logprobs for "
-                                 f"{len(completion_ids)} completion tokens")
+                raise ValueError(
+                    f"{where} has {len(logprobs)} logprobs for "
+                    f"{len(completion_ids)} completion tokens"
+                )
         completion_mask = get("completion_mask")
         if completion_mask is not None:
-            completion_mask = [bool(v) for v in (completion_mask.tolist() if isinstance(
-                completion_mask, torch.Tensor) else completion_mask)]
+            completion_mask = [
+                bool(v)
+                for v in (
+                    completion_mask.tolist()
+                    if isinstance(completion_mask, torch.Tensor)
+                    else completion_mask
+                )
+            ]
             if len(completion_mask) != len(completion_ids):
-                raise ValueError(f"{where} has a completion_mask of {len(completion_mask)} for "
-                                 f"{len(completion_ids)} completion tokens")
+                raise ValueError(
+                    f"{where} has a completion_mask of {len(completion_mask)} for "
+                    f"{len(completion_ids)} completion tokens"
+                )
         if advantage is None:
             advantage = get("advantage")
         if advantage is None:
-            raise ValueError(f"{where} has no advantage; compute advantages "
-                             "(posttrain.rl.algorithms.compute_advantages) and pass them to add()")
-        if isinstance(advantage, (int, float)) or (isinstance(advantage, torch.Tensor)
-                                                   and advantage.dim() == 0):
+            raise ValueError(
+                f"{where} has no advantage; compute advantages "
+                "(posttrain.rl.algorithms.compute_advantages) and pass them to add()"
+            )
+        if isinstance(advantage, (int, float)) or (
+            isinstance(advantage, torch.Tensor) and advantage.dim() == 0
+        ):
             advantage = float(advantage)
         else:
             advantage = _float_list(advantage)
             if len(advantage) != len(completion_ids):
-                raise ValueError(f"{where} has {len(advantage)} per-token advantages for "
-                                 f"{len(completion_ids)} completion tokens")
+                raise ValueError(
+                    f"{where} has {len(advantage)} per-token advantages for "
+                    f"{len(completion_ids)} completion tokens"
+                )
         version = get("policy_version")
         info = get("info")
         text = get("text")
-        return {"group_id": _plain_id(get("group_id")),
-                "prompt_ids": _int_list(get("prompt_ids")), "completion_ids": completion_ids,
-                "logprobs": logprobs, "reward": reward, "outcome": _plain(get("outcome")),
-                "finish_reason": _plain(get("finish_reason")),
-                "text": None if text is None else str(text),
-                "policy_version": self._policy_version if version is None else int(version),
-                "info": dict(info) if info else {}, "completion_mask": completion_mask,
-                "advantage": advantage}
+        return {
+            "group_id": _plain_id(get("group_id")),
+            "prompt_ids": _int_list(get("prompt_ids")),
+            "completion_ids": completion_ids,
+            "logprobs": logprobs,
+            "reward": reward,
+            "outcome": _plain(get("outcome")),
+            "finish_reason": _plain(get("finish_reason")),
+            "text": None if text is None else str(text),
+            "policy_version": self._policy_version if version is None else int(version),
+            "info": dict(info) if info else {},
+            "completion_mask": completion_mask,
+            "advantage": advantage,
+        }
 
 
 def _flatten(items: Any) -> Iterable[Any]:
@@ -312,8 +396,10 @@ def _flatten(items: Any) -> Iterable[Any]:
         for item in items:
             yield from _flatten(item)
     else:
-        raise TypeError(f"cannot add {type(items).__name__}: expected a trajectory (dict or "
-                        "object with completion_ids), or a list/group of them")
+        raise TypeError(
+            f"cannot add {type(items).__name__}: expected a trajectory (dict or "
+            "object with completion_ids), or a list/group of them"
+        )
 
 
 def _int_list(value: Any) -> list[int]:

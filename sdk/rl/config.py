@@ -45,10 +45,20 @@ from posttrain.rl.verl_registry import (  # the names it accepts; importable fro
     verl_algo_config,
 )
 
-__all__ = ["RLAlgorithm", "LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS",
-           "advantage_estimators",
-           "policy_losses", "is_group_estimator", "register_advantage_estimator",
-           "register_policy_loss", "verl_actor_config", "verl_algo_config"]
+__all__ = [
+    "RLAlgorithm",
+    "LOSS_AGG_MODES",
+    "KL_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
+    "advantage_estimators",
+    "policy_losses",
+    "is_group_estimator",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "verl_actor_config",
+    "verl_algo_config",
+]
+
 
 @dataclass(kw_only=True)
 class RLAlgorithm:
@@ -134,13 +144,20 @@ class RLAlgorithm:
     filter_groups: bool = False
     max_num_gen_batches: int = 4
 
-    PRESETS: ClassVar[tuple[str, ...]] = ("grpo", "rloo", "reinforce_plus_plus", "ppo", "gspo",
-                                          "cispo")
+    PRESETS: ClassVar[tuple[str, ...]] = (
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "ppo",
+        "gspo",
+        "cispo",
+    )
 
     def __post_init__(self) -> None:
         if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY:
-            raise ValueError(f"unknown policy_loss {self.policy_loss!r}; valid: "
-                             f"{', '.join(policy_losses())}")
+            raise ValueError(
+                f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(policy_losses())}"
+            )
         estimator = _estimator_fn(self.advantage_estimator)
         _one_of("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -152,8 +169,7 @@ class RLAlgorithm:
         _number("clip_ratio_high", self.clip_ratio_high, low=0.0, low_open=True)
         _number("value_clip", self.value_clip, low=0.0, low_open=True)
         if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c!r}; the dual-clip bound must be "
-                             "> 1")
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c!r}; the dual-clip bound must be > 1")
         check_int("group_size", self.group_size, minimum=1)
         check_int("ppo_epochs", self.ppo_epochs, minimum=1)
         check_int("max_num_gen_batches", self.max_num_gen_batches, minimum=1)
@@ -165,37 +181,51 @@ class RLAlgorithm:
         group = "index" in inspect.signature(estimator).parameters
         if group and self.group_size < 2:
             plain = [n for n in advantage_estimators() if not is_group_estimator(n)]
-            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} normalises "
-                             f"rewards within a group, so group_size must be at least 2 (got "
-                             f"{self.group_size}); verl would give a group of one its raw reward "
-                             f"as advantage. Use group_size >= 2, or an estimator without "
-                             f"groups: {', '.join(plain)}")
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} normalises "
+                f"rewards within a group, so group_size must be at least 2 (got "
+                f"{self.group_size}); verl would give a group of one its raw reward "
+                f"as advantage. Use group_size >= 2, or an estimator without "
+                f"groups: {', '.join(plain)}"
+            )
         needs_values = "values" in _required_params(estimator)
         if needs_values and not self.use_value_head:
-            raise ValueError(f"advantage_estimator={self.advantage_estimator!r} needs value "
-                             "estimates: set use_value_head=True (and value_coef > 0), or choose "
-                             "grpo, rloo or reinforce_plus_plus")
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} needs value "
+                "estimates: set use_value_head=True (and value_coef > 0), or choose "
+                "grpo, rloo or reinforce_plus_plus"
+            )
         if self.use_value_head and not needs_values:
-            raise ValueError(f"use_value_head=True but advantage_estimator="
-                             f"{self.advantage_estimator!r} does not use values; use 'gae' or "
-                             "set use_value_head=False")
+            raise ValueError(
+                f"use_value_head=True but advantage_estimator="
+                f"{self.advantage_estimator!r} does not use values; use 'gae' or "
+                "set use_value_head=False"
+            )
         if self.use_value_head != (self.value_coef > 0):
-            raise ValueError(f"value_coef={self.value_coef!r} with use_value_head="
-                             f"{self.use_value_head}: a value head needs value_coef > 0, and "
-                             "value_coef > 0 needs a value head")
+            raise ValueError(
+                f"value_coef={self.value_coef!r} with use_value_head="
+                f"{self.use_value_head}: a value head needs value_coef > 0, and "
+                "value_coef > 0 needs a value head"
+            )
         fixed = FIXED_AGG_MODE.get(self.policy_loss)
         if fixed is not None and self.loss_agg_mode != fixed:
-            raise ValueError(f"policy_loss={self.policy_loss!r} always aggregates as {fixed!r} "
-                             f"(it ignores loss_agg_mode); set loss_agg_mode={fixed!r} so the "
-                             "step normaliser and the KL term agree with it")
+            raise ValueError(
+                f"policy_loss={self.policy_loss!r} always aggregates as {fixed!r} "
+                f"(it ignores loss_agg_mode); set loss_agg_mode={fixed!r} so the "
+                "step normaliser and the KL term agree with it"
+            )
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
-            raise ValueError("loss_agg_mode='seq-mean-token-sum-norm' needs a constant "
-                             "loss_scale_factor (e.g. the maximum response length)")
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs a constant "
+                "loss_scale_factor (e.g. the maximum response length)"
+            )
         allowed = [f.name for f in dataclasses.fields(PolicyLossConfig) if f.name != "loss_mode"]
         unknown = sorted(set(self.policy_loss_options) - set(allowed))
         if unknown:
-            raise ValueError(f"policy_loss_options has unknown keys {unknown}; allowed (fields of "
-                             f"verl's PolicyLossConfig): {', '.join(allowed)}")
+            raise ValueError(
+                f"policy_loss_options has unknown keys {unknown}; allowed (fields of "
+                f"verl's PolicyLossConfig): {', '.join(allowed)}"
+            )
         _one_of("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         _number("rollout_is_threshold", self.rollout_is_threshold, low=1.0)
         self._dry_run()
@@ -212,13 +242,20 @@ class RLAlgorithm:
         logprob = torch.zeros(1, 2)
         try:
             core_algos.get_policy_loss_fn(self.policy_loss)(
-                old_log_prob=logprob, log_prob=logprob, advantages=torch.ones(1, 2),
-                response_mask=torch.ones(1, 2), loss_agg_mode=self.loss_agg_mode,
-                config=verl_actor_config(self), rollout_is_weights=None)
+                old_log_prob=logprob,
+                log_prob=logprob,
+                advantages=torch.ones(1, 2),
+                response_mask=torch.ones(1, 2),
+                loss_agg_mode=self.loss_agg_mode,
+                config=verl_actor_config(self),
+                rollout_is_weights=None,
+            )
             _kl_penalty(logprob, logprob, self.kl_estimator)
         except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
-            raise ValueError(f"verl rejects policy_loss={self.policy_loss!r} with these settings "
-                             f"({type(e).__name__}: {e}); check policy_loss_options") from e
+            raise ValueError(
+                f"verl rejects policy_loss={self.policy_loss!r} with these settings "
+                f"({type(e).__name__}: {e}); check policy_loss_options"
+            ) from e
 
     # ---------------------------------------------------------------------------------------
     # Presets. Each takes keyword overrides: RLAlgorithm.grpo(group_size=16, kl_coef=0.0).
@@ -229,51 +266,99 @@ class RLAlgorithm:
         """GRPO (Shao et al. 2024, DeepSeekMath, eq. 3): group-normalised outcome advantages,
         PPO clip, per-sequence token mean (1/G sum_i 1/|o_i| sum_t), k3 KL to the reference with
         beta 0.04."""
-        return cls(**{"advantage_estimator": "grpo", "policy_loss": "vanilla",
-                      "loss_agg_mode": "seq-mean-token-mean", "kl_coef": 0.04,
-                      "kl_estimator": "k3", "group_size": 8, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "grpo",
+                "policy_loss": "vanilla",
+                "loss_agg_mode": "seq-mean-token-mean",
+                "kl_coef": 0.04,
+                "kl_estimator": "k3",
+                "group_size": 8,
+                **overrides,
+            }
+        )
 
     @classmethod
     def rloo(cls, **overrides: Any) -> RLAlgorithm:
         """RLOO (Ahmadian et al. 2024): leave-one-out baseline within the group, REINFORCE on the
         sequence log-probability (token sum per sequence). The paper puts the KL penalty in the
         reward; here KL is a loss term, off by default."""
-        return cls(**{"advantage_estimator": "rloo", "policy_loss": "vanilla",
-                      "loss_agg_mode": "seq-mean-token-sum", "group_size": 8, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "rloo",
+                "policy_loss": "vanilla",
+                "loss_agg_mode": "seq-mean-token-sum",
+                "group_size": 8,
+                **overrides,
+            }
+        )
 
     @classmethod
     def reinforce_plus_plus(cls, **overrides: Any) -> RLAlgorithm:
         """REINFORCE++ (Hu 2025): discounted returns whitened over the whole batch (no critic,
         no group baseline, so group_size 1 works), PPO clip, token mean. KL loss off by
         default (the paper puts it in the reward)."""
-        return cls(**{"advantage_estimator": "reinforce_plus_plus", "policy_loss": "vanilla",
-                      "loss_agg_mode": "token-mean", "group_size": 1, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "reinforce_plus_plus",
+                "policy_loss": "vanilla",
+                "loss_agg_mode": "token-mean",
+                "group_size": 1,
+                **overrides,
+            }
+        )
 
     @classmethod
     def ppo(cls, **overrides: Any) -> RLAlgorithm:
         """PPO (Schulman et al. 2017, eq. 7) with a value head and GAE (Schulman et al. 2016,
         lambda 0.95), clipped value loss with coefficient 0.5, several epochs per batch so that
         clipping matters."""
-        return cls(**{"advantage_estimator": "gae", "policy_loss": "vanilla",
-                      "loss_agg_mode": "token-mean", "use_value_head": True, "value_coef": 0.5,
-                      "lam": 0.95, "group_size": 1, "ppo_epochs": 4, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "gae",
+                "policy_loss": "vanilla",
+                "loss_agg_mode": "token-mean",
+                "use_value_head": True,
+                "value_coef": 0.5,
+                "lam": 0.95,
+                "group_size": 1,
+                "ppo_epochs": 4,
+                **overrides,
+            }
+        )
 
     @classmethod
     def gspo(cls, **overrides: Any) -> RLAlgorithm:
         """GSPO (Zheng et al. 2025): sequence-level importance ratio (geometric mean of token
         ratios) with the paper's clip range 3e-4 / 4e-4, group advantages, sequence mean."""
-        return cls(**{"advantage_estimator": "grpo", "policy_loss": "gspo",
-                      "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 3e-4,
-                      "clip_ratio_high": 4e-4, "group_size": 8, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "grpo",
+                "policy_loss": "gspo",
+                "loss_agg_mode": "seq-mean-token-mean",
+                "clip_ratio_low": 3e-4,
+                "clip_ratio_high": 4e-4,
+                "group_size": 8,
+                **overrides,
+            }
+        )
 
     @classmethod
     def cispo(cls, **overrides: Any) -> RLAlgorithm:
         """CISPO (MiniMax-M1, 2025): clipped, stop-gradient importance weight times A log pi, so
         no token's gradient is dropped. The paper sets no lower bound (clip_ratio_low=1) and
         tunes only the upper one; 0.28 here is a starting point, not the paper's value."""
-        return cls(**{"advantage_estimator": "grpo", "policy_loss": "cispo",
-                      "loss_agg_mode": "token-mean", "clip_ratio_low": 1.0,
-                      "clip_ratio_high": 0.28, "group_size": 8, **overrides})
+        return cls(
+            **{
+                "advantage_estimator": "grpo",
+                "policy_loss": "cispo",
+                "loss_agg_mode": "token-mean",
+                "clip_ratio_low": 1.0,
+                "clip_ratio_high": 0.28,
+                "group_size": 8,
+                **overrides,
+            }
+        )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> RLAlgorithm:
@@ -294,14 +379,18 @@ def verl_actor_config(algo: RLAlgorithm, **global_batch_info: Any) -> ActorConfi
     `global_batch_info` dict, so a shared config would be shared state. `strategy`, `rollout_n`
     and the micro-batch size are required by its constructor but unused by the losses.
     """
-    config = ActorConfig(strategy="fsdp", rollout_n=algo.group_size,
-                         ppo_micro_batch_size_per_gpu=1, clip_ratio=algo.clip_ratio_high,
-                         clip_ratio_low=algo.clip_ratio_low,
-                         clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c,
-                         loss_agg_mode=algo.loss_agg_mode,
-                         loss_scale_factor=algo.loss_scale_factor,
-                         policy_loss=PolicyLossConfig(loss_mode=algo.policy_loss,
-                                                      **algo.policy_loss_options))
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=algo.group_size,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=algo.clip_ratio_high,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+        loss_agg_mode=algo.loss_agg_mode,
+        loss_scale_factor=algo.loss_scale_factor,
+        policy_loss=PolicyLossConfig(loss_mode=algo.policy_loss, **algo.policy_loss_options),
+    )
     config.global_batch_info.update(global_batch_info)
     return config
 
@@ -311,8 +400,14 @@ def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
 
 
-def _number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> None:
+def _number(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name}={value!r}; must be a number")
     if not math.isfinite(value):

@@ -74,8 +74,10 @@ class StepResult:
         if self.done and self.reward is None:
             raise ValueError("a StepResult with done=True needs the episode's reward")
         if not self.done and not isinstance(self.observation, list):
-            raise ValueError("a StepResult with done=False needs `observation`, the list of "
-                             "messages to append before the next turn (may be empty)")
+            raise ValueError(
+                "a StepResult with done=False needs `observation`, the list of "
+                "messages to append before the next turn (may be empty)"
+            )
 
     @property
     def outcome(self) -> str:
@@ -149,11 +151,15 @@ def group_rewards(builder: EnvGroupBuilder, trajectories: Sequence[Trajectory]) 
             if r.reason:
                 t.info["verifier_reason"] = r.reason
     name = f"{type(builder).__name__}.group_rewards"
-    rewards = [check_reward(r.score if isinstance(r, VerifierResult) else r,
-                            name=f"{name} reward {i}") for i, r in enumerate(rewards)]
+    rewards = [
+        check_reward(r.score if isinstance(r, VerifierResult) else r, name=f"{name} reward {i}")
+        for i, r in enumerate(rewards)
+    ]
     if len(rewards) != len(trajectories):
-        raise ValueError(f"{type(builder).__name__}.group_rewards returned {len(rewards)} rewards "
-                         f"for {len(trajectories)} trajectories")
+        raise ValueError(
+            f"{type(builder).__name__}.group_rewards returned {len(rewards)} rewards "
+            f"for {len(trajectories)} trajectories"
+        )
     return rewards
 
 
@@ -207,21 +213,27 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
-            raise ValueError(f"Trajectory has {len(self.completion_ids)} completion ids but "
-                             f"{len(self.logprobs)} logprobs; they must match one to one")
+            raise ValueError(
+                f"Trajectory has {len(self.completion_ids)} completion ids but "
+                f"{len(self.logprobs)} logprobs; they must match one to one"
+            )
         mask = self.completion_mask
         if mask is not None and len(mask) != len(self.completion_ids):
-            raise ValueError(f"Trajectory completion_mask has {len(mask)} entries "
-                             f"for {len(self.completion_ids)} completion ids")
+            raise ValueError(
+                f"Trajectory completion_mask has {len(mask)} entries "
+                f"for {len(self.completion_ids)} completion ids"
+            )
         self.reward = check_reward(self.reward, name="Trajectory reward")
         try:
             self.outcome = Outcome(self.outcome).value
         except ValueError:
-            raise ValueError(f"Trajectory outcome {self.outcome!r} is not one of "
-                             f"{[o.value for o in Outcome]}") from None
+            raise ValueError(
+                f"Trajectory outcome {self.outcome!r} is not one of {[o.value for o in Outcome]}"
+            ) from None
         if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"Trajectory finish_reason {self.finish_reason!r} is not one of "
-                             f"{FINISH_REASONS}")
+            raise ValueError(
+                f"Trajectory finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}"
+            )
 
     @property
     def num_completion_tokens(self) -> int:
@@ -243,8 +255,9 @@ class Group:
             raise ValueError("a Group needs at least one trajectory")
         ids = {t.group_id for t in self.trajectories}
         if len(ids) != 1:
-            raise ValueError(f"a Group's trajectories must share one group_id, got "
-                             f"{sorted(ids, key=repr)}")
+            raise ValueError(
+                f"a Group's trajectories must share one group_id, got {sorted(ids, key=repr)}"
+            )
 
     @property
     def group_id(self) -> int | str:
@@ -304,8 +317,9 @@ class TextEpisode:
         return self.final.outcome
 
 
-def run_text_episode(env: Environment, respond: Callable[[Messages], str], *,
-                     max_turns: int = 64) -> TextEpisode:
+def run_text_episode(
+    env: Environment, respond: Callable[[Messages], str], *, max_turns: int = 64
+) -> TextEpisode:
     """Play `env` to the end with `respond(messages) -> assistant text` (a policy, or a scripted
     function in tests).
 
@@ -333,7 +347,8 @@ TaskFactory = Callable[..., EnvDataset]
 
 
 TASKS: Registry[TaskFactory] = Registry(
-    "task", builtins_hint="the built-in tasks register on `import posttrain.envs`")
+    "task", builtins_hint="the built-in tasks register on `import posttrain.envs`"
+)
 
 register_task = TASKS.register
 """Decorator registering a task factory under a name (see `posttrain.core.registry.Registry`)."""

@@ -42,10 +42,19 @@ from posttrain.policy.policy import Policy
 from posttrain.rl.config import RLAlgorithm
 from posttrain.rl.verl_registry import _VERL_ROLLOUT_IS, ROLLOUT_CORRECTIONS
 
-__all__ = ["ROLLOUT_QUANTIZATIONS", "SAMPLER_METRICS", "ROLLOUT_IS_METRICS",
-           "check_rollout_quantization", "quantized_rollout_copy", "quantized_sampler",
-           "scores_apart_from_sampler", "frozen_logprobs", "sampler_mismatch_metrics",
-           "rollout_correction_weights", "decouple_sampler"]
+__all__ = [
+    "ROLLOUT_QUANTIZATIONS",
+    "SAMPLER_METRICS",
+    "ROLLOUT_IS_METRICS",
+    "check_rollout_quantization",
+    "quantized_rollout_copy",
+    "quantized_sampler",
+    "scores_apart_from_sampler",
+    "frozen_logprobs",
+    "sampler_mismatch_metrics",
+    "rollout_correction_weights",
+    "decouple_sampler",
+]
 
 ROLLOUT_QUANTIZATIONS = ("int8",)
 """Weight-only quantisations of the rollout copy (torchao 0.15, CPU and GPU):
@@ -63,8 +72,13 @@ version_counter for inference tensor")."""
 SAMPLER_METRICS = ("rollout_kl_mean", "rollout_logprob_delta_max", "rollout_logprob_delta_mean")
 """Train/infer mismatch columns of a step's metrics row (`sampler_mismatch_metrics`)."""
 
-ROLLOUT_IS_METRICS = ("rollout_is_mean", "rollout_is_max", "rollout_is_min",
-                      "rollout_is_ratio_fraction_high", "rollout_is_eff_sample_size")
+ROLLOUT_IS_METRICS = (
+    "rollout_is_mean",
+    "rollout_is_max",
+    "rollout_is_min",
+    "rollout_is_ratio_fraction_high",
+    "rollout_is_eff_sample_size",
+)
 """verl's names of the weight statistics `rollout_correction_weights` reports: mean, max and min
 of the truncated weights over response tokens (sequence mode: max and min of the raw sequence
 weights), the fraction above the threshold (the truncated share: of tokens, or of sequences in
@@ -80,14 +94,18 @@ def check_rollout_quantization(name: str | None, *, top_p: float = 1.0) -> str |
             has log-prob -inf under the policy: an infinite importance ratio).
     """
     if name is not None and name not in ROLLOUT_QUANTIZATIONS:
-        raise ValueError(f"rollout_quantization={name!r}; allowed: None (sample with the policy "
-                         f"itself) or {', '.join(map(repr, ROLLOUT_QUANTIZATIONS))} (int4 and "
-                         "fp8 weight-only do not run on this stack's CPU kernels: see "
-                         "posttrain.rl.lowbit_rollout.ROLLOUT_QUANTIZATIONS)")
+        raise ValueError(
+            f"rollout_quantization={name!r}; allowed: None (sample with the policy "
+            f"itself) or {', '.join(map(repr, ROLLOUT_QUANTIZATIONS))} (int4 and "
+            "fp8 weight-only do not run on this stack's CPU kernels: see "
+            "posttrain.rl.lowbit_rollout.ROLLOUT_QUANTIZATIONS)"
+        )
     if name is not None and top_p != 1.0:
-        raise ValueError(f"top_p={top_p!r} with rollout_quantization={name!r}: a token in the "
-                         "quantised sampler's top-p set but outside the policy's has log-prob "
-                         "-inf under the policy (an infinite ratio); allowed: top_p=1.0")
+        raise ValueError(
+            f"top_p={top_p!r} with rollout_quantization={name!r}: a token in the "
+            "quantised sampler's top-p set but outside the policy's has log-prob "
+            "-inf under the policy (an infinite ratio); allowed: top_p=1.0"
+        )
     return name
 
 
@@ -136,8 +154,9 @@ def quantized_rollout_copy(model: nn.Module, name: str) -> tuple[nn.Module, Conv
     quantize_(quantised, configs[name](), filter_fn=pick)
     if hasattr(quantised, "output") and not isinstance(quantised.output, nn.Linear):
         skipped["output"] = "tied to the token embedding, which stays in full precision"
-    return quantised, ConversionReport(name=f"rollout_{name}", converted=tuple(converted),
-                                       skipped=skipped)
+    return quantised, ConversionReport(
+        name=f"rollout_{name}", converted=tuple(converted), skipped=skipped
+    )
 
 
 def quantized_sampler(source: Policy, name: str) -> tuple[Policy, ConversionReport]:
@@ -167,8 +186,9 @@ def _eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 
 @torch.no_grad()
-def frozen_logprobs(score: Callable[[nn.Module], Tensor], model: nn.Module, *,
-                    base: bool = False) -> Tensor:
+def frozen_logprobs(
+    score: Callable[[nn.Module], Tensor], model: nn.Module, *, base: bool = False
+) -> Tensor:
     """`score(model)` ([B, T] log-probs of a batch, e.g. the trainer's `_forward`) without grad
     and in eval mode (no dropout, no random draws), the model's mode restored after. With
     `base`, inside `posttrain.models.lora.adapters_disabled(model)`: the log-probs of a LoRA
@@ -179,12 +199,13 @@ def frozen_logprobs(score: Callable[[nn.Module], Tensor], model: nn.Module, *,
     """
     from posttrain.models.lora import adapters_disabled
 
-    with _eval_mode(model), (adapters_disabled(model) if base else contextlib.nullcontext()):
+    with _eval_mode(model), adapters_disabled(model) if base else contextlib.nullcontext():
         return score(model)
 
 
-def sampler_mismatch_metrics(logprobs_BT: Tensor, rollout_logprobs_BT: Tensor,
-                             response_mask_BT: Tensor) -> dict[str, float]:
+def sampler_mismatch_metrics(
+    logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, response_mask_BT: Tensor
+) -> dict[str, float]:
     """Train/infer mismatch of one batch, over its response tokens (d = logprobs - rollout):
 
         rollout_kl_mean            mean of exp(d) - d - 1, verl's "k3_kl"
@@ -209,17 +230,26 @@ def sampler_mismatch_metrics(logprobs_BT: Tensor, rollout_logprobs_BT: Tensor,
 
     mask_BT = _check_pair(logprobs_BT, rollout_logprobs_BT, response_mask_BT)
     delta = (logprobs_BT - rollout_logprobs_BT).detach().abs()[mask_BT]
-    verl_metrics = compute_offpolicy_metrics(old_log_prob=logprobs_BT.detach(),
-                                             rollout_log_prob=rollout_logprobs_BT.detach(),
-                                             response_mask=mask_BT.to(logprobs_BT.dtype))
-    return {"rollout_kl_mean": float(verl_metrics["k3_kl"]),
-            "rollout_logprob_delta_max": float(delta.max()),
-            "rollout_logprob_delta_mean": float(delta.mean())}
+    verl_metrics = compute_offpolicy_metrics(
+        old_log_prob=logprobs_BT.detach(),
+        rollout_log_prob=rollout_logprobs_BT.detach(),
+        response_mask=mask_BT.to(logprobs_BT.dtype),
+    )
+    return {
+        "rollout_kl_mean": float(verl_metrics["k3_kl"]),
+        "rollout_logprob_delta_max": float(delta.max()),
+        "rollout_logprob_delta_mean": float(delta.mean()),
+    }
 
 
-def rollout_correction_weights(logprobs_BT: Tensor, rollout_logprobs_BT: Tensor,
-                               response_mask_BT: Tensor, *, correction: str,
-                               threshold: float) -> tuple[Tensor, dict[str, float]]:
+def rollout_correction_weights(
+    logprobs_BT: Tensor,
+    rollout_logprobs_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    correction: str,
+    threshold: float,
+) -> tuple[Tensor, dict[str, float]]:
     """Truncated importance-sampling weights of a sampler that is not the trained policy:
     verl's `compute_rollout_correction_weights` (verl 0.9.1 `rollout_corr_helper`; TIS, Yao et
     al. 2025, https://fengyao.notion.site/off-policy-rl) on log pi_trainer - log pi_sampler:
@@ -249,14 +279,19 @@ def rollout_correction_weights(logprobs_BT: Tensor, rollout_logprobs_BT: Tensor,
     allowed = [name for name in ROLLOUT_CORRECTIONS if name != "none"]
     if correction not in allowed:
         raise ValueError(f"correction={correction!r}; allowed: {', '.join(allowed)}")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or \
-            not threshold >= 1.0:
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not threshold >= 1.0
+    ):
         raise ValueError(f"threshold={threshold!r}; must be a number >= 1")
     mask_BT = _check_pair(logprobs_BT, rollout_logprobs_BT, response_mask_BT)
     weights_BT, verl_metrics = compute_rollout_correction_weights(
         log_ratio=(logprobs_BT - rollout_logprobs_BT).detach(),
-        response_mask=mask_BT.to(logprobs_BT.dtype), rollout_is=_VERL_ROLLOUT_IS[correction],
-        rollout_is_threshold=float(threshold))
+        response_mask=mask_BT.to(logprobs_BT.dtype),
+        rollout_is=_VERL_ROLLOUT_IS[correction],
+        rollout_is_threshold=float(threshold),
+    )
     return weights_BT, {k: float(verl_metrics[k]) for k in ROLLOUT_IS_METRICS}
 
 
@@ -274,18 +309,23 @@ def decouple_sampler(batch: dict[str, Tensor], algo: RLAlgorithm) -> dict[str, f
     metrics = sampler_mismatch_metrics(*args)
     if algo.rollout_correction != "none":
         batch["rollout_is_weights_BT"], is_metrics = rollout_correction_weights(
-            *args, correction=algo.rollout_correction, threshold=algo.rollout_is_threshold)
+            *args, correction=algo.rollout_correction, threshold=algo.rollout_is_threshold
+        )
         metrics.update(is_metrics)
     return metrics
 
 
-def _check_pair(logprobs_BT: Tensor, rollout_logprobs_BT: Tensor,
-                response_mask_BT: Tensor) -> Tensor:
-    if logprobs_BT.dim() != 2 or not (logprobs_BT.shape == rollout_logprobs_BT.shape
-                                      == response_mask_BT.shape):
-        raise ValueError(f"logprobs_BT {tuple(logprobs_BT.shape)}, rollout_logprobs_BT "
-                         f"{tuple(rollout_logprobs_BT.shape)} and response_mask_BT "
-                         f"{tuple(response_mask_BT.shape)} must share one [B, T] shape")
+def _check_pair(
+    logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, response_mask_BT: Tensor
+) -> Tensor:
+    if logprobs_BT.dim() != 2 or not (
+        logprobs_BT.shape == rollout_logprobs_BT.shape == response_mask_BT.shape
+    ):
+        raise ValueError(
+            f"logprobs_BT {tuple(logprobs_BT.shape)}, rollout_logprobs_BT "
+            f"{tuple(rollout_logprobs_BT.shape)} and response_mask_BT "
+            f"{tuple(response_mask_BT.shape)} must share one [B, T] shape"
+        )
     mask_BT = response_mask_BT != 0
     if not bool(mask_BT.any()):
         raise ValueError("response_mask_BT selects no token; there is nothing to compare")

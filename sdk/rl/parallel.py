@@ -82,16 +82,30 @@ from posttrain.train.collectives import gather_rows, reduce_metrics, sum_grads_o
 if TYPE_CHECKING:
     from posttrain.train.runtime import PlanRuntime, Runtime
 
-__all__ = ["plan_rollout_parts", "data_shares", "rollout_seed", "gather_groups", "padding_rows",
-           "plain_copy", "gather_rows", "reduce_metrics", "sum_grads_over_data_ranks"]
+__all__ = [
+    "plan_rollout_parts",
+    "data_shares",
+    "rollout_seed",
+    "gather_groups",
+    "padding_rows",
+    "plain_copy",
+    "gather_rows",
+    "reduce_metrics",
+    "sum_grads_over_data_ranks",
+]
 
 sum_grads_over_data_ranks = sum_grads_over_group
 """The earlier name of `posttrain.train.collectives.sum_grads_over_group`."""
 
 
-def plan_rollout_parts(runtime: PlanRuntime, policy: Policy, *, value_head: nn.Module | None,
-                       prompts_per_step: int,
-                       with_reference: bool) -> tuple[Policy, nn.Module | None]:
+def plan_rollout_parts(
+    runtime: PlanRuntime,
+    policy: Policy,
+    *,
+    value_head: nn.Module | None,
+    prompts_per_step: int,
+    with_reference: bool,
+) -> tuple[Policy, nn.Module | None]:
     """Check a plan for RL, broadcast the value head, and build what the trainer samples and
     scores with under it: the plain rollout copy of the policy (full weights, refreshed every
     step) and, when `with_reference`, the frozen reference split by the same plan from the
@@ -118,25 +132,33 @@ def plan_rollout_parts(runtime: PlanRuntime, policy: Policy, *, value_head: nn.M
 
     plan = runtime.plan
     if plan.pp > 1:
-        raise ValueError(f"RLTrainer under {plan}: pp={plan.pp} is not supported (a pipelined "
-                         "policy has no plain forward to score the rollouts with); allowed pp "
-                         "for RL: 1 (split with dp_replicate, dp_shard, tp, sp or ep)")
+        raise ValueError(
+            f"RLTrainer under {plan}: pp={plan.pp} is not supported (a pipelined "
+            "policy has no plain forward to score the rollouts with); allowed pp "
+            "for RL: 1 (split with dp_replicate, dp_shard, tp, sp or ep)"
+        )
     if value_head is not None and plan.sp > 1:
-        raise ValueError(f"RLTrainer under {plan}: a value head with sp={plan.sp} is not "
-                         "supported: the head reads the hidden state of model.norm through a "
-                         "hook, inside the sequence-parallel region, where each sp rank holds "
-                         "only its slice of the sequence; allowed sp for PPO: 1 (GRPO, without "
-                         "a value head, runs under sp)")
+        raise ValueError(
+            f"RLTrainer under {plan}: a value head with sp={plan.sp} is not "
+            "supported: the head reads the hidden state of model.norm through a "
+            "hook, inside the sequence-parallel region, where each sp rank holds "
+            "only its slice of the sequence; allowed sp for PPO: 1 (GRPO, without "
+            "a value head, runs under sp)"
+        )
     ranks = plan.data_parallel_size
     if prompts_per_step % ranks:
-        raise ValueError(f"prompts_per_step={prompts_per_step} must be divisible by the "
-                         f"data-parallel size {ranks} of {plan}: each data rank samples "
-                         "prompts_per_step / data_parallel_size prompts")
+        raise ValueError(
+            f"prompts_per_step={prompts_per_step} must be divisible by the "
+            f"data-parallel size {ranks} of {plan}: each data rank samples "
+            "prompts_per_step / data_parallel_size prompts"
+        )
     if value_head is not None:
         if any(isinstance(p, DTensor) for p in value_head.parameters()):
-            raise ValueError("the value head must stay a plain module under a plan (the trainer "
-                             "sums its gradients over the data-parallel ranks); apply the plan "
-                             "to policy.model only")
+            raise ValueError(
+                "the value head must stay a plain module under a plan (the trainer "
+                "sums its gradients over the data-parallel ranks); apply the plan "
+                "to policy.model only"
+            )
         flat_collective(list(value_head.parameters()), lambda flat: dist.broadcast(flat, src=0))
     rollout = Policy(plain_copy(policy.model, policy.spec), policy.tokenizer, policy.spec)
     rollout.model.load_state_dict(runtime.full_state_dict())
@@ -173,8 +195,9 @@ def gather_groups(local: Sequence[Group], *, offset: int, runtime: Runtime) -> l
     itself with one data rank."""
     if runtime.data_size == 1:
         return list(local)
-    renumbered = [Group([dataclasses.replace(t, group_id=offset + i) for t in g])
-                  for i, g in enumerate(local)]
+    renumbered = [
+        Group([dataclasses.replace(t, group_id=offset + i) for t in g]) for i, g in enumerate(local)
+    ]
     return [g for groups in runtime.gather_objects(renumbered) for g in groups]
 
 

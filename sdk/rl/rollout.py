@@ -39,8 +39,13 @@ from dataclasses import dataclass, field, replace
 from posttrain.rewards.verifier import Outcome
 from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 
-__all__ = ["EXCLUDED_OUTCOMES", "collect_filtered", "collect_groups", "outcome_counts",
-           "rollout_metrics"]
+__all__ = [
+    "EXCLUDED_OUTCOMES",
+    "collect_filtered",
+    "collect_groups",
+    "outcome_counts",
+    "rollout_metrics",
+]
 
 EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
 """Outcomes that exclude their whole group from the update (see `posttrain.rl.trainer`)."""
@@ -76,10 +81,19 @@ class _Episode:
         self.info["error"] = reason
 
 
-def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: int,
-                   max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                   seed: int = 0, policy_version: int = 0,
-                   verifier_timeout_s: float | None = None, max_turns: int = 8) -> list[Group]:
+def collect_groups(
+    policy,
+    builders: Sequence[EnvGroupBuilder],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    policy_version: int = 0,
+    verifier_timeout_s: float | None = None,
+    max_turns: int = 8,
+) -> list[Group]:
     """Sample `group_size` episodes per builder and return one scored `Group` per builder.
 
     Args:
@@ -111,8 +125,10 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
     for g, builder in enumerate(builders):
         envs = builder.make_envs(group_size)
         if len(envs) != group_size:
-            raise ValueError(f"{type(builder).__name__}.make_envs({group_size}) returned "
-                             f"{len(envs)} environments")
+            raise ValueError(
+                f"{type(builder).__name__}.make_envs({group_size}) returned "
+                f"{len(envs)} environments"
+            )
         for env in envs:
             if verifier_timeout_s is not None and hasattr(env, "timeout_s"):
                 env.timeout_s = verifier_timeout_s
@@ -126,13 +142,13 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
             break
         same_prompt = turn == 0 and all(
             episodes[i].prompt_ids == episodes[i - i % group_size].prompt_ids
-            for i in range(len(episodes)))
+            for i in range(len(episodes))
+        )
         if same_prompt:  # the usual single-turn case: n = G samples of each group's prompt
             prompts = [episodes[g * group_size].prompt_ids for g in range(len(builders))]
             completions = policy.generate(prompts, n=group_size, seed=seed + turn, **sample)
         else:
-            completions = policy.generate([e.context for e in running], seed=seed + turn,
-                                          **sample)
+            completions = policy.generate([e.context for e in running], seed=seed + turn, **sample)
         for episode, completion in zip(running, completions):
             _play(episode, completion, tokenizer, policy.spec.max_seq_len)
     for episode in episodes:
@@ -141,7 +157,7 @@ def collect_groups(policy, builders: Sequence[EnvGroupBuilder], *, group_size: i
 
     groups = []
     for g, builder in enumerate(builders):
-        members = episodes[g * group_size:(g + 1) * group_size]
+        members = episodes[g * group_size : (g + 1) * group_size]
         trajectories = [_trajectory(e, policy_version) for e in members]
         try:
             rewards = group_rewards(builder, trajectories)
@@ -181,13 +197,16 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
     # observation, appended as context (not trained). Whatever closes the assistant turn
     # (e.g. <|end|> when the turn was cut by the length limit) comes with them.
     before = tokenizer.render_chat(episode.messages[:-1], add_generation_prompt=True).input_ids
-    turn_ids = tokenizer.render_chat(episode.messages).input_ids[len(before):]
+    turn_ids = tokenizer.render_chat(episode.messages).input_ids[len(before) :]
     episode.messages += list(result.observation or [])
     after = tokenizer.render_prompt(episode.messages)
     sampled = completion.token_ids
-    closing = [] if sampled and sampled[-1] in tokenizer.stop_ids else \
-        turn_ids[len(tokenizer.encode(completion.text)):]
-    observation_ids = list(closing) + list(after[len(before) + len(turn_ids):])
+    closing = (
+        []
+        if sampled and sampled[-1] in tokenizer.stop_ids
+        else turn_ids[len(tokenizer.encode(completion.text)) :]
+    )
+    observation_ids = list(closing) + list(after[len(before) + len(turn_ids) :])
     episode.completion_ids += observation_ids
     episode.logprobs += [0.0] * len(observation_ids)
     episode.mask += [False] * len(observation_ids)
@@ -199,12 +218,19 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
 
 def _trajectory(episode: _Episode, policy_version: int) -> Trajectory:
     multi_turn = not all(episode.mask)
-    return Trajectory(group_id=episode.group, prompt_ids=episode.prompt_ids,
-                      completion_ids=episode.completion_ids, logprobs=episode.logprobs,
-                      reward=episode.reward, outcome=episode.outcome,
-                      finish_reason=episode.finish_reason, text="".join(episode.texts),
-                      policy_version=policy_version, info=episode.info,
-                      completion_mask=list(episode.mask) if multi_turn else None)
+    return Trajectory(
+        group_id=episode.group,
+        prompt_ids=episode.prompt_ids,
+        completion_ids=episode.completion_ids,
+        logprobs=episode.logprobs,
+        reward=episode.reward,
+        outcome=episode.outcome,
+        finish_reason=episode.finish_reason,
+        text="".join(episode.texts),
+        policy_version=policy_version,
+        info=episode.info,
+        completion_mask=list(episode.mask) if multi_turn else None,
+    )
 
 
 def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
@@ -228,23 +254,32 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     rows = [t for g in groups for t in g]
     counts = outcome_counts(groups)
     judged = [t.reward for t in rows if t.outcome not in EXCLUDED_OUTCOMES]
-    sampled = [sum(t.completion_mask) if t.completion_mask is not None
-               else len(t.completion_ids) for t in rows]
+    sampled = [
+        sum(t.completion_mask) if t.completion_mask is not None else len(t.completion_ids)
+        for t in rows
+    ]
     env_counts: dict[str, int] = {}
     for t in rows:
         for name, value in (t.info.get("counts") or {}).items():
             env_counts[f"env_{name}"] = env_counts.get(f"env_{name}", 0) + int(value)
-    return {"reward_mean": sum(judged) / len(judged) if judged else float("nan"),
-            "accuracy": counts["ok"] / len(rows),
-            **{f"outcome_{k}": v for k, v in counts.items()},
-            "response_length": sum(sampled) / len(rows), "sampled_tokens": sum(sampled),
-            "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
-            **env_counts}
+    return {
+        "reward_mean": sum(judged) / len(judged) if judged else float("nan"),
+        "accuracy": counts["ok"] / len(rows),
+        **{f"outcome_{k}": v for k, v in counts.items()},
+        "response_length": sum(sampled) / len(rows),
+        "sampled_tokens": sum(sampled),
+        "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
+        **env_counts,
+    }
 
 
-def collect_filtered(collect: Callable[[Sequence[EnvGroupBuilder], int], list[Group]],
-                     batch: Callable[[int], Sequence[EnvGroupBuilder]], *, target: int,
-                     max_batches: int) -> tuple[list[EnvGroupBuilder], list[Group], list[Group]]:
+def collect_filtered(
+    collect: Callable[[Sequence[EnvGroupBuilder], int], list[Group]],
+    batch: Callable[[int], Sequence[EnvGroupBuilder]],
+    *,
+    target: int,
+    max_batches: int,
+) -> tuple[list[EnvGroupBuilder], list[Group], list[Group]]:
     """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): sample batch 0, 1, ... of builders
     (`collect(batch(i), i)`) and keep the groups whose rewards are not all equal, until `target`
     are kept or `max_batches` batches were sampled.

@@ -39,9 +39,17 @@ class ValueHead(nn.Module):
         return self.proj(hidden_BTD).squeeze(-1)
 
 
-def score_rows(model: TransformerDecoder, m: dict[str, Tensor], *, value_head: nn.Module | None,
-               temperature: float, top_p: float, share_prefix: bool, entropy: bool = False,
-               entropy_grad: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def score_rows(
+    model: TransformerDecoder,
+    m: dict[str, Tensor],
+    *,
+    value_head: nn.Module | None,
+    temperature: float,
+    top_p: float,
+    share_prefix: bool,
+    entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Teacher-forced log-probs [B, T] under the sampling distribution (`temperature`, `top_p`),
     values [B, T] (with a value head, read from `model.norm`'s output) and that distribution's
     entropy [B, T] (if `entropy`; differentiable only with `entropy_grad`), 0 off the response.
@@ -56,24 +64,37 @@ def score_rows(model: TransformerDecoder, m: dict[str, Tensor], *, value_head: n
         entropy, entropy_grad: compute the entropy, and keep its gradient.
     """
     captured: dict[str, Tensor] = {}
-    hook = None if value_head is None else model.norm.register_forward_hook(
-        lambda mod, inp, out: captured.__setitem__("hidden", out))
+    hook = (
+        None
+        if value_head is None
+        else model.norm.register_forward_hook(
+            lambda mod, inp, out: captured.__setitem__("hidden", out)
+        )
+    )
     mask_BT = m["response_mask_BT"]
     try:  # a group's rows share their prompt's forward (posttrain.policy.shared_prefix)
-        logits_BTV, pack = model_logits(model, m["input_ids_BT"],
-                                        m["attention_mask_BT"].bool(), mask_BT.bool(),
-                                        share_prefix=share_prefix)
+        logits_BTV, pack = model_logits(
+            model,
+            m["input_ids_BT"],
+            m["attention_mask_BT"].bool(),
+            mask_BT.bool(),
+            share_prefix=share_prefix,
+        )
     finally:
         if hook is not None:
             hook.remove()
-    logprobs_BT, logp_BTV = picked_logprobs(logits_BTV, m["input_ids_BT"],
-                                            mask_BT.bool() & m["attention_mask_BT"].bool(),
-                                            temperature=temperature, top_p=top_p)
+    logprobs_BT, logp_BTV = picked_logprobs(
+        logits_BTV,
+        m["input_ids_BT"],
+        mask_BT.bool() & m["attention_mask_BT"].bool(),
+        temperature=temperature,
+        top_p=top_p,
+    )
     values_BT = entropy_BT = None
     if value_head is not None:  # the state before token t is read at t - 1, like its logprob
         hidden = captured["hidden"] if pack is None else pack.unpack(captured["hidden"])
         hidden = hidden.to(next(value_head.parameters()).dtype)[:, :-1]
-        hidden = keep_selected(hidden, mask_BT[:, 1:, None])    # padding: any value
+        hidden = keep_selected(hidden, mask_BT[:, 1:, None])  # padding: any value
         values_BT = keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)
     if entropy:  # of the distribution sampled from; masked positions hold logits 0
         logp_BTV = logp_BTV if entropy_grad else logp_BTV.detach()

@@ -50,14 +50,18 @@ from posttrain.core.timing import (
 )
 from posttrain.rl.environment import Group
 
-__all__ = ["RL_TIME_PHASES", "TIMING_COLUMNS", "TimedGeneration", "new_step_timer",
-           "timing_row"]
+__all__ = ["RL_TIME_PHASES", "TIMING_COLUMNS", "TimedGeneration", "new_step_timer", "timing_row"]
 
 RL_TIME_PHASES = ("rollout", "scoring", "logprobs", "update")
 """The measured phases of an RL step, in order; `time_other_s` is the remainder."""
 
 TIMING_COLUMNS = tuple(f"time_{p}_s" for p in RL_TIME_PHASES) + (
-    "time_other_s", "tokens_per_s", "trained_tokens_per_s", "flops_per_s", "mfu")
+    "time_other_s",
+    "tokens_per_s",
+    "trained_tokens_per_s",
+    "flops_per_s",
+    "mfu",
+)
 """The columns `timing_row` adds to each RL metrics row (stable names)."""
 
 
@@ -81,9 +85,18 @@ def new_step_timer(model) -> PhaseTimer:
     return PhaseTimer(cuda=on_cuda(model))
 
 
-def timing_row(timer: PhaseTimer, *, model, groups: Sequence[Group],
-               batch: dict[str, Tensor] | None, frozen_passes: int, ppo_epochs: int,
-               collect_s: float, step_s: float, planned: bool = False) -> dict[str, float]:
+def timing_row(
+    timer: PhaseTimer,
+    *,
+    model,
+    groups: Sequence[Group],
+    batch: dict[str, Tensor] | None,
+    frozen_passes: int,
+    ppo_epochs: int,
+    collect_s: float,
+    step_s: float,
+    planned: bool = False,
+) -> dict[str, float]:
     """The timing, throughput and FLOP columns (`TIMING_COLUMNS`) of one RL step.
 
     Args:
@@ -102,8 +115,10 @@ def timing_row(timer: PhaseTimer, *, model, groups: Sequence[Group],
         ValueError: for a negative count or time.
     """
     if min(frozen_passes, ppo_epochs, collect_s, step_s) < 0:
-        raise ValueError(f"frozen_passes={frozen_passes!r}, ppo_epochs={ppo_epochs!r}, "
-                         f"collect_s={collect_s!r}, step_s={step_s!r}; all must be >= 0")
+        raise ValueError(
+            f"frozen_passes={frozen_passes!r}, ppo_epochs={ppo_epochs!r}, "
+            f"collect_s={collect_s!r}, step_s={step_s!r}; all must be >= 0"
+        )
     devices = dist.get_world_size() if planned and dist.is_initialized() else 1
     generation = timer.seconds.get("rollout")
     if generation is None:  # generation was not timed apart (given groups)
@@ -115,15 +130,22 @@ def timing_row(timer: PhaseTimer, *, model, groups: Sequence[Group],
     context = sum(len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g)
     real = int(batch["attention_mask_BT"].sum()) if batch is not None else 0
     trained = int(batch["response_mask_BT"].sum()) if batch is not None else 0
-    flops = (model_flops(n, context, kind="forward")
-             + model_flops(n, real * frozen_passes, kind="forward")
-             + model_flops(n, real * ppo_epochs, kind="train"))
+    flops = (
+        model_flops(n, context, kind="forward")
+        + model_flops(n, real * frozen_passes, kind="forward")
+        + model_flops(n, real * ppo_epochs, kind="train")
+    )
     device = next(model.parameters()).device
-    sampled_tokens = sum(sum(t.completion_mask) if t.completion_mask is not None
-                         else len(t.completion_ids) for g in groups for t in g)
+    sampled_tokens = sum(
+        sum(t.completion_mask) if t.completion_mask is not None else len(t.completion_ids)
+        for g in groups
+        for t in g
+    )
     per_s = (lambda x: x / step_s) if step_s > 0 else (lambda x: float("nan"))
-    row.update(tokens_per_s=per_s(sampled_tokens), trained_tokens_per_s=per_s(trained),
-               flops_per_s=per_s(flops),
-               mfu=mfu(flops, step_s, peak_flops_per_s=matmul_peak_flops(device),
-                       devices=devices))
+    row.update(
+        tokens_per_s=per_s(sampled_tokens),
+        trained_tokens_per_s=per_s(trained),
+        flops_per_s=per_s(flops),
+        mfu=mfu(flops, step_s, peak_flops_per_s=matmul_peak_flops(device), devices=devices),
+    )
     return row

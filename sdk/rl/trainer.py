@@ -115,7 +115,6 @@ from posttrain.train.runtime import PlanRuntime, Runtime
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
 
-
 class RLTrainer(RLUpdateEngine):
     """Runs RL steps on built parts (policy, optimizer, task, algorithm), on the training engine
     (`posttrain.train.engine.Engine`: fit, checkpoints, resume, preemption, Ctrl-C, rank 0
@@ -171,30 +170,54 @@ class RLTrainer(RLUpdateEngine):
 
     progress_desc = "rl"
 
-    def __init__(self, policy: Policy, optimizer: torch.optim.Optimizer, *, task: EnvDataset,
-                 algo: RLAlgorithm, prompts_per_step: int, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 1.0,
-                 value_head: ValueHead | None = None, micro_batch_size: int | None = None,
-                 lr_scheduler: Any = None, max_grad_norm: float | None = 1.0,
-                 run_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-                 keep_last: int | None = 2, progress: bool = True, seed: int = 0,
-                 verifier_timeout_s: float | None = None,
-                 callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False, runtime: Runtime | None = None,
-                 plan: ParallelPlan | None = None,
-                 rollout_quantization: str | None = None, share_prefix: bool = True) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        optimizer: torch.optim.Optimizer,
+        *,
+        task: EnvDataset,
+        algo: RLAlgorithm,
+        prompts_per_step: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        value_head: ValueHead | None = None,
+        micro_batch_size: int | None = None,
+        lr_scheduler: Any = None,
+        max_grad_norm: float | None = 1.0,
+        run_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 0,
+        keep_last: int | None = 2,
+        progress: bool = True,
+        seed: int = 0,
+        verifier_timeout_s: float | None = None,
+        callbacks: Sequence[Callable[[RLTrainer, dict], None]] = (),
+        resume: bool | str | os.PathLike = False,
+        runtime: Runtime | None = None,
+        plan: ParallelPlan | None = None,
+        rollout_quantization: str | None = None,
+        share_prefix: bool = True,
+    ) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
         check_rollout_quantization(rollout_quantization, top_p=top_p)
-        runtime = resolve_runtime(policy.model, runtime=runtime, plan=plan, replicas=False,
-                                  argument="policy.model")
-        self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
-                           max_grad_norm=max_grad_norm, run_dir=run_dir,
-                           checkpoint_every=checkpoint_every, keep_last=keep_last,
-                           progress=progress, callbacks=callbacks, resume=resume,
-                           runtime=runtime)
+        runtime = resolve_runtime(
+            policy.model, runtime=runtime, plan=plan, replicas=False, argument="policy.model"
+        )
+        self._setup_engine(
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            max_grad_norm=max_grad_norm,
+            run_dir=run_dir,
+            checkpoint_every=checkpoint_every,
+            keep_last=keep_last,
+            progress=progress,
+            callbacks=callbacks,
+            resume=resume,
+            runtime=runtime,
+        )
         if algo.use_value_head and value_head is None:
             value_head = ValueHead(policy.spec.embed_dim)
         if value_head is not None and not algo.use_value_head:
@@ -212,8 +235,12 @@ class RLTrainer(RLUpdateEngine):
         with_reference = algo.kl_coef > 0 and not has_adapters(policy.model)
         if isinstance(runtime, PlanRuntime):  # a plain copy samples; the reference is split too
             self.rollout_policy, self.reference = plan_rollout_parts(
-                runtime, policy, value_head=value_head, prompts_per_step=prompts_per_step,
-                with_reference=with_reference)
+                runtime,
+                policy,
+                value_head=value_head,
+                prompts_per_step=prompts_per_step,
+                with_reference=with_reference,
+            )
             self.sampler_policy = self.rollout_policy
         elif with_reference:
             self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
@@ -247,7 +274,8 @@ class RLTrainer(RLUpdateEngine):
         self._refresh_rollout_policy()
         if self.rollout_quantization is not None:
             self.sampler_policy, self.rollout_report = quantized_sampler(
-                self.rollout_policy, self.rollout_quantization)
+                self.rollout_policy, self.rollout_quantization
+            )
         return self.sampler_policy
 
     # ------------------------------------------------------------------ the step
@@ -261,8 +289,11 @@ class RLTrainer(RLUpdateEngine):
         try:  # nothing of the step is applied yet: an interrupt or error here rolls it back
             if algo.filter_groups:  # DAPO dynamic sampling: batches step*M .. step*M + M-1
                 builders, groups, sampled = collect_filtered(
-                    self._collect, lambda i: self.task.builders(self.step_count * M + i, P),
-                    target=P, max_batches=M)
+                    self._collect,
+                    lambda i: self.task.builders(self.step_count * M + i, P),
+                    target=P,
+                    max_batches=M,
+                )
             else:
                 builders = self.task.builders(self.step_count, P)
                 groups = sampled = self._collect(builders)
@@ -270,8 +301,13 @@ class RLTrainer(RLUpdateEngine):
             restore_rng_state(rng_state)
             self._rolled_back = True
             raise
-        return self.train_on_groups(groups, builders=builders, start=start,
-                                    rollout_s=time.perf_counter() - start, sampled=sampled)
+        return self.train_on_groups(
+            groups,
+            builders=builders,
+            start=start,
+            rollout_s=time.perf_counter() - start,
+            sampled=sampled,
+        )
 
     def _collect(self, builders: Sequence, gen_batch: int = 0) -> list[Group]:
         """The step's rollout groups (of its `gen_batch`-th batch under dynamic sampling): this
@@ -281,18 +317,28 @@ class RLTrainer(RLUpdateEngine):
         rank, ranks = self.data_rank_and_size
         mine = data_shares(len(builders), ranks)[rank]
         sampler, timer = self._sampler(), self.__dict__.get("_timer")  # (a step's timer)
-        local = collect_groups(sampler if timer is None else TimedGeneration(sampler, timer),
-                               builders[mine.start:mine.stop],
-                               seed=rollout_seed(step_seed, rank, ranks),
-                               group_size=self.algo.group_size,
-                               max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                               top_p=self.top_p, policy_version=self.step_count,
-                               verifier_timeout_s=self.verifier_timeout_s)
+        local = collect_groups(
+            sampler if timer is None else TimedGeneration(sampler, timer),
+            builders[mine.start : mine.stop],
+            seed=rollout_seed(step_seed, rank, ranks),
+            group_size=self.algo.group_size,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            policy_version=self.step_count,
+            verifier_timeout_s=self.verifier_timeout_s,
+        )
         return gather_groups(local, offset=mine.start, runtime=self.runtime)
 
-    def train_on_groups(self, groups: Sequence[Group], *, builders: Sequence | None = None,
-                        start: float | None = None, rollout_s: float = 0.0,
-                        sampled: Sequence[Group] | None = None) -> dict[str, float]:
+    def train_on_groups(
+        self,
+        groups: Sequence[Group],
+        *,
+        builders: Sequence | None = None,
+        start: float | None = None,
+        rollout_s: float = 0.0,
+        sampled: Sequence[Group] | None = None,
+    ) -> dict[str, float]:
         """The training half of a step on given rollout groups (what `step` does after
         sampling): exclusion of failed groups, advantages, buffer, update, scheduler, metrics,
         callbacks, checkpoint. `posttrain.notebook.replay.replay_step` feeds saved rollouts here to
@@ -305,13 +351,19 @@ class RLTrainer(RLUpdateEngine):
         cannot be half applied), then raised as KeyboardInterrupt. Under a plan every rank
         passes the same (global) groups; each data rank trains its share of them."""
         with sigint_held() as interrupt:
-            row = self._train_on_groups(groups, builders, start, rollout_s,
-                                        groups if sampled is None else sampled)
+            row = self._train_on_groups(
+                groups, builders, start, rollout_s, groups if sampled is None else sampled
+            )
         return self._complete_step(row, interrupted=interrupt.received)
 
-    def _train_on_groups(self, groups: Sequence[Group], builders: Sequence | None,
-                         start: float | None, rollout_s: float,
-                         sampled: Sequence[Group]) -> dict[str, float]:
+    def _train_on_groups(
+        self,
+        groups: Sequence[Group],
+        builders: Sequence | None,
+        start: float | None,
+        rollout_s: float,
+        sampled: Sequence[Group],
+    ) -> dict[str, float]:
         algo = self.algo
         start = time.perf_counter() if start is None else start
         timer = self.__dict__.pop("_timer", None) or new_step_timer(self.policy.model)
@@ -319,8 +371,10 @@ class RLTrainer(RLUpdateEngine):
         kept, counts = split_groups(groups)
         row: dict[str, Any] = {**rollout_metrics(sampled), **counts, "groups_kept": len(kept)}
         if algo.filter_groups:
-            row.update(groups_filtered=len(sampled) - len(groups),
-                       gen_batches=-(-len(sampled) // self.prompts_per_step))
+            row.update(
+                groups_filtered=len(sampled) - len(groups),
+                gen_batches=-(-len(sampled) // self.prompts_per_step),
+            )
         update: dict[str, float] = {}
         batch, frozen = None, {}
         if kept:
@@ -330,10 +384,15 @@ class RLTrainer(RLUpdateEngine):
             batch.update(frozen)
             sampler_metrics = decouple_sampler(batch, algo)  # {} when the sampler is the policy
             adv_BT, ret_BT = compute_advantages(
-                algo.advantage_estimator, response_mask_BT=batch["response_mask_BT"],
-                scores_B=batch["scores_B"], group_ids=batch["group_ids_B"],
-                values_BT=batch.get("old_values_BT"), gamma=algo.gamma, lam=algo.lam,
-                norm_adv_by_std_in_grpo=algo.norm_adv_by_std)
+                algo.advantage_estimator,
+                response_mask_BT=batch["response_mask_BT"],
+                scores_B=batch["scores_B"],
+                group_ids=batch["group_ids_B"],
+                values_BT=batch.get("old_values_BT"),
+                gamma=algo.gamma,
+                lam=algo.lam,
+                norm_adv_by_std_in_grpo=algo.norm_adv_by_std,
+            )
             batch.update(advantages_BT=adv_BT, returns_BT=ret_BT)
             mask_BT = batch["response_mask_BT"]
             self.buffer.add(kept, advantages=sequence_advantages(adv_BT, mask_BT))
@@ -346,10 +405,19 @@ class RLTrainer(RLUpdateEngine):
         self.buffer.set_policy_version(self.step_count)
         elapsed = time.perf_counter() - start
         row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed)
-        row.update(timing_row(timer, model=self.policy.model, groups=sampled, batch=batch,
-                              frozen_passes=len(frozen), ppo_epochs=algo.ppo_epochs,
-                              collect_s=rollout_s, step_s=elapsed,
-                              planned=self.runtime.plan is not None))
+        row.update(
+            timing_row(
+                timer,
+                model=self.policy.model,
+                groups=sampled,
+                batch=batch,
+                frozen_passes=len(frozen),
+                ppo_epochs=algo.ppo_epochs,
+                collect_s=rollout_s,
+                step_s=elapsed,
+                planned=self.runtime.plan is not None,
+            )
+        )
         return row
 
     # ------------------------------------------------------------------ engine hooks
@@ -359,8 +427,11 @@ class RLTrainer(RLUpdateEngine):
     def _checkpoint_module(self) -> nn.ModuleDict:
         """Policy, value head and reference in one container (a sharded checkpoint's names:
         policy.*, value_head.*, reference.*; each only when there is one)."""
-        parts = {"policy": self.policy.model, "value_head": self.value_head,
-                 "reference": self.reference}
+        parts = {
+            "policy": self.policy.model,
+            "value_head": self.value_head,
+            "reference": self.reference,
+        }
         return nn.ModuleDict({name: m for name, m in parts.items() if m is not None})
 
     def _model_state(self) -> dict[str, Any]:
@@ -378,8 +449,12 @@ class RLTrainer(RLUpdateEngine):
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         saved = state["buffer"]  # an asynchronous run's has its staleness bound
-        self.buffer = ReplayBuffer(mode=saved["mode"], capacity=saved["capacity"],
-                                   max_staleness=saved["max_staleness"], seed=self.seed)
+        self.buffer = ReplayBuffer(
+            mode=saved["mode"],
+            capacity=saved["capacity"],
+            max_staleness=saved["max_staleness"],
+            seed=self.seed,
+        )
         self.buffer.load_state_dict(saved)
         self.resumed_ahead = state.get("ahead")
 

@@ -63,7 +63,7 @@ class RLUpdateEngine(Engine):
         for _epoch in range(self.algo.ppo_epochs):
             order = torch.randperm(B, generator=generator)
             for first in range(0, B, size):
-                rows = order[first:first + size]
+                rows = order[first : first + size]
                 metrics = self._optimizer_step({k: v[rows] for k, v in batch.items()})
                 if n == 0:
                     sums["first_ratio_mean"] = metrics["ratio_mean"]
@@ -73,22 +73,35 @@ class RLUpdateEngine(Engine):
                 n += 1
         return {k: (v if k.startswith("first_") else v / n) for k, v in sums.items()}
 
-    def _micro_batch_loss(self, model: nn.Module, m: dict[str, Tensor], units: Tensor,
-                          value_head: ValueHead | None
-                          ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor | None]:
+    def _micro_batch_loss(
+        self, model: nn.Module, m: dict[str, Tensor], units: Tensor, value_head: ValueHead | None
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor | None]:
         """(loss share, metrics, logprobs_BT, values_BT) of micro-batch `m`: the policy loss plus
         `value_coef` x the value loss with a value head, normalised by the minibatch's `units`."""
         algo = self.algo
-        logprobs_BT, values_BT, entropy_BT = self._forward(model, m, value_head=value_head,
-                                                           entropy=True)
+        logprobs_BT, values_BT, entropy_BT = self._forward(
+            model, m, value_head=value_head, entropy=True
+        )
         loss, metrics = policy_loss(
-            logprobs_BT, m["old_logprobs_BT"], m["advantages_BT"], m["response_mask_BT"],
-            algo=algo, ref_logprobs_BT=m.get("ref_logprobs_BT"), entropy_BT=entropy_BT,
-            num_units_in_step=units, rollout_is_weights_BT=m.get("rollout_is_weights_BT"))
+            logprobs_BT,
+            m["old_logprobs_BT"],
+            m["advantages_BT"],
+            m["response_mask_BT"],
+            algo=algo,
+            ref_logprobs_BT=m.get("ref_logprobs_BT"),
+            entropy_BT=entropy_BT,
+            num_units_in_step=units,
+            rollout_is_weights_BT=m.get("rollout_is_weights_BT"),
+        )
         if values_BT is not None:
-            v_loss, v_metrics = value_loss(values_BT, m["old_values_BT"], m["returns_BT"],
-                                           m["response_mask_BT"], algo=algo,
-                                           num_units_in_step=units)
+            v_loss, v_metrics = value_loss(
+                values_BT,
+                m["old_values_BT"],
+                m["returns_BT"],
+                m["response_mask_BT"],
+                algo=algo,
+                num_units_in_step=units,
+            )
             loss = loss + algo.value_coef * v_loss
             metrics.update(v_metrics)
         return loss, metrics, logprobs_BT, values_BT
@@ -110,14 +123,18 @@ class RLUpdateEngine(Engine):
         rounds = -(-largest // micro)
         totals: dict[str, Tensor] = {}
         for i in range(rounds):
-            rows = mine[i * micro:(i + 1) * micro]
-            m = ({k: v[rows.start:rows.stop] for k, v in mb.items()} if len(rows)
-                 else padding_rows(mb))
+            rows = mine[i * micro : (i + 1) * micro]
+            m = (
+                {k: v[rows.start : rows.stop] for k, v in mb.items()}
+                if len(rows)
+                else padding_rows(mb)
+            )
             self._set_gradient_sync(i == rounds - 1)
             loss, metrics, logprobs_BT, values_BT = self._micro_batch_loss(model, m, units, head)
             if not len(rows):  # padding: the same graph and collectives, no contribution
-                loss = logprobs_BT.sum() * 0.0 + (0.0 if values_BT is None
-                                                  else values_BT.sum() * 0.0)
+                loss = logprobs_BT.sum() * 0.0 + (
+                    0.0 if values_BT is None else values_BT.sum() * 0.0
+                )
                 metrics = {k: torch.zeros_like(v) for k, v in metrics.items()}
             loss.backward()
             accumulate_metrics(totals, metrics, m["response_mask_BT"].sum() / units_tokens)
@@ -130,14 +147,27 @@ class RLUpdateEngine(Engine):
         totals["grad_norm"] = grad_norm
         return {k: float(v) for k, v in totals.items()}
 
-    def _forward(self, model: nn.Module, m: dict[str, Tensor], *, value_head: ValueHead | None,
-                 entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def _forward(
+        self,
+        model: nn.Module,
+        m: dict[str, Tensor],
+        *,
+        value_head: ValueHead | None,
+        entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """`posttrain.rl.scoring.score_rows` of micro-batch `m` under the sampling distribution
         (the trainer's temperature and top-p); the entropy is differentiable only when
         algo.entropy_coef > 0."""
-        return score_rows(model, m, value_head=value_head, temperature=self.temperature,
-                          top_p=self.top_p, share_prefix=self.share_prefix, entropy=entropy,
-                          entropy_grad=self.algo.entropy_coef > 0)
+        return score_rows(
+            model,
+            m,
+            value_head=value_head,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            share_prefix=self.share_prefix,
+            entropy=entropy,
+            entropy_grad=self.algo.entropy_coef > 0,
+        )
 
     @torch.no_grad()
     def _frozen_forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -146,14 +176,20 @@ class RLUpdateEngine(Engine):
         rank, ranks = self.data_rank_and_size
         shares = data_shares(batch["scores_B"].shape[0], ranks)
         mine = shares[rank]
-        rows = ({k: v[mine.start:mine.stop] for k, v in batch.items()} if len(mine)
-                else padding_rows(batch))
+        rows = (
+            {k: v[mine.start : mine.stop] for k, v in batch.items()}
+            if len(mine)
+            else padding_rows(batch)
+        )
         out = self._frozen_outputs(rows)
         return self.runtime.gather_rows(out, [len(s) for s in shares]) if out else out
 
     def _frozen_outputs(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        score = lambda model: self._forward(model, batch, value_head=None)[0]  # noqa: E731
+
+        def score(model: nn.Module) -> Tensor:  # the batch's log-probs under `model`
+            return self._forward(model, batch, value_head=None)[0]
+
         if self.reference is not None:
             out["ref_logprobs_BT"] = score(self.reference)
         elif self.algo.kl_coef > 0:  # a LoRA policy: the reference is its base

@@ -21,16 +21,42 @@ from torch import Tensor
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 
-__all__ = ["LOSS_AGG_MODES", "KL_ESTIMATORS", "ROLLOUT_CORRECTIONS", "FIXED_AGG_MODE",
-           "advantage_estimators", "policy_losses", "is_group_estimator",
-           "register_advantage_estimator", "register_policy_loss", "verl_algo_config"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "KL_ESTIMATORS",
+    "ROLLOUT_CORRECTIONS",
+    "FIXED_AGG_MODE",
+    "advantage_estimators",
+    "policy_losses",
+    "is_group_estimator",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "verl_algo_config",
+]
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 """Aggregation modes of verl's `agg_loss` (verl 0.9.1 lists them only inside ActorConfig)."""
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "k1+", "k3+", "kl+",
-                 "low_var_kl+", "abs+")
+KL_ESTIMATORS = (
+    "k1",
+    "k2",
+    "k3",
+    "kl",
+    "mse",
+    "low_var_kl",
+    "abs",
+    "k1+",
+    "k3+",
+    "kl+",
+    "low_var_kl+",
+    "abs+",
+)
 """Names verl's `kl_penalty` accepts (verl has no registry for them). k1 = kl, k2 = mse,
 k3 = low_var_kl; a `+` suffix keeps the forward value and takes the gradient of k2."""
 
@@ -44,23 +70,41 @@ _VERL_ROLLOUT_IS = {"token_tis": "token", "sequence_tis": "sequence"}  # "none":
 
 # Inputs posttrain can give an advantage estimator; an estimator needing anything else (remax's
 # reward_baselines, optimal_token_baseline's sum_pi_squared) is not offered.
-_ADV_INPUTS = frozenset({"token_level_rewards", "response_mask", "index", "values", "gamma",
-                         "lam", "config", "epsilon", "norm_adv_by_std_in_grpo"})
+_ADV_INPUTS = frozenset(
+    {
+        "token_level_rewards",
+        "response_mask",
+        "index",
+        "values",
+        "gamma",
+        "lam",
+        "config",
+        "epsilon",
+        "norm_adv_by_std_in_grpo",
+    }
+)
 
 # Losses that ignore `loss_agg_mode`: the mode they use instead (verl 0.9.1 source).
 FIXED_AGG_MODE = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 
 def _required_params(fn: Callable) -> set[str]:
-    return {name for name, p in inspect.signature(fn).parameters.items()
-            if p.default is inspect.Parameter.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
 
 
 def advantage_estimators() -> tuple[str, ...]:
     """Names of verl's registered advantage estimators that posttrain can call (sorted)."""
-    return tuple(sorted(name for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items()
-                        if _required_params(fn) <= _ADV_INPUTS))
+    return tuple(
+        sorted(
+            name
+            for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items()
+            if _required_params(fn) <= _ADV_INPUTS
+        )
+    )
 
 
 def policy_losses() -> tuple[str, ...]:
@@ -79,8 +123,9 @@ def is_group_estimator(name: str) -> bool:
 
 def _estimator_fn(name: str) -> Callable:
     if name not in advantage_estimators():
-        raise ValueError(f"unknown advantage_estimator {name!r}; valid: "
-                         f"{', '.join(advantage_estimators())}")
+        raise ValueError(
+            f"unknown advantage_estimator {name!r}; valid: {', '.join(advantage_estimators())}"
+        )
     return core_algos.get_adv_estimator_fn(name)
 
 
@@ -95,8 +140,7 @@ def register_advantage_estimator(name: str) -> Callable[[Callable], Callable]:
         ValueError: if `name` is already registered.
     """
     if name in core_algos.ADV_ESTIMATOR_REGISTRY:
-        raise ValueError(f"advantage estimator {name!r} is already registered; choose another "
-                         "name")
+        raise ValueError(f"advantage estimator {name!r} is already registered; choose another name")
     return core_algos.register_adv_est(name)
 
 
