@@ -101,8 +101,10 @@ def reduce_metrics(totals: dict[str, Tensor], group: ProcessGroup | None) -> dic
 def sum_grads_over_group(module: nn.Module, group: ProcessGroup | None) -> None:
     """SUM the gradients of a replicated (plain) module over the ranks of `group` (the default
     group for None), in place; a parameter without a gradient on this rank counts as zero."""
-    params = list(module.parameters())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat_collective([p.grad for p in params], lambda flat: dist.all_reduce(flat, group=group))
+    grads = []
+    for p in module.parameters():
+        grad = p.grad
+        if grad is None:
+            grad = p.grad = torch.zeros_like(p)
+        grads.append(grad)
+    flat_collective(grads, lambda flat: dist.all_reduce(flat, group=group))

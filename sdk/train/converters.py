@@ -139,11 +139,11 @@ def convert_model(model: nn.Module, configs: Sequence[Any], *,
     if names:
         from posttrain.train.sharding import parallelized
 
-        done = parallelized(model)
-        if done is not None:
-            raise ValueError(f"this model already has a ParallelPlan applied ({done}); apply "
-                             "converters first (convert_model before plan.parallelize), then "
-                             "the plan")
+        plan_applied = parallelized(model)
+        if plan_applied is not None:
+            raise ValueError(f"this model already has a ParallelPlan applied ({plan_applied}); "
+                             "apply converters first (convert_model before plan.parallelize), "
+                             "then the plan")
     reports = []
     for config in sorted(configs, key=lambda c: CONVERTER_ORDER.index(c.converter)):
         remember_parameters(model, f"convert_model applied {config.converter!r} (which "

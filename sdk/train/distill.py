@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -317,6 +317,15 @@ def on_policy_batch(student: Policy, batch: Batch, *, temperature: float = 0.9,
     return collate_padded(samples, student.tokenizer.pad_id)
 
 
+class _Sampling(TypedDict):
+    """The student's sampling settings of `OnPolicyData` (keywords of `on_policy_batch`)."""
+
+    temperature: float
+    max_new_tokens: int
+    top_p: float
+    top_k: int | None
+
+
 class OnPolicyData:
     """A loader whose batches, with probability `lmbda` each, carry the student's own
     completions instead of the given ones (GKD's student-data fraction; TRL `lmbda`).
@@ -361,7 +370,7 @@ class OnPolicyData:
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         _check_sampling_args(temperature, top_k, top_p)  # refused now, not at the first coin
         self.data, self.student, self.lmbda = data, student, lmbda
-        self.sampling = {"temperature": temperature, "max_new_tokens": max_new_tokens,
+        self.sampling: _Sampling = {"temperature": temperature, "max_new_tokens": max_new_tokens,
                          "top_p": top_p, "top_k": top_k}
         self.batches = self.on_policy_batches = 0
 

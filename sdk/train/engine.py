@@ -140,6 +140,8 @@ class Engine(abc.ABC):
         """
         check_optimizer(self.optimizer, self._checkpoint_module())
         if resume is True:
+            if self.run_dir is None:  # refused by _setup_engine already
+                raise ValueError("resume=True needs a run_dir")
             if latest_checkpoint(self.run_dir) is not None:
                 self.resume(self.run_dir)
             else:

@@ -25,18 +25,23 @@ micro-batch): it is not invariant to how a batch is split over ranks.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from posttrain.models.moe import MoEFeedForward
 
 __all__ = ["apply_expert_parallel", "expert_parameters", "sync_expert_grads"]
 
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _moe_layers(model: nn.Module) -> list[nn.Module]:
+def _moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     from posttrain.models.moe import moe_layers
 
     return moe_layers(model)
@@ -47,7 +52,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [getattr(m, name) for m in _moe_layers(model) for name in _EXPERT_WEIGHTS]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Split the experts of every MoE layer of `model` over mesh["ep"], in place.
 
     Raises:
@@ -70,15 +75,16 @@ def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
             piece = full.detach()[start:start + local].clone()
             sharded = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        moe._ep = (ep_mesh.get_group(), ep, range(start, start + local))
-        moe.experts_forward = functools.partial(_dispatch, moe)
+        # the hook MoEFeedForward.experts_forward documents: this instance's dispatch
+        moe.experts_forward = functools.partial(  # type: ignore[method-assign]  # the ep hook
+            _dispatch, moe, ep_mesh.get_group(), ep, range(start, start + local))
 
 
-def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor) -> Tensor:
+def _dispatch(moe: MoEFeedForward, group: dist.ProcessGroup, ep: int, local: range,
+              rows_AD: Tensor, counts_E: Tensor) -> Tensor:
     """`MoEFeedForward.experts_forward` under ep: send rows (grouped by global expert) to the
-    ranks holding their experts, run them there, and bring the outputs back in the same
-    order."""
-    group, ep, local = moe._ep
+    ranks holding their experts (`local`: this rank's experts, of `ep` ranks in `group`), run
+    them there, and bring the outputs back in the same order."""
     send_counts = counts_E.view(ep, len(local))                        # [dest, local expert]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)      # [source, local expert]
@@ -96,7 +102,8 @@ def _dispatch(moe: nn.Module, rows_AD: Tensor, counts_E: Tensor) -> Tensor:
     return _exchange(out, recv_splits, send_splits, group)
 
 
-def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> Tensor:
+def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int],
+              group: dist.ProcessGroup) -> Tensor:
     """Autograd-aware all_to_all_single of `rows` [sum(send_splits), D] with uneven splits."""
     from torch.distributed.nn.functional import all_to_all_single
 
@@ -104,12 +111,15 @@ def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], grou
     return all_to_all_single(out, rows, recv_splits, send_splits, group=group)
 
 
-def sync_expert_grads(model: nn.Module, group: Any) -> None:
+def sync_expert_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """SUM the expert weights' gradients over `group` (the ranks holding the same experts: the
     other data-parallel and sp ranks); no-op without a group."""
     if group is None:
         return
+    from torch.distributed.tensor import DTensor
+
     from posttrain.core.distributed import flat_collective
 
-    grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]
+    grads = [g.to_local() if isinstance(g, DTensor) else g
+             for p in expert_parameters(model) if (g := p.grad) is not None]
     flat_collective(grads, lambda flat: dist.all_reduce(flat, group=group))

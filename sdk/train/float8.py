@@ -48,11 +48,16 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from posttrain.models.conversion import ConversionReport
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+    from posttrain.models.specs import ModelSpec
 
 __all__ = ["FLOAT8_RECIPES", "Float8Config", "float8_module_filter", "apply_float8"]
 
@@ -114,7 +119,7 @@ class Float8Config:
         flag set); False for rowwise, which torchao cannot gather in float8."""
         return self.recipe == "tensorwise" and self.fsdp_float8_all_gather
 
-    def torchao_config(self) -> Any:
+    def torchao_config(self) -> Float8LinearConfig:
         """The `torchao.float8.Float8LinearConfig` of this recipe (`from_recipe_name`), with
         `enable_fsdp_float8_all_gather` set as `float8_all_gather` says."""
         import dataclasses
@@ -218,8 +223,8 @@ def float8_module_filter(model: nn.Module, config: Float8Config
     return convert, skipped
 
 
-def apply_float8(model: nn.Module, config: Float8Config, *, spec: Any = None
-                 ) -> ConversionReport:
+def apply_float8(model: nn.Module, config: Float8Config, *,
+                 spec: ModelSpec | str | None = None) -> ConversionReport:
     """Convert the linears `float8_module_filter` selects to torchao `Float8Linear`, in place.
 
     Uses `torchao.float8.convert_to_float8_training(model, config=config.torchao_config(),
@@ -260,9 +265,9 @@ def apply_float8(model: nn.Module, config: Float8Config, *, spec: Any = None
         raise TypeError("model is a single nn.Linear; apply_float8 converts the linears inside "
                         "a model (torchao would return a new module instead of converting in "
                         "place)")
-    done = parallelized(model) if isinstance(model, nn.Module) else None
-    if done is not None:
-        raise ValueError(f"this model already has a ParallelPlan applied ({done}); apply "
+    applied = parallelized(model) if isinstance(model, nn.Module) else None
+    if applied is not None:
+        raise ValueError(f"this model already has a ParallelPlan applied ({applied}); apply "
                          "float8 first, then the ParallelPlan (which replaces the parameters "
                          "by DTensors), then build the optimizer")
     if isinstance(spec, str):

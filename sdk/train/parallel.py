@@ -45,12 +45,18 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from posttrain.core.checks import check_fields
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from posttrain.models.specs import ModelSpec
+    from posttrain.train.runtime import PlanRuntime
 
 __all__ = ["ParallelPlan", "MESH_DIMS", "AXES"]
 
@@ -169,7 +175,8 @@ class ParallelPlan:
         return f"ParallelPlan({', '.join(axes) or 'one rank'})"
 
     # ------------------------------------------------------------------ validation
-    def validate(self, *, world_size: int | None = None, spec: Any = None) -> None:
+    def validate(self, *, world_size: int | None = None,
+                 spec: ModelSpec | str | None = None) -> None:
         """Check the plan against a world size and a model spec before any process starts.
 
         Args:
@@ -236,7 +243,7 @@ class ParallelPlan:
                              "has no load-balancing term; allowed pp for MoE models: 1")
 
     # ------------------------------------------------------------------ building
-    def build_mesh(self, device_type: str = "cpu"):
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The job's `DeviceMesh` with dimensions `MESH_DIMS` (needs an initialised default
         process group of `world_size` ranks).
 
@@ -255,7 +262,8 @@ class ParallelPlan:
         sizes = tuple(getattr(self, name) for name in MESH_DIMS)
         return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
-    def parallelize(self, model: nn.Module, *, spec: Any = None, mesh: Any = None):
+    def parallelize(self, model: nn.Module, *, spec: ModelSpec | str | None = None,
+                    mesh: DeviceMesh | None = None) -> PlanRuntime:
         """Split `model` over the ranks in place and return its `PlanRuntime`
         (`posttrain.train.sharding.parallelize`), which the trainers take as `runtime=`.
 
@@ -267,7 +275,8 @@ class ParallelPlan:
 
         return parallelize(self, model, spec=spec, mesh=mesh)
 
-    def apply(self, model: nn.Module, *, spec: Any = None, mesh: Any = None) -> nn.Module:
+    def apply(self, model: nn.Module, *, spec: ModelSpec | str | None = None,
+              mesh: DeviceMesh | None = None) -> nn.Module:
         """Deprecated (one release): `runtime = plan.parallelize(model, spec=spec)` and pass
         `runtime=runtime` to the trainer. Splits `model` in place and returns it; its runtime is
         recorded for `plan_state(model)` and for trainers given the model (and `plan=`) only

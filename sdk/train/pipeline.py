@@ -19,11 +19,23 @@ own stage and schedule, built on first use (torch's stages infer shapes once).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torchtune.modules import TransformerDecoder
+
+    from posttrain.data.loader import Batch
+    from posttrain.train.losses import TrainingLoss
+    from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["split_into_stage", "PipelineRunner", "stage_layers", "is_stage"]
 
@@ -36,7 +48,7 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def split_into_stage(model: nn.Module, mesh: Any) -> dict[str, Any]:
+def split_into_stage(model: TransformerDecoder, mesh: DeviceMesh) -> dict[str, Any]:
     """Keep only this rank's pipeline stage of `model` (in place); returns facts the runner and
     the gradient sync need: {"stage", "pp", "group", "tied", "first", "last", "dim", "vocab",
     "dtype"}."""
@@ -72,7 +84,7 @@ def is_stage(model: nn.Module) -> bool:
 class _StageForward:
     """The forward of one stage: tokens or activations in, activations or logits out."""
 
-    def __init__(self, model: nn.Module, first: bool, last: bool) -> None:
+    def __init__(self, model: TransformerDecoder, first: bool, last: bool) -> None:
         self.model, self.first, self.last = model, first, last
 
     def __call__(self, x: Tensor, mask: Tensor | None = None,
@@ -83,17 +95,20 @@ class _StageForward:
         return self.model.unembed(h) if self.last else h
 
 
-def tied_group(mesh: Any) -> Any:
+def tied_group(mesh: DeviceMesh) -> ProcessGroup:
     """The 2-rank group of the first and last pipeline stage with the same other coordinates
     (collective: every rank creates every group)."""
-    names = list(mesh.mesh_dim_names)
+    names = mesh.mesh_dim_names
+    if names is None or "pp" not in names:
+        raise ValueError(f"tied_group needs a mesh with a 'pp' dimension; its dimensions are "
+                         f"{names}")
     ranks = mesh.mesh.movedim(names.index("pp"), -1)
     pairs = ranks[..., [0, -1]].reshape(-1, 2).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(pairs)
     return mine
 
 
-def sync_tied_grads(model: nn.Module, group: Any) -> None:
+def sync_tied_grads(model: nn.Module, group: ProcessGroup) -> None:
     """SUM the embedding-matrix gradient of the first and the last stage (tied embeddings)."""
     from torch.distributed.tensor import DTensor
 
@@ -113,49 +128,50 @@ class PipelineRunner:
         plan: the ParallelPlan (pp_schedule, microbatches).
     """
 
-    def __init__(self, model: nn.Module, info: dict[str, Any], plan: Any) -> None:
+    def __init__(self, model: nn.Module, info: dict[str, Any], plan: ParallelPlan) -> None:
         self.model, self.info, self.plan = model, info, plan
-        self._schedules: dict[tuple[int, ...], Any] = {}
+        self._schedules: dict[tuple[int, ...], PipelineScheduleSingle] = {}
         self._num_units: Tensor | None = None
         self._ignore_index = -100
 
     def _loss(self, logits_BTV: Tensor, labels_BT: Tensor) -> Tensor:
         from posttrain.train.losses import normalize_by_step, token_cross_entropy_sum
 
+        # the schedule calls this only inside `step`, which sets the step's token count first
+        assert self._num_units is not None, "PipelineRunner._loss runs only inside step()"
         loss_sum, _ = token_cross_entropy_sum(logits_BTV, labels_BT,
                                               ignore_index=self._ignore_index)
         return normalize_by_step(loss_sum, self._num_units.to(loss_sum.device))
 
-    def _schedule(self, shape: tuple[int, int], device: torch.device) -> Any:
+    def _schedule(self, shape: tuple[int, ...], device: torch.device) -> PipelineScheduleSingle:
         """The schedule for trainer micro-batches of `shape` (rows, length), built on first use
         with static shapes: torch's runtime shape inference would run a forward (and FSDP2's
         all-gathers) on some data-parallel ranks and not on others, whose batches have other
         shapes, and leave their collectives unmatched."""
         if shape not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
             rows, length = shape[0] // self.plan.microbatches, shape[1]
             dim, vocab = self.info["dim"], self.info["vocab"]
             dtype = self.plan.torch_dtypes()[0] or self.info["dtype"]
-            meta = dict(device="meta")
-            activations = dict(dtype=dtype, requires_grad=True, **meta)  # gradients flow back
-            inputs = (torch.empty(rows, length, dtype=torch.long, **meta) if self.info["first"]
-                      else torch.empty(rows, length, dim, **activations))
-            outputs = (torch.empty(rows, length, vocab, dtype=torch.float32, **meta)
-                       if self.info["last"] else torch.empty(rows, length, dim, **activations))
-            stage = PipelineStage(self.model, self.info["stage"], self.info["pp"], device,
-                                  input_args=inputs, output_args=outputs, group=self.info["group"])
-            # A new schedule's first step ends its setup with this cleanup, which also clears
-            # the gradients of FSDP2 modules (stale ones of a shape-inference pass). With static
-            # shapes there is no such pass, and clearing would drop the gradients of the step's
-            # earlier micro-batches: keep them.
-            stage._post_metadata_inference_cleanup = lambda: None
+            meta = torch.device("meta")
+
+            def activations() -> Tensor:  # gradients flow back
+                return torch.empty(rows, length, dim, dtype=dtype, device=meta, requires_grad=True)
+
+            inputs = (torch.empty(rows, length, dtype=torch.long, device=meta)
+                      if self.info["first"] else activations())
+            outputs = (torch.empty(rows, length, vocab, dtype=torch.float32, device=meta)
+                       if self.info["last"] else activations())
+            stage = _static_shape_stage()(self.model, self.info["stage"], self.info["pp"], device,
+                                          input_args=inputs, output_args=outputs,
+                                          group=self.info["group"])
             kind = ScheduleGPipe if self.plan.pp_schedule == "gpipe" else Schedule1F1B
             self._schedules[shape] = kind(stage, n_microbatches=self.plan.microbatches,
                                           loss_fn=self._loss, scale_grads=False)
         return self._schedules[shape]
 
-    def step(self, loss: Any, batch: Any, num_units: Tensor) -> Tensor:
+    def step(self, loss: TrainingLoss, batch: Batch, num_units: Tensor) -> Tensor:
         """Forward and backward of one trainer micro-batch through the pipeline; returns its loss
         share (the same on every stage: summed from the last stage over the pipeline group).
 
@@ -172,7 +188,8 @@ class PipelineRunner:
         device = next(self.model.parameters()).device
         n = self.plan.microbatches
         tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
-        kwargs = {"input_pos": batch.position_ids.to(device)}
+        # the stage forward's keyword tensors (Any: schedule.step has keywords of its own)
+        kwargs: dict[str, Any] = {"input_pos": batch.position_ids.to(device)}
         if batch.attention_mask is not None:
             kwargs["mask"] = batch.attention_mask.to(device)
         rows = -tokens.shape[0] % n  # untrained padding rows: every micro-batch gets rows
@@ -191,7 +208,24 @@ class PipelineRunner:
             schedule.step(target=labels, losses=losses, **kwargs)
         else:
             schedule.step(**kwargs)
-        share = (torch.stack([loss.detach() for loss in losses]).sum() if losses
+        share = (torch.stack([part.detach() for part in losses]).sum() if losses
                  else torch.zeros((), device=device))
         dist.all_reduce(share, group=self.info["group"])
         return share
+
+
+@functools.cache
+def _static_shape_stage() -> type[PipelineStage]:
+    """torch's `PipelineStage` without the cleanup that ends a new schedule's first step.
+
+    That cleanup also clears the gradients of FSDP2 modules (stale ones of a shape-inference
+    pass). With static shapes there is no such pass, and clearing would drop the gradients of
+    the step's earlier micro-batches: keep them. (Built on first use: importing
+    torch.distributed.pipelining takes about a second.)"""
+    from torch.distributed.pipelining import PipelineStage
+
+    class StaticShapeStage(PipelineStage):
+        def _post_metadata_inference_cleanup(self) -> None:
+            """Nothing to clean up: no shape-inference pass ran."""
+
+    return StaticShapeStage

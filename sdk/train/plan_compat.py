@@ -125,13 +125,15 @@ def check_plan(model: nn.Module, plan: ParallelPlan | None,
                runtime: Runtime | None = None) -> None:
     """Raise ValueError if `plan` (when given) is not the plan applied to `model` (by `runtime`,
     or by the deprecated `plan.apply`)."""
+    if plan is None:
+        return
     if runtime is None:
         runtime = _RUNTIMES.get(model)
-    if plan is not None and (runtime is None or runtime.plan is None):
+    if runtime is None or runtime.plan is None:
         raise ValueError(f"{plan} was not applied to the model: call runtime = "
                          "plan.parallelize(model, spec=spec) first, then build the optimizer "
                          "over runtime.model.parameters() and pass runtime=runtime")
-    if plan is not None and runtime.plan != plan:
+    if runtime.plan != plan:
         raise ValueError(f"the model was split by {runtime.plan}, not by the given {plan}")
 
 

@@ -84,6 +84,11 @@ if TYPE_CHECKING:
 __all__ = ["Runtime", "LocalRuntime", "PlanRuntime"]
 
 
+def _grads(params: Sequence[nn.Parameter]) -> list[Tensor]:
+    """The gradients of `params` (the trainer passes parameters that have one)."""
+    return [g for p in params if (g := p.grad) is not None]
+
+
 class Runtime(abc.ABC):
     """What a trainer asks of how its model is split (see the module docstring).
 
@@ -104,7 +109,11 @@ class Runtime(abc.ABC):
     spec: ModelSpec | None
     pipeline: PipelineRunner | None
     data_rank: int
-    data_size: int
+
+    @property
+    @abc.abstractmethod
+    def data_size(self) -> int:
+        """The number of ranks that see different data."""
 
     # ------------------------------------------------------------------ data ranks
     @property
@@ -216,14 +225,10 @@ class LocalRuntime(Runtime):
     def __init__(self, model: nn.Module, *, replicas: bool = True) -> None:
         rank, world = rank_and_world_size()
         self.model = model
-        self._rank, self._size = (rank, world) if replicas else (0, 1)
+        self.data_rank, self._size = (rank, world) if replicas else (0, 1)
 
     @property
-    def data_rank(self) -> int:  # type: ignore[override]
-        return self._rank
-
-    @property
-    def data_size(self) -> int:  # type: ignore[override]
+    def data_size(self) -> int:
         return self._size
 
     def sum_over_data_ranks(self, value: Tensor) -> Tensor:
@@ -254,14 +259,14 @@ class LocalRuntime(Runtime):
 
     def sync_gradients(self, params: Sequence[nn.Parameter]) -> None:
         if self._size > 1:
-            flat_collective([p.grad for p in params if p.grad is not None], dist.all_reduce)
+            flat_collective(_grads(params), dist.all_reduce)
 
     def sum_module_grads(self, module: nn.Module) -> None:
         if self._size > 1:
             sum_grads_over_group(module, None)
 
     def grad_norm(self, params: Sequence[nn.Parameter]) -> Tensor:
-        return torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        return torch.nn.utils.get_total_norm(_grads(params), norm_type=2.0)
 
     def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float,
                     total_norm: Tensor) -> None:
@@ -293,7 +298,7 @@ class LocalRuntime(Runtime):
         optimizer.load_state_dict(ckpt["train_state"]["optimizer"])
 
     def __repr__(self) -> str:
-        return f"LocalRuntime(data_rank={self._rank}, data_size={self._size})"
+        return f"LocalRuntime(data_rank={self.data_rank}, data_size={self._size})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -333,7 +338,7 @@ class PlanRuntime(Runtime):
     spec: ModelSpec | None = None
 
     @property
-    def data_size(self) -> int:  # type: ignore[override]
+    def data_size(self) -> int:
         return self.plan.data_parallel_size
 
     @property
@@ -362,6 +367,9 @@ class PlanRuntime(Runtime):
 
     def set_gradient_sync(self, enabled: bool) -> None:
         if self.fsdp:
+            from torch.distributed.fsdp import FSDPModule
+
+            assert isinstance(self.model, FSDPModule), "fsdp: parallelize applied fully_shard"
             self.model.set_requires_gradient_sync(enabled)
 
     def forward_backward(self, loss: TrainingLoss, batch: Any, num_units: Tensor) -> Tensor:
@@ -380,20 +388,25 @@ class PlanRuntime(Runtime):
             sum_grads_over_group(module, self.data_group)
 
     def grad_norm(self, params: Sequence[nn.Parameter]) -> Tensor:
-        return total_grad_norm([p.grad for p in params], self)
+        return total_grad_norm(_grads(params), self)
 
     def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float,
                     total_norm: Tensor) -> None:
-        clip_grads_with_norm_([p.grad for p in params], max_norm, total_norm)
+        clip_grads_with_norm_(_grads(params), max_norm, total_norm)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Gathered with `get_model_state_dict(full_state_dict=True)`; under pp the stages'
         names are merged (every rank gets all of them)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                         cpu_offload=False))
-        state = {k: v.detach().cpu() for k, v in state.items()}
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                        cpu_offload=False))
+        state: dict[str, Tensor] = {}
+        for k, v in full.items():
+            if not isinstance(v, Tensor):
+                raise TypeError(f"full_state_dict: the model's state {k!r} is a "
+                                f"{type(v).__name__}, not a tensor")
+            state[k] = v.detach().cpu()
         if self.pp_group is not None:  # each stage holds some of the names: merge them
             stages: list[Any] = [None] * dist.get_world_size(self.pp_group)
             dist.all_gather_object(stages, state, group=self.pp_group)

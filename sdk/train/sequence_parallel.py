@@ -25,11 +25,17 @@ chunked loss would be the next step at large vocabularies).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchtune.modules import TransformerDecoder
 
 __all__ = ["apply_ulysses"]
 
@@ -37,10 +43,11 @@ __all__ = ["apply_ulysses"]
 class _UlyssesAttention:
     """Wraps a torchtune attention call (q, k, v [B, H, S_local, D]) with the two all-to-alls."""
 
-    def __init__(self, inner: Any, group: Any) -> None:
+    def __init__(self, inner: Callable[..., Tensor], group: ProcessGroup) -> None:
         self.inner, self.group = inner, group
 
-    def __call__(self, q, k, v, mask=None, dropout_p: float = 0.0, is_causal: bool = True):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = True) -> Tensor:
         from verl.utils.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
 
         q, k, v = (gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group)
@@ -59,7 +66,7 @@ def _pad_mask(mask: torch.Tensor, pad: int) -> torch.Tensor:
     return out
 
 
-def apply_ulysses(model: nn.Module, mesh: Any) -> None:
+def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
     """Make `model` (a torchtune decoder) sequence parallel over mesh["sp"], in place.
 
     After this the model is called as before (`model(tokens [B, T], mask=None | [B, T, T] bool,
@@ -75,7 +82,8 @@ def apply_ulysses(model: nn.Module, mesh: Any) -> None:
         layer.attn._attention_call = _UlyssesAttention(layer.attn._attention_call, group)
     pads: list[int] = []
 
-    def slice_inputs(module, args, kwargs):
+    def slice_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tokens = args[0] if args else kwargs.pop("tokens")
         b, t = tokens.shape
         pad = -t % size
@@ -97,7 +105,8 @@ def apply_ulysses(model: nn.Module, mesh: Any) -> None:
         kwargs = {**kwargs, "mask": mask, "input_pos": input_pos[:, piece]}
         return (tokens[:, piece], *args[1:]), kwargs
 
-    def gather_output(module, args, kwargs, output):
+    def gather_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Tensor) -> Tensor:
         from verl.utils.ulysses import gather_outputs_and_unpad
 
         pad = pads.pop()

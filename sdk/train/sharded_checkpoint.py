@@ -101,7 +101,8 @@ def load_sharded_state(folder: Path, *, model: nn.Module,
 
     check_dcp_metadata(Path(folder) / ".metadata")
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
+    # DCP loads into this dict in place (its nested values keep DCP's own types)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
@@ -121,7 +122,11 @@ def load_full_state(model_state: dict[str, Any], optimizer_state: dict[str, Any]
         ValueError: if the saved optimizer holds another number of parameter groups or
             parameters than `optimizer`, or a parameter of `optimizer` is not in `model`.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        OptimizerStateType,
+        StateDictOptions,
+        set_state_dict,
+    )
 
     flat = model_state
     children = dict(model.named_children())
@@ -141,9 +146,9 @@ def load_full_state(model_state: dict[str, Any], optimizer_state: dict[str, Any]
                 raise ValueError("the optimizer holds a parameter that is not in the model "
                                  "it is saved with")
             fqn[index] = _canonical(names[id(param)])
-    optim = {"state": {fqn[i]: s for i, s in optimizer_state["state"].items()},
-             "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]}
-                              for g in saved_groups]}
+    optim: OptimizerStateType = {
+        "state": {fqn[i]: s for i, s in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in saved_groups]}
     set_state_dict(model, optimizer, model_state_dict=flat, optim_state_dict=optim,
                    options=StateDictOptions(full_state_dict=True))
 

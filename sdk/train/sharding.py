@@ -57,6 +57,7 @@ from posttrain.train.runtime import PlanRuntime
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
+    from torchtune.modules import TransformerDecoder
 
     from posttrain.models.specs import ModelSpec
     from posttrain.train.parallel import ParallelPlan
@@ -95,7 +96,8 @@ def parallelized(model: nn.Module) -> str | None:
     return None
 
 
-def parallelize(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str | None = None,
+def parallelize(plan: ParallelPlan, model: TransformerDecoder, *,
+                spec: ModelSpec | str | None = None,
                 mesh: DeviceMesh | None = None) -> PlanRuntime:
     """Split `model` over this job's ranks according to `plan`, in place; returns the
     `PlanRuntime` the trainers take (`runtime.model is model`).
@@ -148,8 +150,8 @@ def parallelize(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str |
         pipeline_info = pipeline.split_into_stage(model, mesh)
         layers = _layers(model)
         if pipeline_info["tied"]:
-            group = pipeline.tied_group(mesh)
-            syncs.append(lambda: pipeline.sync_tied_grads(model, group))
+            tied_group = pipeline.tied_group(mesh)
+            syncs.append(lambda: pipeline.sync_tied_grads(model, tied_group))
     if plan.tp > 1:
         _apply_tp(model, mesh["tp"])
     if plan.sp > 1:
@@ -166,16 +168,16 @@ def parallelize(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str |
 
         apply_expert_parallel(model, mesh)
         ignored = set(expert_parameters(model))
-        group = _group_over(mesh, ("dp_replicate", "dp_shard", "sp"))
-        if group is not None:
-            syncs.append(lambda: sync_expert_grads(model, group))
+        expert_group = _group_over(mesh, ("dp_replicate", "dp_shard", "sp"))
+        if expert_group is not None:
+            syncs.append(lambda: sync_expert_grads(model, expert_group))
     if plan.activation_checkpointing:
         _apply_ac(model)
         layers = _layers(model)
     if plan.fsdp:
         _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
-    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+    coordinate = dict(zip(_dim_names(mesh), _coordinate(mesh)))
     data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
                  + coordinate["ep"])
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
@@ -225,8 +227,12 @@ def reshard_root_after_frozen_forward(root: nn.Module) -> None:
     gathered, and the trainers' check (`posttrain.train.optimizer_check`) reshards it and
     names the tensors of an optimizer built meanwhile.
     """
+    from torch.distributed.fsdp import FSDPModule
     from torch.utils._pytree import tree_leaves
 
+    if not isinstance(root, FSDPModule):
+        raise TypeError(f"reshard_root_after_frozen_forward needs an FSDP2 root (a module "
+                        f"fully_shard was applied to); got {type(root).__name__}")
     pending = {"backward": False}
 
     def started_backward(grad: torch.Tensor) -> None:
@@ -240,16 +246,33 @@ def reshard_root_after_frozen_forward(root: nn.Module) -> None:
             for t in needs_grad:
                 t.register_hook(started_backward)
         elif not pending["backward"]:
-            module.reshard()
+            root.reshard()  # `module` is `root`
 
     root.register_forward_hook(after_forward)  # after FSDP2's own post-forward hook
+
+
+def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of `mesh`'s dimensions (`MESH_DIMS` for `plan.build_mesh()`'s)."""
+    if mesh.mesh_dim_names is None:
+        raise ValueError("parallelize needs a mesh with named dimensions (plan.build_mesh() "
+                         "names them); this one has none")
+    return mesh.mesh_dim_names
+
+
+def _coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate in `mesh`."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh given to "
+                         f"parallelize ({mesh})")
+    return coordinate
 
 
 def _group_over(mesh: DeviceMesh, dims: tuple[str, ...]) -> ProcessGroup | None:
     """The process group of the ranks that differ only in `dims` of `mesh` (which need not be
     adjacent), or None when that group has one rank. Collective: every rank creates every
     group, in the same order."""
-    names = list(mesh.mesh_dim_names)
+    names = list(_dim_names(mesh))
     ranks = mesh.mesh.permute([i for i, n in enumerate(names) if n not in dims]
                               + [names.index(d) for d in dims])
     size = math.prod(mesh[d].size() for d in dims)
@@ -280,6 +303,7 @@ def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], m
         CPUOffloadPolicy,
         FSDPModule,
         MixedPrecisionPolicy,
+        OffloadPolicy,
         fully_shard,
     )
 
@@ -290,14 +314,12 @@ def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], m
     if plan.dp_replicate > 1:
         dp_mesh = mesh["dp_replicate", "fsdp"]
     param_dtype, reduce_dtype = plan.torch_dtypes()
-    options = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                                reduce_dtype=reduce_dtype),
-                   ignored_params=ignored or None)
-    if plan.cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # fully_shard's default offload policy is OffloadPolicy() (none)
+    offload_policy = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    for module in (*layers, model):  # every block, then the root
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                    ignored_params=ignored or None)
     reshard_root_after_frozen_forward(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -270,11 +270,12 @@ class Trainer(Engine):
             if num_units < 1:
                 raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
                                  "hold no trained token; check the loss masks of the data")
-            loss_sum = None
+            loss_sum: torch.Tensor | None = None
             for i, batch in enumerate(batches):
                 self._set_gradient_sync(i == len(batches) - 1)
                 share = self.runtime.forward_backward(self.loss, batch, units)  # or the pipeline
                 loss_sum = share.detach() if loss_sum is None else loss_sum + share.detach()
+            assert loss_sum is not None, "grad_accum_steps >= 1 micro-batches ran"
             # Data parallelism: the per-rank sums add up to the single-process step.
             self._sum_gradients_across_ranks()
             loss_sum = self._sum_across_ranks(loss_sum)
