@@ -30,9 +30,13 @@ one-process plan uses one core, 2-rank plans two, 4-rank plans oversubscribe two
 median of the steps after the first, wall and CPU (all ranks); the step-time plans share one
 global batch (8 rows x 256 tokens, 12M parameters).
 
+The report (the generated block of docs/benchmarks/parallel_memory.md and its figure) is written
+by `parallel_memory_report.py`.
+
 Usage:
-    python benchmarks/parallel_memory.py            # ~8 min; writes docs/benchmarks/parallel_memory.md
-                                                    # (its generated block) and the figure
+    python benchmarks/parallel_memory.py            # ~8 min; writes the generated block of
+                                                    # docs/benchmarks/parallel_memory.md and
+                                                    # the figure
     python benchmarks/parallel_memory.py --quick    # two tiny configurations, nothing written
     python benchmarks/parallel_memory.py --only 30m_dp4_T1024   # some configurations, nothing
                                                                 # written
@@ -47,7 +51,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -56,10 +59,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "benchmarks" / "parallel_memory.md"
-FIGURE = ROOT / "docs" / "benchmarks" / "figures" / "parallel_memory_vs_dp_shard.png"
-BEGIN, END = "<!-- parallel_memory:begin -->", "<!-- parallel_memory:end -->"
+from parallel_memory_report import DOC, FIGURE, ROOT, plot, report, write_doc
+
 MiB = 2**20
 
 
@@ -67,59 +68,113 @@ def model_specs():
     from posttrain.models import ModelSpec, get_preset
 
     def qwen(D, L, H, F):
-        return ModelSpec(family="qwen2", vocab_size=272, num_layers=L, num_heads=H, num_kv_heads=2,
-                         embed_dim=D, intermediate_dim=F, max_seq_len=1024, rope_base=1e6,
-                         norm_eps=1e-6, tie_word_embeddings=True)
+        return ModelSpec(
+            family="qwen2",
+            vocab_size=272,
+            num_layers=L,
+            num_heads=H,
+            num_kv_heads=2,
+            embed_dim=D,
+            intermediate_dim=F,
+            max_seq_len=1024,
+            rope_base=1e6,
+            norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
 
-    return {"1m": get_preset("tiny-1m").replace(max_seq_len=1024),
-            "12m": get_preset("tiny-10m"),
-            "30m": qwen(512, 8, 8, 2048),
-            "47m": qwen(640, 8, 10, 2560)}
+    return {
+        "1m": get_preset("tiny-1m").replace(max_seq_len=1024),
+        "12m": get_preset("tiny-10m"),
+        "30m": qwen(512, 8, 8, 2048),
+        "47m": qwen(640, 8, 10, 2560),
+    }
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
-    model: str                     # key of model_specs()
-    plan: dict = field(default_factory=dict)   # ParallelPlan keywords
-    batch: int = 4                 # rows per micro-batch on one data-parallel rank
+    model: str  # key of model_specs()
+    plan: dict = field(default_factory=dict)  # ParallelPlan keywords
+    batch: int = 4  # rows per micro-batch on one data-parallel rank
     seq_len: int = 256
     steps: int = 3
-    group: str = "validation"      # validation | dp_sweep | other_axes | step_time
-    malloc: str = "fixed"          # fixed (MALLOC_MMAP_THRESHOLD_=65536) | default
+    group: str = "validation"  # validation | dp_sweep | other_axes | step_time
+    malloc: str = "fixed"  # fixed (MALLOC_MMAP_THRESHOLD_=65536) | default
 
 
 CONFIGS = [
     Config(name="1m_1proc_T1024", model="1m", batch=8, seq_len=1024),
     Config(name="12m_1proc_T512", model="12m", batch=2, seq_len=512),
-    Config(name="12m_1proc_ac_T512", model="12m", plan={"activation_checkpointing": True},
-           batch=2, seq_len=512),
+    Config(
+        name="12m_1proc_ac_T512",
+        model="12m",
+        plan={"activation_checkpointing": True},
+        batch=2,
+        seq_len=512,
+    ),
     Config(name="12m_dp2_T256", model="12m", plan={"dp_shard": 2}, batch=4, seq_len=256),
     Config(name="30m_tp2_T512", model="30m", plan={"tp": 2}, batch=2, seq_len=512),
     Config(name="30m_dp4_T1024", model="30m", plan={"dp_shard": 4}, batch=1, seq_len=1024),
-    Config(name="47m_dp2_tp2_T128", model="47m", plan={"dp_shard": 2, "tp": 2}, batch=2,
-           seq_len=128),
+    Config(
+        name="47m_dp2_tp2_T128", model="47m", plan={"dp_shard": 2, "tp": 2}, batch=2, seq_len=128
+    ),
     # per-rank memory against dp_shard at a fixed per-rank micro-batch
-    *[Config(name=f"47m_dp{n}_T256", model="47m", plan={"dp_shard": n} if n > 1 else {},
-             batch=2, seq_len=256, group="dp_sweep") for n in (1, 2, 4)],
+    *[
+        Config(
+            name=f"47m_dp{n}_T256",
+            model="47m",
+            plan={"dp_shard": n} if n > 1 else {},
+            batch=2,
+            seq_len=256,
+            group="dp_sweep",
+        )
+        for n in (1, 2, 4)
+    ],
     # the other axes, as sharding.py / sequence_parallel.py / pipeline.py implement them
-    Config(name="12m_sp2_T512", model="12m", plan={"sp": 2}, batch=2, seq_len=512,
-           group="other_axes"),
-    Config(name="12m_pp2_1f1b_T512", model="12m", plan={"pp": 2}, batch=2, seq_len=512,
-           group="other_axes"),
-    Config(name="12m_pp2_gpipe_T512", model="12m", plan={"pp": 2, "n_microbatches": 2,
-                                                         "pp_schedule": "gpipe"},
-           batch=2, seq_len=512, group="other_axes"),
+    Config(
+        name="12m_sp2_T512", model="12m", plan={"sp": 2}, batch=2, seq_len=512, group="other_axes"
+    ),
+    Config(
+        name="12m_pp2_1f1b_T512",
+        model="12m",
+        plan={"pp": 2},
+        batch=2,
+        seq_len=512,
+        group="other_axes",
+    ),
+    Config(
+        name="12m_pp2_gpipe_T512",
+        model="12m",
+        plan={"pp": 2, "n_microbatches": 2, "pp_schedule": "gpipe"},
+        batch=2,
+        seq_len=512,
+        group="other_axes",
+    ),
     # step time per plan at one global batch (8 rows x 256 tokens), glibc's default malloc
-    *[Config(name=f"12m_{tag}_step", model="12m", plan=plan, batch=8 // dp, seq_len=256,
-             group="step_time", malloc="default")
-      for tag, plan, dp in (("1proc", {}, 1), ("dp2", {"dp_shard": 2}, 2), ("tp2", {"tp": 2}, 1),
-                            ("dp4", {"dp_shard": 4}, 4), ("dp2_tp2", {"dp_shard": 2, "tp": 2}, 2),
-                            ("hsdp2x2", {"dp_replicate": 2, "dp_shard": 2}, 4))],
+    *[
+        Config(
+            name=f"12m_{tag}_step",
+            model="12m",
+            plan=plan,
+            batch=8 // dp,
+            seq_len=256,
+            group="step_time",
+            malloc="default",
+        )
+        for tag, plan, dp in (
+            ("1proc", {}, 1),
+            ("dp2", {"dp_shard": 2}, 2),
+            ("tp2", {"tp": 2}, 1),
+            ("dp4", {"dp_shard": 4}, 4),
+            ("dp2_tp2", {"dp_shard": 2, "tp": 2}, 2),
+            ("hsdp2x2", {"dp_replicate": 2, "dp_shard": 2}, 4),
+        )
+    ],
 ]
-QUICK = [Config(name="1m_1proc_T128", model="1m", batch=4, seq_len=128, steps=2),
-         Config(name="1m_dp2_T128", model="1m", plan={"dp_shard": 2}, batch=4, seq_len=128,
-                steps=2)]
+QUICK = [
+    Config(name="1m_1proc_T128", model="1m", batch=4, seq_len=128, steps=2),
+    Config(name="1m_dp2_T128", model="1m", plan={"dp_shard": 2}, batch=4, seq_len=128, steps=2),
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,8 +213,9 @@ def _warm_up() -> None:
 
     from posttrain.models import build_model
 
-    spec = model_specs()["1m"].replace(num_layers=1, embed_dim=64, intermediate_dim=64,
-                                       num_heads=4, num_kv_heads=2)
+    spec = model_specs()["1m"].replace(
+        num_layers=1, embed_dim=64, intermediate_dim=64, num_heads=4, num_kv_heads=2
+    )
     model = build_model(spec, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (2, 16))
@@ -181,8 +237,9 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     # a one-rank plan with activation checkpointing is applied too (on a 1-rank gloo group)
     applied = world > 1 or plan.activation_checkpointing
     if applied:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        )
     global_batch = cfg.batch * plan.data_parallel_size
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 256, (global_batch * cfg.steps, cfg.seq_len), generator=g).tolist()
@@ -196,28 +253,54 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     model = build_model(spec, seed=0)
     runtime = plan.parallelize(model, spec=spec) if applied else None
     data_rank, data_size = (0, 1) if runtime is None else (runtime.data_rank, runtime.data_size)
-    loader = SFTLoader(samples, batch_size=global_batch, seed=0, pad_id=ByteTokenizer.PAD,
-                       rank=data_rank, world_size=data_size, shuffle=False)
+    loader = SFTLoader(
+        samples,
+        batch_size=global_batch,
+        seed=0,
+        pad_id=ByteTokenizer.PAD,
+        rank=data_rank,
+        world_size=data_size,
+        shuffle=False,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     grads: list[int] = []
-    opt.register_step_pre_hook(lambda o, args, kwargs: grads.append(
-        _local_bytes(p.grad for p in model.parameters() if p.grad is not None)))
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: grads.append(
+            _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        )
+    )
     build_peak = _status_bytes("VmHWM") - baseline
     clock: list[tuple[float, float]] = []  # (wall, this process's CPU time) after every step
+
     def tick(_trainer, _row) -> None:
         clock.append((time.perf_counter(), time.process_time()))
 
-    trainer = Trainer(model, opt, data=loader, max_grad_norm=1.0, progress=False,
-                      runtime=runtime, callbacks=[tick])
+    trainer = Trainer(
+        model,
+        opt,
+        data=loader,
+        max_grad_norm=1.0,
+        progress=False,
+        runtime=runtime,
+        callbacks=[tick],
+    )
     trainer.fit(cfg.steps)
     peak = _status_bytes("VmHWM") - baseline
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    result = {"rank": rank, "baseline": baseline, "peak": peak, "build_peak": build_peak,
-              "code_pages": _status_bytes("RssFile") - baseline_file,
-              "params": _local_bytes(model.parameters()), "optimizer": _local_bytes(states),
-              "grads": max(grads), "step_times": trainer.metrics["step_time_s"].tolist(),
-              "cpu_times": [b[1] - a[1] for a, b in zip(clock, clock[1:])],
-              "threads": torch.get_num_threads(), "loss": trainer.metrics["loss"].tolist()}
+    result = {
+        "rank": rank,
+        "baseline": baseline,
+        "peak": peak,
+        "build_peak": build_peak,
+        "code_pages": _status_bytes("RssFile") - baseline_file,
+        "params": _local_bytes(model.parameters()),
+        "optimizer": _local_bytes(states),
+        "grads": max(grads),
+        "step_times": trainer.metrics["step_time_s"].tolist(),
+        "cpu_times": [b[1] - a[1] for a, b in zip(clock, clock[1:])],
+        "threads": torch.get_num_threads(),
+        "loss": trainer.metrics["loss"].tolist(),
+    }
     if applied:
         dist.destroy_process_group()
     return result
@@ -239,8 +322,13 @@ def launch(cfg: Config, folder: Path, timeout: float = 300.0) -> list[dict]:
     from posttrain.train import ParallelPlan
 
     world = ParallelPlan(**cfg.plan).world_size
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if cfg.malloc == "fixed":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -248,32 +336,37 @@ def launch(cfg: Config, folder: Path, timeout: float = 300.0) -> list[dict]:
     outs = [folder / f"{cfg.name}-rank{r}.json" for r in range(world)]
     logs = [folder / f"{cfg.name}-rank{r}.log" for r in range(world)]
     with contextlib.ExitStack() as files:
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), spec,
-                                   str(outs[r])], env=env, cwd=ROOT, stderr=subprocess.STDOUT,
-                                  stdout=files.enter_context(open(logs[r], "w")))
-                 for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(r), str(world), spec, str(outs[r])],
+                env=env,
+                cwd=ROOT,
+                stderr=subprocess.STDOUT,
+                stdout=files.enter_context(open(logs[r], "w")),
+            )
+            for r in range(world)
+        ]
         deadline = time.monotonic() + timeout
         try:
-            while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-                   and not any(p.poll() not in (None, 0) for p in procs)):
+            while (
+                any(p.poll() is None for p in procs)
+                and time.monotonic() < deadline
+                and not any(p.poll() not in (None, 0) for p in procs)
+            ):
                 time.sleep(0.2)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
-    failed = [f"{log.name} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
-              for p, log in zip(procs, logs) if p.returncode != 0]
+    failed = [
+        f"{log.name} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
+        for p, log in zip(procs, logs)
+        if p.returncode != 0
+    ]
     if failed:
         raise RuntimeError(f"{cfg.name} failed:\n" + "\n".join(failed))
     return [json.loads(out.read_text()) for out in outs]
-
-
-COMPARED = [("config", "config", "s"), ("plan", "plan", "s"),
-            ("predicted_MiB", "predicted MiB", ".0f"), ("measured_MiB", "measured MiB", ".0f"),
-            ("ratio", "ratio", ".3f"), ("min_rank_MiB", "smallest rank MiB", ".0f"),
-            ("pred_static_MiB", "static pred.", ".1f"), ("meas_static_MiB", "static meas.", ".1f")]
-"""Columns of the predicted-vs-measured tables (the validation rows add theirs)."""
 
 
 def predict(cfg: Config):
@@ -281,9 +374,12 @@ def predict(cfg: Config):
     from posttrain.train.memory_plan import MemoryBatch, plan_memory
 
     spec = model_specs()[cfg.model]
-    return plan_memory(spec, ParallelPlan(**cfg.plan), MemoryBatch(micro_batch_size=cfg.batch,
-                                                                   seq_len=cfg.seq_len),
-                       device_type="cpu")
+    return plan_memory(
+        spec,
+        ParallelPlan(**cfg.plan),
+        MemoryBatch(micro_batch_size=cfg.batch, seq_len=cfg.seq_len),
+        device_type="cpu",
+    )
 
 
 def compare(cfg: Config, ranks: list[dict]) -> dict:
@@ -296,100 +392,35 @@ def compare(cfg: Config, ranks: list[dict]) -> dict:
     worst = max(ranks, key=lambda r: r["peak"])
     steps = [t for r in ranks for t in r["step_times"][1:]]
     cpu = [sum(step) for step in zip(*(r["cpu_times"] for r in ranks))]  # all ranks, per step
-    return {"config": cfg.name, "group": cfg.group, "plan": str(ParallelPlan(**cfg.plan)),
-            "ranks": len(ranks), "params_M": spec.num_parameters() / 1e6,
-            "B": cfg.batch, "T": cfg.seq_len,
-            "predicted_MiB": df.loc["peak", "bytes"] / MiB,
-            "measured_MiB": worst["peak"] / MiB,
-            "ratio": worst["peak"] / df.loc["peak", "bytes"],
-            "min_rank_MiB": min(r["peak"] for r in ranks) / MiB,
-            "moment": df.loc["peak", "note"].removeprefix("max over moments: "),
-            "pred_static_MiB": (df.loc["parameters", "bytes"] + df.loc["optimizer state", "bytes"])
-            / MiB,
-            "meas_static_MiB": max(r["params"] + r["optimizer"] for r in ranks) / MiB,
-            "pred_grads_MiB": df.loc["gradients", "bytes"] / MiB,
-            "meas_grads_MiB": max(r["grads"] for r in ranks) / MiB,
-            "build_MiB": max(r["build_peak"] for r in ranks) / MiB,
-            "overhead_MiB": (worst["peak"] - df.loc["peak", "bytes"]) / MiB,
-            "code_MiB": worst["code_pages"] / MiB,
-            "pred_build_MiB": df.loc["model build", "bytes"] / MiB,
-            "step_s": statistics.median(steps) if steps else float("nan"),
-            "cpu_s": statistics.median(cpu) if cpu else float("nan"),
-            "threads": worst["threads"],
-            "tokens_per_step": cfg.batch * ParallelPlan(**cfg.plan).data_parallel_size
-            * (cfg.seq_len - 1)}
-
-
-def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    head = "| " + " | ".join(title for _, title, _ in cols) + " |"
-    rule = "|" + "|".join("---" for _ in cols) + "|"
-    body = ["| " + " | ".join(format(r[key], fmt) for key, _, fmt in cols) + " |" for r in rows]
-    return "\n".join([head, rule, *body])
-
-
-def report(results: list[dict], elapsed: float, command: str, load: tuple[str, str]) -> str:
-    import torch
-
-    valid = [r for r in results if r["group"] in ("validation", "dp_sweep")]
-    worst = max(abs(r["ratio"] - 1) for r in valid)
-    lines = [BEGIN, "", f"Generated by `{command}` on {datetime.date.today()} in "
-             f"{elapsed / 60:.1f} min (load average {load[0]} at the start, {load[1]} at the "
-             f"end; the machine is shared): {platform.machine()}, {os.cpu_count()} cores "
-             f"({_cpu_name()}), torch {torch.__version__}, Python {platform.python_version()}, "
-             "gloo on 127.0.0.1, fp32, AdamW; 1 intra-op thread per rank; "
-             "MALLOC_MMAP_THRESHOLD_=65536 unless marked.", "",
-             "### Predicted and measured peak per rank", "",
-             f"All {len(valid)} rows within {worst:.0%} of the prediction "
-             f"({'all within 20%' if worst <= 0.2 else 'NOT all within 20%'}). measured = the "
-             "largest rank's peak RSS increase over its baseline; static = parameters + "
-             "optimizer state held by the rank (from the tensors); grads = the rank's "
-             "gradients at the optimizer step; code pages = that rank's RssFile increase "
-             "(shared-library code first run after the baseline: FSDP, gloo collectives, "
-             "pandas), part of the runtime memory no term holds.", "",
-             _table(valid, [*COMPARED[:2], ("params_M", "params (M)", ".1f"), ("B", "B/rank", "d"),
-                            ("T", "T", "d"), *COMPARED[2:],
-                            ("pred_grads_MiB", "grads pred.", ".1f"),
-                            ("meas_grads_MiB", "grads meas.", ".1f"),
-                            ("overhead_MiB", "measured - predicted MiB", ".1f"),
-                            ("code_MiB", "of it code pages MiB", ".1f"),
-                            ("moment", "peak moment", "s")]), ""]
-    sweep = [r for r in results if r["group"] == "dp_sweep"]
-    if sweep:
-        lines += ["### Per-rank memory against dp_shard (47M parameters, 2 x 256 tokens per rank)",
-                  "", _table(sweep, [("plan", "plan", "s"), ("meas_static_MiB",
-                                                              "params + optimizer MiB", ".1f"),
-                                     ("meas_grads_MiB", "grads MiB", ".1f"),
-                                     ("measured_MiB", "peak MiB", ".0f"),
-                                     ("predicted_MiB", "predicted MiB", ".0f")]), "",
-                  f"![per-rank memory vs dp_shard](figures/{FIGURE.name})", ""]
-    other = [r for r in results if r["group"] == "other_axes"]
-    if other:
-        lines += ["### Other axes (sp, pp; not part of the validation claim above)", "",
-                  _table(other, COMPARED), ""]
-    timing = [r for r in results if r["group"] == "step_time"]
-    if timing:
-        base = next((r["step_s"] for r in timing if r["ranks"] == 1), float("nan"))
-        for r in timing:
-            r["tok_s"] = r["tokens_per_step"] / r["step_s"]
-            r["speed"] = base / r["step_s"]
-        lines += ["### Step time per plan (12M parameters, global batch 8 x 256, median of steps "
-                  "2-3)", "", "step s is wall time (it depends on the load of this shared "
-                  "machine, see the load averages above); CPU s is the CPU time of all ranks "
-                  "together per step (the work, including gloo's threads, less sensitive to "
-                  "the load).", "",
-                  _table(timing, [("plan", "plan", "s"), ("ranks", "ranks", "d"),
-                                  ("threads", "threads/rank", "d"),
-                                  ("step_s", "step s", ".2f"), ("cpu_s", "CPU s", ".2f"),
-                                  ("tok_s", "tokens/s", ".0f"), ("speed", "vs 1 process", ".2f"),
-                                  ("measured_MiB", "peak MiB/rank", ".0f")]), ""]
-    if timing:
-        lines += ["### glibc's default malloc (the step-time runs)", "",
-                  "The step-time runs keep glibc's default mmap threshold (it rises after each "
-                  "large free, up to 32 MiB, and freed heap memory stays resident):", "",
-                  _table(timing, [("plan", "plan", "s"), ("predicted_MiB", "predicted MiB", ".0f"),
-                                  ("measured_MiB", "measured MiB", ".0f"),
-                                  ("ratio", "measured / predicted", ".2f")]), ""]
-    return "\n".join(lines + [END])
+    return {
+        "config": cfg.name,
+        "group": cfg.group,
+        "plan": str(ParallelPlan(**cfg.plan)),
+        "ranks": len(ranks),
+        "params_M": spec.num_parameters() / 1e6,
+        "B": cfg.batch,
+        "T": cfg.seq_len,
+        "predicted_MiB": df.loc["peak", "bytes"] / MiB,
+        "measured_MiB": worst["peak"] / MiB,
+        "ratio": worst["peak"] / df.loc["peak", "bytes"],
+        "min_rank_MiB": min(r["peak"] for r in ranks) / MiB,
+        "moment": df.loc["peak", "note"].removeprefix("max over moments: "),
+        "pred_static_MiB": (df.loc["parameters", "bytes"] + df.loc["optimizer state", "bytes"])
+        / MiB,
+        "meas_static_MiB": max(r["params"] + r["optimizer"] for r in ranks) / MiB,
+        "pred_grads_MiB": df.loc["gradients", "bytes"] / MiB,
+        "meas_grads_MiB": max(r["grads"] for r in ranks) / MiB,
+        "build_MiB": max(r["build_peak"] for r in ranks) / MiB,
+        "overhead_MiB": (worst["peak"] - df.loc["peak", "bytes"]) / MiB,
+        "code_MiB": worst["code_pages"] / MiB,
+        "pred_build_MiB": df.loc["model build", "bytes"] / MiB,
+        "step_s": statistics.median(steps) if steps else float("nan"),
+        "cpu_s": statistics.median(cpu) if cpu else float("nan"),
+        "threads": worst["threads"],
+        "tokens_per_step": cfg.batch
+        * ParallelPlan(**cfg.plan).data_parallel_size
+        * (cfg.seq_len - 1),
+    }
 
 
 def _load() -> str:
@@ -397,68 +428,18 @@ def _load() -> str:
         return f.read().split()[0]
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def plot(results: list[dict], path: Path) -> None:
-    """Per-rank memory of the dp_shard sweep: the measured parameters + optimizer state and
-    gradients (from the tensors; the gradients exist only around the update, not at the peak),
-    their 1/dp_shard line, and the measured and predicted peak RSS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep = sorted((r for r in results if r["group"] == "dp_sweep"), key=lambda r: r["ranks"])
-    if not sweep:
-        return
-    n = [r["ranks"] for r in sweep]
-    static = [r["meas_static_MiB"] for r in sweep]
-    grads = [r["meas_grads_MiB"] for r in sweep]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    width = 0.26
-    xs = range(len(n))
-    ax.bar([x - width for x in xs], static, width, label="parameters + AdamW state")
-    ax.bar([x - width for x in xs], grads, width, bottom=static, label="gradients (at the update)")
-    ax.bar([x + width * 0.1 for x in xs], [r["measured_MiB"] for r in sweep], width,
-           color="tab:green", label="peak RSS increase (measured)")
-    ax.plot([x + width * 0.1 for x in xs], [r["predicted_MiB"] for r in sweep], "kD",
-            label="plan_memory peak")
-    ax.plot([x - width for x in xs], [(static[0] + grads[0]) / k for k in n], "k--", lw=1,
-            label="params + grads + optimizer at dp_shard=1, / dp_shard")
-    ax.set_xticks(list(xs), [f"dp_shard={k}" for k in n])
-    ax.set_ylabel("MiB per rank")
-    ax.set_title("47M qwen2, 2 x 256 tokens per rank, fp32 AdamW, CPU/gloo", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_doc(block: str, path: Path) -> None:
-    text = (path.read_text() if path.exists()
-            else f"# Parallel plans: memory and step time\n\n{BEGIN}\n{END}\n")
-    if BEGIN not in text or END not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(head + block + rest.split(END, 1)[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="two tiny configurations (~40 s); nothing written")
-    parser.add_argument("--only", nargs="+", default=None, help="configuration names to run "
-                        "(nothing written)")
+    parser.add_argument(
+        "--quick", action="store_true", help="two tiny configurations (~40 s); nothing written"
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="configuration names to run (nothing written)"
+    )
     parser.add_argument("--out", type=Path, default=DOC, help="the report to update")
-    parser.add_argument("--worker", nargs=4, metavar=("RANK", "WORLD", "CONFIG", "OUT"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("RANK", "WORLD", "CONFIG", "OUT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.worker:
         rank, world, spec, out = args.worker
@@ -478,9 +459,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             row = compare(cfg, launch(cfg, Path(tmp)))
             results.append(row)
-            print(f"{cfg.name:28s} {row['plan']:32s} predicted {row['predicted_MiB']:7.1f} MiB  "
-                  f"measured {row['measured_MiB']:7.1f} MiB  ratio {row['ratio']:.3f}  (terms: "
-                  f"the report)  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"{cfg.name:28s} {row['plan']:32s} predicted {row['predicted_MiB']:7.1f} MiB  "
+                f"measured {row['measured_MiB']:7.1f} MiB  ratio {row['ratio']:.3f}  (terms: "
+                f"the report)  ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
     elapsed = time.perf_counter() - start
     command = "python benchmarks/parallel_memory.py" + (" --quick" if args.quick else "")
     block = report(results, elapsed, command, (load0, _load()))
