@@ -27,8 +27,9 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: tuple[str, ...] = field(default=("What is 2 + 3?", "Say hello.", "1, 2, 3,"))
-    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(
-        temperature=0.8, max_new_tokens=24))
+    sampling: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(temperature=0.8, max_new_tokens=24)
+    )
     seed: int = 0
     out_dir: str = "runs/demo"
 
@@ -38,38 +39,57 @@ class Config:
     def check(self, at: str) -> None:
         seeds(self, at, ("seed",))
         folder_path(self, at, "out_dir", "where the policy is saved")
-        if (isinstance(self.prompts, str) or not isinstance(self.prompts, (list, tuple))
-                or not self.prompts or not all(isinstance(p, str) and p for p in self.prompts)):
+        if (
+            isinstance(self.prompts, str)
+            or not isinstance(self.prompts, (list, tuple))
+            or not self.prompts
+            or not all(isinstance(p, str) and p for p in self.prompts)
+        ):
             raise fail(f"{at}.prompts", self.prompts, "a non-empty list of non-empty strings")
         check_seq_len(self, at)
         limit = self.model.max_seq_len()
         longest = max(len(self.model.tokenizer().encode(p, add_bos=True)) for p in self.prompts)
         if limit is not None and longest + self.sampling.max_new_tokens > limit:
-            raise fail(f"{at}.sampling.max_new_tokens", self.sampling.max_new_tokens,
-                       f"at most {limit - longest}: the longest prompt has {longest} tokens and "
-                       f"the model holds {limit}")
+            raise fail(
+                f"{at}.sampling.max_new_tokens",
+                self.sampling.max_new_tokens,
+                f"at most {limit - longest}: the longest prompt has {longest} tokens and "
+                f"the model holds {limit}",
+            )
 
 
 def main(cfg: Config) -> pd.DataFrame:
     """Generate, save, reload, generate again; returns the table of sampled completions."""
     torch.manual_seed(cfg.seed)
-    policy = (Policy.from_pretrained(cfg.model.init_from) if cfg.model.init_from
-              else Policy.from_spec(cfg.model.name, seed=cfg.seed))
+    policy = (
+        Policy.from_pretrained(cfg.model.init_from)
+        if cfg.model.init_from
+        else Policy.from_spec(cfg.model.name, seed=cfg.seed)
+    )
     print(policy)
     prompts, s = list(cfg.prompts), cfg.sampling
-    sampled = policy.generate(prompts, n=2, max_new_tokens=s.max_new_tokens,
-                              temperature=s.temperature, top_p=s.top_p, seed=cfg.seed)
+    sampled = policy.generate(
+        prompts,
+        n=2,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=cfg.seed,
+    )
     greedy = policy.generate(prompts, max_new_tokens=s.max_new_tokens, temperature=0.0)
-    table = pd.DataFrame({
-        "prompt": [prompts[c.prompt_index] for c in sampled],
-        "sample": [c.sample_index for c in sampled],
-        # an untrained model emits arbitrary bytes: show control characters as U+FFFD
-        "completion": ["".join(ch if ch.isprintable() else "\ufffd" for ch in c.text)
-                       for c in sampled],
-        "tokens": [len(c.token_ids) for c in sampled],
-        "mean_logprob": [float(torch.as_tensor(c.logprobs).mean()) for c in sampled],
-        "finish": [c.finish_reason for c in sampled],
-    })
+    table = pd.DataFrame(
+        {
+            "prompt": [prompts[c.prompt_index] for c in sampled],
+            "sample": [c.sample_index for c in sampled],
+            # an untrained model emits arbitrary bytes: show control characters as U+FFFD
+            "completion": [
+                "".join(ch if ch.isprintable() else "\ufffd" for ch in c.text) for c in sampled
+            ],
+            "tokens": [len(c.token_ids) for c in sampled],
+            "mean_logprob": [float(torch.as_tensor(c.logprobs).mean()) for c in sampled],
+            "finish": [c.finish_reason for c in sampled],
+        }
+    )
     with pd.option_context("display.max_colwidth", 40, "display.width", 160):
         print(table.to_string(index=False))
 

@@ -37,11 +37,25 @@ class Config(PreferenceRunConfig):
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
 # A 3-step SFT policy answers nothing right, so the task's answer joins the candidates.
 TINY: dict[str, Any] = {
-    "model.name": "tiny-1m", "model.init_from": None, "task.train_size": 64, "task.eval_size": 8,
-    "eval.max_new_tokens": 6, "eval.every": 1, "sft.steps": 3, "sft.batch_size": 8,
-    "pairs.num_prompts": 8, "pairs.samples_per_prompt": 2, "pairs.reference_answer": True,
-    "sampling.max_new_tokens": 4, "val_pairs": 2, "optim.batch_size": 4, "optim.steps": 2,
-    "optim.warmup_steps": 1, "checkpoint.every": 1, "progress": False}
+    "model.name": "tiny-1m",
+    "model.init_from": None,
+    "task.train_size": 64,
+    "task.eval_size": 8,
+    "eval.max_new_tokens": 6,
+    "eval.every": 1,
+    "sft.steps": 3,
+    "sft.batch_size": 8,
+    "pairs.num_prompts": 8,
+    "pairs.samples_per_prompt": 2,
+    "pairs.reference_answer": True,
+    "sampling.max_new_tokens": 4,
+    "val_pairs": 2,
+    "optim.batch_size": 4,
+    "optim.steps": 2,
+    "optim.warmup_steps": 1,
+    "checkpoint.every": 1,
+    "progress": False,
+}
 
 
 def main(cfg: Config) -> dict[str, Any] | None:

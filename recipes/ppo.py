@@ -24,13 +24,21 @@ __all__ = ["Config", "TINY", "main"]
 class Config(RLRunConfig):
     """`posttrain.workflows.RLRunConfig` with PPO's RL section and run folder."""
 
-    rl: RLConfig = field(default_factory=lambda: RLConfig(
-        algo="ppo", prompts_per_step=64, group_size=1, ppo_epochs=2, minibatch_size=32))
+    rl: RLConfig = field(
+        default_factory=lambda: RLConfig(
+            algo="ppo", prompts_per_step=64, group_size=1, ppo_epochs=2, minibatch_size=32
+        )
+    )
     out_dir: str = "runs/ppo"
 
 
-TINY: dict[str, Any] = {**RL_TINY, "rl.group_size": 1, "rl.prompts_per_step": 4,
-                        "rl.minibatch_size": 2, "rl.ppo_epochs": 2}
+TINY: dict[str, Any] = {
+    **RL_TINY,
+    "rl.group_size": 1,
+    "rl.prompts_per_step": 4,
+    "rl.minibatch_size": 2,
+    "rl.ppo_epochs": 2,
+}
 
 
 def main(cfg: Config) -> dict[str, Any]:

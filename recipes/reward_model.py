@@ -17,10 +17,10 @@ training and 138 held-out pairs. Held-out pairwise accuracy: 0.449 [0.369, 0.533
 0.809 [0.776, 0.838]: the reward model memorises (held-out BT loss 0.693 -> 0.885). Telling a
 right sum from a near miss ("4 - 1 =": "3" over "2") is the arithmetic itself, which 633 pairs
 do not teach a 1M-parameter model. Eight times the pairs do not change that: from the same SFT
-policy with pairs.num_prompts=8000, pairs.reference_answer=true and optim.steps=600 (6,193 pairs: 4,913
-training, 1,280 held out; wall 1783 s), held-out accuracy is 0.446 [0.419, 0.473] before and
-0.526 [0.498, 0.553] after (training pairs 0.597). The machinery learns what is learnable: on a
-separable synthetic preference a tiny RM passes 0.9 held-out within 15 steps
+policy with pairs.num_prompts=8000, pairs.reference_answer=true and optim.steps=600 (6,193
+pairs: 4,913 training, 1,280 held out; wall 1783 s), held-out accuracy is 0.446 [0.419, 0.473]
+before and 0.526 [0.498, 0.553] after (training pairs 0.597). The machinery learns what is
+learnable: on a separable synthetic preference a tiny RM passes 0.9 held-out within 15 steps
 (tests/test_reward_model.py).
 """
 
@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.workflows import BatchOptimConfig
-from posttrain.workflows.reward_model import (RewardModelRunConfig, run_reward_model,
-                                              split_by_question)
+from posttrain.workflows.reward_model import (
+    RewardModelRunConfig,
+    run_reward_model,
+    split_by_question,
+)
 
 __all__ = ["Config", "BatchOptimConfig", "TINY", "main", "split_by_question"]
 
@@ -45,11 +48,23 @@ class Config(RewardModelRunConfig):
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
 # The reference answer joins the candidates so that a 3-step SFT policy still yields pairs.
 TINY: dict[str, Any] = {
-    "model.name": "tiny-1m", "task.train_size": 64, "task.eval_size": 8, "sft.steps": 3,
-    "sft.batch_size": 8, "pairs.num_prompts": 24, "pairs.samples_per_prompt": 3,
-    "pairs.reference_answer": True, "eval.max_new_tokens": 4, "sampling.max_new_tokens": 4,
-    "optim.steps": 3, "optim.batch_size": 4, "optim.warmup_steps": 1, "eval.every": 2,
-    "checkpoint.every": 2, "progress": False}
+    "model.name": "tiny-1m",
+    "task.train_size": 64,
+    "task.eval_size": 8,
+    "sft.steps": 3,
+    "sft.batch_size": 8,
+    "pairs.num_prompts": 24,
+    "pairs.samples_per_prompt": 3,
+    "pairs.reference_answer": True,
+    "eval.max_new_tokens": 4,
+    "sampling.max_new_tokens": 4,
+    "optim.steps": 3,
+    "optim.batch_size": 4,
+    "optim.warmup_steps": 1,
+    "eval.every": 2,
+    "checkpoint.every": 2,
+    "progress": False,
+}
 
 
 def main(cfg: Config) -> dict[str, Any] | None:

@@ -30,8 +30,15 @@ __all__ = ["Config", "BatchOptimConfig", "TINY", "main"]
 
 # Overrides that make the recipe finish in seconds (the recipe test runs every preset with them).
 TINY: dict[str, Any] = {
-    "task.train_size": 64, "task.eval_size": 8, "optim.steps": 3, "optim.batch_size": 8,
-    "optim.warmup_steps": 1, "checkpoint.every": 2, "eval.max_new_tokens": 6, "progress": False}
+    "task.train_size": 64,
+    "task.eval_size": 8,
+    "optim.steps": 3,
+    "optim.batch_size": 8,
+    "optim.warmup_steps": 1,
+    "checkpoint.every": 2,
+    "eval.max_new_tokens": 6,
+    "progress": False,
+}
 
 
 def main(cfg: Config) -> dict[str, Any] | None:
