@@ -47,7 +47,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from posttrain.core.checkpoint_files import write_text_atomic
 
@@ -94,6 +94,24 @@ def write_stage_file(path: str | os.PathLike, text: str, *, rows: int | None = N
         write_text_atomic(path, text)
         records[path.name] = entry
         _write_records(path.parent, records)
+
+
+@overload
+def read_stage_file(
+    path: str | os.PathLike,
+    *,
+    count_rows: Callable[[bytes], int] | None = None,
+    required: Literal[True],
+) -> bytes: ...
+
+
+@overload
+def read_stage_file(
+    path: str | os.PathLike,
+    *,
+    count_rows: Callable[[bytes], int] | None = None,
+    required: bool = False,
+) -> bytes | None: ...
 
 
 def read_stage_file(

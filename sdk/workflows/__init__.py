@@ -6,13 +6,16 @@ each; the package exports the runs, their configs and the sections (`__all__`):
                      reward_model (RewardModelRunConfig, run_reward_model); what they share:
                      recipe_run (RecipeRun: a run's start and end), task_data (held-out items,
                      the checks that the data fits), pairs (rejection-sampled pairs)
-    config sections  config (ModelConfig, TaskConfig, OptimConfig, ...; validate, override,
-                     config_keys), parallel (the section is a ParallelPlan; plan_of),
-                     quantization (adapters, quantised training), field_checks
+    config sections  config (ModelConfig, TaskConfig, OptimConfig, ...), config_paths
+                     (validate, override, config_keys), parallel (the section is a
+                     ParallelPlan; plan_of), quantization (adapters, quantised training),
+                     field_checks
     run files        reports (start_run, write_results, tables, plots), run_state (finished,
                      running, failed, interrupted, dead), lineage (lineage.json, runs_table)
     running recipes  recipes (by name, presets, overrides), sweep (arms x seeds), arms
-    evaluation       evaluation (evaluate_suite: several sets, one table, regression_check)
+    evaluation       evaluation (evaluate_suite: several sets, one table, regression_check),
+                     eval_sets (the sets), suite_result (SuiteResult, regression_check),
+                     rl_evaluation (an RL run's held-out curve, sampled pass@k, baseline)
 
 The building blocks of a recipe of one's own are imported from their modules
 (`from posttrain.workflows.reports import write_results`). The names the package exported
@@ -29,14 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.core.lazy import lazy_exports
-# the runs and what they share
-from posttrain.workflows.sft import SFTConfig, run_sft, warm_start
-from posttrain.workflows.rl import RL_TINY, RLRunConfig, run_sft_then_rl
-from posttrain.workflows.preference import PreferenceRunConfig, run_preference
-from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
-from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.task_data import evaluate, held_out_items
-# config sections and the one validation path
+
+# the config sections and the one validation path, the runs and what they share, a run's state
 from posttrain.workflows.config import (
     BatchOptimConfig,
     CheckpointConfig,
@@ -50,46 +47,102 @@ from posttrain.workflows.config import (
     SamplingConfig,
     SFTWarmStartConfig,
     TaskConfig,
-    config_keys,
-    override,
-    validate,
 )
+from posttrain.workflows.config_paths import config_keys, override, validate
 from posttrain.workflows.parallel import ParallelPlan, plan_of
+from posttrain.workflows.preference import PreferenceRunConfig, run_preference
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     QuantizationConfig,
     RLQuantizationConfig,
 )
-# a run's state
+from posttrain.workflows.recipe_run import RecipeRun
+from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
+from posttrain.workflows.rl import RL_TINY, RLRunConfig, run_sft_then_rl
 from posttrain.workflows.run_state import RunState, recorded_run, run_state
+from posttrain.workflows.sft import SFTConfig, run_sft, warm_start
+from posttrain.workflows.task_data import evaluate, held_out_items
 
 __all__ = [
     # the runs
-    "SFTConfig", "run_sft", "warm_start", "RLRunConfig", "run_sft_then_rl", "RL_TINY",
-    "PreferenceRunConfig", "run_preference", "RewardModelRunConfig", "run_reward_model",
-    "RecipeRun", "held_out_items", "evaluate",
+    "SFTConfig",
+    "run_sft",
+    "warm_start",
+    "RLRunConfig",
+    "run_sft_then_rl",
+    "RL_TINY",
+    "PreferenceRunConfig",
+    "run_preference",
+    "RewardModelRunConfig",
+    "run_reward_model",
+    "RecipeRun",
+    "held_out_items",
+    "evaluate",
     # config sections
-    "ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
-    "EvalConfig", "RLEvalConfig", "CheckpointConfig", "SFTWarmStartConfig",
-    "MoreSFTBaselineConfig", "PairsConfig", "RLConfig", "AdaptersConfig", "QuantizationConfig",
-    "RLQuantizationConfig", "ParallelPlan", "plan_of", "config_keys", "override", "validate",
+    "ModelConfig",
+    "TaskConfig",
+    "OptimConfig",
+    "BatchOptimConfig",
+    "SamplingConfig",
+    "EvalConfig",
+    "RLEvalConfig",
+    "CheckpointConfig",
+    "SFTWarmStartConfig",
+    "MoreSFTBaselineConfig",
+    "PairsConfig",
+    "RLConfig",
+    "AdaptersConfig",
+    "QuantizationConfig",
+    "RLQuantizationConfig",
+    "ParallelPlan",
+    "plan_of",
+    "config_keys",
+    "override",
+    "validate",
     # a run's state
-    "RunState", "run_state", "recorded_run",
+    "RunState",
+    "run_state",
+    "recorded_run",
 ]
 
 FORMER_NAMES: dict[str, str] = {
     **dict.fromkeys(("ROOT", "SEED_MAX", "fail", "run_fields"), "config"),
     **dict.fromkeys(("check_parallel", "check_world_size", "model_spec"), "parallel"),
-    **dict.fromkeys(("RESUMABLE_KEYS", "RunInterrupted", "cached_pairs",
-                     "check_tokenizer_covers_task", "on_rank_zero", "read_table",
-                     "stop_if_interrupted", "write_table", "accuracy_of", "accuracy_table",
-                     "difference_line", "plot_curves", "start_run", "write_results"), "reports"),
+    **dict.fromkeys(
+        (
+            "RESUMABLE_KEYS",
+            "RunInterrupted",
+            "cached_pairs",
+            "check_tokenizer_covers_task",
+            "on_rank_zero",
+            "read_table",
+            "stop_if_interrupted",
+            "write_table",
+            "accuracy_of",
+            "accuracy_table",
+            "difference_line",
+            "plot_curves",
+            "start_run",
+            "write_results",
+        ),
+        "reports",
+    ),
     "run_status": "run_state",
     **dict.fromkeys(("MODES", "start_policy", "unsharded_policy"), "sft"),
     "check_seq_len": "task_data",
     "check_gym_task": "rl",
-    **dict.fromkeys(("ExactMatchSet", "HumanEvalSet", "JudgeWinRateSet", "RegressionError",
-                     "SuiteResult", "evaluate_suite", "regression_check"), "evaluation"),
+    **dict.fromkeys(
+        (
+            "ExactMatchSet",
+            "HumanEvalSet",
+            "JudgeWinRateSet",
+            "RegressionError",
+            "SuiteResult",
+            "evaluate_suite",
+            "regression_check",
+        ),
+        "evaluation",
+    ),
 }
 """Names `posttrain.workflows` exported before it was grouped by purpose -> the module that holds
 each now (`posttrain.workflows.<module>`); `from posttrain.workflows import NAME` still works."""

@@ -1,9 +1,8 @@
-"""The typed sections that every recipe `Config` nests (`cfg.optim.lr`, `cfg.task.options`), the
-one validation path that names a bad field by its dotted name, and `override`, which applies
-dotted keys (`{"optim.lr": 1e-4}`) or nested mappings (a YAML preset) to a nested config.
+"""The typed sections that every recipe `Config` nests (`cfg.optim.lr`, `cfg.task.options`).
 
 Sections do not validate themselves; the recipe `Config` that holds them does, in its
-`__post_init__` (`validate(self)`): it walks every section, calls each one's `check(at)` with
+`__post_init__` (`validate(self)`, `posttrain.workflows.config_paths`, importable from here too
+with `override` and `config_keys`): it walks every section, calls each one's `check(at)` with
 its dotted path, then its own `check` for what spans sections. So a bad value reads
 `Config.optim.lr=nan; must be a finite number > 0`, wherever it was set.
 
@@ -24,16 +23,12 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: Config.optim.lr=nan; must be a finite number > 0
-    >>> override(Config(), {"optim.lrr": 1.0})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown config key 'optim.lrr'; valid keys of optim: batch_size, ..., lr, ...
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,16 +36,43 @@ from typing import Any
 from posttrain.models.specs import PRESETS
 from posttrain.rl.config import RLAlgorithm
 from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
-from posttrain.workflows.field_checks import (SEED_MAX, choice, fail, finite, flags, folder_path,
-                                              ints, positive, run_fields, seeds)
+from posttrain.workflows.config_paths import ROOT, config_keys, override, validate
+from posttrain.workflows.field_checks import (
+    SEED_MAX,
+    choice,
+    fail,
+    finite,
+    flags,
+    folder_path,
+    ints,
+    positive,
+    run_fields,
+    seeds,
+)
 
-__all__ = ["ModelConfig", "TaskConfig", "OptimConfig", "BatchOptimConfig", "SamplingConfig",
-           "EvalConfig", "RLEvalConfig", "CheckpointConfig", "SFTWarmStartConfig", "PairsConfig", "RLConfig",
-           "ROOT", "SEED_MAX", "validate", "override", "config_keys", "fail", "run_fields",
-           "flags", "folder_path"]
+__all__ = [
+    "ModelConfig",
+    "TaskConfig",
+    "OptimConfig",
+    "BatchOptimConfig",
+    "SamplingConfig",
+    "EvalConfig",
+    "RLEvalConfig",
+    "CheckpointConfig",
+    "SFTWarmStartConfig",
+    "PairsConfig",
+    "RLConfig",
+    "ROOT",
+    "SEED_MAX",
+    "validate",
+    "override",
+    "config_keys",
+    "fail",
+    "run_fields",
+    "flags",
+    "folder_path",
+]
 
-ROOT = "Config"
-"""How messages name the recipe config that holds every section."""
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".txt")
 
 
@@ -65,23 +87,27 @@ TOKENIZER_FILES = ("posttrain_tokenizer.json", "tokenizer.json")
 class ModelConfig:
     """The starting policy: a preset (`posttrain.models.specs.PRESETS`) or a HF folder."""
 
-    name: str = "tiny-1m"              # a preset name ...
-    init_from: str | None = None       # ... or a HF folder to start from (then `name` is unused)
+    name: str = "tiny-1m"  # a preset name ...
+    init_from: str | None = None  # ... or a HF folder to start from (then `name` is unused)
 
     def check(self, at: str) -> None:
         if self.init_from is None:
             choice(f"{at}.name", self.name, sorted(PRESETS))
             return
-        folder_path(self, at, "init_from", "a policy: config.json, weights and a tokenizer; "
-                    "or None")
+        folder_path(
+            self, at, "init_from", "a policy: config.json, weights and a tokenizer; or None"
+        )
         folder = Path(self.init_from)
         missing = [f for f in POLICY_FILES if not (folder / f).is_file()]
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):
             missing.append(" or ".join(TOKENIZER_FILES))
         if not folder.is_dir() or missing:
             why = "no such folder" if not folder.is_dir() else f"it has no {', '.join(missing)}"
-            raise fail(f"{at}.init_from", self.init_from, f"None or a policy folder "
-                       f"(Policy.save / a HF checkpoint); {why}")
+            raise fail(
+                f"{at}.init_from",
+                self.init_from,
+                f"None or a policy folder (Policy.save / a HF checkpoint); {why}",
+            )
 
     def tokenizer(self) -> Any:
         """The policy's tokenizer: `ByteTokenizer` for a preset, the folder's otherwise."""
@@ -105,11 +131,12 @@ class TaskConfig:
     """The task: a reasoning-gym name with its options (or, for SFT, a data file), the training
     size and the held-out split (`eval_size` distinct questions generated from `eval_seed`)."""
 
-    name: str = "chain_sum"            # a reasoning-gym task, or a .jsonl/.json/.txt file (SFT)
-    options: dict = field(default_factory=lambda: {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    name: str = "chain_sum"  # a reasoning-gym task, or a .jsonl/.json/.txt file (SFT)
+    options: dict = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    )
     train_size: int = 20000
-    eval_size: int = 500               # held-out items (0: no accuracy evaluation, SFT only)
+    eval_size: int = 500  # held-out items (0: no accuracy evaluation, SFT only)
     eval_seed: int = 10_000
 
     @property
@@ -118,8 +145,11 @@ class TaskConfig:
 
     def check(self, at: str) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
-            raise fail(f"{at}.name", self.name, "a reasoning-gym task name or a "
-                       f"{'/'.join(DATA_FILE_SUFFIXES)} data file")
+            raise fail(
+                f"{at}.name",
+                self.name,
+                f"a reasoning-gym task name or a {'/'.join(DATA_FILE_SUFFIXES)} data file",
+            )
         ints(self, at, ("train_size",), minimum=1)
         ints(self, at, ("eval_size",), minimum=0)
         seeds(self, at, ("eval_seed",))
@@ -156,8 +186,10 @@ class OptimConfig:
         ints(self, at, ("steps",), minimum=1)
         ints(self, at, ("warmup_steps",), minimum=0)
         if self.warmup_steps > self.steps:
-            raise ValueError(f"{at}.warmup_steps={self.warmup_steps} exceeds {at}.steps="
-                             f"{self.steps}; lower warmup_steps")
+            raise ValueError(
+                f"{at}.warmup_steps={self.warmup_steps} exceeds {at}.steps="
+                f"{self.steps}; lower warmup_steps"
+            )
         positive(self, at, ("lr",))
         positive(self, at, ("max_grad_norm",), optional=True)
         finite(self, at, ("weight_decay",), low=0.0)
@@ -182,9 +214,12 @@ class OptimConfig:
         from posttrain.train.schedules import warmup_cosine_schedule
 
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
-        return optimizer, warmup_cosine_schedule(optimizer, warmup_steps=self.warmup_steps,
-                                                 total_steps=self.steps,
-                                                 min_lr_ratio=self.min_lr_ratio)
+        return optimizer, warmup_cosine_schedule(
+            optimizer,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
 
 @dataclass(kw_only=True)
@@ -276,8 +311,12 @@ class SFTWarmStartConfig:
         """The stage's optimizer settings: `steps` of `batch_size` at `lr`, warmup
         min(20, steps // 10), the rest `BatchOptimConfig`'s defaults (`.build(params)` makes
         the optimizer and schedule)."""
-        return BatchOptimConfig(steps=self.steps, lr=self.lr, batch_size=self.batch_size,
-                                warmup_steps=min(20, self.steps // 10))
+        return BatchOptimConfig(
+            steps=self.steps,
+            lr=self.lr,
+            batch_size=self.batch_size,
+            warmup_steps=min(20, self.steps // 10),
+        )
 
 
 @dataclass(kw_only=True)
@@ -339,18 +378,25 @@ class RLConfig:
 
     def algorithm(self) -> RLAlgorithm:
         """The `RLAlgorithm` these settings describe."""
-        options: dict[str, Any] = {"group_size": self.group_size, "ppo_epochs": self.ppo_epochs,
-                                   "minibatch_size": self.minibatch_size,
-                                   "filter_groups": self.filter_groups,
-                                   "max_num_gen_batches": self.max_num_gen_batches}
+        options: dict[str, Any] = {
+            "group_size": self.group_size,
+            "ppo_epochs": self.ppo_epochs,
+            "minibatch_size": self.minibatch_size,
+            "filter_groups": self.filter_groups,
+            "max_num_gen_batches": self.max_num_gen_batches,
+        }
         if self.kl_coef is not None:
             options["kl_coef"] = self.kl_coef
         return RLAlgorithm.preset(self.algo, **options)
 
     def check(self, at: str) -> None:
         choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
-        ints(self, at, ("prompts_per_step", "group_size", "ppo_epochs", "max_num_gen_batches"),
-             minimum=1)
+        ints(
+            self,
+            at,
+            ("prompts_per_step", "group_size", "ppo_epochs", "max_num_gen_batches"),
+            minimum=1,
+        )
         ints(self, at, ("minibatch_size",), minimum=1, optional=True)
         if self.kl_coef is not None:
             finite(self, at, ("kl_coef",), low=0.0)
@@ -360,118 +406,15 @@ class RLConfig:
             bad = next((f.name for f in dataclasses.fields(self) if f.name in str(e)), None)
             where = f"{at}.{bad}={getattr(self, bad)!r}" if bad else f"{at} (algo={self.algo!r})"
             raise ValueError(f"{where}: {e}") from None
-        if (algorithm.advantage_estimator in BATCH_WHITENED
-                and self.prompts_per_step * self.group_size < 2):
-            raise fail(f"{at}.prompts_per_step", self.prompts_per_step, f"at least 2 with "
-                       f"group_size={self.group_size}: {algorithm.advantage_estimator!r} "
-                       "whitens advantages over the step's response tokens, which needs two "
-                       "samples (a sample may be a single token)")
-
-
-def validate(cfg: Any, at: str = ROOT) -> None:
-    """Check `cfg` and every section in it, innermost first: each section's `check(at)` with its
-    dotted path, then `cfg.check(at)` for what spans sections.
-
-    Raises:
-        TypeError: if a section field holds something other than its section type.
-        ValueError: naming the dotted field and what is allowed.
-    """
-    for f in dataclasses.fields(cfg):
-        value, kind = getattr(cfg, f.name), _section_type(f)
-        if kind is not None and not isinstance(value, kind):
-            raise TypeError(f"{at}.{f.name} must be a {kind.__name__} (set its keys as "
-                            f"{f.name}.KEY=VALUE), got {value!r}")
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            validate(value, f"{at}.{f.name}")
-    check = getattr(cfg, "check", None)
-    if callable(check):
-        check(at)
-
-
-def _section_type(f: dataclasses.Field) -> type | None:
-    """The section class of a field whose default is a section (from its default factory; not
-    its annotation, which a Config sent by value to a job cannot always resolve)."""
-    if not callable(f.default_factory):  # MISSING (a copy of it, in a Config sent by value)
-        return None
-    default = f.default_factory()
-    return type(default) if dataclasses.is_dataclass(default) else None
-
-
-class _Node(dict):
-    """Changes below one dotted prefix (as opposed to a mapping value set as a whole)."""
-
-
-def _relative(at: str) -> str:
-    return at.removeprefix(ROOT).removeprefix(".")
-
-
-def override(cfg: Any, changes: Mapping[str, Any]) -> Any:
-    """A copy of dataclass `cfg` with `changes` applied, validated once at the end.
-
-    Keys are dotted paths (`"optim.lr"`); a mapping given for a section (`{"optim": {"lr": 1e-4}}`,
-    as a YAML preset writes it) sets those of its keys; a mapping given for a plain dict field
-    (`task.options`) replaces it, while a dotted key into it (`"task.options.max_terms"`) sets
-    one entry (both together merge). Values are used as given (`posttrain.cli` types
-    command-line strings first).
-
-    Raises:
-        ValueError: for an unknown key, naming it and listing the valid keys of its section;
-            any error of the new config's validation.
-    """
-    tree = _Node()
-    for key, value in changes.items():
-        node, parts = tree, str(key).split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, _Node())
-            if not isinstance(child, Mapping):
-                raise ValueError(f"config key {key!r} goes inside {part!r}, which is set to "
-                                 f"{child!r}")
-            node[part] = node = child if isinstance(child, _Node) else _Node(child)
-        last = parts[-1]
-        if isinstance(node.get(last), _Node) and isinstance(value, Mapping):
-            node[last].update(value)  # "optim.lr" and "optim: {steps: 5}" together
-        else:
-            node[last] = value
-    return _apply(cfg, tree, ROOT)
-
-
-def _apply(obj: Any, node: Mapping[str, Any], at: str) -> Any:
-    names = [f.name for f in dataclasses.fields(obj)]
-    new = {}
-    for name, value in node.items():
-        path = f"{at}.{name}"
-        if name not in names:
-            section = _relative(at)
-            raise ValueError(f"unknown config key {_relative(path)!r}; valid keys"
-                             f"{' of ' + section if section else ''}: {', '.join(sorted(names))}")
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            new[name] = _apply(current, value, path)
-        elif isinstance(value, _Node):
-            if not isinstance(current, dict):
-                raise ValueError(f"config key {_relative(path)!r} has no keys of its own")
-            new[name] = {**current, **value}
-        else:
-            new[name] = value
-    try:
-        return dataclasses.replace(obj, **new)
-    except (TypeError, ValueError) as e:
-        raise _renamed(e, type(obj).__name__, at) from None
-
-
-def _renamed(error: Exception, cls: str, at: str) -> Exception:
-    """The error of a section that checks itself when built (a `ParallelPlan`: "ParallelPlan.tp=0;
-    must be ..."), naming the field by its dotted path ("Config.parallel.tp=0; must be ...")."""
-    message = str(error)
-    if at == ROOT or not message.startswith(f"{cls}."):
-        return error
-    return type(error)(f"{at}.{message.removeprefix(cls + '.')}")
-
-
-def config_keys(cfg: Any, at: str = "") -> list[str]:
-    """Every leaf key of a nested config, dotted and sorted (`["optim.lr", ..., "seed"]`)."""
-    keys = []
-    for f in dataclasses.fields(cfg):
-        value, path = getattr(cfg, f.name), f"{at}{f.name}"
-        keys += (config_keys(value, path + ".") if dataclasses.is_dataclass(value) else [path])
-    return sorted(keys)
+        if (
+            algorithm.advantage_estimator in BATCH_WHITENED
+            and self.prompts_per_step * self.group_size < 2
+        ):
+            raise fail(
+                f"{at}.prompts_per_step",
+                self.prompts_per_step,
+                f"at least 2 with "
+                f"group_size={self.group_size}: {algorithm.advantage_estimator!r} "
+                "whitens advantages over the step's response tokens, which needs two "
+                "samples (a sample may be a single token)",
+            )

@@ -20,15 +20,24 @@ from typing import Any
 
 from posttrain.core.checks import check_fields, fail
 
-__all__ = ["SEED_MAX", "fail", "ints", "positive", "finite", "seeds", "flags", "folder_path",
-           "run_fields", "choice"]
+__all__ = [
+    "SEED_MAX",
+    "fail",
+    "ints",
+    "positive",
+    "finite",
+    "seeds",
+    "flags",
+    "folder_path",
+    "run_fields",
+    "choice",
+]
 
 SEED_MAX = 2**32 - 1
 """Seeds are integers in [0, SEED_MAX] (numpy's and reasoning-gym's seeding accept those)."""
 
 
-def ints(cfg: Any, at: str, names: Iterable[str], *, minimum: int,
-         optional: bool = False) -> None:
+def ints(cfg: Any, at: str, names: Iterable[str], *, minimum: int, optional: bool = False) -> None:
     """Each field of `cfg` in `names` is an int >= `minimum` (None too when `optional`)."""
     check_fields(cfg, names, at=at, integer=True, low=minimum, optional=optional)
 
@@ -38,8 +47,9 @@ def positive(cfg: Any, at: str, names: Iterable[str], *, optional: bool = False)
     check_fields(cfg, names, at=at, above=0, optional=optional)
 
 
-def finite(cfg: Any, at: str, names: Iterable[str], *, low: float = -math.inf,
-           high: float = math.inf) -> None:
+def finite(
+    cfg: Any, at: str, names: Iterable[str], *, low: float = -math.inf, high: float = math.inf
+) -> None:
     """Each field is a finite number in [low, high]."""
     check_fields(cfg, names, at=at, low=low, high=high)
 

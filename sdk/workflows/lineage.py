@@ -55,18 +55,43 @@ from posttrain.core.checkpoint_files import write_text_atomic
 from posttrain.core.run_lock import LOCK_FILE
 from posttrain.workflows.run_state import run_state, run_status
 
-__all__ = ["LINEAGE_FILE", "PACKAGES", "SDK_RECIPES", "RunOrigin", "run_origin", "code_version",
-           "package_versions", "data_lineage", "check_parents", "write_lineage", "read_lineage",
-           "find_runs", "run_status", "main_metric", "runs_table"]
+__all__ = [
+    "LINEAGE_FILE",
+    "PACKAGES",
+    "SDK_RECIPES",
+    "RunOrigin",
+    "run_origin",
+    "code_version",
+    "package_versions",
+    "data_lineage",
+    "check_parents",
+    "write_lineage",
+    "read_lineage",
+    "find_runs",
+    "run_status",
+    "main_metric",
+    "runs_table",
+]
 
 LINEAGE_FILE = "lineage.json"
-PACKAGES = ("torch", "transformers", "trl", "verl", "torchao", "torchtune", "reasoning_gym",
-            "numpy", "pandas")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "trl",
+    "verl",
+    "torchao",
+    "torchtune",
+    "reasoning_gym",
+    "numpy",
+    "pandas",
+)
 """Packages whose installed versions a lineage records (those that are installed)."""
-SDK_RECIPES = {"posttrain.workflows.sft.SFTConfig": "sft",
-               "posttrain.workflows.rl.RLRunConfig": "grpo",
-               "posttrain.workflows.preference.PreferenceRunConfig": "dpo",
-               "posttrain.workflows.reward_model.RewardModelRunConfig": "reward_model"}
+SDK_RECIPES = {
+    "posttrain.workflows.sft.SFTConfig": "sft",
+    "posttrain.workflows.rl.RLRunConfig": "grpo",
+    "posttrain.workflows.preference.PreferenceRunConfig": "dpo",
+    "posttrain.workflows.reward_model.RewardModelRunConfig": "reward_model",
+}
 """The recipe that runs a config class defined in the SDK (recipes/sft.py: `Config =
 SFTConfig`); a class defined in a recipe file names its recipe by its module."""
 QUESTIONS_HASH_MAX = 50_000
@@ -90,7 +115,8 @@ class RunOrigin:
 
 
 _ORIGIN: contextvars.ContextVar[RunOrigin | None] = contextvars.ContextVar(
-    "posttrain_run_origin", default=None)
+    "posttrain_run_origin", default=None
+)
 
 
 @contextlib.contextmanager
@@ -109,15 +135,22 @@ def run_origin(out_dir: str | os.PathLike, **fields: Any) -> Iterator[RunOrigin]
 
 def _origin(out: Path) -> RunOrigin | None:
     origin = _ORIGIN.get()
-    return origin if origin is not None and Path(origin.out_dir).resolve() == out.resolve() else None
+    return (
+        origin if origin is not None and Path(origin.out_dir).resolve() == out.resolve() else None
+    )
 
 
 def _git(folder: Path, *args: str) -> str | None:
     """stdout of `git args` run in `folder` (read-only: no optional locks), None on any error."""
     try:
-        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=folder, text=True,
-                              capture_output=True, timeout=GIT_TIMEOUT_S,
-                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
+        done = subprocess.run(
+            ["git", "--no-optional-locks", *args],
+            cwd=folder,
+            text=True,
+            capture_output=True,
+            timeout=GIT_TIMEOUT_S,
+            env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"},
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -136,8 +169,13 @@ def code_version(package_dir: str | os.PathLike | None = None) -> dict[str, Any]
     the checkout has changes (`git status --porcelain`, untracked files included); both None
     without git."""
     folder = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parents[1]
-    out = {"package": "posttrain", "version": _version("posttrain"), "path": str(folder),
-           "git_commit": None, "git_dirty": None}
+    out: dict[str, Any] = {
+        "package": "posttrain",
+        "version": _version("posttrain"),
+        "path": str(folder),
+        "git_commit": None,
+        "git_dirty": None,
+    }
     head = _git(folder, "rev-parse", "HEAD")
     # a copy installed in site-packages inside some checkout is not that checkout's code
     if head and _git(folder, "ls-files", "--", "__init__.py"):
@@ -191,20 +229,38 @@ def data_lineage(cfg: Any) -> dict[str, Any]:
         return {}
     if task.is_file:
         path = Path(task.name)
-        return {"kind": "file", "path": str(path.resolve()), "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path)}
-    spec = {"task": task.name, "options": task.options, "train_size": task.train_size,
-            "train_seed": cfg.seed, "eval_size": task.eval_size, "eval_seed": task.eval_seed,
-            "reasoning_gym": _version("reasoning_gym")}
-    train = (_items_sha256(task.name, task.options, task.train_size, cfg.seed)
-             if task.train_size <= QUESTIONS_HASH_MAX else None)
-    return {"kind": "reasoning_gym", **spec, "spec_sha256": _sha256_json(spec),
-            "train_sha256": train}
+        return {
+            "kind": "file",
+            "path": str(path.resolve()),
+            "bytes": path.stat().st_size,
+            "sha256": _sha256_file(path),
+        }
+    spec = {
+        "task": task.name,
+        "options": task.options,
+        "train_size": task.train_size,
+        "train_seed": cfg.seed,
+        "eval_size": task.eval_size,
+        "eval_seed": task.eval_seed,
+        "reasoning_gym": _version("reasoning_gym"),
+    }
+    train = (
+        _items_sha256(task.name, task.options, task.train_size, cfg.seed)
+        if task.train_size <= QUESTIONS_HASH_MAX
+        else None
+    )
+    return {
+        "kind": "reasoning_gym",
+        **spec,
+        "spec_sha256": _sha256_json(spec),
+        "train_sha256": train,
+    }
 
 
 def _is_run(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and ((folder / LINEAGE_FILE).is_file()
-                                                   or (folder / LOCK_FILE).exists())
+    return (folder / "config.json").is_file() and (
+        (folder / LINEAGE_FILE).is_file() or (folder / LOCK_FILE).exists()
+    )
 
 
 def _enclosing_run(path: Path) -> Path | None:
@@ -245,11 +301,9 @@ def check_parents(cfg: Any, out: Path, sub_runs: Sequence[str] = ()) -> list[dic
     for declared in origin.parents if origin else ():
         folder = Path(declared)
         if not folder.is_dir():
-            raise ValueError(f"parent run {declared!r} does not exist; pass an existing run "
-                             "folder")
+            raise ValueError(f"parent run {declared!r} does not exist; pass an existing run folder")
         if not (folder / "config.json").is_file():
-            raise ValueError(f"parent run {declared!r} is not a run folder (it has no "
-                             "config.json)")
+            raise ValueError(f"parent run {declared!r} is not a run folder (it has no config.json)")
         parents.append(_entry(folder, out, "declared"))
     return parents
 
@@ -277,8 +331,9 @@ def _command(origin: RunOrigin | None) -> str:
     return origin.command if origin is not None and origin.command else shlex.join(sys.argv)
 
 
-def write_lineage(cfg: Any, out: Path, config: dict[str, Any],
-                  parents: list[dict[str, str]]) -> dict[str, Any]:
+def write_lineage(
+    cfg: Any, out: Path, config: dict[str, Any], parents: list[dict[str, str]]
+) -> dict[str, Any]:
     """Write `out/lineage.json` for a run starting now (`config`: the dict of config.json;
     `parents` from `check_parents`); a resumed run (`cfg.resume` and a lineage on disk) keeps
     it and appends the resume to `resumes`. Returns what was written."""
@@ -287,16 +342,32 @@ def write_lineage(cfg: Any, out: Path, config: dict[str, Any],
     if getattr(cfg, "resume", False) and path.is_file():
         record = json.loads(path.read_text())
         record.setdefault("resumes", []).append(
-            {"started": _now(), "command": _command(origin), "hostname": host, "code": code,
-             "run": str(out.resolve())})  # a moved or copied folder resumes in its new place
+            {
+                "started": _now(),
+                "command": _command(origin),
+                "hostname": host,
+                "code": code,
+                "run": str(out.resolve()),
+            }
+        )  # a moved or copied folder resumes in its new place
     else:
         rerun_of = origin.rerun_of if origin is not None else None
-        record = {"schema": 1, "run": str(out.resolve()), "recipe": _recipe(cfg, origin),
-                  "started": _now(), "command": _command(origin), "hostname": host,
-                  "python": platform.python_version(), "code": code,
-                  "packages": package_versions(), "data": data_lineage(cfg), "parents": parents,
-                  "rerun_of": None if rerun_of is None else str(Path(rerun_of).resolve()),
-                  "config": config, "resumes": []}
+        record = {
+            "schema": 1,
+            "run": str(out.resolve()),
+            "recipe": _recipe(cfg, origin),
+            "started": _now(),
+            "command": _command(origin),
+            "hostname": host,
+            "python": platform.python_version(),
+            "code": code,
+            "packages": package_versions(),
+            "data": data_lineage(cfg),
+            "parents": parents,
+            "rerun_of": None if rerun_of is None else str(Path(rerun_of).resolve()),
+            "config": config,
+            "resumes": [],
+        }
     write_text_atomic(path, json.dumps(record, indent=2, default=str))
     return record
 
@@ -309,8 +380,10 @@ def read_lineage(folder: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(folder) / LINEAGE_FILE
     if not path.is_file():
-        raise ValueError(f"{folder} has no {LINEAGE_FILE}: not a run folder, or a run started "
-                         "before runs recorded their lineage")
+        raise ValueError(
+            f"{folder} has no {LINEAGE_FILE}: not a run folder, or a run started "
+            "before runs recorded their lineage"
+        )
     return json.loads(path.read_text())
 
 
@@ -378,19 +451,41 @@ def runs_table(*folders: str | os.PathLike) -> Any:
     for run in find_runs(*(folders or ("runs",))):
         lineage = json.loads((run / LINEAGE_FILE).read_text())
         code = lineage.get("code", {})
-        commit = (code["git_commit"][:10] + ("+dirty" if code.get("git_dirty") else "")
-                  if code.get("git_commit") else f"v{code.get('version')}")
+        commit = (
+            code["git_commit"][:10] + ("+dirty" if code.get("git_dirty") else "")
+            if code.get("git_commit")
+            else f"v{code.get('version')}"
+        )
         path = run / "results.json"
-        metric, value = main_metric(json.loads(path.read_text())) if path.is_file() else (None,
-                                                                                          None)
+        metric, value = (
+            main_metric(json.loads(path.read_text())) if path.is_file() else (None, None)
+        )
         state = run_state(run)
-        rows.append({"run": _shown(run), "recipe": lineage.get("recipe", {}).get("name"),
-                     "started": lineage.get("started"), "commit": commit,
-                     "status": state.status, "error": state.error, "metric": metric,
-                     "value": value,
-                     "parents": ", ".join(_shown(_parent_path(p, run))
-                                          for p in lineage.get("parents", []))})
-    columns = ["run", "recipe", "started", "commit", "status", "error", "metric", "value",
-               "parents"]
+        rows.append(
+            {
+                "run": _shown(run),
+                "recipe": lineage.get("recipe", {}).get("name"),
+                "started": lineage.get("started"),
+                "commit": commit,
+                "status": state.status,
+                "error": state.error,
+                "metric": metric,
+                "value": value,
+                "parents": ", ".join(
+                    _shown(_parent_path(p, run)) for p in lineage.get("parents", [])
+                ),
+            }
+        )
+    columns = [
+        "run",
+        "recipe",
+        "started",
+        "commit",
+        "status",
+        "error",
+        "metric",
+        "value",
+        "parents",
+    ]
     table = pd.DataFrame(rows, columns=columns)
     return table.sort_values(["started", "run"], kind="stable").reset_index(drop=True)

@@ -14,6 +14,7 @@ encoded again, is data: left out and counted (`usable_pairs`) before any split.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from posttrain.data.preference import PreferenceLoader
@@ -27,13 +28,14 @@ from posttrain.workflows.reports import cached_pairs, on_rank_zero
 __all__ = ["sampled_pairs", "reference_answer", "pair_loader"]
 
 
-def reference_answer(item: dict) -> str:
+def reference_answer(item: Mapping[str, Any]) -> str:
     """The task's own answer text, as a candidate completion."""
     return str(item["answer"])
 
 
-def sampled_pairs(run: RecipeRun, policy: Policy, task: Any, *, max_seq_len: int,
-                  stats_file: str) -> tuple[list[dict], dict[str, Any], dict[str, int]]:
+def sampled_pairs(
+    run: RecipeRun, policy: Policy, task: Any, *, max_seq_len: int, stats_file: str
+) -> tuple[list[Mapping[str, Any]], dict[str, Any], dict[str, int]]:
     """The pairs of `run` (whose config has `pairs`, `sampling`, `seed` and `resume`) from
     `policy` on `task` (a `ReasoningGymTask`: its `train_items` and `verifier`).
 
@@ -53,26 +55,38 @@ def sampled_pairs(run: RecipeRun, policy: Policy, task: Any, *, max_seq_len: int
     def make() -> tuple[list[dict], dict[str, Any]]:
         s = cfg.sampling
         rows, stats = make_preference_pairs(
-            policy, task.train_items[:cfg.pairs.num_prompts], rank=task.verifier,
-            n=cfg.pairs.samples_per_prompt, max_new_tokens=s.max_new_tokens,
-            temperature=s.temperature, top_p=s.top_p, seed=cfg.seed,
-            reference_answer=reference_answer if cfg.pairs.reference_answer else None)
+            policy,
+            task.train_items[: cfg.pairs.num_prompts],
+            rank=task.verifier,
+            n=cfg.pairs.samples_per_prompt,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=cfg.seed,
+            reference_answer=reference_answer if cfg.pairs.reference_answer else None,
+        )
         return rows, stats.as_dict()
 
     def pairs() -> tuple[list[dict], dict[str, Any]]:
         return cached_pairs(run.out, resume=cfg.resume, make=make, stats_file=stats_file)
 
-    rows, stats = pairs() if run.plan is None else on_rank_zero(pairs)
-    rows, unusable = usable_pairs(rows, policy.tokenizer, max_seq_len=max_seq_len)
+    sampled, stats = pairs() if run.plan is None else on_rank_zero(pairs)
+    rows, unusable = usable_pairs(sampled, policy.tokenizer, max_seq_len=max_seq_len)
     return rows, stats, unusable
 
 
-def pair_loader(dataset: Any, *, batch_size: int, seed: int,
-                runtime: Runtime | None) -> PreferenceLoader:
+def pair_loader(
+    dataset: Any, *, batch_size: int, seed: int, runtime: Runtime | None
+) -> PreferenceLoader:
     """The training loader of pairs (or KTO rows) in `dataset`: `batch_size` per global batch in
     a `seed`ed order; with the `runtime` of a model split by a plan, this rank's share of each
     batch (`ShardedPreferenceLoader` over the runtime's data-parallel ranks)."""
     if runtime is None:
         return PreferenceLoader(dataset, batch_size=batch_size, seed=seed)
-    return ShardedPreferenceLoader(dataset, batch_size=batch_size, seed=seed,
-                                   rank=runtime.data_rank, world_size=runtime.data_size)
+    return ShardedPreferenceLoader(
+        dataset,
+        batch_size=batch_size,
+        seed=seed,
+        rank=runtime.data_rank,
+        world_size=runtime.data_size,
+    )

@@ -52,9 +52,12 @@ def plan_of(cfg: Any) -> ParallelPlan | None:
 
 def __getattr__(name: str) -> Any:
     if name == "ParallelConfig":
-        warnings.warn("posttrain.workflows.ParallelConfig is deprecated: a recipe's parallel "
-                      "section is a posttrain.train.ParallelPlan (the same fields)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "posttrain.workflows.ParallelConfig is deprecated: a recipe's parallel "
+            "section is a posttrain.train.ParallelPlan (the same fields)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return ParallelPlan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -74,8 +77,9 @@ def model_spec(model: ModelConfig) -> Any:
     return spec_from_hf_config(json.loads(path.read_text()))
 
 
-def check_parallel(cfg: Any, at: str, *, divisible: Iterable[str] = (),
-                   unsupported: Iterable[str] = ()) -> None:
+def check_parallel(
+    cfg: Any, at: str, *, divisible: Iterable[str] = (), unsupported: Iterable[str] = ()
+) -> None:
     """A recipe's `parallel` plan fits its model (`ParallelPlan.validate(spec=...)`: heads,
     widths, layers, experts), each dotted field in `divisible` (a global batch: sequences,
     pairs, prompts) is divisible by the plan's data-parallel size, and the axes in
@@ -86,22 +90,31 @@ def check_parallel(cfg: Any, at: str, *, divisible: Iterable[str] = (),
         return
     for axis in unsupported:
         if getattr(plan, axis) > 1:
-            raise fail(f"{at}.parallel.{axis}", getattr(plan, axis),
-                       "1: this recipe does not support it yet")
+            raise fail(
+                f"{at}.parallel.{axis}",
+                getattr(plan, axis),
+                "1: this recipe does not support it yet",
+            )
     spec = model_spec(cfg.model)
     try:
         plan.validate(spec=spec)
     except ValueError as e:
-        raise ValueError(f"{at}.parallel does not fit {at}.model: "
-                         f"{str(e).replace('ParallelPlan.', f'{at}.parallel.')}") from None
+        raise ValueError(
+            f"{at}.parallel does not fit {at}.model: "
+            f"{str(e).replace('ParallelPlan.', f'{at}.parallel.')}"
+        ) from None
     for name in divisible:
         value: Any = cfg
         for part in name.split("."):
             value = getattr(value, part)
         if value % plan.data_parallel_size:
-            raise fail(f"{at}.{name}", value, f"divisible by the data-parallel size "
-                       f"{plan.data_parallel_size} of {at}.parallel ({plan}): it is the global "
-                       "batch of all data-parallel ranks together")
+            raise fail(
+                f"{at}.{name}",
+                value,
+                f"divisible by the data-parallel size "
+                f"{plan.data_parallel_size} of {at}.parallel ({plan}): it is the global "
+                "batch of all data-parallel ranks together",
+            )
 
 
 def check_world_size(cfg: Any, at: str = ROOT) -> None:
@@ -114,18 +127,21 @@ def check_world_size(cfg: Any, at: str = ROOT) -> None:
     plan = plan_of(cfg)
     if plan is None:
         return
-    from posttrain.core.distributed import rank_and_world_size
     import torch.distributed as dist
+
+    from posttrain.core.distributed import rank_and_world_size
 
     world = rank_and_world_size()[1]
     if plan.world_size == 1 and world == 1:
         return  # a plan of one rank (activation checkpointing) needs no process group
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"{at}.parallel asks for {plan} on {plan.world_size} ranks, but no "
-                         "torch.distributed process group is initialised: run the recipe as a "
-                         f"job of {plan.world_size} tasks (posttrain.launch) or under torchrun "
-                         f"--nproc-per-node {plan.world_size}, or leave {at}.parallel at its "
-                         "defaults")
+        raise ValueError(
+            f"{at}.parallel asks for {plan} on {plan.world_size} ranks, but no "
+            "torch.distributed process group is initialised: run the recipe as a "
+            f"job of {plan.world_size} tasks (posttrain.launch) or under torchrun "
+            f"--nproc-per-node {plan.world_size}, or leave {at}.parallel at its "
+            "defaults"
+        )
     try:
         plan.validate(world_size=world)
     except ValueError as e:

@@ -39,47 +39,79 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 from posttrain.data import KTODataset, PreferenceDataset, pairs_to_kto_rows
+from posttrain.policy.policy import Policy
 from posttrain.preference import compute_reference_logps
 from posttrain.preference.dpo_family import DPO_LOSS_TYPES, F_DIVERGENCE_TYPES
 from posttrain.rewards import paired_bootstrap_diff
 from posttrain.train import Trainer, get_loss
-from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
-                                        ModelConfig, PairsConfig, SamplingConfig,
-                                        SFTWarmStartConfig, TaskConfig, choice, fail, finite,
-                                        flags, ints, positive, run_fields, validate)
+from posttrain.workflows.config import (
+    BatchOptimConfig,
+    CheckpointConfig,
+    EvalConfig,
+    ModelConfig,
+    PairsConfig,
+    SamplingConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    choice,
+    fail,
+    finite,
+    flags,
+    ints,
+    positive,
+    run_fields,
+    validate,
+)
 from posttrain.workflows.pairs import pair_loader, sampled_pairs
 from posttrain.workflows.parallel import ParallelPlan, check_parallel
-from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
-                                              check_converted_run, convert_for_training,
-                                              export_adapters, trainable_parameters)
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    QuantizationConfig,
+    check_converted_run,
+    convert_for_training,
+    export_adapters,
+    trainable_parameters,
+)
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import (accuracy_of, accuracy_table, difference_line,
-                                         plot_curves, read_table, write_table)
+from posttrain.workflows.reports import (
+    accuracy_of,
+    accuracy_table,
+    difference_line,
+    plot_curves,
+    read_table,
+    write_table,
+)
 from posttrain.workflows.rl import check_gym_task
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import start_policy, unsharded_policy
-from posttrain.workflows.task_data import (check_seq_len, evaluate, held_out_items,
-                                           training_task)
+from posttrain.workflows.task_data import check_seq_len, evaluate, held_out_items, training_task
 
 __all__ = ["PreferenceRunConfig", "run_preference", "LOSSES", "DEFAULT_BETA"]
 
 LOSSES = ("dpo", "ipo", "simpo", "kto", "orpo")
 DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "kto": 0.1, "orpo": 0.1}
 """beta when `Config.beta` is None (SimPO's scale is that of per-token averages)."""
-LOSS_OPTIONS = {"beta": "beta", "label_smoothing": "label_smoothing", "loss_type": "dpo_loss_type",
-                "f_divergence_type": "f_divergence_type",
-                "f_alpha_divergence_coef": "f_alpha_divergence_coef", "gamma": "simpo_gamma",
-                "length_normalize": "ipo_length_normalize",
-                "desirable_weight": "kto_desirable_weight",
-                "undesirable_weight": "kto_undesirable_weight"}
+LOSS_OPTIONS = {
+    "beta": "beta",
+    "label_smoothing": "label_smoothing",
+    "loss_type": "dpo_loss_type",
+    "f_divergence_type": "f_divergence_type",
+    "f_alpha_divergence_coef": "f_alpha_divergence_coef",
+    "gamma": "simpo_gamma",
+    "length_normalize": "ipo_length_normalize",
+    "desirable_weight": "kto_desirable_weight",
+    "undesirable_weight": "kto_undesirable_weight",
+}
 """The options `build_loss` passes to the loss, and the `Config` field each comes from."""
-
 
 
 @dataclass(kw_only=True)
@@ -88,15 +120,15 @@ class PreferenceRunConfig:
     `recipes/dpo.py`. Every field has a default that runs (~10 min on 2 shared CPU cores).
     Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
 
-    loss: str = "dpo"                  # dpo | ipo | simpo | kto | orpo
-    beta: float | None = None          # None: DEFAULT_BETA[loss]
-    label_smoothing: float = 0.0       # dpo (cDPO) and simpo
+    loss: str = "dpo"  # dpo | ipo | simpo | kto | orpo
+    beta: float | None = None  # None: DEFAULT_BETA[loss]
+    label_smoothing: float = 0.0  # dpo (cDPO) and simpo
     # loss=dpo only: any DPOTrainer loss_type of TRL 1.16 or "dpop", and its f-divergence
     # (posttrain.preference.dpo_family), so a loss ablation is one config key
     dpo_loss_type: str = "sigmoid"
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
-    simpo_gamma: float = 1.0           # SimPO's target reward margin (>= 0)
+    simpo_gamma: float = 1.0  # SimPO's target reward margin (>= 0)
     ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
     kto_undesirable_weight: float = 1.0
@@ -110,8 +142,9 @@ class PreferenceRunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_pairs: int = 64
     # preference optimisation (optim.batch_size: pairs, or KTO rows, per micro-batch)
-    optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
-        steps=150, lr=1e-4, warmup_steps=10, batch_size=32))
+    optim: BatchOptimConfig = field(
+        default_factory=lambda: BatchOptimConfig(steps=150, lr=1e-4, warmup_steps=10, batch_size=32)
+    )
     max_seq_len: int = 128
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
@@ -135,24 +168,34 @@ class PreferenceRunConfig:
         prompts = min(self.pairs.num_prompts, self.task.train_size)
         if self.val_pairs >= prompts:
             which = "pairs.num_prompts" if prompts == self.pairs.num_prompts else "task.train_size"
-            raise ValueError(f"{at}.val_pairs={self.val_pairs} must be below {at}.{which}="
-                             f"{prompts}: the pairs come from that many training questions, "
-                             "each giving at most one pair")
+            raise ValueError(
+                f"{at}.val_pairs={self.val_pairs} must be below {at}.{which}="
+                f"{prompts}: the pairs come from that many training questions, "
+                "each giving at most one pair"
+            )
         finite(self, at, ("label_smoothing",))
         finite(self, at, ("simpo_gamma",), low=0.0)  # SimPO's target reward margin
         positive(self, at, ("kto_desirable_weight", "kto_undesirable_weight"))
         flags(self, at, ("ipo_length_normalize",))
         choice(f"{at}.dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
         choice(f"{at}.f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
-        for name, default in (("dpo_loss_type", "sigmoid"), ("f_divergence_type", "reverse_kl"),
-                              ("f_alpha_divergence_coef", 0.5)):
+        for name, default in (
+            ("dpo_loss_type", "sigmoid"),
+            ("f_divergence_type", "reverse_kl"),
+            ("f_alpha_divergence_coef", 0.5),
+        ):
             if self.loss != "dpo" and getattr(self, name) != default:
-                raise fail(f"{at}.{name}", getattr(self, name),
-                           f"{default!r}: it is read by loss='dpo' only, not {self.loss!r}")
+                raise fail(
+                    f"{at}.{name}",
+                    getattr(self, name),
+                    f"{default!r}: it is read by loss='dpo' only, not {self.loss!r}",
+                )
         if self.label_smoothing and self.loss not in ("dpo", "simpo"):
-            raise fail(f"{at}.label_smoothing", self.label_smoothing,
-                       f"0: it is used by dpo and simpo only, and loss={self.loss!r} would "
-                       "ignore it")
+            raise fail(
+                f"{at}.label_smoothing",
+                self.label_smoothing,
+                f"0: it is used by dpo and simpo only, and loss={self.loss!r} would ignore it",
+            )
         try:
             self.build_loss()
         except ValueError as e:  # "beta=0.0; must be ..." -> "Config.beta=0.0; must be ..."
@@ -164,9 +207,13 @@ class PreferenceRunConfig:
             else:
                 message = f"{at}: {message}"
             raise ValueError(f"{message} (loss={self.loss!r})") from None
-        check_parallel(self, at, divisible=("optim.batch_size",) + (
-            ("sft.batch_size",) if self.model.init_from is None else ()),
-                       unsupported=("pp",))  # the split policy scores the reference
+        check_parallel(
+            self,
+            at,
+            divisible=("optim.batch_size",)
+            + (("sft.batch_size",) if self.model.init_from is None else ()),
+            unsupported=("pp",),
+        )  # the split policy scores the reference
         check_converted_run(self, at, training=("none", "fp8"))
 
     def build_loss(self):
@@ -175,12 +222,16 @@ class PreferenceRunConfig:
         dpo = {"loss_type": self.dpo_loss_type, "f_divergence_type": self.f_divergence_type}
         if self.f_alpha_divergence_coef != 0.5:  # an error unless the divergence reads it
             dpo["f_alpha_divergence_coef"] = self.f_alpha_divergence_coef
-        options = {"dpo": {"label_smoothing": self.label_smoothing, **dpo},
-                   "ipo": {"length_normalize": self.ipo_length_normalize},
-                   "simpo": {"gamma": self.simpo_gamma, "label_smoothing": self.label_smoothing},
-                   "kto": {"desirable_weight": self.kto_desirable_weight,
-                           "undesirable_weight": self.kto_undesirable_weight},
-                   "orpo": {}}[self.loss]
+        options = {
+            "dpo": {"label_smoothing": self.label_smoothing, **dpo},
+            "ipo": {"length_normalize": self.ipo_length_normalize},
+            "simpo": {"gamma": self.simpo_gamma, "label_smoothing": self.label_smoothing},
+            "kto": {
+                "desirable_weight": self.kto_desirable_weight,
+                "undesirable_weight": self.kto_undesirable_weight,
+            },
+            "orpo": {},
+        }[self.loss]
         return get_loss(self.loss, beta=beta, **options)
 
 
@@ -207,17 +258,21 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     items, scorer = held_out_items(cfg.task)
     task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
     t0 = time.perf_counter()
-    rows, pair_stats, unusable = sampled_pairs(run, policy, task, max_seq_len=cfg.max_seq_len,
-                                               stats_file="pair_stats.json")
+    rows, pair_stats, unusable = sampled_pairs(
+        run, policy, task, max_seq_len=cfg.max_seq_len, stats_file="pair_stats.json"
+    )
     times["pairs_s"] = time.perf_counter() - t0
     if run.writes:
         print(f"{policy}\npairs: {pair_stats}" + (f", unusable: {unusable}" if unusable else ""))
     if len(rows) <= cfg.val_pairs:
-        raise ValueError(f"rejection sampling gave {len(rows)} usable pairs, not more than "
-                         f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
-                         "pairs.num_prompts or pairs.samples_per_prompt, or set "
-                         "pairs.reference_answer=true")
-    train_rows, val_rows = rows[:-cfg.val_pairs], rows[-cfg.val_pairs:]
+        raise ValueError(
+            f"rejection sampling gave {len(rows)} usable pairs, not more than "
+            f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
+            "pairs.num_prompts or pairs.samples_per_prompt, or set "
+            "pairs.reference_answer=true"
+        )
+    train_rows: Sequence[Mapping[str, Any]] = rows[: -cfg.val_pairs]
+    val_rows: Sequence[Mapping[str, Any]] = rows[-cfg.val_pairs :]
 
     # 3. Datasets; held-out accuracy and reference log-probs of the starting policy
     objective = cfg.build_loss()
@@ -227,8 +282,10 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     dataset = dataset_cls(train_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     val_dataset = dataset_cls(val_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     # adapters / FP8: the reference is the base (adapters disabled: no second copy in memory)
-    converters = [str(r) for r in convert_for_training(policy.model, cfg, spec=policy.spec,
-                                                       verbose=run.writes)]
+    converters = [
+        str(r)
+        for r in convert_for_training(policy.model, cfg, spec=policy.spec, verbose=run.writes)
+    ]
     # the plain policy, evaluated before a plan splits it (rank 0 alone evaluates)
     before_table = _before(cfg, policy, items, scorer, out) if run.writes else None
     runtime = None if plan is None else plan.parallelize(policy.model, spec=policy.spec)
@@ -246,12 +303,24 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     o = cfg.optim
     loader = pair_loader(dataset, batch_size=o.batch_size, seed=cfg.seed, runtime=runtime)
     optimizer, schedule = o.build(trainable_parameters(policy.model))
-    trainer = Trainer(policy.model, optimizer, data=loader, loss=objective,
-                      lr_scheduler=schedule, grad_accum_steps=o.grad_accum_steps,
-                      max_grad_norm=o.max_grad_norm, run_dir=out, eval_fn=eval_fn,
-                      eval_every=cfg.eval.every, checkpoint_every=cfg.checkpoint.every,
-                      keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
-                      resume=cfg.resume, runtime=runtime)
+    trainer = Trainer(
+        policy.model,
+        optimizer,
+        data=loader,
+        loss=objective,
+        lr_scheduler=schedule,
+        grad_accum_steps=o.grad_accum_steps,
+        max_grad_norm=o.max_grad_norm,
+        run_dir=out,
+        eval_fn=eval_fn,
+        eval_every=cfg.eval.every,
+        checkpoint_every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        resume=cfg.resume,
+        runtime=runtime,
+    )
     t0 = time.perf_counter()
     val_start = trainer.evaluate() if trainer.step_count == 0 else {}
     metrics = trainer.fit(o.steps)
@@ -260,28 +329,48 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     policy = unsharded_policy(policy, trainer.runtime)  # under a plan: every rank gathers
     if run.others_return():
         return None
-    plot_curves(metrics, out / "preference_curves.png",
-                [(c, c) for c in ("loss", "eval/val_reward_margin", "eval/val_reward_accuracy")],
-                xlabel=f"{cfg.loss} step")
+    assert before_table is not None  # this process writes (run.writes): it evaluated before
+    plot_curves(
+        metrics,
+        out / "preference_curves.png",
+        [(c, c) for c in ("loss", "eval/val_reward_margin", "eval/val_reward_accuracy")],
+        xlabel=f"{cfg.loss} step",
+    )
 
     # 5. Held-out accuracy after, paired with before on the same items
     after = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
     write_table(after.table, out / "eval_after.csv")
-    diff = paired_bootstrap_diff(after.table["correct"].to_numpy(),
-                                 before_table["correct"].to_numpy(), seed=cfg.seed)
+    diff = paired_bootstrap_diff(
+        after.table["correct"].to_numpy(), before_table["correct"].to_numpy(), seed=cfg.seed
+    )
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
-    results = {"loss": cfg.loss, "objective": repr(objective), "model": cfg.model.name,
-               "init_from": cfg.model.init_from, "params": policy.num_parameters(),
-               "task_config": cfg.task.options, "pairs": pair_stats,
-               "train_samples": len(dataset), "val_samples": len(val_dataset),
-               "data": dataset.stats.as_dict(), "steps": o.steps,
-               "before": accuracy_of(before_table), "after": after.as_dict(), "difference": diff,
-               "val_at_start": val_start,
-               "val_at_end": {c: float(metrics[c].dropna().iloc[-1]) for c in metrics
-                              if str(c).startswith("eval/") and metrics[c].notna().any()},
-               "final_train_loss": float(metrics["loss"].iloc[-1]), **times,
-               "wall_s": run.seconds(), **adapters}
+    results = {
+        "loss": cfg.loss,
+        "objective": repr(objective),
+        "model": cfg.model.name,
+        "init_from": cfg.model.init_from,
+        "params": policy.num_parameters(),
+        "task_config": cfg.task.options,
+        "pairs": pair_stats,
+        "train_samples": len(dataset),
+        "val_samples": len(val_dataset),
+        "data": dataset.stats.as_dict(),
+        "steps": o.steps,
+        "before": accuracy_of(before_table),
+        "after": after.as_dict(),
+        "difference": diff,
+        "val_at_start": val_start,
+        "val_at_end": {
+            c: float(metrics[c].dropna().iloc[-1])
+            for c in metrics
+            if str(c).startswith("eval/") and metrics[c].notna().any()
+        },
+        "final_train_loss": float(metrics["loss"].iloc[-1]),
+        **times,
+        "wall_s": run.seconds(),
+        **adapters,
+    }
     if converters:
         results["converters"] = converters
     if unusable:
@@ -290,7 +379,9 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     return run.done(results)
 
 
-def _before(cfg: PreferenceRunConfig, policy, items, scorer, out) -> Any:
+def _before(
+    cfg: PreferenceRunConfig, policy: Policy, items: list[dict], scorer: Any, out: Path
+) -> pd.DataFrame:
     """The held-out evaluation table of the starting policy, `eval_before.csv` (read back when
     resuming)."""
     path = out / "eval_before.csv"
@@ -304,19 +395,29 @@ def _before(cfg: PreferenceRunConfig, policy, items, scorer, out) -> Any:
 def _results_markdown(results: dict[str, Any], task: str) -> str:
     p = results["pairs"]
     loss = results["loss"].upper()
-    lines = [f"# {loss} on {task} {results['task_config']}", "",
-             f"{results['objective']}, model {results['model']} "
-             f"({results['params'] / 1e6:.2f}M params), {results['steps']} steps, "
-             f"wall {results['wall_s']:.0f} s", "",
-             f"pairs: {p['pairs']} from {p['prompts']} prompts x "
-             f"{p['samples'] // max(p['prompts'], 1)} samples; skipped "
-             f"{p['skipped_all_equal']} all-equal, {p['skipped_too_few']} too few usable; "
-             f"excluded {p['excluded']}; {results['train_samples']} training / "
-             f"{results['val_samples']} validation {'rows' if loss == 'KTO' else 'pairs'}", "",
-             *accuracy_table([(f"{name} {loss}", results[name]) for name in ("before", "after")]),
-             "", difference_line("after minus before", results["difference"]), "",
-             "validation set, start -> end: " + ", ".join(
-                 f"{k.removeprefix('eval/val_')} {v:.3f} -> "
-                 f"{results['val_at_end'].get(k, float('nan')):.3f}"
-                 for k, v in results["val_at_start"].items()), ""]
+    lines = [
+        f"# {loss} on {task} {results['task_config']}",
+        "",
+        f"{results['objective']}, model {results['model']} "
+        f"({results['params'] / 1e6:.2f}M params), {results['steps']} steps, "
+        f"wall {results['wall_s']:.0f} s",
+        "",
+        f"pairs: {p['pairs']} from {p['prompts']} prompts x "
+        f"{p['samples'] // max(p['prompts'], 1)} samples; skipped "
+        f"{p['skipped_all_equal']} all-equal, {p['skipped_too_few']} too few usable; "
+        f"excluded {p['excluded']}; {results['train_samples']} training / "
+        f"{results['val_samples']} validation {'rows' if loss == 'KTO' else 'pairs'}",
+        "",
+        *accuracy_table([(f"{name} {loss}", results[name]) for name in ("before", "after")]),
+        "",
+        difference_line("after minus before", results["difference"]),
+        "",
+        "validation set, start -> end: "
+        + ", ".join(
+            f"{k.removeprefix('eval/val_')} {v:.3f} -> "
+            f"{results['val_at_end'].get(k, float('nan')):.3f}"
+            for k, v in results["val_at_start"].items()
+        ),
+        "",
+    ]
     return "\n".join(lines)

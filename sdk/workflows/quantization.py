@@ -38,9 +38,18 @@ from torch import nn
 from posttrain.models.conversion import ConversionReport
 from posttrain.workflows.config import choice, fail
 
-__all__ = ["ADAPTER_METHODS", "TRAINING_QUANTIZATIONS", "AdaptersConfig", "QuantizationConfig",
-           "RLQuantizationConfig", "check_converted_run", "convert_for_training",
-           "trainable_parameters", "export_adapters", "finish_quantized"]
+__all__ = [
+    "ADAPTER_METHODS",
+    "TRAINING_QUANTIZATIONS",
+    "AdaptersConfig",
+    "QuantizationConfig",
+    "RLQuantizationConfig",
+    "check_converted_run",
+    "convert_for_training",
+    "trainable_parameters",
+    "export_adapters",
+    "finish_quantized",
+]
 
 ADAPTER_METHODS = ("none", "lora", "qlora")
 TRAINING_QUANTIZATIONS = ("none", "fp8", "qat")
@@ -61,8 +70,9 @@ class AdaptersConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
-                                                        "output_proj"])
+    modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "output_proj"]
+    )
 
     def lora(self):
         """The `LoRAConfig` of these settings; None for method "none"."""
@@ -70,13 +80,21 @@ class AdaptersConfig:
             return None
         from posttrain.models.lora import LoRAConfig
 
-        return LoRAConfig(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-                          modules=tuple(self.modules), quantize_base=self.method == "qlora")
+        return LoRAConfig(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            modules=tuple(self.modules),
+            quantize_base=self.method == "qlora",
+        )
 
     def check(self, at: str) -> None:
         choice(f"{at}.method", self.method, ADAPTER_METHODS)
-        if (not isinstance(self.modules, (list, tuple)) or not self.modules
-                or not all(isinstance(m, str) for m in self.modules)):
+        if (
+            not isinstance(self.modules, (list, tuple))
+            or not self.modules
+            or not all(isinstance(m, str) for m in self.modules)
+        ):
             raise fail(f"{at}.modules", self.modules, "a non-empty list of module names")
         try:
             (self if self.method != "none" else dataclasses.replace(self, method="lora")).lora()
@@ -114,8 +132,10 @@ class QuantizationConfig:
         """Every field, those of a `training` not chosen too (a bad value is an error wherever
         it is set, not when the section is switched on later)."""
         choice(f"{at}.training", self.training, TRAINING_QUANTIZATIONS)
-        fields = {"fp8": {"recipe": "fp8_recipe"},
-                  "qat": {"scheme": "qat_scheme", "group_size": "qat_group_size"}}
+        fields = {
+            "fp8": {"recipe": "fp8_recipe"},
+            "qat": {"scheme": "qat_scheme", "group_size": "qat_group_size"},
+        }
         for training, names in fields.items():
             try:
                 self.training_config(training)
@@ -149,8 +169,11 @@ class RLQuantizationConfig(QuantizationConfig):
         choice(f"{at}.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         t = self.rollout_is_threshold
         if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 1 <= t < float("inf")):
-            raise fail(f"{at}.rollout_is_threshold", t, "a finite number >= 1 (weights are "
-                       "truncated at it)")
+            raise fail(
+                f"{at}.rollout_is_threshold",
+                t,
+                "a finite number >= 1 (weights are truncated at it)",
+            )
 
     def rollout_quantization(self) -> str | None:
         """The `RLTrainer(rollout_quantization=...)` name; None for "none"."""
@@ -160,13 +183,19 @@ class RLQuantizationConfig(QuantizationConfig):
 def _configs(cfg: Any) -> list[Any]:
     adapters = getattr(cfg, "adapters", None)
     quantization = getattr(cfg, "quantization", None)
-    return [c for c in (adapters.lora() if adapters is not None else None,
-                        quantization.training_config() if quantization is not None else None)
-            if c is not None]
+    return [
+        c
+        for c in (
+            adapters.lora() if adapters is not None else None,
+            quantization.training_config() if quantization is not None else None,
+        )
+        if c is not None
+    ]
 
 
-def check_converted_run(cfg: Any, at: str, *,
-                        training: Sequence[str] = TRAINING_QUANTIZATIONS) -> None:
+def check_converted_run(
+    cfg: Any, at: str, *, training: Sequence[str] = TRAINING_QUANTIZATIONS
+) -> None:
     """What spans sections: `quantization.training` is one of `training` (the recipe's), the
     converters run on one process (a `parallel` plan with adapters or quantisation is refused
     here; the SDK's converters compose with FSDP2, the recipes' export of a split converted
@@ -174,8 +203,11 @@ def check_converted_run(cfg: Any, at: str, *,
     converters' rules (`posttrain.train.converters`)."""
     quantization = getattr(cfg, "quantization", None)
     if quantization is not None and quantization.training not in training:
-        raise fail(f"{at}.quantization.training", quantization.training,
-                   f"one of {', '.join(training)} in this recipe")
+        raise fail(
+            f"{at}.quantization.training",
+            quantization.training,
+            f"one of {', '.join(training)} in this recipe",
+        )
     configs = _configs(cfg)
     if not configs:
         return
@@ -183,23 +215,31 @@ def check_converted_run(cfg: Any, at: str, *,
 
     plan = plan_of(cfg)
     if plan is not None:
-        used = "adapters.method" if getattr(cfg.adapters, "method", "none") != "none" else \
-            "quantization.training"
-        raise ValueError(f"{at}.parallel={plan} with {at}.{used} set: a recipe runs "
-                         "adapters and quantised training in one process (set the parallel "
-                         "section to its defaults, or use posttrain.train.converters with "
-                         "plan.parallelize in your own loop)")
+        used = (
+            "adapters.method"
+            if getattr(cfg.adapters, "method", "none") != "none"
+            else "quantization.training"
+        )
+        raise ValueError(
+            f"{at}.parallel={plan} with {at}.{used} set: a recipe runs "
+            "adapters and quantised training in one process (set the parallel "
+            "section to its defaults, or use posttrain.train.converters with "
+            "plan.parallelize in your own loop)"
+        )
     names = {c.converter for c in configs}
     from posttrain.train.converters import EXCLUSIVE
 
     for pair, why in EXCLUSIVE:
         if pair <= names:
-            raise ValueError(f"{at}.adapters.method={cfg.adapters.method!r} with "
-                             f"{at}.quantization.training={cfg.quantization.training!r}: {why}")
+            raise ValueError(
+                f"{at}.adapters.method={cfg.adapters.method!r} with "
+                f"{at}.quantization.training={cfg.quantization.training!r}: {why}"
+            )
 
 
-def convert_for_training(model: nn.Module, cfg: Any, *, spec: Any,
-                         verbose: bool = True) -> list[ConversionReport]:
+def convert_for_training(
+    model: nn.Module, cfg: Any, *, spec: Any, verbose: bool = True
+) -> list[ConversionReport]:
     """Apply the config's adapters and training quantisation to `model` (in place, before the
     optimizer and any plan; `posttrain.train.converters.convert_model`); prints each report
     when `verbose`. Returns the reports (empty when both sections are at their defaults)."""
@@ -223,8 +263,7 @@ def trainable_parameters(*modules: nn.Module | None) -> Iterator[nn.Parameter]:
                 yield p
 
 
-def export_adapters(model: nn.Module, cfg: Any, out: Path | None, *,
-                    spec: Any) -> dict[str, Any]:
+def export_adapters(model: nn.Module, cfg: Any, out: Path | None, *, spec: Any) -> dict[str, Any]:
     """After training (rank 0): with adapters, save them alone in PEFT's format under
     `out/adapter/` (`posttrain.models.lora.save_peft_adapter`; skipped when `out` is None) and
     merge them into the base (`merge_lora`: fp32 accumulation, one cast to the base dtype), so
@@ -238,14 +277,21 @@ def export_adapters(model: nn.Module, cfg: Any, out: Path | None, *,
     if out is not None:
         save_peft_adapter(model, out / "adapter", spec=spec)
     merge_lora(model)
-    return {"adapters": {"method": cfg.adapters.method, "rank": cfg.adapters.rank,
-                         "alpha": cfg.adapters.alpha, "modules": list(cfg.adapters.modules),
-                         "adapter_parameters": n,
-                         "adapter_dir": None if out is None else "adapter"}}
+    return {
+        "adapters": {
+            "method": cfg.adapters.method,
+            "rank": cfg.adapters.rank,
+            "alpha": cfg.adapters.alpha,
+            "modules": list(cfg.adapters.modules),
+            "adapter_parameters": n,
+            "adapter_dir": None if out is None else "adapter",
+        }
+    }
 
 
-def finish_quantized(policy: Any, cfg: Any, out: Path,
-                     evaluate_fn: Callable[[Any], Any] | None) -> dict[str, Any]:
+def finish_quantized(
+    policy: Any, cfg: Any, out: Path, evaluate_fn: Callable[[Any], Any] | None
+) -> dict[str, Any]:
     """After QAT training (rank 0): convert a copy of the fake-quantised policy to real quantised
     weights (`posttrain.train.qat.convert_qat`), evaluate it with `evaluate_fn(policy) ->
     EvalResult` (its table lands in `out/eval_after_converted.csv`). `policy.model` stays
@@ -263,8 +309,9 @@ def finish_quantized(policy: Any, cfg: Any, out: Path,
     config = quantization.training_config()
     converted = copy.deepcopy(policy)
     report = convert_qat(converted.model, config)
-    results: dict[str, Any] = {"qat": {"scheme": config.scheme, "group_size": config.group_size,
-                                       "converted": str(report)}}
+    results: dict[str, Any] = {
+        "qat": {"scheme": config.scheme, "group_size": config.group_size, "converted": str(report)}
+    }
     if evaluate_fn is not None:
         after = evaluate_fn(converted)
         write_table(after.table, out / "eval_after_converted.csv")

@@ -73,8 +73,9 @@ class RecipeRun:
     started: float
 
     @classmethod
-    def start(cls, cfg: Any, *, sub_runs: Sequence[str] = (),
-              data_parallel: bool = False) -> RecipeRun:
+    def start(
+        cls, cfg: Any, *, sub_runs: Sequence[str] = (), data_parallel: bool = False
+    ) -> RecipeRun:
         """Start a run of `cfg`: check that the task's data fits it (`check_task_fits`), then
         `start_run` (refuse a used folder or a changed resume, claim the folder, write
         config.json and lineage.json, seed torch). `sub_runs`: the stage folders inside it
@@ -89,8 +90,9 @@ class RecipeRun:
         check_task_fits(cfg)
         out = start_run(cfg, sub_runs=sub_runs)
         plan = plan_of(cfg)
-        return cls(cfg=cfg, out=out, plan=plan, shared=plan is not None or data_parallel,
-                   started=started)
+        return cls(
+            cfg=cfg, out=out, plan=plan, shared=plan is not None or data_parallel, started=started
+        )
 
     @property
     def writes(self) -> bool:

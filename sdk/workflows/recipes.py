@@ -13,9 +13,16 @@ import importlib.util
 import sys
 import typing
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["recipe_dirs", "find_recipe", "load_recipe", "load_config_file", "apply_overrides",
-           "config_annotation"]
+__all__ = [
+    "recipe_dirs",
+    "find_recipe",
+    "load_recipe",
+    "load_config_file",
+    "apply_overrides",
+    "config_annotation",
+]
 
 
 def recipe_dirs() -> list[Path]:
@@ -38,13 +45,16 @@ def find_recipe(name: str) -> Path:
             if not p.name.startswith("_"):
                 found.setdefault(p.stem, p)
     if name not in found:
-        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'}"
-                         f" (searched {', '.join(str(d) for d in recipe_dirs())})")
+        raise ValueError(
+            f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'}"
+            f" (searched {', '.join(str(d) for d in recipe_dirs())})"
+        )
     return found[name]
 
 
-def load_recipe(name: str):
-    """The recipe module `name` (see `find_recipe`), imported from its file.
+def load_recipe(name: str) -> ModuleType:
+    """The recipe module `name` (see `find_recipe`), imported from its file. Raises ValueError
+    for an unknown name or a file Python cannot import (not `.py`).
 
     The module lives under a made-up name (`posttrain_recipe_sft`) that a job cannot import, so
     it is registered with cloudpickle to travel by value: `posttrain.launch.launch(module.main,
@@ -55,6 +65,8 @@ def load_recipe(name: str):
 
     path = find_recipe(name)
     spec = importlib.util.spec_from_file_location(f"posttrain_recipe_{Path(name).stem}", path)
+    if spec is None or spec.loader is None:  # a suffix Python does not import (not .py)
+        raise ValueError(f"recipe file {str(path)!r} is not a Python file; name it NAME.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -65,13 +77,14 @@ def load_recipe(name: str):
 def _coerce(value: str, annotation) -> object:
     origin = typing.get_origin(annotation)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+    if origin is typing.Union or (
+        origin is not None and str(origin) == "<class 'types.UnionType'>"
+    ):
         if value.lower() in ("none", "null"):
             return None
         annotation = args[0] if len(args) == 1 else str
     if origin is typing.Literal:  # one of the named values: taken as written
-        annotation = type(args[0]) if args and all(type(a) is type(args[0]) for a in args) \
-            else str
+        annotation = type(args[0]) if args and all(type(a) is type(args[0]) for a in args) else str
     if annotation is bool:
         if value.lower() in ("1", "true", "yes"):
             return True
@@ -122,8 +135,10 @@ def config_annotation(cfg, key: str):
         if dataclasses.is_dataclass(obj):
             names = sorted(f.name for f in dataclasses.fields(obj))
             if part not in names:
-                raise ValueError(f"unknown config key {key!r}; valid keys"
-                                 f"{' of ' + section if section else ''}: {', '.join(names)}")
+                raise ValueError(
+                    f"unknown config key {key!r}; valid keys"
+                    f"{' of ' + section if section else ''}: {', '.join(names)}"
+                )
             annotation, obj = typing.get_type_hints(type(obj))[part], getattr(obj, part)
         elif isinstance(obj, dict):
             return None

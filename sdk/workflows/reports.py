@@ -20,27 +20,42 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import pandas as pd
 import torch
 
 from posttrain.core.checkpoint import check_new_run_dir
 from posttrain.core.checkpoint_files import write_text_atomic
+from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.stage_files import count_lines, read_stage_file, write_stage_file
-from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.train.engine import Engine
 from posttrain.workflows.config import validate
 from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelPlan, check_world_size
 
-__all__ = ["start_run", "accuracy_table", "difference_line", "accuracy_of", "write_results",
-           "write_table", "read_table", "plot_curves", "RunInterrupted", "stop_if_interrupted",
-           "RESUMABLE_KEYS", "cached_pairs", "check_tokenizer_covers_task", "on_rank_zero"]
+__all__ = [
+    "start_run",
+    "accuracy_table",
+    "difference_line",
+    "accuracy_of",
+    "write_results",
+    "write_table",
+    "read_table",
+    "plot_curves",
+    "RunInterrupted",
+    "stop_if_interrupted",
+    "RESUMABLE_KEYS",
+    "cached_pairs",
+    "check_tokenizer_covers_task",
+    "on_rank_zero",
+]
+
+T = TypeVar("T")
 
 RESUMABLE_KEYS = ("resume", "progress", "checkpoint.", "parallel.", "out_dir")
 """Config keys (and key prefixes, ending in ".") that may differ between a run and its resume:
@@ -122,9 +137,11 @@ def check_tokenizer_covers_task(cfg: Any, probe: int = 16) -> None:
     share = sum(i.count(unk) for i in ids) / max(total, 1)
     if share > UNK_SHARE_MAX:
         example = next(t for t, i in zip(texts, ids) if unk in i)
-        raise ValueError(f"Config.model.init_from={folder!r}: its tokenizer turns {share:.0%} of "
-                         f"the task's tokens into the unknown token (e.g. in {example[:80]!r}); "
-                         "use a policy whose tokenizer covers the data")
+        raise ValueError(
+            f"Config.model.init_from={folder!r}: its tokenizer turns {share:.0%} of "
+            f"the task's tokens into the unknown token (e.g. in {example[:80]!r}); "
+            "use a policy whose tokenizer covers the data"
+        )
 
 
 def _probe_texts(task: Any, n: int) -> list[str]:
@@ -162,9 +179,11 @@ def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:
         if key not in saved and key in _ADDED_DEFAULTS and now[key] == _ADDED_DEFAULTS[key]:
             continue
         allowed = ", ".join(k + "*" if k.endswith(".") else k for k in RESUMABLE_KEYS)
-        raise ValueError(f"resume: {out / 'config.json'} has {key}={saved.get(key)!r}, this run "
-                         f"has {key}={now.get(key)!r}; only {allowed} may change on resume "
-                         "(use a new out_dir for a different run)")
+        raise ValueError(
+            f"resume: {out / 'config.json'} has {key}={saved.get(key)!r}, this run "
+            f"has {key}={now.get(key)!r}; only {allowed} may change on resume "
+            "(use a new out_dir for a different run)"
+        )
 
 
 def _rebased(value: Any, old_dir: Any, new_dir: Any) -> Any:
@@ -179,28 +198,33 @@ def _rebased(value: Any, old_dir: Any, new_dir: Any) -> Any:
     while same < min(len(old), len(new)) - 1 and old[-1 - same] == new[-1 - same]:
         same += 1
     try:
-        inside = Path(value).relative_to(Path(*old[:len(old) - same]))
+        inside = Path(value).relative_to(Path(*old[: len(old) - same]))
     except ValueError:
         return value
-    return str(Path(*new[:len(new) - same]) / inside)
+    return str(Path(*new[: len(new) - same]) / inside)
 
 
-def accuracy_table(stages: Sequence[tuple[str, dict | None]],
-                   header: str = "held-out (greedy)") -> list[str]:
+def accuracy_table(
+    stages: Sequence[tuple[str, dict | None]], header: str = "held-out (greedy)"
+) -> list[str]:
     """Markdown rows of (stage name, `EvalResult.as_dict()`) pairs; stages given None are
     left out."""
     lines = [f"| {header} | accuracy | 95% Wilson CI | items |", "|---|---|---|---|"]
     for name, r in stages:
         if r is not None:
-            lines.append(f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
-                         f"{r['ci_high']:.3f}] | {r['num_items']} |")
+            lines.append(
+                f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
+                f"{r['ci_high']:.3f}] | {r['num_items']} |"
+            )
     return lines
 
 
 def difference_line(label: str, d: dict) -> str:
     """One line for a `paired_bootstrap_diff` result."""
-    return (f"{label}: {d['difference']:+.3f} (95% CI [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], "
-            f"{d['method']}, same {d['num_items']} items)")
+    return (
+        f"{label}: {d['difference']:+.3f} (95% CI [{d['ci_low']:+.3f}, {d['ci_high']:+.3f}], "
+        f"{d['method']}, same {d['num_items']} items)"
+    )
 
 
 def accuracy_of(table: pd.DataFrame) -> dict[str, float]:
@@ -229,6 +253,14 @@ def write_table(table: pd.DataFrame, path: Path) -> None:
     write_stage_file(path, table.to_csv(index=False, lineterminator="\r\n"), rows=len(table))
 
 
+@overload
+def read_table(path: Path, *, required: Literal[True], **read_csv: Any) -> pd.DataFrame: ...
+
+
+@overload
+def read_table(path: Path, *, required: bool = False, **read_csv: Any) -> pd.DataFrame | None: ...
+
+
 def read_table(path: Path, *, required: bool = False, **read_csv: Any) -> pd.DataFrame | None:
     """An evaluation table written by `write_table`, or None if the stage did not finish (no
     file, or a file without a record: its stage runs again). `read_csv` options go to
@@ -252,8 +284,13 @@ def _csv_rows(data: bytes) -> int:
     return len(pd.read_csv(io.BytesIO(data)))
 
 
-def cached_pairs(out: Path, *, resume: bool, make: Any, stats_file: str = "pair_stats.json"
-                 ) -> tuple[list[dict], dict[str, Any]]:
+def cached_pairs(
+    out: Path,
+    *,
+    resume: bool,
+    make: Callable[[], tuple[list[dict], dict[str, Any]]],
+    stats_file: str = "pair_stats.json",
+) -> tuple[list[dict], dict[str, Any]]:
     """The rejection-sampling stage of a preference or reward-model run: `(rows, stats)` read
     back when resuming and both files are there and recorded, else `make()` (returning rows
     and a stats dict), written as stage files (`posttrain.core.stage_files`: atomic, with
@@ -275,7 +312,7 @@ def cached_pairs(out: Path, *, resume: bool, make: Any, stats_file: str = "pair_
     return rows, stats
 
 
-def on_rank_zero(make: Any) -> Any:
+def on_rank_zero(make: Callable[[], T]) -> T:
     """`make()` on rank 0, its (picklable) result broadcast to every rank of the process group
     (a collective); `make()` itself without one. For a stage whose result every rank needs and
     that must not differ between ranks (rejection-sampled pairs: sampling on several GPUs need
@@ -284,7 +321,7 @@ def on_rank_zero(make: Any) -> Any:
 
     if rank_and_world_size()[1] == 1:
         return make()
-    box = [make() if dist.get_rank() == 0 else None]
+    box: list[Any] = [make() if dist.get_rank() == 0 else None]  # the others': the broadcast
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -298,14 +335,26 @@ def stop_if_interrupted(trainer: Engine, out: Path, results: dict[str, Any]) -> 
     done, planned = trainer.step_count, trainer.target_steps
     results = {**results, "interrupted": True, "steps_done": done, "steps_planned": planned}
     if rank_and_world_size()[0] == 0:
-        write_results(out, results, f"# interrupted after step {done} of {planned}\n\n"
-                      f"The last whole step is checkpointed: rerun with resume=true to continue.\n")
-    raise RunInterrupted(f"{out}: interrupted after step {done} of {planned}; rerun with "
-                         "resume=true to continue from its checkpoint")
+        write_results(
+            out,
+            results,
+            f"# interrupted after step {done} of {planned}\n\n"
+            f"The last whole step is checkpointed: rerun with resume=true to continue.\n",
+        )
+    raise RunInterrupted(
+        f"{out}: interrupted after step {done} of {planned}; rerun with "
+        "resume=true to continue from its checkpoint"
+    )
 
 
-def plot_curves(metrics: pd.DataFrame, path: Path, columns: Sequence[tuple[str, str]], *,
-                xlabel: str, log_y: bool = False) -> None:
+def plot_curves(
+    metrics: pd.DataFrame,
+    path: Path,
+    columns: Sequence[tuple[str, str]],
+    *,
+    xlabel: str,
+    log_y: bool = False,
+) -> None:
     """One row of panels, x = `metrics["step"]`, one per (column, axis label) present in
     `metrics`; rows where a column is NaN are skipped (sparse ones get point markers). Saved to
     `path` at 100 dpi."""
@@ -318,8 +367,7 @@ def plot_curves(metrics: pd.DataFrame, path: Path, columns: Sequence[tuple[str, 
     fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3), squeeze=False)
     for ax, (column, label) in zip(axes[0], columns):
         data = metrics[["step", column]].dropna()
-        ax.plot(data["step"], data[column], lw=1,
-                marker="." if len(data) < len(metrics) else None)
+        ax.plot(data["step"], data[column], lw=1, marker="." if len(data) < len(metrics) else None)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         if log_y:

@@ -39,23 +39,39 @@ Example:
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.data import PreferenceDataset
-from posttrain.preference import (BradleyTerryLoss, gathered_reward_model,
-                                  parallelize_reward_model)
+from posttrain.preference import BradleyTerryLoss, gathered_reward_model, parallelize_reward_model
 from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, pairwise_accuracy
 from posttrain.train import Trainer
-from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
-                                        ModelConfig, PairsConfig, SamplingConfig,
-                                        SFTWarmStartConfig, TaskConfig, fail, finite, run_fields,
-                                        seeds, validate)
+from posttrain.workflows.config import (
+    BatchOptimConfig,
+    CheckpointConfig,
+    EvalConfig,
+    ModelConfig,
+    PairsConfig,
+    SamplingConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    fail,
+    finite,
+    run_fields,
+    seeds,
+    validate,
+)
 from posttrain.workflows.pairs import pair_loader, sampled_pairs
 from posttrain.workflows.parallel import ParallelPlan, check_parallel
-from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
-                                              check_converted_run, convert_for_training,
-                                              export_adapters, trainable_parameters)
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    QuantizationConfig,
+    check_converted_run,
+    convert_for_training,
+    export_adapters,
+    trainable_parameters,
+)
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.rl import check_gym_task
 from posttrain.workflows.run_state import recorded_run
@@ -82,9 +98,10 @@ class RewardModelRunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     held_out_fraction: float = 0.2
     # reward model (optim.batch_size: pairs per micro-batch)
-    optim: BatchOptimConfig = field(default_factory=lambda: BatchOptimConfig(
-        steps=300, lr=1e-4, warmup_steps=10, batch_size=32))
-    margin: float = 0.0                # Bradley-Terry margin (>= 0)
+    optim: BatchOptimConfig = field(
+        default_factory=lambda: BatchOptimConfig(steps=300, lr=1e-4, warmup_steps=10, batch_size=32)
+    )
+    margin: float = 0.0  # Bradley-Terry margin (>= 0)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
@@ -106,9 +123,13 @@ class RewardModelRunConfig:
         finite(self, at, ("margin",), low=0.0)
         if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
-        check_parallel(self, at, divisible=("optim.batch_size",) + (
-            ("sft.batch_size",) if self.model.init_from is None else ()),
-                       unsupported=("sp", "pp", "ep"))  # parallelize_reward_model
+        check_parallel(
+            self,
+            at,
+            divisible=("optim.batch_size",)
+            + (("sft.batch_size",) if self.model.init_from is None else ()),
+            unsupported=("sp", "pp", "ep"),
+        )  # parallelize_reward_model
         check_converted_run(self, at, training=("none", "fp8"))
 
 
@@ -134,15 +155,17 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
 
     # 2. pairs by rejection sampling, ranked by the task's verifier; split by question
     task = training_task(cfg, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed)
-    rows, pair_stats, unusable = sampled_pairs(run, policy, task,
-                                               max_seq_len=policy.spec.max_seq_len,
-                                               stats_file="pairs_stats.json")
+    rows, pair_stats, unusable = sampled_pairs(
+        run, policy, task, max_seq_len=policy.spec.max_seq_len, stats_file="pairs_stats.json"
+    )
     train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
     pairs_s = run.seconds() - policy_s
     if run.writes:
-        print(f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
-              f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
-              f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else ""))
+        print(
+            f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
+            f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
+            f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else "")
+        )
 
     # 3. the Bradley-Terry reward model, from the policy's backbone
     tokenizer = policy.tokenizer
@@ -158,20 +181,34 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
         return {"pairwise_accuracy": result.accuracy, "bt_loss": result.loss}
 
     model = RewardModel.from_policy(policy, seed=cfg.seed)
-    converters = [str(r) for r in convert_for_training(model.backbone, cfg, spec=policy.spec,
-                                                       verbose=run.writes)]  # adapters, FP8
+    converters = [
+        str(r)
+        for r in convert_for_training(model.backbone, cfg, spec=policy.spec, verbose=run.writes)
+    ]  # adapters, FP8
     before = held_out_accuracy(model)
     # the head too; before the optimizer (the plan replaces the parameters)
     runtime = None if plan is None else parallelize_reward_model(plan, model)
     o = cfg.optim
     loader = pair_loader(train, batch_size=o.batch_size, seed=cfg.seed, runtime=runtime)
     optimizer, schedule = o.build(trainable_parameters(model))
-    trainer = Trainer(model, optimizer, data=loader,
-                      loss=BradleyTerryLoss(margin=cfg.margin), lr_scheduler=schedule,
-                      grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
-                      run_dir=out, eval_fn=eval_fn, eval_every=cfg.eval.every,
-                      checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                      progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, runtime=runtime)
+    trainer = Trainer(
+        model,
+        optimizer,
+        data=loader,
+        loss=BradleyTerryLoss(margin=cfg.margin),
+        lr_scheduler=schedule,
+        grad_accum_steps=o.grad_accum_steps,
+        max_grad_norm=o.max_grad_norm,
+        run_dir=out,
+        eval_fn=eval_fn,
+        eval_every=cfg.eval.every,
+        checkpoint_every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        resume=cfg.resume,
+        runtime=runtime,
+    )
     metrics = trainer.fit(o.steps)
     run.stop_if_interrupted(trainer, {"pairs": pair_stats, "num_pairs": len(rows)})
     after = held_out_accuracy(model)  # every rank, under a plan
@@ -190,18 +227,29 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
     reloaded, _ = load_reward_model(out / "reward_model")
     reloaded_accuracy = held_out_accuracy(reloaded).accuracy
     if reloaded_accuracy != after.accuracy:
-        raise RuntimeError(f"the saved reward model gives held-out accuracy {reloaded_accuracy}, "
-                           f"the trained one {after.accuracy}")
-    results = {"model": cfg.model.name if cfg.model.init_from is None else cfg.model.init_from,
-               "params": sum(p.numel() for p in model.parameters()),
-               "policy_held_out_accuracy": (sft_results or {}).get("after"),
-               "pairs": pair_stats, "num_pairs": len(rows), "num_train_pairs": len(train),
-               "num_held_out_pairs": len(held), "before": before.as_dict(),
-               "after": after.as_dict(), "train_pairs_after": fit.as_dict(),
-               "rm_steps": o.steps,
-               "final_loss": float(metrics["loss"].tail(10).mean()),
-               "policy_s": policy_s, "pairs_s": pairs_s, "rm_s": rm_s,
-               "wall_s": run.seconds(), **adapters}
+        raise RuntimeError(
+            f"the saved reward model gives held-out accuracy {reloaded_accuracy}, "
+            f"the trained one {after.accuracy}"
+        )
+    results = {
+        "model": cfg.model.name if cfg.model.init_from is None else cfg.model.init_from,
+        "params": sum(p.numel() for p in model.parameters()),
+        "policy_held_out_accuracy": (sft_results or {}).get("after"),
+        "pairs": pair_stats,
+        "num_pairs": len(rows),
+        "num_train_pairs": len(train),
+        "num_held_out_pairs": len(held),
+        "before": before.as_dict(),
+        "after": after.as_dict(),
+        "train_pairs_after": fit.as_dict(),
+        "rm_steps": o.steps,
+        "final_loss": float(metrics["loss"].tail(10).mean()),
+        "policy_s": policy_s,
+        "pairs_s": pairs_s,
+        "rm_s": rm_s,
+        "wall_s": run.seconds(),
+        **adapters,
+    }
     if converters:
         results["converters"] = converters
     if unusable:
@@ -212,12 +260,15 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
 
 def _ids(dataset: PreferenceDataset, indices) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of the chosen and of the rejected sequences of items `indices`."""
-    return ([dataset[i]["chosen_ids"].tolist() for i in indices],
-            [dataset[i]["rejected_ids"].tolist() for i in indices])
+    return (
+        [dataset[i]["chosen_ids"].tolist() for i in indices],
+        [dataset[i]["rejected_ids"].tolist() for i in indices],
+    )
 
 
-def split_by_question(rows: list[dict], held_out_fraction: float, *,
-                      seed: int) -> tuple[list[dict], list[dict]]:
+def split_by_question(
+    rows: Sequence[Mapping[str, Any]], held_out_fraction: float, *, seed: int
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
     """(train rows, held-out rows): a seeded `held_out_fraction` of the distinct prompts (at
     least one, at most all but one) and all their pairs are held out, so no held-out prompt is
     trained on.
@@ -227,10 +278,12 @@ def split_by_question(rows: list[dict], held_out_fraction: float, *,
     """
     questions = sorted({r["prompt"] for r in rows})
     if len(questions) < 2:
-        raise ValueError(f"{len(rows)} pairs from {len(questions)} prompt(s): too few to split "
-                         "into training and held-out pairs; raise pairs.num_prompts or "
-                         "pairs.samples_per_prompt, train the policy longer (sft.steps), or "
-                         "set pairs.reference_answer=true")
+        raise ValueError(
+            f"{len(rows)} pairs from {len(questions)} prompt(s): too few to split "
+            "into training and held-out pairs; raise pairs.num_prompts or "
+            "pairs.samples_per_prompt, train the policy longer (sft.steps), or "
+            "set pairs.reference_answer=true"
+        )
     random.Random(seed).shuffle(questions)
     n_held = min(len(questions) - 1, max(1, round(held_out_fraction * len(questions))))
     held = set(questions[:n_held])
@@ -239,27 +292,40 @@ def split_by_question(rows: list[dict], held_out_fraction: float, *,
 
 def _results_markdown(results: dict[str, Any], task: str) -> str:
     p = results["pairs"]
-    lines = [f"# Bradley-Terry reward model on {task} pairs ({results['model']}, "
-             f"{results['params'] / 1e6:.2f}M params)", "",
-             f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
-             f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "
-             f"skipped: all equal {p['skipped_all_equal']}, too few {p['skipped_too_few']}; "
-             f"reference answer chosen in {p['reference_chosen']}); {results['num_train_pairs']} "
-             f"train / {results['num_held_out_pairs']} held-out pairs (split by prompt).", "",
-             f"{results['rm_steps']} steps, final loss {results['final_loss']:.4f}; wall "
-             f"{results['wall_s']:.0f} s (policy {results['policy_s']:.0f} s, pairs "
-             f"{results['pairs_s']:.0f} s, reward model {results['rm_s']:.0f} s)", "",
-             "| pairs | accuracy (r_chosen > r_rejected) | 95% Wilson CI | mean margin |"
-             " BT loss | pairs |", "|---|---|---|---|---|---|"]
-    for key, name in (("before", "held-out, before training"),
-                      ("after", "held-out, after training"),
-                      ("train_pairs_after", "training pairs, after")):
+    lines = [
+        f"# Bradley-Terry reward model on {task} pairs ({results['model']}, "
+        f"{results['params'] / 1e6:.2f}M params)",
+        "",
+        f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
+        f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "
+        f"skipped: all equal {p['skipped_all_equal']}, too few {p['skipped_too_few']}; "
+        f"reference answer chosen in {p['reference_chosen']}); {results['num_train_pairs']} "
+        f"train / {results['num_held_out_pairs']} held-out pairs (split by prompt).",
+        "",
+        f"{results['rm_steps']} steps, final loss {results['final_loss']:.4f}; wall "
+        f"{results['wall_s']:.0f} s (policy {results['policy_s']:.0f} s, pairs "
+        f"{results['pairs_s']:.0f} s, reward model {results['rm_s']:.0f} s)",
+        "",
+        "| pairs | accuracy (r_chosen > r_rejected) | 95% Wilson CI | mean margin |"
+        " BT loss | pairs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, name in (
+        ("before", "held-out, before training"),
+        ("after", "held-out, after training"),
+        ("train_pairs_after", "training pairs, after"),
+    ):
         r = results[key]
-        lines.append(f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
-                     f"{r['ci_high']:.3f}] | {r['mean_margin']:+.3f} | {r['loss']:.4f} | "
-                     f"{r['num_pairs']} |")
+        lines.append(
+            f"| {name} | {r['accuracy']:.3f} | [{r['ci_low']:.3f}, "
+            f"{r['ci_high']:.3f}] | {r['mean_margin']:+.3f} | {r['loss']:.4f} | "
+            f"{r['num_pairs']} |"
+        )
     policy = results.get("policy_held_out_accuracy")
     if policy:
-        lines += ["", f"sampling policy held-out greedy accuracy {policy['accuracy']:.3f} "
-                      f"[{policy['ci_low']:.3f}, {policy['ci_high']:.3f}]"]
+        lines += [
+            "",
+            f"sampling policy held-out greedy accuracy {policy['accuracy']:.3f} "
+            f"[{policy['ci_low']:.3f}, {policy['ci_high']:.3f}]",
+        ]
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ Optional stages: `eval.every` N > 0 evaluates held-out greedy accuracy every N R
 `baseline.steps` N > 0 runs the honest baseline after RL: N more SFT steps from the SFT policy on
 the same demonstrations (run folder `more_sft/`), scored like the RL policy and compared with
 it, paired (`rl_minus_more_sft`, `rl_minus_more_sft_sampled`), with both stages' wall times.
+These measurements and the report are in `posttrain.workflows.rl_evaluation`.
 
 Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one row per RL
 step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
@@ -37,32 +38,47 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from posttrain.policy.policy import Policy
-from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
-from posttrain.core.checks import check_int
 from posttrain.core.distributed import rank_and_world_size
-from posttrain.core.metrics import read_metrics
+from posttrain.policy.policy import Policy
+from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.rl.trainer import RLTrainer, ValueHead
-from posttrain.workflows.config import (CheckpointConfig, ModelConfig, MoreSFTBaselineConfig,
-                                        OptimConfig, RLConfig, RLEvalConfig, SamplingConfig,
-                                        SFTWarmStartConfig, TaskConfig, fail, ints, run_fields,
-                                        validate)
+from posttrain.workflows.config import (
+    CheckpointConfig,
+    ModelConfig,
+    MoreSFTBaselineConfig,
+    OptimConfig,
+    RLConfig,
+    RLEvalConfig,
+    SamplingConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    fail,
+    ints,
+    run_fields,
+    validate,
+)
 from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
-from posttrain.workflows.quantization import (AdaptersConfig, RLQuantizationConfig,
-                                              check_converted_run, convert_for_training,
-                                              export_adapters, trainable_parameters)
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    RLQuantizationConfig,
+    check_converted_run,
+    convert_for_training,
+    export_adapters,
+    trainable_parameters,
+)
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import (accuracy_table, difference_line, plot_curves,
-                                         read_table, write_table)
+from posttrain.workflows.reports import plot_curves, read_table, write_table
+from posttrain.workflows.rl_evaluation import (
+    HeldOutCurve,
+    more_sft_baseline,
+    sampled_evaluations,
+    write_rl_results,
+)
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import warm_start
-from posttrain.workflows.task_data import (check_seq_len, evaluate, held_out_items,
-                                           training_task)
+from posttrain.workflows.task_data import check_seq_len, evaluate, held_out_items, training_task
 
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
 
@@ -75,9 +91,12 @@ def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
     ints(cfg.task, f"{at}.task", ("eval_size",), minimum=min_eval_size)
     demonstrations = getattr(getattr(cfg, "sft", None), "demonstrations", None)
     if demonstrations is not None and demonstrations > cfg.task.train_size:
-        raise fail(f"{at}.sft.demonstrations", demonstrations,
-                   f"at most task.train_size={cfg.task.train_size} (the warm start's items are "
-                   "the task's first ones), or None for all")
+        raise fail(
+            f"{at}.sft.demonstrations",
+            demonstrations,
+            f"at most task.train_size={cfg.task.train_size} (the warm start's items are "
+            "the task's first ones), or None for all",
+        )
 
 
 @dataclass(kw_only=True)
@@ -91,11 +110,13 @@ class RLRunConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
-    sft: SFTWarmStartConfig = field(default_factory=lambda: SFTWarmStartConfig(
-        steps=900, lr=3e-3, batch_size=64))
+    sft: SFTWarmStartConfig = field(
+        default_factory=lambda: SFTWarmStartConfig(steps=900, lr=3e-3, batch_size=64)
+    )
     rl: RLConfig = field(default_factory=RLConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(
-        steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0))
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0)
+    )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
@@ -118,30 +139,59 @@ class RLRunConfig:
         check_gym_task(self, at)
         check_seq_len(self, at)
         if self.model.init_from is not None:
-            raise fail(f"{at}.model.init_from", self.model.init_from,
-                       "None: the RL run starts from its own SFT stage (model.name)")
-        check_parallel(self, at, divisible=("rl.prompts_per_step", "sft.batch_size"),
-                       unsupported=("sp", "pp", "ep"))  # see posttrain.rl.parallel
+            raise fail(
+                f"{at}.model.init_from",
+                self.model.init_from,
+                "None: the RL run starts from its own SFT stage (model.name)",
+            )
+        check_parallel(
+            self,
+            at,
+            divisible=("rl.prompts_per_step", "sft.batch_size"),
+            unsupported=("sp", "pp", "ep"),
+        )  # see posttrain.rl.parallel
         if plan_of(self) is not None:  # rank 0 alone evaluates, on gathered weights
-            for key, value in (("eval.every", self.eval.every),
-                               ("baseline.steps", self.baseline.steps)):
+            for key, value in (
+                ("eval.every", self.eval.every),
+                ("baseline.steps", self.baseline.steps),
+            ):
                 if value:
-                    raise fail(f"{at}.{key}", value, "0 under a parallel plan: set eval.every=0 "
-                               "baseline.steps=0 (the held-out curve and the more-SFT "
-                               "baseline run in one process)")
+                    raise fail(
+                        f"{at}.{key}",
+                        value,
+                        "0 under a parallel plan: set eval.every=0 "
+                        "baseline.steps=0 (the held-out curve and the more-SFT "
+                        "baseline run in one process)",
+                    )
         check_converted_run(self, at, training=("none", "fp8"))
 
 
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
 RL_TINY: dict[str, Any] = {
-    "model.name": "tiny-1m", "task.train_size": 64, "task.eval_size": 8, "eval.max_new_tokens": 6,
+    "model.name": "tiny-1m",
+    "task.train_size": 64,
+    "task.eval_size": 8,
+    "eval.max_new_tokens": 6,
     "eval.samples": 2,
-    "sft.steps": 3, "sft.batch_size": 8, "optim.steps": 2, "optim.warmup_steps": 1,
-    "rl.prompts_per_step": 2, "rl.group_size": 2, "sampling.max_new_tokens": 4,
-    "checkpoint.every": 1, "progress": False, "eval.every": 0, "baseline.steps": 0}
+    "sft.steps": 3,
+    "sft.batch_size": 8,
+    "optim.steps": 2,
+    "optim.warmup_steps": 1,
+    "rl.prompts_per_step": 2,
+    "rl.group_size": 2,
+    "sampling.max_new_tokens": 4,
+    "checkpoint.every": 1,
+    "progress": False,
+    "eval.every": 0,
+    "baseline.steps": 0,
+}
 
-_CURVES = [("reward_mean", "reward (mean)"), ("accuracy", "accuracy (outcome ok)"),
-           ("kl", "KL to reference"), ("ppo_kl", "KL old -> new (ppo_kl)")]
+_CURVES = [
+    ("reward_mean", "reward (mean)"),
+    ("accuracy", "accuracy (outcome ok)"),
+    ("kl", "KL to reference"),
+    ("ppo_kl", "KL old -> new (ppo_kl)"),
+]
 
 
 @recorded_run
@@ -169,38 +219,75 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling
     q = cfg.quantization
     if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler
-        algo = dataclasses.replace(algo, rollout_correction=q.rollout_correction,
-                                   rollout_is_threshold=q.rollout_is_threshold)
-    converters = [str(r) for r in convert_for_training(
-        policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0)]
+        algo = dataclasses.replace(
+            algo,
+            rollout_correction=q.rollout_correction,
+            rollout_is_threshold=q.rollout_is_threshold,
+        )
+    converters = [
+        str(r)
+        for r in convert_for_training(
+            policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0
+        )
+    ]
     runtime = None  # before the optimizer: the plan replaces the parameters
     if plan is not None:
         runtime = plan.parallelize(policy.model, spec=policy.spec)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
     optimizer, schedule = o.build(trainable_parameters(policy.model, value_head))
-    curve = HeldOutCurve(policy, items, scorer, every=cfg.eval.every,
-                         max_new_tokens=cfg.eval.max_new_tokens,
-                         path=out / "eval_curve.csv") if cfg.eval.every else None
-    trainer = RLTrainer(policy, optimizer, task=task, algo=algo,
-                        prompts_per_step=cfg.rl.prompts_per_step, max_new_tokens=s.max_new_tokens,
-                        temperature=s.temperature, top_p=s.top_p, value_head=value_head,
-                        lr_scheduler=schedule, max_grad_norm=o.max_grad_norm, run_dir=out,
-                        checkpoint_every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
-                        progress=cfg.progress, seed=cfg.seed, resume=cfg.resume, runtime=runtime,
-                        rollout_quantization=q.rollout_quantization(),
-                        callbacks=[curve] if curve else [])
+    curve = (
+        HeldOutCurve(
+            policy,
+            items,
+            scorer,
+            every=cfg.eval.every,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            path=out / "eval_curve.csv",
+        )
+        if cfg.eval.every
+        else None
+    )
+    trainer = RLTrainer(
+        policy,
+        optimizer,
+        task=task,
+        algo=algo,
+        prompts_per_step=cfg.rl.prompts_per_step,
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        value_head=value_head,
+        lr_scheduler=schedule,
+        max_grad_norm=o.max_grad_norm,
+        run_dir=out,
+        checkpoint_every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        resume=cfg.resume,
+        runtime=runtime,
+        rollout_quantization=q.rollout_quantization(),
+        callbacks=[curve] if curve else [],
+    )
     if curve:  # (one process: refused under a plan, where rank > 0 has no results)
+        assert sft_results is not None  # one process: its SFT stage returned the results
         curve.start(trainer.step_count, sft_results["after"])
     metrics = trainer.fit(o.steps)
-    run.stop_if_interrupted(trainer, {"algo": cfg.rl.algo,
-                                      "after_sft": (sft_results or {}).get("after")})
+    run.stop_if_interrupted(
+        trainer, {"algo": cfg.rl.algo, "after_sft": (sft_results or {}).get("after")}
+    )
     if plan is not None:
         policy = trainer.gathered_policy()  # every rank; then rank 0 alone evaluates and writes
     if run.others_return():
         return None
+    assert sft_results is not None  # this process writes: its SFT stage returned the results
     rl_s = run.seconds() - sft_s
-    plot_curves(metrics, out / "rl_curves.png", [c for c in _CURVES if c[0] in metrics][:3],
-                xlabel=f"{cfg.rl.algo} step")
+    plot_curves(
+        metrics,
+        out / "rl_curves.png",
+        [c for c in _CURVES if c[0] in metrics][:3],
+        xlabel=f"{cfg.rl.algo} step",
+    )
     if curve:
         curve.plot(out / "eval_curve.png", xlabel=f"{cfg.rl.algo.upper()} step")
 
@@ -208,21 +295,33 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     after_rl = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
     write_table(after_rl.table, out / "eval_after_rl.csv")
     after_sft = read_table(out / "sft" / "eval_after.csv", required=True)
-    diff = paired_bootstrap_diff(after_rl.table["correct"].to_numpy(),
-                                 after_sft["correct"].to_numpy(), seed=cfg.seed)
-    sampled, rl_per_item = _sampled_evaluations(cfg, out, items, scorer, policy)
+    diff = paired_bootstrap_diff(
+        after_rl.table["correct"].to_numpy(), after_sft["correct"].to_numpy(), seed=cfg.seed
+    )
+    sampled, rl_per_item = sampled_evaluations(cfg, out, items, scorer, policy)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     algo_name = cfg.rl.algo
-    results = {"algo": algo_name, "model": cfg.model.name, "params": policy.num_parameters(),
-               "task_config": cfg.task.options, "eval_size": cfg.task.eval_size,
-               "before_sft": sft_results.get("before"), "after_sft": sft_results["after"],
-               f"after_{algo_name}": after_rl.as_dict(), "difference": diff,
-               "sft_steps": cfg.sft.steps, "rl_steps": o.steps,
-               "sft_s": sft_s, "rl_s": rl_s, "wall_s": run.seconds(),
-               "rl_train_s": float(metrics["step_time_s"].sum()),
-               "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
-               **sampled, **adapters}
+    results = {
+        "algo": algo_name,
+        "model": cfg.model.name,
+        "params": policy.num_parameters(),
+        "task_config": cfg.task.options,
+        "eval_size": cfg.task.eval_size,
+        "before_sft": sft_results.get("before"),
+        "after_sft": sft_results["after"],
+        f"after_{algo_name}": after_rl.as_dict(),
+        "difference": diff,
+        "sft_steps": cfg.sft.steps,
+        "rl_steps": o.steps,
+        "sft_s": sft_s,
+        "rl_s": rl_s,
+        "wall_s": run.seconds(),
+        "rl_train_s": float(metrics["step_time_s"].sum()),
+        "rl_final_reward_mean": float(metrics["reward_mean"].tail(10).mean()),
+        **sampled,
+        **adapters,
+    }
     if curve:
         results["eval_curve"] = curve.rows()
     if converters:
@@ -230,164 +329,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if q.rollout != "none":
         results["rollout_quantization"] = q.rollout
         results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
-    _write_results(run, results, cfg.task.name, algo_name)
+    write_rl_results(run, results, cfg.task.name, algo_name)
     if cfg.baseline.steps:  # after the RL results are on disk: a failed baseline loses none
-        results.update(_more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item))
+        results.update(more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item))
         results["wall_s"] = run.seconds()
-        _write_results(run, results, cfg.task.name, algo_name)
+        write_rl_results(run, results, cfg.task.name, algo_name)
     return run.done(results)
-
-
-def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
-    """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`."""
-    return evaluate_sampled(policy, items, samples=cfg.eval.samples, seed=cfg.seed + 1,
-                            max_new_tokens=cfg.eval.max_new_tokens,
-                            score_fn=lambda text, item: scorer.score_answer(text.strip(), item))
-
-
-def _sampled_evaluations(cfg: RLRunConfig, out: Path, items: list[dict], scorer,
-                         policy: Policy) -> tuple[dict[str, Any], Any]:
-    """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
-    back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
-    per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
-    `cfg.eval.samples` is 0; with them, the RL policy's per-item pass@1 ([N] float64, None
-    without samples) for the baseline's comparison."""
-    if not cfg.eval.samples:
-        return {}, None
-    algo, results, per_item = cfg.rl.algo, {}, {}
-    for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
-        r = _sampled(cfg, model, items, scorer)
-        write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
-        results[f"sampled_after_{stage}"] = r.as_dict()
-        per_item[stage] = r.per_item_pass1
-    results["sampled_difference"] = paired_bootstrap_diff(per_item[algo], per_item["sft"],
-                                                          seed=cfg.seed)
-    return results, per_item[algo]
-
-
-def _more_sft_baseline(cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl,
-                       rl_per_item: Any) -> dict[str, Any]:
-    """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
-    policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
-    items, and RL minus more-SFT, paired (greedy; sampled pass@1 against `rl_per_item`, the RL
-    policy's per-item pass@1, when `cfg.eval.samples`). `train_s` is the sum of the stage's
-    step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
-    results = warm_start(cfg, out, folder="more_sft", init_from=out / "sft" / "policy",
-                         sft=cfg.baseline.warm_start(cfg.sft))
-    greedy = read_table(out / "more_sft" / "eval_after.csv", required=True)["correct"].to_numpy()
-    train_s = float(read_metrics(out / "more_sft")["step_time_s"].sum())
-    baseline = {"more_sft": {**results["after"], "steps": cfg.baseline.steps,
-                             "lr": cfg.baseline.lr, "train_s": train_s},
-                "rl_minus_more_sft": paired_bootstrap_diff(
-                    after_rl.table["correct"].to_numpy(), greedy, seed=cfg.seed)}
-    if rl_per_item is not None:
-        r = _sampled(cfg, Policy.from_pretrained(out / "more_sft" / "policy"), items, scorer)
-        write_table(r.table, out / "eval_sampled_after_more_sft.csv")
-        baseline["sampled_after_more_sft"] = r.as_dict()
-        baseline["rl_minus_more_sft_sampled"] = paired_bootstrap_diff(
-            rl_per_item, r.per_item_pass1, seed=cfg.seed)
-    return baseline
-
-
-class HeldOutCurve:
-    """A trainer callback: greedy held-out accuracy of `policy` every `every` RL steps (the
-    same items, scorer and answer length as the final evaluation), one CSV row per point
-    (step, accuracy, ci_low, ci_high, num_items: a fraction and its 95% Wilson interval) in
-    `path`, written as it comes so a live run can be read. Greedy decoding draws no random
-    numbers, so the run trains exactly as without it.
-
-    Call `start(step, after_sft)` once the trainer exists: it writes step 0 (the SFT policy,
-    from its results) and drops rows of steps a resumed run will take again.
-
-    Raises:
-        ValueError: `every` is not an integer >= 1.
-    """
-
-    COLUMNS = ("step", "accuracy", "ci_low", "ci_high", "num_items")
-
-    def __init__(self, policy: Policy, items: list[dict], scorer, *, every: int,
-                 max_new_tokens: int, path: Path) -> None:
-        check_int("every", every, minimum=1)
-        self.policy, self.items, self.scorer = policy, items, scorer
-        self.every, self.max_new_tokens, self.path = every, max_new_tokens, Path(path)
-
-    def start(self, step: int, after_sft: dict[str, Any]) -> None:
-        old = read_table(self.path)
-        kept = [] if old is None else [r for r in old.to_dict("records") if 0 < r["step"] <= step]
-        self._write([{"step": 0, **after_sft}, *kept])
-
-    def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
-        if trainer.step_count % self.every and trainer.step_count != trainer.target_steps:
-            return
-        r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
-        self._write([*self.rows(), {"step": trainer.step_count, **r.as_dict()}])
-
-    def _write(self, points: list[dict[str, Any]]) -> None:
-        write_table(pd.DataFrame(points, columns=list(self.COLUMNS)), self.path)
-
-    def rows(self) -> list[dict[str, Any]]:
-        """The points so far, as dicts of `COLUMNS` (none before the first)."""
-        table = read_table(self.path)
-        return [] if table is None else table.to_dict("records")
-
-    def plot(self, path: Path, *, xlabel: str) -> None:
-        """Accuracy against step with its interval band, saved to `path` (100 dpi)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        data = read_table(self.path)
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.fill_between(data["step"], data["ci_low"], data["ci_high"], alpha=0.25)
-        ax.plot(data["step"], data["accuracy"], marker=".")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.set_title(f"{int(data['num_items'].iloc[0])} items, 95% Wilson interval", fontsize=9)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-
-
-def _write_results(run: RecipeRun, results: dict[str, Any], task: str, algo: str) -> None:
-    """results.csv (the held-out accuracy of each stage), results.json and results.md."""
-    stages = [("before SFT", results["before_sft"]), ("after SFT", results["after_sft"]),
-              (f"after {algo.upper()}", results[f"after_{algo}"])]
-    write_table(pd.DataFrame([{"stage": name, **r} for name, r in stages if r is not None]),
-                run.out / "results.csv")
-    lines = [f"# SFT -> {algo.upper()} on {task} {results['task_config']}", "",
-             f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
-             f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
-             f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "
-             f"wall {results['wall_s']:.0f} s", "", *accuracy_table(stages), "",
-             difference_line(f"{algo.upper()} minus SFT", results["difference"]), ""]
-    if "sampled_difference" in results:
-        k = results["sampled_after_sft"]["k"]
-        lines += [f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
-                  "|---|---|---|"]
-        lines += [f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
-                  for name, r in (("SFT", results["sampled_after_sft"]),
-                                  (algo.upper(), results[f"sampled_after_{algo}"]))]
-        lines += ["", difference_line(f"{algo.upper()} minus SFT, sampled pass@1",
-                                      results["sampled_difference"]), ""]
-    if "more_sft" in results:  # the honest baseline: the same demonstrations, more SFT
-        b = results["more_sft"]
-        lines += [f"Baseline: {b['steps']} more SFT steps instead (lr {b['lr']:g}; "
-                  f"{b['train_s']:.0f} s of training steps, {algo.upper()}'s "
-                  f"{results['rl_train_s']:.0f} s): greedy "
-                  f"{b['accuracy']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}]" + (
-                      f", sampled pass@1 {results['sampled_after_more_sft']['pass_at_1']:.3f}, "
-                      f"pass@{results['sampled_after_more_sft']['k']} "
-                      f"{results['sampled_after_more_sft']['pass_at_k']:.3f}"
-                      if "sampled_after_more_sft" in results else ""), "",
-                  difference_line(f"{algo.upper()} minus more SFT", results["rl_minus_more_sft"])]
-        if "rl_minus_more_sft_sampled" in results:
-            lines.append(difference_line(f"{algo.upper()} minus more SFT, sampled pass@1",
-                                         results["rl_minus_more_sft_sampled"]))
-        lines.append("")
-    if "eval_curve" in results:
-        points = ", ".join(f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"])
-        lines += [f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): {points}",
-                  ""]
-    run.write(results, "\n".join(lines))

@@ -38,8 +38,10 @@ from posttrain.core.run_lock import lock_holder, read_stopped, run_outcome
 __all__ = ["STATUSES", "RunState", "recorded_run", "run_state", "run_status"]
 
 STATUSES = ("finished", "running", "failed", "interrupted", "dead")
-DEAD = ("no results.json and no live process holds the run: it was killed (SIGKILL, out of "
-        "memory, a node lost, a time limit) or ended without recording why")
+DEAD = (
+    "no results.json and no live process holds the run: it was killed (SIGKILL, out of "
+    "memory, a node lost, a time limit) or ended without recording why"
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -69,7 +71,7 @@ def _results(folder: Path) -> dict[str, Any] | None:
     path = folder / "results.json"
     try:
         results = json.loads(path.read_text())
-    except (OSError, ValueError):   # absent, or being replaced right now
+    except (OSError, ValueError):  # absent, or being replaced right now
         return None
     return results if isinstance(results, dict) else None
 
@@ -88,8 +90,9 @@ def run_state(folder: str | os.PathLike) -> RunState:
         return RunState(stopped["status"], stopped.get("error"))
     if results is not None:
         done, planned = results.get("steps_done"), results.get("steps_planned")
-        return RunState("interrupted", None if done is None else
-                        f"interrupted after step {done} of {planned}")
+        return RunState(
+            "interrupted", None if done is None else f"interrupted after step {done} of {planned}"
+        )
     return RunState("dead", DEAD)
 
 

@@ -37,25 +37,63 @@ from posttrain.train.plan_compat import runtime_of
 from posttrain.train.runtime import Runtime
 from posttrain.train.trainer import Trainer
 from posttrain.verifiers.reasoning_gym_gold import GoldReport
-from posttrain.workflows.config import (BatchOptimConfig, CheckpointConfig, EvalConfig,
-                                        ModelConfig, SFTWarmStartConfig, TaskConfig, choice, fail,
-                                        flags, run_fields, validate)
+from posttrain.workflows.config import (
+    BatchOptimConfig,
+    CheckpointConfig,
+    EvalConfig,
+    ModelConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    choice,
+    fail,
+    flags,
+    run_fields,
+    validate,
+)
 from posttrain.workflows.parallel import ParallelPlan, check_parallel
-from posttrain.workflows.quantization import (AdaptersConfig, QuantizationConfig,
-                                              check_converted_run, convert_for_training,
-                                              export_adapters, finish_quantized,
-                                              trainable_parameters)
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    QuantizationConfig,
+    check_converted_run,
+    convert_for_training,
+    export_adapters,
+    finish_quantized,
+    trainable_parameters,
+)
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import (accuracy_of, accuracy_table, plot_curves, read_table,
-                                         write_table)
+from posttrain.workflows.reports import (
+    accuracy_of,
+    accuracy_table,
+    plot_curves,
+    read_table,
+    write_table,
+)
 from posttrain.workflows.run_state import recorded_run
-# the task's data, here before they had a module of their own
-from posttrain.workflows.task_data import (PROBE_ITEMS, build_dataset, check_seq_len,
-                                           check_task_fits, evaluate, held_out_items)
 
-__all__ = ["SFTConfig", "run_sft", "warm_start", "start_policy", "held_out_items", "evaluate",
-           "check_seq_len", "check_task_fits", "unsharded_policy", "MODES", "PROBE_ITEMS",
-           "build_dataset"]
+# the task's data, here before they had a module of their own
+from posttrain.workflows.task_data import (
+    PROBE_ITEMS,
+    build_dataset,
+    check_seq_len,
+    check_task_fits,
+    evaluate,
+    held_out_items,
+)
+
+__all__ = [
+    "SFTConfig",
+    "run_sft",
+    "warm_start",
+    "start_policy",
+    "held_out_items",
+    "evaluate",
+    "check_seq_len",
+    "check_task_fits",
+    "unsharded_policy",
+    "MODES",
+    "PROBE_ITEMS",
+    "build_dataset",
+]
 
 MODES = ("sft", "cpt")
 
@@ -65,7 +103,7 @@ class SFTConfig:
     """SFT/CPT configuration; every field has a default that runs (400 steps of 64 on 2-term,
     1-2-digit chain_sum). Raises ValueError in `__post_init__` naming the dotted field."""
 
-    mode: str = "sft"                 # sft | cpt (plain text, every token trained)
+    mode: str = "sft"  # sft | cpt (plain text, every token trained)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -94,12 +132,20 @@ class SFTConfig:
         if self.eval.every:
             raise fail(f"{at}.eval.every", self.eval.every, "0: SFT has no validation set")
         if self.task.eval_size and self.task.is_file:
-            raise ValueError(f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
-                             f"got the file {self.task.name!r}: set task.eval_size=0")
+            raise ValueError(
+                f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
+                f"got the file {self.task.name!r}: set task.eval_size=0"
+            )
 
 
-def warm_start(cfg: Any, out: Path, *, folder: str = "sft", init_from: Path | None = None,
-               sft: SFTWarmStartConfig | None = None) -> dict[str, Any]:
+def warm_start(
+    cfg: Any,
+    out: Path,
+    *,
+    folder: str = "sft",
+    init_from: Path | None = None,
+    sft: SFTWarmStartConfig | None = None,
+) -> dict[str, Any] | None:
     """The SFT stage of a recipe whose `cfg` has `model`, `task`, `eval`, `sft`
     (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/folder` (the
     policy lands in `out/folder/policy`), or, when resuming a run whose stage finished, its saved
@@ -109,18 +155,28 @@ def warm_start(cfg: Any, out: Path, *, folder: str = "sft", init_from: Path | No
     `cfg.sft` (steps, learning rate, batch, demonstrations; its `optim()` is the stage's
     optimizer): the RL recipes' more-SFT baseline continues the warm start's policy this way
     on the same demonstrations (`MoreSFTBaselineConfig.warm_start`).
+
+    Under a parallel plan, as `run_sft`, only rank 0 returns the results (the others None).
     """
     sft = cfg.sft if sft is None else sft
     task = cfg.task
     if sft.demonstrations is not None:  # the first N items of the same generator
         task = dataclasses.replace(task, train_size=sft.demonstrations)
-    model = ModelConfig(name=cfg.model.name,
-                        init_from=None if init_from is None else str(init_from))
-    sft_cfg = SFTConfig(model=model, task=task,
-                        eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
-                        optim=sft.optim(), checkpoint=CheckpointConfig(every=max(1, sft.steps // 10)),
-                        seed=cfg.seed, out_dir=str(out / folder), resume=cfg.resume,
-                        progress=cfg.progress, parallel=cfg.parallel)
+    model = ModelConfig(
+        name=cfg.model.name, init_from=None if init_from is None else str(init_from)
+    )
+    sft_cfg = SFTConfig(
+        model=model,
+        task=task,
+        eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
+        optim=sft.optim(),
+        checkpoint=CheckpointConfig(every=max(1, sft.steps // 10)),
+        seed=cfg.seed,
+        out_dir=str(out / folder),
+        resume=cfg.resume,
+        progress=cfg.progress,
+        parallel=cfg.parallel,
+    )
     done = _finished_results(out / folder) if cfg.resume else None
     return done if done is not None else run_sft(sft_cfg)
 
@@ -186,19 +242,28 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     """
     run = RecipeRun.start(cfg, data_parallel=True)
     out, plan, writes = run.out, run.plan, run.writes
-    policy = (Policy.from_pretrained(cfg.model.init_from) if cfg.model.init_from
-              else Policy.from_spec(cfg.model.name, seed=cfg.seed))
+    policy = (
+        Policy.from_pretrained(cfg.model.init_from)
+        if cfg.model.init_from
+        else Policy.from_spec(cfg.model.name, seed=cfg.seed)
+    )
     items, ds = held_out_items(cfg.task) if cfg.task.eval_size else ([], None)
     gold = GoldReport(cfg.task.name)
     dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items}, gold)
-    results: dict[str, Any] = {"mode": cfg.mode, "dataset": cfg.task.name,
-                               "steps": cfg.optim.steps, "data": dataset.stats.as_dict(),
-                               "held_out_rows_dropped": dropped}
+    results: dict[str, Any] = {
+        "mode": cfg.mode,
+        "dataset": cfg.task.name,
+        "steps": cfg.optim.steps,
+        "data": dataset.stats.as_dict(),
+        "held_out_rows_dropped": dropped,
+    }
     chat = cfg.mode == "sft"
     if writes:
-        print(f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
-              f"{dropped} rows dropped as held-out questions"
-              + (f", gold check: {gold}" if gold.checked else ""))
+        print(
+            f"{policy}\n{cfg.mode} data: {dataset.stats.as_dict()}, "
+            f"{dropped} rows dropped as held-out questions"
+            + (f", gold check: {gold}" if gold.checked else "")
+        )
         before = read_table(out / "eval_before.csv") if items and cfg.resume else None
         if before is not None:  # a resumed run: the evaluation before training is done
             results["before"] = accuracy_of(before)
@@ -218,14 +283,30 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     if plan is not None:
         runtime = plan.parallelize(policy.model, spec=policy.spec)
         shard = {"rank": runtime.data_rank, "world_size": runtime.data_size}
-    loader = SFTLoader(dataset, batch_size=o.batch_size, seed=cfg.seed, pack=cfg.pack,
-                       seq_len=cfg.max_seq_len if cfg.pack else None, **shard)
+    loader = SFTLoader(
+        dataset,
+        batch_size=o.batch_size,
+        seed=cfg.seed,
+        pack=cfg.pack,
+        seq_len=cfg.max_seq_len if cfg.pack else None,
+        **shard,
+    )
     optimizer, schedule = o.build(trainable_parameters(policy.model))
-    trainer = Trainer(policy.model, optimizer, data=loader, lr_scheduler=schedule,
-                      grad_accum_steps=o.grad_accum_steps, max_grad_norm=o.max_grad_norm,
-                      run_dir=out, checkpoint_every=cfg.checkpoint.every,
-                      keep_last=cfg.checkpoint.keep_last, progress=cfg.progress, seed=cfg.seed,
-                      resume=cfg.resume, runtime=runtime)
+    trainer = Trainer(
+        policy.model,
+        optimizer,
+        data=loader,
+        lr_scheduler=schedule,
+        grad_accum_steps=o.grad_accum_steps,
+        max_grad_norm=o.max_grad_norm,
+        run_dir=out,
+        checkpoint_every=cfg.checkpoint.every,
+        keep_last=cfg.checkpoint.keep_last,
+        progress=cfg.progress,
+        seed=cfg.seed,
+        resume=cfg.resume,
+        runtime=runtime,
+    )
     metrics = trainer.fit(o.steps)
     run.stop_if_interrupted(trainer, results)
     policy = unsharded_policy(policy, trainer.runtime)  # every rank, under a plan
@@ -235,29 +316,54 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     return run.done(results)
 
 
-def _finish(run: RecipeRun, policy: Policy, cfg: SFTConfig, metrics: pd.DataFrame,
-            items: list[dict], ds, results: dict[str, Any]) -> None:
+def _finish(
+    run: RecipeRun,
+    policy: Policy,
+    cfg: SFTConfig,
+    metrics: pd.DataFrame,
+    items: list[dict],
+    ds,
+    results: dict[str, Any],
+) -> None:
     """After training (rank 0): plot, held-out accuracy, policy and results files."""
     out = run.out
     results["final_loss"] = float(metrics["loss"].iloc[-1])
     results["tokens_per_s"] = float(metrics["tokens_per_s"].median())
-    plot_curves(metrics, out / "loss.png", [("loss", "loss (token mean)")],
-                xlabel="optimizer step", log_y=True)
+    plot_curves(
+        metrics,
+        out / "loss.png",
+        [("loss", "loss (token mean)")],
+        xlabel="optimizer step",
+        log_y=True,
+    )
     if items:
-        after = evaluate(policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens,
-                         chat=cfg.mode == "sft")
+        after = evaluate(
+            policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens, chat=cfg.mode == "sft"
+        )
         write_table(after.table, out / "eval_after.csv")
         results["after"] = after.as_dict()
-    evaluate_after = (lambda p: evaluate(p, items, ds, max_new_tokens=cfg.eval.max_new_tokens,
-                                         chat=cfg.mode == "sft")) if items else None
+    evaluate_after = (
+        (
+            lambda p: evaluate(
+                p, items, ds, max_new_tokens=cfg.eval.max_new_tokens, chat=cfg.mode == "sft"
+            )
+        )
+        if items
+        else None
+    )
     results.update(finish_quantized(policy, cfg, out, evaluate_after))  # QAT: convert, evaluate
     # LoRA: the adapter alone (adapter/), then merged into the base that policy/ holds
     results.update(export_adapters(policy.model, cfg, out, spec=policy.spec))
     policy.save(out / "policy")
-    lines = [f"# {results['mode']} on {results['dataset']}, {results['steps']} steps", "",
-             f"final loss {results['final_loss']:.4f}, median {results['tokens_per_s']:.0f} "
-             "trained tokens/s", ""]
+    lines = [
+        f"# {results['mode']} on {results['dataset']}, {results['steps']} steps",
+        "",
+        f"final loss {results['final_loss']:.4f}, median {results['tokens_per_s']:.0f} "
+        "trained tokens/s",
+        "",
+    ]
     if "after" in results:
-        lines += accuracy_table([(k, results.get(k))
-                                 for k in ("before", "after", "after_converted")])
+        lines += accuracy_table(
+            [(k, results.get(k)) for k in ("before", "after", "after_converted")]
+        )
     run.write(results, "\n".join(lines) + "\n")

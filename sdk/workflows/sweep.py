@@ -51,9 +51,9 @@ from posttrain.workflows.arms import NEEDED as _NEEDED
 from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
 from posttrain.workflows.config import override
 from posttrain.workflows.lineage import main_metric
-from posttrain.workflows.run_state import run_state, run_status
 from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config, read_table
+from posttrain.workflows.run_state import run_state, run_status
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
 
@@ -74,8 +74,7 @@ def t_quantile(p: float, df: int) -> float:
         raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
 
     def cdf(t: float) -> float:
-        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t),
-                                              regularized=True))
+        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
 
     low, high = 0.0, 1.0
     while cdf(high) < p:
@@ -94,20 +93,32 @@ def _base_config(module: ModuleType, base: Any, config: str | os.PathLike | None
         cfg = override(cfg, dict(base))
     elif base is not None:
         if type(base) is not type(cfg):
-            raise ValueError(f"sweep: base must be a {type(cfg).__qualname__} or a mapping of "
-                             f"dotted overrides, got {type(base).__qualname__}")
+            raise ValueError(
+                f"sweep: base must be a {type(cfg).__qualname__} or a mapping of "
+                f"dotted overrides, got {type(base).__qualname__}"
+            )
         cfg = base
     missing = [f for f in _NEEDED if not any(x.name == f for x in dataclasses.fields(cfg))]
     if missing:
-        raise ValueError(f"sweep: recipe config {type(cfg).__qualname__} lacks "
-                         f"{', '.join(missing)}; a sweep needs out_dir, seed and resume fields")
+        raise ValueError(
+            f"sweep: recipe config {type(cfg).__qualname__} lacks "
+            f"{', '.join(missing)}; a sweep needs out_dir, seed and resume fields"
+        )
     return cfg
 
 
-def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
-          seeds: Sequence[int] = (0,), base: Any = None, config: str | os.PathLike | None = None,
-          baseline: str | Mapping[str, Any] | None = None, executor: str = "local",
-          folder: str | os.PathLike | None = None, **launch_options: Any) -> Sweep:
+def sweep(
+    recipe: str | os.PathLike[str] | ModuleType,
+    grid: Mapping[str, Sequence[Any]],
+    *,
+    seeds: Sequence[int] = (0,),
+    base: Any = None,
+    config: str | os.PathLike | None = None,
+    baseline: str | Mapping[str, Any] | None = None,
+    executor: str = "local",
+    folder: str | os.PathLike | None = None,
+    **launch_options: Any,
+) -> Sweep:
     """Run `recipe` for every arm of `grid` and every seed of `seeds`; returns at once (with
     executor="debug" the runs happen in this process, in turn, before it returns).
 
@@ -132,55 +143,80 @@ def sweep(recipe: str | ModuleType, grid: Mapping[str, Sequence[Any]], *,
             config differs from its arm's.
     """
     if not isinstance(recipe, (str, os.PathLike)) and not callable(getattr(recipe, "main", None)):
-        raise ValueError(f"sweep: recipe={recipe!r}; must be a recipe name or file, or a module "
-                         "with Config and main")
-    module = load_recipe(recipe) if isinstance(recipe, (str, os.PathLike)) else recipe
-    name = Path(str(recipe)).stem if isinstance(recipe, (str, os.PathLike)) else \
-        module.__name__.removeprefix("posttrain_recipe_")
+        raise ValueError(
+            f"sweep: recipe={recipe!r}; must be a recipe name or file, or a module "
+            "with Config and main"
+        )
+    module = load_recipe(os.fspath(recipe)) if isinstance(recipe, (str, os.PathLike)) else recipe
+    name = (
+        Path(str(recipe)).stem
+        if isinstance(recipe, (str, os.PathLike))
+        else module.__name__.removeprefix("posttrain_recipe_")
+    )
     cfg = _base_config(module, base, config)
     arms = arms_of_grid(cfg, grid)
     base_arm = baseline_arm(baseline, arms)
-    seeds, given = (list(seeds) if isinstance(seeds, Iterable) and not isinstance(
-        seeds, (str, bytes, Mapping)) else None), seeds
-    if not seeds or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
-                            for s in seeds) or len(set(map(int, seeds))) != len(seeds):
-        raise ValueError("sweep: seeds must be distinct integers in a list (at least one; not "
-                         f"bools), e.g. [0, 1, 2], got {given!r}")
-    seeds = [int(s) for s in seeds]
+    listed = (
+        list(seeds)
+        if isinstance(seeds, Iterable) and not isinstance(seeds, (str, bytes, Mapping))
+        else None
+    )
+    if (
+        not listed
+        or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in listed)
+        or len(set(map(int, listed))) != len(listed)
+    ):
+        raise ValueError(
+            "sweep: seeds must be distinct integers in a list (at least one; not "
+            f"bools), e.g. [0, 1, 2], got {seeds!r}"
+        )
+    seed_list = [int(s) for s in listed]
     if executor not in EXECUTORS:
         raise ValueError(f"sweep: executor={executor!r}; allowed: {', '.join(EXECUTORS)}")
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         folder = Path("runs", "sweeps", f"{name}-{stamp}")
-    if not isinstance(folder, (str, os.PathLike)) or Path(folder).exists() and not \
-            Path(folder).is_dir():
+    if (
+        not isinstance(folder, (str, os.PathLike))
+        or Path(folder).exists()
+        and not Path(folder).is_dir()
+    ):
         raise ValueError(f"sweep: folder={folder!r}; must be the path of a folder (or of none)")
     folder = Path(folder).absolute()
-    cells, todo = {}, []
-    for arm, seed in itertools.product(arms, seeds):
+    cells: dict[tuple[str, int], Run | None] = {}
+    todo: list[tuple[tuple[str, int], Any]] = []  # (arm name, seed), the run's recipe Config
+    for arm, seed in itertools.product(arms, seed_list):
         out = folder / arm.name / f"seed{seed}"
-        run_cfg = override(cfg, {**arm.values, "seed": seed, "out_dir": str(out),
-                                 "resume": False})
+        run_cfg = override(cfg, {**arm.values, "seed": seed, "out_dir": str(out), "resume": False})
         status = run_status(out) if (out / "config.json").is_file() else None
         if status is not None:
-            _check_resumed_config(json.loads((out / "config.json").read_text()),
-                                  dataclasses.asdict(run_cfg), out)
+            _check_resumed_config(
+                json.loads((out / "config.json").read_text()), dataclasses.asdict(run_cfg), out
+            )
         cells[arm.name, seed] = None
         if status in (None, "failed", "interrupted", "dead"):
-            todo.append(((arm.name, seed), dataclasses.replace(run_cfg,
-                                                               resume=status is not None)))
+            todo.append(((arm.name, seed), dataclasses.replace(run_cfg, resume=status is not None)))
     if todo:  # launch_array checks its options before it submits or writes anything
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        runs = launch_array(module.main, [c for _, c in todo], executor=executor,
-                            folder=None if executor == "debug" else folder / "launch" / stamp,
-                            name=f"sweep-{name}", **launch_options)
+        runs = launch_array(
+            module.main,
+            [c for _, c in todo],
+            executor=executor,
+            folder=None if executor == "debug" else folder / "launch" / stamp,
+            name=f"sweep-{name}",
+            **launch_options,
+        )
         cells.update({key: run for (key, _), run in zip(todo, runs)})
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"recipe": name, "grid": {k: plain_value(list(v)) for k, v in grid.items()},
-              "seeds": seeds, "baseline": None if base_arm is None else base_arm.name,
-              "arms": [dataclasses.asdict(a) for a in arms]}
+    record = {
+        "recipe": name,
+        "grid": {k: plain_value(list(v)) for k, v in grid.items()},
+        "seeds": seed_list,
+        "baseline": None if base_arm is None else base_arm.name,
+        "arms": [dataclasses.asdict(a) for a in arms],
+    }
     (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
-    return Sweep(folder, arms, seeds, base_arm, cells)
+    return Sweep(folder, arms, seed_list, base_arm, cells)
 
 
 class Sweep:
@@ -190,8 +226,14 @@ class Sweep:
     a run found finished (or running) in its folder.
     """
 
-    def __init__(self, folder: Path, arms: list[Arm], seeds: list[int], baseline: Arm | None,
-                 runs: dict[tuple[str, int], Run | None]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        arms: list[Arm],
+        seeds: list[int],
+        baseline: Arm | None,
+        runs: dict[tuple[str, int], Run | None],
+    ) -> None:
         self.folder, self.arms, self.seeds, self.baseline = folder, arms, seeds, baseline
         self.runs = runs
 
@@ -235,16 +277,28 @@ class Sweep:
             results = _results(out) if status == "finished" else None
             metric, value = main_metric(results) if results else (None, None)
             step = last_metrics_row(out / "metrics.jsonl").get("step")
-            rows.append({"arm": arm.name, **arm.values, "seed": seed, "status": status,
-                         "step": step, "metric": metric, "value": value,
-                         "error": error, "out_dir": str(out)})
+            rows.append(
+                {
+                    "arm": arm.name,
+                    **arm.values,
+                    "seed": seed,
+                    "status": status,
+                    "step": step,
+                    "metric": metric,
+                    "value": value,
+                    "error": error,
+                    "out_dir": str(out),
+                }
+            )
         return pd.DataFrame(rows)
 
     def done(self) -> bool:
         """True once no run is pending or running."""
         return all(r is None or r.done() for r in self.runs.values()) and not any(
-            run_status(self.out_dir(a, s)) == "running" for (a, s), r in self.runs.items()
-            if r is None and (self.out_dir(a, s) / "config.json").is_file())
+            run_status(self.out_dir(a, s)) == "running"
+            for (a, s), r in self.runs.items()
+            if r is None and (self.out_dir(a, s) / "config.json").is_file()
+        )
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> pd.DataFrame:
         """Block until every run has ended; returns `table()`. Raises TimeoutError when runs
@@ -252,8 +306,10 @@ class Sweep:
         start = time.monotonic()
         while not self.done():
             if timeout is not None and time.monotonic() - start >= timeout:
-                raise TimeoutError(f"sweep {self.folder}: runs still going after {timeout:g} s "
-                                   "(they keep running; sweep.table() shows them)")
+                raise TimeoutError(
+                    f"sweep {self.folder}: runs still going after {timeout:g} s "
+                    "(they keep running; sweep.table() shows them)"
+                )
             time.sleep(poll_s)
         return self.table()
 
@@ -261,11 +317,14 @@ class Sweep:
         """Show `table()` refreshed every `every_s` s until every run has ended (Jupyter: one
         output updated in place; elsewhere a printed table whenever it changes). Ctrl-C stops
         watching, not the runs. Returns the last table."""
-        watch_until_done(self.done, as_html=lambda: self.table().to_html(index=False),
-                         as_text=lambda: self.table().drop(columns=["out_dir"]).to_string(
-                             index=False),
-                         every_s=every_s, timeout=timeout,
-                         stopped="stopped watching; the runs go on (sweep.table() shows them)")
+        watch_until_done(
+            self.done,
+            as_html=lambda: self.table().to_html(index=False),
+            as_text=lambda: self.table().drop(columns=["out_dir"]).to_string(index=False),
+            every_s=every_s,
+            timeout=timeout,
+            stopped="stopped watching; the runs go on (sweep.table() shows them)",
+        )
         return self.table()
 
     def summary(self) -> pd.DataFrame:
@@ -278,22 +337,30 @@ class Sweep:
         for arm in self.arms:
             done = table[(table.arm == arm.name) & (table.status == "finished")]
             values = done["value"].dropna().astype(float).tolist()
-            row = {"arm": arm.name, **arm.values, "seeds": len(values),
-                   "metric": done["metric"].iloc[0] if len(done) else None,
-                   **_mean_interval(values)}
+            row = {
+                "arm": arm.name,
+                **arm.values,
+                "seeds": len(values),
+                "metric": done["metric"].iloc[0] if len(done) else None,
+                **_mean_interval(values),
+            }
             if self.baseline is not None:
-                row.update(self._paired(arm, done["seed"].tolist()))
+                row.update(self._paired(arm, self.baseline, done["seed"].tolist()))
             rows.append(row)
         return pd.DataFrame(rows)
 
-    def _paired(self, arm: Arm, seeds: list[int]) -> dict[str, Any]:
-        empty = {"diff": math.nan, "diff_ci_low": math.nan, "diff_ci_high": math.nan,
-                 "paired_items": 0}
-        if arm == self.baseline:
+    def _paired(self, arm: Arm, baseline: Arm, seeds: list[int]) -> dict[str, Any]:
+        empty = {
+            "diff": math.nan,
+            "diff_ci_low": math.nan,
+            "diff_ci_high": math.nan,
+            "paired_items": 0,
+        }
+        if arm == baseline:
             return {**empty, "note": "baseline"}
         mine, theirs, unpaired = [], [], []
         for seed in seeds:
-            a, b = self.out_dir(arm.name, seed), self.out_dir(self.baseline.name, seed)
+            a, b = self.out_dir(arm.name, seed), self.out_dir(baseline.name, seed)
             if run_status(b) != "finished":
                 unpaired.append(seed)
                 continue
@@ -301,16 +368,25 @@ class Sweep:
             if ta is None or tb is None:
                 return {**empty, "note": "no per-item evaluation table"}
             if ta["question"].tolist() != tb["question"].tolist():
-                return {**empty, "note": f"seed {seed}: held-out items differ from the "
-                        "baseline's (a grid key changes the evaluation set)"}
+                return {
+                    **empty,
+                    "note": f"seed {seed}: held-out items differ from the "
+                    "baseline's (a grid key changes the evaluation set)",
+                }
             mine += ta["correct"].astype(bool).tolist()
             theirs += tb["correct"].astype(bool).tolist()
         if not mine:
             return {**empty, "note": "no seed finished for both this arm and the baseline"}
         d = paired_bootstrap_diff(mine, theirs)
-        return {"diff": d["difference"], "diff_ci_low": d["ci_low"], "diff_ci_high":
-                d["ci_high"], "paired_items": d["num_items"], "note": unpaired and
-                f"seeds {unpaired} left out: the baseline did not finish them" or None}
+        return {
+            "diff": d["difference"],
+            "diff_ci_low": d["ci_low"],
+            "diff_ci_high": d["ci_high"],
+            "paired_items": d["num_items"],
+            "note": unpaired
+            and f"seeds {unpaired} left out: the baseline did not finish them"
+            or None,
+        }
 
     def plot(self, ax=None):
         """The headline metric per arm: one dot per seed, the mean with its 95% interval, and
@@ -320,27 +396,39 @@ class Sweep:
 
         summary, table = self.summary(), self.table()
         panels = 2 if self.baseline is not None else 1
-        fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 0.6 * len(self.arms) + 2),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            1, panels, figsize=(5 * panels, 0.6 * len(self.arms) + 2), squeeze=False
+        )
         ax, y = axes[0][0], range(len(self.arms))
         for i, arm in enumerate(self.arms):
             dots = table[(table.arm == arm.name) & (table.status == "finished")]["value"]
             ax.plot(dots.astype(float), [i] * len(dots), "o", color="0.6", ms=4)
         s = summary
-        ax.errorbar(s["mean"], y, xerr=[s["mean"] - s["ci_low"], s["ci_high"] - s["mean"]],
-                    fmt="s", color="C0", capsize=3)
+        ax.errorbar(
+            s["mean"],
+            y,
+            xerr=[s["mean"] - s["ci_low"], s["ci_high"] - s["mean"]],
+            fmt="s",
+            color="C0",
+            capsize=3,
+        )
         if self.baseline is not None:
-            ax.axvline(float(s.loc[s.arm == self.baseline.name, "mean"].iloc[0]), ls="--",
-                       color="0.5")
+            ax.axvline(
+                float(s.loc[s.arm == self.baseline.name, "mean"].iloc[0]), ls="--", color="0.5"
+            )
         ax.set_yticks(list(y), s["arm"])
-        ax.set_xlabel(str(s["metric"].dropna().iloc[0]) if s["metric"].notna().any() else
-                      "metric")
+        ax.set_xlabel(str(s["metric"].dropna().iloc[0]) if s["metric"].notna().any() else "metric")
         ax.set_title("per arm: seeds (dots), mean and 95% t-interval")
         if self.baseline is not None:
             ax2 = axes[0][1]
-            ax2.errorbar(s["diff"], y, xerr=[s["diff"] - s["diff_ci_low"],
-                                             s["diff_ci_high"] - s["diff"]], fmt="o",
-                         color="C1", capsize=3)
+            ax2.errorbar(
+                s["diff"],
+                y,
+                xerr=[s["diff"] - s["diff_ci_low"], s["diff_ci_high"] - s["diff"]],
+                fmt="o",
+                color="C1",
+                capsize=3,
+            )
             ax2.axvline(0, color="0.5", lw=1)
             ax2.set_yticks(list(y), [""] * len(self.arms))
             ax2.set_xlabel(f"minus {self.baseline.name} (paired, 95% CI)")
@@ -348,8 +436,9 @@ class Sweep:
         return fig
 
     def _repr_html_(self) -> str:
-        return (f"<p>sweep {html.escape(str(self.folder))}</p>"
-                + self.table().drop(columns=["out_dir"]).to_html(index=False))
+        return f"<p>sweep {html.escape(str(self.folder))}</p>" + self.table().drop(
+            columns=["out_dir"]
+        ).to_html(index=False)
 
     def __repr__(self) -> str:
         return f"Sweep({self.folder}, {len(self.arms)} arms x {len(self.seeds)} seeds)"
@@ -377,8 +466,11 @@ def _item_table(out: Path) -> pd.DataFrame | None:
     run (`after_<algo>`), else eval_after.csv."""
     results = _results(out) or {}
     metric, _ = main_metric(results)
-    name = "eval_after_rl.csv" if metric and metric.startswith(f"after_{results.get('algo')}") \
+    name = (
+        "eval_after_rl.csv"
+        if metric and metric.startswith(f"after_{results.get('algo')}")
         else "eval_after.csv"
+    )
     return read_table(out / name, required=True) if metric and (out / name).is_file() else None
 
 

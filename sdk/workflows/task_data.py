@@ -20,15 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.rows import BadRowError
-from posttrain.data.sft import (CPTDataset, SFTDataset, load_sft_rows, load_text_documents,
-                                reasoning_gym_sft_rows)
+from posttrain.data.sft import (
+    CPTDataset,
+    SFTDataset,
+    load_sft_rows,
+    load_text_documents,
+    reasoning_gym_sft_rows,
+)
+from posttrain.models.tokenizer import Tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import ROOT, TaskConfig, fail, ints, validate
 
-__all__ = ["PROBE_ITEMS", "check_seq_len", "held_out_items", "build_dataset", "training_task",
-           "check_task_fits", "evaluate"]
+__all__ = [
+    "PROBE_ITEMS",
+    "check_seq_len",
+    "held_out_items",
+    "build_dataset",
+    "training_task",
+    "check_task_fits",
+    "evaluate",
+]
 
 PROBE_ITEMS = 64
 """Training items (the first ones the run trains on) whose lengths `check_task_fits` measures."""
@@ -44,13 +57,20 @@ def check_seq_len(cfg: Any, at: str) -> None:
     if hasattr(cfg, "max_seq_len"):
         ints(cfg, at, ("max_seq_len",), minimum=2)
         if limit is not None and cfg.max_seq_len > limit:
-            raise fail(f"{at}.max_seq_len", cfg.max_seq_len,
-                       f"at most {limit}, the longest sequence {at}.model holds")
+            raise fail(
+                f"{at}.max_seq_len",
+                cfg.max_seq_len,
+                f"at most {limit}, the longest sequence {at}.model holds",
+            )
     for section in ("eval", "sampling"):
         new_tokens = getattr(getattr(cfg, section, None), "max_new_tokens", None)
         if limit is not None and new_tokens is not None and new_tokens >= limit:
-            raise fail(f"{at}.{section}.max_new_tokens", new_tokens, f"below {limit}, the "
-                       f"longest sequence {at}.model holds (the prompt takes a token at least)")
+            raise fail(
+                f"{at}.{section}.max_new_tokens",
+                new_tokens,
+                f"below {limit}, the "
+                f"longest sequence {at}.model holds (the prompt takes a token at least)",
+            )
 
 
 def _reasoning_gym(task: TaskConfig, size: int, seed: int):
@@ -75,13 +95,21 @@ def held_out_items(task: TaskConfig) -> tuple[list[dict], Any]:
             seen.add(item["question"])
             items.append(item)
     if len(items) < task.eval_size:
-        raise ValueError(f"{task.name} gave only {len(items)} distinct questions for "
-                         f"task.eval_size={task.eval_size}; lower task.eval_size")
-    return items[:task.eval_size], ds
+        raise ValueError(
+            f"{task.name} gave only {len(items)} distinct questions for "
+            f"task.eval_size={task.eval_size}; lower task.eval_size"
+        )
+    return items[: task.eval_size], ds
 
 
-def build_dataset(cfg: Any, tokenizer, exclude: set[str], gold: Any = None, *,
-                  size: int | None = None):
+def build_dataset(
+    cfg: Any,
+    tokenizer: Tokenizer,
+    exclude: set[str],
+    gold: GoldReport | None = None,
+    *,
+    size: int | None = None,
+) -> tuple[SFTDataset | CPTDataset, int]:
     """The training dataset of `cfg` (SFTDataset or CPTDataset) without questions in `exclude`,
     and the number of rows dropped for that. Items of a reasoning-gym task whose upstream gold
     fails its check are not trained on; they are counted in `gold` (a `GoldReport`; a new one
@@ -92,15 +120,20 @@ def build_dataset(cfg: Any, tokenizer, exclude: set[str], gold: Any = None, *,
         return dataset_cls(rows[:size], tokenizer, max_seq_len=cfg.max_seq_len), 0
     gold = GoldReport(task.name) if gold is None else gold
     train_size = task.train_size if size is None else min(size, task.train_size)
-    rows = reasoning_gym_sft_rows(task.name, size=train_size, seed=cfg.seed,
-                                  item_filter=lambda ds, items: check_gold(task.name, ds, items, gold),
-                                  **task.options)
+    rows = reasoning_gym_sft_rows(
+        task.name,
+        size=train_size,
+        seed=cfg.seed,
+        item_filter=lambda ds, items: check_gold(task.name, ds, items, gold),
+        **task.options,
+    )
     kept = [r for r in rows if r["messages"][0]["content"] not in exclude]
     if not kept:
         raise ValueError("every training row is a held-out question; raise task.train_size")
+    examples: list[dict] | list[str] = kept
     if cfg.mode == "cpt":
-        kept = [f"{r['messages'][0]['content']} {r['messages'][1]['content']}" for r in kept]
-    return dataset_cls(kept, tokenizer, max_seq_len=cfg.max_seq_len), len(rows) - len(kept)
+        examples = [f"{r['messages'][0]['content']} {r['messages'][1]['content']}" for r in kept]
+    return dataset_cls(examples, tokenizer, max_seq_len=cfg.max_seq_len), len(rows) - len(kept)
 
 
 def check_task_fits(cfg: Any, at: str = ROOT) -> None:
@@ -133,20 +166,35 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
             items, _ = held_out_items(task)
         except ValueError as e:
             raise ValueError(f"{at}.task.eval_size={task.eval_size}: {e}") from None
-        _check_room(f"{at}.eval.max_new_tokens", cfg.eval.max_new_tokens,
-                    _prompt_lengths(tokenizer, items, chat), limit, "held-out prompt")
+        _check_room(
+            f"{at}.eval.max_new_tokens",
+            cfg.eval.max_new_tokens,
+            _prompt_lengths(tokenizer, items, chat),
+            limit,
+            "held-out prompt",
+        )
         _check_not_all_held_out(cfg, at, {it["question"] for it in items})
     if task.is_file:
         if not Path(task.name).is_file():
             raise ValueError(f"{at}.task.name={task.name!r}: no such data file")
         probe = []
     else:
-        probe = list(_reasoning_gym(task, size=min(PROBE_ITEMS, task.train_size),
-                                    seed=getattr(cfg, "prompt_seed", cfg.seed)))
+        probe = list(
+            _reasoning_gym(
+                task,
+                size=min(PROBE_ITEMS, task.train_size),
+                seed=getattr(cfg, "prompt_seed", cfg.seed),
+            )
+        )
     sampling = getattr(cfg, "sampling", None)
     if sampling is not None and probe:
-        _check_room(f"{at}.sampling.max_new_tokens", sampling.max_new_tokens,
-                    _prompt_lengths(tokenizer, probe, chat), limit, "training prompt")
+        _check_room(
+            f"{at}.sampling.max_new_tokens",
+            sampling.max_new_tokens,
+            _prompt_lengths(tokenizer, probe, chat),
+            limit,
+            "training prompt",
+        )
     if hasattr(cfg, "mode"):
         _check_rows_fit(cfg, at, tokenizer)
     elif hasattr(cfg, "max_seq_len") and hasattr(cfg, "pairs") and probe:
@@ -164,27 +212,39 @@ def _check_not_all_held_out(cfg: Any, at: str, held_out: set[str]) -> None:
     if hasattr(cfg, "prompt_seed"):
         sizes.append(("pairs.num_prompts", cfg.pairs.num_prompts, cfg.prompt_seed))
     for key, n, seed in sizes:
-        if n <= PROBE_ITEMS and all(it["question"] in held_out
-                                    for it in _reasoning_gym(task, size=n, seed=seed)):
-            raise fail(f"{at}.{key}", n, f"larger: every one of the first {n} training "
-                       f"questions is a held-out one (task.eval_seed={task.eval_seed} draws "
-                       "the held-out split; another eval_seed keeps them apart)")
+        if n <= PROBE_ITEMS and all(
+            it["question"] in held_out for it in _reasoning_gym(task, size=n, seed=seed)
+        ):
+            raise fail(
+                f"{at}.{key}",
+                n,
+                f"larger: every one of the first {n} training "
+                f"questions is a held-out one (task.eval_seed={task.eval_seed} draws "
+                "the held-out split; another eval_seed keeps them apart)",
+            )
 
 
 def _prompt_lengths(tokenizer, items: list[dict], chat: bool) -> list[int]:
     """Token counts of the items' questions as `generate_for_items` renders them."""
     if chat:
-        return [len(tokenizer.render_prompt([{"role": "user", "content": it["question"]}]))
-                for it in items]
+        return [
+            len(tokenizer.render_prompt([{"role": "user", "content": it["question"]}]))
+            for it in items
+        ]
     return [len(tokenizer.encode(it["question"], add_bos=True)) for it in items]
 
 
-def _check_room(name: str, new_tokens: int, lengths: list[int], limit: int | None,
-                what: str) -> None:
+def _check_room(
+    name: str, new_tokens: int, lengths: list[int], limit: int | None, what: str
+) -> None:
     longest = max(lengths, default=0)
     if limit is not None and longest + new_tokens > limit:
-        raise fail(name, new_tokens, f"at most {limit - longest}: the longest {what} has "
-                   f"{longest} tokens and the model holds {limit}")
+        raise fail(
+            name,
+            new_tokens,
+            f"at most {limit - longest}: the longest {what} has "
+            f"{longest} tokens and the model holds {limit}",
+        )
 
 
 def _check_rows_fit(cfg: Any, at: str, tokenizer) -> None:
@@ -193,32 +253,48 @@ def _check_rows_fit(cfg: Any, at: str, tokenizer) -> None:
     except BadRowError:
         raise  # a malformed row of a data file: the data's error, not max_seq_len's
     except ValueError as e:
-        raise fail(f"{at}.max_seq_len", cfg.max_seq_len, "larger: no training row keeps a "
-                   f"trained token within it ({e})") from None
+        raise fail(
+            f"{at}.max_seq_len",
+            cfg.max_seq_len,
+            f"larger: no training row keeps a trained token within it ({e})",
+        ) from None
 
 
 def _check_pairs_fit(cfg: Any, at: str, tokenizer, probe: list[dict]) -> None:
     prompt = [{"role": "user", "content": probe[0]["question"]}]
-    end = (len(tokenizer.render_chat(prompt + [{"role": "assistant", "content": "x"}]).input_ids)
-           - len(tokenizer.render_prompt(prompt)) - len(tokenizer.encode("x")))
+    end = (
+        len(tokenizer.render_chat(prompt + [{"role": "assistant", "content": "x"}]).input_ids)
+        - len(tokenizer.render_prompt(prompt))
+        - len(tokenizer.encode("x"))
+    )
     needed = []
     for item, length in zip(probe, _prompt_lengths(tokenizer, probe, chat=True)):
         answer = len(tokenizer.encode(str(item["answer"]))) if cfg.pairs.reference_answer else 0
         needed.append(length + max(cfg.sampling.max_new_tokens, answer) + max(end, 1))
     if max(needed) > cfg.max_seq_len:
-        raise fail(f"{at}.max_seq_len", cfg.max_seq_len, f"at least {max(needed)}: the longest of "
-                   f"the first {len(probe)} training prompts with an answer of "
-                   f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} tokens"
-                   f"{' (or the task answer)' if cfg.pairs.reference_answer else ''} and the "
-                   "end of the turn")
+        raise fail(
+            f"{at}.max_seq_len",
+            cfg.max_seq_len,
+            f"at least {max(needed)}: the longest of "
+            f"the first {len(probe)} training prompts with an answer of "
+            f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} tokens"
+            f"{' (or the task answer)' if cfg.pairs.reference_answer else ''} and the "
+            "end of the turn",
+        )
 
 
-def evaluate(policy: Policy, items: list[dict], ds, *, max_new_tokens: int,
-             chat: bool = True) -> EvalResult:
+def evaluate(
+    policy: Policy, items: list[dict], ds, *, max_new_tokens: int, chat: bool = True
+) -> EvalResult:
     """Greedy held-out accuracy scored by the task dataset `ds`. A CPT model saw "question
     answer" as plain text, so it is evaluated with `chat=False` (it continues the raw question)."""
-    return evaluate_generations(policy, items, max_new_tokens=max_new_tokens, chat=chat,
-                                score_fn=lambda text, item: ds.score_answer(text.strip(), item))
+    return evaluate_generations(
+        policy,
+        items,
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        score_fn=lambda text, item: ds.score_answer(text.strip(), item),
+    )
 
 
 def training_task(cfg: Any, *, size: int, seed: int, held_out: list[dict] | None = None) -> Any:
@@ -232,10 +308,16 @@ def training_task(cfg: Any, *, size: int, seed: int, held_out: list[dict] | None
     """
     from posttrain.envs.reasoning_gym_env import ReasoningGymTask
 
-    task = ReasoningGymTask(name=cfg.task.name, size=size, seed=seed,
-                            config=dict(cfg.task.options), held_out_size=cfg.task.eval_size,
-                            held_out_seed=cfg.task.eval_seed)
-    if held_out is not None and ([it["question"] for it in task.held_out()]
-                                 != [it["question"] for it in held_out]):
+    task = ReasoningGymTask(
+        name=cfg.task.name,
+        size=size,
+        seed=seed,
+        config=dict(cfg.task.options),
+        held_out_size=cfg.task.eval_size,
+        held_out_seed=cfg.task.eval_seed,
+    )
+    if held_out is not None and (
+        [it["question"] for it in task.held_out()] != [it["question"] for it in held_out]
+    ):
         raise RuntimeError("the task's held-out items differ from the SFT stage's")
     return task

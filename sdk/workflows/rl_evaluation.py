@@ -1,0 +1,253 @@
+"""The held-out measurements of an RL run (`posttrain.workflows.rl.run_sft_then_rl`) beyond
+its greedy accuracy after each stage, and its report:
+
+  - `HeldOutCurve`: a trainer callback, greedy held-out accuracy every N RL steps
+    (`eval.every`; `eval_curve.csv` / `eval_curve.png`);
+  - `sampled_evaluations`: sampled pass@1 / pass@k of the SFT and RL policies (`eval.samples`)
+    and their paired difference;
+  - `more_sft_baseline`: the honest baseline, more SFT on the same demonstrations instead of RL
+    (`baseline.steps`), compared with the RL policy, paired;
+  - `write_rl_results`: results.csv / results.json / results.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from posttrain.core.checks import check_int
+from posttrain.core.metrics import read_metrics
+from posttrain.policy.policy import Policy
+from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
+from posttrain.rl.trainer import RLTrainer
+from posttrain.workflows.recipe_run import RecipeRun
+from posttrain.workflows.reports import accuracy_table, difference_line, read_table, write_table
+from posttrain.workflows.sft import warm_start
+from posttrain.workflows.task_data import evaluate
+
+if TYPE_CHECKING:
+    from posttrain.workflows.rl import RLRunConfig
+
+__all__ = ["HeldOutCurve", "sampled_evaluations", "more_sft_baseline", "write_rl_results"]
+
+
+def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
+    """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`."""
+    return evaluate_sampled(
+        policy,
+        items,
+        samples=cfg.eval.samples,
+        seed=cfg.seed + 1,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        score_fn=lambda text, item: scorer.score_answer(text.strip(), item),
+    )
+
+
+def sampled_evaluations(
+    cfg: RLRunConfig, out: Path, items: list[dict], scorer, policy: Policy
+) -> tuple[dict[str, Any], Any]:
+    """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
+    back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
+    per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
+    `cfg.eval.samples` is 0; with them, the RL policy's per-item pass@1 ([N] float64, None
+    without samples) for the baseline's comparison."""
+    if not cfg.eval.samples:
+        return {}, None
+    algo, results, per_item = cfg.rl.algo, {}, {}
+    for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
+        r = _sampled(cfg, model, items, scorer)
+        write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
+        results[f"sampled_after_{stage}"] = r.as_dict()
+        per_item[stage] = r.per_item_pass1
+    results["sampled_difference"] = paired_bootstrap_diff(
+        per_item[algo], per_item["sft"], seed=cfg.seed
+    )
+    return results, per_item[algo]
+
+
+def more_sft_baseline(
+    cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl, rl_per_item: Any
+) -> dict[str, Any]:
+    """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
+    policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
+    items, and RL minus more-SFT, paired (greedy; sampled pass@1 against `rl_per_item`, the RL
+    policy's per-item pass@1, when `cfg.eval.samples`). `train_s` is the sum of the stage's
+    step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
+    results = warm_start(
+        cfg,
+        out,
+        folder="more_sft",
+        init_from=out / "sft" / "policy",
+        sft=cfg.baseline.warm_start(cfg.sft),
+    )
+    assert results is not None  # one process (the baseline is refused under a plan)
+    greedy = read_table(out / "more_sft" / "eval_after.csv", required=True)["correct"].to_numpy()
+    train_s = float(read_metrics(out / "more_sft")["step_time_s"].sum())
+    baseline = {
+        "more_sft": {
+            **results["after"],
+            "steps": cfg.baseline.steps,
+            "lr": cfg.baseline.lr,
+            "train_s": train_s,
+        },
+        "rl_minus_more_sft": paired_bootstrap_diff(
+            after_rl.table["correct"].to_numpy(), greedy, seed=cfg.seed
+        ),
+    }
+    if rl_per_item is not None:
+        r = _sampled(cfg, Policy.from_pretrained(out / "more_sft" / "policy"), items, scorer)
+        write_table(r.table, out / "eval_sampled_after_more_sft.csv")
+        baseline["sampled_after_more_sft"] = r.as_dict()
+        baseline["rl_minus_more_sft_sampled"] = paired_bootstrap_diff(
+            rl_per_item, r.per_item_pass1, seed=cfg.seed
+        )
+    return baseline
+
+
+class HeldOutCurve:
+    """A trainer callback: greedy held-out accuracy of `policy` every `every` RL steps (the
+    same items, scorer and answer length as the final evaluation), one CSV row per point
+    (step, accuracy, ci_low, ci_high, num_items: a fraction and its 95% Wilson interval) in
+    `path`, written as it comes so a live run can be read. Greedy decoding draws no random
+    numbers, so the run trains exactly as without it.
+
+    Call `start(step, after_sft)` once the trainer exists: it writes step 0 (the SFT policy,
+    from its results) and drops rows of steps a resumed run will take again.
+
+    Raises:
+        ValueError: `every` is not an integer >= 1.
+    """
+
+    COLUMNS = ("step", "accuracy", "ci_low", "ci_high", "num_items")
+
+    def __init__(
+        self,
+        policy: Policy,
+        items: list[dict],
+        scorer,
+        *,
+        every: int,
+        max_new_tokens: int,
+        path: Path,
+    ) -> None:
+        check_int("every", every, minimum=1)
+        self.policy, self.items, self.scorer = policy, items, scorer
+        self.every, self.max_new_tokens, self.path = every, max_new_tokens, Path(path)
+
+    def start(self, step: int, after_sft: dict[str, Any]) -> None:
+        old = read_table(self.path)
+        kept = [] if old is None else [r for r in old.to_dict("records") if 0 < r["step"] <= step]
+        self._write([{"step": 0, **after_sft}, *kept])
+
+    def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
+        if trainer.step_count % self.every and trainer.step_count != trainer.target_steps:
+            return
+        r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
+        self._write([*self.rows(), {"step": trainer.step_count, **r.as_dict()}])
+
+    def _write(self, points: list[dict[str, Any]]) -> None:
+        write_table(pd.DataFrame(points, columns=list(self.COLUMNS)), self.path)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The points so far, as dicts of `COLUMNS` (none before the first)."""
+        table = read_table(self.path)
+        return [] if table is None else table.to_dict("records")
+
+    def plot(self, path: Path, *, xlabel: str) -> None:
+        """Accuracy against step with its interval band, saved to `path` (100 dpi)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        data = read_table(self.path, required=True)  # start() wrote step 0
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.fill_between(data["step"], data["ci_low"], data["ci_high"], alpha=0.25)
+        ax.plot(data["step"], data["accuracy"], marker=".")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.set_title(f"{int(data['num_items'].iloc[0])} items, 95% Wilson interval", fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def write_rl_results(run: RecipeRun, results: dict[str, Any], task: str, algo: str) -> None:
+    """results.csv (the held-out accuracy of each stage), results.json and results.md."""
+    stages = [
+        ("before SFT", results["before_sft"]),
+        ("after SFT", results["after_sft"]),
+        (f"after {algo.upper()}", results[f"after_{algo}"]),
+    ]
+    write_table(
+        pd.DataFrame([{"stage": name, **r} for name, r in stages if r is not None]),
+        run.out / "results.csv",
+    )
+    lines = [
+        f"# SFT -> {algo.upper()} on {task} {results['task_config']}",
+        "",
+        f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
+        f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
+        f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "
+        f"wall {results['wall_s']:.0f} s",
+        "",
+        *accuracy_table(stages),
+        "",
+        difference_line(f"{algo.upper()} minus SFT", results["difference"]),
+        "",
+    ]
+    if "sampled_difference" in results:
+        k = results["sampled_after_sft"]["k"]
+        lines += [
+            f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
+            for name, r in (
+                ("SFT", results["sampled_after_sft"]),
+                (algo.upper(), results[f"sampled_after_{algo}"]),
+            )
+        ]
+        lines += [
+            "",
+            difference_line(
+                f"{algo.upper()} minus SFT, sampled pass@1", results["sampled_difference"]
+            ),
+            "",
+        ]
+    if "more_sft" in results:  # the honest baseline: the same demonstrations, more SFT
+        b = results["more_sft"]
+        lines += [
+            f"Baseline: {b['steps']} more SFT steps instead (lr {b['lr']:g}; "
+            f"{b['train_s']:.0f} s of training steps, {algo.upper()}'s "
+            f"{results['rl_train_s']:.0f} s): greedy "
+            f"{b['accuracy']:.3f} [{b['ci_low']:.3f}, {b['ci_high']:.3f}]"
+            + (
+                f", sampled pass@1 {results['sampled_after_more_sft']['pass_at_1']:.3f}, "
+                f"pass@{results['sampled_after_more_sft']['k']} "
+                f"{results['sampled_after_more_sft']['pass_at_k']:.3f}"
+                if "sampled_after_more_sft" in results
+                else ""
+            ),
+            "",
+            difference_line(f"{algo.upper()} minus more SFT", results["rl_minus_more_sft"]),
+        ]
+        if "rl_minus_more_sft_sampled" in results:
+            lines.append(
+                difference_line(
+                    f"{algo.upper()} minus more SFT, sampled pass@1",
+                    results["rl_minus_more_sft_sampled"],
+                )
+            )
+        lines.append("")
+    if "eval_curve" in results:
+        points = ", ".join(f"step {r['step']}: {r['accuracy']:.3f}" for r in results["eval_curve"])
+        lines += [
+            f"Held-out greedy accuracy during {algo.upper()} (eval_curve.csv/png): {points}",
+            "",
+        ]
+    run.write(results, "\n".join(lines))
