@@ -45,8 +45,8 @@ def replay_step(trainer: RLTrainer, rollouts: Any) -> dict[str, float]:
     seam = getattr(trainer, _SEAM, None)
     if not callable(seam):
         raise TypeError(
-            f"replay_step needs a trainer with {_SEAM}(groups) (posttrain."
-            f"rl_trainer.RLTrainer); got {type(trainer).__name__}"
+            f"replay_step needs a trainer with {_SEAM}(groups) (posttrain.rl."
+            f"RLTrainer); got {type(trainer).__name__}"
         )
     groups = to_groups(rollouts)
     vocab = getattr(
