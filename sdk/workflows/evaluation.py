@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import (
     ScoreFn,
     evaluate_generations,
@@ -110,7 +111,7 @@ def _row(
     )
 
 
-def _run_exact(policy, s: ExactMatchSet, seed: int):
+def _run_exact(policy: Policy, s: ExactMatchSet, seed: int) -> tuple[list[dict], pd.DataFrame]:
     score_fn: ScoreFn
     if s.task is not None:
         items, ds = held_out_items(s.task)
@@ -171,7 +172,7 @@ def _run_exact(policy, s: ExactMatchSet, seed: int):
     return rows, per
 
 
-def _run_humaneval(policy, s: HumanEvalSet, seed: int):
+def _run_humaneval(policy: Policy, s: HumanEvalSet, seed: int) -> tuple[list[dict], pd.DataFrame]:
     from posttrain.verifiers.humaneval import evaluate_pass_at_k, humaneval_problems
 
     items = (list(s.items) if s.items is not None else humaneval_problems())[: s.limit]
@@ -214,7 +215,7 @@ def _order_score(outcome: PairwiseOutcome, policy_is: str) -> float | None:
     return 1.0 if outcome.value == policy_is else 0.0
 
 
-def _run_judge(policy, s: JudgeWinRateSet, seed: int):
+def _run_judge(policy: Policy, s: JudgeWinRateSet, seed: int) -> tuple[list[dict], pd.DataFrame]:
     items = list(s.items)
     blank = lambda text, item: 0.0  # noqa: E731 - generation only; the judge scores
     ours = (
@@ -304,7 +305,7 @@ def _check_sets(sets: Any) -> None:
 
 
 def evaluate_suite(
-    policy, sets: Sequence[Any], *, seed: int = 0, progress: bool = True
+    policy: Policy, sets: Sequence[Any], *, seed: int = 0, progress: bool = True
 ) -> SuiteResult:
     """Evaluate `policy` on every eval set in `sets`, in order; returns a `SuiteResult` (one
     table row per (set, metric), one per-item table per set).

@@ -31,12 +31,17 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from posttrain.models.conversion import ConversionReport
 from posttrain.workflows.config import choice, fail
+
+if TYPE_CHECKING:  # imported where used: torchao loads only when a recipe asks for it
+    from posttrain.models.lora import LoRAConfig
+    from posttrain.train.float8 import Float8Config
+    from posttrain.train.qat import QATConfig
 
 __all__ = [
     "ADAPTER_METHODS",
@@ -74,7 +79,7 @@ class AdaptersConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "output_proj"]
     )
 
-    def lora(self):
+    def lora(self) -> LoRAConfig | None:
         """The `LoRAConfig` of these settings; None for method "none"."""
         if self.method == "none":
             return None
@@ -114,7 +119,7 @@ class QuantizationConfig:
     qat_scheme: str = "int8da_int4w"
     qat_group_size: int = 32
 
-    def training_config(self, training: str | None = None):
+    def training_config(self, training: str | None = None) -> Float8Config | QATConfig | None:
         """The converter config (`Float8Config` or `QATConfig`) of `training` (default: the
         chosen one); None for "none"."""
         training = self.training if training is None else training

@@ -39,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,7 +258,9 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
     return run.done(results)
 
 
-def _ids(dataset: PreferenceDataset, indices) -> tuple[list[list[int]], list[list[int]]]:
+def _ids(
+    dataset: PreferenceDataset, indices: Iterable[int]
+) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of the chosen and of the rejected sequences of items `indices`."""
     return (
         [dataset[i]["chosen_ids"].tolist() for i in indices],

@@ -15,12 +15,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from posttrain.core.checks import check_int
 from posttrain.core.metrics import read_metrics
 from posttrain.policy.policy import Policy
-from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
+from posttrain.rewards.evaluation import (
+    EvalResult,
+    SampledEvalResult,
+    evaluate_sampled,
+    paired_bootstrap_diff,
+)
 from posttrain.rl.trainer import RLTrainer
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import accuracy_table, difference_line, read_table, write_table
@@ -28,12 +34,16 @@ from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import evaluate
 
 if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
+
     from posttrain.workflows.rl import RLRunConfig
 
 __all__ = ["HeldOutCurve", "sampled_evaluations", "more_sft_baseline", "write_rl_results"]
 
 
-def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
+def _sampled(
+    cfg: RLRunConfig, policy: Policy, items: list[dict], scorer: ProceduralDataset
+) -> SampledEvalResult:
     """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`."""
     return evaluate_sampled(
         policy,
@@ -46,8 +56,8 @@ def _sampled(cfg: RLRunConfig, policy: Policy, items: list[dict], scorer):
 
 
 def sampled_evaluations(
-    cfg: RLRunConfig, out: Path, items: list[dict], scorer, policy: Policy
-) -> tuple[dict[str, Any], Any]:
+    cfg: RLRunConfig, out: Path, items: list[dict], scorer: ProceduralDataset, policy: Policy
+) -> tuple[dict[str, Any], np.ndarray | None]:
     """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
     back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
     per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
@@ -68,7 +78,12 @@ def sampled_evaluations(
 
 
 def more_sft_baseline(
-    cfg: RLRunConfig, out: Path, items: list[dict], scorer, after_rl, rl_per_item: Any
+    cfg: RLRunConfig,
+    out: Path,
+    items: list[dict],
+    scorer: ProceduralDataset,
+    after_rl: EvalResult,
+    rl_per_item: np.ndarray | None,
 ) -> dict[str, Any]:
     """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
     policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
@@ -126,7 +141,7 @@ class HeldOutCurve:
         self,
         policy: Policy,
         items: list[dict],
-        scorer,
+        scorer: ProceduralDataset,
         *,
         every: int,
         max_new_tokens: int,

@@ -26,7 +26,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -79,6 +79,9 @@ from posttrain.workflows.task_data import (
     evaluate,
     held_out_items,
 )
+
+if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
 __all__ = [
     "SFTConfig",
@@ -279,17 +282,20 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     reports = convert_for_training(policy.model, cfg, spec=policy.spec, verbose=writes)
     if reports:
         results["converters"] = [str(r) for r in reports]
-    runtime, shard = None, {}
+    runtime = None
+    rank: int | None = None  # None: SFTLoader's default (the process group's, or one process)
+    world_size: int | None = None
     if plan is not None:
         runtime = plan.parallelize(policy.model, spec=policy.spec)
-        shard = {"rank": runtime.data_rank, "world_size": runtime.data_size}
+        rank, world_size = runtime.data_rank, runtime.data_size
     loader = SFTLoader(
         dataset,
         batch_size=o.batch_size,
         seed=cfg.seed,
         pack=cfg.pack,
         seq_len=cfg.max_seq_len if cfg.pack else None,
-        **shard,
+        rank=rank,
+        world_size=world_size,
     )
     optimizer, schedule = o.build(trainable_parameters(policy.model))
     trainer = Trainer(
@@ -322,7 +328,7 @@ def _finish(
     cfg: SFTConfig,
     metrics: pd.DataFrame,
     items: list[dict],
-    ds,
+    ds: ProceduralDataset,
     results: dict[str, Any],
 ) -> None:
     """After training (rank 0): plot, held-out accuracy, policy and results files."""

@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.rows import BadRowError
 from posttrain.data.sft import (
@@ -32,6 +32,9 @@ from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import ROOT, TaskConfig, fail, ints, validate
+
+if TYPE_CHECKING:
+    from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
 __all__ = [
     "PROBE_ITEMS",
@@ -73,13 +76,13 @@ def check_seq_len(cfg: Any, at: str) -> None:
             )
 
 
-def _reasoning_gym(task: TaskConfig, size: int, seed: int):
+def _reasoning_gym(task: TaskConfig, size: int, seed: int) -> ProceduralDataset:
     import reasoning_gym
 
     return reasoning_gym.create_dataset(task.name, size=size, seed=seed, **task.options)
 
 
-def held_out_items(task: TaskConfig) -> tuple[list[dict], Any]:
+def held_out_items(task: TaskConfig) -> tuple[list[dict], ProceduralDataset]:
     """`task.eval_size` distinct task items from `task.eval_seed` and the task dataset (its
     scorer).
 
@@ -224,7 +227,7 @@ def _check_not_all_held_out(cfg: Any, at: str, held_out: set[str]) -> None:
             )
 
 
-def _prompt_lengths(tokenizer, items: list[dict], chat: bool) -> list[int]:
+def _prompt_lengths(tokenizer: Tokenizer, items: list[dict], chat: bool) -> list[int]:
     """Token counts of the items' questions as `generate_for_items` renders them."""
     if chat:
         return [
@@ -247,7 +250,7 @@ def _check_room(
         )
 
 
-def _check_rows_fit(cfg: Any, at: str, tokenizer) -> None:
+def _check_rows_fit(cfg: Any, at: str, tokenizer: Tokenizer) -> None:
     try:
         build_dataset(cfg, tokenizer, set(), size=PROBE_ITEMS)
     except BadRowError:
@@ -260,7 +263,7 @@ def _check_rows_fit(cfg: Any, at: str, tokenizer) -> None:
         ) from None
 
 
-def _check_pairs_fit(cfg: Any, at: str, tokenizer, probe: list[dict]) -> None:
+def _check_pairs_fit(cfg: Any, at: str, tokenizer: Tokenizer, probe: list[dict]) -> None:
     prompt = [{"role": "user", "content": probe[0]["question"]}]
     end = (
         len(tokenizer.render_chat(prompt + [{"role": "assistant", "content": "x"}]).input_ids)
@@ -284,7 +287,12 @@ def _check_pairs_fit(cfg: Any, at: str, tokenizer, probe: list[dict]) -> None:
 
 
 def evaluate(
-    policy: Policy, items: list[dict], ds, *, max_new_tokens: int, chat: bool = True
+    policy: Policy,
+    items: list[dict],
+    ds: ProceduralDataset,
+    *,
+    max_new_tokens: int,
+    chat: bool = True,
 ) -> EvalResult:
     """Greedy held-out accuracy scored by the task dataset `ds`. A CPT model saw "question
     answer" as plain text, so it is evaluated with `chat=False` (it continues the raw question)."""
