@@ -276,6 +276,21 @@ def trl_lengths(trainer) -> list[float]:
 # --------------------------------------------------------------------------------------------
 
 
+def command_line(argv: list[str], placeholders: dict[str, str]) -> str:
+    """The command as run, with the value of each flag in `placeholders` written as its
+    placeholder: a report names the command, not a folder on the machine that ran it.
+
+    >>> command_line(["--work", "/tmp/x", "--seeds", "0", "--plot=/tmp/c.png"],
+    ...              {"--work": "WORK", "--plot": "PLOT"})
+    '--work WORK --seeds 0 --plot=PLOT'
+    """
+    words = list(argv)
+    for flag, placeholder in placeholders.items():
+        words = [f"{flag}={placeholder}" if w.startswith(f"{flag}=") else w for w in words]
+        words = [placeholder if i and words[i - 1] == flag else w for i, w in enumerate(words)]
+    return " ".join(words)
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout

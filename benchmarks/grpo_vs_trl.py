@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grpo_step  # noqa: E402
 from grpo_step import check_same_model, cpu_model, hf_byte_tokenizer, trl_dataset  # noqa: E402
 
 from posttrain.envs import ReasoningGymTask  # noqa: E402
@@ -277,10 +278,7 @@ def command_line(argv: list[str] | None, sft_run: Path | None) -> str:
     '--sft-run RUN --steps 5'
     """
     words = list(sys.argv[1:] if argv is None else argv)
-    if sft_run is not None:
-        words = ["--sft-run=RUN" if w.startswith("--sft-run=") else w for w in words]
-        words = ["RUN" if i and words[i - 1] == "--sft-run" else w for i, w in enumerate(words)]
-    return " ".join(words)
+    return grpo_step.command_line(words, {} if sft_run is None else {"--sft-run": "RUN"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,11 @@ with the main job's settings, e.g. to compare learning rates:
     python benchmarks/main_job_seeds.py --seeds 0 1 2                      # the main job
     python benchmarks/main_job_seeds.py --stage sft --seeds 0 1 2 sft.lr=1e-3
     python benchmarks/main_job_seeds.py --quick                            # tiny sizes, seconds
+    python benchmarks/main_job_seeds.py --work W --reuse --plot curves.png # report finished runs
+
+`--plot` draws every seed's held-out greedy curve during GRPO (`eval_curve.csv`) with its
+more-SFT baseline's accuracy; `--reuse` takes a seed's results from `--work` when its run
+finished there before instead of running it again.
 
 Intervals are Student-t over the per-seed values (mean +- t_{0.975, n-1} * sd / sqrt(n)); with 3
 seeds they are wide by construction. Writes `--out` (markdown, default: print only).
@@ -28,13 +33,24 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import cpu_model  # noqa: E402
+from grpo_step import command_line, cpu_model  # noqa: E402
 
 # Student-t 0.975 quantiles for 1..10 degrees of freedom (any statistics table), then ~normal.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228}
+T975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+}
 
 # (label, path into results.json); missing paths (a stage not run) are left out.
 FIGURES = [
@@ -50,12 +66,28 @@ FIGURES = [
     ("GRPO minus more SFT, greedy (points)", ("rl_minus_more_sft", "difference")),
     ("wall time (s)", ("wall_s",)),
 ]
-SFT_FIGURES = [("greedy after SFT", ("after", "accuracy")), ("final SFT loss", ("final_loss",)),
-               ("wall time (s)", ("wall_s",))]
-QUICK = ["model.name=tiny-1m", "task.train_size=64", "task.eval_size=8",
-         "eval.max_new_tokens=6", "eval.samples=2", "sft.steps=3", "sft.batch_size=8",
-         "optim.steps=2", "optim.warmup_steps=1", "rl.prompts_per_step=2", "rl.group_size=2",
-         "sampling.max_new_tokens=4", "checkpoint.every=1", "eval.every=0", "baseline.steps=0"]
+SFT_FIGURES = [
+    ("greedy after SFT", ("after", "accuracy")),
+    ("final SFT loss", ("final_loss",)),
+    ("wall time (s)", ("wall_s",)),
+]
+QUICK = [
+    "model.name=tiny-1m",
+    "task.train_size=64",
+    "task.eval_size=8",
+    "eval.max_new_tokens=6",
+    "eval.samples=2",
+    "sft.steps=3",
+    "sft.batch_size=8",
+    "optim.steps=2",
+    "optim.warmup_steps=1",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "sampling.max_new_tokens=4",
+    "checkpoint.every=1",
+    "eval.every=0",
+    "baseline.steps=0",
+]
 
 
 def cpu_kind() -> str:
@@ -64,7 +96,8 @@ def cpu_kind() -> str:
     flags = set()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next((l for l in f if l.startswith("flags")), ":").split(":", 1)[1].split())
+            line = next((row for row in f if row.startswith("flags")), ":")
+            flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
@@ -92,56 +125,117 @@ def _one_sft(seed: int, out: Path, overrides: list[str]) -> None:
     from posttrain.workflows.recipes import apply_overrides
     from posttrain.workflows.sft import warm_start
 
-    cfg = apply_overrides(cli.load_recipe("grpo").Config(),
-                          [*overrides, f"seed={seed}", f"out_dir={out}", "progress=false"])
+    cfg = apply_overrides(
+        cli.load_recipe("grpo").Config(),
+        [*overrides, f"seed={seed}", f"out_dir={out}", "progress=false"],
+    )
     start = time.perf_counter()
     results = warm_start(cfg, out)
+    if results is None:  # warm_start returns None on ranks other than 0; this is one process
+        raise RuntimeError(f"seed {seed}: the SFT stage returned no results (see {out})")
     results["wall_s"] = time.perf_counter() - start
     (out / "seed_results.json").write_text(json.dumps(results, default=str))
 
 
-def _run(seed: int, stage: str, folder: Path, overrides: list[str], threads: int) -> dict:
+def _run(
+    seed: int, stage: str, folder: Path, overrides: list[str], threads: int, reuse: bool = False
+) -> dict:
     out = folder / f"seed{seed}"
+    name = "seed_results.json" if stage == "sft" else "results.json"
+    if reuse and (out / name).is_file():
+        return json.loads((out / name).read_text())
     env = {**os.environ, "POSTTRAIN_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
     if stage == "sft":
         cmd = [sys.executable, __file__, "--one-sft", str(seed), str(out), *overrides]
     else:
-        cmd = [sys.executable, "-m", "posttrain.cli", "run", "grpo", f"seed={seed}",
-               f"out_dir={out}", "progress=false", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "run",
+            "grpo",
+            f"seed={seed}",
+            f"out_dir={out}",
+            "progress=false",
+            *overrides,
+        ]
     log = folder / f"seed{seed}.log"
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         raise RuntimeError(f"seed {seed}: `{' '.join(cmd)}` exited {rc}; see {log}")
-    name = "seed_results.json" if stage == "sft" else "results.json"
     return json.loads((out / name).read_text())
 
 
 def _get(results: dict, path: tuple[str, ...]) -> float | None:
+    """The number at `path` in a results dict, or None where the path is missing (a stage the
+    run did not have)."""
+    value: Any = results
     for key in path:
-        if not isinstance(results, dict) or key not in results:
+        if not isinstance(value, dict) or key not in value:
             return None
-        results = results[key]
-    return float(results)
+        value = value[key]
+    return float(value)
 
 
 def report(per_seed: dict[int, dict], figures: list, header: list[str]) -> str:
     seeds = sorted(per_seed)
-    lines = [*header, "", "| figure | mean [95% t-interval over seeds] | min | max | "
-             + " | ".join(f"seed {s}" for s in seeds) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(seeds)]
+    lines = [
+        *header,
+        "",
+        "| figure | mean [95% t-interval over seeds] | min | max | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + " |",
+        "|---|---|---:|---:|" + "---:|" * len(seeds),
+    ]
     for label, path in figures:
-        values = [_get(per_seed[s], path) for s in seeds]
-        if any(v is None for v in values):
+        found = [_get(per_seed[s], path) for s in seeds]
+        if any(v is None for v in found):
             continue
         scale = 100.0 if "points" in label else 1.0
-        values = [v * scale for v in values]
+        values = [v * scale for v in found if v is not None]
         mean, low, high = mean_interval(values)
-        fmt = (lambda v: f"{v:.0f}") if "(s)" in label else (
-            (lambda v: f"{v:+.1f}") if "points" in label else (lambda v: f"{v:.3f}"))
-        lines.append(f"| {label} | {fmt(mean)} [{fmt(low)}, {fmt(high)}] | {fmt(min(values))} "
-                     f"| {fmt(max(values))} | " + " | ".join(fmt(v) for v in values) + " |")
+        fmt = (
+            (lambda v: f"{v:.0f}")
+            if "(s)" in label
+            else ((lambda v: f"{v:+.1f}") if "points" in label else (lambda v: f"{v:.3f}"))
+        )
+        lines.append(
+            f"| {label} | {fmt(mean)} [{fmt(low)}, {fmt(high)}] | {fmt(min(values))} "
+            f"| {fmt(max(values))} | " + " | ".join(fmt(v) for v in values) + " |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def plot_curves(folder: Path, per_seed: dict[int, dict], path: Path) -> None:
+    """Each seed's held-out greedy accuracy during GRPO (its run's `eval_curve.csv`: step,
+    accuracy) as a line, its more-SFT baseline's greedy accuracy as a dashed line of the same
+    colour; written to `path` (PNG)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, seed in enumerate(sorted(per_seed)):
+        colour = f"C{i}"
+        curve = pd.read_csv(folder / f"seed{seed}" / "eval_curve.csv")
+        ax.plot(curve["step"], curve["accuracy"], "o-", color=colour, label=f"seed {seed}: GRPO")
+        more = _get(per_seed[seed], ("more_sft", "accuracy"))
+        if more is not None:
+            ax.axhline(
+                more,
+                color=colour,
+                linestyle="--",
+                linewidth=1,
+                label=f"seed {seed}: more SFT instead",
+            )
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,30 +248,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=("all", "sft"), default="all")
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="folder for the run folders (default: a temporary one)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="folder for the run folders (default: a temporary one)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown here")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a seed's results from --work when its run finished there",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write the seeds' held-out curves during GRPO here (PNG)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value for every seed's run")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed once")
+    if args.reuse and args.work is None:
+        parser.error("--reuse takes the runs from --work: name the folder")
+    if args.plot is not None and args.stage != "all":
+        parser.error("--plot draws the GRPO stage's curves: use it with --stage all")
     overrides = [*(QUICK if args.quick else []), *args.overrides]
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.work or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-            runs = dict(zip(args.seeds, pool.map(
-                lambda s: _run(s, args.stage, folder, overrides, args.threads), args.seeds)))
-    what = ("the main job's SFT stage" if args.stage == "sft" else "the main job (`make run`)")
-    command = " ".join(["python benchmarks/main_job_seeds.py", *argv])
-    header = [f"{what}, {len(runs)} seeds" + (f", overrides {' '.join(overrides)}"
-                                              if overrides else ""),
-              "", f"- Command: `{command}`",
-              f"- {cpu_kind()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run, "
-              f"{args.parallel} run(s) at a time; load average at start {load:.2f}, at end "
-              f"{os.getloadavg()[0]:.2f}"]
+            runs = dict(
+                zip(
+                    args.seeds,
+                    pool.map(
+                        lambda s: _run(s, args.stage, folder, overrides, args.threads, args.reuse),
+                        args.seeds,
+                    ),
+                )
+            )
+        if args.plot is not None:
+            plot_curves(folder, runs, args.plot)
+    what = "the main job's SFT stage" if args.stage == "sft" else "the main job (`make run`)"
+    placeholders = {"--work": "WORK", "--plot": "PLOT", "--out": "OUT"}
+    command = "python benchmarks/main_job_seeds.py " + command_line(argv, placeholders)
+    header = [
+        f"{what}, {len(runs)} seeds" + (f", overrides {' '.join(overrides)}" if overrides else ""),
+        "",
+        f"- Command: `{command}`",
+        f"- {cpu_kind()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run, "
+        f"{args.parallel} run(s) at a time; load average at start {load:.2f}, at end "
+        f"{os.getloadavg()[0]:.2f}",
+    ]
     text = report(runs, SFT_FIGURES if args.stage == "sft" else FIGURES, header)
     print(text)
     if args.out is not None:

@@ -1,5 +1,6 @@
 """Benchmark scripts are shipped artifacts: each parses its options (imports resolve)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,27 @@ def test_main_job_seeds_reports_mean_and_t_interval_over_seeds():
     # 1, 3, 5 points: sd 2, half-width 4.303 * 2 / sqrt(3) = 4.97
     assert "| +3.0 [-2.0, +8.0] |" in rows["GRPO minus SFT, greedy (points)"]
     assert "greedy after GRPO" not in rows  # a figure no seed has is left out
+
+
+def test_main_job_seeds_reports_finished_runs_with_their_curves(tmp_path):
+    """--reuse reads each seed's results.json from --work instead of running it; --plot draws
+    the seeds' eval_curve.csv; the report names WORK/PLOT/OUT, not this machine's folders.
+    Seeds 0.80 and 0.90 after SFT: mean 0.85, sd 0.0707, t(0.975, 1) = 12.706, half-width
+    12.706 * 0.0707 / sqrt(2) = 0.635."""
+    m = _benchmark_module("main_job_seeds")
+    for seed, acc in ((0, 0.8), (1, 0.9)):
+        run = tmp_path / "work" / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(json.dumps(
+            {"after_sft": {"accuracy": acc}, "more_sft": {"accuracy": 0.95}}))
+        (run / "eval_curve.csv").write_text(f"step,accuracy\n0,{acc}\n25,{acc + 0.01}\n")
+    out, png = tmp_path / "report.md", tmp_path / "curves.png"
+    assert m.main(["--seeds", "0", "1", "--work", str(tmp_path / "work"), "--reuse",
+                   "--plot", str(png), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| greedy after SFT | 0.850 [0.215, 1.485] | 0.800 | 0.900 | 0.800 | 0.900 |" in text
+    assert "--work WORK --reuse --plot PLOT --out OUT" in text and str(tmp_path) not in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
