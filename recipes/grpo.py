@@ -4,22 +4,22 @@ Run: `posttrain run grpo [key=value ...]` (`make run`; dotted keys: `optim.lr=2e
 rl.group_size=16`), or in a notebook `main(Config())`. The stages, run folder and results are
 those of `posttrain.workflows.rl.run_sft_then_rl`; this recipe is its main-job defaults:
 
-  1. SFT of tiny-2m (2.22M parameters, byte tokenizer) for 900 steps of 64 on reasoning-gym
-     `spell_backward` (3-5 letter words, the task's own question text), 500 held-out words;
+  1. SFT of tiny-2m (2.22M parameters, byte tokenizer) for 300 steps of 64 at lr 1e-3 on
+     reasoning-gym `spell_backward` (3-5 letter words, the task's own question text), 500
+     held-out words;
   2. GRPO from that policy, 64 prompts x 8 samples per step, lr 1e-4, k3 KL 0.04, reward = the
      task's own score, with held-out greedy accuracy every 25 steps (`eval_curve.csv/png`);
   3. held-out greedy accuracy, sampled pass@1 and pass@8 after SFT and after GRPO, paired;
-  4. the honest baseline: as much more SFT on the same demonstrations as the GRPO stage's wall
+  4. the honest baseline: as much more SFT on the same demonstrations as the GRPO stage's step
      time allows (`baseline.steps`), scored and compared the same way.
 
-What it shows and why (docs/benchmarks/results.md has the measured run): in 15 minutes GRPO
-raises sampled pass@1 by 5.1 points [+3.5, +6.7] and leaves greedy accuracy where it was (-2.6
-[-5.4, +0.2]): it first sharpens the policy's samples, and greedy answers improve only after a
-few hundred steps of 512 samples. TRL's GRPOTrainer from the same start with the same settings
-does the same (docs/benchmarks/grpo_vs_trl_grpo_spell_backward.md).
-`recipes/presets/grpo_spell_backward.yaml`, this job with 600 GRPO steps, gains on both: greedy
-+5.8 points [+2.6, +9.2], sampled pass@1 +11.3 [+9.2, +13.6]. More SFT on the demonstrations
-does better per CPU second on this task.
+What it shows (docs/benchmarks/results.md, 3 seeds: mean [95% t-interval over the seeds]): the
+SFT start lands at 85.2% greedy [79.6, 90.8]; GRPO raises sampled pass@1 by +7.9 points [+6.5,
++9.3] (each seed +7.5 to +8.5, paired interval above 0) and leaves greedy accuracy where it was
+(+0.1 [-4.7, +4.8]): in 100 steps it sharpens the policy's samples. More SFT on the
+demonstrations reaches 99.3% greedy in the same time: they cover the held-out distribution.
+`recipes/presets/grpo_spell_backward.yaml` (600 GRPO steps from the earlier 900-step SFT stage,
+one seed) gains on greedy too: +5.8 points [+2.6, +9.2].
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = ["Config", "TINY", "main"]
 @dataclass(kw_only=True)
 class Config(RLRunConfig):
     """`posttrain.workflows.RLRunConfig` with the main job's task, GRPO batch, held-out curve and
-    more-SFT baseline (about 15 minutes on 2 quiet CPU cores)."""
+    more-SFT baseline (about 10 minutes on 2 quiet CPU cores)."""
 
     task: TaskConfig = field(
         default_factory=lambda: TaskConfig(
@@ -53,7 +53,8 @@ class Config(RLRunConfig):
         )
     )
     # 300 steps at 1e-3: the SFT stage lands at about the same held-out accuracy at every seed
-    # (at 3e-3 it swung from 13% to 83%; docs/benchmarks/results.md, "Seed spread")
+    # (at 3e-3 it swung from 13% to 83%): docs/benchmarks/results.md,
+    # "Seed spread: why the SFT stage is 300 steps at lr 1e-3"
     sft: SFTWarmStartConfig = field(
         default_factory=lambda: SFTWarmStartConfig(steps=300, lr=1e-3, batch_size=64)
     )
