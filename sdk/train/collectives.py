@@ -1,5 +1,5 @@
-"""The collectives a `Runtime` runs over the data-parallel ranks, and the gradient norm and
-clipping of gradients split over a mesh.
+"""The collectives a `Runtime` runs over the data-parallel ranks, the gradient norm and
+clipping of gradients split over a mesh, and the full weights of a split model.
 
 Notation: W = ranks of the group, sizes[r] = rows of rank r.
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from posttrain.train.runtime import PlanRuntime
 
 __all__ = ["total_grad_norm", "clip_grads_with_norm_", "gather_rows", "reduce_metrics",
-           "sum_grads_over_group"]
+           "sum_grads_over_group", "gather_full_state_dict"]
 
 
 def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> Tensor:
@@ -108,3 +108,28 @@ def sum_grads_over_group(module: nn.Module, group: ProcessGroup | None) -> None:
             grad = p.grad = torch.zeros_like(p)
         grads.append(grad)
     flat_collective(grads, lambda flat: dist.all_reduce(flat, group=group))
+
+
+def gather_full_state_dict(model: nn.Module, pp_group: ProcessGroup | None) -> dict[str, Tensor]:
+    """The unsharded `state_dict()` of a model split by a plan, on CPU, on every rank: gathered
+    with `get_model_state_dict(full_state_dict=True)` (a collective over the model's mesh), and
+    under pipeline parallelism merged over the stages of `pp_group` (each holds some names).
+
+    Raises:
+        TypeError: for a state entry that is not a tensor.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                               cpu_offload=False))
+    state: dict[str, Tensor] = {}
+    for k, v in full.items():
+        if not isinstance(v, Tensor):
+            raise TypeError(f"full_state_dict: the model's state {k!r} is a "
+                            f"{type(v).__name__}, not a tensor")
+        state[k] = v.detach().cpu()
+    if pp_group is not None:  # each stage holds some of the names: merge them
+        stages: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(stages, state, group=pp_group)
+        state = {k: v for stage in stages for k, v in stage.items()}
+    return state

@@ -65,6 +65,7 @@ from posttrain.core.checks import check_int
 from posttrain.core.distributed import device_of, rank_and_world_size
 from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
+from posttrain.train.hooks import check_data_shard, check_resumable
 from posttrain.train.losses import check_finite_update
 from posttrain.train.optimizer_check import check_optimizer
 from posttrain.train.runtime import PlanRuntime, Runtime
@@ -319,14 +320,7 @@ class Engine(abc.ABC):
 
     def _check_data_shard(self, data: Any) -> None:
         """Raise ValueError if `data` is sharded for another data-parallel rank or size."""
-        expected = self.data_rank_and_size
-        shard = (getattr(data, "rank", expected[0]), getattr(data, "world_size", expected[1]))
-        if shard != expected:
-            raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
-                             f"this process is rank {expected[0]} of world_size={expected[1]} "
-                             f"among the data-parallel ranks{self.runtime.describe()}; build the "
-                             "loader after initialising torch.distributed (or pass it rank= and "
-                             "world_size=: runtime.data_rank and runtime.data_size)")
+        check_data_shard(data, self.data_rank_and_size, self.runtime.describe())
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         """Under FSDP2: reduce gradients in the coming backward (the step's last micro-batch)."""
@@ -446,16 +440,9 @@ class Engine(abc.ABC):
         path = resolve_checkpoint(path if path is not None else self.run_dir or "")
         ckpt = load_checkpoint(path)
         state = ckpt["train_state"]
-        saved = ckpt.get("meta") or {}
-        for name, value in self._fixed_settings().items():
-            if name in saved and saved[name] != value:
-                raise ValueError(f"{path} was saved with {name}={saved[name]!r}; this trainer has "
-                                 f"{name}={value!r}, which cannot change on resume (start a new "
-                                 "run_dir, or resume with the same setting)")
-        if (state["lr_scheduler"] is None) != (self.lr_scheduler is None):
-            was = "without" if state["lr_scheduler"] is None else "with"
-            has = "one" if self.lr_scheduler is not None else "none"
-            raise ValueError(f"{path} was saved {was} an lr_scheduler; this trainer has {has}")
+        check_resumable(path, state, ckpt.get("meta") or {},
+                        fixed_settings=self._fixed_settings(),
+                        has_lr_scheduler=self.lr_scheduler is not None)
         # sharded or full, saved under this plan, another one or none
         self.runtime.load_checkpoint(ckpt, module=self._checkpoint_module(),
                                      optimizer=self.optimizer,

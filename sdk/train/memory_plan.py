@@ -98,22 +98,39 @@ Example:
     >>> df = plan_memory(get_preset("tiny-1m"), ParallelPlan(dp_shard=2), batch)
     >>> int(df.set_index("term").loc["optimizer state", "bytes"]) == 2 * 4 * 1_020_032 // 2
     True
-    >>> check_plan_fits(get_preset("llama3.2-1b"), ParallelPlan(), batch, device_type="cuda",
-    ...                 device_bytes=16 * 2**30)
+    >>> check_plan_fits(  # doctest: +NORMALIZE_WHITESPACE
+    ...     get_preset("llama3.2-1b"), ParallelPlan(), batch, device_type="cuda",
+    ...     device_bytes=16 * 2**30)
     Traceback (most recent call last):
     ...
-    ValueError: ParallelPlan(one rank) needs about 23.0 GiB per rank for phase 'sft' but the device has 16.0 GiB: optimizer state 9.2 GiB of 23.0 GiB per rank: raise dp_shard (optimizer state falls 1/dp_shard)
+    ValueError: ParallelPlan(one rank) needs about 23.0 GiB per rank for phase 'sft' but the
+    device has 16.0 GiB: optimizer state 9.2 GiB of 23.0 GiB per rank: raise dp_shard
+    (optimizer state falls 1/dp_shard)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.train.memory_counts import (
+    DTYPE_BYTES,
+    OPTIMIZER_STATES,
+    MemoryBatch,
+    activation_bytes_per_token,
+    all_parameters,
+    dtype_bytes,
+    model_counts,
+    optimizer_states,
+)
 from posttrain.train.parallel import ParallelPlan
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from posttrain.models.specs import ModelSpec
 
 __all__ = ["MemoryBatch", "PHASES", "OPTIMIZER_STATES", "plan_memory", "check_plan_fits"]
 
@@ -121,122 +138,8 @@ PHASES = ("sft", "cpt", "dpo", "grpo", "ppo", "rollout")
 """Phases `plan_memory` knows: sft/cpt (policy training), dpo (+ reference), grpo (+ reference,
 + generation), ppo (+ value head), rollout (generation only)."""
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "lion": 1}
-"""fp32 tensors the optimizer keeps per parameter tensor (AdamW: exp_avg and exp_avg_sq)."""
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _BROADCAST_BUCKET = 64 * 2**20  # posttrain.core.distributed._BUCKET_BYTES
 _GIB = 2**30
-
-
-@dataclass(kw_only=True, frozen=True)
-class MemoryBatch:
-    """The shapes `plan_memory` needs.
-
-    Args:
-        micro_batch_size: rows per micro-batch on ONE data-parallel rank (the loader's global
-            batch / plan.data_parallel_size; a DPO pair is two rows).
-        seq_len: tokens per row (the padded length).
-        num_sequences: sequences one rank generates at once (grpo, ppo, rollout); default
-            micro_batch_size.
-        max_total_len: prompt + completion tokens the KV cache holds; default seq_len.
-        prompt_len: tokens of the prefill; default max_total_len.
-
-    Raises:
-        ValueError: naming the field, for a value that is not a positive integer.
-    """
-
-    micro_batch_size: int
-    seq_len: int
-    num_sequences: int | None = None
-    max_total_len: int | None = None
-    prompt_len: int | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MemoryBatch.{f.name}={value!r}; must be a positive integer")
-
-    @classmethod
-    def of(cls, batch: MemoryBatch | dict[str, Any]) -> MemoryBatch:
-        """`batch` itself, or a MemoryBatch from a dict with its field names."""
-        if isinstance(batch, cls):
-            return batch
-        if not isinstance(batch, dict):
-            raise ValueError(f"batch={batch!r}; must be a MemoryBatch or a dict with keys "
-                             f"{', '.join(f.name for f in fields(cls))}")
-        if unknown := sorted(set(batch) - {f.name for f in fields(cls)}):
-            raise ValueError(f"batch has unknown key(s) {', '.join(unknown)}; allowed: "
-                             f"{', '.join(f.name for f in fields(cls))}")
-        return cls(**batch)
-
-
-@dataclass(frozen=True)
-class _Counts:
-    """Parameter counts of one block and of the root (embedding, final norm, output)."""
-
-    block_tp: int        # q/k/v/o (+ biases) and dense w1/w2/w3: split by tp
-    block_replicated: int  # RMSNorm scales, MoE router and shared expert
-    block_experts: int   # routed experts: split by ep
-    root_tp: int         # embedding + output when untied (split by tp); tied: 0
-    root_replicated: int  # final norm, and the tied embedding
-    largest_block: int   # elements of a block's largest tp-split tensor (before tp)
-    largest_expert: int  # elements of one stacked expert weight [E, M, D] (before ep)
-    largest_root: int    # elements of the embedding
-
-
-
-def _counts(spec: Any) -> _Counts:
-    D, H, K, d, F, V = (spec.embed_dim, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                        spec.intermediate_dim, spec.vocab_size)
-    bias = (H + 2 * K) * d if spec.family == "qwen2" else 0  # qwen2's q/k/v biases
-    attn = 2 * D * H * d + 2 * D * K * d + bias
-    replicated, experts, mlp = 2 * D, 0, 3 * D * F
-    if spec.is_moe:
-        E, M, S = spec.num_experts, spec.moe_intermediate_dim, spec.shared_expert_dim
-        mlp, experts = 0, 3 * E * M * D
-        replicated += E * D + (3 * D * S + D if S else 0)
-    tied = spec.tie_word_embeddings
-    return _Counts(block_tp=attn + mlp, block_replicated=replicated, block_experts=experts,
-                   root_tp=0 if tied else 2 * V * D, root_replicated=D + (V * D if tied else 0),
-                   largest_block=max(D * H * d, 0 if spec.is_moe else D * F),
-                   largest_expert=experts // 3, largest_root=V * D)
-
-
-def _activation_bytes_per_token(spec: Any, plan: ParallelPlan, a: int) -> float:
-    """Saved bytes of one block per token (module docstring), on one rank of plan.tp."""
-    D, H, F, tp = spec.embed_dim, spec.num_heads, spec.intermediate_dim, plan.tp
-    rope = 4 * a * spec.head_dim if spec.family == "qwen2" else 8 * spec.head_dim
-    replicated = 16 * D + 8 + 2 * a * D + rope
-    split = 4 * a * D + 4 * H
-    if spec.is_moe:
-        k, M, S, E = (spec.experts_per_token, spec.moe_intermediate_dim, spec.shared_expert_dim,
-                      spec.num_experts)
-        mlp = k * (3 * a * D + 4 * a * M + 24) + 4 * E + ((4 * S + D + 2) * a if S else 0)
-        return replicated + split / tp + mlp
-    return replicated + (split + 4 * a * F) / tp
-
-
-def _optimizer_states(optimizer: str | float) -> float:
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)} "
-                             "or a number of fp32 states per parameter")
-        return OPTIMIZER_STATES[optimizer]
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) \
-            or not 0 <= optimizer < math.inf:
-        raise ValueError(f"optimizer={optimizer!r}; must be a name ({', '.join(OPTIMIZER_STATES)})"
-                         " or a number >= 0 of fp32 states per parameter")
-    return float(optimizer)
-
-
-def _dtype_bytes(name: str, value: str | None) -> int:
-    if value not in _DTYPE_BYTES:
-        raise ValueError(f"{name}={value!r}; allowed: {', '.join(_DTYPE_BYTES)}")
-    return _DTYPE_BYTES[value]
 
 
 def _axes(plan: ParallelPlan, *names: str) -> str:
@@ -244,10 +147,11 @@ def _axes(plan: ParallelPlan, *names: str) -> str:
     return f"{' x '.join(used)} = {math.prod(getattr(plan, n) for n in used)}" if used else "1"
 
 
-def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[str, Any], *,
-                phase: str = "sft", optimizer: str | float = "adamw",
-                model_dtype: str = "float32", reference_dtype: str | None = None,
-                device_type: str | None = None, runtime_bytes: int = 0):
+def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
+                batch: MemoryBatch | dict[str, Any], *, phase: str = "sft",
+                optimizer: str | float = "adamw", model_dtype: str = "float32",
+                reference_dtype: str | None = None, device_type: str | None = None,
+                runtime_bytes: int = 0) -> pd.DataFrame:
     """Per-rank memory of training (or generating with) `spec` under `plan` on `batch`.
 
     The formulas, the division rules and how the terms add up to the peak are in the module
@@ -287,17 +191,17 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
         raise ValueError(f"plan={plan!r}; must be a ParallelPlan or None")
     plan.validate(spec=spec)
     batch = MemoryBatch.of(batch)
-    states = _optimizer_states(optimizer)
-    p = _dtype_bytes("model_dtype", model_dtype)
-    ref_p = _dtype_bytes("reference_dtype", reference_dtype or model_dtype)
+    states = optimizer_states(optimizer)
+    p = dtype_bytes("model_dtype", model_dtype)
+    ref_p = dtype_bytes("reference_dtype", reference_dtype or model_dtype)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type={device_type!r}; allowed: cpu, cuda")
     if isinstance(runtime_bytes, bool) or not isinstance(runtime_bytes, int) or runtime_bytes < 0:
         raise ValueError(f"runtime_bytes={runtime_bytes!r}; must be an integer >= 0")
 
-    a = _DTYPE_BYTES[plan.param_dtype] if plan.param_dtype else p
-    c = _counts(spec)
+    a = DTYPE_BYTES[plan.param_dtype] if plan.param_dtype else p
+    c = model_counts(spec)
     D, V, F = spec.embed_dim, spec.vocab_size, spec.intermediate_dim
     tp, sp, pp, ep = plan.tp, plan.sp, plan.pp, plan.ep
     n = math.ceil(spec.num_layers / pp)
@@ -306,29 +210,31 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
     # parameters held by one rank: TP-local, then FSDP-sharded; experts split over ep only
     block_local = c.block_tp / tp + c.block_replicated
     experts_local = c.block_experts / ep
-    if pp > 1:  # the worst end stage: its blocks and one V x D matrix (embedding, or output /
-        root_local = spec.vocab_size * D + D  # tied copy on the last stage) and the final norm
-    else:
-        root_local = c.root_tp / tp + c.root_replicated
+    # with pp > 1, the worst end stage: its blocks and one V x D matrix (embedding, or output /
+    # tied copy on the last stage) and the final norm
+    root_local = spec.vocab_size * D + D if pp > 1 else c.root_tp / tp + c.root_replicated
     held = n * (block_local / shards + experts_local) + root_local / shards
     rows: list[tuple[str, float, str, str]] = []
-    add = lambda term, nbytes, axes, note: rows.append((term, float(nbytes), axes, note))
+
+    def add(term: str, nbytes: float, axes: str, note: str) -> None:
+        rows.append((term, float(nbytes), axes, note))
+
     param_axes = _axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
         f" (experts: {_axes(plan, 'ep')})" if spec.is_moe else "")
-    P = held * p
+    param_bytes = held * p
     training = phase != "rollout"
-    add("parameters", P, param_axes, f"{held:,.0f} parameters x {p} B")
-    G = held * p if training else 0.0
-    O = held * 4 * states if training else 0.0
+    add("parameters", param_bytes, param_axes, f"{held:,.0f} parameters x {p} B")
+    grad_bytes = held * p if training else 0.0
+    optim_bytes = held * 4 * states if training else 0.0
     if training:
-        add("gradients", G, param_axes, "freed after every step (zero_grad set_to_none)")
-        add("optimizer state", O, param_axes, f"{states:g} fp32 state(s) per parameter "
+        add("gradients", grad_bytes, param_axes, "freed after every step (zero_grad set_to_none)")
+        add("optimizer state", optim_bytes, param_axes, f"{states:g} fp32 state(s) per parameter "
             f"({optimizer if isinstance(optimizer, str) else 'given'})")
     # activations
     micro = math.ceil(batch.micro_batch_size / plan.microbatches)  # microbatches is 1 if pp == 1
     in_flight = plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches)
     tokens = micro * math.ceil(batch.seq_len / sp)  # this rank's slice of the padded sequence
-    block = _activation_bytes_per_token(spec, plan, a) * tokens          # full saved set
+    block = activation_bytes_per_token(spec, plan, a) * tokens          # full saved set
     kept = (a * D * tokens) if plan.activation_checkpointing else block  # per block, forward
     rebuilt = block if plan.activation_checkpointing else 0.0
     acts = n * kept * in_flight
@@ -365,7 +271,7 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
         add("optimizer step temporaries", temps, param_axes,
             "for-loop AdamW: 2 x largest tensor" if device_type == "cpu"
             else "foreach AdamW: 1 x local parameters")
-    whole = _all_parameters(c, spec) * p
+    whole = all_parameters(c, spec) * p
     applied = plan != ParallelPlan()  # plan.parallelize broadcasts from rank 0 first
     build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
     add("model build", build, "1", "every rank builds the whole model before plan.parallelize"
@@ -379,20 +285,21 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
     kv = prefill = 0.0
     if phase in ("grpo", "ppo", "rollout"):
         seqs = batch.num_sequences or batch.micro_batch_size
-        total = batch.max_total_len or batch.seq_len
-        prompt = batch.prompt_len or total
-        kv = 2 * n * (spec.num_kv_heads / tp) * spec.head_dim * seqs * total * p
+        total_len = batch.max_total_len or batch.seq_len
+        prompt = batch.prompt_len or total_len
+        kv = 2 * n * (spec.num_kv_heads / tp) * spec.head_dim * seqs * total_len * p
         prefill = seqs * prompt * (V * p + (3 * D + 3 * F / tp) * p)
-        add("KV cache", kv, _axes(plan, "tp", "pp"), f"{seqs} sequences x {total} tokens")
+        add("KV cache", kv, _axes(plan, "tp", "pp"), f"{seqs} sequences x {total_len} tokens")
         add("prefill", prefill, _axes(plan, "tp") + (" (logits: not tp)" if tp > 1 else ""),
             "prefill logits + one block's no-grad working set")
     if runtime_bytes:
         add("runtime", runtime_bytes, "1", "given: allocator, communication buffers")
-    static = P + O + ref + value
-    candidates = {}
+    static = param_bytes + optim_bytes + ref + value
+    # moment -> (bytes, the terms that make it up)
+    candidates: dict[str, tuple[float, tuple[str, ...]]] = {}
     if training:
         candidates = {
-            "update": (G + temps, ("gradients", "optimizer step temporaries")),
+            "update": (grad_bytes + temps, ("gradients", "optimizer step temporaries")),
             "loss backward": (acts + head + logits + fsdp_root,
                               ("activations", "activations (head)", "logits", "FSDP buffers")),
             "last block backward": (acts + head + rebuilt + working + g_root + fsdp_all,
@@ -404,7 +311,7 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
                                  ("gradients", "activations (rebuilt block)",
                                   "backward working set", "FSDP buffers")),
         }
-    peaks = {"model build": (build, ("model build",))}
+    peaks: dict[str, tuple[float, tuple[str, ...]]] = {"model build": (build, ("model build",))}
     if training:
         moment, (dyn, terms) = max(candidates.items(), key=lambda kv_: kv_[1][0])
         peaks[f"training ({moment})"] = (static + dyn, ("parameters", "optimizer state",
@@ -424,12 +331,6 @@ def plan_memory(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[
     df.insert(2, "GiB", df["bytes"] / _GIB)
     df.attrs.update(peak_bytes=int(round(total)), dominant=dominant, moment=when, phase=phase)
     return df
-
-
-def _all_parameters(counts: _Counts, spec: Any) -> int:
-    """All parameters of the model (every block, the root), from the counts above."""
-    block = counts.block_tp + counts.block_replicated + counts.block_experts
-    return spec.num_layers * block + counts.root_tp + counts.root_replicated
 
 
 _FIXES = {
@@ -467,8 +368,9 @@ def device_memory_bytes() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo; pass device_bytes=")
 
 
-def check_plan_fits(spec: Any, plan: ParallelPlan | None, batch: MemoryBatch | dict[str, Any], *,
-                    phase: str = "sft", device_bytes: int | None = None, **options: Any):
+def check_plan_fits(spec: ModelSpec, plan: ParallelPlan | None,
+                    batch: MemoryBatch | dict[str, Any], *, phase: str = "sft",
+                    device_bytes: int | None = None, **options: Any) -> pd.DataFrame:
     """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
 
     Args:

@@ -10,21 +10,8 @@ decoder, on torchao 0.15 (`torchao.quantization.qat.QATConfig`, `torchao.quantiz
 `prepare_qat` is the "qat" converter of `posttrain.train.converters`; `convert_qat` and
 `quantize_post_training` run after training, before evaluation or export.
 
-Schemes (`QAT_SCHEMES`, each prepares and converts on a CPU-only torch 2.13 / torchao 0.15):
-
-    int8da_int4w  int8 dynamic per-token asymmetric activations, int4 per-group symmetric
-                  weights (torchao Int8DynamicActivationInt4WeightConfig)
-    int8da_int8w  the same with int8 per-group symmetric weights
-                  (Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8))
-    int4w         int4 per-group symmetric weights, activations unquantised
-                  (IntxWeightOnlyConfig(weight_dtype=torch.int4))
-    int8w         int8 per-group symmetric weights, activations unquantised
-
-`GPU_SCHEMES` are known to torchao but do not convert here; asking for one on a machine without
-what it needs raises ValueError saying what is missing (they were not run on a GPU for this
-project): "int4w_fbgemm" (Int4WeightOnlyConfig: needs fbgemm-gpu-genai >= 1.2.0 and CUDA; its
-QAT fake-quantises with group 128 whatever the config says, so group_size must be 128) and
-"float8" (Float8DynamicActivationFloat8WeightConfig: needs CUDA compute capability >= 8.9).
+Schemes: `posttrain.train.qat_config` (`QAT_SCHEMES` prepare and convert on a CPU-only torch
+2.13 / torchao 0.15; `GPU_SCHEMES` need what their docstring says).
 
 The fake quantisation (torchao `IntxFakeQuantizer`; `quant_primitives.choose_qparams_affine`
 and `_fake_quantize_affine`), for a weight row split into groups g of `group_size` inputs and
@@ -75,152 +62,24 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from posttrain.models.conversion import ConversionReport
+from posttrain.train.qat_config import GPU_SCHEMES, QAT_SCHEMES, SCHEMES, QATConfig
+
+if TYPE_CHECKING:
+    from torchao.quantization.qat import QATConfig as TorchaoQATConfig
+
+    from posttrain.models.specs import ModelSpec
 
 __all__ = ["QAT_SCHEMES", "GPU_SCHEMES", "QATConfig", "prepare_qat", "convert_qat",
            "quantize_post_training", "is_qat_prepared", "has_quantized_weights",
            "parameter_bytes"]
 
 _CONFIG_ATTR = "_posttrain_qat_config"
-
-
-# ------------------------- schemes: one registry, name -> torchao PTQ config, platform needs
-
-
-@dataclass(frozen=True)
-class _Scheme:
-    build: Callable[[int], Any]              # group_size -> torchao AOBaseConfig
-    grouped: bool                            # weights quantised in groups of group_size inputs
-    problem: Callable[[torch.device], str | None] = lambda device: None  # why it cannot run
-
-
-def _int8da_int4w(group_size: int):
-    from torchao.quantization import Int8DynamicActivationInt4WeightConfig
-
-    with warnings.catch_warnings():  # torchao's note that the config moves to prototype later
-        warnings.filterwarnings("ignore", message=".*moving to prototype.*")
-        # set_inductor_config=False: do not change torch._inductor's global settings
-        return Int8DynamicActivationInt4WeightConfig(group_size=group_size,
-                                                     set_inductor_config=False)
-
-
-def _intx(dtype: torch.dtype, *, activations: bool) -> Callable[[int], Any]:
-    def build(group_size: int):
-        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
-        from torchao.quantization.granularity import PerGroup
-
-        if activations:
-            return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype,
-                                                         weight_granularity=PerGroup(group_size))
-        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(group_size))
-    return build
-
-
-def _gpu_only(name: str) -> Callable[[int], Any]:
-    def build(group_size: int):
-        import torchao.quantization as tq
-
-        if name == "Int4WeightOnlyConfig":
-            return tq.Int4WeightOnlyConfig(group_size=group_size)
-        return getattr(tq, name)()
-    return build
-
-
-def _fbgemm_problem(device: torch.device) -> str | None:
-    if importlib.util.find_spec("fbgemm_gpu") is None:
-        return "torchao's Int4WeightOnlyConfig needs fbgemm-gpu-genai >= 1.2.0, not installed"
-    if device.type != "cuda":
-        return f"fbgemm's int4 kernels need a CUDA device; the model is on {device}"
-    return None
-
-
-def _float8_problem(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return ("torchao's float8 dynamic activation quantisation needs a CUDA device of compute "
-                f"capability >= 8.9 (or MI300+); the model is on {device}")
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return (f"torchao's float8 dynamic activation quantisation needs CUDA compute capability "
-                f">= 8.9; {torch.cuda.get_device_name(device)} has "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
-    return None
-
-
-_SCHEMES: dict[str, _Scheme] = {
-    "int8da_int4w": _Scheme(_int8da_int4w, grouped=True),
-    "int8da_int8w": _Scheme(_intx(torch.int8, activations=True), grouped=True),
-    "int4w": _Scheme(_intx(torch.int4, activations=False), grouped=True),
-    "int8w": _Scheme(_intx(torch.int8, activations=False), grouped=True),
-    "int4w_fbgemm": _Scheme(_gpu_only("Int4WeightOnlyConfig"), grouped=True,
-                            problem=_fbgemm_problem),
-    "float8": _Scheme(_gpu_only("Float8DynamicActivationFloat8WeightConfig"), grouped=False,
-                      problem=_float8_problem),
-}
-
-QAT_SCHEMES = ("int8da_int4w", "int8da_int8w", "int4w", "int8w")
-"""Schemes that prepare (fake quantisation) and convert (integer weights) on CPU here."""
-
-GPU_SCHEMES = ("int4w_fbgemm", "float8")
-"""Schemes torchao has that do not convert on CPU; each raises ValueError with the reason when
-what it needs is missing."""
-
-_FBGEMM_QAT_GROUP = 128  # torchao 0.15 `_infer_fake_quantize_configs`: Int4WeightOnlyConfig v2
-
-
-@dataclass(kw_only=True, frozen=True)
-class QATConfig:
-    """Which quantisation QAT simulates and PTQ / convert applies (the "qat" converter).
-
-    Attributes:
-        scheme: one of `QAT_SCHEMES` (or `GPU_SCHEMES` on a machine that has what they need).
-        group_size: inputs per weight-quantisation group (one fp32 scale per group of each output
-            row); must be >= 2 and divide the `in_features` of every converted linear (checked by
-            `prepare_qat` / `quantize_post_training`, which name the module that does not).
-            Unused by "float8" (per-tensor scales); "int4w_fbgemm" needs 128.
-
-    Raises:
-        ValueError: for an unknown scheme (listing `QAT_SCHEMES` and `GPU_SCHEMES`), a
-            group_size below 2, or "int4w_fbgemm" with a group_size other than 128.
-        TypeError: for a scheme that is not a str or a group_size that is not an int.
-    """
-
-    scheme: str = "int8da_int4w"
-    group_size: int = 32
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.scheme, str):
-            raise TypeError(f"QATConfig.scheme={self.scheme!r}; must be a str, one of "
-                            f"{', '.join(QAT_SCHEMES)}")
-        if self.scheme not in _SCHEMES:
-            raise ValueError(f"QATConfig.scheme={self.scheme!r}; allowed: {', '.join(QAT_SCHEMES)} "
-                             f"(and on GPUs that have what they need: {', '.join(GPU_SCHEMES)})")
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
-            raise TypeError(f"QATConfig.group_size={self.group_size!r}; must be an int >= 2")
-        if self.group_size < 2:
-            raise ValueError(f"QATConfig.group_size={self.group_size}; must be an int >= 2 "
-                             "(torchao's per-group quantisation needs groups of two or more)")
-        if self.scheme == "int4w_fbgemm" and self.group_size != _FBGEMM_QAT_GROUP:
-            raise ValueError(f"QATConfig.group_size={self.group_size} with scheme "
-                             f"'int4w_fbgemm'; must be {_FBGEMM_QAT_GROUP}: torchao 0.15 "
-                             f"fake-quantises Int4WeightOnlyConfig with groups of "
-                             f"{_FBGEMM_QAT_GROUP} whatever its group_size")
-
-    @property
-    def converter(self) -> str:
-        """The registered converter name (`posttrain.train.converters`): "qat"."""
-        return "qat"
-
-    def torchao_config(self) -> Any:
-        """The torchao base (post-training quantisation) config of this scheme."""
-        return _SCHEMES[self.scheme].build(self.group_size)
 
 
 # ---------------------------------------------------------------------------- queries
@@ -254,7 +113,9 @@ def has_quantized_weights(model: nn.Module) -> bool:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    if _is_quantized_tensor(t):
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):  # a quantised tensor (`_is_quantized_tensor`)
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
@@ -276,13 +137,14 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if param is None else param.device
 
 
-def _check_model(model: nn.Module, config: QATConfig, spec: Any, what: str) -> None:
+def _check_model(model: nn.Module, config: QATConfig, spec: ModelSpec | None,
+                 what: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{what}: model must be a torch.nn.Module; got {type(model).__name__}")
     if not isinstance(config, QATConfig):
         raise TypeError(f"{what}: config must be a posttrain.train.qat.QATConfig; got "
                         f"{type(config).__name__}")
-    problem = _SCHEMES[config.scheme].problem(_device(model))
+    problem = SCHEMES[config.scheme].problem(_device(model))
     if problem is not None:
         raise ValueError(f"{what}: QATConfig.scheme={config.scheme!r} cannot run on this "
                          f"machine: {problem}; use one of {', '.join(QAT_SCHEMES)}")
@@ -350,7 +212,7 @@ def _select(model: nn.Module, config: QATConfig, what: str) -> tuple[list[str], 
             raise TypeError(f"{what}: {name}.weight has dtype {weight.dtype}; QAT and PTQ take "
                             "float32, bfloat16 or float16 weights")
         in_features = modules[name].in_features
-        if _SCHEMES[config.scheme].grouped and in_features % config.group_size:
+        if SCHEMES[config.scheme].grouped and in_features % config.group_size:
             ok = [g for g in (16, 32, 64, 128, 256)
                   if all(modules[t].in_features % g == 0 for t in targets)]
             raise ValueError(f"{what}: QATConfig.group_size={config.group_size} does not divide "
@@ -367,7 +229,7 @@ def _report(model: nn.Module, converted: list[str], skipped: dict[str, str]) -> 
                             total_parameters=sum(p.numel() for p in params))
 
 
-def _torchao_qat(config: QATConfig, step: str):
+def _torchao_qat(config: QATConfig, step: str) -> TorchaoQATConfig:
     from torchao.quantization.qat import QATConfig as TorchaoQATConfig
 
     return TorchaoQATConfig(config.torchao_config(), step=step)
@@ -376,7 +238,8 @@ def _torchao_qat(config: QATConfig, step: str):
 # ---------------------------------------------------------------------------- prepare, convert, PTQ
 
 
-def prepare_qat(model: nn.Module, config: QATConfig, *, spec: Any = None) -> ConversionReport:
+def prepare_qat(model: nn.Module, config: QATConfig, *,
+                spec: ModelSpec | None = None) -> ConversionReport:
     """Swap the selected linears of `model` (in place) for torchao `FakeQuantizedLinear`s: the
     weights stay fp32 parameters that the optimizer updates, and every forward rounds weights
     (and, for the int8da schemes, input activations) as the module docstring states.

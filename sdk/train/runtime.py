@@ -60,6 +60,7 @@ from posttrain.core.checkpoint import CHECKPOINT_DIR, checkpoint_name, save_chec
 from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
 from posttrain.train.collectives import (
     clip_grads_with_norm_,
+    gather_full_state_dict,
     gather_rows,
     reduce_metrics,
     sum_grads_over_group,
@@ -395,23 +396,8 @@ class PlanRuntime(Runtime):
         clip_grads_with_norm_(_grads(params), max_norm, total_norm)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Gathered with `get_model_state_dict(full_state_dict=True)`; under pp the stages'
-        names are merged (every rank gets all of them)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=False))
-        state: dict[str, Tensor] = {}
-        for k, v in full.items():
-            if not isinstance(v, Tensor):
-                raise TypeError(f"full_state_dict: the model's state {k!r} is a "
-                                f"{type(v).__name__}, not a tensor")
-            state[k] = v.detach().cpu()
-        if self.pp_group is not None:  # each stage holds some of the names: merge them
-            stages: list[Any] = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(stages, state, group=self.pp_group)
-            state = {k: v for stage in stages for k, v in stage.items()}
-        return state
+        """`gather_full_state_dict`: under pp the stages' names are merged."""
+        return gather_full_state_dict(self.model, self.pp_group)
 
     def save_checkpoint(self, run_dir: Path, step: int, *, module: nn.Module,
                         optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
