@@ -23,8 +23,14 @@ if TYPE_CHECKING:
 
     from posttrain.train.runtime import PlanRuntime
 
-__all__ = ["total_grad_norm", "clip_grads_with_norm_", "gather_rows", "reduce_metrics",
-           "sum_grads_over_group", "gather_full_state_dict"]
+__all__ = [
+    "total_grad_norm",
+    "clip_grads_with_norm_",
+    "gather_rows",
+    "reduce_metrics",
+    "sum_grads_over_group",
+    "gather_full_state_dict",
+]
 
 
 def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> Tensor:
@@ -66,8 +72,9 @@ def clip_grads_with_norm_(grads: list[Tensor], max_norm: float, total_norm: Tens
     torch._foreach_mul_(local, coef.to(local[0].device))
 
 
-def gather_rows(local: dict[str, Tensor], sizes: Sequence[int],
-                group: ProcessGroup | None) -> dict[str, Tensor]:
+def gather_rows(
+    local: dict[str, Tensor], sizes: Sequence[int], group: ProcessGroup | None
+) -> dict[str, Tensor]:
     """Concatenate every rank's row tensors ([sizes[r], ...] each, in rank order of `group`, the
     default group for None): each is padded to the largest share, all-gathered, and cut back."""
     out = {}
@@ -120,13 +127,15 @@ def gather_full_state_dict(model: nn.Module, pp_group: ProcessGroup | None) -> d
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                               cpu_offload=False))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+    )
     state: dict[str, Tensor] = {}
     for k, v in full.items():
         if not isinstance(v, Tensor):
-            raise TypeError(f"full_state_dict: the model's state {k!r} is a "
-                            f"{type(v).__name__}, not a tensor")
+            raise TypeError(
+                f"full_state_dict: the model's state {k!r} is a {type(v).__name__}, not a tensor"
+            )
         state[k] = v.detach().cpu()
     if pp_group is not None:  # each stage holds some of the names: merge them
         stages: list[Any] = [None] * dist.get_world_size(pp_group)

@@ -49,18 +49,29 @@ from posttrain.models.conversion import (
 )
 from posttrain.train.optimizer_check import remember_parameters
 
-__all__ = ["CONVERTER_ORDER", "EXCLUSIVE", "PLAN_AXES", "register_converter",
-           "registered_converters", "convert_model", "applied_converters", "check_plan_axes",
-           "checkpoint_state", "load_checkpoint_state"]
+__all__ = [
+    "CONVERTER_ORDER",
+    "EXCLUSIVE",
+    "PLAN_AXES",
+    "register_converter",
+    "registered_converters",
+    "convert_model",
+    "applied_converters",
+    "check_plan_axes",
+    "checkpoint_state",
+    "load_checkpoint_state",
+]
 
 CONVERTER_ORDER = ("lora", "qlora", "float8", "qat")
 """The order converters run in, whatever the order they are given in."""
 
 # Pairs of converters that cannot be combined, and why.
-EXCLUSIVE = [({"lora", "qlora"}, "a model has one set of adapters (LoRA or QLoRA)"),
-              ({"float8", "qat"}, "FP8 training and QAT both replace the same linear layers"),
-              ({"qlora", "float8"}, "a QLoRA base is NF4 already; FP8 training would not apply"),
-              ({"qlora", "qat"}, "a QLoRA base is NF4 already; QAT would not apply")]
+EXCLUSIVE = [
+    ({"lora", "qlora"}, "a model has one set of adapters (LoRA or QLoRA)"),
+    ({"float8", "qat"}, "FP8 training and QAT both replace the same linear layers"),
+    ({"qlora", "float8"}, "a QLoRA base is NF4 already; FP8 training would not apply"),
+    ({"qlora", "qat"}, "a QLoRA base is NF4 already; QAT would not apply"),
+]
 
 Converter = Callable[..., ConversionReport]
 _REGISTRY: dict[str, Converter] = {}
@@ -92,13 +103,18 @@ def _register_builtin() -> None:
     from posttrain.train.float8 import apply_float8
     from posttrain.train.qat import prepare_qat
 
-    for name, fn in (("lora", apply_lora), ("qlora", apply_lora), ("float8", apply_float8),
-                     ("qat", prepare_qat)):
+    for name, fn in (
+        ("lora", apply_lora),
+        ("qlora", apply_lora),
+        ("float8", apply_float8),
+        ("qat", prepare_qat),
+    ):
         register_converter(name, fn)
 
 
-def convert_model(model: nn.Module, configs: Sequence[Any], *,
-                  spec: Any = None) -> list[ConversionReport]:
+def convert_model(
+    model: nn.Module, configs: Sequence[Any], *, spec: Any = None
+) -> list[ConversionReport]:
     """Apply the converter of each config to `model`, in place, in `CONVERTER_ORDER`.
 
     Args:
@@ -121,18 +137,23 @@ def convert_model(model: nn.Module, configs: Sequence[Any], *,
     for config in configs:
         name = getattr(config, "converter", None)
         if not isinstance(name, str):
-            raise TypeError(f"{type(config).__name__} is not a converter config (it has no "
-                            "`converter` name); expected LoRAConfig, Float8Config or QATConfig")
+            raise TypeError(
+                f"{type(config).__name__} is not a converter config (it has no "
+                "`converter` name); expected LoRAConfig, Float8Config or QATConfig"
+            )
         if name not in _REGISTRY:
-            raise ValueError(f"unknown converter {name!r}; registered: "
-                             f"{', '.join(registered_converters())}")
+            raise ValueError(
+                f"unknown converter {name!r}; registered: {', '.join(registered_converters())}"
+            )
         names.append(name)
     done = applied_converters(model)
     every = list(done) + names
     twice = sorted({n for n in every if every.count(n) > 1})
     if twice:
-        raise ValueError(f"converter {twice[0]!r} is given twice (or was applied to this model "
-                         "already); each converter applies once")
+        raise ValueError(
+            f"converter {twice[0]!r} is given twice (or was applied to this model "
+            "already); each converter applies once"
+        )
     for pair, why in EXCLUSIVE:
         if pair <= set(every):
             raise ValueError(f"converters {' + '.join(sorted(pair))} cannot be combined: {why}")
@@ -141,13 +162,16 @@ def convert_model(model: nn.Module, configs: Sequence[Any], *,
 
         plan_applied = parallelized(model)
         if plan_applied is not None:
-            raise ValueError(f"this model already has a ParallelPlan applied ({plan_applied}); "
-                             "apply converters first (convert_model before plan.parallelize), "
-                             "then the plan")
+            raise ValueError(
+                f"this model already has a ParallelPlan applied ({plan_applied}); "
+                "apply converters first (convert_model before plan.parallelize), "
+                "then the plan"
+            )
     reports = []
     for config in sorted(configs, key=lambda c: CONVERTER_ORDER.index(c.converter)):
-        remember_parameters(model, f"convert_model applied {config.converter!r} (which "
-                                   "replaces modules)")
+        remember_parameters(
+            model, f"convert_model applied {config.converter!r} (which replaces modules)"
+        )
         reports.append(_REGISTRY[config.converter](model, config, spec=spec))
         record_converter(model, config.converter)
     return reports
@@ -180,8 +204,10 @@ def load_checkpoint_state(model: nn.Module, state: dict[str, Any]) -> None:
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if set(state) != trained:
         extra, missing = sorted(set(state) - trained), sorted(trained - set(state))
-        raise ValueError(f"the checkpoint's trained parameters differ from this model's: "
-                         f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected "
-                         f"(e.g. {extra[:2]}); convert the model as the run did (same adapters "
-                         "config) before resuming")
+        raise ValueError(
+            f"the checkpoint's trained parameters differ from this model's: "
+            f"{len(missing)} missing (e.g. {missing[:2]}), {len(extra)} unexpected "
+            f"(e.g. {extra[:2]}); convert the model as the run did (same adapters "
+            "config) before resuming"
+        )
     model.load_state_dict(state, strict=False)

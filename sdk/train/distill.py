@@ -57,17 +57,29 @@ from posttrain.train.distill_loss import (  # the divergence and the objective
     generalized_jsd_loss,
 )
 
-__all__ = ["REDUCTIONS", "generalized_jsd_loss", "GKDLoss", "OnPolicyData", "on_policy_batch",
-           "teacher_generate"]
+__all__ = [
+    "REDUCTIONS",
+    "generalized_jsd_loss",
+    "GKDLoss",
+    "OnPolicyData",
+    "on_policy_batch",
+    "teacher_generate",
+]
 
 # --------------------------------------------------------------------------------------------
 # Data: the student's own completions (on-policy) and the teacher's (off-policy)
 # --------------------------------------------------------------------------------------------
 
 
-def on_policy_batch(student: Policy, batch: Batch, *, temperature: float = 0.9,
-                    max_new_tokens: int = 128, top_p: float = 1.0,
-                    top_k: int | None = None) -> Batch:
+def on_policy_batch(
+    student: Policy,
+    batch: Batch,
+    *,
+    temperature: float = 0.9,
+    max_new_tokens: int = 128,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+) -> Batch:
     """`batch` with every row's completion replaced by a sample of the student.
 
     A row's prompt is its tokens up to the first trained one (for `SFTDataset` rows: the rendered
@@ -89,26 +101,37 @@ def on_policy_batch(student: Policy, batch: Batch, *, temperature: float = 0.9,
         ValueError: for a packed batch, or bad sampling settings.
     """
     if batch.attention_mask is not None:
-        raise ValueError("on-policy distillation needs unpacked batches (SFTLoader(pack=False)): "
-                         "a packed row holds several prompts")
+        raise ValueError(
+            "on-policy distillation needs unpacked batches (SFTLoader(pack=False)): "
+            "a packed row holds several prompts"
+        )
     trained_BT = batch.labels != IGNORE_INDEX
     if batch.num_samples == 0 or not bool(trained_BT.any()):
         return batch
     ids_BT, labels_BT = batch.input_ids, batch.labels
     first = {b: int(w[0]) for b in range(ids_BT.shape[0]) if (w := trained_BT[b].nonzero()).numel()}
     prompts = {b: ids_BT[b, : t + 1].tolist() for b, t in first.items()}  # up to the first target
-    sampled = dict(zip(prompts, student.generate(list(prompts.values()),
-                                                 max_new_tokens=max_new_tokens,
-                                                 temperature=temperature, top_p=top_p,
-                                                 top_k=top_k)))
+    sampled = dict(
+        zip(
+            prompts,
+            student.generate(
+                list(prompts.values()),
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+            ),
+        )
+    )
     samples = []
     for b in range(ids_BT.shape[0]):
         if b not in prompts:  # trains nothing: kept as it is
             samples.append(Sample(ids_BT[b].clone(), labels_BT[b].clone()))
             continue
         prompt, new = prompts[b], sampled[b].token_ids
-        samples.append(Sample.from_loss_mask(prompt + new,
-                                             [False] * len(prompt) + [True] * len(new)))
+        samples.append(
+            Sample.from_loss_mask(prompt + new, [False] * len(prompt) + [True] * len(new))
+        )
     return collate_padded(samples, student.tokenizer.pad_id)
 
 
@@ -148,25 +171,46 @@ class OnPolicyData:
         TypeError: for a `data` without `next_batch()` or a `student` that is not a `Policy`.
     """
 
-    def __init__(self, data: Any, student: Policy, *, lmbda: float = 0.5,
-                 temperature: float = 0.9, max_new_tokens: int = 128, top_p: float = 1.0,
-                 top_k: int | None = None) -> None:
-        _check_fraction("lmbda", lmbda, "the fraction of batches whose completions the student "
-                        "samples: 0 is off-policy, 1 fully on-policy")
+    def __init__(
+        self,
+        data: Any,
+        student: Policy,
+        *,
+        lmbda: float = 0.5,
+        temperature: float = 0.9,
+        max_new_tokens: int = 128,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+    ) -> None:
+        _check_fraction(
+            "lmbda",
+            lmbda,
+            "the fraction of batches whose completions the student "
+            "samples: 0 is off-policy, 1 fully on-policy",
+        )
         if not callable(getattr(data, "next_batch", None)):
-            raise TypeError(f"data must have a next_batch() method (e.g. posttrain.data."
-                            f"SFTLoader); got {type(data).__name__}")
+            raise TypeError(
+                f"data must have a next_batch() method (e.g. posttrain.data."
+                f"SFTLoader); got {type(data).__name__}"
+            )
         if not isinstance(student, Policy):
-            raise TypeError(f"student must be a posttrain.policy.Policy; got "
-                            f"{type(student).__name__}")
+            raise TypeError(
+                f"student must be a posttrain.policy.Policy; got {type(student).__name__}"
+            )
         if getattr(data, "pack", False):
-            raise ValueError("OnPolicyData needs an unpacked loader (SFTLoader(pack=False)): a "
-                             "packed row holds several prompts")
+            raise ValueError(
+                "OnPolicyData needs an unpacked loader (SFTLoader(pack=False)): a "
+                "packed row holds several prompts"
+            )
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         _check_sampling_args(temperature, top_k, top_p)  # refused now, not at the first coin
         self.data, self.student, self.lmbda = data, student, lmbda
-        self.sampling: _Sampling = {"temperature": temperature, "max_new_tokens": max_new_tokens,
-                         "top_p": top_p, "top_k": top_k}
+        self.sampling: _Sampling = {
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+            "top_p": top_p,
+            "top_k": top_k,
+        }
         self.batches = self.on_policy_batches = 0
 
     @property
@@ -189,8 +233,11 @@ class OnPolicyData:
 
     def state_dict(self) -> dict[str, Any]:
         """{"data": the wrapped loader's state, "batches", "on_policy_batches"}."""
-        return {"data": self.data.state_dict(), "batches": self.batches,
-                "on_policy_batches": self.on_policy_batches}
+        return {
+            "data": self.data.state_dict(),
+            "batches": self.batches,
+            "on_policy_batches": self.on_policy_batches,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state["data"])
@@ -200,9 +247,17 @@ class OnPolicyData:
         return f"OnPolicyData(lmbda={self.lmbda}, {self.sampling}, data={type(self.data).__name__})"
 
 
-def teacher_generate(teacher: Policy, prompts: Sequence[str], *, n: int = 1,
-                     max_new_tokens: int = 128, temperature: float = 1.0, top_p: float = 1.0,
-                     top_k: int | None = None, seed: int = 0) -> list[dict[str, str]]:
+def teacher_generate(
+    teacher: Policy,
+    prompts: Sequence[str],
+    *,
+    n: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> list[dict[str, str]]:
     """Off-policy distillation data: the teacher's completions of `prompts` as SFT rows.
 
     Each prompt is a user turn, rendered with the teacher tokenizer's chat template plus the
@@ -233,7 +288,17 @@ def teacher_generate(teacher: Policy, prompts: Sequence[str], *, n: int = 1,
             raise ValueError(f"prompts[{i}]={p!r}; each prompt must be a non-empty str")
     tok = teacher.tokenizer
     ids = [tok.render_prompt([{"role": "user", "content": p}]) for p in prompts]
-    completions = teacher.generate(ids, n=n, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    return [{"prompt": prompts[c.prompt_index], "completion": c.text}
-            for c in completions if c.text.strip()]
+    completions = teacher.generate(
+        ids,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+    )
+    return [
+        {"prompt": prompts[c.prompt_index], "completion": c.text}
+        for c in completions
+        if c.text.strip()
+    ]

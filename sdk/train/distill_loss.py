@@ -41,14 +41,18 @@ REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 
 def _check_fraction(name: str, value: Any, meaning: str) -> None:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not 0.0 <= value <= 1.0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}={value!r}; must be a number in [0, 1] ({meaning})")
 
 
-def generalized_jsd_loss(student_logits: Tensor, teacher_logits: Tensor,
-                         labels: Tensor | None = None, beta: float = 0.5,
-                         temperature: float = 1.0, reduction: str = "batchmean") -> Tensor:
+def generalized_jsd_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+) -> Tensor:
     """Generalised Jensen-Shannon divergence JSD(beta) of GKD (paper eq. (1)), per token.
 
     With p_S = softmax(student_logits / temperature), p_T = softmax(teacher_logits / temperature)
@@ -83,20 +87,29 @@ def generalized_jsd_loss(student_logits: Tensor, teacher_logits: Tensor,
             temperature <= 0 (or not finite), logits that are not [B, T, V] of one shape, labels
             not [B, T], or a reduction not in `REDUCTIONS`.
     """
-    _check_fraction("beta", beta, "the teacher's weight in the mixture: 0 is forward KL, 1 "
-                    "reverse KL")
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not math.isfinite(temperature) or temperature <= 0):
+    _check_fraction(
+        "beta", beta, "the teacher's weight in the mixture: 0 is forward KL, 1 reverse KL"
+    )
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
         raise ValueError(f"temperature={temperature!r}; must be a finite number > 0")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
     if student_logits.dim() != 3 or teacher_logits.shape != student_logits.shape:
-        raise ValueError(f"student_logits and teacher_logits must both be [B, T, V] of one shape; "
-                         f"got student_logits {tuple(student_logits.shape)} and teacher_logits "
-                         f"{tuple(teacher_logits.shape)}")
+        raise ValueError(
+            f"student_logits and teacher_logits must both be [B, T, V] of one shape; "
+            f"got student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)}"
+        )
     if labels is not None and labels.shape != student_logits.shape[:2]:
-        raise ValueError(f"labels must be [B, T] = {tuple(student_logits.shape[:2])} like the "
-                         f"logits; got labels {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must be [B, T] = {tuple(student_logits.shape[:2])} like the "
+            f"logits; got labels {tuple(labels.shape)}"
+        )
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     student, teacher = student_logits.to(dtype), teacher_logits.to(dtype)
     mask_BT = None
@@ -113,8 +126,10 @@ def generalized_jsd_loss(student_logits: Tensor, teacher_logits: Tensor,
         jsd = F.kl_div(teacher_logp, student_logp, reduction="none", log_target=True)
     else:
         beta_t = torch.tensor(beta, dtype=dtype, device=student_logp.device)
-        mixture_logp = torch.logsumexp(torch.stack([student_logp + torch.log1p(-beta_t),
-                                                    teacher_logp + torch.log(beta_t)]), dim=0)
+        mixture_logp = torch.logsumexp(
+            torch.stack([student_logp + torch.log1p(-beta_t), teacher_logp + torch.log(beta_t)]),
+            dim=0,
+        )
         kl_teacher = F.kl_div(mixture_logp, teacher_logp, reduction="none", log_target=True)
         kl_student = F.kl_div(mixture_logp, student_logp, reduction="none", log_target=True)
         jsd = beta_t * kl_teacher + (1 - beta_t) * kl_student
@@ -138,16 +153,22 @@ def generalized_jsd_loss(student_logits: Tensor, teacher_logits: Tensor,
 def _check_shared_vocabulary(student: Policy, teacher: Policy) -> None:
     for name, value in (("student", student), ("teacher", teacher)):
         if not isinstance(value, Policy):
-            raise TypeError(f"{name} must be a posttrain.policy.Policy (model + tokenizer); got "
-                            f"{type(value).__name__}")
-    pairs = (("vocab_size", student.spec.vocab_size, teacher.spec.vocab_size),
-             ("tokenizer vocab_size", student.tokenizer.vocab_size, teacher.tokenizer.vocab_size))
+            raise TypeError(
+                f"{name} must be a posttrain.policy.Policy (model + tokenizer); got "
+                f"{type(value).__name__}"
+            )
+    pairs = (
+        ("vocab_size", student.spec.vocab_size, teacher.spec.vocab_size),
+        ("tokenizer vocab_size", student.tokenizer.vocab_size, teacher.tokenizer.vocab_size),
+    )
     for what, s, t in pairs:
         if s != t:
-            raise ValueError(f"GKD needs a shared vocabulary: the student's {what} is {s} but the "
-                             f"teacher's is {t}; it compares the two full next-token "
-                             "distributions token id by token id, so pick a teacher with the "
-                             "student's tokenizer")
+            raise ValueError(
+                f"GKD needs a shared vocabulary: the student's {what} is {s} but the "
+                f"teacher's is {t}; it compares the two full next-token "
+                "distributions token id by token id, so pick a teacher with the "
+                "student's tokenizer"
+            )
 
 
 @register_loss("gkd")
@@ -185,11 +206,19 @@ class GKDLoss:
             out of range.
     """
 
-    def __init__(self, *, teacher: Policy, student: Policy, beta: float = 0.5,
-                 temperature: float = 1.0, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self,
+        *,
+        teacher: Policy,
+        student: Policy,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
         _check_shared_vocabulary(student, teacher)
-        generalized_jsd_loss(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), beta=beta,
-                             temperature=temperature)  # checks beta and temperature
+        generalized_jsd_loss(
+            torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), beta=beta, temperature=temperature
+        )  # checks beta and temperature
         teacher.model.requires_grad_(False)
         teacher.model.eval()
         self.teacher, self.student = teacher, student
@@ -201,21 +230,33 @@ class GKDLoss:
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         device = device_of(model)
-        student_BTV = model(batch.input_ids.to(device), mask=_to(batch.attention_mask, device),
-                            input_pos=batch.position_ids.to(device))
+        student_BTV = model(
+            batch.input_ids.to(device),
+            mask=_to(batch.attention_mask, device),
+            input_pos=batch.position_ids.to(device),
+        )
         if not isinstance(student_BTV, Tensor):
-            raise TypeError(f"the model returned {type(student_BTV).__name__}; GKDLoss needs "
-                            "logits [B, T, V] (build it without output chunks or hidden states)")
+            raise TypeError(
+                f"the model returned {type(student_BTV).__name__}; GKDLoss needs "
+                "logits [B, T, V] (build it without output chunks or hidden states)"
+            )
         teacher_BTV = self.teacher_logits(batch).to(device)
         labels_BT = batch.labels.to(device)
         labels_BT = torch.where(labels_BT == self.ignore_index, IGNORE_INDEX, labels_BT)
-        jsd_sum = generalized_jsd_loss(student_BTV, teacher_BTV, labels_BT, beta=self.beta,
-                                       temperature=self.temperature, reduction="sum")
+        jsd_sum = generalized_jsd_loss(
+            student_BTV,
+            teacher_BTV,
+            labels_BT,
+            beta=self.beta,
+            temperature=self.temperature,
+            reduction="sum",
+        )
         share = normalize_by_step(jsd_sum, num_units_in_step.to(device))
         aux = moe_aux_loss(model, scaled=True)
         if aux is not None:  # as SFTCrossEntropy: the student's MoE load-balancing loss
-            share = share + aux * normalize_by_step(self.num_units(batch).to(device),
-                                                    num_units_in_step.to(device))
+            share = share + aux * normalize_by_step(
+                self.num_units(batch).to(device), num_units_in_step.to(device)
+            )
         return share
 
     def teacher_logits(self, batch: Any) -> Tensor:
@@ -223,12 +264,16 @@ class GKDLoss:
         teacher, device = self.teacher.model, self.teacher.device
         teacher.eval()
         with torch.no_grad():
-            return teacher(batch.input_ids.to(device), mask=_to(batch.attention_mask, device),
-                           input_pos=batch.position_ids.to(device))
+            return teacher(
+                batch.input_ids.to(device),
+                mask=_to(batch.attention_mask, device),
+                input_pos=batch.position_ids.to(device),
+            )
 
     def __repr__(self) -> str:
-        return (f"GKDLoss(beta={self.beta}, temperature={self.temperature}, "
-                f"teacher={self.teacher!r})")
+        return (
+            f"GKDLoss(beta={self.beta}, temperature={self.temperature}, teacher={self.teacher!r})"
+        )
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:

@@ -105,11 +105,21 @@ class Engine(abc.ABC):
 
     progress_desc = "train"
 
-    def _setup_engine(self, *, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                      max_grad_norm: float | None, run_dir: str | os.PathLike | None,
-                      checkpoint_every: int, keep_last: int | None, progress: bool,
-                      callbacks: Any, resume: bool | str | os.PathLike, runtime: Runtime,
-                      tensorboard: bool = False) -> None:
+    def _setup_engine(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        max_grad_norm: float | None,
+        run_dir: str | os.PathLike | None,
+        checkpoint_every: int,
+        keep_last: int | None,
+        progress: bool,
+        callbacks: Any,
+        resume: bool | str | os.PathLike,
+        runtime: Runtime,
+        tensorboard: bool = False,
+    ) -> None:
         check_int("checkpoint_every", checkpoint_every, minimum=0)
         check_int("keep_last", keep_last, minimum=1, optional=True)
         if max_grad_norm is not None and not (max_grad_norm > 0):
@@ -245,8 +255,13 @@ class Engine(abc.ABC):
         from posttrain.core.progress import progress_bar  # live bar, or lines in a log file
 
         self.target_steps, self.interrupted = num_steps, False
-        bar = progress_bar(total=num_steps, initial=min(self.step_count, num_steps), unit="step",
-                           desc=self.progress_desc, disable=not self.progress or self.rank != 0)
+        bar = progress_bar(
+            total=num_steps,
+            initial=min(self.step_count, num_steps),
+            unit="step",
+            desc=self.progress_desc,
+            disable=not self.progress or self.rank != 0,
+        )
         with preemption.deferring():  # a preemption signal waits for the end of its step
             try:
                 while self.step_count < num_steps:
@@ -268,8 +283,10 @@ class Engine(abc.ABC):
     def _stop_on_interrupt(self, num_steps: int) -> None:
         self.interrupted = True
         if self._rolled_back:
-            what = (f"step {self.step_count + 1} was rolled back (nothing of it was applied); "
-                    f"the run is as after step {self.step_count}")
+            what = (
+                f"step {self.step_count + 1} was rolled back (nothing of it was applied); "
+                f"the run is as after step {self.step_count}"
+            )
         else:
             what = f"stopped after step {self.step_count} completed"
         if self.checkpoint_every and self.step_count and self._last_saved_step != self.step_count:
@@ -307,9 +324,12 @@ class Engine(abc.ABC):
     @property
     def plan_state(self) -> PlanRuntime | None:
         """Deprecated: `runtime` (a `PlanRuntime` under a plan)."""
-        warnings.warn("Engine.plan_state is deprecated and will be removed in the next release: "
-                      "use trainer.runtime (trainer.runtime.plan is None without a plan)",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "Engine.plan_state is deprecated and will be removed in the next release: "
+            "use trainer.runtime (trainer.runtime.plan is None without a plan)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.runtime if isinstance(self.runtime, PlanRuntime) else None
 
     @property
@@ -336,8 +356,12 @@ class Engine(abc.ABC):
         self.runtime.sync_gradients(self._params_with_grads())
 
     def _params_with_grads(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.grad is not None]
+        return [
+            p
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
 
     def clip_and_check(self, loss: torch.Tensor) -> torch.Tensor:
         """Global L2 norm of the gradients (before clipping), clipped to `max_grad_norm`;
@@ -349,8 +373,10 @@ class Engine(abc.ABC):
         """
         params = self._params_with_grads()
         if not params:
-            raise ValueError("no parameter of the optimizer received a gradient; does the loss "
-                             "depend on the optimizer's parameters?")
+            raise ValueError(
+                "no parameter of the optimizer received a gradient; does the loss "
+                "depend on the optimizer's parameters?"
+            )
         norm = self.runtime.grad_norm(params)
         try:
             check_finite_update(self.step_count + 1, loss, norm)
@@ -414,11 +440,17 @@ class Engine(abc.ABC):
             **self._extra_state(),
         }
         meta = {**self._fixed_settings(), "world_size": self.world_size}
-        path = self.runtime.save_checkpoint(self.run_dir, self.step_count,
-                                            module=self._checkpoint_module(),
-                                            optimizer=self.optimizer, train_state=train_state,
-                                            meta=meta, keep_last=self.keep_last, rank=self.rank,
-                                            model_state=self._model_state)
+        path = self.runtime.save_checkpoint(
+            self.run_dir,
+            self.step_count,
+            module=self._checkpoint_module(),
+            optimizer=self.optimizer,
+            train_state=train_state,
+            meta=meta,
+            keep_last=self.keep_last,
+            rank=self.rank,
+            model_state=self._model_state,
+        )
         self._last_saved_step = self.step_count
         return path
 
@@ -440,13 +472,20 @@ class Engine(abc.ABC):
         path = resolve_checkpoint(path if path is not None else self.run_dir or "")
         ckpt = load_checkpoint(path)
         state = ckpt["train_state"]
-        check_resumable(path, state, ckpt.get("meta") or {},
-                        fixed_settings=self._fixed_settings(),
-                        has_lr_scheduler=self.lr_scheduler is not None)
+        check_resumable(
+            path,
+            state,
+            ckpt.get("meta") or {},
+            fixed_settings=self._fixed_settings(),
+            has_lr_scheduler=self.lr_scheduler is not None,
+        )
         # sharded or full, saved under this plan, another one or none
-        self.runtime.load_checkpoint(ckpt, module=self._checkpoint_module(),
-                                     optimizer=self.optimizer,
-                                     load_model_state=self._load_model_state)
+        self.runtime.load_checkpoint(
+            ckpt,
+            module=self._checkpoint_module(),
+            optimizer=self.optimizer,
+            load_model_state=self._load_model_state,
+        )
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._load_extra_state(state)

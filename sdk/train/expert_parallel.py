@@ -72,38 +72,48 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         start = ep_mesh.get_local_rank() * local
         for name in _EXPERT_WEIGHTS:
             full = getattr(moe, name)  # the same on every rank (parallelize broadcast it)
-            piece = full.detach()[start:start + local].clone()
+            piece = full.detach()[start : start + local].clone()
             sharded = DTensor.from_local(piece, ep_mesh, [Shard(0)], run_check=False)
             setattr(moe, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        # the hook MoEFeedForward.experts_forward documents: this instance's dispatch
-        moe.experts_forward = functools.partial(  # type: ignore[method-assign]  # the ep hook
-            _dispatch, moe, ep_mesh.get_group(), ep, range(start, start + local))
+        # MoEFeedForward documents experts_forward as the hook an ep plan replaces per instance
+        moe.experts_forward = functools.partial(  # type: ignore[method-assign]  # that hook
+            _dispatch, moe, ep_mesh.get_group(), ep, range(start, start + local)
+        )
 
 
-def _dispatch(moe: MoEFeedForward, group: dist.ProcessGroup, ep: int, local: range,
-              rows_AD: Tensor, counts_E: Tensor) -> Tensor:
+def _dispatch(
+    moe: MoEFeedForward,
+    group: dist.ProcessGroup,
+    ep: int,
+    local: range,
+    rows_AD: Tensor,
+    counts_E: Tensor,
+) -> Tensor:
     """`MoEFeedForward.experts_forward` under ep: send rows (grouped by global expert) to the
     ranks holding their experts (`local`: this rank's experts, of `ep` ranks in `group`), run
     them there, and bring the outputs back in the same order."""
-    send_counts = counts_E.view(ep, len(local))                        # [dest, local expert]
+    send_counts = counts_E.view(ep, len(local))  # [dest, local expert]
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)      # [source, local expert]
+    dist.all_to_all_single(recv_counts, send_counts, group=group)  # [source, local expert]
     send_splits = send_counts.sum(dim=1).tolist()
     recv_splits = recv_counts.sum(dim=1).tolist()
     received = _exchange(rows_AD, send_splits, recv_splits, group)
     # Received rows come by source, each source's rows by local expert: regroup by expert.
     expert_of_row = torch.repeat_interleave(
-        torch.arange(len(local)).repeat(ep), recv_counts.reshape(-1).cpu())
+        torch.arange(len(local)).repeat(ep), recv_counts.reshape(-1).cpu()
+    )
     by_expert = torch.argsort(expert_of_row, stable=True)
     weights = {name: getattr(moe, name).to_local() for name in _EXPERT_WEIGHTS}
-    out = moe._run_experts(received[by_expert], recv_counts.sum(dim=0).tolist(),
-                           range(len(local)), weights)
-    out = torch.empty_like(out).index_copy_(0, by_expert, out)          # back to source order
+    out = moe._run_experts(
+        received[by_expert], recv_counts.sum(dim=0).tolist(), range(len(local)), weights
+    )
+    out = torch.empty_like(out).index_copy_(0, by_expert, out)  # back to source order
     return _exchange(out, recv_splits, send_splits, group)
 
 
-def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int],
-              group: dist.ProcessGroup) -> Tensor:
+def _exchange(
+    rows: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
     """Autograd-aware all_to_all_single of `rows` [sum(send_splits), D] with uneven splits."""
     from torch.distributed.nn.functional import all_to_all_single
 
@@ -120,6 +130,9 @@ def sync_expert_grads(model: nn.Module, group: dist.ProcessGroup | None) -> None
 
     from posttrain.core.distributed import flat_collective
 
-    grads = [g.to_local() if isinstance(g, DTensor) else g
-             for p in expert_parameters(model) if (g := p.grad) is not None]
+    grads = [
+        g.to_local() if isinstance(g, DTensor) else g
+        for p in expert_parameters(model)
+        if (g := p.grad) is not None
+    ]
     flat_collective(grads, lambda flat: dist.all_reduce(flat, group=group))

@@ -95,18 +95,22 @@ class Float8Config:
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, str) or self.recipe not in FLOAT8_RECIPES:
-            raise ValueError(f"Float8Config.recipe={self.recipe!r}; allowed: "
-                             f"{', '.join(FLOAT8_RECIPES)}")
+            raise ValueError(
+                f"Float8Config.recipe={self.recipe!r}; allowed: {', '.join(FLOAT8_RECIPES)}"
+            )
         skip = self.skip_modules
-        if (not isinstance(skip, (tuple, list))
-                or not all(isinstance(s, str) and s for s in skip)):
-            raise ValueError(f"Float8Config.skip_modules={skip!r}; must be a tuple of module "
-                             "names (last name component such as 'output', or a full name such "
-                             "as 'layers.0.mlp.w2'), e.g. ('output',) or ()")
+        if not isinstance(skip, (tuple, list)) or not all(isinstance(s, str) and s for s in skip):
+            raise ValueError(
+                f"Float8Config.skip_modules={skip!r}; must be a tuple of module "
+                "names (last name component such as 'output', or a full name such "
+                "as 'layers.0.mlp.w2'), e.g. ('output',) or ()"
+            )
         object.__setattr__(self, "skip_modules", tuple(skip))
         if not isinstance(self.fsdp_float8_all_gather, bool):
-            raise ValueError(f"Float8Config.fsdp_float8_all_gather="
-                             f"{self.fsdp_float8_all_gather!r}; allowed: True, False")
+            raise ValueError(
+                f"Float8Config.fsdp_float8_all_gather="
+                f"{self.fsdp_float8_all_gather!r}; allowed: True, False"
+            )
 
     @property
     def converter(self) -> str:
@@ -136,8 +140,7 @@ def _matches(name: str, entry: str) -> bool:
     return name == entry or name.rsplit(".", 1)[-1] == entry
 
 
-def float8_module_filter(model: nn.Module, config: Float8Config
-                         ) -> tuple[set[str], dict[str, str]]:
+def float8_module_filter(model: nn.Module, config: Float8Config) -> tuple[set[str], dict[str, str]]:
     """Which `nn.Linear` modules of `model` `apply_float8` converts, and why each other one
     (or each module named in `config.skip_modules`) stays in high precision.
 
@@ -169,15 +172,18 @@ def float8_module_filter(model: nn.Module, config: Float8Config
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     if not isinstance(config, Float8Config):
-        raise TypeError(f"config must be a posttrain.train.float8.Float8Config; got "
-                        f"{type(config).__name__}")
+        raise TypeError(
+            f"config must be a posttrain.train.float8.Float8Config; got {type(config).__name__}"
+        )
     from torchao.float8.float8_linear import Float8Linear
 
     converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     if converted:
-        raise ValueError(f"the model already holds {len(converted)} Float8Linear module(s) "
-                         f"(e.g. {converted[0]}): apply_float8 runs once, on a model built in "
-                         "high precision")
+        raise ValueError(
+            f"the model already holds {len(converted)} Float8Linear module(s) "
+            f"(e.g. {converted[0]}): apply_float8 runs once, on a model built in "
+            "high precision"
+        )
     convert: set[str] = set()
     skipped: dict[str, str] = {}
     used: set[str] = set()
@@ -191,40 +197,54 @@ def float8_module_filter(model: nn.Module, config: Float8Config
             linear_names.append(name)
             n_in, n_out = module.in_features, module.out_features
             if holder is not None:
-                skipped[name] = (f"part of the LoRA adapter module {holder}: adapter weights "
-                                 "train in high precision")
+                skipped[name] = (
+                    f"part of the LoRA adapter module {holder}: adapter weights "
+                    "train in high precision"
+                )
             elif hits:
                 what = "the output projection" if _matches(name, "output") else "this module"
-                skipped[name] = (f"named in Float8Config.skip_modules ({hits[0]!r}): {what} "
-                                 "is kept in high precision")
+                skipped[name] = (
+                    f"named in Float8Config.skip_modules ({hits[0]!r}): {what} "
+                    "is kept in high precision"
+                )
             elif n_in % _MULTIPLE or n_out % _MULTIPLE:
-                skipped[name] = (f"in_features={n_in}, out_features={n_out}: both must be "
-                                 f"multiples of {_MULTIPLE} for torch._scaled_mm")
+                skipped[name] = (
+                    f"in_features={n_in}, out_features={n_out}: both must be "
+                    f"multiples of {_MULTIPLE} for torch._scaled_mm"
+                )
             else:
                 convert.add(name)
         elif hits and isinstance(module, nn.Embedding):
-            skipped[name] = ("an nn.Embedding (a table lookup, no matmul), not an nn.Linear: "
-                             "float8 training converts only nn.Linear; it stays in high precision")
+            skipped[name] = (
+                "an nn.Embedding (a table lookup, no matmul), not an nn.Linear: "
+                "float8 training converts only nn.Linear; it stays in high precision"
+            )
         elif hits:
-            skipped[name] = (f"a {type(module).__name__}, not an nn.Linear: float8 training "
-                             "converts only nn.Linear modules")
+            skipped[name] = (
+                f"a {type(module).__name__}, not an nn.Linear: float8 training "
+                "converts only nn.Linear modules"
+            )
     output = getattr(model, "output", None)
-    if "output" in config.skip_modules and output is not None and not isinstance(output,
-                                                                              nn.Module):
+    if "output" in config.skip_modules and output is not None and not isinstance(output, nn.Module):
         used.add("output")  # torchtune's TiedLinear: logits = h @ tok_embeddings.weight.T
-        skipped["output"] = ("tied to tok_embeddings.weight (torchtune TiedLinear, not an "
-                             "nn.Linear): the output projection stays in high precision")
+        skipped["output"] = (
+            "tied to tok_embeddings.weight (torchtune TiedLinear, not an "
+            "nn.Linear): the output projection stays in high precision"
+        )
     unknown = [e for e in config.skip_modules if e not in used]
     if unknown:
         short = sorted({n.rsplit(".", 1)[-1] for n in linear_names})
-        raise ValueError(f"Float8Config.skip_modules names {unknown}, which match no module of "
-                         f"this {type(model).__name__}; its nn.Linear modules end in: "
-                         f"{', '.join(short) or '(none)'} (or give a full module name)")
+        raise ValueError(
+            f"Float8Config.skip_modules names {unknown}, which match no module of "
+            f"this {type(model).__name__}; its nn.Linear modules end in: "
+            f"{', '.join(short) or '(none)'} (or give a full module name)"
+        )
     return convert, skipped
 
 
-def apply_float8(model: nn.Module, config: Float8Config, *,
-                 spec: ModelSpec | str | None = None) -> ConversionReport:
+def apply_float8(
+    model: nn.Module, config: Float8Config, *, spec: ModelSpec | str | None = None
+) -> ConversionReport:
     """Convert the linears `float8_module_filter` selects to torchao `Float8Linear`, in place.
 
     Uses `torchao.float8.convert_to_float8_training(model, config=config.torchao_config(),
@@ -262,36 +282,46 @@ def apply_float8(model: nn.Module, config: Float8Config, *,
     from posttrain.train.sharding import parallelized
 
     if isinstance(model, nn.Linear):
-        raise TypeError("model is a single nn.Linear; apply_float8 converts the linears inside "
-                        "a model (torchao would return a new module instead of converting in "
-                        "place)")
+        raise TypeError(
+            "model is a single nn.Linear; apply_float8 converts the linears inside "
+            "a model (torchao would return a new module instead of converting in "
+            "place)"
+        )
     applied = parallelized(model) if isinstance(model, nn.Module) else None
     if applied is not None:
-        raise ValueError(f"this model already has a ParallelPlan applied ({applied}); apply "
-                         "float8 first, then the ParallelPlan (which replaces the parameters "
-                         "by DTensors), then build the optimizer")
+        raise ValueError(
+            f"this model already has a ParallelPlan applied ({applied}); apply "
+            "float8 first, then the ParallelPlan (which replaces the parameters "
+            "by DTensors), then build the optimizer"
+        )
     if isinstance(spec, str):
         from posttrain.models.specs import get_preset
 
         spec = get_preset(spec)
     if spec is not None and not hasattr(spec, "num_experts"):
-        raise ValueError(f"spec={spec!r}; must be a posttrain.models.ModelSpec, a preset name, "
-                         "or None")
+        raise ValueError(
+            f"spec={spec!r}; must be a posttrain.models.ModelSpec, a preset name, or None"
+        )
     convert, skipped = float8_module_filter(model, config)
     if not convert:
         considered = "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "no nn.Linear at all"
-        raise ValueError(f"float8: the module filter leaves no nn.Linear to convert in this "
-                         f"{type(model).__name__} (recipe {config.recipe!r}, skip_modules="
-                         f"{config.skip_modules}). Considered: {considered}")
+        raise ValueError(
+            f"float8: the module filter leaves no nn.Linear to convert in this "
+            f"{type(model).__name__} (recipe {config.recipe!r}, skip_modules="
+            f"{config.skip_modules}). Considered: {considered}"
+        )
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    convert_to_float8_training(model, config=config.torchao_config(),
-                               module_filter_fn=lambda module, fqn: fqn in convert)
+    convert_to_float8_training(
+        model, config=config.torchao_config(), module_filter_fn=lambda module, fqn: fqn in convert
+    )
     done = tuple(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
-    assert set(done) == convert, (sorted(set(done) ^ convert))
+    assert set(done) == convert, sorted(set(done) ^ convert)
     if spec is not None and spec.num_experts:
-        skipped["experts"] = (f"{spec.num_experts} experts per MoE layer are grouped "
-                              "parameters (one [E, out, in] tensor per projection), not "
-                              "nn.Linear modules: they stay in high precision")
+        skipped["experts"] = (
+            f"{spec.num_experts} experts per MoE layer are grouped "
+            "parameters (one [E, out, in] tensor per projection), not "
+            "nn.Linear modules: they stay in high precision"
+        )
     return ConversionReport(name=config.converter, converted=done, skipped=skipped)

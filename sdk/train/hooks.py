@@ -27,8 +27,9 @@ from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 __all__ = ["evaluate_model", "seed_all", "has_state", "stable_repr"]
 
 
-def evaluate_model(model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str, float]]
-                   ) -> dict[str, float]:
+def evaluate_model(
+    model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str, float]]
+) -> dict[str, float]:
     """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
     states are restored afterwards, so evaluation does not change the training run.
 
@@ -48,15 +49,15 @@ def evaluate_model(model: nn.Module, eval_fn: Callable[[nn.Module], Mapping[str,
         model.train(was_training)
         restore_rng_state(rng_state)
     if not isinstance(result, Mapping):
-        raise ValueError(f"eval_fn must return a dict of name -> number, got "
-                         f"{type(result).__name__}")
+        raise ValueError(
+            f"eval_fn must return a dict of name -> number, got {type(result).__name__}"
+        )
     out = {}
     for key, value in result.items():
         try:
             value = float(value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"eval_fn returned {key!r}={value!r}; values must be numbers") from exc
+            raise ValueError(f"eval_fn returned {key!r}={value!r}; values must be numbers") from exc
         out[key if str(key).startswith("eval/") else f"eval/{key}"] = value
     return out
 
@@ -71,7 +72,8 @@ def seed_all(seed: int) -> None:
 def has_state(data: Any) -> bool:
     """Whether `data` can be checkpointed (has `state_dict()` and `load_state_dict()`)."""
     return callable(getattr(data, "state_dict", None)) and callable(
-        getattr(data, "load_state_dict", None))
+        getattr(data, "load_state_dict", None)
+    )
 
 
 def stable_repr(obj: Any) -> str:
@@ -81,8 +83,14 @@ def stable_repr(obj: Any) -> str:
     return type(obj).__qualname__ if " at 0x" in text else text
 
 
-def check_resumable(path: Path, train_state: Mapping[str, Any], meta: Mapping[str, Any], *,
-                    fixed_settings: Mapping[str, Any], has_lr_scheduler: bool) -> None:
+def check_resumable(
+    path: Path,
+    train_state: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    fixed_settings: Mapping[str, Any],
+    has_lr_scheduler: bool,
+) -> None:
     """Check that the checkpoint at `path` (its `train_state` and `meta`) can continue a trainer
     with `fixed_settings` (its `_fixed_settings()`), before anything is loaded.
 
@@ -92,9 +100,11 @@ def check_resumable(path: Path, train_state: Mapping[str, Any], meta: Mapping[st
     """
     for name, value in fixed_settings.items():
         if name in meta and meta[name] != value:
-            raise ValueError(f"{path} was saved with {name}={meta[name]!r}; this trainer has "
-                             f"{name}={value!r}, which cannot change on resume (start a new "
-                             "run_dir, or resume with the same setting)")
+            raise ValueError(
+                f"{path} was saved with {name}={meta[name]!r}; this trainer has "
+                f"{name}={value!r}, which cannot change on resume (start a new "
+                "run_dir, or resume with the same setting)"
+            )
     if (train_state["lr_scheduler"] is None) == has_lr_scheduler:
         was = "without" if train_state["lr_scheduler"] is None else "with"
         has = "one" if has_lr_scheduler else "none"
@@ -111,8 +121,10 @@ def check_data_shard(data: Any, expected: tuple[int, int], plan: str = "") -> No
     """
     shard = (getattr(data, "rank", expected[0]), getattr(data, "world_size", expected[1]))
     if shard != expected:
-        raise ValueError(f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
-                         f"this process is rank {expected[0]} of world_size={expected[1]} "
-                         f"among the data-parallel ranks{plan}; build the "
-                         "loader after initialising torch.distributed (or pass it rank= and "
-                         "world_size=: runtime.data_rank and runtime.data_size)")
+        raise ValueError(
+            f"data is sharded as rank {shard[0]} of world_size={shard[1]}, but "
+            f"this process is rank {expected[0]} of world_size={expected[1]} "
+            f"among the data-parallel ranks{plan}; build the "
+            "loader after initialising torch.distributed (or pass it rank= and "
+            "world_size=: runtime.data_rank and runtime.data_size)"
+        )

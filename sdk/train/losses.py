@@ -43,16 +43,25 @@ from posttrain.core.registry import Registry
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.models.moe import moe_aux_loss
 
-__all__ = ["IGNORE_INDEX", "token_cross_entropy_sum", "normalize_by_step", "TrainingLoss",
-           "SFTCrossEntropy", "register_loss", "get_loss", "registered_losses"]
+__all__ = [
+    "IGNORE_INDEX",
+    "token_cross_entropy_sum",
+    "normalize_by_step",
+    "TrainingLoss",
+    "SFTCrossEntropy",
+    "register_loss",
+    "get_loss",
+    "registered_losses",
+]
 
 # --------------------------------------------------------------------------------------------
 # Pure functions
 # --------------------------------------------------------------------------------------------
 
 
-def token_cross_entropy_sum(logits_BTV: Tensor, labels_BT: Tensor, *,
-                            ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor]:
+def token_cross_entropy_sum(
+    logits_BTV: Tensor, labels_BT: Tensor, *, ignore_index: int = IGNORE_INDEX
+) -> tuple[Tensor, Tensor]:
     """Cross-entropy summed over trained tokens, and how many tokens were trained.
 
     Args:
@@ -74,12 +83,17 @@ def token_cross_entropy_sum(logits_BTV: Tensor, labels_BT: Tensor, *,
         ValueError: if the shapes disagree.
     """
     if logits_BTV.dim() != 3 or labels_BT.shape != logits_BTV.shape[:2]:
-        raise ValueError(f"logits must be [B, T, V] and labels [B, T]; got logits "
-                         f"{tuple(logits_BTV.shape)} and labels {tuple(labels_BT.shape)}")
+        raise ValueError(
+            f"logits must be [B, T, V] and labels [B, T]; got logits "
+            f"{tuple(logits_BTV.shape)} and labels {tuple(labels_BT.shape)}"
+        )
     trained_BT1 = (labels_BT != ignore_index)[..., None]
-    loss_sum = F.cross_entropy(keep_selected(logits_BTV.float(), trained_BT1).flatten(0, 1),
-                               labels_BT.flatten(),
-                               ignore_index=ignore_index, reduction="sum")
+    loss_sum = F.cross_entropy(
+        keep_selected(logits_BTV.float(), trained_BT1).flatten(0, 1),
+        labels_BT.flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
     num_tokens = (labels_BT != ignore_index).sum()
     return loss_sum, num_tokens
 
@@ -96,8 +110,9 @@ def normalize_by_step(loss_sum: Tensor, num_tokens_in_step: Tensor | int) -> Ten
             avoid a host sync; the trainer checks it once per step).
     """
     if isinstance(num_tokens_in_step, int) and num_tokens_in_step < 1:
-        raise ValueError(f"num_tokens_in_step={num_tokens_in_step}; a step must train at least "
-                         "one token")
+        raise ValueError(
+            f"num_tokens_in_step={num_tokens_in_step}; a step must train at least one token"
+        )
     return loss_sum / num_tokens_in_step
 
 
@@ -131,8 +146,10 @@ LossFactory = Callable[..., TrainingLoss]
 
 
 LOSSES: Registry[LossFactory] = Registry(
-    "loss", builtins_hint="dpo, ipo, simpo, kto, orpo and bradley_terry register on "
-    "`import posttrain.preference`")
+    "loss",
+    builtins_hint="dpo, ipo, simpo, kto, orpo and bradley_terry register on "
+    "`import posttrain.preference`",
+)
 
 register_loss = LOSSES.register
 """Decorator registering a `TrainingLoss` factory (usually its class) under a name; registering
@@ -189,15 +206,19 @@ class SFTCrossEntropy:
         device = device_of(model)
         mask = batch.attention_mask
         mask = None if mask is None else mask.to(device)
-        logits_BTV = model(batch.input_ids.to(device), mask=mask,
-                           input_pos=batch.position_ids.to(device))
+        logits_BTV = model(
+            batch.input_ids.to(device), mask=mask, input_pos=batch.position_ids.to(device)
+        )
         if not isinstance(logits_BTV, Tensor):
-            raise TypeError(f"the model returned {type(logits_BTV).__name__}; SFTCrossEntropy "
-                            "needs logits [B, T, V] (build it without output chunks or hidden "
-                            "states)")
+            raise TypeError(
+                f"the model returned {type(logits_BTV).__name__}; SFTCrossEntropy "
+                "needs logits [B, T, V] (build it without output chunks or hidden "
+                "states)"
+            )
         labels_BT = batch.labels.to(device)
-        loss_sum, num_tokens = token_cross_entropy_sum(logits_BTV, labels_BT,
-                                                       ignore_index=self.ignore_index)
+        loss_sum, num_tokens = token_cross_entropy_sum(
+            logits_BTV, labels_BT, ignore_index=self.ignore_index
+        )
         share = normalize_by_step(loss_sum, num_units_in_step.to(device))
         aux = moe_aux_loss(model, scaled=True)
         if aux is not None:
@@ -231,5 +252,5 @@ def check_finite_update(step: int, loss: Tensor, grad_norm: Tensor) -> None:
             f"step {step}: loss={float(loss)} grad_norm={float(grad_norm)} is not finite; the "
             "update was not applied and nothing was checkpointed, so the parameters are those "
             "of the previous step. Lower the learning rate, check the data, or resume from the "
-            "last checkpoint.")
-
+            "last checkpoint."
+        )

@@ -15,8 +15,9 @@ from posttrain.train.runtime import Runtime
 __all__ = ["check_memory"]
 
 
-def check_memory(runtime: Runtime, data: Any, *, phase: str = "sft",
-                 device_bytes: int | None = None) -> None:
+def check_memory(
+    runtime: Runtime, data: Any, *, phase: str = "sft", device_bytes: int | None = None
+) -> None:
     """Refuse, before any work, a plan whose per-rank memory (`posttrain.train.memory_plan`)
     exceeds this rank's device (`device_bytes`; default: an accelerator's memory, or on CPU the
     machine's available RAM shared by the ranks on this host: LOCAL_WORLD_SIZE, Slurm's tasks
@@ -28,8 +29,12 @@ def check_memory(runtime: Runtime, data: Any, *, phase: str = "sft",
         ValueError: naming the dominant term and the plan axis that would lower it.
     """
     lengths = getattr(data, "_lengths", None)
-    if (runtime.plan is None or runtime.spec is None or not hasattr(data, "batch_size")
-            or not lengths):
+    if (
+        runtime.plan is None
+        or runtime.spec is None
+        or not hasattr(data, "batch_size")
+        or not lengths
+    ):
         return
     seq_len = data.seq_len if getattr(data, "pack", False) and data.seq_len else max(lengths)
     rows = -(-data.batch_size // max(1, getattr(data, "world_size", 1)))
@@ -37,10 +42,16 @@ def check_memory(runtime: Runtime, data: Any, *, phase: str = "sft",
     if device is None:
         device = device_memory_bytes()
         if not torch.cuda.is_available():  # the ranks on this host share its RAM
-            local = (os.environ.get("LOCAL_WORLD_SIZE")
-                     or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-                     or str(runtime.plan.world_size))
+            local = (
+                os.environ.get("LOCAL_WORLD_SIZE")
+                or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+                or str(runtime.plan.world_size)
+            )
             device //= max(1, int(local))
-    check_plan_fits(runtime.spec, runtime.plan,
-                    MemoryBatch(micro_batch_size=rows, seq_len=seq_len), phase=phase,
-                    device_bytes=device)
+    check_plan_fits(
+        runtime.spec,
+        runtime.plan,
+        MemoryBatch(micro_batch_size=rows, seq_len=seq_len),
+        phase=phase,
+        device_bytes=device,
+    )

@@ -20,8 +20,17 @@ if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
     from posttrain.train.parallel import ParallelPlan
 
-__all__ = ["MemoryBatch", "OPTIMIZER_STATES", "DTYPE_BYTES", "ModelCounts", "model_counts",
-           "activation_bytes_per_token", "all_parameters", "optimizer_states", "dtype_bytes"]
+__all__ = [
+    "MemoryBatch",
+    "OPTIMIZER_STATES",
+    "DTYPE_BYTES",
+    "ModelCounts",
+    "model_counts",
+    "activation_bytes_per_token",
+    "all_parameters",
+    "optimizer_states",
+    "dtype_bytes",
+]
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "lion": 1}
 """fp32 tensors the optimizer keeps per parameter tensor (AdamW: exp_avg and exp_avg_sq)."""
@@ -67,11 +76,15 @@ class MemoryBatch:
         if isinstance(batch, cls):
             return batch
         if not isinstance(batch, dict):
-            raise ValueError(f"batch={batch!r}; must be a MemoryBatch or a dict with keys "
-                             f"{', '.join(f.name for f in fields(cls))}")
+            raise ValueError(
+                f"batch={batch!r}; must be a MemoryBatch or a dict with keys "
+                f"{', '.join(f.name for f in fields(cls))}"
+            )
         if unknown := sorted(set(batch) - {f.name for f in fields(cls)}):
-            raise ValueError(f"batch has unknown key(s) {', '.join(unknown)}; allowed: "
-                             f"{', '.join(f.name for f in fields(cls))}")
+            raise ValueError(
+                f"batch has unknown key(s) {', '.join(unknown)}; allowed: "
+                f"{', '.join(f.name for f in fields(cls))}"
+            )
         return cls(**batch)
 
 
@@ -79,21 +92,27 @@ class MemoryBatch:
 class ModelCounts:
     """Parameter counts of one block and of the root (embedding, final norm, output)."""
 
-    block_tp: int        # q/k/v/o (+ biases) and dense w1/w2/w3: split by tp
+    block_tp: int  # q/k/v/o (+ biases) and dense w1/w2/w3: split by tp
     block_replicated: int  # RMSNorm scales, MoE router and shared expert
-    block_experts: int   # routed experts: split by ep
-    root_tp: int         # embedding + output when untied (split by tp); tied: 0
+    block_experts: int  # routed experts: split by ep
+    root_tp: int  # embedding + output when untied (split by tp); tied: 0
     root_replicated: int  # final norm, and the tied embedding
-    largest_block: int   # elements of a block's largest tp-split tensor (before tp)
+    largest_block: int  # elements of a block's largest tp-split tensor (before tp)
     largest_expert: int  # elements of one stacked expert weight [E, M, D] (before ep)
-    largest_root: int    # elements of the embedding
+    largest_root: int  # elements of the embedding
 
 
 def model_counts(spec: ModelSpec) -> ModelCounts:
     """The parameter counts of `spec`'s blocks and root (module docstring of
     `posttrain.train.memory_plan`: "Counts")."""
-    D, H, K, d, F, V = (spec.embed_dim, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                        spec.intermediate_dim, spec.vocab_size)
+    D, H, K, d, F, V = (
+        spec.embed_dim,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.intermediate_dim,
+        spec.vocab_size,
+    )
     bias = (H + 2 * K) * d if spec.family == "qwen2" else 0  # qwen2's q/k/v biases
     attn = 2 * D * H * d + 2 * D * K * d + bias
     replicated, experts, mlp = 2 * D, 0, 3 * D * F
@@ -102,10 +121,16 @@ def model_counts(spec: ModelSpec) -> ModelCounts:
         mlp, experts = 0, 3 * E * M * D
         replicated += E * D + (3 * D * S + D if S else 0)
     tied = spec.tie_word_embeddings
-    return ModelCounts(block_tp=attn + mlp, block_replicated=replicated, block_experts=experts,
-                   root_tp=0 if tied else 2 * V * D, root_replicated=D + (V * D if tied else 0),
-                   largest_block=max(D * H * d, 0 if spec.is_moe else D * F),
-                   largest_expert=experts // 3, largest_root=V * D)
+    return ModelCounts(
+        block_tp=attn + mlp,
+        block_replicated=replicated,
+        block_experts=experts,
+        root_tp=0 if tied else 2 * V * D,
+        root_replicated=D + (V * D if tied else 0),
+        largest_block=max(D * H * d, 0 if spec.is_moe else D * F),
+        largest_expert=experts // 3,
+        largest_root=V * D,
+    )
 
 
 def activation_bytes_per_token(spec: ModelSpec, plan: ParallelPlan, a: int) -> float:
@@ -115,8 +140,12 @@ def activation_bytes_per_token(spec: ModelSpec, plan: ParallelPlan, a: int) -> f
     replicated = 16 * D + 8 + 2 * a * D + rope
     split = 4 * a * D + 4 * H
     if spec.is_moe:
-        k, M, S, E = (spec.experts_per_token, spec.moe_intermediate_dim, spec.shared_expert_dim,
-                      spec.num_experts)
+        k, M, S, E = (
+            spec.experts_per_token,
+            spec.moe_intermediate_dim,
+            spec.shared_expert_dim,
+            spec.num_experts,
+        )
         mlp = k * (3 * a * D + 4 * a * M + 24) + 4 * E + ((4 * S + D + 2) * a if S else 0)
         return replicated + split / tp + mlp
     return replicated + (split + 4 * a * F) / tp
@@ -130,13 +159,20 @@ def optimizer_states(optimizer: str | float) -> float:
     """
     if isinstance(optimizer, str):
         if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)} "
-                             "or a number of fp32 states per parameter")
+            raise ValueError(
+                f"optimizer={optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)} "
+                "or a number of fp32 states per parameter"
+            )
         return OPTIMIZER_STATES[optimizer]
-    if isinstance(optimizer, bool) or not isinstance(optimizer, (int, float)) \
-            or not 0 <= optimizer < math.inf:
-        raise ValueError(f"optimizer={optimizer!r}; must be a name ({', '.join(OPTIMIZER_STATES)})"
-                         " or a number >= 0 of fp32 states per parameter")
+    if (
+        isinstance(optimizer, bool)
+        or not isinstance(optimizer, (int, float))
+        or not 0 <= optimizer < math.inf
+    ):
+        raise ValueError(
+            f"optimizer={optimizer!r}; must be a name ({', '.join(OPTIMIZER_STATES)})"
+            " or a number >= 0 of fp32 states per parameter"
+        )
     return float(optimizer)
 
 

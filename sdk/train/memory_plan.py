@@ -147,11 +147,18 @@ def _axes(plan: ParallelPlan, *names: str) -> str:
     return f"{' x '.join(used)} = {math.prod(getattr(plan, n) for n in used)}" if used else "1"
 
 
-def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
-                batch: MemoryBatch | dict[str, Any], *, phase: str = "sft",
-                optimizer: str | float = "adamw", model_dtype: str = "float32",
-                reference_dtype: str | None = None, device_type: str | None = None,
-                runtime_bytes: int = 0) -> pd.DataFrame:
+def plan_memory(
+    spec: ModelSpec,
+    plan: ParallelPlan | None,
+    batch: MemoryBatch | dict[str, Any],
+    *,
+    phase: str = "sft",
+    optimizer: str | float = "adamw",
+    model_dtype: str = "float32",
+    reference_dtype: str | None = None,
+    device_type: str | None = None,
+    runtime_bytes: int = 0,
+) -> pd.DataFrame:
     """Per-rank memory of training (or generating with) `spec` under `plan` on `batch`.
 
     The formulas, the division rules and how the terms add up to the peak are in the module
@@ -220,7 +227,8 @@ def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
         rows.append((term, float(nbytes), axes, note))
 
     param_axes = _axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
-        f" (experts: {_axes(plan, 'ep')})" if spec.is_moe else "")
+        f" (experts: {_axes(plan, 'ep')})" if spec.is_moe else ""
+    )
     param_bytes = held * p
     training = phase != "rollout"
     add("parameters", param_bytes, param_axes, f"{held:,.0f} parameters x {p} B")
@@ -228,13 +236,18 @@ def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
     optim_bytes = held * 4 * states if training else 0.0
     if training:
         add("gradients", grad_bytes, param_axes, "freed after every step (zero_grad set_to_none)")
-        add("optimizer state", optim_bytes, param_axes, f"{states:g} fp32 state(s) per parameter "
-            f"({optimizer if isinstance(optimizer, str) else 'given'})")
+        add(
+            "optimizer state",
+            optim_bytes,
+            param_axes,
+            f"{states:g} fp32 state(s) per parameter "
+            f"({optimizer if isinstance(optimizer, str) else 'given'})",
+        )
     # activations
     micro = math.ceil(batch.micro_batch_size / plan.microbatches)  # microbatches is 1 if pp == 1
     in_flight = plan.microbatches if plan.pp_schedule == "gpipe" else min(pp, plan.microbatches)
     tokens = micro * math.ceil(batch.seq_len / sp)  # this rank's slice of the padded sequence
-    block = activation_bytes_per_token(spec, plan, a) * tokens          # full saved set
+    block = activation_bytes_per_token(spec, plan, a) * tokens  # full saved set
     kept = (a * D * tokens) if plan.activation_checkpointing else block  # per block, forward
     rebuilt = block if plan.activation_checkpointing else 0.0
     acts = n * kept * in_flight
@@ -243,39 +256,77 @@ def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
     head = (4 * (2 * D + 1) + a * D + 16) * tokens * in_flight
     last_mb = in_flight if plan.pp_schedule == "gpipe" and pp > 1 else 1
     logits = 12 * V * micro * batch.seq_len * last_mb  # gathered whole on every sp rank
-    f_eff = (spec.experts_per_token * spec.moe_intermediate_dim + spec.shared_expert_dim
-             if spec.is_moe else F / tp)
+    f_eff = (
+        spec.experts_per_token * spec.moe_intermediate_dim + spec.shared_expert_dim
+        if spec.is_moe
+        else F / tp
+    )
     working = 2 * a * f_eff * tokens
     fsdp_root = root_local * a if fsdp else 0.0
     fsdp_all = fsdp_root + (3 * block_local * a if fsdp else 0.0)
     g_root = root_local * p  # under FSDP the root's gradients stay unsharded until the end
     g_block = (block_local / shards + experts_local) * p
     if training:
-        ac = ("activation checkpointing: each block keeps its input"
-              if plan.activation_checkpointing else "saved tensors of every block")
-        add("activations", acts, _axes(plan, "tp", "sp", "pp")
-            + (" (norms, residual: not tp)" if tp > 1 else ""),
-            f"{ac}; {n} block(s) x {in_flight} micro-batch(es) in flight")
+        ac = (
+            "activation checkpointing: each block keeps its input"
+            if plan.activation_checkpointing
+            else "saved tensors of every block"
+        )
+        add(
+            "activations",
+            acts,
+            _axes(plan, "tp", "sp", "pp") + (" (norms, residual: not tp)" if tp > 1 else ""),
+            f"{ac}; {n} block(s) x {in_flight} micro-batch(es) in flight",
+        )
         add("activations (head)", head, _axes(plan, "sp"), "final norm, ids and labels")
-        add("activations (rebuilt block)", rebuilt, _axes(plan, "tp", "sp"),
-            "one block recomputed in backward" if rebuilt else "no activation checkpointing")
-        add("logits", logits, "1 (gathered whole under tp and sp)",
-            "fp32 log-softmax + its gradient + the logits' gradient (B x T x V x 12 B)")
-        add("backward working set", working, _axes(plan, "tp", "sp"),
-            "gradients of the SwiGLU product in the block under backward")
-        add("FSDP buffers", fsdp_all, "gathered: not divided" if fsdp else "1",
-            "root group gathered + 3 blocks in backward" if fsdp else "no FSDP")
-        largest = max(c.largest_block / (tp * shards), c.largest_expert / ep,
-                      c.largest_root / (tp if c.root_tp else 1) / shards)
+        add(
+            "activations (rebuilt block)",
+            rebuilt,
+            _axes(plan, "tp", "sp"),
+            "one block recomputed in backward" if rebuilt else "no activation checkpointing",
+        )
+        add(
+            "logits",
+            logits,
+            "1 (gathered whole under tp and sp)",
+            "fp32 log-softmax + its gradient + the logits' gradient (B x T x V x 12 B)",
+        )
+        add(
+            "backward working set",
+            working,
+            _axes(plan, "tp", "sp"),
+            "gradients of the SwiGLU product in the block under backward",
+        )
+        add(
+            "FSDP buffers",
+            fsdp_all,
+            "gathered: not divided" if fsdp else "1",
+            "root group gathered + 3 blocks in backward" if fsdp else "no FSDP",
+        )
+        largest = max(
+            c.largest_block / (tp * shards),
+            c.largest_expert / ep,
+            c.largest_root / (tp if c.root_tp else 1) / shards,
+        )
         temps = (2 * largest * 4 if device_type == "cpu" else held * 4) if states else 0.0
-        add("optimizer step temporaries", temps, param_axes,
-            "for-loop AdamW: 2 x largest tensor" if device_type == "cpu"
-            else "foreach AdamW: 1 x local parameters")
+        add(
+            "optimizer step temporaries",
+            temps,
+            param_axes,
+            "for-loop AdamW: 2 x largest tensor"
+            if device_type == "cpu"
+            else "foreach AdamW: 1 x local parameters",
+        )
     whole = all_parameters(c, spec) * p
     applied = plan != ParallelPlan()  # plan.parallelize broadcasts from rank 0 first
     build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
-    add("model build", build, "1", "every rank builds the whole model before plan.parallelize"
-        + (" (+ 2 broadcast buckets)" if applied else ""))
+    add(
+        "model build",
+        build,
+        "1",
+        "every rank builds the whole model before plan.parallelize"
+        + (" (+ 2 broadcast buckets)" if applied else ""),
+    )
     ref = held * ref_p if phase in ("dpo", "grpo", "ppo") else 0.0
     if ref:
         add("reference model", ref, param_axes, "forward-only copy sharded like the policy")
@@ -290,8 +341,12 @@ def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
         kv = 2 * n * (spec.num_kv_heads / tp) * spec.head_dim * seqs * total_len * p
         prefill = seqs * prompt * (V * p + (3 * D + 3 * F / tp) * p)
         add("KV cache", kv, _axes(plan, "tp", "pp"), f"{seqs} sequences x {total_len} tokens")
-        add("prefill", prefill, _axes(plan, "tp") + (" (logits: not tp)" if tp > 1 else ""),
-            "prefill logits + one block's no-grad working set")
+        add(
+            "prefill",
+            prefill,
+            _axes(plan, "tp") + (" (logits: not tp)" if tp > 1 else ""),
+            "prefill logits + one block's no-grad working set",
+        )
     if runtime_bytes:
         add("runtime", runtime_bytes, "1", "given: allocator, communication buffers")
     static = param_bytes + optim_bytes + ref + value
@@ -300,33 +355,58 @@ def plan_memory(spec: ModelSpec, plan: ParallelPlan | None,
     if training:
         candidates = {
             "update": (grad_bytes + temps, ("gradients", "optimizer step temporaries")),
-            "loss backward": (acts + head + logits + fsdp_root,
-                              ("activations", "activations (head)", "logits", "FSDP buffers")),
-            "last block backward": (acts + head + rebuilt + working + g_root + fsdp_all,
-                                    ("activations", "activations (head)",
-                                     "activations (rebuilt block)", "backward working set",
-                                     "FSDP buffers")),
-            "block 0 backward": (kept * in_flight + rebuilt + working + (n - 1) * g_block + g_root
-                                 + fsdp_all,
-                                 ("gradients", "activations (rebuilt block)",
-                                  "backward working set", "FSDP buffers")),
+            "loss backward": (
+                acts + head + logits + fsdp_root,
+                ("activations", "activations (head)", "logits", "FSDP buffers"),
+            ),
+            "last block backward": (
+                acts + head + rebuilt + working + g_root + fsdp_all,
+                (
+                    "activations",
+                    "activations (head)",
+                    "activations (rebuilt block)",
+                    "backward working set",
+                    "FSDP buffers",
+                ),
+            ),
+            "block 0 backward": (
+                kept * in_flight + rebuilt + working + (n - 1) * g_block + g_root + fsdp_all,
+                (
+                    "gradients",
+                    "activations (rebuilt block)",
+                    "backward working set",
+                    "FSDP buffers",
+                ),
+            ),
         }
     peaks: dict[str, tuple[float, tuple[str, ...]]] = {"model build": (build, ("model build",))}
     if training:
         moment, (dyn, terms) = max(candidates.items(), key=lambda kv_: kv_[1][0])
-        peaks[f"training ({moment})"] = (static + dyn, ("parameters", "optimizer state",
-                                                        "reference model", "value head") + terms)
+        peaks[f"training ({moment})"] = (
+            static + dyn,
+            ("parameters", "optimizer state", "reference model", "value head") + terms,
+        )
     if kv:
-        peaks["generation"] = (static + kv + prefill, ("parameters", "optimizer state",
-                                                       "reference model", "value head",
-                                                       "KV cache", "prefill"))
+        peaks["generation"] = (
+            static + kv + prefill,
+            (
+                "parameters",
+                "optimizer state",
+                "reference model",
+                "value head",
+                "KV cache",
+                "prefill",
+            ),
+        )
     when, (total, terms) = max(peaks.items(), key=lambda kv_: kv_[1][0])
     total += runtime_bytes
     df = pd.DataFrame(rows, columns=["term", "bytes", "divided_by", "note"])
     inside = df[df["term"].isin(terms + ("runtime",))]
     dominant = inside.loc[inside["bytes"].idxmax(), "term"]
-    df = pd.concat([df, pd.DataFrame([("peak", total, "", f"max over moments: {when}")],
-                                     columns=df.columns)], ignore_index=True)
+    df = pd.concat(
+        [df, pd.DataFrame([("peak", total, "", f"max over moments: {when}")], columns=df.columns)],
+        ignore_index=True,
+    )
     df["bytes"] = df["bytes"].round().astype("int64")
     df.insert(2, "GiB", df["bytes"] / _GIB)
     df.attrs.update(peak_bytes=int(round(total)), dominant=dominant, moment=when, phase=phase)
@@ -339,17 +419,17 @@ _FIXES = {
     "optimizer state": "raise dp_shard (optimizer state falls 1/dp_shard)",
     "optimizer step temporaries": "raise dp_shard (the local tensors fall 1/dp_shard)",
     "activations": "turn on activation_checkpointing (a block then keeps only its input), raise "
-                   "sp or tp, or lower micro_batch_size",
+    "sp or tp, or lower micro_batch_size",
     "activations (head)": "raise sp, or lower micro_batch_size x seq_len",
     "activations (rebuilt block)": "raise tp or sp (the rebuilt block falls 1/tp, 1/sp)",
     "logits": "lower micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp "
-              "with several micro-batches (the last stage holds one micro-batch's logits)",
+    "with several micro-batches (the last stage holds one micro-batch's logits)",
     "backward working set": "raise tp or sp",
     "FSDP buffers": "raise tp (gathered blocks fall 1/tp; the tied embedding stays whole)",
     "model build": "no plan axis lowers it: every rank builds the whole model before sharding "
-                   "(build it on the meta device and load sharded weights)",
+    "(build it on the meta device and load sharded weights)",
     "reference model": "raise dp_shard (the reference falls 1/dp_shard), or precompute the "
-                       "reference log-probs",
+    "reference log-probs",
     "KV cache": "raise tp (KV heads fall 1/tp) or pp, or lower num_sequences x max_total_len",
     "prefill": "lower num_sequences x prompt_len",
     "runtime": "lower runtime_bytes",
@@ -368,9 +448,15 @@ def device_memory_bytes() -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo; pass device_bytes=")
 
 
-def check_plan_fits(spec: ModelSpec, plan: ParallelPlan | None,
-                    batch: MemoryBatch | dict[str, Any], *, phase: str = "sft",
-                    device_bytes: int | None = None, **options: Any) -> pd.DataFrame:
+def check_plan_fits(
+    spec: ModelSpec,
+    plan: ParallelPlan | None,
+    batch: MemoryBatch | dict[str, Any],
+    *,
+    phase: str = "sft",
+    device_bytes: int | None = None,
+    **options: Any,
+) -> pd.DataFrame:
     """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
 
     Args:
@@ -393,8 +479,10 @@ def check_plan_fits(spec: ModelSpec, plan: ParallelPlan | None,
     if peak > device:
         term_bytes = int(df.set_index("term").loc[dominant, "bytes"])
         plan = ParallelPlan() if plan is None else plan
-        raise ValueError(f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
-                         f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
-                         f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
-                         f"{_FIXES.get(dominant, 'lower micro_batch_size')}")
+        raise ValueError(
+            f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
+            f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
+            f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
+            f"{_FIXES.get(dominant, 'lower micro_batch_size')}"
+        )
     return df

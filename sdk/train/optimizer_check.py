@@ -39,8 +39,9 @@ from torch import nn
 
 __all__ = ["check_optimizer", "remember_parameters", "former_names", "reshard"]
 
-_REPLACED: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[str, Any, str]]] = \
+_REPLACED: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[str, Any, str]]] = (
     weakref.WeakKeyDictionary()
+)
 """module -> {id: (name, weak reference, event)} of its parameters before an event replaced
 them (kept here, not on the module; weak both ways)."""
 
@@ -117,8 +118,8 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
     unknown, gathered_copies = [], []
     before: dict[str, list[str]] = {}  # event -> names
     for p in held:
-        if id(p) in current:   # frozen ones too: they get no gradient, so no update
-            continue            # (AdamW(model.parameters()) on LoRA, progressive unfreezing)
+        if id(p) in current:  # frozen ones too: they get no gradient, so no update
+            continue  # (AdamW(model.parameters()) on LoRA, progressive unfreezing)
         if id(p) in gathered:
             gathered_copies.append(gathered[id(p)])
         elif id(p) in replaced:
@@ -127,28 +128,42 @@ def check_optimizer(optimizer: Any, module: nn.Module, *, argument: str = "optim
         else:
             unknown.append(f"a tensor of shape {list(p.shape)}")
     stale = set(gathered_copies).union(*before.values())  # their current ones: named once
-    missing = [name for key, (name, p) in current.items()
-               if p.requires_grad and key not in held_ids and name not in stale]
-    fix = ("build the optimizer over [p for p in model.parameters() if p.requires_grad] right "
-           "before the trainer (after plan.parallelize and any converter)")
+    missing = [
+        name
+        for key, (name, p) in current.items()
+        if p.requires_grad and key not in held_ids and name not in stale
+    ]
+    fix = (
+        "build the optimizer over [p for p in model.parameters() if p.requires_grad] right "
+        "before the trainer (after plan.parallelize and any converter)"
+    )
     problems = []
     if gathered_copies:
-        problems.append(f"holds FSDP2's gathered (unsharded) copies of "
-                        f"{_listed(gathered_copies)}, registered on the model by a forward that "
-                        "no backward followed when the optimizer was built; they never receive "
-                        "a gradient (the model has its sharded parameters again now)")
+        problems.append(
+            f"holds FSDP2's gathered (unsharded) copies of "
+            f"{_listed(gathered_copies)}, registered on the model by a forward that "
+            "no backward followed when the optimizer was built; they never receive "
+            "a gradient (the model has its sharded parameters again now)"
+        )
     for event, names in before.items():
-        problems.append(f"holds {len(names)} parameter(s) the model no longer has: "
-                        f"{_listed(names)}; it was built before {event}; they never receive a "
-                        "gradient")
+        problems.append(
+            f"holds {len(names)} parameter(s) the model no longer has: "
+            f"{_listed(names)}; it was built before {event}; they never receive a "
+            "gradient"
+        )
     if unknown:
-        problems.append(f"holds {len(unknown)} tensor(s) that are not parameters of the "
-                        f"model: {_listed(unknown)} (built before a converter replaced them, "
-                        "or over another model); they never receive a gradient")
+        problems.append(
+            f"holds {len(unknown)} tensor(s) that are not parameters of the "
+            f"model: {_listed(unknown)} (built before a converter replaced them, "
+            "or over another model); they never receive a gradient"
+        )
     if missing:
-        problems.append(f"does not hold {len(missing)} trainable parameter(s) of the model: "
-                        f"{_listed(missing)} (they would receive gradients but never change)")
+        problems.append(
+            f"does not hold {len(missing)} trainable parameter(s) of the model: "
+            f"{_listed(missing)} (they would receive gradients but never change)"
+        )
     if problems:
-        raise ValueError(f"{argument}: {'; '.join(problems)}; {fix}"
-                         + (", or freeze what should not train with requires_grad_(False)"
-                            if missing else ""))
+        raise ValueError(
+            f"{argument}: {'; '.join(problems)}; {fix}"
+            + (", or freeze what should not train with requires_grad_(False)" if missing else "")
+        )

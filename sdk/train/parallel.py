@@ -120,22 +120,25 @@ class ParallelPlan:
                 object.__setattr__(self, name, int(value))  # numpy integers too
         check_fields(self, AXES, integer=True, low=1)
         if self.pp_schedule not in _SCHEDULES:
-            raise ValueError(f"ParallelPlan.pp_schedule={self.pp_schedule!r}; allowed: "
-                             f"{', '.join(_SCHEDULES)}")
+            raise ValueError(
+                f"ParallelPlan.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(_SCHEDULES)}"
+            )
         check_fields(self, ("n_microbatches",), integer=True, low=1, optional=True, note="= pp")
         if self.n_microbatches is not None and self.pp == 1:
-            raise ValueError(f"ParallelPlan.n_microbatches={self.n_microbatches} needs pp > 1 "
-                             "(it is the pipeline's micro-batch count); use the trainer's "
-                             "grad_accum_steps for micro-batches without a pipeline")
+            raise ValueError(
+                f"ParallelPlan.n_microbatches={self.n_microbatches} needs pp > 1 "
+                "(it is the pipeline's micro-batch count); use the trainer's "
+                "grad_accum_steps for micro-batches without a pipeline"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or value not in _DTYPES):
-                raise ValueError(f"ParallelPlan.{name}={value!r}; allowed: None, "
-                                 f"{', '.join(_DTYPES)}")
+                raise ValueError(
+                    f"ParallelPlan.{name}={value!r}; allowed: None, {', '.join(_DTYPES)}"
+                )
         for name in ("cpu_offload", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ParallelPlan.{name}={getattr(self, name)!r}; must be a bool")
-
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -148,8 +151,9 @@ class ParallelPlan:
         """Whether the plan applies FSDP2: some parameters are replicated over ranks that compute
         their own gradient shares (dp_replicate x dp_shard x ep x sp > 1), or it asks for FSDP2's
         mixed precision or CPU offload (then on a mesh of one rank if need be)."""
-        return (self.dp_replicate * self.dp_shard * self.ep * self.sp > 1
-                or bool(self.param_dtype or self.reduce_dtype or self.cpu_offload))
+        return self.dp_replicate * self.dp_shard * self.ep * self.sp > 1 or bool(
+            self.param_dtype or self.reduce_dtype or self.cpu_offload
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -175,8 +179,9 @@ class ParallelPlan:
         return f"ParallelPlan({', '.join(axes) or 'one rank'})"
 
     # ------------------------------------------------------------------ validation
-    def validate(self, *, world_size: int | None = None,
-                 spec: ModelSpec | str | None = None) -> None:
+    def validate(
+        self, *, world_size: int | None = None, spec: ModelSpec | str | None = None
+    ) -> None:
         """Check the plan against a world size and a model spec before any process starts.
 
         Args:
@@ -191,56 +196,79 @@ class ParallelPlan:
                 exceeds num_layers; ep > 1 on a model without experts, or ep does not divide
                 num_experts; tp or pp > 1 on an MoE model.
         """
-        if world_size is not None and (not isinstance(world_size, int)
-                                       or isinstance(world_size, bool) or world_size < 1):
-            raise ValueError(f"world_size={world_size!r}; must be a positive integer (the job's "
-                             "number of ranks) or None")
+        if world_size is not None and (
+            not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
+        ):
+            raise ValueError(
+                f"world_size={world_size!r}; must be a positive integer (the job's "
+                "number of ranks) or None"
+            )
         if isinstance(spec, str):
             from posttrain.models.specs import get_preset
 
             spec = get_preset(spec)
         if spec is not None and not all(hasattr(spec, f) for f in ("num_heads", "num_layers")):
-            raise ValueError(f"spec={spec!r}; must be a posttrain.models.ModelSpec (e.g. "
-                             "get_preset('tiny-1m')), a preset name, or None")
+            raise ValueError(
+                f"spec={spec!r}; must be a posttrain.models.ModelSpec (e.g. "
+                "get_preset('tiny-1m')), a preset name, or None"
+            )
         if world_size is not None and self.world_size != world_size:
-            raise ValueError(f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
-                             f"{self.world_size}, but the world size is {world_size}; the axes "
-                             f"must multiply to {world_size}")
+            raise ValueError(
+                f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
+                f"{self.world_size}, but the world size is {world_size}; the axes "
+                f"must multiply to {world_size}"
+            )
         if spec is None:
             return
         heads = math.gcd(spec.num_heads, spec.num_kv_heads)
         if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:
-            raise ValueError(f"ParallelPlan.tp={self.tp} must divide num_heads={spec.num_heads} "
-                             f"and num_kv_heads={spec.num_kv_heads} of the model; allowed tp: "
-                             f"{_divisors(heads)}")
+            raise ValueError(
+                f"ParallelPlan.tp={self.tp} must divide num_heads={spec.num_heads} "
+                f"and num_kv_heads={spec.num_kv_heads} of the model; allowed tp: "
+                f"{_divisors(heads)}"
+            )
         widths = math.gcd(spec.embed_dim, spec.intermediate_dim)
         if widths % self.tp:
-            raise ValueError(f"ParallelPlan.tp={self.tp} must divide embed_dim={spec.embed_dim} "
-                             f"and intermediate_dim={spec.intermediate_dim}; allowed tp: "
-                             f"{_divisors(math.gcd(widths, heads))}")
+            raise ValueError(
+                f"ParallelPlan.tp={self.tp} must divide embed_dim={spec.embed_dim} "
+                f"and intermediate_dim={spec.intermediate_dim}; allowed tp: "
+                f"{_divisors(math.gcd(widths, heads))}"
+            )
         local_heads = spec.num_heads // self.tp
         if local_heads % self.sp:  # k and v are expanded to num_heads before the all-to-all
-            raise ValueError(f"ParallelPlan.sp={self.sp} must divide the attention heads per "
-                             f"tensor-parallel rank (num_heads={spec.num_heads} / tp={self.tp} = "
-                             f"{local_heads}; Ulysses scatters heads); allowed sp: "
-                             f"{_divisors(local_heads)}")
+            raise ValueError(
+                f"ParallelPlan.sp={self.sp} must divide the attention heads per "
+                f"tensor-parallel rank (num_heads={spec.num_heads} / tp={self.tp} = "
+                f"{local_heads}; Ulysses scatters heads); allowed sp: "
+                f"{_divisors(local_heads)}"
+            )
         if self.pp > spec.num_layers:
-            raise ValueError(f"ParallelPlan.pp={self.pp} exceeds the model's num_layers="
-                             f"{spec.num_layers}; allowed pp: 1..{spec.num_layers}")
+            raise ValueError(
+                f"ParallelPlan.pp={self.pp} exceeds the model's num_layers="
+                f"{spec.num_layers}; allowed pp: 1..{spec.num_layers}"
+            )
         experts = getattr(spec, "num_experts", 0) or 0
         if self.ep > 1 and not experts:
-            raise ValueError(f"ParallelPlan.ep={self.ep} needs a model with experts; this model "
-                             "is dense (num_experts=0): allowed ep: 1")
+            raise ValueError(
+                f"ParallelPlan.ep={self.ep} needs a model with experts; this model "
+                "is dense (num_experts=0): allowed ep: 1"
+            )
         if experts and experts % self.ep:
-            raise ValueError(f"ParallelPlan.ep={self.ep} must divide num_experts={experts}; "
-                             f"allowed ep: {_divisors(experts)}")
+            raise ValueError(
+                f"ParallelPlan.ep={self.ep} must divide num_experts={experts}; "
+                f"allowed ep: {_divisors(experts)}"
+            )
         if experts and self.tp > 1:
-            raise ValueError(f"ParallelPlan.tp={self.tp} with an MoE model: the tensor-parallel "
-                             "plan splits dense MLPs only (split experts with ep); allowed tp "
-                             "for MoE models: 1")
+            raise ValueError(
+                f"ParallelPlan.tp={self.tp} with an MoE model: the tensor-parallel "
+                "plan splits dense MLPs only (split experts with ep); allowed tp "
+                "for MoE models: 1"
+            )
         if experts and self.pp > 1:
-            raise ValueError(f"ParallelPlan.pp={self.pp} with an MoE model: the pipeline's loss "
-                             "has no load-balancing term; allowed pp for MoE models: 1")
+            raise ValueError(
+                f"ParallelPlan.pp={self.pp} with an MoE model: the pipeline's loss "
+                "has no load-balancing term; allowed pp for MoE models: 1"
+            )
 
     # ------------------------------------------------------------------ building
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
@@ -255,15 +283,22 @@ class ParallelPlan:
         from torch.distributed.device_mesh import init_device_mesh
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"{self} needs an initialised torch.distributed process group "
-                               "(posttrain.launch.submit starts one per task; or "
-                               "dist.init_process_group)")
+            raise RuntimeError(
+                f"{self} needs an initialised torch.distributed process group "
+                "(posttrain.launch.submit starts one per task; or "
+                "dist.init_process_group)"
+            )
         self.validate(world_size=dist.get_world_size())
         sizes = tuple(getattr(self, name) for name in MESH_DIMS)
         return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
-    def parallelize(self, model: nn.Module, *, spec: ModelSpec | str | None = None,
-                    mesh: DeviceMesh | None = None) -> PlanRuntime:
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        spec: ModelSpec | str | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> PlanRuntime:
         """Split `model` over the ranks in place and return its `PlanRuntime`
         (`posttrain.train.sharding.parallelize`), which the trainers take as `runtime=`.
 
@@ -275,8 +310,13 @@ class ParallelPlan:
 
         return parallelize(self, model, spec=spec, mesh=mesh)
 
-    def apply(self, model: nn.Module, *, spec: ModelSpec | str | None = None,
-              mesh: DeviceMesh | None = None) -> nn.Module:
+    def apply(
+        self,
+        model: nn.Module,
+        *,
+        spec: ModelSpec | str | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> nn.Module:
         """Deprecated (one release): `runtime = plan.parallelize(model, spec=spec)` and pass
         `runtime=runtime` to the trainer. Splits `model` in place and returns it; its runtime is
         recorded for `plan_state(model)` and for trainers given the model (and `plan=`) only

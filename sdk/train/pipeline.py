@@ -58,8 +58,11 @@ def split_into_stage(model: TransformerDecoder, mesh: DeviceMesh) -> dict[str, A
     stage, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     first, last = stage == 0, stage == pp - 1
     layers = list(model.layers)
-    facts = {"dim": layers[0].attn.embed_dim, "vocab": model.tok_embeddings.num_embeddings,
-             "dtype": next(model.parameters()).dtype}
+    facts = {
+        "dim": layers[0].attn.embed_dim,
+        "vocab": model.tok_embeddings.num_embeddings,
+        "dtype": next(model.parameters()).dtype,
+    }
     keep = stage_layers(len(layers), pp, stage)
     model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
     tied = isinstance(model.output, TiedLinear)
@@ -72,8 +75,15 @@ def split_into_stage(model: TransformerDecoder, mesh: DeviceMesh) -> dict[str, A
         else:
             model.output = None
     model.forward = _StageForward(model, first, last)
-    return {"stage": stage, "pp": pp, "group": pp_mesh.get_group(), "tied": tied,
-            "first": first, "last": last, **facts}
+    return {
+        "stage": stage,
+        "pp": pp,
+        "group": pp_mesh.get_group(),
+        "tied": tied,
+        "first": first,
+        "last": last,
+        **facts,
+    }
 
 
 def is_stage(model: nn.Module) -> bool:
@@ -87,8 +97,9 @@ class _StageForward:
     def __init__(self, model: TransformerDecoder, first: bool, last: bool) -> None:
         self.model, self.first, self.last = model, first, last
 
-    def __call__(self, x: Tensor, mask: Tensor | None = None,
-                 input_pos: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, x: Tensor, mask: Tensor | None = None, input_pos: Tensor | None = None
+    ) -> Tensor:
         h = self.model.tok_embeddings(x) if self.first else x
         for layer in self.model.layers.values():
             h = layer(h, mask=mask, input_pos=input_pos)
@@ -100,8 +111,9 @@ def tied_group(mesh: DeviceMesh) -> ProcessGroup:
     (collective: every rank creates every group)."""
     names = mesh.mesh_dim_names
     if names is None or "pp" not in names:
-        raise ValueError(f"tied_group needs a mesh with a 'pp' dimension; its dimensions are "
-                         f"{names}")
+        raise ValueError(
+            f"tied_group needs a mesh with a 'pp' dimension; its dimensions are {names}"
+        )
     ranks = mesh.mesh.movedim(names.index("pp"), -1)
     pairs = ranks[..., [0, -1]].reshape(-1, 2).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(pairs)
@@ -139,8 +151,9 @@ class PipelineRunner:
 
         # the schedule calls this only inside `step`, which sets the step's token count first
         assert self._num_units is not None, "PipelineRunner._loss runs only inside step()"
-        loss_sum, _ = token_cross_entropy_sum(logits_BTV, labels_BT,
-                                              ignore_index=self._ignore_index)
+        loss_sum, _ = token_cross_entropy_sum(
+            logits_BTV, labels_BT, ignore_index=self._ignore_index
+        )
         return normalize_by_step(loss_sum, self._num_units.to(loss_sum.device))
 
     def _schedule(self, shape: tuple[int, ...], device: torch.device) -> PipelineScheduleSingle:
@@ -159,16 +172,29 @@ class PipelineRunner:
             def activations() -> Tensor:  # gradients flow back
                 return torch.empty(rows, length, dim, dtype=dtype, device=meta, requires_grad=True)
 
-            inputs = (torch.empty(rows, length, dtype=torch.long, device=meta)
-                      if self.info["first"] else activations())
-            outputs = (torch.empty(rows, length, vocab, dtype=torch.float32, device=meta)
-                       if self.info["last"] else activations())
-            stage = _static_shape_stage()(self.model, self.info["stage"], self.info["pp"], device,
-                                          input_args=inputs, output_args=outputs,
-                                          group=self.info["group"])
+            inputs = (
+                torch.empty(rows, length, dtype=torch.long, device=meta)
+                if self.info["first"]
+                else activations()
+            )
+            outputs = (
+                torch.empty(rows, length, vocab, dtype=torch.float32, device=meta)
+                if self.info["last"]
+                else activations()
+            )
+            stage = _static_shape_stage()(
+                self.model,
+                self.info["stage"],
+                self.info["pp"],
+                device,
+                input_args=inputs,
+                output_args=outputs,
+                group=self.info["group"],
+            )
             kind = ScheduleGPipe if self.plan.pp_schedule == "gpipe" else Schedule1F1B
-            self._schedules[shape] = kind(stage, n_microbatches=self.plan.microbatches,
-                                          loss_fn=self._loss, scale_grads=False)
+            self._schedules[shape] = kind(
+                stage, n_microbatches=self.plan.microbatches, loss_fn=self._loss, scale_grads=False
+            )
         return self._schedules[shape]
 
     def step(self, loss: TrainingLoss, batch: Batch, num_units: Tensor) -> Tensor:
@@ -182,8 +208,10 @@ class PipelineRunner:
         from posttrain.train.losses import SFTCrossEntropy
 
         if not isinstance(loss, SFTCrossEntropy):
-            raise ValueError(f"pipeline parallelism (pp={self.plan.pp}) trains the SFT "
-                             f"cross-entropy only; got {loss!r}")
+            raise ValueError(
+                f"pipeline parallelism (pp={self.plan.pp}) trains the SFT "
+                f"cross-entropy only; got {loss!r}"
+            )
         self._ignore_index, self._num_units = loss.ignore_index, num_units
         device = next(self.model.parameters()).device
         n = self.plan.microbatches
@@ -195,21 +223,27 @@ class PipelineRunner:
         rows = -tokens.shape[0] % n  # untrained padding rows: every micro-batch gets rows
         if rows:
             tokens = torch.cat([tokens, tokens[-1:].expand(rows, -1)])
-            labels = torch.cat([labels, labels.new_full((rows, labels.shape[1]),
-                                                         self._ignore_index)])
-            kwargs = {k: torch.cat([v, v[-1:].expand(rows, *v.shape[1:])])
-                      for k, v in kwargs.items()}
+            labels = torch.cat(
+                [labels, labels.new_full((rows, labels.shape[1]), self._ignore_index)]
+            )
+            kwargs = {
+                k: torch.cat([v, v[-1:].expand(rows, *v.shape[1:])]) for k, v in kwargs.items()
+            }
         schedule = self._schedule(tuple(tokens.shape), device)
         losses: list[Tensor] = []
         if self.info["first"]:
-            schedule.step(tokens, target=labels if self.info["last"] else None, losses=losses,
-                          **kwargs)
+            schedule.step(
+                tokens, target=labels if self.info["last"] else None, losses=losses, **kwargs
+            )
         elif self.info["last"]:
             schedule.step(target=labels, losses=losses, **kwargs)
         else:
             schedule.step(**kwargs)
-        share = (torch.stack([part.detach() for part in losses]).sum() if losses
-                 else torch.zeros((), device=device))
+        share = (
+            torch.stack([part.detach() for part in losses]).sum()
+            if losses
+            else torch.zeros((), device=device)
+        )
         dist.all_reduce(share, group=self.info["group"])
         return share
 

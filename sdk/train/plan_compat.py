@@ -34,9 +34,19 @@ if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
     from posttrain.train.parallel import ParallelPlan
 
-__all__ = ["resolve_runtime", "runtime_of", "full_state_dict", "register", "warn_deprecated",
-           "apply_plan", "plan_state", "PlanState",
-           "check_plan", "set_gradient_sync", "sum_over_data_ranks"]
+__all__ = [
+    "resolve_runtime",
+    "runtime_of",
+    "full_state_dict",
+    "register",
+    "warn_deprecated",
+    "apply_plan",
+    "plan_state",
+    "PlanState",
+    "check_plan",
+    "set_gradient_sync",
+    "sum_over_data_ranks",
+]
 
 _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PlanRuntime] = weakref.WeakKeyDictionary()
 """model -> the runtime `plan.apply` made for it (the deprecated spelling only)."""
@@ -44,23 +54,33 @@ _RUNTIMES: weakref.WeakKeyDictionary[nn.Module, PlanRuntime] = weakref.WeakKeyDi
 PlanState = PlanRuntime
 """The earlier name of what a plan leaves: now the `PlanRuntime` (same attribute names)."""
 
-_NEW_SPELLING = ("runtime = plan.parallelize(model, spec=spec), then pass runtime=runtime to "
-                 "the trainer")
+_NEW_SPELLING = (
+    "runtime = plan.parallelize(model, spec=spec), then pass runtime=runtime to the trainer"
+)
 
 
 def warn_deprecated(what: str, stacklevel: int = 2, instead: str = _NEW_SPELLING) -> None:
     """Warn (DeprecationWarning) that `what` goes away in the next release and what to use
     `instead`; stacklevel=2 attributes it to the caller of the function that calls this one."""
-    warnings.warn(f"{what} is deprecated and will be removed in the next release: {instead}",
-                  DeprecationWarning, stacklevel=stacklevel + 1)
+    warnings.warn(
+        f"{what} is deprecated and will be removed in the next release: {instead}",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def _deprecated(what: str, stacklevel: int = 3) -> None:
     warn_deprecated(what, stacklevel)
 
 
-def apply_plan(plan: ParallelPlan, model: nn.Module, *, spec: ModelSpec | str | None = None,
-               mesh: DeviceMesh | None = None, _stacklevel: int = 3) -> nn.Module:
+def apply_plan(
+    plan: ParallelPlan,
+    model: nn.Module,
+    *,
+    spec: ModelSpec | str | None = None,
+    mesh: DeviceMesh | None = None,
+    _stacklevel: int = 3,
+) -> nn.Module:
     """Deprecated: `plan.parallelize(model, spec=spec)` returns the runtime; this returns the
     model (split in place) and records its runtime for `plan_state` and the trainers.
 
@@ -102,9 +122,11 @@ def runtime_of(model: nn.Module | Runtime) -> Runtime:
         return _RUNTIMES[model]
     done = parallelized(model)
     if done is not None:
-        raise ValueError(f"this model is split by a ParallelPlan ({done}) and was given without "
-                         "its runtime: pass the PlanRuntime that plan.parallelize(model, "
-                         "spec=spec) returned")
+        raise ValueError(
+            f"this model is split by a ParallelPlan ({done}) and was given without "
+            "its runtime: pass the PlanRuntime that plan.parallelize(model, "
+            "spec=spec) returned"
+        )
     return LocalRuntime(model, replicas=False)
 
 
@@ -121,8 +143,7 @@ def full_state_dict(model: nn.Module | Runtime) -> dict[str, torch.Tensor]:
     return runtime_of(model).full_state_dict()
 
 
-def check_plan(model: nn.Module, plan: ParallelPlan | None,
-               runtime: Runtime | None = None) -> None:
+def check_plan(model: nn.Module, plan: ParallelPlan | None, runtime: Runtime | None = None) -> None:
     """Raise ValueError if `plan` (when given) is not the plan applied to `model` (by `runtime`,
     or by the deprecated `plan.apply`)."""
     if plan is None:
@@ -130,15 +151,23 @@ def check_plan(model: nn.Module, plan: ParallelPlan | None,
     if runtime is None:
         runtime = _RUNTIMES.get(model)
     if runtime is None or runtime.plan is None:
-        raise ValueError(f"{plan} was not applied to the model: call runtime = "
-                         "plan.parallelize(model, spec=spec) first, then build the optimizer "
-                         "over runtime.model.parameters() and pass runtime=runtime")
+        raise ValueError(
+            f"{plan} was not applied to the model: call runtime = "
+            "plan.parallelize(model, spec=spec) first, then build the optimizer "
+            "over runtime.model.parameters() and pass runtime=runtime"
+        )
     if runtime.plan != plan:
         raise ValueError(f"the model was split by {runtime.plan}, not by the given {plan}")
 
 
-def resolve_runtime(model: nn.Module, *, runtime: Runtime | None, plan: ParallelPlan | None,
-                    replicas: bool = True, argument: str = "model") -> Runtime:
+def resolve_runtime(
+    model: nn.Module,
+    *,
+    runtime: Runtime | None,
+    plan: ParallelPlan | None,
+    replicas: bool = True,
+    argument: str = "model",
+) -> Runtime:
     """The runtime a trainer of `model` holds.
 
     Args:
@@ -159,26 +188,40 @@ def resolve_runtime(model: nn.Module, *, runtime: Runtime | None, plan: Parallel
             was not applied, or `model` is split by a plan whose runtime was not given.
     """
     if runtime is not None and not isinstance(runtime, Runtime):
-        raise TypeError(f"runtime must be a posttrain.train.Runtime (what plan.parallelize "
-                        f"returns) or None; got {type(runtime).__name__}")
+        raise TypeError(
+            f"runtime must be a posttrain.train.Runtime (what plan.parallelize "
+            f"returns) or None; got {type(runtime).__name__}"
+        )
     if runtime is not None and runtime.model is not model:
-        raise ValueError(f"runtime.model is not the {argument} given to the trainer; pass "
-                         f"runtime.model as the {argument}")
+        raise ValueError(
+            f"runtime.model is not the {argument} given to the trainer; pass "
+            f"runtime.model as the {argument}"
+        )
     if plan is not None:
-        warnings.warn("the plan= argument of the trainers is deprecated and will be removed in "
-                      f"the next release: {_NEW_SPELLING}", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "the plan= argument of the trainers is deprecated and will be removed in "
+            f"the next release: {_NEW_SPELLING}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
     if runtime is None and model in _RUNTIMES:
         if plan is None:  # (one warning per call)
-            warnings.warn("a model split by plan.apply is deprecated and will be removed in the "
-                          f"next release: {_NEW_SPELLING}", DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                "a model split by plan.apply is deprecated and will be removed in the "
+                f"next release: {_NEW_SPELLING}",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         runtime = _RUNTIMES[model]
     check_plan(model, plan, runtime)
     if runtime is not None:
         return runtime
     done = parallelized(model)
     if done is not None:
-        raise ValueError(f"the {argument} is split by a ParallelPlan ({done}) but no runtime "
-                         "was given: pass runtime= (what plan.parallelize returned)")
+        raise ValueError(
+            f"the {argument} is split by a ParallelPlan ({done}) but no runtime "
+            "was given: pass runtime= (what plan.parallelize returned)"
+        )
     return LocalRuntime(model, replicas=replicas)
 
 

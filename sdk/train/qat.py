@@ -75,9 +75,17 @@ if TYPE_CHECKING:
 
     from posttrain.models.specs import ModelSpec
 
-__all__ = ["QAT_SCHEMES", "GPU_SCHEMES", "QATConfig", "prepare_qat", "convert_qat",
-           "quantize_post_training", "is_qat_prepared", "has_quantized_weights",
-           "parameter_bytes"]
+__all__ = [
+    "QAT_SCHEMES",
+    "GPU_SCHEMES",
+    "QATConfig",
+    "prepare_qat",
+    "convert_qat",
+    "quantize_post_training",
+    "is_qat_prepared",
+    "has_quantized_weights",
+    "parameter_bytes",
+]
 
 _CONFIG_ATTR = "_posttrain_qat_config"
 
@@ -137,17 +145,19 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if param is None else param.device
 
 
-def _check_model(model: nn.Module, config: QATConfig, spec: ModelSpec | None,
-                 what: str) -> None:
+def _check_model(model: nn.Module, config: QATConfig, spec: ModelSpec | None, what: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{what}: model must be a torch.nn.Module; got {type(model).__name__}")
     if not isinstance(config, QATConfig):
-        raise TypeError(f"{what}: config must be a posttrain.train.qat.QATConfig; got "
-                        f"{type(config).__name__}")
+        raise TypeError(
+            f"{what}: config must be a posttrain.train.qat.QATConfig; got {type(config).__name__}"
+        )
     problem = SCHEMES[config.scheme].problem(_device(model))
     if problem is not None:
-        raise ValueError(f"{what}: QATConfig.scheme={config.scheme!r} cannot run on this "
-                         f"machine: {problem}; use one of {', '.join(QAT_SCHEMES)}")
+        raise ValueError(
+            f"{what}: QATConfig.scheme={config.scheme!r} cannot run on this "
+            f"machine: {problem}; use one of {', '.join(QAT_SCHEMES)}"
+        )
     if spec is not None:
         from posttrain.models.specs import ModelSpec
 
@@ -155,9 +165,11 @@ def _check_model(model: nn.Module, config: QATConfig, spec: ModelSpec | None,
             raise TypeError(f"{what}: spec must be a ModelSpec or None; got {type(spec).__name__}")
         tied = _is_tied(model)
         if spec.tie_word_embeddings != tied:
-            raise ValueError(f"{what}: spec.tie_word_embeddings={spec.tie_word_embeddings} but "
-                             f"the model's output projection is {'tied' if tied else 'untied'}; "
-                             "pass the spec the model was built from")
+            raise ValueError(
+                f"{what}: spec.tie_word_embeddings={spec.tie_word_embeddings} but "
+                f"the model's output projection is {'tied' if tied else 'untied'}; "
+                "pass the spec the model was built from"
+            )
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -173,11 +185,13 @@ def _classify(model: nn.Module) -> tuple[list[str], dict[str, str]]:
 
     skipped: dict[str, str] = {}
     if isinstance(getattr(model, "tok_embeddings", None), nn.Embedding):
-        skipped["tok_embeddings"] = ("the token embedding stays in full precision (QAT here "
-                                     "quantises nn.Linear layers)")
+        skipped["tok_embeddings"] = (
+            "the token embedding stays in full precision (QAT here quantises nn.Linear layers)"
+        )
     if _is_tied(model):
-        skipped["output"] = ("the output projection is tied to tok_embeddings and stays in full "
-                             "precision")
+        skipped["output"] = (
+            "the output projection is tied to tok_embeddings and stays in full precision"
+        )
     adapters: list[str] = []
     targets = []
     for name, module in model.named_modules():
@@ -185,8 +199,10 @@ def _classify(model: nn.Module) -> tuple[list[str], dict[str, str]]:
             adapters.append(name)
             skipped[name] = "a LoRA layer: its frozen base and adapters stay as they are"
         elif isinstance(module, MoEFeedForward):
-            skipped[f"{name}.experts"] = ("routed experts are grouped [E, H, D] parameters, not "
-                                          "nn.Linear; kept in full precision")
+            skipped[f"{name}.experts"] = (
+                "routed experts are grouped [E, H, D] parameters, not "
+                "nn.Linear; kept in full precision"
+            )
         if not isinstance(module, nn.Linear) or any(name.startswith(a + ".") for a in adapters):
             continue
         last = name.rpartition(".")[2]
@@ -209,24 +225,35 @@ def _select(model: nn.Module, config: QATConfig, what: str) -> tuple[list[str], 
     for name in targets:
         weight = modules[name].weight
         if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"{what}: {name}.weight has dtype {weight.dtype}; QAT and PTQ take "
-                            "float32, bfloat16 or float16 weights")
+            raise TypeError(
+                f"{what}: {name}.weight has dtype {weight.dtype}; QAT and PTQ take "
+                "float32, bfloat16 or float16 weights"
+            )
         in_features = modules[name].in_features
         if SCHEMES[config.scheme].grouped and in_features % config.group_size:
-            ok = [g for g in (16, 32, 64, 128, 256)
-                  if all(modules[t].in_features % g == 0 for t in targets)]
-            raise ValueError(f"{what}: QATConfig.group_size={config.group_size} does not divide "
-                             f"{name}.in_features={in_features}; choose a group size that "
-                             f"divides every converted layer's in_features (e.g. "
-                             f"{', '.join(map(str, ok)) or 'a common divisor'})")
+            ok = [
+                g
+                for g in (16, 32, 64, 128, 256)
+                if all(modules[t].in_features % g == 0 for t in targets)
+            ]
+            raise ValueError(
+                f"{what}: QATConfig.group_size={config.group_size} does not divide "
+                f"{name}.in_features={in_features}; choose a group size that "
+                f"divides every converted layer's in_features (e.g. "
+                f"{', '.join(map(str, ok)) or 'a common divisor'})"
+            )
     return targets, skipped
 
 
 def _report(model: nn.Module, converted: list[str], skipped: dict[str, str]) -> ConversionReport:
     params = list(model.parameters())
-    return ConversionReport(name="qat", converted=tuple(converted), skipped=skipped,
-                            trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
-                            total_parameters=sum(p.numel() for p in params))
+    return ConversionReport(
+        name="qat",
+        converted=tuple(converted),
+        skipped=skipped,
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        total_parameters=sum(p.numel() for p in params),
+    )
 
 
 def _torchao_qat(config: QATConfig, step: str) -> TorchaoQATConfig:
@@ -238,8 +265,9 @@ def _torchao_qat(config: QATConfig, step: str) -> TorchaoQATConfig:
 # ---------------------------------------------------------------------------- prepare, convert, PTQ
 
 
-def prepare_qat(model: nn.Module, config: QATConfig, *,
-                spec: ModelSpec | None = None) -> ConversionReport:
+def prepare_qat(
+    model: nn.Module, config: QATConfig, *, spec: ModelSpec | None = None
+) -> ConversionReport:
     """Swap the selected linears of `model` (in place) for torchao `FakeQuantizedLinear`s: the
     weights stay fp32 parameters that the optimizer updates, and every forward rounds weights
     (and, for the int8da schemes, input activations) as the module docstring states.
@@ -262,11 +290,15 @@ def prepare_qat(model: nn.Module, config: QATConfig, *,
     """
     _check_model(model, config, spec, "prepare_qat")
     if is_qat_prepared(model):
-        raise ValueError("prepare_qat: the model is prepared for QAT already (it holds "
-                         "FakeQuantizedLinear modules); prepare once, then convert_qat")
+        raise ValueError(
+            "prepare_qat: the model is prepared for QAT already (it holds "
+            "FakeQuantizedLinear modules); prepare once, then convert_qat"
+        )
     if has_quantized_weights(model):
-        raise ValueError("prepare_qat: the model holds quantised weights already (convert_qat "
-                         "or quantize_post_training ran); QAT needs the float model")
+        raise ValueError(
+            "prepare_qat: the model holds quantised weights already (convert_qat "
+            "or quantize_post_training ran); QAT needs the float model"
+        )
     targets, skipped = _select(model, config, "prepare_qat")
     from torchao.quantization import quantize_
 
@@ -301,13 +333,17 @@ def convert_qat(model: nn.Module, config: QATConfig) -> ConversionReport:
     """
     _check_model(model, config, None, "convert_qat")
     if not is_qat_prepared(model):
-        raise ValueError("convert_qat: the model is not prepared for QAT (no FakeQuantizedLinear "
-                         "module); call prepare_qat before training, or quantize_post_training "
-                         "for a model trained without QAT")
+        raise ValueError(
+            "convert_qat: the model is not prepared for QAT (no FakeQuantizedLinear "
+            "module); call prepare_qat before training, or quantize_post_training "
+            "for a model trained without QAT"
+        )
     prepared_with = getattr(model, _CONFIG_ATTR, None)
     if prepared_with is not None and prepared_with != config:
-        raise ValueError(f"convert_qat: the model was prepared with {prepared_with}, not "
-                         f"{config}; convert with the config it was trained with")
+        raise ValueError(
+            f"convert_qat: the model was prepared with {prepared_with}, not "
+            f"{config}; convert with the config it was trained with"
+        )
     kinds = _fake_quantized_types()
     targets = [n for n, m in model.named_modules() if isinstance(m, kinds)]
     skipped = _classify(model)[1]
@@ -336,11 +372,15 @@ def quantize_post_training(model: nn.Module, config: QATConfig) -> ConversionRep
     """
     _check_model(model, config, None, "quantize_post_training")
     if is_qat_prepared(model):
-        raise ValueError("quantize_post_training: the model is prepared for QAT; convert it "
-                         "with convert_qat (which keeps what QAT learnt)")
+        raise ValueError(
+            "quantize_post_training: the model is prepared for QAT; convert it "
+            "with convert_qat (which keeps what QAT learnt)"
+        )
     if has_quantized_weights(model):
-        raise ValueError("quantize_post_training: the model holds quantised weights already; "
-                         "quantise the float model once")
+        raise ValueError(
+            "quantize_post_training: the model holds quantised weights already; "
+            "quantise the float model once"
+        )
     targets, skipped = _select(model, config, "quantize_post_training")
     from torchao.quantization import quantize_
 
@@ -354,8 +394,13 @@ def _check_quantized(model: nn.Module, targets: list[str], what: str) -> None:
     """torchao returns a module unchanged where a config does not apply; refuse that."""
     modules = dict(model.named_modules())
     kinds = _fake_quantized_types()
-    left = [n for n in targets if isinstance(modules[n], kinds)
-            or not _is_quantized_tensor(modules[n].weight)]
+    left = [
+        n
+        for n in targets
+        if isinstance(modules[n], kinds) or not _is_quantized_tensor(modules[n].weight)
+    ]
     if left:
-        raise RuntimeError(f"{what}: torchao left {left[0]} unquantised ({len(left)} layers); "
-                           "the model is partly converted")
+        raise RuntimeError(
+            f"{what}: torchao left {left[0]} unquantised ({len(left)} layers); "
+            "the model is partly converted"
+        )

@@ -47,8 +47,8 @@ class Scheme:
     """One scheme of `SCHEMES`: how to build its torchao config, whether it quantises weights
     in groups, and why it cannot run on a device (None when it can)."""
 
-    build: Callable[[int], AOBaseConfig]     # group_size -> torchao config
-    grouped: bool                            # weights quantised in groups of group_size inputs
+    build: Callable[[int], AOBaseConfig]  # group_size -> torchao config
+    grouped: bool  # weights quantised in groups of group_size inputs
     problem: Callable[[torch.device], str | None] = lambda device: None  # why it cannot run
 
 
@@ -58,8 +58,9 @@ def _int8da_int4w(group_size: int) -> AOBaseConfig:
     with warnings.catch_warnings():  # torchao's note that the config moves to prototype later
         warnings.filterwarnings("ignore", message=".*moving to prototype.*")
         # set_inductor_config=False: do not change torch._inductor's global settings
-        return Int8DynamicActivationInt4WeightConfig(group_size=group_size,
-                                                     set_inductor_config=False)
+        return Int8DynamicActivationInt4WeightConfig(
+            group_size=group_size, set_inductor_config=False
+        )
 
 
 def _intx(dtype: torch.dtype, *, activations: bool) -> Callable[[int], AOBaseConfig]:
@@ -68,9 +69,11 @@ def _intx(dtype: torch.dtype, *, activations: bool) -> Callable[[int], AOBaseCon
         from torchao.quantization.granularity import PerGroup
 
         if activations:
-            return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype,
-                                                         weight_granularity=PerGroup(group_size))
+            return Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=dtype, weight_granularity=PerGroup(group_size)
+            )
         return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(group_size))
+
     return build
 
 
@@ -81,6 +84,7 @@ def _gpu_only(name: str) -> Callable[[int], AOBaseConfig]:
         if name == "Int4WeightOnlyConfig":
             return tq.Int4WeightOnlyConfig(group_size=group_size)
         return getattr(tq, name)()
+
     return build
 
 
@@ -94,26 +98,35 @@ def _fbgemm_problem(device: torch.device) -> str | None:
 
 def _float8_problem(device: torch.device) -> str | None:
     if device.type != "cuda":
-        return ("torchao's float8 dynamic activation quantisation needs a CUDA device of compute "
-                f"capability >= 8.9 (or MI300+); the model is on {device}")
+        return (
+            "torchao's float8 dynamic activation quantisation needs a CUDA device of compute "
+            f"capability >= 8.9 (or MI300+); the model is on {device}"
+        )
     if torch.cuda.get_device_capability(device) < (8, 9):
-        return (f"torchao's float8 dynamic activation quantisation needs CUDA compute capability "
-                f">= 8.9; {torch.cuda.get_device_name(device)} has "
-                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+        return (
+            f"torchao's float8 dynamic activation quantisation needs CUDA compute capability "
+            f">= 8.9; {torch.cuda.get_device_name(device)} has "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+        )
     return None
 
 
 SCHEMES: dict[str, Scheme] = {
     "int8da_int4w": Scheme(_int8da_int4w, grouped=True),
     "int8da_int8w": Scheme(_intx(torch.int8, activations=True), grouped=True),
-    # torch's stub omits the sub-byte dtypes (torch.int1 ... torch.int7 exist at run time)
-    "int4w": Scheme(_intx(torch.int4, activations=False),  # type: ignore[attr-defined]
-                     grouped=True),
+    "int4w": Scheme(
+        _intx(torch.int4, activations=False),  # type: ignore[attr-defined]  # torch's stub lacks int4
+        grouped=True,
+    ),
     "int8w": Scheme(_intx(torch.int8, activations=False), grouped=True),
-    "int4w_fbgemm": Scheme(_gpu_only("Int4WeightOnlyConfig"), grouped=True,
-                            problem=_fbgemm_problem),
-    "float8": Scheme(_gpu_only("Float8DynamicActivationFloat8WeightConfig"), grouped=False,
-                      problem=_float8_problem),
+    "int4w_fbgemm": Scheme(
+        _gpu_only("Int4WeightOnlyConfig"), grouped=True, problem=_fbgemm_problem
+    ),
+    "float8": Scheme(
+        _gpu_only("Float8DynamicActivationFloat8WeightConfig"),
+        grouped=False,
+        problem=_float8_problem,
+    ),
 }
 
 QAT_SCHEMES = ("int8da_int4w", "int8da_int8w", "int4w", "int8w")
@@ -148,21 +161,28 @@ class QATConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, str):
-            raise TypeError(f"QATConfig.scheme={self.scheme!r}; must be a str, one of "
-                            f"{', '.join(QAT_SCHEMES)}")
+            raise TypeError(
+                f"QATConfig.scheme={self.scheme!r}; must be a str, one of {', '.join(QAT_SCHEMES)}"
+            )
         if self.scheme not in SCHEMES:
-            raise ValueError(f"QATConfig.scheme={self.scheme!r}; allowed: {', '.join(QAT_SCHEMES)} "
-                             f"(and on GPUs that have what they need: {', '.join(GPU_SCHEMES)})")
+            raise ValueError(
+                f"QATConfig.scheme={self.scheme!r}; allowed: {', '.join(QAT_SCHEMES)} "
+                f"(and on GPUs that have what they need: {', '.join(GPU_SCHEMES)})"
+            )
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
             raise TypeError(f"QATConfig.group_size={self.group_size!r}; must be an int >= 2")
         if self.group_size < 2:
-            raise ValueError(f"QATConfig.group_size={self.group_size}; must be an int >= 2 "
-                             "(torchao's per-group quantisation needs groups of two or more)")
+            raise ValueError(
+                f"QATConfig.group_size={self.group_size}; must be an int >= 2 "
+                "(torchao's per-group quantisation needs groups of two or more)"
+            )
         if self.scheme == "int4w_fbgemm" and self.group_size != _FBGEMM_QAT_GROUP:
-            raise ValueError(f"QATConfig.group_size={self.group_size} with scheme "
-                             f"'int4w_fbgemm'; must be {_FBGEMM_QAT_GROUP}: torchao 0.15 "
-                             f"fake-quantises Int4WeightOnlyConfig with groups of "
-                             f"{_FBGEMM_QAT_GROUP} whatever its group_size")
+            raise ValueError(
+                f"QATConfig.group_size={self.group_size} with scheme "
+                f"'int4w_fbgemm'; must be {_FBGEMM_QAT_GROUP}: torchao 0.15 "
+                f"fake-quantises Int4WeightOnlyConfig with groups of "
+                f"{_FBGEMM_QAT_GROUP} whatever its group_size"
+            )
 
     @property
     def converter(self) -> str:

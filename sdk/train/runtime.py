@@ -178,8 +178,9 @@ class Runtime(abc.ABC):
         """The global L2 norm of the gradients of `params` (a 0-dim float32 tensor)."""
 
     @abc.abstractmethod
-    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float,
-                    total_norm: Tensor) -> None:
+    def clip_grads_(
+        self, params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor
+    ) -> None:
         """Scale the gradients of `params` by min(1, max_norm / (total_norm + 1e-6)) in place."""
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -189,10 +190,19 @@ class Runtime(abc.ABC):
         a plan: every rank calls it)."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, run_dir: Path, step: int, *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-                        meta: dict[str, Any], keep_last: int | None, rank: int,
-                        model_state: Callable[[], dict[str, Any]]) -> Path:
+    def save_checkpoint(
+        self,
+        run_dir: Path,
+        step: int,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        meta: dict[str, Any],
+        keep_last: int | None,
+        rank: int,
+        model_state: Callable[[], dict[str, Any]],
+    ) -> Path:
         """Save checkpoint `step` of `module` (everything the trainer trains) and `optimizer`
         into `run_dir/checkpoints/` (every rank calls it); returns its folder.
 
@@ -200,9 +210,14 @@ class Runtime(abc.ABC):
         the weights of a full (unsharded) checkpoint."""
 
     @abc.abstractmethod
-    def load_checkpoint(self, ckpt: dict[str, Any], *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer,
-                        load_model_state: Callable[[dict[str, Any]], None]) -> None:
+    def load_checkpoint(
+        self,
+        ckpt: dict[str, Any],
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        load_model_state: Callable[[dict[str, Any]], None],
+    ) -> None:
         """Load the weights and optimizer state of a loaded checkpoint (`load_checkpoint`'s
         dict: sharded or full, saved under any plan or none) into `module` and `optimizer`."""
 
@@ -269,28 +284,49 @@ class LocalRuntime(Runtime):
     def grad_norm(self, params: Sequence[nn.Parameter]) -> Tensor:
         return torch.nn.utils.get_total_norm(_grads(params), norm_type=2.0)
 
-    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float,
-                    total_norm: Tensor) -> None:
+    def clip_grads_(
+        self, params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor
+    ) -> None:
         torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, total_norm)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
-    def save_checkpoint(self, run_dir: Path, step: int, *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-                        meta: dict[str, Any], keep_last: int | None, rank: int,
-                        model_state: Callable[[], dict[str, Any]]) -> Path:
+    def save_checkpoint(
+        self,
+        run_dir: Path,
+        step: int,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        meta: dict[str, Any],
+        keep_last: int | None,
+        rank: int,
+        model_state: Callable[[], dict[str, Any]],
+    ) -> Path:
         """Rank 0 writes the full checkpoint, then every rank waits at a barrier."""
         path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
         if rank == 0:
-            path = save_checkpoint(run_dir, step, model_state=model_state(),
-                                   train_state=train_state, keep_last=keep_last, meta=meta)
+            path = save_checkpoint(
+                run_dir,
+                step,
+                model_state=model_state(),
+                train_state=train_state,
+                keep_last=keep_last,
+                meta=meta,
+            )
         barrier()
         return path
 
-    def load_checkpoint(self, ckpt: dict[str, Any], *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer,
-                        load_model_state: Callable[[dict[str, Any]], None]) -> None:
+    def load_checkpoint(
+        self,
+        ckpt: dict[str, Any],
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        load_model_state: Callable[[dict[str, Any]], None],
+    ) -> None:
         """A sharded checkpoint (saved under a plan) is gathered into the plain module."""
         if ckpt["sharded"] is not None:
             load_sharded_state(ckpt["sharded"], model=module, optimizer=optimizer)
@@ -391,37 +427,61 @@ class PlanRuntime(Runtime):
     def grad_norm(self, params: Sequence[nn.Parameter]) -> Tensor:
         return total_grad_norm(_grads(params), self)
 
-    def clip_grads_(self, params: Sequence[nn.Parameter], max_norm: float,
-                    total_norm: Tensor) -> None:
+    def clip_grads_(
+        self, params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor
+    ) -> None:
         clip_grads_with_norm_(_grads(params), max_norm, total_norm)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """`gather_full_state_dict`: under pp the stages' names are merged."""
         return gather_full_state_dict(self.model, self.pp_group)
 
-    def save_checkpoint(self, run_dir: Path, step: int, *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-                        meta: dict[str, Any], keep_last: int | None, rank: int,
-                        model_state: Callable[[], dict[str, Any]]) -> Path:
+    def save_checkpoint(
+        self,
+        run_dir: Path,
+        step: int,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        meta: dict[str, Any],
+        keep_last: int | None,
+        rank: int,
+        model_state: Callable[[], dict[str, Any]],
+    ) -> Path:
         """DCP shards of `module` and `optimizer` from every rank; the plan goes into the meta."""
         train_state = {k: v for k, v in train_state.items() if k != "optimizer"}  # in the shards
         reshard(module)  # after a forward with grad and no backward
-        return save_sharded_checkpoint(run_dir, step, model=module, optimizer=optimizer,
-                                       train_state=train_state,
-                                       meta={**meta, "plan": self.plan.to_dict()},
-                                       keep_last=keep_last, rank=rank)
+        return save_sharded_checkpoint(
+            run_dir,
+            step,
+            model=module,
+            optimizer=optimizer,
+            train_state=train_state,
+            meta={**meta, "plan": self.plan.to_dict()},
+            keep_last=keep_last,
+            rank=rank,
+        )
 
-    def load_checkpoint(self, ckpt: dict[str, Any], *, module: nn.Module,
-                        optimizer: torch.optim.Optimizer,
-                        load_model_state: Callable[[dict[str, Any]], None]) -> None:
+    def load_checkpoint(
+        self,
+        ckpt: dict[str, Any],
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        load_model_state: Callable[[dict[str, Any]], None],
+    ) -> None:
         """Shards saved under this plan, another one or none reshard; a full checkpoint of a run
         without a plan is split on load."""
         if ckpt["sharded"] is not None:
             load_sharded_state(ckpt["sharded"], model=module, optimizer=optimizer)
         else:
-            load_full_state(ckpt["model_state"], ckpt["train_state"]["optimizer"],
-                            model=module, optimizer=optimizer)
+            load_full_state(
+                ckpt["model_state"],
+                ckpt["train_state"]["optimizer"],
+                model=module,
+                optimizer=optimizer,
+            )
 
     def __repr__(self) -> str:
-        return (f"PlanRuntime({self.plan}, data_rank={self.data_rank}, "
-                f"data_size={self.data_size})")
+        return f"PlanRuntime({self.plan}, data_rank={self.data_rank}, data_size={self.data_size})"

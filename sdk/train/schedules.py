@@ -17,7 +17,6 @@ import torch
 __all__ = ["WarmupCosine", "warmup_cosine_schedule"]
 
 
-
 class WarmupCosine:
     """Learning-rate multiplier: linear warmup from 0, then half a cosine down to
     `min_lr_ratio`, constant after `total_steps`.
@@ -46,9 +45,13 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
 
-def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: int,
-                           total_steps: int, min_lr_ratio: float = 0.0
-                           ) -> torch.optim.lr_scheduler.LambdaLR:
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.0,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A `LambdaLR` applying `WarmupCosine` to every parameter group's lr.
 
     Step k of training (k = 0, 1, ...) runs with `lr * WarmupCosine(k)`: the first step of a
@@ -67,9 +70,11 @@ def warmup_cosine_schedule(optimizer: torch.optim.Optimizer, *, warmup_steps: in
     if not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"total_steps={total_steps!r}; must be a positive integer")
     if not isinstance(warmup_steps, int) or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"warmup_steps={warmup_steps!r}; must be an integer in 0..total_steps "
-                         f"({total_steps})")
+        raise ValueError(
+            f"warmup_steps={warmup_steps!r}; must be an integer in 0..total_steps ({total_steps})"
+        )
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"min_lr_ratio={min_lr_ratio!r}; must be in [0, 1]")
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupCosine(warmup_steps, total_steps, float(min_lr_ratio)))
+        optimizer, WarmupCosine(warmup_steps, total_steps, float(min_lr_ratio))
+    )

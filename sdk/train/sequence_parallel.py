@@ -46,12 +46,20 @@ class _UlyssesAttention:
     def __init__(self, inner: Callable[..., Tensor], group: ProcessGroup) -> None:
         self.inner, self.group = inner, group
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                 dropout_p: float = 0.0, is_causal: bool = True) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = True,
+    ) -> Tensor:
         from verl.utils.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
 
-        q, k, v = (gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group)
-                   for t in (q, k, v))
+        q, k, v = (
+            gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group) for t in (q, k, v)
+        )
         out = self.inner(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
         return gather_heads_scatter_seq(out, head_dim=1, seq_dim=2, group=self.group)
 
@@ -82,8 +90,9 @@ def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
         layer.attn._attention_call = _UlyssesAttention(layer.attn._attention_call, group)
     pads: list[int] = []
 
-    def slice_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def slice_inputs(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tokens = args[0] if args else kwargs.pop("tokens")
         b, t = tokens.shape
         pad = -t % size
@@ -92,8 +101,10 @@ def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
             input_pos = torch.arange(t, device=tokens.device).expand(b, t)
         mask = kwargs.get("mask")
         if mask is not None and (mask.dim() != 3 or mask.dtype != torch.bool):
-            raise ValueError(f"sequence parallelism needs a [B, T, T] boolean mask or None; got "
-                             f"{tuple(mask.shape)} {mask.dtype}")
+            raise ValueError(
+                f"sequence parallelism needs a [B, T, T] boolean mask or None; got "
+                f"{tuple(mask.shape)} {mask.dtype}"
+            )
         if pad:
             tokens = F.pad(tokens, (0, pad))
             input_pos = F.pad(input_pos, (0, pad))  # position 0: any valid index (cut later)
@@ -105,13 +116,15 @@ def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
         kwargs = {**kwargs, "mask": mask, "input_pos": input_pos[:, piece]}
         return (tokens[:, piece], *args[1:]), kwargs
 
-    def gather_output(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      output: Tensor) -> Tensor:
+    def gather_output(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
+    ) -> Tensor:
         from verl.utils.ulysses import gather_outputs_and_unpad
 
         pad = pads.pop()
-        return gather_outputs_and_unpad(output, gather_dim=1, unpad_dim=1, padding_size=pad,
-                                        grad_scaler=False, group=group)
+        return gather_outputs_and_unpad(
+            output, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False, group=group
+        )
 
     model.register_forward_pre_hook(slice_inputs, with_kwargs=True)
     model.register_forward_hook(gather_output, with_kwargs=True)

@@ -44,9 +44,17 @@ from posttrain.core.distributed import barrier
 __all__ = ["save_sharded_checkpoint", "load_sharded_state", "load_full_state"]
 
 
-def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
-                            optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-                            meta: dict[str, Any], keep_last: int | None, rank: int) -> Path:
+def save_sharded_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int | None,
+    rank: int,
+) -> Path:
     """Save a sharded checkpoint (collective: every rank calls it). `train_state` must not hold
     the optimizer (it goes into the shards). Returns the checkpoint folder.
 
@@ -67,28 +75,39 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, model: nn.Module,
     barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optim_state},
-                 checkpoint_id=str(stage / SHARDED_DIR))
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state}, checkpoint_id=str(stage / SHARDED_DIR)
+        )
     except BaseException as e:  # DCP raises the same CheckpointException on every rank
         needed = state_bytes((model_state, optim_state))
         if not is_disk_full(e, stage, needed):
             raise
         if rank == 0:
             shutil.rmtree(stage, ignore_errors=True)
-        raise no_space_error(stage.parent, needed, f"rank {rank}'s shards of checkpoint "
-                             f"{checkpoint_name(step)}", estimate=True,
-                             note="; earlier checkpoints are untouched") from e
+        raise no_space_error(
+            stage.parent,
+            needed,
+            f"rank {rank}'s shards of checkpoint {checkpoint_name(step)}",
+            estimate=True,
+            note="; earlier checkpoints are untouched",
+        ) from e
     barrier()
     path = Path(run_dir) / CHECKPOINT_DIR / stage.name
     if rank == 0:
-        path = save_checkpoint(run_dir, step, model_state={}, train_state=train_state,
-                               keep_last=keep_last, meta={**meta, "sharded": True}, staged=stage)
+        path = save_checkpoint(
+            run_dir,
+            step,
+            model_state={},
+            train_state=train_state,
+            keep_last=keep_last,
+            meta={**meta, "sharded": True},
+            staged=stage,
+        )
     barrier()
     return path
 
 
-def load_sharded_state(folder: Path, *, model: nn.Module,
-                       optimizer: torch.optim.Optimizer) -> None:
+def load_sharded_state(folder: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load the shards in `folder` (a checkpoint's `sharded/`) into `model` and `optimizer`,
     whatever plan (or none) they were saved under; collective under a plan.
 
@@ -104,12 +123,18 @@ def load_sharded_state(folder: Path, *, model: nn.Module,
     # DCP loads into this dict in place (its nested values keep DCP's own types)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
-def load_full_state(model_state: dict[str, Any], optimizer_state: dict[str, Any], *,
-                    model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_full_state(
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> None:
     """Load a checkpoint of a run without a plan (the full `state_dict()` of the module, or a
     dict of them keyed by the names of `model`'s children, and `optimizer.state_dict()`) into
     `model` split by a plan and its `optimizer`: every rank reads the whole checkpoint and keeps
@@ -130,27 +155,39 @@ def load_full_state(model_state: dict[str, Any], optimizer_state: dict[str, Any]
 
     flat = model_state
     children = dict(model.named_children())
-    if model_state and all(isinstance(v, dict) for v in model_state.values()) \
-            and set(model_state) <= set(children):  # {"policy": {...}, "value_head": {...}}
+    if (
+        model_state
+        and all(isinstance(v, dict) for v in model_state.values())
+        and set(model_state) <= set(children)
+    ):  # {"policy": {...}, "value_head": {...}}
         flat = {f"{child}.{k}": v for child, sd in model_state.items() for k, v in sd.items()}
     names = {id(p): n for n, p in model.named_parameters()}
     saved_groups, groups = optimizer_state["param_groups"], optimizer.param_groups
     if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
-        raise ValueError(f"the checkpoint's optimizer has parameter groups of "
-                         f"{[len(g['params']) for g in saved_groups]} parameters; this one of "
-                         f"{[len(g['params']) for g in groups]}")
+        raise ValueError(
+            f"the checkpoint's optimizer has parameter groups of "
+            f"{[len(g['params']) for g in saved_groups]} parameters; this one of "
+            f"{[len(g['params']) for g in groups]}"
+        )
     fqn: dict[int, str] = {}
     for saved, group in zip(saved_groups, groups):
         for index, param in zip(saved["params"], group["params"]):
             if id(param) not in names:
-                raise ValueError("the optimizer holds a parameter that is not in the model "
-                                 "it is saved with")
+                raise ValueError(
+                    "the optimizer holds a parameter that is not in the model it is saved with"
+                )
             fqn[index] = _canonical(names[id(param)])
     optim: OptimizerStateType = {
         "state": {fqn[i]: s for i, s in optimizer_state["state"].items()},
-        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in saved_groups]}
-    set_state_dict(model, optimizer, model_state_dict=flat, optim_state_dict=optim,
-                   options=StateDictOptions(full_state_dict=True))
+        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]} for g in saved_groups],
+    }
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=flat,
+        optim_state_dict=optim,
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def _canonical(name: str) -> str:

@@ -50,7 +50,7 @@ from torch import nn
 
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
-from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm  # noqa: F401
+from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm
 from posttrain.train.optimizer_check import remember_parameters, reshard
 from posttrain.train.runtime import PlanRuntime
 
@@ -62,15 +62,23 @@ if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
     from posttrain.train.parallel import ParallelPlan
 
-__all__ = ["parallelize", "parallelized", "reshard_root_after_frozen_forward", "reshard",
-           "total_grad_norm", "clip_grads_with_norm_"]
+__all__ = [
+    "parallelize",
+    "parallelized",
+    "reshard_root_after_frozen_forward",
+    "reshard",
+    "total_grad_norm",
+    "clip_grads_with_norm_",
+]
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise TypeError(f"a ParallelPlan applies to a torchtune TransformerDecoder (a model with "
-                        f".layers); got {type(model).__name__}")
+        raise TypeError(
+            f"a ParallelPlan applies to a torchtune TransformerDecoder (a model with "
+            f".layers); got {type(model).__name__}"
+        )
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
@@ -96,9 +104,13 @@ def parallelized(model: nn.Module) -> str | None:
     return None
 
 
-def parallelize(plan: ParallelPlan, model: TransformerDecoder, *,
-                spec: ModelSpec | str | None = None,
-                mesh: DeviceMesh | None = None) -> PlanRuntime:
+def parallelize(
+    plan: ParallelPlan,
+    model: TransformerDecoder,
+    *,
+    spec: ModelSpec | str | None = None,
+    mesh: DeviceMesh | None = None,
+) -> PlanRuntime:
     """Split `model` over this job's ranks according to `plan`, in place; returns the
     `PlanRuntime` the trainers take (`runtime.model is model`).
 
@@ -123,8 +135,9 @@ def parallelize(plan: ParallelPlan, model: TransformerDecoder, *,
     """
     done = parallelized(model)
     if done is not None:
-        raise ValueError(f"this model already has a ParallelPlan applied ({done}); build a "
-                         "fresh model")
+        raise ValueError(
+            f"this model already has a ParallelPlan applied ({done}); build a fresh model"
+        )
     check_plan_axes(model, plan)  # a converted model (LoRA, FP8, ...) allows fewer axes
     plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
     if isinstance(spec, str):
@@ -136,9 +149,11 @@ def parallelize(plan: ParallelPlan, model: TransformerDecoder, *,
     layers = _layers(model)
     device = next(model.parameters()).device
     if plan.cpu_offload and device.type == "cpu":
-        raise ValueError("ParallelPlan.cpu_offload=True moves parameters, gradients and optimizer "
-                         "state from an accelerator to host memory; this model is on the CPU "
-                         "already: allowed cpu_offload on CPU: False")
+        raise ValueError(
+            "ParallelPlan.cpu_offload=True moves parameters, gradients and optimizer "
+            "state from an accelerator to host memory; this model is on the CPU "
+            "already: allowed cpu_offload on CPU: False"
+        )
     mesh = mesh if mesh is not None else plan.build_mesh(device.type)
     remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
@@ -178,31 +193,44 @@ def parallelize(plan: ParallelPlan, model: TransformerDecoder, *,
         _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
     coordinate = dict(zip(_dim_names(mesh), _coordinate(mesh)))
-    data_rank = ((coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]) * plan.ep
-                 + coordinate["ep"])
+    data_rank = (
+        coordinate["dp_replicate"] * plan.dp_shard + coordinate["dp_shard"]
+    ) * plan.ep + coordinate["ep"]
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
     parts: dict[str, Any] = {}
     if pipeline_info is not None:
         from posttrain.train.pipeline import PipelineRunner
 
         last_tied = pipeline_info["tied"] and pipeline_info["last"]
-        parts = dict(pipeline=PipelineRunner(model, pipeline_info, plan),
-                     pp_group=pipeline_info["group"],
-                     tied_copy=model.tok_embeddings.weight if last_tied else None)
-    return PlanRuntime(model=model, plan=plan, mesh=mesh, data_rank=data_rank,
-                       data_group=data_group, fsdp=plan.fsdp, grad_syncs=tuple(syncs),
-                       spec=spec, **parts)
+        parts = dict(
+            pipeline=PipelineRunner(model, pipeline_info, plan),
+            pp_group=pipeline_info["group"],
+            tied_copy=model.tok_embeddings.weight if last_tied else None,
+        )
+    return PlanRuntime(
+        model=model,
+        plan=plan,
+        mesh=mesh,
+        data_rank=data_rank,
+        data_group=data_group,
+        fsdp=plan.fsdp,
+        grad_syncs=tuple(syncs),
+        spec=spec,
+        **parts,
+    )
 
 
-def _parallelize_one_rank(plan: ParallelPlan, model: nn.Module,
-                          spec: ModelSpec | None) -> PlanRuntime:
+def _parallelize_one_rank(
+    plan: ParallelPlan, model: nn.Module, spec: ModelSpec | None
+) -> PlanRuntime:
     """A plan of one rank without FSDP2 settings, in a process without a process group: only
     activation checkpointing applies."""
     _layers(model)
     if plan.activation_checkpointing:
         _apply_ac(model)
-    return PlanRuntime(model=model, plan=plan, mesh=None, data_rank=0, data_group=None,
-                       fsdp=False, spec=spec)
+    return PlanRuntime(
+        model=model, plan=plan, mesh=None, data_rank=0, data_group=None, fsdp=False, spec=spec
+    )
 
 
 def _apply_ac(model: nn.Module) -> None:
@@ -231,16 +259,19 @@ def reshard_root_after_frozen_forward(root: nn.Module) -> None:
     from torch.utils._pytree import tree_leaves
 
     if not isinstance(root, FSDPModule):
-        raise TypeError(f"reshard_root_after_frozen_forward needs an FSDP2 root (a module "
-                        f"fully_shard was applied to); got {type(root).__name__}")
+        raise TypeError(
+            f"reshard_root_after_frozen_forward needs an FSDP2 root (a module "
+            f"fully_shard was applied to); got {type(root).__name__}"
+        )
     pending = {"backward": False}
 
     def started_backward(grad: torch.Tensor) -> None:
         pending["backward"] = False
 
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
-        needs_grad = [t for t in tree_leaves(output)
-                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        needs_grad = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if needs_grad:
             pending["backward"] = True
             for t in needs_grad:
@@ -254,8 +285,10 @@ def reshard_root_after_frozen_forward(root: nn.Module) -> None:
 def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
     """The names of `mesh`'s dimensions (`MESH_DIMS` for `plan.build_mesh()`'s)."""
     if mesh.mesh_dim_names is None:
-        raise ValueError("parallelize needs a mesh with named dimensions (plan.build_mesh() "
-                         "names them); this one has none")
+        raise ValueError(
+            "parallelize needs a mesh with named dimensions (plan.build_mesh() "
+            "names them); this one has none"
+        )
     return mesh.mesh_dim_names
 
 
@@ -263,8 +296,9 @@ def _coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     """This rank's coordinate in `mesh`."""
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh given to "
-                         f"parallelize ({mesh})")
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not in the mesh given to parallelize ({mesh})"
+        )
     return coordinate
 
 
@@ -273,8 +307,9 @@ def _group_over(mesh: DeviceMesh, dims: tuple[str, ...]) -> ProcessGroup | None:
     adjacent), or None when that group has one rank. Collective: every rank creates every
     group, in the same order."""
     names = list(_dim_names(mesh))
-    ranks = mesh.mesh.permute([i for i, n in enumerate(names) if n not in dims]
-                              + [names.index(d) for d in dims])
+    ranks = mesh.mesh.permute(
+        [i for i, n in enumerate(names) if n not in dims] + [names.index(d) for d in dims]
+    )
     size = math.prod(mesh[d].size() for d in dims)
     if size == 1:
         return None
@@ -297,8 +332,13 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, layer_plan)
 
 
-def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], mesh: DeviceMesh,
-                ignored: set[nn.Parameter]) -> None:
+def _apply_fsdp(
+    plan: ParallelPlan,
+    model: nn.Module,
+    layers: list[nn.Module],
+    mesh: DeviceMesh,
+    ignored: set[nn.Parameter],
+) -> None:
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -318,8 +358,13 @@ def _apply_fsdp(plan: ParallelPlan, model: nn.Module, layers: list[nn.Module], m
     # fully_shard's default offload policy is OffloadPolicy() (none)
     offload_policy = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
     for module in (*layers, model):  # every block, then the root
-        fully_shard(module, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                    ignored_params=ignored or None)
+        fully_shard(
+            module,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored or None,
+        )
     reshard_root_after_frozen_forward(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -96,7 +96,6 @@ from posttrain.train.runtime import Runtime
 __all__ = ["Trainer"]
 
 
-
 # --------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------
@@ -178,46 +177,74 @@ class Trainer(Engine):
             that is not a `Runtime`.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, data: Any,
-                 loss: str | TrainingLoss = "sft_ce",
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 grad_accum_steps: int = 1, max_grad_norm: float | None = None,
-                 run_dir: str | os.PathLike | None = None,
-                 eval_fn: Callable[[nn.Module], Mapping[str, float]] | None = None,
-                 eval_every: int = 0, checkpoint_every: int = 0, keep_last: int | None = 2,
-                 tensorboard: bool = False, progress: bool = True, seed: int = 0,
-                 callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
-                 resume: bool | str | os.PathLike = False, runtime: Runtime | None = None,
-                 plan: ParallelPlan | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        data: Any,
+        loss: str | TrainingLoss = "sft_ce",
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        run_dir: str | os.PathLike | None = None,
+        eval_fn: Callable[[nn.Module], Mapping[str, float]] | None = None,
+        eval_every: int = 0,
+        checkpoint_every: int = 0,
+        keep_last: int | None = 2,
+        tensorboard: bool = False,
+        progress: bool = True,
+        seed: int = 0,
+        callbacks: Sequence[Callable[[Trainer, dict], None]] = (),
+        resume: bool | str | os.PathLike = False,
+        runtime: Runtime | None = None,
+        plan: ParallelPlan | None = None,
+    ) -> None:
         if not callable(getattr(data, "next_batch", None)):
-            raise TypeError(f"data must have a next_batch() method (e.g. posttrain.data.loader."
-                            f"SFTLoader); got {type(data).__name__}")
+            raise TypeError(
+                f"data must have a next_batch() method (e.g. posttrain.data.loader."
+                f"SFTLoader); got {type(data).__name__}"
+            )
         if isinstance(loss, str):
             loss = get_loss(loss)
         elif not isinstance(loss, TrainingLoss):
-            raise TypeError(f"loss must be a registered name or a TrainingLoss (num_units(batch) "
-                            f"and __call__(model, batch, num_units_in_step)); got {loss!r}")
+            raise TypeError(
+                f"loss must be a registered name or a TrainingLoss (num_units(batch) "
+                f"and __call__(model, batch, num_units_in_step)); got {loss!r}"
+            )
         check_int("grad_accum_steps", grad_accum_steps, minimum=1)
         check_int("eval_every", eval_every, minimum=0)
         if eval_every and eval_fn is None:
             raise ValueError(f"eval_every={eval_every} needs an eval_fn")
         if checkpoint_every and not has_state(data):
-            raise ValueError(f"checkpoint_every needs data with state_dict()/load_state_dict() "
-                             f"(to resume at the same position); {type(data).__name__} has none")
+            raise ValueError(
+                f"checkpoint_every needs data with state_dict()/load_state_dict() "
+                f"(to resume at the same position); {type(data).__name__} has none"
+            )
         runtime = resolve_runtime(model, runtime=runtime, plan=plan)
-        self._setup_engine(optimizer=optimizer, lr_scheduler=lr_scheduler,
-                           max_grad_norm=max_grad_norm, run_dir=run_dir,
-                           checkpoint_every=checkpoint_every, keep_last=keep_last,
-                           progress=progress, callbacks=callbacks, resume=resume,
-                           runtime=runtime, tensorboard=tensorboard)
+        self._setup_engine(
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            max_grad_norm=max_grad_norm,
+            run_dir=run_dir,
+            checkpoint_every=checkpoint_every,
+            keep_last=keep_last,
+            progress=progress,
+            callbacks=callbacks,
+            resume=resume,
+            runtime=runtime,
+            tensorboard=tensorboard,
+        )
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
         if isinstance(loss, SFTCrossEntropy):
             check_memory(runtime, data, phase="sft")  # under a plan with a spec: refuse early
         if eval_fn is not None and runtime.pipeline is not None:
-            raise ValueError(f"eval_fn with {runtime.plan}: a pipeline stage holds part of the "
-                             "model; evaluate the exported full model instead "
-                             "(runtime.full_state_dict())")
+            raise ValueError(
+                f"eval_fn with {runtime.plan}: a pipeline stage holds part of the "
+                "model; evaluate the exported full model instead "
+                "(runtime.full_state_dict())"
+            )
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self._flops_n: int | None = None
         self._flops_device = torch.device("cpu")
@@ -265,11 +292,16 @@ class Trainer(Engine):
             units = self._sum_across_ranks(units)
             num_units = int(units)
             count_tokens = getattr(self.loss, "num_tokens", None)
-            local_tokens = None if count_tokens is None else torch.stack(
-                [torch.as_tensor(count_tokens(b)) for b in batches]).sum()
+            local_tokens = (
+                None
+                if count_tokens is None
+                else torch.stack([torch.as_tensor(count_tokens(b)) for b in batches]).sum()
+            )
             if num_units < 1:
-                raise ValueError(f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
-                                 "hold no trained token; check the loss masks of the data")
+                raise ValueError(
+                    f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
+                    "hold no trained token; check the loss masks of the data"
+                )
             loss_sum: torch.Tensor | None = None
             for i, batch in enumerate(batches):
                 self._set_gradient_sync(i == len(batches) - 1)
@@ -291,12 +323,17 @@ class Trainer(Engine):
             self.step_count += 1
         elapsed = time.perf_counter() - start
         # after the clock stopped: the all-reduce of the token count and the (cached) peak
-        tokens = (num_units if local_tokens is None
-                  else int(self._sum_across_ranks(local_tokens)))
-        row = {"step": self.step_count, "loss": float(loss_sum), "lr": lr,
-               "grad_norm": float(grad_norm), "trained_tokens": num_units,
-               "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-               "mfu": self._step_mfu(tokens, elapsed)}
+        tokens = num_units if local_tokens is None else int(self._sum_across_ranks(local_tokens))
+        row = {
+            "step": self.step_count,
+            "loss": float(loss_sum),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "trained_tokens": num_units,
+            "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed,
+            "mfu": self._step_mfu(tokens, elapsed),
+        }
         return row, interrupt.received
 
     def _roll_back(self, data_state: dict[str, Any] | None, rng_state: Any) -> None:
@@ -318,8 +355,12 @@ class Trainer(Engine):
             self._flops_n = non_embedding_params(model)
             self._flops_device = param.device if param is not None else torch.device("cpu")
         devices = dist.get_world_size() if dist.is_initialized() else 1
-        return mfu(model_flops(self._flops_n, tokens, kind="train"), seconds,
-                   peak_flops_per_s=matmul_peak_flops(self._flops_device), devices=devices)
+        return mfu(
+            model_flops(self._flops_n, tokens, kind="train"),
+            seconds,
+            peak_flops_per_s=matmul_peak_flops(self._flops_device),
+            devices=devices,
+        )
 
     def evaluate(self) -> dict[str, float]:
         """Run `eval_fn(model)` in eval mode under `torch.no_grad()`; training mode and the RNG
@@ -353,16 +394,23 @@ class Trainer(Engine):
 
     def _check_can_save(self) -> None:
         if not has_state(self.data):
-            raise ValueError(f"{type(self.data).__name__} has no state_dict(); its position "
-                             "could not be restored")
+            raise ValueError(
+                f"{type(self.data).__name__} has no state_dict(); its position "
+                "could not be restored"
+            )
 
     def _fixed_settings(self) -> dict[str, Any]:
-        return {"grad_accum_steps": self.grad_accum_steps, "loss": stable_repr(self.loss),
-                "converters": list(applied_converters(self.model))}  # LoRA, FP8, QAT, ...
+        return {
+            "grad_accum_steps": self.grad_accum_steps,
+            "loss": stable_repr(self.loss),
+            "converters": list(applied_converters(self.model)),
+        }  # LoRA, FP8, QAT, ...
 
     def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
         return {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"}
 
     def __repr__(self) -> str:
-        return (f"Trainer(step_count={self.step_count}, loss={self.loss!r}, "
-                f"grad_accum_steps={self.grad_accum_steps}, run_dir={self.run_dir})")
+        return (
+            f"Trainer(step_count={self.step_count}, loss={self.loss!r}, "
+            f"grad_accum_steps={self.grad_accum_steps}, run_dir={self.run_dir})"
+        )
