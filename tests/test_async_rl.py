@@ -75,6 +75,15 @@ def test_worker_in_process_loads_weights_and_version():
                zip(worker.policy.model.state_dict().values(), state.values()))
 
 
+def test_workers_run_at_the_drivers_priority(ray_session):
+    """Ray's default worker niceness (+15) starves rollout workers beside any process at the
+    default priority; the cluster starts them at the niceness of the process that started it
+    (`os.nice(0)` reads a process's niceness)."""
+    worker = ray.remote(RolloutWorker).remote(Policy.from_spec("tiny-1m", seed=0), version=0)
+    assert ray.get(worker.__ray_call__.remote(lambda self: os.nice(0))) == os.nice(0)
+    ray.kill(worker)
+
+
 def test_bad_options_are_refused(ray_session):
     with pytest.raises(TypeError, match="RLTrainer"):
         AsyncRLTrainer(object())

@@ -321,20 +321,23 @@ def test_the_raylet_gets_the_agent_port_it_waits_for(tmp_path):
 def test_start_env_gives_rays_startup_deadlines_the_start_timeout(monkeypatch):
     """Each of Ray's startup deadlines with a knob gets max(Ray's default, start_timeout_s); one
     set in the environment already is kept."""
-    for name in rn._KNOBS:
+    for name in [*rn._KNOBS, "RAY_worker_niceness"]:
         monkeypatch.delenv(name, raising=False)
     env = rn.start_env("t0", 200.5)
     assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t0",
                    "RAY_raylet_start_wait_time_s": "201",
                    "RAY_gcs_server_port_wait_time_s": "201",
                    "RAY_agent_register_timeout_ms": "200500",
-                   "RAY_worker_register_timeout_seconds": "201"}
+                   "RAY_worker_register_timeout_seconds": "201",
+                   "RAY_worker_niceness": "0"}
     small = rn.start_env("t0", 1)
     assert (small["RAY_raylet_start_wait_time_s"], small["RAY_gcs_server_port_wait_time_s"],
             small["RAY_agent_register_timeout_ms"],
             small["RAY_worker_register_timeout_seconds"]) == ("10", "30", "30000", "60")
     monkeypatch.setenv("RAY_raylet_start_wait_time_s", "900")
     assert rn.start_env("t0", 200)["RAY_raylet_start_wait_time_s"] == "900"
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    assert rn.start_env("t0", 200)["RAY_worker_niceness"] == "5"
 
 
 # ----------------------------------------------------------------------------- outside Slurm
