@@ -23,6 +23,14 @@ def test_recipes_are_found():
     assert "demo" in RECIPES
 
 
+def test_a_recipe_file_python_cannot_import_is_named(tmp_path):
+    path = tmp_path / "recipes" / "notes.txt"  # found as a file, but not a module
+    path.parent.mkdir()
+    path.write_text("print('hi')\n")
+    with pytest.raises(ValueError, match=r"notes\.txt.*is not a Python file; name it NAME\.py"):
+        cli.load_recipe(str(path))
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_runs_at_tiny_size(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
