@@ -15,7 +15,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # found through the `posttrain -> sdk` link) and benchmarks/. Paths listed in LINT_PENDING are
 # skipped by all three: they are being restructured and are cleaned once that lands (then this
 # line is emptied). mypy reads a skipped module when another imports it, without reporting it.
-LINT_PENDING := sdk/train tests
+LINT_PENDING := tests
 # Formatted, these would pass the 500-line budget (ruff's layout takes ~20% more lines): each is
 # split by idea first; the formatter skips them until then (ruff check and mypy do not).
 FORMAT_PENDING := sdk/data/preference.py sdk/launch/ray_cluster.py sdk/launch/run.py \
