@@ -44,6 +44,7 @@ from posttrain.launch.plans import plan_of, resolve_plan, spec_of
 from posttrain.models import ModelSpec
 from posttrain.train import ParallelPlan
 from posttrain.workflows import ModelConfig
+from posttrain.workflows.parallel import plan_of as workflow_plan_of
 
 # The jobs cannot import these test modules: their functions travel by value.
 for _module in (sys.modules[__name__], worker, _train_helpers):
@@ -346,9 +347,18 @@ def test_the_rule_for_finding_a_plan_and_a_spec():
     assert spec_of({"model": {"name": "tiny-1m"}})[0] == "cfg['model'].name='tiny-1m'"
     assert spec_of(PlanJob(out_dir="x")) == ("cfg.model", TINY)
     assert spec_of({"model": ModelConfig(name="no-such-preset")}) == (None, None)
-    # a plan of one rank is no plan: plain data-parallel replicas over any number of ranks
+    # a plan at its defaults is no plan: plain data-parallel replicas over any number of ranks
     cfg = PlanJob(out_dir="x", plan=ParallelPlan())
     assert resolve_plan(cfg, None, nodes=2, tasks_per_node=4) == (cfg, ParallelPlan())
+    # any other plan of one rank is a plan, as a recipe reads it (workflows.plan_of): it needs a
+    # job of one rank, refused before submitting (each task's check_world_size would refuse it)
+    bf16 = ParallelPlan(param_dtype="bfloat16")
+    assert workflow_plan_of(RecipeLike(parallel=bf16)) == bf16
+    assert workflow_plan_of(RecipeLike(parallel=ParallelPlan())) is None
+    one = PlanJob(out_dir="x", plan=bf16)
+    assert resolve_plan(one, None, nodes=1, tasks_per_node=1) == (one, bf16)
+    with pytest.raises(ValueError, match=r"cfg\.plan=.*needs 1 ranks .* = 2 ranks"):
+        resolve_plan(one, None, nodes=1, tasks_per_node=2)
     # the plan keyword fills a section of the cfg's own type
     filled, plan = resolve_plan({"parallel": Section()}, PLAN, nodes=1, tasks_per_node=4)
     assert filled["parallel"] == Section(dp_shard=2, tp=2) and plan == PLAN

@@ -200,10 +200,12 @@ def check_plan_fits(
 ) -> None:
     """Raise ValueError unless `plan` (found at `where`) fits a job of `nodes` x `tasks_per_node`
     ranks and the model `spec` (named at `spec_where`), naming the field and allowed values.
-    A plan of one rank is no plan and fits any job. Logs a warning when tensor- or
+    A plan at its defaults is no plan and fits any job (`ParallelPlan.is_default`, the rule a
+    recipe uses too); any other plan, one of one rank included, needs a job of exactly its
+    world size. Logs a warning when tensor- or
     sequence-parallel groups would span nodes (they communicate in every layer)."""
     world_size = nodes * tasks_per_node
-    if plan.world_size == 1:
+    if plan.is_default:
         return
     if plan.world_size != world_size:
         raise ValueError(
@@ -324,7 +326,7 @@ def resolve_plan(
                 "dataclass field or dict key) to carry it to the job; got a "
                 f"{type(cfg).__name__} without one"
             )
-        if found is not None and found.world_size > 1 and found != plan:
+        if found is not None and not found.is_default and found != plan:
             raise ValueError(
                 f"plan={plan} and {where}={found} disagree; give the plan once (plan=, or {where})"
             )

@@ -147,6 +147,14 @@ class ParallelPlan:
         return math.prod(getattr(self, name) for name in AXES)
 
     @property
+    def is_default(self) -> bool:
+        """Whether every field is at its default. Such a plan is no plan: a recipe runs as
+        without its `parallel` section, and a launch of any size runs it as plain replicas;
+        any other plan, one of one rank included (FSDP2 mixed precision, activation
+        checkpointing), needs a job of exactly its world size."""
+        return self == ParallelPlan()
+
+    @property
     def fsdp(self) -> bool:
         """Whether the plan applies FSDP2: some parameters are replicated over ranks that compute
         their own gradient shares (dp_replicate x dp_shard x ep x sp > 1), or it asks for FSDP2's

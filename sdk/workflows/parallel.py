@@ -38,16 +38,13 @@ from posttrain.workflows.config import ROOT, ModelConfig, fail
 
 __all__ = ["ParallelPlan", "plan_of", "model_spec", "check_parallel", "check_world_size"]
 
-NO_PLAN = ParallelPlan()
-"""The section at its defaults: no plan."""
-
 
 def plan_of(cfg: Any) -> ParallelPlan | None:
     """The `parallel` plan of a recipe config; None when it has no `parallel` section or every
-    field of it is at its default (the one place that rule lives: the recipes run as without
-    the section then)."""
+    field of it is at its default (`ParallelPlan.is_default`, the rule `posttrain.launch` uses
+    too: the recipes run as without the section then)."""
     plan = getattr(cfg, "parallel", None)
-    return None if plan is None or plan == NO_PLAN else plan
+    return None if plan is None or plan.is_default else plan
 
 
 def __getattr__(name: str) -> Any:
