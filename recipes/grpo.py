@@ -52,9 +52,7 @@ class Config(RLRunConfig):
             name="spell_backward", options={"min_word_len": 3, "max_word_len": 5}
         )
     )
-    # 300 steps at 1e-3: the SFT stage lands at about the same held-out accuracy at every seed
-    # (at 3e-3 it swung from 13% to 83%): docs/benchmarks/results.md,
-    # "Seed spread: why the SFT stage is 300 steps at lr 1e-3"
+    # docs/benchmarks/results.md, "Seed spread: why the SFT stage is 300 steps at lr 1e-3"
     sft: SFTWarmStartConfig = field(
         default_factory=lambda: SFTWarmStartConfig(steps=300, lr=1e-3, batch_size=64)
     )

@@ -9,11 +9,24 @@ import pytest
 
 from _waits import WAIT_S
 
-SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
+FILES = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
+# A script runs (`if __name__ == "__main__"`); a module holds a part of scripts and is imported.
+SCRIPTS = [p for p in FILES if '__name__ == "__main__"' in p.read_text()]
+MODULES = [p for p in FILES if p not in SCRIPTS]
 
 
 def test_benchmarks_found():
     assert {"generation", "sft_throughput", "grpo_step"} <= {p.stem for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[p.stem for p in MODULES])
+def test_a_benchmark_module_is_imported_by_a_script(module):
+    """A module without a command of its own is exercised through a script that imports it
+    (whose --help test below imports it too)."""
+    users = [p.stem for p in SCRIPTS
+             if f"from {module.stem} import" in p.read_text()
+             or f"import {module.stem}\n" in p.read_text()]
+    assert users, f"benchmarks/{module.name} is neither a script nor imported by one"
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
