@@ -10,22 +10,21 @@ same notebook code runs.
 Every node is one `ray start --block` in its own session, tried again until it is up or
 `start_timeout_s` has passed (`posttrain.launch.ray_node`: Ray 2.60's fixed startup deadlines
 fail on a loaded machine), stopped with its whole session, never with `ray stop` (it stops every
-Ray on the host). Slurm: head port 61000 + job id mod 4000 (or the next free one); the head's
-address and the job's Ray auth token go to `<submitit job folder>/ray-<job id>-<restart>.json`
-(0600) for the worker nodes; Ray's temp dir is `/tmp/ray-<job id>-<node index>`. Outside Slurm:
-a free port, temp dir `/tmp/ray-p<pid>`, a fresh token. docs/runbooks/ray.md ("On Slurm", "Starting
-Ray on a loaded machine") has the why.
+Ray on the host). Slurm (`posttrain.launch.ray_rendezvous`: how the nodes meet): head port
+61000 + job id mod 4000 (or the next free one); the head's address and the job's Ray auth token
+go to `<submitit job folder>/ray-<job id>-<restart>.json` (0600) for the worker nodes; Ray's
+temp dir is `/tmp/ray-<job id>-<node index>`. Outside Slurm: a free port, temp dir
+`/tmp/ray-p<pid>`, a fresh token. docs/runbooks/ray.md ("On Slurm", "Starting Ray on a loaded
+machine") has the why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import secrets
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,11 +46,27 @@ from posttrain.launch.ray_node import (
     stop_node,
     wait_for,
 )
+from posttrain.launch.ray_rendezvous import (
+    _alive,
+    _await_head,
+    _bindable,
+    _Job,
+    _pick_port,
+    _port_open,
+    _wait_nodes,
+    _write_private,
+    default_port,
+)
 
-__all__ = ["RayCluster", "ray_cluster", "ray_job", "current_cluster", "default_port",
-           "START_TIMEOUT_S"]
+__all__ = [
+    "RayCluster",
+    "ray_cluster",
+    "ray_job",
+    "current_cluster",
+    "default_port",
+    "START_TIMEOUT_S",
+]
 
-PORT_BASE, PORT_SPAN = 61000, 4000  # head ports: 61000-64999
 _CURRENT: RayCluster | None = None
 
 
@@ -87,20 +102,13 @@ def current_cluster() -> RayCluster | None:
     return _CURRENT
 
 
-def default_port(job_id: str | int) -> int:
-    """The head port tried first for Slurm job `job_id`: 61000 + job id mod 4000.
-
-    Example:
-        >>> default_port(12345), default_port("4000")
-        (61345, 61000)
-    """
-    return PORT_BASE + int(str(job_id).split("_")[0]) % PORT_SPAN
-
-
 @contextlib.contextmanager
-def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
-                join_timeout_s: float = 180.0,
-                start_timeout_s: float = START_TIMEOUT_S) -> Iterator[RayCluster]:
+def ray_cluster(
+    num_cpus_per_node: int | None = None,
+    port: int | None = None,
+    join_timeout_s: float = 180.0,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> Iterator[RayCluster]:
     """Start Ray for this job (or in this process outside Slurm), yield it, stop it on exit.
 
     Inside a Slurm job enter it on every task. Rank 0 starts the head, connects
@@ -151,9 +159,11 @@ def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
     if _CURRENT is not None:
         raise RuntimeError("ray_cluster() is already active in this process; nest no second one")
     start = time.monotonic()
-    manager = (_in_slurm(num_cpus_per_node, port, join_timeout_s, start_timeout_s, start)
-               if os.environ.get("SLURM_JOB_ID")
-               else _local(num_cpus_per_node, port, start_timeout_s, start))
+    manager = (
+        _in_slurm(num_cpus_per_node, port, join_timeout_s, start_timeout_s, start)
+        if os.environ.get("SLURM_JOB_ID")
+        else _local(num_cpus_per_node, port, start_timeout_s, start)
+    )
     with manager as cluster:
         _CURRENT = cluster
         try:
@@ -162,9 +172,14 @@ def ray_cluster(num_cpus_per_node: int | None = None, port: int | None = None,
             _CURRENT = None
 
 
-def ray_job(fn: Callable[..., Any], *, num_cpus_per_node: int | None = None,
-            port: int | None = None, join_timeout_s: float = 180.0,
-            start_timeout_s: float = START_TIMEOUT_S) -> Callable[..., Any]:
+def ray_job(
+    fn: Callable[..., Any],
+    *,
+    num_cpus_per_node: int | None = None,
+    port: int | None = None,
+    join_timeout_s: float = 180.0,
+    start_timeout_s: float = START_TIMEOUT_S,
+) -> Callable[..., Any]:
     """`fn` wrapped to run inside `ray_cluster(...)`: on the driver it returns `fn(*args)`, on the
     other tasks it serves its Ray node until the driver is done and returns None. For `launch`.
 
@@ -184,12 +199,20 @@ def ray_job(fn: Callable[..., Any], *, num_cpus_per_node: int | None = None,
     if not callable(fn):
         raise TypeError(f"fn={fn!r} is not callable; pass the function to run with Ray")
     _check_args(num_cpus_per_node, port, join_timeout_s, start_timeout_s)
-    return _RayJob(fn, dict(num_cpus_per_node=num_cpus_per_node, port=port,
-                            join_timeout_s=join_timeout_s, start_timeout_s=start_timeout_s))
+    return _RayJob(
+        fn,
+        dict(
+            num_cpus_per_node=num_cpus_per_node,
+            port=port,
+            join_timeout_s=join_timeout_s,
+            start_timeout_s=start_timeout_s,
+        ),
+    )
 
 
 class _RayJob:
     """What `ray_job` returns: `fn` run by the driver inside `ray_cluster(**options)`."""
+
     def __init__(self, fn: Callable[..., Any], options: dict[str, Any]) -> None:
         self.fn, self.options = fn, options
         functools.update_wrapper(self, fn)
@@ -201,14 +224,18 @@ class _RayJob:
         return None
 
 
-def _check_args(num_cpus_per_node: Any, port: Any, join_timeout_s: Any,
-                start_timeout_s: Any) -> None:
+def _check_args(
+    num_cpus_per_node: Any, port: Any, join_timeout_s: Any, start_timeout_s: Any
+) -> None:
     check_int("num_cpus_per_node", num_cpus_per_node, minimum=1, optional=True)
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                             or not 1024 <= port <= 65535):
-        raise ValueError(f"port={port!r}; must be an integer in 1024-65535 (a port that needs no "
-                         "root) or None to derive one from the Slurm job id (a free one "
-                         "outside Slurm)")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65535
+    ):
+        raise ValueError(
+            f"port={port!r}; must be an integer in 1024-65535 (a port that needs no "
+            "root) or None to derive one from the Slurm job id (a free one "
+            "outside Slurm)"
+        )
     check_timeout("join_timeout_s", join_timeout_s)
     check_timeout("start_timeout_s", start_timeout_s)
 
@@ -217,8 +244,10 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError(f"ray_cluster needs Ray, not installed for {sys.executable}: pip "
-                          "install 'ray[default]' (in every node's environment)") from None
+        raise ImportError(
+            f"ray_cluster needs Ray, not installed for {sys.executable}: pip "
+            "install 'ray[default]' (in every node's environment)"
+        ) from None
     return ray
 
 
@@ -228,28 +257,49 @@ _HEAD_ARGS = ["--head", "--include-dashboard", "false", "--no-monitor"]
 
 
 @contextlib.contextmanager
-def _local(num_cpus: int | None, port: int | None, start_timeout_s: float,
-           start: float) -> Iterator[RayCluster]:
+def _local(
+    num_cpus: int | None, port: int | None, start_timeout_s: float, start: float
+) -> Iterator[RayCluster]:
     """One head node on this host for this process (its own session and token), connected."""
     ray = _import_ray()
     if ray.is_initialized():
-        raise RuntimeError("Ray is already initialised in this process: call ray.shutdown() "
-                           "first, or use that Ray without ray_cluster()")
+        raise RuntimeError(
+            "Ray is already initialised in this process: call ray.shutdown() "
+            "first, or use that Ray without ray_cluster()"
+        )
     if port is not None and not _bindable(port):
-        raise RuntimeError(f"port={port} is in use on this host: pass another port, or "
-                           "port=None to take a free one")
+        raise RuntimeError(
+            f"port={port} is in use on this host: pass another port, or "
+            "port=None to take a free one"
+        )
     token, temp_dir = secrets.token_hex(32), f"/tmp/ray-p{os.getpid()}"
-    process = start_node([*_HEAD_ARGS, "--port", str(port or free_port()),
-                          "--dashboard-port", str(free_port()),
-                          "--ray-client-server-port", str(free_port())],
-                         token=token, temp_dir=temp_dir,
-                         cpus=num_cpus or len(os.sched_getaffinity(0)),
-                         start_timeout_s=start_timeout_s, what="head on this host")
+    process = start_node(
+        [
+            *_HEAD_ARGS,
+            "--port",
+            str(port or free_port()),
+            "--dashboard-port",
+            str(free_port()),
+            "--ray-client-server-port",
+            str(free_port()),
+        ],
+        token=token,
+        temp_dir=temp_dir,
+        cpus=num_cpus or len(os.sched_getaffinity(0)),
+        start_timeout_s=start_timeout_s,
+        what="head on this host",
+    )
     try:
         address = Path(temp_dir, "ray_current_cluster").read_text().strip()  # host:port
         with _connected(ray, address, token):
-            yield RayCluster(address=address, nodes=(socket.gethostname(),), is_driver=True,
-                             role="local", start_s=time.monotonic() - start, temp_dir=temp_dir)
+            yield RayCluster(
+                address=address,
+                nodes=(socket.gethostname(),),
+                is_driver=True,
+                role="local",
+                start_s=time.monotonic() - start,
+                temp_dir=temp_dir,
+            )
     finally:
         stop_node(process, "head on this host")
 
@@ -278,76 +328,59 @@ def _connected(ray, address: str, token: str, on_leave: Callable[[], Any] = lamb
         reread_ray_config()
 
 
-@dataclass(frozen=True)
-class _Job:
-    """The Slurm facts one task needs (from its environment)."""
-    job_id: str
-    restart: str
-    rank: int
-    local_rank: int
-    num_nodes: int
-    node: str
-    node_index: int
-
-    @classmethod
-    def from_env(cls) -> _Job:
-        env = os.environ
-        nodes = (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
-                 or env.get("SLURM_JOB_NUM_NODES") or "1")
-        return cls(job_id=env["SLURM_JOB_ID"], restart=env.get("SLURM_RESTART_COUNT", "0"),
-                   rank=int(env.get("SLURM_PROCID", "0")),
-                   local_rank=int(env.get("SLURM_LOCALID", "0")), num_nodes=int(nodes),
-                   node=env.get("SLURMD_NODENAME") or socket.gethostname(),
-                   node_index=int(env.get("SLURM_NODEID", "0")))
-
-    @property
-    def temp_dir(self) -> str:
-        return f"/tmp/ray-{self.job_id}-{self.node_index}"  # one per node: nodes may share a host
-
-    def node_names(self) -> tuple[str, ...]:  # in order, by `scontrol show hostnames`
-        nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            return tuple(subprocess.run(["scontrol", "show", "hostnames", nodelist or self.node],
-                                        check=True, capture_output=True, text=True,
-                                        timeout=60).stdout.split())
-        return (self.node,)  # scontrol failed: only this node's name is known
-
-    def rendezvous(self) -> Path:  # in the submitit job folder (0700, seen by every node)
-        from submitit import JobEnvironment
-
-        folder = (JobEnvironment().paths.folder if os.environ.get("SUBMITIT_FOLDER")
-                  else os.environ.get("SLURM_SUBMIT_DIR") or os.getcwd())
-        return Path(folder, f"ray-{self.job_id}-{self.restart}.json")
-
-
 @contextlib.contextmanager
-def _in_slurm(num_cpus: int | None, port: int | None, join_timeout_s: float,
-              start_timeout_s: float, start: float) -> Iterator[RayCluster]:
+def _in_slurm(
+    num_cpus: int | None,
+    port: int | None,
+    join_timeout_s: float,
+    start_timeout_s: float,
+    start: float,
+) -> Iterator[RayCluster]:
     job = _Job.from_env()
     cpus = num_cpus or int(os.environ.get("SLURM_CPUS_ON_NODE") or len(os.sched_getaffinity(0)))
     if job.rank == 0:
         with _head(job, cpus, port, join_timeout_s, start_timeout_s, start) as cluster:
             yield cluster
     elif job.local_rank == 0:
-        with _worker(job, cpus, start + start_timeout_s + join_timeout_s, start_timeout_s,
-                     start) as cluster:
+        with _worker(
+            job, cpus, start + start_timeout_s + join_timeout_s, start_timeout_s, start
+        ) as cluster:
             yield cluster
     else:
-        yield RayCluster(address=None, nodes=(), is_driver=False, role="idle", start_s=0.0,
-                         temp_dir=job.temp_dir)
+        yield RayCluster(
+            address=None, nodes=(), is_driver=False, role="idle", start_s=0.0, temp_dir=job.temp_dir
+        )
 
 
 @contextlib.contextmanager
-def _head(job: _Job, cpus: int, port: int | None, join_timeout_s: float,
-          start_timeout_s: float, start: float) -> Iterator[RayCluster]:
+def _head(
+    job: _Job,
+    cpus: int,
+    port: int | None,
+    join_timeout_s: float,
+    start_timeout_s: float,
+    start: float,
+) -> Iterator[RayCluster]:
     ray = _import_ray()
     host, port, token = _resolvable(job.node), _pick_port(job, port), secrets.token_hex(32)
     address, rendezvous = f"{host}:{port}", job.rendezvous()
     _log(f"job {job.job_id}: starting the Ray head at {address} for {job.num_nodes} node(s)")
-    process = start_node([*_HEAD_ARGS, "--port", str(port), "--dashboard-port", str(free_port()),
-                          "--ray-client-server-port", str(free_port())],
-                         token=token, temp_dir=job.temp_dir, cpus=cpus,
-                         start_timeout_s=start_timeout_s, what="head")
+    process = start_node(
+        [
+            *_HEAD_ARGS,
+            "--port",
+            str(port),
+            "--dashboard-port",
+            str(free_port()),
+            "--ray-client-server-port",
+            str(free_port()),
+        ],
+        token=token,
+        temp_dir=job.temp_dir,
+        cpus=cpus,
+        start_timeout_s=start_timeout_s,
+        what="head",
+    )
     try:
         _write_private(rendezvous, {"address": address, "token": token})  # workers start now
 
@@ -356,87 +389,61 @@ def _head(job: _Job, cpus: int, port: int | None, join_timeout_s: float,
             wait_for(lambda: _alive(ray) <= 1, None, time.monotonic() + STOP_GRACE_S, "")
 
         with _connected(ray, address, token, on_leave=leave):
-            joined = _wait_nodes(ray, job.num_nodes, process,
-                                 time.monotonic() + join_timeout_s, join_timeout_s)
+            joined = _wait_nodes(
+                ray, job.num_nodes, process, time.monotonic() + join_timeout_s, join_timeout_s
+            )
             elapsed = time.monotonic() - start
-            _log(f"job {job.job_id}: Ray cluster of {joined} node(s) up at {address} after "
-                 f"{elapsed:.1f} s")
-            yield RayCluster(address=address, nodes=job.node_names(), is_driver=True,
-                             role="head", start_s=elapsed, temp_dir=job.temp_dir)
+            _log(
+                f"job {job.job_id}: Ray cluster of {joined} node(s) up at {address} after "
+                f"{elapsed:.1f} s"
+            )
+            yield RayCluster(
+                address=address,
+                nodes=job.node_names(),
+                is_driver=True,
+                role="head",
+                start_s=elapsed,
+                temp_dir=job.temp_dir,
+            )
     finally:
         rendezvous.unlink(missing_ok=True)
         stop_node(process, "head")
 
 
 @contextlib.contextmanager
-def _worker(job: _Job, cpus: int, deadline: float, start_timeout_s: float,
-            start: float) -> Iterator[RayCluster]:
+def _worker(
+    job: _Job, cpus: int, deadline: float, start_timeout_s: float, start: float
+) -> Iterator[RayCluster]:
     rendezvous = job.rendezvous()
-    info = wait_for(lambda: rendezvous.exists() and json.loads(rendezvous.read_text()), None,
-                    deadline, f"the Ray head (rank 0) of job {job.job_id} wrote no address to "
-                    f"{rendezvous}; see rank 0's log")
-    address, token = info["address"], info["token"]
+    address, token = _await_head(rendezvous, job.job_id, deadline)
     host, port = address.rsplit(":", 1)[0], int(address.rsplit(":", 1)[1])
     _log(f"job {job.job_id}: starting a Ray worker node on {job.node}, joining {address}")
-    process = start_node(["--address", address], token=token, temp_dir=job.temp_dir, cpus=cpus,
-                         start_timeout_s=start_timeout_s, what=f"worker node on {job.node}")
+    process = start_node(
+        ["--address", address],
+        token=token,
+        temp_dir=job.temp_dir,
+        cpus=cpus,
+        start_timeout_s=start_timeout_s,
+        what=f"worker node on {job.node}",
+    )
     try:
-        yield RayCluster(address=address, nodes=(job.node,), is_driver=False, role="worker",
-                         start_s=time.monotonic() - start, temp_dir=job.temp_dir)
+        yield RayCluster(
+            address=address,
+            nodes=(job.node,),
+            is_driver=False,
+            role="worker",
+            start_s=time.monotonic() - start,
+            temp_dir=job.temp_dir,
+        )
         # serve until the driver is done (file gone, or 3 missed answers) or this node exits
         misses = 0
         while process.poll() is None and misses < 3 and rendezvous.exists():
             misses = 0 if _port_open(host, port) else misses + 1
             time.sleep(1.0)
         if process.poll() is not None:
-            _log(f"job {job.job_id}: the Ray worker node on {job.node} exited (status "
-                 f"{process.returncode}) before the driver was done")
+            _log(
+                f"job {job.job_id}: the Ray worker node on {job.node} exited (status "
+                f"{process.returncode}) before the driver was done"
+            )
     finally:
         stop_node(process, f"worker node on {job.node}")
-
-
-def _alive(ray) -> int:
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
-
-
-def _wait_nodes(ray, expected: int, process: subprocess.Popen, deadline: float,
-                join_timeout_s: float) -> int:
-    wait_for(lambda: _alive(ray) >= expected, process, deadline, lambda: (
-        f"only {_alive(ray)} of {expected} Ray nodes joined the head within "
-        f"join_timeout_s={join_timeout_s:g} s: the first task of every node starts a worker "
-        "node, so check each task's log (run.logs(stream='stderr', task=k)) for `ray start` "
-        "errors, or raise join_timeout_s on a loaded cluster"))
-    return _alive(ray)
-
-
-def _pick_port(job: _Job, port: int | None) -> int:
-    if port is not None and not _bindable(port):
-        raise RuntimeError(f"port={port} is in use on {job.node}: pass another port, or "
-                           "port=None to take a free one derived from the job id")
-    first = default_port(job.job_id)
-    tried = (PORT_BASE + (first - PORT_BASE + k) % PORT_SPAN for k in range(64))
-    found = port or next((p for p in tried if _bindable(p)), None)
-    if found is None:
-        raise RuntimeError(f"no free port among 64 tried from {first} on {job.node}; pass port=")
-    return found
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s, contextlib.suppress(OSError):
-        s.bind(("", port))
-        return True
-    return False
-
-
-def _port_open(host: str, port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
-        return True
-    return False
-
-
-def _write_private(path: Path, obj: dict[str, Any]) -> None:
-    """Write JSON readable by this user only, atomically (readers never see half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
