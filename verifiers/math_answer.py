@@ -3,7 +3,8 @@
 Parsing (LaTeX and plain expressions to SymPy) and equivalence (numbers, fractions, sets,
 intervals, matrices, equations, percentages, units) are math-verify's
 (https://github.com/huggingface/Math-Verify, `math_verify.parse` / `math_verify.verify`). This
-module decides where the answer is taken from and types the result.
+module decides where the answer is taken from and types the result; verifiers/math_verify_calls.py
+makes the calls (math-verify loaded with its fixes, extraction configs by name, its timeout typed).
 
 Where the answer is taken from (`extract=`, one name or several tried in order; the first that
 locates an answer decides, and what it finds is the answer even if it does not parse):
@@ -87,20 +88,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import numbers
-import threading
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from fractions import Fraction
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from posttrain.rewards.verifier import Outcome, VerifierResult, register_verifier
-from posttrain.verifiers import math_rules
 from posttrain.verifiers.math_statements import (
     DEFAULT_EXTRACT,
     Statement,
@@ -113,102 +110,25 @@ from posttrain.verifiers.math_statements import (
     positional,
     statements,
 )
+from posttrain.verifiers.math_verify_calls import (
+    MAX_MATH_VERIFY_TIMEOUT_S,
+    TARGETS,
+    MathVerifyTimeout,
+    extraction_configs,
+    load_math_verify,
+    parse,
+    parse_reference,
+    verify_pair,
+)
 
 MAX_STATEMENTS = 8
 """A completion with this many statements (box runs, last marker; distinct texts) besides the
 answer read is a format_error without comparing them (each costs a math-verify parse)."""
 
-MAX_MATH_VERIFY_TIMEOUT_S = 86_400
-"""The largest `math_verify_timeout_s` (one day): `signal.alarm` takes a C unsigned int."""
-
-TARGETS = ("latex", "expr")
-"""Named math-verify extraction configs: "latex" is `LatexExtractionConfig(boxed_match_priority=0)`
-(as in Math-Verify's tests and TRL), "expr" is `ExprExtractionConfig()`."""
-
-
-def _math_verify():
-    """math_verify, imported on first use (~1 s), with its "timeout is disabled" notice muted
-    (off the main thread this verifier disables math-verify's timeout on purpose) and LaTeX
-    percentages made parseable (`_percent_fix`); posttrain's number and case rules installed
-    (`math_rules`)."""
-    import math_verify
-
-    for name in ("math_verify.parser", "math_verify.grader"):
-        logger = logging.getLogger(name)
-        if _mute_disabled_timeout not in logger.filters:
-            logger.addFilter(_mute_disabled_timeout)
-    _percent_fix()
-    math_rules.install()
-    return math_verify
-
-
-def _percent_fix() -> None:
-    """latex2sympy2_extended 1.11.0 asks every LaTeX atom for `FUNC_GAMMA()` before
-    `PERCENT_NUMBER()`, but the parser it generated for the antlr4 4.9.3 runtime (the version
-    omegaconf/hydra pin) has no such alternative in `AtomContext`: every percentage (`50\\%`)
-    raised AttributeError and parsed to nothing. The missing accessor answers None, as generated
-    accessors do for an absent token. With it math-verify 0.9.0 passes all 283 of its tests."""
-    from latex2sympy2_extended.antlr_parser import PSParser
-
-    if not hasattr(PSParser.AtomContext, "FUNC_GAMMA"):
-        PSParser.AtomContext.FUNC_GAMMA = lambda self: None
-
-
-def _mute_disabled_timeout(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Timeout is disabled")
-
-
-def _targets(targets: Sequence[Any]) -> tuple[Any, ...]:
-    mv = _math_verify()
-    named = {"latex": mv.LatexExtractionConfig(boxed_match_priority=0),
-             "expr": mv.ExprExtractionConfig()}
-    configs = []
-    one = isinstance(targets, str) or not isinstance(targets, Sequence)   # None: error below
-    for target in (targets,) if one else targets:
-        if isinstance(target, str) and target in named:
-            configs.append(named[target])
-        elif isinstance(target, (mv.LatexExtractionConfig, mv.ExprExtractionConfig)):
-            configs.append(target)
-        else:
-            raise ValueError(f"targets must hold {TARGETS} or math_verify LatexExtractionConfig / "
-                             f"ExprExtractionConfig objects, got {target!r}")
-    if not configs:
-        raise ValueError(f"targets must name at least one of {TARGETS}")
-    return tuple(configs)
-
 
 def _check_int(name: str, value: Any, low: int, high: int, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-class _Timeout(Exception):
-    """math-verify's own timeout fired."""
-
-
-def _alarm_seconds(timeout_s: int | None) -> int | None:
-    """math-verify's timeout where signals work (the main thread), else None (switched off)."""
-    return timeout_s if threading.current_thread() is threading.main_thread() else None
-
-
-def _parse(text: str, configs: tuple, timeout_s: int | None, case_sensitive: bool) -> list:
-    """`math_verify.parse` with its errors raised (symbols keep their case if `case_sensitive`);
-    its TimeoutException becomes `_Timeout`."""
-    mv = _math_verify()
-    from math_verify.errors import TimeoutException
-    try:
-        with math_rules.applied(case_sensitive=case_sensitive):
-            return mv.parse(text, configs, parsing_timeout=_alarm_seconds(timeout_s),
-                            raise_on_error=True)
-    except TimeoutException:
-        raise _Timeout(f"math-verify parsing ran past {timeout_s} s") from None
-
-
-@lru_cache(maxsize=1024)
-def _parse_reference(text: str, configs: tuple, timeout_s: int | None,
-                     case_sensitive: bool) -> tuple:
-    """The parsed reference, cached: a GRPO group shares one reference (errors are not cached)."""
-    return tuple(_parse(as_math_text(text), configs, timeout_s, case_sensitive))
 
 
 def _shown(parsed: Sequence) -> str:
@@ -254,54 +174,74 @@ class MathAnswerVerifier:
         KeyError: per call, if the item has no `answer_key` (outcome error through `run_verifier`).
     """
 
-    def __init__(self, *, answer_key: str = "answer",
-                 extract: str | Sequence[str] = DEFAULT_EXTRACT,
-                 targets: Sequence[Any] = TARGETS, float_rounding: int = 6, strict: bool = True,
-                 allow_set_relation_comp: bool = False, max_answer_chars: int = 2000,
-                 math_verify_timeout_s: int | None = 2) -> None:
+    def __init__(
+        self,
+        *,
+        answer_key: str = "answer",
+        extract: str | Sequence[str] = DEFAULT_EXTRACT,
+        targets: Sequence[Any] = TARGETS,
+        float_rounding: int = 6,
+        strict: bool = True,
+        allow_set_relation_comp: bool = False,
+        max_answer_chars: int = 2000,
+        math_verify_timeout_s: int | None = 2,
+    ) -> None:
         self.answer_key = answer_key
         self.extract = check_extract(extract)
-        self.targets = _targets(targets)
+        self.targets = extraction_configs(targets)
         _check_int("float_rounding", float_rounding, 0, 10**6, "an int from 0 to 10**6 (decimals)")
         _check_int("max_answer_chars", max_answer_chars, 1, 10**9, "an int from 1 to 10**9")
         if math_verify_timeout_s is not None:
-            _check_int("math_verify_timeout_s", math_verify_timeout_s, 1, MAX_MATH_VERIFY_TIMEOUT_S,
-                       f"None or an int from 1 to {MAX_MATH_VERIFY_TIMEOUT_S} (s, signal.alarm)")
+            _check_int(
+                "math_verify_timeout_s",
+                math_verify_timeout_s,
+                1,
+                MAX_MATH_VERIFY_TIMEOUT_S,
+                f"None or an int from 1 to {MAX_MATH_VERIFY_TIMEOUT_S} (s, signal.alarm)",
+            )
         if not (isinstance(strict, bool) and isinstance(allow_set_relation_comp, bool)):
-            raise ValueError(f"strict and allow_set_relation_comp must be True or False, got "
-                             f"{strict!r} and {allow_set_relation_comp!r}")
+            raise ValueError(
+                f"strict and allow_set_relation_comp must be True or False, got "
+                f"{strict!r} and {allow_set_relation_comp!r}"
+            )
         self.float_rounding, self.max_answer_chars = float_rounding, max_answer_chars
         self.strict, self.allow_set_relation_comp = strict, allow_set_relation_comp
         self.math_verify_timeout_s = math_verify_timeout_s
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        _math_verify()   # import where it is unpickled, not inside the first call's budget
+        load_math_verify()  # import where it is unpickled, not inside the first call's budget
 
     def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
         reference = _reference_text(item[self.answer_key], self.answer_key).replace("\u2212", "-")
         try:
-            gold = _parse_reference(reference, self.targets, self.math_verify_timeout_s,
-                                    self.strict)
-        except _Timeout as exc:
+            gold = parse_reference(reference, self.targets, self.math_verify_timeout_s, self.strict)
+        except MathVerifyTimeout as exc:
             return VerifierResult.failure(Outcome.TIMEOUT, f"reference: {exc}")
-        except Exception as exc:   # noqa: BLE001 - math-verify's parser failed: the checker's fault
-            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised parsing the "
-                                          f"reference {reference!r:.60}: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001 - math-verify's parser failed: the checker's fault
+            return VerifierResult.failure(
+                Outcome.ERROR,
+                f"math-verify raised parsing the reference {reference!r:.60}: {type(exc).__name__}",
+            )
         if not gold:
             return VerifierResult.failure(
-                Outcome.ERROR, f"math-verify reads no answer from the reference "
-                f"item[{self.answer_key!r}] = {reference!r:.60}")
+                Outcome.ERROR,
+                f"math-verify reads no answer from the reference "
+                f"item[{self.answer_key!r}] = {reference!r:.60}",
+            )
         text = completion.replace("\u2212", "-") if isinstance(completion, str) else completion
-        found = extract_answer(text, self.extract)   # TypeError when not a str
+        found = extract_answer(text, self.extract)  # TypeError when not a str
         if found is None or not found[0]:
             where = found[1] if found else " / ".join(self.extract)
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"no answer found ({where})")
         answer, source = found
         if source != "anywhere" and len(answer) > self.max_answer_chars:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"the answer ({source}) is "
-                                          f"{len(answer)} characters long, over max_answer_chars="
-                                          f"{self.max_answer_chars}")
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR,
+                f"the answer ({source}) is "
+                f"{len(answer)} characters long, over max_answer_chars="
+                f"{self.max_answer_chars}",
+            )
         stated = statements(text)
         # A reference that itself reads as several answers or a relation ("x = 1 or x = 2",
         # "x \\approx 3") is the question's own form: math-verify compares it as written.
@@ -311,42 +251,58 @@ class MathAnswerVerifier:
             return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: {reason}")
         try:
             pred = self._parse_answer(answer, source)
-        except _Timeout as exc:
+        except MathVerifyTimeout as exc:
             return VerifierResult.failure(Outcome.TIMEOUT, f"completion: {exc}")
-        except Exception as exc:   # noqa: BLE001
-            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised parsing the "
-                                          f"completion ({source}): {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001
+            return VerifierResult.failure(
+                Outcome.ERROR,
+                f"math-verify raised parsing the completion ({source}): {type(exc).__name__}",
+            )
         if not pred:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"math-verify reads no answer "
-                                          f"from {answer!r:.60} ({source})")
-        reasons = [hedge(p) for p in pred
-                   if one_answer and source == "anywhere" and isinstance(p, str)]
-        if any(reasons):   # what math-verify's own search found
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: "
-                                          f"{next(filter(None, reasons))} (anywhere)")
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR, f"math-verify reads no answer from {answer!r:.60} ({source})"
+            )
+        reasons = [
+            hedge(p) for p in pred if one_answer and source == "anywhere" and isinstance(p, str)
+        ]
+        if any(reasons):  # what math-verify's own search found
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR, f"not one answer: {next(filter(None, reasons))} (anywhere)"
+            )
         return self._one_value(stated, answer, source, pred) or self._compare(gold, pred, source)
 
     def _parse_answer(self, answer: str, source: str) -> list:
-        return _parse(self._math_text(answer, source), self._configs(answer, source),
-                      self.math_verify_timeout_s, self.strict)
+        return parse(
+            self._math_text(answer, source),
+            self._configs(answer, source),
+            self.math_verify_timeout_s,
+            self.strict,
+        )
 
-    def _one_value(self, stated: Sequence[Statement], answer: str, source: str,
-                   pred: Sequence) -> VerifierResult | None:
+    def _one_value(
+        self, stated: Sequence[Statement], answer: str, source: str, pred: Sequence
+    ) -> VerifierResult | None:
         """None when every other statement of the completion (`stated`: box runs, last marker)
         has the value of the answer read (`pred`); else format_error (two different final
         answers) or timeout. Statements math-verify reads nothing from are not counted."""
-        others = list(dict.fromkeys((s.text, s.source) for s in stated
-                                    if s.text != answer or source == "anywhere"))
+        others = list(
+            dict.fromkeys(
+                (s.text, s.source) for s in stated if s.text != answer or source == "anywhere"
+            )
+        )
         if len(others) >= MAX_STATEMENTS:
-            return VerifierResult.failure(Outcome.FORMAT_ERROR, f"not one answer: {len(others)} "
-                                          f"statements (boxes, marker) besides the answer read, "
-                                          f"over MAX_STATEMENTS={MAX_STATEMENTS}")
+            return VerifierResult.failure(
+                Outcome.FORMAT_ERROR,
+                f"not one answer: {len(others)} "
+                f"statements (boxes, marker) besides the answer read, "
+                f"over MAX_STATEMENTS={MAX_STATEMENTS}",
+            )
         for other, where in others:
             try:
                 parsed = self._parse_answer(other, where)
-            except _Timeout as exc:
+            except MathVerifyTimeout as exc:
                 return VerifierResult.failure(Outcome.TIMEOUT, f"completion: {exc}")
-            except Exception:   # noqa: BLE001 - unreadable: not counted as a statement
+            except Exception:  # noqa: BLE001 - unreadable: not counted as a statement
                 continue
             if not parsed:
                 continue
@@ -355,8 +311,10 @@ class MathAnswerVerifier:
                 return same
             if not same.ok:
                 return VerifierResult.failure(
-                    Outcome.FORMAT_ERROR, f"not one answer: {_shown(pred)!r:.40} ({source}) and "
-                    f"{other!r:.40} ({where}) differ")
+                    Outcome.FORMAT_ERROR,
+                    f"not one answer: {_shown(pred)!r:.40} ({source}) and "
+                    f"{other!r:.40} ({where}) differ",
+                )
         return None
 
     def _math_text(self, answer: str, source: str) -> str:
@@ -365,52 +323,64 @@ class MathAnswerVerifier:
         if source == "anywhere":
             return answer
         if source == "marker" and not only_an_answer(answer):
-            return f"answer: {answer}"     # "42 apples": math-verify's answer-anchored patterns
+            return f"answer: {answer}"  # "42 apples": math-verify's answer-anchored patterns
         return as_math_text(answer)
 
     def _configs(self, answer: str, source: str) -> tuple:
         if source == "marker" and not only_an_answer(answer):
-            return tuple(dataclasses.replace(c, try_extract_without_anchor=False)
-                         for c in self.targets)
+            return tuple(
+                dataclasses.replace(c, try_extract_without_anchor=False) for c in self.targets
+            )
         return self.targets
 
     def _compare(self, gold: Sequence, pred: Sequence, source: str) -> VerifierResult:
         """math_verify.verify on every (reference, answer) pair, as verify itself does, one
         pair at a time so that a timeout and an error are told apart from "not equal"."""
-        mv = _math_verify()
-        from math_verify.errors import TimeoutException
         timed_out, failures, compared = False, [], 0
         for g in gold:
             for p in pred:
                 try:
-                    with math_rules.applied(case_sensitive=self.strict):
-                        equal = mv.verify(g, p, float_rounding=self.float_rounding,
-                                          strict=self.strict,
-                                          allow_set_relation_comp=self.allow_set_relation_comp,
-                                          timeout_seconds=_alarm_seconds(self.math_verify_timeout_s),
-                                          raise_on_error=True)
-                except TimeoutException:
+                    equal = verify_pair(
+                        g,
+                        p,
+                        float_rounding=self.float_rounding,
+                        strict=self.strict,
+                        allow_set_relation_comp=self.allow_set_relation_comp,
+                        timeout_s=self.math_verify_timeout_s,
+                    )
+                except MathVerifyTimeout:
                     timed_out = True
                     continue
-                except Exception as exc:   # noqa: BLE001 - one pair failed; others may compare
+                except Exception as exc:  # noqa: BLE001 - one pair failed; others may compare
                     failures.append(type(exc).__name__)
                     continue
                 compared += 1
                 if equal:
-                    return VerifierResult(1.0, Outcome.OK, f"{_shown(pred)!r:.60} == "
-                                          f"{_shown(gold)!r:.60} (from {source})")
+                    return VerifierResult(
+                        1.0,
+                        Outcome.OK,
+                        f"{_shown(pred)!r:.60} == {_shown(gold)!r:.60} (from {source})",
+                    )
         if timed_out:
-            return VerifierResult.failure(Outcome.TIMEOUT, f"math-verify comparison ran past "
-                                          f"{self.math_verify_timeout_s} s (from {source})")
+            return VerifierResult.failure(
+                Outcome.TIMEOUT,
+                f"math-verify comparison ran past {self.math_verify_timeout_s} s (from {source})",
+            )
         if not compared:
-            return VerifierResult.failure(Outcome.ERROR, f"math-verify raised comparing: "
-                                          f"{', '.join(sorted(set(failures)))}")
-        return VerifierResult(0.0, Outcome.WRONG, f"expected {_shown(gold)!r:.60}, got "
-                              f"{_shown(pred)!r:.60} (from {source})")
+            return VerifierResult.failure(
+                Outcome.ERROR, f"math-verify raised comparing: {', '.join(sorted(set(failures)))}"
+            )
+        return VerifierResult(
+            0.0,
+            Outcome.WRONG,
+            f"expected {_shown(gold)!r:.60}, got {_shown(pred)!r:.60} (from {source})",
+        )
 
     def __repr__(self) -> str:
-        return (f"MathAnswerVerifier(answer_key={self.answer_key!r}, extract={self.extract!r}, "
-                f"float_rounding={self.float_rounding}, strict={self.strict})")
+        return (
+            f"MathAnswerVerifier(answer_key={self.answer_key!r}, extract={self.extract!r}, "
+            f"float_rounding={self.float_rounding}, strict={self.strict})"
+        )
 
 
 def _reference_text(reference: Any, key: str) -> str:
@@ -425,11 +395,16 @@ def _reference_text(reference: Any, key: str) -> str:
         raise ValueError(f"item[{key!r}] is {reference!r}, not a usable reference answer")
     if isinstance(reference, Decimal):
         return format(reference, "f")
-    if isinstance(reference, bool) or type(reference).__name__ == "bool_" or \
-            not isinstance(reference, numbers.Real):
-        raise ValueError(f"item[{key!r}] must be a string or a real number (int, float, "
-                         f"Fraction, Decimal, numpy scalar), got {type(reference).__name__}: "
-                         f"{reference!r:.60}")
+    if (
+        isinstance(reference, bool)
+        or type(reference).__name__ == "bool_"
+        or not isinstance(reference, numbers.Real)
+    ):
+        raise ValueError(
+            f"item[{key!r}] must be a string or a real number (int, float, "
+            f"Fraction, Decimal, numpy scalar), got {type(reference).__name__}: "
+            f"{reference!r:.60}"
+        )
     if isinstance(reference, numbers.Integral):
         return str(int(reference))
     if isinstance(reference, numbers.Rational):
