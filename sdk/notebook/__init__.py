@@ -7,7 +7,6 @@ from __future__ import annotations
 from posttrain.notebook.dashboard import (
     LiveDashboard,
     in_notebook,
-    latest_rollouts,
 )
 from posttrain.notebook.inspector import (
     FRAME_COLUMNS,
@@ -33,6 +32,9 @@ from posttrain.notebook.rescoring import (
     RESCORE_COLUMNS,
     compare_rewards,
     rescore,
+)
+from posttrain.notebook.rl_panels import (
+    latest_rollouts,
 )
 
 __all__ = [

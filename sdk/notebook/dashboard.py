@@ -21,7 +21,8 @@ or the trainer's `target_steps` when it sets one), when the notebook cell finish
 Outside a Jupyter kernel (a script, pytest, a Slurm job) nothing is drawn: the trainers' own
 text progress bar already prints; `log_every=N` adds one log line every N steps.
 
-`posttrain.notebook.plots.plot_metrics` draws the same panels after a run.
+`posttrain.notebook.plots.plot_metrics` draws the same panels after a run; the RL-only parts
+(the rollouts table, the `TIME_PANEL`) are drawn by `posttrain.notebook.rl_panels`.
 
 Example:
     >>> dash = LiveDashboard(widget=False)       # what a script gets: no widgets, no output
@@ -42,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from posttrain.notebook.plots import (
-    _OUTCOME_COLORS,
     OUTCOMES_PANEL,
     _default_metrics,
     _draw,
@@ -50,19 +50,18 @@ from posttrain.notebook.plots import (
     _outcome_columns,
     _png,
 )
+from posttrain.notebook.rl_panels import (
+    TIME_PANEL,
+    _draw_time_split,
+    _rollouts_table_html,
+    _time_columns,
+    latest_rollouts,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["LiveDashboard", "latest_rollouts", "in_notebook", "TIME_PANEL"]
-
-TIME_PANEL = "time_split"
-"""Pseudo-metric: the `time_<phase>_s` columns of RL rows (`posttrain.rl.step_timing`: rollout,
-scoring, logprobs, update, other), stacked per step, in one panel; shown by default once a row has
-them, with the step's MFU in the panel title."""
-
-_TIME_COLUMNS = ("time_rollout_s", "time_scoring_s", "time_logprobs_s", "time_update_s",
-                 "time_other_s")
 
 
 def in_notebook() -> bool:
@@ -148,13 +147,28 @@ class LiveDashboard:
         ValueError: for out-of-range options. ImportError: `widget=True` without ipywidgets.
     """
 
-    def __init__(self, metrics: Sequence[str] | None = None, *, every: int = 1,
-                 max_rows: int = 5, min_interval_s: float = 1.0, total: int | None = None,
-                 smooth: float = 0.0, widget: bool | None = None, log_every: int = 0,
-                 title: str = "training", ncols: int = 3,
-                 figsize: tuple[float, float] | None = None, dpi: int = 72) -> None:
-        for name, value, minimum in (("every", every, 1), ("max_rows", max_rows, 0),
-                                     ("log_every", log_every, 0), ("ncols", ncols, 1)):
+    def __init__(
+        self,
+        metrics: Sequence[str] | None = None,
+        *,
+        every: int = 1,
+        max_rows: int = 5,
+        min_interval_s: float = 1.0,
+        total: int | None = None,
+        smooth: float = 0.0,
+        widget: bool | None = None,
+        log_every: int = 0,
+        title: str = "training",
+        ncols: int = 3,
+        figsize: tuple[float, float] | None = None,
+        dpi: int = 72,
+    ) -> None:
+        for name, value, minimum in (
+            ("every", every, 1),
+            ("max_rows", max_rows, 0),
+            ("log_every", log_every, 0),
+            ("ncols", ncols, 1),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"{name}={value!r}; must be an integer >= {minimum}")
         if total is not None and (not isinstance(total, int) or total < 1):
@@ -163,8 +177,9 @@ class LiveDashboard:
             raise ValueError(f"min_interval_s={min_interval_s!r}; must be a number >= 0")
         if not 0.0 <= smooth < 1.0:
             raise ValueError(f"smooth={smooth!r}; must be in [0, 1) (0: raw values)")
-        self.metrics = None if metrics is None else (
-            [metrics] if isinstance(metrics, str) else list(metrics))
+        self.metrics = (
+            None if metrics is None else ([metrics] if isinstance(metrics, str) else list(metrics))
+        )
         self.every, self.max_rows, self.min_interval_s = every, max_rows, float(min_interval_s)
         self.total, self.smooth, self.log_every, self.title = total, smooth, log_every, title
         self.ncols, self.figsize, self.dpi = ncols, figsize, dpi
@@ -196,8 +211,10 @@ class LiveDashboard:
         tqdm bar would be a second display."""
         callbacks = getattr(trainer, "callbacks", None)
         if not isinstance(callbacks, list):
-            raise TypeError(f"{type(trainer).__name__} has no callbacks list; pass the dashboard "
-                            "as callbacks=[dash] or call dash(trainer, row) after each step")
+            raise TypeError(
+                f"{type(trainer).__name__} has no callbacks list; pass the dashboard "
+                "as callbacks=[dash] or call dash(trainer, row) after each step"
+            )
         if not any(c is self for c in callbacks):
             callbacks.append(self)
         if self.mode == "widget" and hasattr(trainer, "progress"):
@@ -259,18 +276,21 @@ class LiveDashboard:
             return
         import ipywidgets as widgets
 
-        self.header = widgets.HTML(value=f"<b>{html.escape(self.title)}</b> waiting for the "
-                                         "first step")
-        self.progress = widgets.IntProgress(value=0, min=0, max=self.total or 1,
-                                            layout=widgets.Layout(width="100%"))
+        self.header = widgets.HTML(
+            value=f"<b>{html.escape(self.title)}</b> waiting for the first step"
+        )
+        self.progress = widgets.IntProgress(
+            value=0, min=0, max=self.total or 1, layout=widgets.Layout(width="100%")
+        )
         # flex-start: a VBox column stretches its children to full width, which would blur the
         # PNG; hidden until the first plot (an empty Image shows as a broken picture).
-        self.image = widgets.Image(format="png", layout=widgets.Layout(
-            max_width="100%", align_self="flex-start", display="none"))
+        self.image = widgets.Image(
+            format="png",
+            layout=widgets.Layout(max_width="100%", align_self="flex-start", display="none"),
+        )
         self.table = widgets.HTML(value="")
         self.out = widgets.Output()
-        self.widget = widgets.VBox([self.header, self.progress, self.image, self.table,
-                                    self.out])
+        self.widget = widgets.VBox([self.header, self.progress, self.image, self.table, self.out])
 
     def render(self) -> None:
         """Redraw every part from the latest row now (no throttling). A failure is recorded in
@@ -292,7 +312,7 @@ class LiveDashboard:
             self.progress.bar_style = "success" if total is not None and step >= total else ""
             self.image.value = self._plot(frame, metrics)
             self.image.layout.display = None
-            self.table.value = self._table_html(trainer)
+            self.table.value = _rollouts_table_html(trainer, self.max_rows)
         except Exception as e:  # noqa: BLE001 - a dashboard bug must not kill the run
             self._report(f"dashboard: step {step} not drawn ({type(e).__name__}: {e})")
         self.renders += 1
@@ -326,13 +346,20 @@ class LiveDashboard:
         if self._metrics_checked or self.metrics is None:
             return
         self._metrics_checked = True
-        unknown = [m for m in self.metrics if m not in frame.columns and not m.startswith("eval/")
-                   and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))
-                   and not (m == TIME_PANEL and _time_columns(frame.columns))]
+        unknown = [
+            m
+            for m in self.metrics
+            if m not in frame.columns
+            and not m.startswith("eval/")
+            and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))
+            and not (m == TIME_PANEL and _time_columns(frame.columns))
+        ]
         if unknown:
             available = sorted(c for c in frame.columns if c != "step")
-            self._report(f"dashboard: no column {unknown} in this run's metrics; available: "
-                         f"{available} (those panels stay empty)")
+            self._report(
+                f"dashboard: no column {unknown} in this run's metrics; available: "
+                f"{available} (those panels stay empty)"
+            )
 
     def _report(self, message: str) -> None:
         """Record a problem without stopping training: `errors`, plus `out` or a warning."""
@@ -359,8 +386,11 @@ class LiveDashboard:
         parts = [f"<b>{html.escape(self.title)}</b>", where]
         for name in metrics:
             value = row.get(name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
                 parts.append(f"{html.escape(name)} {value:.4g}")
         return " &middot; ".join(parts)
 
@@ -368,29 +398,12 @@ class LiveDashboard:
         row = self._row or {}
         where = f"step {step}/{total}" if total is not None else f"step {step}"
         names = self.metrics or _default_metrics(list(row))
-        values = [f"{n} {row[n]:.4g}" for n in names
-                  if isinstance(row.get(n), (int, float)) and not isinstance(row.get(n), bool)]
+        values = [
+            f"{n} {row[n]:.4g}"
+            for n in names
+            if isinstance(row.get(n), (int, float)) and not isinstance(row.get(n), bool)
+        ]
         return "  ".join([f"[{self.title}] {where}"] + values)
-
-    def _table_html(self, trainer) -> str:
-        if self.max_rows == 0:
-            return ""
-        frame = latest_rollouts(trainer)
-        if frame is None or frame.empty:
-            return ""
-        firsts = frame.drop_duplicates(subset=["policy_version", "group_id"])
-        rows = pd.concat([firsts, frame.drop(firsts.index)]).head(self.max_rows)
-        cells = []
-        for _, r in rows.iterrows():
-            color = _OUTCOME_COLORS.get(str(r["outcome"]), "#000000")
-            cells.append(
-                "<tr>" + f"<td>{_short(r['prompt'])}</td><td>{_short(r['completion'])}</td>"
-                f"<td style='text-align:right'>{r['reward']:.3g}</td>"
-                f"<td style='color:{color}'>{html.escape(str(r['outcome']))}</td></tr>")
-        head = ("<tr><th>prompt</th><th>completion</th><th>reward</th><th>outcome</th></tr>")
-        caption = f"latest rollouts ({len(rows)} of {len(frame)})"
-        return (f"<table style='font-family:monospace;font-size:11px'><caption "
-                f"style='text-align:left'>{caption}</caption>{head}{''.join(cells)}</table>")
 
     # ------------------------------------------------------------------ notebook cell end
 
@@ -422,77 +435,7 @@ class LiveDashboard:
         self._hooked = None
 
     def __repr__(self) -> str:
-        return (f"LiveDashboard(mode={self.mode!r}, metrics={self.metrics}, renders="
-                f"{self.renders}, total={self._total()})")
-
-
-def latest_rollouts(trainer) -> pd.DataFrame | None:
-    """The rollouts of the trainer's latest step as a `posttrain.notebook.inspector.rollouts_frame`,
-    or None when the trainer exposes none.
-
-    Read defensively: `trainer.last_groups` (with `trainer.last_builders` for the task items
-    when they line up), else a non-empty `trainer.buffer` (RLTrainer's on-policy buffer is
-    drained inside the step, so that one is empty between steps).
-    """
-    from posttrain.notebook.inspector import rollouts_frame
-
-    tokenizer = getattr(getattr(trainer, "policy", None), "tokenizer", None)
-    groups = getattr(trainer, "last_groups", None)
-    if groups:
-        builders = getattr(trainer, "last_builders", None)
-        items = None
-        if builders is not None and len(builders) == len(groups):
-            items = [getattr(b, "item", None) for b in builders]
-        return rollouts_frame(groups, items=items, tokenizer=tokenizer)
-    buffer = getattr(trainer, "buffer", None)
-    if buffer is not None and hasattr(buffer, "state_dict"):
-        try:
-            size = len(buffer)
-        except TypeError:
-            return None
-        if size:
-            return rollouts_frame(buffer, tokenizer=tokenizer)
-    return None
-
-
-def _time_columns(columns) -> list[str]:
-    return [c for c in _TIME_COLUMNS if c in columns]
-
-
-def _draw_time_split(ax, frame: pd.DataFrame) -> None:
-    """Redraw `ax` as the step time split: stacked bars of the time columns per step (a
-    stacked area past 50 steps); the title carries the latest MFU when the rows have one."""
-    xlabel = ax.get_xlabel()
-    ax.clear()
-    columns = _time_columns(frame.columns)
-    mfu = (pd.to_numeric(frame["mfu"], errors="coerce").dropna() if "mfu" in frame
-           else pd.Series(dtype=float))
-    title = "step time split (s)" + (f", MFU {mfu.iloc[-1]:.2%}" if len(mfu) else "")
-    ax.set_title(title, fontsize=9)
-    ax.tick_params(labelsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_xlabel(xlabel, fontsize=8)
-    if not columns:
-        ax.text(0.5, 0.5, "no time_*_s columns", ha="center", va="center",
-                transform=ax.transAxes, fontsize=8, color="#777777")
-        return
-    steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
-    seconds = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
-    labels = [c[len("time_"):-len("_s")] for c in columns]
-    if len(frame) <= 50:
-        bottom = pd.Series(0.0, index=frame.index)
-        for column, label in zip(columns, labels):
-            ax.bar(steps, seconds[column], bottom=bottom, label=label, width=0.8)
-            bottom = bottom + seconds[column]
-    else:
-        ax.stackplot(steps, *[seconds[c] for c in columns], labels=labels)
-    ax.legend(fontsize=7, loc="upper left", ncols=2, frameon=False)
-
-
-def _short(text: Any, limit: int = 80) -> str:
-    if text is None or (isinstance(text, float) and math.isnan(text)):
-        return ""
-    text = str(text).replace("\n", " \u21b5 ")
-    if len(text) > limit:
-        text = text[:limit - 1] + "\u2026"
-    return html.escape(text)
+        return (
+            f"LiveDashboard(mode={self.mode!r}, metrics={self.metrics}, renders="
+            f"{self.renders}, total={self._total()})"
+        )
