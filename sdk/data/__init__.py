@@ -7,7 +7,7 @@ the package exports the names of rows, datasets and loaders (`__all__`):
     SFT / CPT    loader (SFTDataset, CPTDataset, reading and normalising rows, SFTLoader,
                  packing and collation), collate (right_pad)
     preference   preference_rows (reading pairs, KTO rows), preference (PreferenceDataset,
-                 KTODataset, PreferenceLoader)
+                 KTODataset), preference_batches (their batches, PreferenceLoader)
     synthetic    synthetic, synthetic_stages: generate -> score -> filter
                  (`posttrain.data.synthetic`: SyntheticPipeline, its stages)
 
@@ -39,12 +39,14 @@ from posttrain.data.loader import (
     stack_rows,
 )
 from posttrain.data.preference import (
-    KTOBatch,
     KTODataset,
-    PreferenceBatch,
     PreferenceDataset,
-    PreferenceLoader,
     render_response,
+)
+from posttrain.data.preference_batches import (
+    KTOBatch,
+    PreferenceBatch,
+    PreferenceLoader,
 )
 from posttrain.data.preference_rows import (
     load_preference_rows,

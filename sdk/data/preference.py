@@ -1,6 +1,7 @@
-"""Preference data: tokenised pair and KTO datasets, batches and a resumable loader. Rows
-and their validation are in `posttrain.data.preference_rows`; reference log-probabilities
-(`posttrain.preference.reference`) and pairs made by rejection sampling
+"""Preference data: tokenised pair and KTO datasets. The batches they collate into and the
+resumable loader that streams them are in `posttrain.data.preference_batches` (importable from
+here too); rows and their validation are in `posttrain.data.preference_rows`; reference
+log-probabilities (`posttrain.preference.reference`) and pairs made by rejection sampling
 (`posttrain.preference.pairs`) live in the higher `posttrain.preference` layer.
 
 Notation: B = pairs (or KTO rows) in a batch, T = tokens per sequence, L = tokens of one sequence.
@@ -37,10 +38,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -48,13 +46,19 @@ import torch
 from torch import Tensor
 
 from posttrain.data.collate import right_pad
-from posttrain.data.loader import EpochOrderLoader
+from posttrain.data.preference_batches import KTOBatch, PreferenceBatch, PreferenceLoader
 from posttrain.data.preference_rows import _check_row, _prompt, _response
 from posttrain.data.rows import BadRowError, DataStats, cap_messages, read_rows, text_char_limit
 from posttrain.models.tokenizer import Tokenizer
 
-__all__ = ["PreferenceDataset", "KTODataset", "PreferenceBatch", "KTOBatch", "PreferenceLoader",
-           "render_response"]
+__all__ = [
+    "PreferenceDataset",
+    "KTODataset",
+    "PreferenceBatch",
+    "KTOBatch",
+    "PreferenceLoader",
+    "render_response",
+]
 
 PAIR_COUNTS = ("response_tokens", "kl_truncated")
 """The optional `DataStats` counts that preference and KTO datasets keep."""
@@ -65,8 +69,9 @@ PAIR_COUNTS = ("response_tokens", "kl_truncated")
 # --------------------------------------------------------------------------------------------
 
 
-def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: str, *,
-                    chat: bool = True) -> tuple[list[int], list[bool]]:
+def render_response(
+    tokenizer: Tokenizer, prompt: str | list[dict], response: str, *, chat: bool = True
+) -> tuple[list[int], list[bool]]:
     """Token ids of prompt + response as every preference model here reads them, and the
     response mask ([T] bools, True at response tokens): with `chat`, the prompt (a user message
     string, or a message list) and an assistant turn through the tokenizer's chat template;
@@ -84,8 +89,9 @@ def render_response(tokenizer: Tokenizer, prompt: str | list[dict], response: st
     return _render(tokenizer, prompt, response, chat, index=0, key="response")
 
 
-def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat: bool,
-            index: int, key: str) -> tuple[list[int], list[bool]]:
+def _render(
+    tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat: bool, index: int, key: str
+) -> tuple[list[int], list[bool]]:
     """Token ids of prompt + response and the response mask (see the module docstring)."""
     if chat:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -95,9 +101,13 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
         except ValueError as e:
             raise BadRowError(index, key, "render_error", str(e)) from e
         ids = list(full.input_ids)
-        if ids[:len(prefix)] != prefix:
-            raise BadRowError(index, key, "render_error", "the chat template renders the "
-                              "prompt differently when a response follows it")
+        if ids[: len(prefix)] != prefix:
+            raise BadRowError(
+                index,
+                key,
+                "render_error",
+                "the chat template renders the prompt differently when a response follows it",
+            )
         mask = [bool(m) and t >= len(prefix) for t, m in enumerate(full.loss_mask)]
     else:
         assert isinstance(prompt, str)  # rows give a str prompt when chat=False
@@ -109,8 +119,12 @@ def _render(tokenizer: Tokenizer, prompt: str | list[dict], response: str, chat:
         ids.append(tokenizer.eos_id)
         mask.append(True)
     if mask[0]:
-        raise BadRowError(index, key, "render_error", "the first token cannot be a "
-                          "response token (no context to predict it from)")
+        raise BadRowError(
+            index,
+            key,
+            "render_error",
+            "the first token cannot be a response token (no context to predict it from)",
+        )
     return ids, mask
 
 
@@ -130,7 +144,7 @@ class _RowDataset(Sequence):
     """Shared parts: bad-row handling, padding, the reference log-prob cache."""
 
     REFERENCE_KEYS: tuple[str, ...] = ()
-    reference: Any   # a posttrain.preference.reference.ReferenceLogps, or None
+    reference: Any  # a posttrain.preference.reference.ReferenceLogps, or None
 
     def _init(self, tokenizer: Tokenizer, max_seq_len: int, chat: bool, on_bad_row: str) -> None:
         if on_bad_row not in ("raise", "skip"):
@@ -148,8 +162,9 @@ class _RowDataset(Sequence):
             raise error
         self.stats.skip(error)
 
-    def _render_fitting(self, prompt: str | list[dict], response: str, index: int,
-                        key: str) -> tuple[list[int], list[bool]]:
+    def _render_fitting(
+        self, prompt: str | list[dict], response: str, index: int, key: str
+    ) -> tuple[list[int], list[bool]]:
         """`_render` of the validated prompt and response, each text cut to `text_char_limit`
         first (a longer text is over-long either way); BadRowError "overlong" past max_seq_len."""
         limit = self._char_limit
@@ -158,15 +173,22 @@ class _RowDataset(Sequence):
         prompt = prompt[:limit] if isinstance(prompt, str) else cap_messages(prompt, limit)
         ids, mask = _render(self.tokenizer, prompt, response[:limit], self.chat, index, key)
         if len(ids) > self.max_seq_len:
-            raise BadRowError(index, key, "overlong", f"prompt + {key} has "
-                              f"{'over ' if cut else ''}{len(ids)} tokens, more than "
-                              f"max_seq_len={self.max_seq_len}")
+            raise BadRowError(
+                index,
+                key,
+                "overlong",
+                f"prompt + {key} has "
+                f"{'over ' if cut else ''}{len(ids)} tokens, more than "
+                f"max_seq_len={self.max_seq_len}",
+            )
         return ids, mask
 
     def _check_not_empty(self) -> None:
         if len(self) == 0:
-            raise ValueError(f"{type(self).__name__}: no usable row ({self.stats.rows} read, "
-                             f"skipped {self.stats.skipped_by_reason})")
+            raise ValueError(
+                f"{type(self).__name__}: no usable row ({self.stats.rows} read, "
+                f"skipped {self.stats.skipped_by_reason})"
+            )
 
     def sequence(self, i: int, key: str) -> tuple[Tensor, Tensor]:
         """(input_ids [L] int64, response_mask [L] bool) of item `i`, sequence `key` (one of
@@ -203,8 +225,15 @@ class PreferenceDataset(_RowDataset):
 
     REFERENCE_KEYS = ("chosen", "rejected")
 
-    def __init__(self, rows: Any, tokenizer: Tokenizer, *, max_seq_len: int, chat: bool = True,
-                 on_bad_row: Literal["raise", "skip"] = "raise") -> None:
+    def __init__(
+        self,
+        rows: Any,
+        tokenizer: Tokenizer,
+        *,
+        max_seq_len: int,
+        chat: bool = True,
+        on_bad_row: Literal["raise", "skip"] = "raise",
+    ) -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         self.items: list[dict[str, Tensor]] = []
         for i, row in enumerate(read_rows(rows, "preference", keep_bad_lines=True)):
@@ -214,9 +243,12 @@ class PreferenceDataset(_RowDataset):
                 prompt = _prompt(row, i, self.chat)
                 chosen, rejected = _response(row, i, "chosen"), _response(row, i, "rejected")
                 if chosen.strip() == rejected.strip():
-                    raise BadRowError(i, "rejected", "same_response", "rejected is the "
-                                      "same text as chosen (surrounding whitespace "
-                                      "ignored)")
+                    raise BadRowError(
+                        i,
+                        "rejected",
+                        "same_response",
+                        "rejected is the same text as chosen (surrounding whitespace ignored)",
+                    )
                 item = {}
                 for key, text in (("chosen", chosen), ("rejected", rejected)):
                     ids, mask = self._render_fitting(prompt, text, i, key)
@@ -244,12 +276,21 @@ class PreferenceDataset(_RowDataset):
     def collate(self, indices: Sequence[int]) -> PreferenceBatch:
         """A `PreferenceBatch` of items `indices`; chosen and rejected padded to one T."""
         n = len(indices)
-        ids, attention, response = _pad([self.sequence(i, "chosen") for i in indices]
-                                        + [self.sequence(i, "rejected") for i in indices],
-                                        self.pad_id)
-        return PreferenceBatch(ids[:n], attention[:n], response[:n], ids[n:], attention[n:],
-                               response[n:], self._reference("chosen", indices),
-                               self._reference("rejected", indices))
+        ids, attention, response = _pad(
+            [self.sequence(i, "chosen") for i in indices]
+            + [self.sequence(i, "rejected") for i in indices],
+            self.pad_id,
+        )
+        return PreferenceBatch(
+            ids[:n],
+            attention[:n],
+            response[:n],
+            ids[n:],
+            attention[n:],
+            response[n:],
+            self._reference("chosen", indices),
+            self._reference("rejected", indices),
+        )
 
 
 class KTODataset(_RowDataset):
@@ -263,8 +304,15 @@ class KTODataset(_RowDataset):
 
     REFERENCE_KEYS = ("completion", "kl")
 
-    def __init__(self, rows: Any, tokenizer: Tokenizer, *, max_seq_len: int, chat: bool = True,
-                 on_bad_row: Literal["raise", "skip"] = "raise") -> None:
+    def __init__(
+        self,
+        rows: Any,
+        tokenizer: Tokenizer,
+        *,
+        max_seq_len: int,
+        chat: bool = True,
+        on_bad_row: Literal["raise", "skip"] = "raise",
+    ) -> None:
         self._init(tokenizer, max_seq_len, chat, on_bad_row)
         kept: list[tuple[Any, str, bool, int, list[int], list[bool]]] = []
         for i, row in enumerate(read_rows(rows, "preference", keep_bad_lines=True)):
@@ -276,8 +324,12 @@ class KTODataset(_RowDataset):
                 if "label" not in row:
                     raise BadRowError(i, "label", "missing_field", "has no 'label'")
                 if not isinstance(row["label"], (bool, np.bool_)):
-                    raise BadRowError(i, "label", "bad_label", f"is {row['label']!r}; "
-                                      "expected True (desirable) or False (undesirable)")
+                    raise BadRowError(
+                        i,
+                        "label",
+                        "bad_label",
+                        f"is {row['label']!r}; expected True (desirable) or False (undesirable)",
+                    )
                 ids, mask = self._render_fitting(prompt, completion, i, "completion")
             except BadRowError as e:
                 self._bad_row(e)
@@ -288,17 +340,24 @@ class KTODataset(_RowDataset):
             self.stats.tokens += len(ids)
             self.stats.add("response_tokens", sum(mask))
         if len(kept) < 2:
-            raise ValueError(f"KTODataset: {len(kept)} usable row(s) ({self.stats.rows} read, "
-                             f"skipped {self.stats.skipped_by_reason}); the KL estimate needs at "
-                             "least 2")
+            raise ValueError(
+                f"KTODataset: {len(kept)} usable row(s) ({self.stats.rows} read, "
+                f"skipped {self.stats.skipped_by_reason}); the KL estimate needs at "
+                "least 2"
+            )
         self.items: list[dict[str, Any]] = []
         for j, (prompt, _, desirable, i, ids, mask) in enumerate(kept):
             kl_ids, kl_mask = _render(tokenizer, prompt, kept[j - 1][1], self.chat, i, "kl")
             if len(kl_ids) > max_seq_len:
                 kl_ids, kl_mask = kl_ids[:max_seq_len], kl_mask[:max_seq_len]
                 self.stats.add("kl_truncated", 1)
-            self.items.append({"completion": _as_tensors(ids, mask),
-                               "kl": _as_tensors(kl_ids, kl_mask), "desirable": desirable})
+            self.items.append(
+                {
+                    "completion": _as_tensors(ids, mask),
+                    "kl": _as_tensors(kl_ids, kl_mask),
+                    "desirable": desirable,
+                }
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -314,124 +373,14 @@ class KTODataset(_RowDataset):
         ids, attention, response = self.padded(indices, "completion")
         kl_ids, kl_attention, kl_response = self.padded(indices, "kl")
         desirable = torch.tensor([self.items[i]["desirable"] for i in indices], dtype=torch.bool)
-        return KTOBatch(ids, attention, response, desirable, kl_ids, kl_attention, kl_response,
-                        self._reference("completion", indices), self._reference("kl", indices))
-
-
-# --------------------------------------------------------------------------------------------
-# Batches and the loader
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PreferenceBatch:
-    """B preference pairs; chosen and rejected right-padded to one length T.
-
-    Attributes:
-        chosen_input_ids, rejected_input_ids: [B, T] int64 (padding = the tokenizer's pad_id).
-        chosen_attention_mask, rejected_attention_mask: [B, T] bool, True on real tokens.
-        chosen_response_mask, rejected_response_mask: [B, T] bool, True exactly on the response
-            tokens (never on prompt or padding).
-        ref_chosen_logps, ref_rejected_logps: [B] fp32 summed reference log-probs, or None
-            before `posttrain.preference.reference.compute_reference_logps`.
-    """
-
-    chosen_input_ids: Tensor
-    chosen_attention_mask: Tensor
-    chosen_response_mask: Tensor
-    rejected_input_ids: Tensor
-    rejected_attention_mask: Tensor
-    rejected_response_mask: Tensor
-    ref_chosen_logps: Tensor | None = None
-    ref_rejected_logps: Tensor | None = None
-
-    @property
-    def num_pairs(self) -> int:
-        return self.chosen_input_ids.shape[0]
-
-    def concatenated(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(input_ids, attention_mask, response_mask), each [2B, T]: chosen rows, then rejected."""
-        return (torch.cat([self.chosen_input_ids, self.rejected_input_ids]),
-                torch.cat([self.chosen_attention_mask, self.rejected_attention_mask]),
-                torch.cat([self.chosen_response_mask, self.rejected_response_mask]))
-
-    def to(self, device: torch.device | str) -> PreferenceBatch:
-        return dataclasses.replace(self, **_moved(self, device))
-
-
-@dataclass(frozen=True)
-class KTOBatch:
-    """B unpaired KTO rows.
-
-    Attributes:
-        input_ids, attention_mask, response_mask: [B, T] (as in `PreferenceBatch`).
-        desirable: [B] bool.
-        kl_input_ids, kl_attention_mask, kl_response_mask: [B, T'] the mismatched sequences.
-        ref_logps, ref_kl_logps: [B] fp32 reference log-probs, or None before
-            `posttrain.preference.reference.compute_reference_logps`.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    response_mask: Tensor
-    desirable: Tensor
-    kl_input_ids: Tensor
-    kl_attention_mask: Tensor
-    kl_response_mask: Tensor
-    ref_logps: Tensor | None = None
-    ref_kl_logps: Tensor | None = None
-
-    def to(self, device: torch.device | str) -> KTOBatch:
-        return dataclasses.replace(self, **_moved(self, device))
-
-
-def _moved(batch: Any, device: torch.device | str) -> dict[str, Any]:
-    return {f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
-            if isinstance(getattr(batch, f.name), Tensor)}
-
-
-class PreferenceLoader(EpochOrderLoader):
-    """An endless stream of batches over a `PreferenceDataset` or `KTODataset`, epoch after
-    epoch, in a seeded order (`posttrain.data.loader.epoch_order`, the global RNG untouched), that
-    resumes exactly from `state_dict()` (the same rules as `posttrain.data.loader.SFTLoader`:
-    batches never span two epochs; the state counts items, so batch_size may change across a
-    resume).
-
-    Reference log-probs are read from the dataset's cache when a batch is made, so call
-    `posttrain.preference.reference.compute_reference_logps` before the first batch.
-
-    Single process only for now: `rank`/`world_size` are 0/1, so the `Trainer` refuses this
-    loader under data parallelism rather than training every rank on the same batches.
-
-    Raises:
-        ValueError: for a batch_size below 1 or an empty dataset.
-    """
-
-    dataset: PreferenceDataset | KTODataset
-
-    def __init__(self, dataset: PreferenceDataset | KTODataset, *, batch_size: int,
-                 shuffle: bool = True, seed: int = 0) -> None:
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}; must be a positive integer")
-        if len(dataset) == 0:
-            raise ValueError("PreferenceLoader: the dataset is empty")
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.rank, self.world_size = 0, 1
-        self._start_epoch(0)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return math.ceil(len(self.dataset) / self.batch_size)
-
-    def next_batch(self) -> PreferenceBatch | KTOBatch:
-        indices = self._order[self.offset: self.offset + self.batch_size]
-        batch = self.dataset.collate(indices)
-        self.offset += len(indices)
-        if self.offset == len(self._order):
-            self._start_epoch(self.epoch + 1)
-        return batch
-
-    def __iter__(self) -> Iterator[PreferenceBatch | KTOBatch]:
-        while True:
-            yield self.next_batch()
-
+        return KTOBatch(
+            ids,
+            attention,
+            response,
+            desirable,
+            kl_ids,
+            kl_attention,
+            kl_response,
+            self._reference("completion", indices),
+            self._reference("kl", indices),
+        )

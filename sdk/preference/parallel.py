@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core.distributed import flat_collective
-from posttrain.data.preference import KTOBatch, PreferenceBatch, PreferenceLoader
+from posttrain.data.preference_batches import KTOBatch, PreferenceBatch, PreferenceLoader
 from posttrain.rewards.reward_model import RewardModel
 from posttrain.train.optimizer_check import remember_parameters
 from posttrain.train.parallel import ParallelPlan

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from posttrain.data.preference import PreferenceLoader
+from posttrain.data.preference_batches import PreferenceLoader
 from posttrain.policy.policy import Policy
 from posttrain.preference.pairs import make_preference_pairs, usable_pairs
 from posttrain.preference.parallel import ShardedPreferenceLoader
