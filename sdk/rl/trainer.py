@@ -399,8 +399,7 @@ class RLTrainer(RLUpdateEngine):
             self.buffer.drain()  # on-policy: trained on once, in this step
             with timer.phase("update"):
                 update = {**self._update(batch), **sampler_metrics}
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self._step_schedule()  # once per RL step, even when no group was kept
         self.step_count += 1
         self.buffer.set_policy_version(self.step_count)
         elapsed = time.perf_counter() - start

@@ -142,7 +142,8 @@ class RLUpdateEngine(Engine):
         if head is not None:
             self.runtime.sum_module_grads(head)
         self._sum_gradients_across_ranks()  # the plan's own syncs (experts over dp x sp ranks)
-        grad_norm, lr = self.update(totals["loss"], schedule=False)  # once per RL step: below
+        # the schedule steps once per RL step (RLTrainer._train_on_groups: `_step_schedule`)
+        grad_norm, lr = self.update(totals["loss"], schedule=False)
         totals["lr"] = torch.tensor(lr)
         totals["grad_norm"] = grad_norm
         return {k: float(v) for k, v in totals.items()}

@@ -20,7 +20,7 @@ A step called directly (`trainer.step()`, RL's `train_on_groups`) is recorded an
 the same way, since `_complete_step` ends it. Every parameter update goes through one method,
 `update(loss)`: the global gradient norm, refusal of a non-finite loss or norm (the gradients
 are discarded, nothing is applied), clipping to `max_grad_norm`, `optimizer.step()`, the
-learning-rate schedule, `optimizer.zero_grad()`.
+learning-rate schedule (`_step_schedule`, its one place), `optimizer.zero_grad()`.
 
 What depends on how the model is split is the trainer's `runtime` (`posttrain.train.runtime`):
 the sums over the data-parallel ranks (plain all-reduces over the default process group without
@@ -389,16 +389,15 @@ class Engine(abc.ABC):
 
     def update(self, loss: torch.Tensor, *, schedule: bool = True) -> StepUpdate:
         """Apply the accumulated gradients: clip -> optimizer step -> learning-rate schedule ->
-        zero_grad. The one place every trainer updates its parameters.
-
-        Call it after the last backward (and the gradient sums) of an optimizer step, inside
+        zero_grad; the one place every trainer updates its parameters. Call it after the last
+        backward (and the gradient sums) of an optimizer step, inside
         `posttrain.core.preemption.sigint_held()`: from the optimizer step on, the update must
         not be cut in half.
 
         Args:
             loss: the step's loss (a scalar, summed over the ranks), checked to be finite.
-            schedule: step the `lr_scheduler` after the optimizer (RL steps it once per RL
-                step, after all its minibatch updates: False there).
+            schedule: then step the schedule (`_step_schedule`). False where one step of the
+                schedule spans several updates: RL calls `_step_schedule()` once per RL step.
 
         Returns:
             The gradient norm before clipping and the learning rate the step used.
@@ -411,10 +410,15 @@ class Engine(abc.ABC):
         grad_norm = self.clip_and_check(loss)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
-        if schedule and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if schedule:
+            self._step_schedule()
         self.optimizer.zero_grad(set_to_none=True)
         return StepUpdate(grad_norm, lr)
+
+    def _step_schedule(self) -> None:
+        """One step of the learning-rate schedule (if any); the one place it is stepped."""
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
