@@ -63,7 +63,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 
 from posttrain.core.checks import check_number
-from posttrain.verifiers import sandbox_exec
+from posttrain.verifiers import sandbox_command, sandbox_exec
 
 __all__ = [
     "ExecOutcome",
@@ -348,8 +348,8 @@ def sandbox_available() -> str | None:
             "bubblewrap (bwrap) is not installed: run scripts/sandbox-up.sh (installs the "
             "Debian package bubblewrap)"
         )
-    if not os.access(sandbox_exec.PYTHON, os.X_OK):
-        return f"{sandbox_exec.PYTHON} is missing; the sandbox runs programs with it"
+    if not os.access(sandbox_command.PYTHON, os.X_OK):
+        return f"{sandbox_command.PYTHON} is missing; the sandbox runs programs with it"
     base, top = sandbox_exec.UID_BASE, sandbox_exec.UID_BASE + sandbox_exec.UID_SLOTS
     taken = [p.pw_name for p in pwd.getpwall() if base <= p.pw_uid < top]
     if taken or base < 1000 or top > 2**32 - 2:

@@ -1,27 +1,23 @@
-"""How one program runs in the sandbox: the bubblewrap command, the in-sandbox launcher, the pump.
+"""How one program runs in the sandbox: its uid slot, bubblewrap started and pumped, the sweep.
 
 `posttrain.verifiers.sandbox` is the public face (`Sandbox`, `SandboxLimits`, outcomes); this
-module holds the mechanism it uses, in the order a run goes through it:
+module holds the mechanism it uses, in the order a run goes through it. What it starts (the
+bubblewrap command, the launcher inside it, the rlimits, /etc/passwd and /etc/group, the
+environment) is `posttrain.verifiers.sandbox_command`.
 
 1. `acquire_slot` takes a uid slot: an unused uid `UID_BASE + slot`, held by an exclusive
    `flock` on `SLOT_DIR/slot-N` (shared by every process on the host), so two programs running at
    the same time never share a uid and one program's processes never count against another's
    RLIMIT_NPROC.
-2. `bwrap_argv` builds the bubblewrap command: new mount, PID, network, IPC, UTS (and cgroup)
-   namespaces; only /usr (and the /bin, /lib* links into it) plus a few /etc files read-only;
-   private tmpfs folders at /sandbox (the program's folder, its cwd and HOME), /tmp and /dev/shm;
-   every capability dropped except CAP_SETUID and CAP_SETGID, which only the launcher uses.
-3. `LAUNCHER` (run by the system python3 as pid 2 of the sandbox) forks the program's process,
-   which sets the rlimits, drops to the slot uid/gid with no supplementary groups and execs
-   `/usr/bin/python3 main.py`; the launcher stays root (the program cannot signal it), waits,
-   and writes the exact end of the program (exit code or signal, CPU seconds) to a status pipe:
-   bubblewrap itself folds a signal into an exit code of 128 + n.
-4. `pump` feeds stdin and reads stdout/stderr incrementally (at most `output_bytes` kept per
+2. `execute` starts bubblewrap with `sandbox_command.bwrap_argv` (the program's source and the
+   slot's /etc/passwd and /etc/group handed over as memfds); inside it `LAUNCHER` runs the
+   program as the slot's uid under its rlimits and writes how it ended to a status pipe.
+3. `pump` feeds stdin and reads stdout/stderr incrementally (at most `output_bytes` kept per
    stream), and on the wall-clock deadline or an output overflow kills the sandbox's pid 1
    through a pidfd. When pid 1 of a PID namespace dies the kernel kills every process left in it
    and reaps them before pid 1 itself is reaped, so nothing the program started (a daemonised
    grandchild included) outlives the run.
-5. `sweep_uid` then kills, as a second layer, any host process still owned by the slot's uid,
+4. `sweep_uid` then kills, as a second layer, any host process still owned by the slot's uid,
    before the slot is released.
 """
 
@@ -29,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import math
 import os
 import re
@@ -39,9 +34,15 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-PYTHON = "/usr/bin/python3"
-"""The interpreter that runs programs (and the launcher) inside the sandbox: the system one, which
-the unprivileged uid can read (a virtualenv under /root or the checkout is not bound)."""
+from posttrain.verifiers.sandbox_command import (
+    PROGRAM_ENV,
+    TMPFS_FILES_FACTOR,
+    bwrap_argv,
+    group_file,
+    parse_status,
+    passwd_file,
+    rlimit_args,
+)
 
 UID_BASE = int(os.environ.get("POSTTRAIN_SANDBOX_UID_BASE", "2100000000"))
 """First uid (and gid) programs run as; slot N runs as UID_BASE + N. No account may use the range
@@ -53,54 +54,8 @@ UID_SLOTS = 256
 SLOT_DIR = "/run/posttrain-sandbox"
 """Root-only folder of the slot lock files."""
 
-SANDBOX_DIR = "/sandbox"
-"""The program's private folder inside the sandbox (cwd and HOME; main.py is written there)."""
-
-TMPFS_FILES_FACTOR = 4
-"""Each private tmpfs (/sandbox, /tmp, /dev/shm) holds at most this many times `file_size_mb`."""
-
 _CHUNK = 65_536
 _GIVE_UP_S = 5.0  # after killing, how long to wait for the sandbox's pipes to close
-
-LAUNCHER = r"""
-import os, resource, signal, sys
-status_fd, uid = int(sys.argv[1]), int(sys.argv[2])
-limits = [(getattr(resource, name), int(soft), int(hard))
-          for name, soft, hard in zip(sys.argv[3::3], sys.argv[4::3], sys.argv[5::3])]
-err_r, err_w = os.pipe2(os.O_CLOEXEC)
-pid = os.fork()
-if pid == 0:
-    try:
-        os.closerange(3, err_w)
-        os.closerange(err_w + 1, 65536)
-        for res, soft, hard in limits:
-            resource.setrlimit(res, (soft, hard))
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # ignored by this interpreter; exec keeps it
-            signal.signal(sig, signal.SIG_DFL)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        os.execv(sys.executable, [sys.executable, "main.py"])
-    except BaseException as exc:
-        os.write(err_w, f"{type(exc).__name__}: {exc}".encode())
-    os._exit(127)
-os.close(err_w)
-err = b""
-while chunk := os.read(err_r, 4096):
-    err += chunk
-_, status, usage = os.wait4(pid, 0)
-cpu = usage.ru_utime + usage.ru_stime
-if err:
-    line = "error " + err.decode(errors="replace").replace("\n", " ")
-elif os.WIFSIGNALED(status):
-    line = f"signal {os.WTERMSIG(status)} {cpu:.3f}"
-else:
-    line = f"exit {os.waitstatus_to_exitcode(status)} {cpu:.3f}"
-os.write(status_fd, line.encode() + b"\n")
-"""
-"""Source of the launcher, run as root (CAP_SETUID/CAP_SETGID only) as `python3 -I -S -c`."""
-
-_STATUS_RE = re.compile(r"^(exit|signal) (-?\d+) ([\d.]+)$")
 
 
 @dataclass(frozen=True)
@@ -128,55 +83,7 @@ class RawRun:
 
     def parsed_status(self) -> tuple[str, int, float] | None:
         """("exit" | "signal", number, CPU seconds) from the launcher's line, or None."""
-        match = _STATUS_RE.match(self.status.strip())
-        if match is None:
-            return None
-        return match.group(1), int(match.group(2)), float(match.group(3))
-
-
-def rlimit_args(*, cpu_s: float, memory_mb: int, file_size_mb: int, open_files: int,
-                processes: int) -> list[str]:
-    """The launcher's rlimit arguments: triples of (RLIMIT name, soft, hard).
-
-    RLIMIT_CPU is whole seconds (the kernel's unit): soft = ceil(cpu_s) sends SIGXCPU, hard one
-    second later SIGKILL. RLIMIT_AS = memory_mb MiB, RLIMIT_FSIZE = file_size_mb MiB,
-    RLIMIT_NOFILE = open_files, RLIMIT_NPROC = processes (counted per uid: enforced because the
-    program runs as its own unprivileged uid), RLIMIT_CORE = 0 (no core files).
-    """
-    cpu = max(1, math.ceil(cpu_s))
-    limits = {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (memory_mb << 20,) * 2,
-              "RLIMIT_FSIZE": (file_size_mb << 20,) * 2, "RLIMIT_NOFILE": (open_files,) * 2,
-              "RLIMIT_NPROC": (processes,) * 2, "RLIMIT_CORE": (0, 0)}
-    return [str(v) for name, (soft, hard) in limits.items() for v in (name, soft, hard)]
-
-
-def _passwd(uid: int) -> bytes:
-    return (f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-            f"sandbox:x:{uid}:{uid}:sandbox:{SANDBOX_DIR}:/usr/sbin/nologin\n"
-            f"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n").encode()
-
-
-def _group(uid: int) -> bytes:
-    return f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n".encode()
-
-
-@functools.lru_cache(maxsize=1)
-def _root_binds() -> tuple[str, ...]:
-    """/usr read-only, and /bin, /sbin, /lib* as the host has them (links into /usr or binds),
-    and the /etc files python3 reads. Read once per process."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        path = "/" + name
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    args += ["--perms", "0755", "--dir", "/etc"]
-    etc = ["/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives", "/etc/nsswitch.conf"]
-    etc += sorted(f"/etc/{n}" for n in os.listdir("/etc") if re.fullmatch(r"python3[.\d]*", n))
-    for path in etc:
-        args += ["--ro-bind-try", path, path]
-    return tuple(args)
+        return parse_status(self.status)
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -189,34 +96,7 @@ def _memfd(name: str, data: bytes) -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
-
-
-def bwrap_argv(bwrap: str, *, uid: int, source_fd: int, passwd_fd: int, group_fd: int,
-               info_fd: int, status_fd: int, tmpfs_bytes: int, rlimits: list[str]) -> list[str]:
-    """The full bubblewrap command line of one run (see the module docstring)."""
-    tmpfs = lambda path, mode="1777": ["--size", str(tmpfs_bytes), "--perms", mode,  # noqa: E731
-                                       "--tmpfs", path]
-    return [
-        bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-        "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session",
-        "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-        "--info-fd", str(info_fd),
-        *_root_binds(),
-        "--ro-bind-data", str(passwd_fd), "/etc/passwd",
-        "--ro-bind-data", str(group_fd), "/etc/group",
-        "--proc", "/proc", "--dev", "/dev", *tmpfs("/dev/shm"),
-        *tmpfs(SANDBOX_DIR), *tmpfs("/tmp"),
-        "--perms", "0644", "--file", str(source_fd), f"{SANDBOX_DIR}/main.py",
-        "--remount-ro", "/", "--chdir", SANDBOX_DIR,
-        PYTHON, "-I", "-S", "-c", LAUNCHER, str(status_fd), str(uid), *rlimits,
-    ]
-
-
-PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_DIR, "TMPDIR": "/tmp",
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "USER": "sandbox", "LOGNAME": "sandbox"}
-"""The program's whole environment (nothing of the host's is passed)."""
+        view = view[os.write(fd, view) :]
 
 
 class SlotsBusy(RuntimeError):
@@ -244,8 +124,19 @@ def acquire_slot(deadline: float) -> tuple[int, int]:
         time.sleep(0.01)
 
 
-def execute(bwrap: str, source: str, stdin: str, *, cpu_s: float, wall_s: float, memory_mb: int,
-            file_size_mb: int, open_files: int, processes: int, output_bytes: int) -> RawRun:
+def execute(
+    bwrap: str,
+    source: str,
+    stdin: str,
+    *,
+    cpu_s: float,
+    wall_s: float,
+    memory_mb: int,
+    file_size_mb: int,
+    open_files: int,
+    processes: int,
+    output_bytes: int,
+) -> RawRun:
     """Run `source` once in a fresh sandbox and return what happened (unclassified).
 
     Raises:
@@ -259,26 +150,50 @@ def execute(bwrap: str, source: str, stdin: str, *, cpu_s: float, wall_s: float,
     fds: list[int] = [slot_fd]
     try:
         source_fd = _memfd("main.py", source.encode("utf-8", errors="surrogatepass"))
-        passwd_fd, group_fd = _memfd("passwd", _passwd(uid)), _memfd("group", _group(uid))
+        passwd_fd, group_fd = _memfd("passwd", passwd_file(uid)), _memfd("group", group_file(uid))
         info_r, info_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         fds += [source_fd, passwd_fd, group_fd, info_r, info_w, status_r, status_w]
-        argv = bwrap_argv(bwrap, uid=uid, source_fd=source_fd, passwd_fd=passwd_fd,
-                          group_fd=group_fd, info_fd=info_w, status_fd=status_w,
-                          tmpfs_bytes=TMPFS_FILES_FACTOR * (file_size_mb << 20),
-                          rlimits=rlimit_args(cpu_s=cpu_s, memory_mb=memory_mb,
-                                              file_size_mb=file_size_mb, open_files=open_files,
-                                              processes=processes))
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=PROGRAM_ENV, close_fds=True,
-                                pass_fds=(source_fd, passwd_fd, group_fd, info_w, status_w),
-                                start_new_session=True)
+        argv = bwrap_argv(
+            bwrap,
+            uid=uid,
+            source_fd=source_fd,
+            passwd_fd=passwd_fd,
+            group_fd=group_fd,
+            info_fd=info_w,
+            status_fd=status_w,
+            tmpfs_bytes=TMPFS_FILES_FACTOR * (file_size_mb << 20),
+            rlimits=rlimit_args(
+                cpu_s=cpu_s,
+                memory_mb=memory_mb,
+                file_size_mb=file_size_mb,
+                open_files=open_files,
+                processes=processes,
+            ),
+        )
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=PROGRAM_ENV,
+            close_fds=True,
+            pass_fds=(source_fd, passwd_fd, group_fd, info_w, status_w),
+            start_new_session=True,
+        )
         for fd in (source_fd, passwd_fd, group_fd, info_w, status_w):
             os.close(fd)
             fds.remove(fd)
         try:
-            return pump(proc, stdin.encode("utf-8", errors="surrogatepass"), info_r, status_r,
-                        t0=t0, deadline=deadline, output_bytes=output_bytes)
+            return pump(
+                proc,
+                stdin.encode("utf-8", errors="surrogatepass"),
+                info_r,
+                status_r,
+                t0=t0,
+                deadline=deadline,
+                output_bytes=output_bytes,
+            )
         finally:
             if proc.poll() is None:  # only if pump itself failed: never leave it running
                 proc.kill()
@@ -332,8 +247,16 @@ def _is_zombie(pid: int) -> bool:
         return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
 
 
-def pump(proc: subprocess.Popen, stdin: bytes, info_r: int, status_r: int, *, t0: float,
-         deadline: float, output_bytes: int) -> RawRun:
+def pump(
+    proc: subprocess.Popen,
+    stdin: bytes,
+    info_r: int,
+    status_r: int,
+    *,
+    t0: float,
+    deadline: float,
+    output_bytes: int,
+) -> RawRun:
     """Feed stdin, collect output, status and bubblewrap's info until the sandbox is gone.
 
     Reads are incremental (64 KiB chunks); at most `output_bytes` per stream are kept, and the
@@ -376,7 +299,7 @@ def pump(proc: subprocess.Popen, stdin: bytes, info_r: int, status_r: int, *, t0
                     sel.unregister(fd)
                 elif name == "stdin":
                     try:
-                        stdin_view = stdin_view[os.write(fd, stdin_view[:_CHUNK]):]
+                        stdin_view = stdin_view[os.write(fd, stdin_view[:_CHUNK]) :]
                     except (BrokenPipeError, BlockingIOError) as exc:
                         if isinstance(exc, BrokenPipeError):
                             stdin_view = stdin_view[:0]
@@ -412,10 +335,16 @@ def pump(proc: subprocess.Popen, stdin: bytes, info_r: int, status_r: int, *, t0
             proc.stdin.close()
         proc.stdout.close()
         proc.stderr.close()
-    return RawRun(status=small["status"].decode(errors="replace"), killed_for=killed_for,
-                  stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
-                  stdout_cut=cut["stdout"], stderr_cut=cut["stderr"], bwrap_code=code,
-                  wall_s=time.monotonic() - t0)
+    return RawRun(
+        status=small["status"].decode(errors="replace"),
+        killed_for=killed_for,
+        stdout=bytes(out["stdout"]),
+        stderr=bytes(out["stderr"]),
+        stdout_cut=cut["stdout"],
+        stderr_cut=cut["stderr"],
+        bwrap_code=code,
+        wall_s=time.monotonic() - t0,
+    )
 
 
 def _open_init_pidfd(info: bytearray) -> int:
