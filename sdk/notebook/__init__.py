@@ -9,9 +9,7 @@ from posttrain.notebook.dashboard import (
     in_notebook,
 )
 from posttrain.notebook.inspector import (
-    FRAME_COLUMNS,
     ROLLOUTS_FORMAT,
-    TOKEN_COLUMNS,
     load_rollouts,
     rollouts_frame,
     save_rollouts,
@@ -35,6 +33,10 @@ from posttrain.notebook.rescoring import (
 )
 from posttrain.notebook.rl_panels import (
     latest_rollouts,
+)
+from posttrain.notebook.rollout_records import (
+    FRAME_COLUMNS,
+    TOKEN_COLUMNS,
 )
 
 __all__ = [

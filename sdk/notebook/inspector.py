@@ -32,6 +32,8 @@ Trajectories do not carry their task item; pass `items=` (one per group, in orde
 rescoring. `save_rollouts` stores the items with the rollouts, so a saved file is
 self-contained: it rescores and replays without the task.
 
+How each kind of source is read into these columns is `posttrain.notebook.rollout_records`.
+
 Example:
     >>> from posttrain.rl import Group, Trajectory
     >>> def traj(text, reward, outcome):
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -56,26 +57,35 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from posttrain.notebook.rollout_records import (
+    _OUTCOMES,
+    FRAME_COLUMNS,
+    TOKEN_COLUMNS,
+    _check_frame,
+    _frame,
+    _isnan,
+    _plain,
+    _record,
+    _trajectories,
+)
 from posttrain.rewards.verifier import Outcome
 from posttrain.rl.environment import Group, Trajectory
 
 if TYPE_CHECKING:
     from posttrain.models.tokenizer import Tokenizer
 
-__all__ = ["rollouts_frame", "save_rollouts", "load_rollouts", "to_groups", "FRAME_COLUMNS",
-           "TOKEN_COLUMNS", "ROLLOUTS_FORMAT"]
-
-FRAME_COLUMNS = ("group_id", "sample", "policy_version", "prompt", "completion", "answer",
-                 "reward", "outcome", "reason", "num_tokens", "finish_reason", "advantage", "item")
-"""Columns of `rollouts_frame` (see the module docstring)."""
-
-TOKEN_COLUMNS = ("prompt_ids", "completion_ids", "logprobs", "completion_mask", "info")
-"""Extra columns with `tokens=True`: what `to_groups` / `replay_step` need to rebuild groups."""
+__all__ = [
+    "rollouts_frame",
+    "save_rollouts",
+    "load_rollouts",
+    "to_groups",
+    "FRAME_COLUMNS",
+    "TOKEN_COLUMNS",
+    "ROLLOUTS_FORMAT",
+]
 
 ROLLOUTS_FORMAT = 1
 """Format version written in every line of a rollouts file (`"rollouts_format": 1`)."""
-
-_OUTCOMES = tuple(o.value for o in Outcome)
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,11 +93,18 @@ _OUTCOMES = tuple(o.value for o in Outcome)
 # --------------------------------------------------------------------------------------------
 
 
-def rollouts_frame(source: Any, *, items: Sequence[Any] | Mapping[Any, Any] | None = None,
-                   tokenizer: Tokenizer | None = None, min_reward: float | None = None,
-                   max_reward: float | None = None, outcome: str | Iterable[str] | None = None,
-                   min_len: int | None = None, max_len: int | None = None,
-                   tokens: bool = False) -> pd.DataFrame:
+def rollouts_frame(
+    source: Any,
+    *,
+    items: Sequence[Any] | Mapping[Any, Any] | None = None,
+    tokenizer: Tokenizer | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    outcome: str | Iterable[str] | None = None,
+    min_len: int | None = None,
+    max_len: int | None = None,
+    tokens: bool = False,
+) -> pd.DataFrame:
     """One row per trajectory of `source`, filtered (see the module docstring for columns).
 
     Args:
@@ -121,105 +138,23 @@ def rollouts_frame(source: Any, *, items: Sequence[Any] | Mapping[Any, Any] | No
         frame = _attach_items(frame, items)
     if tokenizer is not None:
         frame = _decode_prompts(frame, tokenizer)
-    frame = _filter(frame, min_reward=min_reward, max_reward=max_reward, outcome=outcome,
-                    min_len=min_len, max_len=max_len)
+    frame = _filter(
+        frame,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        outcome=outcome,
+        min_len=min_len,
+        max_len=max_len,
+    )
     if not tokens:
         return frame[list(FRAME_COLUMNS)]
     missing = [c for c in TOKEN_COLUMNS if c not in frame.columns]
     if missing:
-        raise ValueError(f"this frame has no {missing} columns; build it with tokens=True, or "
-                         "pass the groups, buffer or rollouts file itself")
+        raise ValueError(
+            f"this frame has no {missing} columns; build it with tokens=True, or "
+            "pass the groups, buffer or rollouts file itself"
+        )
     return frame[list(FRAME_COLUMNS + TOKEN_COLUMNS)]
-
-
-def _trajectories(source: Any) -> list[Any]:
-    """Flatten a source into trajectory objects / dicts, in order."""
-    if hasattr(source, "state_dict") and hasattr(source, "to_dataframe"):  # a ReplayBuffer
-        return list(source.state_dict()["items"])
-    if isinstance(source, (Trajectory, Mapping)):
-        return [source]
-    if hasattr(source, "trajectories"):
-        return list(source.trajectories)
-    if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
-        raise TypeError(f"cannot read rollouts from a {type(source).__name__}; pass a "
-                        "ReplayBuffer, groups, trajectories, a rollouts file or a frame")
-    flat = []
-    for element in source:
-        if hasattr(element, "trajectories"):
-            flat.extend(element.trajectories)
-        elif isinstance(element, (list, tuple)):
-            flat.extend(element)
-        else:
-            flat.append(element)
-    return flat
-
-
-def _record(t: Any) -> dict[str, Any]:
-    """A plain dict with every frame column (sample filled in by `_frame`)."""
-    get = (lambda k, d=None: t.get(k, d)) if isinstance(t, Mapping) else \
-        (lambda k, d=None: getattr(t, k, d))
-    where = f"a {type(t).__name__} rollout"
-    completion = get("completion", get("text"))
-    missing = [k for k, v in (("group_id", get("group_id")), ("reward", get("reward")))
-               if v is None]
-    if get("completion_ids") is None and completion is None:
-        missing.append("completion_ids or text")
-    if missing:
-        raise ValueError(f"{where} lacks {missing}")
-    completion_ids = _plain_list(get("completion_ids"), int)
-    mask = _plain_list(get("completion_mask"), bool)
-    info = dict(get("info") or {})
-    item = get("item")
-    if get("num_tokens") is not None:
-        num_tokens = int(get("num_tokens"))
-    elif completion_ids is None:
-        num_tokens = 0
-    else:
-        num_tokens = sum(mask) if mask is not None else len(completion_ids)
-    reason = get("reason")
-    if reason is None:
-        reason = info.get("verifier_reason") or info.get("error") or ""
-    version = get("policy_version")
-    return {"group_id": _plain(get("group_id")), "sample": get("sample"),
-            "policy_version": None if version is None else int(version),
-            "prompt": get("prompt"), "completion": completion,
-            "answer": get("answer", item.get("answer") if isinstance(item, Mapping) else None),
-            "reward": float(get("reward")), "outcome": _plain(get("outcome")),
-            "reason": str(reason), "num_tokens": num_tokens,
-            "finish_reason": get("finish_reason"), "advantage": _mean(get("advantage")),
-            "item": item, "prompt_ids": _plain_list(get("prompt_ids"), int),
-            "completion_ids": completion_ids, "logprobs": _plain_list(get("logprobs"), float),
-            "completion_mask": mask, "info": info}
-
-
-def _frame(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """The canonical frame of `records` (same function for fresh and loaded rollouts, so a
-    save/load round trip compares equal)."""
-    samples: dict[tuple, int] = {}
-    for r in records:
-        key = (r["policy_version"], r["group_id"])
-        if r["sample"] is None:
-            r["sample"] = samples.get(key, 0)
-        samples[key] = max(samples.get(key, 0), int(r["sample"]) + 1)
-        r["sample"] = int(r["sample"])
-        if r["advantage"] is None:
-            r["advantage"] = math.nan
-    columns = list(FRAME_COLUMNS + TOKEN_COLUMNS)
-    frame = pd.DataFrame(records, columns=columns)
-    frame.index = pd.RangeIndex(len(frame), name="row")
-    frame["reward"] = frame["reward"].astype(float)
-    frame["advantage"] = frame["advantage"].astype(float)
-    frame["num_tokens"] = frame["num_tokens"].astype("int64")
-    frame["sample"] = frame["sample"].astype("int64")
-    return frame
-
-
-def _check_frame(frame: pd.DataFrame) -> pd.DataFrame:
-    missing = [c for c in FRAME_COLUMNS if c not in frame.columns]
-    if missing:
-        raise ValueError(f"this DataFrame lacks {missing}; pass a frame from rollouts_frame / "
-                         "load_rollouts, or the groups, buffer or file themselves")
-    return frame
 
 
 def _group_keys(frame: pd.DataFrame) -> list[tuple]:
@@ -235,9 +170,11 @@ def _attach_items(frame: pd.DataFrame, items: Sequence[Any] | Mapping[Any, Any])
         items = list(items)
         order = list(dict.fromkeys(keys))
         if len(items) != len(order):
-            raise ValueError(f"{len(items)} items for {len(order)} groups; pass one item per "
-                             "group, in order (e.g. [b.item for b in builders]), or a dict "
-                             "group_id -> item")
+            raise ValueError(
+                f"{len(items)} items for {len(order)} groups; pass one item per "
+                "group, in order (e.g. [b.item for b in builders]), or a dict "
+                "group_id -> item"
+            )
         position = {key: i for i, key in enumerate(order)}
         row_items = [items[position[key]] for key in keys]
     frame = frame.copy()
@@ -252,14 +189,16 @@ def _decode_prompts(frame: pd.DataFrame, tokenizer: Tokenizer) -> pd.DataFrame:
     if "prompt_ids" not in frame.columns or frame["prompt"].notna().all():
         return frame
     frame = frame.copy()
-    frame["prompt"] = [p if p is not None and not _isnan(p) else
-                       (None if ids is None else tokenizer.decode(ids))
-                       for p, ids in zip(frame["prompt"], frame["prompt_ids"])]
+    frame["prompt"] = [
+        p if p is not None and not _isnan(p) else (None if ids is None else tokenizer.decode(ids))
+        for p, ids in zip(frame["prompt"], frame["prompt_ids"])
+    ]
     return frame
 
 
-def _filter(frame: pd.DataFrame, *, min_reward, max_reward, outcome, min_len,
-            max_len) -> pd.DataFrame:
+def _filter(
+    frame: pd.DataFrame, *, min_reward, max_reward, outcome, min_len, max_len
+) -> pd.DataFrame:
     keep = pd.Series(True, index=frame.index)
     if min_reward is not None:
         keep &= frame["reward"] >= min_reward
@@ -284,9 +223,14 @@ def _filter(frame: pd.DataFrame, *, min_reward, max_reward, outcome, min_len,
 # --------------------------------------------------------------------------------------------
 
 
-def save_rollouts(source: Any, path: str | os.PathLike, *,
-                  items: Sequence[Any] | Mapping[Any, Any] | None = None,
-                  tokenizer: Tokenizer | None = None, append: bool = False) -> int:
+def save_rollouts(
+    source: Any,
+    path: str | os.PathLike,
+    *,
+    items: Sequence[Any] | Mapping[Any, Any] | None = None,
+    tokenizer: Tokenizer | None = None,
+    append: bool = False,
+) -> int:
     """Write rollouts as JSON lines (one trajectory per line, every frame and token column, plus
     `"rollouts_format": ROLLOUTS_FORMAT`). Floats round-trip exactly; a NaN advantage is
     written as null. Items should hold JSON values (tuples come back as lists; other objects
@@ -312,8 +256,10 @@ def save_rollouts(source: Any, path: str | os.PathLike, *,
         frame = rollouts_frame(source, items=items, tokenizer=tokenizer, tokens=True)
     lines = []
     for record in frame.to_dict("records"):
-        record = {"rollouts_format": ROLLOUTS_FORMAT,
-                  **{k: record.get(k) for k in FRAME_COLUMNS + TOKEN_COLUMNS}}
+        record = {
+            "rollouts_format": ROLLOUTS_FORMAT,
+            **{k: record.get(k) for k in FRAME_COLUMNS + TOKEN_COLUMNS},
+        }
         if _isnan(record["advantage"]):
             record["advantage"] = None
         lines.append(json.dumps(record, default=_json_default) + "\n")
@@ -352,8 +298,10 @@ def load_rollouts(path: str | os.PathLike) -> pd.DataFrame:
                 raise ValueError(f"{path}:{number} is not JSON ({e})") from None
             version = record.pop("rollouts_format", None)
             if version != ROLLOUTS_FORMAT:
-                raise ValueError(f"{path}:{number} has rollouts_format {version!r}; this "
-                                 f"posttrain reads {ROLLOUTS_FORMAT}")
+                raise ValueError(
+                    f"{path}:{number} has rollouts_format {version!r}; this "
+                    f"posttrain reads {ROLLOUTS_FORMAT}"
+                )
             records.append(_record(record))
     return _frame(records)
 
@@ -369,68 +317,40 @@ def to_groups(source: Any) -> list[Group]:
         ValueError: for rows without token ids / logprobs (e.g. a frame without
             `TOKEN_COLUMNS`, or buffer records without logprobs) or without a finish reason.
     """
-    frame = rollouts_frame(source, tokens=True) if not isinstance(source, pd.DataFrame) \
+    frame = (
+        rollouts_frame(source, tokens=True)
+        if not isinstance(source, pd.DataFrame)
         else _check_frame(source)
+    )
     missing = [c for c in TOKEN_COLUMNS if c not in frame.columns]
     if missing:
-        raise ValueError(f"this frame has no {missing} columns: it cannot be trained on; use "
-                         "rollouts_frame(..., tokens=True) or load_rollouts(path)")
+        raise ValueError(
+            f"this frame has no {missing} columns: it cannot be trained on; use "
+            "rollouts_frame(..., tokens=True) or load_rollouts(path)"
+        )
     groups: dict[tuple, list[tuple[int, Trajectory]]] = {}
     for row, r in frame.iterrows():
         for column in ("prompt_ids", "completion_ids", "logprobs", "finish_reason"):
             if r[column] is None or _isnan(r[column]):
                 raise ValueError(f"row {row} has no {column}; it cannot be trained on")
         completion = r["completion"] if isinstance(r["completion"], str) else ""
-        t = Trajectory(group_id=r["group_id"], prompt_ids=list(r["prompt_ids"]),
-                       completion_ids=list(r["completion_ids"]), logprobs=list(r["logprobs"]),
-                       reward=float(r["reward"]), outcome=r["outcome"],
-                       finish_reason=r["finish_reason"], text=completion,
-                       policy_version=0 if r["policy_version"] is None
-                       else int(r["policy_version"]),
-                       info=dict(r["info"] or {}),
-                       completion_mask=None if r["completion_mask"] is None
-                       else list(r["completion_mask"]))
+        t = Trajectory(
+            group_id=r["group_id"],
+            prompt_ids=list(r["prompt_ids"]),
+            completion_ids=list(r["completion_ids"]),
+            logprobs=list(r["logprobs"]),
+            reward=float(r["reward"]),
+            outcome=r["outcome"],
+            finish_reason=r["finish_reason"],
+            text=completion,
+            policy_version=0 if r["policy_version"] is None else int(r["policy_version"]),
+            info=dict(r["info"] or {}),
+            completion_mask=None if r["completion_mask"] is None else list(r["completion_mask"]),
+        )
         groups.setdefault((r["policy_version"], r["group_id"]), []).append((int(r["sample"]), t))
-    return [Group([t for _, t in sorted(members, key=lambda m: m[0])])
-            for members in groups.values()]
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):  # before str: Outcome is a str enum
-        return value.value
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    if hasattr(value, "item"):  # numpy / torch scalars
-        return value.item()
-    return str(value)
-
-
-def _plain_list(value: Any, kind: type) -> list | None:
-    if value is None:
-        return None
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return [kind(v) for v in value]
-
-
-def _mean(advantage: Any) -> float | None:
-    if advantage is None:
-        return None
-    if isinstance(advantage, (int, float)):
-        return float(advantage)
-    values = _plain_list(advantage, float)
-    if values is None or len(values) == 0:
-        return None if values is None else math.nan
-    return sum(values) / len(values)
-
-
-def _isnan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)
+    return [
+        Group([t for _, t in sorted(members, key=lambda m: m[0])]) for members in groups.values()
+    ]
 
 
 def _json_default(value: Any) -> Any:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from posttrain.notebook.inspector import _OUTCOMES, rollouts_frame
+from posttrain.notebook.inspector import rollouts_frame
+from posttrain.notebook.rollout_records import _OUTCOMES
 from posttrain.rewards.verifier import (
     DEFAULT_MAX_WORKERS,
     DEFAULT_TIMEOUT_S,
