@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from posttrain.envs.reasoning_gym_env import prompt_messages
-from posttrain.rewards.judges import Judge
+from posttrain.rewards.judge_protocol import Judge
 from posttrain.rewards.verifier import Outcome, VerifierResult
 from posttrain.rl.environment import Messages, StepResult, Trajectory
 

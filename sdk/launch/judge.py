@@ -44,7 +44,7 @@ from posttrain.rewards.judge_client import JudgeClient
 from posttrain.rewards.judge_server import JudgeJobSpec, ServerSettings, serve_until_stopped
 
 if TYPE_CHECKING:
-    from posttrain.rewards.judges import Judge
+    from posttrain.rewards.judge_protocol import Judge
 
 __all__ = ["launch_judge", "JudgeJob"]
 

@@ -28,16 +28,8 @@ _EXPORTS = {
         "JudgeJobSpec",
         "serve_until_stopped",
     ],
-    "judges": [
-        "JudgeResult",
-        "Judge",
-        "LLMJudge",
-        "RewardModelJudge",
-        "judge_as_verifier",
-        "JudgeVerifier",
-        "parse_score",
-        "DEFAULT_JUDGE_TEMPLATE",
-    ],
+    "judge_protocol": ["JudgeResult", "Judge", "judge_as_verifier", "JudgeVerifier"],
+    "judges": ["LLMJudge", "RewardModelJudge", "parse_score", "DEFAULT_JUDGE_TEMPLATE"],
     "pairwise": [
         "parse_choice",
         "DEFAULT_PAIRWISE_TEMPLATE",

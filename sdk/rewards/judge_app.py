@@ -66,7 +66,7 @@ from posttrain.rewards.judge_limits import (
 )
 
 if TYPE_CHECKING:
-    from posttrain.rewards.judges import Judge
+    from posttrain.rewards.judge_protocol import Judge
 
 __all__ = ["build_app"]
 

@@ -65,7 +65,7 @@ from posttrain.core.checks import check_int
 from posttrain.rewards.verifier import Outcome, VerifierResult
 
 if TYPE_CHECKING:
-    from posttrain.rewards.judges import Judge
+    from posttrain.rewards.judge_protocol import Judge
 
 __all__ = ["Batcher", "JudgeRequest", "BatchOutput", "ServerShutDown", "result_to_json"]
 

@@ -67,7 +67,7 @@ from typing import Any
 import httpx
 
 from posttrain.core.checks import check_int
-from posttrain.rewards.judges import JudgeResult, _check_lengths
+from posttrain.rewards.judge_protocol import JudgeResult, _check_lengths
 from posttrain.rewards.verifier import Outcome, VerifierResult
 
 __all__ = ["JudgeClient", "JUDGE_PATH"]

@@ -47,7 +47,7 @@ from posttrain.rewards.judge_client import JUDGE_PATH, JudgeClient
 from posttrain.rewards.judge_limits import ServerSettings, check_address
 
 if TYPE_CHECKING:
-    from posttrain.rewards.judges import Judge
+    from posttrain.rewards.judge_protocol import Judge
 
 __all__ = [
     "ServerSettings",

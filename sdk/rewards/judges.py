@@ -3,32 +3,14 @@
 A judge scores completions with a model instead of a rule: an LLM reading a rubric
 (`LLMJudge`), or a Bradley-Terry reward model (`RewardModelJudge`, see
 `posttrain.rewards.reward_model`). Both return `JudgeResult`s, which are `VerifierResult`s (same
-`Outcome` vocabulary, same finite score) carrying the judge's raw output as well:
-
-    =============  ==================================================================
-    outcome        for a judge
-    =============  ==================================================================
-    ok             scored, normalised score >= `ok_threshold`
-    wrong          scored, normalised score below `ok_threshold` (`score` keeps it)
-    timeout        the judge ran past its budget (`run_verifier`, the judge client)
-    error          the judge failed: its text holds no parsable score or one outside
-                   its range, it raised, the item has no question, the prompt is too
-                   long, the judge server could not be reached
-    =============  ==================================================================
-
-A judge's own failure is never the policy's low reward: an unparsable judge output is `error`
-(score 0.0, the judge's text in `raw` and, shortened, in `reason`), which RL excludes with its
-whole group and counts (`posttrain.rl.trainer`), not `format_error`, which RL trains on as a
-0.0 reward because there the *policy* gave no answer. Judges never return `format_error`.
+`Outcome` vocabulary, same finite score) carrying the judge's raw output as well. What a judge
+is and returns (the outcomes of a judge, why its failure is never the policy's low reward, the
+`Judge` protocol, a judge as a `Verifier` for RL: `judge_as_verifier`) is
+`posttrain.rewards.judge_protocol`; its names are importable from here as well.
 
 Pairwise judges (which of two completions is better) are in `posttrain.rewards.pairwise`; a
 judge served over HTTP is `posttrain.rewards.judge_server` and its client
 `posttrain.rewards.judge_client`.
-
-RL: `judge_as_verifier(judge)` is a `Verifier` (`(completion, item) -> VerifierResult`), so a
-judge runs under `run_verifier` / `score_batch` time budgets and inside the environments and
-group builders of `posttrain.envs` (`ReasoningGymGroupBuilder(item, task, verifier=...)`);
-`posttrain.envs.JudgedGroupBuilder` judges a whole group in one call instead.
 
 Thread safety: `JudgeVerifier` declares `isolation = "thread"` (it holds a model: `run_verifier`
 runs it on a thread, not in a worker process). `LLMJudge` (and
@@ -59,47 +41,32 @@ import re
 import string
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from posttrain.core.checks import check_int
 from posttrain.rewards.judge_parsing import parse_score
-from posttrain.rewards.verifier import Outcome, VerifierResult
+from posttrain.rewards.judge_protocol import (
+    Judge,
+    JudgeResult,
+    JudgeVerifier,
+    _check_lengths,
+    _text_problem,
+    judge_as_verifier,
+)
+from posttrain.rewards.verifier import Outcome
 
 __all__ = [
-    "JudgeResult", "Judge", "LLMJudge", "RewardModelJudge", "judge_as_verifier", "JudgeVerifier",
-    "parse_score", "DEFAULT_JUDGE_TEMPLATE",
+    "JudgeResult",
+    "Judge",
+    "LLMJudge",
+    "RewardModelJudge",
+    "judge_as_verifier",
+    "JudgeVerifier",
+    "parse_score",
+    "DEFAULT_JUDGE_TEMPLATE",
 ]
 
 _REASON_CHARS = 80  # judge text quoted in a reason
-
-
-@dataclass(frozen=True)
-class JudgeResult(VerifierResult):
-    """A `VerifierResult` with what the judge produced.
-
-    Attributes (besides score, outcome, reason):
-        raw: the judge's generated text (LLM judges); "" for reward models.
-        raw_score: the score on the judge's own scale (the parsed "Score: N", or the reward
-            model's unnormalised reward); None when there is none (failures).
-    """
-
-    raw: str = ""
-    raw_score: float | None = None
-
-
-@runtime_checkable
-class Judge(Protocol):
-    """Scores N completions against their task items, batched.
-
-    `items[i]` is a mapping with at least `question` (task items of `posttrain.envs`; `answer`
-    is the reference, which a judge may or may not show to its model). Return one
-    `VerifierResult` (usually a `JudgeResult`) per completion, in order; per-completion failures
-    are typed outcomes, not exceptions. Use `judge_as_verifier` to call it as a `Verifier`.
-    """
-
-    def judge(self, completions: Sequence[str],
-              items: Sequence[Mapping[str, Any]]) -> list[VerifierResult]: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +75,8 @@ class Judge(Protocol):
 
 DEFAULT_JUDGE_TEMPLATE = (
     "{rubric}\n\nQuestion:\n{question}\n\nResponse:\n{completion}\n\n"
-    "Rate the response from {low:g} to {high:g}. End with 'Score: N'.")
+    "Rate the response from {low:g} to {high:g}. End with 'Score: N'."
+)
 """Placeholders: rubric, question, completion (judged), reference (item["answer"]), low, high."""
 
 
@@ -116,8 +84,16 @@ class _Generator:
     """Batched greedy/sampled generation with a judge policy; prompts too long for the model
     come back as errors instead of failing the batch. Holds the lock (see module docstring)."""
 
-    def __init__(self, policy, *, chat: bool, max_new_tokens: int, temperature: float,
-                 seed: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        policy,
+        *,
+        chat: bool,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        batch_size: int,
+    ) -> None:
         for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
             check_int(name, value, minimum=1)
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
@@ -145,19 +121,28 @@ class _Generator:
         out: list[tuple[str | None, str]] = [(None, "")] * len(texts)
         todo: list[tuple[int, list[int]]] = []
         for i, text in enumerate(texts):
-            ids = (tok.render_prompt([{"role": "user", "content": text}]) if self.chat
-                   else tok.encode(text, add_bos=True))
+            ids = (
+                tok.render_prompt([{"role": "user", "content": text}])
+                if self.chat
+                else tok.encode(text, add_bos=True)
+            )
             if len(ids) > limit:
-                out[i] = (None, f"judge prompt has {len(ids)} tokens; the judge model takes at "
-                                f"most {limit} (max_seq_len - 1)")
+                out[i] = (
+                    None,
+                    f"judge prompt has {len(ids)} tokens; the judge model takes at "
+                    f"most {limit} (max_seq_len - 1)",
+                )
             else:
                 todo.append((i, ids))
         for start in range(0, len(todo), self.batch_size):
-            chunk = todo[start:start + self.batch_size]
+            chunk = todo[start : start + self.batch_size]
             with self._lock:
                 completions = self.policy.generate(
-                    [ids for _, ids in chunk], max_new_tokens=self.max_new_tokens,
-                    temperature=self.temperature, seed=self.seed)
+                    [ids for _, ids in chunk],
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature,
+                    seed=self.seed,
+                )
             for (i, _), completion in zip(chunk, completions):
                 out[i] = (completion.text, "")
         return out
@@ -172,34 +157,30 @@ def _check_template(template: str, names: set[str], required: tuple[str, ...]) -
         raise TypeError(f"template is a {type(template).__name__}; expected a format string")
     try:
         template.format(**{name: 0 for name in names})
-        used = {re.split(r"[.\[]", field)[0]
-                for _, field, _, _ in string.Formatter().parse(template) if field}
+        used = {
+            re.split(r"[.\[]", field)[0]
+            for _, field, _, _ in string.Formatter().parse(template)
+            if field
+        }
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"template {template[:60]!r}... is not a valid format string over the "
-                         f"placeholders {sorted(names)}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(
+            f"template {template[:60]!r}... is not a valid format string over the "
+            f"placeholders {sorted(names)}: {type(exc).__name__}: {exc}"
+        ) from None
     missing = [name for name in required if name not in used]
     if missing:
-        raise ValueError(f"template {template[:60]!r}... lacks the placeholders "
-                         f"{', '.join('{' + m + '}' for m in missing)}; it must show the judge "
-                         f"{', '.join('{' + r + '}' for r in required)}")
+        raise ValueError(
+            f"template {template[:60]!r}... lacks the placeholders "
+            f"{', '.join('{' + m + '}' for m in missing)}; it must show the judge "
+            f"{', '.join('{' + r + '}' for r in required)}"
+        )
 
 
 def _check_real(name: str, value: Any, allowed: str) -> float:
     """`value` as a float if it is a finite real number (not a bool); else ValueError."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r}; must be {allowed}")
     return float(value)
-
-
-def _text_problem(completion: Any, item: Any) -> str | None:
-    """Why (completion, item) cannot be judged: a non-str completion or question; else None."""
-    if not isinstance(completion, str):
-        return f"completion is a {type(completion).__name__}; expected a str"
-    question = item.get("question") if isinstance(item, Mapping) else None
-    if not isinstance(question, str):
-        return f"item has no string 'question' (got {type(question).__name__})"
-    return None
 
 
 class LLMJudge:
@@ -230,11 +211,22 @@ class LLMJudge:
         ValueError: for a bad range, threshold, template or generation setting.
     """
 
-    def __init__(self, policy, rubric: str, *, score_range: tuple[float, float] = (0, 10),
-                 parse: Callable[[str], float | None] = parse_score,
-                 template: str = DEFAULT_JUDGE_TEMPLATE, normalize: bool = True,
-                 ok_threshold: float = 0.5, max_new_tokens: int = 32, temperature: float = 0.0,
-                 seed: int = 0, batch_size: int = 32, chat: bool = True) -> None:
+    def __init__(
+        self,
+        policy,
+        rubric: str,
+        *,
+        score_range: tuple[float, float] = (0, 10),
+        parse: Callable[[str], float | None] = parse_score,
+        template: str = DEFAULT_JUDGE_TEMPLATE,
+        normalize: bool = True,
+        ok_threshold: float = 0.5,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        seed: int = 0,
+        batch_size: int = 32,
+        chat: bool = True,
+    ) -> None:
         allowed = "two finite numbers (low, high), low < high"
         if not (isinstance(score_range, Sequence) and len(score_range) == 2):
             raise ValueError(f"score_range={score_range!r}; must be {allowed}")
@@ -243,12 +235,21 @@ class LLMJudge:
             raise ValueError(f"score_range={score_range!r}; must be {allowed}")
         if not 0.0 <= _check_real("ok_threshold", ok_threshold, "a number in [0, 1]") <= 1.0:
             raise ValueError(f"ok_threshold={ok_threshold!r}; must be in [0, 1] (normalised)")
-        _check_template(template, {"rubric", "question", "completion", "reference", "low",
-                                   "high"}, required=("question", "completion"))
+        _check_template(
+            template,
+            {"rubric", "question", "completion", "reference", "low", "high"},
+            required=("question", "completion"),
+        )
         self.rubric, self.score_range, self.parse = rubric, (low, high), parse
         self.template, self.normalize, self.ok_threshold = template, normalize, ok_threshold
-        self._generate = _Generator(policy, chat=chat, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=seed, batch_size=batch_size)
+        self._generate = _Generator(
+            policy,
+            chat=chat,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            batch_size=batch_size,
+        )
 
     @property
     def policy(self):
@@ -257,12 +258,18 @@ class LLMJudge:
     def render(self, completion: str, item: Mapping[str, Any]) -> str:
         """The judge prompt for one completion (raises KeyError without item["question"])."""
         low, high = self.score_range
-        return self.template.format(rubric=self.rubric, question=item["question"],
-                                    completion=completion, reference=item.get("answer", ""),
-                                    low=low, high=high)
+        return self.template.format(
+            rubric=self.rubric,
+            question=item["question"],
+            completion=completion,
+            reference=item.get("answer", ""),
+            low=low,
+            high=high,
+        )
 
-    def judge(self, completions: Sequence[str],
-              items: Sequence[Mapping[str, Any]]) -> list[JudgeResult]:
+    def judge(
+        self, completions: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[JudgeResult]:
         """One `JudgeResult` per completion (see the module table for the outcomes).
 
         Raises:
@@ -280,41 +287,64 @@ class LLMJudge:
                 prompts.append(self.render(completion, item))
                 where.append(i)
             except (KeyError, TypeError) as exc:
-                results[i] = JudgeResult.failure(Outcome.ERROR, f"cannot render the judge "
-                                                 f"prompt: {type(exc).__name__}: {exc}")
+                results[i] = JudgeResult.failure(
+                    Outcome.ERROR, f"cannot render the judge prompt: {type(exc).__name__}: {exc}"
+                )
         for i, (text, why) in zip(where, self._generate(prompts)):
-            results[i] = (JudgeResult.failure(Outcome.ERROR, why) if text is None
-                          else self._score(text))
-        return [r if r is not None else JudgeResult.failure(Outcome.ERROR, "not judged")
-                for r in results]
+            results[i] = (
+                JudgeResult.failure(Outcome.ERROR, why) if text is None else self._score(text)
+            )
+        return [
+            r if r is not None else JudgeResult.failure(Outcome.ERROR, "not judged")
+            for r in results
+        ]
 
     def _score(self, text: str) -> JudgeResult:
         low, high = self.score_range
         try:
             value = self.parse(text)
         except Exception as exc:  # noqa: BLE001 - a failing parser is the judge's failure
-            return JudgeResult(0.0, Outcome.ERROR, f"parse raised {type(exc).__name__}: "
-                               f"{exc} on {_quote(text)}", raw=text)
+            return JudgeResult(
+                0.0,
+                Outcome.ERROR,
+                f"parse raised {type(exc).__name__}: {exc} on {_quote(text)}",
+                raw=text,
+            )
         if value is None:
-            return JudgeResult(0.0, Outcome.ERROR, f"no score found in judge output "
-                               f"{_quote(text)}", raw=text)
+            return JudgeResult(
+                0.0, Outcome.ERROR, f"no score found in judge output {_quote(text)}", raw=text
+            )
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return JudgeResult(0.0, Outcome.ERROR, f"parse returned {value!r} (a "
-                               f"{type(value).__name__}), not a number, on {_quote(text)}",
-                               raw=text)
+            return JudgeResult(
+                0.0,
+                Outcome.ERROR,
+                f"parse returned {value!r} (a "
+                f"{type(value).__name__}), not a number, on {_quote(text)}",
+                raw=text,
+            )
         value = float(value)
         if not (math.isfinite(value) and low <= value <= high):
-            return JudgeResult(0.0, Outcome.ERROR, f"score {value:g} outside score_range "
-                               f"[{low:g}, {high:g}] in {_quote(text)}", raw=text)
+            return JudgeResult(
+                0.0,
+                Outcome.ERROR,
+                f"score {value:g} outside score_range [{low:g}, {high:g}] in {_quote(text)}",
+                raw=text,
+            )
         fraction = (value - low) / (high - low)
         outcome = Outcome.OK if fraction >= self.ok_threshold else Outcome.WRONG
-        return JudgeResult(fraction if self.normalize else value, outcome,
-                           f"judge score {value:g} of [{low:g}, {high:g}]", raw=text,
-                           raw_score=value)
+        return JudgeResult(
+            fraction if self.normalize else value,
+            outcome,
+            f"judge score {value:g} of [{low:g}, {high:g}]",
+            raw=text,
+            raw_score=value,
+        )
 
     def __repr__(self) -> str:
-        return (f"LLMJudge(policy={self.policy!r}, score_range={self.score_range}, "
-                f"normalize={self.normalize})")
+        return (
+            f"LLMJudge(policy={self.policy!r}, score_range={self.score_range}, "
+            f"normalize={self.normalize})"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,15 +388,26 @@ class RewardModelJudge:
         ValueError: for an unknown `normalize`, a bad `ok_threshold` or `batch_size`.
     """
 
-    def __init__(self, reward_model, tokenizer, *, normalize: str | None = None,
-                 ok_threshold: float | None = None, batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        reward_model,
+        tokenizer,
+        *,
+        normalize: str | None = None,
+        ok_threshold: float | None = None,
+        batch_size: int = 32,
+    ) -> None:
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"normalize={normalize!r}; allowed: {NORMALIZE_MODES}")
         check_int("batch_size", batch_size, minimum=1)
         self.reward_model, self.tokenizer, self.normalize = reward_model, tokenizer, normalize
-        self.ok_threshold = (_check_real("ok_threshold", ok_threshold, "a finite number")
-                             if ok_threshold is not None
-                             else 0.5 if normalize == "sigmoid" else 0.0)
+        self.ok_threshold = (
+            _check_real("ok_threshold", ok_threshold, "a finite number")
+            if ok_threshold is not None
+            else 0.5
+            if normalize == "sigmoid"
+            else 0.0
+        )
         self.batch_size = batch_size
 
     @classmethod
@@ -377,8 +418,9 @@ class RewardModelJudge:
         model, tokenizer = load_reward_model(folder)
         return cls(model, tokenizer, **options)
 
-    def rewards(self, completions: Sequence[str],
-                items: Sequence[Mapping[str, Any]]) -> list[float | str]:
+    def rewards(
+        self, completions: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[float | str]:
         """Raw reward per completion, or the reason it could not be scored (a str)."""
         from posttrain.rewards.reward_model import render_pair
 
@@ -393,7 +435,7 @@ class RewardModelJudge:
                 continue
             try:
                 ids = render_pair(self.tokenizer, item["question"], completion)
-            except ValueError as exc:   # BadRowError: the chat template refused it
+            except ValueError as exc:  # BadRowError: the chat template refused it
                 out[i] = f"cannot render the pair: {exc}"
                 continue
             if len(ids) > limit:
@@ -405,8 +447,9 @@ class RewardModelJudge:
             out[i] = reward if math.isfinite(reward) else f"non-finite reward {reward}"
         return out
 
-    def judge(self, completions: Sequence[str],
-              items: Sequence[Mapping[str, Any]]) -> list[JudgeResult]:
+    def judge(
+        self, completions: Sequence[str], items: Sequence[Mapping[str, Any]]
+    ) -> list[JudgeResult]:
         """One `JudgeResult` per completion (raw_score = the raw reward)."""
         results = []
         for reward in self.rewards(completions, items):
@@ -415,71 +458,11 @@ class RewardModelJudge:
                 continue
             score = _sigmoid(reward) if self.normalize == "sigmoid" else reward
             outcome = Outcome.OK if score >= self.ok_threshold else Outcome.WRONG
-            results.append(JudgeResult(score, outcome, f"reward {reward:.4g}",
-                                       raw_score=reward))
+            results.append(JudgeResult(score, outcome, f"reward {reward:.4g}", raw_score=reward))
         return results
 
     def __repr__(self) -> str:
         return f"RewardModelJudge(normalize={self.normalize!r}, ok_threshold={self.ok_threshold})"
-
-
-# --------------------------------------------------------------------------------------------
-# Judges as verifiers (RL reward sources)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JudgeVerifier:
-    """A `Verifier` that asks `judge` about one completion. Pickles when the judge does.
-
-    `isolation = "thread"`: `run_verifier` calls it on a thread of this process (the judge holds
-    a model in memory), not in a worker process.
-    """
-
-    judge: Judge
-    isolation = "thread"   # a class attribute, not a field
-
-    def __call__(self, completion: str, item: Mapping[str, Any]) -> VerifierResult:
-        results = self.judge.judge([completion], [item])
-        if len(results) != 1:
-            raise ValueError(f"{type(self.judge).__name__}.judge returned {len(results)} results "
-                             "for 1 completion")
-        return results[0]
-
-
-def judge_as_verifier(judge: Judge) -> JudgeVerifier:
-    """`judge` as a `Verifier` `(completion, item) -> VerifierResult`, for `run_verifier`,
-    `score_batch` (time budgets; a raising judge becomes outcome error) and the environments of
-    `posttrain.envs`. Each call judges one completion (a batch of one); the default budget
-    (`posttrain.rewards.verifier.DEFAULT_TIMEOUT_S`, 5 s) suits tiny judges: give a large LLM judge
-    more (`RLTrainer(verifier_timeout_s=...)`), since a timeout excludes the whole group.
-
-    Example (an LLM judge as the reward of a chain_sum group builder):
-        >>> from posttrain.envs import ReasoningGymGroupBuilder
-        >>> from posttrain.policy import Policy
-        >>> judge = LLMJudge(Policy.from_spec("tiny-1m", seed=0), "Correct?", max_new_tokens=4)
-        >>> builder = ReasoningGymGroupBuilder({"question": "1 + 2 =", "answer": "3"},
-        ...                                    "chain_sum", verifier=judge_as_verifier(judge))
-        >>> builder.make_envs(1)[0].step("3").verifier_result.outcome.value  # untrained judge
-        'error'
-    """
-    if not callable(getattr(judge, "judge", None)):
-        raise TypeError(f"judge must have a judge(completions, items) method; got "
-                        f"{type(judge).__name__}")
-    return JudgeVerifier(judge)
-
-
-# --------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _check_lengths(completions: Sequence[str], items: Sequence[Mapping[str, Any]]) -> None:
-    if isinstance(completions, str):
-        raise ValueError("completions must be a list of str; wrap a single completion as [text]")
-    if len(completions) != len(items):
-        raise ValueError(f"need one item per completion, got {len(completions)} completions and "
-                         f"{len(items)} items")
 
 
 def _sigmoid(x: float) -> float:

@@ -40,15 +40,14 @@ from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.rewards.judge_parsing import parse_choice
+from posttrain.rewards.judge_protocol import _check_lengths, _text_problem
 from posttrain.rewards.judges import (
     RewardModelJudge,
-    _check_lengths,
     _check_real,
     _check_template,
     _Generator,
     _quote,
     _sigmoid,
-    _text_problem,
 )
 
 __all__ = [
