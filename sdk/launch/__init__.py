@@ -5,11 +5,12 @@ against the job before submitting (`posttrain.launch.plans`).
 
 from __future__ import annotations
 
+from posttrain.launch.executors import EXECUTORS
 from posttrain.launch.judge import JudgeJob, launch_judge
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.ray_cluster import RayCluster, ray_job  # ray_cluster(): that module
 from posttrain.launch.run import RUN_FILE, JobFailedError, Run
-from posttrain.launch.submit import EXECUTORS, launch, launch_array
+from posttrain.launch.submit import launch, launch_array
 
 __all__ = [
     "launch_judge",

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from submitit.core.core import Job
 from submitit.core.utils import JobPaths, pickle_load
-from submitit.local.local import LocalJob
 
+from posttrain.launch.executors import QuietLocalJob
 from posttrain.launch.records import (
     _controller_alive,
     _fmt,
@@ -52,18 +52,6 @@ _ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGU
 # partition, account or QOS allows, which no other job ending will change.
 _NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
                  "InvalidAccount", "InvalidQOS"}
-
-
-class QuietLocalJob(LocalJob):
-    """submitit's LocalJob, without the traceback its `__del__` prints when a handle is still
-    alive as the interpreter exits (submitit's module globals are None by then: "Exception
-    ignored in LocalJob.__del__ ... TypeError"). Errors in `__del__` are never raised anyway."""
-
-    def __del__(self) -> None:
-        try:
-            super().__del__()
-        except (TypeError, AttributeError, ImportError):
-            pass
 
 
 class JobFailedError(RuntimeError):

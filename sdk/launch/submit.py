@@ -1,5 +1,6 @@
 """Run a recipe's `main` (or any function) as a job from a notebook cell, with submitit:
-in this process ("debug"), as processes on this machine ("local") or on Slurm ("slurm").
+in this process ("debug"), as processes on this machine ("local") or on Slurm ("slurm"); the
+executors, and what each can provide, are `posttrain.launch.executors`.
 
 `launch(target, cfg)` checks that `target` and `cfg` pickle (they travel to the job with
 cloudpickle), submits `target(cfg)` and returns a `Run`: state, logs, live metrics from
@@ -32,11 +33,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import re
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,31 +43,41 @@ from typing import TYPE_CHECKING, Any
 
 from submitit.core.utils import FailedJobError
 from submitit.local.debug import DebugExecutor
-from submitit.local.local import LocalExecutor
 
 from posttrain.core.checkpoint_files import make_private_dir
+from posttrain.launch.executors import EXECUTORS, check_resources, make_executor
 from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
 from posttrain.launch.pickling import _check_pickles
 from posttrain.launch.plans import check_plan_memory, resolve_plan
-from posttrain.launch.run import RUN_FILE, JobFailedError, QuietLocalJob, Run
+from posttrain.launch.run import RUN_FILE, JobFailedError, Run
 
 if TYPE_CHECKING:
     from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["launch", "launch_array", "Run", "JobFailedError", "EXECUTORS", "RUN_FILE"]
 
-EXECUTORS = ("local", "slurm", "debug")
-
 
 # ----------------------------------------------------------------------------- launch
 
 
-def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "local",
-           nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0,
-           cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
-           folder: str | os.PathLike | None = None, name: str | None = None,
-           max_num_timeout: int = 10, master_addr: str | None = None,
-           slurm_kwargs: dict[str, Any] | None = None, plan: ParallelPlan | None = None) -> Run:
+def launch(
+    target: Callable[..., Any],
+    cfg: Any = None,
+    *,
+    executor: str = "local",
+    nodes: int = 1,
+    tasks_per_node: int = 1,
+    gpus_per_node: int = 0,
+    cpus_per_task: int = 1,
+    timeout_min: float = 60,
+    partition: str | None = None,
+    folder: str | os.PathLike | None = None,
+    name: str | None = None,
+    max_num_timeout: int = 10,
+    master_addr: str | None = None,
+    slurm_kwargs: dict[str, Any] | None = None,
+    plan: ParallelPlan | None = None,
+) -> Run:
     """Submit `target(cfg)` (or `target()` when cfg is None) as a job; return its `Run`.
 
     Args:
@@ -139,13 +148,24 @@ def launch(target: Callable[..., Any], cfg: Any = None, *, executor: str = "loca
     return _submit(target, [cfg], cfg is not None, locals())[0]
 
 
-def launch_array(target: Callable[..., Any], cfgs: Sequence[Any], *, executor: str = "local",
-                 nodes: int = 1, tasks_per_node: int = 1, gpus_per_node: int = 0,
-                 cpus_per_task: int = 1, timeout_min: float = 60, partition: str | None = None,
-                 folder: str | os.PathLike | None = None, name: str | None = None,
-                 max_num_timeout: int = 10, master_addr: str | None = None,
-                 slurm_kwargs: dict[str, Any] | None = None,
-                 plan: ParallelPlan | None = None) -> list[Run]:
+def launch_array(
+    target: Callable[..., Any],
+    cfgs: Sequence[Any],
+    *,
+    executor: str = "local",
+    nodes: int = 1,
+    tasks_per_node: int = 1,
+    gpus_per_node: int = 0,
+    cpus_per_task: int = 1,
+    timeout_min: float = 60,
+    partition: str | None = None,
+    folder: str | os.PathLike | None = None,
+    name: str | None = None,
+    max_num_timeout: int = 10,
+    master_addr: str | None = None,
+    slurm_kwargs: dict[str, Any] | None = None,
+    plan: ParallelPlan | None = None,
+) -> list[Run]:
     """Submit `target(cfg)` for every cfg of `cfgs` (a sweep) in one go; one `Run` each.
 
     On Slurm this is one job array (`sbatch --array`; `slurm_kwargs={"array_parallelism": k}`
@@ -163,18 +183,28 @@ def launch_array(target: Callable[..., Any], cfgs: Sequence[Any], *, executor: s
     return _submit(target, list(cfgs), True, locals())
 
 
-def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
-            options: dict[str, Any]) -> list[Run]:
+def _submit(
+    target: Callable[..., Any], cfgs: list[Any], has_cfg: bool, options: dict[str, Any]
+) -> list[Run]:
     o = {k: v for k, v in options.items() if k not in ("target", "cfg", "cfgs")}
     executor, nodes, tasks_per_node = o["executor"], o["nodes"], o["tasks_per_node"]
     gpus_per_node, timeout_min, name = o["gpus_per_node"], o["timeout_min"], o["name"]
     if not callable(target):
-        raise TypeError(f"target={target!r} is not callable; pass the function to run (e.g. a "
-                        "recipe's main), and its argument as cfg")
+        raise TypeError(
+            f"target={target!r} is not callable; pass the function to run (e.g. a "
+            "recipe's main), and its argument as cfg"
+        )
     if not cfgs:
         raise ValueError("launch_array needs at least one cfg")
-    _check_resources(executor, nodes, tasks_per_node, gpus_per_node, o["cpus_per_task"],
-                     timeout_min, o["max_num_timeout"])
+    check_resources(
+        executor,
+        nodes,
+        tasks_per_node,
+        gpus_per_node,
+        o["cpus_per_task"],
+        timeout_min,
+        o["max_num_timeout"],
+    )
     if o["slurm_kwargs"] and executor != "slurm":
         raise ValueError(f"slurm_kwargs are for executor='slurm', not {executor!r}")
     num_tasks = nodes * tasks_per_node
@@ -182,66 +212,110 @@ def _submit(target: Callable[..., Any], cfgs: list[Any], has_cfg: bool,
     for cfg, plan in zip(cfgs, plans):
         check_plan_memory(cfg, plan, executor=executor, tasks_per_node=tasks_per_node)
     name = _job_name(target) if name is None else str(name)
-    calls = [_Call(target, cfg, has_cfg=has_cfg, num_tasks=num_tasks,
-                   gpus_per_node=gpus_per_node, master_addr=o["master_addr"],
-                   in_job=executor != "debug") for cfg in cfgs]
+    calls = [
+        _Call(
+            target,
+            cfg,
+            has_cfg=has_cfg,
+            num_tasks=num_tasks,
+            gpus_per_node=gpus_per_node,
+            master_addr=o["master_addr"],
+            in_job=executor != "debug",
+        )
+        for cfg in cfgs
+    ]
     for i, call in enumerate(calls):
         _check_pickles(call, name + (f" (cfgs[{i}])" if len(calls) > 1 else ""))
     out_dirs = [_out_dir(cfg) for cfg in cfgs]
     folder = o["folder"]
     if executor == "debug":  # runs here, now; DebugExecutor writes nothing under folder
         ex = DebugExecutor(folder or ".")
-        return [Run._run_debug(ex.submit(call), name, out_dir, plan)
-                for call, out_dir, plan in zip(calls, out_dirs, plans)]
+        return [
+            Run._run_debug(ex.submit(call), name, out_dir, plan)
+            for call, out_dir, plan in zip(calls, out_dirs, plans)
+        ]
 
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        folder = (out_dirs[0] / "launch" if len(cfgs) == 1 and out_dirs[0] is not None
-                  else Path("runs", "launch", f"{name}-{stamp}"))
+        folder = (
+            out_dirs[0] / "launch"
+            if len(cfgs) == 1 and out_dirs[0] is not None
+            else Path("runs", "launch", f"{name}-{stamp}")
+        )
     folder = Path(folder).expanduser().absolute()
     _refuse_running_job(folder)
     log_folder = folder / "%j"
     created = _first_missing(folder)
     before = set(folder.iterdir()) if created is None else set()
     make_private_dir(folder)  # job pickles and results unpickle as code: 0700, this user's only
-    ex = _make_executor(executor, log_folder, o["max_num_timeout"])
-    params = dict(timeout_min=timeout_min, nodes=nodes, tasks_per_node=tasks_per_node,
-                  gpus_per_node=gpus_per_node)
-    if executor == "slurm":
-        params = dict(time=max(1, math.ceil(timeout_min)), nodes=nodes,
-                      ntasks_per_node=tasks_per_node, cpus_per_task=o["cpus_per_task"],
-                      job_name=name)
-        if gpus_per_node:
-            params["gpus_per_node"] = gpus_per_node
-        if o["partition"]:
-            params["partition"] = o["partition"]
-        params.update(ex._convert_parameters(dict(o["slurm_kwargs"] or {})))
-    ex.update_parameters(**params)
+    ex = make_executor(
+        executor,
+        log_folder,
+        max_num_timeout=o["max_num_timeout"],
+        timeout_min=timeout_min,
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
+        gpus_per_node=gpus_per_node,
+        cpus_per_task=o["cpus_per_task"],
+        partition=o["partition"],
+        name=name,
+        slurm_kwargs=o["slurm_kwargs"],
+    )
     try:
         jobs = ex.submit_array(calls)
     except FailedJobError as e:  # sbatch refused: leave nothing of this attempt behind
         _remove_new(folder, before, created)
-        hint = "" if os.environ.get("SLURM_CONF") or executor != "slurm" else (
-            " SLURM_CONF is not set: export SLURM_CONF=<path to the cluster's slurm.conf> (for "
-            "the local cluster, the line scripts/slurm-up.sh prints).")
+        hint = (
+            ""
+            if os.environ.get("SLURM_CONF") or executor != "slurm"
+            else (
+                " SLURM_CONF is not set: export SLURM_CONF=<path to the cluster's slurm.conf> (for "
+                "the local cluster, the line scripts/slurm-up.sh prints)."
+            )
+        )
         raise RuntimeError(f"{executor} refused the job:{hint}\n{e}") from None
-    runs = [Run(job, executor=executor, folder=folder, log_folder=log_folder, out_dir=out_dir,
-                target=name, num_tasks=num_tasks, index=i, plan=plan)
-            for i, (job, out_dir, plan) in enumerate(zip(jobs, out_dirs, plans))]
-    record = {"version": 1, "executor": executor, "name": name, "target": _qualname(target),
-              "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              "host": socket.gethostname(), "python": sys.executable, "folder": str(folder),
-              "log_folder": str(log_folder), "num_tasks": num_tasks,
-              "jobs": [{"job_id": r.job_id,
-                        "out_dir": None if r.out_dir is None else str(r.out_dir),
-                        "plan": None if r.plan is None else r.plan.to_dict()} for r in runs],
-              "parameters": {k: v for k, v in ex.parameters.items() if _jsonable(v)}}
+    runs = [
+        Run(
+            job,
+            executor=executor,
+            folder=folder,
+            log_folder=log_folder,
+            out_dir=out_dir,
+            target=name,
+            num_tasks=num_tasks,
+            index=i,
+            plan=plan,
+        )
+        for i, (job, out_dir, plan) in enumerate(zip(jobs, out_dirs, plans))
+    ]
+    record = {
+        "version": 1,
+        "executor": executor,
+        "name": name,
+        "target": _qualname(target),
+        "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "python": sys.executable,
+        "folder": str(folder),
+        "log_folder": str(log_folder),
+        "num_tasks": num_tasks,
+        "jobs": [
+            {
+                "job_id": r.job_id,
+                "out_dir": None if r.out_dir is None else str(r.out_dir),
+                "plan": None if r.plan is None else r.plan.to_dict(),
+            }
+            for r in runs
+        ],
+        "parameters": {k: v for k, v in ex.parameters.items() if _jsonable(v)},
+    }
     _write_json(folder / RUN_FILE, record)
     return runs
 
 
-def _resolve_plans(cfgs: list[Any], plan: ParallelPlan | None, nodes: int,
-                   tasks_per_node: int) -> tuple[list[Any], list[ParallelPlan | None]]:
+def _resolve_plans(
+    cfgs: list[Any], plan: ParallelPlan | None, nodes: int, tasks_per_node: int
+) -> tuple[list[Any], list[ParallelPlan | None]]:
     """Every cfg with `plan` written in (when given) and its checked plan
     (`posttrain.launch.plans.resolve_plan`); a sweep's errors name the cfg (`cfgs[2]: ...`)."""
     resolved = []
@@ -264,16 +338,20 @@ def _refuse_running_job(folder: Path) -> None:
     try:
         runs = Run.attach_array(folder)
     except ValueError as e:
-        raise ValueError(f"{folder} already holds a {RUN_FILE} that cannot be checked ({e}); "
-                         "remove it, or pass another out_dir or folder") from None
+        raise ValueError(
+            f"{folder} already holds a {RUN_FILE} that cannot be checked ({e}); "
+            "remove it, or pass another out_dir or folder"
+        ) from None
     running = [r for r in runs if not r.done()]
     if running:
         ids = ", ".join(f"{r.job_id} ({r.state})" for r in running)
-        raise ValueError(f"{folder} belongs to job {ids}, which has not ended: launching there "
-                         "would overwrite its record and its files. Cancel it first "
-                         f"(Run.attach_array({str(folder)!r}) and .cancel() each; "
-                         f"Run.attach({str(folder)!r}).cancel() for one job), or pass another "
-                         "out_dir or folder")
+        raise ValueError(
+            f"{folder} belongs to job {ids}, which has not ended: launching there "
+            "would overwrite its record and its files. Cancel it first "
+            f"(Run.attach_array({str(folder)!r}) and .cancel() each; "
+            f"Run.attach({str(folder)!r}).cancel() for one job), or pass another "
+            "out_dir or folder"
+        )
 
 
 def _first_missing(folder: Path) -> Path | None:
@@ -297,40 +375,6 @@ def _remove_new(folder: Path, before: set[Path], created: Path | None) -> None:
                 break
             if d == created:
                 break
-
-
-def _check_resources(executor, nodes, tasks_per_node, gpus_per_node, cpus_per_task,
-                     timeout_min, max_num_timeout) -> None:
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor={executor!r}; allowed: {', '.join(EXECUTORS)}")
-    for arg, value, low in (("nodes", nodes, 1), ("tasks_per_node", tasks_per_node, 1),
-                            ("gpus_per_node", gpus_per_node, 0),
-                            ("cpus_per_task", cpus_per_task, 1),
-                            ("max_num_timeout", max_num_timeout, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{arg}={value!r}; must be an integer >= {low}")
-    if (not isinstance(timeout_min, (int, float)) or isinstance(timeout_min, bool)
-            or not math.isfinite(timeout_min) or not timeout_min > 0):
-        raise ValueError(f"timeout_min={timeout_min!r}; must be a finite number of minutes > 0")
-    if executor in ("local", "debug") and nodes != 1:
-        raise ValueError(f"executor={executor!r} runs on this machine only: nodes must be 1, "
-                         f"got {nodes} (use executor='slurm' for several nodes)")
-    if executor == "debug" and tasks_per_node != 1:
-        raise ValueError(f"executor='debug' runs one task in this process (submitit would silently "
-                         f"run 1 of your {tasks_per_node}); use executor='local' for "
-                         f"tasks_per_node={tasks_per_node}")
-
-
-def _make_executor(executor: str, log_folder: Path, max_num_timeout: int):
-    if executor == "local":
-        return _LocalExecutor(log_folder, max_num_timeout=max_num_timeout)
-    from submitit.slurm.slurm import SlurmExecutor
-
-    try:
-        return SlurmExecutor(log_folder, max_num_timeout=max_num_timeout)
-    except RuntimeError as e:
-        raise RuntimeError(f"executor='slurm' needs Slurm's client commands (srun, sbatch, sacct) "
-                           f"on PATH and SLURM_CONF naming the cluster ({e})") from None
 
 
 def _job_name(target: Callable[..., Any]) -> str:
@@ -366,36 +410,3 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- local executor
-
-
-class _LocalExecutor(LocalExecutor):
-    """submitit's LocalExecutor with the job controller in its own session: a Jupyter kernel
-    interrupt (SIGINT) or restart (SIGKILL) goes to the kernel's whole process group and would
-    otherwise stop the job too. The controller also gets its folder with `%j` filled in, so no
-    stray folder named `%j` is created."""
-
-    def _submit_command(self, command: str) -> QuietLocalJob:
-        ntasks = self.parameters.get("tasks_per_node", 1)
-        n_gpus = self.parameters.get("gpus_per_node", 0)
-        env = dict(os.environ)
-        from posttrain.core.threads import apply_thread_env
-
-        apply_thread_env(env)  # OpenMP's wait policy must be set before the job imports torch
-        env.update(  # as submitit.local.local.start_controller (submitit 1.5.4)
-            SUBMITIT_LOCAL_NTASKS=str(ntasks), SUBMITIT_LOCAL_COMMAND=command,
-            SUBMITIT_LOCAL_TIMEOUT_S=str(int(60 * self.parameters.get("timeout_min", 2.0))),
-            SUBMITIT_LOCAL_SIGNAL_DELAY_S=str(int(self.parameters.get("signal_delay_s", 30))),
-            SUBMITIT_LOCAL_NODEID="0", SUBMITIT_LOCAL_JOB_NUM_NODES="1",
-            SUBMITIT_STDERR_TO_STDOUT="", SUBMITIT_EXECUTOR="local",
-            CUDA_VISIBLE_DEVICES=",".join(str(k) for k in range(n_gpus)),
-            SUBMITIT_LOCAL_WITH_SHELL="")
-        code = ("import os, sys; from pathlib import Path; "
-                "from submitit.local.local import Controller; "
-                "Controller(Path(sys.argv[1].replace('%j', str(os.getpid())))).run()")
-        process = subprocess.Popen([sys.executable, "-c", code, str(self.folder)], env=env,
-                                   start_new_session=True)
-        return QuietLocalJob(folder=self.folder, job_id=str(process.pid), process=process,
-                        tasks=list(range(ntasks)))

@@ -43,9 +43,8 @@ from typing import Any
 
 import pandas as pd
 
-from posttrain.launch import JobFailedError, Run, launch_array
+from posttrain.launch import EXECUTORS, JobFailedError, Run, launch_array
 from posttrain.launch.records import last_metrics_row, watch_until_done
-from posttrain.launch.submit import EXECUTORS
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.arms import NEEDED as _NEEDED
 from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
