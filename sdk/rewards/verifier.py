@@ -71,7 +71,8 @@ from posttrain.rewards.outcome import (
     coerce_result,
     raised_result,
 )
-from posttrain.rewards.verifier_pool import DEFAULT_MAX_WORKERS, run_calls
+from posttrain.rewards.verifier_isolation import run_calls
+from posttrain.rewards.verifier_pool import DEFAULT_MAX_WORKERS
 from posttrain.rewards.verifier_threads import MAX_TIMEOUT_S, check_timeout
 
 __all__ = [

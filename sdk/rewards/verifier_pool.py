@@ -1,20 +1,6 @@
-"""Where budgeted verifier calls run: killable worker processes (the default) or threads.
-
-`run_verifier` / `score_batch` (`posttrain.rewards.verifier`) hand every call that has a time
-budget to `run_calls`, which reads the verifier's `isolation` attribute (class or instance):
-
-    =========  =======================================  ========================================
-    isolation  where a call runs                        a call past its budget `timeout_s`
-    =========  =======================================  ========================================
-    "process"  a worker process of a bounded pool       outcome timeout at `timeout_s` (a few ms
-    (default)  (`WorkerPool`, one per process)          later; at most `KILL_MARGIN_S`); the
-                                                        worker and all its descendants are
-                                                        killed (SIGKILL) and a new worker started
-    "thread"   a daemon thread (judges, clients of a    outcome timeout at `timeout_s`; the
-               judge server: verifiers that hold a      thread is abandoned and runs on until the
-               model or do network I/O)                 verifier returns, so such a verifier must
-                                                        bound its own time (a request deadline)
-    =========  =======================================  ========================================
+"""A bounded pool of killable verifier worker processes: where a budgeted verifier call runs
+when its verifier's `isolation` is "process", the default (`posttrain.rewards.verifier_isolation`
+reads it and chooses between this pool and threads).
 
 Worker processes are fresh interpreters (`subprocess.Popen` of `verifier_worker.py`: fork + exec),
 never a fork of the training process (which holds torch, CUDA or server threads) and never a
@@ -67,8 +53,9 @@ from typing import Any
 
 import cloudpickle
 
+from posttrain.core.threads import available_cpus
 from posttrain.rewards.outcome import Outcome, VerifierResult
-from posttrain.rewards.verifier_threads import Call, check_timeout, run_on_threads
+from posttrain.rewards.verifier_threads import Call, run_on_threads
 from posttrain.rewards.verifier_worker import (
     MAX_REPLY_BYTES,
     Launcher,
@@ -81,9 +68,6 @@ DEFAULT_MAX_WORKERS = 8
 """Most verifier calls `score_batch` runs at the same time by default (and the most worker
 processes a pool keeps, further bounded by this process's CPUs: `WorkerPool`)."""
 
-ISOLATIONS = ("process", "thread")
-"""Values of a verifier's `isolation` attribute; "process" when it has none."""
-
 KILL_MARGIN_S = 0.5
 """Bound on how late after its budget a timed-out process call returns (measured: a few ms)."""
 
@@ -94,51 +78,7 @@ WORKER_CACHE_SIZE = 16
 """Verifiers a worker keeps loaded (least recently used forgotten first)."""
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-_TOP_UP_S = 0.01   # how often a batch short of workers looks for a free one
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask: a Slurm step's share, not the node's)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:   # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def isolation_of(verifier: Any) -> str:
-    """The verifier's declared `isolation` ("process" when it declares none).
-
-    Raises:
-        ValueError: if it declares something other than one of `ISOLATIONS`.
-
-    Example:
-        >>> class JudgeClient:
-        ...     isolation = "thread"   # holds a connection and a request deadline of its own
-        ...     def __call__(self, completion, item):
-        ...         return 1.0
-        >>> isolation_of(JudgeClient()), isolation_of(lambda completion, item: 1.0)
-        ('thread', 'process')
-    """
-    isolation = getattr(verifier, "isolation", "process")
-    if isolation not in ISOLATIONS:
-        raise ValueError(f"{type(verifier).__name__}.isolation is {isolation!r}; allowed values: "
-                         f"{ISOLATIONS} ('process' when not set)")
-    return isolation
-
-
-def run_calls(verifier: Callable, calls: Sequence[Call], *, timeout_s: float,
-              max_workers: int) -> list[VerifierResult]:
-    """Run `verifier` on every (completion, item) of `calls` with a budget of `timeout_s`
-    seconds each, at most `max_workers` at a time, where its `isolation` says (module
-    docstring). Returns one result per call, in order. Nothing the verifier does raises here.
-
-    Raises:
-        ValueError: for an unknown `isolation` value, or `timeout_s` not in (0, MAX_TIMEOUT_S].
-    """
-    check_timeout(timeout_s)
-    if isolation_of(verifier) == "thread":
-        return run_on_threads(verifier, calls, timeout_s=timeout_s, max_workers=max_workers)
-    return verifier_pool().run(verifier, calls, timeout_s=timeout_s, max_workers=max_workers)
+_TOP_UP_S = 0.01  # how often a batch short of workers looks for a free one
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,13 +93,13 @@ class _Shipment:
     key: int
     blob: bytes | None
     problem: str = ""
-    refs: tuple = ()   # keeps the object alive while cached, so its id is not reused
+    refs: tuple = ()  # keeps the object alive while cached, so its id is not reused
 
 
 @dataclass
 class _InFlight:
     index: int
-    deadline: float   # monotonic; while loading, the load's deadline
+    deadline: float  # monotonic; while loading, the load's deadline
     loading: bool
 
 
@@ -169,11 +109,11 @@ class _Batch:
 
     calls: Sequence[Call]
     timeout_s: float
-    want: int                                       # workers it may hold
+    want: int  # workers it may hold
     results: list = field(init=False)
     todo: collections.deque = field(init=False)
-    busy: dict = field(default_factory=dict)        # WorkerProcess -> _InFlight
-    mine: list = field(default_factory=list)        # the workers this batch holds
+    busy: dict = field(default_factory=dict)  # WorkerProcess -> _InFlight
+    mine: list = field(default_factory=list)  # the workers this batch holds
     on_threads: list = field(default_factory=list)  # indices to run on threads instead
     retried: set = field(default_factory=set)
     problem: str = ""
@@ -231,9 +171,9 @@ class WorkerPool:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._free = threading.Condition(self._lock)
-        self._idle: list[WorkerProcess] = []       # least recently used first
+        self._idle: list[WorkerProcess] = []  # least recently used first
         self._workers: set[WorkerProcess] = set()  # every live worker, idle or busy
-        self._alive = 0                      # workers alive or being started (the bound)
+        self._alive = 0  # workers alive or being started (the bound)
         self._launcher: Launcher | None = None
         self.stats = {"started": 0, "killed": 0, "died": 0}
 
@@ -259,10 +199,11 @@ class WorkerPool:
             self._alive -= len(workers)
         for worker in workers:
             worker.kill()
-            worker.exit_status(wait_s=5.0)   # reaps it
+            worker.exit_status(wait_s=5.0)  # reaps it
 
-    def run(self, verifier: Callable, calls: Sequence[Call], *, timeout_s: float,
-            max_workers: int) -> list[VerifierResult]:
+    def run(
+        self, verifier: Callable, calls: Sequence[Call], *, timeout_s: float, max_workers: int
+    ) -> list[VerifierResult]:
         """`run_calls` on this pool's workers, at most `min(max_workers, max_processes)` at once.
         Falls back to threads, with a warning, for a verifier that cannot be shipped."""
         shipment = self._shipment(verifier)
@@ -271,14 +212,15 @@ class WorkerPool:
         batch = _Batch(calls, timeout_s, want=min(max_workers, len(calls), self.max_processes))
         try:
             while batch.todo or batch.busy:
-                if batch.todo and shipment.blob is None:   # another batch found it unloadable
+                if batch.todo and shipment.blob is None:  # another batch found it unloadable
                     batch.problem = shipment.problem
                     batch.to_threads()
                 if batch.todo:
                     if len(batch.mine) < batch.want:
                         try:
-                            batch.mine += self._acquire(shipment.key, batch.want - len(batch.mine),
-                                                        block=not batch.mine)
+                            batch.mine += self._acquire(
+                                shipment.key, batch.want - len(batch.mine), block=not batch.mine
+                            )
                         except OSError as exc:
                             batch.problem = f"no worker process could start: {_describe(exc)}"
                             batch.to_threads()
@@ -289,13 +231,18 @@ class WorkerPool:
                 if batch.busy:
                     self._collect(shipment, batch)
         finally:
-            for worker in list(batch.busy):   # left only by an exception (KeyboardInterrupt)
+            for worker in list(batch.busy):  # left only by an exception (KeyboardInterrupt)
                 self._discard(worker, batch)
             for worker in batch.mine:
                 self._release(worker)
         if batch.on_threads:
-            done = self._on_threads(verifier, [calls[i] for i in batch.on_threads],
-                                    batch.problem, timeout_s, max_workers)
+            done = self._on_threads(
+                verifier,
+                [calls[i] for i in batch.on_threads],
+                batch.problem,
+                timeout_s,
+                max_workers,
+            )
             for index, result in zip(batch.on_threads, done):
                 batch.results[index] = result
         return batch.results
@@ -306,25 +253,30 @@ class WorkerPool:
         index = batch.todo.popleft()
         try:
             payload = dumps_message(batch.calls[index])
-        except Exception as exc:   # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             batch.results[index] = VerifierResult.failure(
-                Outcome.ERROR, f"the completion or item did not pickle: {_describe(exc)}")
+                Outcome.ERROR, f"the completion or item did not pickle: {_describe(exc)}"
+            )
             return
         loading = shipment.key not in worker.loaded
         load = None
         if loading:
-            evict = worker.loaded.popitem(last=False)[0] \
-                if len(worker.loaded) >= WORKER_CACHE_SIZE else None
+            evict = (
+                worker.loaded.popitem(last=False)[0]
+                if len(worker.loaded) >= WORKER_CACHE_SIZE
+                else None
+            )
             load = (shipment.blob, evict)
             worker.loaded[shipment.key] = None
         worker.loaded.move_to_end(shipment.key)
         try:
             worker.inbox.send_bytes(dumps_message(("call", index, shipment.key, load, payload)))
-        except OSError:   # the worker died while idle: the call never started
+        except OSError:  # the worker died while idle: the call never started
             self._discard(worker, batch)
             if index in batch.retried:
                 batch.results[index] = VerifierResult.failure(
-                    Outcome.ERROR, "the worker processes died before the call started")
+                    Outcome.ERROR, "the worker processes died before the call started"
+                )
             else:
                 batch.retried.add(index)
                 batch.todo.appendleft(index)
@@ -337,13 +289,13 @@ class WorkerPool:
         busy = batch.busy
         by_outbox = {w.outbox: w for w in busy}
         wait_s = max(0.0, min(c.deadline for c in busy.values()) - time.monotonic())
-        if batch.todo and len(batch.mine) < batch.want:   # a replacement may be free soon
+        if batch.todo and len(batch.mine) < batch.want:  # a replacement may be free soon
             wait_s = min(wait_s, _TOP_UP_S)
         for outbox in wait(list(by_outbox), wait_s):
             worker = by_outbox[outbox]
             call = busy[worker]
             try:
-                reply = pickle.loads(worker.outbox.recv_bytes(MAX_REPLY_BYTES))   # the worker caps
+                reply = pickle.loads(worker.outbox.recv_bytes(MAX_REPLY_BYTES))  # the worker caps
             except (EOFError, OSError, pickle.UnpicklingError):
                 del busy[worker]
                 batch.results[call.index] = self._died(worker, call)
@@ -354,8 +306,10 @@ class WorkerPool:
             elif reply[0] == "load_failed":
                 del busy[worker]
                 worker.loaded.pop(shipment.key, None)
-                shipment.blob, shipment.problem = None, f"the worker could not unpickle it: " \
-                                                        f"{reply[2]}"
+                shipment.blob, shipment.problem = (
+                    None,
+                    f"the worker could not unpickle it: {reply[2]}",
+                )
                 batch.problem = shipment.problem
                 batch.on_threads.append(call.index)
                 batch.to_threads()
@@ -370,16 +324,19 @@ class WorkerPool:
                 batch.results[call.index] = VerifierResult.failure(Outcome.ERROR, reason)
             else:
                 batch.results[call.index] = VerifierResult.failure(
-                    Outcome.TIMEOUT, f"verifier ran past {batch.timeout_s:g} s (worker process "
-                                     "killed)")
+                    Outcome.TIMEOUT,
+                    f"verifier ran past {batch.timeout_s:g} s (worker process killed)",
+                )
                 self.stats["killed"] += 1
             self._discard(worker, batch)
 
     def _died(self, worker: WorkerProcess, call: _InFlight) -> VerifierResult:
         self.stats["died"] += 1
         doing = "loading" if call.loading else "running"
-        return VerifierResult.failure(Outcome.ERROR, f"the worker process died "
-                                      f"({worker.exit_status()}) while {doing} the verifier")
+        return VerifierResult.failure(
+            Outcome.ERROR,
+            f"the worker process died ({worker.exit_status()}) while {doing} the verifier",
+        )
 
     def _on_threads(self, verifier, calls, problem, timeout_s, max_workers):
         warnings.warn(
@@ -387,7 +344,10 @@ class WorkerPool:
             "run in a worker process "
             f"({problem}); running it on threads, where its time budget cannot stop "
             "CPU-bound work. Make it picklable with cloudpickle, or declare isolation = "
-            "'thread' on it to choose threads explicitly.", UserWarning, stacklevel=5)
+            "'thread' on it to choose threads explicitly.",
+            UserWarning,
+            stacklevel=5,
+        )
         return run_on_threads(verifier, calls, timeout_s=timeout_s, max_workers=max_workers)
 
     # ---------------------------------------------------------------- shipping
@@ -399,11 +359,16 @@ class WorkerPool:
                 self._shipments.move_to_end(identity)
                 return shipment
         try:
-            shipment = _Shipment(next(self._keys), cloudpickle.dumps(verifier, protocol=_PROTOCOL),
-                                 refs=refs)
-        except Exception as exc:   # noqa: BLE001 - any pickling failure: run on threads
-            shipment = _Shipment(next(self._keys), None, f"cloudpickle failed: {_describe(exc)}"
-                                 f"{what_does_not_pickle(verifier)}", refs)
+            shipment = _Shipment(
+                next(self._keys), cloudpickle.dumps(verifier, protocol=_PROTOCOL), refs=refs
+            )
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: run on threads
+            shipment = _Shipment(
+                next(self._keys),
+                None,
+                f"cloudpickle failed: {_describe(exc)}{what_does_not_pickle(verifier)}",
+                refs,
+            )
         with self._lock:
             self._shipments[identity] = shipment
             while len(self._shipments) > 4 * WORKER_CACHE_SIZE:
@@ -433,7 +398,7 @@ class WorkerPool:
         for _ in range(start):
             try:
                 got.append(launcher.call(self._start_worker))
-            except Exception as exc:   # noqa: BLE001 - the slot is given back in every case
+            except Exception as exc:  # noqa: BLE001 - the slot is given back in every case
                 with self._free:
                     self._alive -= 1
                     self._free.notify_all()
@@ -453,7 +418,7 @@ class WorkerPool:
         """Start a worker into the idle list (on the launcher thread; its slot is reserved)."""
         try:
             worker = self._start_worker()
-        except Exception:   # noqa: BLE001 - the next call that needs a worker tries again
+        except Exception:  # noqa: BLE001 - the next call that needs a worker tries again
             with self._free:
                 self._alive -= 1
                 self._free.notify_all()
@@ -479,7 +444,7 @@ class WorkerPool:
             launcher = self._launcher
         assert launcher is not None  # made before the first worker started
         launcher.post(worker.proc.wait)
-        launcher.post(self._replace)   # keeps the slot (`_alive`) for the replacement
+        launcher.post(self._replace)  # keeps the slot (`_alive`) for the replacement
 
 
 _POOL: WorkerPool | None = None
