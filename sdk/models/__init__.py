@@ -25,7 +25,6 @@ from posttrain.models.hf_tokenizer import (
     HFTokenizer,
 )
 from posttrain.models.lora import (
-    LoRAConfig,
     adapters_disabled,
     apply_lora,
     has_adapters,
@@ -33,6 +32,7 @@ from posttrain.models.lora import (
     merge_lora,
     save_peft_adapter,
 )
+from posttrain.models.lora_config import LoRAConfig
 from posttrain.models.moe import MoEFeedForward, moe_aux_loss
 from posttrain.models.specs import (
     FAMILIES,

@@ -1,5 +1,7 @@
 """LoRA and QLoRA adapters on a built torchtune decoder (torchtune's `LoRALinear`), merging them
-into the base, and the Hugging Face PEFT folder format.
+into the base, and the Hugging Face PEFT folder format. The settings and the linears they select
+(`LoRAConfig`, `LORA_MODULES`, QLoRA's shape rule) are in `posttrain.models.lora_config` and
+import from here too.
 
 LoRA (Hu et al. 2021, arXiv:2106.09685, eq. 3) replaces a frozen linear `W x` by
 `W x + (alpha / rank) * B A x` with `A: [rank, in]`, `B: [out, rank]`; QLoRA (Dettmers et al. 2023,
@@ -14,19 +16,14 @@ optional ParallelPlan, then the optimizer over the parameters that require grad.
     save_peft_adapter(model, "out/adapter", spec=spec)   # peft.PeftModel.from_pretrained reads it
     merge_lora(model)                     # a plain decoder again
     save_hf_checkpoint(model, spec, "out/merged")
-
-Module names are torchtune's (`LORA_MODULES`); configs also accept the HF names o_proj, gate_proj,
-down_proj and up_proj (`HF_MODULE_ALIASES`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,85 +32,41 @@ from torch import nn
 
 from posttrain.models import peft_format
 from posttrain.models.conversion import ConversionReport, forget_converter
+from posttrain.models.lora_config import (
+    HF_MODULE_ALIASES,
+    LORA_MODULES,
+    NF4_BLOCK_SIZE,
+    NF4_NUMEL_MULTIPLE,
+    NF4_SCALER_BLOCK_SIZE,
+    LoRAConfig,
+    _check_nf4_shape,
+    _find_targets,
+    _linear_names,
+)
 
 if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
 
-__all__ = ["LORA_MODULES", "HF_MODULE_ALIASES", "NF4_NUMEL_MULTIPLE", "ADAPTER_INIT_SEED",
-           "LoRAConfig", "apply_lora",
-           "adapter_state_dict", "merge_lora", "merge_into", "parameter_bytes",
-           "save_peft_adapter", "load_peft_adapter", "has_adapters", "adapters_disabled"]
+__all__ = [
+    "LORA_MODULES",
+    "HF_MODULE_ALIASES",
+    "NF4_NUMEL_MULTIPLE",
+    "ADAPTER_INIT_SEED",
+    "LoRAConfig",
+    "apply_lora",
+    "adapter_state_dict",
+    "merge_lora",
+    "merge_into",
+    "parameter_bytes",
+    "save_peft_adapter",
+    "load_peft_adapter",
+    "has_adapters",
+    "adapters_disabled",
+]
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
-"""The linears of a transformer layer LoRA can adapt: `attn.{q,k,v,output}_proj`, `mlp.w1`
-(HF gate_proj), `mlp.w2` (down_proj), `mlp.w3` (up_proj)."""
-HF_MODULE_ALIASES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2",
-                     "up_proj": "w3"}
-"""HF module names accepted in `LoRAConfig.modules`, and the torchtune names they stand for."""
-NF4_BLOCK_SIZE = 64
-NF4_SCALER_BLOCK_SIZE = 256
-NF4_NUMEL_MULTIPLE = NF4_BLOCK_SIZE * NF4_SCALER_BLOCK_SIZE
-"""torchao `NF4Tensor.from_tensor` (0.15) needs numel % 64 == 0 (one absmax per block of 64) and
-a number of blocks divisible by 256 (the absmax values are quantised again in blocks of 256), so a
-quantised weight's numel must be a multiple of 64 * 256 = 16,384."""
 ADAPTER_INIT_SEED = 0
 """`apply_lora` draws A from this seed in a forked RNG: converting the same model twice gives
 the same adapters whatever the global RNG state, which it leaves untouched."""
-_BLOCK_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "output_proj": "attn",
-             "w1": "mlp", "w2": "mlp", "w3": "mlp"}
-
-
-@dataclass(kw_only=True, frozen=True)
-class LoRAConfig:
-    """LoRA settings; the converter named "lora", or "qlora" when `quantize_base`.
-
-    Args:
-        rank: r, the inner dimension of A `[r, in]` and B `[out, r]`.
-        alpha: the scale numerator; adapters add `(alpha / rank) * B A x`.
-        dropout: dropout probability on the adapter's input, in [0, 1).
-        modules: which linears of every transformer layer to adapt: names from `LORA_MODULES`
-            or `HF_MODULE_ALIASES` (stored as torchtune names, in the order given).
-        quantize_base: store the frozen base weights as NF4 (QLoRA).
-
-    Raises:
-        ValueError: naming the field, its value and what is allowed.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "output_proj")
-    quantize_base: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"LoRAConfig.rank={self.rank!r}; must be an integer >= 1")
-        if not _is_number(self.alpha) or not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"LoRAConfig.alpha={self.alpha!r}; must be a finite number > 0")
-        if not _is_number(self.dropout) or not 0 <= self.dropout < 1:
-            raise ValueError(f"LoRAConfig.dropout={self.dropout!r}; must be a number in [0, 1)")
-        if not isinstance(self.quantize_base, bool):
-            raise ValueError(f"LoRAConfig.quantize_base={self.quantize_base!r}; must be True or "
-                             "False")
-        allowed = f"allowed: {', '.join(LORA_MODULES)} (or HF names {', '.join(HF_MODULE_ALIASES)})"
-        if isinstance(self.modules, str) or not isinstance(self.modules, (tuple, list)) \
-                or not self.modules:
-            raise ValueError(f"LoRAConfig.modules={self.modules!r}; must be a non-empty tuple of "
-                             f"module names; {allowed}")
-        names = []
-        for name in self.modules:
-            tune = HF_MODULE_ALIASES.get(name, name)
-            if tune not in LORA_MODULES:
-                raise ValueError(f"LoRAConfig.modules names {name!r}; {allowed}")
-            if tune in names:
-                raise ValueError(f"LoRAConfig.modules names {tune!r} twice ({self.modules!r})")
-            names.append(tune)
-        object.__setattr__(self, "modules", tuple(names))
-
-    @property
-    def converter(self) -> str:
-        """The converter name: "qlora" when the base is quantised, else "lora"."""
-        return "qlora" if self.quantize_base else "lora"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,15 +107,18 @@ def apply_lora(
     if not isinstance(config, LoRAConfig):
         raise TypeError(f"apply_lora needs a LoRAConfig, got {type(config).__name__}")
     if has_adapters(model):
-        raise ValueError("this model has LoRA adapters already; apply_lora converts a plain "
-                         "model once (merge_lora first to adapt a merged model again)")
+        raise ValueError(
+            "this model has LoRA adapters already; apply_lora converts a plain "
+            "model once (merge_lora first to adapt a merged model again)"
+        )
     targets = _find_targets(model, config.modules, spec)
     if config.quantize_base:
         for name, linear in targets:
             _check_nf4_shape(name, linear.weight)
 
-    cuda = sorted({lin.weight.device.index or 0 for _, lin in targets
-                   if lin.weight.device.type == "cuda"})
+    cuda = sorted(
+        {lin.weight.device.index or 0 for _, lin in targets if lin.weight.device.type == "cuda"}
+    )
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(ADAPTER_INIT_SEED)
         for name, linear in targets:
@@ -171,10 +127,12 @@ def apply_lora(
     set_trainable_params(model, get_adapter_params(model))
     params = list(model.parameters())
     return ConversionReport(
-        name=config.converter, converted=tuple(name for name, _ in targets),
+        name=config.converter,
+        converted=tuple(name for name, _ in targets),
         skipped={"output": "the output projection and embeddings are not adapted"},
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
-        total_parameters=sum(p.numel() for p in params))
+        total_parameters=sum(p.numel() for p in params),
+    )
 
 
 def _replace_linear(model: nn.Module, name: str, linear: nn.Linear, config: LoRAConfig) -> None:
@@ -184,61 +142,29 @@ def _replace_linear(model: nn.Module, name: str, linear: nn.Linear, config: LoRA
 
     weight = linear.weight
     with torch.device("meta"):
-        lora = LoRALinear(linear.in_features, linear.out_features, rank=config.rank,
-                          alpha=config.alpha, dropout=config.dropout,
-                          use_bias=linear.bias is not None,
-                          quantize_base=config.quantize_base)
+        lora = LoRALinear(
+            linear.in_features,
+            linear.out_features,
+            rank=config.rank,
+            alpha=config.alpha,
+            dropout=config.dropout,
+            use_bias=linear.bias is not None,
+            quantize_base=config.quantize_base,
+        )
     lora.to_empty(device=weight.device)  # materialises lora_a / lora_b only
     lora.initialize_parameters()
     lora.lora_a.to(dtype=weight.dtype)
     lora.lora_b.to(dtype=weight.dtype)
     with torch.no_grad():
-        base = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE) \
-            if config.quantize_base else weight.detach()
+        base = (
+            to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+            if config.quantize_base
+            else weight.detach()
+        )
     lora.weight = nn.Parameter(base, requires_grad=False)
     lora.bias = linear.bias
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name), attr, lora)
-
-
-def _find_targets(model: nn.Module, modules: tuple[str, ...],
-                  spec: ModelSpec | None) -> list[tuple[str, nn.Linear]]:
-    """(qualified name, linear) of every targeted linear, or ValueError before any change."""
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"LoRA needs a torchtune TransformerDecoder (with `layers`), got "
-                        f"{type(model).__name__}")
-    if spec is not None and getattr(spec, "num_layers", len(layers)) != len(layers):
-        raise ValueError(f"spec.num_layers={spec.num_layers} but the model has {len(layers)} "
-                         "layers; pass the model's own ModelSpec")
-    has = _linear_names(model)
-    missing = [m for m in modules if m not in has]
-    if missing:
-        mlp = type(getattr(layers[0], "mlp", None)).__name__
-        raise ValueError(f"LoRAConfig.modules names {missing[0]!r}, which this model does not "
-                         f"have as a linear in every layer (its MLP is {mlp}); the model has: "
-                         f"{', '.join(has) or 'none'}")
-    return [(f"layers.{i}.{_BLOCK_OF[m]}.{m}", getattr(getattr(layer, _BLOCK_OF[m]), m))
-            for i, layer in enumerate(layers) for m in modules]
-
-
-def _linear_names(model: nn.Module) -> list[str]:
-    """The names of `LORA_MODULES` that are an `nn.Linear` in every layer of `model`."""
-    return [m for m in LORA_MODULES
-            if all(isinstance(getattr(getattr(layer, _BLOCK_OF[m], None), m, None), nn.Linear)
-                   for layer in getattr(model, "layers", ()))]
-
-
-def _check_nf4_shape(name: str, weight: torch.Tensor) -> None:
-    if weight.dim() != 2 or weight.numel() % NF4_NUMEL_MULTIPLE:
-        raise ValueError(
-            f"QLoRA (LoRAConfig.quantize_base=True) cannot quantise {name}: weight shape "
-            f"{tuple(weight.shape)}, numel {weight.numel()}; NF4 needs a 2-D weight whose numel "
-            f"is a multiple of {NF4_BLOCK_SIZE} * {NF4_SCALER_BLOCK_SIZE} = {NF4_NUMEL_MULTIPLE:,} "
-            "(torchao block size x scaler block size); drop this module from "
-            "LoRAConfig.modules or pick dimensions that fit")
-    if not weight.dtype.is_floating_point:
-        raise ValueError(f"QLoRA cannot quantise {name}: dtype {weight.dtype} is not a float")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,8 +198,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     _require_adapters(model, "merge_lora")
     loras = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, lora in loras:
-        merged = _merged_weight(lora.weight, lora.lora_a.weight, lora.lora_b.weight,
-                                lora.alpha / lora.rank)
+        merged = _merged_weight(
+            lora.weight, lora.lora_a.weight, lora.lora_b.weight, lora.alpha / lora.rank
+        )
         with torch.device("meta"):
             linear = nn.Linear(lora.in_dim, lora.out_dim, bias=lora.bias is not None)
         linear.weight = nn.Parameter(merged, requires_grad=False)
@@ -285,9 +212,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def merge_into(base_state_dict: Mapping[str, torch.Tensor],
-               adapter_state: Mapping[str, torch.Tensor],
-               config: LoRAConfig) -> dict[str, torch.Tensor]:
+def merge_into(
+    base_state_dict: Mapping[str, torch.Tensor],
+    adapter_state: Mapping[str, torch.Tensor],
+    config: LoRAConfig,
+) -> dict[str, torch.Tensor]:
     """Merge a saved adapter (`adapter_state_dict` of a model trained with `config`) into the
     state dict of a base model (torchtune names), as `merge_lora` does: `W' = W + (alpha / rank)
     * B @ A` in fp32, cast once to W's dtype. Returns a new dict; other entries are the same
@@ -313,26 +242,33 @@ def merge_into(base_state_dict: Mapping[str, torch.Tensor],
     merged = dict(base_state_dict)
     for module, ab in modules.items():
         if set(ab) != {"a", "b"}:
-            raise ValueError(f"adapter of {module} has lora_{''.join(ab)} only; it needs both "
-                             "lora_a and lora_b")
+            raise ValueError(
+                f"adapter of {module} has lora_{''.join(ab)} only; it needs both lora_a and lora_b"
+            )
         if f"{module}.weight" not in base_state_dict:
-            raise ValueError(f"the base state dict has no {module}.weight for the adapter of "
-                             f"{module}")
+            raise ValueError(
+                f"the base state dict has no {module}.weight for the adapter of {module}"
+            )
         base, a, b = base_state_dict[f"{module}.weight"], ab["a"], ab["b"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank or b.shape[1] != config.rank:
-            raise ValueError(f"adapter of {module}: lora_a {tuple(a.shape)} and lora_b "
-                             f"{tuple(b.shape)} do not have LoRAConfig.rank={config.rank}")
+            raise ValueError(
+                f"adapter of {module}: lora_a {tuple(a.shape)} and lora_b "
+                f"{tuple(b.shape)} do not have LoRAConfig.rank={config.rank}"
+            )
         if (b.shape[0], a.shape[1]) != tuple(base.shape):
-            raise ValueError(f"adapter of {module} is for a weight of shape "
-                             f"{(b.shape[0], a.shape[1])} (lora_b {tuple(b.shape)} @ lora_a "
-                             f"{tuple(a.shape)}) but the base weight has shape {tuple(base.shape)}")
+            raise ValueError(
+                f"adapter of {module} is for a weight of shape "
+                f"{(b.shape[0], a.shape[1])} (lora_b {tuple(b.shape)} @ lora_a "
+                f"{tuple(a.shape)}) but the base weight has shape {tuple(base.shape)}"
+            )
         merged[f"{module}.weight"] = _merged_weight(base, a, b, config.alpha / config.rank)
     return merged
 
 
 @torch.no_grad()
-def _merged_weight(base: torch.Tensor, a_RI: torch.Tensor, b_OR: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def _merged_weight(
+    base: torch.Tensor, a_RI: torch.Tensor, b_OR: torch.Tensor, scale: float
+) -> torch.Tensor:
     """(base + scale * B @ A) in fp32, cast once to the base dtype. Shapes: O out, I in, R rank."""
     from torchao.dtypes.nf4tensor import NF4Tensor
 
@@ -352,8 +288,7 @@ def parameter_bytes(model: nn.Module) -> int:
         data = p.data if isinstance(p, nn.Parameter) else p
         if isinstance(data, NF4Tensor):
             names, _ = data.__tensor_flatten__()
-            total += sum(getattr(data, n).numel() * getattr(data, n).element_size()
-                         for n in names)
+            total += sum(getattr(data, n).numel() * getattr(data, n).element_size() for n in names)
         else:
             total += p.numel() * p.element_size()
     return total
@@ -363,8 +298,13 @@ def parameter_bytes(model: nn.Module) -> int:
 # PEFT folders (formats in posttrain.models.peft_format)
 
 
-def save_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: ModelSpec,
-                      base_model_name_or_path: str = "") -> Path:
+def save_peft_adapter(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    *,
+    spec: ModelSpec,
+    base_model_name_or_path: str = "",
+) -> Path:
     """Write the model's adapters as a PEFT LoRA folder: adapter_config.json and
     adapter_model.safetensors (HF key names, llama q/k lora_B rows in HF's order, tensors in the
     adapters' dtype), so that `peft.PeftModel.from_pretrained(hf_base, folder)` on the HF model of
@@ -387,19 +327,28 @@ def save_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: Mode
 
     settings = _adapter_settings(model)
     weights = peft_format.tune_to_peft_weights(
-        adapter_state_dict(model), family=spec.family, num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads, embed_dim=spec.embed_dim, head_dim=spec.head_dim)
+        adapter_state_dict(model),
+        family=spec.family,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        embed_dim=spec.embed_dim,
+        head_dim=spec.head_dim,
+    )
     config = peft_format.peft_config(**settings, base_model_name_or_path=base_model_name_or_path)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in weights.items()},
-              str(folder / peft_format.ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous() for k, v in weights.items()},
+        str(folder / peft_format.ADAPTER_WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
     (folder / peft_format.ADAPTER_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
-def load_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: ModelSpec,
-                      quantize_base: bool = False) -> ConversionReport:
+def load_peft_adapter(
+    model: nn.Module, folder: str | os.PathLike, *, spec: ModelSpec, quantize_base: bool = False
+) -> ConversionReport:
     """Put the adapters of a PEFT LoRA folder (e.g. written by `peft` itself) onto a plain
     model: `apply_lora` with the folder's r / lora_alpha / lora_dropout / target_modules, then
     the folder's A and B weights (cast to the adapters' dtype).
@@ -425,28 +374,42 @@ def load_peft_adapter(model: nn.Module, folder: str | os.PathLike, *, spec: Mode
     folder = Path(folder)
     for name in (peft_format.ADAPTER_CONFIG_NAME, peft_format.ADAPTER_WEIGHTS_NAME):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"no {name} in {folder} (a PEFT adapter folder holds "
-                                    f"{peft_format.ADAPTER_CONFIG_NAME} and "
-                                    f"{peft_format.ADAPTER_WEIGHTS_NAME})")
+            raise FileNotFoundError(
+                f"no {name} in {folder} (a PEFT adapter folder holds "
+                f"{peft_format.ADAPTER_CONFIG_NAME} and "
+                f"{peft_format.ADAPTER_WEIGHTS_NAME})"
+            )
     settings = peft_format.lora_settings_from_peft_config(
-        json.loads((folder / peft_format.ADAPTER_CONFIG_NAME).read_text()))
+        json.loads((folder / peft_format.ADAPTER_CONFIG_NAME).read_text())
+    )
     config = LoRAConfig(**settings, quantize_base=quantize_base)
     if has_adapters(model):
-        raise ValueError("this model has LoRA adapters already; load_peft_adapter needs a plain "
-                         "model")
+        raise ValueError(
+            "this model has LoRA adapters already; load_peft_adapter needs a plain model"
+        )
     lacking = [m for m in config.modules if m not in _linear_names(model)]
     if lacking:
         hf = peft_format.TUNE_TO_HF_MODULE
-        raise ValueError(f"adapter_config.json target_modules names {hf[lacking[0]]!r}, which "
-                         "this model does not have as a linear in every layer; it has: "
-                         f"{', '.join(hf[m] for m in _linear_names(model)) or 'none'}")
+        raise ValueError(
+            f"adapter_config.json target_modules names {hf[lacking[0]]!r}, which "
+            "this model does not have as a linear in every layer; it has: "
+            f"{', '.join(hf[m] for m in _linear_names(model)) or 'none'}"
+        )
     targets = dict(_find_targets(model, config.modules, spec))
     state = peft_format.peft_to_tune_weights(
-        load_file(str(folder / peft_format.ADAPTER_WEIGHTS_NAME)), family=spec.family,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-    expected = {f"{name}.lora_{p}.weight": (config.rank, lin.in_features) if p == "a"
-                else (lin.out_features, config.rank)
-                for name, lin in targets.items() for p in ("a", "b")}
+        load_file(str(folder / peft_format.ADAPTER_WEIGHTS_NAME)),
+        family=spec.family,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+    )
+    expected = {
+        f"{name}.lora_{p}.weight": (config.rank, lin.in_features)
+        if p == "a"
+        else (lin.out_features, config.rank)
+        for name, lin in targets.items()
+        for p in ("a", "b")
+    }
     peft_format.check_weights(state, expected, where=folder / peft_format.ADAPTER_WEIGHTS_NAME)
     report = apply_lora(model, config, spec=spec)
     params = dict(model.named_parameters())
@@ -462,19 +425,21 @@ def _adapter_settings(model: nn.Module) -> dict[str, Any]:
 
     _require_adapters(model, "save_peft_adapter")
     return peft_format.shared_settings(
-        {n: (m.rank, float(m.alpha), getattr(m.dropout, "p", 0.0))
-         for n, m in model.named_modules() if isinstance(m, LoRALinear)},
-        num_layers=len(getattr(model, "layers", ())))
+        {
+            n: (m.rank, float(m.alpha), getattr(m.dropout, "p", 0.0))
+            for n, m in model.named_modules()
+            if isinstance(m, LoRALinear)
+        },
+        num_layers=len(getattr(model, "layers", ())),
+    )
 
 
 def _require_adapters(model: nn.Module, what: str) -> None:
     if not has_adapters(model):
-        raise ValueError(f"{what} needs a model with LoRA adapters "
-                         "(posttrain.models.lora.apply_lora); this one has none")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+        raise ValueError(
+            f"{what} needs a model with LoRA adapters "
+            "(posttrain.models.lora.apply_lora); this one has none"
+        )
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -492,7 +457,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     from torchtune.modules.peft import disable_adapter
 
     if not has_adapters(model):
-        raise ValueError("adapters_disabled needs a model with LoRA adapters "
-                         "(posttrain.models.lora.apply_lora); this one has none")
+        raise ValueError(
+            "adapters_disabled needs a model with LoRA adapters "
+            "(posttrain.models.lora.apply_lora); this one has none"
+        )
     with disable_adapter(model):
         yield model

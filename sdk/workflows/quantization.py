@@ -39,7 +39,7 @@ from posttrain.models.conversion import ConversionReport
 from posttrain.workflows.config import choice, fail
 
 if TYPE_CHECKING:  # imported where used: torchao loads only when a recipe asks for it
-    from posttrain.models.lora import LoRAConfig
+    from posttrain.models.lora_config import LoRAConfig
     from posttrain.train.float8 import Float8Config
     from posttrain.train.qat import QATConfig
 
@@ -83,7 +83,7 @@ class AdaptersConfig:
         """The `LoRAConfig` of these settings; None for method "none"."""
         if self.method == "none":
             return None
-        from posttrain.models.lora import LoRAConfig
+        from posttrain.models.lora_config import LoRAConfig
 
         return LoRAConfig(
             rank=self.rank,
