@@ -9,7 +9,8 @@ from posttrain.launch.executors import EXECUTORS
 from posttrain.launch.judge import JudgeJob, launch_judge
 from posttrain.launch.pickling import LaunchPickleError
 from posttrain.launch.ray_cluster import RayCluster, ray_job  # ray_cluster(): that module
-from posttrain.launch.run import RUN_FILE, JobFailedError, Run
+from posttrain.launch.run import JobFailedError, Run
+from posttrain.launch.run_record import RUN_FILE
 from posttrain.launch.submit import launch, launch_array
 
 __all__ = [

@@ -1,8 +1,9 @@
 """What a `Run` reads about its job besides submitit's Job: whether a "local" job's controller
-still runs, why Slurm keeps a job pending (squeue), a task's outcome from its result pickle
-without loading the result, the end of a log file, the launch record in run.json, the last row
-of a metrics.jsonl, the short forms of that row a `Run` shows (its repr and notebook table),
-and the refresh loop that `Run.watch` and `Sweep.watch` share (`watch_until_done`).
+still runs, which Slurm states are not final, why Slurm keeps a job pending (squeue) and which
+of its reasons never clear, a task's outcome from its result pickle without loading the result,
+the end of a log file, the last row of a metrics.jsonl, the short forms of that row a `Run`
+shows (its repr and notebook table), and the refresh loop that `Run.watch` and `Sweep.watch`
+share (`watch_until_done`). The launch record in run.json is `posttrain.launch.run_record`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,37 @@ def _controller_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+# Slurm states (sacct) in which a job may still run or run again; every other state is final.
+_ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "COMPLETING",
+    "PREEMPTED",
+    "CONFIGURING",
+    "SUSPENDED",
+    "RESIZING",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "READY",
+    "UNKNOWN",
+}
+
+# squeue reasons (%r) that keep a job PENDING until it is cancelled: its request exceeds what the
+# partition, account or QOS allows, which no other job ending will change.
+_NEVER_STARTS = {
+    "PartitionConfig",
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+}
 
 
 def _squeue_reason(job_id: str) -> str | None:
@@ -80,39 +112,6 @@ def _tail(path: Path, lines: int | None) -> str:
             data = f.read(step) + data
     text = data.decode("utf-8", "replace")
     return "\n".join(text.splitlines()[-lines:]) if lines else ""
-
-
-_RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    """The record in a run.json, checked to have what `Run.attach` reads."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
-            f"{path} is not valid JSON ({e}); it is not a launch record "
-            "(written by posttrain.launch.submit), or was damaged"
-        ) from None
-    if not isinstance(record, dict):
-        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a launch record")
-    missing = [k for k in _RECORD_KEYS if k not in record]
-    if missing:
-        raise ValueError(
-            f"{path} is not a launch record written by posttrain.launch.submit: it has "
-            f"no {', '.join(repr(k) for k in missing)}"
-        )
-    jobs = record["jobs"]
-    if (
-        not isinstance(jobs, list)
-        or not jobs
-        or not all(isinstance(j, dict) and "job_id" in j and "out_dir" in j for j in jobs)
-    ):
-        raise ValueError(
-            f"{path}: 'jobs' must be a non-empty list of {{'job_id', 'out_dir'}} "
-            f"entries, got {jobs!r:.200}"
-        )
-    return record
 
 
 def last_metrics_row(path: Path | None) -> dict[str, Any]:

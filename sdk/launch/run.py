@@ -1,6 +1,7 @@
 """The handle of a launched job (`posttrain.launch.submit.launch` returns one): state, logs, live
 metrics, wait, cancel, result, a table in the notebook, and `Run.attach(folder)` to find the job
-again from another process (e.g. after a kernel restart).
+again from another process (e.g. after a kernel restart) through the run.json that `launch`
+wrote (`posttrain.launch.run_record`).
 
 States are submitit's (Slurm's `sacct` states for "slurm"; for "local" they are read from the
 job controller's process and result files). Results are read from submitit's result pickles.
@@ -12,46 +13,32 @@ import datetime
 import html
 import os
 import signal
-import socket
 import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from submitit.core.core import Job
 from submitit.core.utils import JobPaths, pickle_load
 
-from posttrain.launch.executors import QuietLocalJob
 from posttrain.launch.records import (
+    _ACTIVE,
+    _NEVER_STARTS,
     _controller_alive,
     _fmt,
     _headline,
     _no_metrics,
     _peek_outcome,
-    _read_record,
     _squeue_reason,
     _tail,
     last_metrics_row,
     watch_until_done,
 )
+from posttrain.launch.run_record import RUN_FILE, attach_fields, read_run_record
 
 if TYPE_CHECKING:
     from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["Run", "JobFailedError", "RUN_FILE"]
-
-RUN_FILE = "run.json"
-"""File in a launch folder that records what was submitted, for `Run.attach`."""
-
-# Slurm states (sacct) in which a job may still run or run again; every other state is final.
-_ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
-           "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT",
-           "STOPPED", "READY", "UNKNOWN"}
-
-# squeue reasons (%r) that keep a job PENDING until it is cancelled: its request exceeds what the
-# partition, account or QOS allows, which no other job ending will change.
-_NEVER_STARTS = {"PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
-                 "InvalidAccount", "InvalidQOS"}
 
 
 class JobFailedError(RuntimeError):
@@ -89,9 +76,19 @@ class Run:
 
     _refresh_s = 2.0  # at most one sacct call per this many seconds per Run
 
-    def __init__(self, job: Any, *, executor: str, folder: Path | None, log_folder: Path | None,
-                 out_dir: Path | None, target: str, num_tasks: int, index: int = 0,
-                 plan: ParallelPlan | None = None) -> None:
+    def __init__(
+        self,
+        job: Any,
+        *,
+        executor: str,
+        folder: Path | None,
+        log_folder: Path | None,
+        out_dir: Path | None,
+        target: str,
+        num_tasks: int,
+        index: int = 0,
+        plan: ParallelPlan | None = None,
+    ) -> None:
         self.job, self.executor, self.folder = job, executor, folder
         self.log_folder, self.out_dir, self.target = log_folder, out_dir, target
         self.num_tasks, self.index, self.plan = num_tasks, index, plan
@@ -105,10 +102,19 @@ class Run:
     # ------------------------------------------------------------- construction
 
     @classmethod
-    def _run_debug(cls, job: Any, name: str, out_dir: Path | None,
-                   plan: ParallelPlan | None = None) -> Run:
-        run = cls(job, executor="debug", folder=None, log_folder=None, out_dir=out_dir,
-                  target=name, num_tasks=1, plan=plan)
+    def _run_debug(
+        cls, job: Any, name: str, out_dir: Path | None, plan: ParallelPlan | None = None
+    ) -> Run:
+        run = cls(
+            job,
+            executor="debug",
+            folder=None,
+            log_folder=None,
+            out_dir=out_dir,
+            target=name,
+            num_tasks=1,
+            plan=plan,
+        )
         # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
         # each exception() call runs a failed function again: call exception() exactly once.
         try:
@@ -117,8 +123,9 @@ class Run:
             raise
         except BaseException as e:  # noqa: BLE001 - sys.exit() in target is the job's failure
             error = e
-        run._debug_outcome = ("error", error) if error is not None \
-            else ("success", job.submission().result())
+        run._debug_outcome = (
+            ("error", error) if error is not None else ("success", job.submission().result())
+        )
         return run
 
     @classmethod
@@ -137,50 +144,14 @@ class Run:
                 `launch`, a job array without `index`, an index out of range, or a "local"
                 job of another host.
         """
-        path = Path(folder).expanduser().absolute()
-        if path.is_dir():
-            path = path / RUN_FILE if (path / RUN_FILE).exists() else path / "launch" / RUN_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"no {RUN_FILE} in {folder} (nor in {folder}/launch): "
-                                    "pass the folder that launch() printed or returned")
-        record = _read_record(path)
-        jobs = record["jobs"]
-        if index is None:
-            if len(jobs) != 1:
-                raise ValueError(f"{path} records a job array of {len(jobs)} jobs: pass index= "
-                                 "(0..{}) or use Run.attach_array".format(len(jobs) - 1))
-            index = 0
-        if not 0 <= index < len(jobs):
-            raise ValueError(f"index={index}; {path} records {len(jobs)} job(s)")
-        executor, log_folder = record["executor"], Path(record["log_folder"])
-        tasks = list(range(record["num_tasks"]))
-        entry = jobs[index]
-        if executor == "local":
-            if record["host"] != socket.gethostname():
-                raise ValueError(f"{path}: this local job runs on host {record['host']!r}; "
-                                 f"attach to it there, not on {socket.gethostname()!r}")
-            job: Job[Any] = QuietLocalJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
-        elif executor == "slurm":
-            from submitit.slurm.slurm import SlurmJob
-
-            job = SlurmJob(folder=log_folder, job_id=entry["job_id"], tasks=tasks)
-        else:
-            raise ValueError(f"{path}: executor {executor!r} cannot be attached to")
-        plan = None
-        if entry.get("plan") is not None:  # absent in records written before plans were recorded
-            from posttrain.train.parallel import ParallelPlan
-
-            plan = ParallelPlan(**entry["plan"])
-        return cls(job, executor=executor, folder=path.parent, log_folder=log_folder,
-                   out_dir=None if entry["out_dir"] is None else Path(entry["out_dir"]),
-                   target=record["name"], num_tasks=len(tasks), index=index, plan=plan)
+        return cls(**attach_fields(folder, index))
 
     @classmethod
     def attach_array(cls, folder: str | os.PathLike) -> list[Run]:
         """Every Run recorded in `folder/run.json` (see `attach`)."""
         first = cls.attach(folder, 0)
         assert first.folder is not None  # an attached run has its launch folder
-        count = len(_read_record(first.folder / RUN_FILE)["jobs"])
+        count = len(read_run_record(first.folder / RUN_FILE)["jobs"])
         return [first] + [cls.attach(first.folder, i) for i in range(1, count)]
 
     # ------------------------------------------------------------- state
@@ -256,12 +227,15 @@ class Run:
                     f"with reason {reason} (it asks for more nodes, tasks, CPUs or time than "
                     "the partition, account or QOS allows; `scontrol show partition` lists the "
                     "limits). It stays queued: run.cancel() (scancel) removes it; then launch "
-                    "again with resources that fit.")
+                    "again with resources that fit."
+                )
             if timeout is not None and time.monotonic() - start >= timeout:
                 why = f" (reason: {reason})" if reason else ""
-                raise TimeoutError(f"job {self.job_id} ({self.target}) is still {self.status()}"
-                                   f"{why} after {timeout:g} s; it keeps running (run.cancel() "
-                                   "stops it, run.logs() shows its output)")
+                raise TimeoutError(
+                    f"job {self.job_id} ({self.target}) is still {self.status()}"
+                    f"{why} after {timeout:g} s; it keeps running (run.cancel() "
+                    "stops it, run.logs() shows its output)"
+                )
             time.sleep(poll_s)
         return self.status()
 
@@ -313,15 +287,21 @@ class Run:
             outcome, value = self._debug_outcome
             if outcome == "error":
                 tb = value.__traceback__  # from the target's frame on: skip submitit and _Call
-                while tb is not None and tb.tb_next is not None and (
+                while (
+                    tb is not None
+                    and tb.tb_next is not None
+                    and (
                         tb.tb_frame.f_code.co_filename == __file__
-                        or f"{os.sep}submitit{os.sep}" in tb.tb_frame.f_code.co_filename):
+                        or f"{os.sep}submitit{os.sep}" in tb.tb_frame.f_code.co_filename
+                    )
+                ):
                     tb = tb.tb_next
                 tb = "".join(traceback.format_exception(type(value), value, tb)).rstrip()
                 raise JobFailedError(
                     f"job {self.job_id} ({self.target}) failed in this process (executor='debug')"
                     f":\n{tb}\n(the original exception is this error's __cause__; "
-                    "pdb.post_mortem(err.__cause__.__traceback__) inspects it)") from value
+                    "pdb.post_mortem(err.__cause__.__traceback__) inspects it)"
+                ) from value
             return [value]
         self.wait()
         state = self.status()
@@ -332,7 +312,8 @@ class Run:
             failed = [k for k, o in enumerate(outcomes) if o == "error"]
             raise JobFailedError(
                 f"job {self.job_id} ({self.target}) failed (state {state}; task(s) {failed} "
-                f"raised). Remote traceback of task {i}:\n{trace}\n{self._log_hint(i)}")
+                f"raised). Remote traceback of task {i}:\n{trace}\n{self._log_hint(i)}"
+            )
         if None in outcomes and self.executor == "slurm" and state == "COMPLETED":
             deadline = time.monotonic() + 15  # a shared file system may show the files late
             while None in outcomes and time.monotonic() < deadline:
@@ -343,8 +324,10 @@ class Run:
             err = _tail(self._paths(i).stderr, 20)
             raise JobFailedError(
                 f"job {self.job_id} ({self.target}) ended in state {state} without a result "
-                f"(task {i} wrote none)." + (f" End of its error log:\n{err}\n" if err else " ")
-                + self._log_hint(i))
+                f"(task {i} wrote none)."
+                + (f" End of its error log:\n{err}\n" if err else " ")
+                + self._log_hint(i)
+            )
         return [pickle_load(self._paths(i).result_pickle)[1] for i in range(self.num_tasks)]
 
     # ------------------------------------------------------------- logs and metrics
@@ -374,16 +357,21 @@ class Run:
                 than the last is corrupt (`posttrain.core.metrics.read_metrics`).
         """
         if self.out_dir is None:
-            raise ValueError(f"run {self.job_id} ({self.target}) has no out_dir (its cfg has no "
-                             "out_dir field), so there are no metrics to read")
+            raise ValueError(
+                f"run {self.job_id} ({self.target}) has no out_dir (its cfg has no "
+                "out_dir field), so there are no metrics to read"
+            )
         path = self.out_dir / "metrics.jsonl"
         if not path.exists():
             return _no_metrics(f"{path} does not exist (job {self.job_id} is {self.status()})")
         from posttrain.core.metrics import read_metrics
 
         frame = read_metrics(path)
-        return frame if len(frame) else _no_metrics(f"{path} is empty (job {self.job_id} is "
-                                                    f"{self.status()})")
+        return (
+            frame
+            if len(frame)
+            else _no_metrics(f"{path} is empty (job {self.job_id} is {self.status()})")
+        )
 
     # ------------------------------------------------------------- display
 
@@ -397,21 +385,34 @@ class Run:
         except Exception:  # noqa: BLE001 - a display must not raise
             reason = None
         row = last_metrics_row(None if self.out_dir is None else self.out_dir / "metrics.jsonl")
-        return {"job_id": self.job_id, "state": state, "executor": self.executor,
-                "target": self.target, "reason": reason, "row": row}
+        return {
+            "job_id": self.job_id,
+            "state": state,
+            "executor": self.executor,
+            "target": self.target,
+            "reason": reason,
+            "row": row,
+        }
 
     def __repr__(self) -> str:
         s = self._summary()
         extra = "".join(f", {k}={_fmt(v)}" for k, v in _headline(s["row"]).items())
         if s["reason"]:
             extra = f", reason={s['reason']!r}" + extra
-        return (f"Run(job_id={s['job_id']!r}, state={s['state']!r}, executor={s['executor']!r}, "
-                f"target={s['target']!r}{extra})")
+        return (
+            f"Run(job_id={s['job_id']!r}, state={s['state']!r}, executor={s['executor']!r}, "
+            f"target={s['target']!r}{extra})"
+        )
 
     def _repr_html_(self) -> str:
         s = self._summary()
-        cells = {"job": s["job_id"], "state": s["state"], "executor": s["executor"],
-                 "target": s["target"], "tasks": self.num_tasks}
+        cells = {
+            "job": s["job_id"],
+            "state": s["state"],
+            "executor": s["executor"],
+            "target": s["target"],
+            "tasks": self.num_tasks,
+        }
         if self.plan is not None:
             cells["plan"] = str(self.plan)
         if s["reason"]:
@@ -428,10 +429,14 @@ class Run:
         seconds have passed (in Jupyter: one widget updated in place; elsewhere: a printed line
         whenever it changes). Ctrl-C / a kernel interrupt stops watching, not the job. Returns
         the last state seen."""
-        watch_until_done(self.done, as_html=self._repr_html_, as_text=lambda: repr(self),
-                         every_s=every_s, timeout=timeout,
-                         stopped=f"stopped watching; job {self.job_id} keeps running "
-                                 "(run.cancel() stops it)")
+        watch_until_done(
+            self.done,
+            as_html=self._repr_html_,
+            as_text=lambda: repr(self),
+            every_s=every_s,
+            timeout=timeout,
+            stopped=f"stopped watching; job {self.job_id} keeps running (run.cancel() stops it)",
+        )
         return self.status()
 
     # ------------------------------------------------------------- internals
@@ -453,4 +458,4 @@ class Run:
 
     def _log_hint(self, task: int) -> str:
         p = self._paths(task)
-        return (f"Logs: {p.stdout} and {p.stderr} (run.logs(stream='stderr', task={task}))")
+        return f"Logs: {p.stdout} and {p.stderr} (run.logs(stream='stderr', task={task}))"

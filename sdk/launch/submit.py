@@ -32,11 +32,8 @@ Example ("debug" runs the function here and now, writes no files, never opens pd
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
-import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,7 +46,8 @@ from posttrain.launch.executors import EXECUTORS, check_resources, make_executor
 from posttrain.launch.job import _Call, _resolvable  # noqa: F401  (_resolvable: tests)
 from posttrain.launch.pickling import _check_pickles
 from posttrain.launch.plans import check_plan_memory, resolve_plan
-from posttrain.launch.run import RUN_FILE, JobFailedError, Run
+from posttrain.launch.run import JobFailedError, Run
+from posttrain.launch.run_record import RUN_FILE, write_run_record
 
 if TYPE_CHECKING:
     from posttrain.train.parallel import ParallelPlan
@@ -288,28 +286,16 @@ def _submit(
         )
         for i, (job, out_dir, plan) in enumerate(zip(jobs, out_dirs, plans))
     ]
-    record = {
-        "version": 1,
-        "executor": executor,
-        "name": name,
-        "target": _qualname(target),
-        "submitted_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "python": sys.executable,
-        "folder": str(folder),
-        "log_folder": str(log_folder),
-        "num_tasks": num_tasks,
-        "jobs": [
-            {
-                "job_id": r.job_id,
-                "out_dir": None if r.out_dir is None else str(r.out_dir),
-                "plan": None if r.plan is None else r.plan.to_dict(),
-            }
-            for r in runs
-        ],
-        "parameters": {k: v for k, v in ex.parameters.items() if _jsonable(v)},
-    }
-    _write_json(folder / RUN_FILE, record)
+    write_run_record(
+        folder,
+        executor=executor,
+        name=name,
+        target=target,
+        log_folder=log_folder,
+        num_tasks=num_tasks,
+        runs=runs,
+        parameters=ex.parameters,
+    )
     return runs
 
 
@@ -387,26 +373,6 @@ def _job_name(target: Callable[..., Any]) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", full).strip("_") or "job"
 
 
-def _qualname(target: Any) -> str:
-    qualname = getattr(target, "__qualname__", type(target).__qualname__)
-    return f"{getattr(target, '__module__', '?')}.{qualname}"
-
-
 def _out_dir(cfg: Any) -> Path | None:
     out = cfg.get("out_dir") if isinstance(cfg, dict) else getattr(cfg, "out_dir", None)
     return None if out is None else Path(out).expanduser().absolute()
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
