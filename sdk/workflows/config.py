@@ -171,21 +171,28 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, over `steps` optimizer
-    steps; gradients clipped to `max_grad_norm` (None: off). RL uses it as is (its batch is
-    `rl.prompts_per_step` x `rl.group_size`); the recipes with batches `BatchOptimConfig`."""
+    """AdamW with linear warmup over `warmup_steps` (None: `min(20, steps // 10)`) then cosine
+    decay to `min_lr_ratio * lr`, over `steps` optimizer steps; gradients clipped to
+    `max_grad_norm` (None: off). RL uses it as is (its batch is `rl.prompts_per_step` x
+    `rl.group_size`); the recipes with batches `BatchOptimConfig`."""
 
     steps: int = 400
     lr: float = 2e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 20
+    warmup_steps: int | None = 20
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
 
+    @property
+    def warmup(self) -> int:
+        """The warmup length in optimizer steps: `warmup_steps`, or `min(20, steps // 10)` when
+        it is None."""
+        return min(20, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
     def check(self, at: str) -> None:
         ints(self, at, ("steps",), minimum=1)
-        ints(self, at, ("warmup_steps",), minimum=0)
-        if self.warmup_steps > self.steps:
+        ints(self, at, ("warmup_steps",), minimum=0, optional=True)
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:
             raise ValueError(
                 f"{at}.warmup_steps={self.warmup_steps} exceeds {at}.steps="
                 f"{self.steps}; lower warmup_steps"
@@ -203,7 +210,7 @@ class OptimConfig:
         Returns:
             `(torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay), scheduler)`: the
             scheduler is `posttrain.train.warmup_cosine_schedule` (a `LambdaLR`): step k of
-            training runs at `lr * k / warmup_steps` during warmup, then cosine to
+            training runs at `lr * k / warmup` during warmup, then cosine to
             `min_lr_ratio * lr` at `steps`. Gradient clipping (`max_grad_norm`) is the trainer's.
 
         Raises:
@@ -216,7 +223,7 @@ class OptimConfig:
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         return optimizer, warmup_cosine_schedule(
             optimizer,
-            warmup_steps=self.warmup_steps,
+            warmup_steps=self.warmup,
             total_steps=self.steps,
             min_lr_ratio=self.min_lr_ratio,
         )
@@ -290,43 +297,37 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class SFTWarmStartConfig:
-    """The SFT stage that GRPO, PPO, DPO and the reward model start from (run folder `sft/`):
-    `steps` of `batch_size` at `lr`, warmup min(20, steps // 10), on the recipe's task;
+class SFTWarmStartConfig(BatchOptimConfig):
+    """The SFT stage that GRPO, PPO, DPO and the reward model start from (run folder `sft/`), on
+    the recipe's task: its optimizer settings are this section's own (`sft.lr`, `sft.steps`,
+    `sft.batch_size`, `sft.weight_decay`, `sft.min_lr_ratio`, `sft.max_grad_norm`, ... as in
+    `BatchOptimConfig`; warmup min(20, steps // 10) unless `sft.warmup_steps` is set);
     `demonstrations` N: on its first N training items only (those whose question is held out
     are left out as always; the later stages still use all `task.train_size`: RL on a large
     pool of prompts with a small warm start); None: on all of them."""
 
-    steps: int = 400
-    lr: float = 2e-3
-    batch_size: int = 64
+    warmup_steps: int | None = None
     demonstrations: int | None = None
 
     def check(self, at: str) -> None:
-        ints(self, at, ("steps", "batch_size"), minimum=1)
+        super().check(at)
         ints(self, at, ("demonstrations",), minimum=1, optional=True)
-        positive(self, at, ("lr",))
 
     def optim(self) -> BatchOptimConfig:
-        """The stage's optimizer settings: `steps` of `batch_size` at `lr`, warmup
-        min(20, steps // 10), the rest `BatchOptimConfig`'s defaults (`.build(params)` makes
-        the optimizer and schedule)."""
-        return BatchOptimConfig(
-            steps=self.steps,
-            lr=self.lr,
-            batch_size=self.batch_size,
-            warmup_steps=min(20, self.steps // 10),
-        )
+        """The stage's `optim` section (`.build(params)` makes the optimizer and schedule):
+        this section's optimizer fields, the warmup as a number of steps."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(BatchOptimConfig)}
+        return BatchOptimConfig(**{**fields, "warmup_steps": self.warmup})
 
 
 @dataclass(kw_only=True)
 class MoreSFTBaselineConfig:
     """The honest baseline of an RL run: instead of RL, `steps` more SFT steps from the SFT
-    policy on the same demonstrations (`sft.demonstrations` included), batch `sft.batch_size`,
-    at `lr` with warmup-cosine (run folder `more_sft/`), scored on the same held-out items as
-    the RL policy (greedy, sampled pass@1, pass@k) and compared with it, paired. 0: no baseline.
-    Choose `steps` so that the stage takes about the RL stage's wall time; the results report
-    both times."""
+    policy on the same demonstrations (`sft.demonstrations` included), with the `sft` section's
+    batch and optimizer settings but at `lr`, warmup min(20, steps // 10), then cosine (run
+    folder `more_sft/`), scored on the same held-out items as the RL policy (greedy, sampled
+    pass@1, pass@k) and compared with it, paired. 0: no baseline. Choose `steps` so that the
+    stage takes about the RL stage's wall time; the results report both times."""
 
     steps: int = 0
     lr: float = 3e-4
@@ -336,9 +337,10 @@ class MoreSFTBaselineConfig:
         positive(self, at, ("lr",))
 
     def warm_start(self, sft: SFTWarmStartConfig) -> SFTWarmStartConfig:
-        """The SFT stage this baseline runs: the recipe's `sft` section (its batch size and
-        demonstrations) with this section's `steps` and `lr`."""
-        return dataclasses.replace(sft, steps=self.steps, lr=self.lr)
+        """The SFT stage this baseline runs: the recipe's `sft` section (its batch, optimizer
+        settings and demonstrations) with this section's `steps` and `lr`, warmup derived from
+        `steps`."""
+        return dataclasses.replace(sft, steps=self.steps, lr=self.lr, warmup_steps=None)
 
 
 @dataclass(kw_only=True)

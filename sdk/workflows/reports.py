@@ -34,7 +34,7 @@ from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.stage_files import count_lines, read_stage_file, write_stage_file
 from posttrain.rewards.evaluation import wilson_interval
 from posttrain.train.engine import Engine
-from posttrain.workflows.config import validate
+from posttrain.workflows.config import BatchOptimConfig, SFTWarmStartConfig, validate
 from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelPlan, check_world_size
 
@@ -164,9 +164,17 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_ADDED_DEFAULTS = {f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelPlan()).items()}
-"""Keys that a config.json written before the `parallel` section existed lacks; at these values
-they mean what that run did."""
+_ADDED_DEFAULTS = {
+    **{f"parallel.{k}": v for k, v in dataclasses.asdict(ParallelPlan()).items()},
+    **{
+        f"sft.{f.name}": getattr(SFTWarmStartConfig(), f.name)
+        for f in dataclasses.fields(BatchOptimConfig)
+        if f.name not in ("steps", "lr", "batch_size")
+    },
+}
+"""Keys that a config.json written before they existed lacks (the `parallel` section; the SFT
+warm start's optimizer fields besides steps, lr and batch_size); at these values they mean what
+that run did."""
 
 
 def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:
