@@ -19,10 +19,10 @@ TRL gets a `PreTrainedTokenizerFast` built for the byte vocabulary (ids 0..255 =
 ByteLevel BPE without merges, ids 256..271 = the special tokens as added tokens; checked to encode
 every prompt to exactly posttrain's ids) and a dataset whose "prompt" column is the rendered prompt
 text (so TRL tokenizes it to the same ids), plus an "idx" column the reward function uses to find
-the item. TRL: `per_device_train_batch_size=P*G`, `num_generations=G`, `steps_per_generation=1`,
-`num_iterations=1`, `use_cpu=True`, `use_vllm=False`, `report_to=[]`, `logging_strategy="no"`,
-otherwise its defaults (optimizer `adamw_torch_fused`; `--same-optimizer` gives it posttrain's
-plain `torch.optim.AdamW`).
+the item (both built in `trl_inputs.py`). TRL: `per_device_train_batch_size=P*G`,
+`num_generations=G`, `steps_per_generation=1`, `num_iterations=1`, `use_cpu=True`, `use_vllm=False`,
+`report_to=[]`, `logging_strategy="no"`, otherwise its defaults (optimizer `adamw_torch_fused`;
+`--same-optimizer` gives it posttrain's plain `torch.optim.AdamW`).
 
 Timing: a step's time runs from the end of the previous optimizer step to the end of this one
 (prompt fetch, generation, reward, advantages, reference and policy forward, backward, update and
@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from trl_inputs import check_same_model, hf_byte_tokenizer, trl_dataset
 
 from posttrain.envs import chain_sum_task
 from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
@@ -119,7 +120,7 @@ class StepClock:
 
     def median_step(self, setup: Setup) -> float:
         assert len(self.times) == setup.warmup + setup.steps, (len(self.times), setup)
-        timed = self.times[setup.warmup - 1:]
+        timed = self.times[setup.warmup - 1 :]
         return statistics.median(b - a for a, b in zip(timed, timed[1:]))
 
 
@@ -133,59 +134,6 @@ def make_task(setup: Setup):
     return chain_sum_task(size=size, held_out_size=2, seed=setup.seed)
 
 
-def hf_byte_tokenizer():
-    """A transformers tokenizer with the byte tokenizer's ids: bytes 0..255 through a ByteLevel BPE
-    without merges (id = byte value), the 16 special tokens as added tokens 256..271."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    tok = ByteTokenizer()
-    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins, one per byte
-    byte_to_char = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
-    assert set(byte_to_char.values()) == set(alphabet)
-    vocab = {byte_to_char[b]: b for b in range(256)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    specials = [tok.token_name(i) for i in range(256, tok.vocab_size)]
-    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    assert [backend.token_to_id(s) for s in specials] == list(range(256, tok.vocab_size))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|pad|>",
-                                   eos_token="<|eos|>", bos_token="<|bos|>")
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character table (what ByteLevel uses), in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
-
-
-def trl_dataset(task, hf_tok):
-    """Rendered prompt texts (+ item index) of every training item; checks TRL's tokenization."""
-    from datasets import Dataset
-
-    tok = ByteTokenizer()
-    items = task.train_items
-    prompts, lengths = [], []
-    for i, item in enumerate(items):
-        env = task.make_builder(item).make_envs(1)[0]
-        ids = tok.render_prompt(env.initial_messages())
-        text = hf_tok.decode(ids, skip_special_tokens=False)
-        assert hf_tok(text, add_special_tokens=False).input_ids == ids, (i, text)
-        prompts.append(text)
-        lengths.append(len(ids))
-    return Dataset.from_dict({"prompt": prompts, "idx": list(range(len(items)))}), items, lengths
-
-
 # --------------------------------------------------------------------------------------------
 # The two sides
 # --------------------------------------------------------------------------------------------
@@ -195,12 +143,20 @@ def build_posttrain(model, spec, task, setup: Setup, share_prefix: bool = True):
     policy = Policy(model, ByteTokenizer(), spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     clock = StepClock()
-    trainer = RLTrainer(policy, optimizer, task=task,
-                        algo=RLAlgorithm.grpo(group_size=setup.group_size, kl_coef=setup.beta),
-                        prompts_per_step=setup.prompts, max_new_tokens=setup.max_new_tokens,
-                        temperature=1.0, max_grad_norm=setup.max_grad_norm, progress=False,
-                        seed=setup.seed, callbacks=[lambda _t, _row: clock.tick()],
-                        share_prefix=share_prefix)
+    trainer = RLTrainer(
+        policy,
+        optimizer,
+        task=task,
+        algo=RLAlgorithm.grpo(group_size=setup.group_size, kl_coef=setup.beta),
+        prompts_per_step=setup.prompts,
+        max_new_tokens=setup.max_new_tokens,
+        temperature=1.0,
+        max_grad_norm=setup.max_grad_norm,
+        progress=False,
+        seed=setup.seed,
+        callbacks=[lambda _t, _row: clock.tick()],
+        share_prefix=share_prefix,
+    )
     return trainer, clock
 
 
@@ -230,22 +186,51 @@ def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: b
             clock.tick()
 
     config = GRPOConfig(
-        output_dir=str(out_dir), max_steps=setup.warmup + setup.steps,
+        output_dir=str(out_dir),
+        max_steps=setup.warmup + setup.steps,
         per_device_train_batch_size=setup.prompts * setup.group_size,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=setup.group_size, max_completion_length=setup.max_new_tokens,
-        temperature=1.0, top_p=1.0, beta=setup.beta, epsilon=0.2, loss_type="grpo",
-        scale_rewards="group", learning_rate=setup.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=setup.max_grad_norm,
-        use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
-        report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no",
-        disable_tqdm=True, log_completions=False, dataloader_num_workers=0, seed=setup.seed)
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=setup.group_size,
+        max_completion_length=setup.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=setup.beta,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=setup.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=setup.max_grad_norm,
+        use_vllm=False,
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+        seed=setup.seed,
+    )
     optimizers: tuple[Any, Any] = (None, None)
     if same_optimizer:
         optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
-    trainer = GRPOTrainer(model=model, reward_funcs=chain_sum_reward, args=config,
-                          train_dataset=dataset, processing_class=hf_tok, callbacks=[Clock()],
-                          optimizers=optimizers)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=chain_sum_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=hf_tok,
+        callbacks=[Clock()],
+        optimizers=optimizers,
+    )
     return trainer, clock, lengths
 
 
@@ -254,14 +239,6 @@ def run_trl_block(trainer, clock: StepClock, setup: Setup) -> float:
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
     return clock.median_step(setup)
-
-
-def check_same_model(tune_model: torch.nn.Module, hf_model: torch.nn.Module) -> float:
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        diff = (hf_model(ids).logits - tune_model(ids)).abs().max().item()
-    assert diff < 1e-4, f"transformers and posttrain logits differ by {diff}"
-    return diff
 
 
 def trl_lengths(trainer) -> list[float]:
@@ -311,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="posttrain/TRL block pairs")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (both sides)")
-    parser.add_argument("--same-optimizer", action="store_true",
-                        help="give TRL posttrain's torch.optim.AdamW instead of its fused default")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 1 repeat of 1 + 2 steps, nothing written")
+    parser.add_argument(
+        "--same-optimizer",
+        action="store_true",
+        help="give TRL posttrain's torch.optim.AdamW instead of its fused default",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 repeat of 1 + 2 steps, nothing written"
+    )
     parser.add_argument("--out", type=Path, default=DOCS, help="folder for grpo_step.md")
     args = parser.parse_args(argv)
     if args.quick:
@@ -327,16 +308,27 @@ def main(argv: list[str] | None = None) -> int:
 
     load = os.getloadavg()
     if load[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: load average {load[0]:.1f} on {os.cpu_count()} CPUs; other processes will "
-              "skew the blocks", flush=True)
+        print(
+            f"warning: load average {load[0]:.1f} on {os.cpu_count()} CPUs; other processes will "
+            "skew the blocks",
+            flush=True,
+        )
     argv_used = sys.argv[1:] if argv is None else argv
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    setup = Setup(preset=args.preset, prompts=args.prompts, group_size=args.group_size,
-                  max_new_tokens=args.max_new_tokens, warmup=args.warmup, steps=args.steps,
-                  repeats=args.repeats, threads=args.threads, beta=args.beta)
+    setup = Setup(
+        preset=args.preset,
+        prompts=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup,
+        steps=args.steps,
+        repeats=args.repeats,
+        threads=args.threads,
+        beta=args.beta,
+    )
     spec = get_preset(setup.preset)
     model = build_model(spec, seed=setup.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -345,22 +337,34 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf_checkpoint(
-            model, spec, Path(tmp) / "ckpt", bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+            model,
+            spec,
+            Path(tmp) / "ckpt",
+            bos_token_id=tok.bos_id,
+            eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,
-            generation_config={"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id,
-                               "eos_token_id": sorted(tok.stop_ids)})
-        trl_trainer, trl_clock, prompt_lengths = build_trl(folder, task, setup,
-                                                           Path(tmp) / "trl_out",
-                                                           args.same_optimizer)
+            generation_config={
+                "bos_token_id": tok.bos_id,
+                "pad_token_id": tok.pad_id,
+                "eos_token_id": sorted(tok.stop_ids),
+            },
+        )
+        trl_trainer, trl_clock, prompt_lengths = build_trl(
+            folder, task, setup, Path(tmp) / "trl_out", args.same_optimizer
+        )
         diff = check_same_model(model, trl_trainer.model)
-        unshared, unshared_clock = build_posttrain(copy.deepcopy(model), spec, task, setup,
-                                                   share_prefix=False)
+        unshared, unshared_clock = build_posttrain(
+            copy.deepcopy(model), spec, task, setup, share_prefix=False
+        )
         ours, our_clock = build_posttrain(model, spec, task, setup)
-        print(f"{setup.preset}: {n_params / 1e6:.2f}M params; max |logit diff| {diff:.1e}; "
-              f"prompt tokens {min(prompt_lengths)}-{max(prompt_lengths)} (mean "
-              f"{statistics.mean(prompt_lengths):.1f}); TRL eos ids {trl_trainer.eos_token_ids}; "
-              f"TRL optimizer {type(trl_trainer.create_optimizer()).__name__}"
-              f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}", flush=True)
+        print(
+            f"{setup.preset}: {n_params / 1e6:.2f}M params; max |logit diff| {diff:.1e}; "
+            f"prompt tokens {min(prompt_lengths)}-{max(prompt_lengths)} (mean "
+            f"{statistics.mean(prompt_lengths):.1f}); TRL eos ids {trl_trainer.eos_token_ids}; "
+            f"TRL optimizer {type(trl_trainer.create_optimizer()).__name__}"
+            f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}",
+            flush=True,
+        )
 
         results: dict[str, list] = {"posttrain": [], "TRL": [], UNSHARED: []}
         for r in range(setup.repeats):
@@ -368,9 +372,12 @@ def main(argv: list[str] | None = None) -> int:
             results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))
             results[UNSHARED].append(run_posttrain_block(unshared, unshared_clock, setup))
             assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
-            print(f"repeat {r + 1}/{setup.repeats}: posttrain {results['posttrain'][-1]:.3f} s/step"
-                  f" | TRL {results['TRL'][-1]:.3f} s/step | {UNSHARED} "
-                  f"{results[UNSHARED][-1]:.3f} s/step", flush=True)
+            print(
+                f"repeat {r + 1}/{setup.repeats}: posttrain {results['posttrain'][-1]:.3f} s/step"
+                f" | TRL {results['TRL'][-1]:.3f} s/step | {UNSHARED} "
+                f"{results[UNSHARED][-1]:.3f} s/step",
+                flush=True,
+            )
         ours_len = ours.metrics["response_length"].tolist()
         ours_reward = ours.metrics["reward_mean"].tolist()
         trl_len = trl_lengths(trl_trainer)
@@ -390,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     def mean(xs):
         return f"{statistics.mean(xs):.2f}" if xs else "n/a"
 
-    trl_opt = ("torch.optim.AdamW (same as posttrain)" if args.same_optimizer
-               else "its default `adamw_torch_fused` (torch.optim.AdamW(fused=True))")
+    trl_opt = (
+        "torch.optim.AdamW (same as posttrain)"
+        if args.same_optimizer
+        else "its default `adamw_torch_fused` (torch.optim.AdamW(fused=True))"
+    )
     setup_lines = [
         f"- CPU: {cpu_model()}; {os.cpu_count()} CPUs visible; {setup.threads} threads "
         f"(`torch.set_num_threads`), fp32",
@@ -420,21 +430,29 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs (other processes share this machine)",
         f"- Command: `python benchmarks/grpo_step.py {' '.join(argv_used)}`",
     ]
-    lines = ["| trainer | s / step (median) | min | max | completions / s |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {n} | {t:.3f} | {lo:.3f} | {hi:.3f} | {rows_per_step / t:.1f} |"
-              for n, t, lo, hi in rows]
-    summary = (f"TRL / posttrain step time = {ratio:.2f}x (ratio of the medians; per block pair: "
-               f"{', '.join(f'{x:.2f}' for x in pair_ratios)}); shared-prefix scoring: "
-               f"{UNSHARED} / posttrain = {rows[2][1] / rows[0][1]:.2f}x")
+    lines = [
+        "| trainer | s / step (median) | min | max | completions / s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {n} | {t:.3f} | {lo:.3f} | {hi:.3f} | {rows_per_step / t:.1f} |"
+        for n, t, lo, hi in rows
+    ]
+    summary = (
+        f"TRL / posttrain step time = {ratio:.2f}x (ratio of the medians; per block pair: "
+        f"{', '.join(f'{x:.2f}' for x in pair_ratios)}); shared-prefix scoring: "
+        f"{UNSHARED} / posttrain = {rows[2][1] / rows[0][1]:.2f}x"
+    )
     text = "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
     print("\n" + text)
     if args.quick:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / "grpo_step.md"
-    md.write_text(f"# GRPO step time: posttrain `RLTrainer` vs TRL `GRPOTrainer` (CPU)\n\n"
-                  f"Produced by `python benchmarks/grpo_step.py`.\n\n{text}\n{DIFFERENCES}")
+    md.write_text(
+        f"# GRPO step time: posttrain `RLTrainer` vs TRL `GRPOTrainer` (CPU)\n\n"
+        f"Produced by `python benchmarks/grpo_step.py`.\n\n{text}\n{DIFFERENCES}"
+    )
     print(f"wrote {md}")
     return 0
 
