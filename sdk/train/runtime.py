@@ -56,8 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from posttrain.core.checkpoint import CHECKPOINT_DIR, checkpoint_name, save_checkpoint
-from posttrain.core.distributed import barrier, device_of, flat_collective, rank_and_world_size
+from posttrain.core.distributed import device_of, flat_collective, rank_and_world_size
 from posttrain.train.collectives import (
     clip_grads_with_norm_,
     gather_full_state_dict,
@@ -70,6 +69,7 @@ from posttrain.train.optimizer_check import reshard
 from posttrain.train.sharded_checkpoint import (
     load_full_state,
     load_sharded_state,
+    save_on_rank_zero,
     save_sharded_checkpoint,
 )
 
@@ -189,7 +189,6 @@ class Runtime(abc.ABC):
         """The unsharded `state_dict()` of the model, on CPU, on every rank (a collective under
         a plan: every rank calls it)."""
 
-    @abc.abstractmethod
     def save_checkpoint(
         self,
         run_dir: Path,
@@ -204,12 +203,37 @@ class Runtime(abc.ABC):
         model_state: Callable[[], dict[str, Any]],
     ) -> Path:
         """Save checkpoint `step` of `module` (everything the trainer trains) and `optimizer`
-        into `run_dir/checkpoints/` (every rank calls it); returns its folder.
+        into `run_dir/checkpoints/` (every rank calls it); returns its folder on every rank.
 
         `train_state` holds `optimizer.state_dict()` under "optimizer"; `model_state()` gives
-        the weights of a full (unsharded) checkpoint."""
+        the weights of a full (unsharded) checkpoint. Without a plan (`sharded` False) rank 0
+        writes the full checkpoint; under a plan every rank writes DCP shards of `module` and
+        `optimizer` and the plan goes into the meta. Either way every rank waits at a barrier.
+        """
+        if not self.sharded:
+            return save_on_rank_zero(
+                run_dir,
+                step,
+                rank=rank,
+                model_state=model_state,
+                train_state=train_state,
+                meta=meta,
+                keep_last=keep_last,
+            )
+        assert self.plan is not None, "a runtime that writes shards holds a plan"
+        train_state = {k: v for k, v in train_state.items() if k != "optimizer"}  # in the shards
+        reshard(module)  # after a forward with grad and no backward
+        return save_sharded_checkpoint(
+            run_dir,
+            step,
+            model=module,
+            optimizer=optimizer,
+            train_state=train_state,
+            meta={**meta, "plan": self.plan.to_dict()},
+            keep_last=keep_last,
+            rank=rank,
+        )
 
-    @abc.abstractmethod
     def load_checkpoint(
         self,
         ckpt: dict[str, Any],
@@ -219,7 +243,23 @@ class Runtime(abc.ABC):
         load_model_state: Callable[[dict[str, Any]], None],
     ) -> None:
         """Load the weights and optimizer state of a loaded checkpoint (`load_checkpoint`'s
-        dict: sharded or full, saved under any plan or none) into `module` and `optimizer`."""
+        dict: sharded or full, saved under any plan or none) into `module` and `optimizer`.
+
+        Shards (saved under this plan, another one or none) reshard, and without a plan are
+        gathered into the plain module; a full checkpoint of a run without a plan is split on
+        load under a plan (`load_full_state`)."""
+        if ckpt["sharded"] is not None:
+            load_sharded_state(ckpt["sharded"], model=module, optimizer=optimizer)
+        elif self.sharded:
+            load_full_state(
+                ckpt["model_state"],
+                ckpt["train_state"]["optimizer"],
+                model=module,
+                optimizer=optimizer,
+            )
+        else:
+            load_model_state(ckpt["model_state"])
+            optimizer.load_state_dict(ckpt["train_state"]["optimizer"])
 
     def describe(self) -> str:
         """The plan in words for messages ("" without one)."""
@@ -291,48 +331,6 @@ class LocalRuntime(Runtime):
 
     def full_state_dict(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-
-    def save_checkpoint(
-        self,
-        run_dir: Path,
-        step: int,
-        *,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_state: dict[str, Any],
-        meta: dict[str, Any],
-        keep_last: int | None,
-        rank: int,
-        model_state: Callable[[], dict[str, Any]],
-    ) -> Path:
-        """Rank 0 writes the full checkpoint, then every rank waits at a barrier."""
-        path = run_dir / CHECKPOINT_DIR / checkpoint_name(step)
-        if rank == 0:
-            path = save_checkpoint(
-                run_dir,
-                step,
-                model_state=model_state(),
-                train_state=train_state,
-                keep_last=keep_last,
-                meta=meta,
-            )
-        barrier()
-        return path
-
-    def load_checkpoint(
-        self,
-        ckpt: dict[str, Any],
-        *,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        load_model_state: Callable[[dict[str, Any]], None],
-    ) -> None:
-        """A sharded checkpoint (saved under a plan) is gathered into the plain module."""
-        if ckpt["sharded"] is not None:
-            load_sharded_state(ckpt["sharded"], model=module, optimizer=optimizer)
-            return
-        load_model_state(ckpt["model_state"])
-        optimizer.load_state_dict(ckpt["train_state"]["optimizer"])
 
     def __repr__(self) -> str:
         return f"LocalRuntime(data_rank={self.data_rank}, data_size={self._size})"
@@ -435,53 +433,6 @@ class PlanRuntime(Runtime):
     def full_state_dict(self) -> dict[str, Tensor]:
         """`gather_full_state_dict`: under pp the stages' names are merged."""
         return gather_full_state_dict(self.model, self.pp_group)
-
-    def save_checkpoint(
-        self,
-        run_dir: Path,
-        step: int,
-        *,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        train_state: dict[str, Any],
-        meta: dict[str, Any],
-        keep_last: int | None,
-        rank: int,
-        model_state: Callable[[], dict[str, Any]],
-    ) -> Path:
-        """DCP shards of `module` and `optimizer` from every rank; the plan goes into the meta."""
-        train_state = {k: v for k, v in train_state.items() if k != "optimizer"}  # in the shards
-        reshard(module)  # after a forward with grad and no backward
-        return save_sharded_checkpoint(
-            run_dir,
-            step,
-            model=module,
-            optimizer=optimizer,
-            train_state=train_state,
-            meta={**meta, "plan": self.plan.to_dict()},
-            keep_last=keep_last,
-            rank=rank,
-        )
-
-    def load_checkpoint(
-        self,
-        ckpt: dict[str, Any],
-        *,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        load_model_state: Callable[[dict[str, Any]], None],
-    ) -> None:
-        """Shards saved under this plan, another one or none reshard; a full checkpoint of a run
-        without a plan is split on load."""
-        if ckpt["sharded"] is not None:
-            load_sharded_state(ckpt["sharded"], model=module, optimizer=optimizer)
-        else:
-            load_full_state(
-                ckpt["model_state"],
-                ckpt["train_state"]["optimizer"],
-                model=module,
-                optimizer=optimizer,
-            )
 
     def __repr__(self) -> str:
         return f"PlanRuntime({self.plan}, data_rank={self.data_rank}, data_size={self.data_size})"

@@ -8,7 +8,8 @@ the ordinary `train_state.pt`, all in one verified, atomic checkpoint folder:
 
 Saving: every rank writes its shards into the staging folder (`staging_dir`), then rank 0 writes
 the rest, the manifest (sha256 of every shard too) and renames the folder into place; all ranks
-wait at a barrier, so a requeued job finds the same checkpoint on every rank.
+wait at a barrier, so a requeued job finds the same checkpoint on every rank. That last part,
+`save_on_rank_zero`, is also how a run without a plan saves its full checkpoint (`LocalRuntime`).
 
 Loading reshards: the state dicts are keyed by parameter name (`get_state_dict`), so a checkpoint
 saved under one plan loads under another (dp_shard 4 -> 2, FSDP -> TP) or into one process
@@ -19,6 +20,7 @@ checkpoint of a run without a plan loads under a plan (`load_full_state`).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from posttrain.core.checkpoint_files import (
 )
 from posttrain.core.distributed import barrier
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_state", "load_full_state"]
+__all__ = ["save_sharded_checkpoint", "save_on_rank_zero", "load_sharded_state", "load_full_state"]
 
 
 def save_sharded_checkpoint(
@@ -92,19 +94,47 @@ def save_sharded_checkpoint(
             note="; earlier checkpoints are untouched",
         ) from e
     barrier()
-    path = Path(run_dir) / CHECKPOINT_DIR / stage.name
+    return save_on_rank_zero(
+        run_dir,
+        step,
+        rank=rank,
+        model_state=dict,  # the weights are in the shards
+        train_state=train_state,
+        meta={**meta, "sharded": True},
+        keep_last=keep_last,
+        staged=stage,
+    )
+
+
+def save_on_rank_zero(
+    run_dir: Path,
+    step: int,
+    *,
+    rank: int,
+    model_state: Callable[[], dict[str, Any]],
+    train_state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int | None,
+    staged: Path | None = None,
+) -> Path:
+    """Rank 0 writes checkpoint `step` (`posttrain.core.checkpoint.save_checkpoint` with
+    `model_state()`, called on rank 0 only, and a `staged` folder of shards if given), then every
+    rank waits at a barrier (collective: every rank calls it). Returns the checkpoint folder,
+    `run_dir/checkpoints/step_NNNNNN`, on every rank.
+
+    Raises what `save_checkpoint` raises (ValueError, TypeError, OSError ENOSPC), on rank 0."""
     if rank == 0:
-        path = save_checkpoint(
+        save_checkpoint(
             run_dir,
             step,
-            model_state={},
+            model_state=model_state(),
             train_state=train_state,
             keep_last=keep_last,
-            meta={**meta, "sharded": True},
-            staged=stage,
+            meta=meta,
+            staged=staged,
         )
     barrier()
-    return path
+    return Path(run_dir) / CHECKPOINT_DIR / checkpoint_name(step)
 
 
 def load_sharded_state(folder: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
