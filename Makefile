@@ -11,21 +11,8 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 export OMP_WAIT_POLICY ?= PASSIVE
 
 # Static checks (settings in pyproject.toml: [tool.ruff], [tool.mypy]). ruff lints and checks the
-# formatting of every Python file; mypy checks the posttrain package (sdk/, envs/, verifiers/,
-# found through the `posttrain -> sdk` link) and benchmarks/. Paths listed in LINT_PENDING are
-# skipped by all three: they are being restructured and are cleaned once that lands (then this
-# line is emptied). mypy reads a skipped module when another imports it, without reporting it.
-LINT_PENDING := tests
-# Formatted, these would pass the 500-line budget (ruff's layout takes ~20% more lines): each is
-# split by idea first; the formatter skips them until then (ruff check and mypy do not).
-FORMAT_PENDING := sdk/data/preference.py sdk/launch/ray_cluster.py sdk/launch/run.py \
-                  sdk/launch/submit.py sdk/models/lora.py sdk/notebook/dashboard.py \
-                  sdk/notebook/inspector.py sdk/rewards/judge_server.py sdk/rewards/judges.py \
-                  sdk/rewards/verifier_pool.py verifiers/math_answer.py verifiers/sandbox_exec.py \
-                  benchmarks/grpo_step.py benchmarks/judge_load.py benchmarks/sft_throughput.py
-RUFF_SKIP := $(addprefix --extend-exclude=,$(LINT_PENDING))
-FORMAT_SKIP := $(RUFF_SKIP) $(addprefix --extend-exclude=,$(FORMAT_PENDING))
-MYPY_SKIP := $(foreach p,$(patsubst sdk/%,posttrain/%,$(LINT_PENDING)),--exclude='^$(p)(/|$$)')
+# formatting of every Python file (tests/ included); mypy checks the posttrain package (sdk/,
+# envs/, verifiers/, found through the `posttrain -> sdk` link) and benchmarks/.
 
 .PHONY: install run test lint format info clean
 
@@ -40,14 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check $(RUFF_SKIP) .
-	$(VENV)/bin/ruff format --check $(FORMAT_SKIP) .
-	$(VENV)/bin/mypy $(MYPY_SKIP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Rewrites files: ruff's formatting and its safe lint fixes, on the paths `lint` checks.
 format: install
-	$(VENV)/bin/ruff format $(FORMAT_SKIP) .
-	$(VENV)/bin/ruff check --fix $(RUFF_SKIP) .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 run: install
 	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S)

@@ -21,7 +21,7 @@ policy with pairs.num_prompts=8000, pairs.reference_answer=true and optim.steps=
 pairs: 4,913 training, 1,280 held out; wall 1783 s), held-out accuracy is 0.446 [0.419, 0.473]
 before and 0.526 [0.498, 0.553] after (training pairs 0.597). The machinery learns what is
 learnable: on a separable synthetic preference a tiny RM passes 0.9 held-out within 15 steps
-(tests/test_reward_model.py).
+(tests/rewards/test_reward_model.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the headless browser that tests/browser/ drives (through Playwright) to check the live
+# Install the headless browser that tests/notebook/browser/ drives (through Playwright) to check the live
 # dashboard in a real JupyterLab page.
 #
 #   scripts/browser-up.sh            install Debian's chromium if it is missing

@@ -1,9 +1,10 @@
-"""Shared pieces of the judge-server tests (tests/test_judge_server.py, tests/test_judge_limits.py):
+"""Shared pieces of the judge-server tests (tests/rewards/test_judge_server.py,
+tests/rewards/test_judge_limits.py):
 the item every request is about, a judge held back by a gate, and a plain HTTP post.
 
 Every wait is bounded by a generous deadline (`conftest.wait_for` for states; `HTTP_TIMEOUT_S`
-for a request): a machine shared with busy neighbours is many times slower than a quiet one,
-and a wait that holds returns at once.
+for a request): a machine shared with busy neighbours is many times slower than a quiet one, and a
+wait that holds returns at once.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ class Gated:
 
 def post(url, request_id, completions, items=None, **extra):
     """POST /v1/judge with one ITEM per completion (unless `items`); the httpx response."""
-    body = {"request_id": request_id, "completions": completions,
-            "items": items if items is not None else [ITEM] * len(completions), **extra}
+    body = {
+        "request_id": request_id,
+        "completions": completions,
+        "items": items if items is not None else [ITEM] * len(completions),
+        **extra,
+    }
     return httpx.post(url + JUDGE_PATH, json=body, timeout=HTTP_TIMEOUT_S)
 
 

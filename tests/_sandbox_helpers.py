@@ -1,4 +1,5 @@
-"""Shared by the sandbox tests: the `box` fixture and host-side process lookups.
+"""Shared by the sandbox tests: host-side process lookups (the `box` fixture is in
+tests/verifiers/conftest.py).
 
 The host-side checks read the host's own /proc, never the sandbox's report alone.
 """
@@ -7,20 +8,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import pytest
-
-from posttrain.verifiers.sandbox import Sandbox, SandboxLimits, sandbox_available
-
-
-@pytest.fixture(scope="module")
-def box() -> Sandbox:
-    """A sandbox whose wall-clock limit (60 s) a program that should finish never reaches, even
-    on a loaded machine; tests of the limits pass their own."""
-    reason = sandbox_available()
-    if reason is not None:
-        pytest.skip(f"no sandbox here: {reason}")
-    return Sandbox(SandboxLimits(cpu_s=5.0, wall_s=60.0))
 
 
 def host_processes_of(uid: int) -> list[int]:

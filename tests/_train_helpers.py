@@ -1,6 +1,6 @@
 """Shared pieces of the trainer/resume tests: a tiny model, variable-length SFT rows, loaders.
 
-Imported by tests/test_trainer.py, tests/test_resume.py and the subprocess script
+Imported by tests/train/test_trainer.py, tests/core/test_resume.py and the subprocess script
 tests/sft_resume_run.py (which runs with tests/ on sys.path).
 """
 
@@ -9,17 +9,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from posttrain.data import SFTDataset, SFTLoader
-from posttrain.models import ModelSpec, build_model
-from posttrain.models import ByteTokenizer
+from posttrain.models import ByteTokenizer, ModelSpec, build_model
 
 # Smaller than the tiny-1m preset (2 layers, 64 wide) so a step takes milliseconds.
-TINY = ModelSpec(family="qwen2", vocab_size=272, num_layers=2, num_heads=4, num_kv_heads=2,
-                 embed_dim=64, intermediate_dim=128, max_seq_len=64, rope_base=1e6,
-                 norm_eps=1e-6, tie_word_embeddings=True)
+TINY = ModelSpec(
+    family="qwen2",
+    vocab_size=272,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    embed_dim=64,
+    intermediate_dim=128,
+    max_seq_len=64,
+    rope_base=1e6,
+    norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -46,10 +54,23 @@ def sft_dataset(n: int, max_seq_len: int = 32) -> SFTDataset:
     return SFTDataset(sft_rows(n), ByteTokenizer(), max_seq_len=max_seq_len)
 
 
-def sft_loader(n: int, *, batch_size: int, shuffle: bool = True, seed: int = 0,
-               pack: bool = False, seq_len: int | None = None) -> SFTLoader:
-    return SFTLoader(sft_dataset(n), batch_size=batch_size, shuffle=shuffle, seed=seed,
-                     pack=pack, seq_len=seq_len)
+def sft_loader(
+    n: int,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    pack: bool = False,
+    seq_len: int | None = None,
+) -> SFTLoader:
+    return SFTLoader(
+        sft_dataset(n),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        pack=pack,
+        seq_len=seq_len,
+    )
 
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -71,17 +92,6 @@ def assert_grads_close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float 
     scale = max(1.0, max(float(x.abs().max()) for x in a))
     worst = max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
     assert worst <= tol * scale, f"largest difference {worst:.3g} > {tol} * {scale:.3g}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a busy
-    neighbour turns thread spin-waits into 100x slowdowns. Import this fixture into a test
-    module (autouse) to run its tests on one thread; the previous setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def last_step(out_dir: Path) -> int:

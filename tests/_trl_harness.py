@@ -1,5 +1,5 @@
-"""Stand-ins for the parts of a TRL trainer its loss code reads, so TRL's own `_compute_loss`
-runs on given log-probs (tests/test_preference.py, tests/test_dpo_family.py)."""
+"""Stand-ins for the parts of a TRL trainer its loss code reads, so TRL's own `_compute_loss` runs
+on given log-probs (tests/preference/test_preference.py, tests/preference/test_dpo_family.py)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class _FixedLogps:
         per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
         per_token[:, 0] = values
         zeros = torch.zeros_like(per_token)
-        return SimpleNamespace(log_probs=per_token, entropy=zeros, mean_logits=zeros,
-                               is_top1=zeros.bool())
+        return SimpleNamespace(
+            log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+        )
 
 
 def _close(ours, theirs, tol=1e-6):

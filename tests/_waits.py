@@ -1,6 +1,6 @@
 """Waiting and timing in tests on a shared machine (conftest.py's docstring says how to use
 them). A module of its own, not conftest: `from conftest import` resolves to whichever conftest
-module pytest imported first (tests/browser/ has one too)."""
+module pytest imported first (tests/notebook/browser/ has one too)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ LATE_S = 60.0
 start included); work a budget must cut runs far longer (it sleeps or spins for 600 s)."""
 
 
-def wait_for(predicate: Callable[[], object], *, what: str, timeout: float = WAIT_S,
-             poll_s: float = 0.05, detail: Callable[[], object] | None = None) -> object:
+def wait_for(
+    predicate: Callable[[], object],
+    *,
+    what: str,
+    timeout: float = WAIT_S,
+    poll_s: float = 0.05,
+    detail: Callable[[], object] | None = None,
+) -> object:
     """Poll `predicate()` every `poll_s` seconds until it returns a truthy value; return that
     value. Works in watcher threads too (it only raises).
 

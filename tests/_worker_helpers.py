@@ -1,10 +1,9 @@
-"""Shared pieces of the verifier-worker tests (tests/test_budgets.py,
-tests/test_verifier_workers.py): a quick verifier, and how to see whether a worker process and
-what it started are gone and how much CPU a process used.
+"""Shared pieces of the verifier-worker tests (tests/rewards/test_budgets.py,
+tests/rewards/test_verifier_workers.py): a quick verifier, and how to see whether a worker process
+and what it started are gone and how much CPU a process used.
 
 This module travels to the workers by value (as notebook functions do), like the test modules
-that use it: by reference a worker would have to import it from tests/, which is not on its
-path.
+that use it: by reference a worker would have to import it from tests/, which is not on its path.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Asynchronous RL run for the kill-and-resume test (tests/test_async_rl.py); run as a process.
+"""Asynchronous RL run for the kill-and-resume test (tests/rl/test_async_rl.py); run as a process.
 
     python tests/async_rl_resume_run.py RUN_DIR --address HOST:PORT --staleness S
         [--steps 6] [--pause-after K] [--resume]
@@ -43,23 +43,36 @@ def main() -> None:
     (args.run_dir / "groups").mkdir(parents=True, exist_ok=True)
 
     def record(trainer, row):
-        trained = [[t.completion_ids, t.logprobs, t.reward, t.policy_version] for g in
-                   trainer.last_groups for t in g]
+        trained = [
+            [t.completion_ids, t.logprobs, t.reward, t.policy_version]
+            for g in trainer.last_groups
+            for t in g
+        ]
         (args.run_dir / "groups" / f"step_{row['step']}.json").write_text(json.dumps(trained))
         (args.run_dir / "progress").write_text(str(row["step"]))
         if row["step"] == args.pause_after:
             time.sleep(600)  # the test kills the process here
 
     policy = Policy.from_spec("tiny-1m", seed=0)
-    trainer = RLTrainer(policy, torch.optim.AdamW(policy.model.parameters(), lr=1e-2),
-                        task=chain_sum_task(size=32, held_out_size=2),
-                        algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.0), prompts_per_step=2,
-                        max_new_tokens=4, progress=False, seed=3, run_dir=args.run_dir,
-                        checkpoint_every=2, keep_last=2, callbacks=[record],
-                        resume=args.resume)
+    trainer = RLTrainer(
+        policy,
+        torch.optim.AdamW(policy.model.parameters(), lr=1e-2),
+        task=chain_sum_task(size=32, held_out_size=2),
+        algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.0),
+        prompts_per_step=2,
+        max_new_tokens=4,
+        progress=False,
+        seed=3,
+        run_dir=args.run_dir,
+        checkpoint_every=2,
+        keep_last=2,
+        callbacks=[record],
+        resume=args.resume,
+    )
     print(f"starting at step {trainer.step_count}", flush=True)
-    runner = AsyncRLTrainer(trainer, max_staleness=args.staleness, num_workers=1,
-                            worker_num_cpus=0.25, num_threads=1)
+    runner = AsyncRLTrainer(
+        trainer, max_staleness=args.staleness, num_workers=1, worker_num_cpus=0.25, num_threads=1
+    )
     try:
         runner.fit(args.steps)
     finally:

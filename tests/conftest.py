@@ -6,7 +6,7 @@ apt needed; `make test` starts it when it can). Tests that use it skip when it i
 Waiting and timing on a shared machine (a busy neighbour is the normal case: wall-clock time
 runs 5-20x slower than on a quiet machine, and a process may wait 100 ms for a core). Defined
 in `tests/_waits.py`, which test modules import (`from conftest import ...` finds
-tests/browser/conftest.py instead when the whole suite runs):
+tests/notebook/browser/conftest.py instead when the whole suite runs):
 
 - `wait_for(predicate, what=..., timeout=...)`: the one way a test waits for a state (a file a
   job writes, a process that starts or ends, a line in a log): polls until the predicate holds,
@@ -34,9 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from _waits import (LATE_S, RUN_S, SKIP_NO_SLURM, WAIT_S, thread_cpu_s,  # noqa: F401
-                    wait_for)
+from _waits import LATE_S, RUN_S, SKIP_NO_SLURM, WAIT_S, thread_cpu_s, wait_for  # noqa: F401
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -46,7 +44,8 @@ SLURM_DIR_DEFAULT = "/var/tmp/posttrain-slurm"
 
 @dataclass(frozen=True)
 class SlurmCluster:
-    """The local cluster: its slurm.conf (exported as SLURM_CONF for the session), partition, nodes."""
+    """The local cluster: its slurm.conf (exported as SLURM_CONF for the session), partition,
+    nodes."""
 
     conf: str
     partition: str = "debug"
@@ -105,3 +104,17 @@ def slurm_cluster():
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests, the previous setting restored after: tiny
+    models gain nothing from intra-op threads, and on a shared 2-core machine a busy neighbour
+    turns thread spin-waits into 100x slowdowns. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

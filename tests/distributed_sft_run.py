@@ -1,4 +1,4 @@
-"""One rank of the data-parallel SFT runs of tests/test_distributed.py; run as a subprocess.
+"""One rank of the data-parallel SFT runs of tests/core/test_distributed.py; run as a subprocess.
 
     MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/distributed_sft_run.py RANK WORLD OUT_DIR
 
@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from _train_helpers import sft_dataset
+
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset
 from posttrain.train import Trainer
@@ -45,33 +45,50 @@ def run_sft(scenario: str, *, steps: int = STEPS, **trainer_kwargs) -> dict:
     process). Returns {"losses", "trained_tokens", "params", "trainer"}."""
     s = SCENARIOS[scenario]
     model = build_model(get_preset("tiny-1m"), seed=0)
-    loader = SFTLoader(sft_dataset(s["samples"], max_seq_len=48), batch_size=s["batch_size"],
-                       seed=0, pack=s["pack"], seq_len=48 if s["pack"] else None)
+    loader = SFTLoader(
+        sft_dataset(s["samples"], max_seq_len=48),
+        batch_size=s["batch_size"],
+        seed=0,
+        pack=s["pack"],
+        seq_len=48 if s["pack"] else None,
+    )
     # SGD with momentum: parameters move linearly in the gradients, so the float rounding of a
     # 2-rank sum stays ~1e-7 in the parameters. (Adam's first steps divide by |g| and turn the
     # rounding of near-zero gradient entries into ~1e-5.) The momentum buffer is checkpointed.
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    trainer = Trainer(model, opt, data=loader, grad_accum_steps=s["grad_accum_steps"],
-                      max_grad_norm=s["max_grad_norm"], progress=False, **trainer_kwargs)
+    trainer = Trainer(
+        model,
+        opt,
+        data=loader,
+        grad_accum_steps=s["grad_accum_steps"],
+        max_grad_norm=s["max_grad_norm"],
+        progress=False,
+        **trainer_kwargs,
+    )
     metrics = trainer.fit(steps)
-    return {"losses": metrics["loss"].tolist(),
-            "trained_tokens": metrics["trained_tokens"].tolist(),
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "trainer": trainer}
+    return {
+        "losses": metrics["loss"].tolist(),
+        "trained_tokens": metrics["trained_tokens"].tolist(),
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "trainer": trainer,
+    }
 
 
 def _checkpoint_and_resume(out: Path) -> dict:
     run_dir = out / "ckpt"
     first = run_sft("accum", steps=3, run_dir=run_dir, checkpoint_every=2)
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    resumed = run_sft("accum", steps=RESUME_STEPS, run_dir=run_dir, checkpoint_every=2,
-                      resume=True)
+    resumed = run_sft("accum", steps=RESUME_STEPS, run_dir=run_dir, checkpoint_every=2, resume=True)
     uninterrupted = run_sft("accum", steps=RESUME_STEPS)
-    return {"saved_after_first_fit": saved, "first_losses": first["losses"],
-            "resumed_from": resumed["trainer"].metrics["step"].tolist()[:3],
-            "resumed_losses": resumed["losses"], "resumed_params": resumed["params"],
-            "uninterrupted_losses": uninterrupted["losses"],
-            "uninterrupted_params": uninterrupted["params"]}
+    return {
+        "saved_after_first_fit": saved,
+        "first_losses": first["losses"],
+        "resumed_from": resumed["trainer"].metrics["step"].tolist()[:3],
+        "resumed_losses": resumed["losses"],
+        "resumed_params": resumed["params"],
+        "uninterrupted_losses": uninterrupted["losses"],
+        "uninterrupted_params": uninterrupted["params"],
+    }
 
 
 def _preemption_on_rank_1(out: Path, rank: int) -> dict:
@@ -119,11 +136,13 @@ def main() -> None:
     rank, world_size, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
     # A short timeout: a rank left alone in a collective fails instead of waiting 30 minutes.
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
-                                         timeout=datetime.timedelta(seconds=60))
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
     try:
-        results = {name: {k: v for k, v in run_sft(name).items() if k != "trainer"}
-                   for name in SCENARIOS}
+        results = {
+            name: {k: v for k, v in run_sft(name).items() if k != "trainer"} for name in SCENARIOS
+        }
         results["resume"] = _checkpoint_and_resume(out)
         results["preemption"] = _preemption_on_rank_1(out, rank)
         results["mismatch_error"] = _mismatched_loader(rank)

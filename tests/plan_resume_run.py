@@ -1,4 +1,4 @@
-"""One rank of the SFT recipe runs of tests/test_resume.py that resume under another plan; run
+"""One rank of the SFT recipe runs of tests/core/test_resume.py that resume under another plan; run
 as a subprocess on 2 gloo ranks:
 
     MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/plan_resume_run.py RANK WORLD OUT PHASE
@@ -18,8 +18,10 @@ from pathlib import Path
 from _ranks import gloo_rank
 
 STEPS, RESUME_FROM = 4, 2
-RUNS = {"shard2": ({"parallel.dp_shard": 2}, {"parallel.dp_shard": 1}),
-        "replicas": ({"parallel.dp_shard": 1}, {"parallel.dp_shard": 2})}
+RUNS = {
+    "shard2": ({"parallel.dp_shard": 2}, {"parallel.dp_shard": 1}),
+    "replicas": ({"parallel.dp_shard": 1}, {"parallel.dp_shard": 2}),
+}
 """Run folder -> (the first run's plan, the resumed run's plan)."""
 
 
@@ -29,9 +31,17 @@ def config(out: Path, **overrides):
     from posttrain.workflows import override
 
     sft = cli.load_recipe("sft")
-    return sft, override(sft.Config(), {
-        **sft.TINY, "optim.steps": STEPS, "checkpoint.every": 1, "checkpoint.keep_last": None,
-        "out_dir": str(out), **overrides})
+    return sft, override(
+        sft.Config(),
+        {
+            **sft.TINY,
+            "optim.steps": STEPS,
+            "checkpoint.every": 1,
+            "checkpoint.keep_last": None,
+            "out_dir": str(out),
+            **overrides,
+        },
+    )
 
 
 def main() -> None:

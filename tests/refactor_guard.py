@@ -5,11 +5,11 @@ torch is imported):
 
     python tests/refactor_guard.py CASE OUT_DIR     # prints one JSON object
 
-The fingerprint pins behaviour across a refactoring: `tests/test_refactor_guard.py` compares it
-with `tests/fixtures/refactor_guard.json`, recorded from the code before the move. To make the
-floating-point results independent of which x86 CPU runs them, the process uses one thread and
-fixes the instruction set of ATen's vector kernels, MKL and oneDNN to AVX2
-(`ATEN_CPU_CAPABILITY`, `MKL_CBWR`, `ONEDNN_MAX_CPU_ISA`; set by `guard_env`).
+The fingerprint pins behaviour across a refactoring: `tests/project/test_refactor_guard.py` compares
+it with `tests/fixtures/refactor_guard.json`, recorded from the code before the move. To make the
+floating-point results independent of which x86 CPU runs them, the process uses one thread and fixes
+the instruction set of ATen's vector kernels, MKL and oneDNN to AVX2 (`ATEN_CPU_CAPABILITY`,
+`MKL_CBWR`, `ONEDNN_MAX_CPU_ISA`; set by `guard_env`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ CASES: dict[str, tuple[str, str | None, dict]] = {
     "reward_model": ("reward_model", "reward_model_chain_sum.yaml", {}),
     # eval.samples, eval.every and baseline.steps 0: the sampled evaluation, the held-out curve
     # and the more-SFT baseline came after the recording
-    "grpo": ("grpo", "grpo_chain_sum.yaml", {"eval.samples": 0, "eval.every": 0,
-                                             "baseline.steps": 0}),
+    "grpo": (
+        "grpo",
+        "grpo_chain_sum.yaml",
+        {"eval.samples": 0, "eval.every": 0, "baseline.steps": 0},
+    ),
     "ppo": ("ppo", None, {"eval.samples": 0}),
 }
 
@@ -48,8 +51,14 @@ def _is_timing(key: str) -> bool:
 def guard_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a fingerprint process runs in (1 thread, AVX2 kernels)."""
     env = dict(os.environ if base is None else base)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", ATEN_CPU_CAPABILITY="avx2",
-               MKL_CBWR="AVX2", ONEDNN_MAX_CPU_ISA="AVX2", PYTHONHASHSEED="0")
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        ATEN_CPU_CAPABILITY="avx2",
+        MKL_CBWR="AVX2",
+        ONEDNN_MAX_CPU_ISA="AVX2",
+        PYTHONHASHSEED="0",
+    )
     return env
 
 
@@ -79,8 +88,7 @@ def _metrics(run: Path) -> dict[str, list[dict]]:
 def _drop_timing(value):
     """`value` (parsed JSON) without keys that measure time."""
     if isinstance(value, dict):
-        return {k: _drop_timing(v) for k, v in sorted(value.items())
-                if not _is_timing(k)}
+        return {k: _drop_timing(v) for k, v in sorted(value.items()) if not _is_timing(k)}
     if isinstance(value, list):
         return [_drop_timing(v) for v in value]
     return value
@@ -89,9 +97,10 @@ def _drop_timing(value):
 def _evaluations(run: Path) -> dict[str, str]:
     """sha256 of every evaluation table (the completions themselves) under the run folder, with
     CRLF row ends read as LF (tables were written with LF rows when the fixture was recorded)."""
-    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes().replace(b"\r\n", b"\n")
-                                                    ).hexdigest()
-            for p in sorted(run.rglob("eval*.csv"))}
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes().replace(b"\r\n", b"\n")).hexdigest()
+        for p in sorted(run.rglob("eval*.csv"))
+    }
 
 
 def fingerprint(case: str, out_dir: str) -> dict:
@@ -111,10 +120,16 @@ def fingerprint(case: str, out_dir: str) -> dict:
     cfg = override(cfg, {**getattr(module, "TINY", {}), **extra, "out_dir": out_dir})
     module.main(cfg)
     run = Path(out_dir)
-    results = {str(p.relative_to(run)): _drop_timing(json.loads(p.read_text()))
-               for p in sorted(run.rglob("results.json"))}
-    return {"metrics": _metrics(run), "weights": _weights_sha256(run),
-            "evaluations": _evaluations(run), "results": results}
+    results = {
+        str(p.relative_to(run)): _drop_timing(json.loads(p.read_text()))
+        for p in sorted(run.rglob("results.json"))
+    }
+    return {
+        "metrics": _metrics(run),
+        "weights": _weights_sha256(run),
+        "evaluations": _evaluations(run),
+        "results": results,
+    }
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""SFT run for the kill-and-resume acceptance test (tests/test_resume.py); run as a subprocess.
+"""SFT run for the kill-and-resume acceptance test (tests/core/test_resume.py); run as a subprocess.
 
     python tests/sft_resume_run.py RUN_DIR [--steps 12] [--pause-after K] [--resume]
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from _train_helpers import sft_loader, tiny_model
+
 from posttrain.train import Trainer, warmup_cosine_schedule
 
 SAMPLES, BATCH, ACCUM = 24, 2, 2
@@ -40,7 +40,8 @@ def main() -> None:
     model = tiny_model(0)
     # Dropout on the token embeddings: training draws from the global torch RNG.
     model.tok_embeddings.register_forward_hook(
-        lambda module, inputs, output: F.dropout(output, p=0.1, training=module.training))
+        lambda module, inputs, output: F.dropout(output, p=0.1, training=module.training)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = warmup_cosine_schedule(opt, warmup_steps=2, total_steps=args.steps, min_lr_ratio=0.1)
 
@@ -52,11 +53,23 @@ def main() -> None:
         if row["step"] == args.pause_after:
             time.sleep(600)  # the test kills the process here
 
-    trainer = Trainer(model, opt, data=sft_loader(SAMPLES, batch_size=BATCH, seed=1),
-                      lr_scheduler=sched, grad_accum_steps=ACCUM, max_grad_norm=1.0,
-                      run_dir=args.run_dir, eval_fn=eval_fn, eval_every=4, checkpoint_every=3,
-                      keep_last=2, progress=False, seed=0, callbacks=[progress],
-                      resume=args.resume)
+    trainer = Trainer(
+        model,
+        opt,
+        data=sft_loader(SAMPLES, batch_size=BATCH, seed=1),
+        lr_scheduler=sched,
+        grad_accum_steps=ACCUM,
+        max_grad_norm=1.0,
+        run_dir=args.run_dir,
+        eval_fn=eval_fn,
+        eval_every=4,
+        checkpoint_every=3,
+        keep_last=2,
+        progress=False,
+        seed=0,
+        callbacks=[progress],
+        resume=args.resume,
+    )
     print(f"starting at step {trainer.step_count}", flush=True)
     trainer.fit(args.steps)
     torch.save(model.state_dict(), args.run_dir / "final.pt")

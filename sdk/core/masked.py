@@ -15,7 +15,7 @@ So the inputs are sanitised first: `keep_selected(x, mask)` replaces the unselec
 0 before any arithmetic. Its gradient there is exactly 0 (torch.where routes the incoming
 gradient to the selected branch only), and everything computed from it is finite wherever the
 selected values are. Every masked reduction in posttrain's losses and metrics goes through these
-functions; tests/test_masked_kinds.py puts NaN, +-inf and 1e30 on masked positions of every
+functions; tests/rl/test_masked_kinds.py puts NaN, +-inf and 1e30 on masked positions of every
 input of every registered loss, estimator and metric and checks losses, gradients and metrics
 against zeros there.
 

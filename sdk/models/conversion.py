@@ -33,7 +33,7 @@ PLAN_AXES: dict[str, tuple[str, ...]] = {
 }
 """The ParallelPlan axes (degree > 1) a model converted by each converter may use: FSDP2 / HSDP
 hold adapters, NF4 bases and float8 linears, and float8 linears also take torchtune's TP plan
-(tests/test_float8.py: tp=2 against one process); that TP plan, Ulysses, pipeline stages and
+(tests/train/test_float8.py: tp=2 against one process); that TP plan, Ulysses, pipeline stages and
 expert parallelism were not built for LoRALinear modules or fake-quantised (QAT) linears."""
 
 _ATTR = "_posttrain_converters"

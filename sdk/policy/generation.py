@@ -250,7 +250,7 @@ def _decoding_attention(
         `num_kv_heads != num_heads`. For the duration, `num_kv_heads` is set to `num_heads` (the
         key/value projections are still reshaped with `-1`, so they keep their real head count)
         and `_attention_call` is `_sdpa_gqa`. This relies on torchtune 0.6.1's
-        `MultiHeadAttention.forward`, pinned by tests/test_policy.py (KV cache == no cache).
+        `MultiHeadAttention.forward`, pinned by tests/policy/test_policy.py (KV cache == no cache).
     """
     from torchtune.modules import MultiHeadAttention
 

@@ -7,7 +7,7 @@ the log-probabilities recomputed at training time equal the ones recorded at sam
 PPO/GRPO importance ratio is 1 on-policy, up to float32 rounding: the KV-cache path multiplies one
 token at a time and the scorer a whole sequence, and BLAS sums those in different orders (a plain
 `nn.Linear` differs by ~1e-5 on outputs of size 30). Measured <= 1e-5 on tiny-1m-sized models
-(tests/test_policy.py); the gap grows with the size of the logits.
+(tests/policy/test_policy.py); the gap grows with the size of the logits.
 
 Shape legend: B = sequences in a batch, T = tokens per sequence (prompt + response).
 

@@ -67,7 +67,7 @@ them whatever the loss. An option that no selected loss reads (label_smoothing, 
 dpop_lambda, f_alpha_divergence_coef) must keep its default: a ValueError says so, where TRL
 would silently ignore it.
 
-tests/test_dpo_family.py checks every loss type and f-divergence against TRL 1.16's own
+tests/preference/test_dpo_family.py checks every loss type and f-divergence against TRL 1.16's own
 `DPOTrainer._compute_loss` on the same log-probabilities (losses, per-pair where not
 batch-coupled, rewards and gradients), and DPOP against a hand computation of eq. 3.
 `posttrain.preference.losses.dpo_loss` is the entry point (it validates the tensors, then calls

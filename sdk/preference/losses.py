@@ -20,10 +20,10 @@ like TRL's loss methods, every reward detached:
     orpo_loss      -log s(log odds_c - log odds_r)  (added to the chosen NLL)      ORPO eq. 7
     =============  ============================================================  ==========
 
-tests/test_preference.py checks every loss and reward against TRL 1.16's own code on random
-log-probabilities (<= 1e-6), plus hand-computed values: all log-probs 0, beta 0.1 -> DPO = log 2
-= 0.693147, hinge = 1, IPO = 25; policy chosen -1, rejected -2, reference -1.5 for both, beta 0.1
--> DPO = -log s(0.1) = 0.644397, rewards +0.05 / -0.05.
+tests/preference/test_preference.py checks every loss and reward against TRL 1.16's own code on
+random log-probabilities (<= 1e-6), plus hand-computed values: all log-probs 0, beta 0.1 -> DPO =
+log 2 = 0.693147, hinge = 1, IPO = 25; policy chosen -1, rejected -2, reference -1.5 for both, beta
+0.1 -> DPO = -log s(0.1) = 0.644397, rewards +0.05 / -0.05.
 
 The objectives the `Trainer` calls on preference batches (`DPOLoss`, ..., registered as
 "dpo", "ipo", "simpo", "kto", "orpo") are in `posttrain.preference.objectives`.
@@ -108,9 +108,9 @@ def dpo_loss(
     rank-calibration hinge loss of SLiC-HF (Zhao et al. 2023; no equation number checked here)
     applied to the log-ratios with margin 1 / beta, as TRL writes it.
 
-    TRL 1.16 equivalents (tests/test_preference.py, tests/test_dpo_family.py): every loss_type
-    equals TRL's of the same name on the same log-probs, except that TRL's "sigmoid" ignores
-    label_smoothing (e > 0 here is cDPO, TRL's "aot" evaluated one pair at a time). TRL's
+    TRL 1.16 equivalents (tests/preference/test_preference.py, tests/preference/test_dpo_family.py):
+    every loss_type equals TRL's of the same name on the same log-probs, except that TRL's "sigmoid"
+    ignores label_smoothing (e > 0 here is cDPO, TRL's "aot" evaluated one pair at a time). TRL's
     "robust" loss is not cDPO: it is the unbiased rDPO estimator (Chowdhury et al. 2024),
     `((1-e) l(h) - e l(-h)) / (1 - 2e)` with l(h) = -log sigmoid(beta h).
 

@@ -25,7 +25,7 @@ counts it once (`_count_head_grads_once_over_sp`). pp and ep stay refused: a pip
 backbone has no plain forward for the head to read, and an expert-parallel reward model is not
 validated yet.
 
-Example (needs a process group of 2 ranks; see tests/test_plans_trainers.py):
+Example (needs a process group of 2 ranks; see tests/rl/test_plans_trainers.py):
 
     plan = ParallelPlan(dp_shard=2)
     runtime = parallelize_reward_model(plan, RewardModel.from_spec(spec, seed=0))

@@ -48,7 +48,7 @@ call over all prompts (a batched sampler's random draws depend on the batch).
 The sampler-consistent log-prob contract holds as in one process: the old log-probs are the
 sampler's own (from the plain copy, same temperature and top-p) and the training log-probs come
 from the split policy, which computes the same distribution; they differ by float rounding
-(tests/test_plans_trainers.py: at most 9.5e-7 on TINY under dp_shard=2, tp=2 and dp_shard=2 x
+(tests/rl/test_plans_trainers.py: at most 9.5e-7 on TINY under dp_shard=2, tp=2 and dp_shard=2 x
 tp=2, the same as in one process; the bound is 1e-5).
 
 Axes: dp_replicate, dp_shard, tp, sp and ep; pp > 1 is refused (a pipelined policy has no plain

@@ -26,7 +26,7 @@ rounding) and `dp_shard=2 x tp=2` (there, with float8 all-gather, FSDP2's pre-al
 a weight's amax over the FSDP ranks only, so each tp shard gets its own weight scale: a slightly
 different, equally valid scaling). Under data parallelism each rank scales its own micro-batch
 (the tensorwise activation amax is a per-rank statistic), so a dp run is not bitwise equal to
-one process on the same global batch (tests/test_float8.py states the bound). `apply_float8`
+one process on the same global batch (tests/train/test_float8.py states the bound). `apply_float8`
 refuses no plan; which axes a model converted through `posttrain.train.converters.convert_model`
 may use is `posttrain.models.conversion.PLAN_AXES["float8"]`, checked by `parallelize`.
 

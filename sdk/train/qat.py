@@ -30,7 +30,7 @@ Rounding passes gradients straight through (torchao `_Round`; Bengio et al. 2013
 `convert_qat` the same numbers are stored as integer tensors (int8 storage, int4 values
 unpacked on these CPU paths) with fp32 scales, inside torchao tensor subclasses; the logits of
 the converted model equal the fake-quantised ones (measured difference 0.0 on tiny-1m,
-tests/test_qat.py).
+tests/train/test_qat.py).
 
 What is converted: every `nn.Linear` of the decoder except the output projection (untied:
 kept in full precision; tied: it is the token embedding, never an `nn.Linear`), the token
@@ -38,7 +38,7 @@ embedding, the linears of LoRA adapters, and an MoE layer's router and shared-ex
 routed experts' grouped [E, H, D] parameters are not `nn.Linear` and stay in full precision.
 The report lists each skipped module with its reason.
 
-Checked behaviour (tests/test_qat.py): a prepared model trains under `posttrain.train.Trainer`
+Checked behaviour (tests/train/test_qat.py): a prepared model trains under `posttrain.train.Trainer`
 (checkpoints and exact resume: its state dict has the plain model's keys) and generates with
 `posttrain.policy.Policy.generate` (KV cache; per-token activation scales make cached and
 uncached decoding agree). A converted model generates, but `Policy.save` cannot write its

@@ -29,7 +29,7 @@ spelling, `model = plan.apply(model, spec=spec)` and `Trainer(model, ..., plan=p
 one more release with a DeprecationWarning (`posttrain.train.plan_compat`, which also has
 `full_state_dict(model_or_runtime)`).
 
-Example (needs a process group; see tests/test_parallel_plans.py):
+Example (needs a process group; see tests/train/test_parallel_plans.py):
 
     plan = ParallelPlan(dp_shard=2, tp=2)
     runtime = plan.parallelize(build_model(spec, seed=0), spec=spec)  # splits it in place

@@ -1,0 +1,171 @@
+"""Benchmark scripts are shipped artifacts: each parses its options (imports resolve)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _waits import WAIT_S
+
+FILES = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
+# A script runs (`if __name__ == "__main__"`); a module holds a part of scripts and is imported.
+SCRIPTS = [p for p in FILES if '__name__ == "__main__"' in p.read_text()]
+MODULES = [p for p in FILES if p not in SCRIPTS]
+
+
+def test_benchmarks_found():
+    assert {"generation", "sft_throughput", "grpo_step"} <= {p.stem for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[p.stem for p in MODULES])
+def test_a_benchmark_module_is_imported_by_a_script(module):
+    """A module without a command of its own is exercised through a script that imports it
+    (whose --help test below imports it too)."""
+    users = [
+        p.stem
+        for p in SCRIPTS
+        if f"from {module.stem} import" in p.read_text()
+        or f"import {module.stem}\n" in p.read_text()
+    ]
+    assert users, f"benchmarks/{module.name} is neither a script nor imported by one"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_benchmark_help(script):
+    proc = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower()
+
+
+def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer():
+    """The side-by-side runs end to end at tiny size: both trainers train from the same SFT
+    start and are scored by the same held-out evaluation (nothing is written with --quick)."""
+    pytest.importorskip("trl")
+    script = next(p for p in SCRIPTS if p.stem == "grpo_vs_trl")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert {"SFT start", "posttrain GRPO", "TRL GRPO"} <= set(names)
+    assert "TRL GRPO minus posttrain GRPO" in names
+    assert "nan" not in proc.stdout.lower()
+
+
+def test_generation_grouped_tiny_matches_transformers_tokens(tmp_path):
+    """A G=4 run at tiny size: Policy.generate(prompts, n=4) with a shared prefill produces the
+    same greedy tokens as transformers generate on the 4 copies (the script exits 1 otherwise)."""
+    script = next(p for p in SCRIPTS if p.stem == "generation")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--batch",
+            "8",
+            "--group-size",
+            "4",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--reps",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "gen"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Greedy tokens identical across the three methods: True" in proc.stdout
+    assert "(2 prompts x G=4 samples)" in proc.stdout
+
+
+def _benchmark_module(stem: str):
+    import importlib.util
+
+    path = next(p for p in SCRIPTS if p.stem == stem)
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"bench_{stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_job_seeds_reports_mean_and_t_interval_over_seeds():
+    """Seeds 0.20, 0.40, 0.60: mean 0.40, sd 0.20, t(0.975, 2) = 4.303 (table), half-width
+    4.303 * 0.20 / sqrt(3) = 0.4969; differences are shown in points (x100)."""
+    m = _benchmark_module("main_job_seeds")
+    mean, low, high = m.mean_interval([0.2, 0.4, 0.6])
+    assert mean == pytest.approx(0.4) and high - mean == pytest.approx(0.4969, rel=1e-3)
+    assert low == pytest.approx(0.4 - 0.4969, rel=1e-3)
+    per_seed = {
+        s: {"after_sft": {"accuracy": a}, "difference": {"difference": d}}
+        for s, a, d in ((0, 0.2, 0.01), (1, 0.4, 0.03), (2, 0.6, 0.05))
+    }
+    rows = {
+        r.split("|")[1].strip(): r
+        for r in m.report(per_seed, m.FIGURES, []).splitlines()
+        if r.startswith("| ")
+    }
+    assert (
+        "| 0.400 [-0.097, 0.897] | 0.200 | 0.600 | 0.200 | 0.400 | 0.600 |"
+        in rows["greedy after SFT"]
+    )
+    # 1, 3, 5 points: sd 2, half-width 4.303 * 2 / sqrt(3) = 4.97
+    assert "| +3.0 [-2.0, +8.0] |" in rows["GRPO minus SFT, greedy (points)"]
+    assert "greedy after GRPO" not in rows  # a figure no seed has is left out
+
+
+def test_main_job_seeds_reports_finished_runs_with_their_curves(tmp_path):
+    """--reuse reads each seed's results.json from --work instead of running it; --plot draws
+    the seeds' eval_curve.csv; the report names WORK/PLOT/OUT, not this machine's folders.
+    Seeds 0.80 and 0.90 after SFT: mean 0.85, sd 0.0707, t(0.975, 1) = 12.706, half-width
+    12.706 * 0.0707 / sqrt(2) = 0.635."""
+    m = _benchmark_module("main_job_seeds")
+    for seed, acc in ((0, 0.8), (1, 0.9)):
+        run = tmp_path / "work" / f"seed{seed}"
+        run.mkdir(parents=True)
+        (run / "results.json").write_text(
+            json.dumps({"after_sft": {"accuracy": acc}, "more_sft": {"accuracy": 0.95}})
+        )
+        (run / "eval_curve.csv").write_text(f"step,accuracy\n0,{acc}\n25,{acc + 0.01}\n")
+    out, png = tmp_path / "report.md", tmp_path / "curves.png"
+    assert (
+        m.main(
+            [
+                "--seeds",
+                "0",
+                "1",
+                "--work",
+                str(tmp_path / "work"),
+                "--reuse",
+                "--plot",
+                str(png),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = out.read_text()
+    assert "| greedy after SFT | 0.850 [0.215, 1.485] | 0.800 | 0.900 | 0.800 | 0.900 |" in text
+    assert "--work WORK --reuse --plot PLOT --out OUT" in text and str(tmp_path) not in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
+    m = _benchmark_module("grpo_vs_trl")
+    assert (
+        m.command_line(["--sft-run", "/tmp/a", "--steps", "5"], Path("/tmp/a"))
+        == "--sft-run RUN --steps 5"
+    )
+    assert m.command_line(["--sft-run=/tmp/a"], Path("/tmp/a")) == "--sft-run=RUN"
+    assert m.command_line(["--steps", "5"], None) == "--steps 5"

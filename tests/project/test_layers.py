@@ -1,0 +1,226 @@
+"""The layer rule: every posttrain module imports only from its own layer or the layers below it,
+no two modules import each other (directly or round a cycle), and nothing in the SDK imports
+`posttrain.notebook`. Imports are read with `ast`, including those inside functions. An import
+under `if TYPE_CHECKING:` (for annotations only, never executed) obeys the layers but is no
+edge of a cycle: it is how a module names the type of an object from a module that imports it.
+
+The layers, lowest first, are `LAYERS` below (docs/design/architecture.md draws them). A failure
+names the offending edge: the importing module, the imported one and their layers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Lowest first. A module's layer is its first two name parts (posttrain.rl.trainer -> "rl");
+# `posttrain` itself (lazy names for notebooks) and `posttrain.cli` stand on everything.
+LAYERS = (
+    "core",
+    "models",
+    "policy",
+    "data",
+    "rewards",
+    "verifiers",
+    "train",
+    "preference",
+    "rl",
+    "envs",
+    "launch",
+    "workflows",
+    "notebook",
+    "cli",
+    "",
+)
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+
+def _modules() -> dict[str, Path]:
+    """Every posttrain module name -> its file, from pyproject's package-dir mapping."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mods: dict[str, Path] = {}
+    for pkg, folder in cfg["tool"]["setuptools"]["package-dir"].items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [
+                p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"
+            ]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _owner(name: str) -> str | None:
+    """The posttrain module that `name` (a module or module.attribute) lives in."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+def imports_of(module: str, *, type_only: bool = True) -> set[str]:
+    """posttrain modules that `module` imports anywhere in its file (functions included; with
+    `type_only=False`, not those under `if TYPE_CHECKING:`)."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set() if type_only else _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1] + ([node.module] if node.module else [])
+                node_module = ".".join(base)
+            else:
+                node_module = node.module or ""
+            # `from pkg import sub` imports the submodule `pkg.sub` when there is one.
+            targets = [
+                f"{node_module}.{a.name}" if f"{node_module}.{a.name}" in MODULES else node_module
+                for a in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            owner = _owner(target)
+            if owner is not None and owner != module:
+                found.add(owner)
+    return found
+
+
+EDGES = {m: imports_of(m) for m in MODULES}
+RUNTIME_EDGES = {m: imports_of(m, type_only=False) for m in MODULES}
+
+
+def test_every_module_has_a_known_layer():
+    unknown = sorted(m for m in MODULES if layer(m) not in RANK)
+    assert not unknown, f"modules outside every layer (add the layer to LAYERS and docs): {unknown}"
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [
+        f"{m} ({layer(m)}) imports {t} ({layer(t)})"
+        for m, targets in sorted(EDGES.items())
+        for t in sorted(targets)
+        if RANK[layer(t)] > RANK[layer(m)]
+    ]
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_nothing_in_the_sdk_imports_the_notebook_layer():
+    users = [
+        f"{m} imports {t}"
+        for m, targets in sorted(EDGES.items())
+        for t in sorted(targets)
+        if layer(t) == "notebook" and layer(m) not in ("notebook", "")
+    ]
+    assert not users, "\n".join(users)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    cycles = _cycles(RUNTIME_EDGES)
+    described = []
+    for component in cycles:
+        inside = set(component)
+        described.append(
+            "; ".join(f"{m} -> {t}" for m in component for t in sorted(RUNTIME_EDGES[m] & inside))
+        )
+    assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+def test_only_type_checking_imports_are_left_out_of_the_cycle_check():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n"
+        "    import b\n    from c import d\nif x:\n    import e\n"
+    )
+    names = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if id(n) in _type_only(tree) and isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
+    assert names == ["import b", "from c import d"]
+
+
+def test_the_cycle_finder_finds_a_cycle_and_names_its_edges():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("module", ["posttrain.rl.trainer", "posttrain.envs.reasoning_gym_env"])
+def test_imports_inside_functions_are_read(module):
+    # rl.trainer imports the engine at module level; envs' calculator imports inside a function.
+    assert EDGES[module], f"{module} reads as importing nothing"
+
+
+def test_sizes_stay_under_500_lines():
+    big = {
+        str(p.relative_to(ROOT)): n
+        for d in ("sdk", "envs", "verifiers", "recipes")
+        for p in (ROOT / d).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not big, f"files over 500 lines (two ideas share them): {big}"
