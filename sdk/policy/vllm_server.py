@@ -1,0 +1,462 @@
+"""A vLLM server that samples from a posttrain policy: started, health-checked, fed new weights
+and stopped by posttrain, as one handle (`VLLMServer`).
+
+vLLM pins transformers, tokenizers and fastapi against posttrain's own pins, so it runs from a
+venv of its own (built by `scripts/vllm-up.sh`, found at `$POSTTRAIN_VLLM_VENV` or
+/var/tmp/posttrain-vllm/venv) as its own process: `python -m vllm.entrypoints.openai.api_server`
+on 127.0.0.1, with `VLLM_SERVER_DEV_MODE=1` for the weight-reload endpoints. The runbook is
+docs/runbooks/vllm.md.
+
+Lifecycle:
+- `VLLMServer.start(policy, run_dir)` checks everything it can before starting anything (venv,
+  architecture, dtype, port), exports the policy as an HF folder (`Policy.save`) under
+  `run_dir/vllm/model`, starts the server with its log in `run_dir/vllm/server.log`, and waits for
+  `GET /health` within `startup_timeout_s` (~2 minutes on a loaded 2-core machine, mostly imports).
+- The server runs in a process group of its own under a small watchdog launcher. `close()` (also
+  the context manager's exit, and a finalizer that runs at interpreter exit or when the handle is
+  collected) kills the whole group; the watchdog kills it when the Python process that started
+  it dies (a notebook kernel killed, `kill -9`), within a second.
+- Prompts are token ids: the server runs with `--skip-tokenizer-init`, and posttrain encodes and
+  decodes with the policy's own tokenizer (so byte-tokenizer models are served too).
+
+Weight sync (`sync_weights`): the policy's weights are saved as safetensors in /dev/shm,
+`reload_weights(weights_path=...)` runs in the server's workers (`POST /collective_rpc`), then
+`POST /reset_prefix_cache`: reload alone keeps prompts cached before the update, and the server
+would answer them with the old weights' KV. Every sample carries the weight version it was drawn
+with; after a failed sync the handle refuses to sample until a sync succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posttrain.models.conversion import applied_converters
+from posttrain.models.hf_config import hf_config_from_spec
+from posttrain.policy.vllm_process import (
+    DEFAULT_VENV,
+    VLLMServerError,
+    VLLMUnavailable,
+    check_port,
+    log_tail,
+    shm_root,
+    start_group,
+    stop_group,
+    vllm_unavailable_reason,
+    vllm_venv,
+)
+from posttrain.policy.vllm_sampling import (
+    SAMPLING_KEYS,
+    ServedCompletion,
+    completion_requests,
+    encode_prompts,
+    served_completion,
+)
+
+if TYPE_CHECKING:
+    from posttrain.models.specs import ModelSpec
+    from posttrain.models.tokenizer import Tokenizer
+    from posttrain.policy.policy import Policy
+
+__all__ = [
+    "VLLMServer",
+    "VLLMServerError",
+    "VLLMUnavailable",
+    "WeightSync",
+    "vllm_unavailable_reason",
+    "DEFAULT_VENV",
+    "SUPPORTED_ARCHITECTURES",
+]
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SERVED_NAME = "posttrain-policy"
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """What one `VLLMServer.sync_weights` did.
+
+    Attributes:
+        version: the weight version now served.
+        nbytes: bytes of the safetensors file written to /dev/shm.
+        save_s, reload_s, reset_s: wall-clock seconds to write it, to reload it in the server,
+            and to reset the server's prefix cache.
+    """
+
+    version: int
+    nbytes: int
+    save_s: float
+    reload_s: float
+    reset_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.save_s + self.reload_s + self.reset_s
+
+
+class VLLMServer:
+    """A running vLLM server for one policy architecture. Build it with `VLLMServer.start`.
+
+    Attributes:
+        url: http://host:port of the server.
+        log_path: the server's log (stdout and stderr) in the run folder.
+        model_dir: the HF folder it was started from.
+        weight_version: 0 for the weights it started with, +1 per successful `sync_weights`.
+        pgid: the process group of the server (watchdog, API server, engine).
+    """
+
+    def __init__(
+        self,
+        *,
+        proc: subprocess.Popen,
+        url: str,
+        log_path: Path,
+        model_dir: Path,
+        spec: ModelSpec,
+        tokenizer: Tokenizer,
+        dtype: torch.dtype,
+        request_timeout_s: float,
+        max_concurrency: int,
+    ) -> None:
+        self._proc = proc
+        self.url = url
+        self.log_path = log_path
+        self.model_dir = model_dir
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.pgid = proc.pid
+        self.weight_version = 0
+        self.request_timeout_s = request_timeout_s
+        self.max_concurrency = max_concurrency
+        self._stale = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._shm_dir = tempfile.mkdtemp(prefix="posttrain-vllm-", dir=shm_root())
+        self._finalizer = weakref.finalize(self, stop_group, proc, self._shm_dir)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(
+        cls,
+        policy: Policy,
+        run_dir: str | os.PathLike,
+        *,
+        venv: str | os.PathLike | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 600.0,
+        enforce_eager: bool = True,
+        kv_cache_gib: int = 1,
+        max_concurrency: int = 32,
+        extra_args: Sequence[str] = (),
+    ) -> VLLMServer:
+        """Export `policy` and start a vLLM server for it; return once `GET /health` answers.
+
+        Args:
+            policy: the policy to serve (its weights, dtype and tokenizer).
+            run_dir: the run folder; the model goes to `run_dir/vllm/model`, the log to
+                `run_dir/vllm/server.log`.
+            venv: the vLLM venv (default `$POSTTRAIN_VLLM_VENV` or /var/tmp/posttrain-vllm/venv).
+            host, port: where to listen; `port=None` picks a free port.
+            startup_timeout_s: deadline for `/health` (seconds).
+            request_timeout_s: deadline of one HTTP request to the server (seconds).
+            enforce_eager: no torch.compile / graphs (starts in seconds instead of ~1 minute).
+            kv_cache_gib: KV cache memory on CPU (`VLLM_CPU_KVCACHE_SPACE`, GiB).
+            max_concurrency: most requests in flight from one `generate` call.
+            extra_args: more `api_server` arguments, passed as they are.
+
+        Raises:
+            VLLMUnavailable: the venv is missing or incomplete (run scripts/vllm-up.sh).
+            ValueError: an architecture the server does not take (the allowed ones named), a
+                dtype other than float32/bfloat16/float16, or a policy with converters applied.
+            VLLMServerError: the port is taken, the server exited before it was healthy (exit
+                code and the log's tail in the message), or `/health` did not answer in time.
+        """
+        _check_servable(policy)
+        reason = vllm_unavailable_reason(venv)
+        if reason is not None:
+            raise VLLMUnavailable(reason)
+        chosen_port = check_port(host, port)
+        folder = Path(run_dir) / "vllm"
+        folder.mkdir(parents=True, exist_ok=True)
+        model_dir, log_path = folder / "model", folder / "server.log"
+        policy.save(model_dir)
+        python = vllm_venv(venv) / "bin" / "python"
+        argv = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", SERVED_NAME,
+            "--host", host, "--port", str(chosen_port),
+            "--dtype", _DTYPES[policy.dtype], "--max-model-len", str(policy.spec.max_seq_len),
+            "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm", "--seed", "0",
+            *(["--enforce-eager"] if enforce_eager else []),
+            *extra_args,
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(
+            VIRTUAL_ENV=str(python.parent.parent),
+            PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}",
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
+        with open(log_path, "a") as log:
+            log.write(f"$ {' '.join(argv)}\n")
+        proc = start_group(argv, env=env, log_path=log_path)
+        server = cls(
+            proc=proc,
+            url=f"http://{host}:{chosen_port}",
+            log_path=log_path,
+            model_dir=model_dir,
+            spec=policy.spec,
+            tokenizer=policy.tokenizer,
+            dtype=policy.dtype,
+            request_timeout_s=request_timeout_s,
+            max_concurrency=max_concurrency,
+        )
+        try:
+            server._wait_healthy(startup_timeout_s)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise VLLMServerError(
+                    f"the vLLM server exited with code {code} before GET {self.url}/health "
+                    f"answered; its log is {self.log_path}, ending:\n{log_tail(self.log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMServerError(
+                    f"the vLLM server did not answer GET {self.url}/health within {timeout_s:g} "
+                    f"s; its log is {self.log_path}, ending:\n{log_tail(self.log_path)}"
+                )
+            time.sleep(1.0)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server process is running (and the handle not closed)."""
+        return not self._closed and self._proc.poll() is None
+
+    def close(self) -> None:
+        """Stop the server: its whole process group, SIGTERM then SIGKILL after 10 s. Idempotent."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self.alive else "dead")
+        return (
+            f"VLLMServer({state}, url={self.url}, family={self.spec.family}, "
+            f"weight_version={self.weight_version}, log={self.log_path})"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = {
+            "state": "closed" if self._closed else ("running" if self.alive else "dead"),
+            "url": self.url,
+            "model": f"{self.spec.family}, {self.spec.num_layers} layers, {_DTYPES[self.dtype]}",
+            "weight version": str(self.weight_version) + (" (sync failed)" if self._stale else ""),
+            "log": str(self.log_path),
+        }
+        body = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows.items())
+        return f"<table><caption>vLLM server</caption>{body}</table>"
+
+    # ------------------------------------------------------------------------------- requests
+    def _post(self, path: str, body: Mapping[str, Any] | None) -> Any:
+        data = json.dumps(body).encode() if body is not None else b""
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=data, method="POST",
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout_s) as answer:
+                text = answer.read().decode()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise VLLMServerError(f"POST {self.url}{path} -> HTTP {err.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as err:
+            state = "running" if self._proc.poll() is None else f"exited {self._proc.poll()}"
+            raise VLLMServerError(
+                f"POST {self.url}{path} failed ({err}); the server is {state}, its log is "
+                f"{self.log_path}"
+            ) from None
+        return json.loads(text) if text.strip() else None
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise VLLMServerError("this VLLMServer is closed; start a new one")
+        if self._proc.poll() is not None:
+            raise VLLMServerError(
+                f"the vLLM server exited with code {self._proc.poll()}; its log is "
+                f"{self.log_path}, ending:\n{log_tail(self.log_path)}"
+            )
+        if self._stale:
+            raise VLLMServerError(
+                f"the last sync_weights failed, so the server may hold stale or partial weights "
+                f"(last good version {self.weight_version}); call sync_weights again"
+            )
+
+    # ------------------------------------------------------------------------------- sampling
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        seed: int | None = None,
+        **sampling: Any,
+    ) -> list[ServedCompletion]:
+        """Sample completions from the server, as `Policy.generate` does from the policy.
+
+        Args:
+            prompts: str prompts (encoded with BOS by the policy's tokenizer) or token-id lists.
+            seed: the call's seed (sample j of prompt i uses `seed + i * n + j`); None draws one
+                from the global torch RNG, as `Policy.generate` does.
+            sampling: n, max_new_tokens, temperature, top_p, top_k, stop (see
+                `posttrain.policy.vllm_sampling` for how each maps and what is refused).
+
+        Returns:
+            `len(prompts) * n` `ServedCompletion`s, prompt-major, each with the sampled tokens,
+            their log-probabilities under the distribution sampled from (float32 values as
+            Python floats), and the weight version that drew them.
+
+        Raises:
+            ValueError: a bad or unsupported setting, named; an unknown keyword.
+            VLLMServerError: the server is closed or dead, the last sync failed, or a request
+                failed.
+        """
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(f"unknown sampling settings {unknown}; allowed: {list(SAMPLING_KEYS)}")
+        prompt_ids = encode_prompts(prompts, self.tokenizer, self.spec.vocab_size)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        bodies = completion_requests(
+            prompt_ids,
+            model=SERVED_NAME,
+            max_seq_len=self.spec.max_seq_len,
+            stop_ids=sorted(self.tokenizer.stop_ids),
+            seed=seed,
+            **sampling,
+        )
+        n = len(bodies) // len(prompt_ids)
+        with self._lock:
+            self._check_usable()
+            version = self.weight_version
+            workers = max(1, min(len(bodies), self.max_concurrency))
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                answers = list(pool.map(lambda b: self._post("/v1/completions", b), bodies))
+        out = []
+        for k, answer in enumerate(answers):
+            ids = (answer.get("choices") or [{}])[0].get("token_ids") or []
+            out.append(
+                served_completion(
+                    answer,
+                    prompt_index=k // n,
+                    sample_index=k % n,
+                    prompt_ids=prompt_ids[k // n],
+                    text=self.tokenizer.decode(ids),
+                    weight_version=version,
+                )
+            )
+        return out
+
+    # ---------------------------------------------------------------------------- weight sync
+    def sync_weights(self, policy: Policy) -> WeightSync:
+        """Load `policy`'s current weights into the server and reset its prefix cache.
+
+        Saves the weights as safetensors in /dev/shm, runs `reload_weights(weights_path=...)` in
+        the server's workers, then resets the prefix cache, and only then bumps `weight_version`.
+        If any step fails, the handle refuses to sample until a later sync succeeds.
+
+        Raises:
+            ValueError: `policy` has another architecture or dtype than the served one, or
+                converters applied (e.g. unmerged LoRA adapters).
+            VLLMServerError: the server refused the reload or the reset (its answer quoted).
+        """
+        if policy.spec != self.spec:
+            raise ValueError(
+                f"policy.spec={policy.spec} differs from the served spec {self.spec}; start a "
+                "new server for another architecture"
+            )
+        if policy.dtype != self.dtype:
+            raise ValueError(
+                f"policy dtype {policy.dtype} differs from the served dtype {self.dtype}; "
+                "cast the policy or start a new server"
+            )
+        _check_servable(policy)
+        from posttrain.models.hf import save_hf_checkpoint
+
+        with self._lock:
+            if self._closed or self._proc.poll() is not None:
+                self._check_usable()
+            self._stale = True
+            t0 = time.perf_counter()
+            folder = Path(self._shm_dir) / "weights"
+            save_hf_checkpoint(policy.model, policy.spec, folder)
+            nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+            t1 = time.perf_counter()
+            self._post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            )
+            t2 = time.perf_counter()
+            self._post("/reset_prefix_cache", None)
+            t3 = time.perf_counter()
+            self.weight_version += 1
+            self._stale = False
+        return WeightSync(self.weight_version, nbytes, t1 - t0, t2 - t1, t3 - t2)
+
+
+def _check_servable(policy: Policy) -> None:
+    arch = hf_config_from_spec(policy.spec)["architectures"][0]
+    if policy.spec.is_moe or arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"the vLLM engine serves {', '.join(SUPPORTED_ARCHITECTURES)} (dense); this policy is "
+            f"{arch}{' (MoE)' if policy.spec.is_moe else ''}, family={policy.spec.family}: "
+            "use the builtin engine (Policy.generate)"
+        )
+    if policy.dtype not in _DTYPES:
+        raise ValueError(
+            f"policy dtype {policy.dtype}; the vLLM engine serves {', '.join(_DTYPES.values())}"
+        )
+    converters = applied_converters(policy.model)
+    if converters:
+        raise ValueError(
+            f"the policy's model has converters {list(converters)} applied; the vLLM engine "
+            "serves plain weights: merge LoRA adapters (posttrain.models.lora.merge_lora) first"
+        )
