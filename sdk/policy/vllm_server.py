@@ -428,6 +428,8 @@ class VLLMServer:
             t0 = time.perf_counter()
             folder = Path(self._shm_dir) / "weights"
             save_hf_checkpoint(policy.model, policy.spec, folder)
+            if policy.spec.tie_word_embeddings:
+                _add_tied_lm_head(folder)
             nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
             t1 = time.perf_counter()
             self._post(
@@ -435,11 +437,32 @@ class VLLMServer:
                 {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
             )
             t2 = time.perf_counter()
-            self._post("/reset_prefix_cache", None)
+            for _ in range(50):  # refused while blocks are held (requests still running)
+                if (self._post("/reset_prefix_cache", None) or {}).get("success"):
+                    break
+                time.sleep(0.2)
+            else:
+                raise VLLMServerError(
+                    "POST /reset_prefix_cache kept answering success=false (blocks still held "
+                    "by running requests); the server may serve cached prompts with old weights"
+                )
             t3 = time.perf_counter()
             self.weight_version += 1
             self._stale = False
         return WeightSync(self.weight_version, nbytes, t1 - t0, t2 - t1, t3 - t2)
+
+
+def _add_tied_lm_head(folder: Path) -> None:
+    """Write `lm_head.weight` (the embedding) into a tied model's safetensors. vLLM's in-place
+    reload fills each layer from the file and puts a layer's old tensors back when the file has
+    nothing for it: without this key the output head keeps the old embedding (the tie broken)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        if "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+            save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _check_servable(policy: Policy) -> None:
