@@ -1,11 +1,12 @@
 """The recipes' runs and the config sections they are made of. Grouped by purpose, one module
 each; the package exports the runs, their configs and the sections (`__all__`):
 
-    the runs         sft (SFTConfig, run_sft, the SFT warm start), rl (RLRunConfig,
-                     run_sft_then_rl), preference (PreferenceRunConfig, run_preference),
-                     reward_model (RewardModelRunConfig, run_reward_model); what they share:
-                     recipe_run (RecipeRun: a run's start and end), task_data (held-out items,
-                     the checks that the data fits), pairs (rejection-sampled pairs)
+    the runs         sft (SFTConfig, run_sft, the SFT warm start), rl (run_sft_then_rl;
+                     its config RLRunConfig in rl_config), preference (PreferenceRunConfig,
+                     run_preference), reward_model (RewardModelRunConfig, run_reward_model);
+                     what they share: recipe_run (RecipeRun: a run's start and end), task_data
+                     (held-out items, the checks that the data fits), pairs (rejection-sampled
+                     pairs)
     config sections  config (ModelConfig, TaskConfig, OptimConfig, ...), config_paths
                      (validate, override, config_keys), parallel (the section is a
                      ParallelPlan; plan_of), quantization (adapters, quantised training),
@@ -58,7 +59,8 @@ from posttrain.workflows.quantization import (
 )
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
-from posttrain.workflows.rl import RL_TINY, RLRunConfig, run_sft_then_rl
+from posttrain.workflows.rl import run_sft_then_rl
+from posttrain.workflows.rl_config import RL_TINY, RLRunConfig
 from posttrain.workflows.run_state import RunState, recorded_run, run_state
 from posttrain.workflows.sft import SFTConfig, run_sft, warm_start
 from posttrain.workflows.task_data import evaluate, held_out_items
@@ -129,8 +131,7 @@ FORMER_NAMES: dict[str, str] = {
     ),
     "run_status": "run_state",
     **dict.fromkeys(("MODES", "start_policy", "unsharded_policy"), "sft"),
-    "check_seq_len": "task_data",
-    "check_gym_task": "rl",
+    **dict.fromkeys(("check_seq_len", "check_gym_task"), "task_data"),
     **dict.fromkeys(
         (
             "ExactMatchSet",

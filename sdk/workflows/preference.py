@@ -57,11 +57,6 @@ from posttrain.workflows.config import (
     BatchOptimConfig,
     CheckpointConfig,
     EvalConfig,
-    ModelConfig,
-    PairsConfig,
-    SamplingConfig,
-    SFTWarmStartConfig,
-    TaskConfig,
     choice,
     fail,
     finite,
@@ -69,14 +64,9 @@ from posttrain.workflows.config import (
     ints,
     positive,
     run_fields,
-    validate,
 )
-from posttrain.workflows.pairs import pair_loader, sampled_pairs
-from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.pairs import PairsRunConfig, pair_loader, sampled_pairs
 from posttrain.workflows.quantization import (
-    AdaptersConfig,
-    QuantizationConfig,
-    check_converted_run,
     convert_for_training,
     export_adapters,
     trainable_parameters,
@@ -90,10 +80,15 @@ from posttrain.workflows.reports import (
     read_table,
     write_table,
 )
-from posttrain.workflows.rl import check_gym_task
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import start_policy, unsharded_policy
-from posttrain.workflows.task_data import check_seq_len, evaluate, held_out_items, training_task
+from posttrain.workflows.task_data import (
+    check_gym_task,
+    check_seq_len,
+    evaluate,
+    held_out_items,
+    training_task,
+)
 
 __all__ = ["PreferenceRunConfig", "run_preference", "LOSSES", "DEFAULT_BETA"]
 
@@ -115,10 +110,12 @@ LOSS_OPTIONS = {
 
 
 @dataclass(kw_only=True)
-class PreferenceRunConfig:
+class PreferenceRunConfig(PairsRunConfig):
     """SFT -> rejection-sampled pairs -> preference optimisation -> evaluation: the config of
-    `recipes/dpo.py`. Every field has a default that runs (~10 min on 2 shared CPU cores).
-    Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
+    `recipes/dpo.py`: the loss, over the stages of a `PairsRunConfig` (the starting policy is
+    also the reference; the last val_pairs pairs are kept out of training). Every field has a
+    default that runs (~10 min on 2 shared CPU cores). Raises ValueError in `__post_init__`
+    naming the dotted field and what is allowed."""
 
     loss: str = "dpo"  # dpo | ipo | simpo | kto | orpo
     beta: float | None = None  # None: DEFAULT_BETA[loss]
@@ -132,32 +129,14 @@ class PreferenceRunConfig:
     ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
     kto_undesirable_weight: float = 1.0
-    # the starting policy (also the reference): model.init_from, or SFT of model.name
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=16, every=25))
-    sft: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
-    # pairs by rejection sampling; the last val_pairs are kept out of training
-    pairs: PairsConfig = field(default_factory=PairsConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_pairs: int = 64
-    # preference optimisation (optim.batch_size: pairs, or KTO rows, per micro-batch)
     optim: BatchOptimConfig = field(
         default_factory=lambda: BatchOptimConfig(steps=150, lr=1e-4, warmup_steps=10, batch_size=32)
     )
     max_seq_len: int = 128
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
-    parallel: ParallelPlan = field(default_factory=ParallelPlan)
-    # LoRA / QLoRA adapters and FP8 training of the preference stage (the SFT stage trains in full)
-    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
-    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
-    seed: int = 0
     out_dir: str = "runs/dpo"
-    resume: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        validate(self)
 
     def check(self, at: str) -> None:
         choice(f"{at}.loss", self.loss, LOSSES)
@@ -207,14 +186,7 @@ class PreferenceRunConfig:
             else:
                 message = f"{at}: {message}"
             raise ValueError(f"{message} (loss={self.loss!r})") from None
-        check_parallel(
-            self,
-            at,
-            divisible=("optim.batch_size",)
-            + (("sft.batch_size",) if self.model.init_from is None else ()),
-            unsupported=("pp",),
-        )  # the split policy scores the reference
-        check_converted_run(self, at, training=("none", "fp8"))
+        self.check_split(at, unsupported=("pp",))  # the split policy scores the reference
 
     def build_loss(self):
         """The `TrainingLoss` these settings describe."""
@@ -310,16 +282,9 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
         loss=objective,
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
-        max_grad_norm=o.max_grad_norm,
-        run_dir=out,
         eval_fn=eval_fn,
         eval_every=cfg.eval.every,
-        checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last,
-        progress=cfg.progress,
-        seed=cfg.seed,
-        resume=cfg.resume,
-        runtime=runtime,
+        **run.trainer_options(runtime),
     )
     t0 = time.perf_counter()
     val_start = trainer.evaluate() if trainer.step_count == 0 else {}

@@ -5,6 +5,7 @@ point holds its own stages and nothing else:
     def run_x(cfg):
         run = RecipeRun.start(cfg, sub_runs=("sft",))  # checks, run folder, lock, config.json,
         ...                                            #   lineage, seed; run.plan: the plan
+        trainer = Trainer(..., **run.trainer_options(runtime))  # run_dir, checkpoints, seed, ...
         metrics = trainer.fit(steps)
         run.stop_if_interrupted(trainer, {...})        # Ctrl-C: results.json marked interrupted
         policy = ...                                   # under a plan: the gathered weights
@@ -47,6 +48,7 @@ from typing import Any
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.train.engine import Engine
 from posttrain.train.parallel import ParallelPlan
+from posttrain.train.runtime import Runtime
 from posttrain.workflows.parallel import plan_of
 from posttrain.workflows.reports import start_run, stop_if_interrupted, write_results
 from posttrain.workflows.task_data import check_task_fits
@@ -103,6 +105,23 @@ class RecipeRun:
     def seconds(self) -> float:
         """Wall seconds since the run started."""
         return time.perf_counter() - self.started
+
+    def trainer_options(self, runtime: Runtime | None) -> dict[str, Any]:
+        """The keywords of a stage's trainer (`Trainer`, `RLTrainer`) that every recipe takes
+        from its config the same way: the run folder (`run_dir`), `checkpoint.every` and
+        `checkpoint.keep_last`, `optim.max_grad_norm`, `progress`, `seed`, `resume`, and the
+        `runtime` of the model split by the plan (None without one)."""
+        cfg = self.cfg
+        return {
+            "max_grad_norm": cfg.optim.max_grad_norm,
+            "run_dir": self.out,
+            "checkpoint_every": cfg.checkpoint.every,
+            "keep_last": cfg.checkpoint.keep_last,
+            "progress": cfg.progress,
+            "seed": cfg.seed,
+            "resume": cfg.resume,
+            "runtime": runtime,
+        }
 
     def stop_if_interrupted(self, trainer: Engine, results: dict[str, Any]) -> None:
         """After `trainer.fit`: on Ctrl-C, results.json marked interrupted (with `results`, what

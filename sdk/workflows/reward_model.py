@@ -49,71 +49,46 @@ from posttrain.rewards import PairwiseAccuracy, RewardModel, load_reward_model, 
 from posttrain.train import Trainer
 from posttrain.workflows.config import (
     BatchOptimConfig,
-    CheckpointConfig,
     EvalConfig,
-    ModelConfig,
     PairsConfig,
-    SamplingConfig,
-    SFTWarmStartConfig,
     TaskConfig,
     fail,
     finite,
     run_fields,
     seeds,
-    validate,
 )
-from posttrain.workflows.pairs import pair_loader, sampled_pairs
-from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.pairs import PairsRunConfig, pair_loader, sampled_pairs
 from posttrain.workflows.quantization import (
-    AdaptersConfig,
-    QuantizationConfig,
-    check_converted_run,
     convert_for_training,
     export_adapters,
     trainable_parameters,
 )
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.rl import check_gym_task
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import start_policy
-from posttrain.workflows.task_data import check_seq_len, training_task
+from posttrain.workflows.task_data import check_gym_task, check_seq_len, training_task
 
 __all__ = ["RewardModelRunConfig", "run_reward_model", "split_by_question"]
 
 
 @dataclass(kw_only=True)
-class RewardModelRunConfig:
+class RewardModelRunConfig(PairsRunConfig):
     """Policy -> pairs -> Bradley-Terry reward model -> held-out pairwise accuracy: the config
-    of `recipes/reward_model.py`. Every field has a default that runs. Raises ValueError in
-    `__post_init__` naming the dotted field and what is allowed."""
+    of `recipes/reward_model.py`: the stages of a `PairsRunConfig` (pairs on prompts generated
+    from prompt_seed; optim.batch_size: pairs per micro-batch; adapters on the backbone, the
+    head trains in full) and the reward model's split and margin. Every field has a default that
+    runs. Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
 
-    # the policy that samples the pairs: model.init_from, or SFT of model.name (section sft)
-    model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=lambda: TaskConfig(eval_size=200))
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=8, every=50))
-    sft: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
-    # pairs by rejection sampling on prompts generated from prompt_seed (never a held-out question)
     pairs: PairsConfig = field(default_factory=lambda: PairsConfig(num_prompts=2000))
     prompt_seed: int = 1
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     held_out_fraction: float = 0.2
-    # reward model (optim.batch_size: pairs per micro-batch)
     optim: BatchOptimConfig = field(
         default_factory=lambda: BatchOptimConfig(steps=300, lr=1e-4, warmup_steps=10, batch_size=32)
     )
     margin: float = 0.0  # Bradley-Terry margin (>= 0)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelPlan = field(default_factory=ParallelPlan)
-    # LoRA / QLoRA adapters on the backbone (the head trains in full), FP8 training
-    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
-    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
-    seed: int = 0
     out_dir: str = "runs/reward_model"
-    resume: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        validate(self)
 
     def check(self, at: str) -> None:
         run_fields(self, at)
@@ -123,14 +98,7 @@ class RewardModelRunConfig:
         finite(self, at, ("margin",), low=0.0)
         if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
-        check_parallel(
-            self,
-            at,
-            divisible=("optim.batch_size",)
-            + (("sft.batch_size",) if self.model.init_from is None else ()),
-            unsupported=("sp", "pp", "ep"),
-        )  # parallelize_reward_model
-        check_converted_run(self, at, training=("none", "fp8"))
+        self.check_split(at, unsupported=("sp", "pp", "ep"))  # parallelize_reward_model
 
 
 @recorded_run
@@ -198,16 +166,9 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
         loss=BradleyTerryLoss(margin=cfg.margin),
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
-        max_grad_norm=o.max_grad_norm,
-        run_dir=out,
         eval_fn=eval_fn,
         eval_every=cfg.eval.every,
-        checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last,
-        progress=cfg.progress,
-        seed=cfg.seed,
-        resume=cfg.resume,
-        runtime=runtime,
+        **run.trainer_options(runtime),
     )
     metrics = trainer.fit(o.steps)
     run.stop_if_interrupted(trainer, {"pairs": pair_stats, "num_pairs": len(rows)})

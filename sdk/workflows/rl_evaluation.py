@@ -30,13 +30,13 @@ from posttrain.rewards.evaluation import (
 from posttrain.rl.trainer import RLTrainer
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import accuracy_table, difference_line, read_table, write_table
+from posttrain.workflows.rl_config import RLRunConfig
 from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import evaluate
 
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
-    from posttrain.workflows.rl import RLRunConfig
 
 __all__ = ["HeldOutCurve", "sampled_evaluations", "more_sft_baseline", "write_rl_results"]
 

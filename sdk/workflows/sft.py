@@ -155,9 +155,9 @@ def warm_start(
     results. Returns the SFT results dict.
 
     `init_from` (a policy folder) replaces the fresh `cfg.model.name` policy and `sft` replaces
-    `cfg.sft` (steps, learning rate, batch, demonstrations; its `optim()` is the stage's
-    optimizer): the RL recipes' more-SFT baseline continues the warm start's policy this way
-    on the same demonstrations (`MoreSFTBaselineConfig.warm_start`).
+    `cfg.sft` (an `SFTWarmStartConfig`: optimizer settings and demonstrations; its `optim()` is
+    the stage's `optim` section): the RL recipes' more-SFT baseline continues the warm start's
+    policy this way on the same demonstrations (`MoreSFTBaselineConfig.warm_start`).
 
     Under a parallel plan, as `run_sft`, only rank 0 returns the results (the others None).
     """
@@ -304,14 +304,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
         data=loader,
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
-        max_grad_norm=o.max_grad_norm,
-        run_dir=out,
-        checkpoint_every=cfg.checkpoint.every,
-        keep_last=cfg.checkpoint.keep_last,
-        progress=cfg.progress,
-        seed=cfg.seed,
-        resume=cfg.resume,
-        runtime=runtime,
+        **run.trainer_options(runtime),
     )
     metrics = trainer.fit(o.steps)
     run.stop_if_interrupted(trainer, results)

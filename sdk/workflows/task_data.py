@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROBE_ITEMS",
     "check_seq_len",
+    "check_gym_task",
     "held_out_items",
     "build_dataset",
     "training_task",
@@ -74,6 +75,25 @@ def check_seq_len(cfg: Any, at: str) -> None:
                 f"below {limit}, the "
                 f"longest sequence {at}.model holds (the prompt takes a token at least)",
             )
+
+
+def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
+    """The recipe's task is a reasoning-gym task (not a data file) with at least
+    `min_eval_size` held-out items, and `sft.demonstrations` (where the config has it) is at
+    most `task.train_size`.
+
+    Raises ValueError naming the dotted field under `at` and what is allowed."""
+    if cfg.task.is_file:
+        raise fail(f"{at}.task.name", cfg.task.name, "a reasoning-gym task (not a data file)")
+    ints(cfg.task, f"{at}.task", ("eval_size",), minimum=min_eval_size)
+    demonstrations = getattr(getattr(cfg, "sft", None), "demonstrations", None)
+    if demonstrations is not None and demonstrations > cfg.task.train_size:
+        raise fail(
+            f"{at}.sft.demonstrations",
+            demonstrations,
+            f"at most task.train_size={cfg.task.train_size} (the warm start's items are "
+            "the task's first ones), or None for all",
+        )
 
 
 def _reasoning_gym(task: TaskConfig, size: int, seed: int) -> ProceduralDataset:

@@ -1,0 +1,130 @@
+"""The config of an SFT -> RL run (`posttrain.workflows.rl.run_sft_then_rl`, the grpo and ppo
+recipes): `RLRunConfig`, its checks, and `RL_TINY`, the overrides the recipe tests run it with.
+
+Apart from the run so that what only needs the config (the run's evaluation,
+`posttrain.workflows.rl_evaluation`) imports it without the run; every name is still importable
+from `posttrain.workflows.rl`.
+
+Example:
+    >>> RLRunConfig(rl=RLConfig(algo="grpo", group_size=1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Config.rl.group_size=1: advantage_estimator='grpo' normalises rewards ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.workflows.config import (
+    CheckpointConfig,
+    ModelConfig,
+    MoreSFTBaselineConfig,
+    OptimConfig,
+    RLConfig,
+    RLEvalConfig,
+    SamplingConfig,
+    SFTWarmStartConfig,
+    TaskConfig,
+    fail,
+    run_fields,
+    validate,
+)
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
+from posttrain.workflows.quantization import (
+    AdaptersConfig,
+    RLQuantizationConfig,
+    check_converted_run,
+)
+from posttrain.workflows.task_data import check_gym_task, check_seq_len
+
+__all__ = ["RLRunConfig", "RL_TINY"]
+
+
+@dataclass(kw_only=True)
+class RLRunConfig:
+    """SFT -> RL -> evaluation; every field has a default that runs (SFT of tiny-2m for 900
+    steps on 2-term chain_sum, then 100 GRPO steps of 16 prompts x 8 samples; ~10 min on 2 CPU
+    cores). `recipes/grpo.py` sets the main job's defaults (spell_backward, 64 x 8, the held-out
+    curve `eval.every` and the more-SFT `baseline`).
+    Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: RLEvalConfig = field(default_factory=RLEvalConfig)
+    sft: SFTWarmStartConfig = field(
+        default_factory=lambda: SFTWarmStartConfig(steps=900, lr=3e-3, batch_size=64)
+    )
+    rl: RLConfig = field(default_factory=RLConfig)
+    optim: OptimConfig = field(
+        default_factory=lambda: OptimConfig(steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0)
+    )
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    # LoRA / QLoRA adapters and FP8 training of the RL stage (the SFT stage trains in full);
+    # a quantised sampler copy and truncated importance sampling (quantization.rollout*)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+    quantization: RLQuantizationConfig = field(default_factory=RLQuantizationConfig)
+    # the honest baseline: more SFT on the same demonstrations instead of RL (0 steps: none)
+    baseline: MoreSFTBaselineConfig = field(default_factory=MoreSFTBaselineConfig)
+    seed: int = 0
+    out_dir: str = "runs/grpo"
+    resume: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def check(self, at: str) -> None:
+        run_fields(self, at)
+        check_gym_task(self, at)
+        check_seq_len(self, at)
+        if self.model.init_from is not None:
+            raise fail(
+                f"{at}.model.init_from",
+                self.model.init_from,
+                "None: the RL run starts from its own SFT stage (model.name)",
+            )
+        check_parallel(
+            self,
+            at,
+            divisible=("rl.prompts_per_step", "sft.batch_size"),
+            unsupported=("sp", "pp", "ep"),
+        )  # see posttrain.rl.parallel
+        if plan_of(self) is not None:  # rank 0 alone evaluates, on gathered weights
+            for key, value in (
+                ("eval.every", self.eval.every),
+                ("baseline.steps", self.baseline.steps),
+            ):
+                if value:
+                    raise fail(
+                        f"{at}.{key}",
+                        value,
+                        "0 under a parallel plan: set eval.every=0 "
+                        "baseline.steps=0 (the held-out curve and the more-SFT "
+                        "baseline run in one process)",
+                    )
+        check_converted_run(self, at, training=("none", "fp8"))
+
+
+# Overrides that make an RL recipe finish in seconds (the recipe tests run with them).
+RL_TINY: dict[str, Any] = {
+    "model.name": "tiny-1m",
+    "task.train_size": 64,
+    "task.eval_size": 8,
+    "eval.max_new_tokens": 6,
+    "eval.samples": 2,
+    "sft.steps": 3,
+    "sft.batch_size": 8,
+    "optim.steps": 2,
+    "optim.warmup_steps": 1,
+    "rl.prompts_per_step": 2,
+    "rl.group_size": 2,
+    "sampling.max_new_tokens": 4,
+    "checkpoint.every": 1,
+    "progress": False,
+    "eval.every": 0,
+    "baseline.steps": 0,
+}
