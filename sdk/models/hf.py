@@ -66,13 +66,18 @@ def _tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch
     return _dense_tune_to_hf(sd, spec)
 
 
-def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = dict(
+def _attention_dims(spec: ModelSpec) -> dict[str, int]:
+    """The keywords torchtune's weight converters take to reshape q/k/v (both directions)."""
+    return dict(
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
         dim=spec.embed_dim,
         head_dim=spec.head_dim,
     )
+
+
+def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    dims = _attention_dims(spec)
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 
@@ -83,12 +88,7 @@ def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str,
 
 
 def _dense_tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = dict(
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        dim=spec.embed_dim,
-        head_dim=spec.head_dim,
-    )
+    dims = _attention_dims(spec)
     if spec.family == "qwen2":
         from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
 

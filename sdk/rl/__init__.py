@@ -3,9 +3,10 @@ verl, rollout, the replay buffer, RLTrainer, and low-bit rollout (a quantised sa
 train/infer mismatch, truncated importance sampling). Grouped by purpose, one module each; the
 package exports what a run is assembled from (`__all__`):
 
-    algorithm     algorithms (RLAlgorithm, the advantage / policy-loss registries; the tensor
-                  functions: compute_advantages, policy_loss, kl_loss, ...), config (verl's
-                  configs)
+    algorithm     config (RLAlgorithm, its presets, the advantage / policy-loss names and
+                  registries, verl's configs), algorithms (the tensor functions: step_units,
+                  policy_loss, kl_loss, ...; `posttrain.rl.algorithms` documents each verl
+                  function they call), advantages (compute_advantages)
     environments  environment (Environment, EnvGroupBuilder, Trajectory, Group, the task
                   registry)
     rollout       rollout (collect_groups), buffer (ReplayBuffer), lowbit_rollout (a quantised
@@ -20,7 +21,9 @@ still import from it.
 from __future__ import annotations
 
 from posttrain.core.lazy import lazy_exports
-from posttrain.rl.algorithms import (
+from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
+from posttrain.rl.buffer import DATAFRAME_COLUMNS, TRAJECTORY_FIELDS, ReplayBuffer
+from posttrain.rl.config import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     ROLLOUT_CORRECTIONS,
@@ -31,8 +34,6 @@ from posttrain.rl.algorithms import (
     register_advantage_estimator,
     register_policy_loss,
 )
-from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedule
-from posttrain.rl.buffer import DATAFRAME_COLUMNS, TRAJECTORY_FIELDS, ReplayBuffer
 from posttrain.rl.environment import (
     FINISH_REASONS,
     TASKS,
