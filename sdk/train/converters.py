@@ -48,6 +48,7 @@ from posttrain.models.conversion import (
     record_converter,
 )
 from posttrain.train.optimizer_check import remember_parameters
+from posttrain.train.plan_checks import parallelized
 
 __all__ = [
     "CONVERTER_ORDER",
@@ -158,8 +159,6 @@ def convert_model(
         if pair <= set(every):
             raise ValueError(f"converters {' + '.join(sorted(pair))} cannot be combined: {why}")
     if names:
-        from posttrain.train.sharding import parallelized
-
         plan_applied = parallelized(model)
         if plan_applied is not None:
             raise ValueError(

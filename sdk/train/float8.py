@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from posttrain.models.conversion import ConversionReport
+from posttrain.train.plan_checks import parallelized
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -279,8 +280,6 @@ def apply_float8(
             entry names nothing, the spec is not a ModelSpec, or the filter leaves nothing to
             convert (the message lists each nn.Linear considered and why it was skipped).
     """
-    from posttrain.train.sharding import parallelized
-
     if isinstance(model, nn.Linear):
         raise TypeError(
             "model is a single nn.Linear; apply_float8 converts the linears inside "

@@ -23,7 +23,13 @@ single-process gradient of the global batch up to float rounding.
 
 Checked before any process group exists (`validate`): sizes are positive integers, their
 product equals the world size, tp and sp divide the head counts, pp does not exceed the number
-of layers, ep divides the number of experts of an MoE model (and is 1 for a dense model).
+of layers, ep divides the number of experts of an MoE model (and is 1 for a dense model). The
+fields are checked when the plan is made; it is frozen, so each check against a world size or a
+model runs once per process and is remembered (`posttrain.train.plan_checks`).
+
+`plan.parallelize(model)` hands the plan to `posttrain.train.sharding.parallelize`, which splits
+the model and returns its `PlanRuntime`; it asks `plan_checks` (the remembered checks, the mesh)
+and reads the plan as a value, so the walk never comes back here.
 
 Example:
     >>> from posttrain.models import get_preset
@@ -51,6 +57,9 @@ import torch
 from torch import nn
 
 from posttrain.core.checks import check_fields
+from posttrain.train import plan_checks, sharding
+from posttrain.train.plan_checks import AXES, MESH_DIMS
+from posttrain.train.plan_compat import apply_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,18 +69,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ParallelPlan", "MESH_DIMS", "AXES"]
 
-AXES = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")
-"""The plan's parallelism axes (fields of `ParallelPlan`)."""
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
-"""Dimension names of the plan's `DeviceMesh`, outermost first."""
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCHEDULES = ("gpipe", "1f1b")
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -191,6 +190,8 @@ class ParallelPlan:
         self, *, world_size: int | None = None, spec: ModelSpec | str | None = None
     ) -> None:
         """Check the plan against a world size and a model spec before any process starts.
+        Each check that passes is remembered for the process (the plan is frozen), so asking
+        again is free (`posttrain.train.plan_checks.check_fits`).
 
         Args:
             world_size: the job's number of ranks (None: not checked).
@@ -204,101 +205,18 @@ class ParallelPlan:
                 exceeds num_layers; ep > 1 on a model without experts, or ep does not divide
                 num_experts; tp or pp > 1 on an MoE model.
         """
-        if world_size is not None and (
-            not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1
-        ):
-            raise ValueError(
-                f"world_size={world_size!r}; must be a positive integer (the job's "
-                "number of ranks) or None"
-            )
-        if isinstance(spec, str):
-            from posttrain.models.specs import get_preset
-
-            spec = get_preset(spec)
-        if spec is not None and not all(hasattr(spec, f) for f in ("num_heads", "num_layers")):
-            raise ValueError(
-                f"spec={spec!r}; must be a posttrain.models.ModelSpec (e.g. "
-                "get_preset('tiny-1m')), a preset name, or None"
-            )
-        if world_size is not None and self.world_size != world_size:
-            raise ValueError(
-                f"{self}: dp_replicate x dp_shard x tp x sp x pp x ep = "
-                f"{self.world_size}, but the world size is {world_size}; the axes "
-                f"must multiply to {world_size}"
-            )
-        if spec is None:
-            return
-        heads = math.gcd(spec.num_heads, spec.num_kv_heads)
-        if spec.num_heads % self.tp or spec.num_kv_heads % self.tp:
-            raise ValueError(
-                f"ParallelPlan.tp={self.tp} must divide num_heads={spec.num_heads} "
-                f"and num_kv_heads={spec.num_kv_heads} of the model; allowed tp: "
-                f"{_divisors(heads)}"
-            )
-        widths = math.gcd(spec.embed_dim, spec.intermediate_dim)
-        if widths % self.tp:
-            raise ValueError(
-                f"ParallelPlan.tp={self.tp} must divide embed_dim={spec.embed_dim} "
-                f"and intermediate_dim={spec.intermediate_dim}; allowed tp: "
-                f"{_divisors(math.gcd(widths, heads))}"
-            )
-        local_heads = spec.num_heads // self.tp
-        if local_heads % self.sp:  # k and v are expanded to num_heads before the all-to-all
-            raise ValueError(
-                f"ParallelPlan.sp={self.sp} must divide the attention heads per "
-                f"tensor-parallel rank (num_heads={spec.num_heads} / tp={self.tp} = "
-                f"{local_heads}; Ulysses scatters heads); allowed sp: "
-                f"{_divisors(local_heads)}"
-            )
-        if self.pp > spec.num_layers:
-            raise ValueError(
-                f"ParallelPlan.pp={self.pp} exceeds the model's num_layers="
-                f"{spec.num_layers}; allowed pp: 1..{spec.num_layers}"
-            )
-        experts = getattr(spec, "num_experts", 0) or 0
-        if self.ep > 1 and not experts:
-            raise ValueError(
-                f"ParallelPlan.ep={self.ep} needs a model with experts; this model "
-                "is dense (num_experts=0): allowed ep: 1"
-            )
-        if experts and experts % self.ep:
-            raise ValueError(
-                f"ParallelPlan.ep={self.ep} must divide num_experts={experts}; "
-                f"allowed ep: {_divisors(experts)}"
-            )
-        if experts and self.tp > 1:
-            raise ValueError(
-                f"ParallelPlan.tp={self.tp} with an MoE model: the tensor-parallel "
-                "plan splits dense MLPs only (split experts with ep); allowed tp "
-                "for MoE models: 1"
-            )
-        if experts and self.pp > 1:
-            raise ValueError(
-                f"ParallelPlan.pp={self.pp} with an MoE model: the pipeline's loss "
-                "has no load-balancing term; allowed pp for MoE models: 1"
-            )
+        plan_checks.check_fits(self, world_size=world_size, spec=spec)
 
     # ------------------------------------------------------------------ building
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The job's `DeviceMesh` with dimensions `MESH_DIMS` (needs an initialised default
-        process group of `world_size` ranks).
+        process group of `world_size` ranks; `posttrain.train.plan_checks.build_mesh`).
 
         Raises:
             RuntimeError: without an initialised process group.
             ValueError: if the process group's size differs from the plan's world size.
         """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"{self} needs an initialised torch.distributed process group "
-                "(posttrain.launch.submit starts one per task; or "
-                "dist.init_process_group)"
-            )
-        self.validate(world_size=dist.get_world_size())
-        sizes = tuple(getattr(self, name) for name in MESH_DIMS)
-        return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+        return plan_checks.build_mesh(self, device_type)
 
     def parallelize(
         self,
@@ -314,9 +232,7 @@ class ParallelPlan:
         the parameters by DTensors (no-grad forwards in between, e.g. to look at logits, leave
         them in place; the trainers refuse an optimizer over other tensors, by name).
         """
-        from posttrain.train.sharding import parallelize
-
-        return parallelize(self, model, spec=spec, mesh=mesh)
+        return sharding.parallelize(self, model, spec=spec, mesh=mesh)
 
     def apply(
         self,
@@ -329,6 +245,4 @@ class ParallelPlan:
         `runtime=runtime` to the trainer. Splits `model` in place and returns it; its runtime is
         recorded for `plan_state(model)` and for trainers given the model (and `plan=`) only
         (`posttrain.train.plan_compat`)."""
-        from posttrain.train.plan_compat import apply_plan
-
         return apply_plan(self, model, spec=spec, mesh=mesh, _stacklevel=4)

@@ -26,6 +26,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from posttrain.train.losses import (
+    SFTCrossEntropy,
+    TrainingLoss,
+    normalize_by_step,
+    token_cross_entropy_sum,
+)
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +41,6 @@ if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder
 
     from posttrain.data.loader import Batch
-    from posttrain.train.losses import TrainingLoss
     from posttrain.train.parallel import ParallelPlan
 
 __all__ = ["split_into_stage", "PipelineRunner", "stage_layers", "is_stage"]
@@ -147,8 +153,6 @@ class PipelineRunner:
         self._ignore_index = -100
 
     def _loss(self, logits_BTV: Tensor, labels_BT: Tensor) -> Tensor:
-        from posttrain.train.losses import normalize_by_step, token_cross_entropy_sum
-
         # the schedule calls this only inside `step`, which sets the step's token count first
         assert self._num_units is not None, "PipelineRunner._loss runs only inside step()"
         loss_sum, _ = token_cross_entropy_sum(
@@ -205,8 +209,6 @@ class PipelineRunner:
             ValueError: for a loss other than SFT cross-entropy (the pipeline computes the loss
                 on the last stage from logits and labels only).
         """
-        from posttrain.train.losses import SFTCrossEntropy
-
         if not isinstance(loss, SFTCrossEntropy):
             raise ValueError(
                 f"pipeline parallelism (pp={self.plan.pp}) trains the SFT "

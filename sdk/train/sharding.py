@@ -1,6 +1,10 @@
 """Applying a `ParallelPlan` to a torchtune decoder: `parallelize(plan, model, spec=spec)` splits
 the model in place and returns the `PlanRuntime` the trainer holds (`posttrain.train.runtime`:
 sums over the data-parallel ranks, gradient syncs and norm, full weights, checkpoint shards).
+`plan.parallelize(model)` calls it. What it asks before splitting (does the plan fit the world
+size and the model, the mesh, was a plan applied already) is `posttrain.train.plan_checks`,
+below this module and the plan's, so the call never returns into `posttrain.train.parallel`:
+the plan is read as a value.
 
 Order of application (as torchtitan's `parallelize_llama` and torchtune's distributed recipes
 do it), one small function per axis:
@@ -50,9 +54,17 @@ from torch import nn
 
 from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
+from posttrain.train import pipeline
 from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm
+from posttrain.train.expert_parallel import (
+    apply_expert_parallel,
+    expert_parameters,
+    sync_expert_grads,
+)
 from posttrain.train.optimizer_check import remember_parameters, reshard
+from posttrain.train.plan_checks import build_mesh, check_fits, parallelized, resolve_spec
 from posttrain.train.runtime import PlanRuntime
+from posttrain.train.sequence_parallel import apply_ulysses
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -82,28 +94,6 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def parallelized(model: nn.Module) -> str | None:
-    """What shows that a plan was applied to `model` (FSDP2 units, DTensor parameters,
-    activation-checkpoint wrappers, a pipeline stage's forward), or None for a plain model.
-    Read from the modules themselves: nothing about the plan is stored on the model."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    from posttrain.train.pipeline import is_stage
-
-    if is_stage(model):
-        return "a pipeline stage"
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            return "FSDP2"
-        if isinstance(module, CheckpointWrapper):
-            return "activation checkpointing"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "DTensor parameters"
-    return None
-
-
 def parallelize(
     plan: ParallelPlan,
     model: TransformerDecoder,
@@ -121,10 +111,12 @@ def parallelize(
             Apply converters (LoRA, FP8, QAT) before, build the optimizer after.
         spec: its `ModelSpec` (or a preset name), for the model-dependent checks of
             `plan.validate` and the trainers' memory check.
-        mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here).
+        mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here, by
+            `posttrain.train.plan_checks.build_mesh`).
 
     Raises:
-        ValueError: if the plan does not fit the world size or the model (`plan.validate`), the
+        ValueError: if the plan does not fit the world size or the model (`plan.validate`,
+            answered from memory when the run asked before: `plan_checks.check_fits`), the
             model already has a plan applied (`parallelized`), or a converter applied to it
             (LoRA, FP8, ...) does not support one of the plan's axes
             (`posttrain.train.converters.PLAN_AXES`).
@@ -139,11 +131,9 @@ def parallelize(
             f"this model already has a ParallelPlan applied ({done}); build a fresh model"
         )
     check_plan_axes(model, plan)  # a converted model (LoRA, FP8, ...) allows fewer axes
-    plan.validate(world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
-    if isinstance(spec, str):
-        from posttrain.models.specs import get_preset
-
-        spec = get_preset(spec)
+    # remembered: a recipe's plan was checked when its config was built and its run started
+    check_fits(plan, world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
+    spec = resolve_spec(spec)
     if plan.world_size == 1 and not plan.fsdp and not dist.is_initialized():
         return _parallelize_one_rank(plan, model, spec)
     layers = _layers(model)
@@ -154,14 +144,12 @@ def parallelize(
             "state from an accelerator to host memory; this model is on the CPU "
             "already: allowed cpu_offload on CPU: False"
         )
-    mesh = mesh if mesh is not None else plan.build_mesh(device.type)
+    mesh = mesh if mesh is not None else build_mesh(plan, device.type)
     remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
     syncs = []
     pipeline_info = None
     if plan.pp > 1:
-        from posttrain.train import pipeline
-
         pipeline_info = pipeline.split_into_stage(model, mesh)
         layers = _layers(model)
         if pipeline_info["tied"]:
@@ -170,17 +158,9 @@ def parallelize(
     if plan.tp > 1:
         _apply_tp(model, mesh["tp"])
     if plan.sp > 1:
-        from posttrain.train.sequence_parallel import apply_ulysses
-
         apply_ulysses(model, mesh)
     ignored: set[nn.Parameter] = set()
     if plan.ep > 1:
-        from posttrain.train.expert_parallel import (
-            apply_expert_parallel,
-            expert_parameters,
-            sync_expert_grads,
-        )
-
         apply_expert_parallel(model, mesh)
         ignored = set(expert_parameters(model))
         expert_group = _group_over(mesh, ("dp_replicate", "dp_shard", "sp"))
@@ -199,11 +179,9 @@ def parallelize(
     data_group = mesh[dims]._flatten("data").get_group() if plan.data_parallel_size > 1 else None
     parts: dict[str, Any] = {}
     if pipeline_info is not None:
-        from posttrain.train.pipeline import PipelineRunner
-
         last_tied = pipeline_info["tied"] and pipeline_info["last"]
         parts = dict(
-            pipeline=PipelineRunner(model, pipeline_info, plan),
+            pipeline=pipeline.PipelineRunner(model, pipeline_info, plan),
             pp_group=pipeline_info["group"],
             tied_copy=model.tok_embeddings.weight if last_tied else None,
         )
