@@ -53,6 +53,9 @@ ACCEPTED = {
     "optim.warmup_steps": 0,
     "optim.weight_decay": 0.0,
     "optim.min_lr_ratio": 0.0,
+    "sft.warmup_steps": 0,
+    "sft.weight_decay": 0.0,
+    "sft.min_lr_ratio": 0.0,
     "baseline.steps": 0,
     "rl.kl_coef": 0.0,
     "label_smoothing": 0.0,
@@ -65,6 +68,7 @@ ACCEPTED = {
     "sampling.max_new_tokens": 1,
     "optim.batch_size": 1,
     "optim.grad_accum_steps": 1,
+    "sft.grad_accum_steps": 1,
     "optim.steps": 1,
     "sft.batch_size": 1,
     "sft.steps": 1,
@@ -84,7 +88,7 @@ a tuple: the values one recipe or another takes."""
 
 SHORT = {"optim.steps": 1, "task.eval_size": 1, "eval.max_new_tokens": 1}
 """What keeps an EDGE run short (itself boundary values)."""
-WARM = {"sft.steps": 1, "sft.batch_size": 1}
+WARM = {"sft.steps": 1, "sft.batch_size": 1, "sft.warmup_steps": 0, "sft.min_lr_ratio": 0.0}
 EDGE: dict[str, list[dict]] = {
     "demo": [{"sampling.max_new_tokens": 1, "out_dir": "nope"}],
     "sft": [
