@@ -191,6 +191,9 @@ def phase_two(out: Path, rank: int) -> dict:
         "restored_rows": resumed["trainer"].metrics["step"].tolist(),
     }
     results["errors"] = _misuse()
+    # every rank of a sharded save is told the checkpoint's final folder (not the staging one)
+    saved = run_plan(plan, steps=1, run_dir=out / "saved")["trainer"].save_checkpoint()
+    results["saved"] = {"path": str(saved), "is_dir": saved.is_dir()}
     for name, plan in {
         "reshard_dp_shard2": ParallelPlan(dp_shard=2),
         "reshard_tp2": ParallelPlan(tp=2),

@@ -165,6 +165,16 @@ def test_same_plan_resumes_bitwise_after_sigkill(runs):
         assert _max_diff(same["resumed"]["params"], same["uninterrupted"]["params"]) == 0.0
 
 
+def test_every_rank_of_a_sharded_save_gets_the_checkpoints_folder(runs):
+    """Ranks > 0 were given the staging folder's name, which no longer exists after the save."""
+    out = runs[0]
+    for rank in runs[1]["two"]:
+        assert rank["saved"] == {
+            "path": str(out / "saved" / "checkpoints" / "step_000001"),
+            "is_dir": True,
+        }
+
+
 @pytest.mark.parametrize("name", ["reshard_dp_shard2", "reshard_tp2"])
 def test_checkpoint_saved_with_dp_shard4_resumes_under_another_plan(runs, name):
     """Saved after 3 steps under dp_shard=4; resumed to 5 steps under dp_shard=2 or tp=2: the
