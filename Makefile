@@ -44,6 +44,8 @@ run: install
 # Slurm tests skip. Chromium for the browser test (scripts/browser-up.sh: root + apt, ~30 s once)
 # is installed when missing and stays; without it the browser test skips. bubblewrap for the code
 # sandbox (scripts/sandbox-up.sh: root + apt, ~3 s once) likewise; without it the sandbox tests skip.
+# vLLM's own venv (scripts/vllm-up.sh: ~8 min once, ~3.5 GB at /var/tmp/posttrain-vllm, outside the
+# checkout, reused by later runs) likewise; without it the vLLM tests skip.
 # The static checks (`lint`) run first: a finding stops the run before any test.
 test: install lint
 	up=0; if ! scripts/slurm-up.sh --check; then \
@@ -52,6 +54,8 @@ test: install lint
 	  scripts/browser-up.sh || echo "chromium not installed: browser test will skip"; fi; \
 	if ! scripts/sandbox-up.sh --check; then \
 	  scripts/sandbox-up.sh || echo "no code sandbox here: sandbox tests will skip"; fi; \
+	if ! scripts/vllm-up.sh --check; then \
+	  scripts/vllm-up.sh || echo "vLLM venv not built: vLLM tests will skip"; fi; \
 	$(PY) -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 
