@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -364,9 +365,13 @@ def _remove_new(folder: Path, before: set[Path], created: Path | None) -> None:
 
 
 def _job_name(target: Callable[..., Any]) -> str:
+    """`<file>.<name>` of the function: the stem of the file that defines it (`sft.main` for a
+    recipe file, whatever module name its loader gave it), or the last part of its module's
+    name when that module has no file here; the name alone for `__main__` and builtins."""
     module = getattr(target, "__module__", None) or ""
-    if module.startswith("posttrain_recipe_"):  # a recipe file loaded by posttrain.cli
-        module = Path(module.removeprefix("posttrain_recipe_")).stem
+    file = getattr(sys.modules.get(module), "__file__", None) if module != "__main__" else None
+    if file and Path(file).name != "__init__.py":
+        module = Path(file).name.split(".")[0]
     module = module.rsplit(".", 1)[-1]
     base = (getattr(target, "__name__", None) or type(target).__name__).strip("<>")
     full = base if module in ("", "__main__", "builtins") else f"{module}.{base}"

@@ -76,8 +76,8 @@ def override(cfg: Any, changes: Mapping[str, Any]) -> Any:
     Keys are dotted paths (`"optim.lr"`); a mapping given for a section (`{"optim": {"lr": 1e-4}}`,
     as a YAML preset writes it) sets those of its keys; a mapping given for a plain dict field
     (`task.options`) replaces it, while a dotted key into it (`"task.options.max_terms"`) sets
-    one entry (both together merge). Values are used as given (`posttrain.cli` types
-    command-line strings first).
+    one entry (both together merge). Values are used as given (`key=value` strings are typed
+    first by `posttrain.workflows.recipes.apply_overrides`).
 
     Raises:
         ValueError: for an unknown key, naming it and listing the valid keys of its section;

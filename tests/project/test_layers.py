@@ -11,6 +11,7 @@ names the offending edge: the importing module, the imported one and their layer
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,10 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[2]
 
 # Lowest first. A module's layer is its first two name parts (posttrain.rl.trainer -> "rl");
-# `posttrain` itself (lazy names for notebooks) and `posttrain.cli` stand on everything.
+# `posttrain` itself (lazy names for notebooks) stands on every layer below the command line.
+# `posttrain.cli` is the top: it loads a recipe (recipes/*.py, which stand on `posttrain` and
+# every layer below) and calls its `main`, so nothing imports it
+# (`test_nothing_below_the_cli_names_it`).
 LAYERS = (
     "core",
     "models",
@@ -34,8 +38,8 @@ LAYERS = (
     "launch",
     "workflows",
     "notebook",
-    "cli",
     "",
+    "cli",
 )
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
@@ -133,6 +137,53 @@ def test_no_module_imports_a_higher_layer():
         if RANK[layer(t)] > RANK[layer(m)]
     ]
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.py") if not p.name.startswith("_"))
+_NAMES_THE_CLI = re.compile(r"\bposttrain\.cli\b|\bfrom\s+posttrain\s+import\s[^\n]*\bcli\b")
+
+
+def _absolute_imports(path: Path) -> set[str]:
+    """Dotted names a file's absolute imports load (`from a import b` gives a and a.b)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_nothing_below_the_cli_names_it():
+    """cli -> recipes -> workflows -> ...: the command line loads a recipe and calls its `main`,
+    so no recipe and no package module below the cli imports `posttrain.cli`, nor names it in a
+    string or comment (an `importlib` call, or text that describes what the command line does
+    instead of the function below it that does it)."""
+    files = {m: p for m, p in MODULES.items() if m != "posttrain.cli"}
+    files.update({f"recipes/{p.name}": p for p in RECIPES})
+    importers = [
+        f"{name} imports posttrain.cli"
+        for name, path in sorted(files.items())
+        if "posttrain.cli" in _absolute_imports(path)
+    ]
+    named = [
+        f"{name}:{i}: {line.strip()}"
+        for name, path in sorted(files.items())
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if _NAMES_THE_CLI.search(line)
+    ]
+    assert RECIPES and not importers and not named, "\n".join(
+        ["below the cli (cli -> recipes -> workflows -> ...):", *importers, *named]
+    )
+
+
+def test_the_cli_check_sees_an_import_and_a_mention(tmp_path):
+    recipe = tmp_path / "r.py"
+    recipe.write_text("from posttrain import cli, workflows\nimport posttrain.cli as c\n")
+    assert {"posttrain.cli", "posttrain.workflows"} <= _absolute_imports(recipe)
+    assert _NAMES_THE_CLI.search("# a recipe file loaded by posttrain.cli")
+    assert _NAMES_THE_CLI.search("from posttrain import data, cli")
+    assert not _NAMES_THE_CLI.search("posttrain.client, posttrain.clip, cli_args")
 
 
 def test_nothing_in_the_sdk_imports_the_notebook_layer():
