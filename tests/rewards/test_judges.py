@@ -1,197 +1,33 @@
 """Judges: typed results (an unparsable judge text is the judge's `error`, never the policy's
 format_error nor a silent 0.0), LLM and reward-model judges, pairwise judges with position-bias
-control, linear-time verdict parsers, judges as verifiers inside a real GRPO rollout and step."""
+control, and bad inputs (a clear error naming the argument, or a typed outcome for that row).
+(Verdict parsers: test_judge_parsing.py; judges as verifiers and GRPO rewards:
+test_judges_as_rewards.py.)"""
 
 import doctest
-import functools
 import math
-import pickle
-import random
-import re
-import string
-import time
-from types import SimpleNamespace
 
-import cloudpickle
 import pytest
-import torch
-from _waits import thread_cpu_s
+from _judge_helpers import ScriptedPolicy
 
-from posttrain.envs import ReasoningGymGroupBuilder, chain_sum_task
 from posttrain.models import ByteTokenizer
-from posttrain.policy import Completion, Policy
 from posttrain.rewards import (
-    Judge,
     JudgeResult,
     LLMJudge,
     LLMPairwiseJudge,
     Outcome,
-    PairwiseJudge,
     PairwiseOutcome,
     PairwiseResult,
-    RewardModel,
     RewardModelJudge,
     RewardModelPairwiseJudge,
     VerifierResult,
     count_outcomes,
     count_pairwise,
-    judge_as_verifier,
-    parse_choice,
-    parse_score,
     render_pair,
-    run_verifier,
-    score_batch,
 )
 from posttrain.rewards import judges as judges_module
-from posttrain.rl import RLAlgorithm, RLTrainer, collect_groups, outcome_counts, split_groups
 
 ITEM = {"question": "5 + 7 =", "answer": "12", "metadata": {}}
-
-
-class ScriptedPolicy:
-    """Stands in for a judge `Policy`: answers each prompt with `reply(prompt_text)` and records
-    the calls (prompt texts and generation settings)."""
-
-    def __init__(self, reply, max_seq_len=512):
-        self.tokenizer = ByteTokenizer()
-        self.spec = SimpleNamespace(max_seq_len=max_seq_len)
-        self.reply, self.calls = reply, []
-
-    def generate(self, prompts, **settings):
-        texts = [self.tokenizer.decode(p) for p in prompts]
-        self.calls.append((texts, settings))
-        return [
-            Completion(i, 0, list(p), [], self.reply(t), [], "eos")
-            for i, (p, t) in enumerate(zip(prompts, texts))
-        ]
-
-
-def _score_3(text):
-    return "Score: 3"
-
-
-@pytest.fixture(scope="module")
-def tiny_policy():
-    return Policy.from_spec("tiny-1m", seed=0)
-
-
-# --------------------------------------------------------------------------------------------
-# Parsing
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text,expected",
-    [
-        ("Score: 3 ... on reflection Score: 8", 8.0),
-        ("SCORE=4.5", 4.5),
-        ("I'd give it 7", None),
-        ("", None),
-        ("Score: 7/10", 7.0),
-        ("Score: 7.5", 7.5),
-        ("Score: 7.", 7.0),
-        ("Score: -1", -1.0),
-        ("Score: 1e3", 1000.0),
-        ("Score: 1.2.3", None),
-        ("Score: 12", 12.0),
-        ("Score: 1e5.5", None),
-        ("score=+4e-1", 0.4),
-        ("Score:   \n 6", 6.0),
-    ],
-)
-def test_parse_score_reads_the_whole_last_number(text, expected):
-    assert parse_score(text) == expected
-
-
-def test_parse_choice():
-    assert parse_choice("Answer: A") == "A"
-    assert parse_choice("The better answer is B.") == "B"
-    assert parse_choice("b") == "B"
-    assert parse_choice("Answer: C") is None
-    assert parse_choice("A and B are both fine") is None
-
-
-# The backtracking patterns the parsers used before: the slow reference on short texts.
-_OLD_SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)(?!\.?\d)", re.I)
-_OLD_CHOICE = re.compile(
-    r"(?:answer|better|choice|winner)\s*(?:is)?\s*[:=]?\s*\(?\[?\b([AB])\b", re.I
-)
-
-
-def test_linear_parsers_agree_with_the_backtracking_patterns():
-    """On 3,000 random short texts over the parsers' own vocabulary, the possessive patterns find
-    what the old backtracking ones found; the one intended difference is a malformed exponent
-    ("Score: 1e5.5": None now, 1.0 before)."""
-    words = [
-        "score",
-        "Score",
-        "answer",
-        "better",
-        "is",
-        ":",
-        "=",
-        " ",
-        "  ",
-        "\n",
-        "1",
-        "7",
-        "12",
-        ".",
-        "e",
-        "-",
-        "+",
-        "A",
-        "B",
-        "a",
-        "(",
-        "[",
-        "x",
-        "/10",
-    ]
-    keys = ["score", "Score:", "score =", "answer", "Answer:", "better is", "winner"]
-    values = ["7", "12", "-1", "+3", "1.5", "1e3", "7.", "1.2.3", "A", "B", "(a)", "[B]", "AB"]
-    rng = random.Random(0)
-    found = 0
-    for _ in range(3000):
-        text = "".join(
-            [rng.choice(words) for _ in range(rng.randint(0, 3))]
-            + [rng.choice(keys), rng.choice(["", " ", ":", "  \n "]), rng.choice(values)]
-            + [rng.choice(words) for _ in range(rng.randint(0, 3))]
-        )
-        found += parse_score(text) is not None or parse_choice(text) is not None
-        old = _OLD_CHOICE.findall(text)
-        bare = text.strip().strip(string.punctuation + " ").upper()
-        assert parse_choice(text) == (
-            old[-1].upper() if old else bare if bare in ("A", "B") else None
-        ), text
-        if not re.search(r"\de[-+]?\d+\.\d", text):
-            old = _OLD_SCORE.findall(text)
-            assert parse_score(text) == (float(old[-1]) if old else None), text
-    assert found > 500  # the texts do hold verdicts
-
-
-@pytest.mark.parametrize(
-    "text,score,choice",
-    [
-        ("answer" + " " * 3000, None, None),  # 165 s with the old choice pattern
-        ("Answer is" + " " * 3000 + "B", None, "B"),
-        (" " * 3000, None, None),
-        ("Score:" + " " * 3000 + "7", 7.0, None),
-        (" " * 2**20, None, None),  # 1 MB replies from here on
-        ("answer" + " " * 2**20, None, None),
-        ("answer is " * (2**20 // 10), None, None),
-        ("Score: 7 " + " " * 2**20 + "Answer: B", 7.0, "B"),
-        ("Score: " + "1" * 2**19 + "." + "1" * 2**19 + ".1", None, None),
-        ("score: " * (2**20 // 7), None, None),
-        ("A" * 2**20, None, None),
-    ],
-)
-def test_parsers_are_fast_on_degenerate_and_1mb_replies(text, score, choice):
-    """Linear: milliseconds of CPU; cubic: hours (CPU seconds: waiting for a core does not
-    count)."""
-    parsed, cpu_s = thread_cpu_s(lambda: (parse_score(text), parse_choice(text)))
-    assert parsed == (score, choice)
-    assert cpu_s < 2.0, cpu_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,154 +123,8 @@ def test_untrained_llm_judge_gives_errors_deterministically(tiny_policy):
 
 
 # --------------------------------------------------------------------------------------------
-# Judges as verifiers: run_verifier / score_batch budgets
-# --------------------------------------------------------------------------------------------
-
-
-class RaisingJudge:
-    def judge(self, completions, items):
-        raise RuntimeError("judge server down")
-
-
-class SlowJudge:
-    def judge(self, completions, items):
-        time.sleep(1.0)
-        return [JudgeResult.from_score(1.0)] * len(completions)
-
-
-class WrongCountJudge:
-    def judge(self, completions, items):
-        return []
-
-
-def test_a_notebook_class_satisfies_the_protocols():
-    assert isinstance(RaisingJudge(), Judge)
-    assert isinstance(LLMJudge(ScriptedPolicy(lambda t: ""), "r"), Judge)
-    assert isinstance(LLMPairwiseJudge(ScriptedPolicy(lambda t: "")), PairwiseJudge)
-    with pytest.raises(TypeError, match="judge"):
-        judge_as_verifier(lambda c, i: 1.0)
-
-
-def test_judge_failures_through_run_verifier_are_typed():
-    assert (
-        run_verifier(judge_as_verifier(RaisingJudge()), "x", ITEM).reason
-        == "RuntimeError: judge server down"
-    )
-    assert (
-        run_verifier(judge_as_verifier(SlowJudge()), "x", ITEM, timeout_s=0.05).outcome
-        is Outcome.TIMEOUT
-    )
-    assert (
-        "returned 0 results" in run_verifier(judge_as_verifier(WrongCountJudge()), "x", ITEM).reason
-    )
-    verifier = judge_as_verifier(
-        LLMJudge(ScriptedPolicy(lambda t: "Score: 8" if "Response:\n12" in t else "hmm"), "r")
-    )
-    results = score_batch(verifier, ["12", "13", "12"], [ITEM] * 3, timeout_s=60.0)
-    assert count_outcomes(results) == {
-        "ok": 2,
-        "wrong": 0,
-        "format_error": 0,
-        "timeout": 0,
-        "error": 1,
-    }
-    assert isinstance(results[0], JudgeResult) and results[0].raw == "Score: 8"
-
-
-def test_llm_judge_verifier_pickles_with_its_builder(tiny_policy):
-    verifier = judge_as_verifier(LLMJudge(tiny_policy, "r", max_new_tokens=4))
-    builder = ReasoningGymGroupBuilder(ITEM, "chain_sum", verifier=verifier)
-    copy = pickle.loads(cloudpickle.dumps(builder))  # a torchtune model pickles with cloudpickle
-    [env] = copy.make_envs(1)
-    assert env.step("12").verifier_result.outcome is Outcome.ERROR
-    scripted = judge_as_verifier(LLMJudge(ScriptedPolicy(_score_3), "r"))
-    assert pickle.loads(pickle.dumps(scripted))("12", ITEM).score == 0.3  # the lock is rebuilt
-
-
-# --------------------------------------------------------------------------------------------
-# Inside a real GRPO rollout and step
-# --------------------------------------------------------------------------------------------
-
-
-def test_untrained_llm_judge_as_reward_in_a_grpo_rollout(tiny_policy):
-    judge = LLMJudge(
-        Policy.from_spec("tiny-1m", seed=1), "Is the answer correct?", max_new_tokens=8
-    )
-    verifier = judge_as_verifier(judge)
-    items = chain_sum_task(size=8, held_out_size=2).train_items[:2]
-    builders = [ReasoningGymGroupBuilder(it, "chain_sum", verifier=verifier) for it in items]
-    groups = collect_groups(
-        tiny_policy, builders, group_size=3, max_new_tokens=4, seed=0, verifier_timeout_s=30.0
-    )
-    counts = outcome_counts(groups)
-    assert sum(counts.values()) == 6 and counts["error"] == 6  # untrained judge: garbage
-    for t in (t for g in groups for t in g):
-        assert t.outcome == "error" and t.reward == 0.0
-        assert t.info["verifier_reason"].startswith("no score found in judge output")
-    kept, split = split_groups(groups)  # the judge's failure: excluded and counted, not trained
-    assert kept == [] and split["groups_excluded_error"] == 2
-
-
-def test_reward_model_judge_as_reward_in_a_grpo_rollout(tiny_policy, reward_model):
-    verifier = judge_as_verifier(RewardModelJudge(reward_model, ByteTokenizer()))
-    items = chain_sum_task(size=8, held_out_size=2).train_items[:2]
-    builders = [ReasoningGymGroupBuilder(it, "chain_sum", verifier=verifier) for it in items]
-    groups = collect_groups(tiny_policy, builders, group_size=3, max_new_tokens=4, seed=0)
-    rows = [t for g in groups for t in g]
-    expected = reward_model.score(
-        [
-            render_pair(ByteTokenizer(), it["question"], t.text)
-            for it, g in zip(items, groups)
-            for t in g
-        ]
-    )
-    assert [t.reward for t in rows] == pytest.approx(expected, rel=1e-6, abs=1e-5)  # raw rewards
-    assert {t.outcome for t in rows} <= {"ok", "wrong"}
-
-
-def test_scripted_judge_rewards_reach_a_grpo_step(tiny_policy):
-    """A judge that scores by the completion's length gives mixed rewards to the first group and
-    no verdict to the second: one RLTrainer step trains on the first, and excludes and counts
-    the second (the judge failed: `error`, never a 0.0 reward for the policy)."""
-    task = chain_sum_task(size=16, held_out_size=2)
-    mute_on = task.train_items[1]["question"]
-
-    def reply(text):
-        completion = text.split("Response:\n")[1].rsplit("\n\nRate", 1)[0]
-        return "???" if mute_on in text else f"Score: {min(10, len(completion))}"
-
-    verifier = judge_as_verifier(LLMJudge(ScriptedPolicy(reply), "r"))
-    task = chain_sum_task(
-        size=16,
-        held_out_size=2,
-        builder=functools.partial(ReasoningGymGroupBuilder, task="chain_sum", verifier=verifier),
-    )
-    policy = Policy.from_spec("tiny-1m", seed=0)
-    trainer = RLTrainer(
-        policy,
-        torch.optim.AdamW(policy.model.parameters(), lr=1e-4),
-        task=task,
-        algo=RLAlgorithm.grpo(group_size=4, kl_coef=0.0),
-        prompts_per_step=2,
-        max_new_tokens=6,
-        progress=False,
-    )
-    row = trainer.step()
-    outcomes = {k: row[f"outcome_{k}"] for k in ("ok", "wrong", "format_error", "timeout", "error")}
-    assert outcomes["error"] == 4 and outcomes["ok"] + outcomes["wrong"] == 4
-    assert outcomes["format_error"] == outcomes["timeout"] == 0
-    assert row["groups_kept"] == 1 and row["groups_excluded_error"] == 1
-    assert math.isfinite(row["reward_mean"])
-
-
-# --------------------------------------------------------------------------------------------
 # Reward-model judges
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def reward_model():
-    return RewardModel.from_spec("tiny-1m", seed=0)
 
 
 def test_reward_model_judge_scores_the_rendered_pair(reward_model):
