@@ -1,6 +1,7 @@
 """Preference optimisation: every loss and its rewards against TRL 1.16's own code and
-hand-computed values (the Trainer, data, reference cache and pairs:
-tests/preference/test_preference_data.py).
+hand-computed values (the Trainer: tests/preference/test_preference_training.py; data and the
+reference cache: tests/preference/test_preference_data.py; pairs by rejection sampling:
+tests/preference/test_preference_pairs.py).
 
 Shapes: B = pairs, N = KTO rows, K = KTO mismatched pairs, T = tokens.
 
