@@ -7,7 +7,7 @@ transformers loads as the same model. Checkpoint folders (safetensors load/save)
 `posttrain.models.hf`. The MoE keys of Qwen2-MoE (model_type qwen2_moe) are in
 `posttrain.models.hf_moe`.
 
-Traps handled (transformers 5.10 semantics, checked in tests/models/test_models_hf.py):
+Traps handled (transformers 5.10 semantics, checked in tests/models/test_hf_config.py):
   * Absent keys take the HF config class defaults, not torchtune's: rope_theta 1e4 (torchtune
     qwen2 builder: 1e6; llama3: 5e5), rms_norm_eps 1e-6 (torchtune: 1e-5). Qwen2Config's
     num_key_value_heads defaults to 32 when the key is absent (LlamaConfig: num_attention_heads).
@@ -44,7 +44,7 @@ _ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama3": "LlamaForCausalLM"}
 _MODEL_TYPE_OF_FAMILY = {"qwen2": "qwen2", "llama3": "llama"}
 
 # Defaults of transformers 5.10 Qwen2Config / LlamaConfig for keys absent from config.json
-# (pinned against the classes in tests/models/test_models_hf.py). num_key_value_heads None means
+# (pinned against the classes in tests/models/test_hf_config.py). num_key_value_heads None means
 # "equal to num_attention_heads".
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(
