@@ -1,20 +1,19 @@
-"""LoRA / QLoRA on torchtune decoders: exact start, freezing, merge precision, PEFT round trips.
+"""LoRA / QLoRA on torchtune decoders: config and errors, exact start, freezing, training only
+the adapters, merge precision, and the NF4 QLoRA base. The PEFT adapter format, with peft as the
+reference: tests/models/test_lora_peft.py.
 
-References: peft 0.21.2 (`PeftModel.from_pretrained`, `get_peft_model`) and transformers for the
-adapter format; float64 arithmetic for merge precision; hand-computed parameter counts and NF4
-byte counts (torchao 0.15 `NF4Tensor` layout).
+References: float64 arithmetic for merge precision; transformers for the merged export;
+hand-computed parameter counts and NF4 byte counts (torchao 0.15 `NF4Tensor` layout).
 
-Shapes: B = batch, T = tokens, V = vocabulary, O = out features, I = in features, R = rank.
-"""
+Shapes: B = batch, T = tokens, V = vocabulary, O = out features, I = in features, R = rank."""
 
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 
 import pytest
 import torch
+from _lora_helpers import SPECS, logits_of, random_base, random_tokens_BT, randomise_adapters
 from torch import nn
 
 from posttrain.models import ModelSpec, build_model, get_preset, save_hf_checkpoint
@@ -32,34 +31,6 @@ from posttrain.models.lora import (
     save_peft_adapter,
 )
 
-SPECS = {  # small enough for a fast forward, wide enough for GQA (num_kv_heads < num_heads)
-    "qwen2": ModelSpec(
-        family="qwen2",
-        vocab_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=64,
-        intermediate_dim=128,
-        max_seq_len=64,
-        rope_base=3e4,
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    "llama3": ModelSpec(
-        family="llama3",
-        vocab_size=96,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=64,
-        intermediate_dim=128,
-        max_seq_len=64,
-        rope_base=2e4,
-        norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-}
 # Every targeted weight's numel divides by 16,384: q/k/v/o 256 x 256, w1/w3 512 x 256, w2 256 x 512.
 QLORA_SPEC = ModelSpec(
     family="qwen2",
@@ -74,35 +45,6 @@ QLORA_SPEC = ModelSpec(
     norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-HF_NAMES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _tokens_BT(vocab: int, batch: int = 2, length: int = 24) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
-
-
-def _logits(model, tokens_BT):
-    with torch.no_grad():
-        out = model(tokens_BT)
-    return getattr(out, "logits", out)
-
-
-def _random_base(spec: ModelSpec) -> nn.Module:
-    """A model with every parameter random (biases and norm scales too), std 0.1 / around 1."""
-    model = build_model(spec, seed=0)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("scale") else 0.1 * noise)
-    return model
-
-
-def _randomise_adapters(model: nn.Module, std: float = 0.1) -> None:
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in adapter_state_dict(model).values():
-            p.copy_(std * torch.randn(p.shape, generator=gen))
 
 
 def _next_token_loss(model, tokens_BT):
@@ -210,13 +152,13 @@ def test_merge_into_rejects_an_adapter_of_another_width():
 def test_converted_model_starts_exactly_and_trains_only_adapters():
     spec = get_preset("tiny-1m")
     model = build_model(spec, seed=0)
-    tokens_BT = _tokens_BT(spec.vocab_size)
-    before = _logits(model, tokens_BT)
+    tokens_BT = random_tokens_BT(spec.vocab_size)
+    before = logits_of(model, tokens_BT)
     base = {k: v.clone() for k, v in model.state_dict().items()}
     total = sum(p.numel() for p in model.parameters())
 
     report = apply_lora(model, LoRAConfig(rank=4, modules=LORA_MODULES), spec=spec)
-    assert torch.equal(_logits(model, tokens_BT), before)
+    assert torch.equal(logits_of(model, tokens_BT), before)
     # rank 4 x (in + out) per linear: q 128+128, k 128+64, v 128+64, o 128+128, w1/w3 128+512,
     # w2 512+128 -> 4 * 2,816 = 11,264 per layer, 4 layers.
     assert report.trainable_parameters == 4 * 11_264
@@ -237,8 +179,8 @@ def test_converted_model_starts_exactly_and_trains_only_adapters():
     }
     assert changed == {k for k in after if "lora_" in k}  # every A and B moved, nothing else
     with adapters_disabled(model):
-        assert torch.equal(_logits(model, tokens_BT), before)
-    assert not torch.allclose(_logits(model, tokens_BT), before, atol=1e-4)
+        assert torch.equal(logits_of(model, tokens_BT), before)
+    assert not torch.allclose(logits_of(model, tokens_BT), before, atol=1e-4)
 
 
 def test_conversion_is_deterministic_and_leaves_the_global_rng_alone():
@@ -262,18 +204,18 @@ def test_conversion_is_deterministic_and_leaves_the_global_rng_alone():
 def test_merge_gives_the_adapted_logits_and_exports_to_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     spec = SPECS["qwen2"]
-    model = _random_base(spec)
+    model = random_base(spec)
     apply_lora(model, LoRAConfig(rank=4, alpha=8.0, modules=LORA_MODULES), spec=spec)
-    _randomise_adapters(model)
-    tokens_BT = _tokens_BT(spec.vocab_size)
-    adapted = _logits(model, tokens_BT)
+    randomise_adapters(model)
+    tokens_BT = random_tokens_BT(spec.vocab_size)
+    adapted = logits_of(model, tokens_BT)
 
     assert merge_lora(model) is model and not has_adapters(model)
     assert all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith("q_proj"))
-    torch.testing.assert_close(_logits(model, tokens_BT), adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(model, tokens_BT), adapted, atol=1e-5, rtol=0)
     save_hf_checkpoint(model, spec, tmp_path / "merged")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    torch.testing.assert_close(_logits(hf, tokens_BT), adapted, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_of(hf, tokens_BT), adapted, atol=1e-5, rtol=0)
 
 
 def _bf16_ulp(ref: torch.Tensor) -> torch.Tensor:
@@ -306,7 +248,7 @@ def test_merge_rounds_once_to_bf16():
     # merge_lora on a bf16 model: adapters are bf16 there (exact in float64 too)
     model = build_model(SPECS["llama3"], seed=0, dtype=torch.bfloat16)
     apply_lora(model, LoRAConfig(rank=8, alpha=4.0, modules=("v_proj",)))
-    _randomise_adapters(model, std=0.3)
+    randomise_adapters(model, std=0.3)
     lora = model.layers[1].attn.v_proj
     w, a, b = (t.detach().double() for t in (lora.weight, lora.lora_a.weight, lora.lora_b.weight))
     ref = w + 0.5 * (b @ a)
@@ -327,7 +269,7 @@ def test_qlora_base_is_nf4_smaller_and_trains():
     model = build_model(spec, seed=0)
     fp32_bytes = parameter_bytes(model)
     assert fp32_bytes == 4 * sum(p.numel() for p in model.parameters())
-    tokens_BT = _tokens_BT(spec.vocab_size, batch=4, length=32)
+    tokens_BT = random_tokens_BT(spec.vocab_size, batch=4, length=32)
     reference = copy.deepcopy(model)  # the same base with each targeted weight dequantised
     with torch.no_grad():
         for layer in reference.layers:
@@ -347,7 +289,7 @@ def test_qlora_base_is_nf4_smaller_and_trains():
     bases = [m.weight for n, m in model.named_modules() if hasattr(m, "lora_a")]
     assert len(bases) == 14 and all(isinstance(w, NF4Tensor) for w in bases)
     torch.testing.assert_close(
-        _logits(model, tokens_BT), _logits(reference, tokens_BT), atol=1e-5, rtol=0
+        logits_of(model, tokens_BT), logits_of(reference, tokens_BT), atol=1e-5, rtol=0
     )
 
     # Quantised: 2 layers x (4 x 65,536 + 3 x 131,072) = 1,310,720 elements, 14 weights. NF4
@@ -373,191 +315,11 @@ def test_qlora_base_is_nf4_smaller_and_trains():
     assert losses[-1] < losses[0] - 0.05
     assert all(isinstance(w, NF4Tensor) for w in bases)  # still NF4 after training
 
-    adapted = _logits(model, tokens_BT)
+    adapted = logits_of(model, tokens_BT)
     merge_lora(model)
     assert all(
         m.weight.dtype == torch.float32 and type(m.weight) is nn.Parameter
         for n, m in model.named_modules()
         if n.endswith("q_proj")
     )
-    torch.testing.assert_close(_logits(model, tokens_BT), adapted, atol=1e-5, rtol=0)
-
-
-# ---------------------------------------------------------------------------------------------
-# PEFT format, with peft as the reference
-
-
-# peft 0.21.2 refuses torchao < 0.16 when it creates LoRA layers (`dispatch_torchao` raises
-# ImportError), and torchtune 0.6.1 needs torchao <= 0.15. peft treats torchao as optional, so
-# the reference runs in a child process in which torchao is absent (`sys.modules["torchao"] =
-# None` makes `importlib.util.find_spec` report it missing).
-_PEFT_SCRIPT = r"""
-import json, sys
-sys.modules["torchao"] = None
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
-
-def hf(folder):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-for task in json.loads(sys.argv[1]):
-    tokens = torch.load(task["tokens"])
-    with torch.no_grad():
-        ours = PeftModel.from_pretrained(hf(task["base"]), task["ours"]).eval()
-        torch.save(ours(tokens).logits, task["ours_logits"])
-        torch.manual_seed(0)
-        made = get_peft_model(hf(task["base"]), LoraConfig(
-            r=4, lora_alpha=8, target_modules=task["targets"], init_lora_weights=False)).eval()
-        made.save_pretrained(task["made"])
-        torch.save(made(tokens).logits, task["made_logits"])
-"""
-
-
-@pytest.fixture(scope="module")
-def peft_reference(tmp_path_factory):
-    """family -> dict of: spec, base (posttrain model), tokens_BT, adapted (posttrain logits with
-    random adapters, saved by save_peft_adapter to `ours`), ours_logits (peft's logits with that
-    folder on the HF base), made (a folder peft's save_pretrained wrote, random A and B) and
-    made_logits (peft's logits with it)."""
-    import subprocess
-    import sys
-
-    pytest.importorskip("peft")
-    root = tmp_path_factory.mktemp("peft")
-    out, tasks = {}, []
-    for family, spec in SPECS.items():
-        base = _random_base(spec)
-        save_hf_checkpoint(base, spec, root / f"base-{family}")
-        model = copy.deepcopy(base)
-        apply_lora(
-            model,
-            LoRAConfig(
-                rank=4,
-                alpha=8.0,
-                dropout=0.1,
-                modules=("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"),
-            ),
-            spec=spec,
-        )
-        _randomise_adapters(model)
-        model.eval()
-        tokens_BT = _tokens_BT(spec.vocab_size)
-        save_peft_adapter(
-            model,
-            root / f"ours-{family}",
-            spec=spec,
-            base_model_name_or_path=str(root / f"base-{family}"),
-        )
-        torch.save(tokens_BT, root / f"tokens-{family}.pt")
-        tasks.append(
-            {
-                "base": str(root / f"base-{family}"),
-                "ours": str(root / f"ours-{family}"),
-                "tokens": str(root / f"tokens-{family}.pt"),
-                "targets": HF_NAMES,
-                "ours_logits": str(root / f"ours-{family}.pt"),
-                "made": str(root / f"made-{family}"),
-                "made_logits": str(root / f"made-{family}.pt"),
-            }
-        )
-        out[family] = dict(
-            spec=spec,
-            base=base,
-            tokens_BT=tokens_BT,
-            adapted=_logits(model, tokens_BT),
-            ours=root / f"ours-{family}",
-            made=root / f"made-{family}",
-        )
-    subprocess.run(
-        [sys.executable, "-c", _PEFT_SCRIPT, json.dumps(tasks)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    for family in SPECS:
-        out[family]["ours_logits"] = torch.load(root / f"ours-{family}.pt")
-        out[family]["made_logits"] = torch.load(root / f"made-{family}.pt")
-    return out
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
-def test_saved_adapter_loads_in_peft(family, peft_reference):
-    ref = peft_reference[family]
-    config = json.loads((ref["ours"] / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["lora_dropout"] == 0.1
-    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
-    assert sorted(config["target_modules"]) == sorted(HF_NAMES)
-    assert (ref["adapted"] - _logits(ref["base"], ref["tokens_BT"])).abs().max() > 0.1
-    torch.testing.assert_close(ref["ours_logits"], ref["adapted"], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
-def test_peft_saved_adapter_loads_onto_posttrain(family, peft_reference):
-    ref = peft_reference[family]
-    model = copy.deepcopy(ref["base"])
-    report = load_peft_adapter(model, ref["made"], spec=ref["spec"])
-    assert report.name == "lora" and len(report.converted) == 2 * 7
-    model.eval()
-    assert (ref["made_logits"] - _logits(ref["base"], ref["tokens_BT"])).abs().max() > 0.1
-    torch.testing.assert_close(
-        _logits(model, ref["tokens_BT"]), ref["made_logits"], atol=1e-5, rtol=0
-    )
-
-
-@pytest.fixture(scope="module")
-def qwen2_adapter_folder(tmp_path_factory):
-    spec = SPECS["qwen2"]
-    model = build_model(spec, seed=0)
-    apply_lora(model, LoRAConfig(rank=4, modules=("q_proj", "w1")), spec=spec)
-    return save_peft_adapter(model, tmp_path_factory.mktemp("adapter"), spec=spec)
-
-
-@pytest.mark.parametrize(
-    "field, value, message",
-    [
-        ("peft_type", "PREFIX_TUNING", "peft_type='PREFIX_TUNING'; only 'LORA'"),
-        ("use_dora", True, "use_dora=True; only plain LoRA"),
-        ("use_rslora", True, "use_rslora=True"),
-        ("modules_to_save", ["lm_head"], "modules_to_save=\\['lm_head'\\]"),
-        ("layers_to_transform", [0], "layers_to_transform=\\[0\\]"),
-        ("rank_pattern", {"q_proj": 2}, "rank_pattern="),
-        ("alpha_pattern", {"q_proj": 2}, "alpha_pattern="),
-        ("bias", "all", "bias='all'"),
-        ("target_modules", ["q_proj", "lm_head"], "target_modules=.*'lm_head' is not supported"),
-        ("target_modules", "all-linear", "target_modules='all-linear'"),
-        ("r", 0, "r=0"),
-    ],
-)
-def test_load_rejects_unsupported_configs(field, value, message, qwen2_adapter_folder, tmp_path):
-    folder = tmp_path / "edited"
-    shutil.copytree(qwen2_adapter_folder, folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config[field] = value
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    model = build_model(SPECS["qwen2"], seed=0)
-    with pytest.raises(ValueError, match=f"adapter_config.json {message}"):
-        load_peft_adapter(model, folder, spec=SPECS["qwen2"])
-    assert not has_adapters(model)
-
-
-def test_load_rejects_adapters_that_do_not_fit_the_model(qwen2_adapter_folder):
-    wide = SPECS["qwen2"].replace(embed_dim=128)
-    model = build_model(wide, seed=0)
-    with pytest.raises(
-        ValueError,
-        match=r"lora_a\.weight in .* has shape \(4, 64\) but the model "
-        r"needs \(4, 128\)",
-    ):
-        load_peft_adapter(model, qwen2_adapter_folder, spec=wide)
-    deeper = SPECS["qwen2"].replace(num_layers=3)
-    with pytest.raises(ValueError, match=r"missing \['layers\.2\.attn\.q_proj\.lora_a\.weight'"):
-        load_peft_adapter(build_model(deeper, seed=0), qwen2_adapter_folder, spec=deeper)
-    moe_spec = get_preset("tiny-moe")
-    moe = build_model(moe_spec, seed=0)
-    with pytest.raises(
-        ValueError,
-        match="target_modules names 'gate_proj'.*it has: q_proj, k_proj, v_proj, o_proj$",
-    ):
-        load_peft_adapter(moe, qwen2_adapter_folder, spec=moe_spec)
-    assert not has_adapters(model) and not has_adapters(moe)
+    torch.testing.assert_close(logits_of(model, tokens_BT), adapted, atol=1e-5, rtol=0)
