@@ -38,7 +38,7 @@ from posttrain.preference import (
 )
 from posttrain.rewards import RewardModel, VerifierResult
 from posttrain.rl import Group, RLAlgorithm, RLTrainer, StepResult, ValueHead, make_batch
-from posttrain.rl.parallel import data_shares, rollout_seed
+from posttrain.rl.parallel import data_shares, frozen_reference, rollout_seed
 from posttrain.rl.rollout import collect_groups
 from posttrain.train import ParallelPlan, Runtime, Trainer, full_state_dict
 
@@ -262,7 +262,10 @@ def run_rl(
     (before any update)."""
     algo = ALGOS[algo_name]()
     policy = Policy(build_model(spec, seed=0), ByteTokenizer(), spec)
+    reference = None if plan is None else frozen_reference(policy)  # split as the policy is
     runtime = None if plan is None else plan.parallelize(policy.model, spec=spec)
+    if plan is not None and runtime is not None:
+        plan.parallelize(reference, spec=spec, mesh=runtime.mesh)
     head = ValueHead(spec.embed_dim) if algo.use_value_head else None
     params = list(policy.model.parameters()) + (list(head.parameters()) if head else [])
     cls = (
@@ -279,6 +282,7 @@ def run_rl(
         prompts_per_step=4,
         max_new_tokens=4,
         value_head=head,
+        reference=reference,
         micro_batch_size=2,
         progress=False,
         runtime=runtime,
@@ -362,7 +366,7 @@ def resume_runs(out: Path) -> dict[str, Any]:
 
 def misuse() -> dict[str, str]:
     """Errors of: an RL optimizer built before plan.parallelize; prompts_per_step not divisible by
-    the data-parallel size; a value head under sp=2."""
+    the data-parallel size; a value head under sp=2; a reference missing, plain or taken late."""
     errors = {}
     plan = ParallelPlan(dp_shard=2)
 
@@ -380,7 +384,7 @@ def misuse() -> dict[str, str]:
             policy,
             opt,
             task=ToyTask(),
-            algo=RLAlgorithm.grpo(group_size=2),
+            algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.0),  # no reference to give
             prompts_per_step=2,
             max_new_tokens=2,
             progress=False,
@@ -417,6 +421,26 @@ def misuse() -> dict[str, str]:
             runtime=runtime,
         )
 
+    def reference(given: str):  # the plan splits the policy; the reference: none, or plain
+        policy = Policy(build_model(TINY, seed=0), ByteTokenizer(), TINY)
+        plain = frozen_reference(policy)
+        runtime = plan.parallelize(policy.model, spec=TINY)
+        if given == "taken_after_the_split":
+            frozen_reference(policy)
+        RLTrainer(
+            policy,
+            torch.optim.SGD(policy.model.parameters(), lr=0.1),
+            task=ToyTask(),
+            algo=RLAlgorithm.grpo(group_size=2, kl_coef=0.1),
+            prompts_per_step=2,
+            max_new_tokens=2,
+            reference=plain if given == "plain" else None,
+            progress=False,
+            runtime=runtime,
+        )
+
+    for given in ("plain", "none", "taken_after_the_split"):
+        attempt(f"reference_{given}", lambda given=given: reference(given))
     attempt("optimizer_before_apply", before_apply)
     attempt("prompts_not_divisible", indivisible)
     attempt("value_head_under_sp", value_head_under_sp)

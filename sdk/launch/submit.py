@@ -106,7 +106,7 @@ def launch(
             out_dir, else `runs/launch/<name>-<timestamp>` (relative to the current folder).
             Refused while its run.json records a job that has not ended; the record of jobs
             that have ended is replaced.
-        name: job name (default: the target's module and name, e.g. "sft.main").
+        name: job name (default: the target's file and name, e.g. "sft.main").
         max_num_timeout: how many times the job may be requeued after a time limit. submitit
             counts a warning signal as a time limit (not a preemption) once the job has run for
             min(0.8 x timeout_min, timeout_min - 10) minutes, which is from the start for

@@ -5,8 +5,10 @@ policy.model, spec=policy.spec))`).
 The trainer runs one step, with or without a plan: every rank samples, scores and trains its
 data rank's share through its `runtime` (`posttrain.train.runtime`); with one data rank (no
 plan, or tp/sp only) the shares are the whole batch and every collective is a no-op. This
-module holds the pieces: the setup under a plan (`plan_rollout_parts`), the shares and seeds of
-the data ranks, the gathering of groups and the padding rows.
+module holds the pieces: the setup under a plan (`plan_rollout_parts`), the reference
+(`frozen_reference`, `checked_reference`), the shares and seeds of the data ranks, the gathering
+of groups and the padding rows. It applies no plan: the caller splits the policy and the
+reference alike, as `posttrain.rl.trainer`'s docstring shows.
 
 Notation: B = trajectories of the step (all data-parallel ranks together), T = padded tokens per
 row, W = data-parallel ranks (`runtime.data_size`), r = this rank's index among them
@@ -65,6 +67,7 @@ forward to score with).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -84,6 +87,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "plan_rollout_parts",
+    "frozen_reference",
+    "checked_reference",
     "data_shares",
     "rollout_seed",
     "gather_groups",
@@ -104,23 +109,19 @@ def plan_rollout_parts(
     *,
     value_head: nn.Module | None,
     prompts_per_step: int,
-    with_reference: bool,
-) -> tuple[Policy, nn.Module | None]:
-    """Check a plan for RL, broadcast the value head, and build what the trainer samples and
-    scores with under it: the plain rollout copy of the policy (full weights, refreshed every
-    step) and, when `with_reference`, the frozen reference split by the same plan from the
-    starting weights.
+) -> Policy:
+    """Check a plan for RL, broadcast the value head, and build the plain rollout copy of the
+    policy that the trainer samples with under it (full weights, refreshed every step). The
+    plan is not applied here: the policy and its reference come split (`frozen_reference`).
 
     Args:
         runtime: the `PlanRuntime` of `policy.model`.
         policy: the trained `Policy` (its model split by the plan).
         value_head: PPO's value head (stays a plain module), or None.
         prompts_per_step: groups per step, shared out among the data ranks.
-        with_reference: build the reference (algo.kl_coef > 0 and no LoRA adapters: a LoRA
-            policy's reference is its own base, scored with the adapters disabled).
 
     Returns:
-        (rollout copy, reference or None).
+        The rollout copy.
 
     Raises:
         ValueError: pp > 1, sp > 1 with a value head, prompts_per_step not divisible by the
@@ -162,12 +163,83 @@ def plan_rollout_parts(
         flat_collective(list(value_head.parameters()), lambda flat: dist.broadcast(flat, src=0))
     rollout = Policy(plain_copy(policy.model, policy.spec), policy.tokenizer, policy.spec)
     rollout.model.load_state_dict(runtime.full_state_dict())
-    if not with_reference:
-        return rollout, None
-    reference = plain_copy(policy.model, policy.spec)  # the starting weights, split the same way
-    reference.load_state_dict(rollout.model.state_dict())
-    plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
-    return rollout, reference.eval().requires_grad_(False)
+    return rollout
+
+
+def frozen_reference(policy: Policy) -> nn.Module:
+    """A frozen plain copy of `policy`'s weights as they are now: the reference an `RLTrainer`
+    under a plan is given, taken before the plan splits the policy and then split by the same
+    plan on the same mesh (module docstring of `posttrain.rl.trainer`). A plain decoder of
+    `policy.spec` (converters such as FP8 are not copied), in eval mode, without gradients.
+
+    Raises:
+        ValueError: if `policy.model` is already split (its parameters are DTensors): take the
+            copy before `plan.parallelize(policy.model, ...)`.
+    """
+    if is_split(policy.model):
+        raise ValueError(
+            "frozen_reference(policy): policy.model is already split by a plan; take the "
+            "reference before plan.parallelize(policy.model, ...), then split it with "
+            "plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)"
+        )
+    reference = plain_copy(policy.model, policy.spec)
+    reference.load_state_dict(policy.model.state_dict())
+    return reference.eval().requires_grad_(False)
+
+
+def checked_reference(
+    reference: nn.Module | None, policy: Policy, *, runtime: Runtime, needed: bool
+) -> nn.Module | None:
+    """The frozen reference an `RLTrainer` scores with: `reference` as given (frozen), a deep copy
+    of the policy without a plan, or None when the algorithm needs none (`needed`: KL > 0 and
+    no LoRA adapters).
+
+    Raises:
+        ValueError: a reference given where none is used; under a plan that split the policy,
+            no reference, or one that is not split as the policy is (each named, with how to
+            build it); a split reference beside a plain policy.
+        TypeError: a reference that is not an `nn.Module`.
+    """
+    if not needed:
+        if reference is not None:
+            raise ValueError(
+                "reference= was given, but this run scores with none: the algorithm's "
+                "kl_coef is 0, or the policy has LoRA adapters (its reference is its own "
+                "base, adapters disabled); pass reference=None"
+            )
+        return None
+    policy_split, how = (
+        is_split(policy.model),
+        (
+            "reference = frozen_reference(policy) before plan.parallelize(policy.model, ...), "
+            "then plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)"
+        ),
+    )
+    if reference is None:
+        if policy_split:
+            raise ValueError(
+                f"RLTrainer under {runtime.plan} with a KL term needs reference=, the frozen "
+                f"reference split by the same plan: {how}"
+            )
+        return copy.deepcopy(policy.model).eval().requires_grad_(False)
+    if not isinstance(reference, nn.Module):
+        raise TypeError(f"reference={reference!r}; must be an nn.Module (a frozen model)")
+    if is_split(reference) != policy_split:
+        raise ValueError(
+            f"reference is a plain module, but policy.model is split by {runtime.plan}: "
+            f"split it by the same plan: {how}"
+            if policy_split
+            else "reference is split by a plan, but policy.model is not; pass a plain "
+            "reference (or split the policy by the same plan)"
+        )
+    return reference.eval().requires_grad_(False)
+
+
+def is_split(model: nn.Module) -> bool:
+    """Whether a plan split `model` over ranks (FSDP2 or TP: its parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 # --------------------------------------------------------------------------------------------

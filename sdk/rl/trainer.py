@@ -24,8 +24,8 @@ Exclusion rule (explicit, counted): a group with any trajectory whose outcome is
 "timeout" is dropped whole (its advantages would compare a real reward with a placeholder 0.0).
 "format_error" and "wrong" are ordinary low rewards and are trained on.
 
-Reference model: a frozen copy of the policy taken when the trainer is built (when
-`algo.kl_coef > 0`); for a LoRA policy its own base, adapters disabled (no copy). Value head
+Reference model (when `algo.kl_coef > 0`): the frozen model given as `reference=`, or a copy of
+the policy taken here; for a LoRA policy its own base, adapters disabled (no copy). Value head
 (PPO + GAE): `ValueHead`, an `nn.Linear(embed_dim, 1)` on `model.norm`'s output (a forward hook).
 
 The loop around the step is the training engine's (`posttrain.train.engine.Engine`, shared with
@@ -37,14 +37,16 @@ the update it is held until the step is done. Either way `fit` stops at a whole 
 checkpoint there when checkpointing is on and sets `interrupted`. With several ranks and no
 plan, rank 0 alone writes; the ranks sample the same groups and train identical replicas.
 
-Under a `ParallelPlan` (`runtime=plan.parallelize(policy.model, spec=policy.spec)`, before the
-optimizer was built): each data-parallel rank samples its share of the prompts with a plain copy
-of the policy that receives the full weights once per step, the groups are gathered so that
-every rank holds the step's global batch, the reference (a copy split by the same plan) and the
-value head (a replicated `nn.Linear` whose gradients are summed over the data ranks) score and
-train it, each data rank its share of every minibatch (`posttrain.rl.parallel` has the whole
-design). The step is the same code with or without a plan: what differs is the trainer's
-`runtime`; without a plan there is one data rank and every collective is a no-op. Checkpoints
+Under a `ParallelPlan` the caller splits the policy and the reference (the trainer applies no
+plan; the optimizer is built after): `reference = frozen_reference(policy)`
+(`posttrain.rl.parallel`), `runtime = plan.parallelize(policy.model, spec=policy.spec)`,
+`plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)`, then `RLTrainer(...,
+runtime=runtime, reference=reference)`. Each data-parallel rank samples its share of the prompts
+with a plain copy of the policy that receives the full weights once per step, the groups are
+gathered so that every rank holds the step's global batch, the reference and the value head (a
+replicated `nn.Linear` whose gradients are summed over the data ranks) score and train it, each
+data rank its share of every minibatch (`posttrain.rl.parallel` has the whole design). The step
+is the same code with or without a plan: what differs is the trainer's `runtime`. Checkpoints
 are then DCP shards of policy, value head and reference with the optimizer.
 
 Low-bit rollout (`rollout_quantization="int8"`): a quantised copy samples, the full-precision
@@ -66,7 +68,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -94,6 +95,7 @@ from posttrain.rl.lowbit_rollout import (
     quantized_sampler,
 )
 from posttrain.rl.parallel import (
+    checked_reference,
     data_shares,
     gather_groups,
     plan_rollout_parts,
@@ -131,6 +133,9 @@ class RLTrainer(RLUpdateEngine):
         max_new_tokens, temperature, top_p: sampling settings, also used to score (the
             importance ratio compares log-probs of the same distribution).
         value_head: a `ValueHead` when `algo.use_value_head` (built here if None).
+        reference: the frozen reference (KL > 0, no LoRA), or None for a copy of the policy;
+            under a plan that splits the policy, required and split by the same plan (module
+            docstring), a plain one refused (`posttrain.rl.parallel.checked_reference`).
         micro_batch_size: rows per forward/backward inside a minibatch (gradient accumulation;
             the loss is normalised over the minibatch, so the result does not depend on it);
             under a plan, rows per forward of each data rank's share of the minibatch.
@@ -164,8 +169,8 @@ class RLTrainer(RLUpdateEngine):
         ValueError: for bad options, a run_dir that holds a run while resume is False, or an
             optimizer that does not hold exactly the trainable parameters of the policy and the
             value head (named; `posttrain.train.optimizer_check`); under a plan, a plan not
-            applied to the policy, a runtime of another model, a split value head, or
-            prompts_per_step not divisible by the data-parallel size.
+            applied to the policy, a runtime of another model, a split value head, a missing
+            or plain reference, or prompts_per_step not divisible by the data-parallel size.
     """
 
     progress_desc = "rl"
@@ -182,6 +187,7 @@ class RLTrainer(RLUpdateEngine):
         temperature: float = 1.0,
         top_p: float = 1.0,
         value_head: ValueHead | None = None,
+        reference: nn.Module | None = None,
         micro_batch_size: int | None = None,
         lr_scheduler: Any = None,
         max_grad_norm: float | None = 1.0,
@@ -232,18 +238,16 @@ class RLTrainer(RLUpdateEngine):
         self.rollout_report: ConversionReport | None = None
         self.rollout_quantization = rollout_quantization
         self.rollout_policy = self.sampler_policy = policy
-        with_reference = algo.kl_coef > 0 and not has_adapters(policy.model)
-        if isinstance(runtime, PlanRuntime):  # a plain copy samples; the reference is split too
-            self.rollout_policy, self.reference = plan_rollout_parts(
-                runtime,
-                policy,
-                value_head=value_head,
-                prompts_per_step=prompts_per_step,
-                with_reference=with_reference,
+        if isinstance(runtime, PlanRuntime):  # a plain copy of the split policy samples
+            self.rollout_policy = self.sampler_policy = plan_rollout_parts(
+                runtime, policy, value_head=value_head, prompts_per_step=prompts_per_step
             )
-            self.sampler_policy = self.rollout_policy
-        elif with_reference:
-            self.reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
+        self.reference = checked_reference(
+            reference,
+            policy,
+            runtime=runtime,
+            needed=algo.kl_coef > 0 and not has_adapters(policy.model),
+        )
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.last_groups: list[Group] | None = None
         self.last_builders: Sequence | None = None

@@ -23,7 +23,8 @@ Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one 
 step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
 
 With a `parallel` plan (`Config.parallel`, a job of its world size): the SFT stage and the RL
-policy (and its reference) are split by it, each data-parallel rank samples its share of the
+policy and its reference are split by it (this module applies it to both; `RLTrainer` applies
+none), each data-parallel rank samples its share of the
 prompts (`posttrain.rl.parallel`), and after training rank 0 evaluates and saves the gathered
 full weights while the other ranks wait; only rank 0 returns the results (the others None).
 
@@ -37,8 +38,10 @@ import dataclasses
 from typing import Any
 
 from posttrain.core.distributed import rank_and_world_size
+from posttrain.models.lora import has_adapters
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import paired_bootstrap_diff
+from posttrain.rl.parallel import frozen_reference
 from posttrain.rl.trainer import RLTrainer, ValueHead
 from posttrain.workflows.quantization import (
     convert_for_training,
@@ -110,9 +113,13 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
             policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0
         )
     ]
-    runtime = None  # before the optimizer: the plan replaces the parameters
-    if plan is not None:
+    runtime = reference = None  # before the optimizer: the plan replaces the parameters
+    if plan is not None:  # the policy and its frozen reference, split the same way, here only
+        if algo.kl_coef > 0 and not has_adapters(policy.model):
+            reference = frozen_reference(policy)  # the starting weights
         runtime = plan.parallelize(policy.model, spec=policy.spec)
+        if reference is not None:
+            plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
     optimizer, schedule = o.build(trainable_parameters(policy.model, value_head))
     curve = (
@@ -137,6 +144,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         temperature=s.temperature,
         top_p=s.top_p,
         value_head=value_head,
+        reference=reference,
         lr_scheduler=schedule,
         rollout_quantization=q.rollout_quantization(),
         callbacks=[curve] if curve else [],

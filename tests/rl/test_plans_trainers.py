@@ -241,6 +241,14 @@ def test_misused_rl_plans_are_refused_with_what_to_do(two):
         in errors["prompts_not_divisible"]
     )
     assert "a value head with sp=2 is not supported" in errors["value_head_under_sp"]
+    # the trainer applies no plan: a reference must come split as the policy is, and is named
+    how = "then plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)"
+    assert errors["reference_plain"].startswith(
+        "reference is a plain module, but policy.model is split by ParallelPlan(dp_shard=2)"
+    )
+    assert "with a KL term needs reference=" in errors["reference_none"]
+    assert how in errors["reference_plain"] and how in errors["reference_none"]
+    assert "policy.model is already split" in errors["reference_taken_after_the_split"]
 
 
 @pytest.mark.slow
