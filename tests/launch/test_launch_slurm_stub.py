@@ -10,8 +10,8 @@ import os
 import time
 
 import pytest
+from _launch_helpers import Cfg, times_ten
 from _waits import WAIT_S
-from test_launch import Cfg, times_ten
 
 from posttrain.launch.submit import JobFailedError, Run, launch, launch_array
 
