@@ -288,15 +288,14 @@ def save_hf_checkpoint(
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    state_dict = {k: _plain_tensor(k, v) for k, v in model.state_dict().items()}
-    _check_keys(state_dict, _expected_tune_shapes(spec), "the model's parameters", "`spec`")
-    dtypes = {v.dtype for v in state_dict.values()}
+    hf = hf_state_dict(model, spec)
+    dtypes = {v.dtype for v in hf.values()}
     if len(dtypes) != 1:
         raise ValueError(
             f"the model's parameters have mixed dtypes {sorted(map(str, dtypes))}; "
             "cast it to one dtype before saving"
         )
-    hf_sd = {k: v.detach().to("cpu").contiguous() for k, v in _tune_to_hf(state_dict, spec).items()}
+    hf_sd = {k: v.to("cpu").contiguous() for k, v in hf.items()}
     config = hf_config_from_spec(
         spec,
         dtype=dtypes.pop(),
@@ -330,6 +329,19 @@ def save_hf_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def hf_state_dict(model: nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """`model`'s weights under HF key names, detached, on the model's device and in its dtype:
+    the tensors `save_hf_checkpoint` writes (no lm_head when embeddings are tied).
+
+    Raises:
+        ValueError: the model's state dict does not match `spec` (keys listed), or a parameter
+            is not a plain tensor (named).
+    """
+    state_dict = {k: _plain_tensor(k, v) for k, v in model.state_dict().items()}
+    _check_keys(state_dict, _expected_tune_shapes(spec), "the model's parameters", "`spec`")
+    return {k: v.detach() for k, v in _tune_to_hf(state_dict, spec).items()}
 
 
 def _plain_tensor(name: str, t: torch.Tensor) -> torch.Tensor:

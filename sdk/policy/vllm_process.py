@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_VENV",
     "VLLMServerError",
     "VLLMUnavailable",
+    "VLLMRequestError",
     "vllm_venv",
     "vllm_unavailable_reason",
     "check_port",
@@ -56,6 +57,20 @@ class VLLMServerError(RuntimeError):
 
 class VLLMUnavailable(VLLMServerError):
     """No complete vLLM venv: run scripts/vllm-up.sh."""
+
+
+class VLLMRequestError(VLLMServerError):
+    """One HTTP request to a vLLM server failed.
+
+    Attributes:
+        status: the HTTP status the server answered with (e.g. 400 for a request it refused), or
+            None when no answer came (connection refused or cut, a timeout: the server may be
+            dead).
+    """
+
+    def __init__(self, message: str, *, status: int | None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def vllm_venv(venv: str | os.PathLike | None = None) -> Path:

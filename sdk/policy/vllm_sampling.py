@@ -34,10 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from posttrain.core.checks import check_int
 from posttrain.policy.sampling import Completion, FinishReason, _check_sampling_args
 
 if TYPE_CHECKING:
+    from posttrain.models.specs import ModelSpec
     from posttrain.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "completion_requests",
     "encode_prompts",
     "served_completion",
+    "call_requests",
+    "call_completions",
     "SAMPLING_KEYS",
 ]
 
@@ -213,4 +218,75 @@ def encode_prompts(
                 f"prompts[{i}] must be a non-empty list of int token ids in [0, {vocab_size})"
             )
         out.append(ids)
+    return out
+
+
+def call_requests(
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    tokenizer: Tokenizer,
+    spec: ModelSpec,
+    model: str,
+    seed: int | None,
+    sampling: Mapping[str, Any],
+) -> tuple[list[list[int]], list[dict[str, Any]]]:
+    """One `generate` call as request bodies: the prompts' token ids and one body per sample,
+    prompt-major (see `completion_requests`). A server or a pool of servers sends the bodies in
+    any order and to any server: each carries its own seed, so its answer does not depend on
+    where it runs.
+
+    Args:
+        prompts: str prompts (encoded with BOS by `tokenizer`) or token-id lists.
+        tokenizer, spec: the served policy's (stop ids, vocabulary size, context length).
+        model: the server's served model name.
+        seed: the call's seed; None draws one from the global torch RNG, as `Policy.generate`.
+        sampling: the call's other keywords (`SAMPLING_KEYS`).
+
+    Raises:
+        ValueError: an unknown keyword (the allowed ones listed), a bad prompt or setting, named.
+    """
+    unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown sampling settings {unknown}; allowed: {list(SAMPLING_KEYS)}")
+    prompt_ids = encode_prompts(prompts, tokenizer, spec.vocab_size)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    bodies = completion_requests(
+        prompt_ids,
+        model=model,
+        max_seq_len=spec.max_seq_len,
+        stop_ids=sorted(tokenizer.stop_ids),
+        seed=seed,
+        **sampling,
+    )
+    return prompt_ids, bodies
+
+
+def call_completions(
+    answers: Sequence[Mapping[str, Any]],
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    tokenizer: Tokenizer,
+    weight_version: int,
+) -> list[ServedCompletion]:
+    """The answers to `call_requests`' bodies (in the bodies' order) as `ServedCompletion`s,
+    prompt-major, each decoded with `tokenizer` and stamped with `weight_version`.
+
+    Raises:
+        ValueError: an answer `served_completion` refuses (named).
+    """
+    n = len(answers) // len(prompt_ids)
+    out = []
+    for k, answer in enumerate(answers):
+        ids = (answer.get("choices") or [{}])[0].get("token_ids") or []
+        out.append(
+            served_completion(
+                answer,
+                prompt_index=k // n,
+                sample_index=k % n,
+                prompt_ids=prompt_ids[k // n],
+                text=tokenizer.decode(ids),
+                weight_version=weight_version,
+            )
+        )
     return out

@@ -28,6 +28,7 @@ with; after a failed sync the handle refuses to sample until a sync succeeds.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -49,6 +50,7 @@ from posttrain.models.conversion import applied_converters
 from posttrain.models.hf_config import hf_config_from_spec
 from posttrain.policy.vllm_process import (
     DEFAULT_VENV,
+    VLLMRequestError,
     VLLMServerError,
     VLLMUnavailable,
     check_port,
@@ -60,11 +62,9 @@ from posttrain.policy.vllm_process import (
     vllm_venv,
 )
 from posttrain.policy.vllm_sampling import (
-    SAMPLING_KEYS,
     ServedCompletion,
-    completion_requests,
-    encode_prompts,
-    served_completion,
+    call_completions,
+    call_requests,
 )
 
 if TYPE_CHECKING:
@@ -309,12 +309,15 @@ class VLLMServer:
                 text = answer.read().decode()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
-            raise VLLMServerError(f"POST {self.url}{path} -> HTTP {err.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as err:
+            raise VLLMRequestError(
+                f"POST {self.url}{path} -> HTTP {err.code}: {detail}", status=err.code
+            ) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
             state = "running" if self._proc.poll() is None else f"exited {self._proc.poll()}"
-            raise VLLMServerError(
+            raise VLLMRequestError(
                 f"POST {self.url}{path} failed ({err}); the server is {state}, its log is "
-                f"{self.log_path}"
+                f"{self.log_path}",
+                status=None,
             ) from None
         return json.loads(text) if text.strip() else None
 
@@ -359,41 +362,33 @@ class VLLMServer:
             VLLMServerError: the server is closed or dead, the last sync failed, or a request
                 failed.
         """
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ValueError(f"unknown sampling settings {unknown}; allowed: {list(SAMPLING_KEYS)}")
-        prompt_ids = encode_prompts(prompts, self.tokenizer, self.spec.vocab_size)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        bodies = completion_requests(
-            prompt_ids,
+        prompt_ids, bodies = call_requests(
+            prompts,
+            tokenizer=self.tokenizer,
+            spec=self.spec,
             model=SERVED_NAME,
-            max_seq_len=self.spec.max_seq_len,
-            stop_ids=sorted(self.tokenizer.stop_ids),
             seed=seed,
-            **sampling,
+            sampling=sampling,
         )
-        n = len(bodies) // len(prompt_ids)
         with self._lock:
             self._check_usable()
             version = self.weight_version
             workers = max(1, min(len(bodies), self.max_concurrency))
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 answers = list(pool.map(lambda b: self._post("/v1/completions", b), bodies))
-        out = []
-        for k, answer in enumerate(answers):
-            ids = (answer.get("choices") or [{}])[0].get("token_ids") or []
-            out.append(
-                served_completion(
-                    answer,
-                    prompt_index=k // n,
-                    sample_index=k % n,
-                    prompt_ids=prompt_ids[k // n],
-                    text=self.tokenizer.decode(ids),
-                    weight_version=version,
-                )
-            )
-        return out
+        return call_completions(
+            answers, prompt_ids, tokenizer=self.tokenizer, weight_version=version
+        )
+
+    def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One `/v1/completions` request (a body from `vllm_sampling.call_requests`) -> the
+        answer, for a client of several servers (`posttrain.policy.vllm_pool.VLLMPool`).
+
+        Raises: VLLMServerError (closed, dead, or the last sync failed); VLLMRequestError (the
+        request failed; its `status` is the HTTP status, None when no answer came).
+        """
+        self._check_usable()
+        return self._post("/v1/completions", body)
 
     # ---------------------------------------------------------------------------- weight sync
     def sync_weights(self, policy: Policy) -> WeightSync:
@@ -437,19 +432,32 @@ class VLLMServer:
                 {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
             )
             t2 = time.perf_counter()
-            for _ in range(50):  # refused while blocks are held (requests still running)
-                if (self._post("/reset_prefix_cache", None) or {}).get("success"):
-                    break
-                time.sleep(0.2)
-            else:
-                raise VLLMServerError(
-                    "POST /reset_prefix_cache kept answering success=false (blocks still held "
-                    "by running requests); the server may serve cached prompts with old weights"
-                )
+            self.reset_prefix_cache()
             t3 = time.perf_counter()
             self.weight_version += 1
             self._stale = False
         return WeightSync(self.weight_version, nbytes, t1 - t0, t2 - t1, t3 - t2)
+
+    def reset_prefix_cache(self) -> None:
+        """`POST /reset_prefix_cache`, retried while the server answers success=false (blocks
+        still held by running requests): after new weights, cached prompts' KV is stale.
+
+        Raises:
+            VLLMServerError: the reset kept failing (~10 s), or the request failed.
+        """
+        for _ in range(50):
+            if (self._post("/reset_prefix_cache", None) or {}).get("success"):
+                return
+            time.sleep(0.2)
+        raise VLLMServerError(
+            "POST /reset_prefix_cache kept answering success=false (blocks still held "
+            "by running requests); the server may serve cached prompts with old weights"
+        )
+
+    def post(self, path: str, body: Mapping[str, Any] | None) -> Any:
+        """POST `body` as JSON to `path` (e.g. vLLM's weight-transfer routes); the answer's JSON.
+        Raises VLLMRequestError (`status`: the HTTP status, None when no answer came)."""
+        return self._post(path, body)
 
 
 def _add_tied_lm_head(folder: Path) -> None:
