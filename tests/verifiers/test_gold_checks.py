@@ -150,7 +150,7 @@ def test_a_task_whose_every_item_fails_says_so():
         ).held_out()
 
 
-def test_the_check_runs_once_per_build_and_costs_little():
+def test_the_check_runs_once_per_build():
     """Building checks size + (held-out candidates read) items, each scored once; the steps'
     builders afterwards score nothing (the verifier scores only completions)."""
     task = bad_task(size=2000, held_out_size=50)
@@ -164,8 +164,9 @@ def test_the_check_runs_once_per_build_and_costs_little():
     task.held_out(10)
     assert BadGoldChainSum.score_calls - calls == read
     assert (task.gold_train.checked, task.gold_held_out.checked) == (2000, read - 2000)
-    # ~20-80 ms per 1000 items measured on a shared 2-core machine; generating them ~30 ms
-    assert task.gold_train.ms_per_1000 < 400, task.gold_train
+    # its cost is recorded (~20-80 ms per 1000 items on a shared 2-core machine), not asserted:
+    # a wall-clock bound would fail on a loaded machine
+    assert task.gold_train.seconds > 0 and task.gold_train.ms_per_1000 > 0, task.gold_train
 
 
 # --------------------------------------------------------------------------------------------
