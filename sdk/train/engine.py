@@ -27,16 +27,10 @@ the sums over the data-parallel ranks (plain all-reduces over the default proces
 a plan; under a `ParallelPlan` FSDP2/TP reduce the gradients and the sums go over the plan's
 data-parallel group), the gradient norm and clipping, and the checkpoint format. The engine
 also applies the run-folder rules (a folder that holds a run needs `resume`; one live process
-per folder, `posttrain.core.run_lock`) and resume (model, optimizer, scheduler, RNG states, step
-count, metrics rows, and the trainer's own state such as a data position or a replay buffer),
-after which a run continues bit for bit (CPU, fixed threads). Under a plan the model and
-optimizer go into torch.distributed.checkpoint shards that reload under another plan or none,
-and a checkpoint of a run without a plan loads under a plan
-(`posttrain.train.sharded_checkpoint`).
-
-Settings that cannot change on resume (`_fixed_settings`: the loss, gradient accumulation, the
-RL algorithm, ...) are saved in the checkpoint's meta and compared on resume; a difference is
-an error naming the setting.
+per folder, `posttrain.core.run_lock`). What a checkpoint holds (model, optimizer, scheduler,
+RNG states, step count, metrics rows, the trainer's own state such as a data position or a
+replay buffer, and the settings that cannot change on resume, `_fixed_settings`), and how a run
+resumes from it bit for bit, is `posttrain.train.engine_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -53,26 +47,18 @@ import torch.distributed as dist
 from torch import nn
 
 from posttrain.core import preemption
-from posttrain.core.checkpoint import (
-    capture_rng_state,
-    check_new_run_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_checkpoint,
-    restore_rng_state,
-)
+from posttrain.core.checkpoint import check_new_run_dir, latest_checkpoint
 from posttrain.core.checks import check_int
 from posttrain.core.distributed import device_of, rank_and_world_size
 from posttrain.core.metrics import MetricsLog
 from posttrain.core.run_lock import claim_run_dir
-from posttrain.train.hooks import check_data_shard, check_resumable
+from posttrain.train.engine_checkpoint import load_train_checkpoint, save_train_checkpoint
+from posttrain.train.hooks import check_data_shard
 from posttrain.train.losses import check_finite_update
 from posttrain.train.optimizer_check import check_optimizer
 from posttrain.train.runtime import PlanRuntime, Runtime
 
 __all__ = ["Engine", "StepUpdate"]
-
-TRAIN_STATE_VERSION = 1
 
 
 class StepUpdate(NamedTuple):
@@ -425,7 +411,7 @@ class Engine(abc.ABC):
         """Save everything needed to continue exactly into `run_dir/checkpoints/step_NNNNNN/`
         (atomically; older ones beyond `keep_last` deleted). With several ranks every rank
         calls it: rank 0 writes (under a plan every rank writes its shards), then all ranks wait
-        at a barrier (`runtime.save_checkpoint`).
+        at a barrier (`posttrain.train.engine_checkpoint.save_train_checkpoint`).
 
         Raises:
             ValueError: without a run_dir, or when the trainer cannot save (e.g. data without
@@ -434,33 +420,28 @@ class Engine(abc.ABC):
         if self.run_dir is None:
             raise ValueError("save_checkpoint needs a run_dir")
         self._check_can_save()
-        train_state = {
-            "version": TRAIN_STATE_VERSION,
-            "step": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "rng": capture_rng_state(),
-            "metrics": [dict(r) for r in self._log.rows],
-            **self._extra_state(),
-        }
-        meta = {**self._fixed_settings(), "world_size": self.world_size}
-        path = self.runtime.save_checkpoint(
+        path = save_train_checkpoint(
+            self.runtime,
             self.run_dir,
-            self.step_count,
+            step=self.step_count,
             module=self._checkpoint_module(),
             optimizer=self.optimizer,
-            train_state=train_state,
-            meta=meta,
+            lr_scheduler=self.lr_scheduler,
+            metrics_rows=self._log.rows,
+            extra_state=self._extra_state(),
+            fixed_settings=self._fixed_settings(),
+            model_state=self._model_state,
             keep_last=self.keep_last,
             rank=self.rank,
-            model_state=self._model_state,
+            world_size=self.world_size,
         )
         self._last_saved_step = self.step_count
         return path
 
     def resume(self, path: str | os.PathLike | None = None) -> Path:
         """Load a checkpoint: model(s), optimizer, scheduler, RNG states, step count, metrics
-        rows (`metrics.jsonl` is rewritten to those rows) and the trainer's own state.
+        rows (`metrics.jsonl` is rewritten to those rows) and the trainer's own state
+        (`posttrain.train.engine_checkpoint.load_train_checkpoint`).
 
         Args:
             path: a checkpoint folder, or a run folder (its latest checkpoint); default run_dir.
@@ -473,28 +454,17 @@ class Engine(abc.ABC):
             ValueError: if the checkpoint and this trainer disagree: a fixed setting (named)
                 differs, or a scheduler is present in one only.
         """
-        path = resolve_checkpoint(path if path is not None else self.run_dir or "")
-        ckpt = load_checkpoint(path)
-        state = ckpt["train_state"]
-        check_resumable(
-            path,
-            state,
-            ckpt.get("meta") or {},
-            fixed_settings=self._fixed_settings(),
-            has_lr_scheduler=self.lr_scheduler is not None,
-        )
-        # sharded or full, saved under this plan, another one or none
-        self.runtime.load_checkpoint(
-            ckpt,
+        folder, state = load_train_checkpoint(
+            path if path is not None else self.run_dir or "",
+            self.runtime,
             module=self._checkpoint_module(),
             optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            fixed_settings=self._fixed_settings(),
             load_model_state=self._load_model_state,
+            load_extra_state=self._load_extra_state,
         )
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self._load_extra_state(state)
-        restore_rng_state(state["rng"])
         self.step_count = int(state["step"])
         self._log.reset(state["metrics"])
         self._last_saved_step = self.step_count
-        return path
+        return folder
