@@ -8,7 +8,7 @@ pieces between other requests' batches, and what is left of a request nobody wai
 (its deadline passed) is dropped, so one client holds the others up by one batch at most.
 
 The judge is the real tiny `RewardModelJudge`; `Gated` holds a batch in it until the test opens the
-gate, so every order below is forced, never timed.
+gate, so every order below is forced, never timed. `rm_judge` is tests/rewards/conftest.py's.
 """
 
 from __future__ import annotations
@@ -21,19 +21,13 @@ import pytest
 from _judge_helpers import HTTP_TIMEOUT_S, ITEM, Gated, post, scores
 from _waits import wait_for
 
-from posttrain.models import ByteTokenizer
-from posttrain.rewards import Outcome, RewardModel, RewardModelJudge
+from posttrain.rewards import Outcome
 from posttrain.rewards.judge_client import JudgeClient
 from posttrain.rewards.judge_server import JUDGE_PATH, serve_judge
 
 LIMIT = 4096  # bytes of body this module's server takes
 CAP = 4  # completions per request it takes
 HEADERS = {"content-type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def rm_judge():
-    return RewardModelJudge(RewardModel.from_spec("tiny-1m", seed=0), ByteTokenizer())
 
 
 @pytest.fixture(scope="module")
