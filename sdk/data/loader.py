@@ -41,7 +41,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,7 +258,7 @@ class EpochOrderLoader:
     `load_state_dict()`. A subclass sets `dataset`, `seed`, `shuffle` and calls
     `_start_epoch(0)`; it advances `offset` as it yields batches."""
 
-    dataset: Sequence
+    dataset: Sized  # only its length is read here
     seed: int
     shuffle: bool
 
@@ -341,6 +341,8 @@ class SFTLoader(EpochOrderLoader):
         ValueError: for bad options, a `batch_size` not divisible by `world_size`, or
             (pack=True) a sample longer than `seq_len`.
     """
+
+    dataset: Sequence[Sample]
 
     def __init__(
         self,

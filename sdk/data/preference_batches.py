@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from posttrain.data.loader import EpochOrderLoader
 
-if TYPE_CHECKING:
-    from posttrain.data.preference import KTODataset, PreferenceDataset
-
-__all__ = ["PreferenceBatch", "KTOBatch", "PreferenceLoader"]
+__all__ = ["PreferenceBatch", "KTOBatch", "PairSource", "PreferenceLoader"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +107,16 @@ def _moved(batch: Any, device: torch.device | str) -> dict[str, Any]:
     }
 
 
+class PairSource(Protocol):
+    """What `PreferenceLoader` draws batches from: `posttrain.data.preference.PreferenceDataset`
+    and `KTODataset` (or any sized source whose `collate(indices)` pads items `indices` into one
+    `PreferenceBatch` or `KTOBatch`)."""
+
+    def __len__(self) -> int: ...
+
+    def collate(self, indices: Sequence[int]) -> PreferenceBatch | KTOBatch: ...
+
+
 class PreferenceLoader(EpochOrderLoader):
     """An endless stream of batches over a `PreferenceDataset` or `KTODataset`, epoch after
     epoch, in a seeded order (`posttrain.data.loader.epoch_order`, the global RNG untouched), that
@@ -127,11 +134,11 @@ class PreferenceLoader(EpochOrderLoader):
         ValueError: for a batch_size below 1 or an empty dataset.
     """
 
-    dataset: PreferenceDataset | KTODataset
+    dataset: PairSource
 
     def __init__(
         self,
-        dataset: PreferenceDataset | KTODataset,
+        dataset: PairSource,
         *,
         batch_size: int,
         shuffle: bool = True,

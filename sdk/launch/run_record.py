@@ -19,21 +19,34 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from posttrain.launch.executors import QuietLocalJob
 
 if TYPE_CHECKING:
     from submitit.core.core import Job
 
-    from posttrain.launch.run import Run
+    from posttrain.train.parallel import ParallelPlan
 
-__all__ = ["RUN_FILE", "write_run_record", "read_run_record", "attach_fields"]
+__all__ = ["RUN_FILE", "RecordedJob", "write_run_record", "read_run_record", "attach_fields"]
 
 RUN_FILE = "run.json"
 """File in a launch folder that records what was submitted, for `Run.attach`."""
 
 _RECORD_KEYS = ("executor", "name", "host", "log_folder", "num_tasks", "jobs")
+
+
+class RecordedJob(Protocol):
+    """What a record keeps of one job of a launch: a `posttrain.launch.run.Run` has it."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def out_dir(self) -> Path | None: ...
+
+    @property
+    def plan(self) -> ParallelPlan | None: ...
 
 
 def write_run_record(
@@ -44,7 +57,7 @@ def write_run_record(
     target: Any,
     log_folder: Path,
     num_tasks: int,
-    runs: Sequence[Run],
+    runs: Sequence[RecordedJob],
     parameters: Mapping[str, Any],
 ) -> None:
     """Write `folder/run.json` for the jobs of `runs` (one per job of the array, in order),
