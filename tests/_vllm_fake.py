@@ -11,7 +11,8 @@ holds (`expected_ids`), so a test knows each answer without the fake.
 
 Controls, as files in the server's folder (`run_dir/vllm/`, the model folder's parent), read at
 each request: `delay_s` (seconds to wait before answering a completion), `fail_reload` (the
-reload answers HTTP 500), `fail_500` (completions answer HTTP 500). It writes `received` when a
+reload answers HTTP 500), `fail_500` (completions answer HTTP 500), `garbage` (completions answer
+200 with a body that is not JSON). It writes `received` when a
 completion request arrives.
 """
 
@@ -102,6 +103,11 @@ def _serve(argv: list[str]) -> None:
                 time.sleep(float(delay.read_text()))
             if (controls / "fail_500").exists():
                 return self._answer(500, {"error": "internal error (fail_500)"})
+            if (controls / "garbage").exists():
+                self.send_response(200)
+                self.send_header("Content-Length", "9")
+                self.end_headers()
+                return self.wfile.write(b"not json!")
             if body["max_tokens"] < 1:
                 return self._answer(400, {"error": "max_tokens must be at least 1"})
             ids = expected_ids(

@@ -321,6 +321,9 @@ class VLLMPool:
                     with self._cond:
                         self._retries += 1
                 continue
+            except BaseException:  # e.g. an answer that is not JSON: the slot is freed all the same
+                self._release(slot, answered=False)
+                raise
             self._release(slot, answered=True)
             return answer
 

@@ -133,6 +133,27 @@ def test_a_request_a_live_server_refuses_is_not_retried_and_is_named(pool, monke
     assert pool.stats["retries"] == 0 and pool.stats["live"] == 2
 
 
+def test_an_answer_that_is_not_json_fails_the_call_and_frees_its_servers_slots(pool):
+    _control(pool, 0, "garbage")
+    _control(pool, 1, "garbage")
+    failed, done = [], []
+
+    def calls():  # a slot left taken would make a later call wait forever
+        for _ in range(3):  # more failed requests than the servers' 2 x 4 slots
+            with pytest.raises(ValueError):
+                pool.generate(PROMPTS, n=2, max_new_tokens=2)
+            failed.append(1)
+        for k in (0, 1):
+            (pool.servers[k].log_path.parent / "garbage").unlink()
+        done.append(pool.generate(PROMPTS, n=4))
+
+    thread = threading.Thread(target=calls, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert len(failed) == 3 and done, f"{len(failed)} failed calls, then no answer in {WAIT_S} s"
+    assert len(done[0]) == 16 and pool.stats["live"] == 2 and pool.stats["retries"] == 0
+
+
 def test_a_server_whose_sync_failed_is_never_sampled_until_a_sync_succeeds(pool):
     before = pool.generate(PROMPTS, max_new_tokens=4, temperature=0)
     _control(pool, 1, "fail_reload")
