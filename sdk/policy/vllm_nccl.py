@@ -22,10 +22,10 @@ trainers that do not run vLLM's own TCPStore group. The tensors are the HF-named
 sends (vLLM's layerwise reload keeps a layer's old tensors when nothing is sent for it).
 
 On a machine without CUDA GPUs `NCCLWeightSync.open` refuses by name (`NCCLUnavailable`) before
-it sends anything. This module has not been run on GPUs: on CPU its tests check the refusal and
-the payloads against vLLM's own dataclasses (tests/policy/test_vllm_nccl.py); the first GPU run
-should check outputs after `send` against the builtin generator, as the server tests do after a
-reload.
+it sends anything. This module has not been run on GPUs: on CPU its tests check the refusal,
+the tensors, and the payloads against the fields of vLLM's own dataclasses
+(tests/policy/test_vllm_nccl.py); the first GPU run should check outputs after `send` against the
+builtin generator, as the server tests do after a reload.
 """
 
 from __future__ import annotations
