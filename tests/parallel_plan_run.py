@@ -23,6 +23,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -322,6 +323,8 @@ def main() -> None:
             phase_kill(out)
             return
         results = phase_four(out) if phase == "four" else phase_two(out, rank)
+        # sp ran without verl's package (posttrain.train.sequence_parallel._ulysses)
+        results["verl_imported"] = "verl" in sys.modules
         torch.save(results, out / f"{phase}-rank{rank}.pt")
 
 

@@ -21,11 +21,20 @@ Padding positions attend only to themselves and are cut before the output.
 
 Memory: activations inside the layers fall 1/sp; the gathered logits [B, T, V] do not (a
 chunked loss would be the next step at large vocabularies).
+
+Import cost: `verl.utils.ulysses` needs only torch, but importing it through the package runs
+verl's `__init__`, which imports ray, tensordict and transformers (~5 s of CPU per process, paid
+by every sp rank). `_ulysses()` therefore runs verl's own file as a private module when the
+verl package is not loaded yet, and uses the package's module when it is.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +47,41 @@ if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder
 
 __all__ = ["apply_ulysses"]
+
+
+_VERL_ULYSSES = "verl.utils.ulysses"
+_PRIVATE_ULYSSES = "posttrain.train._verl_ulysses"
+
+
+def _ulysses() -> ModuleType:
+    """verl's `verl.utils.ulysses` module (the all-to-all helpers; they hold no state: every
+    call here passes its process group).
+
+    When the verl package is already imported, its module; otherwise verl's file
+    `verl/utils/ulysses.py` executed once as the private module `posttrain.train._verl_ulysses`
+    (its module-level imports are torch only), so a process that trains under sp without any
+    other verl function does not import verl's package (see the module docstring).
+
+    Raises:
+        ModuleNotFoundError: if verl is not installed.
+    """
+    if _VERL_ULYSSES in sys.modules or "verl" in sys.modules:
+        return importlib.import_module(_VERL_ULYSSES)
+    if _PRIVATE_ULYSSES not in sys.modules:
+        spec = importlib.util.find_spec("verl")  # locates the package; does not import it
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("sequence parallelism (sp > 1) needs verl", name="verl")
+        path = Path(next(iter(spec.submodule_search_locations))) / "utils" / "ulysses.py"
+        file_spec = importlib.util.spec_from_file_location(_PRIVATE_ULYSSES, path)
+        assert file_spec is not None and file_spec.loader is not None, path
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[_PRIVATE_ULYSSES] = module
+        try:
+            file_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_PRIVATE_ULYSSES]
+            raise
+    return sys.modules[_PRIVATE_ULYSSES]
 
 
 class _UlyssesAttention:
@@ -55,13 +99,13 @@ class _UlyssesAttention:
         dropout_p: float = 0.0,
         is_causal: bool = True,
     ) -> Tensor:
-        from verl.utils.ulysses import gather_heads_scatter_seq, gather_seq_scatter_heads
-
+        ulysses = _ulysses()
         q, k, v = (
-            gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group) for t in (q, k, v)
+            ulysses.gather_seq_scatter_heads(t, seq_dim=2, head_dim=1, group=self.group)
+            for t in (q, k, v)
         )
         out = self.inner(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-        return gather_heads_scatter_seq(out, head_dim=1, seq_dim=2, group=self.group)
+        return ulysses.gather_heads_scatter_seq(out, head_dim=1, seq_dim=2, group=self.group)
 
 
 def _pad_mask(mask: torch.Tensor, pad: int) -> torch.Tensor:
@@ -119,10 +163,8 @@ def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
     def gather_output(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
     ) -> Tensor:
-        from verl.utils.ulysses import gather_outputs_and_unpad
-
         pad = pads.pop()
-        return gather_outputs_and_unpad(
+        return _ulysses().gather_outputs_and_unpad(
             output, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False, group=group
         )
 

@@ -271,6 +271,42 @@ def test_misused_plans_are_refused_with_what_to_do(runs):
     )
 
 
+def test_sequence_parallel_ranks_do_not_import_the_verl_package(runs):
+    """The sp plans (sp2, dp_shard2_sp2 and their packed and looked variants, all equal to one
+    process above) ran verl's Ulysses helpers without `import verl`, whose package imports ray,
+    tensordict and transformers (~5 s of CPU in every rank)."""
+    for phase, n in (("four", 4), ("two", 2)):
+        assert [r["verl_imported"] for r in runs[1][phase]] == [False] * n
+
+
+def test_ulysses_helpers_are_verls_own_file_loaded_or_not():
+    """Without verl loaded, `_ulysses()` runs verl's `utils/ulysses.py` as a private module and
+    leaves `verl` unimported; with verl loaded (as here), it is the package's module."""
+    import subprocess
+    import sys
+
+    import verl.utils.ulysses
+
+    from posttrain.train.sequence_parallel import _ulysses
+
+    assert _ulysses() is verl.utils.ulysses
+    probe = (
+        "import sys; from posttrain.train.sequence_parallel import _ulysses; m = _ulysses(); "
+        "print(m.__name__, m.__file__, 'verl' in sys.modules, _ulysses() is m, "
+        "callable(m.gather_outputs_and_unpad))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    ).stdout.split()
+    assert out == [
+        "posttrain.train._verl_ulysses",
+        verl.utils.ulysses.__file__,
+        "False",
+        "True",
+        "True",
+    ]
+
+
 # ---------------------------------------------------------------------- validation, no processes
 @pytest.mark.parametrize(
     "kwargs, world, field, allowed",
