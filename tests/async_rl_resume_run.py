@@ -10,6 +10,9 @@ step number and RUN_DIR/groups/step_N.json the tokens, log-probabilities and rew
 in step N; with --pause-after K the run sleeps after step K (before that step's checkpoint)
 so the test can SIGKILL it there. At the end: RUN_DIR/final.pt (the policy's weights) and
 RUN_DIR/consumed.json (`AsyncRLTrainer.consumed`).
+
+`run(RUN_DIR, S)` is the same run on the Ray session of the calling process: the test runs the
+uninterrupted references that way, in its own process, beside the processes it kills.
 """
 
 from __future__ import annotations
@@ -28,19 +31,17 @@ from posttrain.rl import RLAlgorithm, RLTrainer
 from posttrain.rl.async_rl import AsyncRLTrainer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--address", required=True)
-    parser.add_argument("--staleness", type=int, required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--pause-after", type=int, default=None)
-    parser.add_argument("--resume", action="store_true")
-    args = parser.parse_args()
-
+def run(
+    run_dir: Path,
+    staleness: int,
+    *,
+    steps: int = 6,
+    pause_after: int | None = None,
+    resume: bool = False,
+) -> None:
+    """The run described above, on the Ray session this process is connected to."""
     torch.set_num_threads(1)
-    ray.init(address=args.address, log_to_driver=False)
-    (args.run_dir / "groups").mkdir(parents=True, exist_ok=True)
+    (run_dir / "groups").mkdir(parents=True, exist_ok=True)
 
     def record(trainer, row):
         trained = [
@@ -48,9 +49,9 @@ def main() -> None:
             for g in trainer.last_groups
             for t in g
         ]
-        (args.run_dir / "groups" / f"step_{row['step']}.json").write_text(json.dumps(trained))
-        (args.run_dir / "progress").write_text(str(row["step"]))
-        if row["step"] == args.pause_after:
+        (run_dir / "groups" / f"step_{row['step']}.json").write_text(json.dumps(trained))
+        (run_dir / "progress").write_text(str(row["step"]))
+        if row["step"] == pause_after:
             time.sleep(600)  # the test kills the process here
 
     policy = Policy.from_spec("tiny-1m", seed=0)
@@ -63,22 +64,43 @@ def main() -> None:
         max_new_tokens=4,
         progress=False,
         seed=3,
-        run_dir=args.run_dir,
+        run_dir=run_dir,
         checkpoint_every=2,
         keep_last=2,
         callbacks=[record],
-        resume=args.resume,
+        resume=resume,
     )
     print(f"starting at step {trainer.step_count}", flush=True)
     runner = AsyncRLTrainer(
-        trainer, max_staleness=args.staleness, num_workers=1, worker_num_cpus=0.25, num_threads=1
+        trainer, max_staleness=staleness, num_workers=1, worker_num_cpus=0.25, num_threads=1
     )
     try:
-        runner.fit(args.steps)
+        runner.fit(steps)
     finally:
         runner.close()
-    torch.save(policy.model.state_dict(), args.run_dir / "final.pt")
-    (args.run_dir / "consumed.json").write_text(json.dumps(runner.consumed))
+    torch.save(policy.model.state_dict(), run_dir / "final.pt")
+    (run_dir / "consumed.json").write_text(json.dumps(runner.consumed))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--staleness", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--pause-after", type=int, default=None)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    ray.init(address=args.address, log_to_driver=False)
+    run(
+        args.run_dir,
+        args.staleness,
+        steps=args.steps,
+        pause_after=args.pause_after,
+        resume=args.resume,
+    )
 
 
 if __name__ == "__main__":

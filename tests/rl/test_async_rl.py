@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import async_rl_resume_run as resume_run
 import pytest
 import torch
 from _run_helpers import finish, kill_after
@@ -26,7 +27,7 @@ from posttrain.rl.async_rl import AsyncRLTrainer, RolloutWorker, rollout_schedul
 ray = pytest.importorskip("ray")
 
 STEPS = 3
-SCRIPT = Path(__file__).parents[1] / "async_rl_resume_run.py"
+SCRIPT = Path(resume_run.__file__)
 
 
 @pytest.fixture(scope="module")
@@ -215,12 +216,14 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_
     staleness values end bitwise equal to an uninterrupted run: the groups trained on at every
     step, the weights, the losses and the consumed versions."""
     runs = {s: (tmp_path / f"ref{s}", tmp_path / f"kill{s}") for s in (0, 1)}
-    procs = {
-        s: (_start(ref, ray_session, s), _start(kill, ray_session, s, "--pause-after", "3"))
-        for s, (ref, kill) in runs.items()
+    killed = {
+        s: _start(kill, ray_session, s, "--pause-after", "3") for s, (_, kill) in runs.items()
     }
+    # the uninterrupted references run here, on this module's Ray session, meanwhile
+    for s, (ref, _) in runs.items():
+        resume_run.run(ref, s)
     for s, (_ref, kill) in runs.items():
-        kill_after(procs[s][1], kill, 3)
+        kill_after(killed[s], kill, 3)
         checkpoint = latest_checkpoint(kill)
         assert checkpoint.name == "step_000002"
         ahead = load_checkpoint(checkpoint)["train_state"]["ahead"]
@@ -229,7 +232,6 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_an_uninterrupted_run(ray_
         )
     resumed = {s: _start(kill, ray_session, s, "--resume") for s, (_, kill) in runs.items()}
     for s, (ref, kill) in runs.items():
-        finish(procs[s][0])
         assert "starting at step 2" in finish(resumed[s])
         for step in range(1, 7):
             name = f"groups/step_{step}.json"
