@@ -44,16 +44,15 @@ import io
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from timing import StepClock, cpu_model
 from trl_inputs import check_same_model, hf_byte_tokenizer, trl_dataset
 
 from posttrain.envs import chain_sum_task
@@ -107,21 +106,6 @@ class Setup:
     lr: float = 1e-5
     max_grad_norm: float = 1.0
     seed: int = 0
-
-
-class StepClock:
-    """`perf_counter()` at the end of every optimizer step."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def tick(self) -> None:
-        self.times.append(time.perf_counter())
-
-    def median_step(self, setup: Setup) -> float:
-        assert len(self.times) == setup.warmup + setup.steps, (len(self.times), setup)
-        timed = self.times[setup.warmup - 1 :]
-        return statistics.median(b - a for a, b in zip(timed, timed[1:]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,15 +250,6 @@ def command_line(argv: list[str], placeholders: dict[str, str]) -> str:
         words = [f"{flag}={placeholder}" if w.startswith(f"{flag}=") else w for w in words]
         words = [placeholder if i and words[i - 1] == flag else w for i, w in enumerate(words)]
     return " ".join(words)
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("Model name", "unknown CPU").strip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_step  # noqa: E402
-from grpo_step import cpu_model  # noqa: E402
+from timing import cpu_model  # noqa: E402
 from trl_inputs import check_same_model, hf_byte_tokenizer, trl_dataset  # noqa: E402
 
 from posttrain.envs import ReasoningGymTask  # noqa: E402

@@ -46,9 +46,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from judge_load_limits import limits_table, run_limits
+from judge_load_limits import ServedJudge, limits_table, run_limits
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BEGIN, END = "<!-- judge_load:begin -->", "<!-- judge_load:end -->"
@@ -195,24 +194,6 @@ def run_load(url: str, config: Config, reference: list[list[float]], work) -> Re
     )
 
 
-def serve(judge, config: Config, mode: str, folder: Path):
-    """(url, stop) for a server with `config`'s batching settings."""
-    settings: dict[str, Any] = dict(
-        max_batch_size=config.max_batch_size,
-        max_wait_s=config.max_wait_s,
-        max_queue=config.max_queue,
-    )
-    if mode == "thread":
-        from posttrain.rewards.judge_server import serve_judge
-
-        server = serve_judge(judge, **settings)
-        return server.url, server.stop
-    from posttrain.launch.judge import launch_judge
-
-    job = launch_judge(judge, folder=folder / config.name, timeout_min=30, **settings)
-    return job.url, job.stop
-
-
 CONFIGS = [
     Config("c1", clients=1, requests=200),
     Config("c8", clients=8, requests=400),
@@ -309,11 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         for config in QUICK if args.quick else CONFIGS:
             work = workload(config.requests, config.group_size)
             reference = reference_scores(judge, work)
-            url, stop = serve(judge, config, mode, Path(tmp))
-            try:
-                result = run_load(url, config, reference, work)
-            finally:
-                stop()
+            with ServedJudge(
+                judge,
+                mode,
+                Path(tmp) / config.name,
+                max_batch_size=config.max_batch_size,
+                max_wait_s=config.max_wait_s,
+                max_queue=config.max_queue,
+            ) as server:
+                result = run_load(server.url, config, reference, work)
             results.append(result)
             line = {**asdict(result), "mean_batch": result.mean_batch}
             summary = (

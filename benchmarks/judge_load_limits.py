@@ -1,6 +1,7 @@
 """The `--limits` cases of `benchmarks/judge_load.py`: requests too big to judge, sent to a
 `RewardModelJudge` served on 127.0.0.1, and what the server answers, how long it takes and what
-it costs in memory. The load itself (many clients, small requests) is in `judge_load.py`.
+it costs in memory. The load itself (many clients, small requests) is in `judge_load.py`; both
+start their servers through `ServedJudge`.
 
 The cases (each on a fresh server process, whose peak memory is read from /proc/PID/status
 VmHWM before and after):
@@ -53,8 +54,15 @@ def huge_body(n_bytes: int) -> bytes:
     ).encode()
 
 
-class LimitServer:
-    """A judge server with `settings` (a local job, or a thread with --server thread)."""
+class ServedJudge:
+    """`judge` served with `settings` (`serve_judge`'s batching and limits): as a local job in
+    `folder` (`launch_judge`, mode "process"), or in a thread of this process (mode "thread").
+    A context manager: the server stops when the block ends, also on an error.
+
+    Attributes:
+        url: the server's base URL (127.0.0.1).
+        pid: the serving process's id (this process with mode "thread").
+    """
 
     def __init__(self, judge, mode: str, folder: Path, **settings) -> None:
         self.stop: Callable[..., Any]
@@ -69,6 +77,12 @@ class LimitServer:
             job = launch_judge(judge, folder=folder, timeout_min=30, **settings)
             self.url, self.stop = job.url, job.stop
             self.pid = json.loads(job.url_file.read_text())["pid"]
+
+    def __enter__(self) -> ServedJudge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def post_timed(url: str, body: bytes, timeout_s: float = 300.0) -> tuple[int, float, str]:
@@ -109,25 +123,25 @@ def run_limits(
     rows: list[dict] = []
     body = huge_body(int(body_mb * 10**6))
     for label, settings in (("default limits", default), ("limits raised", raised)):
-        server = LimitServer(judge, mode, folder / f"body-{len(rows)}", **settings)
-        before = peak_rss_mb(server.pid)
-        status, seconds, detail = post_timed(server.url, body)
+        with ServedJudge(judge, mode, folder / f"body-{len(rows)}", **settings) as server:
+            before = peak_rss_mb(server.pid)
+            status, seconds, detail = post_timed(server.url, body)
+            grown = peak_rss_mb(server.pid) - before
         rows.append(
             {
                 "case": f"{body_mb} MB body, {label}",
                 "status": status,
                 "answer_s": seconds,
-                "peak_rss_mb": peak_rss_mb(server.pid) - before,
+                "peak_rss_mb": grown,
                 "detail": detail,
             }
         )
-        server.stop()
     work = workload(n_big // 8, 8)
     big = [c for cs, _ in work for c in cs], [i for _, its in work for i in its]
     small = workload(1, 8)[0]
     big_body = json.dumps({"request_id": "big", "completions": big[0], "items": big[1]})
-    server = LimitServer(judge, mode, folder / "cap")
-    status, seconds, detail = post_timed(server.url, big_body.encode())
+    with ServedJudge(judge, mode, folder / "cap") as server:
+        status, seconds, detail = post_timed(server.url, big_body.encode())
     rows.append(
         {
             "case": f"{n_big:,} completions, default cap",
@@ -136,10 +150,9 @@ def run_limits(
             "detail": detail,
         }
     )
-    server.stop()
 
-    server = LimitServer(judge, mode, folder / "gone", max_request_completions=n_big)
     done: dict = {}
+    server = ServedJudge(judge, mode, folder / "gone", max_request_completions=n_big)
 
     def big_client() -> None:  # one try; the server knows when its client gives up
         with_deadline = big_body[:-1] + f', "timeout_s": {deadline}}}'
@@ -151,15 +164,15 @@ def run_limits(
         results = JudgeClient(server.url, timeout_s=120.0).judge(*small, request_id=f"small-{name}")
         done[name] = ([r.outcome.value for r in results], time.perf_counter() - start)
 
-    stats_before = JudgeClient(server.url).stats()
-    thread = threading.Thread(target=big_client)
-    thread.start()
-    time.sleep(deadline / 3)  # the big request is being judged
-    small_client("during")
-    thread.join()
-    small_client("after")
-    stats = JudgeClient(server.url).stats()
-    server.stop()
+    with server:
+        stats_before = JudgeClient(server.url).stats()
+        thread = threading.Thread(target=big_client)
+        thread.start()
+        time.sleep(deadline / 3)  # the big request is being judged
+        small_client("during")
+        thread.join()
+        small_client("after")
+        stats = JudgeClient(server.url).stats()
     judged = stats["completions"] - stats_before["completions"] - 2 * len(small[0])
     for name in ("during", "after"):
         outcomes, seconds = done[name]
@@ -184,11 +197,11 @@ def run_limits(
     )
     if quick:
         return rows
-    server = LimitServer(
-        judge, mode, folder / "whole", max_request_completions=n_big, request_timeout_s=600.0
-    )
     start = time.perf_counter()
-    results = JudgeClient(server.url, timeout_s=600.0).judge(*big)
+    with ServedJudge(
+        judge, mode, folder / "whole", max_request_completions=n_big, request_timeout_s=600.0
+    ) as server:
+        results = JudgeClient(server.url, timeout_s=600.0).judge(*big)
     rows.append(
         {
             "case": f"{n_big:,} completions judged whole (generous deadline)",
@@ -198,7 +211,6 @@ def run_limits(
             "answer_s": time.perf_counter() - start,
         }
     )
-    server.stop()
     return rows
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_step import command_line, cpu_model  # noqa: E402
+from grpo_step import command_line  # noqa: E402
+from timing import cpu_model  # noqa: E402
 
 # Student-t 0.975 quantiles for 1..10 degrees of freedom (any statistics table), then ~normal.
 T975 = {
@@ -88,20 +89,6 @@ QUICK = [
     "eval.every=0",
     "baseline.steps=0",
 ]
-
-
-def cpu_kind() -> str:
-    """The CPU's model name and its widest vector extensions (last-bit arithmetic differs
-    between AVX2 and AVX-512 kernels, and so do the runs)."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((row for row in f if row.startswith("flags")), ":")
-            flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{cpu_model()} ({', '.join(simd) or 'no AVX2'})"
 
 
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
@@ -299,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{what}, {len(runs)} seeds" + (f", overrides {' '.join(overrides)}" if overrides else ""),
         "",
         f"- Command: `{command}`",
-        f"- {cpu_kind()}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run, "
+        f"- {cpu_model(isa=True)}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run, "
         f"{args.parallel} run(s) at a time; load average at start {load:.2f}, at end "
         f"{os.getloadavg()[0]:.2f}",
     ]

@@ -46,13 +46,14 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from sft_throughput_report import Measured, markdown, plot, results_text, side_stats
+from timing import StepClock
+from trl_inputs import check_same_model, hf_byte_tokenizer
 
 from posttrain.data import Sample, SFTLoader
 from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
@@ -108,25 +109,6 @@ def make_rows(setup: Setup, num_rows: int) -> list[list[int]]:
     return torch.randint(0, 256, (num_rows, setup.seq_len), generator=g).tolist()
 
 
-class StepClock:
-    """`perf_counter()` at the end of every optimizer step (after the update)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.then: Callable[[], object] | None = None  # run after each tick (interleaving)
-
-    def tick(self) -> None:
-        self.times.append(time.perf_counter())
-        if self.then is not None:
-            self.then()
-
-    def durations(self, setup: Setup) -> list[float]:
-        """Seconds of each timed step (the steps after the warm-up ones)."""
-        assert len(self.times) == setup.warmup + setup.steps, (len(self.times), setup)
-        timed = self.times[setup.warmup - 1 :]
-        return [b - a for a, b in zip(timed, timed[1:])]
-
-
 def build_posttrain(model: torch.nn.Module, rows: list[list[int]], setup: Setup):
     samples = [Sample.from_loss_mask(r, [True] * len(r)) for r in rows]
     loader = SFTLoader(
@@ -152,21 +134,6 @@ def run_posttrain_block(trainer: Trainer, clock: StepClock, setup: Setup) -> lis
     rows = trainer.metrics.tail(setup.steps)
     assert (rows["trained_tokens"] == setup.batch_size * (setup.seq_len - 1)).all()
     return clock.durations(setup)
-
-
-def hf_byte_tokenizer():
-    """A transformers tokenizer with the byte tokenizer's 272 ids: TRL only reads its pad token
-    (the data arrive as token ids)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = ByteTokenizer()
-    vocab = {f"<0x{i:02X}>": i for i in range(256)}
-    vocab.update({tok.token_name(i): i for i in range(256, tok.vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|pad|>"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|eos|>", bos_token="<|bos|>"
-    )
 
 
 def build_trl(
@@ -251,14 +218,6 @@ def run_interleaved(
     ours_s = [our_end[i] - trl_end[i] for i in range(setup.warmup, len(trl_end))]
     trl_s = [trl_end[i] - our_end[i - 1] for i in range(setup.warmup, len(trl_end))]
     return ours_s, trl_s
-
-
-def check_same_model(tune_model: torch.nn.Module, hf_model: torch.nn.Module) -> float:
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        diff = (hf_model(ids).logits - tune_model(ids)).abs().max().item()
-    assert diff < 1e-4, f"transformers and torchtune logits differ by {diff}"
-    return diff
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from timing import cpu_model
 
 from posttrain.models import ModelSpec
 
@@ -93,7 +93,7 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
     step_ratios = [t / p for p, t in zip(*inter)] if inter is not None else []
     ratio_inter = statistics.median(step_ratios) if step_ratios else 0.0
 
-    cpu = cpu_model()
+    cpu = cpu_model(isa=True)
     trl_opt = (
         "torch.optim.AdamW (same as posttrain)"
         if m.same_optimizer
@@ -161,21 +161,6 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
         f"every MFU {flops_extra / flops_6n:.1%} higher (relative)."
     )
     return "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    name = fields.get("Model name", "unknown CPU").strip()
-    flags = fields.get("Flags", "").split()
-    isa = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags)
-    return (
-        f"{name} (family {fields.get('CPU family', '?').strip()}, model "
-        f"{fields.get('Model', '?').strip()}; {isa})"
-    )
 
 
 def _quartiles(values: list[float]) -> str:

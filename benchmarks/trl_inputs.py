@@ -2,7 +2,7 @@
 what posttrain trains on: the byte tokenizer as a transformers tokenizer with the same ids, a
 task's rendered prompts as a `datasets.Dataset` (checked to tokenize back to posttrain's ids), and
 a check that the transformers model loaded from a saved checkpoint computes posttrain's logits.
-Used by `grpo_step.py` and `grpo_vs_trl.py`.
+Used by `grpo_step.py`, `grpo_vs_trl.py` and `sft_throughput.py`.
 """
 
 from __future__ import annotations

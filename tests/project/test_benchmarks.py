@@ -1,5 +1,6 @@
 """Benchmark scripts are shipped artifacts: each parses its options (imports resolve)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -38,6 +39,51 @@ def test_benchmark_help(script):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage" in proc.stdout.lower()
+
+
+def _timing():
+    import importlib.util
+
+    path = next(p for p in MODULES if p.stem == "timing")
+    spec = importlib.util.spec_from_file_location("bench_timing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
+    """Ticks at 1, 3, 4, 7 s with 1 warm-up step and 3 timed: the timed steps run 1 -> 3,
+    3 -> 4, 4 -> 7, so 2, 1, 3 s (median 2). Without a warm-up step the first timed step has no
+    start; a block with another count of ticks is refused."""
+    m = _timing()
+    ticks = iter([1.0, 3.0, 4.0, 7.0])
+    monkeypatch.setattr(m, "time", argparse.Namespace(perf_counter=lambda: next(ticks)))
+    clock, after = m.StepClock(), []
+    clock.then = lambda: after.append(len(clock.times))
+    for _ in range(4):
+        clock.tick()
+    setup = argparse.Namespace(warmup=1, steps=3)
+    assert clock.durations(setup) == [2.0, 1.0, 3.0] and clock.median_step(setup) == 2.0
+    assert after == [1, 2, 3, 4]  # `then` runs after each tick
+    with pytest.raises(ValueError, match="warmup=0; must be >= 1"):
+        clock.durations(argparse.Namespace(warmup=0, steps=4))
+    with pytest.raises(ValueError, match="ticked 4 times; warmup=1 \\+ steps=2"):
+        clock.durations(argparse.Namespace(warmup=1, steps=2))
+
+
+def test_cpu_model_names_the_cpu_and_with_isa_its_vector_extensions(monkeypatch):
+    m = _timing()
+    lscpu = (
+        "Architecture:   x86_64\nModel name:     AMD EPYC 7B13\nCPU family:     25\n"
+        "Model:          1\nFlags:          fpu sse2 fma avx2 avx512f\n"
+    )
+    monkeypatch.setattr(m.subprocess, "run", lambda *a, **k: argparse.Namespace(stdout=lscpu))
+    assert m.cpu_model() == "AMD EPYC 7B13"
+    assert m.cpu_model(isa=True) == "AMD EPYC 7B13 (family 25, model 1; avx2, fma, avx512f)"
+    monkeypatch.setattr(
+        m.subprocess, "run", lambda *a, **k: argparse.Namespace(stdout="Model name: X\n")
+    )
+    assert m.cpu_model(isa=True) == "X (family ?, model ?; no AVX2)"
 
 
 def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer():
