@@ -8,9 +8,10 @@ GRPO (with a split reference) and PPO (value head, split reference) under `PLANS
 sequence- and expert-parallel cases `CASES_SP_EP`; a PPO run under dp_shard=2 checkpointed after
 step 2 and resumed to step 3 next to the uninterrupted run; DPO under dp_shard=2 with the policy as
 its own reference, an eval_fn and a checkpoint every step; the reward model under dp_shard=2 after a
-no-grad forward before its optimizer; the refusals of a misused plan. PHASE "four" (4 ranks): DPO
-and GRPO under `PLANS_4`. PHASE "recipes" (2 ranks): the grpo, dpo (KTO) and reward_model recipes at
-TINY size under a plan (`RECIPE_RUNS`). Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with
+no-grad forward before its optimizer; the refusals of a misused plan; then the grpo, dpo (KTO) and
+reward_model recipes at TINY size under a plan (`RECIPE_RUNS`, in OUT/<recipe>: these ranks already
+hold the imports a recipe needs, most of a recipe process's cost). PHASE "four" (4 ranks): DPO
+and GRPO under `PLANS_4`. Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with
 plan=None is the one-process reference the test runs itself (for RL: `rollout_ranks` = the plan's
 data-parallel size, so the one process samples the prompts in the same slices with the same seeds).
 """
@@ -453,7 +454,7 @@ RECIPE_RUNS = {
     "dpo": {"parallel.dp_shard": 2, "loss": "kto"},
     "reward_model": {"parallel.tp": 2},
 }
-"""PHASE "recipes" (2 ranks): each recipe at its TINY size under a plan."""
+"""The recipes PHASE "two" runs last, each at its TINY size under a plan."""
 
 
 def recipe_runs(out: Path) -> dict[str, Any]:
@@ -483,9 +484,8 @@ def main() -> None:
                 "errors": misuse(),
                 "dpo_self_reference": self_reference_run(out),
                 "reward_model_looked": run_reward_model(ParallelPlan(dp_shard=2), look_first=True),
+                "recipes": recipe_runs(out),
             }
-        elif phase == "recipes":
-            results = recipe_runs(out)
         else:
             results = {"runs": run_all(PLANS_4, TRAINERS_4)}
         torch.save(results, out / f"{phase}-rank{rank}.pt")

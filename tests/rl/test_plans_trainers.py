@@ -4,9 +4,9 @@ in the plan), GRPO (split reference) and PPO (value head, split reference), unde
 tp=2, and the sp=2 / ep=2 cases of `worker.CASES_SP_EP` (PPO under sp is refused); an RL run under
 dp_shard=2 resumes bitwise from its sharded checkpoint; misused plans are refused.
 
-The multi-process runs happen once per fixture (tests/plans_trainers_run.py: 2 ranks, ~20-30 s;
-the 4-rank dp_shard=2 x tp=2 phase, ~40 s, only for the test marked slow); each test compares
-them with the one-process run done here.
+The multi-process runs happen once per fixture (tests/plans_trainers_run.py: 2 ranks, ~20-30 s,
+then three recipes under a plan on the same ranks; the 4-rank dp_shard=2 x tp=2 phase, ~40 s,
+only for the test marked slow); each test compares them with the one-process run done here.
 
 RL rollouts: with tp only (one data rank) a plan samples exactly what one process samples. With
 W > 1 data ranks each rank samples its slice of the prompts with its own seed
@@ -51,8 +51,15 @@ def _launch(out: Path, world_size: int, phase: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory) -> list[dict]:
-    return _launch(tmp_path_factory.mktemp("plans2"), 2, "two")
+def two_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The 2-rank phase: (its output folder, each rank's results)."""
+    out = tmp_path_factory.mktemp("plans2")
+    return out, _launch(out, 2, "two")
+
+
+@pytest.fixture(scope="module")
+def two(two_run) -> list[dict]:
+    return two_run[1]
 
 
 @pytest.fixture(scope="module")
@@ -251,18 +258,16 @@ def test_misused_rl_plans_are_refused_with_what_to_do(two):
     assert "policy.model is already split" in errors["reference_taken_after_the_split"]
 
 
-@pytest.mark.slow
-def test_recipes_run_under_a_plan_and_rank_0_writes(tmp_path_factory):
-    """grpo and dpo (KTO) under dp_shard=2, reward_model under tp=2, at TINY size: rank 0
-    returns the results and writes the run folder, the other rank returns None; the saved
-    policy / reward model is a plain one that loads."""
+def test_recipes_run_under_a_plan_and_rank_0_writes(two_run):
+    """grpo and dpo (KTO) under dp_shard=2, reward_model under tp=2, at TINY size (on the ranks of
+    the 2-rank phase): rank 0 returns the results and writes the run folder, the other rank
+    returns None; the saved policy / reward model is a plain one that loads."""
     from posttrain.policy import Policy
     from posttrain.rewards import load_reward_model
 
-    out = tmp_path_factory.mktemp("recipes")
-    ranks = _launch(out, 2, "recipes")
+    out, ranks = two_run
     for name in worker.RECIPE_RUNS:
-        assert ranks[0][name] is not None and ranks[1][name] is None
+        assert ranks[0]["recipes"][name] is not None and ranks[1]["recipes"][name] is None
         assert (out / name / "results.json").is_file()
         assert (out / name / "checkpoints").is_dir()
     Policy.from_pretrained(out / "grpo" / "policy")
