@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     if args.command == "runs":
         return _runs(parser, args.folders)
-    from posttrain.workflows.recipes import apply_overrides, load_config_file, load_recipe
+    from posttrain.workflows.recipes import apply_overrides, load_recipe
 
     command = "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)
     origin: dict[str, object] = {"command": command}
@@ -176,16 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             defaults: dict[str, object] = {"out_dir": f"{args.folder.rstrip('/')}-rerun"}
             if any(f.name == "resume" for f in dataclasses.fields(cfg)):
                 defaults["resume"] = False
-            from posttrain.workflows.config import override
-
-            cfg = apply_overrides(override(cfg, defaults), args.overrides)
+            cfg = apply_overrides(cfg, args.overrides, defaults=defaults)
             origin.update(recipe=name, recipe_file=_source_file(module), rerun_of=args.folder)
         else:
             module = load_recipe(args.recipe)
-            cfg = module.Config()
-            if args.config:
-                cfg = load_config_file(cfg, args.config)
-            cfg = apply_overrides(cfg, args.overrides)
+            cfg = apply_overrides(module.Config(), args.overrides, config_file=args.config or None)
             origin.update(
                 recipe=Path(args.recipe).stem,
                 recipe_file=_source_file(module),

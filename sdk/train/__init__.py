@@ -1,6 +1,7 @@
 """The training engine every trainer shares (step loop, accumulation, clipping, schedules,
 checkpoints, resume, preemption), the loss registry, parallel plans (FSDP2/HSDP, TP, SP, PP, EP;
-`plan.parallelize(model)` returns the `PlanRuntime` the trainers hold) and model converters
+`plan.parallelize(model)` returns the `PlanRuntime` the trainers hold; `check_plan` checks a
+plan against a job once, as a `CheckedPlan` that `parallelize` takes) and model converters
 (LoRA/QLoRA, FP8 training, QAT: `convert_model`).
 """
 
@@ -22,11 +23,13 @@ from posttrain.train.losses import (
     token_cross_entropy_sum,
 )
 from posttrain.train.parallel import AXES, MESH_DIMS, ParallelPlan
+from posttrain.train.plan_checks import check_plan
 from posttrain.train.plan_compat import (
     apply_plan,  # deprecated (one release)
     full_state_dict,
     plan_state,  # deprecated (one release)
 )
+from posttrain.train.plan_value import CheckedPlan
 from posttrain.train.qat import QATConfig, convert_qat, prepare_qat, quantize_post_training
 from posttrain.train.runtime import LocalRuntime, PlanRuntime, Runtime
 from posttrain.train.schedules import WarmupCosine, warmup_cosine_schedule
@@ -57,6 +60,8 @@ __all__ = [
     "AXES",
     "MESH_DIMS",
     "ParallelPlan",
+    "check_plan",
+    "CheckedPlan",
     "parallelize",
     "Runtime",
     "LocalRuntime",

@@ -21,8 +21,6 @@ from posttrain.core.distributed import flat_collective
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from posttrain.train.runtime import PlanRuntime
-
 __all__ = [
     "total_grad_norm",
     "clip_grads_with_norm_",
@@ -33,16 +31,21 @@ __all__ = [
 ]
 
 
-def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> Tensor:
+def total_grad_norm(
+    grads: list[Tensor],
+    *,
+    tied_copy: Tensor | None = None,
+    pp_group: ProcessGroup | None = None,
+) -> Tensor:
     """Global L2 norm of gradients that may be DTensors on different meshes (FSDP2 shards,
     TP shards, replicated plain tensors): one `get_total_norm` per mesh, each made whole with
-    `full_tensor()`, combined as sqrt(sum of squares); under pipeline parallelism (`runtime`'s
-    pp_group) the squares are summed over the stages, its tied embedding copy counted once.
-    Returns a plain 0-dim float32 tensor."""
+    `full_tensor()`, combined as sqrt(sum of squares). Under pipeline parallelism (`pp_group`:
+    the stages of a `PlanRuntime`) the squares are summed over the stages, and the gradient of
+    `tied_copy` (the last stage's copy of a tied embedding) is left out, so the tied weight
+    counts once. Returns a plain 0-dim float32 tensor."""
     from torch.distributed.tensor import DTensor
 
-    tied = runtime.tied_copy if runtime is not None else None
-    skip = tied.grad if tied is not None else None
+    skip = tied_copy.grad if tied_copy is not None else None
     groups: dict[Any, list[Tensor]] = {}
     for g in grads:
         if g is skip:
@@ -56,8 +59,8 @@ def total_grad_norm(grads: list[Tensor], runtime: PlanRuntime | None = None) -> 
             norm = norm.full_tensor()
         squares.append(norm.double() ** 2)
     total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-    if runtime is not None and runtime.pp_group is not None:
-        dist.all_reduce(total, group=runtime.pp_group)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt().to(torch.float32)
 
 

@@ -48,7 +48,7 @@ from posttrain.models.conversion import (
     record_converter,
 )
 from posttrain.train.optimizer_check import remember_parameters
-from posttrain.train.plan_checks import parallelized
+from posttrain.train.sharding import parallelized
 
 __all__ = [
     "CONVERTER_ORDER",

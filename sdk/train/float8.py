@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from posttrain.models.conversion import ConversionReport
-from posttrain.train.plan_checks import parallelized
+from posttrain.train.sharding import parallelized
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
-    from posttrain.train.parallel import ParallelPlan
+    from posttrain.train.plan_value import PlanFields
 
 __all__ = [
     "MemoryBatch",
@@ -133,7 +133,7 @@ def model_counts(spec: ModelSpec) -> ModelCounts:
     )
 
 
-def activation_bytes_per_token(spec: ModelSpec, plan: ParallelPlan, a: int) -> float:
+def activation_bytes_per_token(spec: ModelSpec, plan: PlanFields, a: int) -> float:
     """Saved bytes of one block per token (module docstring), on one rank of plan.tp."""
     D, H, F, tp = spec.embed_dim, spec.num_heads, spec.intermediate_dim, plan.tp
     rope = 4 * a * spec.head_dim if spec.family == "qwen2" else 8 * spec.head_dim

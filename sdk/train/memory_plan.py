@@ -126,6 +126,8 @@ from posttrain.train.memory_counts import (
     optimizer_states,
 )
 from posttrain.train.parallel import ParallelPlan
+from posttrain.train.plan_checks import check_fits
+from posttrain.train.plan_value import PlanFields
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -142,14 +144,14 @@ _BROADCAST_BUCKET = 64 * 2**20  # posttrain.core.distributed._BUCKET_BYTES
 _GIB = 2**30
 
 
-def _axes(plan: ParallelPlan, *names: str) -> str:
+def _axes(plan: PlanFields, *names: str) -> str:
     used = [n for n in names if getattr(plan, n) > 1]
     return f"{' x '.join(used)} = {math.prod(getattr(plan, n) for n in used)}" if used else "1"
 
 
 def plan_memory(
     spec: ModelSpec,
-    plan: ParallelPlan | None,
+    plan: PlanFields | None,
     batch: MemoryBatch | dict[str, Any],
     *,
     phase: str = "sft",
@@ -194,9 +196,9 @@ def plan_memory(
     if phase not in PHASES:
         raise ValueError(f"phase={phase!r}; allowed: {', '.join(PHASES)}")
     plan = ParallelPlan() if plan is None else plan
-    if not isinstance(plan, ParallelPlan):
+    if not isinstance(plan, PlanFields):
         raise ValueError(f"plan={plan!r}; must be a ParallelPlan or None")
-    plan.validate(spec=spec)
+    check_fits(plan, spec=spec)
     batch = MemoryBatch.of(batch)
     states = optimizer_states(optimizer)
     p = dtype_bytes("model_dtype", model_dtype)
@@ -318,7 +320,7 @@ def plan_memory(
             else "foreach AdamW: 1 x local parameters",
         )
     whole = all_parameters(c, spec) * p
-    applied = plan != ParallelPlan()  # plan.parallelize broadcasts from rank 0 first
+    applied = not plan.is_default  # plan.parallelize broadcasts from rank 0 first
     build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
     add(
         "model build",
@@ -450,7 +452,7 @@ def device_memory_bytes() -> int:
 
 def check_plan_fits(
     spec: ModelSpec,
-    plan: ParallelPlan | None,
+    plan: PlanFields | None,
     batch: MemoryBatch | dict[str, Any],
     *,
     phase: str = "sft",

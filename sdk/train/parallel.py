@@ -47,19 +47,13 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from posttrain.core.checks import check_fields
 from posttrain.train import plan_checks, sharding
-from posttrain.train.plan_checks import AXES, MESH_DIMS
 from posttrain.train.plan_compat import apply_plan
+from posttrain.train.plan_value import AXES, MESH_DIMS, PlanFields
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,13 +63,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ParallelPlan", "MESH_DIMS", "AXES"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SCHEDULES = ("gpipe", "1f1b")
 
-
-@dataclass(kw_only=True, frozen=True)
-class ParallelPlan:
+class ParallelPlan(PlanFields):
     """How a model and its training state are split over the ranks of a job.
+
+    The fields, their checks and the sizes that follow from them (`world_size`, `fsdp`,
+    `data_parallel_size`, `microbatches`, `is_default`, `torch_dtypes()`) are those of its
+    value type, `posttrain.train.plan_value.PlanFields`, which the modules that apply a plan
+    read; this class adds what a notebook asks of a plan: `validate`, `build_mesh`,
+    `parallelize` (`posttrain.train.check_plan` returns it checked, as a `CheckedPlan`).
 
     Args:
         dp_replicate: data-parallel replicas (HSDP's replicate dimension when dp_shard > 1).
@@ -99,92 +95,6 @@ class ParallelPlan:
             integer, an unknown dtype or schedule, or n_microbatches without pp > 1.
     """
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    sp: int = 1
-    pp: int = 1
-    ep: int = 1
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    n_microbatches: int | None = None
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        for name in (*AXES, "n_microbatches"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-                object.__setattr__(self, name, int(value))  # numpy integers too
-        check_fields(self, AXES, integer=True, low=1)
-        if self.pp_schedule not in _SCHEDULES:
-            raise ValueError(
-                f"ParallelPlan.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(_SCHEDULES)}"
-            )
-        check_fields(self, ("n_microbatches",), integer=True, low=1, optional=True, note="= pp")
-        if self.n_microbatches is not None and self.pp == 1:
-            raise ValueError(
-                f"ParallelPlan.n_microbatches={self.n_microbatches} needs pp > 1 "
-                "(it is the pipeline's micro-batch count); use the trainer's "
-                "grad_accum_steps for micro-batches without a pipeline"
-            )
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or value not in _DTYPES):
-                raise ValueError(
-                    f"ParallelPlan.{name}={value!r}; allowed: None, {', '.join(_DTYPES)}"
-                )
-        for name in ("cpu_offload", "activation_checkpointing"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ParallelPlan.{name}={getattr(self, name)!r}; must be a bool")
-
-    # ------------------------------------------------------------------ sizes
-    @property
-    def world_size(self) -> int:
-        """The product of all axes: the number of ranks the plan needs."""
-        return math.prod(getattr(self, name) for name in AXES)
-
-    @property
-    def is_default(self) -> bool:
-        """Whether every field is at its default. Such a plan is no plan: a recipe runs as
-        without its `parallel` section, and a launch of any size runs it as plain replicas;
-        any other plan, one of one rank included (FSDP2 mixed precision, activation
-        checkpointing), needs a job of exactly its world size."""
-        return self == ParallelPlan()
-
-    @property
-    def fsdp(self) -> bool:
-        """Whether the plan applies FSDP2: some parameters are replicated over ranks that compute
-        their own gradient shares (dp_replicate x dp_shard x ep x sp > 1), or it asks for FSDP2's
-        mixed precision or CPU offload (then on a mesh of one rank if need be)."""
-        return self.dp_replicate * self.dp_shard * self.ep * self.sp > 1 or bool(
-            self.param_dtype or self.reduce_dtype or self.cpu_offload
-        )
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks that see different data: dp_replicate x dp_shard x ep."""
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def microbatches(self) -> int:
-        """Pipeline micro-batches per step (n_microbatches, default pp)."""
-        return self.n_microbatches or self.pp
-
-    def torch_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(param_dtype, reduce_dtype) as torch dtypes for FSDP2's MixedPrecisionPolicy; the
-        reduce dtype defaults to the param dtype, None to the model's own."""
-        param = _DTYPES[self.param_dtype] if self.param_dtype else None
-        return param, _DTYPES[self.reduce_dtype] if self.reduce_dtype else param
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def __str__(self) -> str:
-        axes = [f"{name}={getattr(self, name)}" for name in AXES if getattr(self, name) > 1]
-        return f"ParallelPlan({', '.join(axes) or 'one rank'})"
-
     # ------------------------------------------------------------------ validation
     def validate(
         self, *, world_size: int | None = None, spec: ModelSpec | str | None = None
@@ -207,7 +117,6 @@ class ParallelPlan:
         """
         plan_checks.check_fits(self, world_size=world_size, spec=spec)
 
-    # ------------------------------------------------------------------ building
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """The job's `DeviceMesh` with dimensions `MESH_DIMS` (needs an initialised default
         process group of `world_size` ranks; `posttrain.train.plan_checks.build_mesh`).

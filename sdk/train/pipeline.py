@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder
 
     from posttrain.data.loader import Batch
-    from posttrain.train.parallel import ParallelPlan
+    from posttrain.train.plan_value import PlanFields
 
 __all__ = ["split_into_stage", "PipelineRunner", "stage_layers", "is_stage"]
 
@@ -146,7 +146,7 @@ class PipelineRunner:
         plan: the ParallelPlan (pp_schedule, microbatches).
     """
 
-    def __init__(self, model: nn.Module, info: dict[str, Any], plan: ParallelPlan) -> None:
+    def __init__(self, model: nn.Module, info: dict[str, Any], plan: PlanFields) -> None:
         self.model, self.info, self.plan = model, info, plan
         self._schedules: dict[tuple[int, ...], PipelineScheduleSingle] = {}
         self._num_units: Tensor | None = None

@@ -1,24 +1,26 @@
 """What is asked of a `ParallelPlan` before it splits a model: whether it fits a job's world size
-and a model (`check_fits`), the `DeviceMesh` it runs on (`build_mesh`), and whether a model
-already has a plan applied (`parallelized`).
+and a model (`check_fits`), the two in one call returning the checked plan (`check_plan`), and
+the `DeviceMesh` of a plan not checked yet (`build_mesh`).
 
-`ParallelPlan.validate` and `ParallelPlan.build_mesh` (`posttrain.train.parallel`) and
-`posttrain.train.sharding.parallelize` both call these, so a plan's walk goes one way:
-`ParallelPlan.parallelize` -> `sharding.parallelize` -> here and `posttrain.train.runtime`,
-and the plan's own module is crossed once. The plan is read as a value (its fields and the
-sizes derived from them); nothing here calls back into it.
+The plan is read as a value (`posttrain.train.plan_value.PlanFields`: its fields and the sizes
+derived from them); nothing here calls into `posttrain.train.parallel`. A recipe's plan is
+checked against its model when its config is built (`posttrain.workflows.parallel.
+check_parallel`) and against the job's world size and model, in one call, when its run starts
+(`check_world_size` -> `check_plan`); the `CheckedPlan` it returns is what `parallelize` and
+`CheckedPlan.build_mesh` take, and they do not come back here. A bare plan handed to
+`posttrain.train.parallelize` or `plan.build_mesh()` from a notebook is checked there.
 
 A plan is frozen, so whether it fits a world size or a model cannot change: each check runs
 once per process for each (plan, world size) and (plan, model spec), compared by value, and a
-later call with the same question returns at once. A recipe's plan is checked against its model
-when its config is built (`posttrain.workflows.parallel.check_parallel`) and against the world
-size when its run starts (`check_world_size`); `parallelize` and `build_mesh` ask again and get
-the remembered answer. A check that fails is not remembered: it raises every time.
+later call with the same question returns at once. A check that fails is not remembered: it
+raises every time.
 
 Example:
     >>> from posttrain.models import get_preset
     >>> from posttrain.train.parallel import ParallelPlan
-    >>> check_fits(ParallelPlan(dp_shard=2, tp=2), world_size=4, spec=get_preset("tiny-1m"))
+    >>> checked = check_plan(ParallelPlan(dp_shard=2, tp=2), world_size=4, spec="tiny-1m")
+    >>> checked.world_size, checked.spec == get_preset("tiny-1m")
+    (4, True)
     >>> check_fits(ParallelPlan(dp_shard=2), world_size=3)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
@@ -33,24 +35,16 @@ import math
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from torch import nn
 
 from posttrain.models.specs import get_preset
-from posttrain.train.pipeline import is_stage
+from posttrain.train.plan_value import AXES, MESH_DIMS, CheckedPlan, PlanFields
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from posttrain.models.specs import ModelSpec
-    from posttrain.train.parallel import ParallelPlan
 
-__all__ = ["AXES", "MESH_DIMS", "check_fits", "resolve_spec", "build_mesh", "parallelized"]
-
-AXES = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")
-"""The plan's parallelism axes (fields of `ParallelPlan`)."""
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
-"""Dimension names of the plan's `DeviceMesh`, outermost first."""
+__all__ = ["AXES", "MESH_DIMS", "check_fits", "check_plan", "resolve_spec", "build_mesh"]
 
 
 def _divisors(n: int) -> str:
@@ -74,7 +68,7 @@ def resolve_spec(spec: ModelSpec | str | None) -> ModelSpec | None:
 
 
 def check_fits(
-    plan: ParallelPlan, *, world_size: int | None = None, spec: ModelSpec | str | None = None
+    plan: PlanFields, *, world_size: int | None = None, spec: ModelSpec | str | None = None
 ) -> None:
     """Check `plan` against a job's world size and a model spec (the body of
     `ParallelPlan.validate`, which documents the rules); each passed check is remembered for
@@ -102,8 +96,27 @@ def check_fits(
         _fits_model(plan, spec)
 
 
+def check_plan(
+    plan: PlanFields, *, world_size: int | None, spec: ModelSpec | str | None = None
+) -> CheckedPlan:
+    """Check `plan` against a job's world size and a model spec in one call (`check_fits`) and
+    return it as a `CheckedPlan` (the spec resolved), which `posttrain.train.parallelize` and
+    `CheckedPlan.build_mesh` take without checking again.
+
+    Args:
+        world_size: the job's number of ranks (None: not known here; checked where the plan
+            meets its process group).
+        spec: a `ModelSpec`, a preset name, or None (the model-dependent rules not checked).
+
+    Raises:
+        ValueError: naming the field and the allowed values (see `ParallelPlan.validate`).
+    """
+    check_fits(plan, world_size=world_size, spec=spec)
+    return CheckedPlan(plan=plan, world_size=world_size, spec=resolve_spec(spec))
+
+
 @functools.lru_cache(maxsize=256)
-def _fits_world_size(plan: ParallelPlan, world_size: int) -> None:
+def _fits_world_size(plan: PlanFields, world_size: int) -> None:
     if plan.world_size != world_size:
         raise ValueError(
             f"{plan}: dp_replicate x dp_shard x tp x sp x pp x ep = "
@@ -113,7 +126,7 @@ def _fits_world_size(plan: ParallelPlan, world_size: int) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _fits_model(plan: ParallelPlan, spec: ModelSpec) -> None:
+def _fits_model(plan: PlanFields, spec: ModelSpec) -> None:
     heads = math.gcd(spec.num_heads, spec.num_kv_heads)
     if spec.num_heads % plan.tp or spec.num_kv_heads % plan.tp:
         raise ValueError(
@@ -165,43 +178,14 @@ def _fits_model(plan: ParallelPlan, spec: ModelSpec) -> None:
         )
 
 
-def build_mesh(plan: ParallelPlan, device_type: str = "cpu") -> DeviceMesh:
-    """The job's `DeviceMesh` for `plan`, with dimensions `MESH_DIMS` (the body of
-    `ParallelPlan.build_mesh`; needs an initialised default process group of the plan's world
-    size).
+def build_mesh(plan: PlanFields, device_type: str = "cpu") -> DeviceMesh:
+    """The job's `DeviceMesh` for a plan not checked yet, with dimensions `MESH_DIMS` (the body
+    of `ParallelPlan.build_mesh`): the plan is checked against the process group's size, then
+    `CheckedPlan.build_mesh`.
 
     Raises:
         RuntimeError: without an initialised process group.
         ValueError: if the process group's size differs from the plan's world size.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{plan} needs an initialised torch.distributed process group "
-            "(posttrain.launch.submit starts one per task; or "
-            "dist.init_process_group)"
-        )
-    check_fits(plan, world_size=dist.get_world_size())
-    sizes = tuple(getattr(plan, name) for name in MESH_DIMS)
-    return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
-
-
-def parallelized(model: nn.Module) -> str | None:
-    """What shows that a plan was applied to `model` (FSDP2 units, DTensor parameters,
-    activation-checkpoint wrappers, a pipeline stage's forward), or None for a plain model.
-    Read from the modules themselves: nothing about the plan is stored on the model."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    if is_stage(model):
-        return "a pipeline stage"
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            return "FSDP2"
-        if isinstance(module, CheckpointWrapper):
-            return "activation checkpointing"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "DTensor parameters"
-    return None
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    return check_plan(plan, world_size=world).build_mesh(device_type)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from posttrain.models.specs import ModelSpec
-    from posttrain.train.parallel import ParallelPlan
+    from posttrain.train.plan_value import PlanFields
 
 __all__ = [
     "resolve_runtime",
@@ -74,7 +74,7 @@ def _deprecated(what: str, stacklevel: int = 3) -> None:
 
 
 def apply_plan(
-    plan: ParallelPlan,
+    plan: PlanFields,
     model: nn.Module,
     *,
     spec: ModelSpec | str | None = None,
@@ -143,7 +143,7 @@ def full_state_dict(model: nn.Module | Runtime) -> dict[str, torch.Tensor]:
     return runtime_of(model).full_state_dict()
 
 
-def check_plan(model: nn.Module, plan: ParallelPlan | None, runtime: Runtime | None = None) -> None:
+def check_plan(model: nn.Module, plan: PlanFields | None, runtime: Runtime | None = None) -> None:
     """Raise ValueError if `plan` (when given) is not the plan applied to `model` (by `runtime`,
     or by the deprecated `plan.apply`)."""
     if plan is None:
@@ -164,7 +164,7 @@ def resolve_runtime(
     model: nn.Module,
     *,
     runtime: Runtime | None,
-    plan: ParallelPlan | None,
+    plan: PlanFields | None,
     replicas: bool = True,
     argument: str = "model",
 ) -> Runtime:

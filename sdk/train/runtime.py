@@ -79,8 +79,8 @@ if TYPE_CHECKING:
 
     from posttrain.models.specs import ModelSpec
     from posttrain.train.losses import TrainingLoss
-    from posttrain.train.parallel import ParallelPlan
     from posttrain.train.pipeline import PipelineRunner
+    from posttrain.train.plan_value import PlanFields
 
 __all__ = ["Runtime", "LocalRuntime", "PlanRuntime"]
 
@@ -95,7 +95,7 @@ class Runtime(abc.ABC):
 
     Attributes:
         model: the trained model (split in place under a plan).
-        plan: the applied `ParallelPlan`, or None (`LocalRuntime`).
+        plan: the applied `ParallelPlan` (read as its `PlanFields`), or None (`LocalRuntime`).
         mesh: the plan's DeviceMesh, or None.
         spec: the model's `ModelSpec` when known (the memory check uses it), or None.
         pipeline: this rank's `PipelineRunner` (pp > 1), or None.
@@ -105,7 +105,7 @@ class Runtime(abc.ABC):
 
     # annotations only (PlanRuntime is a dataclass of these, LocalRuntime sets them)
     model: nn.Module
-    plan: ParallelPlan | None
+    plan: PlanFields | None
     mesh: DeviceMesh | None
     spec: ModelSpec | None
     pipeline: PipelineRunner | None
@@ -361,7 +361,7 @@ class PlanRuntime(Runtime):
     """
 
     model: nn.Module
-    plan: ParallelPlan
+    plan: PlanFields
     mesh: DeviceMesh | None
     data_rank: int
     data_group: ProcessGroup | None
@@ -423,7 +423,7 @@ class PlanRuntime(Runtime):
             sum_grads_over_group(module, self.data_group)
 
     def grad_norm(self, params: Sequence[nn.Parameter]) -> Tensor:
-        return total_grad_norm(_grads(params), self)
+        return total_grad_norm(_grads(params), tied_copy=self.tied_copy, pp_group=self.pp_group)
 
     def clip_grads_(
         self, params: Sequence[nn.Parameter], max_norm: float, total_norm: Tensor

@@ -1,10 +1,11 @@
 """Applying a `ParallelPlan` to a torchtune decoder: `parallelize(plan, model, spec=spec)` splits
 the model in place and returns the `PlanRuntime` the trainer holds (`posttrain.train.runtime`:
 sums over the data-parallel ranks, gradient syncs and norm, full weights, checkpoint shards).
-`plan.parallelize(model)` calls it. What it asks before splitting (does the plan fit the world
-size and the model, the mesh, was a plan applied already) is `posttrain.train.plan_checks`,
-below this module and the plan's, so the call never returns into `posttrain.train.parallel`:
-the plan is read as a value.
+`plan.parallelize(model)` calls it. It takes the plan as a value: a `CheckedPlan` (a recipe's
+run start checked it against the job's world size and model in one call,
+`posttrain.train.plan_checks.check_plan`), used as it is, or a bare plan (from a notebook),
+checked here first. Either way the call never returns into `posttrain.train.parallel`, and a
+checked plan does not go back to `plan_checks`.
 
 Order of application (as torchtitan's `parallelize_llama` and torchtune's distributed recipes
 do it), one small function per axis:
@@ -62,7 +63,8 @@ from posttrain.train.expert_parallel import (
     sync_expert_grads,
 )
 from posttrain.train.optimizer_check import remember_parameters, reshard
-from posttrain.train.plan_checks import build_mesh, check_fits, parallelized, resolve_spec
+from posttrain.train.plan_checks import check_plan
+from posttrain.train.plan_value import CheckedPlan, PlanFields
 from posttrain.train.runtime import PlanRuntime
 from posttrain.train.sequence_parallel import apply_ulysses
 
@@ -72,7 +74,6 @@ if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder
 
     from posttrain.models.specs import ModelSpec
-    from posttrain.train.parallel import ParallelPlan
 
 __all__ = [
     "parallelize",
@@ -95,7 +96,7 @@ def _layers(model: nn.Module) -> list[nn.Module]:
 
 
 def parallelize(
-    plan: ParallelPlan,
+    plan: PlanFields | CheckedPlan,
     model: TransformerDecoder,
     *,
     spec: ModelSpec | str | None = None,
@@ -105,20 +106,21 @@ def parallelize(
     `PlanRuntime` the trainers take (`runtime.model is model`).
 
     Args:
-        plan: a `posttrain.train.parallel.ParallelPlan`.
+        plan: a `posttrain.train.parallel.ParallelPlan` (checked here against the process
+            group's size and `spec`), or the `CheckedPlan` of `plan_checks.check_plan` (not
+            checked again, unless `spec` differs from the one it was checked against or the
+            process group's size was not known then).
         model: a torchtune decoder built identically on every rank (same seed); its parameters
             are broadcast from rank 0 first, so a different init elsewhere is overwritten.
             Apply converters (LoRA, FP8, QAT) before, build the optimizer after.
         spec: its `ModelSpec` (or a preset name), for the model-dependent checks of
-            `plan.validate` and the trainers' memory check.
-        mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here, by
-            `posttrain.train.plan_checks.build_mesh`).
+            `plan.validate` and the trainers' memory check (default: a checked plan's own).
+        mesh: a DeviceMesh built by `plan.build_mesh()` (default: built here).
 
     Raises:
-        ValueError: if the plan does not fit the world size or the model (`plan.validate`,
-            answered from memory when the run asked before: `plan_checks.check_fits`), the
-            model already has a plan applied (`parallelized`), or a converter applied to it
-            (LoRA, FP8, ...) does not support one of the plan's axes
+        ValueError: if the plan does not fit the world size or the model (`plan.validate`),
+            the model already has a plan applied (`parallelized`), or a converter applied to
+            it (LoRA, FP8, ...) does not support one of the plan's axes
             (`posttrain.train.converters.PLAN_AXES`).
         ValueError: for cpu_offload on a model that is on the CPU, or pp > 1 on an MoE model.
         TypeError: for a model without `.layers` (not a torchtune decoder).
@@ -130,10 +132,10 @@ def parallelize(
         raise ValueError(
             f"this model already has a ParallelPlan applied ({done}); build a fresh model"
         )
-    check_plan_axes(model, plan)  # a converted model (LoRA, FP8, ...) allows fewer axes
-    # remembered: a recipe's plan was checked when its config was built and its run started
-    check_fits(plan, world_size=dist.get_world_size() if dist.is_initialized() else None, spec=spec)
-    spec = resolve_spec(spec)
+    # a converted model (LoRA, FP8, ...) allows fewer axes
+    check_plan_axes(model, plan.plan if isinstance(plan, CheckedPlan) else plan)
+    checked = _checked(plan, spec)
+    plan, spec = checked.plan, checked.spec
     if plan.world_size == 1 and not plan.fsdp and not dist.is_initialized():
         return _parallelize_one_rank(plan, model, spec)
     layers = _layers(model)
@@ -144,7 +146,7 @@ def parallelize(
             "state from an accelerator to host memory; this model is on the CPU "
             "already: allowed cpu_offload on CPU: False"
         )
-    mesh = mesh if mesh is not None else build_mesh(plan, device.type)
+    mesh = mesh if mesh is not None else checked.build_mesh(device.type)
     remember_parameters(model, f"{plan} was applied (which replaces the parameters)")
     flat_collective(list(model.parameters()), lambda flat: dist.broadcast(flat, src=0))
     syncs = []
@@ -198,8 +200,39 @@ def parallelize(
     )
 
 
+def _checked(plan: PlanFields | CheckedPlan, spec: ModelSpec | str | None) -> CheckedPlan:
+    """`plan` checked against this process's group and `spec`: a `CheckedPlan` as it is, when
+    it was checked against both already; otherwise `plan_checks.check_plan`."""
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if isinstance(plan, CheckedPlan):
+        if (spec is None or spec == plan.spec) and (world is None or world == plan.world_size):
+            return plan
+        spec, plan = (plan.spec if spec is None else spec), plan.plan
+    return check_plan(plan, world_size=world, spec=spec)
+
+
+def parallelized(model: nn.Module) -> str | None:
+    """What shows that a plan was applied to `model` (FSDP2 units, DTensor parameters,
+    activation-checkpoint wrappers, a pipeline stage's forward), or None for a plain model.
+    Read from the modules themselves: nothing about the plan is stored on the model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if pipeline.is_stage(model):
+        return "a pipeline stage"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            return "FSDP2"
+        if isinstance(module, CheckpointWrapper):
+            return "activation checkpointing"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "DTensor parameters"
+    return None
+
+
 def _parallelize_one_rank(
-    plan: ParallelPlan, model: nn.Module, spec: ModelSpec | None
+    plan: PlanFields, model: nn.Module, spec: ModelSpec | None
 ) -> PlanRuntime:
     """A plan of one rank without FSDP2 settings, in a process without a process group: only
     activation checkpointing applies."""
@@ -311,7 +344,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def _apply_fsdp(
-    plan: ParallelPlan,
+    plan: PlanFields,
     model: nn.Module,
     layers: list[nn.Module],
     mesh: DeviceMesh,

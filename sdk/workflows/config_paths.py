@@ -66,11 +66,17 @@ class _Node(dict):
     """Changes below one dotted prefix (as opposed to a mapping value set as a whole)."""
 
 
+class _Layers(list):
+    """Mappings given for one key by successive layers of changes, applied in order: each sets
+    its keys of a section; for a plain dict field a later mapping replaces an earlier one (and
+    a `_Node`, dotted keys into it, merges)."""
+
+
 def _relative(at: str) -> str:
     return at.removeprefix(ROOT).removeprefix(".")
 
 
-def override(cfg: Any, changes: Mapping[str, Any]) -> Any:
+def override(cfg: Any, changes: Mapping[str, Any], *more: Mapping[str, Any]) -> Any:
     """A copy of dataclass `cfg` with `changes` applied, validated once at the end.
 
     Keys are dotted paths (`"optim.lr"`); a mapping given for a section (`{"optim": {"lr": 1e-4}}`,
@@ -79,26 +85,56 @@ def override(cfg: Any, changes: Mapping[str, Any]) -> Any:
     one entry (both together merge). Values are used as given (`key=value` strings are typed
     first by `posttrain.workflows.recipes.apply_overrides`).
 
+    `more`: further changes applied after `changes`, in order, in the same construction (a
+    YAML preset, then the command line's overrides): a later value of a key wins, and a later
+    mapping for a section sets its keys over the earlier ones. The config is built, and
+    validated, once.
+
     Raises:
         ValueError: for an unknown key, naming it and listing the valid keys of its section;
             any error of the new config's validation.
     """
     tree = _Node()
-    for key, value in changes.items():
-        node, parts = tree, str(key).split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, _Node())
-            if not isinstance(child, Mapping):
-                raise ValueError(
-                    f"config key {key!r} goes inside {part!r}, which is set to {child!r}"
-                )
-            node[part] = node = child if isinstance(child, _Node) else _Node(child)
-        last = parts[-1]
-        if isinstance(node.get(last), _Node) and isinstance(value, Mapping):
-            node[last].update(value)  # "optim.lr" and "optim: {steps: 5}" together
-        else:
-            node[last] = value
+    set_by: dict[int, int] = {}  # id of a mapping in the tree -> the layer of changes that set it
+    for n, layer in enumerate((changes, *more)):
+        for key, value in layer.items():
+            node, parts = tree, str(key).split(".")
+            for part in parts[:-1]:
+                child = node.get(part)
+                if isinstance(child, _Layers) or _earlier(child, n, set_by):
+                    # a dotted key after a mapping of an earlier layer: applied after it
+                    layers = child if isinstance(child, _Layers) else _Layers([child])
+                    if set_by.get(id(layers[-1])) != n or not isinstance(layers[-1], _Node):
+                        layers.append(_Node())
+                        set_by[id(layers[-1])] = n
+                    node[part], child = layers, layers[-1]
+                elif child is None or isinstance(child, Mapping):
+                    if not isinstance(child, _Node):
+                        child = node[part] = _Node(child or {})
+                        set_by[id(child)] = n
+                else:
+                    raise ValueError(
+                        f"config key {key!r} goes inside {part!r}, which is set to {child!r}"
+                    )
+                node = child
+            last = parts[-1]
+            before = node.get(last)
+            if isinstance(value, Mapping) and isinstance(before, _Layers):
+                before.append(value)
+            elif isinstance(value, Mapping) and _earlier(before, n, set_by):
+                node[last] = _Layers([before, value])  # a section: both; a dict field: the last
+            elif isinstance(value, Mapping) and isinstance(before, _Node):
+                before.update(value)  # "optim.lr" and "optim: {steps: 5}" together
+            else:
+                node[last] = value
+                if isinstance(value, Mapping):
+                    set_by[id(value)] = n
     return _apply(cfg, tree, ROOT)
+
+
+def _earlier(value: Any, n: int, set_by: dict[int, int]) -> bool:
+    """Whether `value` is a mapping that a layer of changes before layer `n` set as a whole."""
+    return isinstance(value, Mapping) and set_by.get(id(value), n) < n
 
 
 def _apply(obj: Any, node: Mapping[str, Any], at: str) -> Any:
@@ -113,7 +149,16 @@ def _apply(obj: Any, node: Mapping[str, Any], at: str) -> Any:
                 f"{' of ' + section if section else ''}: {', '.join(sorted(names))}"
             )
         current = getattr(obj, name)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+        if isinstance(value, _Layers):
+            for layer in value:
+                if dataclasses.is_dataclass(current):
+                    current = _apply(current, layer, path)
+                elif isinstance(current, dict):
+                    current = {**current, **layer} if isinstance(layer, _Node) else dict(layer)
+                else:
+                    raise ValueError(f"config key {_relative(path)!r} has no keys of its own")
+            new[name] = current
+        elif dataclasses.is_dataclass(current) and isinstance(value, Mapping):
             new[name] = _apply(current, value, path)
         elif isinstance(value, _Node):
             if not isinstance(current, dict):

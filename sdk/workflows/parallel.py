@@ -3,7 +3,8 @@
 `Config.parallel.tp`), the one rule that a plan with every field at its default is no plan
 (`plan_of`), and its checks: against the model when the config is validated
 (`check_parallel`, with the global batches that must split over the data-parallel ranks), and
-against the job's world size when a run starts (`check_world_size`, from `start_run`).
+against the job's world size and the model in one call when a run starts (`check_world_size`,
+from `RecipeRun.start`), which returns the `CheckedPlan` the run hands to `parallelize`.
 
 A recipe with a plan applies it to every model it trains (and to the frozen ones it scores
 with) before building the optimizers, passes it to the trainers, and checks it against the
@@ -34,6 +35,8 @@ from typing import Any
 
 from posttrain.models.specs import PRESETS
 from posttrain.train.parallel import ParallelPlan
+from posttrain.train.plan_checks import check_plan
+from posttrain.train.plan_value import CheckedPlan
 from posttrain.workflows.config import ROOT, ModelConfig, fail
 
 __all__ = ["ParallelPlan", "plan_of", "model_spec", "check_parallel", "check_world_size"]
@@ -114,24 +117,28 @@ def check_parallel(
             )
 
 
-def check_world_size(cfg: Any, at: str = ROOT) -> None:
-    """Before a run does any work: a recipe config with a `parallel` plan runs under an
-    initialised torch.distributed process group of exactly the plan's world size.
+def check_world_size(cfg: Any, at: str = ROOT) -> CheckedPlan | None:
+    """The run-start check: a recipe config with a `parallel` plan runs under an initialised
+    torch.distributed process group of exactly the plan's world size (a plan of one rank also
+    in a process without one), and the plan fits the config's model; both in one call
+    (`posttrain.train.plan_checks.check_plan`). Returns the `CheckedPlan` that
+    `posttrain.train.parallelize` takes without checking again (`RecipeRun.parallelize`), or
+    None without a plan.
 
     Raises:
-        ValueError: naming `Config.parallel`, the plan's world size and the job's.
+        ValueError: naming `Config.parallel`, the plan's world size and the job's (or the
+            field that does not fit the model).
     """
     plan = plan_of(cfg)
     if plan is None:
-        return
+        return None
     import torch.distributed as dist
 
     from posttrain.core.distributed import rank_and_world_size
 
     world = rank_and_world_size()[1]
-    if plan.world_size == 1 and world == 1:
-        return  # a plan of one rank (activation checkpointing) needs no process group
-    if not (dist.is_available() and dist.is_initialized()):
+    one_rank = plan.world_size == 1 and world == 1  # needs no process group
+    if not one_rank and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"{at}.parallel asks for {plan} on {plan.world_size} ranks, but no "
             "torch.distributed process group is initialised: run the recipe as a "
@@ -140,6 +147,8 @@ def check_world_size(cfg: Any, at: str = ROOT) -> None:
             "defaults"
         )
     try:
-        plan.validate(world_size=world)
+        return check_plan(plan, world_size=world, spec=model_spec(cfg.model))
     except ValueError as e:
-        raise ValueError(f"{at}.parallel: {e}") from None
+        raise ValueError(
+            f"{at}.parallel: {str(e).replace('ParallelPlan.', f'{at}.parallel.')}"
+        ) from None

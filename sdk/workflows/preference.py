@@ -260,7 +260,7 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     ]
     # the plain policy, evaluated before a plan splits it (rank 0 alone evaluates)
     before_table = _before(cfg, policy, items, scorer, out) if run.writes else None
-    runtime = None if plan is None else plan.parallelize(policy.model, spec=policy.spec)
+    runtime = None if plan is None else run.parallelize(policy.model, spec=policy.spec)
     t0 = time.perf_counter()
     if objective.needs_reference:  # the starting policy is the reference (split, if planned)
         compute_reference_logps(policy if runtime is None else runtime, dataset)

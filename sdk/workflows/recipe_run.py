@@ -5,6 +5,7 @@ point holds its own stages and nothing else:
     def run_x(cfg):
         run = RecipeRun.start(cfg, sub_runs=("sft",))  # checks, run folder, lock, config.json,
         ...                                            #   lineage, seed; run.plan: the plan
+        runtime = run.parallelize(policy.model, spec=policy.spec)  # the plan checked at start
         trainer = Trainer(..., **run.trainer_options(runtime))  # run_dir, checkpoints, seed, ...
         metrics = trainer.fit(steps)
         run.stop_if_interrupted(trainer, {...})        # Ctrl-C: results.json marked interrupted
@@ -15,8 +16,11 @@ point holds its own stages and nothing else:
         run.write(results, markdown)                   # results.json + results.md
         return run.done(results)                       # the other ranks are released
 
-What each step does is in `posttrain.workflows.reports` (`start_run`, `stop_if_interrupted`,
-`write_results`), `posttrain.workflows.task_data.check_task_fits` and
+What each step does is in `posttrain.workflows.config_paths.validate` (the config, once),
+`posttrain.workflows.task_data.check_task_fits`, `posttrain.workflows.parallel.check_world_size`
+(the plan against the job's world size and model, once: the `CheckedPlan` that
+`run.parallelize` hands to `posttrain.train.parallelize`), `posttrain.workflows.reports`
+(`start_run`, `stop_if_interrupted`, `write_results`) and
 `posttrain.workflows.run_state.recorded_run`; this module puts them in their one order.
 
 Ranks: a run is shared by the ranks of a process group under a `parallel` plan, or with
@@ -45,11 +49,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from posttrain.core.distributed import barrier, rank_and_world_size
 from posttrain.train.engine import Engine
 from posttrain.train.parallel import ParallelPlan
-from posttrain.train.runtime import Runtime
-from posttrain.workflows.parallel import plan_of
+from posttrain.train.plan_value import CheckedPlan
+from posttrain.train.runtime import PlanRuntime, Runtime
+from posttrain.train.sharding import parallelize
+from posttrain.workflows.config_paths import validate
+from posttrain.workflows.parallel import check_world_size, plan_of
 from posttrain.workflows.reports import start_run, stop_if_interrupted, write_results
 from posttrain.workflows.task_data import check_task_fits
 
@@ -66,6 +75,8 @@ class RecipeRun:
         plan: the config's `ParallelPlan`, or None without one (`plan_of`).
         shared: whether the ranks of a process group share the run (rank 0 writes).
         started: `time.perf_counter()` when the run started.
+        checked: the plan as checked at the start against the job's world size and the
+            config's model (`check_world_size`), or None without a plan.
     """
 
     cfg: Any
@@ -73,28 +84,55 @@ class RecipeRun:
     plan: ParallelPlan | None
     shared: bool
     started: float
+    checked: CheckedPlan | None = None
 
     @classmethod
     def start(
         cls, cfg: Any, *, sub_runs: Sequence[str] = (), data_parallel: bool = False
     ) -> RecipeRun:
-        """Start a run of `cfg`: check that the task's data fits it (`check_task_fits`), then
-        `start_run` (refuse a used folder or a changed resume, claim the folder, write
-        config.json and lineage.json, seed torch). `sub_runs`: the stage folders inside it
-        ("sft"); `data_parallel`: the ranks of a process group train one run without a plan.
+        """Start a run of `cfg`: validate it once (a notebook may have changed a section in
+        place since it was built), check that the task's data fits it (`check_task_fits`),
+        check its plan against the job's world size and model in one call
+        (`check_world_size`: `run.checked`), then `start_run` (refuse a used folder or a
+        changed resume, claim the folder, write config.json and lineage.json, seed torch).
+        `sub_runs`: the stage folders inside it ("sft"); `data_parallel`: the ranks of a
+        process group train one run without a plan.
 
         Raises:
-            ValueError: before anything is written, naming the field (see `start_run` and
-                `check_task_fits`).
+            ValueError: before anything is written, naming the field (see `validate`,
+                `check_task_fits`, `check_world_size` and `start_run`).
             RunDirInUseError: if another live process holds the folder.
         """
         started = time.perf_counter()
+        validate(cfg)
         check_task_fits(cfg)
-        out = start_run(cfg, sub_runs=sub_runs)
+        checked = check_world_size(cfg)
+        out = start_run(cfg, sub_runs=sub_runs, checked=True)
         plan = plan_of(cfg)
         return cls(
-            cfg=cfg, out=out, plan=plan, shared=plan is not None or data_parallel, started=started
+            cfg=cfg,
+            out=out,
+            plan=plan,
+            shared=plan is not None or data_parallel,
+            started=started,
+            checked=checked,
         )
+
+    def parallelize(self, model: nn.Module, *, spec: Any = None) -> PlanRuntime:
+        """Split `model` by the run's plan as checked when the run started (`checked`; not
+        checked again unless `spec`, its `ModelSpec`, differs from the config's model's):
+        `posttrain.train.parallelize`. Returns the `PlanRuntime` the trainers take.
+
+        Raises:
+            ValueError: for a run without a plan (`plan` is None), or as
+                `posttrain.train.parallelize`.
+        """
+        if self.checked is None:
+            raise ValueError(
+                "this run has no parallel plan (Config.parallel at its defaults): nothing "
+                "to split; check run.plan is not None first"
+            )
+        return parallelize(self.checked, model, spec=spec)
 
     @property
     def writes(self) -> bool:

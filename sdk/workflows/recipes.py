@@ -1,9 +1,10 @@
 """Recipes by name: a file `recipes/NAME.py` (looked up in the current folder, then beside the
 installed package source) defining a keyword-only dataclass `Config` and a function `main(cfg)`.
-`load_recipe` imports one, `load_config_file` applies a YAML preset and `apply_overrides` dotted
-`key=value` strings typed by the dataclass annotations (`posttrain run`, `posttrain launch` and
-`posttrain.workflows.sweep` share them). An unknown key is an error listing the valid keys of
-its section.
+`load_recipe` imports one, and `apply_overrides` applies dotted `key=value` strings typed by the
+dataclass annotations, after a YAML preset if given (`read_config_file`), in one construction
+of the config (`posttrain run`, `posttrain launch` and `posttrain.workflows.sweep` share them;
+`load_config_file` applies a preset alone). An unknown key is an error listing the valid keys
+of its section.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import importlib.util
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -19,6 +21,7 @@ __all__ = [
     "recipe_dirs",
     "find_recipe",
     "load_recipe",
+    "read_config_file",
     "load_config_file",
     "apply_overrides",
     "config_annotation",
@@ -98,15 +101,13 @@ def _coerce(value: str, annotation) -> object:
     return yaml.safe_load(value)
 
 
-def load_config_file(cfg, path: str):
-    """A copy of dataclass `cfg` with YAML file `path` applied: top-level keys, sections as
-    nested mappings (`optim: {lr: 0.0001}`) or dotted keys (`optim.lr: 0.0001`).
+def read_config_file(path: str) -> dict:
+    """The mapping of YAML file `path` (a preset: top-level keys, sections as nested mappings
+    `optim: {lr: 0.0001}` or dotted keys `optim.lr: 0.0001`; an empty file: no changes).
 
-    Raises ValueError naming an unknown key and listing the valid keys of its section.
+    Raises ValueError for a file that cannot be read, is not YAML, or holds no mapping.
     """
     import yaml
-
-    from posttrain.workflows.config import override
 
     try:
         with open(path) as f:
@@ -117,6 +118,19 @@ def load_config_file(cfg, path: str):
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(values, dict):
         raise ValueError(f"config file {path} must hold a mapping of key: value")
+    return values
+
+
+def load_config_file(cfg, path: str):
+    """A copy of dataclass `cfg` with YAML file `path` applied (`read_config_file`). The
+    command line applies a preset and its overrides in one construction instead
+    (`apply_overrides(cfg, overrides, config_file=path)`).
+
+    Raises ValueError naming an unknown key and listing the valid keys of its section.
+    """
+    from posttrain.workflows.config import override
+
+    values = read_config_file(path)
     try:
         return override(cfg, values)
     except (TypeError, ValueError) as e:
@@ -147,12 +161,23 @@ def config_annotation(cfg, key: str):
     return annotation
 
 
-def apply_overrides(cfg, overrides: list[str]):
+def apply_overrides(
+    cfg,
+    overrides: list[str],
+    *,
+    config_file: str | None = None,
+    defaults: Mapping[str, object] | None = None,
+):
     """A copy of dataclass `cfg` with `key=value` strings applied; keys are dotted for nested
     sections (`optim.lr=1e-4`) and values typed by the field annotations.
 
-    Raises ValueError naming an unknown key (and listing the valid keys of its section) or a
-    malformed override.
+    `defaults` (values as given, e.g. a rerun's new `out_dir`) and the YAML preset
+    `config_file` (`read_config_file`) apply first, in that order, then `overrides`: all in
+    one construction (`config_paths.override`), so the config, and its `parallel` plan's
+    check against the model, is validated once however many changes there are.
+
+    Raises ValueError naming an unknown key (and listing the valid keys of its section), a
+    malformed override, or the field the new config refuses (`Config.parallel.dp_shard`).
     """
     from posttrain.workflows.config import override
 
@@ -166,7 +191,8 @@ def apply_overrides(cfg, overrides: list[str]):
             changes[key] = _coerce(value, annotation)
         except ValueError as e:
             raise ValueError(f"config key {key!r}: {e}") from None
+    preset = read_config_file(config_file) if config_file is not None else {}
     try:
-        return override(cfg, changes)
+        return override(cfg, dict(defaults or {}), preset, changes)
     except TypeError as e:
         raise ValueError(str(e)) from None

@@ -71,27 +71,27 @@ class RunInterrupted(KeyboardInterrupt):
     interrupted are on disk, and no later stage runs. `resume=true` continues the run."""
 
 
-def start_run(cfg: Any, *, sub_runs: Sequence[str] = ()) -> Path:
-    """Validate `cfg` again (a notebook may have changed a section in place), refuse an
-    `out_dir` (or its `sub_runs`, e.g. "sft") that already holds a run unless `cfg.resume`;
-    on resume, compare `cfg` with the saved `config.json` (only `RESUMABLE_KEYS` may differ).
-    Then (rank 0 of a process group, after every rank has checked) create the folder (0700),
-    claim it for this process (`posttrain.core.run_lock`) and write `config.json` and
+def start_run(cfg: Any, *, sub_runs: Sequence[str] = (), checked: bool = False) -> Path:
+    """Validate `cfg` again (a notebook may have changed a section in place) and check its
+    `parallel` plan against the job (`check_world_size`), unless `checked` (`RecipeRun.start`
+    did both already); refuse an `out_dir` (or its `sub_runs`, e.g. "sft") that already holds a
+    run unless `cfg.resume`; on resume, compare `cfg` with the saved `config.json` (only
+    `RESUMABLE_KEYS` may differ). Then (rank 0 of a process group, after every rank has
+    checked) create the folder (0700), claim it for this process (`posttrain.core.run_lock`)
+    and write `config.json` and
     `lineage.json` (`posttrain.workflows.lineage`: data hashes, code and package versions,
     parents); seed torch with `cfg.seed`. Returns the run folder.
 
-    A config with a `parallel` plan must run under a process group of the plan's world size
-    (`check_world_size`).
-
     Raises:
-        ValueError: before anything is written, for a bad config, a used run folder, a resume
-            whose config differs from the saved one (naming the dotted key), a `parallel`
-            plan that does not match the job's world size, or a missing parent run or data
-            file (`check_parents`).
+        ValueError: before anything is written, for a bad config, a `parallel` plan that does
+            not fit the job, a used run folder, a resume whose config differs from the saved
+            one (naming the dotted key), a tokenizer that does not cover the task, or a
+            missing parent run or data file (`check_parents`).
         RunDirInUseError: if another live process holds the folder.
     """
-    validate(cfg)
-    check_world_size(cfg)
+    if not checked:
+        validate(cfg)
+        check_world_size(cfg)
     check_tokenizer_covers_task(cfg)
     out = Path(cfg.out_dir)
     config = dataclasses.asdict(cfg)

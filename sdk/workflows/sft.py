@@ -286,7 +286,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     rank: int | None = None  # None: SFTLoader's default (the process group's, or one process)
     world_size: int | None = None
     if plan is not None:
-        runtime = plan.parallelize(policy.model, spec=policy.spec)
+        runtime = run.parallelize(policy.model, spec=policy.spec)
         rank, world_size = runtime.data_rank, runtime.data_size
     loader = SFTLoader(
         dataset,

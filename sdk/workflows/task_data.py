@@ -31,7 +31,7 @@ from posttrain.models.tokenizer import Tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
-from posttrain.workflows.config import ROOT, TaskConfig, fail, ints, validate
+from posttrain.workflows.config import ROOT, TaskConfig, fail, ints
 
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
@@ -161,7 +161,7 @@ def build_dataset(
 
 def check_task_fits(cfg: Any, at: str = ROOT) -> None:
     """What a recipe config asks of its task's data, checked after `validate(cfg)` and before
-    the run writes anything (the recipes call it before `start_run`):
+    the run writes anything (`RecipeRun.start` calls it between the two):
 
       * `task.eval_size` distinct held-out questions exist (`held_out_items`);
       * every held-out prompt, rendered as evaluation renders it, leaves room in `cfg.model`
@@ -180,7 +180,6 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
     Raises:
         ValueError: naming the dotted field, its allowed bound and the lengths measured.
     """
-    validate(cfg)
     task, model = cfg.task, cfg.model
     limit, tokenizer = model.max_seq_len(), model.tokenizer()
     chat = getattr(cfg, "mode", "sft") == "sft"

@@ -175,3 +175,49 @@ def test_config_file_errors_are_usage_errors(tmp_path, capsys):
             cli.main(["run", "demo", "--config", str(path)])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+_BUILT: list[str] = []
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Counted(_Nested):
+    """A config that counts its constructions (each validates it once)."""
+
+    def __post_init__(self) -> None:
+        _BUILT.append(self.name)
+
+
+def test_a_preset_and_the_overrides_build_the_config_once_in_order(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("optim: {lr: 0.5, steps: 4}\noptions: {z: 1}\nname: z\n")
+    _BUILT.clear()
+    cfg = cli.apply_overrides(
+        _Counted(), ["optim.steps=9", "options.c=3", "name=y"], config_file=str(preset)
+    )
+    assert _BUILT == ["x", "y"]  # the defaults, then one construction for all changes
+    # the preset's section keys stay where an override sets others; a later value wins; a dict
+    # field is replaced by the preset's mapping, and a dotted key then sets one entry of it
+    assert cfg == _Counted(optim=_Optim(lr=0.5, steps=9), options={"z": 1, "c": 3}, name="y")
+    # a later mapping for a section sets its keys over the earlier ones; for a dict field it
+    # replaces the earlier mapping
+    cfg = cli.apply_overrides(
+        _Nested(), ["optim={steps: 7}", "options={c: 3}"], config_file=str(preset)
+    )
+    assert cfg.optim == _Optim(lr=0.5, steps=7) and cfg.options == {"c": 3}
+    # defaults (a rerun's) come first, then the preset, then the overrides
+    cfg = cli.apply_overrides(_Nested(), ["name=w"], defaults={"name": "d", "optim.clip": None})
+    assert (cfg.name, cfg.optim.clip) == ("w", None)
+    assert cli.apply_overrides(_Nested(), [], config_file=str(preset)) == cli.load_config_file(
+        _Nested(), str(preset)
+    )
+
+
+def test_a_bad_parallel_override_with_a_preset_is_named_by_its_dotted_field(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("parallel: {tp: 1}\nseed: 3\n")
+    config = cli.load_recipe("sft").Config
+    with pytest.raises(ValueError, match=r"^Config\.parallel\.dp_shard=0"):
+        cli.apply_overrides(config(), ["parallel.dp_shard=0"], config_file=str(preset))
+    with pytest.raises(ValueError, match=r"Config\.parallel does not fit Config\.model: "):
+        cli.apply_overrides(config(), ["parallel.tp=3"], config_file=str(preset))
