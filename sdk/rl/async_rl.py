@@ -131,10 +131,10 @@ class AsyncRLTrainer:
     ahead of the update (see the module docstring for the schedule and for resume).
 
     Args:
-        trainer: a built `RLTrainer` (no `ParallelPlan`, no `rollout_quantization`); its update
-            path (`train_on_groups`: exclusion, advantages, buffer, optimizer, metrics,
-            checkpoints) is used as it is. Built with `resume=`, the rollouts its checkpoint
-            holds are trained on first.
+        trainer: a built `RLTrainer` (no `ParallelPlan`, no `rollout_quantization`, the builtin
+            rollout engine); its update path (`train_on_groups`: exclusion, advantages, buffer,
+            optimizer, metrics, checkpoints) is used as it is. Built with `resume=`, the
+            rollouts its checkpoint holds are trained on first.
         num_workers: W, rollout actors (int >= 1); rollout j runs on worker j mod W.
         max_staleness: s (int >= 0); 0 reproduces `RLTrainer.step` exactly, 1 is one-step-off.
         worker_num_cpus: Ray CPUs reserved per actor (float > 0).
@@ -175,6 +175,11 @@ class AsyncRLTrainer:
             raise ValueError(
                 f"rollout_quantization={trainer.rollout_quantization!r}; "
                 "AsyncRLTrainer supports None only"
+            )
+        if trainer.rollout.name != "builtin":
+            raise ValueError(
+                f"rollout_engine={trainer.rollout.name!r}; AsyncRLTrainer's workers sample with "
+                "the builtin engine only"
             )
         check_int("num_workers", num_workers, minimum=1)
         check_int("max_staleness", max_staleness, minimum=0)

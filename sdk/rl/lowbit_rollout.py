@@ -4,7 +4,8 @@ measured every step and can be corrected by truncated importance sampling.
 
 Notation: B = trajectories of the step, T = padded tokens per row (prompt + completion).
 
-One `RLTrainer` step with `rollout_quantization="int8"` (or an `algo.rollout_correction`):
+One `RLTrainer` step with `rollout_quantization="int8"` (or an `algo.rollout_correction`, or
+`rollout_engine="vllm"`, where the vLLM server is the sampler: `posttrain.rl.engine_rollout`):
 
     sampler      = quantized_rollout_copy(policy, "int8")    # refreshed before each rollout,
                                                              # from the current weights
@@ -167,12 +168,15 @@ def quantized_sampler(source: Policy, name: str) -> tuple[Policy, ConversionRepo
     return Policy(model, source.tokenizer, source.spec), report
 
 
-def scores_apart_from_sampler(rollout_quantization: str | None, algo: RLAlgorithm) -> bool:
+def scores_apart_from_sampler(
+    rollout_quantization: str | None, algo: RLAlgorithm, *, engine_apart: bool = False
+) -> bool:
     """Whether the trainer recomputes the old log-probs with the trained policy instead of
-    taking the sampler's: with a quantised sampler, or when a rollout correction is asked for
-    (the correction then weighs the policy against its own sampler: weights 1 up to float
-    rounding)."""
-    return rollout_quantization is not None or algo.rollout_correction != "none"
+    taking the sampler's: with a quantised sampler, a rollout engine apart from the policy
+    (`engine_apart`, e.g. vLLM: `posttrain.rl.engine_rollout`), or when a rollout correction is
+    asked for (the correction then weighs the policy against its own sampler: weights 1 up to
+    float rounding)."""
+    return rollout_quantization is not None or engine_apart or algo.rollout_correction != "none"
 
 
 @contextlib.contextmanager

@@ -70,6 +70,7 @@ class _Episode:
     finish_reason: str = "stop"
     info: dict = field(default_factory=dict)
     done: bool = False
+    versions: list[int] = field(default_factory=list)  # of the turns' samples, when stamped
 
     @property
     def context(self) -> list[int]:
@@ -97,7 +98,8 @@ def collect_groups(
     """Sample `group_size` episodes per builder and return one scored `Group` per builder.
 
     Args:
-        policy: a `posttrain.policy.policy.Policy` (its tokenizer renders the messages).
+        policy: a `posttrain.policy.policy.Policy` or a `RolloutEngine`
+            (`posttrain.policy.rollout_engine`): its tokenizer renders the messages.
         builders: one `EnvGroupBuilder` per prompt; group i gets `group_id` i.
         group_size: G, environments (and completions) per builder.
         max_new_tokens: most tokens sampled per assistant turn.
@@ -105,7 +107,9 @@ def collect_groups(
             this distribution (`posttrain.policy.sampling.sampling_logprobs`), so the trainer
             must score with the same settings.
         seed: turn k samples with seed `seed + k` (same seed, same weights -> same groups).
-        policy_version: stored on each trajectory (optimizer steps of the sampling policy).
+        policy_version: stored on each trajectory (optimizer steps of the sampling policy);
+            a completion stamped with its `weight_version` (a `RolloutEngine`'s) gives that
+            instead, the oldest of its turns'.
         verifier_timeout_s: if given, set as `timeout_s` on every environment that has that
             attribute (the reasoning-gym and calculator environments pass it to `run_verifier`).
         max_turns: safety net for multi-turn environments without a turn limit of their own.
@@ -178,6 +182,8 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
     episode.logprobs += completion.logprobs
     episode.mask += [True] * len(completion.token_ids)
     episode.texts.append(completion.text)
+    if getattr(completion, "weight_version", None) is not None:
+        episode.versions.append(completion.weight_version)
     episode.finish_reason = _FINISH[completion.finish_reason]
     episode.messages.append({"role": "assistant", "content": completion.text})
     try:
@@ -227,7 +233,7 @@ def _trajectory(episode: _Episode, policy_version: int) -> Trajectory:
         outcome=episode.outcome,
         finish_reason=episode.finish_reason,
         text="".join(episode.texts),
-        policy_version=policy_version,
+        policy_version=min(episode.versions, default=policy_version),
         info=episode.info,
         completion_mask=list(episode.mask) if multi_turn else None,
     )

@@ -51,6 +51,7 @@ are then DCP shards of policy, value head and reference with the optimizer.
 
 Low-bit rollout (`rollout_quantization="int8"`): a quantised copy samples, the full-precision
 policy trains and rescores the rollouts (`posttrain.rl.lowbit_rollout` has the design).
+Rollout engines ("builtin", "vllm"; weight versions checked): `posttrain.rl.engine_rollout`.
 
 Example:
     >>> import torch
@@ -81,6 +82,7 @@ from posttrain.core.preemption import sigint_held
 from posttrain.models.conversion import ConversionReport
 from posttrain.models.lora import has_adapters
 from posttrain.policy.policy import Policy
+from posttrain.policy.rollout_engine import RolloutEngine
 from posttrain.rl.algorithms import (
     compute_advantages,
     sequence_advantages,
@@ -88,6 +90,7 @@ from posttrain.rl.algorithms import (
 from posttrain.rl.batch import make_batch, split_groups
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.engine_rollout import ManagedEngine
 from posttrain.rl.environment import EnvDataset, Group
 from posttrain.rl.lowbit_rollout import (
     check_rollout_quantization,
@@ -156,6 +159,9 @@ class RLTrainer(RLUpdateEngine):
         share_prefix: score a group's rows in one packed sequence per prompt (the prompt's
             forward and backward once, not G times; `posttrain.policy.shared_prefix`) when
             that saves work; equal to the unpacked scoring up to float rounding.
+        rollout_engine, max_staleness, rollout_options: what samples ("builtin", "vllm" or a
+            `RolloutEngine`), how many weight versions behind a sample may be, the engine's
+            start options; `posttrain.rl.engine_rollout.ManagedEngine` has the rules.
 
     Attributes:
         rollout_policy: under a plan, the plain `Policy` copy the rollouts sample from (full
@@ -203,6 +209,9 @@ class RLTrainer(RLUpdateEngine):
         plan: ParallelPlan | None = None,
         rollout_quantization: str | None = None,
         share_prefix: bool = True,
+        rollout_engine: str | RolloutEngine = "builtin",
+        max_staleness: int = 0,
+        rollout_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(prompts_per_step, int) or prompts_per_step < 1:
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
@@ -211,6 +220,15 @@ class RLTrainer(RLUpdateEngine):
         check_rollout_quantization(rollout_quantization, top_p=top_p)
         runtime = resolve_runtime(
             policy.model, runtime=runtime, plan=plan, replicas=False, argument="policy.model"
+        )
+        self.rollout = ManagedEngine(
+            rollout_engine,
+            max_staleness=max_staleness,
+            run_dir=run_dir,
+            options=rollout_options,
+            rollout_quantization=rollout_quantization,
+            top_p=top_p,
+            planned=isinstance(runtime, PlanRuntime),
         )
         self._setup_engine(
             optimizer=optimizer,
@@ -271,16 +289,16 @@ class RLTrainer(RLUpdateEngine):
         self._refresh_rollout_policy()
         return self.rollout_policy
 
-    def _sampler(self) -> Policy:
-        """The `Policy` this step's rollouts sample with: the refreshed rollout copy, or with
-        `rollout_quantization` a new quantised copy of it (`sampler_policy`, its report in
-        `rollout_report`)."""
+    def _sampler(self) -> RolloutEngine:
+        """The rollout engine holding the weights this step's rollouts sample with: the
+        refreshed rollout copy, or with `rollout_quantization` a new quantised copy of it
+        (`sampler_policy`, its report in `rollout_report`)."""
         self._refresh_rollout_policy()
         if self.rollout_quantization is not None:
             self.sampler_policy, self.rollout_report = quantized_sampler(
                 self.rollout_policy, self.rollout_quantization
             )
-        return self.sampler_policy
+        return self.rollout.sampler(self.sampler_policy, self.step_count)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict[str, float]:
@@ -332,7 +350,16 @@ class RLTrainer(RLUpdateEngine):
             policy_version=self.step_count,
             verifier_timeout_s=self.verifier_timeout_s,
         )
-        return gather_groups(local, offset=mine.start, runtime=self.runtime)
+        groups = gather_groups(local, offset=mine.start, runtime=self.runtime)
+        self.rollout.check(groups, self.step_count)  # a stale sample: refused, step rolled back
+        return groups
+
+    def fit(self, num_steps: int) -> Any:
+        """`Engine.fit`; the rollout engine is closed however it ends (a new one next time)."""
+        try:
+            return super().fit(num_steps)
+        finally:
+            self.rollout.close()
 
     def train_on_groups(
         self,

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from posttrain.policy.policy import Policy
 from posttrain.rl.algorithms import accumulate_metrics, policy_loss, step_units, value_loss
 from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.engine_rollout import ManagedEngine
 from posttrain.rl.lowbit_rollout import frozen_logprobs, scores_apart_from_sampler
 from posttrain.rl.parallel import data_shares, padding_rows
 from posttrain.rl.scoring import ValueHead, score_rows
@@ -39,6 +40,8 @@ class RLUpdateEngine(Engine):
         share_prefix: score a group's rows in one packed sequence per prompt.
         seed: seeds the minibatch shuffle (with the step count).
         rollout_quantization: None, or the low-bit format the rollouts were sampled with.
+        rollout: the rollout engine (`ManagedEngine`): one apart from the policy has its rows
+            rescored by the policy.
     """
 
     policy: Policy
@@ -51,6 +54,7 @@ class RLUpdateEngine(Engine):
     share_prefix: bool
     seed: int
     rollout_quantization: str | None
+    rollout: ManagedEngine
 
     def _update(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """algo.ppo_epochs passes of shuffled minibatches, one optimizer step per minibatch.
@@ -195,7 +199,8 @@ class RLUpdateEngine(Engine):
             out["ref_logprobs_BT"] = score(self.reference)
         elif self.algo.kl_coef > 0:  # a LoRA policy: the reference is its base
             out["ref_logprobs_BT"] = frozen_logprobs(score, self.policy.model, base=True)
-        if scores_apart_from_sampler(self.rollout_quantization, self.algo):
+        apart = self.rollout.apart_from_policy
+        if scores_apart_from_sampler(self.rollout_quantization, self.algo, engine_apart=apart):
             out["trainer_logprobs_BT"] = frozen_logprobs(score, self.policy.model)
         if self.value_head is not None:
             _, values_BT, _ = self._forward(self.policy.model, batch, value_head=self.value_head)

@@ -147,6 +147,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         reference=reference,
         lr_scheduler=schedule,
         rollout_quantization=q.rollout_quantization(),
+        **cfg.rollout.trainer_options(),  # builtin, or vllm: a server in out/vllm/
         callbacks=[curve] if curve else [],
         **run.trainer_options(runtime),
     )
@@ -209,6 +210,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         results["converters"] = converters
     if q.rollout != "none":
         results["rollout_quantization"] = q.rollout
+    if cfg.rollout.engine != "builtin":
+        results["rollout_engine"] = cfg.rollout.engine
+    if q.rollout != "none" or cfg.rollout.engine != "builtin":  # the train/infer mismatch
         results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
     write_rl_results(run, results, cfg.task.name, algo_name)
     if cfg.baseline.steps:  # after the RL results are on disk: a failed baseline loses none

@@ -58,6 +58,7 @@ ACCEPTED = {
     "sft.min_lr_ratio": 0.0,
     "baseline.steps": 0,
     "rl.kl_coef": 0.0,
+    "rollout.max_staleness": 0,  # only samples of the current weights
     "label_smoothing": 0.0,
     "simpo_gamma": 0.0,
     "margin": 0.0,
@@ -75,6 +76,7 @@ ACCEPTED = {
     "sft.demonstrations": 1,
     "task.train_size": 1,
     "adapters.rank": 1,
+    "rollout.kv_cache_gib": 1,
     "rl.max_num_gen_batches": 1,
     "rl.minibatch_size": 1,
     "rl.ppo_epochs": 1,

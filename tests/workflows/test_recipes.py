@@ -116,7 +116,9 @@ PARALLEL_KEYS = _keys(
 CONVERTER_KEYS = _keys("adapters", "alpha", "dropout", "method", "modules", "rank") + _keys(
     "quantization", "fp8_recipe", "qat_group_size", "qat_scheme", "training"
 )
-RL_ROLLOUT_KEYS = _keys("quantization", "rollout", "rollout_correction", "rollout_is_threshold")
+RL_ROLLOUT_KEYS = _keys(
+    "quantization", "rollout", "rollout_correction", "rollout_is_threshold"
+) + _keys("rollout", "engine", "kv_cache_gib", "max_staleness", "startup_timeout_s")
 # Every training recipe: a run folder that checkpoints and resumes, a model, a task and its
 # evaluation, a parallel plan, adapters and quantisation.
 TRAINING_KEYS = [

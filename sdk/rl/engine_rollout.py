@@ -1,0 +1,173 @@
+"""The RL trainer's rollout engine (`RLTrainer(rollout_engine=...)`): built by name when the
+first rollout needs it, given the policy's weights before every rollout, its samples' weight
+versions checked against a staleness bound, closed when `fit` returns or raises.
+
+Notation: none (groups of trajectories; versions are integers).
+
+One step with an engine (`posttrain.policy.rollout_engine`):
+
+    engine  = managed.sampler(policy, step)   # built at the first rollout (version = step), or
+                                              # synced: the update of step - 1 is in the engine
+    groups  = collect_groups(engine, ...)     # every trajectory stamped with the version that
+                                              # drew it (`Trajectory.policy_version`)
+    managed.check(groups, step)               # version < step - max_staleness: refused by name
+    (then, for an engine apart from the policy such as vllm: the policy recomputes the old
+     log-probs, the mismatch metrics and truncated IS of `posttrain.rl.lowbit_rollout`)
+
+"builtin" samples with the policy itself (or the trainer's plain / quantised rollout copy), and
+its versions are the trainer's step: today's trainer, bit for bit. "vllm" starts a server from
+the policy at the first rollout (its model and log in `run_dir/vllm/`, a temporary folder
+without a run_dir); after each update the next rollout first syncs it (safetensors in /dev/shm,
+reload, prefix-cache reset). An engine instance passed by the caller is synced before its first
+rollout and stays the caller's to close.
+
+Refused by name: "vllm" with `rollout_quantization` (the server samples full-precision weights),
+"vllm" under a `ParallelPlan` (one process only for now), an engine apart from the policy with
+top_p < 1 (a token inside the engine's top-p set but outside the policy's has log-prob -inf under
+the policy: an infinite importance ratio).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from posttrain.core.checks import check_int
+from posttrain.policy.policy import Policy
+from posttrain.policy.rollout_engine import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine
+from posttrain.rl.environment import Group
+
+__all__ = ["ManagedEngine", "StaleRolloutError", "check_staleness"]
+
+
+class StaleRolloutError(ValueError):
+    """A rollout sample drawn with weights older than the staleness bound allows."""
+
+
+def check_staleness(groups: Sequence[Group], *, version: int, max_staleness: int) -> None:
+    """Refuse samples whose weight version is older than `version - max_staleness`.
+
+    Args:
+        groups: the step's groups; each trajectory's `policy_version` is the weight version
+            that drew it.
+        version: the trainer's current weight version (its step count).
+        max_staleness: how many versions behind a sample may be (0: only the current weights).
+
+    Raises:
+        StaleRolloutError (a ValueError): naming the oldest sample's version, the current one
+            and the bound, and how many samples are too old.
+    """
+    versions = [t.policy_version for g in groups for t in g]
+    stale = [v for v in versions if v < version - max_staleness]
+    if stale:
+        raise StaleRolloutError(
+            f"{len(stale)} of {len(versions)} rollout samples were drawn with weight version "
+            f"{min(stale)} (oldest); the trainer is at version {version} and max_staleness="
+            f"{max_staleness} allows versions >= {version - max_staleness}: the rollout engine "
+            "did not take the latest weights (a sync that did not happen or did not count)"
+        )
+
+
+class ManagedEngine:
+    """The trainer's rollout engine and its rules (see the module docstring).
+
+    Args:
+        engine: a `ROLLOUT_ENGINES` name, or a `RolloutEngine` instance (the caller closes it).
+        max_staleness: samples may be this many weight versions behind the trainer (>= 0).
+        run_dir: the run folder (the vllm engine writes `run_dir/vllm/`), or None.
+        options: the engine's start options (`VLLMEngine.start`: `startup_timeout_s`,
+            `kv_cache_gib`, ...).
+        rollout_quantization: the trainer's; refused with an engine apart from the policy.
+        top_p: the trainer's; < 1 refused with an engine apart from the policy.
+        planned: whether the trainer runs under a `ParallelPlan`.
+
+    Raises:
+        ValueError: an unknown engine name (the allowed ones listed), a bad max_staleness, or a
+            combination refused in the module docstring.
+        TypeError: an engine that is neither a name nor a `RolloutEngine`.
+    """
+
+    def __init__(
+        self,
+        engine: str | RolloutEngine,
+        *,
+        max_staleness: int = 0,
+        run_dir: Any = None,
+        options: Mapping[str, Any] | None = None,
+        rollout_quantization: str | None = None,
+        top_p: float = 1.0,
+        planned: bool = False,
+    ) -> None:
+        if isinstance(engine, str):
+            if engine not in ROLLOUT_ENGINES:
+                raise ValueError(
+                    f"rollout_engine={engine!r}; allowed: {', '.join(ROLLOUT_ENGINES)} "
+                    "(or a RolloutEngine instance)"
+                )
+            self.name, apart = engine, engine != "builtin"
+        elif isinstance(engine, RolloutEngine):
+            self.name, apart = engine.name, bool(engine.apart_from_policy)
+        else:
+            raise TypeError(
+                f"rollout_engine={engine!r}; pass one of {', '.join(ROLLOUT_ENGINES)} or an "
+                "object with RolloutEngine's attributes (name, version, apart_from_policy, "
+                "tokenizer, spec, generate, sync, close)"
+            )
+        check_int("max_staleness", max_staleness, minimum=0)
+        if apart and rollout_quantization is not None:
+            raise ValueError(
+                f"rollout_engine={self.name!r} with rollout_quantization="
+                f"{rollout_quantization!r}: the engine samples the full-precision weights; "
+                "allowed: rollout_quantization=None, or rollout_engine='builtin'"
+            )
+        if apart and planned:
+            raise ValueError(
+                f"rollout_engine={self.name!r} under a ParallelPlan: one process only for now "
+                "(docs/runbooks/vllm.md); allowed under a plan: rollout_engine='builtin'"
+            )
+        if apart and top_p != 1.0:
+            raise ValueError(
+                f"top_p={top_p!r} with rollout_engine={self.name!r}: a token in the engine's "
+                "top-p set but outside the policy's has log-prob -inf under the policy (an "
+                "infinite ratio); allowed: top_p=1.0"
+            )
+        self.apart_from_policy = apart
+        self.max_staleness = max_staleness
+        self.engine: RolloutEngine | None = None if isinstance(engine, str) else engine
+        self._owned = isinstance(engine, str)
+        self._synced = False
+        self._run_dir, self._options = run_dir, dict(options or {})
+
+    def sampler(self, policy: Policy, version: int) -> RolloutEngine:
+        """The engine holding `policy`'s current weights at `version`: built now (by name, from
+        `policy`), or synced when its version differs (or before a given engine's first use;
+        the builtin engine is always pointed at `policy`, at no cost)."""
+        if self.engine is None:
+            run_dir = self._run_dir
+            if run_dir is None and self.name != "builtin":
+                run_dir = tempfile.mkdtemp(prefix="posttrain-rollout-")
+            self.engine = build_rollout_engine(
+                self.name, policy, run_dir=run_dir, version=version, **self._options
+            )
+        elif not self._synced or not self.apart_from_policy or self.engine.version != version:
+            self.engine.sync(policy, version=version)
+        self._synced = True
+        return self.engine
+
+    def check(self, groups: Sequence[Group], version: int) -> None:
+        """`check_staleness(groups, version=version, max_staleness=self.max_staleness)`."""
+        check_staleness(groups, version=version, max_staleness=self.max_staleness)
+
+    def close(self) -> None:
+        """Close an engine built here (a vllm server stops); the next rollout builds a new one.
+        A caller's engine stays open."""
+        if self._owned and self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ManagedEngine({self.name!r}, max_staleness={self.max_staleness}, "
+            f"engine={self.engine!r})"
+        )
