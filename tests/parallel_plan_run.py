@@ -3,18 +3,17 @@
     MASTER_ADDR=127.0.0.1 MASTER_PORT=PORT python tests/parallel_plan_run.py RANK WORLD OUT_DIR
     PHASE
 
-PHASE "four" (4 ranks): the 4-rank plans of `PLANS_4`, and a dp_shard=4 run that checkpoints
-after step 2 into OUT_DIR/ckpt4 (kept for the reshard phase); rank 0 exports the full weights of the
-dp_shard=2 x tp=2 run as a HF folder OUT_DIR/hf. PHASE "kill" (2 ranks): dp_shard=2 towards
+PHASE "four" (4 ranks): the 4-rank plans of `PLANS_4`, whose dp_shard=4 run also checkpoints after
+steps 2 and 3 into OUT_DIR/ckpt4 (kept for the reshard phase); rank 0 exports the full weights of
+the dp_shard=2 x tp=2 run as a HF folder OUT_DIR/hf. PHASE "kill" (2 ranks): dp_shard=2 towards
 `RESUME_STEPS` steps with a checkpoint every 2 steps into OUT_DIR/killed; every rank SIGKILLs itself
 after step 3 (one step after the checkpoint). PHASE "two" (2 ranks): the 2-rank plans of `PLANS_2`
 and, with a no-grad forward before the optimizer is built, of `LOOKED_2`; dp_shard=2 through the
-deprecated spelling (`plan.apply`,
-`plan_state`, `Trainer(..., plan=plan)`); the bitwise resume of OUT_DIR/killed under
-the same plan against an uninterrupted run; the refusals of a misused plan; two reshard resumes of
-OUT_DIR/ckpt4 (saved under dp_shard=4) under dp_shard=2 and under tp=2, and the full state dict of a
-sharded run. Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the
-single-process reference the test runs itself.
+deprecated spelling (`plan.apply`, `plan_state`, `Trainer(..., plan=plan)`); the bitwise resume of
+OUT_DIR/killed under the same plan against an uninterrupted run; the refusals of a misused plan; two
+reshard resumes of OUT_DIR/ckpt4 (saved under dp_shard=4) under dp_shard=2 and under tp=2, and the
+full state dict of a sharded run. Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with
+plan=None is the single-process reference the test runs itself.
 """
 
 from __future__ import annotations
@@ -148,8 +147,10 @@ def _strip(result: dict) -> dict:
 
 
 def phase_four(out: Path) -> dict:
+    # the dp_shard=4 run is also the checkpointed one the reshard tests resume: one run for both
+    saving = {"dp_shard4": {"run_dir": out / "ckpt4", "checkpoint_every": 2}}
     results = {
-        name: _strip(run_plan(plan, spec, packed=name.endswith("packed")))
+        name: _strip(run_plan(plan, spec, packed=name.endswith("packed"), **saving.get(name, {})))
         for name, (plan, spec) in PLANS_4.items()
     }
     results["adamw_dp_shard2_tp2"] = _strip(
@@ -159,8 +160,6 @@ def phase_four(out: Path) -> dict:
         plain = build_model(TINY, seed=1)
         plain.load_state_dict(results["dp_shard2_tp2"]["params"])
         save_hf_checkpoint(plain, TINY, out / "hf")
-    saved = run_plan(ParallelPlan(dp_shard=4), steps=3, run_dir=out / "ckpt4", checkpoint_every=2)
-    results["ckpt4_losses"] = saved["losses"]
     return results
 
 
