@@ -173,7 +173,8 @@ def run_load(url: str, config: Config, reference: list[list[float]], work) -> Re
         if x.outcome.value in ("ok", "wrong")
     )
     ms = sorted(1000 * t for t in latency)
-    p99 = statistics.quantiles(ms, n=100)[98] if len(ms) >= 2 else ms[0]
+    # inclusive: within the latencies seen (the default extrapolates past the largest)
+    p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) >= 2 else ms[0]
     return Result(
         config,
         wall,

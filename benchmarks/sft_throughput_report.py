@@ -164,7 +164,11 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
 
 
 def _quartiles(values: list[float]) -> str:
-    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values * 3)
+    """ "Q1 - Q3" of `values`, within their range (the default method extrapolates past the
+    smallest and largest of a few values)."""
+    if len(values) == 1:
+        values = values * 2
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return f"{q1:.2f} - {q3:.2f}"
 
 

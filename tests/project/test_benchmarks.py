@@ -41,21 +41,11 @@ def test_benchmark_help(script):
     assert "usage" in proc.stdout.lower()
 
 
-def _timing():
-    import importlib.util
-
-    path = next(p for p in MODULES if p.stem == "timing")
-    spec = importlib.util.spec_from_file_location("bench_timing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
     """Ticks at 1, 3, 4, 7 s with 1 warm-up step and 3 timed: the timed steps run 1 -> 3,
     3 -> 4, 4 -> 7, so 2, 1, 3 s (median 2). Without a warm-up step the first timed step has no
     start; a block with another count of ticks is refused."""
-    m = _timing()
+    m = _benchmark_module("timing")
     ticks = iter([1.0, 3.0, 4.0, 7.0])
     monkeypatch.setattr(m, "time", argparse.Namespace(perf_counter=lambda: next(ticks)))
     clock, after = m.StepClock(), []
@@ -72,7 +62,7 @@ def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
 
 
 def test_cpu_model_names_the_cpu_and_with_isa_its_vector_extensions(monkeypatch):
-    m = _timing()
+    m = _benchmark_module("timing")
     lscpu = (
         "Architecture:   x86_64\nModel name:     AMD EPYC 7B13\nCPU family:     25\n"
         "Model:          1\nFlags:          fpu sse2 fma avx2 avx512f\n"
@@ -84,6 +74,15 @@ def test_cpu_model_names_the_cpu_and_with_isa_its_vector_extensions(monkeypatch)
         m.subprocess, "run", lambda *a, **k: argparse.Namespace(stdout="Model name: X\n")
     )
     assert m.cpu_model(isa=True) == "X (family ?, model ?; no AVX2)"
+
+
+def test_sft_throughput_quartiles_stay_within_the_ratios_seen():
+    """Ratios 1 and 2: inclusive quartiles 1 + 0.25 = 1.25 and 1 + 0.75 = 1.75 (the default,
+    exclusive method gives 0.75 and 2.25, outside what was measured); one ratio is its own
+    quartiles."""
+    m = _benchmark_module("sft_throughput_report")
+    assert m._quartiles([2.0, 1.0]) == "1.25 - 1.75"
+    assert m._quartiles([0.9]) == "0.90 - 0.90"
 
 
 def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer():
@@ -135,12 +134,15 @@ def test_generation_grouped_tiny_matches_transformers_tokens(tmp_path):
 
 
 def _benchmark_module(stem: str):
+    """benchmarks/STEM.py (a script or a module) imported as `bench_STEM`, the folder on sys.path
+    for its own imports (registered, so its dataclasses resolve their module)."""
     import importlib.util
 
-    path = next(p for p in SCRIPTS if p.stem == stem)
+    path = next(p for p in FILES if p.stem == stem)
     sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(f"bench_{stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
