@@ -50,8 +50,9 @@ from posttrain.rewards.reward_model import RewardModel
 from posttrain.train.optimizer_check import remember_parameters
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_compat import register, runtime_of, warn_deprecated
+from posttrain.train.plan_value import CheckedPlan, PlanFields
 from posttrain.train.runtime import PlanRuntime, Runtime
-from posttrain.train.sharding import parallelized, reshard_root_after_frozen_forward
+from posttrain.train.sharding import parallelize, parallelized, reshard_root_after_frozen_forward
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -156,13 +157,13 @@ class ShardedPreferenceLoader(PreferenceLoader):
 
 
 def parallelize_reward_model(
-    plan: ParallelPlan, model: RewardModel, *, mesh: DeviceMesh | None = None
+    plan: PlanFields | CheckedPlan, model: RewardModel, *, mesh: DeviceMesh | None = None
 ) -> PlanRuntime:
     """Split a `RewardModel` over this job's ranks by `plan`, head included, in place; returns
     its `PlanRuntime` (`runtime.model is model`), which the `Trainer` takes as `runtime=`.
 
-    The backbone gets `plan.parallelize` (TP, Ulysses SP, activation checkpointing, FSDP2 per
-    layer and its root); its output projection is the identity, so TP treats it as a tied
+    The backbone gets `posttrain.train.parallelize` (TP, Ulysses SP, activation checkpointing,
+    FSDP2 per layer and its root); its output projection is the identity, so TP treats it as a tied
     model (embedding and output stay replicated). The head is broadcast from rank 0 and, with
     data parallelism, becomes part of FSDP2's root (`fully_shard(model)` above the backbone's
     units, gradients SUMmed like the rest, resharded after a forward no backward follows, as
@@ -170,7 +171,9 @@ def parallelize_reward_model(
     optimizer after this.
 
     Args:
-        plan: a `posttrain.train.ParallelPlan`.
+        plan: a `posttrain.train.ParallelPlan` (checked here against the process group and
+            the model), or the `CheckedPlan` a recipe's run start made (`RecipeRun.checked`:
+            not checked again).
         model: a `RewardModel` built identically on every rank.
         mesh: the plan's DeviceMesh (default: built here).
 
@@ -184,6 +187,7 @@ def parallelize_reward_model(
             f"parallelize_reward_model takes a RewardModel; got "
             f"{type(model).__name__} (use plan.parallelize for a plain decoder)"
         )
+    checked, plan = plan, plan.plan if isinstance(plan, CheckedPlan) else plan
     done = parallelized(model)
     if done is not None:
         raise ValueError(
@@ -201,7 +205,7 @@ def parallelize_reward_model(
     identity = backbone.output
     backbone.output = None  # no output module: TP leaves the embedding and output replicated
     try:
-        runtime = plan.parallelize(backbone, spec=model.spec, mesh=mesh)
+        runtime = parallelize(checked, backbone, spec=model.spec, mesh=mesh)
     finally:
         backbone.output = identity
     if dist.is_initialized():  # (a plan of one rank applies without a process group)
@@ -258,7 +262,7 @@ def _count_head_grads_once_over_sp(head: nn.Module, sp: int) -> None:
     head.register_forward_hook(lambda module, args, out: _ScaleGrad.apply(out, 1.0 / sp))
 
 
-def _fsdp_root(plan: ParallelPlan, model: RewardModel, backbone: TransformerDecoder) -> None:
+def _fsdp_root(plan: PlanFields, model: RewardModel, backbone: TransformerDecoder) -> None:
     """FSDP2 over `model` as the root above `backbone`'s units (its own parameter group: the
     head), on the mesh the plan sharded the backbone's root over (that of its final norm, which
     no tensor-parallel style touches), with the plan's mixed precision and offload, reducing

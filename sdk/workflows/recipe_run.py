@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -61,6 +61,11 @@ from posttrain.workflows.config_paths import validate
 from posttrain.workflows.parallel import check_world_size, plan_of
 from posttrain.workflows.reports import start_run, stop_if_interrupted, write_results
 from posttrain.workflows.task_data import check_task_fits
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from posttrain.models.specs import ModelSpec
 
 __all__ = ["RecipeRun"]
 
@@ -118,10 +123,18 @@ class RecipeRun:
             checked=checked,
         )
 
-    def parallelize(self, model: nn.Module, *, spec: Any = None) -> PlanRuntime:
+    def parallelize(
+        self,
+        model: nn.Module,
+        *,
+        spec: ModelSpec | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> PlanRuntime:
         """Split `model` by the run's plan as checked when the run started (`checked`; not
         checked again unless `spec`, its `ModelSpec`, differs from the config's model's):
-        `posttrain.train.parallelize`. Returns the `PlanRuntime` the trainers take.
+        `posttrain.train.parallelize`. Returns the `PlanRuntime` the trainers take. `mesh`: the
+        device mesh of a model already split by this run (`runtime.mesh`), so a second model
+        (RL's frozen reference) is split on the same ranks; None builds the plan's mesh.
 
         Raises:
             ValueError: for a run without a plan (`plan` is None), or as
@@ -132,7 +145,7 @@ class RecipeRun:
                 "this run has no parallel plan (Config.parallel at its defaults): nothing "
                 "to split; check run.plan is not None first"
             )
-        return parallelize(self.checked, model, spec=spec)
+        return parallelize(self.checked, model, spec=spec, mesh=mesh)
 
     @property
     def writes(self) -> bool:

@@ -115,7 +115,7 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
         RuntimeError: if the saved reward model does not reproduce the trained one's accuracy.
     """
     run = RecipeRun.start(cfg, sub_runs=("sft",))
-    out, plan = run.out, run.plan
+    out = run.out
 
     # 1. the policy that samples the pairs
     policy, sft_results = start_policy(cfg, out)
@@ -155,7 +155,7 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
     ]  # adapters, FP8
     before = held_out_accuracy(model)
     # the head too; before the optimizer (the plan replaces the parameters)
-    runtime = None if plan is None else parallelize_reward_model(plan, model)
+    runtime = None if run.checked is None else parallelize_reward_model(run.checked, model)
     o = cfg.optim
     loader = pair_loader(train, batch_size=o.batch_size, seed=cfg.seed, runtime=runtime)
     optimizer, schedule = o.build(trainable_parameters(model))

@@ -117,9 +117,9 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     if plan is not None:  # the policy and its frozen reference, split the same way, here only
         if algo.kl_coef > 0 and not has_adapters(policy.model):
             reference = frozen_reference(policy)  # the starting weights
-        runtime = plan.parallelize(policy.model, spec=policy.spec)
+        runtime = run.parallelize(policy.model, spec=policy.spec)
         if reference is not None:
-            plan.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
+            run.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
     value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
     optimizer, schedule = o.build(trainable_parameters(policy.model, value_head))
     curve = (
