@@ -2,12 +2,15 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _waits import WAIT_S
+from _waits import RUN_S, WAIT_S
+
+from posttrain.policy.vllm_process import vllm_unavailable_reason
 
 FILES = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
 # A script runs (`if __name__ == "__main__"`); a module holds a part of scripts and is imported.
@@ -217,3 +220,112 @@ def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
     )
     assert m.command_line(["--sft-run=/tmp/a"], Path("/tmp/a")) == "--sft-run=RUN"
     assert m.command_line(["--steps", "5"], None) == "--steps 5"
+
+
+def test_rollout_throughput_pairs_runs_and_formats_a_cell():
+    """vllm runs 64 tokens in 0.5, 0.25, 1.0 s -> 128, 256, 64 tok/s (median 128); builtin 64
+    tokens in 1.0, 0.5, 0.5 s -> 64, 128, 128 (median 128); per-run ratios 2.0, 2.0, 0.5 ->
+    median 2.00x [0.50-2.00]. transformers 32 tokens in 1 s each -> 32 tok/s; ratios 4, 8, 2.
+    CPU seconds: vllm 1, 3, 2 -> median 2.0; builtin 0.5; transformers 1, 1, 4 -> 1.0."""
+    m = _benchmark_module("rollout_throughput")
+    runs = {
+        "vllm": [(64, 0.5, 1.0), (64, 0.25, 3.0), (64, 1.0, 2.0)],
+        "builtin": [(64, 1.0, 0.5), (64, 0.5, 0.5), (64, 0.5, 0.5)],
+        "transformers": [(32, 1.0, 1.0), (32, 1.0, 1.0), (32, 1.0, 4.0)],
+    }
+    row = m.table_row("m", m.Shape("grouped", 8, 8), 2, runs, (1.25, 3.5))
+    assert row == (
+        "| m | 8 x 8 | 2 | 128 [64-256] | 128 [64-128] | 32 [32-32] | 2.00x [0.50-2.00] "
+        "| 4.00x [2.00-8.00] | 2.0, 0.5, 1.0 | 1.2-3.5 |"
+    )
+    assert row.count("|") == m.HEADER.splitlines()[0].count("|")
+    with pytest.raises(ValueError, match="pair runs"):
+        m.paired_ratios(runs["vllm"], runs["vllm"][:1])
+    with pytest.raises(ValueError, match="--reps"):
+        m.spread([])
+
+
+def test_rollout_throughput_reads_a_process_groups_cpu_time_from_proc():
+    """This process's CPU time (getrusage, via time.process_time) is part of its process group's
+    (/proc); a group with no process has used none."""
+    import time
+
+    m = _benchmark_module("rollout_throughput")
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    own = time.process_time()
+    assert m.group_cpu_s(os.getpgid(0)) >= own - 0.02
+    assert m.group_cpu_s(2**22 + 12345) == 0.0
+
+
+def test_rollout_throughput_binds_the_vllm_engine_to_the_asked_threads(monkeypatch):
+    m = _benchmark_module("rollout_throughput")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with m.vllm_threads(2):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+        assert os.environ["OMP_NUM_THREADS"] == "2"
+    with m.vllm_threads(1):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and os.environ["OMP_NUM_THREADS"] == "7"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=str(vllm_unavailable_reason()))
+def test_rollout_throughput_quick_runs_the_three_engines_on_both_shapes():
+    """--quick: tiny-1m, 1 thread, 2 prompts x n=2 and 4 prompts x 1, 4 new tokens: every engine
+    returns 16 tokens per call (no stop ids), and each shape gets one row with both ratios."""
+    script = next(p for p in SCRIPTS if p.stem == "rollout_throughput")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=RUN_S
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    reps = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("rep ")]
+    assert sorted((r[2], r[3]) for r in reps) == sorted(
+        (e, "16") for e in ("vllm", "builtin", "transformers") for _ in range(2)
+    )
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-1m")]
+    assert {r.split("|")[2].strip() for r in rows} == {"2 x 2", "4 x 1"}
+    assert all(r.count("x [") == 2 for r in rows) and "nan" not in proc.stdout.lower()
+
+
+def test_gpu_vllm_rollout_checks_its_arguments_and_formats_its_table(tmp_path):
+    """Qwen2.5-1.5B by hand: embedding 151,936 x 1,536 = 233,373,696; per layer q 1536x1536 +
+    1536 bias, k and v 1536x256 + 256 each, o 1536x1536, MLP 3 x 1536 x 8960, two norms:
+    46,797,824; x 28 + embedding + final norm 1,536 = 1,543,714,304 (the model card's 1.54B).
+    Syncs of 1.0/0.5/3.0 s total with reloads 0.4/0.2/2.0 s: medians 1.000 (0.400)."""
+    m = _benchmark_module("gpu_vllm_rollout")
+    assert m.QWEN25_1_5B.num_parameters() == 1_543_714_304
+    args = m.parse_args([])
+    assert args.models == ["qwen2.5-0.5b", "qwen2.5-1.5b"] and args.budget_s == 420
+    for bad in (["--reps", "0"], ["--gpu-memory-utilization", "0.95"], ["--models", "x"]):
+        with pytest.raises(SystemExit):
+            m.parse_args(bad)
+    sync = type("S", (), {})
+    syncs = []
+    for total, reload in ((1.0, 0.4), (0.5, 0.2), (3.0, 2.0)):
+        s = sync()
+        s.total_s, s.reload_s = total, reload
+        syncs.append(s)
+    assert m.sync_cell(syncs) == "1.000 (0.400)"
+    runs = {"vllm": [(100, 0.1), (100, 0.2)], "builtin": [(100, 1.0), (100, 1.0)]}
+    assert m.row("q", "8 x 8", runs, "x") == (
+        "| q | 8 x 8 | 750 [500-1,000] | 100 [100-100] | 7.50x [5.00-10.00] | x |"
+    )
+    assert m.shm_refusal(1, str(tmp_path)) is None
+    assert m.shm_refusal(2**62, str(tmp_path)).startswith(f"skipped: {tmp_path} has ")
+    assert m.IdTokenizer().stop_ids == frozenset() and m.IdTokenizer().decode([151935]) == "151935"
+
+
+def test_gpu_vllm_rollout_refuses_without_cuda():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: the refusal is for machines without it")
+    script = next(p for p in SCRIPTS if p.stem == "gpu_vllm_rollout")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--models", "qwen2.5-0.5b"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
