@@ -81,6 +81,7 @@ from posttrain.models.specs import ModelSpec
 from posttrain.policy.policy import Policy
 from posttrain.rl.environment import Group
 from posttrain.train.collectives import gather_rows, reduce_metrics, sum_grads_over_group
+from posttrain.train.sharding import parallelize
 
 if TYPE_CHECKING:
     from posttrain.train.runtime import PlanRuntime, Runtime
@@ -188,11 +189,18 @@ def frozen_reference(policy: Policy) -> nn.Module:
 
 
 def checked_reference(
-    reference: nn.Module | None, policy: Policy, *, runtime: Runtime, needed: bool
+    reference: nn.Module | None,
+    policy: Policy,
+    *,
+    runtime: Runtime,
+    needed: bool,
+    deprecated_start: Policy | None = None,
 ) -> nn.Module | None:
     """The frozen reference an `RLTrainer` scores with: `reference` as given (frozen), a deep copy
     of the policy without a plan, or None when the algorithm needs none (`needed`: KL > 0 and
-    no LoRA adapters).
+    no LoRA adapters). `deprecated_start`: the plain copy of the starting weights, given only on
+    the deprecated `RLTrainer(plan=)` path (one release), where the trainer still splits the
+    reference itself when none is given, as it did before.
 
     Raises:
         ValueError: a reference given where none is used; under a plan that split the policy,
@@ -216,6 +224,10 @@ def checked_reference(
         ),
     )
     if reference is None:
+        if policy_split and deprecated_start is not None and runtime.plan is not None:
+            reference = frozen_reference(deprecated_start)
+            parallelize(runtime.plan, reference, spec=policy.spec, mesh=runtime.mesh)
+            return reference
         if policy_split:
             raise ValueError(
                 f"RLTrainer under {runtime.plan} with a KL term needs reference=, the frozen "

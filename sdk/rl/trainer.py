@@ -265,6 +265,7 @@ class RLTrainer(RLUpdateEngine):
             policy,
             runtime=runtime,
             needed=algo.kl_coef > 0 and not has_adapters(policy.model),
+            deprecated_start=self.rollout_policy if plan is not None else None,
         )
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
         self.last_groups: list[Group] | None = None
