@@ -49,11 +49,18 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from timing import StepClock, cpu_model
-from trl_inputs import check_same_model, hf_byte_tokenizer, trl_dataset
+from trl_inputs import (
+    CPU_ARGS,
+    GRPO_ARGS,
+    check_same_model,
+    hf_byte_tokenizer,
+    on_step_end,
+    trl_dataset,
+    trl_optimizers,
+)
 
 from posttrain.envs import chain_sum_task
 from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
@@ -152,7 +159,7 @@ def run_posttrain_block(trainer: RLTrainer, clock: StepClock, setup: Setup) -> f
 
 
 def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: bool):
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     hf_tok = hf_byte_tokenizer()
@@ -164,56 +171,31 @@ def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: b
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     clock = StepClock()
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick()
-
     config = GRPOConfig(
         output_dir=str(out_dir),
         max_steps=setup.warmup + setup.steps,
         per_device_train_batch_size=setup.prompts * setup.group_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
         num_generations=setup.group_size,
         max_completion_length=setup.max_new_tokens,
         temperature=1.0,
         top_p=1.0,
         beta=setup.beta,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
         learning_rate=setup.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        weight_decay=0.0,
         max_grad_norm=setup.max_grad_norm,
-        use_vllm=False,
-        gradient_checkpointing=False,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
         seed=setup.seed,
+        **GRPO_ARGS,
+        **CPU_ARGS,
     )
-    optimizers: tuple[Any, Any] = (None, None)
-    if same_optimizer:
-        optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=chain_sum_reward,
         args=config,
         train_dataset=dataset,
         processing_class=hf_tok,
-        callbacks=[Clock()],
-        optimizers=optimizers,
+        callbacks=[on_step_end(clock.tick)],
+        optimizers=trl_optimizers(model, setup.lr, same_optimizer),
     )
     return trainer, clock, lengths
 

@@ -47,7 +47,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grpo_step  # noqa: E402
 from timing import cpu_model  # noqa: E402
-from trl_inputs import check_same_model, hf_byte_tokenizer, trl_dataset  # noqa: E402
+from trl_inputs import (  # noqa: E402
+    CPU_ARGS,
+    GRPO_ARGS,
+    check_same_model,
+    hf_byte_tokenizer,
+    on_step_end,
+    trl_dataset,
+)
 
 from posttrain.envs import ReasoningGymTask  # noqa: E402
 from posttrain.policy import Policy  # noqa: E402
@@ -138,7 +145,7 @@ def train_posttrain(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float,
 
 def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta: float, work: Path):
     """TRL `GRPOTrainer` with the same settings from `folder`: returns (policy, metrics)."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     hf_tok = hf_byte_tokenizer()
@@ -154,43 +161,25 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
         output_dir=str(work / "trl_out"),
         max_steps=steps,
         per_device_train_batch_size=P * G,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
         num_generations=G,
         max_completion_length=cfg.sampling.max_new_tokens,
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         beta=beta,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
         learning_rate=lr,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=min(WARMUP_STEPS, steps),
-        weight_decay=0.0,
         # None (off): transformers' Trainer then clips nothing, though the field says float
         max_grad_norm=cast(Any, cfg.optim.max_grad_norm),
-        use_vllm=False,
-        gradient_checkpointing=False,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
         seed=cfg.seed,
+        **GRPO_ARGS,
+        **CPU_ARGS,
     )
     curves: dict[str, list[float]] = {"reward": [], "kl": []}
 
-    class Curves(TrainerCallback):  # TRL clears its metrics when it logs the final summary
-        def on_step_end(self, args, state, control, **kwargs):
-            for key, values in curves.items():
-                values.extend(trainer._metrics["train"].get(key, [])[-1:])
+    def record_curves() -> None:  # TRL clears its metrics when it logs the final summary
+        for key, values in curves.items():
+            values.extend(trainer._metrics["train"].get(key, [])[-1:])
 
     trainer = GRPOTrainer(
         model=model,
@@ -198,7 +187,7 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
         args=config,
         train_dataset=dataset,
         processing_class=hf_tok,
-        callbacks=[Curves()],
+        callbacks=[on_step_end(record_curves)],
     )
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()

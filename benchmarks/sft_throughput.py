@@ -48,12 +48,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from sft_throughput_report import Measured, markdown, plot, results_text, side_stats
 from timing import StepClock
-from trl_inputs import check_same_model, hf_byte_tokenizer
+from trl_inputs import CPU_ARGS, check_same_model, hf_byte_tokenizer, on_step_end, trl_optimizers
 
 from posttrain.data import Sample, SFTLoader
 from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
@@ -140,51 +139,32 @@ def build_trl(
     folder: Path, rows: list[list[int]], setup: Setup, out_dir: Path, same_optimizer: bool
 ):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     clock = StepClock()
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            clock.tick()
-
     config = SFTConfig(
         output_dir=str(out_dir),
         max_steps=setup.warmup + setup.steps,
         per_device_train_batch_size=setup.batch_size,
-        gradient_accumulation_steps=1,
         learning_rate=setup.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        weight_decay=0.0,
         max_grad_norm=setup.max_grad_norm,
         max_length=setup.seq_len,
         packing=False,
         padding_free=False,
-        gradient_checkpointing=False,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to=[],
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         seed=setup.seed,
+        **CPU_ARGS,
     )
-    optimizers: tuple[Any, Any] = (None, None)
-    if same_optimizer:
-        optimizers = (torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0), None)
     trainer = SFTTrainer(
         model=model,
         args=config,
         train_dataset=Dataset.from_dict({"input_ids": rows}),
         processing_class=hf_byte_tokenizer(),
-        callbacks=[Clock()],
-        optimizers=optimizers,
+        callbacks=[on_step_end(clock.tick)],
+        optimizers=trl_optimizers(model, setup.lr, same_optimizer),
     )
     return trainer, clock
 

@@ -1,15 +1,70 @@
 """What TRL is given, in the benchmarks that compare it with posttrain, so that it trains on exactly
 what posttrain trains on: the byte tokenizer as a transformers tokenizer with the same ids, a
-task's rendered prompts as a `datasets.Dataset` (checked to tokenize back to posttrain's ids), and
-a check that the transformers model loaded from a saved checkpoint computes posttrain's logits.
+task's rendered prompts as a `datasets.Dataset` (checked to tokenize back to posttrain's ids), a
+check that the transformers model loaded from a saved checkpoint computes posttrain's logits, the
+config fields every comparison gives TRL alike (`CPU_ARGS`, `GRPO_ARGS`), its optimizer, and a
+callback at the end of each of its optimizer steps.
 Used by `grpo_step.py`, `grpo_vs_trl.py` and `sft_throughput.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from posttrain.models import ByteTokenizer
+
+CPU_ARGS: dict[str, Any] = dict(
+    use_cpu=True,
+    bf16=False,  # TRL's configs default to bf16, ~10x slower on a CPU without bf16 matmul
+    fp16=False,
+    gradient_checkpointing=False,  # its default True recomputes the forward in backward
+    gradient_accumulation_steps=1,
+    weight_decay=0.0,
+    report_to=[],
+    logging_strategy="no",
+    save_strategy="no",
+    eval_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+"""TRL config fields every comparison sets alike: fp32 on the CPU, no recomputation, one
+micro-batch per optimizer step, no weight decay, nothing logged, saved or evaluated, no data
+workers."""
+
+GRPO_ARGS: dict[str, Any] = dict(
+    steps_per_generation=1,
+    num_iterations=1,
+    epsilon=0.2,
+    loss_type="grpo",
+    scale_rewards="group",
+    use_vllm=False,
+    log_completions=False,
+)
+"""`GRPOConfig` fields that make TRL's GRPO posttrain's: one generation per optimizer step, one
+PPO epoch, clip 0.2, per-sequence token-mean loss, advantages scaled by the group's std,
+sampling by the trainer's own `generate`."""
+
+
+def trl_optimizers(model: torch.nn.Module, lr: float, same_optimizer: bool) -> tuple[Any, Any]:
+    """TRL's `optimizers=`: posttrain's plain `torch.optim.AdamW` (weight decay 0) with
+    `same_optimizer`, else TRL's default (None, None: `adamw_torch_fused`)."""
+    if not same_optimizer:
+        return None, None
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), None
+
+
+def on_step_end(fn: Callable[[], object]):
+    """A transformers `TrainerCallback` that calls `fn()` at the end of every optimizer step."""
+    from transformers import TrainerCallback
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            fn()
+
+    return StepEnd()
 
 
 def hf_byte_tokenizer():
