@@ -1,8 +1,10 @@
 """The layer rule: every posttrain module imports only from its own layer or the layers below it,
 no two modules import each other (directly or round a cycle), and nothing in the SDK imports
-`posttrain.notebook`. Imports are read with `ast`, including those inside functions. An import
-under `if TYPE_CHECKING:` (for annotations only, never executed) obeys the layers but is no
-edge of a cycle: it is how a module names the type of an object from a module that imports it.
+`posttrain.notebook`. Imports are read with `ast`, including those inside functions and those
+under `if TYPE_CHECKING:` (for annotations only, never executed): a type checker follows them,
+so a module that names the type of an object from a module importing it is a cycle too; the
+type belongs in a module below both (e.g. `train/plan_value.py`) or a Protocol the lower module
+owns (`launch/run_record.py:RecordedJob`).
 
 The layers, lowest first, are `LAYERS` below (docs/design/architecture.md draws them). A failure
 names the offending edge: the importing module, the imported one and their layers.
@@ -75,29 +77,14 @@ def _owner(name: str) -> str | None:
     return None
 
 
-def _type_only(tree: ast.Module) -> set[int]:
-    """ids of the import nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in (
-            "TYPE_CHECKING",
-            "typing.TYPE_CHECKING",
-        ):
-            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return ids
-
-
-def imports_of(module: str, *, type_only: bool = True) -> set[str]:
-    """posttrain modules that `module` imports anywhere in its file (functions included; with
-    `type_only=False`, not those under `if TYPE_CHECKING:`)."""
+def imports_of(module: str) -> set[str]:
+    """posttrain modules that `module` imports anywhere in its file (functions and
+    `if TYPE_CHECKING:` blocks included)."""
     path = MODULES[module]
     is_pkg = path.name == "__init__.py"
     found = set()
     tree = ast.parse(path.read_text(), str(path))
-    skipped = set() if type_only else _type_only(tree)
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -122,7 +109,6 @@ def imports_of(module: str, *, type_only: bool = True) -> set[str]:
 
 
 EDGES = {m: imports_of(m) for m in MODULES}
-RUNTIME_EDGES = {m: imports_of(m, type_only=False) for m in MODULES}
 
 
 def test_every_module_has_a_known_layer():
@@ -233,27 +219,14 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycles():
-    cycles = _cycles(RUNTIME_EDGES)
+    cycles = _cycles(EDGES)
     described = []
     for component in cycles:
         inside = set(component)
         described.append(
-            "; ".join(f"{m} -> {t}" for m in component for t in sorted(RUNTIME_EDGES[m] & inside))
+            "; ".join(f"{m} -> {t}" for m in component for t in sorted(EDGES[m] & inside))
         )
     assert not cycles, "import cycles:\n" + "\n".join(described)
-
-
-def test_only_type_checking_imports_are_left_out_of_the_cycle_check():
-    tree = ast.parse(
-        "from typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n"
-        "    import b\n    from c import d\nif x:\n    import e\n"
-    )
-    names = [
-        ast.unparse(n)
-        for n in ast.walk(tree)
-        if id(n) in _type_only(tree) and isinstance(n, (ast.Import, ast.ImportFrom))
-    ]
-    assert names == ["import b", "from c import d"]
 
 
 def test_the_cycle_finder_finds_a_cycle_and_names_its_edges():
