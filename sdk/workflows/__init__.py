@@ -34,36 +34,39 @@ from typing import Any
 
 from posttrain.core.lazy import lazy_exports
 
-# the config sections and the one validation path, the runs and what they share, a run's state
-from posttrain.workflows.config import (
-    BatchOptimConfig,
-    CheckpointConfig,
-    EvalConfig,
-    ModelConfig,
-    MoreSFTBaselineConfig,
-    OptimConfig,
-    PairsConfig,
-    RLConfig,
-    RLEvalConfig,
-    SamplingConfig,
-    SFTWarmStartConfig,
-    TaskConfig,
-)
-from posttrain.workflows.config_paths import config_keys, override, validate
-from posttrain.workflows.parallel import ParallelPlan, plan_of
-from posttrain.workflows.preference import PreferenceRunConfig, run_preference
-from posttrain.workflows.quantization import (
-    AdaptersConfig,
-    QuantizationConfig,
-    RLQuantizationConfig,
-)
-from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reward_model import RewardModelRunConfig, run_reward_model
-from posttrain.workflows.rl import run_sft_then_rl
-from posttrain.workflows.rl_config import RL_TINY, RLRunConfig
+# Imported now, not on first use: `run_state` names both a module and its function, and loading
+# the module later would bind the package's `run_state` to the module (it is light: no torch).
 from posttrain.workflows.run_state import RunState, recorded_run, run_state
-from posttrain.workflows.sft import SFTConfig, run_sft, warm_start
-from posttrain.workflows.task_data import evaluate, held_out_items
+
+# the config sections and the one validation path, the runs and what they share, a run's state:
+EXPORTS: dict[str, list[str]] = {
+    "config": [
+        "BatchOptimConfig",
+        "CheckpointConfig",
+        "EvalConfig",
+        "ModelConfig",
+        "MoreSFTBaselineConfig",
+        "OptimConfig",
+        "PairsConfig",
+        "RLConfig",
+        "RLEvalConfig",
+        "SamplingConfig",
+        "SFTWarmStartConfig",
+        "TaskConfig",
+    ],
+    "config_paths": ["config_keys", "override", "validate"],
+    "parallel": ["ParallelPlan", "plan_of"],
+    "preference": ["PreferenceRunConfig", "run_preference"],
+    "quantization": ["AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig"],
+    "recipe_run": ["RecipeRun"],
+    "reward_model": ["RewardModelRunConfig", "run_reward_model"],
+    "rl": ["run_sft_then_rl"],
+    "rl_config": ["RL_TINY", "RLRunConfig"],
+    "sft": ["SFTConfig", "run_sft", "warm_start"],
+    "task_data": ["evaluate", "held_out_items"],
+}
+"""The package's names -> the module that holds each: imported on first use, so `import
+posttrain.workflows.sft` (an SFT or DPO run) does not load the RL stack and verl."""
 
 __all__ = [
     # the runs
@@ -149,7 +152,7 @@ FORMER_NAMES: dict[str, str] = {
 each now (`posttrain.workflows.<module>`); `from posttrain.workflows import NAME` still works."""
 
 
-_former, _ = lazy_exports(__name__, {}, former=FORMER_NAMES)
+_lookup, _ = lazy_exports(__name__, EXPORTS, former=FORMER_NAMES)
 
 
 def __getattr__(name: str) -> Any:
@@ -157,4 +160,4 @@ def __getattr__(name: str) -> Any:
         from posttrain.workflows import parallel
 
         return parallel.__getattr__(name)
-    return _former(name)
+    return _lookup(name)

@@ -31,10 +31,9 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.models.specs import PRESETS
-from posttrain.rl.config import RLAlgorithm
 from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
 from posttrain.workflows.config_paths import ROOT, config_keys, override, validate
 from posttrain.workflows.field_checks import (
@@ -49,6 +48,9 @@ from posttrain.workflows.field_checks import (
     run_fields,
     seeds,
 )
+
+if TYPE_CHECKING:  # verl loads with posttrain.rl: only RL runs pay for it
+    from posttrain.rl.config import RLAlgorithm
 
 __all__ = [
     "ModelConfig",
@@ -380,6 +382,8 @@ class RLConfig:
 
     def algorithm(self) -> RLAlgorithm:
         """The `RLAlgorithm` these settings describe."""
+        from posttrain.rl.config import RLAlgorithm
+
         options: dict[str, Any] = {
             "group_size": self.group_size,
             "ppo_epochs": self.ppo_epochs,
@@ -392,6 +396,8 @@ class RLConfig:
         return RLAlgorithm.preset(self.algo, **options)
 
     def check(self, at: str) -> None:
+        from posttrain.rl.config import RLAlgorithm
+
         choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
         ints(
             self,
