@@ -46,8 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.models.conversion import applied_converters
-from posttrain.models.hf_config import hf_config_from_spec
 from posttrain.policy.vllm_process import (
     DEFAULT_VENV,
     VLLMRequestError,
@@ -66,6 +64,12 @@ from posttrain.policy.vllm_sampling import (
     call_completions,
     call_requests,
 )
+from posttrain.policy.vllm_servable import (
+    SUPPORTED_ARCHITECTURES,
+    VLLM_DTYPES,
+    check_servable,
+    cpu_batching,
+)
 
 if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
@@ -82,9 +86,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
 ]
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 SERVED_NAME = "posttrain-policy"
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -185,11 +187,12 @@ class VLLMServer:
         Raises:
             VLLMUnavailable: the venv is missing or incomplete (run scripts/vllm-up.sh).
             ValueError: an architecture the server does not take (the allowed ones named), a
-                dtype other than float32/bfloat16/float16, or a policy with converters applied.
+                dtype other than float32/bfloat16/float16, on CPU a head dimension without a
+                kernel (`CPU_HEAD_DIMS`), or a policy with converters applied.
             VLLMServerError: the port is taken, the server exited before it was healthy (exit
                 code and the log's tail in the message), or `/health` did not answer in time.
         """
-        _check_servable(policy)
+        check_servable(policy)
         reason = vllm_unavailable_reason(venv)
         if reason is not None:
             raise VLLMUnavailable(reason)
@@ -203,10 +206,11 @@ class VLLMServer:
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", SERVED_NAME,
             "--host", host, "--port", str(chosen_port),
-            "--dtype", _DTYPES[policy.dtype], "--max-model-len", str(policy.spec.max_seq_len),
+            "--dtype", VLLM_DTYPES[policy.dtype], "--max-model-len", str(policy.spec.max_seq_len),
             "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm", "--seed", "0",
             *(["--enforce-eager"] if enforce_eager else []),
+            *cpu_batching(policy.spec.max_seq_len, max_concurrency, extra_args),
             *extra_args,
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -290,7 +294,9 @@ class VLLMServer:
         rows = {
             "state": "closed" if self._closed else ("running" if self.alive else "dead"),
             "url": self.url,
-            "model": f"{self.spec.family}, {self.spec.num_layers} layers, {_DTYPES[self.dtype]}",
+            "model": (
+                f"{self.spec.family}, {self.spec.num_layers} layers, {VLLM_DTYPES[self.dtype]}"
+            ),
             "weight version": str(self.weight_version) + (" (sync failed)" if self._stale else ""),
             "log": str(self.log_path),
         }
@@ -413,7 +419,7 @@ class VLLMServer:
                 f"policy dtype {policy.dtype} differs from the served dtype {self.dtype}; "
                 "cast the policy or start a new server"
             )
-        _check_servable(policy)
+        check_servable(policy)
         from posttrain.models.hf import save_hf_checkpoint
 
         with self._lock:
@@ -471,23 +477,3 @@ def _add_tied_lm_head(folder: Path) -> None:
         if "model.embed_tokens.weight" in tensors:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
             save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def _check_servable(policy: Policy) -> None:
-    arch = hf_config_from_spec(policy.spec)["architectures"][0]
-    if policy.spec.is_moe or arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"the vLLM engine serves {', '.join(SUPPORTED_ARCHITECTURES)} (dense); this policy is "
-            f"{arch}{' (MoE)' if policy.spec.is_moe else ''}, family={policy.spec.family}: "
-            "use the builtin engine (Policy.generate)"
-        )
-    if policy.dtype not in _DTYPES:
-        raise ValueError(
-            f"policy dtype {policy.dtype}; the vLLM engine serves {', '.join(_DTYPES.values())}"
-        )
-    converters = applied_converters(policy.model)
-    if converters:
-        raise ValueError(
-            f"the policy's model has converters {list(converters)} applied; the vLLM engine "
-            "serves plain weights: merge LoRA adapters (posttrain.models.lora.merge_lora) first"
-        )

@@ -159,6 +159,9 @@ def test_unsupported_architecture_is_refused_before_anything_starts(tmp_path):
     moe = Policy.from_spec("tiny-moe", seed=0)
     with pytest.raises(ValueError, match="serves Qwen2ForCausalLM, LlamaForCausalLM"):
         VLLMServer.start(moe, tmp_path, venv=tmp_path / "no-venv")
+    if not torch.cuda.is_available():  # vLLM's CPU attention has no head_dim=40 kernel
+        with pytest.raises(ValueError, match="head_dim=40 .* serves head dims 32, 64"):
+            VLLMServer.start(Policy.from_spec("tiny-10m", seed=0), tmp_path, venv=tmp_path / "x")
     half = Policy.from_spec("tiny-1m", seed=0, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32, bfloat16, float16"):
         VLLMServer.start(half, tmp_path, venv=tmp_path / "no-venv")

