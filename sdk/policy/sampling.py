@@ -253,7 +253,13 @@ def model_logits(
     )
     embed_dim = getattr(getattr(model, "tok_embeddings", None), "embedding_dim", 1024)
     pack = (
-        SharedPrefixPack.build(input_ids_BT, valid_BT, response_BT, embed_dim=embed_dim)
+        SharedPrefixPack.build(
+            input_ids_BT,
+            valid_BT,
+            response_BT,
+            embed_dim=embed_dim,
+            max_seq_len=getattr(model, "max_seq_len", None),
+        )
         if share_prefix and right_padded
         else None
     )

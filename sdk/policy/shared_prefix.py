@@ -54,14 +54,21 @@ class SharedPrefixPack:
 
     @classmethod
     def build(
-        cls, input_ids_BT: Tensor, valid_BT: Tensor, response_BT: Tensor, *, embed_dim: int = 1024
+        cls,
+        input_ids_BT: Tensor,
+        valid_BT: Tensor,
+        response_BT: Tensor,
+        *,
+        embed_dim: int = 1024,
+        max_seq_len: int | None = None,
     ) -> SharedPrefixPack | None:
         """Pack right-padded rows by the prefix before each row's first response token; None
         when packing does not pay: no prefix is shared, or the packed forward would cost more
         than 0.9x the rows' by a flop count of 6 x `embed_dim` per token (the projections,
         relative to one attention score) plus the attention scores (S^2 per packed sequence,
         its mask being dense; T^2 / 2 per causal row), as with long responses after a short
-        prompt.
+        prompt; or when a packed sequence would be longer than `max_seq_len`, the model's
+        position limit (a prompt's G responses together can exceed it where each row fits).
 
         Args:
             input_ids_BT: int64 `[B, T]`.
@@ -84,6 +91,8 @@ class SharedPrefixPack:
             len(prefix) + sum(lengths[b] - firsts[b] for b in rows)
             for prefix, rows in groups.items()
         )
+        if max_seq_len is not None and max_seq_len < S:
+            return None
         if N * S * (6 * embed_dim + S) >= 0.9 * B * T * (6 * embed_dim + T / 2):
             return None
         packed_ids, segment, position = (torch.zeros(N, S, dtype=torch.long) for _ in range(3))

@@ -104,6 +104,18 @@ def test_packing_is_skipped_where_it_does_not_pay():
     assert SharedPrefixPack.build(ids, valid, response, embed_dim=128) is not None
 
 
+def test_a_group_longer_than_the_models_limit_together_is_scored_unpacked(model):
+    """Each row fits the model's 512 positions, the prompt and its 4 responses together (560)
+    do not: packing is skipped (it failed in torchtune's position check), and the scores are the
+    unpacked rows' own."""
+    ids, valid, response = _rows([[5] * 200], [[[k] * 90 for k in range(3, 7)]])
+    assert SharedPrefixPack.build(ids, valid, response, embed_dim=64) is not None
+    assert SharedPrefixPack.build(ids, valid, response, embed_dim=64, max_seq_len=512) is None
+    shared, _ = _scored(model, ids, valid, response, share=True)
+    plain, _ = _scored(model, ids, valid, response, share=False)
+    assert torch.equal(shared, plain)
+
+
 def test_packed_layout_by_hand():
     ids, valid, response = _rows([[5, 6]], [[[7], [8, 9]]])
     pack = SharedPrefixPack.build(ids, valid, response)
