@@ -169,10 +169,12 @@ def start_node(
 
     Raises:
         TimeoutError: the node was not up within start_timeout_s; names the setting, the number
-            of tries and the raylet's last fatal line when it wrote one.
+            of tries and the last fatal line a raylet wrote, when one did (the last try may be
+            cut short by the deadline before its raylet writes).
     """
     ready, latest = Path(temp_dir, "ray_current_cluster"), Path(temp_dir, "session_latest")
     deadline, tries = time.monotonic() + start_timeout_s, 0
+    said = None  # the last fatal line any try's raylet wrote (the last try may be cut short)
     while True:
         ready.unlink(missing_ok=True)
         latest.unlink(missing_ok=True)  # Ray links it to this try's session when it makes one
@@ -191,6 +193,7 @@ def start_node(
             raise RuntimeError("the raylet aborted")
         except (RuntimeError, TimeoutError) as e:
             failure = raylet_failure(temp_dir)
+            said = failure or said
             stop_node(process, what, grace_s=0.0)  # a failed try: nothing in it to keep
             if isinstance(e, RuntimeError) and time.monotonic() < deadline:
                 _log(
@@ -198,11 +201,11 @@ def start_node(
                     f"{failure or 'no fatal line'}); trying again"
                 )
                 continue
+            last = f"the last fatal line a raylet wrote: {said}" if said else "no fatal line"
             raise TimeoutError(
                 f"the Ray {what} was not up within start_timeout_s={start_timeout_s:g} s "
-                f"({tries} {'try' if tries == 1 else 'tries'} of `ray start`; the last raylet "
-                f"{'said: ' + failure if failure else 'wrote no fatal line'}); on a loaded "
-                "machine pass a larger start_timeout_s (ray_cluster, ray_job)"
+                f"({tries} {'try' if tries == 1 else 'tries'} of `ray start`; {last}); on a "
+                "loaded machine pass a larger start_timeout_s (ray_cluster, ray_job)"
             ) from None
         except BaseException:
             stop_node(process, what)
