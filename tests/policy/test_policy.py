@@ -3,15 +3,17 @@ handling, seeding and input validation.
 
 Shape legend: B = batch, T = tokens, V = vocabulary.
 
-`_policy` draws every parameter itself (std 0.1; RMSNorm scales 1), so the tests do not depend on
-`build_model`'s initialisation: varied greedy outputs, sampled tokens of 3-5 nats, logits small
-enough that float32 rounding between the KV-cache and full-sequence paths stays below 1e-5.
+`drawn_policy` (tests/_policy_helpers.py) draws every parameter itself (std 0.1; RMSNorm scales
+1), so the tests do not depend on `build_model`'s initialisation: varied greedy outputs, sampled
+tokens of 3-5 nats, logits small enough that float32 rounding between the KV-cache and
+full-sequence paths stays below 1e-5.
 """
 
 import math
 
 import pytest
 import torch
+from _policy_helpers import drawn_policy
 
 from posttrain.models import ByteTokenizer
 from posttrain.policy import Completion, Policy, sampling_logprobs
@@ -25,23 +27,9 @@ PROMPTS = [
 ]
 
 
-def _policy(seed: int = 0, std: float = 0.1) -> Policy:
-    policy = Policy.from_spec("tiny-1m", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # every parameter set here, whatever build_model's initialisation is
-        for name, w in sorted(policy.model.named_parameters()):
-            w.copy_(
-                torch.ones_like(w)
-                if name.endswith("scale")
-                # RMSNorm
-                else torch.randn(w.shape, generator=g) * std
-            )
-    return policy
-
-
 @pytest.fixture(scope="module")
 def policy() -> Policy:
-    return _policy()
+    return drawn_policy()
 
 
 def _naive_greedy(policy: Policy, prompt_ids: list[int], max_new_tokens: int):
@@ -247,7 +235,7 @@ def _attention_state(model):
 
 
 def test_restores_model_state_also_after_an_error():
-    policy = _policy()
+    policy = drawn_policy()
     before = _attention_state(policy.model)
     policy.model.train()
     policy.generate(["a"], max_new_tokens=2)

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from _policy_helpers import drawn_policy
 from _waits import WAIT_S, wait_for
 
 import posttrain.policy.vllm_pool as vllm_pool
@@ -32,23 +33,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=st
 PROMPTS = ["Hello world", "ab", "The quick brown fox", "1 + 1 =", [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 
 
-def _policy(seed: int, std: float = 0.1) -> Policy:
-    """tiny-1m with every parameter drawn here (std 0.1), so greedy outputs vary by prompt."""
-    policy = Policy.from_spec("tiny-1m", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, w in sorted(policy.model.named_parameters()):
-            w.copy_(
-                torch.ones_like(w)
-                if name.endswith("scale")
-                else torch.randn(w.shape, generator=g) * std
-            )
-    return policy
-
-
 @pytest.fixture(scope="module")
 def policy() -> Policy:
-    return _policy(0)
+    return drawn_policy(0)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +64,7 @@ def test_results_equal_one_servers_for_the_same_seeds(pool, policy):
 
 
 def test_a_failed_sync_takes_a_server_out_until_a_sync_succeeds(pool, monkeypatch):
-    new = _policy(1)
+    new = drawn_policy(1)
     expected = _ids(new.generate(PROMPTS, max_new_tokens=12, temperature=0))
     real_post = pool.servers[1]._post
 

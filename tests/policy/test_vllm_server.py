@@ -7,12 +7,13 @@ it yet (docs/runbooks/vllm.md says how to enable it).
 
 References are independent of the server: greedy tokens from `Policy.generate` (the builtin KV
 cache loop) and log-probs from `Policy.logprobs` (teacher-forced, `sampling_logprobs`).
-`_policy` draws every parameter itself (std 0.1), as tests/policy/test_policy.py does, so
+`drawn_policy` (tests/_policy_helpers.py) draws every parameter itself (std 0.1), so
 greedy outputs vary and logits stay small.
 """
 
 import pytest
 import torch
+from _policy_helpers import drawn_policy
 from _waits import WAIT_S, wait_for
 
 from posttrain.policy import Policy
@@ -26,22 +27,9 @@ PROMPTS = ["Hello world", "ab", "The quick brown fox", "1 + 1 =", [1, 2, 3, 4, 5
 BLOCK = 128  # vLLM's CPU KV block: a prompt longer than this is cached as a full block
 
 
-def _policy(seed: int, std: float = 0.1) -> Policy:
-    policy = Policy.from_spec("tiny-1m", seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, w in sorted(policy.model.named_parameters()):
-            w.copy_(
-                torch.ones_like(w)
-                if name.endswith("scale")
-                else torch.randn(w.shape, generator=g) * std
-            )
-    return policy
-
-
 @pytest.fixture(scope="module")
 def policy() -> Policy:
-    return _policy(0)
+    return drawn_policy(0)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +93,7 @@ def test_after_a_sync_outputs_follow_the_new_weights_past_the_prefix_cache(serve
     assert [c.token_ids for c in before] == [
         c.token_ids for c in policy.generate(long_prompts, max_new_tokens=16, temperature=0)
     ]
-    new = _policy(1)
+    new = drawn_policy(1)
     sync = server.sync_weights(new)
     assert sync.version == server.weight_version == 1 and sync.nbytes > 0
     after = server.generate(long_prompts, max_new_tokens=16, temperature=0)

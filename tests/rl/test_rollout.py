@@ -6,10 +6,11 @@ import time
 
 import pytest
 import torch
+from _env_helpers import ScriptedTurnsPolicy
 
 from posttrain.envs import CalculatorGroupBuilder, ReasoningGymGroupBuilder, chain_sum_task
 from posttrain.models import ByteTokenizer
-from posttrain.policy import Completion, Policy
+from posttrain.policy import Policy
 from posttrain.rl import collect_groups, outcome_counts, split_groups
 
 ITEM = {"question": "4 - 1 =", "answer": "3", "metadata": {}}
@@ -89,34 +90,9 @@ def test_nan_group_reward_is_an_error_outcome_not_a_crash(policy):
     assert "must be a finite number" in groups[0].trajectories[0].info["error"]
 
 
-class _ScriptedPolicy:
-    """generate() answers with scripted texts, one per call, as a stop-terminated turn."""
-
-    def __init__(self, texts):
-        self.tokenizer, self.texts = ByteTokenizer(), list(texts)
-        self.spec = Policy.from_spec("tiny-1m").spec
-
-    def generate(self, prompts, *, n=1, seed=None, **_):
-        text = self.texts.pop(0)
-        ids = self.tokenizer.encode(text) + [ByteTokenizer.END]
-        return [
-            Completion(
-                prompt_index=i // n,
-                sample_index=i % n,
-                prompt_ids=list(p),
-                token_ids=ids,
-                text=text,
-                logprobs=[-0.5] * len(ids),
-                finish_reason="eos",
-            )
-            for i, p in enumerate(prompts)
-            for _ in range(n)
-        ]
-
-
 def test_empty_completion_is_scored():
     groups = collect_groups(
-        _ScriptedPolicy([""]),
+        ScriptedTurnsPolicy([""]),
         [ReasoningGymGroupBuilder(ITEM, "chain_sum")],
         group_size=2,
         max_new_tokens=3,
@@ -128,7 +104,7 @@ def test_empty_completion_is_scored():
 
 def test_multi_turn_observation_tokens_are_masked_context():
     item = {"question": "What is 2 + 3?", "answer": "5"}
-    policy = _ScriptedPolicy(["<calc>2+3</calc>", "<answer>5</answer>"])
+    policy = ScriptedTurnsPolicy(["<calc>2+3</calc>", "<answer>5</answer>"])
     [group] = collect_groups(
         policy, [CalculatorGroupBuilder(item)], group_size=1, max_new_tokens=32
     )
