@@ -3,6 +3,10 @@
 `slurm_cluster`: the local single-host Slurm cluster started by `scripts/slurm-up.sh` (root and
 apt needed; `make test` starts it when it can). Tests that use it skip when it is not up.
 
+`vllm_server`: the suite's one real vLLM server (`VLLMServer`, tiny-1m), started on first use
+(~1-2 minutes on a loaded machine) and closed when the session ends; tests skip without the vLLM
+venv (`scripts/vllm-up.sh`). Its contract is in the fixture's docstring.
+
 Waiting and timing on a shared machine (a busy neighbour is the normal case: wall-clock time
 runs 5-20x slower than on a quiet machine, and a process may wait 100 ms for a core). Defined
 in `tests/_waits.py`, which test modules import (`from conftest import ...` finds
@@ -104,6 +108,39 @@ def slurm_cluster():
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One real `VLLMServer` for the whole session, serving tiny-1m (started from
+    `_policy_helpers.drawn_policy(0)`), float32, the default server options.
+
+    Contract: tests share it in whatever order they run, so a test that needs particular
+    weights syncs them first (`vllm_server.sync_weights(policy)`: ~0.1 s, the prefix cache
+    reset) and never assumes which weights or `weight_version` the server holds when it begins;
+    versions are compared relative to the one read after the sync. A test must leave it usable:
+    a sync it made fail is followed by one that succeeds. It is never closed by a test:
+    `vllm_server.close()` raises; lend it to an RLTrainer or as a rollout engine with
+    `_vllm_helpers.SharedServerEngine(vllm_server, version=...)`, whose `close()` leaves the
+    server running. A test that needs another model, other server options or a fault starts a
+    server of its own and says why in its docstring.
+
+    Skips with `vllm_unavailable_reason()` (which names scripts/vllm-up.sh) without the venv.
+    """
+    from posttrain.policy.vllm_server import VLLMServer, vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from _policy_helpers import drawn_policy
+    from _vllm_helpers import refuse_close
+
+    server = VLLMServer.start(drawn_policy(0), tmp_path_factory.mktemp("vllm-shared"))
+    server.close = refuse_close  # type: ignore[method-assign]
+    try:
+        yield server
+    finally:
+        VLLMServer.close(server)
 
 
 @pytest.fixture(scope="module")

@@ -1,30 +1,34 @@
 """A real vLLM server (posttrain.policy.vllm_server) against posttrain's own generator and scorer
-on the same float32 weights. One server for the module: it starts in ~2 minutes on a loaded
-2-core machine (mostly imports).
+on the same float32 weights: the suite's shared server (`vllm_server` in tests/conftest.py, one
+start per session, ~1-2 minutes on a loaded 2-core machine, mostly imports). Each test first syncs
+the weights it compares against (`server` below): another test may have left others.
 
-Skipped without the vLLM venv (run scripts/vllm-up.sh, ~8 minutes); `make test` does not build
-it yet (docs/runbooks/vllm.md says how to enable it).
+Skipped without the vLLM venv (run scripts/vllm-up.sh, ~8 minutes); `make test` builds it when
+it can (docs/runbooks/vllm.md).
 
 References are independent of the server: greedy tokens from `Policy.generate` (the builtin KV
 cache loop) and log-probs from `Policy.logprobs` (teacher-forced, `sampling_logprobs`).
-`drawn_policy` (tests/_policy_helpers.py) draws every parameter itself (std 0.1), so
-greedy outputs vary and logits stay small.
+`drawn_policy` (tests/_policy_helpers.py) draws every parameter itself (std 0.1), so greedy
+outputs vary and logits stay small. The 64 prompts (`_vllm_helpers.equivalence_prompts`) mix short
+and long text, chat-rendered prompts and raw ids on the 128-token KV block boundaries.
 """
+
+import urllib.request
 
 import pytest
 import torch
 from _policy_helpers import drawn_policy
+from _vllm_fake import fake_venv
+from _vllm_helpers import BLOCK, equivalence_prompts
 from _waits import WAIT_S, wait_for
 
 from posttrain.policy import Policy
 from posttrain.policy.vllm_process import VLLMServerError, group_alive
-from posttrain.policy.vllm_server import VLLMServer, vllm_unavailable_reason
+from posttrain.policy.vllm_server import VLLMServer
 
-REASON = vllm_unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+pytestmark = pytest.mark.slow
 
-PROMPTS = ["Hello world", "ab", "The quick brown fox", "1 + 1 =", [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-BLOCK = 128  # vLLM's CPU KV block: a prompt longer than this is cached as a full block
+PROMPTS = equivalence_prompts(Policy.from_spec("tiny-1m").tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +36,21 @@ def policy() -> Policy:
     return drawn_policy(0)
 
 
-@pytest.fixture(scope="module")
-def server(policy, tmp_path_factory):
-    with VLLMServer.start(policy, tmp_path_factory.mktemp("run")) as server:
-        yield server
+@pytest.fixture
+def server(vllm_server, policy):
+    """The shared server holding `policy`'s weights."""
+    vllm_server.sync_weights(policy)
+    return vllm_server
 
 
 def test_greedy_tokens_equal_the_builtin_generator(server, policy):
     served = server.generate(PROMPTS, max_new_tokens=24, temperature=0)
     builtin = policy.generate(PROMPTS, max_new_tokens=24, temperature=0)
+    assert [c.prompt_ids for c in served] == [c.prompt_ids for c in builtin]
     assert [c.token_ids for c in served] == [c.token_ids for c in builtin]
     assert [c.finish_reason for c in served] == [c.finish_reason for c in builtin]
-    assert len({tuple(c.token_ids) for c in served}) > 1  # the prompts give different outputs
+    assert len({tuple(c.token_ids) for c in served}) > len(PROMPTS) // 2  # outputs vary
+    assert max(len(c.prompt_ids) for c in served) > 2 * BLOCK
     assert server.log_path.is_file() and server.log_path.parent.name == "vllm"
 
 
@@ -52,20 +59,21 @@ def test_greedy_tokens_equal_the_builtin_generator(server, policy):
     [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 20}],
 )
 def test_sampled_logprobs_match_the_trainers_recomputation(server, policy, settings):
-    served = server.generate(PROMPTS, n=2, max_new_tokens=16, seed=3, **settings)
+    served = server.generate(PROMPTS, max_new_tokens=16, seed=3, **settings)
     recomputed = policy.logprobs(
         [c.prompt_ids for c in served], [c.token_ids for c in served], **settings
     )
-    for c, ref in zip(served, recomputed):
-        assert len(c.token_ids) >= 1 and c.weight_version == 0
+    version = server.weight_version
+    for c, ref in zip(served, recomputed, strict=True):
+        assert len(c.token_ids) >= 1 and c.weight_version == version
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, rtol=0, atol=1e-4)
-    assert len({tuple(c.token_ids) for c in served}) > len(PROMPTS)  # n samples differ
 
 
-def test_seeded_sampling_repeats(server):
-    first = server.generate(PROMPTS[:2], n=2, max_new_tokens=8, seed=11)
-    again = server.generate(PROMPTS[:2], n=2, max_new_tokens=8, seed=11)
+def test_seeded_sampling_repeats_and_the_n_samples_differ(server):
+    first = server.generate(PROMPTS[:4], n=2, max_new_tokens=8, seed=11)
+    again = server.generate(PROMPTS[:4], n=2, max_new_tokens=8, seed=11)
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in first}) > 4  # sample 0 and 1 of a prompt differ
 
 
 def test_a_batch_of_long_seeded_prompts_is_answered_whole(server):
@@ -87,24 +95,58 @@ def test_bad_settings_are_refused_by_name(server):
         server.generate(PROMPTS, top_p=1.5)
 
 
-def test_after_a_sync_outputs_follow_the_new_weights_past_the_prefix_cache(server, policy):
-    long_prompts = [[1 + (i * 7 + k) % 250 for k in range(BLOCK + 72)] for i in range(4)]
-    before = server.generate(long_prompts, max_new_tokens=16, temperature=0)  # fills the cache
-    assert [c.token_ids for c in before] == [
-        c.token_ids for c in policy.generate(long_prompts, max_new_tokens=16, temperature=0)
+def _prefix_cache_hits(server) -> float:
+    """Prompt tokens the server has served from its prefix cache so far (GET /metrics)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=60) as answer:
+        text = answer.read().decode()
+    hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prefix_cache_hits")
     ]
+    assert hits, "GET /metrics has no vllm:prefix_cache_hits counter"
+    return sum(hits)
+
+
+def test_after_a_sync_outputs_follow_the_new_weights_past_the_prefix_cache(server, policy):
+    """Prompts that share three full KV blocks (a long chat system message) and ones longer than
+    a block are sampled before the sync, so the cache holds their blocks computed with the old
+    weights, and again after it (twice: the second call is served from the cache filled after
+    the sync). Greedy tokens must equal the builtin engine's on the new weights, sampled
+    log-probs its recomputation; syncing the old weights back gives the first answers again."""
+    tok = policy.tokenizer
+    system = {"role": "system", "content": "You answer in one word. " * 16}  # 384 bytes
+    prompts = [
+        tok.render_prompt([system, {"role": "user", "content": "q" * k}]) for k in range(0, 40, 5)
+    ] + [[1 + (i * 7 + k) % 250 for k in range(BLOCK + 72)] for i in range(4)]
+    assert all(p[: 3 * BLOCK] == prompts[0][: 3 * BLOCK] for p in prompts[:8])
+
+    def greedy(source):
+        return [c.token_ids for c in source.generate(prompts, max_new_tokens=16, temperature=0)]
+
+    before = greedy(server)
+    assert before == greedy(policy)
+    hits = _prefix_cache_hits(server)
+    assert greedy(server) == before
+    assert _prefix_cache_hits(server) >= hits + 8 * 3 * BLOCK  # the shared blocks were hit
+
     new = drawn_policy(1)
     sync = server.sync_weights(new)
-    assert sync.version == server.weight_version == 1 and sync.nbytes > 0
-    after = server.generate(long_prompts, max_new_tokens=16, temperature=0)
-    expected = new.generate(long_prompts, max_new_tokens=16, temperature=0)
-    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
-    assert [c.token_ids for c in after] != [c.token_ids for c in before]
-    assert {c.weight_version for c in after} == {1}
-    sampled = server.generate(long_prompts[:2], n=2, max_new_tokens=8, seed=5)
+    assert sync.version == server.weight_version and sync.nbytes > 0
+    expected = greedy(new)
+    assert expected != before
+    hits = _prefix_cache_hits(server)
+    assert greedy(server) == expected  # the stale blocks were dropped
+    assert greedy(server) == expected  # the blocks cached after the sync serve the new weights
+    assert _prefix_cache_hits(server) >= hits + 8 * 3 * BLOCK
+    sampled = server.generate(prompts, n=2, max_new_tokens=8, seed=5)
+    assert {c.weight_version for c in sampled} == {sync.version}
     ref = new.logprobs([c.prompt_ids for c in sampled], [c.token_ids for c in sampled])
-    for c, r in zip(sampled, ref):
+    for c, r in zip(sampled, ref, strict=True):
         torch.testing.assert_close(torch.tensor(c.logprobs), r, rtol=0, atol=1e-4)
+
+    server.sync_weights(policy)
+    assert greedy(server) == before
 
 
 def test_a_failed_sync_blocks_sampling_until_a_sync_succeeds(server, policy, monkeypatch):
@@ -123,8 +165,8 @@ def test_a_failed_sync_blocks_sampling_until_a_sync_succeeds(server, policy, mon
         server.generate(PROMPTS, max_new_tokens=4)
     monkeypatch.setattr(server, "_post", real_post)
     assert server.sync_weights(policy).version == version + 1
-    served = server.generate(PROMPTS, max_new_tokens=12, temperature=0)
-    builtin = policy.generate(PROMPTS, max_new_tokens=12, temperature=0)
+    served = server.generate(PROMPTS[:8], max_new_tokens=12, temperature=0)
+    builtin = policy.generate(PROMPTS[:8], max_new_tokens=12, temperature=0)
     assert [c.token_ids for c in served] == [c.token_ids for c in builtin]
 
 
@@ -133,7 +175,12 @@ def test_sync_refuses_another_architecture(server):
         server.sync_weights(Policy.from_spec("tiny-2m"))
 
 
-def test_close_leaves_no_process(server):
+def test_close_leaves_no_process(tmp_path):
+    """Its own server, on the stand-in for vLLM (tests/_vllm_fake.py): closing is what is tested,
+    and the shared server stays open (its own close is checked when the session ends, by the
+    `vllm_server` fixture)."""
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    server = VLLMServer.start(policy, tmp_path / "run", venv=fake_venv(tmp_path / "venv"))
     pgid = server.pgid
     assert server.alive and group_alive(pgid)
     server.close()
