@@ -57,6 +57,7 @@ __all__ = [
     "adapter_state_dict",
     "merge_lora",
     "merge_into",
+    "merged_state_dict",
     "parameter_bytes",
     "save_peft_adapter",
     "load_peft_adapter",
@@ -210,6 +211,28 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for converter in ("lora", "qlora"):  # a plain model again: it may be adapted anew
         forget_converter(model, converter)
     return model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the plain decoder `merge_lora(model)` would make, without changing
+    `model`: each adapted linear's `weight` is a NEW tensor `W + (alpha / rank) * B @ A` (fp32
+    sum, an NF4 base dequantised, one cast to the base dtype, as `merge_lora`) and its
+    `lora_a` / `lora_b` keys are gone; an adapter switched off (`adapters_disabled`) gives its
+    base alone. Other entries are `model.state_dict()`'s own (detached) tensors: frozen in LoRA
+    training, and read-only here. Nothing returned aliases an adapter, so an optimizer step
+    after the call leaves the returned weights as they were. Raises ValueError for a model
+    without adapters."""
+    from torchtune.modules.peft import LoRALinear
+
+    _require_adapters(model, "merged_state_dict")
+    state = model.state_dict()
+    for name, lora in model.named_modules():
+        if not isinstance(lora, LoRALinear):
+            continue
+        a, b = state.pop(f"{name}.lora_a.weight"), state.pop(f"{name}.lora_b.weight")
+        scale = 0.0 if lora.disabled else lora.alpha / lora.rank
+        state[f"{name}.weight"] = _merged_weight(lora.weight, a, b, scale)
+    return state
 
 
 def merge_into(

@@ -384,8 +384,8 @@ class VLLMPool:
         one server took the new weights, and only those sample from then on.
 
         Raises:
-            ValueError: `policy` has another architecture or dtype than the served one, or
-                converters applied (nothing changed on any server).
+            ValueError: `policy` has another architecture or dtype than the served one, or a
+                converter applied other than LoRA / QLoRA (nothing changed on any server).
             VLLMServerError: no server is left, or every server's sync failed (each named);
                 the pool then refuses to sample until a sync succeeds.
         """

