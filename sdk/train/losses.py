@@ -42,6 +42,11 @@ from posttrain.core.masked import keep_selected
 from posttrain.core.registry import Registry
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.models.moe import moe_aux_loss
+from posttrain.policy.chunked_ce import (
+    check_chunk_tokens,
+    chunked_cross_entropy_sum,
+    model_hidden,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -191,12 +196,24 @@ class SFTCrossEntropy:
     of the coefficient-weighted aux loss (HF `Qwen2MoeForCausalLM` adds
     `router_aux_loss_coef * aux_loss` to its loss likewise). A dense model gets nothing added.
 
+    With `loss_chunk_tokens` the model stops at its final norm and the head and log-softmax run
+    over that many trained tokens at a time (`posttrain.policy.chunked_ce`): no [B, T, V] logits
+    are held, the loss equals the unchunked one up to float rounding (~1e-7 relative in fp32).
+
     Args:
         ignore_index: label of untrained positions.
+        loss_chunk_tokens: None (default; full [B, T, V] logits, bitwise as before) or the
+            trained tokens per chunk (an int >= 1; e.g. 1024 at a 151,936-token vocabulary).
+
+    Raises:
+        ValueError: if loss_chunk_tokens is not None or an int >= 1.
     """
 
-    def __init__(self, *, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self, *, ignore_index: int = IGNORE_INDEX, loss_chunk_tokens: int | None = None
+    ) -> None:
         self.ignore_index = ignore_index
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def num_units(self, batch: Any) -> Tensor:
         """Trained tokens of `batch` (int64 scalar on the labels' device)."""
@@ -206,19 +223,34 @@ class SFTCrossEntropy:
         device = device_of(model)
         mask = batch.attention_mask
         mask = None if mask is None else mask.to(device)
-        logits_BTV = model(
-            batch.input_ids.to(device), mask=mask, input_pos=batch.position_ids.to(device)
-        )
-        if not isinstance(logits_BTV, Tensor):
-            raise TypeError(
-                f"the model returned {type(logits_BTV).__name__}; SFTCrossEntropy "
-                "needs logits [B, T, V] (build it without output chunks or hidden "
-                "states)"
-            )
         labels_BT = batch.labels.to(device)
-        loss_sum, num_tokens = token_cross_entropy_sum(
-            logits_BTV, labels_BT, ignore_index=self.ignore_index
-        )
+        if self.loss_chunk_tokens is not None:
+            hidden_BTD, head = model_hidden(
+                model,
+                batch.input_ids.to(device),
+                mask=mask,
+                input_pos=batch.position_ids.to(device),
+            )
+            loss_sum, num_tokens = chunked_cross_entropy_sum(
+                hidden_BTD,
+                head,
+                labels_BT,
+                chunk_tokens=self.loss_chunk_tokens,
+                ignore_index=self.ignore_index,
+            )
+        else:
+            logits_BTV = model(
+                batch.input_ids.to(device), mask=mask, input_pos=batch.position_ids.to(device)
+            )
+            if not isinstance(logits_BTV, Tensor):
+                raise TypeError(
+                    f"the model returned {type(logits_BTV).__name__}; SFTCrossEntropy "
+                    "needs logits [B, T, V] (build it without output chunks or hidden "
+                    "states)"
+                )
+            loss_sum, num_tokens = token_cross_entropy_sum(
+                logits_BTV, labels_BT, ignore_index=self.ignore_index
+            )
         share = normalize_by_step(loss_sum, num_units_in_step.to(device))
         aux = moe_aux_loss(model, scaled=True)
         if aux is not None:
@@ -226,7 +258,12 @@ class SFTCrossEntropy:
         return share
 
     def __repr__(self) -> str:
-        return f"SFTCrossEntropy(ignore_index={self.ignore_index})"
+        chunk = (
+            ""
+            if self.loss_chunk_tokens is None
+            else f", loss_chunk_tokens={self.loss_chunk_tokens}"
+        )
+        return f"SFTCrossEntropy(ignore_index={self.ignore_index}{chunk})"
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -206,13 +206,13 @@ class PipelineRunner:
         share (the same on every stage: summed from the last stage over the pipeline group).
 
         Raises:
-            ValueError: for a loss other than SFT cross-entropy (the pipeline computes the loss
-                on the last stage from logits and labels only).
+            ValueError: for a loss other than SFT cross-entropy with unchunked logits (the
+                pipeline computes the loss on the last stage from logits and labels only).
         """
-        if not isinstance(loss, SFTCrossEntropy):
+        if not isinstance(loss, SFTCrossEntropy) or loss.loss_chunk_tokens is not None:
             raise ValueError(
                 f"pipeline parallelism (pp={self.plan.pp}) trains the SFT "
-                f"cross-entropy only; got {loss!r}"
+                f"cross-entropy with loss_chunk_tokens=None only; got {loss!r}"
             )
         self._ignore_index, self._num_units = loss.ignore_index, num_units
         device = next(self.model.parameters()).device
