@@ -122,9 +122,10 @@ def generate_candidates(
     """`n` sampled completions of each prompt, one row each (prompt-major).
 
     Args:
-        policy: a `posttrain.policy.Policy` (the policy itself or a teacher); anything with
-            `generate(prompts, n=, max_new_tokens=, temperature=, top_p=, seed=)` and a
-            `tokenizer` with `render_prompt`.
+        policy: a `posttrain.policy.Policy` (the policy itself or a teacher), or a rollout
+            engine holding its weights (`posttrain.policy.rollout_engine`: "builtin" gives the
+            same rows, "vllm" samples through a vLLM server); sampled through
+            `posttrain.policy.generate_for_items`.
         prompts: questions (str) or task items (mappings with a str "question", e.g.
             `task.train_items`; a verifier in `Score` reads the item).
         n: samples per prompt (>= 1). max_new_tokens, temperature, top_p: sampling.

@@ -40,6 +40,7 @@ from posttrain.policy.sampling import Completion, _check_sampling_args, token_lo
 
 if TYPE_CHECKING:
     from posttrain.models.tokenizer import Tokenizer
+    from posttrain.policy.rollout_engine import RolloutEngine
 
 
 class Policy:
@@ -372,7 +373,7 @@ class Policy:
 
 
 def generate_for_items(
-    policy: Policy,
+    policy_or_engine: Policy | RolloutEngine,
     items: Sequence[Mapping[str, Any]],
     *,
     batch_size: int,
@@ -380,19 +381,32 @@ def generate_for_items(
     seed: int = 0,
     **sampling: Any,
 ) -> Iterator[tuple[int, list[Mapping[str, Any]], list[Completion]]]:
-    """`policy.generate` over task items in chunks: each item's "question" (a str; the caller
-    checks) is rendered as a one-turn user chat with the generation prompt (`chat=True`) or fed
-    as raw text after BOS (`chat=False`, for continued-pretraining models); the chunk of
-    `batch_size` items starting at item `start` is sampled with seed `seed + start`, so a
-    chunk's completions do not depend on the chunks before it. `policy` is a `Policy` or any
-    object with `generate(prompts, seed=..., **sampling)` and a `tokenizer.render_prompt`.
+    """`generate` over task items in chunks, from a `Policy` or a rollout engine: the one place
+    where evaluation, synthetic data, preference pairs and distillation data sample.
+
+    Each item's "question" (a str; the caller checks) is rendered as a one-turn user chat with
+    the generation prompt (`chat=True`) or fed as raw text, encoded with BOS by the sampler
+    (`chat=False`, for continued-pretraining models); the chunk of `batch_size` items starting
+    at item `start` is sampled with seed `seed + start`, so a chunk's completions do not depend
+    on the chunks before it.
+
+    Args:
+        policy_or_engine: a `Policy`, or a `posttrain.policy.rollout_engine.RolloutEngine`
+            ("builtin": `Policy.generate` itself, the same completions bit for bit; "vllm": a
+            vLLM server, which refuses by name what it would sample differently, e.g. stop
+            strings: `posttrain.policy.vllm_sampling`); anything with `generate(prompts,
+            seed=..., **sampling)` and a `tokenizer.render_prompt`.
+        sampling: the other keywords of `generate` (n, max_new_tokens, temperature, top_p,
+            top_k, stop).
 
     Yields:
         (start, chunk, completions): `completions` as `generate` returns them for the chunk
         (prompt-major, `n` per item; `Completion.prompt_index` indexes `chunk`).
 
-    `sampling`: the other keywords of `generate` (n, max_new_tokens, temperature, top_p, top_k,
-    stop).
+    Raises:
+        TypeError: `policy_or_engine` has no `generate` or no `tokenizer` (checked before the
+            first chunk).
+        ValueError: what the sampler's `generate` raises for a bad setting (named).
 
     Example:
         >>> policy = Policy.from_spec("tiny-1m", seed=0)
@@ -401,12 +415,22 @@ def generate_for_items(
         ...     policy, items, batch_size=2, n=2, max_new_tokens=2)]
         [(0, 2, 4), (2, 1, 2)]
     """
+    sampler = policy_or_engine
+    if (
+        not callable(getattr(sampler, "generate", None))
+        or getattr(sampler, "tokenizer", None) is None
+    ):
+        raise TypeError(
+            f"policy_or_engine is a {type(sampler).__name__}; must be a Policy or a RolloutEngine "
+            "(posttrain.policy.rollout_engine: an object with generate(prompts, seed=..., "
+            "**sampling) and a tokenizer)"
+        )
     for start in range(0, len(items), batch_size):
         chunk = list(items[start : start + batch_size])
         prompts = [
-            policy.tokenizer.render_prompt([{"role": "user", "content": it["question"]}])
+            sampler.tokenizer.render_prompt([{"role": "user", "content": it["question"]}])
             if chat
             else it["question"]
             for it in chunk
         ]
-        yield start, chunk, policy.generate(prompts, seed=seed + start, **sampling)
+        yield start, chunk, list(sampler.generate(prompts, seed=seed + start, **sampling))

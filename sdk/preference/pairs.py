@@ -72,7 +72,9 @@ def make_preference_pairs(
     sample.
 
     Args:
-        policy: a `posttrain.policy.policy.Policy`.
+        policy: a `posttrain.policy.policy.Policy`, or a rollout engine holding its weights
+            (`posttrain.policy.rollout_engine`: "builtin" gives the same pairs, "vllm" samples
+            through a vLLM server); sampled through `posttrain.policy.generate_for_items`.
         items: mappings with a "question" (the user turn) and whatever `rank` reads.
         rank: verifier or scoring callable.
         n: completions per prompt (>= 2). max_new_tokens, temperature, top_p: sampling.
@@ -91,6 +93,7 @@ def make_preference_pairs(
 
     Raises:
         ValueError: for n < 2, an item without a str "question", or a bad format_error.
+        TypeError: `policy` is neither a Policy nor a rollout engine.
     """
     if not isinstance(n, int) or n < 2:
         raise ValueError(f"n={n!r}; rejection sampling needs at least 2 completions per prompt")

@@ -17,12 +17,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from posttrain.policy.policy import generate_for_items
+
+if TYPE_CHECKING:
+    from posttrain.policy.policy import Policy
+    from posttrain.policy.rollout_engine import RolloutEngine
 
 ScoreFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -66,7 +70,7 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
 
 
 def evaluate_generations(
-    policy,
+    policy: Policy | RolloutEngine,
     items: Sequence[Mapping[str, Any]],
     *,
     score_fn: ScoreFn,
@@ -80,7 +84,9 @@ def evaluate_generations(
     """Generate an answer to each item's `question` (as a one-turn chat) and score it.
 
     Args:
-        policy: a `posttrain.policy.policy.Policy`.
+        policy: a `posttrain.policy.policy.Policy`, or a rollout engine that samples its
+            weights (`posttrain.policy.rollout_engine`: "builtin" answers exactly as the policy,
+            "vllm" through a vLLM server); sampled through `generate_for_items`.
         items: mappings with at least "question" (str) and "answer"; passed to `score_fn`.
         score_fn: `(completion_text, item) -> score`; an item counts as correct when
             score >= `correct_threshold`.
@@ -90,6 +96,7 @@ def evaluate_generations(
 
     Raises:
         ValueError: `items` is empty or an item has no string "question".
+        TypeError: `policy` is neither a Policy nor a rollout engine.
     """
     if not items:
         raise ValueError("evaluate_generations: items is empty")
@@ -97,32 +104,28 @@ def evaluate_generations(
         if not isinstance(item.get("question"), str):
             raise ValueError(f"evaluate_generations: item {i} has no string 'question'")
     rows = []
-    was_training = policy.model.training
-    try:
-        for _start, chunk, completions in generate_for_items(
-            policy,
-            items,
-            batch_size=batch_size,
-            chat=chat,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-        ):
-            for c in completions:
-                item = chunk[c.prompt_index]
-                score = float(score_fn(c.text, item))
-                rows.append(
-                    {
-                        "question": item["question"],
-                        "answer": item.get("answer"),
-                        "completion": c.text,
-                        "score": score,
-                        "correct": score >= correct_threshold,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
-    finally:
-        policy.model.train(was_training)
+    for _start, chunk, completions in generate_for_items(
+        policy,
+        items,
+        batch_size=batch_size,
+        chat=chat,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+    ):  # Policy.generate samples in eval mode and restores the model's mode
+        for c in completions:
+            item = chunk[c.prompt_index]
+            score = float(score_fn(c.text, item))
+            rows.append(
+                {
+                    "question": item["question"],
+                    "answer": item.get("answer"),
+                    "completion": c.text,
+                    "score": score,
+                    "correct": score >= correct_threshold,
+                    "finish_reason": c.finish_reason,
+                }
+            )
     table = pd.DataFrame(rows)
     successes = int(table["correct"].sum())
     low, high = wilson_interval(successes, len(table))
@@ -190,7 +193,7 @@ class SampledEvalResult:
 
 
 def evaluate_sampled(
-    policy,
+    policy: Policy | RolloutEngine,
     items: Sequence[Mapping[str, Any]],
     *,
     score_fn: ScoreFn,
@@ -202,7 +205,8 @@ def evaluate_sampled(
     chat: bool = True,
 ) -> SampledEvalResult:
     """`samples` answers per item at `temperature` (seeded: the same weights give the same
-    answers), scored like `evaluate_generations`; returns pass@1 and pass@`samples`.
+    answers), scored like `evaluate_generations`; returns pass@1 and pass@`samples`. `policy`:
+    a `Policy` or a rollout engine, as in `evaluate_generations`.
 
     Raises:
         ValueError: `samples` < 1, `temperature` <= 0 (greedy answers are all the same: use

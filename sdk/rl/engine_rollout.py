@@ -29,13 +29,13 @@ the policy: an infinite importance ratio).
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posttrain.core.checks import check_int
+from posttrain.policy.engine_slot import EngineSlot
 from posttrain.policy.policy import Policy
-from posttrain.policy.rollout_engine import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine
+from posttrain.policy.rollout_engine import RolloutEngine
 from posttrain.rl.environment import Group
 
 __all__ = ["ManagedEngine", "StaleRolloutError", "check_staleness"]
@@ -99,21 +99,8 @@ class ManagedEngine:
         top_p: float = 1.0,
         planned: bool = False,
     ) -> None:
-        if isinstance(engine, str):
-            if engine not in ROLLOUT_ENGINES:
-                raise ValueError(
-                    f"rollout_engine={engine!r}; allowed: {', '.join(ROLLOUT_ENGINES)} "
-                    "(or a RolloutEngine instance)"
-                )
-            self.name, apart = engine, engine != "builtin"
-        elif isinstance(engine, RolloutEngine):
-            self.name, apart = engine.name, bool(engine.apart_from_policy)
-        else:
-            raise TypeError(
-                f"rollout_engine={engine!r}; pass one of {', '.join(ROLLOUT_ENGINES)} or an "
-                "object with RolloutEngine's attributes (name, version, apart_from_policy, "
-                "tokenizer, spec, generate, sync, close)"
-            )
+        self.slot = EngineSlot(engine, run_dir=run_dir, options=options)
+        self.name, apart = self.slot.name, self.slot.apart_from_policy
         check_int("max_staleness", max_staleness, minimum=0)
         if apart and rollout_quantization is not None:
             raise ValueError(
@@ -134,26 +121,17 @@ class ManagedEngine:
             )
         self.apart_from_policy = apart
         self.max_staleness = max_staleness
-        self.engine: RolloutEngine | None = None if isinstance(engine, str) else engine
-        self._owned = isinstance(engine, str)
-        self._synced = False
-        self._run_dir, self._options = run_dir, dict(options or {})
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The engine once built (None before the first rollout and after `close`)."""
+        return self.slot.engine
 
     def sampler(self, policy: Policy, version: int) -> RolloutEngine:
         """The engine holding `policy`'s current weights at `version`: built now (by name, from
         `policy`), or synced when its version differs (or before a given engine's first use;
-        the builtin engine is always pointed at `policy`, at no cost)."""
-        if self.engine is None:
-            run_dir = self._run_dir
-            if run_dir is None and self.name != "builtin":
-                run_dir = tempfile.mkdtemp(prefix="posttrain-rollout-")
-            self.engine = build_rollout_engine(
-                self.name, policy, run_dir=run_dir, version=version, **self._options
-            )
-        elif not self._synced or not self.apart_from_policy or self.engine.version != version:
-            self.engine.sync(policy, version=version)
-        self._synced = True
-        return self.engine
+        the builtin engine is always pointed at `policy`, at no cost): `EngineSlot.sampler`."""
+        return self.slot.sampler(policy, version)
 
     def check(self, groups: Sequence[Group], version: int) -> None:
         """`check_staleness(groups, version=version, max_staleness=self.max_staleness)`."""
@@ -162,9 +140,7 @@ class ManagedEngine:
     def close(self) -> None:
         """Close an engine built here (a vllm server stops); the next rollout builds a new one.
         A caller's engine stays open."""
-        if self._owned and self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
+        self.slot.close()
 
     def __repr__(self) -> str:
         return (

@@ -41,14 +41,16 @@ Example (tiny-1m student, tiny-2m teacher; both use the 272-token byte vocabular
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypedDict
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from posttrain.core.checks import check_int
 from posttrain.data.loader import IGNORE_INDEX, Batch, Sample, collate_padded
-from posttrain.policy.policy import Policy
+from posttrain.policy.engine_slot import EngineSlot
+from posttrain.policy.policy import Policy, generate_for_items
 from posttrain.policy.sampling import _check_sampling_args
 from posttrain.train.distill_loss import (  # the divergence and the objective
     REDUCTIONS,
@@ -56,6 +58,9 @@ from posttrain.train.distill_loss import (  # the divergence and the objective
     _check_fraction,
     generalized_jsd_loss,
 )
+
+if TYPE_CHECKING:
+    from posttrain.policy.rollout_engine import RolloutEngine
 
 __all__ = [
     "REDUCTIONS",
@@ -79,6 +84,7 @@ def on_policy_batch(
     max_new_tokens: int = 128,
     top_p: float = 1.0,
     top_k: int | None = None,
+    engine: RolloutEngine | None = None,
 ) -> Batch:
     """`batch` with every row's completion replaced by a sample of the student.
 
@@ -93,6 +99,10 @@ def on_policy_batch(
         student: the policy being trained.
         batch: an unpacked `Batch` (attention_mask None).
         temperature, max_new_tokens, top_p, top_k: sampling settings (`Policy.generate`).
+        engine: a rollout engine that samples in the student's place (`posttrain.policy.
+            rollout_engine`), already holding its current weights (`OnPolicyData` syncs it);
+            None samples with `student.generate`. Its seed is drawn from the global torch RNG
+            the same way, so the builtin engine gives the same batch bit for bit.
 
     Returns:
         A new `Batch` with as many rows as `batch`.
@@ -111,10 +121,11 @@ def on_policy_batch(
     ids_BT, labels_BT = batch.input_ids, batch.labels
     first = {b: int(w[0]) for b in range(ids_BT.shape[0]) if (w := trained_BT[b].nonzero()).numel()}
     prompts = {b: ids_BT[b, : t + 1].tolist() for b, t in first.items()}  # up to the first target
+    sampler: Policy | RolloutEngine = student if engine is None else engine
     sampled = dict(
         zip(
             prompts,
-            student.generate(
+            sampler.generate(
                 list(prompts.values()),
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
@@ -162,13 +173,23 @@ class OnPolicyData:
         lmbda: fraction of on-policy batches, in [0, 1].
         temperature, max_new_tokens, top_p, top_k: the student's sampling settings; TRL's GKD
             defaults are temperature 0.9, max_new_tokens 128, top_p 1, no top-k.
+        engine: the rollout engine that samples the student's completions: "builtin" (the
+            default, `student.generate`), "vllm" (a server started from the student at the
+            first on-policy batch, its model and log in `run_dir/vllm/`, synced with the
+            student's weights before every later one), or a `RolloutEngine` instance (synced
+            likewise; the caller closes it). Close the data (`close()`, or `with`) when
+            training ends to stop a server it started.
+        run_dir, engine_options: where the vllm engine writes (a temporary folder when None)
+            and its start options (`VLLMEngine.start`).
 
     Attributes:
         batches, on_policy_batches: batches fetched and how many of them were the student's.
 
     Raises:
-        ValueError: for lmbda outside [0, 1], a packed loader, or bad sampling settings.
-        TypeError: for a `data` without `next_batch()` or a `student` that is not a `Policy`.
+        ValueError: for lmbda outside [0, 1], a packed loader, bad sampling settings, or an
+            unknown engine name (the allowed ones listed).
+        TypeError: for a `data` without `next_batch()`, a `student` that is not a `Policy`, or
+            an engine that is neither a name nor a `RolloutEngine`.
     """
 
     def __init__(
@@ -181,6 +202,9 @@ class OnPolicyData:
         max_new_tokens: int = 128,
         top_p: float = 1.0,
         top_k: int | None = None,
+        engine: str | RolloutEngine = "builtin",
+        run_dir: str | os.PathLike | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         _check_fraction(
             "lmbda",
@@ -212,6 +236,7 @@ class OnPolicyData:
             "top_k": top_k,
         }
         self.batches = self.on_policy_batches = 0
+        self.engine = EngineSlot(engine, run_dir=run_dir, options=engine_options)
 
     @property
     def rank(self) -> int:
@@ -229,7 +254,20 @@ class OnPolicyData:
         if not on_policy:
             return batch
         self.on_policy_batches += 1
-        return on_policy_batch(self.student, batch, **self.sampling)
+        if self.engine.name == "builtin":  # the student itself, bit for bit as before
+            return on_policy_batch(self.student, batch, **self.sampling)
+        engine = self.engine.sampler(self.student)  # the student's weights of this step
+        return on_policy_batch(self.student, batch, **self.sampling, engine=engine)
+
+    def close(self) -> None:
+        """Stop an engine the data started (a vllm server); a later batch starts a new one."""
+        self.engine.close()
+
+    def __enter__(self) -> OnPolicyData:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
         """{"data": the wrapped loader's state, "batches", "on_policy_batches"}."""
@@ -248,7 +286,7 @@ class OnPolicyData:
 
 
 def teacher_generate(
-    teacher: Policy,
+    teacher: Policy | RolloutEngine,
     prompts: Sequence[str],
     *,
     n: int = 1,
@@ -265,7 +303,10 @@ def teacher_generate(
     times (`Policy.generate`, seeded by `seed`; the global RNG is untouched).
 
     Args:
-        teacher: the teacher `Policy`.
+        teacher: the teacher `Policy`, or a rollout engine holding its weights
+            (`posttrain.policy.rollout_engine`: "builtin" gives the same rows as the policy,
+            "vllm" samples them with a vLLM server; the vllm engine refuses settings it would
+            sample differently, by name).
         prompts: user messages (non-empty str).
         n, max_new_tokens, temperature, top_p, top_k: sampling settings (`Policy.generate`).
         seed: sampling seed; the same seed gives the same rows.
@@ -286,16 +327,16 @@ def teacher_generate(
     for i, p in enumerate(prompts):
         if not isinstance(p, str) or not p:
             raise ValueError(f"prompts[{i}]={p!r}; each prompt must be a non-empty str")
-    tok = teacher.tokenizer
-    ids = [tok.render_prompt([{"role": "user", "content": p}]) for p in prompts]
-    completions = teacher.generate(
-        ids,
+    [(_, _, completions)] = generate_for_items(
+        teacher,
+        [{"question": p} for p in prompts],
+        batch_size=len(prompts),
+        seed=seed,
         n=n,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seed=seed,
     )
     return [
         {"prompt": prompts[c.prompt_index], "completion": c.text}
