@@ -51,6 +51,7 @@ METRIC_LABELS = {
     "tokens_per_s": "throughput (tokens/s)",
     "step_time_s": "step time (s)",
     "rollout_s": "rollout time (s)",
+    "weight_sync_s": "weight sync before the rollout (s)",
     "reward_mean": "reward (mean)",
     "accuracy": "accuracy (fraction ok)",
     "kl": "KL to reference (nats/token)",

@@ -9,7 +9,9 @@ matplotlib axes redrawn in place); when and where they are displayed is
     rollouts table       prompt, completion, reward and outcome of a few of them, one per group
                          first, as an HTML table
     TIME_PANEL           where each step's seconds went (`time_<phase>_s` columns), stacked by
-                         phase, with the step's MFU in the title
+                         phase, with the step's MFU in the title; the weight sync of an engine
+                         apart from the policy (`weight_sync_s`, a part of the scoring phase)
+                         stacked apart as "weight_sync"
 
 Example:
     >>> from types import SimpleNamespace
@@ -146,6 +148,12 @@ def _draw_time_split(ax, frame: pd.DataFrame) -> None:
         return
     steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
     seconds = frame[columns].apply(pd.to_numeric, errors="coerce").fillna(0.0)
+    sync = pd.to_numeric(frame.get("weight_sync_s", pd.Series(dtype=float)), errors="coerce")
+    if "time_scoring_s" in columns and (sync > 0).any():  # a part of scoring, shown apart
+        sync = sync.reindex(frame.index).fillna(0.0)
+        seconds["time_scoring_s"] = (seconds["time_scoring_s"] - sync).clip(lower=0.0)
+        seconds.insert(0, "time_weight_sync_s", sync)  # (before the rollout)
+        columns = list(seconds.columns)
     labels = [c[len("time_") : -len("_s")] for c in columns]
     if len(frame) <= 50:
         bottom = pd.Series(0.0, index=frame.index)

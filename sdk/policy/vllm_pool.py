@@ -21,7 +21,8 @@ A retried request was not answered before, and each request's answer is kept onc
 place: nothing is lost or duplicated.
 
 Weight sync (`sync_weights`) syncs every server still in the pool, at once (each its own
-safetensors in /dev/shm, reload, prefix-cache reset: `VLLMServer.sync_weights`). A server whose
+safetensors in /dev/shm, reload, prefix-cache reset: `VLLMServer.sync_weights`; LoRA adapters
+merged once for all: `vllm_servable.served_policy`). A server whose
 sync failed leaves the rotation until a later sync succeeds on it, so it is never sampled with
 stale or partial weights; the pool's `weight_version` advances when every server left in the
 rotation holds the new weights (at least one). If no server took them, the pool refuses to sample
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain.policy.vllm_process import VLLMRequestError, VLLMServerError
 from posttrain.policy.vllm_sampling import ServedCompletion, call_completions, call_requests
+from posttrain.policy.vllm_servable import served_policy
 from posttrain.policy.vllm_server import SERVED_NAME, VLLMServer, WeightSync
 
 if TYPE_CHECKING:
@@ -396,8 +398,9 @@ class VLLMPool:
             if not targets:
                 raise self._nothing_left()
             t0 = time.perf_counter()
+            served = served_policy(policy)  # refused by name before any change; merged once
             with ThreadPoolExecutor(max_workers=len(targets)) as threads:
-                futures = {k: threads.submit(self.servers[k].sync_weights, policy) for k in targets}
+                futures = {k: threads.submit(self.servers[k].sync_weights, served) for k in targets}
             for future in futures.values():
                 if isinstance(future.exception(), ValueError):
                     future.result()  # a bad policy: refused by every server before any change

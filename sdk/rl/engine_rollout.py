@@ -29,6 +29,7 @@ the policy: an infinite importance ratio).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,6 +70,10 @@ def check_staleness(groups: Sequence[Group], *, version: int, max_staleness: int
         )
 
 
+SYNC_PARTS = ("save", "reload", "reset")
+"""The parts of a `WeightSync` that `ManagedEngine.sync_metrics` reports apart."""
+
+
 class ManagedEngine:
     """The trainer's rollout engine and its rules (see the module docstring).
 
@@ -87,6 +92,9 @@ class ManagedEngine:
             combination refused in the module docstring.
         TypeError: an engine that is neither a name nor a `RolloutEngine`.
     """
+
+    _sync_s: float = 0.0  # seconds of sync since the last `sync_metrics`, and their parts
+    _sync_parts: tuple[float, ...] = (0.0,) * len(SYNC_PARTS)
 
     def __init__(
         self,
@@ -130,8 +138,35 @@ class ManagedEngine:
     def sampler(self, policy: Policy, version: int) -> RolloutEngine:
         """The engine holding `policy`'s current weights at `version`: built now (by name, from
         `policy`), or synced when its version differs (or before a given engine's first use;
-        the builtin engine is always pointed at `policy`, at no cost): `EngineSlot.sampler`."""
-        return self.slot.sampler(policy, version)
+        the builtin engine is always pointed at `policy`, at no cost): `EngineSlot.sampler`.
+        The seconds of a sync are summed for `sync_metrics`."""
+        started, before = self.engine is not None, getattr(self.engine, "last_sync", None)
+        t0 = time.perf_counter()
+        engine = self.slot.sampler(policy, version)
+        if started and self.apart_from_policy:  # (not the start of the engine)
+            self._sync_s += time.perf_counter() - t0
+            done = getattr(engine, "last_sync", None)
+            if done is not None and done is not before:  # a WeightSync of this call
+                parts = (getattr(done, f"{p}_s", 0.0) for p in SYNC_PARTS)
+                self._sync_parts = tuple(a + b for a, b in zip(self._sync_parts, parts))
+        return engine
+
+    def sync_metrics(self) -> dict[str, float]:
+        """The weight sync columns of a step's metrics row: seconds spent syncing the engine
+        since the last call (which they are reset by), before the rollouts of the step.
+
+        `weight_sync_s`: wall seconds of the engine's `sync` calls; 0.0 with the builtin engine
+        (its sync points it at the policy: nothing moves) and on a step whose rollout started
+        the engine (a server starts from the policy's weights). With an engine that reports its
+        sync split (`VLLMEngine.last_sync`, a `WeightSync`) also `weight_sync_save_s` (merge
+        and safetensors in /dev/shm), `weight_sync_reload_s` and `weight_sync_reset_s`
+        (prefix cache). The sync is a part of the step's `time_scoring_s`
+        (`posttrain.rl.step_timing`), shown apart."""
+        row = {"weight_sync_s": self._sync_s}
+        if hasattr(self.engine, "last_sync"):
+            row.update({f"weight_sync_{p}_s": s for p, s in zip(SYNC_PARTS, self._sync_parts)})
+        self._sync_s, self._sync_parts = 0.0, (0.0,) * len(SYNC_PARTS)
+        return row
 
     def check(self, groups: Sequence[Group], version: int) -> None:
         """`check_staleness(groups, version=version, max_staleness=self.max_staleness)`."""

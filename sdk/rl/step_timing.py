@@ -10,7 +10,8 @@ Every row of `RLTrainer.step` (and of `train_on_groups`) gets, in seconds of wal
                       ParallelPlan those of this rank's share of the prompts)
     time_scoring_s    the rest of the rollout: environment steps with their verifier / judge
                       calls, prompt rendering and group reward hooks (under a plan also the
-                      gathering of the full weights and of every data rank's groups)
+                      gathering of the full weights and of every data rank's groups), and the
+                      rollout engine's weight sync (also shown apart as `weight_sync_s`)
     time_logprobs_s   the frozen forward passes: reference log-probs, the trainer's own old
                       log-probs (low-bit rollout) and old values (PPO)
     time_update_s     every minibatch's forward, backward and optimizer step

@@ -436,6 +436,7 @@ class RLTrainer(RLUpdateEngine):
         self.buffer.set_policy_version(self.step_count)
         elapsed = time.perf_counter() - start
         row.update(update, step=self.step_count, rollout_s=rollout_s, step_time_s=elapsed)
+        row.update(self.rollout.sync_metrics())  # weight_sync_s (a part of the rollout's time)
         row.update(
             timing_row(
                 timer,
