@@ -16,14 +16,20 @@ __all__ = ["check_memory"]
 
 
 def check_memory(
-    runtime: Runtime, data: Any, *, phase: str = "sft", device_bytes: int | None = None
+    runtime: Runtime,
+    data: Any,
+    *,
+    phase: str = "sft",
+    device_bytes: int | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> None:
     """Refuse, before any work, a plan whose per-rank memory (`posttrain.train.memory_plan`)
     exceeds this rank's device (`device_bytes`; default: an accelerator's memory, or on CPU the
     machine's available RAM shared by the ranks on this host: LOCAL_WORLD_SIZE, Slurm's tasks
     per node, or else all of the plan's ranks). Needs a runtime with a plan and the spec given
     to `plan.parallelize`, and a loader with `batch_size` and known row lengths (`SFTLoader`);
-    otherwise nothing is checked.
+    otherwise nothing is checked. `loss_chunk_tokens`: the loss's chunk
+    (`SFTCrossEntropy.loss_chunk_tokens`), which sets what its logits hold.
 
     Raises:
         ValueError: naming the dominant term and the plan axis that would lower it.
@@ -54,4 +60,5 @@ def check_memory(
         MemoryBatch(micro_batch_size=rows, seq_len=seq_len),
         phase=phase,
         device_bytes=device,
+        loss_chunk_tokens=loss_chunk_tokens,
     )

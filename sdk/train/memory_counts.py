@@ -191,3 +191,34 @@ def all_parameters(counts: ModelCounts, spec: ModelSpec) -> int:
     """All parameters of the model (every block, the root), from the counts above."""
     block = counts.block_tp + counts.block_replicated + counts.block_experts
     return spec.num_layers * block + counts.root_tp + counts.root_replicated
+
+
+def loss_bytes(
+    vocab: int, embed_dim: int, tokens: int, a: int, p: int, chunk_tokens: int | None
+) -> float:
+    """Bytes the cross-entropy (or the token log-probs) allocates at its peak, forward and
+    backward, the head weight's gradient included; measured with
+    `posttrain.train.memory_measure.TensorPeak` (tests/train/test_chunked_ce.py).
+
+    Unchunked (`chunk_tokens` None): the forward holds the fp32 logits (the decoder's
+    `.float()`; a bf16 model's own logits are a freed temporary), their copy with untrained
+    positions zeroed (`keep_selected`'s `torch.where`) and the saved log-softmax, 12 x N x V;
+    backward holds the log-softmax, its gradient and the logits' gradient, then the logits'
+    gradient beside the head's (p x V x D) and the hidden states' (a x D x N, twice).
+    Chunked (`posttrain.policy.chunked_ce`, C = chunk_tokens < N): the same 12 x C x V for one
+    chunk beside the running head gradient, or three head gradients at once (the running one,
+    the chunk's and their sum), plus the gathered hidden states of the scored positions and
+    their gradient, 2 x a x D x N. One chunk (C >= N): as unchunked, + a x D x N.
+
+    Args:
+        vocab, embed_dim: V and D. tokens: N, positions scored. a, p: bytes of an activation and
+            of a parameter. chunk_tokens: the chunk size, or None.
+    """
+    head_grad = p * vocab * embed_dim
+    if chunk_tokens is None or chunk_tokens >= tokens:
+        whole = max(
+            12.0 * tokens * vocab, 4.0 * tokens * vocab + head_grad + 2 * a * embed_dim * tokens
+        )
+        return whole + (0 if chunk_tokens is None else a * embed_dim * tokens)
+    c = chunk_tokens
+    return max(12.0 * c * vocab + head_grad, 3.0 * head_grad) + 2 * a * embed_dim * tokens

@@ -47,9 +47,8 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     GPipe all n_microbatches, 1F1B min(pp, n_microbatches) on stage 0; each is
                     ceil(B / n_microbatches) rows, plus the stage's received input and output
                     (2aD per token).
-  logits            12 bytes x N x V: the cross-entropy's fp32 log-softmax (saved), its
-                    gradient and the logits' gradient, alive together at the start of backward
-                    (the forward holds logits + log-softmax, 8 bytes, 10 in bf16). Not split by
+  logits            12 bytes x N x V, or with loss_chunk_tokens C about 12 x C x V
+                    (memory_counts.loss_bytes: the copies, and the chunked head's). Not split by
                     tp or sp: the output projection stays replicated (tied) or is all-gathered,
                     and Ulysses gathers the logits of the whole sequence on every sp rank. On the
                     last pipeline stage: one micro-batch (1F1B) or all of them (GPipe).
@@ -115,6 +114,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.policy.chunked_ce import check_chunk_tokens
 from posttrain.train.memory_counts import (
     DTYPE_BYTES,
     OPTIMIZER_STATES,
@@ -122,6 +122,7 @@ from posttrain.train.memory_counts import (
     activation_bytes_per_token,
     all_parameters,
     dtype_bytes,
+    loss_bytes,
     model_counts,
     optimizer_states,
 )
@@ -160,6 +161,7 @@ def plan_memory(
     reference_dtype: str | None = None,
     device_type: str | None = None,
     runtime_bytes: int = 0,
+    loss_chunk_tokens: int | None = None,
 ) -> pd.DataFrame:
     """Per-rank memory of training (or generating with) `spec` under `plan` on `batch`.
 
@@ -179,6 +181,7 @@ def plan_memory(
             default "cuda" if CUDA is available, else "cpu".
         runtime_bytes: memory no term holds (allocator, communication buffers), added as its
             own row.
+        loss_chunk_tokens: the loss's chunk (`SFTCrossEntropy(loss_chunk_tokens=)`), or None.
 
     Returns:
         A pandas DataFrame, one row per term: term, bytes, GiB, divided_by (the plan axes and
@@ -257,7 +260,8 @@ def plan_memory(
         acts += 2 * a * D * tokens * in_flight
     head = (4 * (2 * D + 1) + a * D + 16) * tokens * in_flight
     last_mb = in_flight if plan.pp_schedule == "gpipe" and pp > 1 else 1
-    logits = 12 * V * micro * batch.seq_len * last_mb  # gathered whole on every sp rank
+    chunk = check_chunk_tokens(loss_chunk_tokens)  # gathered whole on every sp rank:
+    logits = loss_bytes(V, D, micro * batch.seq_len, a, p, chunk) * last_mb
     f_eff = (
         spec.experts_per_token * spec.moe_intermediate_dim + spec.shared_expert_dim
         if spec.is_moe
@@ -291,7 +295,7 @@ def plan_memory(
             "logits",
             logits,
             "1 (gathered whole under tp and sp)",
-            "fp32 log-softmax + its gradient + the logits' gradient (B x T x V x 12 B)",
+            f"fp32 logits, masked copy, log-softmax of {chunk or 'all'} tokens at a time",
         )
         add(
             "backward working set",
@@ -424,8 +428,9 @@ _FIXES = {
     "sp or tp, or lower micro_batch_size",
     "activations (head)": "raise sp, or lower micro_batch_size x seq_len",
     "activations (rebuilt block)": "raise tp or sp (the rebuilt block falls 1/tp, 1/sp)",
-    "logits": "lower micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp "
-    "with several micro-batches (the last stage holds one micro-batch's logits)",
+    "logits": "set the loss's loss_chunk_tokens (e.g. 1024: a chunk's logits at a time), lower "
+    "micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp with several "
+    "micro-batches (the last stage holds one micro-batch's logits)",
     "backward working set": "raise tp or sp",
     "FSDP buffers": "raise tp (gathered blocks fall 1/tp; the tied embedding stays whole)",
     "model build": "no plan axis lowers it: every rank builds the whole model before sharding "

@@ -238,7 +238,9 @@ class Trainer(Engine):
         self.model, self.data, self.loss = model, data, loss
         self._check_data_shard(data)
         if isinstance(loss, SFTCrossEntropy):
-            check_memory(runtime, data, phase="sft")  # under a plan with a spec: refuse early
+            check_memory(  # under a plan with a spec: refuse early
+                runtime, data, phase="sft", loss_chunk_tokens=loss.loss_chunk_tokens
+            )
         if eval_fn is not None and runtime.pipeline is not None:
             raise ValueError(
                 f"eval_fn with {runtime.plan}: a pipeline stage holds part of the "

@@ -183,3 +183,34 @@ def test_sft_objective_with_chunks_equals_the_unchunked_objective(pack):
     ref, got = plain(model, batch, n), chunked(model, batch, n)
     torch.testing.assert_close(got, ref, **TOL)
     assert_grads_close(_grads(ref, *params), _grads(got, *params))
+
+
+@pytest.mark.parametrize("chunk", [None, 64, 4, 100])
+def test_the_memory_plan_counts_what_the_loss_holds(chunk):
+    """plan_memory's "logits" term against the measured peak of the loss and its backward
+    (`TensorPeak`) from TINY's final hidden states, every token of 2 x 48 trained (N = 96,
+    V = 272, D = 64, fp32). By hand: unchunked 12 N V = 313,344 (above 4 N V + 4 V D + 8 D N);
+    chunk 64: 12 x 64 x V + the running head gradient 4 V D, + 8 D N = 327,680; chunk 4: three
+    head gradients 12 V D + 8 D N = 258,048; one chunk of 100: unchunked + 4 D N."""
+    from posttrain.train.memory_measure import TensorPeak
+    from posttrain.train.memory_plan import plan_memory
+
+    B, T, V, D = 2, 48, TINY.vocab_size, TINY.embed_dim
+    model = tiny_model(seed=0)
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden, head = model_hidden(model, ids)
+    hidden.requires_grad_(True)
+    labels = torch.roll(ids, -1, dims=1)
+    with TensorPeak() as peak:
+        if chunk is None:
+            loss, _ = token_cross_entropy_sum(head(hidden).float(), labels)
+        else:
+            loss, _ = chunked_cross_entropy_sum(hidden, head, labels, chunk_tokens=chunk)
+        loss.backward()
+    batch = {"micro_batch_size": B, "seq_len": T}
+    df = plan_memory(TINY, None, batch, device_type="cpu", loss_chunk_tokens=chunk)
+    planned = int(df.set_index("term").loc["logits", "bytes"])
+    by_hand = {None: 313_344, 64: 327_680, 4: 258_048, 100: 313_344 + 4 * D * B * T}
+    assert planned == by_hand[chunk]
+    assert abs(peak.peak_bytes - planned) <= 0.02 * planned, (peak.peak_bytes, planned)
