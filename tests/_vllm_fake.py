@@ -117,6 +117,9 @@ def _serve(argv: list[str]) -> None:
             choice = {"token_ids": ids, "logprobs": {"token_logprobs": [-1.0] * len(ids)}}
             self._answer(200, {"choices": [{**choice, "finish_reason": "length"}]})
 
+    # the listen backlog of the real server (uvicorn: 2048), not http.server's 5: several
+    # clients' concurrent requests on a loaded machine overflow 5, and connections are reset
+    ThreadingHTTPServer.request_queue_size = 2048
     ThreadingHTTPServer((args["--host"], int(args["--port"])), Handler).serve_forever()
 
 

@@ -19,25 +19,30 @@ its versions are the trainer's step: today's trainer, bit for bit. "vllm" starts
 the policy at the first rollout (its model and log in `run_dir/vllm/`, a temporary folder
 without a run_dir); after each update the next rollout first syncs it (safetensors in /dev/shm,
 reload, prefix-cache reset). An engine instance passed by the caller is synced before its first
-rollout and stays the caller's to close.
+rollout and stays the caller's to close. Under a `ParallelPlan` of several ranks, "vllm" is one
+server for the job: rank 0 starts and syncs it, every data rank samples its share from it, the
+ranks agree on each sync's version (`posttrain.rl.engine_plan`).
 
 Refused by name: "vllm" with `rollout_quantization` (the server samples full-precision weights),
-"vllm" under a `ParallelPlan` (one process only for now), an engine apart from the policy with
-top_p < 1 (a token inside the engine's top-p set but outside the policy's has log-prob -inf under
-the policy: an infinite importance ratio).
+an engine apart from the policy with top_p < 1 (a token inside the engine's top-p set but
+outside the policy's has log-prob -inf under the policy: an infinite importance ratio).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.checks import check_int
 from posttrain.policy.engine_slot import EngineSlot
 from posttrain.policy.policy import Policy
 from posttrain.policy.rollout_engine import RolloutEngine
+from posttrain.rl.engine_plan import SharedSlot, shared_engine_wanted
 from posttrain.rl.environment import Group
+
+if TYPE_CHECKING:
+    from posttrain.train.runtime import Runtime
 
 __all__ = ["ManagedEngine", "StaleRolloutError", "check_staleness"]
 
@@ -85,7 +90,10 @@ class ManagedEngine:
             `kv_cache_gib`, ...).
         rollout_quantization: the trainer's; refused with an engine apart from the policy.
         top_p: the trainer's; < 1 refused with an engine apart from the policy.
-        planned: whether the trainer runs under a `ParallelPlan`.
+        runtime: the trainer's `Runtime`: under a plan of several ranks, "vllm" is shared by
+            the ranks (`posttrain.rl.engine_plan.SharedSlot`; `sampler` and `close` are then
+            collectives that every rank calls).
+
 
     Raises:
         ValueError: an unknown engine name (the allowed ones listed), a bad max_staleness, or a
@@ -105,9 +113,9 @@ class ManagedEngine:
         options: Mapping[str, Any] | None = None,
         rollout_quantization: str | None = None,
         top_p: float = 1.0,
-        planned: bool = False,
+        runtime: Runtime | None = None,
     ) -> None:
-        self.slot = EngineSlot(engine, run_dir=run_dir, options=options)
+        self.slot: EngineSlot | SharedSlot = EngineSlot(engine, run_dir=run_dir, options=options)
         self.name, apart = self.slot.name, self.slot.apart_from_policy
         check_int("max_staleness", max_staleness, minimum=0)
         if apart and rollout_quantization is not None:
@@ -115,11 +123,6 @@ class ManagedEngine:
                 f"rollout_engine={self.name!r} with rollout_quantization="
                 f"{rollout_quantization!r}: the engine samples the full-precision weights; "
                 "allowed: rollout_quantization=None, or rollout_engine='builtin'"
-            )
-        if apart and planned:
-            raise ValueError(
-                f"rollout_engine={self.name!r} under a ParallelPlan: one process only for now "
-                "(docs/runbooks/vllm.md); allowed under a plan: rollout_engine='builtin'"
             )
         if apart and top_p != 1.0:
             raise ValueError(
@@ -129,6 +132,11 @@ class ManagedEngine:
             )
         self.apart_from_policy = apart
         self.max_staleness = max_staleness
+        if isinstance(engine, str) and shared_engine_wanted(engine, runtime):
+            assert runtime is not None
+            self.slot = SharedSlot(
+                engine, data_rank=runtime.data_rank, run_dir=run_dir, options=options
+            )
 
     @property
     def engine(self) -> RolloutEngine | None:

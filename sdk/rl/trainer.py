@@ -228,7 +228,7 @@ class RLTrainer(RLUpdateEngine):
             options=rollout_options,
             rollout_quantization=rollout_quantization,
             top_p=top_p,
-            planned=isinstance(runtime, PlanRuntime),
+            runtime=runtime,
         )
         self._setup_engine(
             optimizer=optimizer,

@@ -80,7 +80,6 @@ def test_the_registry_names_the_engines_and_refuses_others():
     [
         ({"rollout_quantization": "int8"}, "rollout_quantization='int8'"),
         ({"top_p": 0.9}, "top_p=0.9"),
-        ({"planned": True}, "under a ParallelPlan"),
         ({"max_staleness": -1}, "max_staleness=-1"),
     ],
 )
