@@ -94,7 +94,6 @@ class ManagedEngine:
             the ranks (`posttrain.rl.engine_plan.SharedSlot`; `sampler` and `close` are then
             collectives that every rank calls).
 
-
     Raises:
         ValueError: an unknown engine name (the allowed ones listed), a bad max_staleness, or a
             combination refused in the module docstring.
