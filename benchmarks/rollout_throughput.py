@@ -33,6 +33,10 @@ Usage:
     nice -n 19 .venv/bin/python benchmarks/rollout_throughput.py tiny-10m-h64 d768-l12
     nice -n 19 .venv/bin/python benchmarks/rollout_throughput.py --quick   # tiny-1m, ~3 min
 
+`main(["--quick"], server=...)` measures a running tiny-1m server instead of starting one (the
+test suite's shared server: its weights are replaced by the benchmark policy's, its core binding
+is its own).
+
 Models: presets, tiny-10m-h64 (~12M parameters) or d768-l12 (~104M, from benchmarks/vllm_sync.py);
 vLLM's CPU attention takes head dims 32, 64, 80, 96, 112, 128, ... only. Needs the vLLM venv
 (scripts/vllm-up.sh); one server start (~1-2 minutes) per model and thread count. The report is
@@ -51,7 +55,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from posttrain.policy import Policy
+    from posttrain.policy.vllm_server import VLLMServer
 
 ENGINES = ("vllm", "builtin", "transformers")
 
@@ -256,7 +264,37 @@ def engines_for(policy, server, hf, prompts: list[list[int]], n: int, new_tokens
     return {"vllm": vllm, "builtin": builtin, "transformers": transformers}
 
 
-def main(argv: list[str] | None = None) -> int:
+@contextlib.contextmanager
+def served(
+    policy: Policy, folder: Path, threads: int, max_concurrency: int, given: VLLMServer | None
+) -> Iterator[VLLMServer]:
+    """A vLLM server of `policy` with its engine bound to `threads` cores, stopped afterwards;
+    or `given`, a running server, synced to `policy`'s weights and left running.
+
+    Raises:
+        ValueError: `given`'s tokenizer has stop ids (its samples could end early).
+    """
+    if given is not None:
+        if given.tokenizer.stop_ids:
+            raise ValueError(
+                f"the given server's tokenizer stops at ids {sorted(given.tokenizer.stop_ids)}; "
+                "the benchmark counts every asked token: give it a tokenizer without stop ids"
+            )
+        given.sync_weights(policy)
+        yield given
+        return
+    from posttrain.policy.vllm_server import VLLMServer
+
+    with (
+        vllm_threads(threads),
+        VLLMServer.start(policy, folder, max_concurrency=max_concurrency) as server,
+    ):
+        yield server
+
+
+def main(argv: list[str] | None = None, *, server: VLLMServer | None = None) -> int:
+    """The command; `server`: a running server to measure instead of starting one (--quick only,
+    one model and thread count)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["tiny-10m-h64", "d768-l12"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -278,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--threads {t}: each must be in 1..{os.cpu_count()} (this machine)")
     if args.reps < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         parser.error("--reps, --new-tokens and --prompt-len must be >= 1")
+    if server is not None and not args.quick:
+        parser.error("a running server is measured with --quick only")
 
     from posttrain.core.threads import apply_thread_env
 
@@ -287,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     from generation import NoStopByteTokenizer
 
     from posttrain.policy import Policy
-    from posttrain.policy.vllm_server import VLLMServer, vllm_unavailable_reason
+    from posttrain.policy.vllm_server import vllm_unavailable_reason
 
     reason = vllm_unavailable_reason()
     if reason is not None:
@@ -311,21 +351,16 @@ def main(argv: list[str] | None = None) -> int:
             hf = hf_model(policy, Path(tmp) / "hf")
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                with (
-                    vllm_threads(threads),
-                    VLLMServer.start(
-                        policy, Path(tmp) / f"t{threads}", max_concurrency=most
-                    ) as server,
-                ):
+                with served(policy, Path(tmp) / f"t{threads}", threads, most, server) as vllm:
                     print(f"## {label}, {threads} threads; vLLM cores "
-                          f"{bound_cores(server.log_path)}", flush=True)  # fmt: skip
+                          f"{bound_cores(vllm.log_path)}", flush=True)  # fmt: skip
                     for shape in shapes:
                         engines = engines_for(
-                            policy, server, hf, all_prompts[: shape.prompts], shape.n,
+                            policy, vllm, hf, all_prompts[: shape.prompts], shape.n,
                             args.new_tokens,
                         )  # fmt: skip
                         before = os.getloadavg()[0]
-                        clocks = {"vllm": lambda: group_cpu_s(server.pgid)}
+                        clocks = {"vllm": lambda: group_cpu_s(vllm.pgid)}
                         runs = run_interleaved(engines, args.reps, clocks)
                         load = (before, os.getloadavg()[0])
                         rows.append(table_row(label, shape, threads, runs, load))

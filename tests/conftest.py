@@ -126,7 +126,9 @@ def vllm_server(tmp_path_factory):
     server of its own and says why in its docstring.
 
     Skips with `vllm_unavailable_reason()` (which names scripts/vllm-up.sh) without the venv.
+    At the session's end it checks that closing left no process of the server's group.
     """
+    from posttrain.policy.vllm_process import group_alive
     from posttrain.policy.vllm_server import VLLMServer, vllm_unavailable_reason
 
     reason = vllm_unavailable_reason()
@@ -141,6 +143,8 @@ def vllm_server(tmp_path_factory):
         yield server
     finally:
         VLLMServer.close(server)
+    what = f"the shared vLLM server's process group {server.pgid} gone after close"
+    wait_for(lambda: not group_alive(server.pgid), what=what, timeout=WAIT_S)
 
 
 @pytest.fixture(scope="module")

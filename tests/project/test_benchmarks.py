@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _waits import RUN_S, WAIT_S
-
-from posttrain.policy.vllm_process import vllm_unavailable_reason
+from _waits import WAIT_S
 
 FILES = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
 # A script runs (`if __name__ == "__main__"`); a module holds a part of scripts and is imported.
@@ -270,22 +268,36 @@ def test_rollout_throughput_binds_the_vllm_engine_to_the_asked_threads(monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(vllm_unavailable_reason() is not None, reason=str(vllm_unavailable_reason()))
-def test_rollout_throughput_quick_runs_the_three_engines_on_both_shapes():
-    """--quick: tiny-1m, 1 thread, 2 prompts x n=2 and 4 prompts x 1, 4 new tokens: every engine
-    returns 16 tokens per call (no stop ids), and each shape gets one row with both ratios."""
-    script = next(p for p in SCRIPTS if p.stem == "rollout_throughput")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=RUN_S
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    reps = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("rep ")]
+def test_rollout_throughput_quick_runs_the_three_engines_on_both_shapes(
+    vllm_server, monkeypatch, capsys
+):
+    """--quick on the suite's shared server (`main(server=...)`, in this process: the command's
+    own server start is the one piece left out): tiny-1m, 1 thread, 2 prompts x n=2 and 4
+    prompts x 1, 4 new tokens: every engine returns 16 tokens per call (no stop ids), and each
+    shape gets one row with both ratios."""
+    import torch
+
+    m = _benchmark_module("rollout_throughput")
+    from generation import NoStopByteTokenizer
+
+    with pytest.raises(ValueError, match="stops at ids"), m.served(None, None, 1, 4, vllm_server):
+        pass
+    monkeypatch.setattr(vllm_server, "tokenizer", NoStopByteTokenizer())
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the command sets it: restored after
+    threads = torch.get_num_threads()
+    try:
+        assert m.main(["--quick"], server=vllm_server) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    reps = [line.split() for line in out.splitlines() if line.strip().startswith("rep ")]
     assert sorted((r[2], r[3]) for r in reps) == sorted(
         (e, "16") for e in ("vllm", "builtin", "transformers") for _ in range(2)
     )
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny-1m")]
+    rows = [line for line in out.splitlines() if line.startswith("| tiny-1m")]
     assert {r.split("|")[2].strip() for r in rows} == {"2 x 2", "4 x 1"}
-    assert all(r.count("x [") == 2 for r in rows) and "nan" not in proc.stdout.lower()
+    assert all(r.count("x [") == 2 for r in rows) and "nan" not in out.lower()
+    assert vllm_server.alive  # measured, not closed
 
 
 def test_gpu_vllm_rollout_checks_its_arguments_and_formats_its_table(tmp_path):

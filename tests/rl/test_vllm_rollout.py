@@ -1,6 +1,8 @@
-"""GRPO with `rollout_engine="vllm"`: a real vLLM server samples, the policy trains
-(posttrain.rl.engine_rollout). One server, started by the trainer from the policy; ~2 minutes on
-a loaded 2-core machine, mostly its imports.
+"""GRPO with a vLLM rollout engine: a real vLLM server samples, the policy trains
+(posttrain.rl.engine_rollout). The server is the suite's shared one (`vllm_server` in
+tests/conftest.py), lent to the trainer as an engine it does not close; the trainer's own
+lifecycle of an engine built by name ("vllm": started in `run_dir/vllm`, one server for the run,
+stopped when `fit` ends) runs on the stand-in server (tests/_vllm_fake.py) in seconds.
 
 Skipped without the vLLM venv (run scripts/vllm-up.sh, ~8 minutes), as
 tests/policy/test_vllm_server.py is; that module covers the server itself (sampling settings,
@@ -17,33 +19,59 @@ import math
 
 import pytest
 from _rl_helpers import toy_trainer
+from _vllm_fake import fake_venv
+from _vllm_helpers import SharedServerEngine
 from _waits import WAIT_S, wait_for
 
 from posttrain.policy import Policy
 from posttrain.policy.vllm_process import group_alive
-from posttrain.policy.vllm_server import vllm_unavailable_reason
 from posttrain.rl.lowbit_rollout import SAMPLER_METRICS
 
-REASON = vllm_unavailable_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def test_grpo_trains_on_the_vllm_servers_samples_and_stops_it(tmp_path):
+def test_grpo_trains_on_the_vllm_servers_samples(vllm_server):
+    """The server starts on other weights than the policy's (`drawn_policy(0)`, or whatever the
+    test before left): the trainer syncs a given engine before its first rollout."""
     policy = Policy.from_spec("tiny-1m", seed=0)
-    trainer = toy_trainer(policy, rollout_engine="vllm", run_dir=tmp_path / "run", lr=0.05)
-    seen = []
-
-    def record(t, row):
-        server = t.rollout.engine.server
-        seen.append(({x.policy_version for g in t.last_groups for x in g}, server.pgid))
-
-    trainer.callbacks.append(record)
+    engine = SharedServerEngine(vllm_server, version=7)
+    trainer = toy_trainer(policy, rollout_engine=engine, lr=0.05)
+    versions = []
+    trainer.callbacks.append(
+        lambda t, row: versions.append({x.policy_version for g in t.last_groups for x in g})
+    )
     metrics = trainer.fit(3)
-    assert [versions for versions, _ in seen] == [{0}, {1}, {2}]
+    assert versions == [{0}, {1}, {2}] and engine.version == 2
     assert set(SAMPLER_METRICS) <= set(metrics.columns)
     assert (metrics["rollout_logprob_delta_max"] < 1e-4).all(), metrics[list(SAMPLER_METRICS)]
     assert (metrics["rollout_kl_mean"] < 5e-9).all()
     assert all(math.isfinite(x) for x in metrics["loss"])
+    assert not engine.closed and vllm_server.alive  # a given engine stays the caller's
+    split = metrics[[f"weight_sync_{p}_s" for p in ("save", "reload", "reset")]]
+    assert (metrics["weight_sync_s"] > 0).all()  # a given engine: synced before every rollout
+    assert (split > 0).all().all() and (split.sum(axis=1) <= metrics["weight_sync_s"]).all()
+
+
+def test_an_engine_built_by_name_starts_one_server_for_the_run_and_stops_it(tmp_path):
+    """`rollout_engine="vllm"` on the stand-in server (`venv=` a fake vLLM venv): what is tested
+    is the trainer starting and stopping a server it owns, which the shared server must not be."""
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    # the stand-in's HTTP server queues 5 connections: 4 requests in flight at most
+    options = {"venv": fake_venv(tmp_path / "venv"), "max_concurrency": 4}
+    trainer = toy_trainer(
+        policy, rollout_engine="vllm", run_dir=tmp_path / "run", rollout_options=options
+    )
+    seen, synced = [], []
+
+    def record(t, row):
+        server = t.rollout.engine.server
+        seen.append(({x.policy_version for g in t.last_groups for x in g}, server.pgid))
+        synced.append(row["weight_sync_s"])
+
+    trainer.callbacks.append(record)
+    trainer.fit(2)
+    assert [versions for versions, _ in seen] == [{0}, {1}]
+    assert synced[0] == 0.0 and synced[1] > 0  # the first rollout started the server
     assert (tmp_path / "run" / "vllm" / "server.log").is_file()
     pgid = seen[0][1]
     assert {p for _, p in seen} == {pgid}  # one server for the run
