@@ -78,14 +78,17 @@ def nccl_unavailable_reason() -> str | None:
 
 def hf_weights(policy: Policy) -> list[tuple[str, torch.Tensor]]:
     """The policy's weights under HF names, on its device, in the order they are sent: the
-    tensors `save_hf_checkpoint` writes, plus `lm_head.weight` (the embedding) for a tied model.
+    tensors `save_hf_checkpoint` writes, plus `lm_head.weight` (the embedding) for a tied model;
+    LoRA / QLoRA adapters merged as the reload path merges them (`vllm_servable.served_policy`).
 
     Raises:
-        ValueError: the model's parameters do not match its spec, or one is not a plain tensor.
+        ValueError: the model's parameters do not match its spec, or one is not a plain tensor;
+            a converter the server does not take (`vllm_servable.check_servable`).
     """
     from posttrain.models.hf import hf_state_dict
+    from posttrain.policy.vllm_servable import served_policy
 
-    hf = hf_state_dict(policy.model, policy.spec)
+    hf = hf_state_dict(served_policy(policy).model, policy.spec)
     if policy.spec.tie_word_embeddings and "lm_head.weight" not in hf:
         hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
     return sorted(hf.items())

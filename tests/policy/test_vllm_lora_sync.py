@@ -182,3 +182,19 @@ def test_the_server_samples_a_synced_qlora_policy(vllm_server):
     ref = policy.logprobs([c.prompt_ids for c in sampled], [c.token_ids for c in sampled])
     for c, r in zip(sampled, ref):
         torch.testing.assert_close(torch.tensor(c.logprobs), r, rtol=0, atol=1e-4)
+
+
+def test_the_nccl_path_sends_the_merged_weights_the_reload_path_saves():
+    """`vllm_nccl.hf_weights` (what a GPU sync broadcasts) of a LoRA policy: the merged weights,
+    no adapter keys (a CPU check; NCCL itself needs GPUs)."""
+    from posttrain.policy.vllm_nccl import hf_weights
+
+    policy = lora_policy(0)
+    before = snapshot(policy)
+    sent = dict(hf_weights(policy))
+    assert not any("lora" in k for k in sent)
+    a, b = before["layers.1.mlp.w1.lora_a.weight"], before["layers.1.mlp.w1.lora_b.weight"]
+    expected = before["layers.1.mlp.w1.weight"] + (ALPHA / RANK) * (b @ a)  # HF gate_proj
+    torch.testing.assert_close(
+        sent["model.layers.1.mlp.gate_proj.weight"], expected, rtol=0, atol=1e-6
+    )
