@@ -135,6 +135,8 @@ class SharedEngine:
         url: the server's address (the same on every rank).
         version: the weight version the next samples are drawn with (the same on every rank).
         owner: rank 0's `VLLMEngine` (it started the server and syncs it); None elsewhere.
+        peers: (the group of the ranks of this data rank, or None when it has one; the first of
+            them, which asks the server for their samples).
         last_sync: rank 0's `WeightSync` of the last sync (on every rank), or None.
     """
 
@@ -155,6 +157,7 @@ class SharedEngine:
         log: str,
     ) -> None:
         self.url, self.version, self.owner = url, version, owner
+        self.peers = (peers, asker)
         self.last_sync: WeightSync | None = None
         self.tokenizer: Tokenizer = policy.tokenizer
         self.spec: ModelSpec = policy.spec
@@ -170,17 +173,20 @@ class SharedEngine:
         *,
         version: int,
         data_rank: int,
+        peers: tuple[ProcessGroup | None, int] | None = None,
         **server_options: Any,
     ) -> SharedEngine:
         """Start the job's server on rank 0 from `policy` (`VLLMEngine.start` with
         `server_options`; a temporary folder without a run_dir) and return every rank's engine.
         Collective: every rank calls it, with its own data rank (`runtime.data_rank`).
+        `peers`: the (group, first rank) of this data rank's ranks from an earlier start (`peers`
+        of that engine); made here when None (every rank makes every group).
 
         Raises:
             on rank 0 what `VLLMEngine.start` raises; on the others `SharedEngineError` naming
             it. Every rank raises when rank 0 failed.
         """
-        peers, asker = _peer_group(data_rank)
+        group, asker = peers or _peer_group(data_rank)
         owner: VLLMEngine | None = None
         error: BaseException | None = None
         outcome: dict[str, Any] | None = None
@@ -204,7 +210,7 @@ class SharedEngine:
             raise SharedEngineError(
                 f"rank 0 could not start the vLLM server this run's ranks share: {outcome['error']}"
             )
-        return cls(version=version, policy=policy, owner=owner, peers=peers, asker=asker, **outcome)
+        return cls(version=version, policy=policy, owner=owner, peers=group, asker=asker, **outcome)
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], *, seed: int | None = None, **sampling: Any
@@ -355,6 +361,7 @@ class SharedSlot:
         self.name, self.data_rank = name, data_rank
         self.engine: SharedEngine | None = None
         self._run_dir, self._options = run_dir, dict(options or {})
+        self._peers: tuple[ProcessGroup | None, int] | None = None  # made once, at the first start
 
     def sampler(self, policy: Policy, version: int | None = None) -> RolloutEngine:
         """The shared engine holding `policy`'s weights at `version` (see the class docstring)."""
@@ -364,8 +371,10 @@ class SharedSlot:
                 self._run_dir,
                 version=version or 0,
                 data_rank=self.data_rank,
+                peers=self._peers,
                 **self._options,
             )
+            self._peers = self.engine.peers
         elif version is None or self.engine.version != version:
             self.engine.sync(policy, version=version)
         return self.engine
