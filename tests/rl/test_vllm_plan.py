@@ -124,3 +124,22 @@ def test_grpo_under_dp_shard_2_trains_on_one_real_vllm_server(ranks):
     ]
     assert (out / "real" / "vllm" / "server.log").is_file()
     _gone(runs[0]["steps"][0]["pgid"])
+
+
+def test_the_engine_is_shared_only_under_a_plan_of_several_ranks():
+    """Without a process group, or without a plan (a trainer that needs no other rank), each
+    process keeps an engine of its own; a wildcard host is broadcast as this machine's name."""
+    import socket
+
+    from posttrain.policy.engine_slot import EngineSlot
+    from posttrain.rl.engine_plan import _reachable
+    from posttrain.rl.engine_rollout import ManagedEngine
+    from posttrain.train import LocalRuntime, ParallelPlan
+
+    policy = drawn_policy(0)
+    plain = LocalRuntime(policy.model)
+    planned = ParallelPlan(dp_shard=1).parallelize(policy.model, spec=policy.spec)
+    for runtime in (None, plain, planned):
+        assert type(ManagedEngine("vllm", runtime=runtime).slot) is EngineSlot
+    assert _reachable("http://0.0.0.0:8123") == f"http://{socket.getfqdn()}:8123"
+    assert _reachable("http://127.0.0.1:8123") == "http://127.0.0.1:8123"
