@@ -9,8 +9,8 @@ tests/_vllm_fake.py (seconds, no vLLM needed; its samples start with a digest of
 holds, and its controls make a reload or a request fail), then, with the vLLM venv, on a real
 server. That one is started by rank 0 of the trainer rather than taken from the suite's shared
 `vllm_server` fixture: the shared server lives in the pytest process, and what is tested is the
-ranks starting, reaching, syncing and stopping their own (~2 minutes on a loaded machine, most
-of it the server's start).
+ranks starting, reaching, syncing and stopping their own (the module took 237 s at load ~23,
+most of it the real server's start).
 
 Independent checks: the model rank 0 exported from the gathered dp_shard=2 weights equals,
 tensor for tensor, the one-process policy saved here; after each update, greedy tokens served by
