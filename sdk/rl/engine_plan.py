@@ -19,10 +19,10 @@ One rollout, on every rank (the collectives are marked *):
                    error; rank 0 raises its own), never stale sampling
     samples        each data rank its share of the prompts (`posttrain.rl.parallel.data_shares`,
                    its own seed), from the server, stamped with the agreed version; the ranks
-                   of one data rank (tp, sp) need the same groups,
-                   so the first of them asks and the others receive its answer (broadcast* over
-                   their group): two identical seeded requests batched differently by the server
-                   need not give the same tokens
+                   of one data rank (tp, sp) need the same groups, so the first of them asks
+                   and the others receive its answer (broadcast* over their group): two
+                   identical seeded requests batched differently by the server need not give
+                   the same tokens; a failed request raises on all of them
     close          when `fit` returns or raises: rank 0 stops the server (its process group);
                    the other ranks drop their client (no collective: a rank that failed alone
                    still closes)
