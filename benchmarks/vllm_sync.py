@@ -1,12 +1,13 @@
 """Weight-sync time against model size for the vLLM engine (`VLLMServer.sync_weights`), plain
 and with LoRA adapters (merged at each sync: `posttrain.policy.vllm_servable.served_policy`).
 
-For each model: start one server (float32, eager), sync the plain policy once as a warm-up and
-then `--repeats` times; convert the same policy to LoRA (`--lora-rank`, q/k/v/o projections,
-nonzero adapters), sync it once as a warm-up and `--repeats` times; close the server. Each
-Markdown row gives the median of each step (save: merge + safetensors to /dev/shm; reload:
-reload_weights in the server; reset: reset_prefix_cache) with the range (min-max) under it, the
-bytes written, and the 1-minute load average before and after the row's syncs. Wall-clock
+For each model: start one server (float32, eager) for the plain policy and a LoRA copy of it
+(`--lora-rank`, q/k/v/o projections, nonzero adapters); sync each once as a warm-up, then
+`--repeats` rounds syncing the plain one and the LoRA one in turn (so both see the same load);
+close the server. Each Markdown row gives the median of each step (save: merge + safetensors
+to /dev/shm; reload: reload_weights in the server; reset: reset_prefix_cache) with its range
+(min-max), the bytes written, and the 1-minute load average before and after the model's syncs.
+Wall-clock
 seconds on a shared machine: read them as ranges. The process runs `--threads` torch threads
 (default 1: on a loaded 2-core machine two threads spin-wait, and the merge's small matmuls took
 ~40x longer, 1.3 s instead of 0.03 s at 12M parameters).
@@ -21,6 +22,7 @@ attention serves; tiny-10m's 40 it does not) and d768-l12 (~104M). Needs the vLL
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import platform
@@ -75,12 +77,18 @@ def to_lora(policy: Policy, rank: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.01)
 
 
-def timed(server: VLLMServer, policy: Policy, repeats: int) -> tuple[list[WeightSync], str]:
-    """One warm-up sync, then `repeats` reported ones; the load average before / after."""
-    server.sync_weights(policy)
+def timed(server: VLLMServer, policies: dict[str, Policy], repeats: int) -> dict[str, list]:
+    """One warm-up sync of each policy, then `repeats` rounds syncing each once in turn (so
+    every row sees the same load): label -> its syncs; "load" -> the load average before / after."""
+    for policy in policies.values():
+        server.sync_weights(policy)
     before = os.getloadavg()[0]
-    syncs = [server.sync_weights(policy) for _ in range(repeats)]
-    return syncs, f"{before:.1f} / {os.getloadavg()[0]:.1f}"
+    syncs: dict[str, list] = {label: [] for label in policies}
+    for _ in range(repeats):
+        for label, policy in policies.items():
+            syncs[label].append(server.sync_weights(policy))
+    syncs["load"] = [f"{before:.1f} / {os.getloadavg()[0]:.1f}"]
+    return syncs
 
 
 def cell(syncs: list[WeightSync], step: str) -> str:
@@ -106,19 +114,18 @@ def main() -> None:
     print("| model | params | safetensors | save | reload | reset | total | load before / after |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        policy = Policy.from_spec(model_spec(name), seed=0)
-        rows = []
-        with tempfile.TemporaryDirectory() as run, VLLMServer.start(policy, run) as server:
-            rows.append((name, *timed(server, policy, args.repeats)))
-            if args.lora_rank:
-                to_lora(policy, args.lora_rank)
-                label = f"{name} + LoRA r{args.lora_rank} merged"
-                rows.append((label, *timed(server, policy, args.repeats)))
-        params = sum(p.numel() for n, p in policy.model.named_parameters() if "lora_" not in n)
-        for label, syncs, load in rows:
-            size = f"{params / 1e6:.1f}M | {syncs[0].nbytes / 2**20:.1f} MiB"
-            steps = " | ".join(cell(syncs, k) for k in STEPS)
-            print(f"| {label} | {size} | {steps} | {load} |", flush=True)
+        policies = {name: Policy.from_spec(model_spec(name), seed=0)}
+        if args.lora_rank:
+            lora = copy.deepcopy(policies[name])
+            to_lora(lora, args.lora_rank)
+            policies[f"{name} + LoRA r{args.lora_rank} merged"] = lora
+        with tempfile.TemporaryDirectory() as run, VLLMServer.start(policies[name], run) as server:
+            syncs = timed(server, policies, args.repeats)
+        params = policies[name].num_parameters()
+        for label in policies:
+            size = f"{params / 1e6:.1f}M | {syncs[label][0].nbytes / 2**20:.1f} MiB"
+            steps = " | ".join(cell(syncs[label], k) for k in STEPS)
+            print(f"| {label} | {size} | {steps} | {syncs['load'][0]} |", flush=True)
 
 
 if __name__ == "__main__":

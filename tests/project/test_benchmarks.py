@@ -341,3 +341,19 @@ def test_gpu_vllm_rollout_refuses_without_cuda():
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
+
+
+def test_vllm_sync_cells_give_the_median_and_range_of_the_syncs():
+    """Three syncs saving in 0.3, 0.1, 0.2 s -> median 0.200, range 0.100-0.300; totals
+    0.3+0.2+0.01, 0.1+0.4+0.01, 0.2+0.2+0.02 = 0.51, 0.51, 0.42 -> 0.510 (0.420-0.510)."""
+    from posttrain.policy.vllm_server import WeightSync
+
+    m = _benchmark_module("vllm_sync")
+    syncs = [
+        WeightSync(1, 8, 0.3, 0.2, 0.01),
+        WeightSync(2, 8, 0.1, 0.4, 0.01),
+        WeightSync(3, 8, 0.2, 0.2, 0.02),
+    ]
+    assert m.cell(syncs, "save_s") == "0.200 (0.100-0.300)"
+    assert m.cell(syncs, "total_s") == "0.510 (0.420-0.510)"
+    assert m.model_spec("tiny-10m-h64").head_dim == 64  # served by vLLM's CPU attention
