@@ -6,6 +6,7 @@ step. tests/rl/test_vllm_rollout.py checks the same columns with a real vLLM ser
 """
 
 import copy
+import json
 
 import pytest
 from _rl_helpers import toy_trainer
@@ -43,10 +44,15 @@ def test_the_builtin_engine_logs_no_sync_time():
     assert not [c for c in metrics.columns if c.startswith("weight_sync_") and c != "weight_sync_s"]
 
 
-def test_an_engine_apart_from_the_policy_logs_each_sync_and_its_split():
-    """A given engine is synced before every rollout, the first included."""
+def test_an_engine_apart_from_the_policy_logs_each_sync_and_its_split(tmp_path):
+    """A given engine is synced before every rollout, the first included; the columns reach the
+    run's metrics file."""
     policy = Policy.from_spec("tiny-1m", seed=0)
-    metrics = toy_trainer(policy, rollout_engine=SplitEngine(policy)).fit(3)
+    trainer = toy_trainer(policy, rollout_engine=SplitEngine(policy), run_dir=tmp_path)
+    metrics = trainer.fit(3)
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_sync_s"] for r in written] == metrics["weight_sync_s"].tolist()
+    assert [r["weight_sync_reload_s"] for r in written] == [SPLIT["reload_s"]] * 3
     assert (metrics["weight_sync_s"] > 0).all()
     assert (metrics["weight_sync_s"] <= metrics["time_scoring_s"]).all()  # a part of it
     for part, seconds in SPLIT.items():
