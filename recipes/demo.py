@@ -22,7 +22,9 @@ from posttrain.workflows.task_data import check_seq_len
 
 @dataclass(kw_only=True)
 class Config:
-    """The demo's policy, prompts and sampling. Raises ValueError in `__post_init__` naming the
+    """The demo's policy, prompts and sampling. It samples with the policy itself
+    (`Policy.generate`, before and after a save and reload), so it has no `rollout` section: the
+    engine is what the other recipes choose. Raises ValueError in `__post_init__` naming the
     dotted field."""
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +40,6 @@ from posttrain.policy.sampling import Completion, _check_sampling_args, token_lo
 
 if TYPE_CHECKING:
     from posttrain.models.tokenizer import Tokenizer
-    from posttrain.policy.rollout_engine import RolloutEngine
 
 
 class Policy:
@@ -372,8 +371,19 @@ class Policy:
         return out
 
 
+class Sampler(Protocol):
+    """What `generate_for_items` samples with: a `Policy`, or a rollout engine
+    (`posttrain.policy.rollout_engine.RolloutEngine`, which has these two and more)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def generate(self) -> Callable[..., Sequence[Completion]]: ...
+
+
 def generate_for_items(
-    policy_or_engine: Policy | RolloutEngine,
+    policy_or_engine: Sampler,
     items: Sequence[Mapping[str, Any]],
     *,
     batch_size: int,

@@ -48,6 +48,7 @@ from posttrain.workflows.field_checks import (
     run_fields,
     seeds,
 )
+from posttrain.workflows.rollout_config import RolloutConfig
 
 if TYPE_CHECKING:  # verl loads with posttrain.rl: only RL runs pay for it
     from posttrain.rl.config import RLAlgorithm
@@ -58,6 +59,7 @@ __all__ = [
     "OptimConfig",
     "BatchOptimConfig",
     "SamplingConfig",
+    "RolloutConfig",
     "EvalConfig",
     "RLEvalConfig",
     "CheckpointConfig",

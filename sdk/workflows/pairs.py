@@ -3,7 +3,8 @@
 share, and the `pairs` section's meaning in both.
 
 `pairs.samples_per_prompt` completions of each of the first `pairs.num_prompts` training
-questions of a reasoning-gym task, sampled from the starting policy (section `sampling`) and
+questions of a reasoning-gym task, sampled from the starting policy (section `sampling`; by
+the engine of section `rollout`: builtin, or a vllm server in the run folder's vllm/) and
 ranked by the task's verifier; the best against the worst where they rank differently
 (`posttrain.preference.pairs.make_preference_pairs`); with `pairs.reference_answer` the task's
 own answer joins the candidates. The pairs and their statistics are stage files of the run
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.preference_batches import PreferenceLoader
 from posttrain.policy.policy import Policy
@@ -38,7 +39,7 @@ from posttrain.workflows.config import (
     TaskConfig,
     validate,
 )
-from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     QuantizationConfig,
@@ -46,6 +47,10 @@ from posttrain.workflows.quantization import (
 )
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import cached_pairs, on_rank_zero
+from posttrain.workflows.rollout_config import RolloutConfig
+
+if TYPE_CHECKING:
+    from posttrain.policy.engine_slot import EngineSlot
 
 __all__ = ["PairsRunConfig", "sampled_pairs", "reference_answer", "pair_loader"]
 
@@ -65,6 +70,8 @@ class PairsRunConfig:
     # pairs by rejection sampling (never on a held-out question)
     pairs: PairsConfig = field(default_factory=PairsConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # the engine that samples them (and the held-out evaluations): builtin, or vllm
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     # the trained model's stage (optim.batch_size: pairs, or KTO rows, per micro-batch)
     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -94,6 +101,7 @@ class PairsRunConfig:
             unsupported=unsupported,
         )
         check_converted_run(self, at, training=("none", "fp8"))
+        self.rollout.refuse(at, [], planned=plan_of(self) is not None)
 
 
 def reference_answer(item: Mapping[str, Any]) -> str:
@@ -102,12 +110,21 @@ def reference_answer(item: Mapping[str, Any]) -> str:
 
 
 def sampled_pairs(
-    run: RecipeRun, policy: Policy, task: Any, *, max_seq_len: int, stats_file: str
+    run: RecipeRun,
+    policy: Policy,
+    task: Any,
+    *,
+    max_seq_len: int,
+    stats_file: str,
+    engines: EngineSlot | None = None,
 ) -> tuple[list[Mapping[str, Any]], dict[str, Any], dict[str, int]]:
     """The pairs of `run` (whose config has `pairs`, `sampling`, `seed` and `resume`) from
     `policy` on `task` (a `ReasoningGymTask`: its `train_items` and `verifier`).
 
     Args:
+        engines: the run's engine slot (`RolloutConfig.slot`): the pairs are sampled by
+            `engines.sampler(policy)` (nothing starts when they are read back on resume);
+            None samples with `policy` itself.
         max_seq_len: the longest pair (prompt and answer, in tokens) the next stage takes.
         stats_file: the run folder's file of the sampling statistics.
 
@@ -123,7 +140,7 @@ def sampled_pairs(
     def make() -> tuple[list[dict], dict[str, Any]]:
         s = cfg.sampling
         rows, stats = make_preference_pairs(
-            policy,
+            policy if engines is None else engines.sampler(policy),
             task.train_items[: cfg.pairs.num_prompts],
             rank=task.verifier,
             n=cfg.pairs.samples_per_prompt,

@@ -42,7 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -89,6 +89,9 @@ from posttrain.workflows.task_data import (
     held_out_items,
     training_task,
 )
+
+if TYPE_CHECKING:
+    from posttrain.policy.engine_slot import EngineSlot
 
 __all__ = ["PreferenceRunConfig", "run_preference", "LOSSES", "DEFAULT_BETA"]
 
@@ -156,6 +159,9 @@ class PreferenceRunConfig(PairsRunConfig):
         finite(self, at, ("simpo_gamma",), low=0.0)  # SimPO's target reward margin
         positive(self, at, ("kto_desirable_weight", "kto_undesirable_weight"))
         flags(self, at, ("ipo_length_normalize",))
+        self.rollout.refuse(  # the held-out evaluations sample the converted policy
+            at, [("quantization.training", self.quantization.training, ("none",))], planned=False
+        )
         choice(f"{at}.dpo_loss_type", self.dpo_loss_type, DPO_LOSS_TYPES)
         choice(f"{at}.f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
         for name, default in (
@@ -219,6 +225,13 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
             config (`check_task_fits`); later, if rejection sampling gives too few pairs.
     """
     run = RecipeRun.start(cfg, sub_runs=("sft",))
+    with cfg.rollout.slot(run.out) as engines:  # a vllm server stops when the run ends
+        return _run(run, cfg, engines)
+
+
+def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[str, Any] | None:
+    """`run_preference` after its start: `engines` samples the pairs and the held-out
+    evaluations (rank 0)."""
     out, plan = run.out, run.plan
     times: dict[str, float] = {}
 
@@ -231,7 +244,12 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
     t0 = time.perf_counter()
     rows, pair_stats, unusable = sampled_pairs(
-        run, policy, task, max_seq_len=cfg.max_seq_len, stats_file="pair_stats.json"
+        run,
+        policy,
+        task,
+        max_seq_len=cfg.max_seq_len,
+        stats_file="pair_stats.json",
+        engines=engines,
     )
     times["pairs_s"] = time.perf_counter() - t0
     if run.writes:
@@ -259,7 +277,7 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
         for r in convert_for_training(policy.model, cfg, spec=policy.spec, verbose=run.writes)
     ]
     # the plain policy, evaluated before a plan splits it (rank 0 alone evaluates)
-    before_table = _before(cfg, policy, items, scorer, out) if run.writes else None
+    before_table = _before(cfg, policy, items, scorer, out, engines) if run.writes else None
     runtime = None if plan is None else run.parallelize(policy.model, spec=policy.spec)
     t0 = time.perf_counter()
     if objective.needs_reference:  # the starting policy is the reference (split, if planned)
@@ -303,7 +321,7 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
     )
 
     # 5. Held-out accuracy after, paired with before on the same items
-    after = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
+    after = evaluate(engines.sampler(policy), items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
     write_table(after.table, out / "eval_after.csv")
     diff = paired_bootstrap_diff(
         after.table["correct"].to_numpy(), before_table["correct"].to_numpy(), seed=cfg.seed
@@ -345,14 +363,20 @@ def run_preference(cfg: PreferenceRunConfig) -> dict[str, Any] | None:
 
 
 def _before(
-    cfg: PreferenceRunConfig, policy: Policy, items: list[dict], scorer: Any, out: Path
+    cfg: PreferenceRunConfig,
+    policy: Policy,
+    items: list[dict],
+    scorer: Any,
+    out: Path,
+    engines: EngineSlot,
 ) -> pd.DataFrame:
     """The held-out evaluation table of the starting policy, `eval_before.csv` (read back when
-    resuming)."""
+    resuming), sampled by `engines`."""
     path = out / "eval_before.csv"
     table = read_table(path) if cfg.resume else None
     if table is None:
-        table = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens).table
+        sampler = engines.sampler(policy)
+        table = evaluate(sampler, items, scorer, max_new_tokens=cfg.eval.max_new_tokens).table
         write_table(table, path)
     return table
 

@@ -37,6 +37,7 @@ from posttrain.train.engine import Engine
 from posttrain.workflows.config import BatchOptimConfig, SFTWarmStartConfig, validate
 from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelPlan, check_world_size
+from posttrain.workflows.rollout_config import RolloutConfig
 
 __all__ = [
     "start_run",
@@ -171,10 +172,11 @@ _ADDED_DEFAULTS = {
         for f in dataclasses.fields(BatchOptimConfig)
         if f.name not in ("steps", "lr", "batch_size")
     },
+    **{f"rollout.{k}": v for k, v in dataclasses.asdict(RolloutConfig()).items()},
 }
 """Keys that a config.json written before they existed lacks (the `parallel` section; the SFT
-warm start's optimizer fields besides steps, lr and batch_size); at these values they mean what
-that run did."""
+warm start's optimizer fields besides steps, lr and batch_size; the `rollout` section of the
+recipes other than grpo and ppo); at these values they mean what that run did."""
 
 
 def _check_resumed_config(saved: dict, now: dict, out: Path) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data import PreferenceDataset
 from posttrain.preference import BradleyTerryLoss, gathered_reward_model, parallelize_reward_model
@@ -67,6 +67,9 @@ from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import start_policy
 from posttrain.workflows.task_data import check_gym_task, check_seq_len, training_task
+
+if TYPE_CHECKING:
+    from posttrain.policy.engine_slot import EngineSlot
 
 __all__ = ["RewardModelRunConfig", "run_reward_model", "split_by_question"]
 
@@ -115,6 +118,12 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
         RuntimeError: if the saved reward model does not reproduce the trained one's accuracy.
     """
     run = RecipeRun.start(cfg, sub_runs=("sft",))
+    with cfg.rollout.slot(run.out) as engines:  # a vllm server stops when the run ends
+        return _run(run, cfg, engines)
+
+
+def _run(run: RecipeRun, cfg: RewardModelRunConfig, engines: EngineSlot) -> dict[str, Any] | None:
+    """`run_reward_model` after its start: `engines` samples the pairs (rank 0)."""
     out = run.out
 
     # 1. the policy that samples the pairs
@@ -124,7 +133,12 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
     # 2. pairs by rejection sampling, ranked by the task's verifier; split by question
     task = training_task(cfg, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed)
     rows, pair_stats, unusable = sampled_pairs(
-        run, policy, task, max_seq_len=policy.spec.max_seq_len, stats_file="pairs_stats.json"
+        run,
+        policy,
+        task,
+        max_seq_len=policy.spec.max_seq_len,
+        stats_file="pairs_stats.json",
+        engines=engines,
     )
     train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
     pairs_s = run.seconds() - policy_s

@@ -35,7 +35,7 @@ The config (`RLRunConfig`, `RL_TINY`) is in `posttrain.workflows.rl_config` and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.core.distributed import rank_and_world_size
 from posttrain.models.lora import has_adapters
@@ -66,6 +66,9 @@ from posttrain.workflows.task_data import (
     training_task,
 )
 
+if TYPE_CHECKING:
+    from posttrain.policy.engine_slot import EngineSlot
+
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
 
 
@@ -87,6 +90,13 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
     and `cfg.resume` is False, or the task's data does not fit the config (`check_task_fits`).
     """
     run = RecipeRun.start(cfg, sub_runs=("sft",))
+    with cfg.rollout.slot(run.out) as engines:  # a vllm server stops when the run ends
+        return _run(run, cfg, engines)
+
+
+def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any] | None:
+    """`run_sft_then_rl` after its start: `engines` samples the rollouts (an engine apart from
+    the policy is lent to the trainer) and the held-out evaluations after the SFT stage."""
     out, plan = run.out, run.plan
 
     # 1. SFT warm start (evaluates before and after on the held-out items)
@@ -130,6 +140,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
             every=cfg.eval.every,
             max_new_tokens=cfg.eval.max_new_tokens,
             path=out / "eval_curve.csv",
+            engines=engines,
         )
         if cfg.eval.every
         else None
@@ -147,7 +158,7 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         reference=reference,
         lr_scheduler=schedule,
         rollout_quantization=q.rollout_quantization(),
-        **cfg.rollout.trainer_options(),  # builtin, or vllm: a server in out/vllm/
+        **_rollout_options(cfg, engines, policy),  # builtin, or vllm: a server in out/vllm/
         callbacks=[curve] if curve else [],
         **run.trainer_options(runtime),
     )
@@ -174,13 +185,15 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         curve.plot(out / "eval_curve.png", xlabel=f"{cfg.rl.algo.upper()} step")
 
     # 3. Held-out evaluation after RL; paired comparison with the SFT policy on the same items
-    after_rl = evaluate(policy, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
+    after_rl = evaluate(
+        engines.sampler(policy), items, scorer, max_new_tokens=cfg.eval.max_new_tokens
+    )
     write_table(after_rl.table, out / "eval_after_rl.csv")
     after_sft = read_table(out / "sft" / "eval_after.csv", required=True)
     diff = paired_bootstrap_diff(
         after_rl.table["correct"].to_numpy(), after_sft["correct"].to_numpy(), seed=cfg.seed
     )
-    sampled, rl_per_item = sampled_evaluations(cfg, out, items, scorer, policy)
+    sampled, rl_per_item = sampled_evaluations(cfg, out, items, scorer, policy, engines)
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     algo_name = cfg.rl.algo
@@ -216,7 +229,18 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
         results["rollout_kl_mean"] = float(metrics["rollout_kl_mean"].mean())
     write_rl_results(run, results, cfg.task.name, algo_name)
     if cfg.baseline.steps:  # after the RL results are on disk: a failed baseline loses none
-        results.update(more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item))
+        engines.close()  # its SFT stage holds its own engine; the sampled one starts anew
+        results.update(more_sft_baseline(cfg, out, items, scorer, after_rl, rl_per_item, engines))
         results["wall_s"] = run.seconds()
         write_rl_results(run, results, cfg.task.name, algo_name)
     return run.done(results)
+
+
+def _rollout_options(cfg: RLRunConfig, engines: EngineSlot, policy: Policy) -> dict[str, Any]:
+    """`RLTrainer`'s rollout keywords: the builtin engine by name (the trainer as before); an
+    engine apart from the policy (vllm) started by the run's slot from `policy` and lent to
+    the trainer, which syncs it before every rollout and leaves it open for the evaluations."""
+    options = cfg.rollout.trainer_options()
+    if engines.apart_from_policy:
+        options.update(rollout_engine=engines.sampler(policy), rollout_options=None)
+    return options

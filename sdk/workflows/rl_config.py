@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.policy.rollout_engine import ROLLOUT_ENGINES
 from posttrain.workflows.config import (
     CheckpointConfig,
     ModelConfig,
@@ -32,45 +31,38 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
-from posttrain.workflows.field_checks import choice, ints, positive
+from posttrain.workflows.field_checks import ints
 from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     RLQuantizationConfig,
     check_converted_run,
 )
+from posttrain.workflows.rollout_config import RolloutConfig
 from posttrain.workflows.task_data import check_gym_task, check_seq_len
 
-__all__ = ["RLRunConfig", "RolloutConfig", "RL_TINY"]
+__all__ = ["RLRunConfig", "RLRolloutConfig", "RolloutConfig", "RL_TINY"]
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
-    """What samples the RL rollouts (`RLTrainer(rollout_engine=...)`; the rules are
-    `posttrain.rl.engine_rollout`'s, the runbook docs/runbooks/vllm.md): `engine` "builtin"
-    (`Policy.generate`) or "vllm" (a vLLM server in its own venv, scripts/vllm-up.sh; its log in
-    the run folder's vllm/); a sample more than `max_staleness` weight versions behind the
-    trainer is refused; the vllm server must answer within `startup_timeout_s` seconds and gets
-    `kv_cache_gib` GiB of KV cache (CPU)."""
+class RLRolloutConfig(RolloutConfig):
+    """The RL recipes' `rollout` section: `RolloutConfig` (the engine that samples the rollouts
+    and the held-out evaluations) plus `max_staleness`: a rollout sample more than that many
+    weight versions behind the trainer is refused (`RLTrainer(rollout_engine=...)`; the rules
+    are `posttrain.rl.engine_rollout`'s, the runbook docs/runbooks/vllm.md)."""
 
-    engine: str = "builtin"
     max_staleness: int = 0
-    startup_timeout_s: float = 900.0
-    kv_cache_gib: int = 1
 
     def check(self, at: str) -> None:
-        choice(f"{at}.engine", self.engine, ROLLOUT_ENGINES)
+        super().check(at)
         ints(self, at, ("max_staleness",), minimum=0)
-        ints(self, at, ("kv_cache_gib",), minimum=1)
-        positive(self, at, ("startup_timeout_s",))
 
     def trainer_options(self) -> dict[str, Any]:
         """`RLTrainer`'s rollout_engine, max_staleness and rollout_options."""
-        options = {"startup_timeout_s": self.startup_timeout_s, "kv_cache_gib": self.kv_cache_gib}
         return {
             "rollout_engine": self.engine,
             "max_staleness": self.max_staleness,
-            "rollout_options": options if self.engine == "vllm" else None,
+            "rollout_options": self.options(),
         }
 
 
@@ -93,7 +85,7 @@ class RLRunConfig:
         default_factory=lambda: OptimConfig(steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0)
     )
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RLRolloutConfig = field(default_factory=RLRolloutConfig)
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     # LoRA / QLoRA adapters and FP8 training of the RL stage (the SFT stage trains in full);
@@ -140,25 +132,14 @@ class RLRunConfig:
                         "baseline run in one process)",
                     )
         check_converted_run(self, at, training=("none", "fp8"))
-        if self.rollout.engine != "builtin":  # see posttrain.rl.engine_rollout
-            needs: list[tuple[str, Any, Any]] = [
-                ("quantization.rollout", self.quantization.rollout, "none"),
-                ("sampling.top_p", self.sampling.top_p, 1.0),
-            ]
-            for key, value, allowed in needs:
-                if value != allowed:
-                    raise fail(
-                        f"{at}.rollout.engine",
-                        self.rollout.engine,
-                        f"builtin with {key}={value!r} (the {self.rollout.engine} engine samples "
-                        f"apart from the policy: it needs {key}={allowed!r})",
-                    )
-            if plan_of(self) is not None:
-                raise fail(
-                    f"{at}.rollout.engine",
-                    self.rollout.engine,
-                    "builtin under a parallel plan (the vllm engine runs in one process for now)",
-                )
+        self.rollout.refuse(  # see posttrain.rl.engine_rollout
+            at,
+            [
+                ("quantization.rollout", self.quantization.rollout, ("none",)),
+                ("sampling.top_p", self.sampling.top_p, (1.0,)),
+            ],
+            planned=plan_of(self) is not None,
+        )
 
 
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).

@@ -37,16 +37,23 @@ from posttrain.workflows.task_data import evaluate
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
+    from posttrain.policy.engine_slot import EngineSlot
+
 
 __all__ = ["HeldOutCurve", "sampled_evaluations", "more_sft_baseline", "write_rl_results"]
 
 
 def _sampled(
-    cfg: RLRunConfig, policy: Policy, items: list[dict], scorer: ProceduralDataset
+    cfg: RLRunConfig,
+    policy: Policy,
+    items: list[dict],
+    scorer: ProceduralDataset,
+    engines: EngineSlot | None,
 ) -> SampledEvalResult:
-    """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`."""
+    """`cfg.eval.samples` answers per held-out item at temperature 1, seeded by `cfg.seed`,
+    sampled by `engines.sampler(policy)` (by `policy` itself without a slot)."""
     return evaluate_sampled(
-        policy,
+        policy if engines is None else engines.sampler(policy),
         items,
         samples=cfg.eval.samples,
         seed=cfg.seed + 1,
@@ -56,18 +63,24 @@ def _sampled(
 
 
 def sampled_evaluations(
-    cfg: RLRunConfig, out: Path, items: list[dict], scorer: ProceduralDataset, policy: Policy
+    cfg: RLRunConfig,
+    out: Path,
+    items: list[dict],
+    scorer: ProceduralDataset,
+    policy: Policy,
+    engines: EngineSlot | None = None,
 ) -> tuple[dict[str, Any], np.ndarray | None]:
     """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
     back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
     per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
     `cfg.eval.samples` is 0; with them, the RL policy's per-item pass@1 ([N] float64, None
-    without samples) for the baseline's comparison."""
+    without samples) for the baseline's comparison. `engines`: the run's engine slot, which
+    samples both policies (None: each policy samples itself)."""
     if not cfg.eval.samples:
         return {}, None
     algo, results, per_item = cfg.rl.algo, {}, {}
     for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
-        r = _sampled(cfg, model, items, scorer)
+        r = _sampled(cfg, model, items, scorer, engines)
         write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
         results[f"sampled_after_{stage}"] = r.as_dict()
         per_item[stage] = r.per_item_pass1
@@ -84,12 +97,15 @@ def more_sft_baseline(
     scorer: ProceduralDataset,
     after_rl: EvalResult,
     rl_per_item: np.ndarray | None,
+    engines: EngineSlot | None = None,
 ) -> dict[str, Any]:
     """The honest baseline (`cfg.baseline`): `cfg.baseline.steps` more SFT steps from the SFT
     policy on the same demonstrations (run folder `more_sft/`), scored on the same held-out
     items, and RL minus more-SFT, paired (greedy; sampled pass@1 against `rl_per_item`, the RL
     policy's per-item pass@1, when `cfg.eval.samples`). `train_s` is the sum of the stage's
-    step times (`rl_train_s` likewise for RL): training only, whole across a resume."""
+    step times (`rl_train_s` likewise for RL): training only, whole across a resume. The
+    stage's SFT run samples its evaluations with its own engine (`cfg.rollout`); `engines`,
+    the run's slot, samples the sampled evaluation (None: the policy itself)."""
     results = warm_start(
         cfg,
         out,
@@ -112,7 +128,8 @@ def more_sft_baseline(
         ),
     }
     if rl_per_item is not None:
-        r = _sampled(cfg, Policy.from_pretrained(out / "more_sft" / "policy"), items, scorer)
+        more_sft = Policy.from_pretrained(out / "more_sft" / "policy")
+        r = _sampled(cfg, more_sft, items, scorer, engines)
         write_table(r.table, out / "eval_sampled_after_more_sft.csv")
         baseline["sampled_after_more_sft"] = r.as_dict()
         baseline["rl_minus_more_sft_sampled"] = paired_bootstrap_diff(
@@ -127,6 +144,8 @@ class HeldOutCurve:
     (step, accuracy, ci_low, ci_high, num_items: a fraction and its 95% Wilson interval) in
     `path`, written as it comes so a live run can be read. Greedy decoding draws no random
     numbers, so the run trains exactly as without it.
+
+    `engines` (the run's `EngineSlot`, or None for the policy itself) samples the answers.
 
     Call `start(step, after_sft)` once the trainer exists: it writes step 0 (the SFT policy,
     from its results) and drops rows of steps a resumed run will take again.
@@ -146,9 +165,10 @@ class HeldOutCurve:
         every: int,
         max_new_tokens: int,
         path: Path,
+        engines: EngineSlot | None = None,
     ) -> None:
         check_int("every", every, minimum=1)
-        self.policy, self.items, self.scorer = policy, items, scorer
+        self.policy, self.items, self.scorer, self.engines = policy, items, scorer, engines
         self.every, self.max_new_tokens, self.path = every, max_new_tokens, Path(path)
 
     def start(self, step: int, after_sft: dict[str, Any]) -> None:
@@ -159,7 +179,8 @@ class HeldOutCurve:
     def __call__(self, trainer: RLTrainer, row: dict[str, Any]) -> None:
         if trainer.step_count % self.every and trainer.step_count != trainer.target_steps:
             return
-        r = evaluate(self.policy, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
+        sampler = self.policy if self.engines is None else self.engines.sampler(self.policy)
+        r = evaluate(sampler, self.items, self.scorer, max_new_tokens=self.max_new_tokens)
         self._write([*self.rows(), {"step": trainer.step_count, **r.as_dict()}])
 
     def _write(self, points: list[dict[str, Any]]) -> None:

@@ -50,7 +50,7 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
-from posttrain.workflows.parallel import ParallelPlan, check_parallel
+from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     QuantizationConfig,
@@ -68,6 +68,7 @@ from posttrain.workflows.reports import (
     read_table,
     write_table,
 )
+from posttrain.workflows.rollout_config import RolloutConfig
 from posttrain.workflows.run_state import recorded_run
 
 # the task's data, here before they had a module of their own
@@ -82,6 +83,8 @@ from posttrain.workflows.task_data import (
 
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
+
+    from posttrain.policy.engine_slot import EngineSlot
 
 __all__ = [
     "SFTConfig",
@@ -104,7 +107,9 @@ MODES = ("sft", "cpt")
 @dataclass(kw_only=True)
 class SFTConfig:
     """SFT/CPT configuration; every field has a default that runs (400 steps of 64 on 2-term,
-    1-2-digit chain_sum). Raises ValueError in `__post_init__` naming the dotted field."""
+    1-2-digit chain_sum). `rollout` picks the engine of the held-out evaluation before and after
+    training (a run without held-out items, `task.eval_size=0`, samples nothing). Raises
+    ValueError in `__post_init__` naming the dotted field."""
 
     mode: str = "sft"  # sft | cpt (plain text, every token trained)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -115,6 +120,7 @@ class SFTConfig:
     parallel: ParallelPlan = field(default_factory=ParallelPlan)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     max_seq_len: int = 128
     pack: bool = False
     seed: int = 0
@@ -139,6 +145,18 @@ class SFTConfig:
                 f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
                 f"got the file {self.task.name!r}: set task.eval_size=0"
             )
+        if self.rollout.engine != "builtin" and not self.task.eval_size:
+            raise fail(
+                f"{at}.rollout.engine",
+                self.rollout.engine,
+                "builtin with task.eval_size=0 (the engine samples the held-out evaluation; "
+                "this run samples nothing)",
+            )
+        self.rollout.refuse(  # the evaluation after training samples the converted model
+            at,
+            [("quantization.training", self.quantization.training, ("none",))],
+            planned=plan_of(self) is not None,
+        )
 
 
 def warm_start(
@@ -168,6 +186,9 @@ def warm_start(
     model = ModelConfig(
         name=cfg.model.name, init_from=None if init_from is None else str(init_from)
     )
+    rollout = RolloutConfig(  # the engine of its evaluation: the recipe's (an RL one's too)
+        **{f.name: getattr(cfg.rollout, f.name) for f in dataclasses.fields(RolloutConfig)}
+    )
     sft_cfg = SFTConfig(
         model=model,
         task=task,
@@ -179,6 +200,7 @@ def warm_start(
         resume=cfg.resume,
         progress=cfg.progress,
         parallel=cfg.parallel,
+        rollout=rollout,
     )
     done = _finished_results(out / folder) if cfg.resume else None
     return done if done is not None else run_sft(sft_cfg)
@@ -244,6 +266,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     or the task's data does not fit the config (`check_task_fits`).
     """
     run = RecipeRun.start(cfg, data_parallel=True)
+    with cfg.rollout.slot(run.out) as engines:  # a vllm server stops when the run ends
+        return _train(run, cfg, engines)
+
+
+def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any] | None:
+    """`run_sft` after its start: `engines` samples the held-out evaluations (rank 0)."""
     out, plan, writes = run.out, run.plan, run.writes
     policy = (
         Policy.from_pretrained(cfg.model.init_from)
@@ -271,7 +299,13 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
         if before is not None:  # a resumed run: the evaluation before training is done
             results["before"] = accuracy_of(before)
         elif items:
-            before = evaluate(policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens, chat=chat)
+            before = evaluate(
+                engines.sampler(policy),
+                items,
+                ds,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                chat=chat,
+            )
             write_table(before.table, out / "eval_before.csv")
             results["before"] = before.as_dict()
 
@@ -311,7 +345,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any] | None:
     policy = unsharded_policy(policy, trainer.runtime)  # every rank, under a plan
     if run.others_return():
         return None
-    _finish(run, policy, cfg, metrics, items, ds, results)
+    _finish(run, policy, cfg, metrics, items, ds, results, engines)
     return run.done(results)
 
 
@@ -323,8 +357,10 @@ def _finish(
     items: list[dict],
     ds: ProceduralDataset,
     results: dict[str, Any],
+    engines: EngineSlot,
 ) -> None:
-    """After training (rank 0): plot, held-out accuracy, policy and results files."""
+    """After training (rank 0): plot, held-out accuracy (sampled by `engines`), policy and
+    results files."""
     out = run.out
     results["final_loss"] = float(metrics["loss"].iloc[-1])
     results["tokens_per_s"] = float(metrics["tokens_per_s"].median())
@@ -337,7 +373,11 @@ def _finish(
     )
     if items:
         after = evaluate(
-            policy, items, ds, max_new_tokens=cfg.eval.max_new_tokens, chat=cfg.mode == "sft"
+            engines.sampler(policy),
+            items,
+            ds,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            chat=cfg.mode == "sft",
         )
         write_table(after.table, out / "eval_after.csv")
         results["after"] = after.as_dict()

@@ -36,6 +36,8 @@ from posttrain.workflows.config import ROOT, TaskConfig, fail, ints
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
+    from posttrain.policy.rollout_engine import RolloutEngine
+
 __all__ = [
     "PROBE_ITEMS",
     "check_seq_len",
@@ -306,14 +308,15 @@ def _check_pairs_fit(cfg: Any, at: str, tokenizer: Tokenizer, probe: list[dict])
 
 
 def evaluate(
-    policy: Policy,
+    policy: Policy | RolloutEngine,
     items: list[dict],
     ds: ProceduralDataset,
     *,
     max_new_tokens: int,
     chat: bool = True,
 ) -> EvalResult:
-    """Greedy held-out accuracy scored by the task dataset `ds`. A CPT model saw "question
+    """Greedy held-out accuracy scored by the task dataset `ds`, sampled by `policy` (a
+    `Policy`, or a rollout engine: `evaluate_generations`). A CPT model saw "question
     answer" as plain text, so it is evaluated with `chat=False` (it continues the raw question)."""
     return evaluate_generations(
         policy,

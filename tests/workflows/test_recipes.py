@@ -116,11 +116,12 @@ PARALLEL_KEYS = _keys(
 CONVERTER_KEYS = _keys("adapters", "alpha", "dropout", "method", "modules", "rank") + _keys(
     "quantization", "fp8_recipe", "qat_group_size", "qat_scheme", "training"
 )
+ROLLOUT_KEYS = _keys("rollout", "engine", "kv_cache_gib", "startup_timeout_s")
 RL_ROLLOUT_KEYS = _keys(
     "quantization", "rollout", "rollout_correction", "rollout_is_threshold"
-) + _keys("rollout", "engine", "kv_cache_gib", "max_staleness", "startup_timeout_s")
+) + _keys("rollout", "max_staleness")
 # Every training recipe: a run folder that checkpoints and resumes, a model, a task and its
-# evaluation, a parallel plan, adapters and quantisation.
+# evaluation (sampled by the rollout engine), a parallel plan, adapters and quantisation.
 TRAINING_KEYS = [
     "out_dir",
     "progress",
@@ -132,6 +133,7 @@ TRAINING_KEYS = [
     *TASK_KEYS,
     *PARALLEL_KEYS,
     *CONVERTER_KEYS,
+    *ROLLOUT_KEYS,
 ]
 CONFIG_KEYS = {
     "demo": ["out_dir", "prompts", "seed", *MODEL_KEYS, *SAMPLING_KEYS],
