@@ -45,7 +45,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from posttrain.policy.sampling import model_logits, sampling_logprobs
+from posttrain.policy.sampling import (
+    check_scoring_inputs,
+    model_logits,
+    sampling_logprobs,
+    token_logprobs,
+)
 from posttrain.policy.shared_prefix import SharedPrefixPack
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "map_token_chunks",
     "chunked_cross_entropy_sum",
     "chunked_token_logprobs",
+    "token_logprobs_chunked",
 ]
 
 Head = Callable[[Tensor], Tensor]
@@ -296,3 +302,55 @@ def chunked_token_logprobs(
         full_BT = values_N.new_zeros(B, T - 1).index_put((scored_BT,), values_N)
         results.append(F.pad(full_BT, (1, 0)))
     return results[0], (results[1] if entropy else None)
+
+
+def token_logprobs_chunked(
+    model: nn.Module,
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    chunk_tokens: int | None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    share_prefix: bool = False,
+) -> Tensor:
+    """`posttrain.policy.sampling.token_logprobs` with the head and log-softmax over
+    `chunk_tokens` response tokens at a time (None: `token_logprobs` itself, bitwise).
+
+    Same arguments, checks and float32 `[B, T]` result (0 off the response), equal up to float
+    rounding; differentiable with respect to the model's parameters.
+
+    Raises:
+        ValueError: as `token_logprobs`, or for a `chunk_tokens` that is not None or an int >= 1.
+        TypeError: if the model is not a torchtune decoder (chunked only).
+    """
+    chunk = check_chunk_tokens(chunk_tokens)
+    if chunk is None:
+        return token_logprobs(
+            model,
+            input_ids_BT,
+            attention_mask_BT,
+            response_mask_BT,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            share_prefix=share_prefix,
+        )
+    valid_BT, response_BT = check_scoring_inputs(
+        model, input_ids_BT, attention_mask_BT, response_mask_BT
+    )
+    hidden_BTD, head, _ = final_hidden(
+        model, input_ids_BT, valid_BT, response_BT, share_prefix=share_prefix
+    )
+    return chunked_token_logprobs(
+        hidden_BTD,
+        head,
+        input_ids_BT,
+        response_BT,
+        chunk_tokens=chunk,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )[0]

@@ -196,6 +196,26 @@ def token_logprobs(
     Raises:
         ValueError: on shape mismatch or a response token at position 0.
     """
+    valid_BT, response_BT = check_scoring_inputs(
+        model, input_ids_BT, attention_mask_BT, response_mask_BT
+    )
+    logits_BTV, _ = model_logits(
+        model, input_ids_BT, valid_BT, response_BT, share_prefix=share_prefix
+    )
+    return picked_logprobs(
+        logits_BTV, input_ids_BT, response_BT, temperature=temperature, top_k=top_k, top_p=top_p
+    )[0]
+
+
+def check_scoring_inputs(
+    model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor, response_mask_BT: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(valid_BT, response_BT) as bool `[B, T]` (the response restricted to real tokens), after
+    the checks of `token_logprobs`.
+
+    Raises:
+        ValueError: on shape mismatch, a response token at position 0, or a model with KV caches.
+    """
     if input_ids_BT.ndim != 2:
         raise ValueError(f"input_ids_BT must be 2-D [B, T]; got shape {tuple(input_ids_BT.shape)}")
     for name, t in (
@@ -218,13 +238,7 @@ def token_logprobs(
             "the model has KV caches enabled; score with a model without caches "
             "(torchtune.modules.common_utils.delete_kv_caches)"
         )
-
-    logits_BTV, _ = model_logits(
-        model, input_ids_BT, valid_BT, response_BT, share_prefix=share_prefix
-    )
-    return picked_logprobs(
-        logits_BTV, input_ids_BT, response_BT, temperature=temperature, top_k=top_k, top_p=top_p
-    )[0]
+    return valid_BT, response_BT
 
 
 def model_logits(

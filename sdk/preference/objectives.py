@@ -10,7 +10,9 @@ They run the policy on a `posttrain.data.preference.PreferenceBatch` (chosen and
 forward, concatenated along B) or `KTOBatch`; reference log-probabilities come precomputed in the
 batch (`posttrain.preference.reference.compute_reference_logps`). The losses themselves are the
 pure functions of `posttrain.preference.losses`. The normaliser is the number of pairs (KTO: rows)
-in the whole optimizer step, so gradient accumulation 1 x 8 equals 8 x 1.
+in the whole optimizer step, so gradient accumulation 1 x 8 equals 8 x 1. Every objective takes
+`loss_chunk_tokens` (None, or an int >= 1): the policy's head and log-softmax then run over that
+many response tokens at a time (`posttrain.policy.chunked_ce`), without [B, T, V] logits.
 
 Example:
     >>> from posttrain.train.losses import get_loss
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posttrain.policy.chunked_ce import check_chunk_tokens
 from posttrain.preference.dpo_family import DPO_OPTION_DEFAULTS, DPOOptions
 from posttrain.preference.loss_checks import check_beta
 from posttrain.preference.losses import (
@@ -53,6 +56,7 @@ class _PairObjective:
     """Shared parts of the pairwise objectives: one forward over [chosen; rejected]."""
 
     needs_reference = True
+    loss_chunk_tokens: int | None = None
 
     def num_units(self, batch: Any) -> Tensor:
         """Pairs in `batch` (int64 scalar; 0 for a data-parallel padding batch)."""
@@ -77,7 +81,9 @@ class _PairObjective:
     def forward_pairs(self, model: nn.Module, batch: Any) -> dict[str, Tensor]:
         """Policy log-probs and lengths of the chosen and rejected responses, one forward."""
         input_ids, attention_mask, response_mask = batch.concatenated()
-        logps_2B, lengths_2B = response_logps(model, input_ids, attention_mask, response_mask)
+        logps_2B, lengths_2B = response_logps(
+            model, input_ids, attention_mask, response_mask, chunk_tokens=self.loss_chunk_tokens
+        )
         chosen_logps_B, rejected_logps_B = logps_2B.chunk(2)
         chosen_lengths_B, rejected_lengths_B = lengths_2B.chunk(2)
         out = {
@@ -133,6 +139,7 @@ class DPOLoss(_PairObjective):
         loss_type: a name of `DPO_LOSS_TYPES` or a list of them. loss_weights: one per type.
         f_divergence_type: one of `F_DIVERGENCE_TYPES`; f_alpha_divergence_coef: its alpha.
         discopop_tau: DiscoPOP's temperature. dpop_lambda: DPOP's penalty weight.
+        loss_chunk_tokens: None or response tokens per chunk of the head (module docstring).
 
     Raises:
         ValueError: for the options `dpo_loss` rejects, naming the option.
@@ -149,6 +156,7 @@ class DPOLoss(_PairObjective):
         f_alpha_divergence_coef: float = DPO_OPTION_DEFAULTS["f_alpha_divergence_coef"],
         discopop_tau: float = DPO_OPTION_DEFAULTS["discopop_tau"],
         dpop_lambda: float = DPO_OPTION_DEFAULTS["dpop_lambda"],
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         loss_type = loss_type if isinstance(loss_type, str) else tuple(loss_type)
         loss_weights = None if loss_weights is None else tuple(loss_weights)
@@ -177,6 +185,7 @@ class DPOLoss(_PairObjective):
         self.f_divergence_type = f_divergence_type
         self.f_alpha_divergence_coef = f_alpha_divergence_coef
         self.discopop_tau, self.dpop_lambda = discopop_tau, dpop_lambda
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
@@ -210,6 +219,8 @@ class DPOLoss(_PairObjective):
         for name in ("f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "dpop_lambda"):
             if getattr(self, name) != defaults[name]:
                 shown[name] = getattr(self, name)
+        if self.loss_chunk_tokens is not None:
+            shown["loss_chunk_tokens"] = self.loss_chunk_tokens
         return f"DPOLoss({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
@@ -221,9 +232,16 @@ class IPOLoss(_PairObjective):
             TRL does (True), or use the summed log-ratios of eq. 17 (False).
     """
 
-    def __init__(self, *, beta: float = 0.1, length_normalize: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        length_normalize: bool = True,
+        loss_chunk_tokens: int | None = None,
+    ) -> None:
         check_beta(beta)
         self.beta, self.length_normalize = beta, bool(length_normalize)
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
@@ -253,12 +271,18 @@ class SimPOLoss(_PairObjective):
     needs_reference = False
 
     def __init__(
-        self, *, beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0
+        self,
+        *,
+        beta: float = 2.0,
+        gamma: float = 1.0,
+        label_smoothing: float = 0.0,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         simpo_loss(
             torch.zeros(1), torch.zeros(1), beta=beta, gamma=gamma, label_smoothing=label_smoothing
         )  # validates the options
         self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
@@ -285,9 +309,10 @@ class ORPOLoss(_PairObjective):
 
     needs_reference = False
 
-    def __init__(self, *, beta: float = 0.1) -> None:
+    def __init__(self, *, beta: float = 0.1, loss_chunk_tokens: int | None = None) -> None:
         check_beta(beta)
         self.beta = beta
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def pair_losses(self, model: nn.Module, batch: Any) -> LossTriple:
         lp = self.forward_pairs(model, batch)
@@ -325,6 +350,7 @@ class KTOLoss:
         desirable_weight: float = 1.0,
         undesirable_weight: float = 1.0,
         use_kl: bool = True,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         kto_loss(
             torch.zeros(1),
@@ -335,6 +361,7 @@ class KTOLoss:
             undesirable_weight=undesirable_weight,
         )
         self.beta, self.use_kl = beta, bool(use_kl)
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
 
     def num_units(self, batch: Any) -> Tensor:
@@ -363,14 +390,19 @@ class KTOLoss:
                 "preference.reference.compute_reference_logps(reference, dataset) "
                 "first"
             )
+        chunk = self.loss_chunk_tokens
         logps_N, _ = response_logps(
-            model, batch.input_ids, batch.attention_mask, batch.response_mask
+            model, batch.input_ids, batch.attention_mask, batch.response_mask, chunk_tokens=chunk
         )
         z0 = torch.zeros((), device=logps_N.device)
         if self.use_kl:
             with torch.no_grad():
                 kl_logps_K, _ = response_logps(
-                    model, batch.kl_input_ids, batch.kl_attention_mask, batch.kl_response_mask
+                    model,
+                    batch.kl_input_ids,
+                    batch.kl_attention_mask,
+                    batch.kl_response_mask,
+                    chunk_tokens=chunk,
                 )
             z0 = kto_reference_point(kl_logps_K, batch.ref_kl_logps.to(logps_N.device))
         return kto_loss(

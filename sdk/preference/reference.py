@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from posttrain.core.distributed import device_of
 from posttrain.data.preference import KTODataset, PreferenceDataset
 from posttrain.models.lora import adapters_disabled, has_adapters
-from posttrain.policy.sampling import token_logprobs
+from posttrain.policy.chunked_ce import token_logprobs_chunked
 
 if TYPE_CHECKING:
     from posttrain.train.runtime import Runtime
@@ -39,17 +39,24 @@ __all__ = ["response_logps", "ReferenceLogps", "reference_fingerprint", "compute
 
 
 def response_logps(
-    model: nn.Module, input_ids_BT: Tensor, attention_mask_BT: Tensor, response_mask_BT: Tensor
+    model: nn.Module,
+    input_ids_BT: Tensor,
+    attention_mask_BT: Tensor,
+    response_mask_BT: Tensor,
+    *,
+    chunk_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Summed log-probabilities of the response tokens and their counts, in one forward.
 
     Uses `posttrain.policy.sampling.token_logprobs` (temperature 1, the model's own
     distribution), which keeps the autograd graph; padding and prompt are excluded by position
-    (`response_mask_BT`).
+    (`response_mask_BT`). With `chunk_tokens` the head and log-softmax run over that many
+    response tokens at a time (`posttrain.policy.chunked_ce.token_logprobs_chunked`).
 
     Args:
         model: a torchtune decoder; the tensors are moved to its device.
         input_ids_BT: [B, T] int64; attention_mask_BT, response_mask_BT: [B, T] bool.
+        chunk_tokens: None (full [B, T, V] logits) or an int >= 1.
 
     Returns:
         logps_B [B] fp32 (differentiable), lengths_B [B] int64 response tokens.
@@ -57,8 +64,12 @@ def response_logps(
 
     device = device_of(model)
     response_BT = response_mask_BT.to(device).bool()
-    logprobs_BT = token_logprobs(
-        model, input_ids_BT.to(device), attention_mask_BT.to(device), response_BT
+    logprobs_BT = token_logprobs_chunked(
+        model,
+        input_ids_BT.to(device),
+        attention_mask_BT.to(device),
+        response_BT,
+        chunk_tokens=chunk_tokens,
     )
     return logprobs_BT.sum(dim=-1), response_BT.sum(dim=-1)
 

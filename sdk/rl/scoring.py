@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from posttrain.core.masked import keep_selected
+from posttrain.policy.chunked_ce import chunked_token_logprobs, final_hidden
 from posttrain.policy.sampling import model_logits, picked_logprobs
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def score_rows(
     share_prefix: bool,
     entropy: bool = False,
     entropy_grad: bool = False,
+    chunk_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Teacher-forced log-probs [B, T] under the sampling distribution (`temperature`, `top_p`),
     values [B, T] (with a value head, read from `model.norm`'s output) and that distribution's
@@ -62,7 +64,32 @@ def score_rows(
         share_prefix: a group's rows share their prompt's forward
             (`posttrain.policy.shared_prefix`) when that saves work.
         entropy, entropy_grad: compute the entropy, and keep its gradient.
+        chunk_tokens: None, or response tokens per chunk of the head and log-softmax
+            (`posttrain.policy.chunked_ce`: no [B, T, V] logits; equal up to float rounding).
     """
+    if chunk_tokens is not None:
+        scored_BT = m["response_mask_BT"].bool() & m["attention_mask_BT"].bool()
+        hidden_BTD, head, _ = final_hidden(
+            model,
+            m["input_ids_BT"],
+            m["attention_mask_BT"].bool(),
+            scored_BT,
+            share_prefix=share_prefix,
+        )
+        logprobs_BT, entropy_BT = chunked_token_logprobs(
+            hidden_BTD,
+            head,
+            m["input_ids_BT"],
+            scored_BT,
+            chunk_tokens=chunk_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            entropy=entropy,
+        )
+        if entropy_BT is not None and not entropy_grad:
+            entropy_BT = entropy_BT.detach()
+        values_BT = _values(value_head, hidden_BTD, m["response_mask_BT"])
+        return logprobs_BT, values_BT, entropy_BT
     captured: dict[str, Tensor] = {}
     hook = (
         None
@@ -91,13 +118,21 @@ def score_rows(
         top_p=top_p,
     )
     values_BT = entropy_BT = None
-    if value_head is not None:  # the state before token t is read at t - 1, like its logprob
+    if value_head is not None:
         hidden = captured["hidden"] if pack is None else pack.unpack(captured["hidden"])
-        hidden = hidden.to(next(value_head.parameters()).dtype)[:, :-1]
-        hidden = keep_selected(hidden, mask_BT[:, 1:, None])  # padding: any value
-        values_BT = keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)
+        values_BT = _values(value_head, hidden, mask_BT)
     if entropy:  # of the distribution sampled from; masked positions hold logits 0
         logp_BTV = logp_BTV if entropy_grad else logp_BTV.detach()
         ent_BT = -(logp_BTV.exp() * logp_BTV.nan_to_num(neginf=0.0)).sum(-1)
         entropy_BT = torch.nn.functional.pad(ent_BT, (1, 0)) * mask_BT
     return logprobs_BT, values_BT, entropy_BT
+
+
+def _values(value_head: nn.Module | None, hidden_BTD: Tensor, mask_BT: Tensor) -> Tensor | None:
+    """The value head's [B, T] values on the final-norm states, 0 off the response: the state
+    before token t is read at t - 1, like its log-prob."""
+    if value_head is None:
+        return None
+    hidden = hidden_BTD.to(next(value_head.parameters()).dtype)[:, :-1]
+    hidden = keep_selected(hidden, mask_BT[:, 1:, None])  # padding: any value
+    return keep_selected(torch.nn.functional.pad(value_head(hidden), (1, 0)), mask_BT)

@@ -38,6 +38,8 @@ class RLUpdateEngine(Engine):
             (None: the whole share at once).
         temperature, top_p: the sampler's settings; the rows are scored under them.
         share_prefix: score a group's rows in one packed sequence per prompt.
+        loss_chunk_tokens: None, or response tokens per chunk of the head when scoring
+            (`posttrain.policy.chunked_ce`).
         seed: seeds the minibatch shuffle (with the step count).
         rollout_quantization: None, or the low-bit format the rollouts were sampled with.
         rollout: the rollout engine (`ManagedEngine`): one apart from the policy has its rows
@@ -52,6 +54,7 @@ class RLUpdateEngine(Engine):
     temperature: float
     top_p: float
     share_prefix: bool
+    loss_chunk_tokens: int | None = None
     seed: int
     rollout_quantization: str | None
     rollout: ManagedEngine
@@ -172,6 +175,7 @@ class RLUpdateEngine(Engine):
             share_prefix=self.share_prefix,
             entropy=entropy,
             entropy_grad=self.algo.entropy_coef > 0,
+            chunk_tokens=self.loss_chunk_tokens,
         )
 
     @torch.no_grad()

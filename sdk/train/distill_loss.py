@@ -26,6 +26,7 @@ from posttrain.core.distributed import device_of
 from posttrain.core.masked import keep_selected
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.models.moe import moe_aux_loss
+from posttrain.policy.chunked_ce import check_chunk_tokens, map_token_chunks, model_hidden
 from posttrain.policy.policy import Policy
 from posttrain.train.losses import normalize_by_step, register_loss
 
@@ -199,6 +200,10 @@ class GKDLoss:
         beta: teacher weight of the JSD mixture in [0, 1] (0: forward KL, 1: reverse KL).
         temperature: softmax temperature of the divergence (> 0); TRL's GKD uses 1.
         ignore_index: label of untrained positions.
+        loss_chunk_tokens: None (full [B, T, V] logits of both models) or trained tokens per
+            chunk: both models stop at their final norm and the two heads and the divergence
+            run over that many positions at a time, recomputed in backward
+            (`posttrain.policy.chunked_ce.map_token_chunks`); equal up to float rounding.
 
     Raises:
         TypeError: if teacher or student is not a `Policy`.
@@ -214,6 +219,7 @@ class GKDLoss:
         beta: float = 0.5,
         temperature: float = 1.0,
         ignore_index: int = IGNORE_INDEX,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         _check_shared_vocabulary(student, teacher)
         generalized_jsd_loss(
@@ -223,6 +229,7 @@ class GKDLoss:
         teacher.model.eval()
         self.teacher, self.student = teacher, student
         self.beta, self.temperature, self.ignore_index = beta, temperature, ignore_index
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
 
     def num_units(self, batch: Any) -> Tensor:
         """Trained tokens of `batch` (int64 scalar on the labels' device)."""
@@ -230,6 +237,9 @@ class GKDLoss:
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         device = device_of(model)
+        if self.loss_chunk_tokens is not None:
+            units = num_units_in_step.to(device)
+            return self._chunked(model, batch, units, device, self.loss_chunk_tokens)
         student_BTV = model(
             batch.input_ids.to(device),
             mask=_to(batch.attention_mask, device),
@@ -257,6 +267,50 @@ class GKDLoss:
             share = share + aux * normalize_by_step(
                 self.num_units(batch).to(device), num_units_in_step.to(device)
             )
+        return share
+
+    def _chunked(
+        self, model: nn.Module, batch: Any, units: Tensor, device: torch.device, chunk: int
+    ) -> Tensor:
+        """`__call__` with the heads and the divergence over chunks of trained positions."""
+        hidden_BTD, head = model_hidden(
+            model,
+            batch.input_ids.to(device),
+            mask=_to(batch.attention_mask, device),
+            input_pos=batch.position_ids.to(device),
+        )
+        teacher, teacher_device = self.teacher.model, self.teacher.device
+        teacher.eval()
+        with torch.no_grad():
+            teacher_BTD, teacher_head = model_hidden(
+                teacher,
+                batch.input_ids.to(teacher_device),
+                mask=_to(batch.attention_mask, teacher_device),
+                input_pos=batch.position_ids.to(teacher_device),
+            )
+        trained_BT = batch.labels.to(device) != self.ignore_index
+
+        def jsd(h_CD: Tensor, t_CD: Tensor) -> tuple[Tensor]:
+            teacher_CV = teacher_head(t_CD.to(teacher_device)).float().to(h_CD.device)
+            value = generalized_jsd_loss(
+                head(h_CD).float()[None],
+                teacher_CV[None],
+                beta=self.beta,
+                temperature=self.temperature,
+                reduction="sum",
+            )
+            return (value[None],)
+
+        (sums,) = map_token_chunks(
+            jsd,
+            hidden_BTD[trained_BT],
+            teacher_BTD.to(device)[trained_BT],
+            chunk_tokens=chunk,
+        )
+        share = normalize_by_step(sums.sum(), units)
+        aux = moe_aux_loss(model, scaled=True)
+        if aux is not None:
+            share = share + aux * normalize_by_step(trained_BT.sum(), units)
         return share
 
     def teacher_logits(self, batch: Any) -> Tensor:

@@ -437,7 +437,11 @@ def test_the_value_head_ignores_hidden_states_of_unscored_positions(tiny_model):
         lambda mod, args, out: torch.where(used_BT1, out, torch.full_like(out, fill["value"]))
     )
     stub = SimpleNamespace(
-        temperature=1.0, top_p=1.0, algo=SimpleNamespace(entropy_coef=0.0), share_prefix=False
+        temperature=1.0,
+        top_p=1.0,
+        algo=SimpleNamespace(entropy_coef=0.0),
+        share_prefix=False,
+        loss_chunk_tokens=None,
     )  # the hook fills row positions
 
     def run(value):

@@ -214,3 +214,86 @@ def test_the_memory_plan_counts_what_the_loss_holds(chunk):
     by_hand = {None: 313_344, 64: 327_680, 4: 258_048, 100: 313_344 + 4 * D * B * T}
     assert planned == by_hand[chunk]
     assert abs(peak.peak_bytes - planned) <= 0.02 * planned, (peak.peak_bytes, planned)
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo", "kto"])
+def test_preference_objectives_with_chunks_equal_the_unchunked_ones(name):
+    """Each preference objective with `loss_chunk_tokens=4` (response tokens of chosen and
+    rejected rows chunked together) gives the unchunked loss share and parameter gradients."""
+    from _preference_helpers import pair_dataset, pair_rows
+
+    from posttrain.data import KTODataset, PreferenceLoader, pairs_to_kto_rows
+    from posttrain.models import ByteTokenizer
+    from posttrain.preference import compute_reference_logps
+    from posttrain.train.losses import get_loss
+
+    if name == "kto":
+        dataset = KTODataset(pairs_to_kto_rows(pair_rows(2)), ByteTokenizer(), max_seq_len=64)
+        compute_reference_logps(tiny_model(1), dataset)
+    else:
+        dataset = pair_dataset(3)
+    batch = PreferenceLoader(dataset, batch_size=4, shuffle=False).next_batch()
+    model = tiny_model(0)
+    params = list(model.parameters())
+    plain, chunked = get_loss(name), get_loss(name, loss_chunk_tokens=4)
+    assert chunked.loss_chunk_tokens == 4 and plain.loss_chunk_tokens is None
+    n = plain.num_units(batch)
+    ref, got = plain(model, batch, n), chunked(model, batch, n)
+    torch.testing.assert_close(got, ref, **TOL)
+    assert_grads_close(_grads(ref, *params), _grads(got, *params))
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_rl_scoring_with_chunks_equals_the_unchunked_scoring(share_prefix):
+    """`score_rows` of a GRPO-like group (two prompts, two responses each, right padded) at
+    temperature 0.7 and top-p 0.95: log-probs, PPO values and the differentiable entropy, and
+    the gradients of a loss over all three."""
+    from posttrain.rl.scoring import ValueHead, score_rows
+
+    model = tiny_model(seed=2)
+    head = ValueHead(TINY.embed_dim)
+    with torch.no_grad():
+        head.proj.weight.normal_(0, 0.1)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, TINY.vocab_size, (4, 12), generator=gen)
+    ids[1, :5], ids[3, :5] = ids[0, :5], ids[2, :5]  # shared prompts of 5 tokens
+    valid = torch.ones(4, 12, dtype=torch.long)
+    valid[0, 10:] = valid[3, 8:] = 0
+    response = valid.clone()
+    response[:, :5] = 0
+    with torch.no_grad():  # score tokens inside the top-p set
+        logits = model(ids)[:, :-1] / 0.7
+        ids[:, 1:] = torch.where(response[:, 1:].bool(), logits.argmax(-1), ids[:, 1:])
+    m = {"input_ids_BT": ids, "attention_mask_BT": valid, "response_mask_BT": response}
+    params = [*model.parameters(), *head.parameters()]
+    settings = {"value_head": head, "temperature": 0.7, "top_p": 0.95, "share_prefix": share_prefix}
+    ref = score_rows(model, m, entropy=True, entropy_grad=True, **settings)
+    got = score_rows(model, m, entropy=True, entropy_grad=True, chunk_tokens=5, **settings)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, **TOL)
+    w = torch.randn(3, 4, 12, generator=gen)
+    ref_loss, got_loss = (sum((t * w[i]).sum() for i, t in enumerate(x)) for x in (ref, got))
+    assert_grads_close(_grads(ref_loss, *params), _grads(got_loss, *params))
+
+
+@pytest.mark.parametrize(("beta", "temperature"), [(0.0, 1.0), (0.5, 0.8), (1.0, 1.5)])
+def test_distillation_with_chunks_equals_the_unchunked_divergence(beta, temperature):
+    """`GKDLoss(loss_chunk_tokens=6)`: the JSD share and the student's gradients of the
+    unchunked loss, against a peaky untied teacher."""
+    from _train_helpers import sft_loader
+
+    from posttrain.models import ByteTokenizer, build_model
+    from posttrain.policy import Policy
+    from posttrain.train.distill_loss import GKDLoss
+
+    student = Policy(tiny_model(0), ByteTokenizer(), TINY)
+    untied = TINY.replace(tie_word_embeddings=False)
+    teacher = Policy(build_model(untied, seed=1), ByteTokenizer(), untied)
+    batch = sft_loader(4, batch_size=4, shuffle=False).next_batch()
+    settings = {"teacher": teacher, "student": student, "beta": beta, "temperature": temperature}
+    plain, chunked = GKDLoss(**settings), GKDLoss(**settings, loss_chunk_tokens=6)
+    n = plain.num_units(batch)
+    params = list(student.model.parameters())
+    ref, got = plain(student.model, batch, n), chunked(student.model, batch, n)
+    torch.testing.assert_close(got, ref, **TOL)
+    assert_grads_close(_grads(ref, *params), _grads(got, *params))
