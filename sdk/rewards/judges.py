@@ -192,8 +192,10 @@ class LLMJudge:
     with MT-Bench and Chatbot Arena", single-answer grading, section 3.1).
 
     Args:
-        policy: the judge model, a `posttrain.policy.policy.Policy` (anything with `generate`,
-            `tokenizer` and `spec.max_seq_len`).
+        policy: the judge model, a `posttrain.policy.policy.Policy`, or a rollout engine
+            holding its weights (`posttrain.policy.rollout_engine`: "builtin" judges exactly as
+            the policy, "vllm" through a vLLM server); anything with `generate`, `tokenizer`
+            and `spec.max_seq_len`.
         rubric: what a good response is; the `{rubric}` placeholder.
         score_range: (low, high), finite, low < high; parsed scores must lie inside (inclusive).
         parse: `text -> float | None` (default `parse_score`); None, a raise, or anything but

@@ -153,7 +153,8 @@ class LLMPairwiseJudge:
     pair `error`. One batched `generate` call covers all 2N prompts.
 
     Args:
-        policy: the judge model (a `Policy`).
+        policy: the judge model (a `Policy`, or a rollout engine holding its weights, as in
+            `LLMJudge`).
         rubric: the `{rubric}` placeholder.
         template: format string over rubric, question, completion_a, completion_b, reference;
             it must use {question}, {completion_a} and {completion_b}.

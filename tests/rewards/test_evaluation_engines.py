@@ -1,5 +1,6 @@
 """The evaluation harness samples through a rollout engine as through a policy
-(`evaluate_generations(policy_or_engine, ...)`, via `posttrain.policy.generate_for_items`).
+(`evaluate_generations(policy_or_engine, ...)`, via `posttrain.policy.generate_for_items`), and
+so does a policy-backed judge (`LLMJudge(engine, ...)`).
 
 References: the builtin engine must answer exactly as `Policy.generate` (the same table, bit for
 bit, no vLLM needed); the vllm engine (the suite's shared server, `vllm_server` in
@@ -70,3 +71,29 @@ def test_the_vllm_engine_gives_the_same_greedy_answers_and_accuracy(vllm_server,
         builtin.ci_high,
     )
     assert len(set(builtin.table["completion"])) > len(ITEMS) // 2  # answers vary
+
+
+def _judge(sampler):
+    from posttrain.rewards.judges import LLMJudge
+
+    return LLMJudge(sampler, "Is it correct?", score_range=(0, 10), max_new_tokens=12)
+
+
+def test_a_policy_backed_judge_samples_through_the_builtin_engine_as_the_policy(policy):
+    completions = [f"{a + b}" for a in range(3) for b in range(4)]
+    direct = _judge(policy).judge(completions, ITEMS)
+    with BuiltinEngine(policy) as engine:
+        assert _judge(engine).judge(completions, ITEMS) == direct
+    assert len({r.raw for r in direct}) > len(ITEMS) // 2  # the verdict texts vary
+
+
+@pytest.mark.slow
+def test_a_policy_backed_judge_on_the_vllm_engine_gives_the_same_verdicts(vllm_server, policy):
+    completions = [f"{a + b}" for a in range(3) for b in range(4)]
+    direct = _judge(policy).judge(completions, ITEMS)
+    vllm_server.sync_weights(policy)
+    with SharedServerEngine(vllm_server) as engine:
+        served = _judge(engine).judge(completions, ITEMS)
+    assert [(r.outcome, r.raw, r.reason) for r in served] == [
+        (r.outcome, r.raw, r.reason) for r in direct
+    ]
