@@ -36,8 +36,12 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# ARGS go to `posttrain run grpo` after the run folder, as they are: key=value overrides and
+# --config PRESET.yaml, e.g. `make run ARGS="rollout.engine=vllm"` (rollouts sampled by a vLLM
+# server: scripts/vllm-up.sh builds its venv once).
+ARGS ?=
 run: install
-	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S)
+	$(VENV)/bin/posttrain run grpo out_dir=runs/grpo-$$(date +%Y%m%d-%H%M%S) $(ARGS)
 
 # The local Slurm cluster (scripts/slurm-up.sh: root + apt) is started when it can be and stopped
 # afterwards, but only if this run started it: a cluster started by hand stays up. Without it the
