@@ -1,6 +1,6 @@
-"""Model families (Qwen2, Llama 3, and a Qwen2-MoE variant) as specs built with torchtune, Hugging
-Face config and weight conversion, and tokenizers (byte-level and `tokenizer.json`) with chat
-templates.
+"""Model families (Qwen2, Qwen3 dense, Llama 3, Mistral, and a Qwen2-MoE variant) as specs built
+with torchtune, Hugging Face config and weight conversion, and tokenizers (byte-level and
+`tokenizer.json`) with chat templates.
 """
 
 from __future__ import annotations

@@ -4,10 +4,13 @@ A HF checkpoint folder holds `config.json` and `model.safetensors` (or shards li
 `model.safetensors.index.json`). This module turns `config.json` into a `ModelSpec` (with
 `posttrain.models.hf_config`, which holds the config.json conversion and its traps), builds the
 torchtune model with `posttrain.models.specs.build_model`, and converts the weights with torchtune's
-own key maps (`torchtune.models.convert_weights.hf_to_tune` / `tune_to_hf` for Llama, which permute
-q/k between HF's rotate-half RoPE and torchtune's interleaved RoPE; `qwen2_hf_to_tune` /
-`qwen2_tune_to_hf` for Qwen2, which need no permutation because torchtune's Qwen2 RoPE is
-rotate-half already). These are the functions `torchtune.training.FullModelHFCheckpointer` calls;
+own key maps (`torchtune.models.convert_weights.hf_to_tune` / `tune_to_hf` for Llama and Mistral,
+which permute q/k between HF's rotate-half RoPE and torchtune's interleaved RoPE; the key map of
+`qwen2_hf_to_tune` / `qwen2_tune_to_hf` for Qwen2, which needs no permutation because torchtune's
+Qwen2 RoPE is rotate-half already; for Qwen3 the key map of `posttrain.models.qwen3`: Qwen2's
+without biases, plus the per-head q/k norms, no permutation). Which one a family takes is its
+`FamilyTraits` (`interleaved_rope`, `qk_norm`). torchtune's are the functions
+`torchtune.training.FullModelHFCheckpointer` calls;
 the checkpointer itself is not used because it creates its output folder on load, does not read
 `rope_theta` / `rms_norm_eps`, and on save writes `epoch_N/` with a copy of the *input*
 `config.json` (stale if the dimensions changed).
@@ -77,36 +80,43 @@ def _attention_dims(spec: ModelSpec) -> dict[str, int]:
 
 
 def _dense_hf_to_tune(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = _attention_dims(spec)
-    if spec.family == "qwen2":
-        from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
+    if spec.traits.interleaved_rope:  # Llama, Mistral: permute q/k rows
+        from torchtune.models.convert_weights import hf_to_tune
 
-        return qwen2_hf_to_tune(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
-    from torchtune.models.convert_weights import hf_to_tune
+        return hf_to_tune(sd, **_attention_dims(spec))
+    from torchtune.models.convert_weights import get_mapped_key
 
-    return hf_to_tune(sd, **dims)
+    from_hf = _from_hf(spec)
+    return {get_mapped_key(key, from_hf): value for key, value in sd.items()}
 
 
 def _dense_tune_to_hf(sd: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    dims = _attention_dims(spec)
-    if spec.family == "qwen2":
-        from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+    if spec.traits.interleaved_rope:
+        from torchtune.models.convert_weights import tune_to_hf
 
-        return qwen2_tune_to_hf(sd, **dims, tie_word_embeddings=spec.tie_word_embeddings)
-    from torchtune.models.convert_weights import tune_to_hf
+        return tune_to_hf(sd, **_attention_dims(spec))
+    key_map = _hf_key_map(spec, sd)
+    return {key_map[key]: value for key, value in sd.items()}
 
-    return tune_to_hf(sd, **dims)
+
+def _from_hf(spec: ModelSpec) -> dict[str, str | None]:
+    """HF key -> torchtune key ("{}" for the layer index) of `spec`'s family."""
+    if spec.traits.qk_norm:
+        from posttrain.models.qwen3 import FROM_HF
+
+        return FROM_HF
+    if spec.traits.interleaved_rope:
+        from torchtune.models.convert_weights import _FROM_HF
+    else:
+        from torchtune.models.qwen2._convert_weights import _FROM_HF
+    return dict(_FROM_HF)
 
 
 def _hf_key_map(spec: ModelSpec, tune_keys: Iterable[str]) -> dict[str, str]:
     """torchtune key -> HF key for each of `tune_keys`."""
     from torchtune.models.convert_weights import get_mapped_key
 
-    if spec.family == "qwen2":
-        from torchtune.models.qwen2._convert_weights import _FROM_HF
-    else:
-        from torchtune.models.convert_weights import _FROM_HF
-    to_hf = {tune: hf for hf, tune in _FROM_HF.items() if tune is not None}
+    to_hf = {tune: hf for hf, tune in _from_hf(spec).items() if tune is not None}
     return {key: get_mapped_key(key, to_hf) for key in tune_keys}
 
 
@@ -155,8 +165,8 @@ def _check_keys(
 def load_hf_checkpoint(
     folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, ModelSpec]:
-    """Load a HF Qwen2 / Qwen2-MoE / Llama checkpoint folder as a torchtune `TransformerDecoder`
-    (MoE layers: `posttrain.models.moe.MoEFeedForward`).
+    """Load a HF Qwen2 / Qwen2-MoE / Qwen3 / Llama / Mistral checkpoint folder as a torchtune
+    `TransformerDecoder` (MoE layers: `posttrain.models.moe.MoEFeedForward`).
 
     The model is built on the meta device and the checkpoint tensors are assigned into it (no
     random initialisation, one copy of the weights in memory); RoPE caches are then built on CPU.

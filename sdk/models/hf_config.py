@@ -1,10 +1,9 @@
 """Hugging Face `config.json` <-> `ModelSpec`: parsing with transformers' defaults and precedence.
 
-`spec_from_hf_config` turns a parsed Qwen2 / Qwen2-MoE / Llama `config.json` into the `ModelSpec`
-of the model
-`AutoModelForCausalLM` would build; `hf_config_from_spec` writes the config.json dict that
-transformers loads as the same model. Checkpoint folders (safetensors load/save) are in
-`posttrain.models.hf`. The MoE keys of Qwen2-MoE (model_type qwen2_moe) are in
+`spec_from_hf_config` turns a parsed Qwen2 / Qwen2-MoE / Qwen3 / Llama / Mistral `config.json`
+into the `ModelSpec` of the model `AutoModelForCausalLM` would build; `hf_config_from_spec` writes
+the config.json dict that transformers loads as the same model. Checkpoint folders (safetensors
+load/save) are in `posttrain.models.hf`. The MoE keys of Qwen2-MoE (model_type qwen2_moe) are in
 `posttrain.models.hf_moe`.
 
 Traps handled (transformers 5.10 semantics, checked in tests/models/test_hf_config.py):
@@ -15,6 +14,12 @@ Traps handled (transformers 5.10 semantics, checked in tests/models/test_hf_conf
     `rope_theta` and a `rope_scaling` dict (legacy `type` for `rope_type`). A non-null
     `rope_scaling` wins over `rope_parameters`, and `rope_theta` inside the dict wins over the
     top-level key, as in `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`.
+  * Qwen3Config's head_dim defaults to 128 whatever the hidden size (MistralConfig's and
+    LlamaConfig's to hidden_size / num_attention_heads): a Qwen3 config without the key has
+    128-wide heads.
+  * MistralConfig's sliding_window defaults to 4096 when the key is absent (Mistral 7B v0.1 uses
+    it; v0.2+ write null): a window shorter than max_position_embeddings is refused, since
+    torchtune's attention is full.
 
 Example:
     >>> from posttrain.models.specs import get_preset
@@ -38,10 +43,22 @@ from posttrain.models.specs import Family, ModelSpec, RopeScaling
 _FAMILY_OF_MODEL_TYPE: dict[str, Family] = {
     "qwen2": "qwen2",
     "llama": "llama3",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
     hf_moe.MODEL_TYPE: "qwen2",
 }
-_ARCHITECTURE = {"qwen2": "Qwen2ForCausalLM", "llama3": "LlamaForCausalLM"}
-_MODEL_TYPE_OF_FAMILY = {"qwen2": "qwen2", "llama3": "llama"}
+_ARCHITECTURE = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama3": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_MODEL_TYPE_OF_FAMILY = {
+    "qwen2": "qwen2",
+    "llama3": "llama",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+}
 
 # Defaults of transformers 5.10 Qwen2Config / LlamaConfig for keys absent from config.json
 # (pinned against the classes in tests/models/test_hf_config.py). num_key_value_heads None means
@@ -69,6 +86,30 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+    ),
     hf_moe.MODEL_TYPE: hf_moe.HF_DEFAULTS,
 }
 _HF_DEFAULT_ROPE_THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
@@ -83,18 +124,20 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     rms_norm_eps 1e-6, ...), so the spec describes the model `AutoModelForCausalLM` would build.
 
     Args:
-        config: the config.json dict; `model_type` must be "qwen2", "qwen2_moe" or "llama".
+        config: the config.json dict; `model_type` must be "qwen2", "qwen2_moe", "qwen3",
+            "llama" or "mistral".
 
     Returns:
-        A validated `ModelSpec` (family "qwen2" or "llama3"; qwen2_moe gives a "qwen2" spec with
-        num_experts > 0, see `posttrain.models.hf_moe`).
+        A validated `ModelSpec` (family "qwen2", "qwen3", "llama3" or "mistral"; qwen2_moe
+        gives a "qwen2" spec with num_experts > 0, see `posttrain.models.hf_moe`).
 
     Raises:
         ValueError: unknown `model_type`; a RoPE type other than default/llama3, or llama3 scaling
             with keys missing; a feature torchtune's builders cannot express (sliding-window
-            attention, a non-silu activation, Llama attention/MLP biases, a head_dim other than
-            hidden_size / num_attention_heads, partial rotary embeddings, Qwen2-MoE dense layers
-            or no q/k/v biases); or dimensions that `ModelSpec` rejects.
+            attention, a non-silu activation, Llama / Mistral / Qwen3 attention or MLP biases,
+            outside Qwen3 a head_dim other than hidden_size / num_attention_heads, partial rotary
+            embeddings, Qwen2-MoE dense layers or no q/k/v biases); or dimensions that
+            `ModelSpec` rejects.
     """
     model_type = config.get("model_type")
     if model_type not in _FAMILY_OF_MODEL_TYPE:
@@ -113,7 +156,15 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     if num_kv_heads is None:
         num_kv_heads = num_heads
     hidden = get("hidden_size")
-    _check_supported_features(config, model_type, hidden, num_heads)
+    _check_supported_features(merged, model_type, hidden, num_heads)
+    head_dim = get("head_dim")
+    if (
+        isinstance(hidden, int)
+        and isinstance(num_heads, int)
+        and num_heads > 0
+        and (head_dim == hidden // num_heads)
+    ):
+        head_dim = None  # the default width: ModelSpec.attention_head_dim None
     max_seq_len = get("max_position_embeddings")
     rope_base, rope_scaling = _rope_from_hf_config(config, family, max_seq_len)
     norm_eps = _as_float(get("rms_norm_eps"), "rms_norm_eps")
@@ -132,6 +183,7 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
             norm_eps=norm_eps,
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             rope_scaling=rope_scaling,
+            attention_head_dim=head_dim if family == "qwen3" else None,
             **moe,
         )
     except ValueError as e:
@@ -155,7 +207,8 @@ def _check_supported_features(
         raise ValueError(f"{where} hidden_act={act!r}; only 'silu' is supported")
     head_dim = config.get("head_dim")
     if (
-        head_dim is not None
+        model_type != "qwen3"  # Qwen3 sets its head width explicitly (ModelSpec.attention_head_dim)
+        and head_dim is not None
         and isinstance(hidden, int)
         and isinstance(num_heads, int)
         and num_heads > 0
@@ -163,31 +216,39 @@ def _check_supported_features(
     ):
         raise ValueError(
             f"{where} head_dim={head_dim} differs from hidden_size / "
-            f"num_attention_heads = {hidden // num_heads}; not supported"
+            f"num_attention_heads = {hidden // num_heads}; not supported for this model_type "
+            "(only 'qwen3')"
         )
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
             f"{where} partial_rotary_factor={config['partial_rotary_factor']}; "
             "only 1.0 is supported"
         )
-    if model_type == "llama":
-        for key in ("attention_bias", "mlp_bias"):
-            if config.get(key):
-                raise ValueError(
-                    f"{where} {key}=true is not supported (torchtune llama3 has no biases)"
-                )
-    if model_type in ("qwen2", hf_moe.MODEL_TYPE):
-        if config.get("use_sliding_window"):
-            raise ValueError(
-                f"{where} use_sliding_window=true is not supported (torchtune qwen2 "
-                "has full attention only)"
-            )
-        layer_types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"{where} layer_types={sorted(set(layer_types))}; only "
-                "'full_attention' is supported"
-            )
+    biases = {"llama": ("attention_bias", "mlp_bias"), "mistral": (), "qwen3": ("attention_bias",)}
+    for key in biases.get(model_type, ()):
+        if config.get(key):
+            raise ValueError(f"{where} {key}=true is not supported (these blocks have no biases)")
+    if model_type in ("qwen2", "qwen3", hf_moe.MODEL_TYPE) and config.get("use_sliding_window"):
+        raise ValueError(
+            f"{where} use_sliding_window=true is not supported (posttrain's attention is full "
+            "attention only)"
+        )
+    window, max_len = config.get("sliding_window"), config.get("max_position_embeddings")
+    if (
+        model_type == "mistral"
+        and window is not None
+        and not (isinstance(max_len, int) and isinstance(window, int) and window >= max_len)
+    ):
+        raise ValueError(
+            f"{where} sliding_window={window!r} (max_position_embeddings={max_len!r}; 4096 when "
+            "the key is absent) is not supported: posttrain's attention is full attention only "
+            "(Mistral 7B v0.2+ configs write sliding_window: null)"
+        )
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"{where} layer_types={sorted(set(layer_types))}; only 'full_attention' is supported"
+        )
 
 
 def _rope_from_hf_config(
@@ -243,8 +304,9 @@ def hf_config_from_spec(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
 ) -> dict[str, Any]:
-    """A config.json dict for `spec` that transformers loads as the same model (an MoE spec as
-    model_type qwen2_moe, `Qwen2MoeForCausalLM`; see `posttrain.models.hf_moe`).
+    """A config.json dict for `spec` that transformers loads as the same model (model_type
+    qwen2, qwen3, llama or mistral; an MoE spec as model_type qwen2_moe, `Qwen2MoeForCausalLM`,
+    see `posttrain.models.hf_moe`).
 
     RoPE settings are written both ways: `rope_parameters` (what transformers 5 reads and writes;
     tested with 5.10) and top-level `rope_theta` + `rope_scaling` (what 4.x reads); transformers 5
@@ -300,6 +362,16 @@ def hf_config_from_spec(
         config.update(
             use_sliding_window=False, sliding_window=None, max_window_layers=spec.num_layers
         )
+    elif spec.family == "qwen3":
+        config.update(
+            head_dim=spec.head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=spec.num_layers,
+        )
+    elif spec.family == "mistral":  # null: MistralConfig's default is a 4096-token window
+        config.update(head_dim=spec.head_dim, sliding_window=None)
     else:
         config.update(
             head_dim=spec.head_dim, attention_bias=False, mlp_bias=False, pretraining_tp=1

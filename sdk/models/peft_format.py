@@ -237,9 +237,11 @@ def tune_to_peft_weights(
     """torchtune adapter state (`layers.{i}.attn.q_proj.lora_a.weight` ...) -> PEFT keys
     (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` ...).
 
-    For family "llama3" torchtune's `tune_to_peft_adapter_weights` renames and permutes the
-    q/k lora_B rows `[H * head_dim, r]` into HF's rotate-half order; for "qwen2" keys are renamed
-    only. Raises ValueError for a key that is not a layer's lora_a / lora_b weight.
+    For a family with torchtune's interleaved RoPE ("llama3", "mistral":
+    `FamilyTraits.interleaved_rope`) torchtune's `tune_to_peft_adapter_weights` renames and
+    permutes the q/k lora_B rows `[H * head_dim, r]` into HF's rotate-half order, as
+    `posttrain.models.hf` permutes the q/k weights; for "qwen2" and "qwen3" keys are renamed only.
+    Raises ValueError for a key that is not a layer's lora_a / lora_b weight.
     """
     for key in adapter_state:
         match = _TUNE_KEY.match(key)
@@ -248,7 +250,7 @@ def tune_to_peft_weights(
                 f"adapter key {key!r} is not a LoRA weight of a transformer layer "
                 "(layers.{i}.attn|mlp.<module>.lora_a|lora_b.weight)"
             )
-    if family == "llama3":
+    if _interleaved_rope(family):
         from torchtune.models.convert_weights import tune_to_peft_adapter_weights
 
         return tune_to_peft_adapter_weights(
@@ -298,7 +300,7 @@ def peft_to_tune_weights(
             )
         layer, _, hf_name, ab = match.groups()
         name = HF_TO_TUNE_MODULE[hf_name]
-        if family == "llama3" and ab == "B" and name in ("q_proj", "k_proj"):
+        if _interleaved_rope(family) and ab == "B" and name in ("q_proj", "k_proj"):
             heads = num_heads if name == "q_proj" else num_kv_heads
             value = _hf_to_tune_rows(value, heads, head_dim)
         out[f"layers.{layer}.{_BLOCK[name]}.{name}.lora_{ab.lower()}.weight"] = value
@@ -326,6 +328,13 @@ def check_weights(
                 f"{tuple(state[key].shape)} but the model needs {tuple(shape)}; the "
                 "adapter was trained on another base (or with another r)"
             )
+
+
+def _interleaved_rope(family: str) -> bool:
+    """Whether `family`'s q/k rows are permuted between torchtune and HF (`FamilyTraits`)."""
+    from posttrain.models.specs import FAMILY_TRAITS
+
+    return FAMILY_TRAITS[family].interleaved_rope  # type: ignore[index]
 
 
 def _hf_to_tune_rows(t_OR: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:

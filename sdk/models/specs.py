@@ -1,7 +1,9 @@
-"""Model families and sizes: a typed `ModelSpec`, named presets, and the torchtune builder call.
+"""Model sizes: a typed `ModelSpec`, the named presets, and the torchtune builder call.
 
-This module and `posttrain.models.hf` are the only places that import `torchtune.models`, so the
-model backend can be replaced without touching the rest of posttrain.
+What each family's blocks hold is `posttrain.models.families` (re-exported here); the presets'
+numbers are `posttrain.models.spec_presets`. This module, the Qwen3 builder
+`posttrain.models.qwen3` and `posttrain.models.hf` are the only places that import
+`torchtune.models`, so the model backend can be replaced without touching the rest of posttrain.
 
 Example:
     >>> from posttrain.models.specs import build_model, get_preset
@@ -13,22 +15,41 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from posttrain.models.families import (
+    FAMILIES,
+    FAMILY_TRAITS,
+    MOE_FAMILIES,
+    Family,
+    FamilyTraits,
+)
 from posttrain.models.moe import MoEFeedForward
+from posttrain.models.spec_presets import PRESET_FIELDS
 
 if TYPE_CHECKING:
     from torchtune.modules import TransformerDecoder
 
-Family = Literal["llama3", "qwen2"]
-FAMILIES: tuple[Family, ...] = ("llama3", "qwen2")
-MOE_FAMILIES = ("qwen2",)
+__all__ = [
+    "FAMILIES",
+    "FAMILY_TRAITS",
+    "MOE_FAMILIES",
+    "PRESETS",
+    "Family",
+    "FamilyTraits",
+    "ModelSpec",
+    "RopeScaling",
+    "build_model",
+    "get_preset",
+]
+
 # ModelSpec fields that only an MoE spec (num_experts > 0) may change from their defaults.
 _MOE_FIELDS = (
     "experts_per_token",
@@ -79,10 +100,13 @@ class ModelSpec:
     """Architecture numbers of a decoder-only transformer.
 
     Args:
-        family: "llama3" or "qwen2" (Qwen2 and Qwen2.5 share the architecture: q/k/v biases).
+        family: "llama3", "qwen2" (Qwen2 and Qwen2.5 share the architecture: q/k/v biases),
+            "qwen3" (dense Qwen3: no biases, per-head q/k RMSNorm before RoPE, explicit head
+            width) or "mistral" (Mistral 7B v0.2+: Llama blocks, full attention); what each holds
+            is `FAMILY_TRAITS[family]`.
         vocab_size: number of token ids the embedding holds.
         num_layers: transformer blocks.
-        num_heads: query heads; `embed_dim` must divide by it.
+        num_heads: query heads; `embed_dim` must divide by it (torchtune's attention checks it).
         num_kv_heads: key/value heads (grouped-query attention); divides `num_heads`.
         embed_dim: hidden size.
         intermediate_dim: MLP hidden size (HF `intermediate_size`). In an MoE spec every layer is
@@ -106,6 +130,9 @@ class ModelSpec:
         router_aux_loss_coef: weight of the load-balancing loss (summed over layers) that the SFT
             objective adds (HF `router_aux_loss_coef`); must be >= 0.
         The other five MoE fields must keep their defaults when num_experts is 0.
+        attention_head_dim: width d of each q/k/v head when it is not embed_dim / num_heads
+            (HF `head_dim`; Qwen3-0.6B: 128 with embed_dim 1024 and 16 heads), even; None (the
+            default) means embed_dim / num_heads. Only family "qwen3". `head_dim` is d either way.
 
     Raises:
         ValueError: naming the field, its value and what is allowed.
@@ -129,6 +156,7 @@ class ModelSpec:
     shared_expert_dim: int = 0
     norm_topk_prob: bool = False
     router_aux_loss_coef: float = 0.001
+    attention_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -155,11 +183,7 @@ class ModelSpec:
                 f"ModelSpec.num_heads={self.num_heads} must be divisible by "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if (self.embed_dim // self.num_heads) % 2:
-            raise ValueError(
-                f"ModelSpec head_dim={self.embed_dim // self.num_heads} (embed_dim / num_heads) "
-                "must be even for RoPE"
-            )
+        self._check_head_dim()
         if not (_is_number(self.rope_base) and 0 < self.rope_base < math.inf):
             raise ValueError(f"ModelSpec.rope_base={self.rope_base!r}; must be a positive number")
         if not (_is_number(self.norm_eps) and 0 < self.norm_eps < 1):
@@ -172,12 +196,31 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec.rope_scaling={self.rope_scaling!r}; must be a RopeScaling or None"
             )
-        if self.rope_scaling is not None and self.family != "llama3":
+        if self.rope_scaling is not None and not self.traits.rope_scaling:
+            allowed = [f for f in FAMILIES if FAMILY_TRAITS[f].rope_scaling]
             raise ValueError(
-                f"ModelSpec.rope_scaling is only supported for family 'llama3', "
-                f"got family={self.family!r}"
+                f"ModelSpec.rope_scaling is only supported for family "
+                f"{', '.join(map(repr, allowed))}, got family={self.family!r}"
             )
         self._check_moe_fields()
+
+    def _check_head_dim(self) -> None:
+        d = self.attention_head_dim
+        if d is not None:
+            if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+                raise ValueError(
+                    f"ModelSpec.attention_head_dim={d!r}; must be a positive integer or None"
+                )
+            if not self.traits.explicit_head_dim:
+                allowed = [f for f in FAMILIES if FAMILY_TRAITS[f].explicit_head_dim]
+                raise ValueError(
+                    f"ModelSpec.attention_head_dim={d} is only supported for family "
+                    f"{', '.join(map(repr, allowed))} (family={self.family!r} has head_dim = "
+                    f"embed_dim / num_heads = {self.embed_dim // self.num_heads}); leave it None"
+                )
+        if self.head_dim % 2:
+            source = "attention_head_dim" if d is not None else "embed_dim / num_heads"
+            raise ValueError(f"ModelSpec head_dim={self.head_dim} ({source}) must be even for RoPE")
 
     def _check_moe_fields(self) -> None:
         for name in ("num_experts", "moe_intermediate_dim", "shared_expert_dim"):
@@ -210,7 +253,7 @@ class ModelSpec:
                     f"{', '.join(_MOE_FIELDS)} at their defaults"
                 )
             return
-        if self.family not in MOE_FAMILIES:
+        if not self.traits.moe:
             raise ValueError(
                 f"ModelSpec.num_experts={self.num_experts} (MoE) is only supported for "
                 f"family {', '.join(map(repr, MOE_FAMILIES))}, got "
@@ -228,7 +271,15 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
+        """Width of each q/k/v head: `attention_head_dim`, or embed_dim / num_heads."""
+        if self.attention_head_dim is not None:
+            return self.attention_head_dim
         return self.embed_dim // self.num_heads
+
+    @property
+    def traits(self) -> FamilyTraits:
+        """What this family's blocks hold (`FAMILY_TRAITS[family]`)."""
+        return FAMILY_TRAITS[self.family]
 
     @property
     def is_moe(self) -> bool:
@@ -258,105 +309,7 @@ class ModelSpec:
 
 
 PRESETS: dict[str, ModelSpec] = {
-    # Byte-level vocabulary (256 bytes + specials, see posttrain.models.tokenizer.ByteTokenizer).
-    "tiny-1m": ModelSpec(
-        family="qwen2",
-        vocab_size=272,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=128,
-        intermediate_dim=512,
-        max_seq_len=512,
-        rope_base=1e6,
-        norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "tiny-2m": ModelSpec(
-        family="qwen2",
-        vocab_size=272,
-        num_layers=4,
-        num_heads=6,
-        num_kv_heads=2,
-        embed_dim=192,
-        intermediate_dim=768,
-        max_seq_len=512,
-        rope_base=1e6,
-        norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "tiny-10m": ModelSpec(
-        family="qwen2",
-        vocab_size=272,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        embed_dim=320,
-        intermediate_dim=1280,
-        max_seq_len=1024,
-        rope_base=1e6,
-        norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "tiny-llama-1m": ModelSpec(
-        family="llama3",
-        vocab_size=272,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=128,
-        intermediate_dim=512,
-        max_seq_len=512,
-        rope_base=5e5,
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    # Real sizes (HF config.json numbers); build on the meta device for size/memory reports.
-    "qwen2.5-0.5b": ModelSpec(
-        family="qwen2",
-        vocab_size=151936,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        embed_dim=896,
-        intermediate_dim=4864,
-        max_seq_len=32768,
-        rope_base=1e6,
-        norm_eps=1e-6,
-        tie_word_embeddings=True,
-    ),
-    "llama3.2-1b": ModelSpec(
-        family="llama3",
-        vocab_size=128256,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        embed_dim=2048,
-        intermediate_dim=8192,
-        max_seq_len=131072,
-        rope_base=5e5,
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_scaling=RopeScaling(),
-    ),
-    # Qwen2-MoE blocks: 4 routed experts, top-2, plus a gated shared expert (byte vocabulary).
-    "tiny-moe": ModelSpec(
-        family="qwen2",
-        vocab_size=272,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=64,
-        intermediate_dim=128,
-        max_seq_len=512,
-        rope_base=1e6,
-        norm_eps=1e-6,
-        tie_word_embeddings=True,
-        num_experts=4,
-        experts_per_token=2,
-        moe_intermediate_dim=64,
-        shared_expert_dim=64,
-    ),
+    name: ModelSpec.from_dict(fields) for name, fields in PRESET_FIELDS.items()
 }
 
 
@@ -381,9 +334,14 @@ def build_model(
 
     torchtune's builders keep PyTorch's default initialisation (embeddings N(0, 1)), which gives
     a freshly built tiny model logits in the hundreds and a first loss far above log(vocab).
-    posttrain re-initialises as HF transformers does for Qwen2/Llama (`_init_weights` with
-    `initializer_range`): every linear and embedding weight N(0, init_std), biases 0, norm
-    scales 1. Loading a checkpoint overwrites all of it.
+    One builder call per family: "qwen2" torchtune's `qwen2`; "llama3" and "mistral" torchtune's
+    `llama3` (Mistral's blocks are Llama's: torchtune's own `mistral` builder makes the same
+    modules), with Llama 3.1 RoPE scaling swapped in when the spec has it; "qwen3"
+    `posttrain.models.qwen3.qwen3` (torchtune components, per-head q/k norms).
+    posttrain re-initialises as HF transformers does for Qwen2/Qwen3/Llama/Mistral
+    (`_init_weights` with `initializer_range`): every linear and embedding weight N(0, init_std),
+    biases 0, norm scales (the per-head q/k norms of Qwen3 too) 1. Loading a checkpoint
+    overwrites all of it.
 
     An MoE spec builds the qwen2 model with a placeholder MLP and replaces each layer's `mlp` by
     a `posttrain.models.moe.MoEFeedForward` (router and every expert weight N(0, init_std), as HF
@@ -404,7 +362,9 @@ def build_model(
     from torchtune.models.qwen2._component_builders import qwen2
     from torchtune.modules import TiedLinear
 
-    common = dict(
+    from posttrain.models.qwen3 import qwen3
+
+    common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
         num_layers=spec.num_layers,
         num_heads=spec.num_heads,
@@ -416,21 +376,25 @@ def build_model(
         rope_base=spec.rope_base,
         norm_eps=spec.norm_eps,
     )
-    fork = torch.random.fork_rng(devices=[]) if seed is not None else _nullcontext()
+    fork = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
     with fork, torch.device(device or "cpu"):
         if seed is not None:
             torch.manual_seed(seed)
         if spec.family == "qwen2":
             model = qwen2(**common, tie_word_embeddings=spec.tie_word_embeddings)
-            if spec.is_moe:
-                _use_moe(model, spec, init_std)
-        else:
+        elif spec.family == "qwen3":
+            model = qwen3(
+                **common, head_dim=spec.head_dim, tie_word_embeddings=spec.tie_word_embeddings
+            )
+        else:  # llama3, mistral
             model = llama3(**common)
             if spec.rope_scaling is not None:
                 _use_scaled_rope(model, spec, spec.rope_scaling)
             if spec.tie_word_embeddings:
                 del model.output  # an nn.Linear submodule; TiedLinear is a plain callable
                 model.output = TiedLinear(model.tok_embeddings)
+        if spec.is_moe:
+            _use_moe(model, spec, init_std)
         if str(device) != "meta":
             _init_weights(model, init_std)
     return model.to(dtype=dtype)
@@ -480,11 +444,3 @@ def _use_scaled_rope(model: TransformerDecoder, spec: ModelSpec, rs: RopeScaling
     )
     for layer in model.layers:
         layer.attn.pos_embeddings = rope
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -113,9 +113,10 @@ def model_counts(spec: ModelSpec) -> ModelCounts:
         spec.intermediate_dim,
         spec.vocab_size,
     )
-    bias = (H + 2 * K) * d if spec.family == "qwen2" else 0  # qwen2's q/k/v biases
+    bias = (H + 2 * K) * d if spec.traits.qkv_bias else 0  # qwen2's q/k/v biases
     attn = 2 * D * H * d + 2 * D * K * d + bias
-    replicated, experts, mlp = 2 * D, 0, 3 * D * F
+    qk_norm = 2 * d if spec.traits.qk_norm else 0  # qwen3's per-head q/k norm scales
+    replicated, experts, mlp = 2 * D + qk_norm, 0, 3 * D * F
     if spec.is_moe:
         E, M, S = spec.num_experts, spec.moe_intermediate_dim, spec.shared_expert_dim
         mlp, experts = 0, 3 * E * M * D
@@ -135,10 +136,19 @@ def model_counts(spec: ModelSpec) -> ModelCounts:
 
 def activation_bytes_per_token(spec: ModelSpec, plan: PlanFields, a: int) -> float:
     """Saved bytes of one block per token (module docstring), on one rank of plan.tp."""
-    D, H, F, tp = spec.embed_dim, spec.num_heads, spec.intermediate_dim, plan.tp
-    rope = 4 * a * spec.head_dim if spec.family == "qwen2" else 8 * spec.head_dim
+    D, H, K, F, tp = (
+        spec.embed_dim,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_dim,
+        plan.tp,
+    )
+    d = spec.head_dim  # H x d = D unless the spec sets attention_head_dim (qwen3)
+    rope = 8 * d if spec.traits.interleaved_rope else 4 * a * d
     replicated = 16 * D + 8 + 2 * a * D + rope
-    split = 4 * a * D + 4 * H
+    split = 4 * a * H * d + 4 * H
+    if spec.traits.qk_norm:  # per-head RMSNorms of q and k, saved as the block norms, per head
+        split += 8 * (H + K) * d + 4 * (H + K)
     if spec.is_moe:
         k, M, S, E = (
             spec.experts_per_token,

@@ -3,10 +3,11 @@ and a check that refuses a plan before any work when the total exceeds the devic
 
 Notation (per rank): B = rows of one micro-batch on one data-parallel rank, T = tokens per row,
 V = vocabulary, D = embed_dim, F = intermediate_dim, H = num_heads, K = num_kv_heads, d =
-head_dim (H x d = D), L = num_layers, n = layers on the rank's pipeline stage (ceil(L / pp)),
-E = experts, k = experts_per_token, M = moe_intermediate_dim, S = shared_expert_dim, a = bytes of
-an activation element (4 in fp32; 2 with plan.param_dtype "bfloat16"/"float16"), p = bytes of a
-parameter (the model's dtype), N = tokens = B x T.
+head_dim (H x d = D, but for an explicit `attention_head_dim`: qwen3), L = num_layers, n = layers
+on the rank's pipeline stage (ceil(L / pp)), E = experts, k = experts_per_token, M =
+moe_intermediate_dim, S = shared_expert_dim, a = bytes of an activation element (4 in fp32; 2
+with plan.param_dtype "bfloat16"/"float16"), p = bytes of a parameter (the model's dtype), N =
+tokens = B x T.
 
 Terms (every one is per rank; "divided by" says which plan axes split it):
 
@@ -19,9 +20,9 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     when untied (tied ones stay replicated under TP). pp: the worst stage,
                     ceil(L/pp) blocks plus one V x D matrix and the final norm (stage 0 holds the
                     embedding, the last stage the output or, tied, a copy of the embedding).
-                    Counts: per block D*H*d + 2*D*K*d + H*d*D (+ H*d + 2*K*d biases for qwen2)
-                    + 3*D*F (dense) or E*D + 3*E*M*D + (3*D*S + D if S) (MoE) + 2*D; head V*D
-                    (twice if untied) + D.
+                    Counts: per block D*H*d + 2*D*K*d + H*d*D (+ H*d + 2*K*d biases for qwen2,
+                    + 2*d q/k norm scales for qwen3) + 3*D*F (dense) or E*D + 3*E*M*D
+                    + (3*D*S + D if S) (MoE) + 2*D; head V*D (twice if untied) + D.
   gradients         same count and division as the parameters, in p bytes (set to None after
                     every step: they do not coexist with the forward's activations, see peak).
   optimizer state   states x 4 bytes x parameters held: AdamW/Adam keep 2 fp32 moments
@@ -30,11 +31,13 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     block, torch 2.13, counted storage by storage with saved_tensors_hooks):
                       two RMSNorms: fp32 input copy, x*rstd (4*2D each) and rstd (4)  16D + 8
                       their outputs, saved by the next linear                         2aD
-                      q, K/V expanded to H heads (GQA copies), attention output        4aD/tp
+                      q, K/V expanded to H heads (GQA copies), attention output      4aHd/tp
                       SDPA log-sum-exp                                                4H/tp
                       dense MLP: silu input, w3 output, silu output, their product     4aF/tp
                       (MoE MLP instead: k*(3aD + 4aM + 24) + 4E, + (4S + D + 2)a with S)
-                      RoPE tables gathered at input_pos, q and k: qwen2 4ad, llama3 8d
+                      RoPE tables gathered at input_pos, q and k: qwen2/qwen3 4ad,
+                        llama3/mistral 8d
+                      qwen3's per-head q/k norms, as the block norms     (8(H+K)d + 4(H+K))/tp
                     fp32, dense qwen2: 4*(10D + 4F + H + 2 + 4d) bytes per token per layer,
                     times n blocks and B*ceil(T/sp) tokens (Ulysses: each sp rank runs the
                     blocks on its slice of the sequence, attention on H/sp heads of all of it);

@@ -15,6 +15,9 @@ do it), one small function per axis:
     3. TP: `torchtune.training.prepare_mha_for_tp` (heads per rank) then `parallelize_module`
        with `torchtune.models.llama3.base_llama_tp_plan()` on mesh["tp"]; with tied embeddings
        the embedding and output projection stay replicated (the tied output is not a module);
+       Qwen3's per-head q/k norms see only this rank's heads, so their scales are replicated
+       DTensors over the heads dimension (`SequenceParallel(sequence_dim=2)`), whose gradients
+       are summed over mesh["tp"] (a plain scale would keep this rank's heads' share only);
     4. SP: Ulysses all-to-alls around each attention call, the input sliced along the sequence
        and the logits gathered back (`posttrain.train.sequence_parallel`);
     5. EP: the experts of an MoE model split over mesh["ep"] (`posttrain.train.expert_parallel`);
@@ -329,11 +332,17 @@ def _group_over(mesh: DeviceMesh, dims: tuple[str, ...]) -> ProcessGroup | None:
 
 
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
     from torchtune.models.llama3 import base_llama_tp_plan
     from torchtune.training import prepare_mha_for_tp
 
-    layer_plan = dict(base_llama_tp_plan())
+    layer_plan: dict[str, Any] = dict(base_llama_tp_plan())
+    if any(getattr(layer.attn, "q_norm", None) is not None for layer in _layers(model)):
+        # q [B, T, H / tp, d] per rank: the scale is shared by all heads (the ones elsewhere too)
+        for name in ("q_norm", "k_norm"):
+            layer_plan[f"layers.*.attn.{name}"] = SequenceParallel(
+                sequence_dim=2, use_local_output=True
+            )
     if not isinstance(getattr(model, "output", None), nn.Module):
         # Tied embeddings: the output projection reuses tok_embeddings.weight through a plain
         # callable; both stay replicated (a sharded embedding would meet a replicated matmul).

@@ -251,7 +251,7 @@ def test_preset_model_saves_for_transformers(preset, tmp_path):
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"model_type": "mistral"}, "'mistral'.*llama, qwen2"),
+        ({"model_type": "gemma2"}, "'gemma2'.*llama, mistral, qwen2, qwen2_moe, qwen3"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
         ({"model_type": "qwen2", "rope_parameters": dict(_LLAMA3_ROPE)}, "only supported for"),
         (

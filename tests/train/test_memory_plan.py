@@ -56,12 +56,15 @@ def test_tiny_hand_values():
     assert _term(tp2, "parameters") == 54720 * 4
 
 
-@pytest.mark.parametrize("name", ["tiny-1m", "tiny-llama-1m", "tiny-moe", "untied", "qwen2.5-0.5b"])
+@pytest.mark.parametrize(
+    "name",
+    ["tiny-1m", "tiny-llama-1m", "tiny-moe", "untied", "qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b"],
+)
 def test_parameter_bytes_equal_the_built_model(name):
     """The analytic count (module docstring) against the model itself (qwen2.5-0.5b on the meta
     device, through the spec's own count)."""
     spec = TINY.replace(tie_word_embeddings=False) if name == "untied" else get_preset(name)
-    count = spec.num_parameters() if name == "qwen2.5-0.5b" else _built_parameters(spec)
+    count = spec.num_parameters() if "." in name or "-7b" in name else _built_parameters(spec)
     assert _term(plan_memory(spec, None, BATCH), "parameters") == 4 * count
     assert _term(plan_memory(spec, None, BATCH, model_dtype="bfloat16"), "parameters") == 2 * count
 
@@ -108,7 +111,7 @@ def _saved_bytes(spec, B: int, T: int) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama3", "gqa_off", "moe"])
+@pytest.mark.parametrize("name", ["qwen2", "llama3", "gqa_off", "moe", "qwen3", "mistral"])
 def test_activation_formula_equals_what_autograd_saves(name):
     """activations + head + the saved log-softmax (a third of the logits term) = the saved
     storages of a real forward: to the byte for the dense decoders but for the cross-entropy's
@@ -119,6 +122,8 @@ def test_activation_formula_equals_what_autograd_saves(name):
         "llama3": get_preset("tiny-llama-1m"),
         "gqa_off": TINY.replace(num_kv_heads=4),
         "moe": get_preset("tiny-moe"),
+        "qwen3": get_preset("tiny-qwen3-1m"),  # q/k norms, H x d = 2D
+        "mistral": get_preset("tiny-mistral-1m"),
     }[name]
     B, T = 2, 24
     df = plan_memory(spec, None, MemoryBatch(micro_batch_size=B, seq_len=T))
