@@ -178,7 +178,10 @@ class VLLMEngine:
 
     def __init__(self, server: VLLMServer, *, version: int = 0) -> None:
         self.server = server
-        self._offset = version - server.weight_version
+        # the server's weight version -> this engine's, per sync: a sample is stamped by the
+        # version that drew it, however late the mapping is read (a sync may run in between)
+        self._versions = {server.weight_version: version}
+        self._latest = (server.weight_version, version)
         self.last_sync: WeightSync | None = None
 
     @classmethod
@@ -213,7 +216,16 @@ class VLLMEngine:
 
     @property
     def version(self) -> int:
-        return self._offset + self.server.weight_version
+        return self._engine_version(self.server.weight_version)
+
+    def _engine_version(self, served: int) -> int:
+        """This engine's version of the server's `served` one (a version synced past this
+        engine counts on from the latest it synced)."""
+        known = self._versions.get(served)
+        if known is not None:
+            return known
+        latest_served, latest = self._latest
+        return latest + served - latest_served
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -229,7 +241,7 @@ class VLLMEngine:
         """`VLLMServer.generate` (see `posttrain.policy.vllm_sampling` for how each setting maps
         and what is refused by name), each completion's `weight_version` on this engine's scale."""
         return [
-            dataclasses.replace(c, weight_version=c.weight_version + self._offset)
+            dataclasses.replace(c, weight_version=self._engine_version(c.weight_version))
             for c in self.server.generate(prompts, seed=seed, **sampling)
         ]
 
@@ -242,9 +254,10 @@ class VLLMEngine:
             dtype, `VLLMServerError` when the server refused the reload or the reset).
         """
         self.last_sync = self.server.sync_weights(policy)
-        if version is not None:
-            self._offset = version - self.server.weight_version
-        return self.version
+        served = self.last_sync.version  # the server's, read under its lock
+        mine = self._engine_version(served) if version is None else version
+        self._versions[served], self._latest = mine, (served, mine)
+        return mine
 
     def close(self) -> None:
         """Stop the server's whole process group (idempotent)."""
