@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import statistics
@@ -352,15 +353,19 @@ def main(argv: list[str] | None = None, *, server: VLLMServer | None = None) -> 
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 with served(policy, Path(tmp) / f"t{threads}", threads, most, server) as vllm:
+                    pgid, log_path = vllm.pgid, vllm.log_path
+                    assert pgid is not None and log_path is not None  # started, not attached
                     print(f"## {label}, {threads} threads; vLLM cores "
-                          f"{bound_cores(vllm.log_path)}", flush=True)  # fmt: skip
+                          f"{bound_cores(log_path)}", flush=True)  # fmt: skip
                     for shape in shapes:
                         engines = engines_for(
                             policy, vllm, hf, all_prompts[: shape.prompts], shape.n,
                             args.new_tokens,
                         )  # fmt: skip
                         before = os.getloadavg()[0]
-                        clocks = {"vllm": lambda: group_cpu_s(vllm.pgid)}
+                        clocks: dict[str, Callable[[], float]] = {
+                            "vllm": functools.partial(group_cpu_s, pgid)
+                        }
                         runs = run_interleaved(engines, args.reps, clocks)
                         load = (before, os.getloadavg()[0])
                         rows.append(table_row(label, shape, threads, runs, load))

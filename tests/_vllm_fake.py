@@ -1,19 +1,21 @@
-"""A stand-in for vLLM's OpenAI server, for tests of the clients' logic that need no vLLM venv
-(the pool's routing, retries and syncs). `fake_venv(folder)` makes a folder that
-`VLLMServer.start(..., venv=...)` takes for a vLLM venv: its `bin/python` runs this file for
-`-m vllm.entrypoints.openai.api_server` and the real python for anything else (the watchdog).
+"""A stand-in for vLLM's OpenAI server, for tests of the clients' logic that need no vLLM venv (the
+pool's routing, retries and syncs). `fake_venv(folder)` makes a folder that
+`VLLMServer.start(..., venv=...)` takes for a vLLM venv: its `bin/python` runs this file for `-m
+vllm.entrypoints.openai.api_server` and the real python for anything else (the watchdog).
 
-The fake answers like the real server, in the parts the clients read: `GET /health`,
-`POST /v1/completions` (one choice with token ids, their log-probs and a finish reason; HTTP 400
-when `max_tokens` < 1, as vLLM), `POST /collective_rpc` (a reload: the weights' digest changes)
-and `POST /reset_prefix_cache`. Its samples are a function of the request and the weights it
-holds (`expected_ids`), so a test knows each answer without the fake.
+The fake answers like the real server, in the parts the clients read: `GET /health`, `GET
+/v1/models` (the served name and max_model_len), `POST /v1/completions` (one choice with token
+ids, their log-probs and a finish reason; HTTP 400 when `max_tokens` < 1, as vLLM), `POST
+/collective_rpc` (a reload: the weights' digest changes) and `POST /reset_prefix_cache`. Its
+samples are a function of the request and the weights it holds (`expected_ids`), so a test knows
+each answer without the fake.
 
 Controls, as files in the server's folder (`run_dir/vllm/`, the model folder's parent), read at
 each request: `delay_s` (seconds to wait before answering a completion), `fail_reload` (the
-reload answers HTTP 500), `fail_500` (completions answer HTTP 500), `garbage` (completions answer
-200 with a body that is not JSON). It writes `received` when a
-completion request arrives.
+reload answers HTTP 500), `fail_500` (completions answer HTTP 500), `garbage` (completions
+answer 200 with a body that is not JSON), `no_dev_mode` (the dev-mode routes, reload and prefix-
+cache reset, answer 404: a server started without VLLM_SERVER_DEV_MODE=1). It writes `received`
+when a completion request arrives.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _serve(argv: list[str]) -> None:
     args = {
         flag: argv[k + 1]
         for k, flag in enumerate(argv[:-1])
-        if flag in ("--model", "--host", "--port")
+        if flag in ("--model", "--host", "--port", "--served-model-name", "--max-model-len")
     }
     model = Path(args["--model"])
     controls = model.parent
@@ -83,11 +85,18 @@ def _serve(argv: list[str]) -> None:
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path == "/v1/models":
+                card = {"id": args["--served-model-name"], "object": "model"}
+                card["max_model_len"] = int(args["--max-model-len"])
+                return self._answer(200, {"object": "list", "data": [card]})
             self._answer(200 if self.path == "/health" else 404, {})
 
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"null")
+            dev = self.path in ("/collective_rpc", "/reset_prefix_cache")
+            if dev and (controls / "no_dev_mode").exists():
+                return self._answer(404, {"detail": "Not Found"})
             if self.path == "/collective_rpc":
                 if (controls / "fail_reload").exists():
                     return self._answer(500, {"error": "reload failed (fail_reload)"})

@@ -193,18 +193,25 @@ class VLLMEngine:
         version: int = 0,
         startup_timeout_s: float = 900.0,
         kv_cache_gib: int = 1,
+        url: str | None = None,
         **server_options: Any,
     ) -> VLLMEngine:
         """Start a server for `policy` (`VLLMServer.start`: the model and `server.log` in
-        `run_dir/vllm/`) and return it as an engine at `version`.
+        `run_dir/vllm/`) and return it as an engine at `version`. With `url`, attach to the
+        server running there instead (`VLLMServer.attach` with `server_options`: it loads the
+        policy's weights; `startup_timeout_s` and `kv_cache_gib` are a start's); the engine's
+        `close` then leaves that server running.
 
         Raises:
             what `VLLMServer.start` raises: `VLLMUnavailable` without the vLLM venv (run
             scripts/vllm-up.sh), ValueError for a policy it cannot serve (named), and
-            `VLLMServerError` when the server does not come up within `startup_timeout_s`.
+            `VLLMServerError` when the server does not come up within `startup_timeout_s`;
+            with `url`, what `VLLMServer.attach` raises (`AttachRefused`, named).
         """
         from posttrain.policy.vllm_server import VLLMServer
 
+        if url is not None:
+            return cls(VLLMServer.attach(url, policy, **server_options), version=version)
         server = VLLMServer.start(
             policy,
             run_dir,

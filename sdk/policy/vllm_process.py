@@ -26,6 +26,7 @@ __all__ = [
     "vllm_venv",
     "vllm_unavailable_reason",
     "check_port",
+    "server_env",
     "start_group",
     "group_alive",
     "stop_group",
@@ -98,6 +99,24 @@ def check_port(host: str, port: int | None) -> int:
                 "port=None to use a free one"
             ) from None
         return int(sock.getsockname()[1])
+
+
+def server_env(python: Path, kv_cache_gib: int) -> dict[str, str]:
+    """The server's environment: this one without PYTHONPATH/PYTHONHOME, in the venv of `python`,
+    with the dev-mode routes (`VLLM_SERVER_DEV_MODE=1`: weight reload, prefix-cache reset),
+    `kv_cache_gib` GiB of CPU KV cache, offline and without usage stats."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        VIRTUAL_ENV=str(python.parent.parent),
+        PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}",
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    return env
 
 
 def start_group(argv: Sequence[str], *, env: Mapping[str, str], log_path: Path) -> subprocess.Popen:

@@ -16,6 +16,10 @@ Lifecycle:
   the context manager's exit, and a finalizer that runs at interpreter exit or when the handle is
   collected) kills the whole group; the watchdog kills it when the Python process that started
   it dies (a notebook kernel killed, `kill -9`), within a second.
+- `VLLMServer.attach(url, policy)` takes a server started elsewhere (another process or node,
+  `scripts/`, a pytest session) once it has checked that it serves the policy's model and takes
+  weight reloads (`posttrain.policy.vllm_attach`), and loads the policy's weights into it. Its
+  `close()` closes the handle only: the process it did not start keeps running.
 - Prompts are token ids: the server runs with `--skip-tokenizer-init`, and posttrain encodes and
   decodes with the policy's own tokenizer (so byte-tokenizer models are served too).
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -40,7 +45,6 @@ import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +57,7 @@ from posttrain.policy.vllm_process import (
     VLLMUnavailable,
     check_port,
     log_tail,
+    server_env,
     shm_root,
     start_group,
     stop_group,
@@ -70,6 +75,7 @@ from posttrain.policy.vllm_servable import (
     cpu_batching,
     served_policy,
 )
+from posttrain.policy.vllm_weights import WeightSync, write_reload_files
 
 if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
@@ -89,51 +95,33 @@ __all__ = [
 SERVED_NAME = "posttrain-policy"
 
 
-@dataclass(frozen=True)
-class WeightSync:
-    """What one `VLLMServer.sync_weights` did.
-
-    Attributes:
-        version: the weight version now served.
-        nbytes: bytes of the safetensors file written to /dev/shm.
-        save_s, reload_s, reset_s: wall-clock seconds to write it, to reload it in the server,
-            and to reset the server's prefix cache.
-    """
-
-    version: int
-    nbytes: int
-    save_s: float
-    reload_s: float
-    reset_s: float
-
-    @property
-    def total_s(self) -> float:
-        return self.save_s + self.reload_s + self.reset_s
-
-
 class VLLMServer:
     """A running vLLM server for one policy architecture. Build it with `VLLMServer.start`.
 
     Attributes:
         url: http://host:port of the server.
-        log_path: the server's log (stdout and stderr) in the run folder.
-        model_dir: the HF folder it was started from.
+        log_path: the server's log (stdout and stderr) in the run folder; None when attached.
+        model_dir: the HF folder it was started from; None when attached.
         weight_version: 0 for the weights it started with, +1 per successful `sync_weights`.
-        pgid: the process group of the server (watchdog, API server, engine).
+        pgid: the process group of the server (watchdog, API server, engine); None when attached.
+        attached: True for a server started elsewhere (`attach`): `close` leaves it running.
+        served_name: the model name requests ask for (`--served-model-name`).
     """
 
     def __init__(
         self,
         *,
-        proc: subprocess.Popen,
+        proc: subprocess.Popen | None,
         url: str,
-        log_path: Path,
-        model_dir: Path,
+        log_path: Path | None,
+        model_dir: Path | None,
         spec: ModelSpec,
         tokenizer: Tokenizer,
         dtype: torch.dtype,
         request_timeout_s: float,
         max_concurrency: int,
+        served_name: str = SERVED_NAME,
+        weights_dir: str | None = None,
     ) -> None:
         self._proc = proc
         self.url = url
@@ -142,15 +130,20 @@ class VLLMServer:
         self.spec = spec
         self.tokenizer = tokenizer
         self.dtype = dtype
-        self.pgid = proc.pid
+        self.pgid = proc.pid if proc is not None else None
+        self.attached, self.served_name = proc is None, served_name
         self.weight_version = 0
         self.request_timeout_s = request_timeout_s
         self.max_concurrency = max_concurrency
         self._stale = False
         self._closed = False
         self._lock = threading.Lock()
-        self._shm_dir = tempfile.mkdtemp(prefix="posttrain-vllm-", dir=shm_root())
-        self._finalizer = weakref.finalize(self, stop_group, proc, self._shm_dir)
+        self._shm_dir = tempfile.mkdtemp(prefix="posttrain-vllm-", dir=weights_dir or shm_root())
+        self._finalizer = (
+            weakref.finalize(self, stop_group, proc, self._shm_dir)
+            if proc is not None  # a server started elsewhere keeps running: its files go
+            else weakref.finalize(self, shutil.rmtree, self._shm_dir, True)
+        )
 
     # ------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -214,31 +207,14 @@ class VLLMServer:
             *cpu_batching(policy.spec.max_seq_len, max_concurrency, extra_args),
             *extra_args,
         ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        env.update(
-            VIRTUAL_ENV=str(python.parent.parent),
-            PATH=f"{python.parent}{os.pathsep}{env.get('PATH', '')}",
-            VLLM_SERVER_DEV_MODE="1",
-            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-        )
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(argv)}\n")
-        proc = start_group(argv, env=env, log_path=log_path)
+        proc = start_group(argv, env=server_env(python, kv_cache_gib), log_path=log_path)
         server = cls(
-            proc=proc,
-            url=f"http://{host}:{chosen_port}",
-            log_path=log_path,
-            model_dir=model_dir,
-            spec=policy.spec,
-            tokenizer=policy.tokenizer,
-            dtype=policy.dtype,
-            request_timeout_s=request_timeout_s,
-            max_concurrency=max_concurrency,
-        )
+            proc=proc, url=f"http://{host}:{chosen_port}", log_path=log_path,
+            model_dir=model_dir, spec=policy.spec, tokenizer=policy.tokenizer, dtype=policy.dtype,
+            request_timeout_s=request_timeout_s, max_concurrency=max_concurrency,
+        )  # fmt: skip
         try:
             server._wait_healthy(startup_timeout_s)
         except BaseException:
@@ -246,10 +222,55 @@ class VLLMServer:
             raise
         return server
 
+    @classmethod
+    def attach(
+        cls,
+        url: str,
+        policy: Policy,
+        *,
+        served_name: str = SERVED_NAME,
+        weights_dir: str | None = None,
+        request_timeout_s: float = 600.0,
+        max_concurrency: int = 32,
+        check_timeout_s: float = 30.0,
+    ) -> VLLMServer:
+        """A handle to the vLLM server running at `url`, started elsewhere, serving `policy`'s
+        weights (loaded at once: a sync) at `weight_version` 0, as `start` returns one.
+
+        The server must serve `served_name` with `--max-model-len` the policy's
+        `spec.max_seq_len`, run with `VLLM_SERVER_DEV_MODE=1`, and read the weight files this
+        process writes (/dev/shm: on this machine, or `weights_dir` both read); prompts are
+        token ids, so start it with `--skip-tokenizer-init` (`posttrain.policy.vllm_attach`).
+        `close()` closes the handle and leaves the server running.
+
+        Raises:
+            ValueError: `url` is not http://host:port; the policy is not servable (as `start`).
+            AttachRefused (a VLLMServerError): no answer, another model or max_model_len, a
+                server on another machine without `weights_dir`, no weight-reload routes (named).
+            VLLMServerError: the first sync failed (the server's answer quoted).
+        """
+        from posttrain.policy.vllm_attach import attach_handle
+
+        return attach_handle(
+            cls, url.rstrip("/"), policy, served_name=served_name, weights_dir=weights_dir,
+            request_timeout_s=request_timeout_s, max_concurrency=max_concurrency,
+            check_timeout_s=check_timeout_s,
+        )  # fmt: skip
+
+    def _exit_code(self) -> int | None:
+        """The server process's exit code; None while it runs or when it was started elsewhere."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def _where_log(self) -> str:
+        if self.log_path is None:
+            return f"it was started elsewhere (attached at {self.url}): its log is there"
+        return f"its log is {self.log_path}"
+
     def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.log_path is not None, "a server started here has its log"
         deadline = time.monotonic() + timeout_s
         while True:
-            code = self._proc.poll()
+            code = self._exit_code()
             if code is not None:
                 raise VLLMServerError(
                     f"the vLLM server exited with code {code} before GET {self.url}/health "
@@ -270,11 +291,21 @@ class VLLMServer:
 
     @property
     def alive(self) -> bool:
-        """Whether the server process is running (and the handle not closed)."""
-        return not self._closed and self._proc.poll() is None
+        """Whether the server process is running (and the handle not closed); for an attached
+        server, whether `GET /health` answers."""
+        if self._closed or self._exit_code() is not None:
+            return False
+        if self._proc is not None:
+            return True
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                return bool(answer.status == 200)
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
+            return False
 
     def close(self) -> None:
-        """Stop the server: its whole process group, SIGTERM then SIGKILL after 10 s. Idempotent."""
+        """Stop the server: its whole process group, SIGTERM then SIGKILL after 10 s; an attached
+        server keeps running (only the handle and its weight files go). Idempotent."""
         self._closed = True
         self._finalizer()
 
@@ -286,6 +317,7 @@ class VLLMServer:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self.alive else "dead")
+        state += ", attached" if self.attached else ""
         return (
             f"VLLMServer({state}, url={self.url}, family={self.spec.family}, "
             f"weight_version={self.weight_version}, log={self.log_path})"
@@ -320,10 +352,10 @@ class VLLMServer:
                 f"POST {self.url}{path} -> HTTP {err.code}: {detail}", status=err.code
             ) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            state = "running" if self._proc.poll() is None else f"exited {self._proc.poll()}"
+            code = self._exit_code()
+            state = "running" if code is None else f"exited {code}"
             raise VLLMRequestError(
-                f"POST {self.url}{path} failed ({err}); the server is {state}, its log is "
-                f"{self.log_path}",
+                f"POST {self.url}{path} failed ({err}); the server is {state}, {self._where_log()}",
                 status=None,
             ) from None
         return json.loads(text) if text.strip() else None
@@ -331,9 +363,9 @@ class VLLMServer:
     def _check_usable(self) -> None:
         if self._closed:
             raise VLLMServerError("this VLLMServer is closed; start a new one")
-        if self._proc.poll() is not None:
+        if self._exit_code() is not None and self.log_path is not None:
             raise VLLMServerError(
-                f"the vLLM server exited with code {self._proc.poll()}; its log is "
+                f"the vLLM server exited with code {self._exit_code()}; its log is "
                 f"{self.log_path}, ending:\n{log_tail(self.log_path)}"
             )
         if self._stale:
@@ -373,7 +405,7 @@ class VLLMServer:
             prompts,
             tokenizer=self.tokenizer,
             spec=self.spec,
-            model=SERVED_NAME,
+            model=self.served_name,
             seed=seed,
             sampling=sampling,
         )
@@ -422,21 +454,16 @@ class VLLMServer:
                 f"policy dtype {policy.dtype} differs from the served dtype {self.dtype}; "
                 "cast the policy or start a new server"
             )
-        from posttrain.models.hf import save_hf_checkpoint
-
         merge_start = time.perf_counter()
         served = served_policy(policy)  # refused by name before any change; adapters merged
         merge_s = time.perf_counter() - merge_start
         with self._lock:
-            if self._closed or self._proc.poll() is not None:
+            if self._closed or self._exit_code() is not None:
                 self._check_usable()
             self._stale = True
             t0 = time.perf_counter() - merge_s  # the merge counts as saving
             folder = Path(self._shm_dir) / "weights"
-            save_hf_checkpoint(served.model, policy.spec, folder)
-            if policy.spec.tie_word_embeddings:
-                _add_tied_lm_head(folder)
-            nbytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+            nbytes = write_reload_files(served.model, policy.spec, folder)
             t1 = time.perf_counter()
             self._post(
                 "/collective_rpc",
@@ -469,16 +496,3 @@ class VLLMServer:
         """POST `body` as JSON to `path` (e.g. vLLM's weight-transfer routes); the answer's JSON.
         Raises VLLMRequestError (`status`: the HTTP status, None when no answer came)."""
         return self._post(path, body)
-
-
-def _add_tied_lm_head(folder: Path) -> None:
-    """Write `lm_head.weight` (the embedding) into a tied model's safetensors. vLLM's in-place
-    reload fills each layer from the file and puts a layer's old tensors back when the file has
-    nothing for it: without this key the output head keeps the old embedding (the tie broken)."""
-    from safetensors.torch import load_file, save_file
-
-    for path in folder.glob("*.safetensors"):
-        tensors = load_file(str(path))
-        if "model.embed_tokens.weight" in tensors:
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-            save_file(tensors, str(path), metadata={"format": "pt"})

@@ -10,8 +10,10 @@ One rollout, on every rank (the collectives are marked *):
                                                   (`posttrain.rl.parallel`); rank 0's copy
                                                   is what reaches the server
     first rollout: rank 0 starts the server from its copy (`VLLMEngine.start`: the model and
-                   `server.log` in `run_dir/vllm/`); the outcome (its URL, or rank 0's error)
-                   is broadcast*, and the other ranks sample through a client of that URL
+                   `server.log` in `run_dir/vllm/`), or with `url` in the options attaches to
+                   the one running there and loads its copy (`VLLMServer.attach`); the outcome
+                   (its URL, or rank 0's error) is broadcast*, and the other ranks sample
+                   through a client of that URL
     later ones:    rank 0 syncs (`VLLMEngine.sync`: safetensors in /dev/shm, reload,
                    prefix-cache reset); the outcome (the new version, or rank 0's error) is
                    broadcast*: no rank samples before the sync it needs has finished, and a
@@ -23,7 +25,8 @@ One rollout, on every rank (the collectives are marked *):
                    and the others receive its answer (broadcast* over their group): two
                    identical seeded requests batched differently by the server need not give
                    the same tokens; a failed request raises on all of them
-    close          when `fit` returns or raises: rank 0 stops the server (its process group);
+    close          when `fit` returns or raises: rank 0 stops the server (its process group;
+                   an attached server keeps running);
                    the other ranks drop their client (no collective: a rank that failed alone
                    still closes)
 
@@ -33,7 +36,8 @@ minutes to start and 1-2 GiB, and the server batches every rank's requests toget
 weights written to /dev/shm). A server per node behind a `posttrain.policy.vllm_pool.VLLMPool`
 is the way to scale sampling on GPUs; it is not built here. For ranks on several nodes, start
 the server on an address they reach (`rollout_options={"host": "0.0.0.0"}`: the URL broadcast
-then names rank 0's host name).
+then names rank 0's host name). A server started before the job (`rollout_options={"url": ...}`:
+on rank 0's machine, with the dev-mode routes, docs/runbooks/vllm.md) costs the ranks no start.
 
 Timeouts: the other ranks wait in a broadcast while rank 0 starts the server, so the process
 group's timeout (`init_process_group(timeout=...)`) must exceed the start
@@ -155,6 +159,7 @@ class SharedEngine:
         max_concurrency: int,
         request_timeout_s: float,
         log: str,
+        served_name: str,
     ) -> None:
         self.url, self.version, self.owner = url, version, owner
         self.peers = (peers, asker)
@@ -163,6 +168,7 @@ class SharedEngine:
         self.spec: ModelSpec = policy.spec
         self._peers, self._asker = peers, asker
         self._concurrency, self._timeout_s, self._log = max_concurrency, request_timeout_s, log
+        self._served_name = served_name
         self.closed = False
 
     @classmethod
@@ -199,7 +205,8 @@ class SharedEngine:
                     "url": _reachable(server.url),
                     "max_concurrency": server.max_concurrency,
                     "request_timeout_s": server.request_timeout_s,
-                    "log": str(server.log_path),
+                    "log": str(server.log_path or f"where the server at {server.url} started"),
+                    "served_name": server.served_name,
                 }
             except BaseException as err:  # noqa: BLE001 - told to every rank, then raised
                 error, outcome = err, {"error": f"{type(err).__name__}: {err}"}
@@ -250,13 +257,11 @@ class SharedEngine:
     ) -> list[ServedCompletion]:
         if self.owner is not None:
             return self.owner.generate(prompts, seed=seed, **sampling)
-        from posttrain.policy.vllm_server import SERVED_NAME
-
         prompt_ids, bodies = call_requests(
             prompts,
             tokenizer=self.tokenizer,
             spec=self.spec,
-            model=SERVED_NAME,
+            model=self._served_name,
             seed=seed,
             sampling=sampling,
         )
@@ -319,7 +324,8 @@ class SharedEngine:
         return self.version
 
     def close(self) -> None:
-        """Rank 0 stops the server; every rank stops sampling. Not a collective. Idempotent."""
+        """Rank 0 stops the server (an attached one keeps running); every rank stops sampling.
+        Not a collective. Idempotent."""
         self.closed = True
         if self.owner is not None:
             self.owner.close()
