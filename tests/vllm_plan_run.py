@@ -8,9 +8,14 @@ PHASES, comma-separated:
     dp_shard=2, 3 steps whose third sync rank 0's server refuses (`fail_reload`, touched after
     step 2); under tp=2, 2 steps whose second rollout request the server refuses (`fail_500`,
     touched after step 1): what each rank saw and raised;
-  * "real": a real vLLM server (the vLLM venv), under dp_shard=2, 2 steps; after each step every
-    rank syncs the server to the new weights and compares greedy tokens of its own prompts,
-    served and sampled by the gathered weights' builtin generator.
+  * "real=URL": the real vLLM server running at URL (the test session's shared tiny-1m server),
+    attached by rank 0 (`rollout_options={"url": URL}`: no server start in the ranks), under
+    dp_shard=2, 2 steps; after each step every rank syncs the server to the new weights and
+    compares greedy tokens of its own prompts, served and sampled by the gathered weights'
+    builtin generator.
+  * "recipe=URL": the grpo recipe (`recipes/grpo.py` main, its TINY size) under dp_shard=2 with
+    `rollout.engine=vllm rollout.url=URL` (a stand-in server the test started): the results and
+    the rollouts' weight versions.
 
 Results go to OUT/rank{RANK}.pt.
 """
@@ -49,7 +54,7 @@ def trainer_under(plan: ParallelPlan, run_dir: Path, callbacks=(), **options: An
         runtime=runtime,
         run_dir=run_dir,
         rollout_engine="vllm",
-        rollout_options={"startup_timeout_s": 600.0, **options},
+        rollout_options=options if "url" in options else {"startup_timeout_s": 600.0, **options},
         callbacks=list(callbacks),
     )
 
@@ -70,6 +75,7 @@ def step_record(trainer: RLTrainer) -> dict[str, Any]:
         "url": engine.url,
         "owner": engine.owner is not None,
         "pgid": engine.owner.server.pgid if engine.owner is not None else None,
+        "attached": engine.owner.server.attached if engine.owner is not None else None,
     }
 
 
@@ -111,7 +117,7 @@ def fake_phase(rank: int, out: Path) -> dict[str, Any]:
     return results
 
 
-def real_phase(rank: int, out: Path) -> dict[str, Any]:
+def real_phase(rank: int, out: Path, url: str) -> dict[str, Any]:
     greedy: list[dict] = []
 
     def compare_greedy(t: RLTrainer, row: dict) -> None:
@@ -131,7 +137,7 @@ def real_phase(rank: int, out: Path) -> dict[str, Any]:
             }
         )
 
-    trainer = trainer_under(ParallelPlan(dp_shard=2), out / "real", [compare_greedy])
+    trainer = trainer_under(ParallelPlan(dp_shard=2), out / "real", [compare_greedy], url=url)
     result = fit_until_refused(trainer, 2, rank)
     metrics = trainer.metrics
     result["rows"] = metrics.to_dict("records")
@@ -139,12 +145,30 @@ def real_phase(rank: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def recipe_phase(rank: int, out: Path, url: str) -> dict[str, Any]:
+    from posttrain import cli
+    from posttrain.core.metrics import read_metrics
+    from posttrain.workflows import override
+
+    module = cli.load_recipe("grpo")
+    planned = {"parallel.dp_shard": 2, "eval.every": 0, "baseline.steps": 0}
+    rollout = {"rollout.engine": "vllm", "rollout.url": url, "out_dir": str(out / "recipe")}
+    cfg = override(module.Config(), {**module.TINY, **planned, **rollout})
+    results = module.main(cfg)
+    rows = read_metrics(out / "recipe").to_dict("records") if results is not None else None
+    return {"results": results, "metrics": rows}  # rank 0 writes the run's files
+
+
 def main() -> None:
     with gloo_rank(timeout_s=900.0) as args:  # rank 1 waits while rank 0 starts the server
         results = {}
         for phase in (args.phase or "").split(","):
-            run = {"fake": fake_phase, "real": real_phase}[phase]
-            results[phase] = run(args.rank, args.out)
+            name, _, url = phase.partition("=")
+            if name == "fake":
+                results[name] = fake_phase(args.rank, args.out)
+            else:
+                run = {"real": real_phase, "recipe": recipe_phase}[name]
+                results[name] = run(args.rank, args.out, url)
         torch.save(results, args.out / f"rank{args.rank}.pt")
 
 

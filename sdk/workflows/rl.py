@@ -43,6 +43,7 @@ from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.rl.parallel import frozen_reference
 from posttrain.rl.trainer import RLTrainer, ValueHead
+from posttrain.workflows.parallel import plan_of
 from posttrain.workflows.quantization import (
     convert_for_training,
     export_adapters,
@@ -239,8 +240,11 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
 def _rollout_options(cfg: RLRunConfig, engines: EngineSlot, policy: Policy) -> dict[str, Any]:
     """`RLTrainer`'s rollout keywords: the builtin engine by name (the trainer as before); an
     engine apart from the policy (vllm) started by the run's slot from `policy` and lent to
-    the trainer, which syncs it before every rollout and leaves it open for the evaluations."""
+    the trainer, which syncs it before every rollout and leaves it open for the evaluations.
+    Under a parallel plan the vllm engine goes by name with its options: the trainer's ranks
+    share one server (`posttrain.rl.engine_plan`; a slot's engine would be each rank's own),
+    and rank 0's evaluations afterwards sample through the run's slot."""
     options = cfg.rollout.trainer_options()
-    if engines.apart_from_policy:
+    if engines.apart_from_policy and plan_of(cfg) is None:
         options.update(rollout_engine=engines.sampler(policy), rollout_options=None)
     return options

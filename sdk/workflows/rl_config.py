@@ -138,7 +138,7 @@ class RLRunConfig:
                 ("quantization.rollout", self.quantization.rollout, ("none",)),
                 ("sampling.top_p", self.sampling.top_p, (1.0,)),
             ],
-            planned=plan_of(self) is not None,
+            planned=False,  # the trainer's ranks share one server (posttrain.rl.engine_plan)
         )
 
 

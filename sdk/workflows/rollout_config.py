@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,15 @@ class RolloutConfig:
     stage, which holds its own) ends; docs/runbooks/vllm.md). It samples the held-out
     evaluation of every recipe, the pairs of dpo and reward_model, and the rollouts of grpo and
     ppo (`posttrain.workflows.rl_config.RLRolloutConfig`). The vllm server must answer within
-    `startup_timeout_s` seconds and gets `kv_cache_gib` GiB of KV cache (CPU)."""
+    `startup_timeout_s` seconds and gets `kv_cache_gib` GiB of KV cache (CPU). With `url`
+    (http://host:port) the vllm engine starts no server: it attaches to the one running there
+    (`VLLMServer.attach`: on this machine, with the dev-mode routes; the runbook says how to
+    start one), loads the policy's weights into it and leaves it running when the run ends."""
 
     engine: str = "builtin"
     startup_timeout_s: float = 900.0
     kv_cache_gib: int = 1
+    url: str | None = None
 
     def check(self, at: str) -> None:
         from posttrain.policy.rollout_engine import ROLLOUT_ENGINES
@@ -53,11 +58,22 @@ class RolloutConfig:
         choice(f"{at}.engine", self.engine, ROLLOUT_ENGINES)
         ints(self, at, ("kv_cache_gib",), minimum=1)
         positive(self, at, ("startup_timeout_s",))
+        if self.url is not None:
+            parts = urllib.parse.urlsplit(str(self.url))
+            if self.engine != "vllm" or parts.scheme not in ("http", "https") or not parts.port:
+                raise fail(
+                    f"{at}.url",
+                    self.url,
+                    "None, or http://host:port of a running vLLM server with rollout.engine=vllm",
+                )
 
     def options(self) -> dict[str, Any] | None:
-        """The engine's start options (`VLLMEngine.start`); None for the builtin engine."""
+        """The engine's start options (`VLLMEngine.start`); None for the builtin engine; with
+        `url`, only the server's address (the engine attaches instead of starting one)."""
         if self.engine == "builtin":
             return None
+        if self.url is not None:
+            return {"url": self.url}
         return {"startup_timeout_s": self.startup_timeout_s, "kv_cache_gib": self.kv_cache_gib}
 
     def slot(self, run_dir: str | Path) -> EngineSlot:
@@ -71,7 +87,9 @@ class RolloutConfig:
     def refuse(self, at: str, needs: Iterable[tuple[str, Any, Iterable[Any]]], planned: bool):
         """Refuse an engine apart from the policy (vllm) with a setting it cannot serve:
         `needs` holds (dotted key, its value, the values allowed with it), and under a parallel
-        plan (`planned`: the vllm engine runs in one process for now).
+        plan (`planned`) in a recipe whose ranks would each sample with an engine of their own
+        (the RL trainer shares one server among its ranks, `posttrain.rl.engine_plan`; a
+        held-out evaluation samples on rank 0 alone: those pass planned=False).
 
         Raises:
             ValueError: naming `{at}.rollout.engine`, the setting, and what is allowed.

@@ -50,7 +50,7 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
-from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
+from posttrain.workflows.parallel import ParallelPlan, check_parallel
 from posttrain.workflows.quantization import (
     AdaptersConfig,
     QuantizationConfig,
@@ -155,7 +155,7 @@ class SFTConfig:
         self.rollout.refuse(  # the evaluation after training samples the converted model
             at,
             [("quantization.training", self.quantization.training, ("none",))],
-            planned=plan_of(self) is not None,
+            planned=False,  # under a plan, rank 0 alone evaluates (one engine)
         )
 
 

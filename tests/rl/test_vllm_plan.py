@@ -5,12 +5,15 @@ request on the rank that made it stops every rank by name, and the server is sto
 ends.
 
 The ranks run once for the module (tests/vllm_plan_run.py): first on the stand-in server of
-tests/_vllm_fake.py (seconds, no vLLM needed; its samples start with a digest of the weights it
-holds, and its controls make a reload or a request fail), then, with the vLLM venv, on a real
-server. That one is started by rank 0 of the trainer rather than taken from the suite's shared
-`vllm_server` fixture: the shared server lives in the pytest process, and what is tested is the
-ranks starting, reaching, syncing and stopping their own (the module took 237 s at load ~23,
-most of it the real server's start).
+tests/_vllm_fake.py, which rank 0 starts and stops (seconds, no vLLM needed; its samples start
+with a digest of the weights it holds, and its controls make a reload or a request fail), then,
+with the vLLM venv, on the suite's shared real server (`vllm_server`), which rank 0 attaches to
+by URL (`rollout_options={"url": ...}`, `VLLMServer.attach`) and leaves running: a server start
+inside the ranks made the module take 210-237 s at load ~23. The shared server's contract lets
+a test leave other weights on it; this one syncs its starting weights back. Between the two,
+the grpo recipe runs under dp_shard=2 with `rollout.engine=vllm rollout.url=...` on a stand-in
+server the test starts (its samples' log-probs are -1.0, so the mismatch columns tell its
+samples from the policy's).
 
 Independent checks: the model rank 0 exported from the gathered dp_shard=2 weights equals,
 tensor for tensor, the one-process policy saved here; after each update, greedy tokens served by
@@ -29,11 +32,11 @@ import torch
 import vllm_plan_run as worker
 from _policy_helpers import drawn_policy
 from _ranks import run_ranks
-from _vllm_fake import weights_digest
+from _vllm_fake import fake_venv, weights_digest
 from _waits import WAIT_S, wait_for
 
 from posttrain.policy.vllm_process import group_alive
-from posttrain.policy.vllm_server import vllm_unavailable_reason
+from posttrain.policy.vllm_server import VLLMServer, vllm_unavailable_reason
 from posttrain.rl.lowbit_rollout import SAMPLER_METRICS
 
 REASON = vllm_unavailable_reason()
@@ -41,12 +44,25 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """(the ranks' folder, each rank's results) of the "fake" phase, and of "real" with vLLM."""
+def ranks(tmp_path_factory, request) -> tuple[Path, list[dict], dict]:
+    """(the ranks' folder, each rank's results, the recipe's stand-in server after the ranks)
+    of the "fake" and "recipe" phases, and of "real" (on the shared `vllm_server`) with vLLM."""
     out = tmp_path_factory.mktemp("vllm-plan")
-    phases = "fake" if REASON is not None else "fake,real"
-    run_ranks(worker.__file__, 2, out, str(out), phases)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    server = request.getfixturevalue("vllm_server") if REASON is None else None
+    venv = str(fake_venv(out / "stand-in-venv"))
+    with VLLMServer.start(drawn_policy(0), out / "stand-in", venv=venv) as stand_in:
+        phases = f"fake,recipe={stand_in.url}" + ("" if server is None else f",real={server.url}")
+        try:
+            run_ranks(worker.__file__, 2, out, str(out), phases)
+        finally:
+            if server is not None:
+                server.sync_weights(drawn_policy(0))  # the weights it started with
+        assert stand_in.log_path is not None and stand_in.pgid is not None
+        after = {
+            "alive": stand_in.alive and group_alive(stand_in.pgid),
+            "received": (stand_in.log_path.parent / "received").exists(),
+        }
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], after
 
 
 def _gone(pgid: int) -> None:
@@ -54,7 +70,7 @@ def _gone(pgid: int) -> None:
 
 
 def test_rank_0_starts_one_server_and_every_rank_samples_the_synced_weights(ranks, tmp_path):
-    out, results = ranks
+    out, results, _ = ranks
     runs = [r["fake"]["dp_shard2"] for r in results]
     assert [s["owner"] for s in runs[0]["steps"]] == [True, True]
     assert [s["owner"] for s in runs[1]["steps"]] == [False, False]
@@ -105,11 +121,13 @@ def test_under_tp_one_rank_asks_for_its_data_rank_and_its_failure_stops_the_othe
 
 
 @pytest.mark.skipif(REASON is not None, reason=str(REASON))
-def test_grpo_under_dp_shard_2_trains_on_one_real_vllm_server(ranks):
-    out, results = ranks
+def test_grpo_under_dp_shard_2_trains_on_one_real_vllm_server(ranks, vllm_server):
+    _, results, _ = ranks
     runs = [r["real"] for r in results]
     for rank, run in enumerate(runs):
         assert run["raised"] is None and run["step_count"] == 2
+        assert {s["url"] for s in run["steps"]} == {vllm_server.url}
+        assert [s["attached"] for s in run["steps"]] == [True if rank == 0 else None] * 2
         versions = [{v for g in s["groups"] for v in g[1]} for s in run["steps"]]
         assert versions == [{0}, {1}]
         for k, greedy in enumerate(run["greedy"]):  # after update k + 1, synced to it
@@ -122,8 +140,22 @@ def test_grpo_under_dp_shard_2_trains_on_one_real_vllm_server(ranks):
     assert [[r[k] for k in same] for r in runs[0]["rows"]] == [
         [r[k] for k in same] for r in runs[1]["rows"]
     ]
-    assert (out / "real" / "vllm" / "server.log").is_file()
-    _gone(runs[0]["steps"][0]["pgid"])
+    # rank 0 attached to the shared server and left it running when fit ended
+    assert runs[0]["steps"][0]["pgid"] is None and vllm_server.alive
+
+
+def test_the_grpo_recipe_under_a_plan_samples_from_the_server_at_its_url(ranks):
+    out, results, stand_in = ranks
+    rank0, rank1 = (r["recipe"] for r in results)
+    assert rank0["results"]["rollout_engine"] == "vllm" and rank1["results"] is None
+    rows = rank0["metrics"]
+    assert [r["step"] for r in rows] == [1, 2]
+    # the stand-in's log-probs are -1.0: a delta near the policy's own (0) would mean the
+    # policy sampled; the second rollout's sync reached the server
+    assert all(r["rollout_logprob_delta_max"] > 1.0 for r in rows)
+    assert rows[0]["weight_sync_s"] == 0.0 and rows[1]["weight_sync_reload_s"] > 0.0
+    assert stand_in["alive"] and stand_in["received"]  # attached to, left running
+    assert not list((out / "recipe").rglob("server.log"))  # no server started in the ranks
 
 
 def test_the_engine_is_shared_only_under_a_plan_of_several_ranks():

@@ -62,9 +62,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
             r"Config\.rollout\.engine='vllm'; must be builtin with quantization\.training='fp8'",
         ),
         (
+            "grpo",
+            {"rollout.url": "http://127.0.0.1:8000"},
+            r"Config\.rollout\.url='http://127\.0\.0\.1:8000'; must be None, or http://host:port "
+            r"of a running vLLM server with rollout\.engine=vllm",
+        ),
+        (
             "sft",
-            {"rollout.engine": "vllm", "parallel.dp_shard": 2},
-            r"Config\.rollout\.engine='vllm'; must be builtin under a parallel plan",
+            {"rollout.engine": "vllm", "rollout.url": "127.0.0.1:8000"},
+            r"Config\.rollout\.url='127\.0\.0\.1:8000'; must be None, or http://host:port",
         ),
         (
             "reward_model",
@@ -88,6 +94,32 @@ def test_the_rollout_section_reaches_the_trainer(recipe):
     }
     assert RLRolloutConfig().trainer_options()["rollout_engine"] == "builtin"
     assert RLRolloutConfig().trainer_options()["rollout_options"] is None
+
+
+def test_grpo_under_a_plan_hands_the_vllm_engine_to_the_trainer_by_name(tmp_path):
+    """Under a parallel plan the trainer gets the engine's name and options, so that its ranks
+    share one server (posttrain.rl.engine_plan), not an engine the run's slot started: nothing
+    starts here. With `rollout.url` the options are the address alone (the engine attaches)."""
+    from _policy_helpers import drawn_policy
+
+    from posttrain.workflows.rl import _rollout_options
+
+    url = {"rollout.url": "http://127.0.0.1:8000"}
+    planned = {"parallel.dp_shard": 2, "eval.every": 0, "baseline.steps": 0}
+    cfg = override(cli.load_recipe("grpo").Config(), {"rollout.engine": "vllm", **planned, **url})
+    with cfg.rollout.slot(tmp_path) as slot:
+        options = _rollout_options(cfg, slot, drawn_policy(0))
+        assert slot.engine is None  # nothing started or attached by the run's slot
+    assert options == {
+        "rollout_engine": "vllm",
+        "max_staleness": 0,
+        "rollout_options": {"url": "http://127.0.0.1:8000"},
+    }
+    # its SFT stage evaluates on rank 0 alone: the engine is allowed there too
+    sft = override(
+        cli.load_recipe("sft").Config(), {"rollout.engine": "vllm", "parallel.dp_shard": 2}
+    )
+    assert sft.rollout.options() == {"startup_timeout_s": 900.0, "kv_cache_gib": 1}
 
 
 @pytest.mark.parametrize("recipe", ["sft", "dpo", "reward_model", "grpo"])
