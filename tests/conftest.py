@@ -122,8 +122,11 @@ def vllm_server(tmp_path_factory):
     a sync it made fail is followed by one that succeeds. It is never closed by a test:
     `vllm_server.close()` raises; lend it to an RLTrainer or as a rollout engine with
     `_vllm_helpers.SharedServerEngine(vllm_server, version=...)`, whose `close()` leaves the
-    server running. A test that needs another model, other server options or a fault starts a
-    server of its own and says why in its docstring.
+    server running. Another process (the ranks of a distributed test) reaches it by
+    `vllm_server.url`: `VLLMServer.attach(url, policy)` or `rollout_options={"url": url}`, which
+    load their policy's weights, so the same contract holds for them. A test that needs another
+    model, other server options or a fault starts a server of its own and says why in its
+    docstring.
 
     Skips with `vllm_unavailable_reason()` (which names scripts/vllm-up.sh) without the venv.
     At the session's end it checks that closing left no process of the server's group.
