@@ -40,7 +40,8 @@ class AttachRefused(VLLMServerError):
 
 def is_this_machine(host: str) -> bool:
     """Whether `host` (a name or an address) is one of this machine's addresses: a socket binds
-    to each address it resolves to only on the machine that has it."""
+    to an address only on the machine that has it (a name may resolve to several, e.g. ::1 and
+    127.0.0.1 where IPv6 is off: one that binds is enough)."""
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
@@ -52,8 +53,9 @@ def is_this_machine(host: str) -> bool:
             try:
                 sock.bind((address[0], 0, *address[2:]))
             except OSError:
-                return False
-    return bool(infos)
+                continue
+            return True
+    return False
 
 
 def _request(url: str, method: str, timeout_s: float) -> tuple[int | None, Any]:
