@@ -41,7 +41,12 @@ __all__ = [
     "cpu_batching",
 ]
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 """The HF architectures the vLLM engine serves here (dense)."""
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 """Policy dtypes the server takes -> vLLM's `--dtype` value."""
