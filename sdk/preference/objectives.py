@@ -119,8 +119,7 @@ class _PairObjective:
         }
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({options})"
+        return f"{type(self).__name__}({_options(self)})"
 
 
 class DPOLoss(_PairObjective):
@@ -429,8 +428,13 @@ class KTOLoss:
         return out
 
     def __repr__(self) -> str:
-        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"KTOLoss({options})"
+        return f"KTOLoss({_options(self)})"
+
+
+def _options(loss: object) -> str:
+    """`k=v, ...` of the loss's attributes; loss_chunk_tokens only when set."""
+    shown = {k: v for k, v in vars(loss).items() if not (k == "loss_chunk_tokens" and v is None)}
+    return ", ".join(f"{k}={v!r}" for k, v in shown.items())
 
 
 BUILTIN_LOSSES = {
