@@ -237,6 +237,7 @@ def test_preference_objectives_with_chunks_equal_the_unchunked_ones(name):
     params = list(model.parameters())
     plain, chunked = get_loss(name), get_loss(name, loss_chunk_tokens=4)
     assert chunked.loss_chunk_tokens == 4 and plain.loss_chunk_tokens is None
+    assert "loss_chunk_tokens" not in repr(plain) and "loss_chunk_tokens=4" in repr(chunked)
     n = plain.num_units(batch)
     ref, got = plain(model, batch, n), chunked(model, batch, n)
     torch.testing.assert_close(got, ref, **TOL)
