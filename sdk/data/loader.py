@@ -15,9 +15,10 @@ Labels are shifted once, in the dataset: `labels[b, t]` is the token the model m
 position t, so the loss needs no further shift. Trained positions come from the tokenizer's loss
 mask, never from token ids, so EOS is trained even when `pad_id == eos_id`.
 
-Packed rows carry a [B, T, T] block-causal mask. torchtune's attention calls SDPA with
-`is_causal=False` whenever a mask is given, so the mask itself is causal; the padding tail of a
-row is its own causal block (a fully masked query row would give NaN). Memory: B*T*T bytes.
+Packed rows carry a [B, T, T] block-causal mask (`posttrain.models.attention_masks`).
+torchtune's attention calls SDPA with `is_causal=False` whenever a mask is given, so the mask
+itself is causal; the padding tail of a row is its own causal block (a fully masked query row
+would give NaN). Memory: B*T*T bytes.
 
 Example:
     >>> from posttrain.data.loader import SFTDataset, SFTLoader
@@ -60,6 +61,7 @@ from posttrain.data.sft import (  # re-exported: `from posttrain.data import ...
     normalize_sft_row,
     reasoning_gym_sft_rows,
 )
+from posttrain.models.attention_masks import dense_segment_mask
 
 __all__ = [
     "IGNORE_INDEX",
@@ -176,10 +178,9 @@ def _pack_row(samples: Sequence[Sample], seq_len: int, pad_id: int) -> Batch:
     ).to(torch.int64)
     lengths = [len(s) for s in samples] + ([seq_len - used] if used < seq_len else [])
     position_ids = torch.cat([torch.arange(n) for n in lengths]).to(torch.int64)
-    doc_T = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    causal_TT = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
-    mask_TT = (doc_T[:, None] == doc_T[None, :]) & causal_TT
-    return Batch(input_ids[None], labels[None], position_ids[None], mask_TT[None], len(samples))
+    doc_1T = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    mask_1TT = dense_segment_mask(doc_1T)  # block-causal: each document sees its own past
+    return Batch(input_ids[None], labels[None], position_ids[None], mask_1TT, len(samples))
 
 
 def _greedy_rows(lengths: Iterable[int], seq_len: int, max_rows: int | None = None) -> list[int]:

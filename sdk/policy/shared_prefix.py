@@ -4,11 +4,12 @@ samples) are scored in one sequence per prompt, the prompt's tokens once.
 A group of G rows, each a prompt of P tokens followed by its own response of L_j tokens, becomes
 one packed sequence `prompt, response_1, ..., response_G` of `P + sum_j L_j` tokens, with an
 attention mask in which response j sees the prompt and its own earlier tokens only, and position
-ids that restart at P for every response. Each response token then sees exactly what it saw in
-its own row, so the logits equal the unpacked forward's up to float rounding, and the gradient
-of the shared prompt positions is the sum over the G rows, as in the unpacked batch. The prompt
-is computed once instead of G times: for 72-token prompts, 16 new tokens and G = 8 the forward
-runs 200 instead of 704 tokens per group.
+ids that restart at P for every response (`posttrain.models.attention_masks`: a block-sparse
+FlexAttention mask on CUDA, dense `[N, S, S]` on CPU). Each response token then sees exactly
+what it saw in its own row, so the logits equal the unpacked forward's up to float rounding,
+and the gradient of the shared prompt positions is the sum over the G rows, as in the unpacked
+batch. The prompt is computed once instead of G times: for 72-token prompts, 16 new tokens and
+G = 8 the forward runs 200 instead of 704 tokens per group.
 
 Shape legend: B = rows, T = tokens per row, N = packed sequences (distinct prompts), S = tokens
 per packed sequence, V = vocabulary, D = hidden size.
@@ -30,6 +31,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posttrain.models.attention_masks import (
+    PAD,
+    PREFIX,
+    AttentionMask,
+    attended_pairs,
+    dense_segment_mask,
+    segment_attention_mask,
+    use_block_mask,
+)
+
 __all__ = ["SharedPrefixPack"]
 
 
@@ -39,18 +50,26 @@ class SharedPrefixPack:
 
     Attributes:
         input_ids_NS: int64 `[N, S]`, right-padded with 0 (padding attends to itself only).
-        mask_NSS: bool `[N, S, S]`, True where query position s may attend to key position s'.
+        mask: what the model's `mask=` takes: a FlexAttention `BlockMask` or the dense bool
+            `mask_NSS` (`posttrain.models.attention_masks.segment_attention_mask`).
         input_pos_NS: int64 `[N, S]`, the RoPE position of every packed token in its own row.
         sequence_B: int64 `[B]`, the packed sequence that holds row b.
         index_BT: int64 `[B, T]`, where row b's position t lies in its packed sequence (0 on
             padding: read it only through a mask).
+        segment_NS: int64 `[N, S]`, PREFIX on the prompt, j on row j's part, PAD on padding.
     """
 
     input_ids_NS: Tensor
-    mask_NSS: Tensor
+    mask: AttentionMask
     input_pos_NS: Tensor
     sequence_B: Tensor
     index_BT: Tensor
+    segment_NS: Tensor
+
+    @property
+    def mask_NSS(self) -> Tensor:
+        """bool `[N, S, S]`, True where query position s may attend to key position s'."""
+        return self.mask if isinstance(self.mask, Tensor) else dense_segment_mask(self.segment_NS)
 
     @classmethod
     def build(
@@ -61,20 +80,25 @@ class SharedPrefixPack:
         *,
         embed_dim: int = 1024,
         max_seq_len: int | None = None,
+        block_mask: bool | None = None,
     ) -> SharedPrefixPack | None:
         """Pack right-padded rows by the prefix before each row's first response token; None
         when packing does not pay: no prefix is shared, or the packed forward would cost more
         than 0.9x the rows' by a flop count of 6 x `embed_dim` per token (the projections,
-        relative to one attention score) plus the attention scores (S^2 per packed sequence,
-        its mask being dense; T^2 / 2 per causal row), as with long responses after a short
-        prompt; or when a packed sequence would be longer than `max_seq_len`, the model's
-        position limit (a prompt's G responses together can exceed it where each row fits).
+        relative to one attention score) plus the attention scores (T^2 / 2 per causal row;
+        S^2 per packed sequence with a dense mask, as with long responses after a short prompt;
+        with a block mask only the attended pairs, never more than the rows'); or when a packed
+        sequence would be longer than `max_seq_len`, the model's position limit (a prompt's G
+        responses together can exceed it where each row fits).
 
         Args:
             input_ids_BT: int64 `[B, T]`.
             valid_BT: bool `[B, T]`, a run of real tokens then padding in every row.
             response_BT: bool `[B, T]`, a subset of `valid_BT`; a row without a response token
                 is all prefix.
+            block_mask: pass a FlexAttention `BlockMask` (True) or a dense mask (False); None:
+                a `BlockMask` where torchtune's attention runs one (CUDA,
+                `posttrain.models.attention_masks.use_block_mask`).
         """
         B, T = input_ids_BT.shape
         lengths = valid_BT.sum(-1).tolist()
@@ -93,16 +117,18 @@ class SharedPrefixPack:
         )
         if max_seq_len is not None and max_seq_len < S:
             return None
-        if N * S * (6 * embed_dim + S) >= 0.9 * B * T * (6 * embed_dim + T / 2):
+        if block_mask is None:
+            block_mask = use_block_mask(input_ids_BT.device)
+        if not block_mask and N * S * (6 * embed_dim + S) >= 0.9 * B * T * (6 * embed_dim + T / 2):
             return None
         packed_ids, segment, position = (torch.zeros(N, S, dtype=torch.long) for _ in range(3))
-        segment.fill_(-2)  # -2: padding, -1: the prefix, j: row j's part
+        segment.fill_(PAD)
         sequence_B = torch.empty(B, dtype=torch.long)
         index_BT = torch.zeros(B, T, dtype=torch.long)
         for n, (prefix, rows) in enumerate(groups.items()):
             P = len(prefix)
             packed_ids[n, :P] = torch.tensor(prefix, dtype=torch.long)
-            segment[n, :P] = -1
+            segment[n, :P] = PREFIX
             position[n, :P] = torch.arange(P)
             offset = P
             for j, b in enumerate(rows):
@@ -114,17 +140,19 @@ class SharedPrefixPack:
                 index_BT[b, :P] = torch.arange(P)
                 index_BT[b, P : P + L] = torch.arange(offset, offset + L)
                 offset += L
-        q, k = segment[:, :, None], segment[:, None, :]
-        causal = torch.ones(S, S, dtype=torch.bool).tril()
-        mask = causal & ((k == -1) | (k == q)) & (q != -2)
-        mask |= torch.eye(S, dtype=torch.bool)  # padding sees itself: no empty softmax row
+        if block_mask:
+            pairs = attended_pairs(segment)
+            if N * S * 6 * embed_dim + pairs >= 0.9 * B * T * (6 * embed_dim + T / 2):
+                return None
         device = input_ids_BT.device
+        segment = segment.to(device)
         return cls(
             packed_ids.to(device),
-            mask.to(device),
+            segment_attention_mask(segment, block=block_mask),
             position.to(device),
             sequence_B.to(device),
             index_BT.to(device),
+            segment,
         )
 
     def unpack(self, x_NSx: Tensor) -> Tensor:
@@ -144,4 +172,4 @@ class SharedPrefixPack:
     def forward(self, model: torch.nn.Module) -> Tensor | list[Tensor]:
         """`model`'s output on the packed sequences (a torchtune `TransformerDecoder`: the
         mask and position ids are passed as `mask=` and `input_pos=`)."""
-        return model(self.input_ids_NS, mask=self.mask_NSS, input_pos=self.input_pos_NS)
+        return model(self.input_ids_NS, mask=self.mask, input_pos=self.input_pos_NS)
