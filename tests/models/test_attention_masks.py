@@ -2,15 +2,14 @@
 torchtune's block-causal mask for packed documents and the hand-written rule for shared-prefix
 groups; the block-sparse FlexAttention mask gives the dense mask's attention (FlexAttention's
 eager forward on CPU, which has no backward there); a torchtune model fed the block mask gives
-the logits of the dense mask and of the unpacked rows, for packed rows and shared-prefix groups
-of long answers, where the dense path does not pack."""
-
-import warnings
+the logits of the dense mask and of the unpacked rows (shared-prefix groups:
+tests/policy/test_shared_prefix.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from _flex_helpers import flex, route_block_masks
+from torch.nn.attention.flex_attention import BlockMask
 from torchtune.modules.attention_utils import create_block_causal_mask
 
 from posttrain.data.loader import Sample, pack_samples
@@ -26,7 +25,6 @@ from posttrain.models.attention_masks import (
     use_block_mask,
 )
 from posttrain.policy import Policy
-from posttrain.policy.shared_prefix import SharedPrefixPack
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,12 +98,6 @@ def test_a_packed_batchs_documents_are_read_back_from_its_mask():
         documents_from_mask(masks.long())
 
 
-def _flex(q, k, v, block_mask):
-    with warnings.catch_warnings():  # eager FlexAttention warns that it is unfused
-        warnings.simplefilter("ignore")
-        return flex_attention(q, k, v, block_mask=block_mask)
-
-
 @pytest.mark.parametrize(
     "segment_NS",
     [
@@ -122,26 +114,14 @@ def test_the_block_mask_gives_the_dense_masks_attention(segment_NS):
     want = F.scaled_dot_product_attention(
         q, k, v, attn_mask=dense_segment_mask(segment_NS)[:, None]
     )
-    got = _flex(q, k, v, block_segment_mask(segment_NS))
+    got = flex(q, k, v, block_segment_mask(segment_NS))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def flex_model():
-    """tiny-1m whose attention runs a `BlockMask` through eager FlexAttention, as torchtune's
-    attention does on CUDA (on CPU it hands every mask to SDPA)."""
-    model = Policy.from_spec("tiny-1m", seed=0).model.eval()
-    for module in model.modules():
-        if hasattr(module, "_attention_call"):
-            sdpa = module._attention_call
-
-            def call(q, k, v, mask, dropout_p, is_causal, sdpa=sdpa):
-                if isinstance(mask, BlockMask):
-                    return _flex(q, k, v, mask)
-                return sdpa(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
-
-            module._attention_call = call
-    return model
+    """tiny-1m whose attention runs a `BlockMask` through eager FlexAttention."""
+    return route_block_masks(Policy.from_spec("tiny-1m", seed=0).model.eval())
 
 
 @torch.no_grad()
@@ -167,33 +147,3 @@ def test_packed_rows_with_the_block_mask_give_the_unpacked_logits(flex_model):
             block[0, start : start + len(sample)], alone, rtol=1e-5, atol=1e-5
         )
         start += len(sample)
-
-
-@torch.no_grad()
-def test_a_group_of_long_answers_is_packed_with_the_block_mask(flex_model):
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(3, 250, (6,), generator=g).tolist()
-    answers = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (120, 70, 95, 30)]
-    T = len(prompt) + max(len(a) for a in answers)
-    ids = torch.zeros(len(answers), T, dtype=torch.long)
-    valid, response = (torch.zeros(len(answers), T, dtype=torch.bool) for _ in range(2))
-    for b, a in enumerate(answers):
-        ids[b, : len(prompt) + len(a)] = torch.tensor(prompt + a)
-        valid[b, : len(prompt) + len(a)] = True
-        response[b, len(prompt) : len(prompt) + len(a)] = True
-    # the dense mask's S^2 makes packing cost more than the rows: it falls back
-    assert SharedPrefixPack.build(ids, valid, response, embed_dim=64, block_mask=False) is None
-    pack = SharedPrefixPack.build(ids, valid, response, embed_dim=64, block_mask=True)
-    assert pack is not None and isinstance(pack.mask, BlockMask)
-    got = pack.unpack(pack.forward(flex_model))
-    rows = flex_model(ids)  # right-padded rows: plain causal attention
-    torch.testing.assert_close(got[valid], rows[valid], rtol=1e-5, atol=1e-5)
-    dense = SharedPrefixPack(
-        pack.input_ids_NS,
-        pack.mask_NSS,
-        pack.input_pos_NS,
-        pack.sequence_B,
-        pack.index_BT,
-        pack.segment_NS,
-    )
-    torch.testing.assert_close(pack.unpack(dense.forward(flex_model)), got, rtol=1e-5, atol=1e-5)

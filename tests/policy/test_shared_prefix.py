@@ -4,11 +4,14 @@ reference), a response never sees another response of its group, and packing is 
 does not pay. The RL trainer's step is the same with and without it (GRPO and PPO's value head).
 """
 
+import copy
 import doctest
 
 import pytest
 import torch
+from _flex_helpers import route_block_masks
 from _rl_helpers import ToyTask
+from torch.nn.attention.flex_attention import BlockMask
 
 import posttrain.policy.shared_prefix as shared_prefix_module
 from posttrain.policy import Policy, token_logprobs
@@ -99,6 +102,11 @@ def test_packing_is_skipped_where_it_does_not_pay():
     # long responses after a short prompt: the packed attention area (sum S^2) is larger
     ids, valid, response = _rows([[5, 6]], [[[k] * 60 for k in range(3, 8)]])
     assert SharedPrefixPack.build(ids, valid, response, embed_dim=128) is None
+    # after a prompt of 20: packed (dense 320 x 1088 > 0.9 x 5 x 80 x 808 flops) only with a
+    # block mask, which costs the attended pairs, 320 x 768 + 210 + 5 x (1200 + 1830) (CUDA)
+    ids, valid, response = _rows([[5] * 20], [[[k] * 60 for k in range(3, 8)]])
+    assert SharedPrefixPack.build(ids, valid, response, embed_dim=128) is None
+    assert SharedPrefixPack.build(ids, valid, response, embed_dim=128, block_mask=True)
     # the same rows after a long prompt: the prompt's projections dominate, packing pays
     ids, valid, response = _rows([[5] * 200], [[[k] * 60 for k in range(3, 8)]])
     assert SharedPrefixPack.build(ids, valid, response, embed_dim=128) is not None
@@ -111,9 +119,47 @@ def test_a_group_longer_than_the_models_limit_together_is_scored_unpacked(model)
     ids, valid, response = _rows([[5] * 200], [[[k] * 90 for k in range(3, 7)]])
     assert SharedPrefixPack.build(ids, valid, response, embed_dim=64) is not None
     assert SharedPrefixPack.build(ids, valid, response, embed_dim=64, max_seq_len=512) is None
+    too_long = SharedPrefixPack.build(
+        ids, valid, response, embed_dim=64, max_seq_len=512, block_mask=True
+    )
+    assert too_long is None  # a limit of positions, not of the mask's memory
     shared, _ = _scored(model, ids, valid, response, share=True)
     plain, _ = _scored(model, ids, valid, response, share=False)
     assert torch.equal(shared, plain)
+
+
+@torch.no_grad()
+def test_a_group_of_long_answers_is_packed_with_the_block_mask(model):
+    """Where the dense mask's S^2 makes packing cost more than the rows, the block mask packs
+    the group; its logits (eager FlexAttention, forward only on CPU) equal the rows' and the
+    dense mask's to 1e-5."""
+    flex_model = route_block_masks(copy.deepcopy(model)).eval()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, 250, (6,), generator=g).tolist()
+    answers = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (120, 70, 95, 30)]
+    T = len(prompt) + max(len(a) for a in answers)
+    ids = torch.zeros(len(answers), T, dtype=torch.long)
+    valid, response = (torch.zeros(len(answers), T, dtype=torch.bool) for _ in range(2))
+    for b, a in enumerate(answers):
+        ids[b, : len(prompt) + len(a)] = torch.tensor(prompt + a)
+        valid[b, : len(prompt) + len(a)] = True
+        response[b, len(prompt) : len(prompt) + len(a)] = True
+    # the dense mask's S^2 makes packing cost more than the rows: it falls back
+    assert SharedPrefixPack.build(ids, valid, response, embed_dim=64, block_mask=False) is None
+    pack = SharedPrefixPack.build(ids, valid, response, embed_dim=64, block_mask=True)
+    assert pack is not None and isinstance(pack.mask, BlockMask)
+    got = pack.unpack(pack.forward(flex_model))
+    rows = flex_model(ids)  # right-padded rows: plain causal attention
+    torch.testing.assert_close(got[valid], rows[valid], rtol=1e-5, atol=1e-5)
+    dense = SharedPrefixPack(
+        pack.input_ids_NS,
+        pack.mask_NSS,
+        pack.input_pos_NS,
+        pack.sequence_B,
+        pack.index_BT,
+        pack.segment_NS,
+    )
+    torch.testing.assert_close(pack.unpack(dense.forward(flex_model)), got, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_layout_by_hand():
