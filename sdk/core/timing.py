@@ -12,11 +12,18 @@ Three pieces, shared by the trainers:
                         Table 1. The attention term (PaLM, Chowdhery et al. 2022, appendix B:
                         + 6 n_layer n_ctx d_attn per trained token) is NOT included, so at long
                         contexts the MFU here is a lower bound
+    attention_flops     that attention term, for reports that add it (the benchmarks' MFU
+                        convention, docs/benchmarks/README.md): 12 L T d_attn per trained token
+                        (PaLM, appendix B), 4 L T d_attn per forward token
     matmul_peak_flops   the measured peak: the best of `repeats` timed fp32 matmuls of two
                         n x n matrices (2 n^3 FLOPs each; n = 1024 on CPU, 8192 on CUDA) after one
                         warm-up, measured once per process and device and cached; the
                         `POSTTRAIN_PEAK_FLOPS` environment variable (FLOP/s) or
-                        `set_peak_flops` override it (e.g. a datasheet figure)
+                        `set_peak_flops` override it (e.g. a datasheet figure); `dtype`
+                        bfloat16 times a bf16 matmul (GPU training in bf16)
+    datasheet_peak_flops
+                        a GPU's dense bf16 peak from `DATASHEET_PEAK_FLOPS` by device name
+                        (torch.cuda.get_device_name), or None with the reason for another GPU
 
 MFU = model FLOPs of the step / (step seconds x peak FLOP/s x devices), at most 1. The peak is
 measured, not a datasheet number, so MFU says how close the step comes to what a plain fp32
@@ -58,6 +65,9 @@ from torch import nn
 __all__ = [
     "PhaseTimer",
     "model_flops",
+    "attention_flops",
+    "datasheet_peak_flops",
+    "DATASHEET_PEAK_FLOPS",
     "non_embedding_params",
     "matmul_peak_flops",
     "set_peak_flops",
@@ -73,10 +83,22 @@ PEAK_FLOPS_ENV = "POSTTRAIN_PEAK_FLOPS"
 PEAK_MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
 """n of the n x n fp32 matmul timed by `matmul_peak_flops`, per device type (others: 2048)."""
 
+DATASHEET_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),  # SXM4 and PCIe
+)
+"""Dense bf16 tensor-core peaks in FLOP/s from NVIDIA's datasheets (the sparse figures are twice
+these), as (substring of the device name, peak): the first entry whose substring is in the name
+wins, so the more specific names come first."""
+
 log = logging.getLogger(__name__)
 
 _FLOPS_PER_PARAM_TOKEN = {"train": 6, "forward": 2}
-_peak_cache: dict[tuple[str, int, int, int], float] = {}
+_peak_cache: dict[tuple[str, int, int, int, str], float] = {}
 _peak_override: float | None = None
 _warned_above_peak = False
 
@@ -175,6 +197,45 @@ def model_flops(n_params: int, tokens: int, *, kind: str) -> int:
     return _FLOPS_PER_PARAM_TOKEN[kind] * int(n_params) * int(tokens)
 
 
+def attention_flops(num_layers: int, seq_len: int, attn_dim: int, tokens: int, *, kind: str) -> int:
+    """Attention FLOPs (the score and value matmuls, which 6 N D leaves out) of `tokens` tokens in
+    sequences of `seq_len` positions: 12 L T d_attn per token for kind "train" and 4 L T d_attn
+    for "forward" (PaLM, Chowdhery et al. 2022, appendix B; the causal mask is not halved, as
+    there). d_attn = num_heads x head_dim (the query width, not the model width when they differ).
+
+    Example: L = 2, T = 8, d_attn = 4, 10 tokens, train: 12 x 2 x 8 x 4 x 10 = 7,680.
+
+    Raises:
+        ValueError: for an unknown kind (allowed: "train", "forward") or a negative count.
+    """
+    if kind not in _FLOPS_PER_PARAM_TOKEN:
+        raise ValueError(f"kind={kind!r}; must be one of {sorted(_FLOPS_PER_PARAM_TOKEN)}")
+    counts = {"num_layers": num_layers, "seq_len": seq_len, "attn_dim": attn_dim, "tokens": tokens}
+    bad = {k: v for k, v in counts.items() if v < 0}
+    if bad:
+        raise ValueError(f"{bad}; every count must be >= 0")
+    per_token = 2 * _FLOPS_PER_PARAM_TOKEN[kind] * int(num_layers) * int(seq_len) * int(attn_dim)
+    return per_token * int(tokens)
+
+
+def datasheet_peak_flops(device_name: str) -> tuple[float | None, str]:
+    """The dense bf16 peak (FLOP/s) of the GPU named `device_name` (`torch.cuda.get_device_name`)
+    from `DATASHEET_PEAK_FLOPS`, and where it came from; (None, the reason) for a device the
+    table does not list (report "n/a", never a guess).
+
+    Example:
+        >>> datasheet_peak_flops("NVIDIA H100 80GB HBM3")
+        (989000000000000.0, 'datasheet dense bf16 of H100')
+        >>> datasheet_peak_flops("NVIDIA L4")[0] is None
+        True
+    """
+    for key, peak in DATASHEET_PEAK_FLOPS:
+        if key.lower() in device_name.lower():
+            return peak, f"datasheet dense bf16 of {key}"
+    known = ", ".join(key for key, _ in DATASHEET_PEAK_FLOPS)
+    return None, f"no datasheet peak for {device_name!r} (the table lists {known})"
+
+
 def set_peak_flops(flops_per_s: float | None) -> None:
     """Use `flops_per_s` as the peak for every later `matmul_peak_flops` call in this process
     (None: measure again, cached). Raises ValueError for a value that is not > 0."""
@@ -185,7 +246,11 @@ def set_peak_flops(flops_per_s: float | None) -> None:
 
 
 def matmul_peak_flops(
-    device: torch.device | str = "cpu", *, size: int | None = None, repeats: int = 5
+    device: torch.device | str = "cpu",
+    *,
+    size: int | None = None,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
     """Peak FLOP/s of `device`: `set_peak_flops`'s value, else `$POSTTRAIN_PEAK_FLOPS`, else
     measured: one warm-up, then the best of `repeats` fp32 (n x n) @ (n x n) products, each 2 n^3
@@ -195,7 +260,8 @@ def matmul_peak_flops(
     the peak; the result is that rate x `torch.get_num_threads()`. Elsewhere the products run as
     configured and are timed in wall seconds (time.perf_counter, synchronised on CUDA). Measured
     once per (device, n, repeats, torch intra-op threads) in a process; later calls return the
-    cached value. Costs ~0.1-0.5 s on a 2-core CPU (n = 1024).
+    cached value. Costs ~0.1-0.5 s on a 2-core CPU (n = 1024). `dtype` is the matrices' dtype
+    (float32 by default; bfloat16 for the peak a bf16 GPU step is measured against).
 
     Raises:
         ValueError: for size or repeats < 1, or a `$POSTTRAIN_PEAK_FLOPS` that is not a
@@ -216,18 +282,18 @@ def matmul_peak_flops(
     n = PEAK_MATMUL_SIZE.get(device.type, 2048) if size is None else size
     if n < 1 or repeats < 1:
         raise ValueError(f"size={size!r}, repeats={repeats!r}; both must be >= 1")
-    key = (str(device), n, repeats, torch.get_num_threads())
+    key = (str(device), n, repeats, torch.get_num_threads(), str(dtype))
     if key not in _peak_cache:
-        _peak_cache[key] = _measure(device, n, repeats)
+        _peak_cache[key] = _measure(device, n, repeats, dtype)
     return _peak_cache[key]
 
 
-def _measure(device: torch.device, n: int, repeats: int) -> float:
-    """FLOP/s of the fastest of `repeats` (n x n) fp32 products on `device` after a warm-up:
+def _measure(device: torch.device, n: int, repeats: int, dtype: torch.dtype) -> float:
+    """FLOP/s of the fastest of `repeats` (n x n) `dtype` products on `device` after a warm-up:
     on CPU one thread's rate in its CPU seconds x the intra-op threads, else wall seconds."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=generator).to(device)
-    b = torch.randn(n, n, generator=generator).to(device)
+    a = torch.randn(n, n, generator=generator).to(device, dtype)
+    b = torch.randn(n, n, generator=generator).to(device, dtype)
     if device.type == "cpu":
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

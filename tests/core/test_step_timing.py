@@ -97,9 +97,9 @@ def test_peak_is_measured_once_and_cached(monkeypatch):
     calls = []
     real = timing._measure
 
-    def counted(device, n, repeats):
+    def counted(device, n, repeats, dtype):
         calls.append((str(device), n, repeats))
-        return real(device, n, repeats)
+        return real(device, n, repeats, dtype)
 
     monkeypatch.setattr(timing, "_measure", counted)
     monkeypatch.setattr(timing, "_peak_cache", {})
@@ -276,3 +276,40 @@ def test_a_step_that_trains_nothing_has_zero_update_time():
     assert row["flops_per_s"] * row["step_time_s"] == pytest.approx(
         2 * 1_020_032 * 3 * 2, rel=1e-12
     )
+
+
+def test_attention_flops_by_hand():
+    """PaLM appendix B: 12 L T d_attn per trained token, a third of it forward. L = 2, T = 8,
+    d_attn = 4, 10 tokens: 12 * 2 * 8 * 4 * 10 = 7,680 (train), 4 * 2 * 8 * 4 * 10 = 2,560.
+    Qwen2.5-0.5B (L = 24, d_attn = 14 x 64 = 896) at T = 2048: 12 * 24 * 2048 * 896 = 528.5M
+    FLOPs per token beside 6 N = 6 * 494.0M = 2.96G, i.e. +17.8%."""
+    assert timing.attention_flops(2, 8, 4, 10, kind="train") == 7_680
+    assert timing.attention_flops(2, 8, 4, 10, kind="forward") == 2_560
+    assert timing.attention_flops(24, 2048, 896, 1, kind="train") == 528_482_304
+    with pytest.raises(ValueError, match="kind='backward'; must be one of"):
+        timing.attention_flops(2, 8, 4, 10, kind="backward")
+    with pytest.raises(ValueError, match="seq_len"):
+        timing.attention_flops(2, -8, 4, 10, kind="train")
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+    ],
+)
+def test_datasheet_peak_by_device_name(name, peak):
+    """Dense bf16 figures of NVIDIA's datasheets (half the 2:4-sparse ones: H100 SXM 1,979 ->
+    989.5 TFLOP/s, listed as 989; PCIe 1,513 -> 756; A100 624 -> 312)."""
+    value, source = timing.datasheet_peak_flops(name)
+    assert value == peak and "datasheet" in source
+
+
+def test_an_unknown_gpu_has_no_datasheet_peak_and_says_why():
+    value, reason = timing.datasheet_peak_flops("NVIDIA L4")
+    assert value is None and "'NVIDIA L4'" in reason and "H200" in reason
