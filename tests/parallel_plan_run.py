@@ -30,7 +30,8 @@ from _train_helpers import TINY, sft_dataset
 
 from posttrain.data import SFTLoader
 from posttrain.models import build_model, get_preset, save_hf_checkpoint
-from posttrain.train import ParallelPlan, Trainer, full_state_dict, plan_state
+from posttrain.train import ParallelPlan, SFTCrossEntropy, Trainer, full_state_dict, plan_state
+from posttrain.train.memory_measure import TensorPeak
 
 STEPS, RESUME_STEPS = 3, 5
 UNTIED = dataclasses.replace(TINY, tie_word_embeddings=False)
@@ -172,6 +173,11 @@ def phase_two(out: Path, rank: int) -> dict:
         {name: _strip(run_plan(plan, look_first=True)) for name, plan in LOOKED_2.items()}
     )
     results["dp_shard2_deprecated"] = _strip(run_plan(ParallelPlan(dp_shard=2), deprecated=True))
+    # the chunked head and log-softmax (5 tokens a chunk) on FSDP2's gathered root, measured by
+    # TensorPeak (FSDP2 frees the storages of gathered parameters that tensors still refer to)
+    with TensorPeak() as peak:
+        chunked = run_plan(ParallelPlan(dp_shard=2), loss=SFTCrossEntropy(loss_chunk_tokens=5))
+    results["dp_shard2_chunked"] = {**_strip(chunked), "tensor_peak": peak.peak_bytes}
     looked = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY).model
     look_at_logits(looked)
     results["looked_types"] = {

@@ -104,7 +104,10 @@ def _head_bypassed(model: nn.Module) -> Iterator[tuple[Head, list[Tensor]]]:
 
     def record(h_xD: Tensor) -> Tensor:
         captured.append(h_xD)
-        return h_xD.new_empty(*h_xD.shape[:-1], 0)
+        # an empty view, not a new tensor: the forward's output then requires grad as the
+        # logits would, so an FSDP2 root is not resharded after it
+        # (`reshard_root_after_frozen_forward`) and the head's weight stays gathered for the loss
+        return h_xD[..., :0]
 
     object.__setattr__(model, "output", record)
     try:

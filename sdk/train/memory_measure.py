@@ -52,15 +52,13 @@ class TensorPeak(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
+            _storage_ptr(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
-            key = storage.data_ptr()
+            key = _storage_ptr(t)
             if key == 0 or key in inputs or key in self._live:
                 continue
             self._live[key] = storage.nbytes()
@@ -68,3 +66,12 @@ class TensorPeak(TorchDispatchMode):
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             weakref.finalize(storage, self._free, key)
         return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of `t`'s storage; 0 for a storage freed in place (FSDP2 frees the gathered
+    parameters' storages, resize_(0), while tensors still refer to them)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+        return 0

@@ -131,6 +131,27 @@ def test_a_no_grad_forward_before_the_optimizer_trains_every_parameter(runs, nam
         assert _max_diff(result[name]["params"], single["params"]) <= SGD_WEIGHT_ATOL
 
 
+def test_the_chunked_loss_under_dp_shard_trains_as_one_process(runs):
+    """`SFTCrossEntropy(loss_chunk_tokens=5)` under dp_shard=2 equals the unchunked run of one
+    process (chunking changes only the order of float sums). It failed with "aten.mm got mixed
+    torch.Tensor and DTensor": the forward without the head returned a tensor that did not
+    require grad, so FSDP2 resharded the root and the tied head met its sharded weight."""
+    single = _single()
+    for result in runs[1]["two"]:
+        chunked = result["dp_shard2_chunked"]
+        _close(chunked["losses"], single["losses"], LOSS_ATOL)
+        _close(chunked["grad_norms"], single["grad_norms"], LOSS_ATOL)
+        assert _max_diff(chunked["params"], single["params"]) <= SGD_WEIGHT_ATOL
+
+
+def test_tensor_peak_measures_a_step_under_fsdp(runs):
+    """TensorPeak around a dp_shard=2 run (model build included) sees at least the rank's half
+    of the fp32 parameters; it raised "invalid python storage" on the storages FSDP2 frees."""
+    half = 4 * sum(p.numel() for p in build_model(TINY, seed=0).parameters()) // 2
+    for result in runs[1]["two"]:
+        assert result["dp_shard2_chunked"]["tensor_peak"] >= half
+
+
 def test_the_plans_model_is_sharded_again_after_a_no_grad_forward(runs):
     """After the forward, `model.parameters()` are the sharded DTensors, not FSDP2's gathered
     copies (checked on the ranks: `looked_types`)."""
