@@ -12,7 +12,7 @@ import torch
 from posttrain.train.memory_plan import MemoryBatch, check_plan_fits, device_memory_bytes
 from posttrain.train.runtime import Runtime
 
-__all__ = ["check_memory"]
+__all__ = ["check_memory", "optimizer_states_of"]
 
 
 def check_memory(
@@ -22,6 +22,7 @@ def check_memory(
     phase: str = "sft",
     device_bytes: int | None = None,
     loss_chunk_tokens: int | None = None,
+    optimizer: torch.optim.Optimizer | str | float = "adamw",
 ) -> None:
     """Refuse, before any work, a plan whose per-rank memory (`posttrain.train.memory_plan`)
     exceeds this rank's device (`device_bytes`; default: an accelerator's memory, or on CPU the
@@ -29,7 +30,9 @@ def check_memory(
     per node, or else all of the plan's ranks). Needs a runtime with a plan and the spec given
     to `plan.parallelize`, and a loader with `batch_size` and known row lengths (`SFTLoader`);
     otherwise nothing is checked. `loss_chunk_tokens`: the loss's chunk
-    (`SFTCrossEntropy.loss_chunk_tokens`), which sets what its logits hold.
+    (`SFTCrossEntropy.loss_chunk_tokens`), which sets what its logits hold. `optimizer`: the
+    trainer's optimizer (its state per parameter: `optimizer_states_of`), or `plan_memory`'s
+    name or number of states.
 
     Raises:
         ValueError: naming the dominant term and the plan axis that would lower it.
@@ -61,4 +64,28 @@ def check_memory(
         phase=phase,
         device_bytes=device,
         loss_chunk_tokens=loss_chunk_tokens,
+        optimizer=(
+            optimizer_states_of(optimizer)
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else optimizer
+        ),
     )
+
+
+def optimizer_states_of(optimizer: torch.optim.Optimizer) -> str | float:
+    """The fp32 states per parameter `optimizer` keeps, as `plan_memory(optimizer=)` takes them:
+    Adam/AdamW 2 (3 with amsgrad), SGD 0 without momentum in any group and 1 with, Lion-style
+    or other classes "adamw" (2: the common case, erring on the large side).
+
+    Example:
+        >>> p = [torch.nn.Parameter(torch.zeros(2))]
+        >>> optimizer_states_of(torch.optim.SGD(p, lr=0.1)), optimizer_states_of(
+        ...     torch.optim.AdamW(p, amsgrad=True))
+        (0, 3)
+    """
+    groups = optimizer.param_groups
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if any(g.get("momentum", 0) for g in groups) else 0
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if any(g.get("amsgrad", False) for g in groups) else 2
+    return "adamw"

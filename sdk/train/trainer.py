@@ -239,7 +239,11 @@ class Trainer(Engine):
         self._check_data_shard(data)
         if isinstance(loss, SFTCrossEntropy):
             check_memory(  # under a plan with a spec: refuse early
-                runtime, data, phase="sft", loss_chunk_tokens=loss.loss_chunk_tokens
+                runtime,
+                data,
+                phase="sft",
+                loss_chunk_tokens=loss.loss_chunk_tokens,
+                optimizer=optimizer,
             )
         if eval_fn is not None and runtime.pipeline is not None:
             raise ValueError(
