@@ -357,3 +357,32 @@ def test_vllm_sync_cells_give_the_median_and_range_of_the_syncs():
     assert m.cell(syncs, "save_s") == "0.200 (0.100-0.300)"
     assert m.cell(syncs, "total_s") == "0.510 (0.420-0.510)"
     assert m.model_spec("tiny-10m-h64").head_dim == 64  # served by vLLM's CPU attention
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_real_size_run_quick_reports_the_plan_beside_the_measured_peak():
+    """One rank of the quick SFT configuration in this process (tiny-1m, no process group): the
+    report holds both peaks, positive, and their ratio; the tensor peak of the measured step
+    holds at least the fp32 gradients (4 bytes per parameter, counted here)."""
+    import dataclasses
+
+    from posttrain.models import build_model, get_preset
+    from posttrain.train.memory_plan import MemoryBatch, plan_memory
+
+    bench = _benchmark_module("real_size_run")
+    cfg = dataclasses.replace(bench.QUICK[0], plan={})
+    report = bench.compare(cfg, [bench.run_rank(0, 1, cfg)])
+    assert {"measured_peak", "planned_peak", "ratio", "measured_build", "planned_build"} <= set(
+        report
+    )
+    assert report["measured_peak"] > 0 and report["planned_peak"] > 0
+    assert report["ratio"] == report["planned_peak"] / report["measured_peak"]
+    spec = get_preset("tiny-1m")
+    grads = 4 * sum(p.numel() for p in build_model(spec, seed=0).parameters())
+    assert report["measured_tensor_peak"] >= grads
+    batch = MemoryBatch(micro_batch_size=cfg.batch, seq_len=cfg.seq_len)
+    planned = plan_memory(
+        spec, None, batch, optimizer="sgd", device_type="cpu", loss_chunk_tokens=cfg.chunk
+    )
+    assert report["planned_peak"] == planned.attrs["peak_bytes"]
+    assert len(report["step_s_range"]) == 2 and report["step_s"] > 0
