@@ -77,7 +77,8 @@ class PoolSync:
 
 class VLLMPool:
     """Several `VLLMServer`s of one policy behind one client. Build it with `VLLMPool.start`, or
-    from running servers (the pool then owns them: `close` stops them all).
+    from server handles (the pool then owns them: `close` closes them all, which stops a started
+    server and leaves an attached one, `VLLMServer.attach`, running).
 
     Args:
         servers: started servers of the same architecture, dtype and weight version.
@@ -196,7 +197,8 @@ class VLLMPool:
             }
 
     def close(self) -> None:
-        """Stop every server (`VLLMServer.close`, at once). Idempotent."""
+        """Close every server handle (`VLLMServer.close`, at once): a started server stops, an
+        attached one keeps running. Idempotent."""
         self._closed = True
         with ThreadPoolExecutor(max_workers=len(self.servers)) as threads:
             list(threads.map(lambda s: s.close(), self.servers))
@@ -226,7 +228,7 @@ class VLLMPool:
         head = "<tr><th>server</th><th>state</th><th>url</th><th>answered</th><th>log</th></tr>"
         rows = "".join(
             f"<tr><td>{k}</td><td>{self._state(k)}</td><td>{s.url}</td><td>{self.served[k]}</td>"
-            f"<td>{s.log_path}</td></tr>"
+            f"<td>{s.log_path if s.log_path is not None else 'where it was started'}</td></tr>"
             for k, s in enumerate(self.servers)
         )
         caption = (
@@ -368,7 +370,7 @@ class VLLMPool:
 
     def _nothing_left(self) -> VLLMServerError:
         parts = [
-            f"server {k} ({s.url}) {self._state(k)}; its log is {s.log_path}"
+            f"server {k} ({s.url}) {self._state(k)}; {s._where_log()}"
             for k, s in enumerate(self.servers)
         ]
         if len(self._gone) == len(self.servers):

@@ -1,6 +1,10 @@
 """The vLLM pool (posttrain.policy.vllm_pool) on two real vLLM servers of the tiny model: one
-pool for the module, started once (~1-2 minutes on a loaded 2-core machine, mostly imports; ~2-3
-GiB of memory for both). The tests run in file order: the last two kill the servers one by one.
+pool for the module, over the suite's shared server (`vllm_server`, attached: `VLLMServer.attach`)
+as server 0 and a server the module starts as server 1 (it is killed: a fault the shared server
+must not take; ~1-2 minutes on a loaded 2-core machine, mostly imports). The tests run in file
+order: the last two take the servers out one by one (server 1 killed; server 0's handle pointed
+at the dead server's port, which is how a server started elsewhere that died looks to the pool),
+and closing the pool leaves the shared server running.
 
 Skipped without the vLLM venv (run scripts/vllm-up.sh). References are independent of the pool:
 greedy tokens from `Policy.generate`, sampled tokens from one server alone with the same seed,
@@ -26,6 +30,7 @@ from posttrain.policy.vllm_process import (
     group_alive,
     vllm_unavailable_reason,
 )
+from posttrain.policy.vllm_server import VLLMServer
 
 REASON = vllm_unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
@@ -39,8 +44,14 @@ def policy() -> Policy:
 
 
 @pytest.fixture(scope="module")
-def pool(policy, tmp_path_factory):
-    with VLLMPool.start(policy, tmp_path_factory.mktemp("run"), servers=2) as pool:
+def pool(policy, vllm_server, tmp_path_factory):
+    shared = VLLMServer.attach(vllm_server.url, policy)  # loads policy's weights: version 0
+    try:
+        own = VLLMServer.start(policy, tmp_path_factory.mktemp("run") / "server-1")
+    except BaseException:
+        shared.close()
+        raise
+    with VLLMPool([shared, own]) as pool:
         yield pool
 
 
@@ -125,12 +136,21 @@ def test_a_server_killed_during_a_call_has_its_requests_retried_on_the_other(poo
     wait_for(lambda: not group_alive(pgid), what=f"process group {pgid} gone", timeout=WAIT_S)
 
 
-def test_when_every_server_died_the_error_names_them_and_their_logs(pool):
-    pgid = pool.servers[0].pgid
-    os.killpg(pgid, signal.SIGKILL)
+def test_when_every_server_died_the_error_names_them_and_their_logs(pool, policy, monkeypatch):
+    """Server 1 died in the test above. Server 0 is the shared server, attached: the pool knows
+    it by its URL alone, so it dies to the pool as a URL nothing answers (server 1's dead port).
+    Closing the pool stops what it started and leaves the attached shared server running."""
+    dead_url = pool.servers[1].url
+    monkeypatch.setattr(pool.servers[0], "url", dead_url)
     with pytest.raises(VLLMServerError, match="all 2 vLLM servers of the pool died") as err:
         pool.generate(PROMPTS, max_new_tokens=4)
-    for server in pool.servers:
-        assert str(server.log_path) in str(err.value)
+    assert str(pool.servers[1].log_path) in str(err.value)
+    assert f"started elsewhere (attached at {dead_url}): its log is there" in str(err.value)
+    assert pool.stats["dead"] == 2 and "where it was started" in pool._repr_html_()
+    shared = pool.servers[0]
+    monkeypatch.undo()
     pool.close()
-    wait_for(lambda: not group_alive(pgid), what=f"process group {pgid} gone", timeout=WAIT_S)
+    assert shared.attached and not shared.alive  # the handle closed ...
+    with VLLMServer.attach(shared.url, policy) as again:  # ... the server still answers
+        greedy = again.generate(PROMPTS, max_new_tokens=8, temperature=0)
+    assert _ids(greedy) == _ids(policy.generate(PROMPTS, max_new_tokens=8, temperature=0))
