@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from verl.trainer.ppo import core_algos
 
 from posttrain.core.masked import keep_selected, masked_max, masked_mean
 from posttrain.rl.advantages import (  # importable from here too
@@ -66,7 +65,7 @@ from posttrain.rl.config import (
     register_policy_loss,
     verl_actor_config,
 )
-from posttrain.rl.verl_registry import _kl_penalty
+from posttrain.rl.verl_registry import _kl_penalty, core_algos
 
 __all__ = [
     "RLAlgorithm",
@@ -184,7 +183,7 @@ def aggregate(
     computing `loss_BT` from tensors that may hold NaN/inf on padding sanitises those inputs
     with `keep_selected` first, or the gradient of that computation is NaN there.
     """
-    return core_algos.agg_loss(
+    return core_algos().agg_loss(
         loss_mat=keep_selected(loss_BT, response_mask_BT),
         loss_mask=response_mask_BT.to(loss_BT.dtype),
         loss_agg_mode=loss_agg_mode,
@@ -316,7 +315,7 @@ def policy_loss(
         algo.loss_agg_mode, num_units_in_step, dp_size, algo.loss_scale_factor
     )
     config = verl_actor_config(algo, **info)
-    pg_loss, verl_metrics = core_algos.get_policy_loss_fn(algo.policy_loss)(
+    pg_loss, verl_metrics = core_algos().get_policy_loss_fn(algo.policy_loss)(
         old_log_prob=old_logprobs_BT.detach(),
         log_prob=logprobs_BT,
         advantages=advantages_BT.detach(),
@@ -415,7 +414,7 @@ def value_loss(
         keep_selected(t, response_mask_BT)
         for t in (values_BT, old_values_BT.detach(), returns_BT.detach())
     )
-    loss, clipfrac = core_algos.compute_value_loss(
+    loss, clipfrac = core_algos().compute_value_loss(
         vpreds=values_BT,
         returns=returns_BT,
         values=old_values_BT,

@@ -1,10 +1,11 @@
 """RL algorithm choices: the `RLAlgorithm` config, its presets, and the names it accepts.
 
 The names come from verl's registries (`verl.trainer.ppo.core_algos`, verl 0.9.1), read when a
-config is validated, so an estimator or loss registered with `register_advantage_estimator` /
-`register_policy_loss` (or verl's own decorators) is accepted like a built-in one. This module and
-`posttrain.rl.verl_registry` (the names, and the registering; importable from here too) are the
-one place that decides what a name means; `posttrain.rl.algorithms` only calls what it resolves.
+config is validated (verl is imported then, on first use, not with this module), so an estimator
+or loss registered with `register_advantage_estimator` / `register_policy_loss` (or verl's own
+decorators) is accepted like a built-in one. This module and `posttrain.rl.verl_registry` (the
+names, and the registering; importable from here too) are the one place that decides what a name
+means; `posttrain.rl.algorithms` only calls what it resolves.
 
     >>> algo = RLAlgorithm.grpo(group_size=4)
     >>> algo.advantage_estimator, algo.policy_loss, algo.loss_agg_mode, algo.kl_estimator
@@ -21,11 +22,9 @@ import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from verl.trainer.ppo import core_algos
-from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
 from posttrain.core.checks import check_int
 from posttrain.rl.verl_registry import (  # the names it accepts; importable from here too
@@ -38,12 +37,16 @@ from posttrain.rl.verl_registry import (  # the names it accepts; importable fro
     _kl_penalty,
     _required_params,
     advantage_estimators,
+    core_algos,
     is_group_estimator,
     policy_losses,
     register_advantage_estimator,
     register_policy_loss,
     verl_algo_config,
 )
+
+if TYPE_CHECKING:
+    from verl.workers.config.actor import ActorConfig
 
 __all__ = [
     "RLAlgorithm",
@@ -154,7 +157,7 @@ class RLAlgorithm:
     )
 
     def __post_init__(self) -> None:
-        if self.policy_loss not in core_algos.POLICY_LOSS_REGISTRY:
+        if self.policy_loss not in policy_losses():
             raise ValueError(
                 f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(policy_losses())}"
             )
@@ -219,6 +222,8 @@ class RLAlgorithm:
                 "loss_agg_mode='seq-mean-token-sum-norm' needs a constant "
                 "loss_scale_factor (e.g. the maximum response length)"
             )
+        from verl.workers.config.actor import PolicyLossConfig
+
         allowed = [f.name for f in dataclasses.fields(PolicyLossConfig) if f.name != "loss_mode"]
         unknown = sorted(set(self.policy_loss_options) - set(allowed))
         if unknown:
@@ -241,7 +246,7 @@ class RLAlgorithm:
         dro_beta) fail here, at config time, not in the middle of a run."""
         logprob = torch.zeros(1, 2)
         try:
-            core_algos.get_policy_loss_fn(self.policy_loss)(
+            core_algos().get_policy_loss_fn(self.policy_loss)(
                 old_log_prob=logprob,
                 log_prob=logprob,
                 advantages=torch.ones(1, 2),
@@ -379,6 +384,8 @@ def verl_actor_config(algo: RLAlgorithm, **global_batch_info: Any) -> ActorConfi
     `global_batch_info` dict, so a shared config would be shared state. `strategy`, `rollout_n`
     and the micro-batch size are required by its constructor but unused by the losses.
     """
+    from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+
     config = ActorConfig(
         strategy="fsdp",
         rollout_n=algo.group_size,

@@ -3,10 +3,14 @@ verl 0.9.1): advantage estimators and policy losses (and registering new ones, r
 duplicates), aggregation modes, KL estimators and rollout corrections, and the small verl calls
 and configs that take these names.
 
-They are read when a config is validated, so a name registered with
-`register_advantage_estimator` / `register_policy_loss` (or verl's own decorators) is accepted
-like a built-in one. `posttrain.rl.config` (`RLAlgorithm`) validates a config against them and
-exports them too.
+verl (and ray, which verl's package imports: ~20 s of wall time on a loaded 2-core machine) is
+imported on first use, through `core_algos()`, not when this module is: importing posttrain.rl,
+its trainer or the CLI does not load it. Until then the names are verl 0.9.1's built-in ones
+(`BUILTIN_ADVANTAGE_ESTIMATORS`, `BUILTIN_POLICY_LOSSES`, a test checks that they equal verl's
+registries); once verl is loaded they are read from its registries, so a name registered with
+`register_advantage_estimator` / `register_policy_loss` (which load verl, as do verl's own
+decorators) is accepted like a built-in one. `posttrain.rl.config` (`RLAlgorithm`) validates a
+config against them and exports them too.
 
     >>> "grpo" in advantage_estimators(), "vanilla" in policy_losses()
     (True, True)
@@ -14,18 +18,26 @@ exports them too.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from torch import Tensor
-from verl.trainer.config import AlgoConfig
-from verl.trainer.ppo import core_algos
+
+if TYPE_CHECKING:
+    from verl.trainer.config import AlgoConfig
 
 __all__ = [
     "LOSS_AGG_MODES",
     "KL_ESTIMATORS",
     "ROLLOUT_CORRECTIONS",
     "FIXED_AGG_MODE",
+    "BUILTIN_ADVANTAGE_ESTIMATORS",
+    "BUILTIN_POLICY_LOSSES",
+    "core_algos",
     "advantage_estimators",
     "policy_losses",
     "is_group_estimator",
@@ -33,6 +45,50 @@ __all__ = [
     "register_policy_loss",
     "verl_algo_config",
 ]
+
+_CORE_ALGOS = "verl.trainer.ppo.core_algos"
+
+BUILTIN_ADVANTAGE_ESTIMATORS = (
+    "gae",
+    "gdpo",
+    "gpg",
+    "grpo",
+    "grpo_passk",
+    "grpo_vectorized",
+    "opo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+    "rloo_vectorized",
+)
+"""`advantage_estimators()` before verl is loaded: verl 0.9.1's registered estimators that
+posttrain can call (sorted)."""
+
+BUILTIN_POLICY_LOSSES = (
+    "bypass_mode",
+    "cispo",
+    "clip_cov",
+    "dppo_kl",
+    "dppo_tv",
+    "dro",
+    "geo_mean",
+    "gpg",
+    "gspo",
+    "kl_cov",
+    "sapo",
+    "vanilla",
+)
+"""`policy_losses()` before verl is loaded: verl 0.9.1's registered policy losses (sorted)."""
+
+
+@functools.cache
+def core_algos() -> ModuleType:
+    """verl's `verl.trainer.ppo.core_algos`, imported on the first call (with verl's package and
+    ray: ~20 s of wall time on a loaded 2-core machine, 4-8 s on a quiet one)."""
+    import verl.trainer.ppo.core_algos as module
+
+    return module
+
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -97,19 +153,26 @@ def _required_params(fn: Callable) -> set[str]:
 
 
 def advantage_estimators() -> tuple[str, ...]:
-    """Names of verl's registered advantage estimators that posttrain can call (sorted)."""
+    """Names of verl's registered advantage estimators that posttrain can call (sorted);
+    `BUILTIN_ADVANTAGE_ESTIMATORS` while verl is not loaded yet (nothing else can be registered
+    before it is)."""
+    if _CORE_ALGOS not in sys.modules:
+        return BUILTIN_ADVANTAGE_ESTIMATORS
     return tuple(
         sorted(
             name
-            for name, fn in core_algos.ADV_ESTIMATOR_REGISTRY.items()
+            for name, fn in core_algos().ADV_ESTIMATOR_REGISTRY.items()
             if _required_params(fn) <= _ADV_INPUTS
         )
     )
 
 
 def policy_losses() -> tuple[str, ...]:
-    """Names of verl's registered policy losses (sorted)."""
-    return tuple(sorted(core_algos.POLICY_LOSS_REGISTRY))
+    """Names of verl's registered policy losses (sorted); `BUILTIN_POLICY_LOSSES` while verl is
+    not loaded yet."""
+    if _CORE_ALGOS not in sys.modules:
+        return BUILTIN_POLICY_LOSSES
+    return tuple(sorted(core_algos().POLICY_LOSS_REGISTRY))
 
 
 def is_group_estimator(name: str) -> bool:
@@ -126,7 +189,7 @@ def _estimator_fn(name: str) -> Callable:
         raise ValueError(
             f"unknown advantage_estimator {name!r}; valid: {', '.join(advantage_estimators())}"
         )
-    return core_algos.get_adv_estimator_fn(name)
+    return core_algos().get_adv_estimator_fn(name)
 
 
 def register_advantage_estimator(name: str) -> Callable[[Callable], Callable]:
@@ -139,9 +202,9 @@ def register_advantage_estimator(name: str) -> Callable[[Callable], Callable]:
     Raises:
         ValueError: if `name` is already registered.
     """
-    if name in core_algos.ADV_ESTIMATOR_REGISTRY:
+    if name in core_algos().ADV_ESTIMATOR_REGISTRY:
         raise ValueError(f"advantage estimator {name!r} is already registered; choose another name")
-    return core_algos.register_adv_est(name)
+    return core_algos().register_adv_est(name)
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
@@ -155,18 +218,19 @@ def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     Raises:
         ValueError: if `name` is already registered.
     """
-    if name in core_algos.POLICY_LOSS_REGISTRY:
+    if name in core_algos().POLICY_LOSS_REGISTRY:
         raise ValueError(f"policy loss {name!r} is already registered; choose another name")
-    return core_algos.register_policy_loss(name)
+    return core_algos().register_policy_loss(name)
 
 
 def _kl_penalty(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, estimator: str) -> Tensor:
     """verl's `kl_penalty(logprob, ref_logprob, estimator)`: the per-token KL estimate [B, T]."""
-    # verl annotates both inputs torch.FloatTensor (the legacy float32 type); any float works
-    return core_algos.kl_penalty(logprobs_BT, ref_logprobs_BT, estimator)  # type: ignore[arg-type]
+    return core_algos().kl_penalty(logprobs_BT, ref_logprobs_BT, estimator)
 
 
 def verl_algo_config(*, gamma: float, lam: float, norm_adv_by_std_in_grpo: bool) -> AlgoConfig:
     """A verl `AlgoConfig` for the estimators that read `config.gamma` (reinforce_plus_plus) or
     `config.norm_adv_by_std_in_grpo` (grpo_passk)."""
+    from verl.trainer.config import AlgoConfig
+
     return AlgoConfig(gamma=gamma, lam=lam, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
