@@ -370,7 +370,7 @@ def test_real_size_run_quick_reports_the_plan_beside_the_measured_peak():
     from posttrain.train.memory_plan import MemoryBatch, plan_memory
 
     bench = _benchmark_module("real_size_run")
-    cfg = dataclasses.replace(bench.QUICK[0], plan={})
+    cfg = dataclasses.replace(bench.QUICK[0], plan={}, steps=1)
     report = bench.compare(cfg, [bench.run_rank(0, 1, cfg)])
     assert {"measured_peak", "planned_peak", "ratio", "measured_build", "planned_build"} <= set(
         report
