@@ -20,8 +20,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -47,9 +48,11 @@ def _generate_tokens(
     decode,
     pad_id: int,
     seed: int,
+    compile: bool = False,
 ) -> tuple[list[list[int]], list[list[float]], list[FinishReason]]:
     """The decoding loop: prefill the left-padded prompts, then one token per step for the live
-    rows. Returns per row: token ids, their logprobs, finish reason."""
+    rows (with `compile`, a `torch.compile`d step: `_compiled_step`). Returns per row: token
+    ids, their logprobs, finish reason."""
     from torchtune.generation import (
         get_causal_mask_from_padding_mask,
         get_position_ids_from_padding_mask,
@@ -109,6 +112,7 @@ def _generate_tokens(
             unique.append(b)
     source_B = torch.tensor([first[tuple(r)] for r in rows], device=device)
     unique_U = torch.tensor(unique, device=device)
+    step_model: Callable[..., Any] = _compiled_step(model) if compile else model
     with _decoding_attention(
         model, batch_size=len(unique), max_len=L, padded=not bool(prompt_valid_BP.all())
     ):
@@ -152,13 +156,48 @@ def _generate_tokens(
             cache_pos = P + step
             mask_b1S = valid_BL[live, None, : cache_pos + 1]
             input_pos_b1 = positions_BL[live, cache_pos : cache_pos + 1]
-            logits_bV = _as_tensor(model(next_b[:, None], mask=mask_b1S, input_pos=input_pos_b1))[
-                :, -1
-            ]
+            logits_bV = _as_tensor(
+                step_model(next_b[:, None], mask=mask_b1S, input_pos=input_pos_b1)
+            )[:, -1]
     assert all(r is not None for r in reasons), reasons
     tokens = [out_tokens_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
     logprobs = [out_logprobs_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
     return tokens, logprobs, reasons  # type: ignore[return-value]
+
+
+COMPILE_BACKEND = "inductor"
+"""The `torch.compile` backend of the compiled decoding step ("aot_eager": the same graphs
+without code generation, fast to build)."""
+
+_COMPILED_STEPS: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _compiled_step(model: nn.Module) -> Callable[..., Any]:
+    """`model` under `torch.compile(dynamic=True)` for the one-token decoding steps, made once per
+    model (and backend) and kept while the model lives: later `generate` calls reuse its graphs.
+
+    Dynamic shapes are marked, not padded to buckets: the filled cache length S (one more every
+    step) is a symbolic size and the cache's fill level (`_GrowingKVCache.size`, a Python int on
+    a module) a symbolic int (`allow_unspec_int_on_nn_module`), so the steps of a call share one
+    graph. The live rows b are not: the caches are module buffers, whose sizes dynamo keeps
+    static, so each new row count (a call of another batch size, rows dropped as they finish)
+    compiles once more, up to dynamo's recompile limit (8 per function; past it the step runs
+    eagerly, with dynamo's warning). The prompt's prefill runs eagerly: it happens once per call
+    and its shapes vary with the prompts. Weights are read at every call, so training in between
+    needs no recompilation.
+    """
+    steps = _COMPILED_STEPS.setdefault(model, {})
+    if COMPILE_BACKEND not in steps:
+        steps[COMPILE_BACKEND] = torch.compile(model, dynamic=True, backend=COMPILE_BACKEND)
+    compiled = steps[COMPILE_BACKEND]
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(*args, **kwargs)
+
+    return step
 
 
 class _GrowingKVCache(nn.Module):
@@ -207,13 +246,14 @@ class _GrowingKVCache(nn.Module):
         self.v_cache = self.v_cache[keep_b]
 
 
-def _sdpa_gqa(*, padded: bool):
+def _sdpa_gqa(*, padded: bool, gqa: bool):
     """torchtune's `_attention_call` for a boolean `[b, s_q, s_k]` mask, with grouped-query heads
     left to SDPA (`enable_gqa`: query head h reads key/value head h // (H / H_kv), the same
     pairing as torchtune's expand) instead of copied.
 
     Without padding (`padded=False`) the mask carries nothing SDPA cannot do itself: the prompt
     is plainly causal and a one-token step sees the whole filled cache, so it is dropped.
+    `gqa`: the model has fewer key/value heads than query heads.
     """
 
     def attention_call(
@@ -228,7 +268,7 @@ def _sdpa_gqa(*, padded: bool):
             attn_mask=None if mask is None else mask[:, None],
             dropout_p=dropout_p,
             is_causal=is_causal,
-            enable_gqa=k.shape[1] != q.shape[1],
+            enable_gqa=gqa,  # a constant, not a (symbolic) shape comparison: compiles
         )
 
     return attention_call
@@ -262,7 +302,7 @@ def _decoding_attention(
     param = next(model.parameters())
     attns = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
     saved = [(a.num_kv_heads, a._attention_call) for a in attns]
-    attention_call = _sdpa_gqa(padded=padded)
+    attention_call = _sdpa_gqa(padded=padded, gqa=any(a.num_kv_heads != a.num_heads for a in attns))
     try:
         for attn in attns:
             attn.kv_cache = _GrowingKVCache(

@@ -89,6 +89,8 @@ class ParallelPlan(PlanFields):
         reduce_dtype: FSDP2 mixed precision: the dtype of gradient reduction (None: param_dtype).
         cpu_offload: FSDP2 keeps parameters, gradients and optimizer state on CPU.
         activation_checkpointing: recompute each transformer layer's activations in backward.
+        compile: `torch.compile` each transformer block (after activation checkpointing, before
+            FSDP2; `posttrain.train.compile`); not with sp, ep or pp > 1.
 
     Raises:
         ValueError: naming the field and its allowed values, for a size that is not a positive

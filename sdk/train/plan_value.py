@@ -46,6 +46,11 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCHEDULES = ("gpipe", "1f1b")
+_NOT_COMPILED = {
+    "sp": "Ulysses' all-to-alls run inside the attention call, which a fullgraph block cannot hold",
+    "ep": "the experts' all-to-alls run inside the block, which a fullgraph block cannot hold",
+    "pp": "compiled blocks inside pipeline stages are not verified",
+}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -70,6 +75,7 @@ class PlanFields:
     reduce_dtype: str | None = None
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -93,9 +99,16 @@ class PlanFields:
             value = getattr(self, field)
             if value is not None and (not isinstance(value, str) or value not in _DTYPES):
                 raise ValueError(f"{name}.{field}={value!r}; allowed: None, {', '.join(_DTYPES)}")
-        for field in ("cpu_offload", "activation_checkpointing"):
+        for field in ("cpu_offload", "activation_checkpointing", "compile"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{name}.{field}={getattr(self, field)!r}; must be a bool")
+        if self.compile:  # posttrain.train.compile: the axes a compiled block composes with
+            for axis, why in _NOT_COMPILED.items():
+                if getattr(self, axis) > 1:
+                    raise ValueError(
+                        f"{name}.compile=True with {axis}={getattr(self, axis)}: {why}; "
+                        "allowed with compile: dp_replicate, dp_shard, tp"
+                    )
 
     @property
     def world_size(self) -> int:

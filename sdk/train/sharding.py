@@ -21,7 +21,8 @@ do it), one small function per axis:
     4. SP: Ulysses all-to-alls around each attention call, the input sliced along the sequence
        and the logits gathered back (`posttrain.train.sequence_parallel`);
     5. EP: the experts of an MoE model split over mesh["ep"] (`posttrain.train.expert_parallel`);
-    6. activation checkpointing of every transformer layer (torchtune's helper);
+    6. activation checkpointing of every transformer layer (torchtune's helper), then, with
+       `compile`, `torch.compile` of every block (`posttrain.train.compile.compile_blocks`);
     7. FSDP2 (`fully_shard`) of every layer, then of the root, sharded over the ranks that
        compute their own gradient shares (dp_shard, ep and sp, flattened into one mesh
        dimension "fsdp") and, with dp_replicate > 1, replicated over dp_replicate (HSDP), with
@@ -60,6 +61,7 @@ from posttrain.core.distributed import flat_collective
 from posttrain.models.conversion import check_plan_axes
 from posttrain.train import pipeline
 from posttrain.train.collectives import clip_grads_with_norm_, total_grad_norm
+from posttrain.train.compile import compile_blocks
 from posttrain.train.expert_parallel import (
     apply_expert_parallel,
     expert_parameters,
@@ -174,6 +176,8 @@ def parallelize(
     if plan.activation_checkpointing:
         _apply_ac(model)
         layers = _layers(model)
+    if plan.compile:  # after activation checkpointing, before FSDP2 (torchtitan's order)
+        compile_blocks(model)
     if plan.fsdp:
         _apply_fsdp(plan, model, layers, mesh, ignored)
     dims = ("dp_replicate", "dp_shard", "ep")
@@ -238,10 +242,12 @@ def _parallelize_one_rank(
     plan: PlanFields, model: nn.Module, spec: ModelSpec | None
 ) -> PlanRuntime:
     """A plan of one rank without FSDP2 settings, in a process without a process group: only
-    activation checkpointing applies."""
+    activation checkpointing and compile apply."""
     _layers(model)
     if plan.activation_checkpointing:
         _apply_ac(model)
+    if plan.compile:
+        compile_blocks(model)
     return PlanRuntime(
         model=model, plan=plan, mesh=None, data_rank=0, data_group=None, fsdp=False, spec=spec
     )

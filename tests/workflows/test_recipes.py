@@ -101,6 +101,7 @@ PAIRS_KEYS = _keys("pairs", "num_prompts", "reference_answer", "samples_per_prom
 PARALLEL_KEYS = _keys(
     "parallel",
     "activation_checkpointing",
+    "compile",
     "cpu_offload",
     "dp_replicate",
     "dp_shard",
