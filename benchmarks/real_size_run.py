@@ -184,8 +184,16 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         from posttrain.policy import Policy
         from posttrain.rl import RLAlgorithm, RLTrainer
 
+        class WideBytes(ByteTokenizer):
+            """The byte tokenizer, reading an id past its 272 as that id's byte (id % 256): a
+            random-init model of a 151,936-token vocabulary samples such ids."""
+
+            def decode(self, ids, *, skip_special_tokens=True):
+                ids = [i if i < self.vocab_size else i % 256 for i in ids]
+                return super().decode(ids, skip_special_tokens=skip_special_tokens)
+
         trainer = RLTrainer(
-            Policy(model, ByteTokenizer(), spec),
+            Policy(model, WideBytes(), spec),
             opt,
             task=_Task(),
             algo=RLAlgorithm.grpo(group_size=cfg.batch, kl_coef=0.0, minibatch_size=cfg.batch),
