@@ -19,8 +19,8 @@ of the weights as stored (an NF4 tensor counts its packed data and scales), of t
 of the optimizer state at the end, trainable parameters, the peak RSS increase, and the median
 step time after the first step (wall). The step time is the CPU's: FP8 matmuls are emulated on a
 CPU (torch._scaled_mm upcasts), so FP8 is slower here, not faster; its speed-up is a GPU's
-(the fp8 section of benchmarks/gpu/acceptance.py). NF4 dequantises each weight in every forward, so QLoRA is slower than
-LoRA on any device; it buys memory.
+(the fp8 section of benchmarks/gpu/acceptance.py). NF4 dequantises each weight in every
+forward, so QLoRA is slower than LoRA on any device; it buys memory.
 
 Usage:
     python benchmarks/quantized_training.py          # ~4 min; writes the generated block of
