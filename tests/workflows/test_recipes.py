@@ -117,7 +117,7 @@ PARALLEL_KEYS = _keys(
 CONVERTER_KEYS = _keys("adapters", "alpha", "dropout", "method", "modules", "rank") + _keys(
     "quantization", "fp8_recipe", "qat_group_size", "qat_scheme", "training"
 )
-ROLLOUT_KEYS = _keys("rollout", "engine", "kv_cache_gib", "startup_timeout_s")
+ROLLOUT_KEYS = _keys("rollout", "engine", "kv_cache_gib", "startup_timeout_s", "url")
 RL_ROLLOUT_KEYS = _keys(
     "quantization", "rollout", "rollout_correction", "rollout_is_threshold"
 ) + _keys("rollout", "max_staleness")
