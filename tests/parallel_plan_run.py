@@ -197,6 +197,7 @@ def phase_two(out: Path, rank: int) -> dict:
         "restored_rows": resumed["trainer"].metrics["step"].tolist(),
     }
     results["errors"] = _misuse()
+    results["memory_agreement"] = _memory_agreement(rank)
     # every rank of a sharded save is told the checkpoint's final folder (not the staging one)
     saved = run_plan(plan, steps=1, run_dir=out / "saved")["trainer"].save_checkpoint()
     results["saved"] = {"path": str(saved), "is_dir": saved.is_dir()}
@@ -225,6 +226,24 @@ def phase_kill(out: Path) -> None:
         checkpoint_every=2,
         callbacks=[kill_after_step_3],
     )
+
+
+def _memory_agreement(rank: int) -> str:
+    """The trainer's memory check when the ranks read different free memory (rank 0: 1 TiB,
+    rank 1: 1 KiB): "fits", or the refusal's message."""
+    import posttrain.train.memory_check as memory_check
+
+    runtime = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY)
+    loader = SFTLoader(sft_dataset(8), batch_size=4, rank=rank, world_size=2)
+    read = memory_check.device_memory_bytes
+    memory_check.device_memory_bytes = lambda: 1 << 40 if rank == 0 else 1 << 10
+    try:
+        memory_check.check_memory(runtime, loader, phase="sft")
+        return "fits"
+    except ValueError as e:
+        return str(e)
+    finally:
+        memory_check.device_memory_bytes = read
 
 
 def _misuse() -> dict[str, str]:

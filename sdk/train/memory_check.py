@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from posttrain.train.memory_plan import MemoryBatch, check_plan_fits, device_memory_bytes
 from posttrain.train.runtime import Runtime
@@ -27,10 +28,11 @@ def check_memory(
     """Refuse, before any work, a plan whose per-rank memory (`posttrain.train.memory_plan`)
     exceeds this rank's device (`device_bytes`; default: an accelerator's memory, or on CPU the
     machine's available RAM shared by the ranks on this host: LOCAL_WORLD_SIZE, Slurm's tasks
-    per node, or else all of the plan's ranks). Needs a runtime with a plan and the spec given
-    to `plan.parallelize`, and a loader with `batch_size` and known row lengths (`SFTLoader`);
-    otherwise nothing is checked. `loss_chunk_tokens`: the loss's chunk
-    (`SFTCrossEntropy.loss_chunk_tokens`), which sets what its logits hold. `optimizer`: the
+    per node, or else all of the plan's ranks; the smallest over the ranks, so that they
+    agree). Needs a runtime with a plan and the spec given to `plan.parallelize`, and a loader
+    with `batch_size` and known row lengths (`SFTLoader`); otherwise nothing is checked.
+    `loss_chunk_tokens`: the loss's chunk (`SFTCrossEntropy.loss_chunk_tokens`), which sets
+    what its logits hold. `optimizer`: the
     trainer's optimizer (its state per parameter: `optimizer_states_of`), or `plan_memory`'s
     name or number of states.
 
@@ -57,6 +59,7 @@ def check_memory(
                 or str(runtime.plan.world_size)
             )
             device //= max(1, int(local))
+        device = _smallest_over_ranks(device)
     check_plan_fits(
         runtime.spec,
         runtime.plan,
@@ -70,6 +73,19 @@ def check_memory(
             else optimizer
         ),
     )
+
+
+def _smallest_over_ranks(device_bytes: int) -> int:
+    """The smallest of the ranks' device sizes, so that every rank refuses or none does: each
+    rank reads its free memory at its own moment, and a rank that refused alone left the others
+    waiting in their first collective. One all-reduce over the default process group (every
+    rank builds its trainer); without one, `device_bytes` itself."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return device_bytes
+    on = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    smallest = torch.tensor([device_bytes], dtype=torch.int64, device=on)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    return int(smallest.item())
 
 
 def optimizer_states_of(optimizer: torch.optim.Optimizer) -> str | float:

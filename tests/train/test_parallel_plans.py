@@ -468,3 +468,13 @@ def test_the_recipes_parallel_section_is_the_plan_and_its_defaults_are_no_plan()
     with pytest.deprecated_call(match="ParallelConfig is deprecated"):
         from posttrain.workflows import ParallelConfig
     assert ParallelConfig is ParallelPlan
+
+
+def test_ranks_that_read_different_free_memory_refuse_together(runs):
+    """Each rank reads its free memory at its own moment; the memory check takes the smallest
+    over the ranks, so both refuse (rank 0 read 1 TiB, rank 1 1 KiB). A rank that refused alone
+    left the other waiting in its first collective."""
+    verdicts = [rank["memory_agreement"] for rank in runs[1]["two"]]
+    assert len(verdicts) == 2
+    for verdict in verdicts:
+        assert "needs about" in verdict and "but the device has 0.0 GiB" in verdict, verdict
