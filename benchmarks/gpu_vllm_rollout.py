@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 from generation import NoStopByteTokenizer
-from rollout_throughput import SHAPES, Run, fmt, paired_ratios, rates, run_interleaved, spread
+from pairs import Run, fmt, paired_ratios, rates, run_interleaved, spread
+from rollout_throughput import SHAPES
 
 from posttrain.models import get_preset
 from posttrain.models.specs import ModelSpec
@@ -93,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def row(model: str, shape: str, runs: dict[str, list[Run]], sync: str) -> str:
-    """One Markdown row: tokens/s median [min-max] per engine, the paired ratio, the sync."""
+    """One Markdown row: tokens/s median [min, max] per engine, the paired ratio, the sync."""
     speed = " | ".join(fmt(*spread(rates(runs[e]))) for e in ("vllm", "builtin"))
     ratio = fmt(*spread(paired_ratios(runs["vllm"], runs["builtin"])), digits=2, unit="x")
     return f"| {model} | {shape} | {speed} | {ratio} | {sync} |"

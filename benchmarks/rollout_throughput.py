@@ -21,13 +21,14 @@ default, "auto", binds one core of two and reserves the other). Both run with Op
 wait policy (`posttrain.core.threads.apply_thread_env`, as the `posttrain` command sets it; an
 explicit `OMP_WAIT_POLICY` is kept).
 
-Each cell (model x shape x threads): one untimed warm-up per engine, then `--reps` timed runs
-interleaved (vllm, builtin, transformers, vllm, ...) so the load of a shared machine falls on all
-alike. Reported: the median tokens/s with the range over runs, and the ratios vllm/builtin and
-vllm/transformers (the median of the per-run ratios, with their range), the median CPU seconds of
-a run (this process's for builtin and transformers; for vllm, the server's process group's, read
-from /proc: its API server, engine core and worker), and the 1-minute load average before and
-after the cell.
+Each cell (model x shape x threads): one untimed warm-up per engine, then `--reps` (default 5)
+timed runs interleaved (vllm, builtin, transformers, vllm, ...; `pairs.run_interleaved`) so the
+load of a shared machine falls on all alike. Reported: the median tokens/s with the range over
+runs, and the ratios vllm/builtin and vllm/transformers of tokens per wall second and per CPU
+second (the median of the per-run ratios, with their range), the median CPU seconds of a run
+(this process's for builtin and transformers; for vllm, the server's process group's, read from
+/proc: its API server, engine core and worker), and the 1-minute load average before and after
+the cell.
 
 Usage:
     nice -n 19 .venv/bin/python benchmarks/rollout_throughput.py tiny-10m-h64 d768-l12
@@ -53,10 +54,11 @@ import re
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
+
+from pairs import Run, fmt, group_cpu_s, rates, ratio_cells, run_interleaved, spread
 
 if TYPE_CHECKING:
     from posttrain.policy import Policy
@@ -77,86 +79,12 @@ SHAPES = (Shape("grouped", 8, 8), Shape("distinct", 64, 1))
 QUICK_SHAPES = (Shape("grouped", 2, 2), Shape("distinct", 4, 1))
 
 
-def run_interleaved(
-    engines: dict[str, Callable[[int], int]],
-    reps: int,
-    cpu_clocks: dict[str, Callable[[], float]] | None = None,
-) -> dict[str, list[tuple[int, float, float]]]:
-    """Call every engine once untimed (seed -1), then `reps` times round-robin (seed = rep).
-
-    Args:
-        engines: name -> fn(seed) that samples and returns the number of tokens it generated.
-        reps: timed runs per engine.
-        cpu_clocks: name -> a clock of the CPU seconds that engine's work uses (another
-            process's, for a server); `time.process_time` (this process) for the others.
-
-    Returns:
-        name -> [(tokens, wall seconds, CPU seconds)] per timed run, in run order.
-    """
-    clocks = cpu_clocks or {}
-    for fn in engines.values():
-        fn(-1)
-    runs: dict[str, list[tuple[int, float, float]]] = {name: [] for name in engines}
-    for rep in range(reps):
-        for name, fn in engines.items():
-            clock = clocks.get(name, time.process_time)
-            t0, c0 = time.perf_counter(), clock()
-            tokens = fn(rep)
-            runs[name].append((tokens, time.perf_counter() - t0, clock() - c0))
-            print(
-                f"    rep {rep} {name:12s} {tokens} tokens {runs[name][-1][1]:.3f} s "
-                f"cpu {runs[name][-1][2]:.3f} s",
-                flush=True,
-            )
-    return runs
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group `pgid`
-    (a vLLM server: its API server, engine core and worker), from /proc."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended
-        if int(fields[2]) == pgid:  # state ppid pgrp ... utime (11) stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-Run = tuple  # (tokens, wall seconds[, CPU seconds])
-
-
-def rates(runs: Sequence[Run]) -> list[float]:
-    """Tokens/s of each run: tokens / wall seconds."""
-    return [run[0] / run[1] for run in runs]
-
-
-def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, min, max) of `values`. Raises ValueError when there are none."""
-    if not values:
-        raise ValueError("no runs to summarise: --reps must be >= 1")
-    return statistics.median(values), min(values), max(values)
-
-
-def paired_ratios(a: Sequence[Run], b: Sequence[Run]) -> list[float]:
-    """Tokens/s of `a` over tokens/s of `b`, run by run (run k of each was interleaved)."""
-    if len(a) != len(b):
-        raise ValueError(f"{len(a)} runs against {len(b)}: pair runs of the same cell")
-    return [x / y for x, y in zip(rates(a), rates(b), strict=True)]
-
-
-def fmt(median: float, low: float, high: float, digits: int = 0, unit: str = "") -> str:
-    """'median [low-high]' with `digits` decimals and thousands separators."""
-    return f"{median:,.{digits}f}{unit} [{low:,.{digits}f}-{high:,.{digits}f}]"
-
-
 HEADER = (
     "| model | prompts x n | threads | vllm tok/s | builtin tok/s | transformers tok/s "
-    "| vllm/builtin | vllm/transformers | CPU s per run: vllm, builtin, transformers "
+    "| vllm/builtin, wall | vllm/builtin, CPU | vllm/transformers, wall "
+    "| vllm/transformers, CPU | CPU s per run: vllm, builtin, transformers "
     "| load before-after |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -164,15 +92,16 @@ def table_row(
     model: str,
     shape: Shape,
     threads: int,
-    runs: dict[str, list[tuple[int, float, float]]],
+    runs: dict[str, list[Run]],
     load: tuple[float, float],
 ) -> str:
-    """One Markdown row of a cell: tokens/s median [min-max] per engine, paired ratios, the
-    median CPU seconds of a run per engine."""
+    """One Markdown row of a cell: tokens/s median [min, max] per engine (wall time), the
+    per-pair ratios of tokens per wall second and per CPU second, the median CPU seconds of a
+    run per engine."""
     speed = " | ".join(fmt(*spread(rates(runs[e]))) for e in ENGINES)
     ratios = " | ".join(
-        fmt(*spread(paired_ratios(runs["vllm"], runs[e])), digits=2, unit="x")
-        for e in ("builtin", "transformers")
+        f"{cells['wall']} | {cells['cpu']}"
+        for cells in (ratio_cells(runs["vllm"], runs[e]) for e in ("builtin", "transformers"))
     )
     cpu = ", ".join(f"{statistics.median(r[2] for r in runs[e]):.1f}" for e in ENGINES)
     return (
@@ -301,7 +230,7 @@ def main(argv: list[str] | None = None, *, server: VLLMServer | None = None) -> 
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--quick", action="store_true", help="tiny-1m, 1 thread, tiny shapes, 4 new tokens, 1 rep"
     )

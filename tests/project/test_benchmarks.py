@@ -223,8 +223,10 @@ def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
 def test_rollout_throughput_pairs_runs_and_formats_a_cell():
     """vllm runs 64 tokens in 0.5, 0.25, 1.0 s -> 128, 256, 64 tok/s (median 128); builtin 64
     tokens in 1.0, 0.5, 0.5 s -> 64, 128, 128 (median 128); per-run ratios 2.0, 2.0, 0.5 ->
-    median 2.00x [0.50-2.00]. transformers 32 tokens in 1 s each -> 32 tok/s; ratios 4, 8, 2.
-    CPU seconds: vllm 1, 3, 2 -> median 2.0; builtin 0.5; transformers 1, 1, 4 -> 1.0."""
+    median 2.00x [0.50, 2.00]. transformers 32 tokens in 1 s each -> 32 tok/s; ratios 4, 8, 2.
+    CPU seconds: vllm 1, 3, 2 -> median 2.0; builtin 0.5; transformers 1, 1, 4 -> 1.0.
+    Tokens per CPU second: vllm 64, 21.3, 32; builtin 128 each -> 0.50, 0.17, 0.25 -> 0.25x
+    [0.17, 0.50]; transformers 32, 32, 8 -> 2, 0.67, 4 -> 2.00x [0.67, 4.00]."""
     m = _benchmark_module("rollout_throughput")
     runs = {
         "vllm": [(64, 0.5, 1.0), (64, 0.25, 3.0), (64, 1.0, 2.0)],
@@ -233,26 +235,11 @@ def test_rollout_throughput_pairs_runs_and_formats_a_cell():
     }
     row = m.table_row("m", m.Shape("grouped", 8, 8), 2, runs, (1.25, 3.5))
     assert row == (
-        "| m | 8 x 8 | 2 | 128 [64-256] | 128 [64-128] | 32 [32-32] | 2.00x [0.50-2.00] "
-        "| 4.00x [2.00-8.00] | 2.0, 0.5, 1.0 | 1.2-3.5 |"
+        "| m | 8 x 8 | 2 | 128 [64, 256] | 128 [64, 128] | 32 [32, 32] | 2.00x [0.50, 2.00] "
+        "| 0.25x [0.17, 0.50] | 4.00x [2.00, 8.00] | 2.00x [0.67, 4.00] | 2.0, 0.5, 1.0 "
+        "| 1.2-3.5 |"
     )
     assert row.count("|") == m.HEADER.splitlines()[0].count("|")
-    with pytest.raises(ValueError, match="pair runs"):
-        m.paired_ratios(runs["vllm"], runs["vllm"][:1])
-    with pytest.raises(ValueError, match="--reps"):
-        m.spread([])
-
-
-def test_rollout_throughput_reads_a_process_groups_cpu_time_from_proc():
-    """This process's CPU time (getrusage, via time.process_time) is part of its process group's
-    (/proc); a group with no process has used none."""
-    import time
-
-    m = _benchmark_module("rollout_throughput")
-    sum(i * i for i in range(200_000))  # some CPU time of our own
-    own = time.process_time()
-    assert m.group_cpu_s(os.getpgid(0)) >= own - 0.02
-    assert m.group_cpu_s(2**22 + 12345) == 0.0
 
 
 def test_rollout_throughput_binds_the_vllm_engine_to_the_asked_threads(monkeypatch):
@@ -321,7 +308,7 @@ def test_gpu_vllm_rollout_checks_its_arguments_and_formats_its_table(tmp_path):
     assert m.sync_cell(syncs) == "1.000 (0.400)"
     runs = {"vllm": [(100, 0.1), (100, 0.2)], "builtin": [(100, 1.0), (100, 1.0)]}
     assert m.row("q", "8 x 8", runs, "x") == (
-        "| q | 8 x 8 | 750 [500-1,000] | 100 [100-100] | 7.50x [5.00-10.00] | x |"
+        "| q | 8 x 8 | 750 [500, 1,000] | 100 [100, 100] | 7.50x [5.00, 10.00] | x |"
     )
     assert m.shm_refusal(1, str(tmp_path)) is None
     assert m.shm_refusal(2**62, str(tmp_path)).startswith(f"skipped: {tmp_path} has ")
