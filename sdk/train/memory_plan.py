@@ -69,14 +69,9 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     shards it, plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
                     (`flat_collective` concatenates the next bucket while the previous one is
                     still referenced).
-  reference model   phases dpo, grpo, ppo: a forward-only copy sharded like the policy, in
-                    `reference_dtype` (its forward saves nothing: transients below the policy's).
-  value head        phase ppo: posttrain's `ValueHead`, Linear(D, 1) on the final hidden state:
-                    parameters, gradients and optimizer state.
-  KV cache          phases grpo, ppo, rollout: 2 x n x (K/tp) x d x (num_sequences x max_total_len)
-                    x p bytes per rank (sequences are per data-parallel rank).
-  prefill           phases grpo, ppo, rollout: the prefill's logits (num_sequences x prompt_len x V
-                    x p) and one block's no-grad working set ((3D + 3F) x p per prompt token).
+  reference model,  what a phase holds beside training the policy: `posttrain.train.memory_phases`.
+  value head, KV
+  cache, prefill
 
 How they add up (the "peak" row; each term enters where it is alive):
 
@@ -129,6 +124,7 @@ from posttrain.train.memory_counts import (
     model_counts,
     optimizer_states,
 )
+from posttrain.train.memory_phases import axes, phase_terms
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_checks import check_fits
 from posttrain.train.plan_value import PlanFields
@@ -146,11 +142,6 @@ PHASES = ("sft", "cpt", "dpo", "grpo", "ppo", "rollout")
 
 _BROADCAST_BUCKET = 64 * 2**20  # posttrain.core.distributed._BUCKET_BYTES
 _GIB = 2**30
-
-
-def _axes(plan: PlanFields, *names: str) -> str:
-    used = [n for n in names if getattr(plan, n) > 1]
-    return f"{' x '.join(used)} = {math.prod(getattr(plan, n) for n in used)}" if used else "1"
 
 
 def plan_memory(
@@ -231,11 +222,11 @@ def plan_memory(
     held = n * (block_local / shards + experts_local) + root_local / shards
     rows: list[tuple[str, float, str, str]] = []
 
-    def add(term: str, nbytes: float, axes: str, note: str) -> None:
-        rows.append((term, float(nbytes), axes, note))
+    def add(term: str, nbytes: float, divided_by: str, note: str) -> None:
+        rows.append((term, float(nbytes), divided_by, note))
 
-    param_axes = _axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
-        f" (experts: {_axes(plan, 'ep')})" if spec.is_moe else ""
+    param_axes = axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
+        f" (experts: {axes(plan, 'ep')})" if spec.is_moe else ""
     )
     param_bytes = held * p
     training = phase != "rollout"
@@ -284,14 +275,14 @@ def plan_memory(
         add(
             "activations",
             acts,
-            _axes(plan, "tp", "sp", "pp") + (" (norms, residual: not tp)" if tp > 1 else ""),
+            axes(plan, "tp", "sp", "pp") + (" (norms, residual: not tp)" if tp > 1 else ""),
             f"{ac}; {n} block(s) x {in_flight} micro-batch(es) in flight",
         )
-        add("activations (head)", head, _axes(plan, "sp"), "final norm, ids and labels")
+        add("activations (head)", head, axes(plan, "sp"), "final norm, ids and labels")
         add(
             "activations (rebuilt block)",
             rebuilt,
-            _axes(plan, "tp", "sp"),
+            axes(plan, "tp", "sp"),
             "one block recomputed in backward" if rebuilt else "no activation checkpointing",
         )
         add(
@@ -303,7 +294,7 @@ def plan_memory(
         add(
             "backward working set",
             working,
-            _axes(plan, "tp", "sp"),
+            axes(plan, "tp", "sp"),
             "gradients of the SwiGLU product in the block under backward",
         )
         add(
@@ -336,26 +327,9 @@ def plan_memory(
         "every rank builds the whole model before plan.parallelize"
         + (" (+ 2 broadcast buckets)" if applied else ""),
     )
-    ref = held * ref_p if phase in ("dpo", "grpo", "ppo") else 0.0
-    if ref:
-        add("reference model", ref, param_axes, "forward-only copy sharded like the policy")
-    value = (D + 1) * (2 * p + 4 * states) if phase == "ppo" else 0.0
-    if value:
-        add("value head", value, "1", "Linear(D, 1): parameters, gradients, optimizer state")
-    kv = prefill = 0.0
-    if phase in ("grpo", "ppo", "rollout"):
-        seqs = batch.num_sequences or batch.micro_batch_size
-        total_len = batch.max_total_len or batch.seq_len
-        prompt = batch.prompt_len or total_len
-        kv = 2 * n * (spec.num_kv_heads / tp) * spec.head_dim * seqs * total_len * p
-        prefill = seqs * prompt * (V * p + (3 * D + 3 * F / tp) * p)
-        add("KV cache", kv, _axes(plan, "tp", "pp"), f"{seqs} sequences x {total_len} tokens")
-        add(
-            "prefill",
-            prefill,
-            _axes(plan, "tp") + (" (logits: not tp)" if tp > 1 else ""),
-            "prefill logits + one block's no-grad working set",
-        )
+    extra = phase_terms(spec, plan, batch, phase, held=held, n=n, p=p, ref_p=ref_p, states=states)
+    rows.extend(extra.rows)
+    ref, value, kv, prefill = extra.reference, extra.value_head, extra.kv_cache, extra.prefill
     if runtime_bytes:
         add("runtime", runtime_bytes, "1", "given: allocator, communication buffers")
     static = param_bytes + optim_bytes + ref + value

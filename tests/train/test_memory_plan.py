@@ -279,7 +279,10 @@ def test_default_device_bytes_is_the_gpu_or_available_ram():
 
 
 def test_doctests():
+    from posttrain.train import memory_phases
+
     assert doctest.testmod(memory_plan_module).failed == 0
+    assert doctest.testmod(memory_phases).failed == 0
 
 
 @pytest.mark.slow
