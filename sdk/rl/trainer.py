@@ -90,6 +90,7 @@ from posttrain.rl.algorithms import (
 from posttrain.rl.batch import make_batch, split_groups
 from posttrain.rl.buffer import ReplayBuffer
 from posttrain.rl.config import RLAlgorithm
+from posttrain.rl.engine_hooks import RLEngineHooks
 from posttrain.rl.engine_rollout import ManagedEngine
 from posttrain.rl.environment import EnvDataset, Group
 from posttrain.rl.lowbit_rollout import (
@@ -112,7 +113,6 @@ from posttrain.rl.rollout import (
 )
 from posttrain.rl.scoring import ValueHead
 from posttrain.rl.step_timing import TimedGeneration, new_step_timer, timing_row
-from posttrain.rl.update import RLUpdateEngine
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_compat import resolve_runtime
 from posttrain.train.runtime import PlanRuntime, Runtime
@@ -120,10 +120,11 @@ from posttrain.train.runtime import PlanRuntime, Runtime
 __all__ = ["RLTrainer", "ValueHead", "EXCLUDED_OUTCOMES", "split_groups", "make_batch"]
 
 
-class RLTrainer(RLUpdateEngine):
+class RLTrainer(RLEngineHooks):
     """Runs RL steps on built parts (policy, optimizer, task, algorithm), on the training engine
     (`posttrain.train.engine.Engine`: fit, checkpoints, resume, preemption, Ctrl-C, rank 0
-    writes) with the update half of a step (`posttrain.rl.update.RLUpdateEngine`).
+    writes) with the update half of a step (`posttrain.rl.update.RLUpdateEngine`) and the
+    engine's hooks (checkpoint contents, resume settings: `posttrain.rl.engine_hooks`).
 
     Args:
         policy: the `Policy` to train (sampled with `generate`, scored with `token_logprobs`).
@@ -451,47 +452,3 @@ class RLTrainer(RLUpdateEngine):
             )
         )
         return row
-
-    # ------------------------------------------------------------------ engine hooks
-    def _module(self) -> nn.Module:
-        return self.policy.model
-
-    def _checkpoint_module(self) -> nn.ModuleDict:
-        """Policy, value head and reference in one container (a sharded checkpoint's names:
-        policy.*, value_head.*, reference.*; each only when there is one)."""
-        parts = {
-            "policy": self.policy.model,
-            "value_head": self.value_head,
-            "reference": self.reference,
-        }
-        return nn.ModuleDict({name: m for name, m in parts.items() if m is not None})
-
-    def _model_state(self) -> dict[str, Any]:
-        return {name: m.state_dict() for name, m in self._checkpoint_module().items()}
-
-    def _load_model_state(self, state: dict[str, Any]) -> None:
-        for name, module in self._checkpoint_module().items():
-            module.load_state_dict(state[name])
-
-    def _extra_state(self) -> dict[str, Any]:
-        state = {"buffer": self.buffer.state_dict()}
-        if self.ahead_state is not None:
-            state["ahead"] = self.ahead_state()
-        return state
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        saved = state["buffer"]  # an asynchronous run's has its staleness bound
-        self.buffer = ReplayBuffer(
-            mode=saved["mode"],
-            capacity=saved["capacity"],
-            max_staleness=saved["max_staleness"],
-            seed=self.seed,
-        )
-        self.buffer.load_state_dict(saved)
-        self.resumed_ahead = state.get("ahead")
-
-    def _fixed_settings(self) -> dict[str, Any]:
-        return {"algo": repr(self.algo), "prompts_per_step": self.prompts_per_step}
-
-    def _postfix(self, row: dict[str, Any]) -> dict[str, str]:
-        return {"reward": f"{row['reward_mean']:.3f}", "acc": f"{row['accuracy']:.3f}"}
