@@ -81,6 +81,7 @@ from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.core.preemption import sigint_held
 from posttrain.models.conversion import ConversionReport
 from posttrain.models.lora import has_adapters
+from posttrain.policy.chunked_ce import check_chunk_tokens
 from posttrain.policy.policy import Policy
 from posttrain.policy.rollout_engine import RolloutEngine
 from posttrain.rl.algorithms import (
@@ -160,6 +161,11 @@ class RLTrainer(RLEngineHooks):
         share_prefix: score a group's rows in one packed sequence per prompt (the prompt's
             forward and backward once, not G times; `posttrain.policy.shared_prefix`) when
             that saves work; equal to the unpacked scoring up to float rounding.
+        loss_chunk_tokens: None (full [B, T, V] logits), or response tokens per chunk of the
+            output projection and log-softmax in every scoring of the rows (the policy's
+            log-probs, entropy and values, the reference's and the policy's frozen log-probs;
+            `posttrain.policy.chunked_ce`): the loss's peak memory falls from O(B x T x V) to
+            O(loss_chunk_tokens x V), equal up to float rounding (fp32: ~1e-7).
         rollout_engine, max_staleness, rollout_options: what samples ("builtin", "vllm" or a
             `RolloutEngine`), how many weight versions behind a sample may be, the engine's
             start options; `posttrain.rl.engine_rollout.ManagedEngine` has the rules.
@@ -173,11 +179,13 @@ class RLTrainer(RLEngineHooks):
         reference: the frozen reference model; None without KL or for a LoRA policy.
 
     Raises:
-        ValueError: for bad options, a run_dir that holds a run while resume is False, or an
-            optimizer that does not hold exactly the trainable parameters of the policy and the
-            value head (named; `posttrain.train.optimizer_check`); under a plan, a plan not
-            applied to the policy, a runtime of another model, a split value head, a missing
-            or plain reference, or prompts_per_step not divisible by the data-parallel size.
+        ValueError: for bad options (`loss_chunk_tokens` not None or an int >= 1), a run_dir
+            that holds a run while resume is False, or an optimizer that does not hold exactly
+            the trainable parameters of the policy and the value head (named;
+            `posttrain.train.optimizer_check`); under a plan, a plan not applied to the policy,
+            a runtime of another model, a split value head, a missing or plain reference,
+            prompts_per_step not divisible by the data-parallel size, or `loss_chunk_tokens`
+            with sequence parallelism (sp > 1: the head sees a slice of each sequence).
     """
 
     progress_desc = "rl"
@@ -210,6 +218,7 @@ class RLTrainer(RLEngineHooks):
         plan: ParallelPlan | None = None,
         rollout_quantization: str | None = None,
         share_prefix: bool = True,
+        loss_chunk_tokens: int | None = None,
         rollout_engine: str | RolloutEngine = "builtin",
         max_staleness: int = 0,
         rollout_options: dict[str, Any] | None = None,
@@ -219,9 +228,16 @@ class RLTrainer(RLEngineHooks):
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
         check_rollout_quantization(rollout_quantization, top_p=top_p)
+        self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         runtime = resolve_runtime(
             policy.model, runtime=runtime, plan=plan, replicas=False, argument="policy.model"
         )
+        if self.loss_chunk_tokens is not None and runtime.plan is not None and runtime.plan.sp > 1:
+            raise ValueError(
+                f"loss_chunk_tokens={loss_chunk_tokens} with {runtime.plan}: under sequence "
+                "parallelism each rank's head sees a slice of every row (Ulysses gathers the "
+                "logits, not the hidden states); allowed: loss_chunk_tokens=None, or sp=1"
+            )
         self.rollout = ManagedEngine(
             rollout_engine,
             max_staleness=max_staleness,
