@@ -77,6 +77,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.core.distributed import flat_collective
+from posttrain.models.lora import has_adapters
 from posttrain.models.specs import ModelSpec
 from posttrain.policy.policy import Policy
 from posttrain.rl.environment import Group
@@ -84,12 +85,14 @@ from posttrain.train.collectives import gather_rows, reduce_metrics, sum_grads_o
 from posttrain.train.sharding import parallelize
 
 if TYPE_CHECKING:
+    from posttrain.rl.config import RLAlgorithm
     from posttrain.train.runtime import PlanRuntime, Runtime
 
 __all__ = [
     "plan_rollout_parts",
     "frozen_reference",
     "checked_reference",
+    "uses_reference",
     "data_shares",
     "rollout_seed",
     "gather_groups",
@@ -186,6 +189,13 @@ def frozen_reference(policy: Policy) -> nn.Module:
     reference = plain_copy(policy.model, policy.spec)
     reference.load_state_dict(policy.model.state_dict())
     return reference.eval().requires_grad_(False)
+
+
+def uses_reference(algo: RLAlgorithm, model: nn.Module) -> bool:
+    """Whether an `RLTrainer` of `algo` on `model` scores with a frozen reference model:
+    `algo.kl_coef > 0` and `model` has no LoRA adapters (a LoRA policy's reference is its own
+    base, adapters disabled). The rule `plan_memory(reference=)` is given."""
+    return algo.kl_coef > 0 and not has_adapters(model)
 
 
 def checked_reference(

@@ -80,7 +80,6 @@ from torch import nn
 from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.core.preemption import sigint_held
 from posttrain.models.conversion import ConversionReport
-from posttrain.models.lora import has_adapters
 from posttrain.policy.chunked_ce import check_chunk_tokens
 from posttrain.policy.policy import Policy
 from posttrain.policy.rollout_engine import RolloutEngine
@@ -105,6 +104,7 @@ from posttrain.rl.parallel import (
     gather_groups,
     plan_rollout_parts,
     rollout_seed,
+    uses_reference,
 )
 from posttrain.rl.rollout import (
     EXCLUDED_OUTCOMES,
@@ -281,7 +281,7 @@ class RLTrainer(RLEngineHooks):
             reference,
             policy,
             runtime=runtime,
-            needed=algo.kl_coef > 0 and not has_adapters(policy.model),
+            needed=uses_reference(algo, policy.model),
             deprecated_start=self.rollout_policy if plan is not None else None,
         )
         self.buffer = ReplayBuffer(mode="on_policy", seed=seed)
