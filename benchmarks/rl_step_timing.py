@@ -129,7 +129,8 @@ def main() -> None:
         "",
         f"Sampled tokens/s {med['tokens_per_s']:.1f}; trained tokens/s "
         f"{med['trained_tokens_per_s']:.1f}; MFU {med['mfu']:.2%} of the measured peak "
-        "(6 N D train + 2 N D forward, no attention term).",
+        "(6 N D train + 2 N D forward + attention at each sequence's length: "
+        "docs/benchmarks/README.md, Conventions).",
         "",
     ]
     report = "\n".join(lines)

@@ -9,12 +9,15 @@ Three pieces, shared by the trainers:
     model_flops         the standard approximation: 6 N D for training (forward + backward),
                         2 N D forward-only (sampling, reference / old log-probs); Kaplan et al.
                         2020, "Scaling Laws for Neural Language Models", sec. 2.1, eq. 2.2 and
-                        Table 1. The attention term (PaLM, Chowdhery et al. 2022, appendix B:
-                        + 6 n_layer n_ctx d_attn per trained token) is NOT included, so at long
-                        contexts the MFU here is a lower bound
-    attention_flops     that attention term, for reports that add it (the benchmarks' MFU
-                        convention, docs/benchmarks/README.md): 12 L T d_attn per trained token
-                        (PaLM, appendix B), 4 L T d_attn per forward token
+                        Table 1 (no attention term)
+    attention_flops     the attention term (the score and value matmuls) at one sequence length
+                        T: 12 L T d_attn per trained token, 4 L T d_attn per forward token
+                        (PaLM, Chowdhery et al. 2022, appendix B; the causal mask not halved)
+    step_flops          the two together over sequences of mixed lengths, the convention every
+                        MFU here follows (the trainers' `mfu` columns and the benchmarks,
+                        docs/benchmarks/README.md "Conventions"): 6 N D + 12 L d_attn S for
+                        training, S = the step's `attention_span`; `attention_dims` reads L and
+                        d_attn off a model
     matmul_peak_flops   the measured peak: the best of `repeats` timed fp32 matmuls of two
                         n x n matrices (2 n^3 FLOPs each; n = 1024 on CPU, 8192 on CUDA) after one
                         warm-up, measured once per process and device and cached; the
@@ -43,6 +46,9 @@ counted), `mfu` reports 1.0 and warns once per process, naming both rates.
 Example (a hand count: N = 1,000 parameters, 10 trained tokens):
     >>> model_flops(1_000, 10, kind="train"), model_flops(1_000, 10, kind="forward")
     (60000, 20000)
+    >>> # + attention, L = 2, d_attn = 4: the 10 tokens in one sequence of 10 (span 10 x 10)
+    >>> step_flops(1_000, 10, span=100, num_layers=2, attn_dim=4, kind="train")
+    69600
     >>> set_peak_flops(1e9)
     >>> mfu(6e8, seconds=1.0)
     0.6
@@ -66,6 +72,9 @@ __all__ = [
     "PhaseTimer",
     "model_flops",
     "attention_flops",
+    "attention_dims",
+    "attention_span",
+    "step_flops",
     "datasheet_peak_flops",
     "DATASHEET_PEAK_FLOPS",
     "non_embedding_params",
@@ -185,7 +194,7 @@ def non_embedding_params(model: nn.Module) -> int:
 def model_flops(n_params: int, tokens: int, *, kind: str) -> int:
     """Model FLOPs of `tokens` tokens through a model with `n_params` non-embedding parameters:
     6 N D for kind "train" (forward 2 N D + backward 4 N D), 2 N D for "forward" (Kaplan et al.
-    2020, eq. 2.2; attention term left out, see the module docstring).
+    2020, eq. 2.2; the attention term is `attention_flops`, both together `step_flops`).
 
     Raises:
         ValueError: for an unknown kind (allowed: "train", "forward") or negative counts.
@@ -216,6 +225,101 @@ def attention_flops(num_layers: int, seq_len: int, attn_dim: int, tokens: int, *
         raise ValueError(f"{bad}; every count must be >= 0")
     per_token = 2 * _FLOPS_PER_PARAM_TOKEN[kind] * int(num_layers) * int(seq_len) * int(attn_dim)
     return per_token * int(tokens)
+
+
+def attention_span(position_ids_BT: torch.Tensor, counted_BT: torch.Tensor) -> torch.Tensor:
+    """S of `step_flops`: the sum, over the counted positions, of the length of the sequence
+    each one sits in (the keys its attention spans, the causal mask not halved).
+
+    A sequence starts at column 0 and at every position id 0, and runs to the next start or
+    the row's end: packed rows (position ids restarting at 0 per document) give each token its
+    own document's length, the padding tail being one more sequence; unpacked right-padded rows
+    (ids 0..T-1) give every token the row length T, padding included (the attention kernel runs
+    over it). With one sequence length T throughout, S = T x the counted tokens.
+
+    Args:
+        position_ids_BT: [B, T] int64 position ids.
+        counted_BT: [B, T] bool (or 0/1), the positions counted (the trained tokens).
+
+    Returns:
+        An int64 scalar on the inputs' device (no host sync).
+
+    Example (a row packing documents of 3 and 2 tokens, then 1 of padding; counted: the
+    first two tokens of each document): 3 + 3 + 2 + 2 = 10.
+        >>> pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+        >>> int(attention_span(pos, torch.tensor([[1, 1, 0, 1, 1, 0]]).bool()))
+        10
+
+    Raises:
+        ValueError: if the two are not [B, T] of one shape.
+    """
+    if position_ids_BT.dim() != 2 or counted_BT.shape != position_ids_BT.shape:
+        raise ValueError(
+            f"position_ids {tuple(position_ids_BT.shape)} and counted "
+            f"{tuple(counted_BT.shape)} must both be [B, T]"
+        )
+    B, T = position_ids_BT.shape
+    starts_BT = position_ids_BT == 0
+    starts_BT[:, 0] = True
+    offsets_B1 = torch.arange(B, device=starts_BT.device)[:, None] * T
+    sequence_BT = starts_BT.cumsum(-1) - 1 + offsets_B1  # a distinct id per sequence
+    lengths = torch.bincount(sequence_BT.flatten(), minlength=B * T)
+    return (lengths[sequence_BT] * counted_BT.to(torch.int64)).sum()
+
+
+def attention_dims(model: nn.Module) -> tuple[int, int]:
+    """(L, d_attn) of `model` for `step_flops`: L = its attention modules, found as the
+    modules with a `q_proj` submodule (torchtune's `MultiHeadAttention`, transformers' attention
+    classes; LoRA or FP8 versions of q_proj too), d_attn = q_proj's output width (heads x head
+    width; a tensor-parallel DTensor weight has its global shape, so this is the whole layer's
+    width, as `non_embedding_params` counts every shard). (0, 0) for a model with no such
+    module (no attention FLOPs to count); a pipeline stage counts its own layers.
+
+    Raises:
+        ValueError: if the attention modules have different widths (their FLOPs would need
+            one term per width), naming the widths found.
+    """
+    widths = []
+    for module in model.modules():
+        q_proj = getattr(module, "q_proj", None)
+        if isinstance(q_proj, nn.Module):
+            out = getattr(q_proj, "out_features", getattr(q_proj, "out_dim", None))
+            weight = getattr(q_proj, "weight", None)
+            if out is None and isinstance(weight, torch.Tensor):
+                out = weight.shape[0]
+            if out is None:
+                raise ValueError(
+                    f"{type(q_proj).__name__} q_proj has neither out_features, out_dim nor a "
+                    "weight; its attention width is unknown"
+                )
+            widths.append(int(out))
+    if not widths:
+        return 0, 0
+    if len(set(widths)) > 1:
+        raise ValueError(
+            f"attention modules of widths {sorted(set(widths))} (q_proj output features); "
+            "step_flops takes one d_attn"
+        )
+    return len(widths), widths[0]
+
+
+def step_flops(
+    n_params: int, tokens: int, *, span: int, num_layers: int, attn_dim: int, kind: str
+) -> int:
+    """Model FLOPs by the convention every MFU here uses: `model_flops(n_params, tokens)` + the
+    attention term 2k L d_attn S (k = 6 for kind "train", 2 for "forward"; PaLM appendix B),
+    S = `span` = the sum over the `tokens` of the length of the sequence each sits in
+    (`attention_span`; T x tokens when every sequence has T positions, and then the attention
+    term is `attention_flops(num_layers, T, attn_dim, tokens)`).
+
+    Example: N = 1,000, 10 tokens in sequences of 4 and 6 tokens (S = 4 x 4 + 6 x 6 = 52),
+    L = 2, d_attn = 4, train: 60,000 + 12 x 2 x 4 x 52 = 64,992.
+
+    Raises:
+        ValueError: for an unknown kind (allowed: "train", "forward") or a negative count.
+    """
+    attention = attention_flops(num_layers, span, attn_dim, 1, kind=kind)
+    return model_flops(n_params, tokens, kind=kind) + attention
 
 
 def datasheet_peak_flops(device_name: str) -> tuple[float | None, str]:

@@ -52,6 +52,12 @@ from posttrain.train.losses import register_loss
 __all__ = ["DPOLoss", "IPOLoss", "SimPOLoss", "KTOLoss", "ORPOLoss", "BUILTIN_LOSSES"]
 
 
+def _row_span(real_BT: Tensor, counted_BT: Tensor) -> Tensor:
+    """Sum over rows of (real tokens) x (counted tokens): each counted token attends over its
+    row's real length (right-padded rows; int64 scalar)."""
+    return (real_BT.sum(-1).to(torch.int64) * counted_BT.sum(-1).to(torch.int64)).sum()
+
+
 class _PairObjective:
     """Shared parts of the pairwise objectives: one forward over [chosen; rejected]."""
 
@@ -72,6 +78,17 @@ class _PairObjective:
         return (batch.chosen_response_mask.sum() + batch.rejected_response_mask.sum()).to(
             dtype=torch.int64, device="cpu"
         )
+
+    def attention_span(self, batch: Any) -> Tensor:
+        """Sum over the `num_tokens` of the real length of the row each sits in (int64 scalar,
+        tokens; 0 for a padding batch), for the attention term of mfu
+        (`posttrain.core.timing.step_flops`)."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        return (
+            _row_span(batch.chosen_attention_mask, batch.chosen_response_mask)
+            + _row_span(batch.rejected_attention_mask, batch.rejected_response_mask)
+        ).cpu()
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_B, _, _ = self.pair_losses(model, batch)
@@ -375,6 +392,13 @@ class KTOLoss:
         if trains_nothing(batch):
             return torch.tensor(0, dtype=torch.int64)
         return batch.response_mask.sum().to(dtype=torch.int64, device="cpu")
+
+    def attention_span(self, batch: Any) -> Tensor:
+        """Sum over the `num_tokens` of the real length of the row each sits in (int64 scalar,
+        tokens; 0 for a padding batch), for the attention term of mfu."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        return _row_span(batch.attention_mask, batch.response_mask).cpu()
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         losses_N, _, _ = self.row_losses(model, batch)

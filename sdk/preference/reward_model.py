@@ -107,6 +107,16 @@ class BradleyTerryLoss:
         _, c_mask, _, r_mask = pair_tensors(batch)
         return (c_mask.sum() + r_mask.sum()).to(dtype=torch.int64, device="cpu")
 
+    def attention_span(self, batch: Any) -> Tensor:
+        """Sum over the `num_tokens` of the real length of the row each sits in: n^2 per row
+        of n real tokens (int64 scalar, tokens; 0 for a padding batch), for mfu's attention
+        term."""
+        if trains_nothing(batch):
+            return torch.tensor(0, dtype=torch.int64)
+        _, c_mask, _, r_mask = pair_tensors(batch)
+        rows_B = torch.cat([c_mask.sum(-1), r_mask.sum(-1)]).to(torch.int64)
+        return (rows_B * rows_B).sum().cpu()
+
     def rewards(self, model: nn.Module, batch: Any) -> tuple[Tensor, Tensor]:
         """(r_chosen `[B]`, r_rejected `[B]`) from one forward pass of `model`."""
         c_ids, c_mask, r_ids, r_mask = pair_tensors(batch)

@@ -22,12 +22,17 @@ and, per second of step_time_s, `tokens_per_s` (sampled tokens), `trained_tokens
 (response tokens the loss covers, counted once per step) and `flops_per_s` (the step's model
 FLOPs), and `mfu` = flops_per_s / (measured matmul peak x devices). Every column depends on the
 wall clock (names ending in `_s`, and `mfu`): runs that must agree bit for bit compare rows
-without them. FLOPs (`posttrain.core.timing.model_flops`, 6 N D / 2 N D, Kaplan et al. 2020, no
-attention term):
+without them. FLOPs by the convention of `posttrain.core.timing.step_flops` (6 N D / 2 N D,
+Kaplan et al. 2020, + the attention term 12 / 4 L d_attn per token per position of its
+sequence, PaLM appendix B; L and d_attn from `attention_dims`), each sequence at its own real
+length n (every token of a sequence of n tokens attends over n positions: n^2 per sequence):
 
     rollout   2 N x (prompt + completion tokens of every trajectory sampled)
-    logprobs  2 N x (real tokens of the kept batch) x frozen passes
-    update    6 N x (real tokens of the kept batch) x ppo_epochs
+              + 4 L d_attn x sum of (prompt + completion)^2 over those trajectories
+    logprobs  (2 N x real tokens + 4 L d_attn x sum of n_b^2) of the kept batch x frozen passes
+    update    (6 N x real tokens + 12 L d_attn x sum of n_b^2) of the kept batch x ppo_epochs
+
+n_b = the real (unpadded) tokens of row b of the kept batch (its attention_mask_BT).
 
 `devices` is the world size under a ParallelPlan (the work is split), else 1 (ranks without a
 plan repeat the same work). Phases a step does not have (no reference, no kept group) are 0.
@@ -43,11 +48,12 @@ from torch import Tensor
 
 from posttrain.core.timing import (
     PhaseTimer,
+    attention_dims,
     matmul_peak_flops,
     mfu,
-    model_flops,
     non_embedding_params,
     on_cuda,
+    step_flops,
 )
 from posttrain.rl.environment import Group
 
@@ -128,13 +134,18 @@ def timing_row(
         timer.add("scoring", max(collect_s - generation, 0.0))
     row: dict[str, float] = timer.row(step_s, RL_TIME_PHASES)
     n = non_embedding_params(model)
-    context = sum(len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g)
-    real = int(batch["attention_mask_BT"].sum()) if batch is not None else 0
+    layers, width = attention_dims(model)
+    lengths = [len(t.prompt_ids) + len(t.completion_ids) for g in groups for t in g]
+    rows_B = batch["attention_mask_BT"].sum(-1) if batch is not None else None
+    real = int(rows_B.sum()) if rows_B is not None else 0
+    real_span = int((rows_B * rows_B).sum()) if rows_B is not None else 0
     trained = int(batch["response_mask_BT"].sum()) if batch is not None else 0
+    dims = dict(num_layers=layers, attn_dim=width)
+    context = sum(lengths)
     flops = (
-        model_flops(n, context, kind="forward")
-        + model_flops(n, real * frozen_passes, kind="forward")
-        + model_flops(n, real * ppo_epochs, kind="train")
+        step_flops(n, context, span=sum(k * k for k in lengths), kind="forward", **dims)
+        + step_flops(n, real, span=real_span, kind="forward", **dims) * frozen_passes
+        + step_flops(n, real, span=real_span, kind="train", **dims) * ppo_epochs
     )
     device = next(model.parameters()).device
     sampled_tokens = sum(

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from posttrain.core.distributed import device_of
 from posttrain.core.masked import keep_selected
 from posttrain.core.registry import Registry
+from posttrain.core.timing import attention_span
 from posttrain.data.loader import IGNORE_INDEX
 from posttrain.models.moe import moe_aux_loss
 from posttrain.policy.chunked_ce import (
@@ -138,7 +139,10 @@ class TrainingLoss(Protocol):
 
     Optional: `num_tokens(batch)` (int64 scalar), the non-padding tokens the loss trains on in
     the micro-batch, for the step's `tokens_per_s` and `mfu` columns; a loss without it has its
-    `num_units` counted as tokens (right for token-level losses such as SFT).
+    `num_units` counted as tokens (right for token-level losses such as SFT). Optional too:
+    `attention_span(batch)` (int64 scalar), the sum over those tokens of the length of the
+    sequence each sits in (`posttrain.core.timing.attention_span`), for the attention term of
+    `mfu`; a loss without it has its `mfu` counted without attention (6 N per token only).
     """
 
     def num_units(self, batch: Any) -> Tensor: ...
@@ -218,6 +222,12 @@ class SFTCrossEntropy:
     def num_units(self, batch: Any) -> Tensor:
         """Trained tokens of `batch` (int64 scalar on the labels' device)."""
         return (batch.labels != self.ignore_index).sum()
+
+    def attention_span(self, batch: Any) -> Tensor:
+        """Sum over the trained tokens of their sequence's length (int64 scalar, tokens): the
+        document's in packed rows (position ids restart at 0), the row length T (padding
+        included) in unpacked ones (`posttrain.core.timing.attention_span`)."""
+        return attention_span(batch.position_ids, batch.labels != self.ignore_index)
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         device = device_of(model)

@@ -83,7 +83,13 @@ from torch import nn
 from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.core.checks import check_int
 from posttrain.core.preemption import sigint_held
-from posttrain.core.timing import matmul_peak_flops, mfu, model_flops, non_embedding_params
+from posttrain.core.timing import (
+    attention_dims,
+    matmul_peak_flops,
+    mfu,
+    non_embedding_params,
+    step_flops,
+)
 from posttrain.train.converters import applied_converters, checkpoint_state, load_checkpoint_state
 from posttrain.train.engine import Engine
 from posttrain.train.hooks import evaluate_model, has_state, seed_all, stable_repr
@@ -162,10 +168,17 @@ class Trainer(Engine):
     tokens the loss trains on (SFT: the normaliser; preference losses: their `num_tokens`, the
     response tokens; summed over ranks) / step_time_s, in tokens per second (as torchtune
     reports it), and mfu = model FLOPs utilisation (a fraction) by the convention of
-    `posttrain.core.timing` (as RL's `mfu`): 6 N x those tokens / (step_time_s x measured
-    fp32 matmul peak FLOP/s x processes). Prompt tokens, which run forward and backward
-    without a loss, and attention are not counted, so it is a lower bound. Under a pipeline
-    plan N is this stage's parameters only.
+    `posttrain.core.timing.step_flops` (docs/benchmarks/README.md "Conventions", as RL's
+    `mfu`): (6 N x those tokens + 12 L d_attn S) / (step_time_s x measured fp32 matmul peak
+    FLOP/s x processes), L and d_attn the model's attention layers and width
+    (`attention_dims`), S = the loss's `attention_span` of the step: the sum over those tokens
+    of the length of the sequence each sits in, at the step's actual lengths (SFT: the
+    document's length in packed rows, which the position ids give; in unpacked right-padded
+    rows the row length T, padding included, as the batch does not say where a row's real
+    tokens end; preference losses: each row's real length). A loss without `attention_span`
+    counts 6 N only. Prompt tokens, which run
+    forward and backward without a loss, are not counted, so it is a lower bound. Under a
+    pipeline plan N and L are this stage's only.
 
     Raises:
         ValueError: for bad options, a `run_dir` that holds a run while `resume` is False,
@@ -253,6 +266,7 @@ class Trainer(Engine):
             )
         self.grad_accum_steps, self.seed = grad_accum_steps, seed
         self._flops_n: int | None = None
+        self._flops_attention = (0, 0)
         self._flops_device = torch.device("cpu")
         self.eval_fn, self.eval_every = eval_fn, eval_every
         seed_all(seed)
@@ -297,12 +311,7 @@ class Trainer(Engine):
             units = torch.stack([torch.as_tensor(self.loss.num_units(b)) for b in batches]).sum()
             units = self._sum_across_ranks(units)
             num_units = int(units)
-            count_tokens = getattr(self.loss, "num_tokens", None)
-            local_tokens = (
-                None
-                if count_tokens is None
-                else torch.stack([torch.as_tensor(count_tokens(b)) for b in batches]).sum()
-            )
+            local_counts = self._flop_counts(batches)
             if num_units < 1:
                 raise ValueError(
                     f"step {self.step_count + 1}: its {len(batches)} micro-batch(es) "
@@ -328,8 +337,8 @@ class Trainer(Engine):
                 raise
             self.step_count += 1
         elapsed = time.perf_counter() - start
-        # after the clock stopped: the all-reduce of the token count and the (cached) peak
-        tokens = num_units if local_tokens is None else int(self._sum_across_ranks(local_tokens))
+        # after the clock stopped: the all-reduce of the token counts and the (cached) peak
+        tokens, span = (int(x) for x in self._sum_across_ranks(local_counts).tolist())
         row = {
             "step": self.step_count,
             "loss": float(loss_sum),
@@ -338,7 +347,7 @@ class Trainer(Engine):
             "trained_tokens": num_units,
             "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
-            "mfu": self._step_mfu(tokens, elapsed),
+            "mfu": self._step_mfu(tokens, span, elapsed),
         }
         return row, interrupt.received
 
@@ -350,19 +359,36 @@ class Trainer(Engine):
         restore_rng_state(rng_state)
         self._rolled_back = True
 
-    def _step_mfu(self, tokens: int, seconds: float) -> float:
-        """MFU of a step that trained on `tokens` tokens in `seconds` wall seconds:
-        `posttrain.core.timing.mfu` of 6 N x tokens FLOPs (`model_flops`, kind "train"; N =
-        non-embedding parameters of the model, counted once) over the measured matmul peak
-        (FLOP/s) of the model's device x the processes of the default group (1 without one)."""
+    def _flop_counts(self, batches: list[Any]) -> torch.Tensor:
+        """This rank's [tokens, span] of the step (int64 [2], summed over the micro-batches):
+        the loss's `num_tokens` (else its `num_units`) and `attention_span` (else 0)."""
+        count_tokens = getattr(self.loss, "num_tokens", self.loss.num_units)
+        count_span = getattr(self.loss, "attention_span", None)
+        rows = []
+        for batch in batches:  # tensors on the batch's device: no host sync in the step
+            tokens = torch.as_tensor(count_tokens(batch)).to(torch.int64)
+            span = torch.zeros_like(tokens) if count_span is None else count_span(batch)
+            rows.append(torch.stack([tokens, torch.as_tensor(span).to(tokens)]))
+        return torch.stack(rows).sum(0)
+
+    def _step_mfu(self, tokens: int, span: int, seconds: float) -> float:
+        """MFU of a step that trained on `tokens` tokens of attention span `span` in `seconds`
+        wall seconds: `posttrain.core.timing.mfu` of `step_flops` (kind "train"; N =
+        non-embedding parameters, L and d_attn from `attention_dims`, counted once) over the
+        measured matmul peak (FLOP/s) of the model's device x the processes of the default
+        group (1 without one)."""
         if self._flops_n is None:
             model = self._module()
             param = next(model.parameters(), None)
             self._flops_n = non_embedding_params(model)
+            self._flops_attention = attention_dims(model)
             self._flops_device = param.device if param is not None else torch.device("cpu")
         devices = dist.get_world_size() if dist.is_initialized() else 1
+        layers, width = self._flops_attention
         return mfu(
-            model_flops(self._flops_n, tokens, kind="train"),
+            step_flops(
+                self._flops_n, tokens, span=span, num_layers=layers, attn_dim=width, kind="train"
+            ),
             seconds,
             peak_flops_per_s=matmul_peak_flops(self._flops_device),
             devices=devices,

@@ -197,7 +197,9 @@ def test_rl_rows_carry_the_time_split_tokens_per_s_and_mfu(tmp_path):
     """Two GRPO steps with a KL reference (so the log-prob phase runs), rows read back from
     metrics.jsonl. FLOPs by hand from the step's own trajectories: 2 N per sampled-context
     token (prompt + completion) + 2 N per real batch token for the reference pass + 6 N per
-    real batch token for the one update epoch."""
+    real batch token for the one update epoch, and attention (PaLM appendix B) at each
+    trajectory's own length n: 4 L d_attn n^2 for the rollout, again for the reference pass,
+    12 L d_attn n^2 for the update (tiny-1m: L = 4 layers, d_attn = 4 heads x 32 = 128)."""
     from posttrain.envs import chain_sum_task
     from posttrain.policy import Policy
     from posttrain.rl import RLAlgorithm, RLTrainer
@@ -233,7 +235,8 @@ def test_rl_rows_carry_the_time_split_tokens_per_s_and_mfu(tmp_path):
     assert last["groups_kept"] == 2  # tiny-1m at seed 0: no excluded group, all rows trained
     real = context  # one row per trajectory, right-padded: its real tokens are its context
     trained = sum(len(t.completion_ids) for t in rows)
-    flops = 2 * n * context + 2 * n * real + 6 * n * real
+    squares = sum((len(t.prompt_ids) + len(t.completion_ids)) ** 2 for t in rows)
+    flops = 2 * n * context + 2 * n * real + 6 * n * real + (4 + 4 + 12) * 4 * 128 * squares
     assert last["flops_per_s"] * last["step_time_s"] == pytest.approx(flops, rel=1e-12)
     assert last["trained_tokens_per_s"] * last["step_time_s"] == pytest.approx(trained)
     assert pd.notna(frame["mfu"]).all()
@@ -272,9 +275,10 @@ def test_a_step_that_trains_nothing_has_zero_update_time():
     assert row["time_update_s"] == row["time_logprobs_s"] == row["trained_tokens_per_s"] == 0
     assert row["time_rollout_s"] == row["time_scoring_s"] == 0.0  # no rollout in this step
     assert row["time_other_s"] == pytest.approx(row["step_time_s"], abs=1e-12)
-    # only the rollout's (prompt + completion) tokens were computed: 2 N x 3 per trajectory
+    # only the rollout's (prompt + completion) tokens were computed: 2 N x 3 per trajectory,
+    # + attention 4 L d_attn x 3^2 per trajectory (tiny-1m: L = 4, d_attn = 128)
     assert row["flops_per_s"] * row["step_time_s"] == pytest.approx(
-        2 * 1_020_032 * 3 * 2, rel=1e-12
+        2 * 1_020_032 * 3 * 2 + 4 * 4 * 128 * 9 * 2, rel=1e-12
     )
 
 
