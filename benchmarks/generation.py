@@ -4,9 +4,10 @@ All three run side by side in one process on the same weights: a tiny-10m Qwen2 
 ~10M parameters, byte vocabulary) with matrices drawn from N(0, 0.02) (transformers'
 `initializer_range`); the transformers model is `Qwen2ForCausalLM.from_pretrained` of the folder
 `Policy.save` writes, and its logits are checked against the torchtune model before timing.
-Machines here are shared: the cases run round-robin (one warm-up each, then rep 1 of every case,
-rep 2 of every case, ...) so load falls on all alike; medians, best runs and CPU seconds are
-reported.
+Machines here are shared: the cases run round-robin (`pairs.run_interleaved`: one warm-up each,
+then rep 1 of every case, rep 2 of every case, ...) so load falls on all alike; medians, best runs,
+CPU seconds and each method's per-round ratio to transformers greedy (tokens per wall second and
+per CPU second, median [min, max]) are reported.
 
 Work is fixed so tokens/s compare like for like: batch 32 prompts of 32 tokens, 64 new tokens
 each, no early stop (stop ids disabled on every side), fp32, 2 threads. Greedy rows also check that
@@ -32,11 +33,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
+from pairs import ratio_cells, run_interleaved
 
 from posttrain.models import ByteTokenizer
 from posttrain.policy import Policy
@@ -51,6 +51,9 @@ class NoStopByteTokenizer(ByteTokenizer):
     @property
     def stop_ids(self) -> frozenset[int]:
         return frozenset()
+
+
+NAIVE = "naive loop (no KV cache), greedy"
 
 
 def make_policy(seed: int = 0) -> Policy:
@@ -85,28 +88,6 @@ def naive_generate(model, prompt_BP: torch.Tensor, max_new_tokens: int) -> torch
         next_B1 = model(tokens)[:, -1].argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, next_B1], dim=1)
     return tokens[:, prompt_BP.shape[1] :]
-
-
-def run_interleaved(cases, reps: int) -> dict[str, dict]:
-    """Time every case round-robin (rep 1 of each, rep 2 of each, ...) so that the load of a
-    shared machine falls on all alike; a case may ask for fewer reps. Every case has one untimed
-    warm-up run first, except the slow naive loop (the model is warm by then)."""
-    results: dict[str, dict[str, Any]] = {
-        label: {"out": None, "wall": [], "cpu": []} for label, _, _ in cases
-    }
-    for label, fn, case_reps in cases:
-        if case_reps > 1:
-            results[label]["out"] = fn()
-    for rep in range(reps):
-        for label, fn, case_reps in cases:
-            if rep >= case_reps:
-                continue
-            wall, cpu = time.perf_counter(), time.process_time()
-            results[label]["out"] = fn()
-            results[label]["wall"].append(time.perf_counter() - wall)
-            results[label]["cpu"].append(time.process_time() - cpu)
-            print(f"  rep {rep}: {label:40s} {results[label]['wall'][-1]:7.3f} s", flush=True)
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,50 +144,61 @@ def main(argv: list[str] | None = None) -> int:
         return run
 
     sample = dict(temperature=1.0, top_p=0.9)
-    cases = [  # (label, fn, reps)
-        ("Policy.generate, greedy", ours(temperature=0), args.reps),
-        ("transformers generate, greedy", theirs(do_sample=False), args.reps),
-        (
-            "naive loop (no KV cache), greedy",
-            lambda: naive_generate(policy.model, prompts_BP, N).tolist(),
-            args.naive_reps,
-        ),
-        ("Policy.generate, T=1 top_p=0.9", ours(seed=0, **sample), args.reps),
-        (
-            "transformers generate, T=1 top_p=0.9",
-            theirs(do_sample=True, top_k=None, **sample),
-            args.reps,
-        ),
-    ]
+    cases = {
+        "Policy.generate, greedy": ours(temperature=0),
+        "transformers generate, greedy": theirs(do_sample=False),
+        NAIVE: lambda: naive_generate(policy.model, prompts_BP, N).tolist(),
+        "Policy.generate, T=1 top_p=0.9": ours(seed=0, **sample),
+        "transformers generate, T=1 top_p=0.9": theirs(do_sample=True, top_k=None, **sample),
+    }
+    outputs: dict[str, list[list[int]]] = {}
+
+    def contender(label):
+        def run(_seed: int) -> int:
+            outputs[label] = cases[label]()
+            return sum(len(t) for t in outputs[label])  # the tokens generated
+
+        return run
+
     load_before = os.getloadavg()[0]
-    results = run_interleaved(cases, args.reps)
+    runs = run_interleaved(
+        {label: contender(label) for label in cases},
+        {label: args.naive_reps if label == NAIVE else args.reps for label in cases},
+        # the naive loop (slow; the model is warm by then) makes no warm-up run
+        warmup=[label for label in cases if label != NAIVE],
+    )
     load_after = os.getloadavg()[0]
-    rows, outputs = [], {}
-    for label, r in results.items():
-        assert all(len(t) == N for t in r["out"]), f"{label}: a sequence stopped early"
-        outputs[label] = r["out"]
-        wall = statistics.median(r["wall"])
-        rows.append((label, wall, B * N / wall, min(r["wall"]), statistics.median(r["cpu"])))
+    rows = []
+    for label, rs in runs.items():
+        assert all(len(t) == N for t in outputs[label]), f"{label}: a sequence stopped early"
+        wall = statistics.median(r.wall_s for r in rs)
+        rows.append((label, wall, B * N / wall, min(r.wall_s for r in rs),
+                     statistics.median(r.cpu_s for r in rs)))  # fmt: skip
     greedy = [v for k, v in outputs.items() if "greedy" in k]
     same = all(g == greedy[0] for g in greedy)
+    hf_runs = runs["transformers generate, greedy"]
+    # per round: a method's tokens/s over transformers greedy's in the same round
+    versus = {label: ratio_cells(rs, hf_runs[: len(rs)]) for label, rs in runs.items()}
 
     group = f" ({B // G} prompts x G={G} samples)" if G > 1 else ""
     setup = (
         f"tiny-10m Qwen2 ({policy.num_parameters() / 1e6:.2f}M params), batch {B}{group}, "
         f"prompt {P} tokens, {N} new tokens, fp32, {args.threads} threads, {args.reps} runs "
         f"each ({args.naive_reps} for the naive loop), round-robin, after a warm-up run; "
-        f"torch "
+        f"'vs transformers greedy': tokens per wall / CPU second over transformers greedy's in "
+        f"the same round, median [min, max] over rounds; OpenMP wait policy "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset (OpenMP default)')}; torch "
         f"{torch.__version__}, transformers {transformers.__version__}"
     )
     setup += f"; 1-min load average {load_before:.1f} before, {load_after:.1f} after"
-    hf_greedy = {r[0]: r[2] for r in rows}["transformers generate, greedy"]
     lines = [
         "| method | median s | tokens/s (median) | best s | CPU s (median) | "
-        "vs transformers greedy |",
-        "|---|---:|---:|---:|---:|---:|",
+        "vs transformers greedy, wall | vs transformers greedy, CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {label} | {s:.3f} | {tps:,.0f} | {best:.3f} | {cpu:.2f} | {tps / hf_greedy:.2f}x |"
+        f"| {label} | {s:.3f} | {tps:,.0f} | {best:.3f} | {cpu:.2f} | {versus[label]['wall']} "
+        f"| {versus[label]['cpu']} |"
         for label, s, tps, best, cpu in rows
     ]
     table = "\n".join(lines)

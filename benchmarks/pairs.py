@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -47,11 +47,10 @@ def run_interleaved(
     reps: int | Mapping[str, int],
     cpu_clocks: Mapping[str, Callable[[], float]] | None = None,
     *,
-    warmup: bool = True,
+    warmup: bool | Collection[str] = True,
     log: Callable[[str], object] | None = _say,
 ) -> dict[str, list[Run]]:
-    """Call every contender once untimed (seed -1; `warmup=False` skips it for contenders that
-    warm up inside each run), then round-robin `reps` times (seed = rep).
+    """Call every contender once untimed (seed -1), then round-robin `reps` times (seed = rep).
 
     Args:
         contenders: name -> fn(seed). The fn returns its work (then this function times the
@@ -60,21 +59,28 @@ def run_interleaved(
             (a contender with fewer runs drops out of the later rounds).
         cpu_clocks: name -> a clock of the CPU seconds that contender's work uses (a server's
             process group, `group_cpu_s`); `time.process_time` (this process) for the others.
+        warmup: whether to make the untimed call: True for all, False for none (contenders
+            that warm up inside each run), or the names of the contenders that make it (a slow
+            reference already warm from the others' runs may skip it).
         log: called with one line per timed run; None for silence.
 
     Returns:
         name -> its `Run`s in run order.
 
     Raises:
-        ValueError: a contender's reps < 1, or a run's work <= 0 (its rate would be undefined).
+        ValueError: a contender's reps < 1, a warm-up name that is no contender, or a run's
+            work <= 0 (its rate would be undefined).
     """
     counts = {name: reps if isinstance(reps, int) else reps[name] for name in contenders}
     for name, count in counts.items():
         if count < 1:
             raise ValueError(f"reps for {name!r} is {count}; must be >= 1")
     clocks = cpu_clocks or {}
-    if warmup:
-        for fn in contenders.values():
+    warm = set(contenders) if warmup is True else set() if warmup is False else set(warmup)
+    if warm - set(contenders):
+        raise ValueError(f"warmup names {sorted(warm - set(contenders))}; not contenders")
+    for name, fn in contenders.items():
+        if name in warm:
             fn(-1)
     runs: dict[str, list[Run]] = {name: [] for name in contenders}
     for rep in range(max(counts.values())):

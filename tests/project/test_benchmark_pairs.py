@@ -81,7 +81,7 @@ def test_contenders_alternate_after_a_warmup_and_pair_by_both_clocks(scripted):
 def test_a_server_clock_a_self_timed_block_and_fewer_runs(scripted):
     """The server's clock counts 3 CPU s per call of `served` (this process's clock would count
     0.5); `block` times itself (its run is kept as returned, whatever the clocks did); `once`
-    runs in the first round only; without the warm-up no call has seed -1."""
+    runs in the first round only, and alone makes the untimed warm-up call (seed -1)."""
     server = {"cpu": 0.0}
     calls = []
 
@@ -105,10 +105,12 @@ def test_a_server_clock_a_self_timed_block_and_fewer_runs(scripted):
         {"served": served, "block": block, "once": once},
         {"served": 2, "block": 2, "once": 1},
         {"served": lambda: server["cpu"]},
-        warmup=False,
+        warmup=["once"],
         log=None,
     )
-    assert calls == [("served", 0), ("block", 0), ("once", 0), ("served", 1), ("block", 1)]
+    assert calls == [("once", -1)] + [
+        ("served", 0), ("block", 0), ("once", 0), ("served", 1), ("block", 1)
+    ]  # fmt: skip
     assert runs == {
         "served": [(8, 1.0, 3.0)] * 2,
         "block": [(4, 2.0, 1.5)] * 2,
@@ -121,6 +123,8 @@ def test_a_server_clock_a_self_timed_block_and_fewer_runs(scripted):
 def test_bad_runs_are_refused_by_name():
     with pytest.raises(ValueError, match="reps for 'a' is 0"):
         pairs.run_interleaved({"a": lambda s: 1}, 0, log=None)
+    with pytest.raises(ValueError, match=r"warmup names \['b'\]; not contenders"):
+        pairs.run_interleaved({"a": lambda s: 1}, 1, warmup=["b"], log=None)
     with pytest.raises(ValueError, match="'a' run 0 did 0 work"):
         pairs.run_interleaved({"a": lambda s: 0}, 1, log=None)
     with pytest.raises(ValueError, match="pair runs of the same cell"):

@@ -47,19 +47,42 @@ def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
     3 -> 4, 4 -> 7, so 2, 1, 3 s (median 2). Without a warm-up step the first timed step has no
     start; a block with another count of ticks is refused."""
     m = _benchmark_module("timing")
-    ticks = iter([1.0, 3.0, 4.0, 7.0])
-    monkeypatch.setattr(m, "time", argparse.Namespace(perf_counter=lambda: next(ticks)))
+    ticks, cpu = iter([1.0, 3.0, 4.0, 7.0]), iter([0.5, 1.0, 3.0, 3.5])
+    monkeypatch.setattr(
+        m,
+        "time",
+        argparse.Namespace(perf_counter=lambda: next(ticks), process_time=lambda: next(cpu)),
+    )
     clock, after = m.StepClock(), []
     clock.then = lambda: after.append(len(clock.times))
     for _ in range(4):
         clock.tick()
     setup = argparse.Namespace(warmup=1, steps=3)
     assert clock.durations(setup) == [2.0, 1.0, 3.0] and clock.median_step(setup) == 2.0
+    assert clock.durations(setup, "cpu") == [0.5, 2.0, 0.5]  # CPU ticks 0.5, 1, 3, 3.5
     assert after == [1, 2, 3, 4]  # `then` runs after each tick
+    with pytest.raises(ValueError, match="clock 'gpu'"):
+        clock.durations(setup, "gpu")
     with pytest.raises(ValueError, match="warmup=0; must be >= 1"):
         clock.durations(argparse.Namespace(warmup=0, steps=4))
     with pytest.raises(ValueError, match="ticked 4 times; warmup=1 \\+ steps=2"):
         clock.durations(argparse.Namespace(warmup=1, steps=2))
+    clock.clear()
+    assert clock.times == clock.cpu_times == []
+
+
+def test_step_clock_counts_a_blocks_timed_steps_by_both_clocks():
+    """A block of 1 warm-up + 2 timed steps sampling 900, 950, 960 completion tokens, ticking at
+    wall 1, 3, 6 s and CPU 0.5, 1, 2 s: the timed steps did 950 + 960 = 1910 tokens in
+    2 + 3 = 5 wall s and 0.5 + 1 = 1.5 CPU s. A count of steps that is not the block's is
+    refused."""
+    m = _benchmark_module("timing")
+    clock = m.StepClock()
+    clock.times, clock.cpu_times = [1.0, 3.0, 6.0], [0.5, 1.0, 2.0]
+    setup = argparse.Namespace(warmup=1, steps=2)
+    assert clock.block_run(setup, [900, 950, 960]) == (1910, 5.0, 1.5)
+    with pytest.raises(ValueError, match="2 steps counted; warmup=1 \\+ steps=2"):
+        clock.block_run(setup, [950, 960])
 
 
 def test_cpu_model_names_the_cpu_and_with_isa_its_vector_extensions(monkeypatch):
