@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios are of blocks of the same round; median [min, max] over blocks or rounds",
         f"- Load average (1 min) at start / end: {load[0]:.2f} / {load_end[0]:.2f} on "
         f"{os.cpu_count()} CPUs (other processes share this machine)",
-        f"- Command: `python benchmarks/grpo_step.py {' '.join(argv_used)}`",
+        f"- Command: `python benchmarks/grpo_step.py {command_line(argv_used, {'--out': 'OUT'})}`",
     ]
     lines = [
         "| trainer | s / step, wall | s / step, CPU | completion tokens / step "
