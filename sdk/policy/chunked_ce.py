@@ -329,7 +329,7 @@ def token_logprobs_chunked(
         ValueError: as `token_logprobs`, or for a `chunk_tokens` that is not None or an int >= 1.
         TypeError: if the model is not a torchtune decoder (chunked only).
     """
-    chunk = check_chunk_tokens(chunk_tokens)
+    chunk = check_chunk_tokens(chunk_tokens, "chunk_tokens")
     if chunk is None:
         return token_logprobs(
             model,

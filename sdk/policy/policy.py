@@ -35,8 +35,9 @@ from torch import Tensor, nn
 
 from posttrain.core.checks import check_int
 from posttrain.models.specs import ModelSpec, build_model, get_preset
+from posttrain.policy.chunked_ce import token_logprobs_chunked
 from posttrain.policy.generation import _check_stop, _first_stop, _generate_tokens
-from posttrain.policy.sampling import Completion, _check_sampling_args, token_logprobs
+from posttrain.policy.sampling import Completion, _check_sampling_args
 
 if TYPE_CHECKING:
     from posttrain.models.tokenizer import Tokenizer
@@ -251,6 +252,7 @@ class Policy:
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float = 1.0,
+        chunk_tokens: int | None = None,
     ) -> list[Tensor]:
         """Teacher-forced log-probability of each response token given its prompt.
 
@@ -262,9 +264,15 @@ class Policy:
         Args:
             prompt_ids: B non-empty lists of token ids.
             response_ids: B lists of token ids (may be empty).
+            chunk_tokens: None (the full [B, T, V] logits), or response tokens per chunk of the
+                output projection and log-softmax (`logprobs_tensor`).
 
         Returns:
             B float32 tensors, tensor b of shape `[len(response_ids[b])]`.
+
+        Raises:
+            ValueError: naming the argument, for malformed ids, a row longer than
+                spec.max_seq_len, bad sampling settings or a bad `chunk_tokens`.
         """
         if isinstance(prompt_ids, (str, bytes)) or isinstance(response_ids, (str, bytes)):
             raise ValueError("prompt_ids and response_ids must be lists of token-id lists")
@@ -299,11 +307,12 @@ class Policy:
         self.model.eval()
         try:
             with torch.inference_mode():
-                logprobs_BT = token_logprobs(
+                logprobs_BT = token_logprobs_chunked(
                     self.model,
                     input_ids_BT.to(device),
                     attention_BT.to(device),
                     response_BT.to(device),
+                    chunk_tokens=chunk_tokens,
                     temperature=temperature,
                     top_k=top_k,
                     top_p=top_p,
@@ -322,13 +331,28 @@ class Policy:
         temperature: float = 1.0,
         top_k: int | None = None,
         top_p: float = 1.0,
+        chunk_tokens: int | None = None,
     ) -> Tensor:
-        """Differentiable `[B, T]` token log-probabilities for training; see `token_logprobs`."""
-        return token_logprobs(
+        """Differentiable `[B, T]` float32 token log-probabilities for training (0 off the
+        response); see `posttrain.policy.sampling.token_logprobs` for the arguments.
+
+        `chunk_tokens`: None (default) builds the full [B, T, V] logits; an int >= 1 runs the
+        output projection and log-softmax (at `temperature`, `top_k`, `top_p`, applied per
+        position as without chunks) over that many response tokens at a time, recomputed in
+        backward, so no [B, T, V] tensor is held (`posttrain.policy.chunked_ce`). Values and
+        gradients equal the unchunked ones up to float rounding (fp32: ~1e-7).
+
+        Raises:
+            ValueError: as `token_logprobs`, or for a `chunk_tokens` that is not None or an
+                int >= 1 (named).
+            TypeError: with chunks, for a model that is not a torchtune decoder.
+        """
+        return token_logprobs_chunked(
             self.model,
             input_ids_BT,
             attention_mask_BT,
             response_mask_BT,
+            chunk_tokens=chunk_tokens,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

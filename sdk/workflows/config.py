@@ -18,7 +18,7 @@ Example:
     (0.0001, 50)
     >>> override(cfg, {"optim": {"warmup_steps": 2}}).optim  # doctest: +NORMALIZE_WHITESPACE
     BatchOptimConfig(steps=50, lr=0.0001, weight_decay=0.0, warmup_steps=2, min_lr_ratio=0.1,
-                max_grad_norm=1.0, batch_size=64, grad_accum_steps=1)
+                max_grad_norm=1.0, loss_chunk_tokens=None, batch_size=64, grad_accum_steps=1)
     >>> override(Config(), {"optim.lr": float("nan")})
     Traceback (most recent call last):
     ...
@@ -178,7 +178,13 @@ class OptimConfig:
     """AdamW with linear warmup over `warmup_steps` (None: `min(20, steps // 10)`) then cosine
     decay to `min_lr_ratio * lr`, over `steps` optimizer steps; gradients clipped to
     `max_grad_norm` (None: off). RL uses it as is (its batch is `rl.prompts_per_step` x
-    `rl.group_size`); the recipes with batches `BatchOptimConfig`."""
+    `rl.group_size`); the recipes with batches `BatchOptimConfig`.
+
+    `loss_chunk_tokens` (None, or an int >= 1): the stage's loss runs the output projection and
+    log-softmax over that many trained tokens at a time instead of holding [B, T, V] fp32 logits
+    (`posttrain.policy.chunked_ce`: SFT/CPT cross-entropy, the DPO family's and KTO's
+    log-probs, every RL scoring); equal up to float rounding. Not under parallel.sp or
+    parallel.pp > 1; the reward model's loss has no vocabulary head to chunk."""
 
     steps: int = 400
     lr: float = 2e-3
@@ -186,6 +192,7 @@ class OptimConfig:
     warmup_steps: int | None = 20
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
+    loss_chunk_tokens: int | None = None
 
     @property
     def warmup(self) -> int:
@@ -205,6 +212,7 @@ class OptimConfig:
         positive(self, at, ("max_grad_norm",), optional=True)
         finite(self, at, ("weight_decay",), low=0.0)
         finite(self, at, ("min_lr_ratio",), low=0.0, high=1.0)
+        ints(self, at, ("loss_chunk_tokens",), minimum=1, optional=True)
 
     def build(self, params: Iterable[Any]) -> tuple[Any, Any]:
         """The optimizer and learning-rate schedule these settings describe, over `params`

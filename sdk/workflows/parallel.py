@@ -83,7 +83,8 @@ def check_parallel(
     """A recipe's `parallel` plan fits its model (`ParallelPlan.validate(spec=...)`: heads,
     widths, layers, experts), each dotted field in `divisible` (a global batch: sequences,
     pairs, prompts) is divisible by the plan's data-parallel size, and the axes in
-    `unsupported` (what one of the recipe's stages cannot run under yet) are 1. Nothing to
+    `unsupported` (what one of the recipe's stages cannot run under yet) are 1, and no
+    `loss_chunk_tokens` of the `optim` or `sft` section is set under sp or pp. Nothing to
     check without a plan. The world size is checked when the run starts (`check_world_size`)."""
     plan = plan_of(cfg)
     if plan is None:
@@ -95,6 +96,17 @@ def check_parallel(
                 getattr(plan, axis),
                 "1: this recipe does not support it yet",
             )
+    for section in ("optim", "sft"):  # the chunked loss needs each row's whole hidden states
+        chunk = getattr(getattr(cfg, section, None), "loss_chunk_tokens", None)
+        for axis in ("sp", "pp"):
+            if chunk is not None and getattr(plan, axis) > 1:
+                raise fail(
+                    f"{at}.{section}.loss_chunk_tokens",
+                    chunk,
+                    f"None with {at}.parallel.{axis}={getattr(plan, axis)}: a sequence-parallel "
+                    "rank's head sees a slice of every row and a pipeline's loss runs on the "
+                    "last stage's logits",
+                )
     spec = model_spec(cfg.model)
     try:
         plan.validate(spec=spec)

@@ -210,7 +210,9 @@ class PreferenceRunConfig(PairsRunConfig):
             },
             "orpo": {},
         }[self.loss]
-        return get_loss(self.loss, beta=beta, **options)
+        return get_loss(
+            self.loss, beta=beta, loss_chunk_tokens=self.optim.loss_chunk_tokens, **options
+        )
 
 
 @recorded_run

@@ -58,13 +58,22 @@ __all__ = [
 
 T = TypeVar("T")
 
-RESUMABLE_KEYS = ("resume", "progress", "checkpoint.", "parallel.", "out_dir")
+RESUMABLE_KEYS = (
+    "resume",
+    "progress",
+    "checkpoint.",
+    "parallel.",
+    "out_dir",
+    "optim.loss_chunk_tokens",
+    "sft.loss_chunk_tokens",
+)
 """Config keys (and key prefixes, ending in ".") that may differ between a run and its resume:
 `parallel.*` (a sharded checkpoint reshards to another plan, world size included, and one of a
-run without a plan loads under a plan) and `out_dir` (a run folder that was moved or copied
-resumes from its new place: a saved value that is a path inside the old folder is compared as
-the same path inside the new one). Every other setting (model, data, schedule length, ...) is
-compared with the saved config.json."""
+run without a plan loads under a plan), `loss_chunk_tokens` (the same loss up to float rounding:
+a run that ran out of memory resumes with its loss chunked) and `out_dir` (a run folder that was
+moved or copied resumes from its new place: a saved value that is a path inside the old folder
+is compared as the same path inside the new one). Every other setting (model, data, schedule
+length, ...) is compared with the saved config.json."""
 
 
 class RunInterrupted(KeyboardInterrupt):

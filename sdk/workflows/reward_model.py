@@ -102,6 +102,13 @@ class RewardModelRunConfig(PairsRunConfig):
         if not (isinstance(self.held_out_fraction, float) and 0 < self.held_out_fraction < 1):
             raise fail(f"{at}.held_out_fraction", self.held_out_fraction, "in (0, 1)")
         self.check_split(at, unsupported=("sp", "pp", "ep"))  # parallelize_reward_model
+        if self.optim.loss_chunk_tokens is not None:
+            raise fail(
+                f"{at}.optim.loss_chunk_tokens",
+                self.optim.loss_chunk_tokens,
+                "None: the reward model's loss reads a scalar head on the final hidden state, "
+                "with no [B, T, V] logits to chunk (sft.loss_chunk_tokens chunks its SFT stage)",
+            )
 
 
 @recorded_run

@@ -159,6 +159,7 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         reference=reference,
         lr_scheduler=schedule,
         rollout_quantization=q.rollout_quantization(),
+        loss_chunk_tokens=o.loss_chunk_tokens,
         **_rollout_options(cfg, engines, policy),  # builtin, or vllm: a server in out/vllm/
         callbacks=[curve] if curve else [],
         **run.trainer_options(runtime),

@@ -33,6 +33,7 @@ import pandas as pd
 from posttrain.core.stage_files import read_stage_file
 from posttrain.data.loader import SFTLoader
 from posttrain.policy.policy import Policy
+from posttrain.train.losses import SFTCrossEntropy
 from posttrain.train.plan_compat import runtime_of
 from posttrain.train.runtime import Runtime
 from posttrain.train.trainer import Trainer
@@ -336,6 +337,7 @@ def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any
         policy.model,
         optimizer,
         data=loader,
+        loss=SFTCrossEntropy(loss_chunk_tokens=o.loss_chunk_tokens),
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
         **run.trainer_options(runtime),

@@ -70,6 +70,8 @@ ACCEPTED = {
     "optim.batch_size": 1,
     "optim.grad_accum_steps": 1,
     "sft.grad_accum_steps": 1,
+    "optim.loss_chunk_tokens": 1,  # a chunk of one token (the reward model refuses chunks)
+    "sft.loss_chunk_tokens": 1,
     "optim.steps": 1,
     "sft.batch_size": 1,
     "sft.steps": 1,
@@ -107,6 +109,7 @@ EDGE: dict[str, list[dict]] = {
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
+            "optim.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
         {**SHORT, "checkpoint.every": 1, "checkpoint.keep_last": 1, "task.eval_seed": 0},
@@ -129,6 +132,8 @@ EDGE: dict[str, list[dict]] = {
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
+            "optim.loss_chunk_tokens": 1,
+            "sft.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
         {
@@ -160,6 +165,7 @@ EDGE: dict[str, list[dict]] = {
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
+            "sft.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
         {
@@ -193,6 +199,8 @@ EDGE: dict[str, list[dict]] = {
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
+            "optim.loss_chunk_tokens": 1,
+            "sft.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
         {
@@ -225,6 +233,8 @@ EDGE: dict[str, list[dict]] = {
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
+            "optim.loss_chunk_tokens": 1,
+            "sft.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
         {

@@ -82,7 +82,14 @@ MODEL_KEYS = _keys("model", "init_from", "name")
 SAMPLING_KEYS = _keys("sampling", "max_new_tokens", "temperature", "top_p")
 TASK_KEYS = _keys("task", "eval_seed", "eval_size", "name", "options", "train_size")
 OPTIM_KEYS = _keys(
-    "optim", "lr", "max_grad_norm", "min_lr_ratio", "steps", "warmup_steps", "weight_decay"
+    "optim",
+    "loss_chunk_tokens",
+    "lr",
+    "max_grad_norm",
+    "min_lr_ratio",
+    "steps",
+    "warmup_steps",
+    "weight_decay",
 )
 BATCH_OPTIM_KEYS = OPTIM_KEYS + _keys("optim", "batch_size", "grad_accum_steps")
 SFT_WARM_START_KEYS = _keys(
@@ -90,6 +97,7 @@ SFT_WARM_START_KEYS = _keys(
     "batch_size",
     "demonstrations",
     "grad_accum_steps",
+    "loss_chunk_tokens",
     "lr",
     "max_grad_norm",
     "min_lr_ratio",
