@@ -1,11 +1,18 @@
 """What a phase holds beside training the policy, per rank, for `posttrain.train.memory_plan`
-(notation there): the reference model (dpo, grpo, ppo), the value head (ppo), and the rollout's
-KV cache and prefill (grpo, ppo, rollout).
+(notation there): the reference model (dpo, grpo, ppo), the value head (ppo), the rollout copy
+(grpo, ppo under a plan), and the rollout's KV cache and prefill (grpo, ppo, rollout).
 
 Terms:
 
   reference model   phases dpo, grpo, ppo: a forward-only copy sharded like the policy, in
                     `reference_dtype` (its forward saves nothing: transients below the policy's).
+                    Not held with `reference=False`: `RLTrainer` builds one only when
+                    kl_coef > 0 and the policy has no LoRA adapters (`posttrain.rl.parallel
+                    .uses_reference`); a LoRA policy's reference is its own base.
+  rollout copy      phases grpo, ppo under a plan (one that is not `ParallelPlan()`): the plain,
+                    unsharded copy of the policy `RLTrainer.rollout_policy` samples from, p x
+                    all parameters, held through the step. Every step it loads the gathered full
+                    state dict (as many bytes again): the "rollout refresh" moment of the plan.
   value head        phase ppo: posttrain's `ValueHead`, Linear(D, 1) on the final hidden state:
                     parameters, gradients and optimizer state.
   KV cache          phases grpo, ppo, rollout: 2 x n x (K/tp) x d x (num_sequences x max_total_len)
@@ -19,7 +26,7 @@ Example:
     >>> from posttrain.train.parallel import ParallelPlan
     >>> spec = get_preset("tiny-1m")
     >>> t = phase_terms(spec, ParallelPlan(), MemoryBatch(micro_batch_size=2, seq_len=8),
-    ...                 "rollout", held=1000.0, n=spec.num_layers, p=4, ref_p=4, states=2)
+    ...                 "rollout", held=1e3, n=spec.num_layers, p=4, ref_p=4, states=2, whole=4e3)
     >>> t.reference, int(t.kv_cache) == 2 * 4 * 2 * 32 * (2 * 8) * 4
     (0.0, True)
 """
@@ -53,6 +60,7 @@ class PhaseTerms:
 
     reference: float = 0.0
     value_head: float = 0.0
+    rollout_copy: float = 0.0
     kv_cache: float = 0.0
     prefill: float = 0.0
     rows: list[Row] = field(default_factory=list)
@@ -69,20 +77,38 @@ def phase_terms(
     p: int,
     ref_p: int,
     states: float,
+    whole: float,
+    reference: bool | None = None,
 ) -> PhaseTerms:
-    """The reference model, value head, KV cache and prefill of `phase` (module docstring).
+    """The reference model, value head, rollout copy, KV cache and prefill of `phase` (module
+    docstring).
 
     Args:
         spec, plan, batch, phase: as `plan_memory`.
         held: parameters the rank holds of the policy (the reference is sharded alike).
         n: blocks on the rank's pipeline stage. p, ref_p: bytes of a parameter of the policy
-            and of the reference. states: fp32 optimizer states per parameter.
+            and of the reference. states: fp32 optimizer states per parameter. whole: bytes of
+            all the policy's parameters, unsharded (the rollout copy).
+        reference: None (the phase's rule: held in dpo, grpo, ppo) or whether it is held.
+
+    Raises:
+        ValueError: `reference` not None or a bool, or True in a phase without a reference.
     """
     t = PhaseTerms()
+    with_reference = phase in ("dpo", "grpo", "ppo")
+    if reference is not None:
+        if not isinstance(reference, bool):
+            raise ValueError(f"reference={reference!r}; must be None, True or False")
+        if reference and not with_reference:
+            raise ValueError(
+                f"reference=True with phase={phase!r}; a reference is held in phases dpo, grpo, "
+                "ppo only"
+            )
+        with_reference = reference
     param_axes = axes(plan, "dp_shard", "ep", "sp", "tp", "pp") + (
         f" (experts: {axes(plan, 'ep')})" if spec.is_moe else ""
     )
-    if phase in ("dpo", "grpo", "ppo"):
+    if with_reference:
         t.reference = held * ref_p
         t.rows.append(
             (
@@ -101,6 +127,16 @@ def phase_terms(
                 t.value_head,
                 "1",
                 "Linear(D, 1): parameters, gradients, optimizer state",
+            )
+        )
+    if phase in ("grpo", "ppo") and not plan.is_default:
+        t.rollout_copy = whole
+        t.rows.append(
+            (
+                "rollout copy",
+                whole,
+                "1 (unsharded)",
+                "RLTrainer.rollout_policy: the full policy the rollouts sample from",
             )
         )
     if phase in ("grpo", "ppo", "rollout"):

@@ -57,11 +57,18 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     last pipeline stage: one micro-batch (1F1B) or all of them (GPipe).
   backward working  2aF/tp bytes per token: the two input gradients of the SwiGLU product of the
   set               block being back-propagated (MoE: k*M + S in place of F).
-  FSDP buffers      with FSDP (dp_replicate x dp_shard x ep x sp > 1): the root group (embedding,
-                    final norm, output) stays gathered through forward and backward, and its
-                    gradients unsharded until the end of backward, plus 3 blocks gathered
-                    in backward (the current block, the prefetched previous one, and the current
-                    block's unsharded gradients / reduce-scatter buffer), in the compute dtype.
+  FSDP gathered     with FSDP (dp_replicate x dp_shard x ep x sp > 1): the root group (embedding,
+  root              final norm, output) stays gathered from forward to the end of backward, in
+                    the compute dtype; its gradients stay unsharded until the end of backward and
+                    are then copied into the reduce-scatter input (2 G_root for a moment). FSDP2
+                    resizes the gathered parameters' storages in place: `TensorPeak` does not see
+                    them, RSS does.
+  FSDP buffers      with FSDP: 3 blocks gathered in backward (the current block, the prefetched
+                    previous one, and the current block's unsharded gradients / reduce-scatter
+                    buffer), in the compute dtype.
+  tied embedding    with tied embeddings (pp = 1): the embedding's backward makes its own V x D
+  gradients         gradient beside the head's, then their sum: 2 x p x V x D more than G_root
+                    (measured with `TensorPeak`, tests/train/test_memory_plan_phases.py).
   optimizer step    CPU for-loop AdamW: 2 x the largest local tensor (sqrt and division
   temporaries       temporaries of the denominator); CUDA foreach AdamW: 1 x all local
                     parameters (the foreach sqrt of exp_avg_sq).
@@ -69,21 +76,28 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
                     shards it, plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
                     (`flat_collective` concatenates the next bucket while the previous one is
                     still referenced).
-  reference model,  what a phase holds beside training the policy: `posttrain.train.memory_phases`.
-  value head, KV
+  reference model,  what a phase holds beside training the policy: `posttrain.train.memory_phases`
+  value head,       (the reference only where one is built: `reference=`; the rollout copy
+  rollout copy, KV  under a plan in grpo and ppo).
   cache, prefill
 
 How they add up (the "peak" row; each term enters where it is alive):
 
-    training  = parameters + optimizer + reference + value head + max(
+    held      = parameters + optimizer + reference + value head + rollout copy
+    training  = held + max(
                   gradients + optimizer temporaries,                        # the update
-                  acts + head + logits                  + root buffers,     # loss backward
-                  acts + head + rebuilt + working + G_root + FSDP buffers,  # last block
-                  block0 + rebuilt + working + (n-1) G_block + G_root + FSDP buffers)  # block 0
-    rollout   = parameters + optimizer + reference + value head + KV cache + prefill
-    peak      = max(model build, training (not in phase rollout), rollout (grpo, ppo, rollout))
+                  acts + head + logits + root,                              # loss backward
+                  acts + head + rebuilt + working + G_root + root + FSDP buffers,  # last block
+                  block0 + rebuilt + working + (n-1) G_block + G_root + root + FSDP buffers,
+                  n G_block + G_root + tied embedding gradients + root,     # embedding
+                  n G_block + 2 G_root + root)             # root reduce-scatter (FSDP only)
+    rollout   = held + KV cache + prefill
+    refresh   = held + rollout copy                 # loading the gathered full state dict
+    peak      = max(model build, training (not in phase rollout), rollout (grpo, ppo, rollout),
+                    refresh (with a rollout copy))
 
-rebuilt: one block's saved set under activation checkpointing (else 0); G_root: the root's
+root: the FSDP gathered root (0 without FSDP); rebuilt: one block's saved set under
+activation checkpointing (else 0); G_root: the root's
 gradients (unsharded under FSDP until the end of backward); G_block: one block's local
 gradients. Validated against peak RSS on CPU (docs/benchmarks/parallel_memory.md); memory no term
 holds (code pages, small allocations) is the `runtime_bytes` row, 0 unless given.
@@ -113,6 +127,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from posttrain.policy.chunked_ce import check_chunk_tokens
+from posttrain.train.memory_check import check_plan_fits, device_memory_bytes
 from posttrain.train.memory_counts import (
     DTYPE_BYTES,
     OPTIMIZER_STATES,
@@ -134,7 +149,14 @@ if TYPE_CHECKING:
 
     from posttrain.models.specs import ModelSpec
 
-__all__ = ["MemoryBatch", "PHASES", "OPTIMIZER_STATES", "plan_memory", "check_plan_fits"]
+__all__ = [
+    "MemoryBatch",
+    "PHASES",
+    "OPTIMIZER_STATES",
+    "plan_memory",
+    "check_plan_fits",
+    "device_memory_bytes",
+]
 
 PHASES = ("sft", "cpt", "dpo", "grpo", "ppo", "rollout")
 """Phases `plan_memory` knows: sft/cpt (policy training), dpo (+ reference), grpo (+ reference,
@@ -156,6 +178,7 @@ def plan_memory(
     device_type: str | None = None,
     runtime_bytes: int = 0,
     loss_chunk_tokens: int | None = None,
+    reference: bool | None = None,
 ) -> pd.DataFrame:
     """Per-rank memory of training (or generating with) `spec` under `plan` on `batch`.
 
@@ -176,6 +199,9 @@ def plan_memory(
         runtime_bytes: memory no term holds (allocator, communication buffers), added as its
             own row.
         loss_chunk_tokens: the loss's chunk (`SFTCrossEntropy(loss_chunk_tokens=)`), or None.
+        reference: whether the phase holds a reference model: None for dpo, grpo and ppo
+            (held), False where the trainer builds none (`RLTrainer` builds one only when
+            `posttrain.rl.parallel.uses_reference`: kl_coef > 0 and no LoRA adapters).
 
     Returns:
         A pandas DataFrame, one row per term: term, bytes, GiB, divided_by (the plan axes and
@@ -185,8 +211,9 @@ def plan_memory(
 
     Raises:
         ValueError: naming the argument and the allowed values, for an unknown phase, optimizer,
-            dtype or device type, a batch with a non-positive or unknown field, or a plan that
-            does not fit the model (`ParallelPlan.validate`).
+            dtype or device type, `reference` True outside dpo/grpo/ppo, a batch with a
+            non-positive or unknown field, or a plan that does not fit the model
+            (`ParallelPlan.validate`).
     """
     import pandas as pd
 
@@ -266,6 +293,8 @@ def plan_memory(
     fsdp_all = fsdp_root + (3 * block_local * a if fsdp else 0.0)
     g_root = root_local * p  # under FSDP the root's gradients stay unsharded until the end
     g_block = (block_local / shards + experts_local) * p
+    # a tied embedding's backward makes its own V x D gradient beside the head's, then their sum
+    tied = 2 * V * D * p if spec.tie_word_embeddings and pp == 1 else 0.0
     if training:
         ac = (
             "activation checkpointing: each block keeps its input"
@@ -298,10 +327,26 @@ def plan_memory(
             "gradients of the SwiGLU product in the block under backward",
         )
         add(
-            "FSDP buffers",
-            fsdp_all,
+            "FSDP gathered root",
+            fsdp_root,
             "gathered: not divided" if fsdp else "1",
-            "root group gathered + 3 blocks in backward" if fsdp else "no FSDP",
+            "embedding, final norm, output: gathered from forward to the end of backward"
+            if fsdp
+            else "no FSDP",
+        )
+        add(
+            "FSDP buffers",
+            fsdp_all - fsdp_root,
+            "gathered: not divided" if fsdp else "1",
+            "3 blocks gathered in backward" if fsdp else "no FSDP",
+        )
+        add(
+            "tied embedding gradients",
+            tied,
+            "1 (whole on every rank)",
+            "the embedding's own V x D gradient and its sum with the head's"
+            if tied
+            else "no tied embedding",
         )
         largest = max(
             c.largest_block / (tp * shards),
@@ -327,12 +372,26 @@ def plan_memory(
         "every rank builds the whole model before plan.parallelize"
         + (" (+ 2 broadcast buckets)" if applied else ""),
     )
-    extra = phase_terms(spec, plan, batch, phase, held=held, n=n, p=p, ref_p=ref_p, states=states)
+    extra = phase_terms(
+        spec,
+        plan,
+        batch,
+        phase,
+        held=held,
+        n=n,
+        p=p,
+        ref_p=ref_p,
+        states=states,
+        whole=whole,
+        reference=reference,
+    )
     rows.extend(extra.rows)
     ref, value, kv, prefill = extra.reference, extra.value_head, extra.kv_cache, extra.prefill
+    copy = extra.rollout_copy
     if runtime_bytes:
         add("runtime", runtime_bytes, "1", "given: allocator, communication buffers")
-    static = param_bytes + optim_bytes + ref + value
+    static = param_bytes + optim_bytes + ref + value + copy
+    held_terms = ("parameters", "optimizer state", "reference model", "value head", "rollout copy")
     # moment -> (bytes, the terms that make it up)
     candidates: dict[str, tuple[float, tuple[str, ...]]] = {}
     if training:
@@ -340,7 +399,7 @@ def plan_memory(
             "update": (grad_bytes + temps, ("gradients", "optimizer step temporaries")),
             "loss backward": (
                 acts + head + logits + fsdp_root,
-                ("activations", "activations (head)", "logits", "FSDP buffers"),
+                ("activations", "activations (head)", "logits", "FSDP gathered root"),
             ),
             "last block backward": (
                 acts + head + rebuilt + working + g_root + fsdp_all,
@@ -349,6 +408,7 @@ def plan_memory(
                     "activations (head)",
                     "activations (rebuilt block)",
                     "backward working set",
+                    "FSDP gathered root",
                     "FSDP buffers",
                 ),
             ),
@@ -358,29 +418,29 @@ def plan_memory(
                     "gradients",
                     "activations (rebuilt block)",
                     "backward working set",
+                    "FSDP gathered root",
                     "FSDP buffers",
                 ),
             ),
+            # after block 0: every block's local gradients and the root's
+            "embedding backward": (
+                n * g_block + g_root + tied + fsdp_root,
+                ("gradients", "tied embedding gradients", "FSDP gathered root"),
+            ),
         }
+        if fsdp:  # the root's gradients copied into the reduce-scatter input, still gathered
+            candidates["root reduce-scatter"] = (
+                n * g_block + 2 * g_root + fsdp_root,
+                ("gradients", "FSDP gathered root"),
+            )
     peaks: dict[str, tuple[float, tuple[str, ...]]] = {"model build": (build, ("model build",))}
     if training:
         moment, (dyn, terms) = max(candidates.items(), key=lambda kv_: kv_[1][0])
-        peaks[f"training ({moment})"] = (
-            static + dyn,
-            ("parameters", "optimizer state", "reference model", "value head") + terms,
-        )
+        peaks[f"training ({moment})"] = (static + dyn, held_terms + terms)
     if kv:
-        peaks["generation"] = (
-            static + kv + prefill,
-            (
-                "parameters",
-                "optimizer state",
-                "reference model",
-                "value head",
-                "KV cache",
-                "prefill",
-            ),
-        )
+        peaks["generation"] = (static + kv + prefill, held_terms + ("KV cache", "prefill"))
+    if copy:  # the rollout copy loads the gathered full state dict (RLTrainer, every step)
+        peaks["rollout refresh"] = (static + whole, held_terms)
     when, (total, terms) = max(peaks.items(), key=lambda kv_: kv_[1][0])
     total += runtime_bytes
     df = pd.DataFrame(rows, columns=["term", "bytes", "divided_by", "note"])
@@ -393,80 +453,4 @@ def plan_memory(
     df["bytes"] = df["bytes"].round().astype("int64")
     df.insert(2, "GiB", df["bytes"] / _GIB)
     df.attrs.update(peak_bytes=int(round(total)), dominant=dominant, moment=when, phase=phase)
-    return df
-
-
-_FIXES = {
-    "parameters": "raise dp_shard (parameters fall 1/dp_shard), or tp (block weights fall 1/tp)",
-    "gradients": "raise dp_shard (gradients fall 1/dp_shard)",
-    "optimizer state": "raise dp_shard (optimizer state falls 1/dp_shard)",
-    "optimizer step temporaries": "raise dp_shard (the local tensors fall 1/dp_shard)",
-    "activations": "turn on activation_checkpointing (a block then keeps only its input), raise "
-    "sp or tp, or lower micro_batch_size",
-    "activations (head)": "raise sp, or lower micro_batch_size x seq_len",
-    "activations (rebuilt block)": "raise tp or sp (the rebuilt block falls 1/tp, 1/sp)",
-    "logits": "set the loss's loss_chunk_tokens (e.g. 1024: a chunk's logits at a time), lower "
-    "micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp with several "
-    "micro-batches (the last stage holds one micro-batch's logits)",
-    "backward working set": "raise tp or sp",
-    "FSDP buffers": "raise tp (gathered blocks fall 1/tp; the tied embedding stays whole)",
-    "model build": "no plan axis lowers it: every rank builds the whole model before sharding "
-    "(build it on the meta device and load sharded weights)",
-    "reference model": "raise dp_shard (the reference falls 1/dp_shard), or precompute the "
-    "reference log-probs",
-    "KV cache": "raise tp (KV heads fall 1/tp) or pp, or lower num_sequences x max_total_len",
-    "prefill": "lower num_sequences x prompt_len",
-    "runtime": "lower runtime_bytes",
-}
-
-
-def device_memory_bytes() -> int:
-    """Total memory of the current CUDA device if CUDA is available, else the machine's
-    MemAvailable from /proc/meminfo."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo; pass device_bytes=")
-
-
-def check_plan_fits(
-    spec: ModelSpec,
-    plan: PlanFields | None,
-    batch: MemoryBatch | dict[str, Any],
-    *,
-    phase: str = "sft",
-    device_bytes: int | None = None,
-    **options: Any,
-) -> pd.DataFrame:
-    """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
-
-    Args:
-        spec, plan, batch, phase: as `plan_memory`; `options` are its other keywords.
-        device_bytes: memory of one rank's device (default `device_memory_bytes()`: the GPU's
-            total if CUDA is available, else the machine's available RAM).
-
-    Returns:
-        The `plan_memory` DataFrame when the plan fits.
-
-    Raises:
-        ValueError: naming the peak, the device size, the dominant term and the plan axis that
-            would lower it; or the errors of `plan_memory`.
-    """
-    df = plan_memory(spec, plan, batch, phase=phase, **options)
-    device = device_memory_bytes() if device_bytes is None else device_bytes
-    if isinstance(device, bool) or not isinstance(device, int) or device < 1:
-        raise ValueError(f"device_bytes={device_bytes!r}; must be a positive integer or None")
-    peak, dominant = df.attrs["peak_bytes"], df.attrs["dominant"]
-    if peak > device:
-        term_bytes = int(df.set_index("term").loc[dominant, "bytes"])
-        plan = ParallelPlan() if plan is None else plan
-        raise ValueError(
-            f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
-            f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
-            f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
-            f"{_FIXES.get(dominant, 'lower micro_batch_size')}"
-        )
     return df
