@@ -23,15 +23,20 @@ Blocks alternate, posttrain then TRL, `--repeats` times, each `--warmup` untimed
 steps; a block's tokens/s = B x T / its median step time. Then `--interleave` step pairs run
 alternately step by step (a posttrain step inside TRL's step-end callback), so neighbouring steps
 of the two sides see the same load on this shared machine. Reported: median block, fastest step
-and interleaved median, each as tokens/s and MFU. Peak: best of several `torch.mm` of
-2048 x 2048 fp32, measured before each block pair and after. MFU = 6 x non-embedding parameters x
-tokens/s / peak FLOP/s (Kaplan et al. 2020, eq. 2.1; attention-score and LM-head FLOPs not
-counted, the report gives the factor that adds them). The report (the printed text,
-docs/benchmarks/sft_throughput.md and its figure) is written by `sft_throughput_report.py`.
+and interleaved median, each as tokens/s and MFU. Peak:
+`posttrain.core.timing.matmul_peak_flops`, measured once in the run. MFU = model FLOPs x
+steps/s / peak FLOP/s by the convention of docs/benchmarks/README.md
+(`posttrain.core.timing.step_flops`: 6 N + 12 L T d_attn per trained token). The report (the
+printed text, docs/benchmarks/sft_throughput.md and its figure) is written by
+`sft_throughput_report.py`.
+
+Then, unless `--packed-pairs 0`, the packed comparison of `sft_packed.py`: variable-length
+documents packed into rows, posttrain's packing against TRL's padding-free path, interleaved block
+pairs, trained tokens/s by wall and CPU time, the first step's loss checked on both sides.
 
 Usage:
     python benchmarks/sft_throughput.py            # writes docs/benchmarks/sft_throughput.{md,png}
-    python benchmarks/sft_throughput.py --quick    # < 60 s smoke run, nothing written
+    python benchmarks/sft_throughput.py --quick    # < 90 s smoke run, nothing written
     python benchmarks/sft_throughput.py --profile  # also a torch.profiler table of each side
 """
 
@@ -44,16 +49,17 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from sft_throughput_report import Measured, markdown, plot, results_text, side_stats
+from sft_packed import PackedSetup, run_packed
+from sft_throughput_report import PACKED, Measured, markdown, plot, results_text, side_stats
 from timing import StepClock
 from trl_inputs import CPU_ARGS, check_same_model, hf_byte_tokenizer, on_step_end, trl_optimizers
 
+from posttrain.core.timing import matmul_peak_flops, non_embedding_params
 from posttrain.data import Sample, SFTLoader
 from posttrain.models import ByteTokenizer, build_model, get_preset, save_hf_checkpoint
 from posttrain.train import Trainer
@@ -77,24 +83,6 @@ class Setup:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
-
-
-# --------------------------------------------------------------------------------------------
-# Peak
-# --------------------------------------------------------------------------------------------
-
-
-def matmul_gflops(n: int = 2048, reps: int = 8) -> float:
-    """Best GFLOP/s of `torch.mm` on two n x n fp32 matrices (2 n^3 FLOP per call)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,6 +238,22 @@ def main(argv: list[str] | None = None) -> int:
         "steps, nothing written",
     )
     parser.add_argument(
+        "--packed-pairs",
+        type=int,
+        default=6,
+        help="interleaved block pairs of the packed comparison (sft_packed.py; 0: skip it)",
+    )
+    parser.add_argument("--rows", type=int, default=4, help="packed rows per step")
+    parser.add_argument("--packed-len", type=int, default=512, help="tokens per packed row")
+    parser.add_argument("--min-len", type=int, default=16, help="shortest document")
+    parser.add_argument("--max-len", type=int, default=384, help="longest document")
+    parser.add_argument("--packed-steps", type=int, default=4, help="timed steps per block")
+    parser.add_argument(
+        "--skip-fixed",
+        action="store_true",
+        help="only the packed comparison: prints its report section, writes nothing",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=DOCS,
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.repeats, args.interleave = 2, 1, 1, 2
+        args.rows, args.packed_len, args.min_len, args.max_len = 2, 64, 8, 40
+        args.packed_steps, args.packed_pairs = 2, min(args.packed_pairs, 1)
     args.batch_size = args.batch_size or (2 if args.quick else 8)
     args.seq_len = args.seq_len or (64 if args.quick else 256)
     if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
@@ -291,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_model(spec, seed=setup.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    n_embed = model.tok_embeddings.weight.numel()
-    n_nonembed = n_params - n_embed
+    n_nonembed = non_embedding_params(model)
     # Enough rows for every step of every block on one side, a multiple of the batch size.
     steps_per_side = (setup.warmup + setup.steps) * setup.repeats
     rows = make_rows(setup, setup.batch_size * max(64, steps_per_side))
 
+    peak = matmul_peak_flops()  # before any step: measured once, in thread CPU time
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf_checkpoint(
             model,
@@ -306,6 +312,21 @@ def main(argv: list[str] | None = None) -> int:
             eos_token_id=ByteTokenizer.EOS,
             pad_token_id=ByteTokenizer.PAD,
         )
+        packed = PackedSetup(
+            rows=args.rows,
+            seq_len=args.packed_len,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            warmup=1,
+            steps=args.packed_steps,
+            pairs=args.packed_pairs,
+            threads=args.threads,
+        )
+        packed_text = None
+        if args.skip_fixed:  # the packed comparison alone, on fresh weights
+            text = run_packed(packed, build_model(spec, seed=setup.seed), folder, Path(tmp))
+            print(PACKED.format(packed=text))  # the section the full run writes into the report
+            return 0
         trl_trainer, trl_clock = build_trl(
             folder, rows, setup, Path(tmp) / "trl_out", args.same_optimizer
         )
@@ -319,25 +340,21 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-        peaks: list[float] = []
         results: dict[str, list] = {"posttrain": [], "TRL": []}
         for r in range(setup.repeats):
-            peaks.append(matmul_gflops())
             results["posttrain"].append(run_posttrain_block(ours, our_clock, setup))
             results["TRL"].append(run_trl_block(trl_trainer, trl_clock, setup))
             assert torch.get_num_threads() == setup.threads, torch.get_num_threads()
             tps = {k: setup.tokens_per_step / statistics.median(v[-1]) for k, v in results.items()}
             print(
-                f"repeat {r + 1}/{setup.repeats}: peak {peaks[-1]:6.1f} GFLOP/s | posttrain "
+                f"repeat {r + 1}/{setup.repeats}: posttrain "
                 f"{tps['posttrain']:7.0f} tok/s | TRL {tps['TRL']:7.0f} tok/s "
                 f"(load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
-        peaks.append(matmul_gflops())
         inter = None
         if args.interleave:
             inter = run_interleaved(ours, our_clock, trl_trainer, trl_clock, setup, args.interleave)
-            peaks.append(matmul_gflops())
 
         profiles = {}
         if args.profile:  # 1 warm-up + 3 profiled steps per side, after the timed blocks
@@ -347,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             trl_trainer.train()
             trl_trainer.args.max_steps = 3
             profiles["TRL"] = profile_side(trl_trainer.train)
+        if args.packed_pairs:  # on fresh weights: the checkpoint holds the untrained ones
+            packed_text = run_packed(packed, build_model(spec, seed=setup.seed), folder, Path(tmp))
 
     measured = Measured(
         preset=PRESET,
@@ -357,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         logit_diff=diff,
         blocks=results,
         interleaved=inter,
-        peaks=peaks,
+        peak=peak,
         same_optimizer=args.same_optimizer,
         interleave=args.interleave,
         load_start=load[0],
@@ -366,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     stats = side_stats(measured)
     text = results_text(measured, stats)
     print("\n" + text)
+    if packed_text is not None:
+        print("\n" + packed_text)
     for name, table in profiles.items():
         print(f"--- profile: {name}, 3 steps ---\n{table}")
 
@@ -375,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     png = args.out / "sft_throughput.png"
     plot(measured, stats, png)
     md = args.out / "sft_throughput.md"
-    md.write_text(markdown(text, png.name))
+    md.write_text(markdown(text, png.name, packed_text))
     print(f"wrote {md} and {png}")
     return 0
 

@@ -1,5 +1,5 @@
 """The report of `benchmarks/sft_throughput.py`: from the step times the benchmark measured
-(each side's blocks, the interleaved step pairs, the matmul peaks) to tokens/s and MFU per side,
+(each side's blocks, the interleaved step pairs, the matmul peak) to tokens/s and MFU per side,
 the text it prints (machine, setup, the table and the ratios), docs/benchmarks/sft_throughput.md
 around that text (what tokens/s counts, how TRL is configured and why, where the time goes) and
 the bar chart beside it. The measurement itself is in `sft_throughput.py`.
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from timing import cpu_model
 
+from posttrain.core.timing import mfu, step_flops
 from posttrain.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -29,7 +30,8 @@ class Measured:
 
     `blocks`: side ("posttrain", "TRL") -> one list per block of the seconds of each timed
     step; `interleaved`: (posttrain, TRL) seconds of each interleaved step after the warm-up,
-    or None without `--interleave`; `peaks`: every `torch.mm` peak measured, GFLOP/s;
+    or None without `--interleave`; `peak`: `posttrain.core.timing.matmul_peak_flops()` of
+    the run, FLOP/s;
     `logit_diff`: max |logit difference| of the two models; `load_start`: the 1-minute load
     average when the run started; `argv`: the command's arguments as given.
     """
@@ -42,19 +44,38 @@ class Measured:
     logit_diff: float
     blocks: dict[str, list[list[float]]]
     interleaved: tuple[list[float], list[float]] | None
-    peaks: list[float]
+    peak: float
     same_optimizer: bool
     interleave: int
     load_start: float
     argv: list[str]
 
 
+def step_model_flops(m: Measured) -> int:
+    """Model FLOPs of one optimizer step by the convention of docs/benchmarks/README.md
+    (`posttrain.core.timing.step_flops`): B x (T - 1) trained tokens, each in a sequence of T."""
+    setup, spec = m.setup, m.spec
+    trained = setup.batch_size * (setup.seq_len - 1)
+    return step_flops(
+        m.n_nonembed,
+        trained,
+        span=setup.seq_len * trained,
+        num_layers=spec.num_layers,
+        attn_dim=spec.num_heads * (spec.attention_head_dim or spec.embed_dim // spec.num_heads),
+        kind="train",
+    )
+
+
 def side_stats(m: Measured) -> dict[str, dict]:
     """Per side: tokens/s of the median, slowest and fastest block ("median", "lo", "hi"), of the
     fastest step ("best"), of each block ("blocks"), of the median interleaved step ("inter"),
-    and the MFU of each against the best measured peak ("mfu", "mfu_best", "mfu_inter": 6 x
-    non-embedding parameters x tokens/s / peak FLOP/s)."""
-    setup, peak, flops_6n = m.setup, max(m.peaks), 6 * m.n_nonembed
+    and the MFU of each ("mfu", "mfu_best", "mfu_inter": `step_model_flops` per step x steps/s
+    / the run's peak, `posttrain.core.timing.mfu`)."""
+    setup, peak, per_step = m.setup, m.peak, step_model_flops(m)
+
+    def utilisation(tokens_per_s: float) -> float:  # steps/s = tokens/s / tokens per step
+        return mfu(per_step, setup.tokens_per_step / tokens_per_s, peak_flops_per_s=peak)
+
     stats: dict[str, dict[str, Any]] = {}
     for name, blocks in m.blocks.items():
         block_tps = [setup.tokens_per_step / statistics.median(d) for d in blocks]
@@ -67,11 +88,11 @@ def side_stats(m: Measured) -> dict[str, dict]:
             blocks=block_tps,
         )
     for st in stats.values():
-        st["mfu"], st["mfu_best"] = (flops_6n * st[k] / (peak * 1e9) for k in ("median", "best"))
+        st["mfu"], st["mfu_best"] = (utilisation(st[k]) for k in ("median", "best"))
     if m.interleaved is not None:
         for name, secs in zip(("posttrain", "TRL"), m.interleaved):
             stats[name]["inter"] = setup.tokens_per_step / statistics.median(secs)
-            stats[name]["mfu_inter"] = flops_6n * stats[name]["inter"] / (peak * 1e9)
+            stats[name]["mfu_inter"] = utilisation(stats[name]["inter"])
     return stats
 
 
@@ -80,13 +101,10 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
     import transformers
     import trl
 
-    setup, spec, peak, peaks = m.setup, m.spec, max(m.peaks), m.peaks
+    setup, spec, peak = m.setup, m.spec, m.peak
     n_nonembed, inter = m.n_nonembed, m.interleaved
-    flops_6n = 6 * n_nonembed
-    # Causal-halved attention scores and values (6 L T d per token, fwd + bwd) and the tied LM head.
-    flops_extra = 6 * (
-        spec.num_layers * setup.seq_len * spec.embed_dim + spec.embed_dim * spec.vocab_size
-    )
+    trained = setup.batch_size * (setup.seq_len - 1)
+    attention = step_model_flops(m) - 6 * n_nonembed * trained
     ours_st, trl_st = stats["posttrain"], stats["TRL"]
     ratio, ratio_best = ours_st["median"] / trl_st["median"], ours_st["best"] / trl_st["best"]
     pair_ratios = [p / t for p, t in zip(ours_st["blocks"], trl_st["blocks"])]
@@ -124,9 +142,9 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
         f"- Load average (1 min) at start / end: {m.load_start:.2f} / {os.getloadavg()[0]:.2f} "
         f"on {os.cpu_count()} CPUs (other processes share this machine)",
         f"- Command: `python benchmarks/sft_throughput.py {' '.join(m.argv)}`",
-        f"- Peak: best `torch.mm` 2048 x 2048 fp32 over {len(peaks)} measurements (before each "
-        f"pair and at the end): {peak:.1f} GFLOP/s (all: "
-        f"{', '.join(f'{p:.0f}' for p in peaks)})",
+        f"- Peak: `posttrain.core.timing.matmul_peak_flops()` of this run (one thread's fp32 "
+        f"1024 x 1024 matmul rate in its CPU seconds x {setup.threads} threads): "
+        f"{peak / 1e9:.1f} GFLOP/s",
     ]
     cols = [
         ("tokens/s, median block", lambda st: f"{st['median']:,.0f}"),
@@ -155,10 +173,10 @@ def results_text(m: Measured, stats: dict[str, dict]) -> str:
             f"{_quartiles(step_ratios)})"
         )
     summary += (
-        f".\n\nMFU = 6 x {n_nonembed:,} non-embedding parameters x tokens/s / {peak:.0f} "
-        f"GFLOP/s. Counting also the causal attention matmuls and the tied LM head "
-        f"(+{flops_extra / flops_6n:.1%} FLOPs per token at T = {setup.seq_len}) puts "
-        f"every MFU {flops_extra / flops_6n:.1%} higher (relative)."
+        f".\n\nMFU (docs/benchmarks/README.md, Conventions) = (6 x {n_nonembed:,} non-embedding "
+        f"parameters + 12 x {spec.num_layers} layers x T = {setup.seq_len} x d_attn) per "
+        f"trained token x trained tokens/s / {peak / 1e9:.0f} GFLOP/s; the attention term is "
+        f"{attention / (6 * n_nonembed * trained):.1%} of the 6 N term here."
     )
     return "\n".join(setup_lines) + "\n\n" + "\n".join(lines) + "\n\n" + summary + "\n"
 
@@ -172,9 +190,10 @@ def _quartiles(values: list[float]) -> str:
     return f"{q1:.2f} - {q3:.2f}"
 
 
-def markdown(results: str, png_name: str) -> str:
+def markdown(results: str, png_name: str, packed: str | None = None) -> str:
     """docs/benchmarks/sft_throughput.md: `results` (the printed text) with what the figures mean
-    and the analysis around it; `png_name` is the bar chart beside it."""
+    and the analysis around it; `png_name` is the bar chart beside it; `packed`: the text of
+    the packed comparison (`sft_packed.report`), or None when it did not run."""
     return f"""# SFT throughput: posttrain `Trainer` vs TRL `SFTTrainer` (CPU)
 
 Produced by `python benchmarks/sft_throughput.py` (`--quick`: smoke run; `--profile`: also prints
@@ -193,8 +212,40 @@ load, the fairest ratio when the load changes).
 ![SFT throughput]({png_name})
 
 {results.rstrip()}
-{ANALYSIS}"""
+{PACKED.format(packed=packed.rstrip()) if packed else ""}{ANALYSIS}"""
 
+
+PACKED = """
+## Packed variable-length rows: posttrain's packing vs TRL's padding-free path
+
+`sft_packed.py` (run by the same command): documents of seeded random lengths, packed by
+posttrain (next-fit into rows with a block-causal mask and a padding tail); TRL gets the very
+same rows as pre-packed examples (`input_ids` + `seq_lengths`, what its own `packing=True`
+produces) through its padding-free collator (`padding_free=True`: the step's rows flattened into
+one row of only real tokens, position ids restarting per document, from which transformers
+builds the block-causal mask for SDPA), in the same order (`train_sampling_strategy=
+"sequential"`). Same weights, same plain AdamW on both sides (`torch.optim.AdamW`, for-loop).
+tokens/s = real trained tokens (n - 1 per document of n tokens), the same count on both sides
+(checked against each side's own batch); posttrain also runs its rows' padding tails, which TRL's
+flattened row does not hold. The first step's loss is checked on both sides before any update:
+same weights and tokens in fp32, so they differ only by rounding (RoPE, the two attention masks,
+the order of the sum); the tolerance is 1e-4 nats.
+
+{packed}
+
+Reading (2026-12-07; 2 rows of 256 per step, documents of 16-192 tokens, tiny-10m, 1 thread at
+nice 19, load average 19-25 on the 2 cores): posttrain trained 0.79x TRL's tokens per CPU second
+(per block pair 0.76-0.83; by wall time 0.80x, swinging 0.65-1.10 with the load). The gap is
+the padding: next-fit packing of documents up to 192 tokens into rows of 256 leaves 29% of
+posttrain's positions as padding tails, and they run through every layer. Per position through
+the model posttrain is ~13% cheaper (856 against 760 positions per CPU second: 1.41x the
+positions for 1.26x the CPU seconds; the attention scores are alike, 362^2 against 2 x 256^2,
+and TRL's loss also computes entropy and top-1 accuracy). Packing without
+the tails (a step's documents in one flattened row under the block-causal mask, as TRL does, or
+rows filled best-fit) would run up to 1 / 0.71 = 1.41x fewer positions per step; not applied
+here. MFU by wall time is what the load left of the CPU; by CPU time it is 55% (posttrain) and
+70% (TRL) of the measured one-thread peak, counting only real tokens' FLOPs.
+"""
 
 ANALYSIS = """
 ## How TRL is configured, and why
@@ -239,8 +290,9 @@ threads; asserted after every block).
 
 ## Possible improvements to posttrain (measured, not applied)
 
-1. `recipes/sft.py` and `recipes/grpo.py`, the `torch.optim.AdamW(...)` line: add `fused=True`
-   (CPU and CUDA, torch >= 2.4): -10 ms per step (~0.9%). Fused rounds differently from the
+1. `sdk/workflows/sft.py` and `sdk/workflows/rl.py` (the SFT and RL recipes), the
+   `torch.optim.AdamW(...)` line: add `fused=True` (CPU and CUDA, torch >= 2.4): -10 ms per
+   step (~0.9%). Fused rounds differently from the
    for-loop, so both legs of a resume test must use the same setting (they do if the recipe sets
    it).
 2. Grouped-query attention without the copy: torchtune's `MultiHeadAttention.forward` expands K/V
@@ -263,8 +315,10 @@ threads; asserted after every block).
 ## Machine and load
 
 This host reports AVX-512 (AMD EPYC family 25 model 17): its 2-thread fp32 matmul peak was 183-196
-GFLOP/s when quiet, above the ~150 GFLOP/s of the AVX2 hosts in `shared/FACTS.md`; MFU is taken
-against the peak measured in the same run.
+GFLOP/s when quiet (wall time of a 2048 x 2048 `torch.mm`), above the ~150 GFLOP/s of the AVX2
+hosts in `shared/FACTS.md`; MFU is taken against the peak measured in the same run
+(`matmul_peak_flops`: one thread's rate in its CPU seconds x the threads, so a busy machine does
+not lower it).
 
 When other jobs share the 2 cores (load average 4-6), 2-thread steps of either side stall for 5-10
 s at random (an op's OpenMP threads wait for each other when one is descheduled): blocks then vary
@@ -281,7 +335,7 @@ def plot(m: Measured, stats: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setup, peak = m.setup, max(m.peaks)
+    setup, peak = m.setup, m.peak / 1e9
     names = list(stats)
     med = [stats[n]["median"] for n in names]
     errs = [

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ranks import start_script
 from _waits import WAIT_S
 
 FILES = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
@@ -34,12 +35,14 @@ def test_a_benchmark_module_is_imported_by_a_script(module):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
-def test_benchmark_help(script):
-    proc = subprocess.run(
-        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=WAIT_S
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage" in proc.stdout.lower()
+def test_benchmark_help(script, tmp_path):
+    """`python SCRIPT --help` (forked with torch and posttrain already imported: the script's
+    own imports still resolve from a fresh interpreter's sys.path)."""
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with start_script(script, ["--help"], dict(os.environ), os.getcwd(), out, err) as proc:
+        returncode = proc.wait(WAIT_S)
+    assert returncode == 0, err.read_text()[-2000:]
+    assert "usage" in out.read_text().lower()
 
 
 def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
@@ -396,3 +399,32 @@ def test_real_size_run_quick_reports_the_plan_beside_the_measured_peak():
     )
     assert report["planned_peak"] == planned.attrs["peak_bytes"]
     assert len(report["step_s_range"]) == 2 and report["step_s"] > 0
+
+
+def test_sft_packed_counts_the_tokens_and_span_the_trainer_counts():
+    """The packed comparison's per-step work (trained tokens) and attention span, counted from
+    its documents, equal what posttrain's packed loader batches hold (labels; the span of
+    `posttrain.core.timing.attention_span`), and its rows are the loader's rows: the report's
+    tokens/s and MFU count what the Trainer trains."""
+    from posttrain.core.timing import attention_span
+
+    m = _benchmark_module("sft_packed")
+    setup = m.PackedSetup(
+        rows=2, seq_len=48, min_len=5, max_len=30, warmup=1, steps=2, pairs=1, threads=1
+    )
+    docs = m.make_documents(setup, 40)
+    assert {len(d) for d in docs} <= set(range(5, 31)) and len({len(d) for d in docs}) > 5
+    samples, steps = m.plan_steps(docs, setup)
+    loader = m.SFTLoader(
+        samples, batch_size=2, shuffle=False, pack=True, seq_len=48, pad_id=m.ByteTokenizer.PAD
+    )
+    for k in range(setup.warmup + setup.steps):
+        batch = loader.next_batch()
+        trained_BT = batch.labels != -100
+        assert steps.trained(k) == int(trained_BT.sum())
+        assert steps.span(k) == int(attention_span(batch.position_ids, trained_BT))
+        rows = m._row_docs(steps, k)
+        assert len(rows) == batch.input_ids.shape[0]
+        for row, row_docs in zip(batch.input_ids.tolist(), rows):
+            tokens = [t for d in row_docs for t in d]
+            assert row[: len(tokens)] == tokens
