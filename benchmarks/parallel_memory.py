@@ -45,21 +45,18 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parallel_memory_report import DOC, FIGURE, ROOT, plot, report, write_doc
+from parallel_memory_report import DOC, FIGURE, plot, report, write_doc
+from rank_launch import launch_ranks, local_bytes, status_bytes
 
 MiB = 2**20
 
@@ -182,28 +179,6 @@ QUICK = [
 # --------------------------------------------------------------------------------------------
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _local_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    seen, total = set(), 0  # FSDP2's sharded gradients are views of one flat buffer per group
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        key = (local.data_ptr(), local.numel())
-        if key in seen or local.dim() == 0:
-            continue
-        seen.add(key)
-        total += local.numel() * local.element_size()
-    return total
-
-
 def _warm_up() -> None:
     import torch
     import torch.distributed.fsdp  # noqa: F401  (what plan.parallelize imports)
@@ -248,7 +223,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    baseline, baseline_file = _status_bytes("VmRSS"), _status_bytes("RssFile")
+    baseline, baseline_file = status_bytes("VmRSS"), status_bytes("RssFile")
 
     model = build_model(spec, seed=0)
     runtime = plan.parallelize(model, spec=spec) if applied else None
@@ -266,10 +241,10 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     grads: list[int] = []
     opt.register_step_pre_hook(
         lambda o, args, kwargs: grads.append(
-            _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            local_bytes(p.grad for p in model.parameters() if p.grad is not None)
         )
     )
-    build_peak = _status_bytes("VmHWM") - baseline
+    build_peak = status_bytes("VmHWM") - baseline
     clock: list[tuple[float, float]] = []  # (wall, this process's CPU time) after every step
 
     def tick(_trainer, _row) -> None:
@@ -285,16 +260,16 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
         callbacks=[tick],
     )
     trainer.fit(cfg.steps)
-    peak = _status_bytes("VmHWM") - baseline
+    peak = status_bytes("VmHWM") - baseline
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     result = {
         "rank": rank,
         "baseline": baseline,
         "peak": peak,
         "build_peak": build_peak,
-        "code_pages": _status_bytes("RssFile") - baseline_file,
-        "params": _local_bytes(model.parameters()),
-        "optimizer": _local_bytes(states),
+        "code_pages": status_bytes("RssFile") - baseline_file,
+        "params": local_bytes(model.parameters()),
+        "optimizer": local_bytes(states),
         "grads": max(grads),
         "step_times": trainer.metrics["step_time_s"].tolist(),
         "cpu_times": [b[1] - a[1] for a, b in zip(clock, clock[1:])],
@@ -311,62 +286,19 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(cfg: Config, folder: Path, timeout: float = 300.0) -> list[dict]:
     """Run the ranks of `cfg` as fresh processes; returns their results (rank order)."""
     from posttrain.train import ParallelPlan
 
-    world = ParallelPlan(**cfg.plan).world_size
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    if cfg.malloc == "fixed":
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    spec = json.dumps(dataclasses.asdict(cfg))
-    outs = [folder / f"{cfg.name}-rank{r}.json" for r in range(world)]
-    logs = [folder / f"{cfg.name}-rank{r}.log" for r in range(world)]
-    with contextlib.ExitStack() as files:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(r), str(world), spec, str(outs[r])],
-                env=env,
-                cwd=ROOT,
-                stderr=subprocess.STDOUT,
-                stdout=files.enter_context(open(logs[r], "w")),
-            )
-            for r in range(world)
-        ]
-        deadline = time.monotonic() + timeout
-        try:
-            while (
-                any(p.poll() is None for p in procs)
-                and time.monotonic() < deadline
-                and not any(p.poll() not in (None, 0) for p in procs)
-            ):
-                time.sleep(0.2)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-    failed = [
-        f"{log.name} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
-        for p, log in zip(procs, logs)
-        if p.returncode != 0
-    ]
-    if failed:
-        raise RuntimeError(f"{cfg.name} failed:\n" + "\n".join(failed))
-    return [json.loads(out.read_text()) for out in outs]
+    return launch_ranks(
+        __file__,
+        cfg.name,
+        ParallelPlan(**cfg.plan).world_size,
+        json.dumps(dataclasses.asdict(cfg)),
+        folder,
+        timeout=timeout,
+        fixed_malloc=cfg.malloc == "fixed",
+    )
 
 
 def predict(cfg: Config):

@@ -3,9 +3,9 @@
 ParallelPlan(dp_shard=2) on 2 gloo ranks, fp32, with each rank's measured peak memory beside
 `posttrain.train.memory_plan.plan_memory`'s prediction for the same setting.
 
-Each configuration starts its ranks as fresh processes (gloo on 127.0.0.1, as
-benchmarks/parallel_memory.py, whose rank helpers it reuses; one process without a process group
-for a one-rank plan). Each rank:
+Each configuration starts its ranks as fresh processes (gloo on 127.0.0.1, with
+benchmarks/rank_launch.py's `launch_ranks`, as benchmarks/parallel_memory.py; one process
+without a process group for a one-rank plan). Each rank:
 
   1. imports torch, torchtune and posttrain, joins the process group, warms up on a 1-block model
      (lazy imports, kernel set-up), then resets its peak RSS (`/proc/self/clear_refs` 5) and reads
@@ -44,7 +44,6 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel_memory import _free_port, _local_bytes, _status_bytes, _warm_up
+from parallel_memory import _warm_up
+from rank_launch import launch_ranks, local_bytes, status_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -74,6 +74,7 @@ class Config:
 CONFIGS = [
     Config(name="sft_chunk"),
     Config(name="sft_full", chunk=None),
+    Config(name="grpo", phase="grpo", batch=4, seq_len=24),
     Config(name="grpo_1proc", phase="grpo", plan={}, batch=4, seq_len=24, steps=1),
 ]
 QUICK = [
@@ -144,11 +145,11 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    baseline = _status_bytes("VmRSS")
+    baseline = status_bytes("VmRSS")
     model = build_model(spec, seed=0)
     runtime = plan.parallelize(model, spec=spec) if world > 1 else None
-    build_peak = _status_bytes("VmHWM") - baseline
-    params = _local_bytes(model.parameters())
+    build_peak = status_bytes("VmHWM") - baseline
+    params = local_bytes(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     times: list[float] = []
     peak = TensorPeak()
@@ -182,7 +183,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     else:
         from posttrain.models import ByteTokenizer
         from posttrain.policy import Policy
-        from posttrain.rl import RLAlgorithm, RLTrainer
+        from posttrain.rl import RLTrainer
 
         class WideBytes(ByteTokenizer):
             """The byte tokenizer, reading an id past its 272 as that id's byte (id % 256): a
@@ -196,7 +197,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
             Policy(model, WideBytes(), spec),
             opt,
             task=_Task(),
-            algo=RLAlgorithm.grpo(group_size=cfg.batch, kl_coef=0.0, minibatch_size=cfg.batch),
+            algo=_algo(cfg),
             prompts_per_step=plan.data_parallel_size,
             max_new_tokens=cfg.new_tokens,
             micro_batch_size=cfg.batch,
@@ -214,7 +215,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
     result = {
         "rank": rank,
         "baseline": baseline,
-        "peak": _status_bytes("VmHWM") - baseline,
+        "peak": status_bytes("VmHWM") - baseline,
         "build_peak": build_peak,
         "tensor_peak": peak.peak_bytes,
         "params": params,
@@ -232,60 +233,42 @@ def run_rank(rank: int, world: int, cfg: Config) -> dict:
 
 
 def launch(cfg: Config, folder: Path, timeout: float = 1800.0) -> list[dict]:
-    """Run the ranks of `cfg` as fresh processes; their results in rank order.
+    """Run the ranks of `cfg` as fresh processes (`rank_launch.launch_ranks`, with
+    MALLOC_MMAP_THRESHOLD_=65536); their results in rank order.
 
     Raises RuntimeError with the failing ranks' log tails, or when `timeout` seconds pass."""
     from posttrain.train import ParallelPlan
 
-    world = ParallelPlan(**cfg.plan).world_size
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "MALLOC_MMAP_THRESHOLD_": "65536",
-    }
-    spec = json.dumps(dataclasses.asdict(cfg))
-    outs = [folder / f"{cfg.name}-rank{r}.json" for r in range(world)]
-    logs = [folder / f"{cfg.name}-rank{r}.log" for r in range(world)]
-    procs = []
-    for r in range(world):
-        with open(logs[r], "w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--worker", str(r), str(world), spec, str(outs[r])],
-                    env=env,
-                    cwd=ROOT,
-                    stderr=subprocess.STDOUT,
-                    stdout=log,
-                )
-            )
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    failed = [
-        f"{log.name} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
-        for p, log in zip(procs, logs)
-        if p.returncode != 0
-    ]
-    if failed:
-        raise RuntimeError(f"{cfg.name} failed (deadline {timeout:.0f} s):\n" + "\n".join(failed))
-    return [json.loads(out.read_text()) for out in outs]
+    return launch_ranks(
+        __file__,
+        cfg.name,
+        ParallelPlan(**cfg.plan).world_size,
+        json.dumps(dataclasses.asdict(cfg)),
+        folder,
+        timeout=timeout,
+        fixed_malloc=True,
+    )
+
+
+def _algo(cfg: Config):
+    """GRPO without a KL term (so no reference), one minibatch of the group."""
+    from posttrain.rl import RLAlgorithm
+
+    return RLAlgorithm.grpo(group_size=cfg.batch, kl_coef=0.0, minibatch_size=cfg.batch)
 
 
 def predict(cfg: Config):
     """`plan_memory`'s DataFrame for `cfg` (per rank)."""
     from posttrain.train import ParallelPlan
     from posttrain.train.memory_plan import MemoryBatch, plan_memory
+
+    reference = None
+    if cfg.phase == "grpo":  # the trainer's rule; the model has no LoRA adapters
+        from torch import nn
+
+        from posttrain.rl.parallel import uses_reference
+
+        reference = uses_reference(_algo(cfg), nn.Module())
 
     if cfg.phase == "sft":
         batch = MemoryBatch(micro_batch_size=cfg.batch, seq_len=cfg.seq_len)
@@ -308,6 +291,7 @@ def predict(cfg: Config):
         optimizer="sgd",
         device_type="cpu",
         loss_chunk_tokens=chunk,
+        reference=reference,
     )
 
 

@@ -6,7 +6,11 @@ allocator statistics).
 backward alike) and counts each new storage an operation returns, until the storage is freed. A
 result that shares a storage with one of the operation's inputs (a view, an in-place update)
 is not new. Tensors that existed before the region (parameters, inputs) are not counted;
-scratch memory inside a kernel (never a tensor) is not seen.
+scratch memory inside a kernel (never a tensor) is not seen, nor are FSDP2's gathered
+parameters: FSDP2 resizes their storages in place (no operation allocates them; only the
+all-gather's flat output, freed at once, is counted). Under FSDP the measured peak is therefore
+below RSS by the gathered groups, the root's above all (the memory plan's "FSDP gathered root"
+row: a tied 151,936 x 896 embedding is 0.51 GiB).
 
 Example:
     >>> import torch
