@@ -14,6 +14,12 @@ Only scored positions are projected (labels != ignore_index; response tokens): p
 padding positions cost nothing, and NaN/inf hidden states there cannot reach the loss or the
 gradient (the unchunked path replaces their logits by 0 for the same reason).
 
+Under tensor parallelism the head is called per chunk as it is (torchtune's plan: column-parallel
+when untied, its logits all-gathered to every tp rank; replicated when tied), so the chunked loss
+equals the unchunked one to rounding (tests/parallel_plan_run.py, tests/plans_trainers_run.py).
+A float8-converted head is refused (`check_chunkable_head`: its scales would be per chunk); the
+float8 blocks under a high-precision head are exact. Sequence parallelism is refused (`_whole`).
+
 Equal to the unchunked path (`posttrain.train.losses.token_cross_entropy_sum`,
 `posttrain.policy.sampling.picked_logprobs`) up to float rounding: the per-token values come
 from the same functions on the same rows, but sums run in another order and a matmul over a
@@ -56,6 +62,7 @@ from posttrain.policy.shared_prefix import SharedPrefixPack
 __all__ = [
     "Head",
     "check_chunk_tokens",
+    "check_chunkable_head",
     "final_hidden",
     "model_hidden",
     "map_token_chunks",
@@ -86,6 +93,29 @@ def check_chunk_tokens(chunk_tokens: Any, name: str = "loss_chunk_tokens") -> in
     return chunk_tokens
 
 
+def check_chunkable_head(head: Any) -> None:
+    """Refuse a head whose output per token depends on the other tokens of its input: a
+    float8-converted output projection (torchao's `Float8Linear`, `posttrain.train.float8` with
+    "output" taken out of `Float8Config.skip_modules`) scales each call's activations
+    (tensorwise) or output gradients (both recipes, along the token dimension of the weight's
+    gradient) by their amax, so a chunk's scales differ from the whole batch's. Measured on a
+    tiny untied model: tensorwise loss 1.4e-4 relative apart, gradients 8% of their scale;
+    rowwise gradients 0.3%. The default keeps the head in high precision: chunks are exact.
+
+    Raises:
+        ValueError: naming loss_chunk_tokens and the head's type, with what to do.
+    """
+    kind = type(head)  # FSDP2 subclasses the module's class: look along the MRO
+    if any(k.__module__.startswith("torchao.float8") for k in kind.__mro__):
+        raise ValueError(
+            f"loss_chunk_tokens with a float8 output projection ({kind.__name__}): its dynamic "
+            "scales would be taken per chunk instead of over the whole batch, so the chunked "
+            "loss and gradients would differ from the unchunked ones by more than rounding; "
+            "keep 'output' in Float8Config.skip_modules (the default) or use "
+            "loss_chunk_tokens=None"
+        )
+
+
 @contextmanager
 def _head_bypassed(model: nn.Module) -> Iterator[tuple[Head, list[Tensor]]]:
     """While inside, `model.output` records its input (the final norm's output) and returns an
@@ -99,6 +129,7 @@ def _head_bypassed(model: nn.Module) -> Iterator[tuple[Head, list[Tensor]]]:
             "posttrain.models.build_model); use loss_chunk_tokens=None for other models"
         )
     head: Head = model.output  # type: ignore[assignment]  # nn.Module or TiedLinear
+    check_chunkable_head(head)
     shadowed = "output" in model.__dict__  # TiedLinear is a plain attribute, nn.Module is not
     captured: list[Tensor] = []
 

@@ -80,7 +80,7 @@ from torch import nn
 from posttrain.core.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.core.preemption import sigint_held
 from posttrain.models.conversion import ConversionReport
-from posttrain.policy.chunked_ce import check_chunk_tokens
+from posttrain.policy.chunked_ce import check_chunk_tokens, check_chunkable_head
 from posttrain.policy.policy import Policy
 from posttrain.policy.rollout_engine import RolloutEngine
 from posttrain.rl.algorithms import (
@@ -185,7 +185,8 @@ class RLTrainer(RLEngineHooks):
             `posttrain.train.optimizer_check`); under a plan, a plan not applied to the policy,
             a runtime of another model, a split value head, a missing or plain reference,
             prompts_per_step not divisible by the data-parallel size, or `loss_chunk_tokens`
-            with sequence parallelism (sp > 1: the head sees a slice of each sequence).
+            with sequence parallelism (sp > 1: the head sees a slice of each sequence) or a
+            float8-converted head (`posttrain.policy.chunked_ce.check_chunkable_head`).
     """
 
     progress_desc = "rl"
@@ -229,6 +230,8 @@ class RLTrainer(RLEngineHooks):
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
         check_rollout_quantization(rollout_quantization, top_p=top_p)
         self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
+        if self.loss_chunk_tokens is not None:  # a float8 head: refused before any work
+            check_chunkable_head(getattr(policy.model, "output", None))
         runtime = resolve_runtime(
             policy.model, runtime=runtime, plan=plan, replicas=False, argument="policy.model"
         )

@@ -88,3 +88,20 @@ def test_chunks_under_sequence_parallelism_are_refused_before_any_work(policy):
     runtime.plan = ParallelPlan(sp=2)  # type: ignore[misc]
     with pytest.raises(ValueError, match=r"loss_chunk_tokens=8 with .*sp=2.*sequence"):
         toy_trainer(policy, loss_chunk_tokens=8, runtime=runtime)
+
+
+def test_chunks_with_a_float8_head_are_refused_before_any_work():
+    """A float8 output projection would scale each chunk by its own amax
+    (`posttrain.policy.chunked_ce.check_chunkable_head`): refused when the trainer is built."""
+    import dataclasses
+
+    from _train_helpers import TINY
+
+    from posttrain.models import ByteTokenizer, build_model
+    from posttrain.train.float8 import Float8Config, apply_float8
+
+    spec = dataclasses.replace(TINY, tie_word_embeddings=False)
+    model = build_model(spec, seed=0)
+    apply_float8(model, Float8Config(skip_modules=()))
+    with pytest.raises(ValueError, match=r"loss_chunk_tokens with a float8 output projection"):
+        toy_trainer(Policy(model, ByteTokenizer(), spec), loss_chunk_tokens=8)
