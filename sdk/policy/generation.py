@@ -4,9 +4,10 @@
 group share its prefill, whose cache rows are then copied), then samples one token per step for the
 rows still running (with `posttrain.policy.sampling.sampling_logprobs`, so the recorded log-probs
 are those of the distribution drawn from) and stops each row on a stop id, a stop string or its
-length budget; finished rows are dropped from the batch and the cache. `_decoding_attention` swaps
-torchtune's KV caches for `_GrowingKVCache` (attend over the filled positions only) and its
-attention call for `_sdpa_gqa` (grouped-query heads without copies) for the duration.
+length budget; finished rows are dropped from the batch and the cache (under compile only down to
+power-of-two row counts, `_rows_to_keep`). `_decoding_attention` swaps torchtune's KV caches for
+`_GrowingKVCache` (attend over the filled positions only) and its attention call for `_sdpa_gqa`
+(grouped-query heads without copies) for the duration.
 
 Shape legend: B = sequences in a batch, b = the rows still in the batch, P = padded prompt
 length, N = most new tokens of a row, L = KV-cache length (P + N), V = vocabulary, S = stop ids
@@ -99,10 +100,13 @@ def _generate_tokens(
         return next_b, logprobs_bV.gather(-1, next_b[:, None]).squeeze(-1)
 
     # Batch rows map to original rows through `live`; a row that finished stays in the batch
-    # (running_b False, its outputs ignored) until finished rows are a quarter of the batch, then
-    # they are dropped from the batch and from the KV cache.
-    live = torch.arange(B, device=device)
-    running_b = torch.ones(B, dtype=torch.bool, device=device)
+    # (running_b False, its outputs ignored) until `_rows_to_keep` drops it from the batch and from
+    # the KV cache. The compiled step runs a power-of-two batch: dummy rows (copies of row 0,
+    # never running) fill it up.
+    rows_b = _bucket(B) if compile else B
+    live = torch.zeros(rows_b, dtype=torch.long, device=device)
+    live[:B] = torch.arange(B, device=device)
+    running_b = torch.arange(rows_b, device=device) < B
     # Prefix sharing: identical prompts (a group's G samples) are prefilled once; their cache
     # rows and last logits are then copied to every row that shares them.
     first: dict[tuple[int, ...], int] = {}  # prompt -> its index among the unique prompts
@@ -110,19 +114,22 @@ def _generate_tokens(
     for b, r in enumerate(rows):
         if first.setdefault(tuple(r), len(unique)) == len(unique):
             unique.append(b)
-    source_B = torch.tensor([first[tuple(r)] for r in rows], device=device)
+    source_b = torch.tensor([first[tuple(r)] for r in rows], device=device)[live]
     unique_U = torch.tensor(unique, device=device)
     step_model: Callable[..., Any] = _compiled_step(model) if compile else model
+    # the compiled step's graphs are specialised to the cache buffers' sizes: under compile the
+    # cache length is a power of two too, so calls of other prompt lengths reuse them
+    cache_len = _bucket(L) if compile else L
     with _decoding_attention(
-        model, batch_size=len(unique), max_len=L, padded=not bool(prompt_valid_BP.all())
+        model, batch_size=len(unique), max_len=cache_len, padded=not bool(prompt_valid_BP.all())
     ):
         mask_UPP = get_causal_mask_from_padding_mask(prompt_valid_BP[unique_U])
         logits_UV = _as_tensor(
             model(tokens_BP[unique_U], input_pos=positions_BL[unique_U, :P], mask=mask_UPP)
         )[:, -1]
-        if len(unique) < B:
-            _select_kv_cache_rows(model, source_B)
-        logits_bV = logits_UV[source_B]
+        if len(unique) < rows_b:
+            _select_kv_cache_rows(model, source_b)
+        logits_bV = logits_UV[source_b]
         for step in range(N):
             next_b, logprob_b = pick(logits_bV)
             rows_r = live[running_b]
@@ -148,8 +155,11 @@ def _generate_tokens(
                 running_b = running_b & ~finished_b
                 if not bool(running_b.any()):
                     break
-                if int((~running_b).sum()) * 4 >= len(live):
-                    keep = running_b.nonzero().flatten()
+                keep_rows = _rows_to_keep(int(running_b.sum()), len(live), buckets=compile)
+                if keep_rows < len(live):
+                    # the running rows and, to fill a bucket, the first finished ones, in order
+                    fill = (~running_b).nonzero().flatten()[: keep_rows - int(running_b.sum())]
+                    keep = torch.cat([running_b.nonzero().flatten(), fill]).sort().values
                     _select_kv_cache_rows(model, keep)
                     live, next_b, running_b = live[keep], next_b[keep], running_b[keep]
             # the new token sits at cache position P + step and sees the cache up to itself
@@ -163,6 +173,28 @@ def _generate_tokens(
     tokens = [out_tokens_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
     logprobs = [out_logprobs_BN[b, : int(n_generated_B[b])].tolist() for b in range(B)]
     return tokens, logprobs, reasons  # type: ignore[return-value]
+
+
+def _bucket(n: int) -> int:
+    """The smallest power of two >= `n` (n >= 1): the row counts the compiled step runs."""
+    return 1 << (n - 1).bit_length()
+
+
+def _rows_to_keep(running: int, rows: int, *, buckets: bool) -> int:
+    """How many rows the decoding batch keeps once some of its `rows` finished and `running`
+    still run (`running < rows`).
+
+    Eager (`buckets=False`): all `rows` until the finished ones are a quarter of them, then the
+    running ones. Compiled (`buckets=True`): `_bucket(running)` once that is fewer than `rows`,
+    so the compiled step, which also starts from `_bucket(B)` rows, meets at most
+    log2(B) + 1 row counts and compiles once for each (`_compiled_step`).
+
+    Example: 6 sequences finishing one at a time run in batches of 6, 4, 3, 2, 1 rows eagerly
+    and of 8, 4, 2, 1 rows compiled.
+    """
+    if buckets:
+        return min(_bucket(running), rows)
+    return running if (rows - running) * 4 >= rows else rows
 
 
 COMPILE_BACKEND = "inductor"
@@ -182,11 +214,16 @@ def _compiled_step(model: nn.Module) -> Callable[..., Any]:
     step) is a symbolic size and the cache's fill level (`_GrowingKVCache.size`, a Python int on
     a module) a symbolic int (`allow_unspec_int_on_nn_module`), so the steps of a call share one
     graph. The live rows b are not: the caches are module buffers, whose sizes dynamo keeps
-    static, so each new row count (a call of another batch size, rows dropped as they finish)
-    compiles once more, up to dynamo's recompile limit (8 per function; past it the step runs
-    eagerly, with dynamo's warning). The prompt's prefill runs eagerly: it happens once per call
-    and its shapes vary with the prompts. Weights are read at every call, so training in between
-    needs no recompilation.
+    static, so each row count and cache length compiles once. The decoding loop therefore runs
+    the compiled step on power-of-two row counts only (`_rows_to_keep`: a batch is padded with
+    dummy rows, and finished rows are dropped only down to the next power of two) and with a
+    power-of-two cache length (prompt + new tokens rounded up; the cache only holds more
+    zeros): a generation of B sequences compiles at most log2(B) + 1 times however its rows
+    finish, and later calls of the same cache bucket reuse those graphs (dynamo's recompile
+    limit, 8 per function, counts all of them; past it the step runs eagerly, with dynamo's
+    warning). The prompt's prefill runs eagerly: it
+    happens once per call and its shapes vary with the prompts. Weights are read at every call,
+    so training in between needs no recompilation.
     """
     steps = _COMPILED_STEPS.setdefault(model, {})
     if COMPILE_BACKEND not in steps:

@@ -11,6 +11,7 @@ POSTTRAIN_COMPILE_TESTS=1 (and a C++ compiler for inductor).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 
@@ -138,3 +139,56 @@ def test_the_compiled_decoding_step_samples_as_eager(monkeypatch):
         assert got[0] == want[0] and got[2] == want[2]
         for a, b in zip(got[1], want[1]):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_decoding_batches_shrink_to_powers_of_two_under_compile():
+    """Six sequences finishing one at a time (by hand): eager keeps finished rows until they are
+    a quarter of the batch (6, 4, 3, 2, 1 rows); compiled runs 8, 4, 2, 1 rows, the buckets."""
+    from posttrain.policy.generation import _bucket, _rows_to_keep
+
+    assert [_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    for buckets, want in ((False, [6, 4, 3, 2, 1]), (True, [8, 4, 2, 1])):
+        rows = _bucket(6) if buckets else 6
+        seen = [rows]
+        for running in range(5, 0, -1):
+            rows = _rows_to_keep(running, rows, buckets=buckets)
+            seen += [rows] if rows != seen[-1] else []
+        assert seen == want
+
+
+def test_the_compiled_decoding_step_compiles_once_per_bucket(monkeypatch):
+    """Four rows whose length budgets (prompt + new tokens <= 10) end them after 1, 2, 3 and 3
+    tokens run the compiled step on 4 rows, then 2: two graphs (without buckets 4, 3 and 2
+    rows: three). Greedy tokens and finish reasons equal eager's, log-probs within 1e-5. A
+    second call of three of the prompts (padded to 4 rows, then 2; the same 16-position cache)
+    compiles nothing new. dynamo's graphs are counted by a `CompileCounter` backend (it runs
+    them as captured, without code generation), on a one-block tiny-1m: a capture costs ~2 s."""
+    from torch._dynamo.testing import CompileCounter
+
+    from posttrain.policy import generation
+
+    counter = CompileCounter()
+    monkeypatch.setattr(generation, "COMPILE_BACKEND", counter)
+    model = build_model(dataclasses.replace(TINY, num_layers=1), seed=0).eval()
+    kw = dict(
+        max_new_tokens=3,
+        max_seq_len=10,
+        temperature=0.0,
+        top_k=None,
+        top_p=1.0,
+        stop_ids=[],
+        stops=[],
+        decode=None,
+        pad_id=0,
+        seed=0,
+    )
+    rows = [list(range(1, 10)), list(range(1, 9)), list(range(1, 8)), list(range(2, 9))]
+    for prompts in (rows, [rows[0], rows[2], rows[3]]):
+        want = generation._generate_tokens(model, prompts, **kw)
+        got = generation._generate_tokens(model, prompts, compile=True, **kw)
+        assert got[0] == want[0] and got[2] == want[2]
+        for a, b in zip(got[1], want[1]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+        assert counter.frame_count == 2
+    assert [len(t) for t in want[0]] == [1, 3, 3]
+    assert want[2] == ["length"] * 3
