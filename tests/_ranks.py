@@ -2,15 +2,26 @@
 (tests/core/test_distributed.py, tests/train/test_parallel_plans.py,
 tests/rl/test_plans_trainers.py).
 
-Each rank is `python SCRIPT RANK WORLD_SIZE *args` in a fresh process, with MASTER_ADDR/PORT on
-a free local port and one thread, its output in `out/<log_prefix>-<rank>.log`. Inside the
-script, `gloo_rank()` reads those arguments and holds the process group for the script's work.
+Each rank runs `SCRIPT RANK WORLD_SIZE *args` as `python SCRIPT ...` would, in a process of its
+own, with MASTER_ADDR/PORT on a free local port and one thread, its output in
+`out/<log_prefix>-<rank>.log`. Inside the script, `gloo_rank()` reads those arguments and holds
+the process group for the script's work.
+
+The processes are forked (`start_script`) from one server process per test session that has
+imported torch, torchtune, posttrain and verl once (tests/_fork_preload.py): a fresh interpreter
+spends ~3-8 s of CPU on those imports before its first line of work, and the suite starts ~30
+ranks. A forked rank gets a fresh `__main__`, `sys.argv`, environment, working directory and
+output files, exits with the script's exit code (an uncaught exception: 1, with its traceback in
+the log; a signal: minus its number, as with `subprocess`), and runs the `atexit` handlers.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -51,14 +62,10 @@ def run_ranks(
     }
     logs = [out / f"{log_prefix}-{rank}.log" for rank in range(world_size)]
     expected = (None, 0, expect_returncode)
-    with contextlib.ExitStack() as files:
+    with contextlib.ExitStack() as stack:
         procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), str(rank), str(world_size), *args],
-                env=env,
-                cwd=out,
-                stderr=subprocess.STDOUT,
-                stdout=files.enter_context(open(logs[rank], "w")),
+            stack.enter_context(
+                start_script(script, [str(rank), str(world_size), *args], env, out, logs[rank])
             )
             for rank in range(world_size)
         ]
@@ -90,6 +97,120 @@ def run_ranks(
             f"{Path(script).name} to exit (then killed)",
         )
     assert not failed, "\n\n".join(failed)
+
+
+def _run_script(
+    script: str, argv: list[str], env: dict[str, str], cwd: str, log: str, stderr_log: str | None
+) -> None:
+    """The forked process: `python SCRIPT *argv` with `env` in `cwd`, stdout to `log`, stderr
+    to `stderr_log` (None: to `log` too)."""
+    for fd, path in ((1, log), (2, stderr_log or log)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    preload = sys.modules.get("_fork_preload")
+    added = {} if preload is None else preload.ADDED_ENV
+    os.environ.clear()
+    os.environ.update({**added, **env})
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        # a fresh interpreter reads it when torch loads; the server loaded torch before
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [script, *argv]
+    fresh = sys.path[1:] if preload is None else preload.FRESH_SYS_PATH
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *fresh]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+
+
+class ScriptProcess(contextlib.AbstractContextManager):
+    """A process `start_script` forked, with `subprocess.Popen`'s `pid`, `poll`, `wait`, `kill`
+    and `returncode` (minus the signal's number when a signal ended it). Leaving its `with`
+    kills it if it still runs and waits for it."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, log: Path, stderr_log: Path):
+        self._process = process
+        self.log, self.stderr_log = log, stderr_log
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def output(self) -> str:
+        """What the process wrote to stdout so far (and to stderr, unless it has a file of its
+        own)."""
+        return self.log.read_text(errors="replace")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process.exitcode is None:
+            self._process.kill()
+        self._process.join()
+
+
+def start_script(
+    script: str | os.PathLike,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str | os.PathLike,
+    log: str | os.PathLike,
+    stderr_log: str | os.PathLike | None = None,
+) -> ScriptProcess:
+    """Start `python SCRIPT *argv` with environment `env` (the whole of it, as `Popen`'s `env`)
+    in `cwd`, its stdout to the file `log` and its stderr to `stderr_log` (None: to `log`; both
+    files are emptied first), forked from the session's fork server (started on first use; it
+    imports `_fork_preload` first)."""
+    for path in {os.fspath(log), os.fspath(stderr_log or log)}:
+        Path(path).write_bytes(b"")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["_fork_preload"])
+    process = context.Process(
+        target=_run_script,
+        args=(
+            os.fspath(script),
+            list(argv),
+            dict(env),
+            os.fspath(cwd),
+            os.fspath(log),
+            None if stderr_log is None else os.fspath(stderr_log),
+        ),
+        name=f"{Path(script).name} {' '.join(argv)}",
+    )
+    process.start()
+    return ScriptProcess(process, Path(log), Path(stderr_log or log))
+
+
+def run_script(
+    script: str | os.PathLike, argv: list[str], folder: Path, timeout_s: float = RUN_S
+) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, SCRIPT, *argv], capture_output=True, text=True)` through
+    `start_script` (this environment and working directory, the output files in `folder`); a
+    script still running after `timeout_s` is killed and its `returncode` is None."""
+    out, err = folder / f"{Path(script).stem}.stdout", folder / f"{Path(script).stem}.stderr"
+    with start_script(script, argv, dict(os.environ), os.getcwd(), out, err) as proc:
+        returncode = proc.wait(timeout_s)
+    return subprocess.CompletedProcess(
+        [sys.executable, os.fspath(script), *argv],
+        returncode,  # type: ignore[arg-type]
+        out.read_text(errors="replace"),
+        err.read_text(errors="replace"),
+    )
 
 
 class RankArgs(NamedTuple):

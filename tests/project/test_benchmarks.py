@@ -3,12 +3,11 @@
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _ranks import start_script
+from _ranks import run_script
 from _waits import WAIT_S
 
 FILES = sorted((Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
@@ -36,13 +35,11 @@ def test_a_benchmark_module_is_imported_by_a_script(module):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_benchmark_help(script, tmp_path):
-    """`python SCRIPT --help` (forked with torch and posttrain already imported: the script's
-    own imports still resolve from a fresh interpreter's sys.path)."""
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    with start_script(script, ["--help"], dict(os.environ), os.getcwd(), out, err) as proc:
-        returncode = proc.wait(WAIT_S)
-    assert returncode == 0, err.read_text()[-2000:]
-    assert "usage" in out.read_text().lower()
+    """`python SCRIPT --help` (`_ranks.run_script`: forked with torch and posttrain already
+    imported; the script's own imports resolve from a fresh interpreter's sys.path)."""
+    proc = run_script(script, ["--help"], tmp_path, timeout_s=WAIT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage" in proc.stdout.lower()
 
 
 def test_step_clock_times_the_steps_after_the_warmup(monkeypatch):
@@ -112,14 +109,12 @@ def test_sft_throughput_quartiles_stay_within_the_ratios_seen():
     assert m._quartiles([0.9]) == "0.90 - 0.90"
 
 
-def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer():
+def test_grpo_vs_trl_quick_compares_both_trainers_on_one_scorer(tmp_path):
     """The side-by-side runs end to end at tiny size: both trainers train from the same SFT
     start and are scored by the same held-out evaluation (nothing is written with --quick)."""
     pytest.importorskip("trl")
     script = next(p for p in SCRIPTS if p.stem == "grpo_vs_trl")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=600
-    )
+    proc = run_script(script, ["--quick"], tmp_path, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     names = [row.split("|")[1].strip() for row in rows]
@@ -132,10 +127,9 @@ def test_generation_grouped_tiny_matches_transformers_tokens(tmp_path):
     """A G=4 run at tiny size: Policy.generate(prompts, n=4) with a shared prefill produces the
     same greedy tokens as transformers generate on the 4 copies (the script exits 1 otherwise)."""
     script = next(p for p in SCRIPTS if p.stem == "generation")
-    proc = subprocess.run(
+    proc = run_script(
+        script,
         [
-            sys.executable,
-            str(script),
             "--batch",
             "8",
             "--group-size",
@@ -151,9 +145,8 @@ def test_generation_grouped_tiny_matches_transformers_tokens(tmp_path):
             "--out",
             str(tmp_path / "gen"),
         ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        timeout_s=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Greedy tokens identical across the three methods: True" in proc.stdout
@@ -341,17 +334,12 @@ def test_gpu_vllm_rollout_checks_its_arguments_and_formats_its_table(tmp_path):
     assert m.IdTokenizer().stop_ids == frozenset() and m.IdTokenizer().decode([151935]) == "151935"
 
 
-def test_gpu_vllm_rollout_refuses_without_cuda():
+def test_gpu_vllm_rollout_refuses_without_cuda(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available: the refusal is for machines without it")
     script = next(p for p in SCRIPTS if p.stem == "gpu_vllm_rollout")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--models", "qwen2.5-0.5b"],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-    )
+    proc = run_script(script, ["--models", "qwen2.5-0.5b"], tmp_path, timeout_s=WAIT_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "needs a CUDA GPU" in proc.stderr and "nothing was measured" in proc.stderr
 
