@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from posttrain.core.distributed import device_of
 from posttrain.data.preference import KTODataset, PreferenceDataset
 from posttrain.models.lora import adapters_disabled, has_adapters
-from posttrain.policy.chunked_ce import token_logprobs_chunked
+from posttrain.policy.chunked_ce import check_chunk_tokens, token_logprobs_chunked
 
 if TYPE_CHECKING:
     from posttrain.train.runtime import Runtime
@@ -107,7 +107,11 @@ def reference_fingerprint(model: nn.Module, *, sample: int = 65536) -> str:
 
 
 def compute_reference_logps(
-    reference: Any, dataset: PreferenceDataset | KTODataset, *, batch_size: int = 32
+    reference: Any,
+    dataset: PreferenceDataset | KTODataset,
+    *,
+    batch_size: int = 32,
+    chunk_tokens: int | None = None,
 ) -> ReferenceLogps:
     """Summed response log-probs of every item under `reference`, computed once and cached on
     `dataset.reference`, keyed by `reference_fingerprint` of the reference's parameters: a
@@ -132,17 +136,20 @@ def compute_reference_logps(
             or the `Runtime` of one (split by a ParallelPlan: its `PlanRuntime`).
         dataset: a `PreferenceDataset` or `KTODataset`.
         batch_size: sequences per forward (>= 1).
+        chunk_tokens: None (each forward's full [batch_size, T, V] logits) or response tokens
+            per chunk of the head and log-softmax (`response_logps`); equal up to rounding.
 
     Returns:
         The `ReferenceLogps` now on `dataset.reference`; loaders put its values into batches.
 
     Raises:
-        ValueError: for batch_size < 1.
+        ValueError: for batch_size < 1, or a `chunk_tokens` that is not None or an int >= 1.
         ValueError: for a reference split into pipeline stages (pp > 1), or a model split by a
             plan given without its runtime.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}; must be an integer >= 1")
+    check_chunk_tokens(chunk_tokens, "chunk_tokens")
     from posttrain.train.plan_compat import runtime_of
     from posttrain.train.runtime import Runtime
 
@@ -177,7 +184,9 @@ def compute_reference_logps(
                 for i in range(rounds):
                     start = mine[i] if i < len(mine) else starts[0]  # the spare forward
                     indices = range(start, min(start + batch_size, len(dataset)))
-                    logps_B, _ = response_logps(model, *dataset.padded(indices, key))
+                    logps_B, _ = response_logps(
+                        model, *dataset.padded(indices, key), chunk_tokens=chunk_tokens
+                    )
                     if i < len(mine):
                         parts[start] = logps_B.float().cpu()
                 values[key] = (

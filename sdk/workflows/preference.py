@@ -283,8 +283,12 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     runtime = None if plan is None else run.parallelize(policy.model, spec=policy.spec)
     t0 = time.perf_counter()
     if objective.needs_reference:  # the starting policy is the reference (split, if planned)
-        compute_reference_logps(policy if runtime is None else runtime, dataset)
-        compute_reference_logps(policy if runtime is None else runtime, val_dataset)
+        for scored in (dataset, val_dataset):
+            compute_reference_logps(
+                policy if runtime is None else runtime,
+                scored,
+                chunk_tokens=cfg.optim.loss_chunk_tokens,
+            )
     times["reference_s"] = time.perf_counter() - t0
     val_batch = val_dataset.collate(range(len(val_dataset)))
 

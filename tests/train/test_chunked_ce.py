@@ -328,3 +328,21 @@ def test_a_float8_model_chunks_its_high_precision_head_and_refuses_a_float8_one(
     apply_float8(fp8_head, Float8Config(recipe="rowwise", skip_modules=()))
     with pytest.raises(ValueError, match=r"loss_chunk_tokens with a float8 output projection"):
         model_hidden(fp8_head, tokens)
+
+
+def test_reference_logps_precomputed_with_chunks_equal_the_full_logits():
+    """`compute_reference_logps(..., chunk_tokens=3)` (the DPO recipe's precompute with
+    optim.loss_chunk_tokens) gives the summed response log-probs of the full-logits pass, to fp32
+    rounding; a bad chunk_tokens is refused by name."""
+    from _preference_helpers import pair_dataset
+
+    from posttrain.preference import compute_reference_logps
+
+    model = tiny_model(1)
+    full = compute_reference_logps(model, pair_dataset(3)).values
+    chunked = compute_reference_logps(model, pair_dataset(3), chunk_tokens=3).values
+    assert full.keys() == chunked.keys() and all(len(v) == 3 for v in full.values())
+    for key, values in full.items():
+        torch.testing.assert_close(chunked[key], values, **TOL)
+    with pytest.raises(ValueError, match=r"^chunk_tokens=0; must be None"):
+        compute_reference_logps(model, pair_dataset(3), chunk_tokens=0)
