@@ -73,9 +73,10 @@ Terms (every one is per rank; "divided by" says which plan axes split it):
   temporaries       temporaries of the denominator); CUDA foreach AdamW: 1 x all local
                     parameters (the foreach sqrt of exp_avg_sq).
   model build       every rank builds the whole model in p bytes before `plan.parallelize`
-                    shards it, plus, for a plan to apply, two 64 MiB buckets of the rank-0 broadcast
+                    shards it, plus, for a plan to apply, two buckets of the rank-0 broadcast
                     (`flat_collective` concatenates the next bucket while the previous one is
-                    still referenced).
+                    still referenced): 64 MiB each, but a tensor larger than a bucket goes alone
+                    as its own flat copy (Qwen2.5-0.5B's embedding, 0.51 GiB).
   reference model,  what a phase holds beside training the policy: `posttrain.train.memory_phases`
   value head,       (the reference only where one is built: `reference=`; the rollout copy
   rollout copy, KV  under a plan in grpo and ppo).
@@ -126,6 +127,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.core import distributed
 from posttrain.policy.chunked_ce import check_chunk_tokens
 from posttrain.train.memory_check import check_plan_fits, device_memory_bytes
 from posttrain.train.memory_counts import (
@@ -162,7 +164,6 @@ PHASES = ("sft", "cpt", "dpo", "grpo", "ppo", "rollout")
 """Phases `plan_memory` knows: sft/cpt (policy training), dpo (+ reference), grpo (+ reference,
 + generation), ppo (+ value head), rollout (generation only)."""
 
-_BROADCAST_BUCKET = 64 * 2**20  # posttrain.core.distributed._BUCKET_BYTES
 _GIB = 2**30
 
 
@@ -364,13 +365,20 @@ def plan_memory(
         )
     whole = all_parameters(c, spec) * p
     applied = not plan.is_default  # plan.parallelize broadcasts from rank 0 first
-    build = whole + (min(2 * _BROADCAST_BUCKET, whole) if applied else 0)
+    # the broadcast's flat copies: a bucket and the next one; a tensor larger than a bucket
+    # goes alone (its own copy)
+    largest = max(c.largest_root, c.largest_block, c.largest_expert) * p
+    bucket = distributed._BUCKET_BYTES  # flat_collective's, read when planning
+    buckets = min(max(largest, bucket) + bucket, whole) if applied else 0
+    build = whole + buckets
     add(
         "model build",
         build,
         "1",
         "every rank builds the whole model before plan.parallelize"
-        + (" (+ 2 broadcast buckets)" if applied else ""),
+        + (
+            " (+ 2 broadcast buckets, or the largest tensor's copy and a bucket)" if applied else ""
+        ),
     )
     extra = phase_terms(
         spec,

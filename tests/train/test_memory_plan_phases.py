@@ -88,9 +88,8 @@ def test_the_fsdp_root_is_its_own_term_and_its_reduce_scatter_a_moment():
 
 def test_a_reference_is_counted_only_where_the_trainer_builds_one():
     """RLTrainer holds a reference only with kl_coef > 0 and no LoRA adapters
-    (`uses_reference`); plan_memory(reference=False) leaves it out."""
-    from posttrain.models import LoRAConfig
-    from posttrain.models.lora import apply_lora
+    (`uses_reference`; an adapter is a module with `adapter_params`, as torchtune's
+    LoRALinear); plan_memory(reference=False) leaves it out."""
     from posttrain.rl import RLAlgorithm
     from posttrain.rl.parallel import uses_reference
 
@@ -103,7 +102,12 @@ def test_a_reference_is_counted_only_where_the_trainer_builds_one():
     model = build_model(WIDE_V, seed=0)
     assert uses_reference(RLAlgorithm.grpo(kl_coef=0.04), model)
     assert not uses_reference(RLAlgorithm.grpo(kl_coef=0.0), model)
-    apply_lora(model, LoRAConfig(rank=2))
+
+    class Adapter(torch.nn.Module):  # what torchtune's LoRALinear offers has_adapters
+        def adapter_params(self) -> list[str]:
+            return []
+
+    model.layers[0].attn.q_proj = Adapter()
     assert not uses_reference(RLAlgorithm.grpo(kl_coef=0.04), model)
 
 
@@ -134,3 +138,24 @@ def test_the_rollout_copy_is_held_under_a_plan_and_refreshed_from_the_gathered_w
     assert grpo.attrs["peak_bytes"] == whole // 2 + 2 * whole
     for phase, p in (("grpo", None), ("sft", plan), ("rollout", plan)):
         assert "rollout copy" not in set(plan_memory(spec, p, batch, phase=phase)["term"])
+
+
+def test_the_model_builds_broadcast_copies_are_planned(one_thread, monkeypatch):
+    """plan.parallelize broadcasts rank 0's weights through `flat_collective`, whose flat copy of
+    a bucket is still referenced while the next one is made: two buckets, but a tensor larger
+    than a bucket goes alone, as its own copy (Qwen2.5-0.5B's 0.51 GiB embedding against 64 MiB
+    buckets; here 512 KiB against 64 KiB buckets, the bucket size the plan reads patched).
+    TensorPeak around the same copy-in and copy-out (the collective allocates nothing on CPU):
+    the embedding's copy and the next bucket, 512 + 57 KiB, where the plan had 2 x 64 KiB."""
+    from posttrain.core import distributed
+
+    monkeypatch.setattr(distributed, "_BUCKET_BYTES", 64 * 1024)
+    spec = WIDE_V.replace(num_layers=4)
+    model = build_model(spec, seed=0)
+    with TensorPeak() as peak:
+        distributed.flat_collective(list(model.parameters()), lambda flat: None)
+    df = plan_memory(spec, ParallelPlan(dp_shard=2), BATCH, optimizer="sgd", device_type="cpu")
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    planned = _term(df, "model build") - whole
+    assert planned == VD + 64 * 1024
+    assert VD + 48 * 1024 < peak.peak_bytes <= planned
