@@ -12,8 +12,9 @@ and, with a no-grad forward before the optimizer is built, of `LOOKED_2`; dp_sha
 deprecated spelling (`plan.apply`, `plan_state`, `Trainer(..., plan=plan)`); the bitwise resume of
 OUT_DIR/killed under the same plan against an uninterrupted run; the refusals of a misused plan; two
 reshard resumes of OUT_DIR/ckpt4 (saved under dp_shard=4) under dp_shard=2 and under tp=2, and the
-full state dict of a sharded run. Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with
-plan=None is the single-process reference the test runs itself.
+full state dict of a sharded run; the chunked loss under dp_shard=2 and under tp=2 (untied).
+Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the single-process
+reference the test runs itself.
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def phase_two(out: Path, rank: int) -> dict:
     with TensorPeak() as peak:
         chunked = run_plan(ParallelPlan(dp_shard=2), loss=SFTCrossEntropy(loss_chunk_tokens=5))
     results["dp_shard2_chunked"] = {**_strip(chunked), "tensor_peak": peak.peak_bytes}
+    # the chunked loss under tp=2 with the untied head column-parallel (each chunk's logits
+    # all-gathered over the tp ranks, in forward and again in the recomputing backward)
+    chunked = run_plan(ParallelPlan(tp=2), UNTIED, loss=SFTCrossEntropy(loss_chunk_tokens=5))
+    results["tp2_untied_chunked"] = _strip(chunked)
     looked = ParallelPlan(dp_shard=2).parallelize(build_model(TINY, seed=0), spec=TINY).model
     look_at_logits(looked)
     results["looked_types"] = {

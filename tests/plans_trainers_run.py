@@ -484,6 +484,7 @@ def main() -> None:
                 "errors": misuse(),
                 "dpo_self_reference": self_reference_run(out),
                 "reward_model_looked": run_reward_model(ParallelPlan(dp_shard=2), look_first=True),
+                "ppo_tp2_chunked": run_rl(PLANS_2["tp2"], "ppo", loss_chunk_tokens=3),
                 "recipes": recipe_runs(out),
             }
         else:

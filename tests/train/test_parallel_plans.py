@@ -131,14 +131,18 @@ def test_a_no_grad_forward_before_the_optimizer_trains_every_parameter(runs, nam
         assert _max_diff(result[name]["params"], single["params"]) <= SGD_WEIGHT_ATOL
 
 
-def test_the_chunked_loss_under_dp_shard_trains_as_one_process(runs):
-    """`SFTCrossEntropy(loss_chunk_tokens=5)` under dp_shard=2 equals the unchunked run of one
-    process (chunking changes only the order of float sums). It failed with "aten.mm got mixed
-    torch.Tensor and DTensor": the forward without the head returned a tensor that did not
-    require grad, so FSDP2 resharded the root and the tied head met its sharded weight."""
-    single = _single()
+@pytest.mark.parametrize(
+    ("name", "spec"), [("dp_shard2_chunked", TINY), ("tp2_untied_chunked", worker.UNTIED)]
+)
+def test_the_chunked_loss_under_a_plan_trains_as_one_process(runs, name, spec):
+    """`SFTCrossEntropy(loss_chunk_tokens=5)` under dp_shard=2, and under tp=2 with the untied
+    head column-parallel, equals the unchunked run of one process (chunking changes only the
+    order of float sums). Under dp_shard=2 it failed with "aten.mm got mixed torch.Tensor and
+    DTensor": the forward without the head returned a tensor that did not require grad, so
+    FSDP2 resharded the root and the tied head met its sharded weight."""
+    single = _single(spec)
     for result in runs[1]["two"]:
-        chunked = result["dp_shard2_chunked"]
+        chunked = result[name]
         _close(chunked["losses"], single["losses"], LOSS_ATOL)
         _close(chunked["grad_norms"], single["grad_norms"], LOSS_ATOL)
         assert _max_diff(chunked["params"], single["params"]) <= SGD_WEIGHT_ATOL
