@@ -10,7 +10,10 @@ a `PAD` query sees itself only (no empty softmax row).
 
 Which mask (`use_block_mask`): torchtune 0.6.1's attention sends a `BlockMask` to its compiled
 `flex_attention` only on CUDA with compute capability >= 7.5 (`_SUPPORTS_FLEX_ATTENTION`);
-elsewhere it hands any mask to SDPA, which takes dense masks only. On CPU the dense mask stays,
+elsewhere it hands any mask to SDPA, which takes dense masks only. Every packed path asks the
+same question: shared-prefix scoring (`segment_attention_mask`), and the packed rows of SFT/CPT,
+distillation and the pipeline stages (`device_mask` of the loader's dense mask; the pipeline
+builds each micro-batch's mask from its documents). On CPU the dense mask stays,
 at every length: with torch 2.13, FlexAttention has no backward on CPU ("FlexAttention does not
 support backward on CPU"), eager or compiled, and its forward is slower than SDPA with the dense
 mask (benchmarks/attention_masks.py; docs/benchmarks_real_models.md). So a CPU forward is
@@ -40,12 +43,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 __all__ = [
     "PAD",
     "PREFIX",
+    "FLEX_CAPABILITY",
     "AttentionMask",
     "attended_pairs",
     "block_segment_mask",
     "dense_segment_mask",
     "device_mask",
     "documents_from_mask",
+    "pad_block_mask",
     "segment_attention_mask",
     "use_block_mask",
 ]
@@ -125,12 +130,27 @@ def attended_pairs(segment_NS: Tensor) -> int:
     return total
 
 
-def use_block_mask(device: torch.device | str) -> bool:
+FLEX_CAPABILITY = (7, 5)
+"""The least CUDA compute capability torchtune 0.6.1 runs FlexAttention on."""
+
+
+def use_block_mask(
+    device: torch.device | str, *, capability: tuple[int, int] | None = None
+) -> bool:
     """True where torchtune's attention runs a `BlockMask` through FlexAttention: CUDA with
-    compute capability >= 7.5. False on CPU (see the module docstring)."""
+    compute capability >= 7.5 (`FLEX_CAPABILITY`). False on CPU (see the module docstring).
+
+    Args:
+        device: the model's device.
+        capability: the CUDA device's (major, minor); None: what torchtune found at import
+            (`_SUPPORTS_FLEX_ATTENTION`, the current CUDA device's), which is what its
+            attention acts on.
+    """
     device = torch.device(device)
     if device.type != "cuda":
         return False
+    if capability is not None:
+        return tuple(capability) >= FLEX_CAPABILITY
     from torchtune.utils._import_guard import _SUPPORTS_FLEX_ATTENTION
 
     return bool(_SUPPORTS_FLEX_ATTENTION)
@@ -173,14 +193,38 @@ def documents_from_mask(mask_BTT: Tensor) -> Tensor:
     return documents_BT
 
 
-def device_mask(mask_BTT: Tensor, device: torch.device | str) -> AttentionMask:
-    """A packed batch's block-causal mask for a model on `device`: the same dense mask moved
-    there, or, where `use_block_mask(device)`, the `BlockMask` of its documents
-    (`documents_from_mask`), which never holds the T x T matrix on the device.
+def device_mask(mask_BTT: Tensor | None, device: torch.device | str) -> AttentionMask | None:
+    """A packed batch's block-causal mask (`posttrain.data.loader.Batch.attention_mask`) for a
+    model on `device`: the same dense mask moved there, or, where `use_block_mask(device)`, the
+    `BlockMask` of its documents (`documents_from_mask`, read on the mask's device), which never
+    holds the T x T matrix on the model's device. None (plain causal rows) stays None.
 
     Raises:
         ValueError: as `documents_from_mask`, when a `BlockMask` is built.
     """
-    if not use_block_mask(device):
-        return mask_BTT.to(device)
+    if mask_BTT is None or not use_block_mask(device):
+        return None if mask_BTT is None else mask_BTT.to(device)
     return block_segment_mask(documents_from_mask(mask_BTT).to(device))
+
+
+def pad_block_mask(block: BlockMask, pad: int) -> BlockMask:
+    """`block` (a `[N, 1, S, S]` mask with a `mask_mod`) grown to S + `pad` positions: the first
+    S keep their mask and see no padding, a padding position sees itself only (sequence
+    parallelism pads a row to a multiple of its degree).
+
+    Raises:
+        ValueError: if `pad` is not an int >= 0.
+    """
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise ValueError(f"pad={pad!r}; must be an int >= 0")
+    if pad == 0:
+        return block
+    S, inner = block.seq_lengths[0], block.mask_mod
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        real = (q_idx < S) & (kv_idx < S)
+        seen = inner(b, h, q_idx.clamp(max=S - 1), kv_idx.clamp(max=S - 1)) & real
+        return seen | ((q_idx >= S) & (q_idx == kv_idx))
+
+    device = str(block.kv_num_blocks.device)
+    return create_block_mask(mask_mod, block.shape[0], None, S + pad, S + pad, device=device)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from posttrain.models.attention_masks import AttentionMask
 from posttrain.policy.sampling import (
     check_scoring_inputs,
     model_logits,
@@ -181,7 +182,7 @@ def model_hidden(
     model: nn.Module,
     tokens_BT: Tensor,
     *,
-    mask: Tensor | None = None,
+    mask: AttentionMask | None = None,
     input_pos: Tensor | None = None,
 ) -> tuple[Tensor, Head]:
     """`model(tokens_BT, mask=mask, input_pos=input_pos)` without the output projection: the

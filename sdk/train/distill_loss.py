@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from posttrain.core.distributed import device_of
 from posttrain.core.masked import keep_selected
 from posttrain.data.loader import IGNORE_INDEX
+from posttrain.models.attention_masks import device_mask
 from posttrain.models.moe import moe_aux_loss
 from posttrain.policy.chunked_ce import check_chunk_tokens, map_token_chunks, model_hidden
 from posttrain.policy.policy import Policy
@@ -178,7 +179,8 @@ class GKDLoss:
     completion tokens of each batch, token-normalised over the whole optimizer step.
 
     Batches are `posttrain.data.loader.Batch` (SFT batches, packed or not; on-policy batches from
-    `OnPolicyData`). Per micro-batch:
+    `OnPolicyData`); a packed batch's mask reaches both models as a FlexAttention `BlockMask` on
+    CUDA, dense elsewhere (`posttrain.models.attention_masks.device_mask`). Per micro-batch:
 
         student_BTV = model(input_ids, mask=attention_mask, input_pos=position_ids)
         with no_grad: teacher_BTV = teacher.model(same inputs)          # eval mode, frozen
@@ -242,7 +244,7 @@ class GKDLoss:
             return self._chunked(model, batch, units, device, self.loss_chunk_tokens)
         student_BTV = model(
             batch.input_ids.to(device),
-            mask=_to(batch.attention_mask, device),
+            mask=device_mask(batch.attention_mask, device),
             input_pos=batch.position_ids.to(device),
         )
         if not isinstance(student_BTV, Tensor):
@@ -276,7 +278,7 @@ class GKDLoss:
         hidden_BTD, head = model_hidden(
             model,
             batch.input_ids.to(device),
-            mask=_to(batch.attention_mask, device),
+            mask=device_mask(batch.attention_mask, device),
             input_pos=batch.position_ids.to(device),
         )
         teacher, teacher_device = self.teacher.model, self.teacher.device
@@ -285,7 +287,7 @@ class GKDLoss:
             teacher_BTD, teacher_head = model_hidden(
                 teacher,
                 batch.input_ids.to(teacher_device),
-                mask=_to(batch.attention_mask, teacher_device),
+                mask=device_mask(batch.attention_mask, teacher_device),
                 input_pos=batch.position_ids.to(teacher_device),
             )
         trained_BT = batch.labels.to(device) != self.ignore_index
@@ -320,7 +322,7 @@ class GKDLoss:
         with torch.no_grad():
             return teacher(
                 batch.input_ids.to(device),
-                mask=_to(batch.attention_mask, device),
+                mask=device_mask(batch.attention_mask, device),
                 input_pos=batch.position_ids.to(device),
             )
 
@@ -328,7 +330,3 @@ class GKDLoss:
         return (
             f"GKDLoss(beta={self.beta}, temperature={self.temperature}, teacher={self.teacher!r})"
         )
-
-
-def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
-    return None if t is None else t.to(device)

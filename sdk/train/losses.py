@@ -42,6 +42,7 @@ from posttrain.core.masked import keep_selected
 from posttrain.core.registry import Registry
 from posttrain.core.timing import attention_span
 from posttrain.data.loader import IGNORE_INDEX
+from posttrain.models.attention_masks import device_mask
 from posttrain.models.moe import moe_aux_loss
 from posttrain.policy.chunked_ce import (
     check_chunk_tokens,
@@ -186,7 +187,9 @@ class SFTCrossEntropy:
     the whole optimizer step.
 
     Batches are `posttrain.data.loader.Batch` (input_ids, labels already shifted, position_ids,
-    attention_mask or None for plain causal). Per micro-batch:
+    attention_mask or None for plain causal; a packed batch's mask reaches the model as a
+    FlexAttention `BlockMask` on CUDA, dense elsewhere:
+    `posttrain.models.attention_masks.device_mask`). Per micro-batch:
 
         logits_BTV = model(input_ids, mask=attention_mask, input_pos=position_ids)
         share = token_cross_entropy_sum(logits_BTV, labels_BT)[0] / num_units_in_step
@@ -231,8 +234,7 @@ class SFTCrossEntropy:
 
     def __call__(self, model: nn.Module, batch: Any, num_units_in_step: Tensor) -> Tensor:
         device = device_of(model)
-        mask = batch.attention_mask
-        mask = None if mask is None else mask.to(device)
+        mask = device_mask(batch.attention_mask, device)  # a BlockMask on CUDA, else dense
         labels_BT = batch.labels.to(device)
         if self.loss_chunk_tokens is not None:
             hidden_BTD, head = model_hidden(

@@ -14,7 +14,9 @@ to a multiple of it). The schedule's loss per pipeline micro-batch is the summed
 cross-entropy divided by the step's global token count, and the schedule is built with
 `scale_grads=False` (by default it divides gradients by the number of micro-batches, which would
 turn the token-normalised step loss into a mean of means). Each (rows, length) shape gets its
-own stage and schedule, built on first use (torch's stages infer shapes once).
+own stage and schedule, built on first use (torch's stages infer shapes once). Packed rows' masks
+travel as the dense mask, or on CUDA as document ids from which each stage builds the FlexAttention
+`BlockMask` of its pipeline micro-batch (`_stage_mask`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from posttrain.models.attention_masks import (
+    AttentionMask,
+    block_segment_mask,
+    documents_from_mask,
+    use_block_mask,
+)
 from posttrain.train.losses import (
     SFTCrossEntropy,
     TrainingLoss,
@@ -104,11 +112,20 @@ class _StageForward:
         self.model, self.first, self.last = model, first, last
 
     def __call__(
-        self, x: Tensor, mask: Tensor | None = None, input_pos: Tensor | None = None
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        input_pos: Tensor | None = None,
+        documents: Tensor | None = None,
     ) -> Tensor:
+        """`documents` (int64 [rows, T], in place of `mask`): the micro-batch's document ids,
+        whose FlexAttention `BlockMask` the stage builds (`_stage_mask`)."""
+        attention: AttentionMask | None = mask
+        if documents is not None:
+            attention = block_segment_mask(documents)
         h = self.model.tok_embeddings(x) if self.first else x
         for layer in self.model.layers.values():
-            h = layer(h, mask=mask, input_pos=input_pos)
+            h = layer(h, mask=attention, input_pos=input_pos)
         return self.model.unembed(h) if self.last else h
 
 
@@ -220,8 +237,7 @@ class PipelineRunner:
         tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
         # the stage forward's keyword tensors (Any: schedule.step has keywords of its own)
         kwargs: dict[str, Any] = {"input_pos": batch.position_ids.to(device)}
-        if batch.attention_mask is not None:
-            kwargs["mask"] = batch.attention_mask.to(device)
+        kwargs.update(_stage_mask(batch.attention_mask, device))
         rows = -tokens.shape[0] % n  # untrained padding rows: every micro-batch gets rows
         if rows:
             tokens = torch.cat([tokens, tokens[-1:].expand(rows, -1)])
@@ -248,6 +264,23 @@ class PipelineRunner:
         )
         dist.all_reduce(share, group=self.info["group"])
         return share
+
+
+def _stage_mask(mask_BTT: Tensor | None, device: torch.device) -> dict[str, Tensor]:
+    """The stage forward's mask keyword for a packed batch's block-causal mask: {"mask": the
+    dense mask on `device`} or, where `use_block_mask(device)` (CUDA: FlexAttention), {"documents":
+    int64 [B, T]} (`documents_from_mask`), from which each stage builds its micro-batch's
+    `BlockMask`: the schedule splits keyword tensors along rows, and a `BlockMask` is not one.
+    Plain causal rows (None): {}.
+
+    Raises:
+        ValueError: as `documents_from_mask`, for a mask that is not block-causal.
+    """
+    if mask_BTT is None:
+        return {}
+    if use_block_mask(device):
+        return {"documents": documents_from_mask(mask_BTT).to(device)}
+    return {"mask": mask_BTT.to(device)}
 
 
 @functools.cache

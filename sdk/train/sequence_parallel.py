@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from posttrain.models.attention_masks import pad_block_mask
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -121,12 +124,13 @@ def _pad_mask(mask: torch.Tensor, pad: int) -> torch.Tensor:
 def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
     """Make `model` (a torchtune decoder) sequence parallel over mesh["sp"], in place.
 
-    After this the model is called as before (`model(tokens [B, T], mask=None | [B, T, T] bool,
-    input_pos=None | [B, T])`) on every sp rank with the same inputs, and returns the full
-    logits [B, T, V]. Incompatible with a KV cache (generation runs on a gathered copy).
+    After this the model is called as before (`model(tokens [B, T], mask=None | [B, T, T] bool |
+    BlockMask, input_pos=None | [B, T])`) on every sp rank with the same inputs, and returns the
+    full logits [B, T, V]. Incompatible with a KV cache (generation runs on a gathered copy).
 
     Raises:
-        ValueError: at call time, for a mask that is not a [B, T, T] boolean tensor.
+        ValueError: at call time, for a mask that is not a [B, T, T] boolean tensor or a
+            `BlockMask`.
     """
     sp_mesh = mesh["sp"]
     group, rank, size = sp_mesh.get_group(), sp_mesh.get_local_rank(), sp_mesh.size()
@@ -144,16 +148,17 @@ def apply_ulysses(model: TransformerDecoder, mesh: DeviceMesh) -> None:
         if input_pos is None:
             input_pos = torch.arange(t, device=tokens.device).expand(b, t)
         mask = kwargs.get("mask")
-        if mask is not None and (mask.dim() != 3 or mask.dtype != torch.bool):
+        block = isinstance(mask, BlockMask)  # packed rows on CUDA (attention_masks.device_mask)
+        if mask is not None and not block and (mask.dim() != 3 or mask.dtype != torch.bool):
             raise ValueError(
-                f"sequence parallelism needs a [B, T, T] boolean mask or None; got "
+                f"sequence parallelism needs a [B, T, T] boolean mask, a BlockMask or None; got "
                 f"{tuple(mask.shape)} {mask.dtype}"
             )
         if pad:
             tokens = F.pad(tokens, (0, pad))
             input_pos = F.pad(input_pos, (0, pad))  # position 0: any valid index (cut later)
             if mask is not None:
-                mask = _pad_mask(mask, pad)
+                mask = pad_block_mask(mask, pad) if block else _pad_mask(mask, pad)
         chunk = (t + pad) // size
         piece = slice(rank * chunk, (rank + 1) * chunk)
         pads.append(pad)
