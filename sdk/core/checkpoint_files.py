@@ -21,6 +21,10 @@ object (a class or a function, which could execute anything) is refused with
 `UnsafeCheckpointError` before it is unpickled. `check_weights_only` makes the same check when a
 checkpoint is saved, so a checkpoint that could not be loaded is never written.
 
+torch is imported by the functions that handle tensors, on first use: the run-folder files
+(`write_text_atomic`, the lock in `posttrain.core.run_lock`) are read and written without it, so
+`posttrain runs` lists runs without loading torch.
+
 Example:
     >>> import tempfile, torch
     >>> from pathlib import Path
@@ -42,9 +46,6 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
-
-import torch
-from torch.serialization import get_unsafe_globals_in_checkpoint
 
 __all__ = [
     "MANIFEST_FILE",
@@ -133,6 +134,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_torch(obj: Any, path: Path) -> None:
     """`torch.save(obj)` to `path` as a file of mode 0600, fsync'ed."""
+    import torch
+
     _write_private(path, lambda f: torch.save(obj, f))
 
 
@@ -235,6 +238,8 @@ def _mib(n: int) -> str:
 def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in `obj` (nested dicts, lists, tuples; each storage counted once,
     a DTensor by its local shard): about what `torch.save(obj)` writes, which adds a few KiB."""
+    import torch
+
     total, seen, stack = 0, set[object](), [obj]
     while stack:
         x = stack.pop()
@@ -390,6 +395,8 @@ def check_dcp_metadata(path: Path) -> None:
     """
     import io
 
+    import torch
+
     class _Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             allowed = (module, name) in _DCP_METADATA_GLOBALS or (
@@ -421,6 +428,8 @@ def check_weights_only(path: Path, what: str) -> None:
             rebuild (e.g. a numpy array or a custom class), named, so a checkpoint that could
             not be loaded is not written.
     """
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
     unsafe = get_unsafe_globals_in_checkpoint(path)
     if unsafe:
         raise TypeError(
@@ -439,6 +448,9 @@ def read_weights_only(path: Path) -> Any:
             torch's weights-only allow-list (anything that could run code); it is not unpickled.
         CheckpointCorruptError: if torch cannot read the file at all.
     """
+    import torch
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
     try:
         unsafe = get_unsafe_globals_in_checkpoint(path)  # scans the pickle; runs nothing
         if not unsafe:

@@ -1,6 +1,7 @@
 """Run lineage: what a run folder was made from, written as `lineage.json` when the run starts
 (`posttrain.workflows.reports.start_run` calls `check_parents` and `write_lineage`, so every
-recipe gets it), and `runs_table`, the table of the runs under some folders.
+recipe gets it). The table of the runs under some folders (`run_rows`, `runs_table`) is in
+`posttrain.workflows.run_table`, and its names import from here too.
 
 `lineage.json` holds the config (as config.json), sha256 hashes of the data (a data file's
 bytes; for a reasoning-gym task the hash of its spec, name + options + sizes + seeds + the
@@ -53,7 +54,15 @@ from typing import Any
 
 from posttrain.core.checkpoint_files import write_text_atomic
 from posttrain.core.run_lock import LOCK_FILE
-from posttrain.workflows.run_state import run_state, run_status
+from posttrain.workflows.run_state import run_status
+from posttrain.workflows.run_table import (
+    LINEAGE_FILE,
+    RUN_COLUMNS,
+    find_runs,
+    main_metric,
+    run_rows,
+    runs_table,
+)
 
 __all__ = [
     "LINEAGE_FILE",
@@ -70,10 +79,11 @@ __all__ = [
     "find_runs",
     "run_status",
     "main_metric",
+    "RUN_COLUMNS",
+    "run_rows",
     "runs_table",
 ]
 
-LINEAGE_FILE = "lineage.json"
 PACKAGES = (
     "torch",
     "transformers",
@@ -98,7 +108,6 @@ QUESTIONS_HASH_MAX = 50_000
 """Training sets up to this size are generated once more to hash their questions (chain_sum:
 ~0.6 s for 20,000); larger ones are identified by their spec hash alone."""
 GIT_TIMEOUT_S = 5.0
-_SKIP_DIRS = {"checkpoints", "policy", "adapter", "launch", "__pycache__"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,107 +394,3 @@ def read_lineage(folder: str | os.PathLike) -> dict[str, Any]:
             "before runs recorded their lineage"
         )
     return json.loads(path.read_text())
-
-
-def find_runs(*folders: str | os.PathLike) -> list[Path]:
-    """Every run folder (config.json + lineage.json) in or under `folders`, sub-runs included,
-    in path order (checkpoints/, policy/ and adapter/ folders are not searched).
-
-    Raises:
-        ValueError: naming a folder that does not exist.
-    """
-    found: list[Path] = []
-    for root in folders:
-        root = Path(root)
-        if not root.is_dir():
-            raise ValueError(f"runs folder {str(root)!r} does not exist")
-        for here, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
-            if "config.json" in files and LINEAGE_FILE in files:
-                found.append(Path(here))
-    return sorted(dict.fromkeys(found))
-
-
-def main_metric(results: dict[str, Any]) -> tuple[str | None, float | None]:
-    """The headline number of a results.json: held-out accuracy after the last stage
-    (`after_<algo>` of an RL run, `after` of SFT / DPO / reward model), else the final loss."""
-    algo = results.get("algo")
-    for key in ([f"after_{algo}"] if algo else []) + ["after"]:
-        r = results.get(key)
-        if isinstance(r, dict) and isinstance(r.get("accuracy"), (int, float)):
-            return f"{key}.accuracy", float(r["accuracy"])
-    for key in ("final_loss", "final_train_loss"):
-        if isinstance(results.get(key), (int, float)):
-            return key, float(results[key])
-    return None, None
-
-
-def _shown(path: Path) -> str:
-    """`path` relative to the current folder when it is below it, else absolute."""
-    path = path.resolve()
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd().resolve()))
-    return str(path)
-
-
-def _parent_path(entry: dict[str, str], run: Path) -> Path:
-    relative = run / entry["path"]
-    return relative if relative.exists() or not entry.get("abs") else Path(entry["abs"])
-
-
-def runs_table(*folders: str | os.PathLike) -> Any:
-    """A pandas DataFrame of the runs under `folders` (default: ./runs), one row per run folder
-    sorted by start time: run (path), recipe, started (UTC), commit (10 hex digits, "+dirty"
-    for a changed checkout; the package version without git), status (finished, running,
-    failed, interrupted or dead: `posttrain.workflows.run_state.run_state`, as a sweep's table
-    has it), error (a failed run's exception line, where an interrupted one stopped, why a
-    dead one is taken for dead), metric and value (`main_metric`), parents (their paths,
-    comma-separated).
-
-    Raises:
-        ValueError: naming a folder that does not exist.
-    """
-    import pandas as pd
-
-    rows = []
-    for run in find_runs(*(folders or ("runs",))):
-        lineage = json.loads((run / LINEAGE_FILE).read_text())
-        code = lineage.get("code", {})
-        commit = (
-            code["git_commit"][:10] + ("+dirty" if code.get("git_dirty") else "")
-            if code.get("git_commit")
-            else f"v{code.get('version')}"
-        )
-        path = run / "results.json"
-        metric, value = (
-            main_metric(json.loads(path.read_text())) if path.is_file() else (None, None)
-        )
-        state = run_state(run)
-        rows.append(
-            {
-                "run": _shown(run),
-                "recipe": lineage.get("recipe", {}).get("name"),
-                "started": lineage.get("started"),
-                "commit": commit,
-                "status": state.status,
-                "error": state.error,
-                "metric": metric,
-                "value": value,
-                "parents": ", ".join(
-                    _shown(_parent_path(p, run)) for p in lineage.get("parents", [])
-                ),
-            }
-        )
-    columns = [
-        "run",
-        "recipe",
-        "started",
-        "commit",
-        "status",
-        "error",
-        "metric",
-        "value",
-        "parents",
-    ]
-    table = pd.DataFrame(rows, columns=columns)
-    return table.sort_values(["started", "run"], kind="stable").reset_index(drop=True)

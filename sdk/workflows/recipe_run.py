@@ -67,7 +67,15 @@ if TYPE_CHECKING:
 
     from posttrain.models.specs import ModelSpec
 
-__all__ = ["RecipeRun"]
+__all__ = ["RecipeRun", "RunRefused"]
+
+
+class RunRefused(ValueError):
+    """A run refused at its start, before anything was written: a bad config, a task whose data
+    does not fit it, a `parallel` plan that does not fit the job (no process group, too few
+    ranks), a used run folder, a resume whose config differs from the saved one, a missing
+    parent run or data file. The message names the field and the fix; `posttrain run` prints
+    it as its one-line error (exit code 2) where any other exception keeps its traceback."""
 
 
 @dataclass(frozen=True)
@@ -104,15 +112,21 @@ class RecipeRun:
         process group train one run without a plan.
 
         Raises:
-            ValueError: before anything is written, naming the field (see `validate`,
-                `check_task_fits`, `check_world_size` and `start_run`).
+            RunRefused: (a ValueError) before anything is written, naming the field (see
+                `validate`, `check_task_fits`, `check_world_size` and `start_run`).
+            FieldTypeError: for a section of the wrong type (see `validate`).
             RunDirInUseError: if another live process holds the folder.
         """
         started = time.perf_counter()
-        validate(cfg)
-        check_task_fits(cfg)
-        checked = check_world_size(cfg)
-        out = start_run(cfg, sub_runs=sub_runs, checked=True)
+        try:
+            validate(cfg)
+            check_task_fits(cfg)
+            checked = check_world_size(cfg)
+            out = start_run(cfg, sub_runs=sub_runs, checked=True)
+        except ValueError as e:
+            if isinstance(e, TypeError):  # a section of the wrong type: a notebook's bug
+                raise
+            raise RunRefused(str(e)) from e
         plan = plan_of(cfg)
         return cls(
             cfg=cfg,

@@ -1,10 +1,11 @@
 """Recipes by name: a file `recipes/NAME.py` (looked up in the current folder, then beside the
 installed package source) defining a keyword-only dataclass `Config` and a function `main(cfg)`.
-`load_recipe` imports one, and `apply_overrides` applies dotted `key=value` strings typed by the
-dataclass annotations, after a YAML preset if given (`read_config_file`), in one construction
-of the config (`posttrain run`, `posttrain launch` and `posttrain.workflows.sweep` share them;
-`load_config_file` applies a preset alone). An unknown key is an error listing the valid keys
-of its section.
+`load_recipe` imports one (`available_recipes` and `available_presets` list them by name, and
+`find_preset` finds a YAML preset `recipes/presets/NAME.yaml` by name), and `apply_overrides`
+applies dotted `key=value` strings typed by the dataclass annotations, after a YAML preset if
+given (`read_config_file`), in one construction of the config (`posttrain run`, `posttrain
+launch` and `posttrain.workflows.sweep` share them; `load_config_file` applies a preset alone).
+An unknown key is an error listing the valid keys of its section.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from types import ModuleType
 __all__ = [
     "recipe_dirs",
     "find_recipe",
+    "available_recipes",
+    "available_presets",
+    "find_preset",
     "load_recipe",
     "read_config_file",
+    "split_overrides",
     "load_config_file",
     "apply_overrides",
     "config_annotation",
@@ -42,17 +47,52 @@ def find_recipe(name: str) -> Path:
         if not path.is_file():
             raise ValueError(f"recipe file {name!r} does not exist")
         return path
-    found: dict[str, Path] = {}
-    for d in recipe_dirs():
-        for p in sorted(d.glob("*.py")) if d.is_dir() else []:
-            if not p.name.startswith("_"):
-                found.setdefault(p.stem, p)
+    found = available_recipes()
     if name not in found:
         raise ValueError(
             f"unknown recipe {name!r}; available: {', '.join(sorted(found)) or 'none'}"
             f" (searched {', '.join(str(d) for d in recipe_dirs())})"
         )
     return found[name]
+
+
+def available_recipes() -> dict[str, Path]:
+    """Recipe name -> file, for every `NAME.py` (not starting with "_") in `recipe_dirs()`; a
+    name in the current folder's recipes/ hides the package's. Sorted by name."""
+    return _first_of_each("*.py", recipe_dirs())
+
+
+def available_presets() -> dict[str, Path]:
+    """Preset name -> file, for every `NAME.yaml` in the `presets/` folder of `recipe_dirs()`
+    (the current folder's first). Sorted by name."""
+    return _first_of_each("*.yaml", [d / "presets" for d in recipe_dirs()])
+
+
+def _first_of_each(pattern: str, folders: list[Path]) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in folders:
+        for p in sorted(d.glob(pattern)) if d.is_dir() else []:
+            if not p.name.startswith("_"):
+                found.setdefault(p.stem, p)
+    return dict(sorted(found.items()))
+
+
+def find_preset(name: str) -> str:
+    """The YAML file of a preset given as a file path or by name (`sft_lora`: a file of
+    `available_presets`). A name with a "/" or a .yaml/.yml suffix, or an existing file, is
+    taken as a path as written (`read_config_file` names a missing one).
+
+    Raises ValueError for an unknown name, listing the presets.
+    """
+    if "/" in name or name.endswith((".yaml", ".yml")) or Path(name).is_file():
+        return name
+    found = available_presets()
+    if name not in found:
+        raise ValueError(
+            f"unknown preset {name!r}; available: {', '.join(found) or 'none'} "
+            "(or pass a YAML file path)"
+        )
+    return str(found[name])
 
 
 def load_recipe(name: str) -> ModuleType:
@@ -103,12 +143,15 @@ def _coerce(value: str, annotation) -> object:
 
 def read_config_file(path: str) -> dict:
     """The mapping of YAML file `path` (a preset: top-level keys, sections as nested mappings
-    `optim: {lr: 0.0001}` or dotted keys `optim.lr: 0.0001`; an empty file: no changes).
+    `optim: {lr: 0.0001}` or dotted keys `optim.lr: 0.0001`; an empty file: no changes). `path`
+    may name a preset instead (`find_preset`: `sft_lora`).
 
-    Raises ValueError for a file that cannot be read, is not YAML, or holds no mapping.
+    Raises ValueError for an unknown preset name, a file that cannot be read, is not YAML, or
+    holds no mapping.
     """
     import yaml
 
+    path = find_preset(path)
     try:
         with open(path) as f:
             values = yaml.safe_load(f) or {}
@@ -161,6 +204,21 @@ def config_annotation(cfg, key: str):
     return annotation
 
 
+def split_overrides(overrides: list[str]) -> list[tuple[str, str]]:
+    """The (key, value) of each `key=value` string, split at its first "=" (the value may hold
+    more); nothing is typed or checked against a config yet.
+
+    Raises ValueError naming an item without "=" or with an empty key.
+    """
+    pairs = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        pairs.append((key, value))
+    return pairs
+
+
 def apply_overrides(
     cfg,
     overrides: list[str],
@@ -182,10 +240,7 @@ def apply_overrides(
     from posttrain.workflows.config import override
 
     changes = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} is not of the form key=value")
-        key, value = item.split("=", 1)
+    for key, value in split_overrides(overrides):
         annotation = config_annotation(cfg, key)
         try:
             changes[key] = _coerce(value, annotation)

@@ -107,7 +107,14 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = (), checked: bool = False) 
     config = dataclasses.asdict(cfg)
     if not cfg.resume:
         for folder in (out, *(out / s for s in sub_runs)):
-            check_new_run_dir(folder)
+            try:
+                check_new_run_dir(folder)
+            except ValueError:
+                raise ValueError(
+                    f"Config.out_dir={str(out)!r} already holds a run ({folder} has metrics.jsonl "
+                    f"or checkpoints): continue it with `posttrain resume {out}` (resume=True in "
+                    "a notebook's Config), or choose a new out_dir"
+                ) from None
     elif (out / "config.json").is_file():
         _check_resumed_config(json.loads((out / "config.json").read_text()), config, out)
     parents = check_parents(cfg, out, sub_runs)

@@ -56,3 +56,58 @@ def test_posttrain_help_loads_no_verl_or_ray():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage: posttrain" in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+# What a command that starts no run may load: none of these (each seconds of CPU per call).
+HEAVY = (*LAZY, "torch", "pandas", "numpy", "reasoning_gym", "vllm")
+
+
+def test_commands_that_start_no_run_load_no_torch_or_pandas(tmp_path):
+    """The code paths of `posttrain --help`, `posttrain CMD --help`, `ls`, `runs`, and of the
+    mistakes found before a recipe is loaded (unknown recipe, preset or run, a malformed
+    override, a finished run given to `resume`), run in one fresh process: each exits as it
+    should (0, or 2 with a one-line error) and torch, pandas and the rest are still not in
+    sys.modules at the end. The run folder is written by hand: config.json, lineage.json,
+    results.json."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text('{"out_dir": "runs/a"}')
+    (run / "lineage.json").write_text(
+        '{"recipe": {"name": "sft"}, "started": "2026-01-01T00:00:00+00:00", "code": {}}'
+    )
+    (run / "results.json").write_text('{"after": {"accuracy": 0.25}}')
+    calls = [
+        (["--help"], 0),
+        (["run", "--help"], 0),
+        (["resume", "--help"], 0),
+        (["ls"], 0),
+        (["runs"], 0),
+        (["run", "nope"], 2),
+        (["run", "sft", "--config", "nope"], 2),
+        (["run", "sft", "optim.steps"], 2),
+        (["resume", "nope"], 2),
+        (["resume", "a"], 2),
+        (["rerun", "nope"], 2),
+        (["runs", "--bogus"], 2),
+    ]
+    code = (
+        "import sys\nfrom posttrain.cli import main\ncodes = []\n"
+        f"for argv, _ in {calls!r}:\n"
+        "    try:\n        codes.append(main(argv))\n"
+        "    except SystemExit as e:\n        codes.append(e.code)\n"
+        f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"{[c for _, c in calls]} []", out.stdout
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == sum(c == 2 for _, c in calls), out.stderr  # one line each
+    assert "Traceback" not in out.stderr
+    assert "runs/a" in out.stdout and "after.accuracy" in out.stdout  # the `runs` table
+    assert "sft_lora" in out.stdout and "reward_model" in out.stdout  # the `ls` listing

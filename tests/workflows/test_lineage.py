@@ -5,6 +5,7 @@ folder (same results.json numbers and per-step losses, same config)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -192,28 +193,30 @@ def test_init_from_another_runs_policy_makes_it_the_parent(runs):
     ]
 
 
-def test_a_missing_or_non_run_parent_fails_before_anything_is_written(tmp_path, monkeypatch):
+def test_a_missing_or_non_run_parent_fails_before_anything_is_written(
+    tmp_path, monkeypatch, capsys
+):
+    """The command line's one-line error (exit code 2); the run's own `RunRefused` (a
+    ValueError) from a call in Python."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     for parent, message in (
         ("nope", "parent run 'nope' does not exist"),
         ("empty", "parent run 'empty' is not a run folder"),
     ):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(SystemExit) as exit_info:
             cli.main(["run", "sft", *_args(SFT_TINY), "--parent", parent, "out_dir=c"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"posttrain run: error: {message}") and err.count("\n") == 1
         assert not (tmp_path / "c").exists()
+    sft = cli.load_recipe("sft")
+    cfg = override(
+        sft.Config(),
+        {**SFT_TINY, "task.name": "missing.jsonl", "task.options": {}, "task.eval_size": 0},
+    )
     with pytest.raises(ValueError, match="Config.task.name='missing.jsonl': no such data file"):
-        cli.main(
-            [
-                "run",
-                "sft",
-                *_args(SFT_TINY),
-                "task.name=missing.jsonl",
-                "task.options={}",
-                "task.eval_size=0",
-                "out_dir=c",
-            ]
-        )
+        sft.main(dataclasses.replace(cfg, out_dir="c"))
     assert not (tmp_path / "c").exists()
 
 
@@ -386,6 +389,13 @@ def test_each_run_state_made_for_real_reads_the_same_in_every_view(
     assert run_status(runs / "a") == "finished"
     with pytest.raises(ValueError, match="runs folder 'nowhere' does not exist"):
         runs_table("nowhere")
+    # `posttrain resume` continues the interrupted run with its own saved config, nothing
+    # retyped: the same per-step losses as the uninterrupted runs/a (same config but eval)
+    assert cli.main(["resume", "states/interrupted/seed0"]) == 0
+    assert run_status("states/interrupted/seed0") == "finished"
+    assert _losses(tmp_path / "states/interrupted/seed0") == _losses(runs / "a")
+    resumes = read_lineage("states/interrupted/seed0")["resumes"]
+    assert [r["command"] for r in resumes] == ["posttrain resume states/interrupted/seed0"]
 
 
 def test_a_resumed_run_is_running_whatever_an_earlier_attempt_left(tmp_path):

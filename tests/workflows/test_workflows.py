@@ -70,7 +70,9 @@ def test_the_command_line_exits_130_on_ctrl_c(tmp_path, ctrl_c_at_sft_step_3, ca
     module = cli.load_recipe("grpo")
     args = [f"{k}={v}" for k, v in {**module.TINY, "sft.steps": 4}.items()]
     assert cli.main(["run", "grpo", *args, f"out_dir={tmp_path / 'run'}"]) == 130
-    assert "interrupted after step 2 of 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "interrupted after step 2 of 4" in err
+    assert f"continue it with: posttrain resume {tmp_path / 'run'}" in err
 
 
 def test_a_resume_with_another_setting_is_refused_naming_it(tmp_path):

@@ -1,15 +1,22 @@
-"""`posttrain` command line: `posttrain info`, `posttrain run RECIPE [--config PRESET.yaml]
-[--parent FOLDER ...] [key=value ...]`, `posttrain launch RECIPE [--executor local|slurm|debug]
-[resources] [key=value ...]`, `posttrain runs [FOLDER ...]` (the table of runs and their
-lineage) and `posttrain rerun FOLDER [out_dir=...] [key=value ...]` (a run again from its
-folder's config.json).
+"""`posttrain` command line: `posttrain info`, `posttrain ls` (the recipes and presets),
+`posttrain run RECIPE [--config PRESET] [--parent FOLDER ...] [key=value ...]`, `posttrain
+launch RECIPE [--executor local|slurm|debug] [resources] [key=value ...]`, `posttrain runs
+[FOLDER ...]` (the table of runs and their lineage), `posttrain resume RUN [key=value ...]` (a
+stopped run continued with its own saved config) and `posttrain rerun RUN [out_dir=...]
+[key=value ...]` (a run again from its folder's config.json).
 
 A recipe is a file `recipes/NAME.py` (looked up in the current folder, then beside the installed
 package source) that defines a keyword-only dataclass `Config` and a function `main(cfg)`. A
 `Config` nests sections (`posttrain.workflows.config`); keys are dotted (`optim.lr=1e-4`,
-`task.options.max_terms=3`), typed by the dataclass field annotations, and a YAML preset writes
-the same sections as nested mappings. An unknown key is an error listing the valid keys of its
-section.
+`task.options.max_terms=3`), typed by the dataclass field annotations, and a YAML preset (a file,
+or a name from `recipes/presets/`) writes the same sections as nested mappings.
+
+A mistake in what was typed (an unknown recipe, preset, run or key, a bad value, a missing data
+file, a used out_dir, a resume whose config differs, a plan that needs more ranks than launched:
+`posttrain.workflows.recipe_run.RunRefused`) is one line on stderr naming the field and the fix,
+`posttrain CMD: error: ...`, with exit code 2; a malformed command line prints its subcommand's
+usage. `--help`, `ls`, `runs` and the mistakes found before a recipe is loaded import neither
+torch nor pandas: heavy packages load when a run starts.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -98,19 +105,22 @@ def _thread_env() -> None:
     apply_thread_env()
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the `posttrain` command itself (a call with argv leaves the process alone)
-        try:
-            _thread_env()
-        except ValueError as e:
-            print(f"posttrain: {e}", file=sys.stderr)
-            return 2
+def _fail(command: str, message: str) -> NoReturn:
+    """The one-line error of a mistake in what was typed: stderr, exit code 2."""
+    print(f"posttrain {command}: error: {' '.join(message.split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, device, threads, compatibility check")
-    run = sub.add_parser("run", help="run a recipe: posttrain run RECIPE [key=value ...]")
+    subs = {"info": sub.add_parser("info", help="versions, device, threads, compatibility check")}
+    subs["ls"] = sub.add_parser("ls", help="the recipes and presets, one line each")
+    run = subs["run"] = sub.add_parser(
+        "run", help="run a recipe: posttrain run RECIPE [key=value ...]"
+    )
     run.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
-    run.add_argument("--config", help="YAML preset applied before the key=value overrides")
+    run.add_argument("--config", help=_CONFIG_HELP)
     run.add_argument(
         "--parent",
         action="append",
@@ -119,23 +129,31 @@ def main(argv: list[str] | None = None) -> int:
         help="a run this run derives from (recorded in lineage.json; repeatable)",
     )
     run.add_argument("overrides", nargs="*", help="config overrides key=value")
-    runs = sub.add_parser("runs", help="table of the runs under FOLDER ... (default: ./runs)")
+    runs = subs["runs"] = sub.add_parser(
+        "runs", help="table of the runs under FOLDER ... (default: ./runs)"
+    )
     runs.add_argument("folders", nargs="*", default=["runs"])
-    rerun = sub.add_parser(
+    resume = subs["resume"] = sub.add_parser(
+        "resume",
+        help="continue a stopped run with its saved config: posttrain resume RUN [key=value ...]",
+    )
+    resume.add_argument("run", help=_RUN_HELP)
+    resume.add_argument("overrides", nargs="*", help="resumable overrides key=value (progress=...)")
+    rerun = subs["rerun"] = sub.add_parser(
         "rerun",
         help="run again from a run folder's config.json: posttrain "
-        "rerun FOLDER [out_dir=...] [key=value ...] (default out_dir: "
-        "FOLDER-rerun)",
+        "rerun RUN [out_dir=...] [key=value ...] (default out_dir: "
+        "RUN-rerun)",
     )
-    rerun.add_argument("folder", help="a run folder (config.json + lineage.json)")
+    rerun.add_argument("folder", metavar="run", help=_RUN_HELP)
     rerun.add_argument("overrides", nargs="*", help="config overrides key=value")
-    launch = sub.add_parser(
+    launch = subs["launch"] = sub.add_parser(
         "launch",
         help="submit a recipe as a job (posttrain.launch.submit): "
         "posttrain launch RECIPE [options] [key=value ...]",
     )
     launch.add_argument("recipe", help="recipe name (sft) or file (recipes/sft.py)")
-    launch.add_argument("--config", help="YAML preset applied before the key=value overrides")
+    launch.add_argument("--config", help=_CONFIG_HELP)
     launch.add_argument("--executor", default="local", choices=("local", "slurm", "debug"))
     for flag, default in (
         ("--nodes", 1),
@@ -150,12 +168,35 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--name", help="job name")
     launch.add_argument("--wait", action="store_true", help="wait for the job and print its result")
     launch.add_argument("overrides", nargs="*", help="config overrides key=value")
+    return parser, subs
+
+
+_CONFIG_HELP = "YAML preset (a file, or a name `posttrain ls` lists) applied before the overrides"
+_RUN_HELP = "a run folder (runs/a, as `posttrain runs` lists it) or a run's name under ./runs (a)"
+_CONFIGURED = ("run", "launch", "rerun", "resume")
+"""The commands that build a recipe's config from overrides."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `posttrain` command (`argv`: its arguments; None: `sys.argv[1:]`, and the thread
+    plan is set in `os.environ` first). Returns the exit code: 0, 1 (`info` found an
+    incompatible stack, a launch failed), 130 (Ctrl-C stopped the run at a whole step).
+
+    Raises:
+        SystemExit: code 2 for a mistake in what was typed (see the module docstring), 0 after
+            `--help`.
+    """
+    if argv is None:  # the `posttrain` command itself (a call with argv leaves the process alone)
+        try:
+            _thread_env()
+        except ValueError as e:
+            print(f"posttrain: {e}", file=sys.stderr)
+            return 2
+    parser, subs = _parser()
     args, rest = parser.parse_known_args(argv)  # overrides may come before and after --config
-    if args.command not in ("run", "launch", "rerun") and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command in ("run", "launch", "rerun"):
-        if any(r.startswith("-") for r in rest):
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest and (args.command not in _CONFIGURED or any(r.startswith("-") for r in rest)):
+        subs[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command in _CONFIGURED:
         args.overrides += rest
 
     if args.command == "info":
@@ -164,21 +205,30 @@ def main(argv: list[str] | None = None) -> int:
         text, ok = format_report()
         print(text)
         return 0 if ok else 1
-    if args.command == "runs":
-        return _runs(parser, args.folders)
-    from posttrain.workflows.recipes import apply_overrides, load_recipe
+    if args.command == "ls":
+        from posttrain.cli.listing import listing
+        from posttrain.workflows.recipes import available_presets, available_recipes
 
+        print(listing(available_recipes(), available_presets()))
+        return 0
+    if args.command == "runs":
+        return _runs(args.command, args.folders)
     command = "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)
     origin: dict[str, object] = {"command": command}
-    try:
-        if args.command == "rerun":
-            module, name, cfg = _load_run(args.folder)
-            defaults: dict[str, object] = {"out_dir": f"{args.folder.rstrip('/')}-rerun"}
-            if any(f.name == "resume" for f in dataclasses.fields(cfg)):
-                defaults["resume"] = False
-            cfg = apply_overrides(cfg, args.overrides, defaults=defaults)
-            origin.update(recipe=name, recipe_file=_source_file(module), rerun_of=args.folder)
+    try:  # what can be checked before a recipe is loaded (and torch with it) is checked first
+        from posttrain.workflows.recipes import find_preset, split_overrides
+
+        split_overrides(args.overrides)
+        if getattr(args, "config", None):
+            args.config = find_preset(args.config)
+        if args.command in ("rerun", "resume"):
+            module, name, cfg, folder = _from_run(args)
+            origin.update(recipe=name, recipe_file=_source_file(module))
+            if args.command == "rerun":
+                origin.update(rerun_of=folder)
         else:
+            from posttrain.workflows.recipes import apply_overrides, load_recipe
+
             module = load_recipe(args.recipe)
             cfg = apply_overrides(module.Config(), args.overrides, config_file=args.config or None)
             origin.update(
@@ -186,11 +236,60 @@ def main(argv: list[str] | None = None) -> int:
                 recipe_file=_source_file(module),
                 parents=getattr(args, "parent", []),
             )
-    except ValueError as e:
-        parser.error(str(e))
+    except (TypeError, ValueError) as e:
+        _fail(args.command, str(e))
     if args.command == "launch":
         return _launch(args, module, cfg)
-    from posttrain.core.run_lock import run_outcome
+    return _run(args, module, cfg, origin)
+
+
+def _from_run(args: argparse.Namespace) -> tuple[ModuleType, str, DataclassInstance, str]:
+    """(recipe module, recipe name, Config, run folder) of `posttrain rerun` / `posttrain
+    resume`: the run's saved config with `args.overrides`; a rerun writes a new folder
+    (default RUN-rerun, resume=false), a resume continues the run in its folder.
+
+    Raises:
+        ValueError: for an unknown run, a finished or running one (resume), a recipe without a
+            `resume` field (resume), or an override the config refuses.
+    """
+    from posttrain.cli.listing import find_run
+    from posttrain.workflows.recipes import apply_overrides
+
+    folder = find_run(args.run if args.command == "resume" else args.folder)
+    if args.command == "resume":
+        from posttrain.workflows.run_state import run_state
+
+        state = run_state(folder)
+        if state.status == "finished":
+            raise ValueError(
+                f"run {folder} has finished: nothing to resume; `posttrain rerun {folder} "
+                "out_dir=NEW` runs it again"
+            )
+        if state.status == "running":
+            raise ValueError(f"run {folder} is running ({state.detail}): wait for it or stop it")
+    module, name, cfg = _load_run(folder)
+    resumable = _resumable(cfg)
+    if args.command == "rerun":
+        defaults: dict[str, object] = {"out_dir": f"{folder.rstrip('/')}-rerun"}
+        if resumable:
+            defaults["resume"] = False
+    elif not resumable:
+        raise ValueError(
+            f"run {folder}: recipe {name!r} cannot resume (its Config has no resume field); "
+            f"`posttrain rerun {folder}` runs it again in a new folder"
+        )
+    else:
+        defaults = {"out_dir": folder, "resume": True}
+    return module, name, apply_overrides(cfg, args.overrides, defaults=defaults), folder
+
+
+def _run(
+    args: argparse.Namespace, module: ModuleType, cfg: object, origin: dict[str, object]
+) -> int:
+    """`module.main(cfg)` inside the run's origin (lineage) and outcome (stopped.json) records;
+    a refusal at the run's start (`RunRefused`, a folder another process holds) is the
+    command's one-line error."""
+    from posttrain.core.run_lock import RunDirInUseError, run_outcome
     from posttrain.workflows.lineage import run_origin
 
     out_dir = getattr(cfg, "out_dir", None)
@@ -201,10 +300,25 @@ def main(argv: list[str] | None = None) -> int:
         ):  # a run that raises records it (`posttrain runs`)
             module.main(cfg)
     except KeyboardInterrupt as e:  # Ctrl-C: the stage stopped at a whole step (RunInterrupted)
-        label = args.folder if args.command == "rerun" else args.recipe
+        label = getattr(args, "recipe", None) or getattr(args, "run", None) or args.folder
         print(f"posttrain {args.command} {label}: interrupted. {e}".rstrip(), file=sys.stderr)
+        if out_dir and _resumable(cfg):
+            print(f"continue it with: posttrain resume {out_dir}", file=sys.stderr)
         return 130
+    except (ValueError, RunDirInUseError) as e:
+        from posttrain.workflows.recipe_run import RunRefused
+
+        if not isinstance(e, (RunRefused, RunDirInUseError)):
+            raise
+        _fail(args.command, str(e))
     return 0
+
+
+def _resumable(cfg: object) -> bool:
+    """Whether config `cfg` is a dataclass with a `resume` field (`posttrain resume` sets it)."""
+    return dataclasses.is_dataclass(cfg) and any(
+        f.name == "resume" for f in dataclasses.fields(cfg)
+    )
 
 
 def _source_file(module: ModuleType) -> str | None:
@@ -212,21 +326,19 @@ def _source_file(module: ModuleType) -> str | None:
     return str(Path(file).resolve()) if file else None
 
 
-def _runs(parser: argparse.ArgumentParser, folders: list[str]) -> int:
-    """Print `posttrain.workflows.lineage.runs_table(*folders)`."""
-    import pandas as pd
-
-    from posttrain.workflows.lineage import runs_table
+def _runs(command: str, folders: list[str]) -> int:
+    """Print the table of `posttrain.workflows.run_table.run_rows(*folders)`."""
+    from posttrain.cli.listing import format_rows
+    from posttrain.workflows.run_table import RUN_COLUMNS, run_rows
 
     try:
-        table = runs_table(*folders)
+        rows = run_rows(*folders)
     except ValueError as e:
-        parser.error(str(e))
-    if table.empty:
+        _fail(command, str(e))
+    if not rows:
         print(f"no runs (folders with config.json and lineage.json) under {', '.join(folders)}")
         return 0
-    with pd.option_context("display.width", 200, "display.max_colwidth", 60):
-        print(table.to_string(index=False))
+    print(format_rows(rows, RUN_COLUMNS))
     return 0
 
 
@@ -263,7 +375,3 @@ def _launch(args: argparse.Namespace, module: ModuleType, cfg: object) -> int:
         print(e, file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
