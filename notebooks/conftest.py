@@ -9,14 +9,21 @@ and where the component is missing every cell of it is skipped with the componen
 and passing without showing what it teaches. `REQUIREMENTS` maps each name to the function that
 says why the component is missing (None when it is there); a name it does not know fails the
 collection of that notebook with the known names listed.
+
+A cell that teaches with a plot carries the cell tag `shows-figure` (`FIGURE_TAG`, in the cell's
+`metadata.tags`): its test fails unless the cell displayed an image (image/png), as a figure that
+is the cell's value, through `display(fig)` or `plt.show()`. nbval compares no image and, under
+--nbval-lax, no output of an unmarked cell, so a plot that renders nothing (after something
+switched matplotlib's backend in the kernel) would otherwise pass.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +81,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             reasons[path] = unmet_reason(path)
         if reasons[path] is not None:
             item.add_marker(pytest.mark.skip(reason=reasons[path]))
+
+
+FIGURE_TAG = "shows-figure"
+"""Cell tag: the cell must display at least one image/png output."""
+
+
+def missing_figure(tags: Sequence[str], outputs: Sequence[dict[str, Any]]) -> str | None:
+    """Why a cell tagged `FIGURE_TAG` failed to show a figure (None: untagged, or it displayed
+    one). `outputs` are the cell's nbformat outputs (dicts with output_type and data)."""
+    if FIGURE_TAG not in tags:
+        return None
+    kinds = [o.get("output_type") for o in outputs]
+    if any(
+        o.get("output_type") in ("display_data", "execute_result")
+        and "image/png" in o.get("data", {})
+        for o in outputs
+    ):
+        return None
+    return (
+        f"the cell is tagged {FIGURE_TAG!r} but displayed no image/png (outputs: {kinds}); "
+        "is matplotlib's backend still the inline one?"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield  # nbval ran the cell (a failure already raised)
+    cell = getattr(item, "cell", None)  # nbval's IPyNbCell
+    if cell is not None:
+        reason = missing_figure(cell.metadata.get("tags", []), item.test_outputs or [])
+        if reason is not None:
+            pytest.fail(f"{item.name}: {reason}", pytrace=False)
+    return result

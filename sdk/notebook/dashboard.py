@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from posttrain.core.figures import figure_png
 from posttrain.notebook.plots import (
     OUTCOMES_PANEL,
     _default_metrics,
     _draw,
     _new_figure,
     _outcome_columns,
-    _png,
 )
 from posttrain.notebook.rl_panels import (
     TIME_PANEL,
@@ -379,7 +379,7 @@ class LiveDashboard:
             for ax, name in zip(self._fig.axes, metrics):  # subplots are created row-major
                 if name == TIME_PANEL:
                     _draw_time_split(ax, frame)
-            return _png(self._fig)
+            return figure_png(self._fig)
 
     def _header_html(self, step: int, total: int | None, row: dict, metrics: list[str]) -> str:
         where = f"step {step}/{total}" if total is not None else f"step {step}"

@@ -17,12 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from collections.abc import Sequence
 
 import pandas as pd
+
+from posttrain.core.figures import new_figure
 
 __all__ = [
     "plot_metrics",
@@ -197,45 +198,12 @@ def _draw_outcomes(ax, frame: pd.DataFrame, steps: pd.Series) -> None:
 
 
 def _new_figure(n: int, ncols: int, figsize: tuple[float, float] | None, dpi: int):
-    """A matplotlib Figure outside pyplot: nothing global, never auto-displayed twice."""
+    """A Figure outside pyplot (`posttrain.core.figures`): nothing global, shown once inline."""
     ncols = max(1, min(ncols, n))
     nrows = math.ceil(max(n, 1) / ncols)
     if figsize is None:
         figsize = (3.3 * ncols, 2.5 * nrows)
-    return _Figure(figsize=figsize, dpi=dpi, layout="constrained")
-
-
-def _figure_class():
-    from matplotlib.figure import Figure
-
-    class MetricsFigure(Figure):
-        """A matplotlib Figure that displays itself as a PNG in IPython (with or without the
-        inline backend active)."""
-
-        def _repr_png_(self) -> bytes:
-            return _png(self)
-
-    return MetricsFigure
-
-
-class _LazyFigure:
-    """Builds the Figure subclass on first use, so importing this module stays cheap."""
-
-    cls = None
-
-    def __call__(self, **kwargs):
-        if _LazyFigure.cls is None:
-            _LazyFigure.cls = _figure_class()
-        return _LazyFigure.cls(**kwargs)
-
-
-_Figure = _LazyFigure()
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return new_figure(figsize=figsize, dpi=dpi, layout="constrained")
 
 
 def plot_metrics(

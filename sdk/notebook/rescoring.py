@@ -193,9 +193,10 @@ def _stats(reward: pd.Series, outcome: pd.Series) -> dict[str, float]:
 def _compare_figure(b_reward, b_outcome, a_reward, a_outcome, summary: pd.DataFrame, bins: int):
     import numpy as np
 
-    from posttrain.notebook.plots import _OUTCOME_COLORS, _Figure
+    from posttrain.core.figures import new_figure
+    from posttrain.notebook.plots import _OUTCOME_COLORS
 
-    fig = _Figure(figsize=(9, 3.2), dpi=100, layout="constrained")
+    fig = new_figure(figsize=(9, 3.2), dpi=100, layout="constrained")
     ax_hist, ax_out = fig.subplots(1, 2)
     values = np.concatenate([np.asarray(b_reward, float), np.asarray(a_reward, float)])
     low, high = float(values.min()), float(values.max())

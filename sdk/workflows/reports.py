@@ -3,9 +3,11 @@ the config and record the run's lineage (`start_run`; `posttrain.workflows.linea
 held-out accuracy table and paired difference of results.md, results.json + results.md
 (`write_results`), and the one plot of per-step curves (`plot_curves`).
 
-The plot uses matplotlib directly (Agg, a file in the run folder), not
-`posttrain.notebook.plots.plot_metrics`: nothing in the SDK imports the notebook layer, and a
-recipe's run folder should look the same whether it ran from a shell, a notebook or a job.
+The plot is a matplotlib Figure made outside pyplot (`posttrain.core.figures`), saved to the run
+folder, not `posttrain.notebook.plots.plot_metrics`: nothing in the SDK imports the notebook
+layer, and a recipe's run folder should look the same whether it ran from a shell, a notebook or
+a job. It leaves matplotlib's backend alone, so the plots of a notebook stay inline after a
+recipe ran in its kernel.
 
 Example:
     >>> r = {"accuracy": 0.25, "ci_low": 0.1, "ci_high": 0.5, "num_items": 8}
@@ -22,7 +24,7 @@ import io
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import pandas as pd
 import torch
@@ -30,6 +32,7 @@ import torch
 from posttrain.core.checkpoint import check_new_run_dir
 from posttrain.core.checkpoint_files import write_text_atomic
 from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.core.figures import new_figure
 from posttrain.core.run_lock import claim_run_dir
 from posttrain.core.stage_files import count_lines, read_stage_file, write_stage_file
 from posttrain.rewards.evaluation import wilson_interval
@@ -38,6 +41,9 @@ from posttrain.workflows.config import BatchOptimConfig, SFTWarmStartConfig, val
 from posttrain.workflows.lineage import check_parents, write_lineage
 from posttrain.workflows.parallel import ParallelPlan, check_world_size
 from posttrain.workflows.rollout_config import RolloutConfig
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "start_run",
@@ -380,18 +386,22 @@ def plot_curves(
     *,
     xlabel: str,
     log_y: bool = False,
-) -> None:
+) -> Figure:
     """One row of panels, x = `metrics["step"]`, one per (column, axis label) present in
     `metrics`; rows where a column is NaN are skipped (sparse ones get point markers). Saved to
-    `path` at 100 dpi."""
-    import matplotlib
+    `path` as PNG at 100 dpi (4 x 3 inches a panel).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    columns = [(c, label) for c, label in columns if c in metrics]
-    fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3), squeeze=False)
-    for ax, (column, label) in zip(axes[0], columns):
+    Returns the `matplotlib.figure.Figure` (outside pyplot: it shows inline only as a notebook
+    cell's value or through `display`). Raises ValueError if no column of `columns` is in
+    `metrics` (the message lists both)."""
+    present = [(c, label) for c, label in columns if c in metrics]
+    if not present:
+        raise ValueError(
+            f"plot_curves: none of the columns {[c for c, _ in columns]} is in the metrics "
+            f"(columns: {list(metrics.columns)})"
+        )
+    fig = new_figure(figsize=(4 * len(present), 3), layout="tight")
+    for ax, (column, label) in zip(fig.subplots(1, len(present), squeeze=False)[0], present):
         data = metrics[["step", column]].dropna()
         ax.plot(data["step"], data[column], lw=1, marker="." if len(data) < len(metrics) else None)
         ax.set_xlabel(xlabel)
@@ -399,6 +409,5 @@ def plot_curves(
         if log_y:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from posttrain.core.checks import check_int
+from posttrain.core.figures import new_figure
 from posttrain.core.metrics import read_metrics
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import (
@@ -35,12 +36,19 @@ from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import evaluate
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
 
     from posttrain.policy.engine_slot import EngineSlot
 
 
-__all__ = ["HeldOutCurve", "sampled_evaluations", "more_sft_baseline", "write_rl_results"]
+__all__ = [
+    "HeldOutCurve",
+    "plot_eval_curve",
+    "sampled_evaluations",
+    "more_sft_baseline",
+    "write_rl_results",
+]
 
 
 def _sampled(
@@ -191,24 +199,34 @@ class HeldOutCurve:
         table = read_table(self.path)
         return [] if table is None else table.to_dict("records")
 
-    def plot(self, path: Path, *, xlabel: str) -> None:
-        """Accuracy against step with its interval band, saved to `path` (100 dpi)."""
-        import matplotlib
+    def plot(self, path: Path, *, xlabel: str) -> Figure:
+        """`plot_eval_curve` of the points so far (step 0 at least: `start` wrote it)."""
+        return plot_eval_curve(read_table(self.path, required=True), path, xlabel=xlabel)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        data = read_table(self.path, required=True)  # start() wrote step 0
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.fill_between(data["step"], data["ci_low"], data["ci_high"], alpha=0.25)
-        ax.plot(data["step"], data["accuracy"], marker=".")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out greedy accuracy")
-        ax.set_title(f"{int(data['num_items'].iloc[0])} items, 95% Wilson interval", fontsize=9)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+def plot_eval_curve(curve: pd.DataFrame, path: Path, *, xlabel: str) -> Figure:
+    """Held-out accuracy against step with its interval band, one 5 x 3 inch panel saved to
+    `path` as PNG at 100 dpi.
+
+    Args:
+        curve: a `HeldOutCurve` table: columns step, accuracy, ci_low, ci_high (fractions in
+            [0, 1]) and num_items, one row per point.
+        path: the PNG file to write. xlabel: the x axis label (e.g. "GRPO step").
+
+    Returns:
+        The `matplotlib.figure.Figure`, made outside pyplot (`posttrain.core.figures`): the
+        backend is left as it is, and it shows inline only as a notebook cell's value.
+    """
+    fig = new_figure(figsize=(5, 3), layout="tight")
+    ax = fig.add_subplot()
+    ax.fill_between(curve["step"], curve["ci_low"], curve["ci_high"], alpha=0.25)
+    ax.plot(curve["step"], curve["accuracy"], marker=".")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"{int(curve['num_items'].iloc[0])} items, 95% Wilson interval", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=100)
+    return fig
 
 
 def write_rl_results(run: RecipeRun, results: dict[str, Any], task: str, algo: str) -> None:

@@ -390,14 +390,15 @@ class Sweep:
     def plot(self, ax=None):
         """The headline metric per arm: one dot per seed, the mean with its 95% interval, and
         the baseline's mean as a dashed line; with a baseline, a second panel of the paired
-        differences with their intervals and zero. Returns the matplotlib Figure."""
-        import matplotlib.pyplot as plt
+        differences with their intervals and zero. Returns the `matplotlib.figure.Figure`, made
+        outside pyplot (`posttrain.core.figures`): it shows as the cell's value (`s.plot()`) or
+        through `display(fig)`, and leaves matplotlib's backend as it is."""
+        from posttrain.core.figures import new_figure
 
         summary, table = self.summary(), self.table()
         panels = 2 if self.baseline is not None else 1
-        fig, axes = plt.subplots(
-            1, panels, figsize=(5 * panels, 0.6 * len(self.arms) + 2), squeeze=False
-        )
+        fig = new_figure(figsize=(5 * panels, 0.6 * len(self.arms) + 2), layout="tight")
+        axes = fig.subplots(1, panels, squeeze=False)
         ax, y = axes[0][0], range(len(self.arms))
         for i, arm in enumerate(self.arms):
             dots = table[(table.arm == arm.name) & (table.status == "finished")]["value"]
@@ -431,7 +432,6 @@ class Sweep:
             ax2.axvline(0, color="0.5", lw=1)
             ax2.set_yticks(list(y), [""] * len(self.arms))
             ax2.set_xlabel(f"minus {self.baseline.name} (paired, 95% CI)")
-        fig.tight_layout()
         return fig
 
     def _repr_html_(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from _figure_helpers import pyplot_untouched
 from matplotlib.figure import Figure
 
 import posttrain.notebook.dashboard as dashboard
@@ -232,7 +233,8 @@ def test_rl_rows_reward_kl_outcomes_and_rollout_table(displays):
 
 def test_plot_metrics_from_a_run_folder(tmp_path):
     sft_trainer(run_dir=tmp_path / "run").fit(3)
-    fig = plot_metrics(tmp_path / "run", ["loss", "lr"])
+    with pyplot_untouched():
+        fig = plot_metrics(tmp_path / "run", ["loss", "lr"])
     assert isinstance(fig, Figure)
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == ["loss (nats/token)", "learning rate"]

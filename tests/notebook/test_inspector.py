@@ -9,6 +9,7 @@ import math
 import pandas as pd
 import pytest
 import torch
+from _figure_helpers import pyplot_untouched
 from matplotlib.figure import Figure
 
 from posttrain.models import ByteTokenizer
@@ -232,7 +233,8 @@ def test_compare_rewards_summary_by_hand():
     error row has no reward, so the mean is over the 5 judged rows, 2/5 (accuracy 2/6). After
     `lenient`: rewards [1,1,0,1,0,1] (mean 4/6), ok 4, wrong 1, format_error 1, error 0
     (accuracy 4/6). Two rows changed."""
-    summary, fig = compare_rewards(rescore(groups(), lenient, items=ITEMS))
+    with pyplot_untouched():
+        summary, fig = compare_rewards(rescore(groups(), lenient, items=ITEMS))
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     s = summary.to_dict("index")
     assert s["rows"] == {"before": 6.0, "after": 6.0, "change": 0.0}

@@ -13,6 +13,7 @@ import math
 import textwrap
 
 import pytest
+from _figure_helpers import pyplot_untouched
 from _run_helpers import hold_run_dir
 
 from posttrain.rewards.evaluation import paired_bootstrap_diff
@@ -102,8 +103,17 @@ def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path):
     assert summary.loc["x=2", "diff_ci_low"] == paired_bootstrap_diff(a, b)["ci_low"]
     assert summary.loc["x=3", "diff"] == pytest.approx(0.5 * (1 / 4) + 0.5 * 0)
     assert summary.loc["x=1", "note"] == "baseline"
-    fig = s.plot()
-    assert len(fig.axes) == 2
+    with pyplot_untouched():  # the figure is made outside pyplot: notebook plots stay inline
+        fig = s.plot()
+    arms, diffs = fig.axes
+    assert [list(line.get_xdata()) for line in arms.lines[:3]] == [
+        [0.25, 0.5],
+        [0.75, 1.0],
+        [0.5, 0.5],
+    ]
+    assert list(arms.containers[0].lines[0].get_xdata()) == pytest.approx([0.375, 0.875, 0.5])
+    diff_x = list(diffs.containers[0].lines[0].get_xdata())  # the baseline has no difference
+    assert diff_x == pytest.approx([math.nan, 0.5, 0.125], nan_ok=True)
 
 
 def test_failed_arm_shown_others_finish_and_resubmit_reruns_only_it(fake, tmp_path):
