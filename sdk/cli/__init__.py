@@ -216,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "posttrain " + shlex.join(sys.argv[1:] if argv is None else argv)
     origin: dict[str, object] = {"command": command}
     try:  # what can be checked before a recipe is loaded (and torch with it) is checked first
-        from posttrain.workflows.recipes import find_preset, split_overrides
+        from posttrain.workflows.recipes import find_preset, read_config_file, split_overrides
 
         split_overrides(args.overrides)
         if getattr(args, "config", None):
             args.config = find_preset(args.config)
+            read_config_file(args.config)  # a missing file, or not YAML
         if args.command in ("rerun", "resume"):
             module, name, cfg, folder = _from_run(args)
             origin.update(recipe=name, recipe_file=_source_file(module))

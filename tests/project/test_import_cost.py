@@ -64,11 +64,11 @@ HEAVY = (*LAZY, "torch", "pandas", "numpy", "reasoning_gym", "vllm")
 
 def test_commands_that_start_no_run_load_no_torch_or_pandas(tmp_path):
     """The code paths of `posttrain --help`, `posttrain CMD --help`, `ls`, `runs`, and of the
-    mistakes found before a recipe is loaded (unknown recipe, preset or run, a malformed
-    override, a finished run given to `resume`), run in one fresh process: each exits as it
-    should (0, or 2 with a one-line error) and torch, pandas and the rest are still not in
-    sys.modules at the end. The run folder is written by hand: config.json, lineage.json,
-    results.json."""
+    mistakes found before a recipe is loaded (unknown recipe, preset or run, a missing preset
+    file, a malformed override, a finished run given to `resume`), run in one fresh process:
+    each exits as it should (0, or 2 with a one-line error) and torch, pandas and the rest are
+    still not in sys.modules at the end. The run folder is written by hand: config.json,
+    lineage.json, results.json."""
     run = tmp_path / "runs" / "a"
     run.mkdir(parents=True)
     (run / "config.json").write_text('{"out_dir": "runs/a"}')
@@ -84,6 +84,7 @@ def test_commands_that_start_no_run_load_no_torch_or_pandas(tmp_path):
         (["runs"], 0),
         (["run", "nope"], 2),
         (["run", "sft", "--config", "nope"], 2),
+        (["run", "sft", "--config", "missing.yaml"], 2),
         (["run", "sft", "optim.steps"], 2),
         (["resume", "nope"], 2),
         (["resume", "a"], 2),
