@@ -184,7 +184,9 @@ class Policy:
                 gives the same completions; None draws that seed from the global torch RNG.
             compile: run the one-token decoding step under `torch.compile` (dynamic shapes:
                 `posttrain.policy.generation._compiled_step`); the first call compiles (tens of
-                seconds on a CPU); greedy tokens equal eager's, log-probs within 1e-5 (fp32).
+                seconds on a CPU), once per power-of-two batch size the finishing rows pass
+                through; greedy tokens equal eager's, log-probs within 1e-5 (fp32); sampled
+                ones (temperature > 0) draw from another random stream (padding rows draw too).
 
         Returns:
             `len(prompts) * n` completions, prompt-major: prompt 0's n samples first.

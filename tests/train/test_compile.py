@@ -4,8 +4,9 @@ step samples as the eager one, and the plan refuses by name the axes compile doe
 Compiling costs tens of seconds on a loaded 2-core CPU (inductor: ~70 s for tiny-1m's first
 training step at load ~13; the decoding step's dynamic-shape graph 40-370 s even with aot_eager),
 so the suite runs the "aot_eager" backend (dynamo and AOTAutograd, the same graphs without code
-generation) on the training path; the inductor training test and the decoding test run with
-POSTTRAIN_COMPILE_TESTS=1 (and a C++ compiler for inductor).
+generation) on the training path, and counts the decoding step's graphs with dynamo's
+`CompileCounter` backend on a one-block model; the inductor training test and the aot_eager
+decoding test run with POSTTRAIN_COMPILE_TESTS=1 (and a C++ compiler for inductor).
 """
 
 from __future__ import annotations
