@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ranks import run_script
 from _waits import WAIT_S
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "acceptance.py"
@@ -41,10 +42,8 @@ def test_acceptance_options_and_budgets(capsys):
         assert says in capsys.readouterr().err
 
 
-def test_acceptance_help_runs():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=WAIT_S
-    )
+def test_acceptance_help_runs(tmp_path):
+    proc = run_script(SCRIPT, ["--help"], tmp_path, timeout_s=WAIT_S)
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
 
 

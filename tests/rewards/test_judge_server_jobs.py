@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import cloudpickle
 import pytest
 import torch
 from _judge_helpers import HTTP_TIMEOUT_S, ITEM, scores
+from _ranks import run_script
 
 from posttrain.envs import JudgedGroupBuilder, chain_sum_task
 from posttrain.launch.judge import launch_judge
@@ -30,13 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def test_small_load_and_limits_runs_lose_and_duplicate_nothing():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "judge_load.py"), "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def test_small_load_and_limits_runs_lose_and_duplicate_nothing(tmp_path):
+    script = ROOT / "benchmarks" / "judge_load.py"
+    proc = run_script(script, ["--quick", "--json"], tmp_path, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     [line] = [x for x in lines if "limits" not in x]

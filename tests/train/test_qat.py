@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _ranks import run_script
 from _train_helpers import sft_loader
 from _waits import RUN_S
 from torch import nn
@@ -314,18 +313,8 @@ def test_wrong_types_and_spec():
 @pytest.mark.slow
 def test_qat_accuracy_benchmark_quick(tmp_path):
     out = tmp_path / "qat.md"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "qat_accuracy.py"),
-            "--quick",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=RUN_S,
-    )
+    script = ROOT / "benchmarks" / "qat_accuracy.py"
+    proc = run_script(script, ["--quick", "--out", str(out)], tmp_path, timeout_s=RUN_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     rows = {}
