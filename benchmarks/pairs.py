@@ -5,8 +5,9 @@ and the CPU seconds of the processes doing the work; a comparison gives the per-
 median [min, max] by wall time and by CPU time, because wall ratios swing 2x under load on a
 shared machine and CPU time is the work done.
 
-Used by `generation.py`, `rollout_throughput.py`, `gpu_vllm_rollout.py`, `grpo_step.py` and
-`grpo_engine_step.py`.
+Used by `generation.py`, `rollout_throughput.py`, `gpu_vllm_rollout.py`, `grpo_step.py`,
+`grpo_engine_step.py` and `sft_packed.py` (`timing.StepClock.block_run` turns a block of trainer
+steps into one `Run`).
 """
 
 from __future__ import annotations
