@@ -330,8 +330,15 @@ def compare(cfg: Config, ranks: list[dict]) -> dict:
 
 
 def run(configs: list[Config]) -> list[dict]:
+    """Launch each configuration and compare; each one's rank results are printed first (one
+    JSON line), so a long run's measurement survives a failure of the comparison."""
+    reports = []
     with tempfile.TemporaryDirectory() as tmp:
-        return [compare(cfg, launch(cfg, Path(tmp))) for cfg in configs]
+        for cfg in configs:
+            ranks = launch(cfg, Path(tmp))
+            print(json.dumps({"config": cfg.name, "ranks": ranks}), flush=True)
+            reports.append(compare(cfg, ranks))
+    return reports
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
