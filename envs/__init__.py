@@ -18,6 +18,8 @@ registry's lookups with them loaded.
                     rows via mbpp_item)                    sandbox
     python_tool     python_tool_task: chain_sum with a     multi-turn, <python> runs in the
                     Python tool                            sandbox, <answer> by math_answer
+    prompts         PromptTask: any prompt records (a      single-turn, reward functions in
+                    list of dicts) + reward functions      TRL's convention, one call a group
     ==============  =====================================  ====================================
 
 Example:
@@ -37,6 +39,7 @@ from posttrain.envs.calculator_env import (
 )
 from posttrain.envs.code_env import CodeEnv, CodeGroupBuilder, CodeTask, humaneval_task, mbpp_item
 from posttrain.envs.judged_env import JudgedEnv, JudgedGroupBuilder
+from posttrain.envs.prompt_task import PromptEnv, PromptGroupBuilder, PromptTask, check_prompt_rows
 from posttrain.envs.python_tool_env import (
     PYTHON_TOOL_SYSTEM_PROMPT,
     PythonToolEnv,
@@ -56,6 +59,10 @@ from posttrain.rl.environment import get_task, register_task, registered_tasks
 
 __all__ = [
     "JudgedEnv",
+    "PromptEnv",
+    "PromptGroupBuilder",
+    "PromptTask",
+    "check_prompt_rows",
     "JudgedGroupBuilder",
     "CALCULATOR_SYSTEM_PROMPT",
     "CHAIN_SUM_CONFIG",

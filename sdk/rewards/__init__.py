@@ -20,6 +20,7 @@ _EXPORTS = {
         "SampledEvalResult",
         "evaluate_sampled",
     ],
+    "functions": ["RewardFunctions", "PerSample", "per_sample", "load_reward", "reward_name"],
     "judge_client": ["JudgeClient"],
     "judge_server": [
         "JudgeServer",
