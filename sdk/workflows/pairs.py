@@ -39,6 +39,7 @@ from posttrain.workflows.config import (
     TaskConfig,
     validate,
 )
+from posttrain.workflows.logging_config import LoggingConfig
 from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
@@ -79,6 +80,7 @@ class PairsRunConfig:
     # LoRA / QLoRA adapters and FP8 training of that stage (the SFT stage trains in full)
     adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # experiment trackers
     seed: int = 0
     out_dir: str = "runs/pairs"
     resume: bool = False

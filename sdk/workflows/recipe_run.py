@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from posttrain.core.distributed import barrier, rank_and_world_size
+from posttrain.core.trackers import Trackers
 from posttrain.train.engine import Engine
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_value import CheckedPlan
@@ -68,6 +70,9 @@ if TYPE_CHECKING:
     from posttrain.models.specs import ModelSpec
 
 __all__ = ["RecipeRun", "RunRefused"]
+
+RUN_FILES = ("config.json", "lineage.json")
+"""What `start_run` writes and the trackers are started with (the resolved config, lineage)."""
 
 
 class RunRefused(ValueError):
@@ -90,6 +95,8 @@ class RecipeRun:
         started: `time.perf_counter()` when the run started.
         checked: the plan as checked at the start against the job's world size and the
             config's model (`check_world_size`), or None without a plan.
+        trackers: the experiment trackers of `cfg.logging` (`posttrain.core.trackers`),
+            started with config.json and lineage.json, on the writing process; else None.
     """
 
     cfg: Any
@@ -98,6 +105,7 @@ class RecipeRun:
     shared: bool
     started: float
     checked: CheckedPlan | None = None
+    trackers: Trackers | None = None
 
     @classmethod
     def start(
@@ -128,13 +136,21 @@ class RecipeRun:
                 raise
             raise RunRefused(str(e)) from e
         plan = plan_of(cfg)
+        shared = plan is not None or data_parallel
+        trackers = None
+        if getattr(cfg, "logging", None) is not None and (
+            not shared or rank_and_world_size()[0] == 0
+        ):
+            trackers = cfg.logging.build(out)
+            trackers.start(*(_read_json(out / f) for f in RUN_FILES))
         return cls(
             cfg=cfg,
             out=out,
             plan=plan,
-            shared=plan is not None or data_parallel,
+            shared=shared,
             started=started,
             checked=checked,
+            trackers=trackers,
         )
 
     def parallelize(
@@ -171,13 +187,17 @@ class RecipeRun:
         """Wall seconds since the run started."""
         return time.perf_counter() - self.started
 
-    def trainer_options(self, runtime: Runtime | None) -> dict[str, Any]:
+    def trainer_options(
+        self, runtime: Runtime | None, *, callbacks: Sequence[Any] = ()
+    ) -> dict[str, Any]:
         """The keywords of a stage's trainer (`Trainer`, `RLTrainer`) that every recipe takes
         from its config the same way: the run folder (`run_dir`), `checkpoint.every` and
-        `checkpoint.keep_last`, `optim.max_grad_norm`, `progress`, `seed`, `resume`, and the
-        `runtime` of the model split by the plan (None without one)."""
+        `checkpoint.keep_last`, `optim.max_grad_norm`, `progress`, `seed`, `resume`, the
+        `runtime` of the model split by the plan (None without one), and `callbacks`: the
+        recipe's own, then the run's `trackers` (every metrics row goes to them)."""
         cfg = self.cfg
         return {
+            "callbacks": [*callbacks, *([self.trackers] if self.trackers else [])],
             "max_grad_norm": cfg.optim.max_grad_norm,
             "run_dir": self.out,
             "checkpoint_every": cfg.checkpoint.every,
@@ -190,7 +210,10 @@ class RecipeRun:
 
     def stop_if_interrupted(self, trainer: Engine, results: dict[str, Any]) -> None:
         """After `trainer.fit`: on Ctrl-C, results.json marked interrupted (with `results`, what
-        the run knows so far) and `RunInterrupted` (`reports.stop_if_interrupted`)."""
+        the run knows so far) and `RunInterrupted` (`reports.stop_if_interrupted`); the
+        trackers are closed first."""
+        if trainer.interrupted and self.trackers is not None:
+            self.trackers.finish()
         stop_if_interrupted(trainer, self.out, results)
 
     def others_return(self) -> bool:
@@ -203,7 +226,12 @@ class RecipeRun:
         return True
 
     def write(self, results: dict[str, Any], markdown: str) -> None:
-        """`results.json` and `results.md` in the run folder (`reports.write_results`)."""
+        """`results.json` and `results.md` in the run folder (`reports.write_results`). With
+        trackers: the run folder's plots go to them, they are closed, and `results["trackers"]`
+        gets their `report()` (per tracker, its failure count and first error)."""
+        if self.trackers is not None:
+            self.trackers.finish(self.out)
+            results["trackers"] = self.trackers.report()
         write_results(self.out, results, markdown)
 
     def done(self, results: dict[str, Any]) -> dict[str, Any]:
@@ -212,3 +240,7 @@ class RecipeRun:
         if self.shared:
             barrier()
         return results
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -161,8 +161,7 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         rollout_quantization=q.rollout_quantization(),
         loss_chunk_tokens=o.loss_chunk_tokens,
         **_rollout_options(cfg, engines, policy),  # builtin, or vllm: a server in out/vllm/
-        callbacks=[curve] if curve else [],
-        **run.trainer_options(runtime),
+        **run.trainer_options(runtime, callbacks=[curve] if curve else []),
     )
     if curve:  # (one process: refused under a plan, where rank > 0 has no results)
         assert sft_results is not None  # one process: its SFT stage returned the results

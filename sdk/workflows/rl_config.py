@@ -32,6 +32,7 @@ from posttrain.workflows.config import (
     validate,
 )
 from posttrain.workflows.field_checks import ints
+from posttrain.workflows.logging_config import LoggingConfig
 from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
 from posttrain.workflows.quantization import (
     AdaptersConfig,
@@ -94,6 +95,7 @@ class RLRunConfig:
     quantization: RLQuantizationConfig = field(default_factory=RLQuantizationConfig)
     # the honest baseline: more SFT on the same demonstrations instead of RL (0 steps: none)
     baseline: MoreSFTBaselineConfig = field(default_factory=MoreSFTBaselineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # experiment trackers
     seed: int = 0
     out_dir: str = "runs/grpo"
     resume: bool = False

@@ -51,6 +51,7 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
+from posttrain.workflows.logging_config import LoggingConfig
 from posttrain.workflows.parallel import ParallelPlan, check_parallel
 from posttrain.workflows.quantization import (
     AdaptersConfig,
@@ -124,6 +125,7 @@ class SFTConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     max_seq_len: int = 128
     pack: bool = False
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # experiment trackers
     seed: int = 0
     out_dir: str = "runs/sft"
     resume: bool = False

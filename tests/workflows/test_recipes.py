@@ -130,7 +130,8 @@ RL_ROLLOUT_KEYS = _keys(
     "quantization", "rollout", "rollout_correction", "rollout_is_threshold"
 ) + _keys("rollout", "max_staleness")
 # Every training recipe: a run folder that checkpoints and resumes, a model, a task and its
-# evaluation (sampled by the rollout engine), a parallel plan, adapters and quantisation.
+# evaluation (sampled by the rollout engine), a parallel plan, adapters and quantisation, and
+# experiment trackers.
 TRAINING_KEYS = [
     "out_dir",
     "progress",
@@ -143,6 +144,7 @@ TRAINING_KEYS = [
     *PARALLEL_KEYS,
     *CONVERTER_KEYS,
     *ROLLOUT_KEYS,
+    *_keys("logging", "experiment", "trackers", "wandb_dir", "wandb_mode"),
 ]
 CONFIG_KEYS = {
     "demo": ["out_dir", "prompts", "seed", *MODEL_KEYS, *SAMPLING_KEYS],

@@ -1,0 +1,95 @@
+"""A recipe run with `logging.trackers`: what TensorBoard and W&B (offline) hold, read back with
+their own readers (TensorBoard's EventAccumulator; wandb's protobuf records of the offline run
+file), against the run's metrics.jsonl and config.json; and a tracker that raises does not stop
+the run. One tiny SFT run (tiny-1m, 2 steps) carries every check."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from _wandb_records import wandb_config, wandb_history
+
+from posttrain.core.trackers import TRACKERS
+from posttrain.workflows.config import BatchOptimConfig, TaskConfig
+from posttrain.workflows.logging_config import LoggingConfig
+from posttrain.workflows.sft import SFTConfig, run_sft
+
+
+class DownServer:
+    """A tracker whose server is down."""
+
+    def __init__(self, run_dir, **options):
+        pass
+
+    def start(self, config, lineage):
+        raise ConnectionError("connection refused")
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setitem(TRACKERS, "down", DownServer)
+    out = tmp_path_factory.mktemp("tracked") / "run"
+    cfg = SFTConfig(
+        task=TaskConfig(train_size=64, eval_size=0),
+        optim=BatchOptimConfig(steps=2, batch_size=4, warmup_steps=0),
+        logging=LoggingConfig(trackers=["tensorboard", "wandb", "down"], experiment="t"),
+        out_dir=str(out),
+        progress=False,
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = run_sft(cfg)
+    finally:
+        mp.undo()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, results, rows, [str(w.message) for w in caught]
+
+
+def test_a_down_tracker_is_counted_in_results_and_the_run_finishes(tracked_run):
+    out, results, rows, warned = tracked_run
+    assert [r["step"] for r in rows] == [1, 2]
+    assert results["trackers"] == {
+        "tensorboard": {"failures": 0},
+        "wandb": {"failures": 0},
+        "down": {"failures": 1, "error": "ConnectionError: connection refused"},
+    }
+    assert json.loads((out / "results.json").read_text())["trackers"] == results["trackers"]
+    assert sum("tracker 'down' failed" in w for w in warned) == 1
+
+
+def test_tensorboard_holds_every_row_at_its_step_the_config_and_the_plot(tracked_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _, rows, _ = tracked_run
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0, "images": 0})
+    acc.Reload()
+    assert "loss" in acc.Tags()["scalars"]
+    for key in ("loss", "lr"):
+        events = acc.Scalars(key)
+        assert [e.step for e in events] == [1, 2]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in rows], rel=1e-6)
+    config_text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    saved = json.loads((out / "config.json").read_text())
+    assert json.loads(config_text.replace("\n    ", "\n").strip()) == saved
+    assert "plots/loss" in acc.Tags()["images"]
+
+
+def test_wandb_offline_run_holds_every_row_at_its_step_and_the_config(tracked_run):
+    out, _, rows, _ = tracked_run
+    (run_file,) = Path(out / "wandb").glob("offline-run-*/run-*.wandb")
+    history = wandb_history(run_file)
+    for row in rows:
+        assert history[row["step"]]["loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert history[row["step"]]["lr"] == pytest.approx(row["lr"], rel=1e-6)
+    assert history[2]["plots/loss/_type"] == "image-file"  # the plot, at the last step
+    assert list(run_file.parent.glob("files/media/images/plots/loss_2_*.png"))
+    config = wandb_config(run_file)
+    saved = json.loads((out / "config.json").read_text())
+    assert config["optim"] == saved["optim"] and config["seed"] == 0
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert config["lineage"] == json.loads(json.dumps(lineage))
