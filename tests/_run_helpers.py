@@ -1,5 +1,6 @@
 """Real processes in tests: one that owns a run folder (run-state tests: lineage, sweeps), and
-a run killed with SIGKILL at a step it reports (kill-and-resume tests)."""
+a run killed with SIGKILL at a step it reports (kill-and-resume tests: the run is a script
+started with `_ranks.start_script`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ranks import ScriptProcess
 from _waits import RUN_S, wait_for
 
 _HOLD = (
@@ -31,21 +33,25 @@ def hold_run_dir(folder: Path) -> subprocess.Popen:
     return child
 
 
-def finish(proc: subprocess.Popen, timeout: float = RUN_S) -> str:
-    """The output of `proc` (stdout with stderr) once it has exited 0; fails the test if not."""
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
+def finish(proc: ScriptProcess, timeout: float = RUN_S) -> str:
+    """The output of `proc` (stdout with stderr) once it has exited 0; fails the test if not,
+    also when it still runs after `timeout` s (then it is killed)."""
+    if proc.wait(timeout) is None:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"{proc.log} still running after {timeout:g} s:\n{proc.output()}")
+    assert proc.returncode == 0, proc.output()
+    return proc.output()
 
 
-def kill_after(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = RUN_S) -> None:
+def kill_after(proc: ScriptProcess, run_dir: Path, step: int, timeout: float = RUN_S) -> None:
     """Wait until the run reports `step` in `run_dir/progress` (it then sleeps), and SIGKILL it.
     Fails the test, naming the folder and step, if it exits first or `timeout` s pass."""
     marker = run_dir / "progress"
 
     def reached() -> bool:
         if proc.poll() is not None:
-            pytest.fail(f"the run in {run_dir} exited before step {step}:\n{proc.stdout.read()}")
+            pytest.fail(f"the run in {run_dir} exited before step {step}:\n{proc.output()}")
         return marker.exists() and marker.read_text() == str(step)
 
     try:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _ranks import ScriptProcess, start_script
 from _run_helpers import finish, kill_after
 from _train_helpers import assert_bitwise_equal, params_of, sft_loader, tiny_model
 
@@ -193,15 +192,11 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
 # ------------------------------------------------------------------- SIGKILL and resume (process)
 
 
-def _start(run_dir: Path, *args: str) -> subprocess.Popen:
+def _start(run_dir: Path, *args: str) -> ScriptProcess:
+    """`python sft_resume_run.py RUN_DIR *args`, its output in RUN_DIR-<args>.log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(run_dir), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = run_dir.parent / "-".join([run_dir.name, *args, "log"])
+    return start_script(SCRIPT, [str(run_dir), *args], env, os.getcwd(), log)
 
 
 def test_sigkill_between_checkpoints_then_resume_is_bitwise_identical(tmp_path):

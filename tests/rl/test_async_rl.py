@@ -7,13 +7,12 @@ rollout sampled ahead, with its weights version)."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import async_rl_resume_run as resume_run
 import pytest
 import torch
+from _ranks import ScriptProcess, start_script
 from _run_helpers import finish, kill_after
 from _train_helpers import assert_bitwise_equal
 
@@ -188,24 +187,12 @@ def test_a_resumed_checkpoint_with_more_lag_than_the_bound_is_refused(ray_sessio
 # ------------------------------------------------------------------- SIGKILL and resume (process)
 
 
-def _start(run_dir: Path, cluster, staleness: int, *args: str) -> subprocess.Popen:
+def _start(run_dir: Path, cluster, staleness: int, *args: str) -> ScriptProcess:
+    """`python async_rl_resume_run.py RUN_DIR ...`, its output in RUN_DIR-<args>.log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # the Ray token too
-    return subprocess.Popen(
-        [
-            sys.executable,
-            str(SCRIPT),
-            str(run_dir),
-            "--address",
-            cluster.address,
-            "--staleness",
-            str(staleness),
-            *args,
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    argv = [str(run_dir), "--address", cluster.address, "--staleness", str(staleness), *args]
+    log = run_dir.parent / "-".join([run_dir.name, *args, "log"])
+    return start_script(SCRIPT, argv, env, os.getcwd(), log)
 
 
 @pytest.mark.slow
