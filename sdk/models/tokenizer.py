@@ -200,15 +200,22 @@ class ByteTokenizer:
         return self.render_chat(messages, add_generation_prompt=True).input_ids
 
     def save(self, folder: str | os.PathLike) -> None:
-        """Write `posttrain_tokenizer.json` (kind + format version) into `folder`."""
+        """Write `posttrain_tokenizer.json` (kind + format version) into `folder`, and the same
+        tokenizer as `tokenizer.json` + `tokenizer_config.json` for transformers (see
+        `posttrain.models.byte_tokenizer_hf`): `AutoTokenizer.from_pretrained(folder)` gives the
+        same ids, special tokens and chat template. `load_tokenizer` reads the first file."""
+        from posttrain.models.byte_tokenizer_hf import write_hf_files
+
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         record = {"kind": "byte", "version": self.FORMAT_VERSION, "vocab_size": self.VOCAB_SIZE}
         (path / BYTE_TOKENIZER_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_hf_files(self, path)
 
 
 def load_tokenizer(folder: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer saved in `folder`: `posttrain_tokenizer.json` -> `ByteTokenizer`,
+    """The tokenizer saved in `folder`: `posttrain_tokenizer.json` -> `ByteTokenizer` (checked
+    first: a byte tokenizer's folder also holds a `tokenizer.json` for transformers),
     `tokenizer.json` -> `HFTokenizer`.
 
     Raises:

@@ -428,6 +428,15 @@ def test_hf_save_load_round_trip_and_pickle(tmp_path, backend):
     assert ref.apply_chat_template(CHAT, tokenize=False) == tok.decode(
         tok.render_chat(CHAT).input_ids, skip_special_tokens=False
     )
+    # ... and AutoTokenizer, as a user would open a saved policy folder, gives the same ids.
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(tmp_path / "b")
+    assert auto.apply_chat_template(CHAT, tokenize=False) == ref.apply_chat_template(
+        CHAT, tokenize=False
+    )
+    for text in ("héllo, thank you", "Fine, 日本!"):
+        assert auto.encode(text, add_special_tokens=False) == tok.encode(text)
 
 
 def test_hf_chat_template_file_takes_precedence(tmp_path, backend):

@@ -315,3 +315,13 @@ def test_repr_save_and_from_pretrained(policy, tmp_path):
     a = policy.generate(PROMPTS, max_new_tokens=6, temperature=0)
     b = loaded.generate(PROMPTS, max_new_tokens=6, temperature=0)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    # transformers opens the folder's tokenizer with the byte tokenizer's ids (utf-8 bytes,
+    # special ids 257 <|bos|>, 260 <|user|>, 262 <|end|>, 261 <|assistant|>).
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    assert auto.encode("héllo", add_special_tokens=False) == list("héllo".encode())
+    chat = auto.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=True
+    )
+    assert list(chat["input_ids"]) == [257, 260, 104, 105, 262, 261]
