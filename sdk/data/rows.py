@@ -218,12 +218,19 @@ def is_frame(source: Any) -> TypeGuard[Any]:
 
 def read_rows(source: Any, what: str, *, keep_bad_lines: bool = False) -> list[Any]:
     """Rows as found from a list of dicts, a pandas DataFrame (cells pandas filled with NaN are
-    dropped) or a `.jsonl` / `.json` path; `what` ("SFT", "preference") names the data in errors.
+    dropped), a `.jsonl` / `.json` path, or what `posttrain.data.sources.read_records` reads
+    besides (a `.parquet` / `.csv` path, a `datasets.Dataset` or one-split `DatasetDict`);
+    `what` ("SFT", "preference") names the data in errors.
 
     Raises:
         FileNotFoundError: for a path that does not exist.
         ValueError: as `read_json_rows`, or for a source of another type.
     """
+    tabular = isinstance(source, (str, os.PathLike)) and Path(source).suffix in (".parquet", ".csv")
+    if tabular or type(source).__name__ in ("Dataset", "DatasetDict"):
+        from posttrain.data.sources import read_records  # Parquet, CSV, HF datasets
+
+        return read_records(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -236,7 +243,7 @@ def read_rows(source: Any, what: str, *, keep_bad_lines: bool = False) -> list[A
         return list(source)
     raise ValueError(
         f"cannot read {what} rows from a {type(source).__name__}; pass a list of "
-        "dicts, a pandas DataFrame, or a .jsonl/.json path"
+        "dicts, a pandas DataFrame, a datasets.Dataset, or a .jsonl/.json/.parquet/.csv path"
     )
 
 

@@ -10,7 +10,7 @@ each; the package exports the runs, their configs and the sections (`__all__`):
     config sections  config (ModelConfig, TaskConfig, OptimConfig, ...), config_paths
                      (validate, override, config_keys), parallel (the section is a
                      ParallelPlan; plan_of), quantization (adapters, quantised training),
-                     field_checks
+                     field_checks, own_data (the `data:` section: own rows, held out)
     run files        reports (start_run, write_results, tables, plots), run_state (finished,
                      running, failed, interrupted, dead), lineage (lineage.json, runs_table)
     running recipes  recipes (by name, presets, overrides), sweep (arms x seeds), arms
@@ -55,6 +55,7 @@ EXPORTS: dict[str, list[str]] = {
         "TaskConfig",
     ],
     "config_paths": ["config_keys", "override", "validate"],
+    "own_data": ["DataConfig"],
     "parallel": ["ParallelPlan", "plan_of"],
     "preference": ["PreferenceRunConfig", "run_preference"],
     "quantization": ["AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig"],
@@ -86,6 +87,7 @@ __all__ = [
     # config sections
     "ModelConfig",
     "TaskConfig",
+    "DataConfig",
     "OptimConfig",
     "BatchOptimConfig",
     "SamplingConfig",

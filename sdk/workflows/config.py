@@ -78,6 +78,8 @@ __all__ = [
 ]
 
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".txt")
+OWN_DATA_SUFFIXES = (".parquet", ".csv", ".tsv", ".arrow", ".xlsx")
+"""Data-file suffixes that `task.name` does not read: they are refused naming `data.train`."""
 
 
 POLICY_FILES = ("config.json",)
@@ -161,8 +163,18 @@ class TaskConfig:
             raise fail(f"{at}.options", self.options, "a mapping of the task's options")
         if self.is_file:
             if self.options:
-                raise fail(f"{at}.options", self.options, "empty for a data file")
+                raise fail(
+                    f"{at}.options",
+                    self.options,
+                    "empty for a data file (own data goes in data.train=FILE instead)",
+                )
             return
+        if Path(self.name).suffix in OWN_DATA_SUFFIXES:
+            raise fail(
+                f"{at}.name",
+                self.name,
+                "a reasoning-gym task name; own data files go in data.train=FILE (sft, cpt)",
+            )
         try:
             check_task_name(self.name)
         except ValueError as e:

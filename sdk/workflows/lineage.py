@@ -229,15 +229,18 @@ def _items_sha256(name: str, options: dict, size: int, seed: int) -> str:
 
 def data_lineage(cfg: Any) -> dict[str, Any]:
     """The data of `cfg.task` with sha256 hashes ({} for a config without a task): a data file's
-    path, size and sha256; a reasoning-gym task's spec (name, options, train_size with the
-    training seed `cfg.seed`, eval_size with `eval_seed`, the reasoning-gym version), its
-    `spec_sha256`, and `train_sha256` of the generated training questions (None above
-    `QUESTIONS_HASH_MAX`)."""
+    (or own data's `data.train` file's) path, size and sha256 (an object's type only); a
+    reasoning-gym task's spec (name, options, train_size with the training seed `cfg.seed`,
+    eval_size with `eval_seed`, the reasoning-gym version), its `spec_sha256`, and
+    `train_sha256` of the generated training questions (None above `QUESTIONS_HASH_MAX`)."""
     task = getattr(cfg, "task", None)
     if task is None:
         return {}
-    if task.is_file:
-        path = Path(task.name)
+    own = getattr(getattr(cfg, "data", None), "train", None)
+    if own is not None and not isinstance(own, (str, os.PathLike)):
+        return {"kind": "object", "type": type(own).__name__}
+    if own is not None or task.is_file:
+        path = Path(own if own is not None else task.name)
         return {
             "kind": "file",
             "path": str(path.resolve()),

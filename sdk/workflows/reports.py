@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "start_run",
     "accuracy_table",
+    "validation_lines",
     "difference_line",
     "accuracy_of",
     "write_results",
@@ -127,7 +128,7 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = (), checked: bool = False) 
     barrier()  # every rank has checked the folder before rank 0 writes into it
     if rank_and_world_size()[0] == 0:
         claim_run_dir(out)
-        write_text_atomic(out / "config.json", json.dumps(config, indent=2))
+        write_text_atomic(out / "config.json", json.dumps(config, indent=2, default=_described))
         write_lineage(cfg, out, config, parents)
     torch.manual_seed(cfg.seed)
     return out
@@ -135,6 +136,12 @@ def start_run(cfg: Any, *, sub_runs: Sequence[str] = (), checked: bool = False) 
 
 UNK_SHARE_MAX = 0.01
 """Largest share of a task's tokens that may be the unknown token under `model.init_from`."""
+
+
+def _described(value: Any) -> str:
+    """How config.json names an object a notebook put in a config (own data: a DataFrame)."""
+    size = f", {len(value)} rows" if hasattr(value, "__len__") else ""
+    return f"<{type(value).__name__}{size}>"
 
 
 def check_tokenizer_covers_task(cfg: Any, probe: int = 16) -> None:
@@ -249,6 +256,21 @@ def accuracy_table(
                 f"{r['ci_high']:.3f}] | {r['num_items']} |"
             )
     return lines
+
+
+def validation_lines(validation: dict) -> list[str]:
+    """Markdown rows of own data's held-out metrics before and after training
+    (`{"rows": n, "before": {"val_loss": ..., "val_exact_match": ...}, "after": {...}}`)."""
+    names = [k for k in ("val_loss", "val_exact_match") if k in validation.get("before", {})]
+    lines = [
+        f"| held-out rows ({validation['rows']}) | {' | '.join(names)} |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for stage in ("before", "after"):
+        if stage in validation:
+            values = " | ".join(f"{validation[stage][k]:.4f}" for k in names)
+            lines.append(f"| {stage} | {values} |")
+    return lines + [""]
 
 
 def difference_line(label: str, d: dict) -> str:

@@ -3,7 +3,11 @@
 reward-model recipes begin with (`warm_start`).
 
 Data: `task.name` is a reasoning-gym task (questions kept exactly as the task gives them) or a
-JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text").
+JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text"); or
+the `data` section (`DataConfig`, `posttrain.workflows.own_data`): own rows from a
+JSONL/JSON/Parquet/CSV file, a DataFrame or a HF dataset, with held-out rows whose validation
+loss (and greedy exact match) is recorded before and after training and every `eval.every`
+steps; the `task.*` keys are then unused.
 Held-out items: `task.eval_size` distinct questions generated from `task.eval_seed`
 (`held_out_items`); the training rows drop every one of those questions.
 
@@ -52,6 +56,7 @@ from posttrain.workflows.config import (
     validate,
 )
 from posttrain.workflows.logging_config import LoggingConfig
+from posttrain.workflows.own_data import DataConfig, HeldOut, own_data
 from posttrain.workflows.parallel import ParallelPlan, check_parallel
 from posttrain.workflows.quantization import (
     AdaptersConfig,
@@ -68,6 +73,7 @@ from posttrain.workflows.reports import (
     accuracy_table,
     plot_curves,
     read_table,
+    validation_lines,
     write_table,
 )
 from posttrain.workflows.rollout_config import RolloutConfig
@@ -116,6 +122,7 @@ class SFTConfig:
     mode: str = "sft"  # sft | cpt (plain text, every token trained)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # own rows instead of the task
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -141,14 +148,24 @@ class SFTConfig:
         flags(self, at, ("pack",))
         check_parallel(self, at, divisible=("optim.batch_size",))
         check_converted_run(self, at)
-        if self.eval.every:
-            raise fail(f"{at}.eval.every", self.eval.every, "0: SFT has no validation set")
-        if self.task.eval_size and self.task.is_file:
+        if self.eval.every and not self.data.given:
+            raise fail(
+                f"{at}.eval.every",
+                self.eval.every,
+                "0: a task's SFT has no validation set (own data, data.train, holds rows out)",
+            )
+        if self.eval.every and not self.parallel.is_default:
+            raise fail(
+                f"{at}.eval.every",
+                self.eval.every,
+                "0 under a parallel plan (rank 0 scores the held-out rows after training)",
+            )
+        if not self.data.given and self.task.eval_size and self.task.is_file:
             raise ValueError(
                 f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
                 f"got the file {self.task.name!r}: set task.eval_size=0"
             )
-        if self.rollout.engine != "builtin" and not self.task.eval_size:
+        if self.rollout.engine != "builtin" and not self.task.eval_size and not self.data.given:
             raise fail(
                 f"{at}.rollout.engine",
                 self.rollout.engine,
@@ -281,12 +298,20 @@ def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any
         if cfg.model.init_from
         else Policy.from_spec(cfg.model.name, seed=cfg.seed)
     )
-    items, ds = held_out_items(cfg.task) if cfg.task.eval_size else ([], None)
-    gold = GoldReport(cfg.task.name)
-    dataset, dropped = build_dataset(cfg, policy.tokenizer, {it["question"] for it in items}, gold)
+    held: HeldOut | None = None
+    if cfg.data.given:
+        items, ds, gold, dropped = [], None, GoldReport(cfg.task.name), 0
+        dataset, held, row_format = own_data(cfg, policy.tokenizer)
+        name = f"{_source_name(cfg.data.train)} ({row_format} rows)"
+    else:
+        items, ds = held_out_items(cfg.task) if cfg.task.eval_size else ([], None)
+        gold, name = GoldReport(cfg.task.name), cfg.task.name
+        dataset, dropped = build_dataset(
+            cfg, policy.tokenizer, {it["question"] for it in items}, gold
+        )
     results: dict[str, Any] = {
         "mode": cfg.mode,
-        "dataset": cfg.task.name,
+        "dataset": name,
         "steps": cfg.optim.steps,
         "data": dataset.stats.as_dict(),
         "held_out_rows_dropped": dropped,
@@ -311,6 +336,8 @@ def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any
             )
             write_table(before.table, out / "eval_before.csv")
             results["before"] = before.as_dict()
+        if held is not None:
+            results["validation"] = {"rows": len(held), "before": _held_out(held, policy)}
 
     # The loader shards each global batch over the ranks of the process group, if there is one
     # (under a plan: over its data-parallel ranks, after the plan split the policy).
@@ -342,6 +369,8 @@ def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any
         loss=SFTCrossEntropy(loss_chunk_tokens=o.loss_chunk_tokens),
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
+        eval_fn=None if held is None else (lambda model: held.metrics(model, policy.spec)),
+        eval_every=cfg.eval.every if held is not None else 0,
         **run.trainer_options(runtime),
     )
     metrics = trainer.fit(o.steps)
@@ -349,8 +378,25 @@ def _train(run: RecipeRun, cfg: SFTConfig, engines: EngineSlot) -> dict[str, Any
     policy = unsharded_policy(policy, trainer.runtime)  # every rank, under a plan
     if run.others_return():
         return None
+    if held is not None and "validation" in results:
+        results["validation"]["after"] = _held_out(held, policy, engines)
     _finish(run, policy, cfg, metrics, items, ds, results, engines)
     return run.done(results)
+
+
+def _source_name(source: Any) -> str:
+    return str(source) if isinstance(source, (str, Path)) else f"a {type(source).__name__}"
+
+
+def _held_out(held: HeldOut, policy: Policy, engines: EngineSlot | None = None) -> dict:
+    """Own data's held-out metrics of `policy` (greedy answers by `engines` where given)."""
+    was_training = policy.model.training
+    policy.model.eval()
+    try:
+        sampler = None if engines is None else engines.sampler(policy)
+        return held.metrics(policy.model, policy.spec, sampler)
+    finally:
+        policy.model.train(was_training)
 
 
 def _finish(
@@ -405,6 +451,8 @@ def _finish(
         "trained tokens/s",
         "",
     ]
+    if "validation" in results:
+        lines += validation_lines(results["validation"])
     if "after" in results:
         lines += accuracy_table(
             [(k, results.get(k)) for k in ("before", "after", "after_converted")]

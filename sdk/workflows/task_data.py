@@ -172,6 +172,8 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
       * SFT/CPT (a config with `mode`): `max_seq_len` keeps a trained token of one of the
         first `PROBE_ITEMS` training rows at least (longer rows are cut, or dropped and
         counted, when the run builds its dataset);
+      * own data (`data.train` set, `posttrain.workflows.own_data`): its rows read, of an
+        accepted format, and some keep a trained token within `max_seq_len`; nothing else;
       * preference pairs (a config with `max_seq_len` and `pairs`): `max_seq_len` holds the
         longest of those prompts with a full `sampling.max_new_tokens` answer (or the task's
         own answer, with `pairs.reference_answer`) and the end of the turn.
@@ -185,6 +187,11 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
     task, model = cfg.task, cfg.model
     limit, tokenizer = model.max_seq_len(), model.tokenizer()
     chat = getattr(cfg, "mode", "sft") == "sft"
+    if getattr(getattr(cfg, "data", None), "given", False):
+        from posttrain.workflows.own_data import own_data
+
+        own_data(cfg, tokenizer)  # the rows' source, format and lengths; the task is unused
+        return
     if task.eval_size and not task.is_file:
         try:
             items, _ = held_out_items(task)

@@ -42,6 +42,12 @@ ACCEPTED = {
     "task.eval_seed": 0,
     "prompt_seed": 0,
     "out_dir": "nope",  # a relative folder
+    "data.seed": 0,
+    # own data: None trains on the task; 0 holds no rows out of data.train
+    "data.train": None,
+    "data.eval": None,
+    "data.eval_fraction": 0.0,
+    "data.eval_rows": 1,
     # held-out items: optional for SFT and the reward model, needed where RL / DPO compare
     "task.eval_size": (0, 1),
     # 0 switches off: checkpoints, validation metrics, held-out items (SFT, reward model),
@@ -112,7 +118,14 @@ EDGE: dict[str, list[dict]] = {
             "optim.loss_chunk_tokens": 1,
             "out_dir": "nope",
         },
-        {**SHORT, "checkpoint.every": 1, "checkpoint.keep_last": 1, "task.eval_seed": 0},
+        {
+            **SHORT,
+            "checkpoint.every": 1,
+            "checkpoint.keep_last": 1,
+            "task.eval_seed": 0,
+            "data.eval_fraction": 0.0,
+            "data.eval_rows": 1,
+        },
     ],
     "dpo": [
         {
@@ -292,6 +305,8 @@ def bad_values(key: str, annotation) -> list[tuple[object, bool]]:
         values += [("nope", False), ("", False), (3, False)]
     elif dict in kinds:
         values += [("x", False), ({"bogus": 1}, False)]
+    elif typing.Any in kinds:  # a data source: a path or an object
+        values += [("rows.xlsx", False), (3, False)]
     elif kinds & {list, tuple}:
         values += [("x", False), ([], False), ([1], False)]
     else:

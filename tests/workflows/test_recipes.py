@@ -197,7 +197,15 @@ CONFIG_KEYS = {
         "margin",
         "prompt_seed",
     ],
-    "sft": [*TRAINING_KEYS, *BATCH_OPTIM_KEYS, "max_seq_len", "mode", "pack"],
+    "sft": [
+        *TRAINING_KEYS,
+        *BATCH_OPTIM_KEYS,
+        *_keys("data", "eval", "eval_fraction", "eval_rows", "eval_split", "seed", "split"),
+        "data.train",
+        "max_seq_len",
+        "mode",
+        "pack",
+    ],
 }
 CONFIG_KEYS["ppo"] = CONFIG_KEYS["grpo"]  # the same sections, PPO defaults
 
