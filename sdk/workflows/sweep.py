@@ -11,13 +11,16 @@ interrupted or died. A run's status is its folder's (`posttrain.workflows.run_st
 as `runs_table()` has it) once its job has started it; a failed run shows its exception line in
 the table and does not stop the others.
 
-Statistics (`Sweep.summary`):
+Statistics (`Sweep.summary`, `posttrain.workflows.sweep_stats`):
   - per arm, the mean of the headline metric (`posttrain.workflows.lineage.main_metric`, e.g.
-    held-out accuracy after the last stage) over its finished seeds, with a two-sided 95%
-    Student-t interval, mean +- t_{0.975, n-1} * s / sqrt(n) (n >= 2 seeds; NaN for one);
+    held-out accuracy after the last stage) over its finished seeds, with a 95% interval that
+    respects the metric's range: for an accuracy, a cluster bootstrap over seeds x items (3+
+    seeds) or the item-level Wilson interval (fewer, labelled); for a metric without per-item
+    values, the Student-t interval over seeds (3+ seeds) or none ("too few seeds");
   - against the baseline arm: the paired difference on the same held-out items, run for run
     with the same seed (the items are checked to be the same questions in the same order), by
-    `posttrain.rewards.evaluation.paired_bootstrap_diff` over the pooled (seed, item) pairs.
+    the same rule (cluster bootstrap over seeds, or the item-level paired bootstrap, labelled).
+    The `interval` and `diff_interval` columns name the method.
 
 Example:
     >>> s = sweep("sft", {"optim.lr": [1e-3, 3e-3]}, seeds=[0, 1], executor="debug",
@@ -45,7 +48,6 @@ import pandas as pd
 
 from posttrain.launch import EXECUTORS, JobFailedError, Run, launch_array
 from posttrain.launch.records import last_metrics_row, watch_until_done
-from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.workflows.arms import NEEDED as _NEEDED
 from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
 from posttrain.workflows.config import override
@@ -53,6 +55,7 @@ from posttrain.workflows.lineage import main_metric
 from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config, read_table
 from posttrain.workflows.run_state import run_state, run_status
+from posttrain.workflows.sweep_stats import paired_interval, seed_interval
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
 
@@ -327,21 +330,29 @@ class Sweep:
         return self.table()
 
     def summary(self) -> pd.DataFrame:
-        """One row per arm: arm, grid values, seeds (finished), metric, mean, ci_low, ci_high
-        (95% Student-t over seeds; NaN with one seed) and, with a baseline, diff, diff_ci_low,
-        diff_ci_high (paired bootstrap on the same held-out items, seed for seed), paired_items
-        and note (why a comparison is missing)."""
+        """One row per arm: arm, grid values, seeds (finished), metric, mean, ci_low, ci_high,
+        interval (the method, or why there is none: see the module docstring) and, with a
+        baseline, diff, diff_ci_low, diff_ci_high, paired_items, diff_interval and note (why a
+        comparison is missing)."""
         table = self.table()
         rows = []
         for arm in self.arms:
             done = table[(table.arm == arm.name) & (table.status == "finished")]
-            values = done["value"].dropna().astype(float).tolist()
+            done = done[done["value"].notna()]
+            values = done["value"].astype(float).tolist()
+            tables = [_item_table(self.out_dir(arm.name, seed)) for seed in done["seed"]]
+            items = [t for t in tables if t is not None and "correct" in t]
+            correct = (
+                [t["correct"].astype(bool).tolist() for t in items]
+                if len(items) == len(tables)
+                else None
+            )
             row = {
                 "arm": arm.name,
                 **arm.values,
                 "seeds": len(values),
                 "metric": done["metric"].iloc[0] if len(done) else None,
-                **_mean_interval(values),
+                **seed_interval(values, correct),
             }
             if self.baseline is not None:
                 row.update(self._paired(arm, self.baseline, done["seed"].tolist()))
@@ -354,6 +365,7 @@ class Sweep:
             "diff_ci_low": math.nan,
             "diff_ci_high": math.nan,
             "paired_items": 0,
+            "diff_interval": None,
         }
         if arm == baseline:
             return {**empty, "note": "baseline"}
@@ -372,16 +384,12 @@ class Sweep:
                     "note": f"seed {seed}: held-out items differ from the "
                     "baseline's (a grid key changes the evaluation set)",
                 }
-            mine += ta["correct"].astype(bool).tolist()
-            theirs += tb["correct"].astype(bool).tolist()
+            mine.append(ta["correct"].astype(bool).tolist())
+            theirs.append(tb["correct"].astype(bool).tolist())
         if not mine:
             return {**empty, "note": "no seed finished for both this arm and the baseline"}
-        d = paired_bootstrap_diff(mine, theirs)
         return {
-            "diff": d["difference"],
-            "diff_ci_low": d["ci_low"],
-            "diff_ci_high": d["ci_high"],
-            "paired_items": d["num_items"],
+            **paired_interval(mine, theirs),
             "note": unpaired
             and f"seeds {unpaired} left out: the baseline did not finish them"
             or None,
@@ -418,7 +426,7 @@ class Sweep:
             )
         ax.set_yticks(list(y), s["arm"])
         ax.set_xlabel(str(s["metric"].dropna().iloc[0]) if s["metric"].notna().any() else "metric")
-        ax.set_title("per arm: seeds (dots), mean and 95% t-interval")
+        ax.set_title("per arm: seeds (dots), mean and 95% interval")
         if self.baseline is not None:
             ax2 = axes[0][1]
             ax2.errorbar(
@@ -441,18 +449,6 @@ class Sweep:
 
     def __repr__(self) -> str:
         return f"Sweep({self.folder}, {len(self.arms)} arms x {len(self.seeds)} seeds)"
-
-
-def _mean_interval(values: list[float]) -> dict[str, float]:
-    n = len(values)
-    if n == 0:
-        return {"mean": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    mean = sum(values) / n
-    if n == 1:
-        return {"mean": mean, "ci_low": math.nan, "ci_high": math.nan}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half}
 
 
 def _results(out: Path) -> dict[str, Any] | None:

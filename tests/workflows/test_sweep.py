@@ -90,11 +90,16 @@ def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path):
     assert set(table.status) == {"finished"} and set(table.step) == {5}
     assert list(table.value) == [0.25, 0.5, 0.75, 1.0, 0.5, 0.5]
     summary = s.summary().set_index("arm")
-    # x=1: values 0.25, 0.5 -> mean 0.375, sd = 0.1767767, half = 12.706 * sd / sqrt(2) = 1.588
+    # x=1: values 0.25, 0.5 -> mean 0.375; two seeds are too few for an interval over seeds
+    # (the t-interval would be [-1.21, 1.96]): the item-level Wilson interval of 3 of 8 items,
+    # Wilson 1927 with z = 1.96: (0.1368, 0.6943)
     assert summary.loc["x=1", "mean"] == pytest.approx(0.375)
-    assert summary.loc["x=1", "ci_high"] - 0.375 == pytest.approx(12.7062 * 0.125, rel=1e-4)
-    # x=3: no spread across seeds -> a zero-width interval
-    assert summary.loc["x=3", "ci_low"] == summary.loc["x=3", "ci_high"] == 0.5
+    assert summary.loc["x=1", "ci_low"] == pytest.approx(0.13684, abs=1e-4)
+    assert summary.loc["x=1", "ci_high"] == pytest.approx(0.69425, abs=1e-4)
+    assert summary.loc["x=1", "interval"].startswith("item-level Wilson over 8 items")
+    # x=3: 4 of 8 items -> Wilson (0.2152, 0.7848), symmetric about 0.5
+    assert summary.loc["x=3", "ci_low"] == pytest.approx(1 - summary.loc["x=3", "ci_high"])
+    assert summary.loc["x=3", "ci_low"] == pytest.approx(0.21521, abs=1e-4)
     # x=2 vs x=1, item for item: seed 0 correct 3 vs 1 of 4, seed 1 4 vs 2: +4 of 8 items
     assert summary.loc["x=2", "diff"] == pytest.approx(0.5)
     assert summary.loc["x=2", "paired_items"] == 8
@@ -356,4 +361,7 @@ def test_real_sft_recipe_as_local_processes(tmp_path):
         a.correct.mean() - b.correct.mean()
     )
     assert summary.loc["optim.lr=0.01", "paired_items"] == len(a) == 8
-    assert math.isnan(summary.loc["optim.lr=0.01", "ci_low"])  # one seed: no t-interval
+    # one seed: the item-level Wilson interval, inside [0, 1]
+    assert (
+        0 <= summary.loc["optim.lr=0.01", "ci_low"] <= summary.loc["optim.lr=0.01", "ci_high"] <= 1
+    )
