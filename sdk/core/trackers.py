@@ -1,5 +1,6 @@
 """Experiment trackers: the metric rows, resolved config, lineage and plots of a run, mirrored to
-TensorBoard and Weights & Biases (offline by default), chosen by name (`TRACKERS`).
+TensorBoard, Weights & Biases (offline by default) and MLflow (a local store by default), chosen
+by name (`TRACKERS`).
 
 A tracker never stops training. `Trackers` holds the trackers of one run and guards every call:
 the first exception a tracker raises (its package missing, a full disk, a server down) is warned
@@ -38,6 +39,7 @@ __all__ = [
     "Tracker",
     "TensorBoardTracker",
     "WandbTracker",
+    "MlflowTracker",
     "Trackers",
     "register_tracker",
     "flat_config",
@@ -182,8 +184,71 @@ class WandbTracker:
             self._run = None
 
 
+class MlflowTracker:
+    """An MLflow run in experiment `experiment`: the resolved config as params (dotted keys,
+    `flat_config`; values cut to MLflow's 6,000 characters), the lineage as the artifact
+    `lineage.json` and tags `lineage.<key>` for its top-level strings, each row as metrics at
+    its step (`log_batch`), plots as artifacts under `plots/`. `tracking_uri` None: an SQLite
+    store `run_dir/mlflow/mlflow.db` with the artifacts in `run_dir/mlflow/artifacts`
+    (`scripts/mlflow-up.sh RUN_DIR` serves it); or any URI MLflow takes (a server's http://...)."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        experiment: str = "posttrain",
+        tracking_uri: str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.experiment = experiment
+        self.local = tracking_uri is None
+        self.tracking_uri = tracking_uri or f"sqlite:///{self.run_dir / 'mlflow' / 'mlflow.db'}"
+        self._client: Any = None
+        self.run_id: str | None = None
+
+    def start(self, config: dict[str, Any], lineage: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        if self.local:
+            (self.run_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        found = client.get_experiment_by_name(self.experiment)
+        if found is not None:
+            experiment_id = found.experiment_id
+        else:
+            location = (self.run_dir / "mlflow" / "artifacts").as_uri() if self.local else None
+            experiment_id = client.create_experiment(self.experiment, artifact_location=location)
+        tags = {f"lineage.{k}": v for k, v in lineage.items() if isinstance(v, str)}
+        run = client.create_run(experiment_id, run_name=self.run_dir.name, tags=tags)
+        self._client, self.run_id = client, run.info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flat_config(config).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            client.log_batch(self.run_id, params=params[i : i + 100])
+        client.log_text(self.run_id, json.dumps(lineage, indent=2, default=str), "lineage.json")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in metrics.items()]
+        self._client.log_batch(self.run_id, metrics=batch)
+
+    def log_plots(self, paths: Sequence[Path]) -> None:
+        for path in paths:
+            self._client.log_artifact(self.run_id, str(path), "plots")
+
+    def finish(self) -> None:
+        if self._client is not None:
+            self._client.set_terminated(self.run_id)
+            self._client = None
+
+
 register_tracker("tensorboard", TensorBoardTracker)
 register_tracker("wandb", WandbTracker)
+register_tracker("mlflow", MlflowTracker)
 
 
 class Trackers:

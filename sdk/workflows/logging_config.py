@@ -2,16 +2,17 @@
 (`posttrain.core.trackers`) and their options. Off by default (no trackers).
 
     logging:
-      trackers: [tensorboard, wandb]   # any of: tensorboard, wandb
-      experiment: chain_sum            # the W&B project
+      trackers: [tensorboard, wandb]   # any of: tensorboard, wandb, mlflow
+      experiment: chain_sum            # the W&B project, the MLflow experiment
       wandb_mode: offline              # offline (default) | online | disabled
       wandb_dir: ""                    # "" -> the run folder (<out_dir>/wandb/offline-run-*)
+      mlflow_tracking_uri: ""          # "" -> sqlite:///<out_dir>/mlflow/mlflow.db
 
 Example:
-    >>> LoggingConfig(trackers=["tensorbord"]).check("logging")
+    >>> LoggingConfig(trackers=["tb"]).check("logging")
     Traceback (most recent call last):
     ...
-    ValueError: logging.trackers=['tensorbord']; must be distinct names in [tensorboard, wandb]
+    ValueError: logging.trackers=['tb']; must be distinct names in [mlflow, tensorboard, wandb]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LoggingConfig:
     experiment: str = "posttrain"
     wandb_mode: str = "offline"
     wandb_dir: str = ""
+    mlflow_tracking_uri: str = ""
 
     def check(self, at: str) -> None:
         names = self.trackers
@@ -49,6 +51,8 @@ class LoggingConfig:
         choice(f"{at}.wandb_mode", self.wandb_mode, WANDB_MODES)
         if not isinstance(self.wandb_dir, str):
             raise fail(f"{at}.wandb_dir", self.wandb_dir, 'a folder path ("": the run folder)')
+        if not isinstance(self.mlflow_tracking_uri, str):
+            raise fail(f"{at}.mlflow_tracking_uri", self.mlflow_tracking_uri, 'a URI ("": local)')
 
     def build(self, run_dir: Path) -> Trackers:
         """The `Trackers` of a run in `run_dir` (none named: a no-op set)."""
@@ -57,6 +61,10 @@ class LoggingConfig:
                 "project": self.experiment,
                 "mode": self.wandb_mode,
                 "dir": self.wandb_dir or None,
-            }
+            },
+            "mlflow": {
+                "experiment": self.experiment,
+                "tracking_uri": self.mlflow_tracking_uri or None,
+            },
         }
         return Trackers(self.trackers, run_dir, options)

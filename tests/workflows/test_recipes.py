@@ -144,7 +144,7 @@ TRAINING_KEYS = [
     *PARALLEL_KEYS,
     *CONVERTER_KEYS,
     *ROLLOUT_KEYS,
-    *_keys("logging", "experiment", "trackers", "wandb_dir", "wandb_mode"),
+    *_keys("logging", "experiment", "mlflow_tracking_uri", "trackers", "wandb_dir", "wandb_mode"),
 ]
 CONFIG_KEYS = {
     "demo": ["out_dir", "prompts", "seed", *MODEL_KEYS, *SAMPLING_KEYS],

@@ -1,7 +1,8 @@
 """A recipe run with `logging.trackers`: what TensorBoard and W&B (offline) hold, read back with
 their own readers (TensorBoard's EventAccumulator; wandb's protobuf records of the offline run
-file), against the run's metrics.jsonl and config.json; and a tracker that raises does not stop
-the run. One tiny SFT run (tiny-1m, 2 steps) carries every check."""
+file; MLflow's MlflowClient on the local store), against metrics.jsonl and config.json; and
+a tracker that raises does not stop the run. One tiny SFT run (tiny-1m, 2 steps) carries every
+check."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def tracked_run(tmp_path_factory):
     cfg = SFTConfig(
         task=TaskConfig(train_size=64, eval_size=0),
         optim=BatchOptimConfig(steps=2, batch_size=4, warmup_steps=0),
-        logging=LoggingConfig(trackers=["tensorboard", "wandb", "down"], experiment="t"),
+        logging=LoggingConfig(trackers=["tensorboard", "wandb", "mlflow", "down"], experiment="t"),
         out_dir=str(out),
         progress=False,
     )
@@ -56,6 +57,7 @@ def test_a_down_tracker_is_counted_in_results_and_the_run_finishes(tracked_run):
     assert results["trackers"] == {
         "tensorboard": {"failures": 0},
         "wandb": {"failures": 0},
+        "mlflow": {"failures": 0},
         "down": {"failures": 1, "error": "ConnectionError: connection refused"},
     }
     assert json.loads((out / "results.json").read_text())["trackers"] == results["trackers"]
@@ -93,3 +95,25 @@ def test_wandb_offline_run_holds_every_row_at_its_step_and_the_config(tracked_ru
     assert config["optim"] == saved["optim"] and config["seed"] == 0
     lineage = json.loads((out / "lineage.json").read_text())
     assert config["lineage"] == json.loads(json.dumps(lineage))
+
+
+def test_mlflow_local_store_holds_every_row_at_its_step_the_config_and_the_plot(tracked_run):
+    from mlflow.tracking import MlflowClient
+
+    out, _, rows, _ = tracked_run
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    for key in ("loss", "lr"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [1, 2]
+        assert [m.value for m in history] == pytest.approx([r[key] for r in rows], rel=1e-6)
+    saved = json.loads((out / "config.json").read_text())
+    params = run.data.params
+    assert params["optim.lr"] == str(saved["optim"]["lr"]) and params["task.name"] == "chain_sum"
+    assert params["logging.trackers"] == "['tensorboard', 'wandb', 'mlflow', 'down']"
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert run.data.tags["lineage.run"] == lineage["run"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert artifacts == {"lineage.json", "plots"}
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/loss.png"]
+    assert (out / "mlflow" / "artifacts").is_dir()  # inside the run folder, not the cwd
