@@ -8,7 +8,10 @@ before/after with 95% intervals), `loss.png`, the evaluated completions (`eval_b
 `eval_after.csv`) and the trained policy as a Hugging Face folder (`policy/`).
 
 Data: `task.name` is a reasoning-gym task name (questions kept exactly as the task gives them)
-or a JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text").
+or a JSONL/JSON file (SFT rows with "messages" or "prompt"/"completion"; CPT rows with "text");
+own rows go in `data.train` (`posttrain run sft data.train=my.parquet`: JSONL/JSON/Parquet/CSV,
+or a DataFrame / HF dataset in a notebook), with held-out rows scored by validation loss and
+exact match (docs/guides/own_data.md).
 The config and the run are `posttrain.workflows.sft` (`SFTConfig`, `run_sft`), which the other
 recipes also use for their SFT warm start.
 
