@@ -9,12 +9,14 @@ job controller's process and result files). Results are read from submitit's res
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import html
 import os
 import signal
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,16 +119,26 @@ class Run:
         )
         # DebugJob.result() would open pdb on a failure (stuck in a kernel without stdin), and
         # each exception() call runs a failed function again: call exception() exactly once.
-        try:
-            error = job.exception()  # catches Exception only
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # noqa: BLE001 - sys.exit() in target is the job's failure
-            error = e
+        # What the target prints goes to <out_dir>/launch/debug.log (appended), not the cell.
+        log = run._debug_log()
+        with _output_to(log):
+            try:
+                error = job.exception()  # catches Exception only
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - sys.exit() in target is the job's failure
+                error = e
         run._debug_outcome = (
             ("error", error) if error is not None else ("success", job.submission().result())
         )
+        if log is not None:
+            print(f"{name} -> {run.status()}: output in {log}")
         return run
+
+    def _debug_log(self) -> Path | None:
+        """Where a "debug" run's output goes: <out_dir>/launch/debug.log (None without out_dir:
+        the output stays in this process's)."""
+        return None if self.out_dir is None else Path(self.out_dir) / "launch" / DEBUG_LOG
 
     @classmethod
     def attach(cls, folder: str | os.PathLike, index: int | None = None) -> Run:
@@ -334,7 +346,8 @@ class Run:
 
     def logs(self, tail: int | None = 50, stream: str = "stdout", task: int = 0) -> str:
         """The last `tail` lines (None: all) of a task's stdout or stderr; "" before the job
-        writes any, and for "debug" (its output went to this process).
+        writes any. "debug": the tail of <out_dir>/launch/debug.log (both streams), "" without
+        an out_dir (its output went to this process).
 
         Raises:
             ValueError: an unknown stream or a task outside 0..num_tasks-1.
@@ -344,7 +357,8 @@ class Run:
         if not 0 <= task < self.num_tasks:
             raise ValueError(f"task={task}; this job has tasks 0..{self.num_tasks - 1}")
         if self.executor == "debug":
-            return ""
+            log = self._debug_log()
+            return _tail(log, tail) if log is not None and log.is_file() else ""
         return _tail(getattr(self._paths(task), stream), tail)
 
     def metrics(self):
@@ -459,3 +473,22 @@ class Run:
     def _log_hint(self, task: int) -> str:
         p = self._paths(task)
         return f"Logs: {p.stdout} and {p.stderr} (run.logs(stream='stderr', task={task}))"
+
+
+DEBUG_LOG = "debug.log"
+
+
+@contextlib.contextmanager
+def _output_to(log: Path | None) -> Iterator[None]:
+    """stdout and stderr (Python-level writes) appended to `log` while the block runs; nothing
+    changes for None."""
+    if log is None:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        open(log, "a", buffering=1) as f,
+        contextlib.redirect_stdout(f),
+        contextlib.redirect_stderr(f),
+    ):
+        yield

@@ -17,7 +17,7 @@ tasks_per_node) and the model spec the cfg names (`spec` or `model`) before anyt
 submitted or written (`posttrain.launch.plans` has the rule). A bad plan is a ValueError naming
 the field (`cfg.parallel.tp=3`) and the allowed values.
 
-Example ("debug" runs the function here and now, writes no files, never opens pdb):
+Example ("debug" runs the function here and now, never opens pdb):
     >>> def add(x, y=1):
     ...     return x + y
     >>> run = launch(add, 41, executor="debug")
@@ -88,8 +88,10 @@ def launch(
             `out_dir` sets the default `folder` and is where `Run.metrics()` reads.
         executor: "local" (processes on this machine, surviving a kernel restart), "slurm"
             (sbatch through submitit; needs srun/sbatch/sacct and Slurm accounting) or "debug"
-            (runs `target` here and now, in this process; no files; a failure is raised by
-            `Run.result()`, never by a debugger prompt).
+            (runs `target` here and now, in this process; a failure is raised by
+            `Run.result()`, never by a debugger prompt). With a cfg `out_dir`, what the target
+            prints goes to `<out_dir>/launch/debug.log` (`Run.logs()` reads it) and the cell
+            gets one line per run; without one, the output stays in this process's.
         nodes: nodes of the job ("local" and "debug": 1).
         tasks_per_node: processes per node. With more than one task in all, every task joins a
             torch.distributed process group (RANK, WORLD_SIZE, MASTER_ADDR/PORT exported; NCCL

@@ -76,7 +76,7 @@ def test_t_quantile_matches_published_tables():
         t_quantile(0.975, 0)
 
 
-def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path):
+def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path, capsys):
     s = sweep(
         fake,
         {"x": [1, 2, 3]},
@@ -85,6 +85,9 @@ def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path):
         baseline={"x": 1},
         folder=tmp_path / "sw" / "a",
     )
+    # the debug executor's cell output: one line per run, naming its log
+    cell = capsys.readouterr().out.splitlines()
+    assert len(cell) == 6 and all("-> COMPLETED: output in" in line for line in cell)
     table = s.table()
     assert list(table.arm) == ["x=1", "x=1", "x=2", "x=2", "x=3", "x=3"]
     assert set(table.status) == {"finished"} and set(table.step) == {5}
