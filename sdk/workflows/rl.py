@@ -108,6 +108,8 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
     # 2. RL from the SFT policy, on the same task without the held-out questions
     policy = Policy.from_pretrained(out / "sft" / "policy")
     task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
+    if (builder := cfg.rewards.builder()) is not None:  # own reward functions score the items
+        task = dataclasses.replace(task, builder=builder)
     if rank_and_world_size()[0] == 0:  # items kept, dropped as held out or for a bad gold
         print(f"RL task: {task.stats()}")
     algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling

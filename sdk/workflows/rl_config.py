@@ -39,6 +39,7 @@ from posttrain.workflows.quantization import (
     RLQuantizationConfig,
     check_converted_run,
 )
+from posttrain.workflows.rewards_config import RewardsConfig
 from posttrain.workflows.rollout_config import RolloutConfig
 from posttrain.workflows.task_data import check_gym_task, check_seq_len
 
@@ -82,6 +83,7 @@ class RLRunConfig:
         default_factory=lambda: SFTWarmStartConfig(steps=900, lr=3e-3, batch_size=64)
     )
     rl: RLConfig = field(default_factory=RLConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)  # own reward functions
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(steps=100, lr=1e-4, warmup_steps=5, min_lr_ratio=1.0)
     )

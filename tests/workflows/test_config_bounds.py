@@ -69,6 +69,8 @@ ACCEPTED = {
     "simpo_gamma": 0.0,
     "margin": 0.0,
     "adapters.dropout": 0.0,
+    "rewards.funcs": [],  # no reward functions: the task's verifier scores
+    "rewards.weights": [],  # every function weighs 1.0
     # 1 is the least of a count or length
     "checkpoint.keep_last": 1,
     "eval.max_new_tokens": 1,

@@ -1,6 +1,7 @@
 """Every recipe runs at tiny size (a recipe may define TINY: dotted Config overrides for tests),
 its set of config keys is frozen, and bad values fail before anything is written."""
 
+import json
 import re
 import subprocess
 import sys
@@ -175,6 +176,7 @@ CONFIG_KEYS = {
         *RL_ROLLOUT_KEYS,
         "eval.samples",
         *_keys("baseline", "lr", "steps"),
+        *_keys("rewards", "funcs", "weights"),
         *_keys(
             "rl",
             "algo",
@@ -396,15 +398,42 @@ def test_dpo_recipe_reaches_every_dpo_loss_type(overrides, expected):
     assert repr(built) == repr(DPOLoss(beta=0.1, **expected))
 
 
+CALLS: list[dict] = []
+
+
+def quarter(completions, answer, completion_ids, **kwargs):
+    """A reward function written for TRL's GRPOTrainer: 0.25 for each completion of an item
+    with an answer."""
+    CALLS.append({"n": len(completions), "answer": list(answer), "ids": len(completion_ids)})
+    return [0.25 if a else None for a in answer]
+
+
 def test_the_spell_backward_grpo_preset_runs_at_tiny_size(tmp_path, monkeypatch):
     """The longer preset where GRPO measurably learns (docs/benchmarks/results.md) runs end to end
-    at tiny size on its own task, and its results name that task."""
+    at tiny size on its own task, and its results name that task. The same run takes its rewards
+    from a function named by import path (`rewards:` in a second preset file): weight 2 on
+    `quarter` makes every reward 2 * 0.25 = 0.5, so each step's logged mean is 0.5 (the task's
+    verifier would give 0 or 1), from one call per group with the group's answer column."""
     monkeypatch.chdir(tmp_path)
     module = cli.load_recipe("grpo")
     cfg = cli.load_config_file(
         module.Config(), str(cli.recipe_dirs()[1] / "presets" / "grpo_spell_backward.yaml")
     )
     assert (cfg.task.name, cfg.rl.prompts_per_step, cfg.optim.steps) == ("spell_backward", 64, 600)
+    (tmp_path / "own.yaml").write_text(
+        f"rewards:\n  funcs: ['{__name__}:quarter']\n  weights: [2]\n"
+    )
+    cfg = cli.load_config_file(cfg, str(tmp_path / "own.yaml"))
+    CALLS.clear()
     results = module.main(override(cfg, {**module.TINY, "out_dir": str(tmp_path / "run")}))
     assert results["task_config"] == {"min_word_len": 3, "max_word_len": 5}
     assert 0.0 <= results["after_grpo"]["accuracy"] <= 1.0
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["reward_mean"] for r in rows if "reward_mean" in r] == [0.5] * module.TINY[
+        "optim.steps"
+    ]
+    assert len(CALLS) == module.TINY["optim.steps"] * module.TINY["rl.prompts_per_step"]
+    group_size = module.TINY["rl.group_size"]
+    assert all(c["n"] == c["ids"] == group_size and len(set(c["answer"])) == 1 for c in CALLS)
