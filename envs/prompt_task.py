@@ -9,9 +9,9 @@
   `[{"role": "assistant", "content": ...}]` for a conversational prompt), `completion_ids` and
   every other column of the record (the answer columns) as keyword lists. Failures are typed
   outcomes ("error" with the function's name), counted and excluded by the trainer.
-- `PromptTask(rows, rewards=...)`: an `EnvDataset` over a list of dicts (a file read by
-  `posttrain.data` gives one): builders per batch index, cycling; the last `held_out_size`
-  rows are held out. Registered as task "prompts".
+- `PromptTask(rows, rewards=...)`: an `EnvDataset` over a list of dicts or a prompts file
+  (read by `posttrain.data.sources.load_prompt_records`): builders per batch index, cycling;
+  the last `held_out_size` rows are held out. Registered as task "prompts".
 
 Example:
     >>> def exact(completions, answer, **kwargs):
@@ -195,7 +195,9 @@ class PromptTask:
     `b*B .. b*B+B-1` (modulo their number). Pickles when the reward functions do.
 
     Args:
-        rows: a list of dicts (see `check_prompt_rows`); the other columns reach the reward
+        rows: a list of dicts (see `check_prompt_rows`), or any source
+            `posttrain.data.sources.load_prompt_records` reads (a .jsonl / .json / .parquet /
+            .csv path, a DataFrame, a HF dataset) into them; the other columns reach the reward
             functions as keyword lists.
         rewards: reward functions (callables, `per_sample` wrappers, "module:function" paths) or
             a `RewardFunctions`.
@@ -207,6 +209,7 @@ class PromptTask:
     Raises:
         ValueError / TypeError: for malformed rows (naming the row), bad reward functions or
             weights (`RewardFunctions`), `held_out_size` not in 0 .. len(rows) - 1.
+        FileNotFoundError: for a file source that does not exist.
     """
 
     rows: list
@@ -218,6 +221,10 @@ class PromptTask:
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rows, (list, tuple)):  # a file, a DataFrame, a HF dataset
+            from posttrain.data.sources import load_prompt_records
+
+            self.rows = load_prompt_records(self.rows)
         self.rows = check_prompt_rows(self.rows, self.prompt_column)
         if isinstance(self.rewards, RewardFunctions):
             if self.weights is not None:

@@ -200,3 +200,15 @@ def test_a_failed_episode_keeps_its_outcome_and_is_not_scored():
     trajs = [_trajectory("a"), _trajectory("", outcome="timeout")]
     assert group_rewards(builder, trajs) == [1.0, 0.0]
     assert [t.outcome for t in trajs] == ["ok", "timeout"] and calls == [1]
+
+
+def test_prompt_task_reads_a_prompts_file(tmp_path):
+    """A JSONL file of prompt/answer rows becomes the task's records, answers reaching the
+    reward functions; a missing file is refused."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    task = PromptTask(str(path), rewards=[accuracy], held_out_size=1)
+    assert task.train_items == [{"prompt": "1+1=", "answer": "2"}]
+    assert task.score_fn()("4", task.held_out()[0]) == 1.0
+    with pytest.raises(FileNotFoundError):
+        PromptTask(str(tmp_path / "missing.jsonl"), rewards=[accuracy])
