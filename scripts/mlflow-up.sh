@@ -11,7 +11,7 @@
 # The server and its UI need the full `mlflow` package, whose pins (pyarrow, python-dateutil,
 # importlib-metadata) would downgrade packages of posttrain's venv, which has only the client
 # (mlflow-skinny). So the server runs from a venv of its own, built on first use with the same
-# MLflow version: ${POSTTRAIN_MLFLOW_VENV:-/var/tmp/posttrain-mlflow/venv} (~600 MB, a few
+# MLflow version: ${POSTTRAIN_MLFLOW_VENV:-/var/tmp/posttrain-mlflow/venv} (~860 MB, a few
 # minutes on a 2-core machine). It only reads and writes the run's SQLite store.
 set -euo pipefail
 
