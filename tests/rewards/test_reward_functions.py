@@ -212,3 +212,17 @@ def test_prompt_task_reads_a_prompts_file(tmp_path):
     assert task.score_fn()("4", task.held_out()[0]) == 1.0
     with pytest.raises(FileNotFoundError):
         PromptTask(str(tmp_path / "missing.jsonl"), rewards=[accuracy])
+
+
+def test_a_raising_function_in_a_rollout_is_an_error_outcome_on_its_group(tiny_policy):
+    """Sampled by a real policy: the group whose function raised is outcome error with the
+    reason on each trajectory (what RLTrainer counts and excludes), not a crash or 0.0 rewards
+    that look scored."""
+    from posttrain.rl import collect_groups
+
+    task = PromptTask([{"prompt": "1+2=", "answer": "3"}], rewards=[_raises])
+    [group] = collect_groups(
+        tiny_policy, task.builders(0, 1), group_size=2, max_new_tokens=2, seed=0
+    )
+    assert group.outcomes == ["error", "error"]
+    assert all("_raises raised KeyError" in t.info["verifier_reason"] for t in group)
