@@ -78,6 +78,7 @@ from posttrain.core.checkpoint_files import (
 from posttrain.core.checkpoint_files import write_bytes as _write_bytes
 from posttrain.core.checkpoint_files import write_torch as _write_torch
 from posttrain.core.metrics import METRICS_FILE
+from posttrain.core.run_permissions import run_modes
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -240,7 +241,8 @@ def save_checkpoint(
         Path(staged)
         if staged is not None
         else Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-    )  # mode 0700
+    )
+    os.chmod(tmp, run_modes()[1])  # 0700 unless run_permissions says otherwise
     extra = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
     try:
         for state, file, what in (

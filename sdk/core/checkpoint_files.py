@@ -2,7 +2,8 @@
 
 `posttrain.core.checkpoint` lays out the folders; this module owns what happens to each file.
 
-Private: files are created with mode 0600 and folders with 0700, exactly, whatever the umask.
+Private: files are created with mode 0600 and folders with 0700, exactly, whatever the umask
+(or the modes of a team setting: `posttrain.core.run_permissions`).
 
 Verified: `write_manifest` records the size and sha256 of every file of a checkpoint in
 `manifest.json`, written last; `verify_manifest` checks them again (size first, so a truncated or
@@ -46,6 +47,8 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
+
+from posttrain.core.run_permissions import run_modes
 
 __all__ = [
     "MANIFEST_FILE",
@@ -93,14 +96,15 @@ class UnsafeCheckpointError(ValueError):
 
 
 def make_private_dir(path: Path) -> bool:
-    """Create folder `path` with mode 0700 (missing parents with the usual mode) and return True;
-    if it already exists, change nothing and return False."""
+    """Create folder `path` with mode 0700 (or `run_permissions`' folder mode; missing parents
+    with the usual mode) and return True; if it already exists, change nothing, return False."""
+    dir_mode = run_modes()[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(path, DIR_MODE)
+        os.mkdir(path, dir_mode & 0o777)
     except FileExistsError:
         return False
-    os.chmod(path, DIR_MODE)  # exactly 0700, whatever the umask
+    os.chmod(path, dir_mode)  # exactly, whatever the umask
     return True
 
 
@@ -140,9 +144,10 @@ def write_torch(obj: Any, path: Path) -> None:
 
 
 def _write_private(path: Path, fill: Callable[[IO[bytes]], Any]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    file_mode = run_modes()[0]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode)
     try:
-        os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode through O_CREAT
+        os.fchmod(fd, file_mode)  # an existing file keeps its mode through O_CREAT
         f = os.fdopen(fd, "wb")
     except BaseException:
         os.close(fd)

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.core.checkpoint_files import make_private_dir, write_text_atomic
+from posttrain.core.run_permissions import run_modes
 
 __all__ = [
     "LOCK_FILE",
@@ -90,7 +91,7 @@ def claim_run_dir(run_dir: str | os.PathLike) -> Path:
     if str(folder) in _HELD:
         return path
     make_private_dir(folder)  # a run folder this creates is 0700, like its checkpoints
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, run_modes()[0])  # 0600 unless run_permissions
     deadline = time.monotonic() + CLAIM_RETRY_S
     while True:
         try:

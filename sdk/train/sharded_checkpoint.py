@@ -73,7 +73,7 @@ def save_sharded_checkpoint(
         make_private_dir(Path(run_dir))
         make_private_dir(Path(run_dir) / CHECKPOINT_DIR)
         shutil.rmtree(stage, ignore_errors=True)  # a crashed save of the same step
-        stage.mkdir(mode=0o700)
+        make_private_dir(stage)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
