@@ -310,14 +310,21 @@ class RLEvalConfig(EvalConfig):
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """A checkpoint every `every` optimizer steps (0: none), keeping the newest `keep_last`
-    (None: all)."""
+    (None: all); `permissions`: who may read the run folder, private (0600/0700), group
+    (0640/0750) or shared (0660/2770), for every file the run writes; None: the environment's
+    `POSTTRAIN_RUN_PERMISSIONS`, private if unset (`posttrain.core.run_permissions`)."""
 
     every: int = 100
     keep_last: int | None = 2
+    permissions: str | None = None
 
     def check(self, at: str) -> None:
+        from posttrain.core.run_permissions import PERMISSIONS
+
         ints(self, at, ("every",), minimum=0)
         ints(self, at, ("keep_last",), minimum=1, optional=True)
+        if self.permissions is not None:
+            choice(f"{at}.permissions", self.permissions, tuple(PERMISSIONS))
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from posttrain.core.run_lock import lock_holder, read_stopped, run_outcome
+from posttrain.core.run_permissions import run_permissions
 
 __all__ = ["STATUSES", "RunState", "recorded_run", "run_state", "run_status"]
 
@@ -104,11 +106,14 @@ def run_status(folder: str | os.PathLike) -> str:
 def recorded_run(entry: F) -> F:
     """Decorator of a recipe's entry point `entry(cfg, ...)`: runs it inside
     `posttrain.core.run_lock.run_outcome(cfg.out_dir)`, so a run it started that raises is
-    recorded as failed (or interrupted) and its folder is released however it ends."""
+    recorded as failed (or interrupted) and its folder is released however it ends; the run's
+    files get the modes of `cfg.checkpoint.permissions` (`posttrain.core.run_permissions`)."""
 
     @functools.wraps(entry)
     def run(cfg: Any, *args: Any, **kwargs: Any) -> Any:
-        with run_outcome(getattr(cfg, "out_dir", None)):
+        setting = getattr(getattr(cfg, "checkpoint", None), "permissions", None)
+        modes = run_permissions(setting) if setting else contextlib.nullcontext()
+        with modes, run_outcome(getattr(cfg, "out_dir", None)):
             return entry(cfg, *args, **kwargs)
 
     return run  # type: ignore[return-value]
