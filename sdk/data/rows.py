@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
+from posttrain.data.tables import is_frame, is_missing, is_table, read_table
 from posttrain.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -207,15 +207,6 @@ def read_json_rows(path: Path, *, keep_bad_lines: bool = False) -> list[Any]:
     return rows
 
 
-def is_missing(value: Any) -> bool:
-    """True for a cell pandas filled in (None / NaN)."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
-def is_frame(source: Any) -> TypeGuard[Any]:
-    return type(source).__name__ == "DataFrame" and hasattr(source, "to_dict")
-
-
 def read_rows(source: Any, what: str, *, keep_bad_lines: bool = False) -> list[Any]:
     """Rows as found from a list of dicts, a pandas DataFrame (cells pandas filled with NaN are
     dropped), a `.jsonl` / `.json` path, or what `posttrain.data.sources.read_records` reads
@@ -226,11 +217,8 @@ def read_rows(source: Any, what: str, *, keep_bad_lines: bool = False) -> list[A
         FileNotFoundError: for a path that does not exist.
         ValueError: as `read_json_rows`, or for a source of another type.
     """
-    tabular = isinstance(source, (str, os.PathLike)) and Path(source).suffix in (".parquet", ".csv")
-    if tabular or type(source).__name__ in ("Dataset", "DatasetDict"):
-        from posttrain.data.sources import read_records  # Parquet, CSV, HF datasets
-
-        return read_records(source)
+    if is_table(source):  # Parquet, CSV, HF datasets
+        return read_table(source)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():

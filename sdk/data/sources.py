@@ -37,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.rows import is_frame, is_missing, read_json_rows
+from posttrain.data.rows import read_json_rows
+from posttrain.data.tables import is_frame, is_table, read_table, records_of
 
 __all__ = [
     "FORMATS",
@@ -70,36 +71,6 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 """The data files `read_records` reads (by suffix)."""
 
 
-def _is_hf_dataset(source: Any) -> bool:
-    return type(source).__name__ in ("Dataset", "IterableDataset") and hasattr(
-        source, "column_names"
-    )
-
-
-def _is_hf_dataset_dict(source: Any) -> bool:
-    return type(source).__name__ in ("DatasetDict", "IterableDatasetDict")
-
-
-def _plain(value: Any) -> Any:
-    """Python lists for the arrays that pandas holds list cells in (Parquet, Arrow)."""
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
-        value = value.tolist()
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _records_of(rows: list[Any]) -> list[Any]:
-    return [
-        {str(k): _plain(v) for k, v in r.items() if not is_missing(v)}
-        if isinstance(r, Mapping)
-        else r
-        for r in rows
-    ]
-
-
 def read_records(source: Any, *, split: str | None = None) -> list[Any]:
     """The records of `source` (see the module docstring for the sources), each a dict of the
     columns it has; a .jsonl line or a list element that is not a dict is returned as found
@@ -114,15 +85,8 @@ def read_records(source: Any, *, split: str | None = None) -> list[Any]:
             without `split` among its splits (naming them), bad JSON or UTF-8 (naming the
             file and line), or a source of another type.
     """
-    if _is_hf_dataset_dict(source):
-        splits = sorted(source)
-        if split is None and len(splits) == 1:
-            split = splits[0]
-        if split not in splits:
-            raise ValueError(
-                f"split={split!r}: the DatasetDict has splits {splits}; name one of them"
-            )
-        source = source[split]
+    if is_table(source):
+        return read_table(source, split=split)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if path.suffix not in FILE_SUFFIXES:
@@ -131,21 +95,11 @@ def read_records(source: Any, *, split: str | None = None) -> list[Any]:
             )
         if not path.is_file():
             raise FileNotFoundError(f"data file {path} does not exist")
-        if path.suffix == ".parquet":
-            import pyarrow.parquet as pq  # type: ignore[import-untyped]
-
-            return _records_of(pq.read_table(path).to_pylist())
-        if path.suffix == ".csv":
-            import pandas as pd
-
-            return _records_of(pd.read_csv(path, dtype=str).to_dict(orient="records"))
-        return _records_of(read_json_rows(path))
-    if _is_hf_dataset(source):
-        return _records_of(list(source))
+        return records_of(read_json_rows(path))
     if is_frame(source):
-        return _records_of(source.to_dict(orient="records"))
+        return records_of(source.to_dict(orient="records"))
     if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        return _records_of(list(source))
+        return records_of(list(source))
     raise ValueError(
         f"cannot read records from a {type(source).__name__}; pass a "
         f"{'/'.join(FILE_SUFFIXES)} path, a pandas DataFrame, a datasets.Dataset (or a "

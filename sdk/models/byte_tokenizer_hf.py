@@ -28,10 +28,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from posttrain.models.tokenizer import ByteTokenizer
+
+class _ByteVocab(Protocol):
+    """What is read of a `ByteTokenizer` (structural, so this module needs no import of it)."""
+
+    VOCAB_SIZE: ClassVar[int]
+    BOS: ClassVar[int]
+    EOS: ClassVar[int]
+    PAD: ClassVar[int]
+
+    def token_name(self, token_id: int) -> str: ...
+
 
 __all__ = ["CHAT_TEMPLATE", "byte_symbols", "write_hf_files"]
 
@@ -57,7 +66,7 @@ def byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def write_hf_files(tok: ByteTokenizer, folder: Path) -> None:
+def write_hf_files(tok: _ByteVocab, folder: Path) -> None:
     """Write `tokenizer.json` and `tokenizer_config.json` for `tok` into existing `folder`."""
     special = [
         {

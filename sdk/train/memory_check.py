@@ -1,7 +1,6 @@
-"""The memory check before any work: `check_plan_fits` refuses a plan whose per-rank memory
-(`posttrain.train.memory_plan.plan_memory`) exceeds the device, naming the dominant term and
-the plan axis that would lower it; `check_memory` is the one a trainer runs under a
-`ParallelPlan`, for the model's spec and the loader's batch, against this rank's device."""
+"""The memory check a trainer runs before any work under a `ParallelPlan`: `check_memory`
+plans the model's spec and the loader's batch (`posttrain.train.memory_plan.check_plan_fits`)
+against the smallest device of the ranks, so every rank refuses or none does."""
 
 from __future__ import annotations
 
@@ -12,17 +11,13 @@ import torch
 import torch.distributed as dist
 
 from posttrain.train.memory_counts import MemoryBatch
+from posttrain.train.memory_fit import device_memory_bytes
 from posttrain.train.runtime import Runtime
 
 if TYPE_CHECKING:
-    import pandas as pd
+    pass
 
-    from posttrain.models.specs import ModelSpec
-    from posttrain.train.plan_value import PlanFields
-
-__all__ = ["check_memory", "check_plan_fits", "device_memory_bytes", "optimizer_states_of"]
-
-_GIB = 2**30
+__all__ = ["check_memory", "optimizer_states_of"]
 
 
 def check_memory(
@@ -69,6 +64,8 @@ def check_memory(
             )
             device //= max(1, int(local))
         device = _smallest_over_ranks(device)
+    from posttrain.train.memory_plan import check_plan_fits  # the plan builds on this layer
+
     check_plan_fits(
         runtime.spec,
         runtime.plan,
@@ -114,88 +111,3 @@ def optimizer_states_of(optimizer: torch.optim.Optimizer) -> str | float:
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return 3 if any(g.get("amsgrad", False) for g in groups) else 2
     return "adamw"
-
-
-_FIXES = {
-    "parameters": "raise dp_shard (parameters fall 1/dp_shard), or tp (block weights fall 1/tp)",
-    "gradients": "raise dp_shard (gradients fall 1/dp_shard)",
-    "optimizer state": "raise dp_shard (optimizer state falls 1/dp_shard)",
-    "optimizer step temporaries": "raise dp_shard (the local tensors fall 1/dp_shard)",
-    "activations": "turn on activation_checkpointing (a block then keeps only its input), raise "
-    "sp or tp, or lower micro_batch_size",
-    "activations (head)": "raise sp, or lower micro_batch_size x seq_len",
-    "activations (rebuilt block)": "raise tp or sp (the rebuilt block falls 1/tp, 1/sp)",
-    "logits": "set the loss's loss_chunk_tokens (e.g. 1024: a chunk's logits at a time), lower "
-    "micro_batch_size x seq_len (logits stay whole under tp and sp), or raise pp with several "
-    "micro-batches (the last stage holds one micro-batch's logits)",
-    "backward working set": "raise tp or sp",
-    "FSDP buffers": "raise tp (gathered blocks fall 1/tp)",
-    "FSDP gathered root": "raise tp with untied embeddings (the output falls 1/tp; a tied "
-    "embedding stays whole), or set reshard_after_forward",
-    "tied embedding gradients": "no plan axis lowers it: the tied embedding's gradients are "
-    "whole on every rank (untie the embeddings, or lower the vocabulary)",
-    "rollout copy": "no plan axis lowers it: RLTrainer samples from a full copy of the policy "
-    "under a plan (use rollout_engine='vllm', or a smaller policy)",
-    "model build": "no plan axis lowers it: every rank builds the whole model before sharding "
-    "(build it on the meta device and load sharded weights)",
-    "reference model": "raise dp_shard (the reference falls 1/dp_shard), or precompute the "
-    "reference log-probs",
-    "KV cache": "raise tp (KV heads fall 1/tp) or pp, or lower num_sequences x max_total_len",
-    "prefill": "lower num_sequences x prompt_len",
-    "runtime": "lower runtime_bytes",
-}
-
-
-def device_memory_bytes() -> int:
-    """Total memory of the current CUDA device if CUDA is available, else the machine's
-    MemAvailable from /proc/meminfo."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo; pass device_bytes=")
-
-
-def check_plan_fits(
-    spec: ModelSpec,
-    plan: PlanFields | None,
-    batch: MemoryBatch | dict[str, Any],
-    *,
-    phase: str = "sft",
-    device_bytes: int | None = None,
-    **options: Any,
-) -> pd.DataFrame:
-    """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
-
-    Args:
-        spec, plan, batch, phase: as `plan_memory`; `options` are its other keywords.
-        device_bytes: memory of one rank's device (default `device_memory_bytes()`: the GPU's
-            total if CUDA is available, else the machine's available RAM).
-
-    Returns:
-        The `plan_memory` DataFrame when the plan fits.
-
-    Raises:
-        ValueError: naming the peak, the device size, the dominant term and the plan axis that
-            would lower it; or the errors of `plan_memory`.
-    """
-    from posttrain.train.memory_plan import plan_memory
-    from posttrain.train.parallel import ParallelPlan
-
-    df = plan_memory(spec, plan, batch, phase=phase, **options)
-    device = device_memory_bytes() if device_bytes is None else device_bytes
-    if isinstance(device, bool) or not isinstance(device, int) or device < 1:
-        raise ValueError(f"device_bytes={device_bytes!r}; must be a positive integer or None")
-    peak, dominant = df.attrs["peak_bytes"], df.attrs["dominant"]
-    if peak > device:
-        term_bytes = int(df.set_index("term").loc[dominant, "bytes"])
-        plan = ParallelPlan() if plan is None else plan
-        raise ValueError(
-            f"{plan} needs about {peak / _GIB:.1f} GiB per rank for phase "
-            f"{phase!r} but the device has {device / _GIB:.1f} GiB: {dominant} "
-            f"{term_bytes / _GIB:.1f} GiB of {peak / _GIB:.1f} GiB per rank: "
-            f"{_FIXES.get(dominant, 'lower micro_batch_size')}"
-        )
-    return df

@@ -129,7 +129,6 @@ import torch
 
 from posttrain.core import distributed
 from posttrain.policy.chunked_ce import check_chunk_tokens
-from posttrain.train.memory_check import check_plan_fits, device_memory_bytes
 from posttrain.train.memory_counts import (
     DTYPE_BYTES,
     OPTIMIZER_STATES,
@@ -141,6 +140,7 @@ from posttrain.train.memory_counts import (
     model_counts,
     optimizer_states,
 )
+from posttrain.train.memory_fit import device_memory_bytes, refuse_over_device
 from posttrain.train.memory_phases import axes, phase_terms
 from posttrain.train.parallel import ParallelPlan
 from posttrain.train.plan_checks import check_fits
@@ -462,3 +462,30 @@ def plan_memory(
     df.insert(2, "GiB", df["bytes"] / _GIB)
     df.attrs.update(peak_bytes=int(round(total)), dominant=dominant, moment=when, phase=phase)
     return df
+
+
+def check_plan_fits(
+    spec: ModelSpec,
+    plan: PlanFields | None,
+    batch: MemoryBatch | dict[str, Any],
+    *,
+    phase: str = "sft",
+    device_bytes: int | None = None,
+    **options: Any,
+) -> pd.DataFrame:
+    """Refuse a plan whose per-rank peak (`plan_memory`) exceeds the device, before any work.
+
+    Args:
+        spec, plan, batch, phase: as `plan_memory`; `options` are its other keywords.
+        device_bytes: memory of one rank's device (default `device_memory_bytes()`: the GPU's
+            total if CUDA is available, else the machine's available RAM).
+
+    Returns:
+        The `plan_memory` DataFrame when the plan fits.
+
+    Raises:
+        ValueError: naming the peak, the device size, the dominant term and the plan axis that
+            would lower it; or the errors of `plan_memory`.
+    """
+    df = plan_memory(spec, plan, batch, phase=phase, **options)
+    return refuse_over_device(df, plan, phase, device_bytes)

@@ -5,8 +5,8 @@
       trackers: [tensorboard, wandb]   # any of: tensorboard, wandb, mlflow
       experiment: chain_sum            # the W&B project, the MLflow experiment
       wandb_mode: offline              # offline (default) | online | disabled
-      wandb_dir: ""                    # "" -> the run folder (<out_dir>/wandb/offline-run-*)
-      mlflow_tracking_uri: ""          # "" -> sqlite:///<out_dir>/mlflow/mlflow.db
+      wandb_dir: null                  # null -> the run folder (<out_dir>/wandb/offline-run-*)
+      mlflow_tracking_uri: null        # null -> sqlite:///<out_dir>/mlflow/mlflow.db
 
 Example:
     >>> LoggingConfig(trackers=["tb"]).check("logging")
@@ -34,8 +34,8 @@ class LoggingConfig:
     trackers: list[str] = field(default_factory=list)
     experiment: str = "posttrain"
     wandb_mode: str = "offline"
-    wandb_dir: str = ""
-    mlflow_tracking_uri: str = ""
+    wandb_dir: str | None = None
+    mlflow_tracking_uri: str | None = None
 
     def check(self, at: str) -> None:
         names = self.trackers
@@ -49,10 +49,13 @@ class LoggingConfig:
         if not isinstance(self.experiment, str) or not self.experiment.strip():
             raise fail(f"{at}.experiment", self.experiment, "a non-empty name")
         choice(f"{at}.wandb_mode", self.wandb_mode, WANDB_MODES)
-        if not isinstance(self.wandb_dir, str):
-            raise fail(f"{at}.wandb_dir", self.wandb_dir, 'a folder path ("": the run folder)')
-        if not isinstance(self.mlflow_tracking_uri, str):
-            raise fail(f"{at}.mlflow_tracking_uri", self.mlflow_tracking_uri, 'a URI ("": local)')
+        for key, meaning in (
+            ("wandb_dir", "a folder path (null: the run folder)"),
+            ("mlflow_tracking_uri", "a store path or URI (null: a store in the run folder)"),
+        ):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise fail(f"{at}.{key}", value, meaning)
 
     def build(self, run_dir: Path) -> Trackers:
         """The `Trackers` of a run in `run_dir` (none named: a no-op set)."""

@@ -55,36 +55,11 @@ from posttrain.workflows.lineage import main_metric
 from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config, read_table
 from posttrain.workflows.run_state import run_state, run_status
-from posttrain.workflows.sweep_stats import paired_interval, seed_interval
+from posttrain.workflows.sweep_stats import paired_interval, seed_interval, t_quantile
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
 
 SWEEP_FILE = "sweep.json"
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t distribution with `df` degrees of freedom, found by
-    bisection on its CDF, 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2 for t > 0 (regularised
-    incomplete beta from mpmath), to 1e-10.
-
-    Raises:
-        ValueError: for p outside (0.5, 1) or df < 1.
-    """
-    import mpmath
-
-    if not 0.5 < p < 1 or df < 1:
-        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
-
-    def cdf(t: float) -> float:
-        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
-
-    low, high = 0.0, 1.0
-    while cdf(high) < p:
-        high *= 2
-    while high - low > 1e-10:
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2
 
 
 def _base_config(module: ModuleType, base: Any, config: str | os.PathLike | None) -> Any:

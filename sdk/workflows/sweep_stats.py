@@ -31,6 +31,31 @@ NUM_RESAMPLES = 4000
 TOO_FEW = f"too few seeds for an interval (< {MIN_SEEDS})"
 
 
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile of Student's t distribution with `df` degrees of freedom, found by
+    bisection on its CDF, 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2 for t > 0 (regularised
+    incomplete beta from mpmath), to 1e-10.
+
+    Raises:
+        ValueError: for p outside (0.5, 1) or df < 1.
+    """
+    import mpmath
+
+    if not 0.5 < p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df >= 1, got p={p}, df={df}")
+
+    def cdf(t: float) -> float:
+        return 1 - 0.5 * float(mpmath.betainc(df / 2, 0.5, 0, df / (df + t * t), regularized=True))
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    while high - low > 1e-10:
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
 def cluster_bootstrap(
     groups: Sequence[Sequence[float] | np.ndarray],
     *,
@@ -96,8 +121,6 @@ def seed_interval(values: Sequence[float], items: Sequence[Sequence[bool]] | Non
         }
     if n < MIN_SEEDS:
         return {**out, "interval": TOO_FEW}
-    from posttrain.workflows.sweep import t_quantile
-
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
     return {**out, "ci_low": mean - half, "ci_high": mean + half, "interval": "t over seeds"}

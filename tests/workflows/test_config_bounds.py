@@ -42,6 +42,11 @@ ACCEPTED = {
     "task.eval_seed": 0,
     "prompt_seed": 0,
     "out_dir": "nope",  # a relative folder
+    # trackers: none by default; any name; relative paths (null: in the run folder)
+    "logging.trackers": [],
+    "logging.experiment": "nope",
+    "logging.wandb_dir": "nope",
+    "logging.mlflow_tracking_uri": "nope",
     "data.seed": 0,
     # own data: None trains on the task; 0 holds no rows out of data.train
     "data.train": None,
@@ -101,11 +106,16 @@ a tuple: the values one recipe or another takes."""
 SHORT = {"optim.steps": 1, "task.eval_size": 1, "eval.max_new_tokens": 1}
 """What keeps an EDGE run short (itself boundary values)."""
 WARM = {"sft.steps": 1, "sft.batch_size": 1, "sft.warmup_steps": 0, "sft.min_lr_ratio": 0.0}
+LOGGING = {
+    k: "nope" for k in ("logging.experiment", "logging.wandb_dir", "logging.mlflow_tracking_uri")
+}
+"""Tracker options without a tracker: checked, never used (no tracker named)."""
 EDGE: dict[str, list[dict]] = {
     "demo": [{"sampling.max_new_tokens": 1, "out_dir": "nope"}],
     "sft": [
         {
             **SHORT,
+            **LOGGING,
             "checkpoint.every": 0,
             "task.eval_size": 0,
             "optim.warmup_steps": 0,
@@ -132,6 +142,7 @@ EDGE: dict[str, list[dict]] = {
     "dpo": [
         {
             **SHORT,
+            **LOGGING,
             **WARM,
             "sft.demonstrations": 1,
             "checkpoint.every": 0,
@@ -163,6 +174,7 @@ EDGE: dict[str, list[dict]] = {
     "reward_model": [
         {
             **SHORT,
+            **LOGGING,
             **WARM,
             "sft.demonstrations": 1,
             "checkpoint.every": 0,
@@ -195,6 +207,7 @@ EDGE: dict[str, list[dict]] = {
     "grpo": [
         {
             **SHORT,
+            **LOGGING,
             **WARM,
             "sft.demonstrations": 1,
             "checkpoint.every": 0,
@@ -231,6 +244,7 @@ EDGE: dict[str, list[dict]] = {
     "ppo": [
         {
             **SHORT,
+            **LOGGING,
             **WARM,
             "sft.demonstrations": 1,
             "checkpoint.every": 0,
