@@ -28,7 +28,8 @@ class FamilyTraits:
             halves, so the HF q/k rows are permuted on load and save (Llama, Mistral); False:
             torchtune's Qwen2 RoPE is rotate-half already.
         rope_scaling: accepts Llama 3.1 RoPE frequency scaling (`ModelSpec.rope_scaling`).
-        moe: may be a Mixture-of-Experts spec (`ModelSpec.num_experts` > 0).
+        moe: may be a Mixture-of-Experts spec (`ModelSpec.num_experts` > 0): Qwen2-MoE and
+            Qwen3-MoE (HF model_type qwen2_moe, qwen3_moe; `posttrain.models.hf_moe`).
         explicit_head_dim: the head width may differ from embed_dim / num_heads
             (`ModelSpec.attention_head_dim`).
     """
@@ -44,7 +45,7 @@ class FamilyTraits:
 FAMILY_TRAITS: dict[Family, FamilyTraits] = {
     "llama3": FamilyTraits(interleaved_rope=True, rope_scaling=True),
     "qwen2": FamilyTraits(qkv_bias=True, moe=True),
-    "qwen3": FamilyTraits(qk_norm=True, explicit_head_dim=True),
+    "qwen3": FamilyTraits(qk_norm=True, explicit_head_dim=True, moe=True),
     # Mistral 7B v0.2+ / Nemo-style blocks are Llama's; sliding-window attention is refused
     # when reading config.json (posttrain.models.hf_config).
     "mistral": FamilyTraits(interleaved_rope=True),

@@ -15,9 +15,10 @@ the checkpointer itself is not used because it creates its output folder on load
 `rope_theta` / `rms_norm_eps`, and on save writes `epoch_N/` with a copy of the *input*
 `config.json` (stale if the dimensions changed).
 
-An MoE spec reads and writes a Qwen2-MoE folder (`Qwen2MoeForCausalLM`): attention, norms and
-embeddings take the Qwen2 key map, the MoE layers `posttrain.models.hf_moe`'s (per-expert tensors
-on disk, stacked [E, ...] parameters in the model).
+An MoE spec reads and writes a Qwen2-MoE folder (`Qwen2MoeForCausalLM`, family "qwen2") or a
+Qwen3-MoE one (`Qwen3MoeForCausalLM`, family "qwen3"): attention, norms and embeddings take the
+dense family's key map, the MoE layers `posttrain.models.hf_moe`'s (per-expert tensors on disk,
+stacked [E, ...] parameters in the model).
 
 Traps handled here (those of config.json are listed in `posttrain.models.hf_config`):
   * Tied embeddings: the safetensors hold no `lm_head.weight` (one found anyway is ignored, as HF
@@ -165,8 +166,8 @@ def _check_keys(
 def load_hf_checkpoint(
     folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32
 ) -> tuple[nn.Module, ModelSpec]:
-    """Load a HF Qwen2 / Qwen2-MoE / Qwen3 / Llama / Mistral checkpoint folder as a torchtune
-    `TransformerDecoder` (MoE layers: `posttrain.models.moe.MoEFeedForward`).
+    """Load a HF Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE / Llama / Mistral checkpoint folder as a
+    torchtune `TransformerDecoder` (MoE layers: `posttrain.models.moe.MoEFeedForward`).
 
     The model is built on the meta device and the checkpoint tensors are assigned into it (no
     random initialisation, one copy of the weights in memory); RoPE caches are then built on CPU.

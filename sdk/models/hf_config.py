@@ -1,10 +1,10 @@
 """Hugging Face `config.json` <-> `ModelSpec`: parsing with transformers' defaults and precedence.
 
-`spec_from_hf_config` turns a parsed Qwen2 / Qwen2-MoE / Qwen3 / Llama / Mistral `config.json`
-into the `ModelSpec` of the model `AutoModelForCausalLM` would build; `hf_config_from_spec` writes
-the config.json dict that transformers loads as the same model. Checkpoint folders (safetensors
-load/save) are in `posttrain.models.hf`. The MoE keys of Qwen2-MoE (model_type qwen2_moe) are in
-`posttrain.models.hf_moe`.
+`spec_from_hf_config` turns a parsed Qwen2 / Qwen2-MoE / Qwen3 / Qwen3-MoE / Llama / Mistral
+`config.json` into the `ModelSpec` of the model `AutoModelForCausalLM` would build;
+`hf_config_from_spec` writes the config.json dict that transformers loads as the same model.
+Checkpoint folders (safetensors load/save) are in `posttrain.models.hf`. The MoE keys of
+Qwen2-MoE and Qwen3-MoE (model_type qwen2_moe, qwen3_moe) are in `posttrain.models.hf_moe`.
 
 Traps handled (transformers 5.10 semantics, checked in tests/models/test_hf_config.py):
   * Absent keys take the HF config class defaults, not torchtune's: rope_theta 1e4 (torchtune
@@ -39,13 +39,14 @@ from posttrain.models import hf_moe
 from posttrain.models.specs import Family, ModelSpec, RopeScaling
 
 # model_type in config.json -> ModelSpec.family, HF architecture class (of a dense spec; an MoE
-# spec is written as hf_moe.MODEL_TYPE / hf_moe.ARCHITECTURE).
+# spec is written as its family's hf_moe.HF_NAMES).
 _FAMILY_OF_MODEL_TYPE: dict[str, Family] = {
     "qwen2": "qwen2",
     "llama": "llama3",
     "qwen3": "qwen3",
     "mistral": "mistral",
     hf_moe.MODEL_TYPE: "qwen2",
+    hf_moe.QWEN3_MODEL_TYPE: "qwen3",
 }
 _ARCHITECTURE = {
     "qwen2": "Qwen2ForCausalLM",
@@ -111,6 +112,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         sliding_window=4096,
     ),
     hf_moe.MODEL_TYPE: hf_moe.HF_DEFAULTS,
+    hf_moe.QWEN3_MODEL_TYPE: hf_moe.QWEN3_HF_DEFAULTS,
 }
 _HF_DEFAULT_ROPE_THETA = 10_000.0  # RotaryEmbeddingConfigMixin.default_theta
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -125,18 +127,19 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
 
     Args:
         config: the config.json dict; `model_type` must be "qwen2", "qwen2_moe", "qwen3",
-            "llama" or "mistral".
+            "qwen3_moe", "llama" or "mistral".
 
     Returns:
         A validated `ModelSpec` (family "qwen2", "qwen3", "llama3" or "mistral"; qwen2_moe
-        gives a "qwen2" spec with num_experts > 0, see `posttrain.models.hf_moe`).
+        gives a "qwen2" spec with num_experts > 0, qwen3_moe a "qwen3" one, see
+        `posttrain.models.hf_moe`).
 
     Raises:
         ValueError: unknown `model_type`; a RoPE type other than default/llama3, or llama3 scaling
             with keys missing; a feature torchtune's builders cannot express (sliding-window
             attention, a non-silu activation, Llama / Mistral / Qwen3 attention or MLP biases,
             outside Qwen3 a head_dim other than hidden_size / num_attention_heads, partial rotary
-            embeddings, Qwen2-MoE dense layers or no q/k/v biases); or dimensions that
+            embeddings, MoE dense layers, Qwen2-MoE without q/k/v biases); or dimensions that
             `ModelSpec` rejects.
     """
     model_type = config.get("model_type")
@@ -168,7 +171,7 @@ def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
     max_seq_len = get("max_position_embeddings")
     rope_base, rope_scaling = _rope_from_hf_config(config, family, max_seq_len)
     norm_eps = _as_float(get("rms_norm_eps"), "rms_norm_eps")
-    moe = hf_moe.moe_fields_from_hf_config(config) if model_type == hf_moe.MODEL_TYPE else {}
+    moe = hf_moe.moe_fields_from_hf_config(config) if model_type in hf_moe.MODEL_TYPES else {}
     try:
         return ModelSpec(
             family=family,
@@ -202,12 +205,13 @@ def _check_supported_features(
     config: Mapping[str, Any], model_type: str, hidden: int, num_heads: int
 ) -> None:
     where = f"config.json (model_type {model_type!r})"
+    family = _FAMILY_OF_MODEL_TYPE[model_type]
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where} hidden_act={act!r}; only 'silu' is supported")
     head_dim = config.get("head_dim")
     if (
-        model_type != "qwen3"  # Qwen3 sets its head width explicitly (ModelSpec.attention_head_dim)
+        family != "qwen3"  # Qwen3 sets its head width explicitly (ModelSpec.attention_head_dim)
         and head_dim is not None
         and isinstance(hidden, int)
         and isinstance(num_heads, int)
@@ -217,18 +221,18 @@ def _check_supported_features(
         raise ValueError(
             f"{where} head_dim={head_dim} differs from hidden_size / "
             f"num_attention_heads = {hidden // num_heads}; not supported for this model_type "
-            "(only 'qwen3')"
+            "(only 'qwen3', 'qwen3_moe')"
         )
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(
             f"{where} partial_rotary_factor={config['partial_rotary_factor']}; "
             "only 1.0 is supported"
         )
-    biases = {"llama": ("attention_bias", "mlp_bias"), "mistral": (), "qwen3": ("attention_bias",)}
-    for key in biases.get(model_type, ()):
+    biases = {"llama3": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}
+    for key in biases.get(family, ()):
         if config.get(key):
             raise ValueError(f"{where} {key}=true is not supported (these blocks have no biases)")
-    if model_type in ("qwen2", "qwen3", hf_moe.MODEL_TYPE) and config.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         raise ValueError(
             f"{where} use_sliding_window=true is not supported (posttrain's attention is full "
             "attention only)"
@@ -306,7 +310,7 @@ def hf_config_from_spec(
 ) -> dict[str, Any]:
     """A config.json dict for `spec` that transformers loads as the same model (model_type
     qwen2, qwen3, llama or mistral; an MoE spec as model_type qwen2_moe, `Qwen2MoeForCausalLM`,
-    see `posttrain.models.hf_moe`).
+    or qwen3_moe, `Qwen3MoeForCausalLM`, see `posttrain.models.hf_moe`).
 
     RoPE settings are written both ways: `rope_parameters` (what transformers 5 reads and writes;
     tested with 5.10) and top-level `rope_theta` + `rope_scaling` (what 4.x reads); transformers 5
@@ -321,6 +325,9 @@ def hf_config_from_spec(
 
     Returns:
         A JSON-serialisable dict; `spec_from_hf_config` of it returns `spec`.
+
+    Raises:
+        ValueError: an MoE spec that its HF MoE model cannot hold (`hf_moe.hf_moe_config_fields`).
     """
     theta = float(spec.rope_base)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}

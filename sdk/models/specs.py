@@ -118,8 +118,9 @@ class ModelSpec:
         tie_word_embeddings: output projection shares the token embedding matrix.
         rope_scaling: Llama 3.1+ frequency scaling, or None for plain RoPE.
         num_experts: routed experts per MoE layer; 0 (the default) builds a dense model. An MoE
-            spec (family "qwen2" only) replaces every layer's MLP by
-            `posttrain.models.moe.MoEFeedForward`, as HF Qwen2-MoE with `decoder_sparse_step` 1.
+            spec (family "qwen2" or "qwen3") replaces every layer's MLP by
+            `posttrain.models.moe.MoEFeedForward`, as HF Qwen2-MoE / Qwen3-MoE with
+            `decoder_sparse_step` 1.
         experts_per_token: top-k experts each token is routed to, in 1..num_experts (HF
             `num_experts_per_tok`).
         moe_intermediate_dim: hidden size of each routed expert (HF `moe_intermediate_size`);
@@ -343,7 +344,7 @@ def build_model(
     biases 0, norm scales (the per-head q/k norms of Qwen3 too) 1. Loading a checkpoint
     overwrites all of it.
 
-    An MoE spec builds the qwen2 model with a placeholder MLP and replaces each layer's `mlp` by
+    An MoE spec builds its family's model with a placeholder MLP and replaces each layer's `mlp` by
     a `posttrain.models.moe.MoEFeedForward` (router and every expert weight N(0, init_std), as HF
     `Qwen2MoePreTrainedModel._init_weights`), each holding `spec.router_aux_loss_coef`.
 

@@ -86,7 +86,7 @@ def test_model_spec_rejects_bad_field_and_names_it(field, value):
         (dict(family="qwen3", attention_head_dim=0), "attention_head_dim=0"),
         (dict(family="qwen3", attention_head_dim=64.0), "attention_head_dim=64.0"),
         (dict(family="mistral", rope_scaling=RopeScaling()), "rope_scaling.*'llama3'"),
-        (dict(family="qwen3", num_experts=4, moe_intermediate_dim=8), "num_experts=4 \\(MoE\\)"),
+        (dict(family="llama3", num_experts=4, moe_intermediate_dim=8), "num_experts=4 \\(MoE\\)"),
     ],
 )
 def test_model_spec_rejects_what_a_family_cannot_hold(changes, match):
