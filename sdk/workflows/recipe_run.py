@@ -228,10 +228,12 @@ class RecipeRun:
     def write(self, results: dict[str, Any], markdown: str) -> None:
         """`results.json` and `results.md` in the run folder (`reports.write_results`). With
         trackers: the run folder's plots go to them, they are closed, and `results["trackers"]`
-        gets their `report()` (per tracker, its failure count and first error)."""
+        gets their `report()` (per tracker, its failure count and first error); a run without
+        trackers writes no such key."""
         if self.trackers is not None:
             self.trackers.finish(self.out)
-            results["trackers"] = self.trackers.report()
+            if report := self.trackers.report():
+                results["trackers"] = report
         write_results(self.out, results, markdown)
 
     def done(self, results: dict[str, Any]) -> dict[str, Any]:
