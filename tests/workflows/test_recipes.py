@@ -138,7 +138,7 @@ TRAINING_KEYS = [
     "progress",
     "resume",
     "seed",
-    *_keys("checkpoint", "every", "keep_last"),
+    *_keys("checkpoint", "every", "keep_last", "permissions"),
     *_keys("eval", "every", "max_new_tokens"),
     *MODEL_KEYS,
     *TASK_KEYS,
