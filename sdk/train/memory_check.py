@@ -5,7 +5,7 @@ against the smallest device of the ranks, so every rank refuses or none does."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,9 +13,6 @@ import torch.distributed as dist
 from posttrain.train.memory_counts import MemoryBatch
 from posttrain.train.memory_fit import device_memory_bytes
 from posttrain.train.runtime import Runtime
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["check_memory", "optimizer_states_of"]
 
