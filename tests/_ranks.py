@@ -47,12 +47,15 @@ def run_ranks(
     log_prefix: str = "rank",
     expect_returncode: int = 0,
     timeout_s: float = RUN_S,
+    fresh: bool = False,
 ) -> None:
     """Run the ranks until all end; a rank that fails leaves the others waiting in a collective,
     so they are stopped then. Asserts that every rank exited with `expect_returncode` (-9 for
     ranks that SIGKILL themselves), showing the logs of those that did not, and says so when
     the ranks were still running after `timeout_s` (generous: a run of seconds on a quiet
-    machine takes minutes beside busy neighbours)."""
+    machine takes minutes beside busy neighbours). `fresh`: each rank is a fresh interpreter
+    (`python SCRIPT ...`, ~3-8 s of CPU in imports) instead of a fork of the preloaded server,
+    for what a rank's own imports decide (which packages a code path loads)."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -65,7 +68,9 @@ def run_ranks(
     with contextlib.ExitStack() as stack:
         procs = [
             stack.enter_context(
-                start_script(script, [str(rank), str(world_size), *args], env, out, logs[rank])
+                _start_fresh(script, [str(rank), str(world_size), *args], env, out, logs[rank])
+                if fresh
+                else start_script(script, [str(rank), str(world_size), *args], env, out, logs[rank])
             )
             for rank in range(world_size)
         ]
@@ -97,6 +102,20 @@ def run_ranks(
             f"{Path(script).name} to exit (then killed)",
         )
     assert not failed, "\n\n".join(failed)
+
+
+def _start_fresh(
+    script: str | os.PathLike, argv: list[str], env: dict[str, str], cwd: Path, log: Path
+) -> subprocess.Popen:
+    """`python SCRIPT *argv` as a fresh interpreter, stdout and stderr to the file `log`."""
+    with open(log, "wb") as output:
+        return subprocess.Popen(
+            [sys.executable, os.fspath(script), *argv],
+            env=env,
+            cwd=cwd,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _run_script(
@@ -164,6 +183,32 @@ class ScriptProcess(contextlib.AbstractContextManager):
         self._process.join()
 
 
+def _start_fork_server() -> None:
+    """Start the session's fork server (once) in this folder, so that it imports `_fork_preload`.
+
+    Python 3.11's forkserver does not apply the `sys_path` it is handed: its `sys.path` is a
+    fresh interpreter's, whose first entry is its working directory, and it skips a preload
+    module it cannot import without a word. Started from another folder (pytest runs in the
+    checkout's root) it would find no `_fork_preload`, and every forked script would import
+    torch, torchtune, posttrain and verl itself (tests/train/test_parallel_plans.py checks that
+    forked ranks hold verl). Forked scripts take their own working directory (`_run_script`)."""
+    global _fork_server_started
+    if _fork_server_started:
+        return
+    from multiprocessing import forkserver
+
+    here, previous = os.path.dirname(os.path.abspath(__file__)), os.getcwd()
+    os.chdir(here)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.chdir(previous)
+    _fork_server_started = True
+
+
+_fork_server_started = False
+
+
 def start_script(
     script: str | os.PathLike,
     argv: list[str],
@@ -180,6 +225,7 @@ def start_script(
         Path(path).write_bytes(b"")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["_fork_preload"])
+    _start_fork_server()
     process = context.Process(
         target=_run_script,
         args=(

@@ -13,6 +13,8 @@ deprecated spelling (`plan.apply`, `plan_state`, `Trainer(..., plan=plan)`); the
 OUT_DIR/killed under the same plan against an uninterrupted run; the refusals of a misused plan; two
 reshard resumes of OUT_DIR/ckpt4 (saved under dp_shard=4) under dp_shard=2 and under tp=2, and the
 full state dict of a sharded run; the chunked loss under dp_shard=2 and under tp=2 (untied).
+PHASE "sp_fresh" (2 ranks started as fresh interpreters): one sp=2 step, to record which packages
+that path imports (the other phases fork from a server that has imported verl already).
 Results go to OUT_DIR/{PHASE}-rank{RANK}.pt. `run_plan` with plan=None is the single-process
 reference the test runs itself.
 """
@@ -351,7 +353,10 @@ def main() -> None:
         if phase == "kill":
             phase_kill(out)
             return
-        results = phase_four(out) if phase == "four" else phase_two(out, rank)
+        if phase == "sp_fresh":
+            results = {"sp2": _strip(run_plan(ParallelPlan(sp=2), steps=1))}
+        else:
+            results = phase_four(out) if phase == "four" else phase_two(out, rank)
         # sp ran without verl's package (posttrain.train.sequence_parallel._ulysses)
         results["verl_imported"] = "verl" in sys.modules
         torch.save(results, out / f"{phase}-rank{rank}.pt")

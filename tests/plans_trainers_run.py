@@ -9,9 +9,9 @@ sequence- and expert-parallel cases `CASES_SP_EP`; a PPO run under dp_shard=2 ch
 step 2 and resumed to step 3 next to the uninterrupted run; DPO under dp_shard=2 with the policy as
 its own reference, an eval_fn and a checkpoint every step; the reward model under dp_shard=2 after a
 no-grad forward before its optimizer; the refusals of a misused plan; then the grpo, dpo (KTO) and
-reward_model recipes at TINY size under a plan (`RECIPE_RUNS`, in OUT/<recipe>: these ranks already
-hold the imports a recipe needs, most of a recipe process's cost). PHASE "four" (4 ranks): DPO
-and GRPO under `PLANS_4`. Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with
+reward_model recipes at a size below TINY under a plan (`RECIPE_RUNS`, in OUT/<recipe>: these
+ranks already hold the imports a recipe needs, most of a recipe process's cost). PHASE "four" (4
+ranks): DPO and GRPO under `PLANS_4`. Results go to OUT/{PHASE}-rank{RANK}.pt. Each `run_*` with
 plan=None is the one-process reference the test runs itself (for RL: `rollout_ranks` = the plan's
 data-parallel size, so the one process samples the prompts in the same slices with the same seeds).
 """
@@ -448,13 +448,15 @@ def misuse() -> dict[str, str]:
     return errors
 
 
-# grpo: without the held-out curve and the more-SFT baseline, which run in one process only
+SMALLER = {"sft.steps": 1, "task.eval_size": 1, "optim.steps": 1, "optim.warmup_steps": 0}
+"""Each recipe's TINY at about half its work: one SFT step, one held-out item, one step."""
 RECIPE_RUNS = {
-    "grpo": {"parallel.dp_shard": 2, "eval.every": 0, "baseline.steps": 0},
-    "dpo": {"parallel.dp_shard": 2, "loss": "kto"},
-    "reward_model": {"parallel.tp": 2},
+    "grpo": {**SMALLER, "parallel.dp_shard": 2, "eval.every": 0, "baseline.steps": 0},
+    "dpo": {**SMALLER, "parallel.dp_shard": 2, "loss": "kto"},
+    "reward_model": {**SMALLER, "parallel.tp": 2, "pairs.num_prompts": 8, "optim.steps": 2},
 }
-"""The recipes PHASE "two" runs last, each at its TINY size under a plan."""
+"""The recipes PHASE "two" runs last, under a plan, to show they run there and rank 0 alone writes
+(grpo: no held-out curve nor more-SFT baseline; reward_model evaluates and saves at step 2)."""
 
 
 def recipe_runs(out: Path) -> dict[str, Any]:

@@ -268,9 +268,10 @@ def test_misused_rl_plans_are_refused_with_what_to_do(two):
 
 
 def test_recipes_run_under_a_plan_and_rank_0_writes(two_run):
-    """grpo and dpo (KTO) under dp_shard=2, reward_model under tp=2, at TINY size (on the ranks of
-    the 2-rank phase): rank 0 returns the results and writes the run folder, the other rank
-    returns None; the saved policy / reward model is a plain one that loads."""
+    """grpo and dpo (KTO) under dp_shard=2, reward_model under tp=2, below TINY size
+    (`worker.RECIPE_RUNS`, on the ranks of the 2-rank phase): rank 0 returns the results and
+    writes the run folder, the other rank returns None; the saved policy / reward model is a
+    plain one that loads."""
     from posttrain.policy import Policy
     from posttrain.rewards import load_reward_model
 

@@ -5,7 +5,8 @@ the same plan after SIGKILL and reshard under another plan (or none); bad plans 
 process group.
 
 The multi-process runs happen once per module (tests/parallel_plan_run.py: 4 ranks, then 2
-ranks twice, ~45 s); each test compares them with the single-process run done here.
+ranks twice, forked from the session's preloaded server, then 2 fresh ranks for one sp step);
+each test compares them with the single-process run done here.
 
 Tolerances, from the float rounding of sharded sums (reductions in another order):
   * per-step losses and gradient norms: 2e-6 absolute (seen: at most 4.8e-7 and 7.2e-7);
@@ -38,7 +39,9 @@ LOSS_ATOL, SGD_WEIGHT_ATOL, ADAMW_WEIGHT_ATOL = 2e-6, 1e-6, 1e-4
 BF16_LOSS_ATOL, BF16_WEIGHT_ATOL = 1e-2, 2e-3
 
 
-def _launch(out: Path, world_size: int, phase: str, expect_killed: bool = False) -> None:
+def _launch(
+    out: Path, world_size: int, phase: str, expect_killed: bool = False, fresh: bool = False
+) -> None:
     run_ranks(
         worker.__file__,
         world_size,
@@ -47,6 +50,7 @@ def _launch(out: Path, world_size: int, phase: str, expect_killed: bool = False)
         phase,
         log_prefix=phase,
         expect_returncode=-9 if expect_killed else 0,
+        fresh=fresh,
     )
 
 
@@ -56,10 +60,11 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     _launch(out, 4, "four")
     _launch(out, 2, "kill", expect_killed=True)
     _launch(out, 2, "two")
+    _launch(out, 2, "sp_fresh", fresh=True)
     load = lambda phase, n: [
         torch.load(out / f"{phase}-rank{r}.pt", weights_only=False) for r in range(n)
     ]
-    return out, {"four": load("four", 4), "two": load("two", 2)}
+    return out, {"four": load("four", 4), "two": load("two", 2), "sp_fresh": load("sp_fresh", 2)}
 
 
 _REFERENCES: dict = {}
@@ -297,11 +302,14 @@ def test_misused_plans_are_refused_with_what_to_do(runs):
 
 
 def test_sequence_parallel_ranks_do_not_import_the_verl_package(runs):
-    """The sp plans (sp2, dp_shard2_sp2 and their packed and looked variants, all equal to one
-    process above) ran verl's Ulysses helpers without `import verl`, whose package imports ray,
-    tensordict and transformers (~5 s of CPU in every rank)."""
-    for phase, n in (("four", 4), ("two", 2)):
-        assert [r["verl_imported"] for r in runs[1][phase]] == [False] * n
+    """An sp=2 step in ranks started as fresh interpreters runs verl's Ulysses helpers without
+    `import verl`, whose package imports ray, tensordict and transformers (~5 s of CPU in every
+    rank). (The sp plans above, sp2, dp_shard2_sp2 and their packed and looked variants, equal one
+    process; their ranks fork from a server that has imported verl, tests/_fork_preload.py.)"""
+    fresh = runs[1]["sp_fresh"]
+    assert [r["verl_imported"] for r in fresh] == [False, False]
+    assert all(len(r["sp2"]["losses"]) == 1 for r in fresh)
+    assert [r["verl_imported"] for r in runs[1]["two"]] == [True, True]  # forked: preloaded
 
 
 def test_ulysses_helpers_are_verls_own_file_loaded_or_not():
