@@ -49,7 +49,9 @@ run: install
 # is installed when missing and stays; without it the browser test skips. bubblewrap for the code
 # sandbox (scripts/sandbox-up.sh: root + apt, ~3 s once) likewise; without it the sandbox tests skip.
 # vLLM's own venv (scripts/vllm-up.sh: ~8 min once, ~3.5 GB at /var/tmp/posttrain-vllm, outside the
-# checkout, reused by later runs) likewise; without it the vLLM tests skip.
+# checkout, reused by later runs) likewise; without it the vLLM tests skip. MLflow's server venv
+# (scripts/mlflow-up.sh --build: a few minutes once, ~860 MB at /var/tmp/posttrain-mlflow) likewise;
+# without it the MLflow UI browser test skips.
 # The static checks (`lint`) run first: a finding stops the run before any test.
 test: install lint
 	up=0; if ! scripts/slurm-up.sh --check; then \
@@ -60,6 +62,8 @@ test: install lint
 	  scripts/sandbox-up.sh || echo "no code sandbox here: sandbox tests will skip"; fi; \
 	if ! scripts/vllm-up.sh --check; then \
 	  scripts/vllm-up.sh || echo "vLLM venv not built: vLLM tests will skip"; fi; \
+	if ! scripts/mlflow-up.sh --check; then \
+	  scripts/mlflow-up.sh --build || echo "MLflow server venv not built: the MLflow UI test will skip"; fi; \
 	$(PY) -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 

@@ -1,5 +1,6 @@
 """Per-step training metrics: in memory as a pandas DataFrame, on disk as JSONL, optionally in
-TensorBoard.
+TensorBoard (through `posttrain.core.trackers.TensorBoardTracker`, so a run that also has a
+TensorBoard tracker writes one event stream).
 
 A row is a flat dict of numbers keyed by name, with an integer "step". `MetricsLog` is what the
 `Trainer` writes to; `read_metrics` reads a run's `metrics.jsonl` back (in another process, or
@@ -19,19 +20,18 @@ import json
 import numbers
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pandas as pd
 
 from posttrain.core.checkpoint_files import make_private_dir
+from posttrain.core.run_permissions import run_modes
+from posttrain.core.trackers import TENSORBOARD_DIR, TensorBoardTracker
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "MetricsLog", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 """File name of the per-step rows inside a run folder (one JSON object per line)."""
-
-TENSORBOARD_DIR = "tensorboard"
-"""Sub-folder of a run folder holding TensorBoard event files."""
 
 
 class MetricsLog:
@@ -41,7 +41,12 @@ class MetricsLog:
         run_dir: folder for `metrics.jsonl` (and `tensorboard/`); None keeps rows in memory only.
             Created on the first write.
         tensorboard: also write every numeric value as a TensorBoard scalar (tag = key,
-            global_step = row["step"]).
+            global_step = row["step"]) under `run_dir/tensorboard`, through the same event
+            stream as a `TensorBoardTracker` of the run folder (one writer; a scalar the
+            tracker wrote at a step is not written twice).
+
+    `metrics.jsonl` gets the run's file mode (`posttrain.core.run_permissions.run_modes`),
+    whatever the umask.
 
     Raises:
         ValueError: from `append`, if a row has no integer "step".
@@ -55,8 +60,9 @@ class MetricsLog:
             raise ValueError("tensorboard=True needs a run_dir to write event files into")
         self.tensorboard = tensorboard
         self.rows: list[dict[str, Any]] = []
-        self._writer = None
-        self._purge_step: int | None = None
+        self._tensorboard = (
+            TensorBoardTracker(self.run_dir) if tensorboard and self.run_dir else None
+        )
 
     @property
     def path(self) -> Path | None:
@@ -72,14 +78,11 @@ class MetricsLog:
         self.rows.append(row)
         if self.run_dir is not None and self.path is not None:
             make_private_dir(self.run_dir)
-            with open(self.path, "a", encoding="utf-8") as f:
+            with _open_run_file(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        if self.tensorboard:
-            writer = self._tensorboard_writer()
-            for key, value in row.items():
-                if key != "step" and _is_number(value):
-                    writer.add_scalar(key, value, global_step=step)
-            writer.flush()
+        if self._tensorboard is not None:
+            numbers_ = {k: float(v) for k, v in row.items() if k != "step" and _is_number(v)}
+            self._tensorboard.log(numbers_, step)
 
     def reset(self, rows: list[dict[str, Any]]) -> None:
         """Replace all rows (on resume: the rows saved with the checkpoint). Rewrites
@@ -89,34 +92,37 @@ class MetricsLog:
         if self.run_dir is not None and self.path is not None and (self.rows or self.path.exists()):
             make_private_dir(self.run_dir)
             tmp = self.path.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
+            with _open_run_file(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in self.rows)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
-        if self.tensorboard:
-            self.close()
-            self._purge_step = (self.rows[-1]["step"] + 1) if self.rows else 0
+        if self._tensorboard is not None:
+            self._tensorboard.purge((self.rows[-1]["step"] + 1) if self.rows else 0)
 
     def frame(self) -> pd.DataFrame:
         """All rows as a DataFrame (one row per step; columns missing from a row are NaN)."""
         return pd.DataFrame(self.rows)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer (a later `append` opens a new one)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Leave the TensorBoard event stream (closed when no tracker of the folder holds it;
+        a later `append` opens it again)."""
+        if self._tensorboard is not None:
+            self._tensorboard.finish()
 
-    def _tensorboard_writer(self):
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(
-                log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=self._purge_step
-            )
-            self._purge_step = None
-        return self._writer
+def _open_run_file(path: Path, mode: str) -> IO[str]:
+    """`open(path, mode)` (text, UTF-8) for a file created with the run's file mode, exactly."""
+    file_mode = run_modes()[0]
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+    fd = os.open(path, flags, file_mode)
+    try:
+        if os.fstat(fd).st_size == 0:  # just created (or empty): the mode, whatever the umask
+            os.fchmod(fd, file_mode)
+        return os.fdopen(fd, mode, encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def read_metrics(path: str | os.PathLike) -> pd.DataFrame:

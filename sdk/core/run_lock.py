@@ -42,13 +42,14 @@ import os
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from posttrain.core.checkpoint_files import make_private_dir, write_text_atomic
-from posttrain.core.run_permissions import run_modes
+from posttrain.core.run_permissions import apply_run_modes, run_modes
 
 __all__ = [
     "LOCK_FILE",
@@ -184,8 +185,10 @@ def run_outcome(run_dir: str | os.PathLike | None) -> Iterator[None]:
     stage's `RunInterrupted`), else "failed", with the exception line ("RuntimeError:
     diverged"), the last lines of the traceback, the time (UTC), pid and host; a block that
     raises before the run claimed its folder leaves the folder as it was, and so does
-    `sys.exit` (a preempted job that leaves to be requeued). However the block ends, this
-    process's claim of the folder is released. The exception propagates unchanged.
+    `sys.exit` (a preempted job that leaves to be requeued). However the block ends, if this
+    process holds the folder, every file and folder in it gets the modes of the run's setting
+    (`posttrain.core.run_permissions.apply_run_modes`: for what libraries wrote with modes of
+    their own), and the claim is released. The exception propagates unchanged.
 
     Nested blocks on one folder (the command line or a job around a recipe's entry point)
     record once: the innermost releases the claim, so the outer ones find none.
@@ -210,4 +213,13 @@ def run_outcome(run_dir: str | os.PathLike | None) -> Iterator[None]:
                 write_text_atomic(folder / STOPPED_FILE, json.dumps(record, indent=2))
         raise
     finally:
+        if str(folder) in _HELD:
+            _apply_run_modes(folder)
         release_run_dir(folder)
+
+
+def _apply_run_modes(folder: Path) -> None:
+    try:
+        apply_run_modes(folder)
+    except OSError as e:  # never hide the run's own exception: warned
+        warnings.warn(f"could not set the modes of {folder}'s files: {e}", stacklevel=3)

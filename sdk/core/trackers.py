@@ -25,15 +25,15 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from posttrain.core.metrics import TENSORBOARD_DIR
-
 __all__ = [
+    "TENSORBOARD_DIR",
     "TRACKERS",
     "WANDB_MODES",
     "Tracker",
@@ -44,6 +44,9 @@ __all__ = [
     "register_tracker",
     "flat_config",
 ]
+
+TENSORBOARD_DIR = "tensorboard"
+"""Sub-folder of a run folder holding TensorBoard event files."""
 
 WANDB_MODES = ("offline", "online", "disabled")
 """The `mode` values `wandb.init` takes; offline writes `<dir>/wandb/offline-run-*` only."""
@@ -91,28 +94,96 @@ def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+class _EventStream:
+    """The one `SummaryWriter` of a TensorBoard folder in this process, shared by every
+    `TensorBoardTracker` open on it (a recipe's tracker and a `Trainer(tensorboard=True)` on the
+    same run folder): one event file, each scalar written once per (tag, step)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.users = 0
+        self.last_step: dict[str, int] = {}  # per tag: the last step written
+
+    def add_scalars(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            if step > self.last_step.get(key, -1):  # another user wrote (key, step) already
+                self.writer.add_scalar(key, value, global_step=step)
+                self.last_step[key] = step
+        self.writer.flush()
+
+    def purge(self, step: int) -> None:
+        # What SummaryWriter(purge_step=step) writes when it opens a file: TensorBoard's readers
+        # then drop the events at steps >= `step` written before this one (a resumed run's).
+        from tensorboard.compat.proto.event_pb2 import (  # type: ignore[import-untyped]
+            Event,
+            SessionLog,
+        )
+
+        file_writer = self.writer.file_writer  # set from SummaryWriter() until close()
+        assert file_writer is not None, "the stream is closed"
+        file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
+        self.last_step = {k: min(v, step - 1) for k, v in self.last_step.items()}
+
+
+_STREAMS: dict[str, _EventStream] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
 class TensorBoardTracker:
     """Scalars (tag = metric name) under `run_dir/tensorboard`; the config and lineage as text
-    (tags "config" and "lineage", JSON); plots as images (tag "plots/<file stem>", HWC uint8)."""
+    (tags "config" and "lineage", JSON); plots as images (tag "plots/<file stem>", HWC uint8).
+
+    Every `TensorBoardTracker` of one folder in a process writes through one `SummaryWriter`
+    (one event stream): a scalar already written at a step by another (the same row sent by the
+    trainer's `tensorboard=True` and by a tracker callback) is not written again. `open` starts
+    the stream without the text (what `MetricsLog(tensorboard=True)` uses); `purge(step)` hides
+    the events at steps >= `step` written before it (a resume); `finish` leaves the stream to the
+    others and closes it after the last.
+    """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
-        self._writer: Any = None
+        self._stream: _EventStream | None = None
         self._last_step = 0
 
-    def start(self, config: dict[str, Any], lineage: dict[str, Any]) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    @property
+    def _writer(self) -> Any:
+        assert self._stream is not None, "open() or start() first"
+        return self._stream.writer
 
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+    def open(self) -> None:
+        """Join the folder's event stream (start it if no tracker holds it). Idempotent."""
+        if self._stream is not None:
+            return
+        key = os.path.abspath(self.log_dir)
+        with _STREAMS_LOCK:
+            stream = _STREAMS.get(key)
+            if stream is None:
+                stream = _STREAMS[key] = _EventStream(self.log_dir)
+            stream.users += 1
+        self._stream = stream
+
+    def start(self, config: dict[str, Any], lineage: dict[str, Any]) -> None:
+        self.open()
         self._writer.add_text("config", _json_block(config), global_step=0)
         self._writer.add_text("lineage", _json_block(lineage), global_step=0)
         self._writer.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for key, value in metrics.items():
-            self._writer.add_scalar(key, value, global_step=step)
-        self._writer.flush()
+        self.open()
+        assert self._stream is not None
+        self._stream.add_scalars(metrics, step)
         self._last_step = step
+
+    def purge(self, step: int) -> None:
+        """Make TensorBoard drop this folder's events at steps >= `step` written so far (also
+        those of an earlier process): a run resumed from the checkpoint of step `step - 1`."""
+        self.open()
+        assert self._stream is not None
+        self._stream.purge(step)
 
     def log_plots(self, paths: Sequence[Path]) -> None:
         import numpy as np
@@ -125,9 +196,16 @@ class TensorBoardTracker:
             )
 
     def finish(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        with _STREAMS_LOCK:
+            stream.users -= 1
+            if stream.users > 0:
+                stream.writer.flush()
+                return
+            _STREAMS.pop(os.path.abspath(self.log_dir), None)
+        stream.writer.close()
 
 
 class WandbTracker:

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -107,13 +106,14 @@ def recorded_run(entry: F) -> F:
     """Decorator of a recipe's entry point `entry(cfg, ...)`: runs it inside
     `posttrain.core.run_lock.run_outcome(cfg.out_dir)`, so a run it started that raises is
     recorded as failed (or interrupted) and its folder is released however it ends; the run's
-    files get the modes of `cfg.checkpoint.permissions` (`posttrain.core.run_permissions`)."""
+    files get the modes of `cfg.checkpoint.permissions` (None: the environment's setting,
+    private if unset; `posttrain.core.run_permissions`: the umask while it runs, and every file
+    of the run folder set to the modes when it ends, by `run_outcome`)."""
 
     @functools.wraps(entry)
     def run(cfg: Any, *args: Any, **kwargs: Any) -> Any:
         setting = getattr(getattr(cfg, "checkpoint", None), "permissions", None)
-        modes = run_permissions(setting) if setting else contextlib.nullcontext()
-        with modes, run_outcome(getattr(cfg, "out_dir", None)):
+        with run_permissions(setting or None), run_outcome(getattr(cfg, "out_dir", None)):
             return entry(cfg, *args, **kwargs)
 
     return run  # type: ignore[return-value]

@@ -11,8 +11,7 @@ headless Chromium, runs all cells from the Run menu, and checks in the page that
     - the header shows the final step "step 30/30".
 A page-side sampler (every 50 ms) records header, bar width and image src while the run goes.
 
-Needs Chromium at ${POSTTRAIN_CHROMIUM:-/usr/bin/chromium} (`scripts/browser-up.sh` installs
-Debian's package; Playwright's own browser download is not used) and skips without it. Takes
+Needs Chromium (the `chromium` and `page` fixtures of conftest.py) and skips without it. Takes
 ~15-25 s: JupyterLab ~2.5 s, page + kernel ~3 s, imports in the kernel ~3-5 s, the run ~4 s.
 
 Output in the test's tmp_path: `dashboard.png` (the page, also on failure),
@@ -50,14 +49,6 @@ HERE = Path(__file__).parent
 NOTEBOOK_DIR = HERE / "notebook"
 NOTEBOOK = "dashboard_live.ipynb"
 STEPS = 30  # trainer.fit(STEPS) in the notebook
-CHROMIUM = Path(os.environ.get("POSTTRAIN_CHROMIUM", "/usr/bin/chromium"))
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SERVER_START_S = 60  # JupyterLab answers in ~2.5 s when the machine is quiet
 KERNEL_READY_S = 90  # page load, extensions, kernel start
 RUN_S = 180  # imports + 30 steps in the kernel
@@ -92,16 +83,9 @@ DASHBOARD_JS = """() => {
 }"""
 
 
-def _chromium_missing() -> bool:
-    return not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK))
-
-
 @pytest.fixture(scope="module", autouse=True)
-def needs_chromium():
-    """Skip before anything starts when the browser (or Playwright) is missing."""
-    if _chromium_missing():
-        pytest.skip(f"no Chromium at {CHROMIUM}: run scripts/browser-up.sh (needs root and apt)")
-    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
+def needs_chromium(chromium):
+    """Skip before JupyterLab starts when the browser (or Playwright) is missing (conftest.py)."""
 
 
 # ------------------------------------------------------------------ JupyterLab
@@ -243,30 +227,6 @@ def jupyter_lab(tmp_path) -> Iterator[Lab]:
             pass  # the server is stopped next anyway
         _stop(process)
         _stop_kernel(root / "kernel.pid")
-
-
-# ------------------------------------------------------------------ Chromium
-
-
-@pytest.fixture
-def page(tmp_path):
-    """A Playwright page in headless Chromium (a fresh temporary profile per launch); the
-    page's console goes to tmp_path/console.log."""
-    from playwright.sync_api import sync_playwright
-
-    console = open(tmp_path / "console.log", "w")  # noqa: SIM115 (closed after the browser)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1400})
-            page.on("console", lambda m: console.write(f"{m.type}: {m.text}\n"))
-            page.on("pageerror", lambda e: console.write(f"pageerror: {e}\n"))
-            yield page
-        finally:
-            browser.close()
-            console.close()
 
 
 # ------------------------------------------------------------------ the test
