@@ -20,6 +20,8 @@ from typing import Any
 
 from submitit.core.utils import pickle_load
 
+from posttrain.launch.live_view import LiveHTML
+
 
 def _controller_alive(pid: int) -> bool:
     """True if process `pid` runs and (where /proc tells) is a submitit job controller."""
@@ -182,27 +184,18 @@ def watch_until_done(
     stopped: str,
 ) -> bool:
     """Show a state until `done()` or `timeout` seconds: in a Jupyter kernel one HTML widget
-    (`as_html()`) updated in place every `every_s` s, elsewhere `as_text()` printed whenever it
-    changes. Ctrl-C / a kernel interrupt stops watching (prints `stopped`), not what is watched.
-    Returns whether it ended with `done()` True."""
-    widget = None
-    try:
-        from IPython import get_ipython
-
-        if getattr(get_ipython(), "kernel", None) is not None:
-            import ipywidgets
-            from IPython.display import display
-
-            widget = ipywidgets.HTML(as_html())
-            display(widget)
-    except ImportError:
-        pass
+    (`as_html()`, a `posttrain.launch.live_view.LiveHTML`) updated in place every `every_s` s,
+    elsewhere `as_text()` printed whenever it changes. Ctrl-C / a kernel interrupt stops
+    watching (prints `stopped`), not what is watched. Returns whether it ended with `done()`
+    True."""
+    view = LiveHTML(as_html)
+    view.update()
     start, last = time.monotonic(), None
     try:
         while True:
             ended = done()
-            if widget is not None:
-                widget.value = as_html()
+            if view.widget is not None:
+                view.update()
             elif (text := as_text()) != last:
                 print(last := text, flush=True)
             if ended or (timeout is not None and time.monotonic() - start >= timeout):

@@ -166,6 +166,7 @@ def launch_array(
     master_addr: str | None = None,
     slurm_kwargs: dict[str, Any] | None = None,
     plan: ParallelPlan | None = None,
+    on_run: Callable[[int, Run | None], None] | None = None,
 ) -> list[Run]:
     """Submit `target(cfg)` for every cfg of `cfgs` (a sweep) in one go; one `Run` each.
 
@@ -175,7 +176,14 @@ def launch_array(
     `<out_dir>/launch` only for a single cfg: a sweep gets `runs/launch/<name>-<timestamp>`.
     Every cfg (and its plan; `plan=` goes into each) is checked before anything is submitted.
 
-    Raises: as `launch`; ValueError also for an empty `cfgs`.
+    `on_run(i, run)` (optional) hears of each run as it goes, so that a notebook can show a
+    sweep's progress while "debug" runs it here: for "debug", `on_run(i, None)` just before
+    `cfgs[i]` starts and `on_run(i, run)` once it has ended; for "local" and "slurm",
+    `on_run(i, run)` for each run once all are submitted. Called after every check passed;
+    what it raises is raised (the runs not yet started then do not run).
+
+    Raises: as `launch`; ValueError also for an empty `cfgs`, TypeError for an `on_run` that
+    is not callable.
 
     Example:
         >>> [r.result() for r in launch_array(abs, [-1, 2], executor="debug")]
@@ -197,6 +205,10 @@ def _submit(
         )
     if not cfgs:
         raise ValueError("launch_array needs at least one cfg")
+    hook = o.get("on_run")
+    if hook is not None and not callable(hook):
+        raise TypeError(f"on_run={hook!r} is not callable; pass a function of (index, run)")
+    on_run = hook or (lambda i, run: None)
     check_resources(
         executor,
         nodes,
@@ -229,12 +241,14 @@ def _submit(
         _check_pickles(call, name + (f" (cfgs[{i}])" if len(calls) > 1 else ""))
     out_dirs = [_out_dir(cfg) for cfg in cfgs]
     folder = o["folder"]
-    if executor == "debug":  # runs here, now; DebugExecutor writes nothing under folder
+    if executor == "debug":  # runs here, now, in turn; DebugExecutor writes nothing under folder
         ex = DebugExecutor(folder or ".")
-        return [
-            Run._run_debug(ex.submit(call), name, out_dir, plan)
-            for call, out_dir, plan in zip(calls, out_dirs, plans)
-        ]
+        done: list[Run] = []
+        for i, (call, out_dir, plan) in enumerate(zip(calls, out_dirs, plans)):
+            on_run(i, None)
+            done.append(Run._run_debug(ex.submit(call), name, out_dir, plan))
+            on_run(i, done[-1])
+        return done
 
     if folder is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -299,6 +313,8 @@ def _submit(
         runs=runs,
         parameters=ex.parameters,
     )
+    for i, run in enumerate(runs):
+        on_run(i, run)
     return runs
 
 

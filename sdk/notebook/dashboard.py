@@ -3,11 +3,13 @@
 `LiveDashboard` is a trainer callback (`Trainer(..., callbacks=[dash])`, or `dash.attach(trainer)`
 for `Trainer` and `RLTrainer` alike). In a Jupyter kernel it shows ONE display, updated in place:
 
-    header    run title, step / total, the latest value of each plotted metric
+    header    run title, step / total, elapsed time, ETA, tokens/s (trained; for RL also
+              sampled), the latest value of each plotted metric (`posttrain.notebook.run_pace`)
     progress  an ipywidgets IntProgress bar (DOM class `widget-hprogress`)
     plot      a matplotlib figure rendered to PNG inside a `widgets.Image` (loss; for RL also
               reward, KL, accuracy, held-out `eval/...` columns, the outcome counts and
-              `TIME_PANEL`: where each step's seconds went, stacked by phase)
+              `TIME_PANEL`: where each step's seconds went, stacked by phase), all panels on
+              one shared step axis; `logy` panels on a log y axis
     rollouts  RL only: a small table of the latest sampled rollouts (prompt, completion, reward,
               outcome), read from the trainer's `last_groups` (or a non-empty `buffer`)
     messages  an ipywidgets Output that only ever receives `append_stdout` (nbval-safe)
@@ -19,7 +21,8 @@ or the trainer's `target_steps` when it sets one), when the notebook cell finish
 `post_run_cell` hook, so also after an interrupt or an exception), or on `flush()`.
 
 Outside a Jupyter kernel (a script, pytest, a Slurm job) nothing is drawn: the trainers' own
-text progress bar already prints; `log_every=N` adds one log line every N steps.
+text progress bar already prints; `log_every=N` adds one log line every N steps (with elapsed
+time and ETA).
 
 `posttrain.notebook.plots.plot_metrics` draws the same panels after a run; the RL-only parts
 (the rollouts table, the `TIME_PANEL`) are drawn by `posttrain.notebook.rl_panels`.
@@ -37,6 +40,7 @@ import math
 import numbers
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +49,7 @@ import pandas as pd
 from posttrain.core.figures import figure_png
 from posttrain.notebook.plots import (
     OUTCOMES_PANEL,
+    _check_logy,
     _default_metrics,
     _draw,
     _new_figure,
@@ -57,6 +62,7 @@ from posttrain.notebook.rl_panels import (
     _time_columns,
     latest_rollouts,
 )
+from posttrain.notebook.run_pace import PACE_WINDOW, RunPace, pace_parts, run_pace
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -123,7 +129,10 @@ class LiveDashboard:
         min_interval_s: seconds between redraws at least (0: every considered step).
         total: the run's last step, for the header and progress bar and to draw the final
             state at once; None: the trainer's `target_steps` attribute when it has one.
-        smooth: EMA weight of the plotted curves, as in `plot_metrics`.
+        smooth: EMA weight of the plotted curves, as in `plot_metrics` (raw points stay
+            drawn under the smoothed curve).
+        logy: panels drawn on a log y axis (e.g. "loss"); a panel whose values include one
+            <= 0 is drawn linear, and its title says so.
         widget: True forces the widget display, False the text fallback; None (default)
             chooses widgets inside a Jupyter kernel (`in_notebook()`).
         log_every: in text mode, print one line with the latest metrics every `log_every`
@@ -144,7 +153,8 @@ class LiveDashboard:
             also goes to `out` with `append_stdout` in widget mode, to a warning in text mode).
 
     Raises:
-        ValueError: for out-of-range options. ImportError: `widget=True` without ipywidgets.
+        ValueError: for out-of-range options, or a `logy` name that is not one of `metrics`
+            (when given). ImportError: `widget=True` without ipywidgets.
     """
 
     def __init__(
@@ -162,6 +172,7 @@ class LiveDashboard:
         ncols: int = 3,
         figsize: tuple[float, float] | None = None,
         dpi: int = 72,
+        logy: str | Sequence[str] = (),
     ) -> None:
         for name, value, minimum in (
             ("every", every, 1),
@@ -180,6 +191,13 @@ class LiveDashboard:
         self.metrics = (
             None if metrics is None else ([metrics] if isinstance(metrics, str) else list(metrics))
         )
+        self.logy = [logy] if isinstance(logy, str) else list(logy)
+        if not all(isinstance(n, str) for n in self.logy):
+            raise ValueError(f"logy={logy!r}; must be metric names (strings)")
+        if self.metrics is not None:
+            _check_logy(
+                self.logy, [m for m in self.metrics if m not in (OUTCOMES_PANEL, TIME_PANEL)]
+            )
         self.every, self.max_rows, self.min_interval_s = every, max_rows, float(min_interval_s)
         self.total, self.smooth, self.log_every, self.title = total, smooth, log_every, title
         self.ncols, self.figsize, self.dpi = ncols, figsize, dpi
@@ -202,6 +220,8 @@ class LiveDashboard:
         self._fig_metrics: list[str] | None = None
         self._hooked: Callable | None = None
         self._metrics_checked = False
+        self._started: float | None = None  # time.monotonic() when the first step seen began
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=PACE_WINDOW + 1)
 
     # ------------------------------------------------------------------ callback protocol
 
@@ -228,6 +248,11 @@ class LiveDashboard:
             self._report(f"dashboard: a row with step={step!r} (not a number) was not shown")
             return
         step = step if isinstance(step, int) else int(float(step))
+        if self._started is None:
+            seconds = row.get("step_time_s")
+            took = float(seconds) if isinstance(seconds, numbers.Real) else 0.0
+            self._started = time.monotonic() - (took if math.isfinite(took) else 0.0)
+        self._arrivals.append((step, time.monotonic()))
         self._trainer, self._row = trainer, {**row, "step": step}
         total = self._total()
         final = total is not None and step >= total
@@ -306,7 +331,7 @@ class LiveDashboard:
             frame = self._frame()
             self._check_metrics(frame)
             metrics = self._metrics(frame)
-            self.header.value = self._header_html(step, total, row, metrics)
+            self.header.value = self._header_html(step, total, row, metrics, self._pace(frame))
             self.progress.max = max(total or step, step, 1)
             self.progress.value = step
             self.progress.bar_style = "success" if total is not None and step >= total else ""
@@ -333,6 +358,15 @@ class LiveDashboard:
             return frame
         return pd.DataFrame([self._row])
 
+    def _pace(self, frame: pd.DataFrame) -> RunPace:
+        """`run_pace` of the rows so far: elapsed = wall clock since the first step seen
+        began, the ETA at the wall-clock pace of the rows' arrivals."""
+        started = self._started
+        elapsed = None if started is None else max(time.monotonic() - started, 0.0)
+        return run_pace(
+            frame, total=self._total(), elapsed_s=elapsed, step_clock=list(self._arrivals)
+        )
+
     def _metrics(self, frame: pd.DataFrame) -> list[str]:
         if self.metrics is not None:
             return list(self.metrics)
@@ -342,13 +376,13 @@ class LiveDashboard:
         return chosen
 
     def _check_metrics(self, frame: pd.DataFrame) -> None:
-        """Once: report requested metrics that the run's first rows lack (see `metrics`)."""
-        if self._metrics_checked or self.metrics is None:
+        """Once: report requested metrics (or `logy` names) that the run's first rows lack."""
+        if self._metrics_checked or (self.metrics is None and not self.logy):
             return
         self._metrics_checked = True
         unknown = [
             m
-            for m in self.metrics
+            for m in (self.metrics if self.metrics is not None else self.logy)
             if m not in frame.columns
             and not m.startswith("eval/")
             and not (m == OUTCOMES_PANEL and _outcome_columns(frame.columns))
@@ -356,9 +390,10 @@ class LiveDashboard:
         ]
         if unknown:
             available = sorted(c for c in frame.columns if c != "step")
+            effect = "panels stay empty" if self.metrics is not None else "logy names no panel"
             self._report(
                 f"dashboard: no column {unknown} in this run's metrics; available: "
-                f"{available} (those panels stay empty)"
+                f"{available} ({effect})"
             )
 
     def _report(self, message: str) -> None:
@@ -375,15 +410,17 @@ class LiveDashboard:
             self._fig_metrics = list(metrics)
         with warnings.catch_warnings():  # constrained layout on tiny panels warns; harmless
             warnings.simplefilter("ignore", UserWarning)
-            _draw(self._fig, frame, metrics, smooth=self.smooth, ncols=self.ncols)
+            _draw(self._fig, frame, metrics, smooth=self.smooth, ncols=self.ncols, logy=self.logy)
             for ax, name in zip(self._fig.axes, metrics):  # subplots are created row-major
                 if name == TIME_PANEL:
                     _draw_time_split(ax, frame)
             return figure_png(self._fig)
 
-    def _header_html(self, step: int, total: int | None, row: dict, metrics: list[str]) -> str:
+    def _header_html(
+        self, step: int, total: int | None, row: dict, metrics: list[str], pace: RunPace
+    ) -> str:
         where = f"step {step}/{total}" if total is not None else f"step {step}"
-        parts = [f"<b>{html.escape(self.title)}</b>", where]
+        parts = [f"<b>{html.escape(self.title)}</b>", where, *pace_parts(pace)]
         for name in metrics:
             value = row.get(name)
             if (
@@ -403,7 +440,8 @@ class LiveDashboard:
             for n in names
             if isinstance(row.get(n), (int, float)) and not isinstance(row.get(n), bool)
         ]
-        return "  ".join([f"[{self.title}] {where}"] + values)
+        pace = pace_parts(self._pace(self._frame()))
+        return "  ".join([f"[{self.title}] {where}", *pace, *values])
 
     # ------------------------------------------------------------------ notebook cell end
 

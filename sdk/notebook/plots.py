@@ -5,7 +5,10 @@ that the live dashboard (`posttrain.notebook.dashboard`) and the reward comparis
 `plot_metrics(run_dir_or_frame, metrics=[...])` draws the same panels as `LiveDashboard` after a
 run and returns a matplotlib `Figure` (no pyplot state: it displays once in a notebook and never
 opens a window). Panels are titled with units (`METRIC_LABELS`, `metric_label`); the pseudo-metric
-`OUTCOMES_PANEL` stacks the outcome counts of RL rows in one panel.
+`OUTCOMES_PANEL` stacks the outcome counts of RL rows in one panel. Every panel shares one step
+axis (zoom one, all follow; held-out `eval/...` points line up with the training curves),
+`logy=["loss"]` puts a panel on a log y axis, and with `smooth` the raw points stay drawn under
+the smoothed curve (an EMA of an accuracy passes through values no step had).
 
 Example:
     >>> import pandas as pd
@@ -81,11 +84,14 @@ _OUTCOME_COLORS = {
 
 
 def metric_label(name: str) -> str:
-    """Panel title for a metrics column: `METRIC_LABELS`, 'held-out X' for 'eval/X', else it."""
+    """Panel title for a metrics column: `METRIC_LABELS`, 'held-out X' for 'eval/X', 'reward X
+    (mean)' for one reward function's 'reward/X', else it."""
     if name in METRIC_LABELS:
         return METRIC_LABELS[name]
     if name.startswith("eval/"):
         return f"held-out {name[len('eval/') :]}"
+    if name.startswith("reward/"):  # one reward function's mean (posttrain.rl.rollout)
+        return f"reward {name[len('reward/') :]} (mean)"
     return name
 
 
@@ -95,7 +101,8 @@ def _default_metrics(columns: Sequence[str]) -> list[str]:
     base = RL_DEFAULT_METRICS if rl else SFT_DEFAULT_METRICS
     has_outcomes = bool(_outcome_columns(columns))
     chosen = [m for m in base if m in columns or (m == OUTCOMES_PANEL and has_outcomes)]
-    return chosen + sorted(c for c in columns if c.startswith("eval/"))
+    terms = [c for c in columns if c.startswith("reward/") and not c.endswith("/failures")]
+    return chosen + terms + sorted(c for c in columns if c.startswith("eval/"))
 
 
 def _outcome_columns(columns: Sequence[str]) -> list[str]:
@@ -118,20 +125,24 @@ def _draw(
     smooth: float,
     ncols: int,
     xlabel: str = "step",
+    logy: Sequence[str] = (),
 ) -> None:
-    """Draw one panel per metric into `fig` (cleared first)."""
+    """Draw one panel per metric into `fig` (cleared first), all panels on one shared x axis
+    (zooming one zooms all; x tick labels under the lowest panel of each column). `logy`
+    panels get a log y axis when all their values are > 0, else a linear one titled so."""
     fig.clear()
     n = max(len(metrics), 1)
     ncols = max(1, min(ncols, n))
     nrows = math.ceil(n / ncols)
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True).ravel()
     steps = frame["step"] if "step" in frame else pd.Series(range(1, len(frame) + 1))
     for k, (ax, name) in enumerate(zip(axes, metrics)):
         ax.set_title(metric_label(name) + _mfu_suffix(frame, name), fontsize=9)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        if k >= len(metrics) - ncols:
+        if k >= len(metrics) - ncols:  # the lowest panel of its column: the panel below is unused
             ax.set_xlabel(xlabel, fontsize=8)
+            ax.xaxis.set_tick_params(labelbottom=True)
         if name == OUTCOMES_PANEL:
             _draw_outcomes(ax, frame, steps)
             continue
@@ -150,16 +161,36 @@ def _draw(
             continue
         keep = values.notna()
         x, y = steps[keep], values[keep]
-        marker = "o" if len(y) <= 20 else None
         if smooth > 0 and len(y) > 1:
-            ax.plot(x, y, lw=1, alpha=0.3, color="C0")
+            # every raw point stays visible under the smoothed curve: an EMA of a bounded or
+            # discrete metric (an accuracy) passes through values no step had
+            ax.plot(x, y, lw=0.6, alpha=0.45, color="C0", marker="o", ms=2.5, label="raw")
             ax.plot(x, _smoothed(y, smooth), lw=1.5, color="C0", label=f"EMA {smooth:g}")
+            ax.legend(fontsize=7, frameon=False)
         else:
-            ax.plot(x, y, lw=1.2, color="C0", marker=marker, ms=3)
-        if name == "lr":
+            ax.plot(x, y, lw=1.2, color="C0", marker="o" if len(y) <= 20 else None, ms=3)
+        if name in logy:
+            if (y > 0).all():
+                ax.set_yscale("log")
+            else:
+                ax.set_title(f"{ax.get_title()} (linear: values <= 0)", fontsize=9)
+        if name == "lr" and ax.get_yscale() == "linear":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     for ax in axes[len(metrics) :]:
         ax.set_visible(False)
+
+
+def _check_logy(logy: str | Sequence[str], panels: Sequence[str]) -> list[str]:
+    """`logy` as a list of names, each one of `panels` (the plotted metrics).
+
+    Raises:
+        ValueError: a name that is not one of `panels`, naming the allowed ones.
+    """
+    names = [logy] if isinstance(logy, str) else list(logy)
+    unknown = [n for n in names if n not in panels]
+    if unknown:
+        raise ValueError(f"logy={unknown}: not a plotted metric; allowed: {list(panels)}")
+    return names
 
 
 def _mfu_suffix(frame: pd.DataFrame, name: str) -> str:
@@ -215,8 +246,9 @@ def plot_metrics(
     figsize: tuple[float, float] | None = None,
     dpi: int = 100,
     title: str | None = None,
+    logy: str | Sequence[str] = (),
 ):
-    """One figure of per-step metrics, one panel per metric, x = step.
+    """One figure of per-step metrics, one panel per metric, on one shared x axis (step).
 
     Args:
         source: a metrics DataFrame (`trainer.metrics`) or a run folder / `metrics.jsonl` path
@@ -226,11 +258,13 @@ def plot_metrics(
             `RL_DEFAULT_METRICS` for runs with a `reward_mean` column, else
             `SFT_DEFAULT_METRICS`, keeping those present, plus every `eval/...` column.
         smooth: exponential-moving-average weight in [0, 1) (TensorBoard's slider, debiased):
-            0 plots the raw values; otherwise the raw curve is drawn faint under the smoothed one.
+            0 plots the raw values; otherwise every raw point stays drawn (faint markers)
+            under the smoothed curve, so a smoothed value no step had is told apart.
             Rows where a metric is NaN (e.g. eval columns between evaluations) are skipped.
         ncols: panels per row.
         figsize: inches; default 3.3 x 2.5 per panel. dpi: dots per inch.
         title: optional figure title.
+        logy: panels (metric names among those plotted, e.g. "loss") drawn on a log y axis.
 
     Returns:
         A `matplotlib.figure.Figure` (not registered with pyplot; `fig.savefig(path)` writes
@@ -239,7 +273,8 @@ def plot_metrics(
     Raises:
         FileNotFoundError: if `source` is a path without a metrics.jsonl.
         ValueError: for an empty frame, a requested column that the run does not have (the
-            message lists the available ones) or `smooth` outside [0, 1).
+            message lists the available ones), `smooth` outside [0, 1), or a `logy` name that
+            is not a plotted metric or has values <= 0 (a log axis cannot show them).
     """
     if not 0.0 <= smooth < 1.0:
         raise ValueError(f"smooth={smooth!r}; must be in [0, 1) (0: raw values)")
@@ -267,8 +302,16 @@ def plot_metrics(
             raise ValueError(f"no column {missing} in this run's metrics; available: {available}")
     if not metrics:
         raise ValueError("nothing to plot: pass metrics=[...] (columns of the run's metrics)")
+    logy = _check_logy(logy, [m for m in metrics if m != OUTCOMES_PANEL])
+    for name in logy:
+        values = pd.to_numeric(frame[name], errors="coerce").dropna()
+        if (values <= 0).any():
+            raise ValueError(
+                f"logy: {name!r} has values <= 0 (min {values.min():.4g}), which a log axis "
+                "cannot show; plot it without logy"
+            )
     fig = _new_figure(len(metrics), ncols, figsize, dpi)
-    _draw(fig, frame, metrics, smooth=smooth, ncols=ncols)
+    _draw(fig, frame, metrics, smooth=smooth, ncols=ncols, logy=logy)
     if title:
         fig.suptitle(title, fontsize=10)
     return fig

@@ -11,6 +11,12 @@ interrupted or died. A run's status is its folder's (`posttrain.workflows.run_st
 as `runs_table()` has it) once its job has started it; a failed run shows its exception line in
 the table and does not stop the others.
 
+The live table, in a notebook, with every executor: "debug" runs the runs in turn inside
+`sweep(...)`, which shows the table meanwhile, refreshed in place as each run starts and ends
+(`posttrain.launch.live_view.LiveHTML`); "local" and "slurm" return at once and `Sweep.watch()`
+refreshes the table every few seconds. Outside a notebook no table is drawn (a log stays
+quiet: a "debug" run prints one line naming its log file).
+
 Statistics (`Sweep.summary`, `posttrain.workflows.sweep_stats`):
   - per arm, the mean of the headline metric (`posttrain.workflows.lineage.main_metric`, e.g.
     held-out accuracy after the last stage) over its finished seeds, with a 95% interval that
@@ -39,6 +45,7 @@ import math
 import numbers
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -47,6 +54,7 @@ from typing import Any
 import pandas as pd
 
 from posttrain.launch import EXECUTORS, JobFailedError, Run, launch_array
+from posttrain.launch.live_view import LiveHTML
 from posttrain.launch.records import last_metrics_row, watch_until_done
 from posttrain.workflows.arms import NEEDED as _NEEDED
 from posttrain.workflows.arms import Arm, arms_of_grid, baseline_arm, plain_value
@@ -55,6 +63,7 @@ from posttrain.workflows.lineage import main_metric
 from posttrain.workflows.recipes import load_config_file, load_recipe
 from posttrain.workflows.reports import _check_resumed_config, read_table
 from posttrain.workflows.run_state import run_state, run_status
+from posttrain.workflows.sweep_plot import plot_sweep
 from posttrain.workflows.sweep_stats import paired_interval, seed_interval, t_quantile
 
 __all__ = ["SWEEP_FILE", "Arm", "Sweep", "sweep", "t_quantile"]
@@ -97,7 +106,9 @@ def sweep(
     **launch_options: Any,
 ) -> Sweep:
     """Run `recipe` for every arm of `grid` and every seed of `seeds`; returns at once (with
-    executor="debug" the runs happen in this process, in turn, before it returns).
+    executor="debug" the runs happen in this process, in turn, before it returns, and in a
+    notebook the sweep's table shows meanwhile, refreshed in place as each run starts and
+    ends; `Sweep.watch()` is the live table of the other executors).
 
     Args:
         recipe: a recipe name or file (`posttrain.workflows.recipes.load_recipe`), or a module
@@ -173,17 +184,26 @@ def sweep(
         cells[arm.name, seed] = None
         if status in (None, "failed", "interrupted", "dead"):
             todo.append(((arm.name, seed), dataclasses.replace(run_cfg, resume=status is not None)))
+    handle = Sweep(folder, arms, seed_list, base_arm, cells)
     if todo:  # launch_array checks its options before it submits or writes anything
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        runs = launch_array(
-            module.main,
-            [c for _, c in todo],
-            executor=executor,
-            folder=None if executor == "debug" else folder / "launch" / stamp,
-            name=f"sweep-{name}",
-            **launch_options,
-        )
-        cells.update({key: run for (key, _), run in zip(todo, runs)})
+        keys = [key for key, _ in todo]
+        live = _LiveRuns(handle, keys) if executor == "debug" else None
+        try:
+            runs = launch_array(
+                module.main,
+                [c for _, c in todo],
+                executor=executor,
+                folder=None if executor == "debug" else folder / "launch" / stamp,
+                name=f"sweep-{name}",
+                on_run=live,
+                **launch_options,
+            )
+        except BaseException:
+            if live is not None:
+                live.stopped()
+            raise
+        cells.update(zip(keys, runs))
     folder.mkdir(parents=True, exist_ok=True)
     record = {
         "recipe": name,
@@ -193,7 +213,45 @@ def sweep(
         "arms": [dataclasses.asdict(a) for a in arms],
     }
     (folder / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
-    return Sweep(folder, arms, seed_list, base_arm, cells)
+    return handle
+
+
+class _LiveRuns:
+    """`launch_array`'s `on_run` for a "debug" sweep: the sweep's table in a notebook
+    (`posttrain.launch.live_view.LiveHTML`, nothing elsewhere), refreshed as each run starts
+    (its row "running", the later ones "pending") and ends (its row from its folder)."""
+
+    def __init__(self, sweep: Sweep, keys: list[tuple[str, int]]) -> None:
+        self.sweep, self.keys = sweep, keys
+        self.view = LiveHTML(sweep._repr_html_)
+        sweep._queued.update(dict.fromkeys(keys, "pending"))
+
+    def __call__(self, i: int, run: Run | None) -> None:
+        if run is None:
+            self.sweep._queued[self.keys[i]] = "running"
+        else:
+            del self.sweep._queued[self.keys[i]]
+            self.sweep.runs[self.keys[i]] = run
+        self._show()
+
+    def stopped(self) -> None:
+        """The sweep stopped (Ctrl-C, an error) after the table showed: the run it was in
+        shows its folder's state (interrupted, failed), the ones never started "not started"."""
+        queued = self.sweep._queued
+        for key, status in list(queued.items()):
+            if status == "running":
+                del queued[key]
+            else:
+                queued[key] = "not started"
+        if self.view.updates:
+            self._show()
+
+    def _show(self) -> None:
+        """Refresh the table; a table that cannot be drawn is a warning, never a stopped run."""
+        try:
+            self.view.update()
+        except Exception as e:  # noqa: BLE001 - the runs matter more than their table
+            warnings.warn(f"sweep table not refreshed ({type(e).__name__}: {e})", stacklevel=2)
 
 
 class Sweep:
@@ -213,15 +271,20 @@ class Sweep:
     ) -> None:
         self.folder, self.arms, self.seeds, self.baseline = folder, arms, seeds, baseline
         self.runs = runs
+        self._queued: dict[tuple[str, int], str] = {}  # "debug" runs not ended: shown status
 
     def out_dir(self, arm: str, seed: int) -> Path:
         """The run folder of arm `arm` (its name) and seed `seed`."""
         return self.folder / arm / f"seed{seed}"
 
     def _state(self, arm: str, seed: int) -> tuple[str, str | None]:
-        """(status, error): the job's while it has not ended (pending, running), then the run
-        folder's (`run_state`, whatever the job says: a later attempt may have run it); a job
-        that ended before its run started is failed, with the job's error."""
+        """(status, error): while a "debug" sweep runs, its runs not ended yet are pending,
+        running or (stopped early) not started; else the job's while it has not ended
+        (pending, running), then the run folder's (`run_state`, whatever the job says: a later
+        attempt may have run it); a job that ended before its run started is failed, with the
+        job's error."""
+        if (arm, seed) in self._queued:
+            return self._queued[arm, seed], None
         run, out = self.runs.get((arm, seed)), self.out_dir(arm, seed)
         if run is not None and not run.done():
             return ("pending" if run.status() == "PENDING" else "running"), None
@@ -244,9 +307,9 @@ class Sweep:
     def table(self) -> pd.DataFrame:
         """One row per (arm, seed), read now: arm, the grid values, seed, status (pending,
         running, finished, failed, interrupted, dead: as `runs_table()` has it once the job
-        started the run), step (last metrics.jsonl row), metric, value (the headline, once
-        finished), error (a failed run's exception line, why a dead one is taken for dead),
-        out_dir."""
+        started the run; "not started" for the runs a stopped "debug" sweep never reached),
+        step (last metrics.jsonl row), metric, value (the headline, once finished), error (a
+        failed run's exception line, why a dead one is taken for dead), out_dir."""
         rows = []
         for arm, seed in itertools.product(self.arms, self.seeds):
             out = self.out_dir(arm.name, seed)
@@ -271,10 +334,14 @@ class Sweep:
 
     def done(self) -> bool:
         """True once no run is pending or running."""
-        return all(r is None or r.done() for r in self.runs.values()) and not any(
-            run_status(self.out_dir(a, s)) == "running"
-            for (a, s), r in self.runs.items()
-            if r is None and (self.out_dir(a, s) / "config.json").is_file()
+        return (
+            not self._queued
+            and all(r is None or r.done() for r in self.runs.values())
+            and not any(
+                run_status(self.out_dir(a, s)) == "running"
+                for (a, s), r in self.runs.items()
+                if r is None and (self.out_dir(a, s) / "config.json").is_file()
+            )
         )
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0) -> pd.DataFrame:
@@ -373,49 +440,16 @@ class Sweep:
     def plot(self, ax=None):
         """The headline metric per arm: one dot per seed, the mean with its 95% interval, and
         the baseline's mean as a dashed line; with a baseline, a second panel of the paired
-        differences with their intervals and zero. Returns the `matplotlib.figure.Figure`, made
-        outside pyplot (`posttrain.core.figures`): it shows as the cell's value (`s.plot()`) or
-        through `display(fig)`, and leaves matplotlib's backend as it is."""
-        from posttrain.core.figures import new_figure
-
-        summary, table = self.summary(), self.table()
-        panels = 2 if self.baseline is not None else 1
-        fig = new_figure(figsize=(5 * panels, 0.6 * len(self.arms) + 2), layout="tight")
-        axes = fig.subplots(1, panels, squeeze=False)
-        ax, y = axes[0][0], range(len(self.arms))
-        for i, arm in enumerate(self.arms):
-            dots = table[(table.arm == arm.name) & (table.status == "finished")]["value"]
-            ax.plot(dots.astype(float), [i] * len(dots), "o", color="0.6", ms=4)
-        s = summary
-        ax.errorbar(
-            s["mean"],
-            y,
-            xerr=[s["mean"] - s["ci_low"], s["ci_high"] - s["mean"]],
-            fmt="s",
-            color="C0",
-            capsize=3,
+        differences with their intervals and zero (`posttrain.workflows.sweep_plot`). Returns
+        the `matplotlib.figure.Figure`, made outside pyplot (`posttrain.core.figures`): it
+        shows as the cell's value (`s.plot()`) or through `display(fig)`, and leaves
+        matplotlib's backend as it is."""
+        return plot_sweep(
+            self.summary(),
+            self.table(),
+            [arm.name for arm in self.arms],
+            None if self.baseline is None else self.baseline.name,
         )
-        if self.baseline is not None:
-            ax.axvline(
-                float(s.loc[s.arm == self.baseline.name, "mean"].iloc[0]), ls="--", color="0.5"
-            )
-        ax.set_yticks(list(y), s["arm"])
-        ax.set_xlabel(str(s["metric"].dropna().iloc[0]) if s["metric"].notna().any() else "metric")
-        ax.set_title("per arm: seeds (dots), mean and 95% interval")
-        if self.baseline is not None:
-            ax2 = axes[0][1]
-            ax2.errorbar(
-                s["diff"],
-                y,
-                xerr=[s["diff"] - s["diff_ci_low"], s["diff_ci_high"] - s["diff"]],
-                fmt="o",
-                color="C1",
-                capsize=3,
-            )
-            ax2.axvline(0, color="0.5", lw=1)
-            ax2.set_yticks(list(y), [""] * len(self.arms))
-            ax2.set_xlabel(f"minus {self.baseline.name} (paired, 95% CI)")
-        return fig
 
     def _repr_html_(self) -> str:
         return f"<p>sweep {html.escape(str(self.folder))}</p>" + self.table().drop(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from posttrain.launch import launch_array
 
 
@@ -49,3 +51,17 @@ def test_without_an_out_dir_the_output_stays_in_this_process(capsys):
     (run,) = launch_array(_chatty, [{"x": 5}], executor="debug")
     assert capsys.readouterr().out.splitlines()[-1] == "report line 39"
     assert run.result() == 5 and run.logs() == ""
+
+
+def test_on_run_hears_of_each_debug_run_as_it_starts_and_as_it_ends():
+    """`launch_array(..., on_run=f)`: f(i, None) before run i starts in this process, f(i, run)
+    once it has ended (what a notebook's sweep table refreshes on); checked before any run."""
+    events = []
+
+    def on_run(i, run):
+        events.append((i, None if run is None else (run.status(), run.result())))
+
+    launch_array(abs, [-1, 2], executor="debug", on_run=on_run)
+    assert events == [(0, None), (0, ("COMPLETED", 1)), (1, None), (1, ("COMPLETED", 2))]
+    with pytest.raises(TypeError, match="on_run=3 is not callable"):
+        launch_array(_chatty, [{"x": 1}], executor="debug", on_run=3)

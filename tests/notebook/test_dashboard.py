@@ -323,3 +323,150 @@ def test_sft_rows_get_a_throughput_panel_with_the_last_mfu():
     assert list(fig.axes[1].lines[0].get_ydata()) == [900.0, 1000.0, 1100.0]
     no_mfu = plot_metrics(frame.drop(columns=["mfu"]))
     assert [ax.get_title() for ax in no_mfu.axes if ax.get_visible()][1] == "throughput (tokens/s)"
+
+
+# ------------------------------------------------------------------ pace: elapsed, ETA, tokens/s
+
+
+def test_run_pace_elapsed_eta_and_tokens_per_s_by_hand():
+    """SFT rows (tokens_per_s = trained tokens per second), one without a step time. Window 3
+    = the last three timed rows (steps 2, 4, 5: 1 s, 1 s, 2 s). ETA to step 11 = 6 steps x 4/3 s
+    = 8 s; trained tokens/s = (100 x 1 + 200 x 1 + 50 x 2) / 4 s = 100; elapsed without a
+    measured clock = 4 + 1 + 1 + 2 = 8 s."""
+    from posttrain.notebook.run_pace import run_pace
+
+    nan = float("nan")
+    sft = pd.DataFrame(
+        {
+            "step": [1, 2, 3, 4, 5],
+            "step_time_s": [4.0, 1.0, nan, 1.0, 2.0],
+            "tokens_per_s": [10.0, 100.0, nan, 200.0, 50.0],
+        }
+    )
+    pace = run_pace(sft, total=11, window=3)
+    assert (pace.step, pace.elapsed_s, pace.eta_s) == (5, 8.0, pytest.approx(8.0))
+    assert pace.trained_tokens_per_s == pytest.approx(100.0)
+    assert pace.sampled_tokens_per_s is None  # SFT rows log no other token count
+    assert run_pace(sft, total=3, elapsed_s=30.0).elapsed_s == 30.0
+    assert run_pace(sft, total=3).eta_s == 0.0  # past the last step
+    assert run_pace(sft).eta_s is None  # no total
+    # With the rows' arrival timed, the pace is wall clock per step: rows of steps 3, 4, 5
+    # arrived at 10, 13 and 19 s -> (19 - 10) / 2 = 4.5 s a step, ETA 6 x 4.5 = 27 s; window 1
+    # keeps the last interval: 6 s a step, 36 s
+    clock = [(1, 0.0), (3, 10.0), (4, 13.0), (5, 19.0)]
+    assert run_pace(sft, total=11, step_clock=clock, window=2).eta_s == pytest.approx(27.0)
+    assert run_pace(sft, total=11, step_clock=clock, window=1).eta_s == pytest.approx(36.0)
+
+    # RL rows: tokens_per_s = sampled, trained_tokens_per_s = trained, over 2 s + 3 s:
+    # sampled (300 x 2 + 100 x 3) / 5 = 180, trained (50 x 2 + 10 x 3) / 5 = 26
+    rl = pd.DataFrame(
+        {
+            "step": [1, 2],
+            "step_time_s": [2.0, 3.0],
+            "tokens_per_s": [300.0, 100.0],
+            "trained_tokens_per_s": [50.0, 10.0],
+        }
+    )
+    pace = run_pace(rl, total=4)
+    assert pace.sampled_tokens_per_s == pytest.approx(180.0)
+    assert pace.trained_tokens_per_s == pytest.approx(26.0)
+    assert pace.eta_s == pytest.approx(2 * 2.5)
+    bare = run_pace(pd.DataFrame({"step": [1], "loss": [2.0]}), total=4)
+    assert (bare.elapsed_s, bare.eta_s, bare.trained_tokens_per_s) == (None, None, None)
+    for bad, match in (({"window": 0}, "window=0"), ({"elapsed_s": -1.0}, "elapsed_s=-1.0")):
+        with pytest.raises(ValueError, match=match):
+            run_pace(sft, **bad)
+
+
+class PacedTrainer(FakeTrainer):
+    """Rows with a 2 s step time and 1,500 trained tokens/s; the clock advances 3 s a step."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def fit(self, num_steps: int) -> None:
+        while len(self.rows) < num_steps:
+            self.clock["now"] += 3.0
+            step = len(self.rows) + 1
+            row = {"step": step, "loss": 3.0 / step, "step_time_s": 2.0, "tokens_per_s": 1500.0}
+            self.rows.append(row)
+            for callback in self.callbacks:
+                callback(self, row)
+
+
+def test_header_and_log_line_show_elapsed_eta_and_tokens_per_s(displays, monkeypatch, capsys):
+    """Steps end at t = 103, 106, 109 s; the first began at 103 - 2 = 101 s, so at step 3
+    elapsed = 8 s; ETA at the wall-clock pace (3 s a step, not the 2 s of step time) =
+    (10 - 3) x 3 s = 21 s; trained tokens/s 1,500 -> '1.5k'."""
+    clock = {"now": 100.0}
+    monkeypatch.setattr(dashboard, "time", type("Clock", (), {"monotonic": lambda: clock["now"]}))
+    trainer = PacedTrainer(clock)
+    dash = LiveDashboard(["loss"], widget=True, total=10, every=3, min_interval_s=0)
+    dash.attach(trainer)
+    trainer.fit(3)
+    assert dash.renders == 1 and dash.header.value == (
+        "<b>training</b> &middot; step 3/10 &middot; elapsed 0:08 &middot; ETA 0:21 &middot; "
+        "trained 1.5k tok/s &middot; loss 1"
+    )
+    clock["now"] = 100.0
+    trainer = PacedTrainer(clock)
+    LiveDashboard(["loss"], widget=False, total=10, log_every=3).attach(trainer)
+    trainer.fit(3)
+    assert capsys.readouterr().out.splitlines() == [
+        "[training] step 3/10  elapsed 0:08  ETA 0:21  trained 1.5k tok/s  loss 1"
+    ]
+
+
+# ------------------------------------------------------------------ raw points, log y, shared x
+
+
+def test_smoothing_keeps_every_raw_point_visible_under_the_curve():
+    """An accuracy of 0.5, 1.0, 0.5, 1.0 smoothed with EMA weight 0.5 (debiased) passes through
+    0.5, 0.8333, 0.6429, 0.8333 (e.g. 1.125 / 1.75 at step 3), values no step had: the raw
+    points are drawn as markers, first (under the smoothed line)."""
+    frame = pd.DataFrame({"step": [1, 2, 3, 4], "accuracy": [0.5, 1.0, 0.5, 1.0]})
+    raw, smoothed = plot_metrics(frame, ["accuracy"], smooth=0.5).axes[0].lines
+    assert raw.get_marker() == "o" and raw.get_alpha() > 0 and raw.get_markersize() > 0
+    assert list(raw.get_ydata()) == [0.5, 1.0, 0.5, 1.0]
+    assert list(smoothed.get_ydata()) == pytest.approx(
+        [0.5, 1.25 / 1.5, 1.125 / 1.75, 1.5625 / 1.875]
+    )
+
+
+def test_panels_share_the_step_axis_and_loss_can_be_log_scale(displays):
+    frame = pd.DataFrame(
+        {
+            "step": [1, 2, 3],
+            "loss": [4.0, 0.4, 0.04],
+            "lr": [1e-3, 1e-3, 1e-3],
+            "kl": [0.0, -0.1, 0.2],
+            "eval/accuracy": [float("nan"), 0.5, float("nan")],
+        }
+    )
+    fig = plot_metrics(frame, ["loss", "lr", "kl", "eval/accuracy"], logy="loss")
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_yscale() for ax in axes] == ["log", "linear", "linear", "linear"]
+    shared = axes[0].get_shared_x_axes()
+    assert all(shared.joined(axes[0], ax) for ax in axes[1:])
+    # 4 panels in 3 columns: each column's lowest panel has the step labels
+    fig.canvas.draw()
+    labelled = [any(t.get_visible() and t.get_text() for t in ax.get_xticklabels()) for ax in axes]
+    assert labelled == [False, True, True, True]
+    assert [ax.get_xlabel() for ax in axes] == ["", "step", "step", "step"]
+    with pytest.raises(ValueError, match=r"logy: 'kl' has values <= 0 \(min -0.1\)"):
+        plot_metrics(frame, ["loss", "kl"], logy=["kl"])
+    with pytest.raises(ValueError, match=r"logy=\['reward'\]: not a plotted metric; allowed: "):
+        plot_metrics(frame, ["loss"], logy=["reward"])
+    with pytest.raises(ValueError, match=r"logy=\['kl'\]"):
+        LiveDashboard(["loss"], logy="kl", widget=False)
+    LiveDashboard(logy="lose", widget=False).attach(trainer := FakeTrainer())
+    with pytest.warns(UserWarning, match=r"no column \['lose'\].*\(logy names no panel\)"):
+        trainer.fit(1)
+    # live: a log panel whose values reach <= 0 is drawn linear, and its title says so
+    dash = LiveDashboard(["loss", "kl"], logy=["loss", "kl"], widget=True, min_interval_s=0)
+    trainer = FakeTrainer()
+    trainer.rows = frame[["step", "loss", "kl"]].to_dict("records")
+    dash(trainer, trainer.rows[-1])
+    assert [ax.get_yscale() for ax in dash._fig.axes[:2]] == ["log", "linear"]
+    assert dash._fig.axes[1].get_title() == "KL to reference (nats/token) (linear: values <= 0)"

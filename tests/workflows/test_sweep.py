@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 
 import pytest
@@ -39,6 +40,7 @@ RECIPE = textwrap.dedent("""
         progress: bool = True
         x: int = 1
         fail_at: int = 0
+        interrupt_at: int = 0
 
     def main(cfg):
         out = Path(cfg.out_dir)
@@ -49,6 +51,8 @@ RECIPE = textwrap.dedent("""
         (out / "metrics.jsonl").write_text(json.dumps({{"step": 5}}) + "\\n")
         if cfg.x == cfg.fail_at:
             raise RuntimeError(f"arm x={{cfg.x}} diverged")
+        if cfg.x == cfg.interrupt_at:
+            raise KeyboardInterrupt
         score = SCORES[cfg.x, cfg.seed]
         rows = ["question,correct"] + [f"q{{i}},{{i < score}}" for i in range(4)]
         (out / "eval_after.csv").write_text("\\n".join(rows) + "\\n")
@@ -122,6 +126,63 @@ def test_summary_intervals_and_paired_differences_by_hand(fake, tmp_path, capsys
     assert list(arms.containers[0].lines[0].get_xdata()) == pytest.approx([0.375, 0.875, 0.5])
     diff_x = list(diffs.containers[0].lines[0].get_xdata())  # the baseline has no difference
     assert diff_x == pytest.approx([math.nan, 0.5, 0.125], nan_ok=True)
+
+
+def test_a_debug_sweep_in_a_notebook_shows_its_table_as_each_run_starts_and_ends(
+    fake, tmp_path, monkeypatch
+):
+    """In a Jupyter kernel a "debug" sweep runs its runs inside `sweep(...)`: its table shows
+    when the first run starts and is refreshed in place (one output) as each run starts and
+    ends, not once at the end. A Ctrl-C in the second run leaves it showing the first run
+    finished, the second interrupted and the third not started."""
+    import IPython
+    import IPython.display
+
+    class Shell:  # what the kernel checks read: an IPython shell with a kernel attached
+        kernel, config = object(), {}
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    shown: list = []
+    seen: list = []
+    folder = tmp_path / "live"
+
+    def snapshot(table_html):
+        calls = folder / "calls.txt"
+        ended = len(calls.read_text().splitlines()) if calls.exists() else 0
+        status = r"<td>(pending|running|finished|failed|interrupted|not started)</td>"
+        return ended, re.findall(status, table_html)
+
+    def display(widget):
+        shown.append(widget)
+        seen.append(snapshot(widget.value))
+        widget.observe(lambda change: seen.append(snapshot(change["new"])), "value")
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    s = sweep(fake, {"x": [1, 2, 3]}, seeds=[0], executor="debug", folder=folder)
+    assert len(shown) == 1  # one output, updated in place
+    run, wait, done = "running", "pending", "finished"
+    assert seen == [  # (runs that have started, the table's statuses) at each refresh
+        (0, [run, wait, wait]),
+        (1, [done, wait, wait]),
+        (1, [done, run, wait]),
+        (2, [done, done, wait]),
+        (2, [done, done, run]),
+        (3, [done, done, done]),
+    ]
+    assert s.done() and list(s.table().status) == [done] * 3
+
+    seen.clear()
+    folder = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(
+            fake,
+            {"x": [1, 2, 3]},
+            seeds=[0],
+            base={"interrupt_at": 2},
+            executor="debug",
+            folder=folder,
+        )
+    assert len(shown) == 2 and seen[-1] == (2, [done, "interrupted", "not started"])
 
 
 def test_failed_arm_shown_others_finish_and_resubmit_reruns_only_it(fake, tmp_path):
