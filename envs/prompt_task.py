@@ -8,7 +8,10 @@
   (`posttrain.rewards.functions`): `prompts`, `completions` (strings, or
   `[{"role": "assistant", "content": ...}]` for a conversational prompt), `completion_ids` and
   every other column of the record (the answer columns) as keyword lists. Failures are typed
-  outcomes ("error" with the function's name), counted and excluded by the trainer.
+  outcomes ("error" with the function's name), counted and excluded by the trainer. Each
+  trajectory's `info["reward_terms"]` holds every function's own (unweighted) reward and
+  `info["reward_term_failures"]` the functions that failed on it: the per-function metrics
+  `reward/<name>` and `reward/<name>/failures` of `posttrain.rl.rollout.rollout_metrics`.
 - `PromptTask(rows, rewards=...)`: an `EnvDataset` over a list of dicts or a prompts file
   (read by `posttrain.data.sources.load_prompt_records`): builders per batch index, cycling;
   the last `held_out_size` rows are held out. Registered as task "prompts".
@@ -45,6 +48,7 @@ from posttrain.rl.environment import (
     Trajectory,
     register_task,
 )
+from posttrain.rl.rollout import REWARD_TERM_FAILURES, REWARD_TERMS
 
 __all__ = ["PromptEnv", "PromptGroupBuilder", "PromptTask", "check_prompt_rows"]
 
@@ -153,7 +157,8 @@ class PromptGroupBuilder:
     def group_rewards(self, trajectories: Sequence[Trajectory]) -> list[VerifierResult]:
         """The reward functions' typed results for the group's completions (one call of each
         function per group), in order; an episode that already failed keeps its outcome and
-        is not scored."""
+        is not scored. Each scored trajectory's `info` gets its per-function values (see the
+        module docstring)."""
         results: list[VerifierResult | None] = [
             VerifierResult.failure(t.outcome, t.info.get("error", "episode failed"))
             if t.outcome in _FAILED
@@ -175,14 +180,16 @@ class PromptGroupBuilder:
                 for k, v in self.row.items()
                 if k != self.prompt_column and k not in _NOT_COLUMNS
             }
-            scored = self.rewards.score(
+            scored = self.rewards.score_terms(
                 [prompt] * len(todo),
                 completions,
                 columns,
                 completion_ids=[trajectories[i].completion_ids for i in todo],
             )
-            for i, result in zip(todo, scored):
-                results[i] = result
+            for j, i in enumerate(todo):
+                results[i] = scored.results[j]
+                info = trajectories[i].info  # per-function metrics (`rollout_metrics`)
+                info[REWARD_TERMS], info[REWARD_TERM_FAILURES] = scored.values[j], scored.failed[j]
         return cast("list[VerifierResult]", results)
 
 

@@ -7,6 +7,13 @@ The stages, run folder and results are those of `posttrain.workflows.preference`
 (`run_preference`: the starting policy, pairs, reference log-probs, training, held-out accuracy
 before and after, paired; under a `parallel` plan rank 0 samples, evaluates and writes).
 
+Own pairs instead of sampled ones: `posttrain run dpo data.train=pairs.parquet` (prompt /
+chosen / rejected in TRL's standard or conversational form; `loss=kto` also takes unpaired
+prompt / completion / label rows). The reference is the starting policy: `model.init_from`, or
+an SFT warm start on the training pairs' chosen responses; held-out loss, rewards, margin and
+reward accuracy (TRL's DPOTrainer metrics) every `eval.every` steps and before and after
+(docs/guides/own_data.md).
+
 Measured once with recipes/presets/dpo_chain_sum.yaml (= these defaults; 2-core CPU shared with
 other jobs, torch on 1 thread; wall 589 s: SFT 348 s, pairs 84 s, reference 6 s, DPO 144 s):
 the 1.02M-parameter SFT policy answers 5.0% [3.4, 7.3] of 500 held-out items; its 16,384 samples

@@ -36,7 +36,6 @@ from posttrain.workflows import (
     RLRunConfig,
     SFTWarmStartConfig,
     TaskConfig,
-    run_sft_then_rl,
 )
 
 __all__ = ["Config", "TINY", "main"]
@@ -72,6 +71,8 @@ TINY: dict[str, Any] = {**RL_TINY, "eval.every": 1, "baseline.steps": 2}
 def main(cfg: Config) -> dict[str, Any]:
     """Run SFT -> GRPO -> held-out evaluation -> more-SFT baseline; returns the results dict
     (also results.json)."""
+    from posttrain.workflows import run_sft_then_rl  # the training stack loads at a run's start
+
     return run_sft_then_rl(cfg)
 
 

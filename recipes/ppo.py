@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.workflows import RL_TINY, RLConfig, RLRunConfig, run_sft_then_rl
+from posttrain.workflows import RL_TINY, RLConfig, RLRunConfig
 
 __all__ = ["Config", "TINY", "main"]
 
@@ -43,6 +43,8 @@ TINY: dict[str, Any] = {
 
 def main(cfg: Config) -> dict[str, Any]:
     """Run SFT -> PPO -> held-out evaluation; returns the results dict (also results.json)."""
+    from posttrain.workflows import run_sft_then_rl  # the training stack loads at a run's start
+
     return run_sft_then_rl(cfg)
 
 

@@ -5,7 +5,9 @@ Run: `posttrain run reward_model --config recipes/presets/reward_model_chain_sum
 ...]` (dotted keys: `optim.steps=50 pairs.num_prompts=8000`), or in a notebook
 `main(Config(optim=BatchOptimConfig(steps=50)))`. The stages, run folder and results are those
 of `posttrain.workflows.reward_model` (`run_reward_model`: the policy, pairs split by question,
-the reward model, held-out pairwise accuracy before and after, `reward_model/`).
+the reward model, held-out pairwise accuracy before and after, `reward_model/`). Own pairs
+instead of sampled ones: `posttrain run reward_model data.train=pairs.parquet` (prompt / chosen /
+rejected, TRL's standard or conversational form; docs/guides/own_data.md).
 
 Measured once with recipes/presets/reward_model_chain_sum.yaml (= these defaults; 2-core CPU
 heavily shared with other jobs, wall 2416 s: SFT 1451 s, pairs 172 s, reward model 785 s): the

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.workflows import BatchOptimConfig, SFTConfig, run_sft
+from posttrain.workflows import BatchOptimConfig, SFTConfig
 
 Config = SFTConfig
 __all__ = ["Config", "BatchOptimConfig", "TINY", "main"]
@@ -47,6 +47,8 @@ TINY: dict[str, Any] = {
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run SFT/CPT (`posttrain.workflows.sft.run_sft`); returns the results dict (None on the
     ranks other than 0 of a process group)."""
+    from posttrain.workflows import run_sft  # the training stack loads when a run starts
+
     return run_sft(cfg)
 
 

@@ -16,7 +16,10 @@ file, a used out_dir, a resume whose config differs, a plan that needs more rank
 `posttrain.workflows.recipe_run.RunRefused`) is one line on stderr naming the field and the fix,
 `posttrain CMD: error: ...`, with exit code 2; a malformed command line prints its subcommand's
 usage. `--help`, `ls`, `runs` and the mistakes found before a recipe is loaded import neither
-torch nor pandas: heavy packages load when a run starts.
+torch nor pandas: heavy packages load when a run starts. `run` and `launch` build the recipe's
+config first with the checks that need torch or reasoning-gym deferred
+(`posttrain.workflows.stack_checks`), so an unknown key, a bad value or an unknown task name of
+the sft, grpo, ppo and rft recipes answers before torch loads; then in full, before the run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import shlex
 import sys
@@ -70,7 +74,7 @@ def _load_run(folder: str) -> tuple[ModuleType, str, DataclassInstance]:
             raise
         module = load_recipe(file)
     cls = module.Config
-    if f"{cls.__module__}.{cls.__qualname__}" != recipe.get("config_class"):
+    if not _names_class(recipe.get("config_class"), cls):
         raise ValueError(
             f"{folder} ran config class {recipe.get('config_class')!r}, but recipe "
             f"{name!r} now defines {cls.__module__}.{cls.__qualname__}"
@@ -80,6 +84,21 @@ def _load_run(folder: str) -> tuple[ModuleType, str, DataclassInstance]:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
     return module, name or Path(file).stem, cfg
+
+
+def _names_class(recorded: object, cls: type) -> bool:
+    """Whether `recorded` (lineage.json's config_class) names `cls`: by its name now, or by a
+    name it had before it moved to another module, which still imports it (a run recorded
+    `posttrain.workflows.sft.SFTConfig`, now in `posttrain.workflows.sft_config`)."""
+    if recorded == f"{cls.__module__}.{cls.__qualname__}":
+        return True
+    module, _, name = recorded.rpartition(".") if isinstance(recorded, str) else ("", "", "")
+    if not module.startswith("posttrain."):  # a recipe file's own class: by its name only
+        return False
+    try:
+        return getattr(importlib.import_module(module), name, None) is cls
+    except ImportError:
+        return False
 
 
 def load_run_config(folder: str) -> tuple[str, object]:
@@ -229,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
                 origin.update(rerun_of=folder)
         else:
             from posttrain.workflows.recipes import apply_overrides, load_recipe
+            from posttrain.workflows.stack_checks import defer_stack_checks
 
             module = load_recipe(args.recipe)
+            with defer_stack_checks():  # a typo or a bad value answers before torch loads
+                apply_overrides(module.Config(), args.overrides, config_file=args.config or None)
             cfg = apply_overrides(module.Config(), args.overrides, config_file=args.config or None)
             origin.update(
                 recipe=Path(args.recipe).stem,

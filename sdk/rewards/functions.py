@@ -30,7 +30,9 @@ function, counted and excluded by the trainer:
     ===========================================  ==============================================
 
 Functions are named by import path in YAML (`rewards.funcs: [mypkg.rewards:fn]`, resolved by
-`load_reward`).
+`load_reward`). `score_terms` also returns each function's own (unweighted) value and failures
+per completion (`RewardTerms`): the RL metrics `reward/<name>` and `reward/<name>/failures` of
+each step (`posttrain.rl.rollout.reward_term_metrics`, as TRL's `rewards/<name>/mean`).
 
 Example:
     >>> def exact(completions, answer, **kwargs):
@@ -41,6 +43,9 @@ Example:
     >>> nan = RewardFunctions([lambda completions, **kw: [float("nan")]])
     >>> nan.score(["q"], ["a"], {})[0].outcome
     <Outcome.ERROR: 'error'>
+    >>> terms = rewards.score_terms(["1+2="] * 2, ["3", "4"], {"answer": ["3", "3"]})
+    >>> terms.values, terms.failed
+    ([{'exact': 1.0, '<lambda>': None}, {'exact': 0.0, '<lambda>': None}], [[], []])
 """
 
 from __future__ import annotations
@@ -53,7 +58,14 @@ from typing import Any
 
 from posttrain.rewards.outcome import Outcome, VerifierResult, check_reward
 
-__all__ = ["PerSample", "RewardFunctions", "load_reward", "per_sample", "reward_name"]
+__all__ = [
+    "PerSample",
+    "RewardFunctions",
+    "RewardTerms",
+    "load_reward",
+    "per_sample",
+    "reward_name",
+]
 
 _TRL_EXTRAS = ("completion_ids", "trainer_state", "log_extra", "log_metric")
 
@@ -128,6 +140,23 @@ def load_reward(path: str) -> Callable[..., Any]:
     return obj
 
 
+@dataclass(frozen=True)
+class RewardTerms:
+    """What `RewardFunctions.score_terms` returns for N completions.
+
+    Attributes:
+        results: N typed results, as `RewardFunctions.score` returns them (the weighted sum).
+        values: N dicts `{metric name: the function's own, unweighted reward, or None}` (None
+            where it returned None, "not applicable", or failed on that completion).
+        failed: N lists of the metric names of the functions that failed on that completion
+            (raised, returned the wrong length, or a value `check_reward` refuses).
+    """
+
+    results: list[VerifierResult]
+    values: list[dict[str, float | None]]
+    failed: list[list[str]]
+
+
 @dataclass(frozen=True, init=False)
 class RewardFunctions:
     """Reward functions and their weights, scored together (see the module docstring). Pickles
@@ -184,6 +213,13 @@ class RewardFunctions:
         """The functions' names, in order."""
         return [reward_name(fn) for fn in self.funcs]
 
+    @property
+    def metric_names(self) -> list[str]:
+        """The functions' names as metric keys, in order: `names`, with `_<k>` appended to every
+        name two functions share (two lambdas: `<lambda>_0`, `<lambda>_1`)."""
+        names = self.names
+        return [f"{n}_{k}" if names.count(n) > 1 else n for k, n in enumerate(names)]
+
     def score(
         self,
         prompts: Sequence[Any],
@@ -202,7 +238,22 @@ class RewardFunctions:
             N `VerifierResult`s: outcome ok (score >= 1) or wrong with the weighted sum and a
             reason listing each function's value; outcome error with a reason naming the
             function for the failures in the module docstring's table.
+
+        Raises:
+            ValueError: if `prompts` or a column does not have N entries.
         """
+        return self.score_terms(prompts, completions, columns, completion_ids).results
+
+    def score_terms(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+    ) -> RewardTerms:
+        """`score`'s results with each function's own value per completion (`RewardTerms`),
+        for per-function metrics (TRL logs `rewards/<name>/mean`). Same arguments and errors as
+        `score`."""
         n = len(completions)
         if len(prompts) != n or any(len(v) != n for v in columns.values()):
             raise ValueError(
@@ -212,6 +263,7 @@ class RewardFunctions:
             )
         ids = [list(c) for c in completion_ids] if completion_ids is not None else [[]] * n
         values: list[list[float | None]] = [[None] * len(self.funcs) for _ in range(n)]
+        failed: list[list[bool]] = [[False] * len(self.funcs) for _ in range(n)]
         errors: list[str | None] = [None] * n
         for k, fn in enumerate(self.funcs):
             name = reward_name(fn)
@@ -226,17 +278,21 @@ class RewardFunctions:
                     **{key: list(v) for key, v in columns.items()},
                 )
             except Exception as exc:  # noqa: BLE001 - a failing function is data, not a crash
-                failed = f"reward function {name} raised {type(exc).__name__}: {exc}"
-                errors = [e or failed for e in errors]
+                failed_call = f"reward function {name} raised {type(exc).__name__}: {exc}"
+                errors = [e or failed_call for e in errors]
+                for row in failed:
+                    row[k] = True
                 continue
             sized = hasattr(out, "__len__") and not isinstance(out, (str, bytes, Mapping))
             if not sized or len(out) != n:
                 got = f"{len(out)} rewards" if sized else f"a {type(out).__name__}"
-                failed = (
+                failed_call = (
                     f"reward function {name} returned {got:.80}; expected a list of {n} rewards "
                     "(one per completion, None where it does not apply)"
                 )
-                errors = [e or failed for e in errors]
+                errors = [e or failed_call for e in errors]
+                for row in failed:
+                    row[k] = True
                 continue
             for i, value in enumerate(list(out)):
                 if value is None:
@@ -245,7 +301,13 @@ class RewardFunctions:
                     values[i][k] = check_reward(value, name=f"reward function {name} value")
                 except ValueError as exc:
                     errors[i] = errors[i] or str(exc)
-        return [self._combine(v, e) for v, e in zip(values, errors)]
+                    failed[i][k] = True
+        names = self.metric_names
+        return RewardTerms(
+            results=[self._combine(v, e) for v, e in zip(values, errors)],
+            values=[dict(zip(names, v)) for v in values],
+            failed=[[name for name, f in zip(names, row) if f] for row in failed],
+        )
 
     def _combine(self, values: list[float | None], error: str | None) -> VerifierResult:
         if error is not None:

@@ -41,14 +41,23 @@ from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajec
 
 __all__ = [
     "EXCLUDED_OUTCOMES",
+    "REWARD_TERMS",
+    "REWARD_TERM_FAILURES",
     "collect_filtered",
     "collect_groups",
     "outcome_counts",
+    "reward_term_metrics",
     "rollout_metrics",
 ]
 
 EXCLUDED_OUTCOMES = frozenset({"error", "timeout"})
 """Outcomes that exclude their whole group from the update (see `posttrain.rl.trainer`)."""
+
+REWARD_TERMS = "reward_terms"
+"""`Trajectory.info` key of a `{name: reward or None}` dict: each reward function's own value
+(`posttrain.envs.prompt_task`), summarised per step as `reward/<name>` by `rollout_metrics`."""
+REWARD_TERM_FAILURES = "reward_term_failures"
+"""`Trajectory.info` key of the names of the reward functions that failed on it."""
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -255,7 +264,8 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of all
     samples with outcome ok), outcome counts, lengths, and `env_<name>`: the sum over all
     trajectories of each counter an environment reports in `StepResult.info["counts"]` (a dict
-    name -> int, e.g. the Python-tool environment's calls and cut outputs).
+    name -> int, e.g. the Python-tool environment's calls and cut outputs), and with reward
+    functions the per-function metrics of `reward_term_metrics`.
     """
     rows = [t for g in groups for t in g]
     counts = outcome_counts(groups)
@@ -269,6 +279,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         for name, value in (t.info.get("counts") or {}).items():
             env_counts[f"env_{name}"] = env_counts.get(f"env_{name}", 0) + int(value)
     return {
+        **reward_term_metrics(rows),
         "reward_mean": sum(judged) / len(judged) if judged else float("nan"),
         "accuracy": counts["ok"] / len(rows),
         **{f"outcome_{k}": v for k, v in counts.items()},
@@ -277,6 +288,41 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
         **env_counts,
     }
+
+
+def reward_term_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-function reward metrics of one step, as TRL's `rewards/<name>/mean`: for each reward
+    function named in a trajectory's `info[REWARD_TERMS]`, `reward/<name>` is the mean of its
+    own (unweighted) values over the trajectories it scored (None, "not applicable", and
+    failures left out; NaN when it scored none) and `reward/<name>/failures` the number of
+    trajectories it failed on. {} when no trajectory carries reward terms (a task's verifier).
+
+    Example:
+        >>> from posttrain.rl.environment import Trajectory
+        >>> def traj(terms, failed=()):
+        ...     return Trajectory(group_id=0, prompt_ids=[], completion_ids=[], logprobs=[],
+        ...         reward=0.0, outcome="ok", finish_reason="stop", text="",
+        ...         info={REWARD_TERMS: terms, REWARD_TERM_FAILURES: list(failed)})
+        >>> reward_term_metrics([traj({"acc": 1.0, "len": None}),
+        ...                      traj({"acc": 0.0, "len": 0.5}), traj({"acc": None}, ["acc"])])
+        {'reward/acc': 0.5, 'reward/acc/failures': 1, 'reward/len': 0.5, 'reward/len/failures': 0}
+    """
+    values: dict[str, list[float]] = {}
+    failures: dict[str, int] = {}
+    for t in trajectories:
+        for name, value in (t.info.get(REWARD_TERMS) or {}).items():
+            values.setdefault(name, [])
+            failures.setdefault(name, 0)
+            if value is not None:
+                values[name].append(value)
+        for name in t.info.get(REWARD_TERM_FAILURES) or ():
+            failures[name] = failures.get(name, 0) + 1
+    out: dict[str, float] = {}
+    for name in values:
+        kept = values[name]
+        out[f"reward/{name}"] = sum(kept) / len(kept) if kept else float("nan")
+        out[f"reward/{name}/failures"] = failures[name]
+    return out
 
 
 def collect_filtered(

@@ -49,13 +49,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import nn
-
-from posttrain.train import plan_checks, sharding
-from posttrain.train.plan_compat import apply_plan
 from posttrain.train.plan_value import AXES, MESH_DIMS, PlanFields
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when a plan is checked or applied, not when a config names one
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from posttrain.models.specs import ModelSpec
@@ -117,6 +114,8 @@ class ParallelPlan(PlanFields):
                 exceeds num_layers; ep > 1 on a model without experts, or ep does not divide
                 num_experts; tp or pp > 1 on an MoE model.
         """
+        from posttrain.train import plan_checks
+
         plan_checks.check_fits(self, world_size=world_size, spec=spec)
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
@@ -127,6 +126,8 @@ class ParallelPlan(PlanFields):
             RuntimeError: without an initialised process group.
             ValueError: if the process group's size differs from the plan's world size.
         """
+        from posttrain.train import plan_checks
+
         return plan_checks.build_mesh(self, device_type)
 
     def parallelize(
@@ -143,6 +144,8 @@ class ParallelPlan(PlanFields):
         the parameters by DTensors (no-grad forwards in between, e.g. to look at logits, leave
         them in place; the trainers refuse an optimizer over other tensors, by name).
         """
+        from posttrain.train import sharding
+
         return sharding.parallelize(self, model, spec=spec, mesh=mesh)
 
     def apply(
@@ -156,4 +159,6 @@ class ParallelPlan(PlanFields):
         `runtime=runtime` to the trainer. Splits `model` in place and returns it; its runtime is
         recorded for `plan_state(model)` and for trainers given the model (and `plan=`) only
         (`posttrain.train.plan_compat`)."""
+        from posttrain.train.plan_compat import apply_plan
+
         return apply_plan(self, model, spec=spec, mesh=mesh, _stacklevel=4)

@@ -26,12 +26,10 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.distributed as dist
-
 from posttrain.core.checks import check_fields
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads when a plan is applied, not when a config names one
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     from posttrain.models.specs import ModelSpec
@@ -44,7 +42,8 @@ AXES = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "sp", "tp")
 """Dimension names of the plan's `DeviceMesh`, outermost first."""
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a plan's param_dtype and reduce_dtype name (attributes of `torch`)."""
 _SCHEDULES = ("gpipe", "1f1b")
 _NOT_COMPILED = {
     "sp": "Ulysses' all-to-alls run inside the attention call, which a fullgraph block cannot hold",
@@ -145,8 +144,10 @@ class PlanFields:
     def torch_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) as torch dtypes for FSDP2's MixedPrecisionPolicy; the
         reduce dtype defaults to the param dtype, None to the model's own."""
-        param = _DTYPES[self.param_dtype] if self.param_dtype else None
-        return param, _DTYPES[self.reduce_dtype] if self.reduce_dtype else param
+        import torch
+
+        param = getattr(torch, self.param_dtype) if self.param_dtype else None
+        return param, getattr(torch, self.reduce_dtype) if self.reduce_dtype else param
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,6 +184,7 @@ class CheckedPlan:
             ValueError: if the process group's size is not the world size the plan was
                 checked against (or, checked without one, the plan's own).
         """
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         plan = self.plan

@@ -1,7 +1,8 @@
 """The recipes' runs and the config sections they are made of. Grouped by purpose, one module
 each; the package exports the runs, their configs and the sections (`__all__`):
 
-    the runs         sft (SFTConfig, run_sft, the SFT warm start), rl (run_sft_then_rl;
+    the runs         sft (run_sft, the SFT warm start; its config SFTConfig in
+                     sft_config), rl (run_sft_then_rl;
                      its config RLRunConfig in rl_config), preference (PreferenceRunConfig,
                      run_preference), reward_model (RewardModelRunConfig, run_reward_model);
                      what they share: recipe_run (RecipeRun: a run's start and end), task_data
@@ -10,7 +11,9 @@ each; the package exports the runs, their configs and the sections (`__all__`):
     config sections  config (ModelConfig, TaskConfig, OptimConfig, ...), config_paths
                      (validate, override, config_keys), parallel (the section is a
                      ParallelPlan; plan_of), quantization (adapters, quantised training),
-                     field_checks, own_data (the `data:` section: own rows, held out)
+                     field_checks, data_config (the `data:` section: own rows, held out;
+                     own_data reads them), stack_checks (the checks that need torch or
+                     reasoning-gym, deferred by `posttrain run` for a fast first answer)
     run files        reports (start_run, write_results, tables, plots), run_state (finished,
                      running, failed, interrupted, dead), lineage (lineage.json, runs_table)
     running recipes  recipes (by name, presets, overrides), sweep (arms x seeds), arms
@@ -55,7 +58,7 @@ EXPORTS: dict[str, list[str]] = {
         "TaskConfig",
     ],
     "config_paths": ["config_keys", "override", "validate"],
-    "own_data": ["DataConfig"],
+    "data_config": ["DataConfig"],
     "parallel": ["ParallelPlan", "plan_of"],
     "preference": ["PreferenceRunConfig", "run_preference"],
     "quantization": ["AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig"],
@@ -63,11 +66,13 @@ EXPORTS: dict[str, list[str]] = {
     "reward_model": ["RewardModelRunConfig", "run_reward_model"],
     "rl": ["run_sft_then_rl"],
     "rl_config": ["RL_TINY", "RLRunConfig"],
-    "sft": ["SFTConfig", "run_sft", "warm_start"],
+    "sft": ["run_sft", "warm_start"],
+    "sft_config": ["SFTConfig"],
     "task_data": ["evaluate", "held_out_items"],
 }
 """The package's names -> the module that holds each: imported on first use, so `import
-posttrain.workflows.sft` (an SFT or DPO run) does not load the RL stack and verl."""
+posttrain.workflows.sft` (an SFT or DPO run) does not load the RL stack and verl, and a recipe's
+config (`SFTConfig`, `RLRunConfig` and their sections) imports without torch."""
 
 __all__ = [
     # the runs
@@ -135,7 +140,8 @@ FORMER_NAMES: dict[str, str] = {
         "reports",
     ),
     "run_status": "run_state",
-    **dict.fromkeys(("MODES", "start_policy", "unsharded_policy"), "sft"),
+    "MODES": "sft_config",
+    **dict.fromkeys(("start_policy", "unsharded_policy"), "sft"),
     **dict.fromkeys(("check_seq_len", "check_gym_task"), "task_data"),
     **dict.fromkeys(
         (

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from posttrain.models.specs import PRESETS
-from posttrain.verifiers.reasoning_gym import check_task_config, check_task_name
 from posttrain.workflows.config_paths import ROOT, config_keys, override, validate
 from posttrain.workflows.field_checks import (
     SEED_MAX,
@@ -49,6 +47,7 @@ from posttrain.workflows.field_checks import (
     seeds,
 )
 from posttrain.workflows.rollout_config import RolloutConfig
+from posttrain.workflows.stack_checks import check_task_name, stack_checks_deferred
 
 if TYPE_CHECKING:  # verl loads with posttrain.rl: only RL runs pay for it
     from posttrain.rl.config import RLAlgorithm
@@ -98,6 +97,10 @@ class ModelConfig:
 
     def check(self, at: str) -> None:
         if self.init_from is None:
+            if stack_checks_deferred():  # the presets are ModelSpecs (torch)
+                return
+            from posttrain.models.specs import PRESETS
+
             choice(f"{at}.name", self.name, sorted(PRESETS))
             return
         folder_path(
@@ -124,6 +127,8 @@ class ModelConfig:
     def max_seq_len(self) -> int | None:
         """The longest sequence the model holds: its preset's, or the HF folder's config."""
         if self.init_from is None:
+            from posttrain.models.specs import PRESETS
+
             return PRESETS[self.name].max_seq_len
         import json
 
@@ -179,6 +184,10 @@ class TaskConfig:
             check_task_name(self.name)
         except ValueError as e:
             raise ValueError(f"{at}.name={self.name!r}: {e}") from None
+        if stack_checks_deferred():  # the options are checked by the task's config class
+            return
+        from posttrain.verifiers.reasoning_gym import check_task_config
+
         try:
             check_task_config(self.name, self.options)
         except ValueError as e:
@@ -425,9 +434,11 @@ class RLConfig:
         return RLAlgorithm.preset(self.algo, **options)
 
     def check(self, at: str) -> None:
-        from posttrain.rl.config import RLAlgorithm
+        deferred = stack_checks_deferred()  # the algorithm presets import torch and verl's names
+        if not deferred:
+            from posttrain.rl.config import RLAlgorithm
 
-        choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
+            choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
         ints(
             self,
             at,
@@ -437,6 +448,8 @@ class RLConfig:
         ints(self, at, ("minibatch_size",), minimum=1, optional=True)
         if self.kl_coef is not None:
             finite(self, at, ("kl_coef",), low=0.0)
+        if deferred:
+            return
         try:
             algorithm = self.algorithm()
         except ValueError as e:  # e.g. GRPO with group_size 1: no group baseline

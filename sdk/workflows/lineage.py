@@ -97,7 +97,7 @@ PACKAGES = (
 )
 """Packages whose installed versions a lineage records (those that are installed)."""
 SDK_RECIPES = {
-    "posttrain.workflows.sft.SFTConfig": "sft",
+    "posttrain.workflows.sft_config.SFTConfig": "sft",
     "posttrain.workflows.rl_config.RLRunConfig": "grpo",
     "posttrain.workflows.preference.PreferenceRunConfig": "dpo",
     "posttrain.workflows.reward_model.RewardModelRunConfig": "reward_model",

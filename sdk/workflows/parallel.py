@@ -31,13 +31,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from posttrain.models.specs import PRESETS
 from posttrain.train.parallel import ParallelPlan
-from posttrain.train.plan_checks import check_plan
-from posttrain.train.plan_value import CheckedPlan
 from posttrain.workflows.config import ROOT, ModelConfig, fail
+from posttrain.workflows.stack_checks import stack_checks_deferred
+
+if TYPE_CHECKING:  # torch loads when a plan is checked against its model or job
+    from posttrain.train.plan_value import CheckedPlan
 
 __all__ = ["ParallelPlan", "plan_of", "model_spec", "check_parallel", "check_world_size"]
 
@@ -66,6 +67,8 @@ def model_spec(model: ModelConfig) -> Any:
     """The `ModelSpec` of a recipe's model section: its preset's, or the HF folder's (None if
     the folder has no readable config.json)."""
     if model.init_from is None:
+        from posttrain.models.specs import PRESETS
+
         return PRESETS[model.name]
     import json
 
@@ -107,14 +110,15 @@ def check_parallel(
                     "rank's head sees a slice of every row and a pipeline's loss runs on the "
                     "last stage's logits",
                 )
-    spec = model_spec(cfg.model)
-    try:
-        plan.validate(spec=spec)
-    except ValueError as e:
-        raise ValueError(
-            f"{at}.parallel does not fit {at}.model: "
-            f"{str(e).replace('ParallelPlan.', f'{at}.parallel.')}"
-        ) from None
+    if not stack_checks_deferred():  # the model's spec and the plan's rules import torch
+        spec = model_spec(cfg.model)
+        try:
+            plan.validate(spec=spec)
+        except ValueError as e:
+            raise ValueError(
+                f"{at}.parallel does not fit {at}.model: "
+                f"{str(e).replace('ParallelPlan.', f'{at}.parallel.')}"
+            ) from None
     for name in divisible:
         value: Any = cfg
         for part in name.split("."):
@@ -147,6 +151,7 @@ def check_world_size(cfg: Any, at: str = ROOT) -> CheckedPlan | None:
     import torch.distributed as dist
 
     from posttrain.core.distributed import rank_and_world_size
+    from posttrain.train.plan_checks import check_plan
 
     world = rank_and_world_size()[1]
     one_rank = plan.world_size == 1 and world == 1  # needs no process group

@@ -22,6 +22,14 @@ Run folder: `results.json` / `results.md`, `metrics.jsonl` (per step; eval/val_*
 margin and reward accuracy on the held-out pairs), `preference_curves.png`, `pairs.jsonl`,
 `eval_before.csv` / `eval_after.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
 
+Own pairs (`data.train`, section `data`; `posttrain.workflows.own_pairs`): the user's rows
+replace stages 1-2 and 5: the starting policy (and reference) is `model.init_from`, or the SFT
+warm start on the training rows' chosen responses (DPO paper, section 4); `data.eval` or
+`data.eval_fraction` of the prompts are held out; no task item is sampled or scored. The
+held-out metrics, TRL's `DPOTrainer` evaluation metrics (loss, rewards, margin, reward accuracy:
+defined in `posttrain.workflows.own_pairs`), are recorded every `eval.every` steps
+(metrics.jsonl `eval/val_*`) and before and after training (results.json "validation").
+
 With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
 policy are split by it, rank 0 samples the pairs (broadcast to the others) and evaluates (the
 starting policy before the split), the reference log-probs are computed once on the split
@@ -64,6 +72,13 @@ from posttrain.workflows.config import (
     ints,
     positive,
     run_fields,
+)
+from posttrain.workflows.data_config import DataConfig
+from posttrain.workflows.own_pairs import (
+    held_out_metrics,
+    own_pairs,
+    own_pairs_markdown,
+    own_start_policy,
 )
 from posttrain.workflows.pairs import PairsRunConfig, pair_loader, sampled_pairs
 from posttrain.workflows.quantization import (
@@ -133,6 +148,8 @@ class PreferenceRunConfig(PairsRunConfig):
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
     kto_undesirable_weight: float = 1.0
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=16, every=25))
+    # own pairs instead of sampled ones (then task, pairs, sampling, val_pairs are unused)
+    data: DataConfig = field(default_factory=DataConfig)
     val_pairs: int = 64
     optim: BatchOptimConfig = field(
         default_factory=lambda: BatchOptimConfig(steps=150, lr=1e-4, warmup_steps=10, batch_size=32)
@@ -144,11 +161,18 @@ class PreferenceRunConfig(PairsRunConfig):
     def check(self, at: str) -> None:
         choice(f"{at}.loss", self.loss, LOSSES)
         run_fields(self, at)
-        check_gym_task(self, at)
+        if not self.data.given:
+            check_gym_task(self, at)
+        elif self.rollout.engine != "builtin":
+            raise fail(
+                f"{at}.rollout.engine",
+                self.rollout.engine,
+                "builtin with data.train (a run on own pairs samples nothing)",
+            )
         check_seq_len(self, at)
         ints(self, at, ("val_pairs",), minimum=1)
         prompts = min(self.pairs.num_prompts, self.task.train_size)
-        if self.val_pairs >= prompts:
+        if self.val_pairs >= prompts and not self.data.given:
             which = "pairs.num_prompts" if prompts == self.pairs.num_prompts else "task.train_size"
             raise ValueError(
                 f"{at}.val_pairs={self.val_pairs} must be below {at}.{which}="
@@ -194,6 +218,14 @@ class PreferenceRunConfig(PairsRunConfig):
             raise ValueError(f"{message} (loss={self.loss!r})") from None
         self.check_split(at, unsupported=("pp",))  # the split policy scores the reference
 
+    def check_own_data(self, tokenizer: Any) -> None:
+        """Own pairs (`data.train`) read and tokenised as the run reads them (`own_pairs`),
+        before it writes anything (`check_task_fits` calls this).
+
+        Raises:
+            ValueError: naming `data.train` / `data.eval` (see `own_pairs`)."""
+        own_pairs(self.data, tokenizer, max_seq_len=self.max_seq_len, kto=self.loss == "kto")
+
     def build_loss(self):
         """The `TrainingLoss` these settings describe."""
         beta = DEFAULT_BETA[self.loss] if self.beta is None else self.beta
@@ -237,42 +269,29 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     out, plan = run.out, run.plan
     times: dict[str, float] = {}
 
-    # 1. The starting policy (= the reference)
-    policy, _ = start_policy(cfg, out)
-    times["start_policy_s"] = run.seconds()
-
-    # 2. Pairs by rejection sampling on training questions, ranked by the task's verifier
-    items, scorer = held_out_items(cfg.task)
-    task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
-    t0 = time.perf_counter()
-    rows, pair_stats, unusable = sampled_pairs(
-        run,
-        policy,
-        task,
-        max_seq_len=cfg.max_seq_len,
-        stats_file="pair_stats.json",
-        engines=engines,
-    )
-    times["pairs_s"] = time.perf_counter() - t0
-    if run.writes:
-        print(f"{policy}\npairs: {pair_stats}" + (f", unusable: {unusable}" if unusable else ""))
-    if len(rows) <= cfg.val_pairs:
-        raise ValueError(
-            f"rejection sampling gave {len(rows)} usable pairs, not more than "
-            f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
-            "pairs.num_prompts or pairs.samples_per_prompt, or set "
-            "pairs.reference_answer=true"
+    # 1-2. The starting policy (= the reference) and the pairs: own rows, or sampled from it
+    items: list[dict] = []
+    scorer, pair_stats, source = None, None, None
+    unusable: dict[str, int] = {}
+    if cfg.data.given:
+        own = own_pairs(
+            cfg.data, cfg.model.tokenizer(), max_seq_len=cfg.max_seq_len, kto=cfg.loss == "kto"
         )
-    train_rows: Sequence[Mapping[str, Any]] = rows[: -cfg.val_pairs]
-    val_rows: Sequence[Mapping[str, Any]] = rows[-cfg.val_pairs :]
+        policy, _ = own_start_policy(cfg, out, own)
+        times["start_policy_s"] = run.seconds()
+        dataset, val_dataset, source = own.train, own.held, own.name
+        if run.writes:
+            print(f"{policy}\n{source}: {dataset.stats.as_dict()}")
+    else:
+        policy, _ = start_policy(cfg, out)
+        times["start_policy_s"] = run.seconds()
+        items, scorer = held_out_items(cfg.task)
+        t0 = time.perf_counter()
+        dataset, val_dataset, pair_stats, unusable = _sampled(run, cfg, policy, items, engines)
+        times["pairs_s"] = time.perf_counter() - t0
 
-    # 3. Datasets; held-out accuracy and reference log-probs of the starting policy
+    # 3. Held-out accuracy and reference log-probs of the starting policy
     objective = cfg.build_loss()
-    if cfg.loss == "kto":
-        train_rows, val_rows = pairs_to_kto_rows(train_rows), pairs_to_kto_rows(val_rows)
-    dataset_cls = KTODataset if cfg.loss == "kto" else PreferenceDataset
-    dataset = dataset_cls(train_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
-    val_dataset = dataset_cls(val_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
     # adapters / FP8: the reference is the base (adapters disabled: no second copy in memory)
     converters = [
         str(r)
@@ -284,13 +303,14 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     t0 = time.perf_counter()
     if objective.needs_reference:  # the starting policy is the reference (split, if planned)
         for scored in (dataset, val_dataset):
-            compute_reference_logps(
-                policy if runtime is None else runtime,
-                scored,
-                chunk_tokens=cfg.optim.loss_chunk_tokens,
-            )
+            if scored is not None:
+                compute_reference_logps(
+                    policy if runtime is None else runtime,
+                    scored,
+                    chunk_tokens=cfg.optim.loss_chunk_tokens,
+                )
     times["reference_s"] = time.perf_counter() - t0
-    val_batch = val_dataset.collate(range(len(val_dataset)))
+    val_batch = None if val_dataset is None else val_dataset.collate(range(len(val_dataset)))
 
     # 4. Training
     def eval_fn(model: torch.nn.Module) -> dict[str, float]:
@@ -306,14 +326,17 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
         loss=objective,
         lr_scheduler=schedule,
         grad_accum_steps=o.grad_accum_steps,
-        eval_fn=eval_fn,
-        eval_every=cfg.eval.every,
+        eval_fn=None if val_batch is None else eval_fn,
+        eval_every=0 if val_batch is None else cfg.eval.every,
         **run.trainer_options(runtime),
     )
     t0 = time.perf_counter()
-    val_start = trainer.evaluate() if trainer.step_count == 0 else {}
+    val_start = trainer.evaluate() if trainer.step_count == 0 and val_batch is not None else {}
     metrics = trainer.fit(o.steps)
-    run.stop_if_interrupted(trainer, {"loss": cfg.loss, "pairs": pair_stats})
+    run.stop_if_interrupted(
+        trainer, {"loss": cfg.loss, **({"pairs": pair_stats} if source is None else {})}
+    )
+    val_end = trainer.evaluate() if val_batch is not None and cfg.data.given else {}
     times["train_s"] = time.perf_counter() - t0
     policy = unsharded_policy(policy, trainer.runtime)  # under a plan: every rank gathers
     if run.others_return():
@@ -327,45 +350,99 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     )
 
     # 5. Held-out accuracy after, paired with before on the same items
-    after = evaluate(engines.sampler(policy), items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
-    write_table(after.table, out / "eval_after.csv")
-    diff = paired_bootstrap_diff(
-        after.table["correct"].to_numpy(), before_table["correct"].to_numpy(), seed=cfg.seed
-    )
+    if items:
+        sampler = engines.sampler(policy)
+        after = evaluate(sampler, items, scorer, max_new_tokens=cfg.eval.max_new_tokens)
+        write_table(after.table, out / "eval_after.csv")
+        diff = paired_bootstrap_diff(
+            after.table["correct"].to_numpy(), before_table["correct"].to_numpy(), seed=cfg.seed
+        )
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
-    results = {
+    results: dict[str, Any] = {
         "loss": cfg.loss,
         "objective": repr(objective),
         "model": cfg.model.name,
         "init_from": cfg.model.init_from,
         "params": policy.num_parameters(),
-        "task_config": cfg.task.options,
-        "pairs": pair_stats,
-        "train_samples": len(dataset),
-        "val_samples": len(val_dataset),
-        "data": dataset.stats.as_dict(),
-        "steps": o.steps,
-        "before": accuracy_of(before_table),
-        "after": after.as_dict(),
-        "difference": diff,
-        "val_at_start": val_start,
-        "val_at_end": {
-            c: float(metrics[c].dropna().iloc[-1])
-            for c in metrics
-            if str(c).startswith("eval/") and metrics[c].notna().any()
-        },
-        "final_train_loss": float(metrics["loss"].iloc[-1]),
-        **times,
-        "wall_s": run.seconds(),
-        **adapters,
     }
+    if source is not None:  # own pairs: held-out preference metrics, no task items
+        results["dataset"] = source
+    else:
+        results.update(task_config=cfg.task.options, pairs=pair_stats)
+    results.update(
+        train_samples=len(dataset),
+        val_samples=0 if val_dataset is None else len(val_dataset),
+        data=dataset.stats.as_dict(),
+        steps=o.steps,
+    )
+    if source is not None:
+        results["validation"] = held_out_metrics(val_dataset, val_start, val_end)
+    else:
+        results.update(
+            before=accuracy_of(before_table),
+            after=after.as_dict(),
+            difference=diff,
+            val_at_start=val_start,
+            val_at_end={
+                c: float(metrics[c].dropna().iloc[-1])
+                for c in metrics
+                if str(c).startswith("eval/") and metrics[c].notna().any()
+            },
+        )
+    results.update(
+        final_train_loss=float(metrics["loss"].iloc[-1]), **times, wall_s=run.seconds(), **adapters
+    )
     if converters:
         results["converters"] = converters
     if unusable:
         results["unusable_pairs"] = unusable
-    run.write(results, _results_markdown(results, cfg.task.name))
+    markdown = (
+        own_pairs_markdown(results)
+        if source is not None
+        else _results_markdown(results, cfg.task.name)
+    )
+    run.write(results, markdown)
     return run.done(results)
+
+
+def _sampled(
+    run: RecipeRun,
+    cfg: PreferenceRunConfig,
+    policy: Policy,
+    items: list[dict],
+    engines: EngineSlot,
+) -> tuple[Any, Any, dict[str, Any], dict[str, int]]:
+    """Stage 2 on the task: pairs by rejection sampling on training questions (never one of
+    the held-out `items`), ranked by the task's verifier; the last `val_pairs` held out.
+    Returns (training dataset, held-out dataset, pair statistics, unusable pairs by reason).
+    Raises ValueError if rejection sampling gives no more than `val_pairs` usable pairs."""
+    task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
+    rows, pair_stats, unusable = sampled_pairs(
+        run,
+        policy,
+        task,
+        max_seq_len=cfg.max_seq_len,
+        stats_file="pair_stats.json",
+        engines=engines,
+    )
+    if run.writes:
+        print(f"{policy}\npairs: {pair_stats}" + (f", unusable: {unusable}" if unusable else ""))
+    if len(rows) <= cfg.val_pairs:
+        raise ValueError(
+            f"rejection sampling gave {len(rows)} usable pairs, not more than "
+            f"val_pairs={cfg.val_pairs} ({pair_stats}, unusable: {unusable}); raise "
+            "pairs.num_prompts or pairs.samples_per_prompt, or set "
+            "pairs.reference_answer=true"
+        )
+    train_rows: Sequence[Mapping[str, Any]] = rows[: -cfg.val_pairs]
+    val_rows: Sequence[Mapping[str, Any]] = rows[-cfg.val_pairs :]
+    if cfg.loss == "kto":
+        train_rows, val_rows = pairs_to_kto_rows(train_rows), pairs_to_kto_rows(val_rows)
+    dataset_cls = KTODataset if cfg.loss == "kto" else PreferenceDataset
+    dataset = dataset_cls(train_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
+    val_dataset = dataset_cls(val_rows, policy.tokenizer, max_seq_len=cfg.max_seq_len)
+    return dataset, val_dataset, pair_stats, unusable
 
 
 def _before(
@@ -377,7 +454,9 @@ def _before(
     engines: EngineSlot,
 ) -> pd.DataFrame:
     """The held-out evaluation table of the starting policy, `eval_before.csv` (read back when
-    resuming), sampled by `engines`."""
+    resuming), sampled by `engines`; an empty table without `items` (own pairs)."""
+    if not items:
+        return pd.DataFrame()
     path = out / "eval_before.csv"
     table = read_table(path) if cfg.resume else None
     if table is None:

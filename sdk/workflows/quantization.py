@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from posttrain.models.conversion import ConversionReport
 from posttrain.workflows.config import choice, fail
+from posttrain.workflows.stack_checks import stack_checks_deferred
 
 if TYPE_CHECKING:  # imported where used: torchao loads only when a recipe asks for it
+    from torch import nn
+
+    from posttrain.models.conversion import ConversionReport
     from posttrain.models.lora_config import LoRAConfig
     from posttrain.train.float8 import Float8Config
     from posttrain.train.qat import QATConfig
@@ -101,6 +102,8 @@ class AdaptersConfig:
             or not all(isinstance(m, str) for m in self.modules)
         ):
             raise fail(f"{at}.modules", self.modules, "a non-empty list of module names")
+        if stack_checks_deferred():  # LoRAConfig checks the numbers (torch)
+            return
         try:
             (self if self.method != "none" else dataclasses.replace(self, method="lora")).lora()
         except ValueError as e:
@@ -137,6 +140,8 @@ class QuantizationConfig:
         """Every field, those of a `training` not chosen too (a bad value is an error wherever
         it is set, not when the section is switched on later)."""
         choice(f"{at}.training", self.training, TRAINING_QUANTIZATIONS)
+        if stack_checks_deferred():  # the converters' configs check the fields (torch)
+            return
         fields = {
             "fp8": {"recipe": "fp8_recipe"},
             "qat": {"scheme": "qat_scheme", "group_size": "qat_group_size"},
@@ -165,13 +170,14 @@ class RLQuantizationConfig(QuantizationConfig):
 
     def check(self, at: str) -> None:
         super().check(at)
-        from posttrain.rl.config import ROLLOUT_CORRECTIONS
+        if not stack_checks_deferred():  # the names are the RL stack's (torch)
+            from posttrain.rl.config import ROLLOUT_CORRECTIONS
 
-        if self.rollout != "none":
-            from posttrain.rl.lowbit_rollout import ROLLOUT_QUANTIZATIONS
+            if self.rollout != "none":
+                from posttrain.rl.lowbit_rollout import ROLLOUT_QUANTIZATIONS
 
-            choice(f"{at}.rollout", self.rollout, ("none", *ROLLOUT_QUANTIZATIONS))
-        choice(f"{at}.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+                choice(f"{at}.rollout", self.rollout, ("none", *ROLLOUT_QUANTIZATIONS))
+            choice(f"{at}.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         t = self.rollout_is_threshold
         if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 1 <= t < float("inf")):
             raise fail(
@@ -213,6 +219,8 @@ def check_converted_run(
             quantization.training,
             f"one of {', '.join(training)} in this recipe",
         )
+    if stack_checks_deferred():  # the converters' configs (torch)
+        return
     configs = _configs(cfg)
     if not configs:
         return

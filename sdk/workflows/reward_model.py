@@ -23,6 +23,13 @@ Stages, on a reasoning-gym task (the task's own question text):
 Run folder: `results.json` / `results.md`, `metrics.jsonl`, `checkpoints/`, `pairs.jsonl`,
 `reward_model/`, `sft/` (when the run trained the policy).
 
+Own pairs (`data.train`, section `data`; `posttrain.workflows.own_pairs`): the user's
+(prompt, chosen, rejected) rows replace stages 2-3: `data.eval`, or `data.eval_fraction` of the
+prompts (not `held_out_fraction`), give the held-out pairs, and the policy whose backbone the
+reward model starts from is `model.init_from`, or the SFT warm start on the training pairs'
+chosen responses (as the reward model of Ouyang et al. 2022 starts from the SFT model). Held-out
+pairwise accuracy and Bradley-Terry loss as above; no task item is sampled.
+
 With a `parallel` plan (a job of its world size; section `parallel`): the SFT stage and the
 reward model (head included, `parallelize_reward_model`) are split by it, rank 0 samples the
 pairs (broadcast to the others), the pairs are sharded over the data-parallel ranks, every rank
@@ -57,6 +64,8 @@ from posttrain.workflows.config import (
     run_fields,
     seeds,
 )
+from posttrain.workflows.data_config import DataConfig
+from posttrain.workflows.own_pairs import own_pairs, own_start_policy
 from posttrain.workflows.pairs import PairsRunConfig, pair_loader, sampled_pairs
 from posttrain.workflows.quantization import (
     convert_for_training,
@@ -85,6 +94,9 @@ class RewardModelRunConfig(PairsRunConfig):
     task: TaskConfig = field(default_factory=lambda: TaskConfig(eval_size=200))
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=8, every=50))
     pairs: PairsConfig = field(default_factory=lambda: PairsConfig(num_prompts=2000))
+    # own pairs instead of sampled ones (then task, pairs, sampling, prompt_seed,
+    # held_out_fraction are unused)
+    data: DataConfig = field(default_factory=DataConfig)
     prompt_seed: int = 1
     held_out_fraction: float = 0.2
     optim: BatchOptimConfig = field(
@@ -95,7 +107,20 @@ class RewardModelRunConfig(PairsRunConfig):
 
     def check(self, at: str) -> None:
         run_fields(self, at)
-        check_gym_task(self, at, min_eval_size=0)
+        if not self.data.given:
+            check_gym_task(self, at, min_eval_size=0)
+        elif self.rollout.engine != "builtin":
+            raise fail(
+                f"{at}.rollout.engine",
+                self.rollout.engine,
+                "builtin with data.train (a run on own pairs samples nothing)",
+            )
+        elif self.data.eval is None and self.data.eval_fraction == 0:
+            raise fail(
+                f"{at}.data.eval_fraction",
+                0.0,
+                "above 0, or data.eval set: the reward model is scored on held-out pairs",
+            )
         check_seq_len(self, at)
         seeds(self, at, ("prompt_seed",))
         finite(self, at, ("margin",), low=0.0)
@@ -109,6 +134,20 @@ class RewardModelRunConfig(PairsRunConfig):
                 "None: the reward model's loss reads a scalar head on the final hidden state, "
                 "with no [B, T, V] logits to chunk (sft.loss_chunk_tokens chunks its SFT stage)",
             )
+
+    def check_own_data(self, tokenizer: Any) -> None:
+        """Own pairs (`data.train`) read and tokenised as the run reads them (`own_pairs`),
+        before it writes anything (`check_task_fits` calls this).
+
+        Raises:
+            ValueError: naming `data.train` / `data.eval` (see `own_pairs`)."""
+        own_pairs(self.data, tokenizer, max_seq_len=_own_seq_len(self), kto=False)
+
+
+def _own_seq_len(cfg: RewardModelRunConfig) -> int:
+    """The longest own pair the reward model reads: the model's limit (2048 where a folder's
+    config.json names none)."""
+    return cfg.model.max_seq_len() or 2048
 
 
 @recorded_run
@@ -132,34 +171,52 @@ def run_reward_model(cfg: RewardModelRunConfig) -> dict[str, Any] | None:
 def _run(run: RecipeRun, cfg: RewardModelRunConfig, engines: EngineSlot) -> dict[str, Any] | None:
     """`run_reward_model` after its start: `engines` samples the pairs (rank 0)."""
     out = run.out
+    source: str | None = None
+    rows: list[Mapping[str, Any]] = []
+    pair_stats: dict[str, Any] = {}
+    unusable: dict[str, int] = {}
+    if cfg.data.given:  # 1-2. own pairs, and the policy: model.init_from or SFT on the chosen
+        own = own_pairs(cfg.data, cfg.model.tokenizer(), max_seq_len=_own_seq_len(cfg), kto=False)
+        policy, sft_results = own_start_policy(cfg, out, own)
+        policy_s = run.seconds()
+        train, held, source = own.train, own.held, own.name
+        # pairs (kto=False); `check` asks for held-out ones
+        assert isinstance(train, PreferenceDataset) and isinstance(held, PreferenceDataset)
+        pairs_s = 0.0
+        if run.writes:
+            print(
+                f"{source}: {len(train)} train, {len(held)} held-out pairs "
+                f"({train.stats.as_dict()})"
+            )
+    else:
+        # 1. the policy that samples the pairs
+        policy, sft_results = start_policy(cfg, out)
+        policy_s = run.seconds()
 
-    # 1. the policy that samples the pairs
-    policy, sft_results = start_policy(cfg, out)
-    policy_s = run.seconds()
-
-    # 2. pairs by rejection sampling, ranked by the task's verifier; split by question
-    task = training_task(cfg, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed)
-    rows, pair_stats, unusable = sampled_pairs(
-        run,
-        policy,
-        task,
-        max_seq_len=policy.spec.max_seq_len,
-        stats_file="pairs_stats.json",
-        engines=engines,
-    )
-    train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
-    pairs_s = run.seconds() - policy_s
-    if run.writes:
-        print(
-            f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
-            f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
-            f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else "")
+        # 2. pairs by rejection sampling, ranked by the task's verifier; split by question
+        task = training_task(cfg, size=cfg.pairs.num_prompts, seed=cfg.prompt_seed)
+        rows, pair_stats, unusable = sampled_pairs(
+            run,
+            policy,
+            task,
+            max_seq_len=policy.spec.max_seq_len,
+            stats_file="pairs_stats.json",
+            engines=engines,
         )
+        train_rows, held_rows = split_by_question(rows, cfg.held_out_fraction, seed=cfg.seed)
+        pairs_s = run.seconds() - policy_s
+        if run.writes:
+            print(
+                f"{len(rows)} pairs from {pair_stats['prompts']} prompts "
+                f"({len(train_rows)} train, {len(held_rows)} held out); outcomes "
+                f"{pair_stats['outcomes']}" + (f"; unusable: {unusable}" if unusable else "")
+            )
+        seq_len = policy.spec.max_seq_len
+        train = PreferenceDataset(train_rows, policy.tokenizer, max_seq_len=seq_len)
+        held = PreferenceDataset(held_rows, policy.tokenizer, max_seq_len=seq_len)
 
     # 3. the Bradley-Terry reward model, from the policy's backbone
     tokenizer = policy.tokenizer
-    train = PreferenceDataset(train_rows, tokenizer, max_seq_len=policy.spec.max_seq_len)
-    held = PreferenceDataset(held_rows, tokenizer, max_seq_len=policy.spec.max_seq_len)
     held_chosen, held_rejected = _ids(held, range(len(held)))
 
     def held_out_accuracy(model: RewardModel) -> PairwiseAccuracy:
@@ -192,7 +249,9 @@ def _run(run: RecipeRun, cfg: RewardModelRunConfig, engines: EngineSlot) -> dict
         **run.trainer_options(runtime),
     )
     metrics = trainer.fit(o.steps)
-    run.stop_if_interrupted(trainer, {"pairs": pair_stats, "num_pairs": len(rows)})
+    run.stop_if_interrupted(
+        trainer, {"pairs": pair_stats, "num_pairs": len(rows)} if source is None else {}
+    )
     after = held_out_accuracy(model)  # every rank, under a plan
     fit = pairwise_accuracy(model, *_ids(train, range(min(len(train), 1000))))  # memorisation
     rm_s = run.seconds() - policy_s - pairs_s
@@ -217,8 +276,11 @@ def _run(run: RecipeRun, cfg: RewardModelRunConfig, engines: EngineSlot) -> dict
         "model": cfg.model.name if cfg.model.init_from is None else cfg.model.init_from,
         "params": sum(p.numel() for p in model.parameters()),
         "policy_held_out_accuracy": (sft_results or {}).get("after"),
-        "pairs": pair_stats,
-        "num_pairs": len(rows),
+        **(
+            {"pairs": pair_stats, "num_pairs": len(rows)}
+            if source is None
+            else {"dataset": source, "data": train.stats.as_dict()}
+        ),
         "num_train_pairs": len(train),
         "num_held_out_pairs": len(held),
         "before": before.as_dict(),
@@ -236,7 +298,7 @@ def _run(run: RecipeRun, cfg: RewardModelRunConfig, engines: EngineSlot) -> dict
         results["converters"] = converters
     if unusable:
         results["unusable_pairs"] = unusable
-    run.write(results, _results_markdown(results, cfg.task.name))
+    run.write(results, _results_markdown(results, cfg.task.name, source))
     return run.done(results)
 
 
@@ -274,17 +336,28 @@ def split_by_question(
     return ([r for r in rows if r["prompt"] not in held], [r for r in rows if r["prompt"] in held])
 
 
-def _results_markdown(results: dict[str, Any], task: str) -> str:
-    p = results["pairs"]
+def _results_markdown(results: dict[str, Any], task: str, source: str | None) -> str:
+    """results.md: on the task's sampled pairs, or on own pairs (`source` named)."""
+    split = (
+        f"{results['num_train_pairs']} train / {results['num_held_out_pairs']} held-out pairs "
+        "(split by prompt)"
+    )
+    if source is not None:
+        skipped = results["data"]["skipped_by_reason"] or "none"
+        origin = f"{source}: {split}; rows left out by reason: {skipped}."
+    else:
+        p = results["pairs"]
+        origin = (
+            f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
+            f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "
+            f"skipped: all equal {p['skipped_all_equal']}, too few {p['skipped_too_few']}; "
+            f"reference answer chosen in {p['reference_chosen']}); {split}."
+        )
     lines = [
-        f"# Bradley-Terry reward model on {task} pairs ({results['model']}, "
+        f"# Bradley-Terry reward model on {source or task + ' pairs'} ({results['model']}, "
         f"{results['params'] / 1e6:.2f}M params)",
         "",
-        f"{results['num_pairs']} pairs by rejection sampling from {p['prompts']} prompts x "
-        f"{p['samples'] // max(1, p['prompts'])} samples (outcomes {p['outcomes']}, "
-        f"skipped: all equal {p['skipped_all_equal']}, too few {p['skipped_too_few']}; "
-        f"reference answer chosen in {p['reference_chosen']}); {results['num_train_pairs']} "
-        f"train / {results['num_held_out_pairs']} held-out pairs (split by prompt).",
+        origin,
         "",
         f"{results['rm_steps']} steps, final loss {results['final_loss']:.4f}; wall "
         f"{results['wall_s']:.0f} s (policy {results['policy_s']:.0f} s, pairs "

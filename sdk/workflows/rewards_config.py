@@ -9,7 +9,10 @@ Each function is called once per GRPO group in TRL's convention: `completions`, 
 `completion_ids` and the task item's other columns (`answer`, `metadata`) as keyword lists; a
 function written for TRL's `GRPOTrainer(reward_funcs=...)` works unchanged. Held-out accuracy
 is still measured with the task's verifier. From the command line:
-`posttrain run grpo rewards.funcs=[mypkg.rewards:accuracy]`.
+`posttrain run grpo rewards.funcs=[mypkg.rewards:accuracy]`; with own prompt rows instead of the
+task, `posttrain run grpo data.train=prompts.jsonl rewards.funcs=[mypkg.rewards:accuracy]`
+(`posttrain.workflows.rl_data`). With several functions each one's mean is a metric per step,
+`reward/<name>` (and `reward/<name>/failures`), as TRL's `rewards/<name>/mean`.
 
 Example:
     >>> RewardsConfig(funcs=["no_such_module:fn"]).check("rewards")  # doctest: +ELLIPSIS
@@ -21,9 +24,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.workflows.field_checks import fail
+
+if TYPE_CHECKING:
+    from posttrain.rewards.functions import RewardFunctions
 
 __all__ = ["RewardsConfig"]
 
@@ -63,6 +69,18 @@ class RewardsConfig:
                 RewardFunctions(list(self.funcs), list(self.weights) or None)
             except (ValueError, TypeError) as exc:
                 raise fail(f"{at}.weights", self.weights, f"finite numbers: {exc}") from None
+
+    def functions(self) -> RewardFunctions:
+        """The named functions with their weights, resolved (`RewardFunctions`).
+
+        Raises:
+            ValueError: when no function is named (the task's verifier scores then).
+        """
+        from posttrain.rewards.functions import RewardFunctions
+
+        if not self.funcs:
+            raise ValueError("rewards.funcs is empty: no reward functions to build")
+        return RewardFunctions(list(self.funcs), list(self.weights) or None)
 
     def builder(self, prompt_column: str = "question") -> Any:
         """`item -> PromptGroupBuilder` scoring with these functions (a picklable partial), or

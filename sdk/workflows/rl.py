@@ -20,7 +20,13 @@ it, paired (`rl_minus_more_sft`, `rl_minus_more_sft_sampled`), with both stages'
 These measurements and the report are in `posttrain.workflows.rl_evaluation`.
 
 Run folder: `results.csv` / `results.md` / `results.json`, `metrics.jsonl` (one row per RL
-step), `rl_curves.png`, `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
+step), `rl_curves.png` (and `rl_reward_terms.png`, each reward function's mean, with
+`rewards.funcs`), `eval_after_rl.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
+
+Own prompt rows instead of a task (`data.train` with `rewards.funcs`): the stages of
+`posttrain.workflows.rl_data` (the warm start on the rows' answers where they have them; the
+held-out rows scored by mean reward and exact match). The RL stage's trainer is built in
+`posttrain.workflows.rl_stage` for both.
 
 With a `parallel` plan (`Config.parallel`, a job of its world size): the SFT stage and the RL
 policy and its reference are split by it (this module applies it to both; `RLTrainer` applies
@@ -38,26 +44,20 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from posttrain.core.distributed import rank_and_world_size
-from posttrain.models.lora import has_adapters
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import paired_bootstrap_diff
-from posttrain.rl.parallel import frozen_reference
-from posttrain.rl.trainer import RLTrainer, ValueHead
-from posttrain.workflows.parallel import plan_of
-from posttrain.workflows.quantization import (
-    convert_for_training,
-    export_adapters,
-    trainable_parameters,
-)
+from posttrain.workflows.quantization import export_adapters
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import plot_curves, read_table, write_table
+from posttrain.workflows.reports import read_table, write_table
 from posttrain.workflows.rl_config import RL_TINY, RLRunConfig
+from posttrain.workflows.rl_data import run_own_prompts
 from posttrain.workflows.rl_evaluation import (
     HeldOutCurve,
     more_sft_baseline,
     sampled_evaluations,
     write_rl_results,
 )
+from posttrain.workflows.rl_stage import plot_rl_curves, rl_trainer
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import (
@@ -71,14 +71,6 @@ if TYPE_CHECKING:
     from posttrain.policy.engine_slot import EngineSlot
 
 __all__ = ["RLRunConfig", "run_sft_then_rl", "RL_TINY", "check_gym_task"]
-
-
-_CURVES = [
-    ("reward_mean", "reward (mean)"),
-    ("accuracy", "accuracy (outcome ok)"),
-    ("kl", "KL to reference"),
-    ("ppo_kl", "KL old -> new (ppo_kl)"),
-]
 
 
 @recorded_run
@@ -98,6 +90,8 @@ def run_sft_then_rl(cfg: RLRunConfig) -> dict[str, Any] | None:
 def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any] | None:
     """`run_sft_then_rl` after its start: `engines` samples the rollouts (an engine apart from
     the policy is lent to the trainer) and the held-out evaluations after the SFT stage."""
+    if cfg.data.given:
+        return run_own_prompts(run, cfg, engines)
     out, plan = run.out, run.plan
 
     # 1. SFT warm start (evaluates before and after on the held-out items)
@@ -112,29 +106,6 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         task = dataclasses.replace(task, builder=builder)
     if rank_and_world_size()[0] == 0:  # items kept, dropped as held out or for a bad gold
         print(f"RL task: {task.stats()}")
-    algo, o, s = cfg.rl.algorithm(), cfg.optim, cfg.sampling
-    q = cfg.quantization
-    if q.rollout_correction != "none":  # truncated IS against the (quantised) sampler
-        algo = dataclasses.replace(
-            algo,
-            rollout_correction=q.rollout_correction,
-            rollout_is_threshold=q.rollout_is_threshold,
-        )
-    converters = [
-        str(r)
-        for r in convert_for_training(
-            policy.model, cfg, spec=policy.spec, verbose=rank_and_world_size()[0] == 0
-        )
-    ]
-    runtime = reference = None  # before the optimizer: the plan replaces the parameters
-    if plan is not None:  # the policy and its frozen reference, split the same way, here only
-        if algo.kl_coef > 0 and not has_adapters(policy.model):
-            reference = frozen_reference(policy)  # the starting weights
-        runtime = run.parallelize(policy.model, spec=policy.spec)
-        if reference is not None:
-            run.parallelize(reference, spec=policy.spec, mesh=runtime.mesh)
-    value_head = ValueHead(policy.spec.embed_dim) if algo.use_value_head else None
-    optimizer, schedule = o.build(trainable_parameters(policy.model, value_head))
     curve = (
         HeldOutCurve(
             policy,
@@ -148,26 +119,11 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         if cfg.eval.every
         else None
     )
-    trainer = RLTrainer(
-        policy,
-        optimizer,
-        task=task,
-        algo=algo,
-        prompts_per_step=cfg.rl.prompts_per_step,
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        value_head=value_head,
-        reference=reference,
-        lr_scheduler=schedule,
-        rollout_quantization=q.rollout_quantization(),
-        loss_chunk_tokens=o.loss_chunk_tokens,
-        **_rollout_options(cfg, engines, policy),  # builtin, or vllm: a server in out/vllm/
-        **run.trainer_options(runtime, callbacks=[curve] if curve else []),
-    )
+    trainer, converters = rl_trainer(run, cfg, engines, policy, task, [curve] if curve else [])
     if curve:  # (one process: refused under a plan, where rank > 0 has no results)
         assert sft_results is not None  # one process: its SFT stage returned the results
         curve.start(trainer.step_count, sft_results["after"])
+    o, q = cfg.optim, cfg.quantization
     metrics = trainer.fit(o.steps)
     run.stop_if_interrupted(
         trainer, {"algo": cfg.rl.algo, "after_sft": (sft_results or {}).get("after")}
@@ -178,12 +134,7 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         return None
     assert sft_results is not None  # this process writes: its SFT stage returned the results
     rl_s = run.seconds() - sft_s
-    plot_curves(
-        metrics,
-        out / "rl_curves.png",
-        [c for c in _CURVES if c[0] in metrics][:3],
-        xlabel=f"{cfg.rl.algo} step",
-    )
+    plot_rl_curves(cfg, metrics, out)
     if curve:
         curve.plot(out / "eval_curve.png", xlabel=f"{cfg.rl.algo.upper()} step")
 
@@ -237,16 +188,3 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         results["wall_s"] = run.seconds()
         write_rl_results(run, results, cfg.task.name, algo_name)
     return run.done(results)
-
-
-def _rollout_options(cfg: RLRunConfig, engines: EngineSlot, policy: Policy) -> dict[str, Any]:
-    """`RLTrainer`'s rollout keywords: the builtin engine by name (the trainer as before); an
-    engine apart from the policy (vllm) started by the run's slot from `policy` and lent to
-    the trainer, which syncs it before every rollout and leaves it open for the evaluations.
-    Under a parallel plan the vllm engine goes by name with its options: the trainer's ranks
-    share one server (`posttrain.rl.engine_plan`; a slot's engine would be each rank's own),
-    and rank 0's evaluations afterwards sample through the run's slot."""
-    options = cfg.rollout.trainer_options()
-    if engines.apart_from_policy and plan_of(cfg) is None:
-        options.update(rollout_engine=engines.sampler(policy), rollout_options=None)
-    return options

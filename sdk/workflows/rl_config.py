@@ -31,6 +31,7 @@ from posttrain.workflows.config import (
     run_fields,
     validate,
 )
+from posttrain.workflows.data_config import DataConfig
 from posttrain.workflows.field_checks import ints
 from posttrain.workflows.logging_config import LoggingConfig
 from posttrain.workflows.parallel import ParallelPlan, check_parallel, plan_of
@@ -41,7 +42,7 @@ from posttrain.workflows.quantization import (
 )
 from posttrain.workflows.rewards_config import RewardsConfig
 from posttrain.workflows.rollout_config import RolloutConfig
-from posttrain.workflows.task_data import check_gym_task, check_seq_len
+from posttrain.workflows.task_checks import check_gym_task, check_seq_len
 
 __all__ = ["RLRunConfig", "RLRolloutConfig", "RolloutConfig", "RL_TINY"]
 
@@ -72,12 +73,16 @@ class RLRolloutConfig(RolloutConfig):
 class RLRunConfig:
     """SFT -> RL -> evaluation; every field has a default that runs (SFT of tiny-2m for 900
     steps on 2-term chain_sum, then 100 GRPO steps of 16 prompts x 8 samples; ~10 min on 2 CPU
-    cores). `recipes/grpo.py` sets the main job's defaults (spell_backward, 64 x 8, the held-out
-    curve `eval.every` and the more-SFT `baseline`).
+    cores). `recipes/grpo.py` sets the main job's defaults (spell_backward, 64 x 8, the
+    held-out curve `eval.every` and the more-SFT `baseline`). With `data.train` (own prompt
+    rows) and `rewards.funcs` the run is `posttrain.workflows.rl_data`'s: the `task.*` keys are
+    unused.
     Raises ValueError in `__post_init__` naming the dotted field and what is allowed."""
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name="tiny-2m"))
     task: TaskConfig = field(default_factory=TaskConfig)
+    # own prompt rows with rewards.funcs instead of the task (posttrain.workflows.rl_data)
+    data: DataConfig = field(default_factory=DataConfig)
     eval: RLEvalConfig = field(default_factory=RLEvalConfig)
     sft: SFTWarmStartConfig = field(
         default_factory=lambda: SFTWarmStartConfig(steps=900, lr=3e-3, batch_size=64)
@@ -108,13 +113,17 @@ class RLRunConfig:
 
     def check(self, at: str) -> None:
         run_fields(self, at)
-        check_gym_task(self, at)
         check_seq_len(self, at)
-        if self.model.init_from is not None:
+        if self.data.given:
+            self._check_own_prompts(at)
+        else:
+            check_gym_task(self, at)
+        if self.model.init_from is not None and not self.data.given:
             raise fail(
                 f"{at}.model.init_from",
                 self.model.init_from,
-                "None: the RL run starts from its own SFT stage (model.name)",
+                "None: the RL run on a task starts from its own SFT stage (model.name); "
+                "with own prompts (data.train) it may start from a folder",
             )
         check_parallel(
             self,
@@ -144,6 +153,33 @@ class RLRunConfig:
             ],
             planned=False,  # the trainer's ranks share one server (posttrain.rl.engine_plan)
         )
+
+    def _check_own_prompts(self, at: str) -> None:
+        """`data.train` set (`posttrain.workflows.rl_data`): reward functions score the rows,
+        in one process."""
+        if not self.rewards.funcs:
+            raise fail(
+                f"{at}.rewards.funcs",
+                self.rewards.funcs,
+                "at least one 'module:function' path with data.train: own prompt rows have "
+                "no verifier of their own (e.g. rewards.funcs=[mypkg.rewards:accuracy])",
+            )
+        if plan_of(self) is not None:
+            raise fail(
+                f"{at}.parallel",
+                str(plan_of(self)),
+                "the default (one process) with data.train: own prompt rows run without a "
+                "parallel plan",
+            )
+
+    def check_own_data(self, tokenizer: Any) -> None:
+        """With `data.train` set, before the run writes anything (`check_task_fits`): the rows
+        read and every prompt leaves room for `sampling.max_new_tokens` (training rows) and
+        `eval.max_new_tokens` (held-out rows): `posttrain.workflows.prompt_rows`'s
+        `check_prompts_fit`."""
+        from posttrain.workflows.prompt_rows import check_prompts_fit
+
+        check_prompts_fit(self, tokenizer)
 
 
 # Overrides that make an RL recipe finish in seconds (the recipe tests run with them).

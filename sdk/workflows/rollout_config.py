@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.workflows.field_checks import choice, fail, ints, positive
+from posttrain.workflows.stack_checks import stack_checks_deferred
 
 if TYPE_CHECKING:
     from posttrain.policy.engine_slot import EngineSlot
@@ -53,9 +54,10 @@ class RolloutConfig:
     url: str | None = None
 
     def check(self, at: str) -> None:
-        from posttrain.policy.rollout_engine import ROLLOUT_ENGINES
+        if not stack_checks_deferred():  # the engines' registry is the policy layer's (torch)
+            from posttrain.policy.rollout_engine import ROLLOUT_ENGINES
 
-        choice(f"{at}.engine", self.engine, ROLLOUT_ENGINES)
+            choice(f"{at}.engine", self.engine, ROLLOUT_ENGINES)
         ints(self, at, ("kv_cache_gib",), minimum=1)
         positive(self, at, ("startup_timeout_s",))
         if self.url is not None:

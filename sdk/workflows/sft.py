@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,25 +42,14 @@ from posttrain.train.runtime import Runtime
 from posttrain.train.trainer import Trainer
 from posttrain.verifiers.reasoning_gym_gold import GoldReport
 from posttrain.workflows.config import (
-    BatchOptimConfig,
+    BatchOptimConfig,  # noqa: F401  (the module's example)
     CheckpointConfig,
     EvalConfig,
     ModelConfig,
     SFTWarmStartConfig,
-    TaskConfig,
-    choice,
-    fail,
-    flags,
-    run_fields,
-    validate,
 )
-from posttrain.workflows.logging_config import LoggingConfig
 from posttrain.workflows.own_data import DataConfig, HeldOut, own_data
-from posttrain.workflows.parallel import ParallelPlan, check_parallel
 from posttrain.workflows.quantization import (
-    AdaptersConfig,
-    QuantizationConfig,
-    check_converted_run,
     convert_for_training,
     export_adapters,
     finish_quantized,
@@ -78,6 +66,7 @@ from posttrain.workflows.reports import (
 )
 from posttrain.workflows.rollout_config import RolloutConfig
 from posttrain.workflows.run_state import recorded_run
+from posttrain.workflows.sft_config import MODES, SFTConfig
 
 # the task's data, here before they had a module of their own
 from posttrain.workflows.task_data import (
@@ -109,75 +98,6 @@ __all__ = [
     "build_dataset",
 ]
 
-MODES = ("sft", "cpt")
-
-
-@dataclass(kw_only=True)
-class SFTConfig:
-    """SFT/CPT configuration; every field has a default that runs (400 steps of 64 on 2-term,
-    1-2-digit chain_sum). `rollout` picks the engine of the held-out evaluation before and after
-    training (a run without held-out items, `task.eval_size=0`, samples nothing). Raises
-    ValueError in `__post_init__` naming the dotted field."""
-
-    mode: str = "sft"  # sft | cpt (plain text, every token trained)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    data: DataConfig = field(default_factory=DataConfig)  # own rows instead of the task
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    optim: BatchOptimConfig = field(default_factory=BatchOptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    parallel: ParallelPlan = field(default_factory=ParallelPlan)
-    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
-    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    max_seq_len: int = 128
-    pack: bool = False
-    logging: LoggingConfig = field(default_factory=LoggingConfig)  # experiment trackers
-    seed: int = 0
-    out_dir: str = "runs/sft"
-    resume: bool = False
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        validate(self)
-
-    def check(self, at: str) -> None:
-        choice(f"{at}.mode", self.mode, MODES)
-        check_seq_len(self, at)
-        run_fields(self, at)
-        flags(self, at, ("pack",))
-        check_parallel(self, at, divisible=("optim.batch_size",))
-        check_converted_run(self, at)
-        if self.eval.every and not self.data.given:
-            raise fail(
-                f"{at}.eval.every",
-                self.eval.every,
-                "0: a task's SFT has no validation set (own data, data.train, holds rows out)",
-            )
-        if self.eval.every and not self.parallel.is_default:
-            raise fail(
-                f"{at}.eval.every",
-                self.eval.every,
-                "0 under a parallel plan (rank 0 scores the held-out rows after training)",
-            )
-        if not self.data.given and self.task.eval_size and self.task.is_file:
-            raise ValueError(
-                f"{at}.task.eval_size > 0 needs a reasoning-gym task (its scorer); "
-                f"got the file {self.task.name!r}: set task.eval_size=0"
-            )
-        if self.rollout.engine != "builtin" and not self.task.eval_size and not self.data.given:
-            raise fail(
-                f"{at}.rollout.engine",
-                self.rollout.engine,
-                "builtin with task.eval_size=0 (the engine samples the held-out evaluation; "
-                "this run samples nothing)",
-            )
-        self.rollout.refuse(  # the evaluation after training samples the converted model
-            at,
-            [("quantization.training", self.quantization.training, ("none",))],
-            planned=False,  # under a plan, rank 0 alone evaluates (one engine)
-        )
-
 
 def warm_start(
     cfg: Any,
@@ -186,6 +106,7 @@ def warm_start(
     folder: str = "sft",
     init_from: Path | None = None,
     sft: SFTWarmStartConfig | None = None,
+    data: DataConfig | None = None,
 ) -> dict[str, Any] | None:
     """The SFT stage of a recipe whose `cfg` has `model`, `task`, `eval`, `sft`
     (`SFTWarmStartConfig`), `seed`, `progress` and `resume`: `run_sft` into `out/folder` (the
@@ -195,7 +116,9 @@ def warm_start(
     `init_from` (a policy folder) replaces the fresh `cfg.model.name` policy and `sft` replaces
     `cfg.sft` (an `SFTWarmStartConfig`: optimizer settings and demonstrations; its `optim()` is
     the stage's `optim` section): the RL recipes' more-SFT baseline continues the warm start's
-    policy this way on the same demonstrations (`MoreSFTBaselineConfig.warm_start`).
+    policy this way on the same demonstrations (`MoreSFTBaselineConfig.warm_start`). `data`
+    (a `DataConfig`) trains on those rows instead of the task (`posttrain.workflows.own_pairs`:
+    the chosen responses of own preference pairs).
 
     Under a parallel plan, as `run_sft`, only rank 0 returns the results (the others None).
     """
@@ -212,6 +135,7 @@ def warm_start(
     sft_cfg = SFTConfig(
         model=model,
         task=task,
+        data=DataConfig() if data is None else data,
         eval=EvalConfig(max_new_tokens=cfg.eval.max_new_tokens),
         optim=sft.optim(),
         checkpoint=CheckpointConfig(every=max(1, sft.steps // 10)),

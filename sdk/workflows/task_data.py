@@ -31,7 +31,8 @@ from posttrain.models.tokenizer import Tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
-from posttrain.workflows.config import ROOT, TaskConfig, fail, ints
+from posttrain.workflows.config import ROOT, TaskConfig, fail
+from posttrain.workflows.task_checks import check_gym_task, check_seq_len
 
 if TYPE_CHECKING:
     from reasoning_gym.dataset import ProceduralDataset  # the task's items and scorer
@@ -51,51 +52,6 @@ __all__ = [
 
 PROBE_ITEMS = 64
 """Training items (the first ones the run trains on) whose lengths `check_task_fits` measures."""
-
-
-def check_seq_len(cfg: Any, at: str) -> None:
-    """The lengths of `cfg` fit `cfg.model` (its preset's or folder's limit L): `max_seq_len`,
-    where the config has one, is an int in [2, L] (a row needs a prompt token and a trained
-    one), and `max_new_tokens` of the `eval` and `sampling` sections, where present, is below L
-    (a prompt takes a token at least). Whether the task's own prompts leave that room needs
-    the data: `check_task_fits`, before a run writes anything."""
-    limit = cfg.model.max_seq_len()
-    if hasattr(cfg, "max_seq_len"):
-        ints(cfg, at, ("max_seq_len",), minimum=2)
-        if limit is not None and cfg.max_seq_len > limit:
-            raise fail(
-                f"{at}.max_seq_len",
-                cfg.max_seq_len,
-                f"at most {limit}, the longest sequence {at}.model holds",
-            )
-    for section in ("eval", "sampling"):
-        new_tokens = getattr(getattr(cfg, section, None), "max_new_tokens", None)
-        if limit is not None and new_tokens is not None and new_tokens >= limit:
-            raise fail(
-                f"{at}.{section}.max_new_tokens",
-                new_tokens,
-                f"below {limit}, the "
-                f"longest sequence {at}.model holds (the prompt takes a token at least)",
-            )
-
-
-def check_gym_task(cfg: Any, at: str, *, min_eval_size: int = 1) -> None:
-    """The recipe's task is a reasoning-gym task (not a data file) with at least
-    `min_eval_size` held-out items, and `sft.demonstrations` (where the config has it) is at
-    most `task.train_size`.
-
-    Raises ValueError naming the dotted field under `at` and what is allowed."""
-    if cfg.task.is_file:
-        raise fail(f"{at}.task.name", cfg.task.name, "a reasoning-gym task (not a data file)")
-    ints(cfg.task, f"{at}.task", ("eval_size",), minimum=min_eval_size)
-    demonstrations = getattr(getattr(cfg, "sft", None), "demonstrations", None)
-    if demonstrations is not None and demonstrations > cfg.task.train_size:
-        raise fail(
-            f"{at}.sft.demonstrations",
-            demonstrations,
-            f"at most task.train_size={cfg.task.train_size} (the warm start's items are "
-            "the task's first ones), or None for all",
-        )
 
 
 def _reasoning_gym(task: TaskConfig, size: int, seed: int) -> ProceduralDataset:
@@ -173,7 +129,8 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
         first `PROBE_ITEMS` training rows at least (longer rows are cut, or dropped and
         counted, when the run builds its dataset);
       * own data (`data.train` set, `posttrain.workflows.own_data`): its rows read, of an
-        accepted format, and some keep a trained token within `max_seq_len`; nothing else;
+        accepted format, and some keep a trained token within `max_seq_len` (the config's
+        `check_own_data(tokenizer)` where it has one: the pair recipes); nothing else;
       * preference pairs (a config with `max_seq_len` and `pairs`): `max_seq_len` holds the
         longest of those prompts with a full `sampling.max_new_tokens` answer (or the task's
         own answer, with `pairs.reference_answer`) and the end of the turn.
@@ -190,7 +147,11 @@ def check_task_fits(cfg: Any, at: str = ROOT) -> None:
     if getattr(getattr(cfg, "data", None), "given", False):
         from posttrain.workflows.own_data import own_data
 
-        own_data(cfg, tokenizer)  # the rows' source, format and lengths; the task is unused
+        check = getattr(cfg, "check_own_data", None)  # a recipe's own reading (pairs)
+        if check is not None:
+            check(tokenizer)
+        else:
+            own_data(cfg, tokenizer)  # the rows' source, format and lengths; the task is unused
         return
     if task.eval_size and not task.is_file:
         try:

@@ -112,3 +112,58 @@ def test_commands_that_start_no_run_load_no_torch_or_pandas(tmp_path):
     assert "Traceback" not in out.stderr
     assert "runs/a" in out.stdout and "after.accuracy" in out.stdout  # the `runs` table
     assert "sft_lora" in out.stdout and "reward_model" in out.stdout  # the `ls` listing
+
+
+# Config mistakes of the recipes whose configs import without the training stack: an unknown
+# key (sft), a bad value (grpo) and an unknown task name (grpo).
+CONFIG_ERRORS = (
+    (["run", "sft", "optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim: "),
+    (["run", "grpo", "optim.lr=-1"], "Config.optim.lr=-1.0; must be a finite number > 0"),
+    (
+        ["run", "grpo", "task.name=no_such_task"],
+        "Config.task.name='no_such_task': unknown reasoning-gym task 'no_such_task'; valid names: ",
+    ),
+)
+
+
+def test_config_errors_answer_before_torch_or_reasoning_gym_loads(tmp_path):
+    """`posttrain run sft optim.lrr=1`, `run grpo optim.lr=-1` and `run grpo
+    task.name=no_such_task` each exit 2 with their one-line error (the message a full check
+    gives) without loading torch, reasoning-gym or pandas: the checks that need them are
+    deferred (`posttrain.workflows.stack_checks`). The three together, in one fresh process,
+    cost under 2 s of CPU (user + sys, this test's process excluded; each ~0.1 s of its own
+    when measured, against ~4-8 s each with torch and reasoning-gym loaded)."""
+    code = (
+        "import resource, sys\nfrom posttrain.cli import main\ncodes = []\n"
+        f"for argv, _ in {CONFIG_ERRORS!r}:\n"
+        "    try:\n        codes.append(main(argv))\n"
+        "    except SystemExit as e:\n        codes.append(e.code)\n"
+        "usage = resource.getrusage(resource.RUSAGE_SELF)\n"
+        f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+        "print(usage.ru_utime + usage.ru_stime)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    *_, loaded, cpu_s = out.stdout.strip().splitlines()
+    assert loaded == f"{[2] * len(CONFIG_ERRORS)} []", out.stdout
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == len(CONFIG_ERRORS), out.stderr
+    for line, (_, message) in zip(errors, CONFIG_ERRORS):
+        assert line.startswith(f"posttrain run: error: {message}"), line
+    assert float(cpu_s) < 2.0, f"{cpu_s} s of CPU for the three config errors"
+
+
+def test_task_names_known_without_reasoning_gym_are_its_registry():
+    """The task names a deferred check knows without importing reasoning-gym are exactly the
+    installed registry's (a reasoning-gym upgrade that adds or drops a task fails here)."""
+    from reasoning_gym.factory import DATASETS
+
+    from posttrain.workflows.stack_checks import REASONING_GYM_TASKS
+
+    assert list(REASONING_GYM_TASKS) == sorted(DATASETS)

@@ -103,7 +103,7 @@ def test_lineage_records_config_data_code_packages_and_command(runs):
     assert lineage["recipe"] == {
         "name": "sft",
         "file": str(cli.find_recipe("sft").resolve()),
-        "config_class": "posttrain.workflows.sft.SFTConfig",
+        "config_class": "posttrain.workflows.sft_config.SFTConfig",
     }
     assert lineage["command"].startswith("posttrain run sft task.train_size=64")
     assert lineage["command"].endswith("out_dir=runs/a")

@@ -116,6 +116,7 @@ def test_the_rl_recipes_hand_the_chunks_to_the_trainer(tmp_path, monkeypatch):
     """GRPO from a saved tiny policy (its SFT stage stood in for): the RLTrainer is built with
     optim.loss_chunk_tokens."""
     import posttrain.workflows.rl as rl
+    import posttrain.workflows.rl_stage as rl_stage
     from posttrain.policy import Policy
 
     def warm_start(cfg, out):
@@ -123,7 +124,7 @@ def test_the_rl_recipes_hand_the_chunks_to_the_trainer(tmp_path, monkeypatch):
         return {}
 
     monkeypatch.setattr(rl, "warm_start", warm_start)
-    monkeypatch.setattr(rl, "RLTrainer", _stand_in)
+    monkeypatch.setattr(rl_stage, "RLTrainer", _stand_in)
     module = cli.load_recipe("grpo")
     cfg = apply_overrides(
         module.Config(),

@@ -155,3 +155,42 @@ def test_rows_of_another_format_are_refused_before_anything_is_written(tmp_path,
     assert "data.train=" in err and "columns ['question', 'reply']" in err
     assert "prompt_completion (columns prompt, completion)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+
+
+class Recorder(Replies):
+    """`Replies` that also keeps the prompts it was asked (token ids)."""
+
+    def generate(self, prompts, **sampling):
+        self.prompts = [list(p) for p in prompts]
+        return super().generate(prompts, **sampling)
+
+
+def test_exact_match_of_a_multi_turn_chat_is_the_reply_to_its_last_user_turn():
+    """Before, only prompt/completion rows and two-message chats were scored: a multi-turn
+    chat gave no `val_exact_match` at all."""
+    from posttrain.workflows.own_data import HeldOut
+
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    chat = [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2"},
+        {"role": "assistant", "content": "4"},
+    ]
+    after_tool = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "call clock"},
+        {"role": "tool", "content": "12:00"},
+        {"role": "assistant", "content": "noon"},
+    ]
+    rows = [{"messages": chat}, {"messages": after_tool}, {"messages": chat[1:3]}]
+    held = HeldOut(rows, "sft", policy.tokenizer, max_seq_len=64, max_new_tokens=2, batch_size=2)
+    sampler = Recorder(policy, ["4 ", "3"])  # the chat's reply is right, the short one's wrong
+    assert held.exact_match(sampler) == 0.5  # the reply after a tool turn is not scored
+    # the prompt is the whole conversation before the last assistant turn, as rendered in training
+    assert sampler.prompts == [
+        policy.tokenizer.render_prompt(chat[:-1]),
+        policy.tokenizer.render_prompt(chat[1:2]),
+    ]
+    assert set(held.metrics(policy.model, policy.spec)) == {"val_loss", "val_exact_match"}

@@ -102,13 +102,13 @@ def test_grpo_under_a_plan_hands_the_vllm_engine_to_the_trainer_by_name(tmp_path
     starts here. With `rollout.url` the options are the address alone (the engine attaches)."""
     from _policy_helpers import drawn_policy
 
-    from posttrain.workflows.rl import _rollout_options
+    from posttrain.workflows.rl_stage import rollout_options
 
     url = {"rollout.url": "http://127.0.0.1:8000"}
     planned = {"parallel.dp_shard": 2, "eval.every": 0, "baseline.steps": 0}
     cfg = override(cli.load_recipe("grpo").Config(), {"rollout.engine": "vllm", **planned, **url})
     with cfg.rollout.slot(tmp_path) as slot:
-        options = _rollout_options(cfg, slot, drawn_policy(0))
+        options = rollout_options(cfg, slot, drawn_policy(0))
         assert slot.engine is None  # nothing started or attached by the run's slot
     assert options == {
         "rollout_engine": "vllm",
