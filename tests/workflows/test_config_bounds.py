@@ -34,7 +34,7 @@ from posttrain import cli
 from posttrain.workflows import config_keys, override
 from posttrain.workflows.recipes import config_annotation
 
-RECIPES = ["demo", "dpo", "grpo", "ppo", "reward_model", "sft"]
+RECIPES = ["demo", "dpo", "grpo", "ppo", "reward_model", "rft", "sft"]
 
 ACCEPTED = {
     # seeds, folders
@@ -99,6 +99,11 @@ ACCEPTED = {
     "rl.group_size": 1,
     "val_pairs": 1,
     **{f"parallel.{axis}": 1 for axis in ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")},
+    # rejection-sampling fine-tuning: one round of one prompt and one sample, one kept per prompt
+    **{f"rft.{k}": 1 for k in ("rounds", "prompts_per_round", "samples_per_prompt")},
+    **{f"rft.{k}": 1 for k in ("max_per_prompt", "steps", "batch_size", "grad_accum_steps")},
+    "rft.loss_chunk_tokens": 1,
+    **{"rft.warmup_steps": 0, "rft.weight_decay": 0.0, "rft.min_lr_ratio": 0.0},
 }
 """The documented value each accepted boundary must be (any other accepted one is a defect);
 a tuple: the values one recipe or another takes."""
@@ -169,6 +174,8 @@ EDGE: dict[str, list[dict]] = {
             "simpo_gamma": 0.0,
             "checkpoint.keep_last": 1,
             "task.eval_seed": 0,
+            "data.eval_fraction": 0.0,
+            "data.eval_rows": 1,
         },
     ],
     "reward_model": [
@@ -202,6 +209,8 @@ EDGE: dict[str, list[dict]] = {
             "checkpoint.keep_last": 1,
             "eval.every": 1,
             "task.eval_seed": 0,
+            "data.eval_fraction": 0.0,
+            "data.eval_rows": 1,
         },
     ],
     "grpo": [
@@ -239,6 +248,8 @@ EDGE: dict[str, list[dict]] = {
             "baseline.steps": 1,
             "eval.samples": 0,
             "task.eval_seed": 0,
+            "data.eval_fraction": 0.0,  # unused without data.train
+            "data.eval_rows": 1,
         },
     ],
     "ppo": [
@@ -273,6 +284,26 @@ EDGE: dict[str, list[dict]] = {
             "checkpoint.keep_last": 1,
             "eval.samples": 0,
             "task.eval_seed": 0,
+            "data.eval_fraction": 0.0,  # unused without data.train
+            "data.eval_rows": 1,
+        },
+    ],
+    "rft": [
+        {
+            **LOGGING,
+            **WARM,
+            "task.eval_size": 1,
+            "eval.max_new_tokens": 1,
+            "sft.demonstrations": 1,
+            "sft.loss_chunk_tokens": 1,
+            "checkpoint.every": 0,
+            "eval.every": 0,
+            "eval.samples": 0,
+            "sampling.max_new_tokens": 1,
+            "task.train_size": 1,
+            "task.eval_seed": 10_000,  # TINY's 0 would hold the one training question out
+            **{k: v for k, v in ACCEPTED.items() if k.startswith("rft.")},
+            "out_dir": "nope",
         },
     ],
 }

@@ -167,6 +167,8 @@ CONFIG_KEYS = {
         "max_seq_len",
         "simpo_gamma",
         "val_pairs",
+        *_keys("data", "eval", "eval_fraction", "eval_rows", "eval_split", "seed", "split"),
+        "data.train",
     ],
     "grpo": [
         *TRAINING_KEYS,
@@ -177,6 +179,8 @@ CONFIG_KEYS = {
         "eval.samples",
         *_keys("baseline", "lr", "steps"),
         *_keys("rewards", "funcs", "weights"),
+        *_keys("data", "eval", "eval_fraction", "eval_rows", "eval_split", "seed", "split"),
+        "data.train",
         *_keys(
             "rl",
             "algo",
@@ -198,6 +202,8 @@ CONFIG_KEYS = {
         "held_out_fraction",
         "margin",
         "prompt_seed",
+        *_keys("data", "eval", "eval_fraction", "eval_rows", "eval_split", "seed", "split"),
+        "data.train",
     ],
     "sft": [
         *TRAINING_KEYS,
@@ -210,6 +216,23 @@ CONFIG_KEYS = {
     ],
 }
 CONFIG_KEYS["ppo"] = CONFIG_KEYS["grpo"]  # the same sections, PPO defaults
+# one process, full training: no parallel plan, adapters or quantisation
+CONFIG_KEYS["rft"] = [
+    *(k for k in TRAINING_KEYS if k not in PARALLEL_KEYS + CONVERTER_KEYS),
+    *SFT_WARM_START_KEYS,
+    *SAMPLING_KEYS,
+    "eval.samples",
+    *(f"rft.{k.removeprefix('optim.')}" for k in BATCH_OPTIM_KEYS),
+    *_keys(
+        "rft",
+        "budget_s",
+        "keep",
+        "max_per_prompt",
+        "prompts_per_round",
+        "rounds",
+        "samples_per_prompt",
+    ),
+]
 
 
 def test_every_recipe_has_its_keys_frozen():
