@@ -12,7 +12,8 @@ of them), a rollouts JSONL file written by `save_rollouts`, or a frame from `rol
     group_id        the group (prompt) id; unique only within one policy_version
     sample          position inside its group, 0..G-1
     policy_version  optimizer steps of the policy that sampled it (the RL step it came from)
-    prompt          the task item's question when known, else the prompt tokens decoded with
+    prompt          the task item's question (a `PromptTask` record's prompt; of a message
+                    list, the last user turn) when known, else the prompt tokens decoded with
                     `tokenizer` (special tokens dropped), else None
     completion      the completion text (all assistant turns of a multi-turn episode)
     answer          the task item's reference answer when known, else None
@@ -180,9 +181,25 @@ def _attach_items(frame: pd.DataFrame, items: Sequence[Any] | Mapping[Any, Any])
     frame = frame.copy()
     frame["item"] = pd.Series(row_items, index=frame.index, dtype=object)
     frame["answer"] = [i.get("answer") if isinstance(i, Mapping) else None for i in row_items]
-    questions = [i.get("question") if isinstance(i, Mapping) else None for i in row_items]
+    questions = [_item_prompt(i) for i in row_items]
     frame["prompt"] = [q if q is not None else p for q, p in zip(questions, frame["prompt"])]
     return frame
+
+
+def _item_prompt(item: Any) -> str | None:
+    """The prompt text of a task item: its "question" (reasoning-gym items), else its "prompt"
+    (`PromptTask` records: the string, or the last user turn's content of a message list)."""
+    if not isinstance(item, Mapping):
+        return None
+    if item.get("question") is not None:
+        return item["question"]
+    prompt = item.get("prompt")
+    if isinstance(prompt, list):
+        users = [
+            m.get("content") for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"
+        ]
+        return users[-1] if users else None
+    return prompt if isinstance(prompt, str) else None
 
 
 def _decode_prompts(frame: pd.DataFrame, tokenizer: Tokenizer) -> pd.DataFrame:

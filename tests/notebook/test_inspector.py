@@ -122,6 +122,18 @@ def test_frame_columns_and_values():
     assert rollouts_frame(groups())["prompt"].isna().all()
 
 
+def test_prompt_records_give_their_prompt_text():
+    # A PromptTask record names its prompt "prompt", not "question"; a conversational one holds
+    # messages, shown as the last user turn's text.
+    chat = {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+0="}],
+        "answer": "2",
+    }
+    frame = rollouts_frame(groups(), items=[{"prompt": "3+4=", "answer": "7"}, chat])
+    assert frame["prompt"].tolist() == ["3+4="] * 3 + ["2+0="] * 3
+    assert frame["answer"].tolist() == ["7"] * 3 + ["2"] * 3
+
+
 @pytest.mark.parametrize(
     "filters, rows",
     [
