@@ -264,17 +264,28 @@ class PromptTask:
 
         Raises:
             ValueError: if `n` exceeds `held_out_size`.
+
+        A row whose prompt is text also holds it as "question" (unless the row has that column
+        already), so the rows go to `evaluate_generations` as they are.
         """
         n = self.held_out_size if n is None else n
         if not (isinstance(n, int) and 0 <= n <= self.held_out_size):
             raise ValueError(
                 f"held_out(n) needs 0 <= n <= held_out_size={self.held_out_size}, got {n!r}"
             )
-        return copy.deepcopy(self.rows[len(self.rows) - self.held_out_size :][:n])
+        rows = copy.deepcopy(self.rows[len(self.rows) - self.held_out_size :][:n])
+        for row in rows:
+            if isinstance(row.get(self.prompt_column), str):
+                row.setdefault("question", row[self.prompt_column])
+        return rows
 
     def score_fn(self) -> Callable[[str, Mapping[str, Any]], float]:
-        """`(completion, row) -> score` with these reward functions (0.0 for a failure), for
-        `posttrain.rewards.evaluation.evaluate_generations`."""
+        """`(completion, row) -> score` with these reward functions, for
+        `posttrain.rewards.evaluation.evaluate_generations` on `held_out()` rows.
+
+        The returned callable raises ValueError (naming the outcome and its reason) when the
+        functions fail on a completion: a failure is not a score of 0.0. To count failures
+        instead, score with `self.rewards.score`, whose results keep their typed outcome."""
         return _RowScore(cast(RewardFunctions, self.rewards), self.prompt_column)
 
 
@@ -288,4 +299,10 @@ class _RowScore:
         if _is_conversation(prompt):
             completion = [{"role": "assistant", "content": completion}]  # type: ignore[assignment]
         columns = {k: [v] for k, v in row.items() if k != self.prompt_column}
-        return self.rewards.score([prompt], [completion], columns)[0].score
+        result = self.rewards.score([prompt], [completion], columns)[0]
+        if result.outcome not in (Outcome.OK, Outcome.WRONG):
+            raise ValueError(
+                f"reward functions failed on a held-out completion: outcome "
+                f"{result.outcome.value!r} ({result.reason}); a failure is not a score"
+            )
+        return result.score

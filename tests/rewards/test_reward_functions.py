@@ -226,3 +226,31 @@ def test_a_raising_function_in_a_rollout_is_an_error_outcome_on_its_group(tiny_p
     )
     assert group.outcomes == ["error", "error"]
     assert all("_raises raised KeyError" in t.info["verifier_reason"] for t in group)
+
+
+def test_prompt_task_held_out_rows_go_to_evaluate_generations_and_a_failure_is_not_a_score():
+    """`evaluate_generations(policy, task.held_out(), score_fn=task.score_fn())` as the docs say:
+    the held-out rows hold their prompt as "question" (they were refused: no string 'question'),
+    and a reward function that raises on a held-out completion stops the scoring with its outcome
+    instead of scoring 0.0."""
+    from posttrain.policy import Policy
+    from posttrain.rewards.evaluation import evaluate_generations
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]
+    task = PromptTask(rows, rewards=[accuracy], held_out_size=2)
+    held_out = task.held_out()
+    assert [r["question"] for r in held_out] == ["2+1=", "3+1="]
+    assert [r["prompt"] for r in task.held_out()] == ["2+1=", "3+1="]  # rows are copies
+    policy = Policy.from_spec("tiny-1m", seed=0)
+    result = evaluate_generations(policy, held_out, score_fn=task.score_fn(), max_new_tokens=2)
+    expected = [
+        float(c.strip() == r["answer"]) for c, r in zip(result.table["completion"], rows[2:])
+    ]
+    assert result.num_items == 2 and list(result.table["score"]) == expected
+
+    def broken(completions, **kwargs):
+        raise RuntimeError("no")
+
+    failing = PromptTask(rows, rewards=[broken], held_out_size=2)
+    with pytest.raises(ValueError, match="outcome 'error'.*a failure is not a score"):
+        failing.score_fn()("3", failing.held_out()[0])
