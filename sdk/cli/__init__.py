@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -196,6 +197,18 @@ _CONFIGURED = ("run", "launch", "rerun", "resume")
 """The commands that build a recipe's config from overrides."""
 
 
+def _import_from_cwd() -> None:
+    """Modules in the working folder import by name, as under `python -m`: `rewards.funcs=
+    [my_rewards:fn]` finds `./my_rewards.py`. The folder goes first on `sys.path` and on
+    PYTHONPATH, so that ranks and jobs this command starts find the module too."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *paths])
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `posttrain` command (`argv`: its arguments; None: `sys.argv[1:]`, and the thread
     plan is set in `os.environ` first). Returns the exit code: 0, 1 (`info` found an
@@ -211,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"posttrain: {e}", file=sys.stderr)
             return 2
+        _import_from_cwd()
     parser, subs = _parser()
     args, rest = parser.parse_known_args(argv)  # overrides may come before and after --config
     if rest and (args.command not in _CONFIGURED or any(r.startswith("-") for r in rest)):

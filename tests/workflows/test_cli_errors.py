@@ -167,3 +167,30 @@ def test_ls_lists_every_recipe_and_preset_with_its_description(capsys):
     assert "SFT and continued pretraining (CPT) of a policy" in sft
     lora = next(line for line in out if line.split()[0] == "sft_lora")
     assert lora.split()[1] == "sft" and "LoRA SFT (Hu et al. 2021) of tiny-1m" in lora
+
+
+def test_a_reward_module_in_the_working_folder_imports_by_name(tmp_path):
+    """`posttrain run grpo rewards.funcs=[my_rewards:...]` next to `my_rewards.py` finds the
+    module, as `python -m` would (the console script's sys.path held only its own folder: the
+    answer was "module 'my_rewards' does not import"), and passes the folder on to the
+    processes it starts (PYTHONPATH)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kw):\n    return [0.0]\n")
+    command = Path(sys.executable).parent / "posttrain"
+    out = subprocess.run(
+        [str(command), "run", "grpo", "rewards.funcs=[my_rewards:missing]"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "has no attribute 'missing'" in out.stderr, out.stderr[-2000:]
+    code = "import os; from posttrain.cli import _import_from_cwd; _import_from_cwd(); "
+    code += "print(os.environ['PYTHONPATH'].split(os.pathsep)[0])"
+    env_out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert env_out.stdout.strip() == str(tmp_path), env_out.stderr[-2000:]
