@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.workflows.preference import PreferenceRunConfig, run_preference
+from posttrain.workflows.preference_config import PreferenceRunConfig
 
 __all__ = ["Config", "TINY", "main"]
 
@@ -68,6 +68,8 @@ TINY: dict[str, Any] = {
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run SFT -> pairs -> preference optimisation -> held-out evaluation; returns the results
     dict (also results.json; None on the ranks other than 0 under a plan)."""
+    from posttrain.workflows import run_preference  # the training stack loads when a run starts
+
     return run_preference(cfg)
 
 

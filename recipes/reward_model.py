@@ -32,11 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.workflows import BatchOptimConfig
-from posttrain.workflows.reward_model import (
-    RewardModelRunConfig,
-    run_reward_model,
-    split_by_question,
-)
+from posttrain.workflows.reward_model_config import RewardModelRunConfig, split_by_question
 
 __all__ = ["Config", "BatchOptimConfig", "TINY", "main", "split_by_question"]
 
@@ -72,6 +68,8 @@ TINY: dict[str, Any] = {
 def main(cfg: Config) -> dict[str, Any] | None:
     """Run policy -> pairs -> reward model -> held-out pairwise accuracy; returns the results
     dict (also results.json; None on the ranks other than 0 under a plan)."""
+    from posttrain.workflows import run_reward_model  # the training stack loads when a run starts
+
     return run_reward_model(cfg)
 
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from posttrain.core.data_files import FILE_SUFFIXES  # importable from here too
 from posttrain.data.rows import read_json_rows
 from posttrain.data.tables import is_frame, is_table, read_table, records_of
 
@@ -66,9 +67,6 @@ SFT_FORMATS = ("chat", "prompt_completion")
 CPT_FORMATS = ("text",)
 PREFERENCE_FORMATS = ("preference",)
 PROMPT_FORMATS = ("prompt",)
-
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-"""The data files `read_records` reads (by suffix)."""
 
 
 def read_records(source: Any, *, split: str | None = None) -> list[Any]:

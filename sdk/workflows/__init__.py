@@ -3,11 +3,13 @@ each; the package exports the runs, their configs and the sections (`__all__`):
 
     the runs         sft (run_sft, the SFT warm start; its config SFTConfig in
                      sft_config), rl (run_sft_then_rl;
-                     its config RLRunConfig in rl_config), preference (PreferenceRunConfig,
-                     run_preference), reward_model (RewardModelRunConfig, run_reward_model);
-                     what they share: recipe_run (RecipeRun: a run's start and end), task_data
-                     (held-out items, the checks that the data fits), pairs (rejection-sampled
-                     pairs)
+                     its config RLRunConfig in rl_config), preference (run_preference; its
+                     config PreferenceRunConfig in preference_config), reward_model
+                     (run_reward_model; its config RewardModelRunConfig in
+                     reward_model_config); what they share: recipe_run (RecipeRun: a run's
+                     start and end), task_data (held-out items, the checks that the data
+                     fits), pairs (rejection-sampled pairs; their configs' shared sections in
+                     pairs_config)
     config sections  config (ModelConfig, TaskConfig, OptimConfig, ...), config_paths
                      (validate, override, config_keys), parallel (the section is a
                      ParallelPlan; plan_of), quantization (adapters, quantised training),
@@ -60,10 +62,12 @@ EXPORTS: dict[str, list[str]] = {
     "config_paths": ["config_keys", "override", "validate"],
     "data_config": ["DataConfig"],
     "parallel": ["ParallelPlan", "plan_of"],
-    "preference": ["PreferenceRunConfig", "run_preference"],
+    "preference": ["run_preference"],
+    "preference_config": ["PreferenceRunConfig"],
     "quantization": ["AdaptersConfig", "QuantizationConfig", "RLQuantizationConfig"],
     "recipe_run": ["RecipeRun"],
-    "reward_model": ["RewardModelRunConfig", "run_reward_model"],
+    "reward_model": ["run_reward_model"],
+    "reward_model_config": ["RewardModelRunConfig"],
     "rl": ["run_sft_then_rl"],
     "rl_config": ["RL_TINY", "RLRunConfig"],
     "sft": ["run_sft", "warm_start"],
@@ -72,7 +76,8 @@ EXPORTS: dict[str, list[str]] = {
 }
 """The package's names -> the module that holds each: imported on first use, so `import
 posttrain.workflows.sft` (an SFT or DPO run) does not load the RL stack and verl, and a recipe's
-config (`SFTConfig`, `RLRunConfig` and their sections) imports without torch."""
+config (`SFTConfig`, `RLRunConfig`, `PreferenceRunConfig`, `RewardModelRunConfig` and their
+sections) imports without torch."""
 
 __all__ = [
     # the runs

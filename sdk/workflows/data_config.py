@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.core.data_files import FILE_SUFFIXES
 from posttrain.workflows.field_checks import fail, finite, ints, seeds
 
 __all__ = ["DataConfig"]
@@ -31,8 +32,6 @@ def _is_dataset_dict(source: Any) -> bool:
 def _check_source(value: Any, name: str) -> None:
     if value is None:  # the task's data
         return
-    from posttrain.data.sources import FILE_SUFFIXES  # (posttrain.data loads torch)
-
     bad_path = isinstance(value, str) and not value.endswith(FILE_SUFFIXES)
     if bad_path or isinstance(value, (int, float, bool, bytes)):
         raise fail(

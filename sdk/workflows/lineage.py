@@ -99,8 +99,8 @@ PACKAGES = (
 SDK_RECIPES = {
     "posttrain.workflows.sft_config.SFTConfig": "sft",
     "posttrain.workflows.rl_config.RLRunConfig": "grpo",
-    "posttrain.workflows.preference.PreferenceRunConfig": "dpo",
-    "posttrain.workflows.reward_model.RewardModelRunConfig": "reward_model",
+    "posttrain.workflows.preference_config.PreferenceRunConfig": "dpo",
+    "posttrain.workflows.reward_model_config.RewardModelRunConfig": "reward_model",
 }
 """The recipe that runs a config class defined in the SDK (recipes/sft.py: `Config =
 SFTConfig`); a class defined in a recipe file names its recipe by its module."""

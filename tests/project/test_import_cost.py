@@ -114,8 +114,9 @@ def test_commands_that_start_no_run_load_no_torch_or_pandas(tmp_path):
     assert "sft_lora" in out.stdout and "reward_model" in out.stdout  # the `ls` listing
 
 
-# Config mistakes of the recipes whose configs import without the training stack: an unknown
-# key (sft), a bad value (grpo) and an unknown task name (grpo).
+# Config mistakes of the recipes, whose configs import without the training stack: an unknown
+# key (sft, dpo), a bad value (grpo, reward_model), an unknown task name (grpo) and a data file
+# of a kind no reader takes (sft).
 CONFIG_ERRORS = (
     (["run", "sft", "optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim: "),
     (["run", "grpo", "optim.lr=-1"], "Config.optim.lr=-1.0; must be a finite number > 0"),
@@ -123,16 +124,22 @@ CONFIG_ERRORS = (
         ["run", "grpo", "task.name=no_such_task"],
         "Config.task.name='no_such_task': unknown reasoning-gym task 'no_such_task'; valid names: ",
     ),
+    (["run", "dpo", "optim.lrr=1"], "unknown config key 'optim.lrr'; valid keys of optim: "),
+    (["run", "reward_model", "optim.lr=-1"], "Config.optim.lr=-1.0; must be a finite number > 0"),
+    (
+        ["run", "sft", "data.train=rows.xlsx"],
+        "Config.data.train='rows.xlsx'; must be a .jsonl/.json/.parquet/.csv path, ",
+    ),
 )
 
 
 def test_config_errors_answer_before_torch_or_reasoning_gym_loads(tmp_path):
-    """`posttrain run sft optim.lrr=1`, `run grpo optim.lr=-1` and `run grpo
-    task.name=no_such_task` each exit 2 with their one-line error (the message a full check
-    gives) without loading torch, reasoning-gym or pandas: the checks that need them are
-    deferred (`posttrain.workflows.stack_checks`). The three together, in one fresh process,
-    cost under 2 s of CPU (user + sys, this test's process excluded; each ~0.1 s of its own
-    when measured, against ~4-8 s each with torch and reasoning-gym loaded)."""
+    """Each of CONFIG_ERRORS (`posttrain run sft optim.lrr=1`, `run grpo optim.lr=-1`, `run dpo
+    optim.lrr=1`, `run sft data.train=rows.xlsx`, ...) exits 2 with its one-line error (the
+    message a full check gives) without loading torch, reasoning-gym or pandas: the checks that
+    need them are deferred (`posttrain.workflows.stack_checks`). All of them together, in one
+    fresh process, cost under 2 s of CPU (user + sys, this test's process excluded; each ~0.1-0.2
+    s of its own when measured, against ~4-8 s each with torch and reasoning-gym loaded)."""
     code = (
         "import resource, sys\nfrom posttrain.cli import main\ncodes = []\n"
         f"for argv, _ in {CONFIG_ERRORS!r}:\n"
@@ -156,7 +163,7 @@ def test_config_errors_answer_before_torch_or_reasoning_gym_loads(tmp_path):
     assert len(errors) == len(CONFIG_ERRORS), out.stderr
     for line, (_, message) in zip(errors, CONFIG_ERRORS):
         assert line.startswith(f"posttrain run: error: {message}"), line
-    assert float(cpu_s) < 2.0, f"{cpu_s} s of CPU for the three config errors"
+    assert float(cpu_s) < 2.0, f"{cpu_s} s of CPU for the config errors"
 
 
 def test_task_names_known_without_reasoning_gym_are_its_registry():
