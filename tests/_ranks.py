@@ -135,6 +135,13 @@ def _run_script(
     if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
         # a fresh interpreter reads it when torch loads; the server loaded torch before
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if "ray._raylet" in sys.modules:
+        # Ray reads its config (the auth mode and token of a cluster started after the server
+        # loaded it) from the environment when it loads: read it again from this one
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     sys.argv = [script, *argv]
     fresh = sys.path[1:] if preload is None else preload.FRESH_SYS_PATH
     sys.path[:] = [os.path.dirname(os.path.abspath(script)), *fresh]

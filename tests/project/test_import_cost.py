@@ -4,6 +4,7 @@ distributed RL test, every subprocess, every `posttrain` call). verl is imported
 through `posttrain.rl.verl_registry.core_algos()`; tests/rl/test_verl_registry.py checks that
 the names listed without it equal verl's and that an RL step still calls verl."""
 
+import json
 import subprocess
 import sys
 
@@ -168,9 +169,13 @@ def test_config_errors_answer_before_torch_or_reasoning_gym_loads(tmp_path):
 
 def test_task_names_known_without_reasoning_gym_are_its_registry():
     """The task names a deferred check knows without importing reasoning-gym are exactly the
-    installed registry's (a reasoning-gym upgrade that adds or drops a task fails here)."""
-    from reasoning_gym.factory import DATASETS
-
+    installed registry's (a reasoning-gym upgrade that adds or drops a task fails here). The
+    registry is read in a fresh process: tests register tasks of their own in this one."""
     from posttrain.workflows.stack_checks import REASONING_GYM_TASKS
 
-    assert list(REASONING_GYM_TASKS) == sorted(DATASETS)
+    code = "import json, reasoning_gym.factory as f; print(json.dumps(sorted(f.DATASETS)))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list(REASONING_GYM_TASKS) == json.loads(out.stdout)
