@@ -140,7 +140,14 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class TaskConfig:
     """The task: a reasoning-gym name with its options (or, for SFT, a data file), the training
-    size and the held-out split (`eval_size` distinct questions generated from `eval_seed`)."""
+    size and the held-out split (`eval_size` distinct questions generated from `eval_seed`).
+
+    `demo_options` (None, or a mapping of the task's options): the demonstrations, the SFT rows
+    of every recipe's SFT stage (and of the RL recipes' more-SFT baseline), are generated with
+    these instead of `options`; the held-out items and the prompts of RL and of preference pairs
+    still come from `options`. Demonstrations that cover only part of the task: e.g.
+    `options={min_word_len: 6, max_word_len: 7}` with `demo_options={min_word_len: 3,
+    max_word_len: 5}` trains SFT on short words and holds out, and lets RL train on, long ones."""
 
     name: str = "chain_sum"  # a reasoning-gym task, or a .jsonl/.json/.txt file (SFT)
     options: dict = field(
@@ -149,10 +156,22 @@ class TaskConfig:
     train_size: int = 20000
     eval_size: int = 500  # held-out items (0: no accuracy evaluation, SFT only)
     eval_seed: int = 10_000
+    demo_options: dict | None = None
 
     @property
     def is_file(self) -> bool:
         return self.name.endswith(DATA_FILE_SUFFIXES)
+
+    def report(self) -> dict[str, Any]:
+        """The task's options as a run's results give them: `task_config`, and `demo_config`
+        where the demonstrations have their own (`demo_options`)."""
+        extra = {} if self.demo_options is None else {"demo_config": self.demo_options}
+        return {"task_config": self.options, **extra}
+
+    @property
+    def train_options(self) -> dict:
+        """The options the SFT rows are generated with: `demo_options`, else `options`."""
+        return self.options if self.demo_options is None else self.demo_options
 
     def check(self, at: str) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -166,7 +185,15 @@ class TaskConfig:
         seeds(self, at, ("eval_seed",))
         if not isinstance(self.options, dict):
             raise fail(f"{at}.options", self.options, "a mapping of the task's options")
+        if self.demo_options is not None and not isinstance(self.demo_options, dict):
+            raise fail(
+                f"{at}.demo_options",
+                self.demo_options,
+                "None (the demonstrations use task.options) or a mapping of the task's options",
+            )
         if self.is_file:
+            if self.demo_options is not None:
+                raise fail(f"{at}.demo_options", self.demo_options, "None for a data file")
             if self.options:
                 raise fail(
                     f"{at}.options",
@@ -188,10 +215,13 @@ class TaskConfig:
             return
         from posttrain.verifiers.reasoning_gym import check_task_config
 
-        try:
-            check_task_config(self.name, self.options)
-        except ValueError as e:
-            raise ValueError(f"{at}.options={self.options!r}: {e}") from None
+        for key in ("options", "demo_options"):
+            options = getattr(self, key)
+            try:
+                if options is not None:
+                    check_task_config(self.name, options)
+            except ValueError as e:
+                raise ValueError(f"{at}.{key}={options!r}: {e}") from None
 
 
 @dataclass(kw_only=True)

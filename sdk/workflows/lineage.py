@@ -231,7 +231,8 @@ def data_lineage(cfg: Any) -> dict[str, Any]:
     """The data of `cfg.task` with sha256 hashes ({} for a config without a task): a data file's
     (or own data's `data.train` file's) path, size and sha256 (an object's type only); a
     reasoning-gym task's spec (name, options, train_size with the training seed `cfg.seed`,
-    eval_size with `eval_seed`, the reasoning-gym version), its `spec_sha256`, and
+    eval_size with `eval_seed`, the reasoning-gym version, `demo_options` where set), its
+    `spec_sha256`, and
     `train_sha256` of the generated training questions (None above `QUESTIONS_HASH_MAX`)."""
     task = getattr(cfg, "task", None)
     if task is None:
@@ -256,6 +257,8 @@ def data_lineage(cfg: Any) -> dict[str, Any]:
         "eval_seed": task.eval_seed,
         "reasoning_gym": _version("reasoning_gym"),
     }
+    if task.demo_options is not None:  # the demonstrations' slice of the task
+        spec["demo_options"] = task.demo_options
     train = (
         _items_sha256(task.name, task.options, task.train_size, cfg.seed)
         if task.train_size <= QUESTIONS_HASH_MAX

@@ -217,7 +217,7 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     if source is not None:  # own pairs: held-out preference metrics, no task items
         results["dataset"] = source
     else:
-        results.update(task_config=cfg.task.options, pairs=pair_stats)
+        results.update(**cfg.task.report(), pairs=pair_stats)
     results.update(
         train_samples=len(dataset),
         val_samples=0 if val_dataset is None else len(val_dataset),

@@ -107,7 +107,7 @@ def _run(run: RecipeRun, cfg: RFTRunConfig, engines: EngineSlot) -> dict[str, An
         "model": cfg.model.name,
         "params": policy.num_parameters(),
         "task": cfg.task.name,
-        "task_config": cfg.task.options,
+        **cfg.task.report(),
         "eval_size": cfg.task.eval_size,
         "before_sft": sft_results.get("before"),
         "after_sft": sft_results["after"],

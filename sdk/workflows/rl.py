@@ -155,7 +155,7 @@ def _run(run: RecipeRun, cfg: RLRunConfig, engines: EngineSlot) -> dict[str, Any
         "algo": algo_name,
         "model": cfg.model.name,
         "params": policy.num_parameters(),
-        "task_config": cfg.task.options,
+        **cfg.task.report(),
         "eval_size": cfg.task.eval_size,
         "before_sft": sft_results.get("before"),
         "after_sft": sft_results["after"],

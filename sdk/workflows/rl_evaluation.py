@@ -243,6 +243,15 @@ def write_rl_results(run: RecipeRun, results: dict[str, Any], task: str, algo: s
     lines = [
         f"# SFT -> {algo.upper()} on {task} {results['task_config']}",
         "",
+        *(
+            [
+                f"demonstrations (SFT rows) from {results['demo_config']}; held-out items and "
+                f"{algo.upper()} prompts from {results['task_config']}",
+                "",
+            ]
+            if "demo_config" in results
+            else []
+        ),
         f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
         f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
         f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "

@@ -106,7 +106,7 @@ def build_dataset(
         size=train_size,
         seed=cfg.seed,
         item_filter=lambda ds, items: check_gold(task.name, ds, items, gold),
-        **task.options,
+        **task.train_options,  # the demonstrations' options (`task.demo_options`)
     )
     kept = [r for r in rows if r["messages"][0]["content"] not in exclude]
     if not kept:
