@@ -3,7 +3,8 @@
 Run as a script (a fresh process, so that the thread and kernel settings below hold before
 torch is imported):
 
-    python tests/refactor_guard.py CASE OUT_DIR     # prints one JSON object
+    python tests/refactor_guard.py CASE OUT_DIR     # prints FINGERPRINT CASE {json}
+    python tests/refactor_guard.py sft,cpt,dpo OUT_ROOT   # each case in OUT_ROOT/CASE
 
 The fingerprint pins behaviour across a refactoring: `tests/project/test_refactor_guard.py` compares
 it with `tests/fixtures/refactor_guard.json`, recorded from the code before the move. To make the
@@ -133,7 +134,10 @@ def fingerprint(case: str, out_dir: str) -> dict:
 
 
 if __name__ == "__main__":
-    case, out = sys.argv[1], sys.argv[2]
-    os.chdir(Path(out).parent)
-    result = fingerprint(case, out)
-    print("FINGERPRINT " + json.dumps(result, sort_keys=True))
+    # CASE OUT_DIR: one case; CASE,CASE,... OUT_ROOT: each case into OUT_ROOT/CASE, one after the
+    # other in this process (the stack imports once). One line per case: FINGERPRINT CASE {json}.
+    cases, out = sys.argv[1].split(","), Path(sys.argv[2])
+    os.chdir(out.parent)
+    for case in cases:
+        result = fingerprint(case, str(out if len(cases) == 1 else out / case))
+        print(f"FINGERPRINT {case} " + json.dumps(result, sort_keys=True), flush=True)
