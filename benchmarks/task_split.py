@@ -9,6 +9,9 @@ temperature 1, and the mean sampled score.
 
     python benchmarks/task_split.py --work /tmp/split                  # spell_backward, 3-5 letters
     python benchmarks/task_split.py --work W --reuse --out docs/benchmarks/task_split.md
+    python benchmarks/task_split.py --work W --task chain_sum --min-key min_terms \
+        --max-key max_terms --slice-key terms --demo-range 2 2 --slices 2 3 4 \
+        --options '{"min_digits": 1, "max_digits": 2}'
 
 The SFT stage is `posttrain run sft` with the main job's settings (tiny-2m, 300 steps of 64 at
 lr 1e-3); slices are `--slice-key` set to each of `--slices` (min and max both).
@@ -37,7 +40,7 @@ def train(work: Path, args: argparse.Namespace) -> Path:
     cmd = [
         sys.executable, "-m", "posttrain.cli", "run", "sft", f"out_dir={out}",
         "model.name=tiny-2m", f"task.name={args.task}",
-        f"task.options={{{args.min_key}: {lo}, {args.max_key}: {hi}}}",
+        f"task.options={json.dumps({**args.options, args.min_key: lo, args.max_key: hi})}",
         f"optim.steps={args.steps}", "optim.lr=1e-3", "optim.batch_size=64",
         "optim.warmup_steps=20", "task.eval_size=200", "eval.max_new_tokens=12",
         "progress=false", f"seed={args.seed}",
@@ -61,7 +64,7 @@ def score_slices(policy_dir: Path, args: argparse.Namespace) -> list[dict]:
     for n in args.slices:
         task = TaskConfig(
             name=args.task,
-            options={args.min_key: n, args.max_key: n},
+            options={**args.options, args.min_key: n, args.max_key: n},
             eval_size=args.items,
             eval_seed=10_000,
         )
@@ -117,6 +120,12 @@ def main() -> None:
     p.add_argument("--min-key", default="min_word_len")
     p.add_argument("--max-key", default="max_word_len")
     p.add_argument("--slice-key", default="word length")
+    p.add_argument(
+        "--options",
+        type=json.loads,
+        default={},
+        help='the task\'s other options, as JSON: \'{"min_digits": 1, "max_digits": 1}\'',
+    )
     p.add_argument("--demo-range", type=int, nargs=2, default=(3, 5))
     p.add_argument("--slices", type=int, nargs="+", default=[3, 4, 5, 6, 7, 8])
     p.add_argument("--steps", type=int, default=300)

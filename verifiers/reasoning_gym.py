@@ -14,6 +14,14 @@ Answer extraction (`extract=`):
     "answer_tag"     the content of the last <answer>...</answer>; missing -> format_error;
     a callable       `(completion) -> str | None`; None -> format_error.
 
+Scorer fixes (`SCORE_FIXES`): where a task's own scorer misses its own rule, the adapter scores
+with the rule as the scorer's code states it. `spell_backward` deducts 0.2 from an answer with
+every letter in place that is longer than the word, testing `reward == 1.0` after summing
+`1 / len(word)` per letter; for 6 letters that sum is 0.9999999999999999 (7: ...98), so the
+deduction never applies and "the word plus anything" scores 1.0 in all but the last bit: GRPO
+learns to write the word and never stop (docs/benchmarks/task_split.md). The fix applies the
+deduction there and keeps every other score as the task gives it.
+
 The scorer's dataset is built once per process and configuration, when the verifier is made or
 unpickled (outside any verifier time budget: importing reasoning-gym takes seconds), and is
 not pickled: the verifier travels as a name and a config.
@@ -91,6 +99,24 @@ def scoring_dataset(name: str, config: Mapping[str, Any]) -> Any:
         return _DATASETS[key]
 
 
+def _spell_backward_score(score: float, answer: str, entry: Mapping[str, Any]) -> float:
+    """reasoning-gym's `SpellBackwardDataset.score_answer` (0.1.x) `score` for `answer`, with
+    its deduction applied where its sum missed it: an answer with every letter of the word in
+    place that is longer than the word scores 1.0 - 0.2, as the scorer's code states (every
+    other score is the task's own, to the last bit)."""
+    expected, got = str(entry["answer"]).lower(), answer.lower()
+    if len(got) > len(expected) and got.startswith(expected):
+        return 1.0 - 0.2
+    return score
+
+
+SCORE_FIXES: dict[str, Callable[[float, str, Mapping[str, Any]], float]] = {
+    "spell_backward": _spell_backward_score,
+}
+"""Task name -> `(score, answer, entry) -> score`: the task scorer's `score` corrected where its
+arithmetic misses its own rule (see the module docstring)."""
+
+
 def _extract(completion: str, extract: str | Callable[[str], str | None]) -> str | None:
     if callable(extract):
         return extract(completion)
@@ -155,6 +181,8 @@ class ReasoningGymVerifier:
             )
         entry = item if isinstance(item, dict) else dict(item)
         score = scoring_dataset(self.name, self.config).score_answer(answer, entry)
+        if (fix := SCORE_FIXES.get(self.name)) is not None:
+            score = fix(score, answer, entry)
         result = VerifierResult.from_score(float(score))
         if result.ok:
             return result

@@ -80,6 +80,7 @@ from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import (
     accuracy_of,
     accuracy_table,
+    demo_split_lines,
     difference_line,
     plot_curves,
     read_table,
@@ -320,6 +321,7 @@ def _results_markdown(results: dict[str, Any], task: str) -> str:
     lines = [
         f"# {loss} on {task} {results['task_config']}",
         "",
+        *demo_split_lines(results, "pair prompts"),
         f"{results['objective']}, model {results['model']} "
         f"({results['params'] / 1e6:.2f}M params), {results['steps']} steps, "
         f"wall {results['wall_s']:.0f} s",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "start_run",
     "accuracy_table",
+    "demo_split_lines",
     "validation_lines",
     "difference_line",
     "accuracy_of",
@@ -241,6 +242,19 @@ def _rebased(value: Any, old_dir: Any, new_dir: Any) -> Any:
     except ValueError:
         return value
     return str(Path(*new[: len(new) - same]) / inside)
+
+
+def demo_split_lines(results: dict[str, Any], trained: str) -> list[str]:
+    """results.md lines saying where the demonstrations came from when the task gave them their
+    own options (`results["demo_config"]`, `TaskConfig.report`); none otherwise. `trained`: what
+    else drew from the task's options ("GRPO prompts")."""
+    if "demo_config" not in results:
+        return []
+    return [
+        f"demonstrations (SFT rows) from {results['demo_config']}; held-out items and "
+        f"{trained} from {results['task_config']}",
+        "",
+    ]
 
 
 def accuracy_table(

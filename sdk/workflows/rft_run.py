@@ -33,7 +33,13 @@ from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.train.parallel import ParallelPlan
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import accuracy_table, difference_line, read_table, write_table
+from posttrain.workflows.reports import (
+    accuracy_table,
+    demo_split_lines,
+    difference_line,
+    read_table,
+    write_table,
+)
 from posttrain.workflows.rft import rft_rounds
 from posttrain.workflows.rft_config import RFT_TINY, RFTConfig, RFTRunConfig
 from posttrain.workflows.rl_evaluation import plot_eval_curve
@@ -238,6 +244,7 @@ def _markdown(results: dict[str, Any], rounds: list[dict[str, Any]]) -> str:
     lines = [
         f"# SFT -> RFT on {results['task']} {results['task_config']}",
         "",
+        *demo_split_lines(results, "RFT prompts"),
         f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
         f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), {results['rounds']} of "
         f"{results['rounds_planned']} RFT rounds ({results['rft_s']:.0f} s; step seconds "

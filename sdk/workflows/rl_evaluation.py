@@ -30,7 +30,13 @@ from posttrain.rewards.evaluation import (
 )
 from posttrain.rl.trainer import RLTrainer
 from posttrain.workflows.recipe_run import RecipeRun
-from posttrain.workflows.reports import accuracy_table, difference_line, read_table, write_table
+from posttrain.workflows.reports import (
+    accuracy_table,
+    demo_split_lines,
+    difference_line,
+    read_table,
+    write_table,
+)
 from posttrain.workflows.rl_config import RLRunConfig
 from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import evaluate
@@ -243,15 +249,7 @@ def write_rl_results(run: RecipeRun, results: dict[str, Any], task: str, algo: s
     lines = [
         f"# SFT -> {algo.upper()} on {task} {results['task_config']}",
         "",
-        *(
-            [
-                f"demonstrations (SFT rows) from {results['demo_config']}; held-out items and "
-                f"{algo.upper()} prompts from {results['task_config']}",
-                "",
-            ]
-            if "demo_config" in results
-            else []
-        ),
+        *demo_split_lines(results, f"{algo.upper()} prompts"),
         f"model {results['model']} ({results['params'] / 1e6:.2f}M params), "
         f"{results['sft_steps']} SFT steps ({results['sft_s']:.0f} s), "
         f"{results['rl_steps']} {algo.upper()} steps ({results['rl_s']:.0f} s), "

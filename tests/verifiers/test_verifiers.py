@@ -318,6 +318,50 @@ def test_reasoning_gym_partial_credit_is_wrong_with_its_score():
     assert partial.outcome is Outcome.WRONG and 0.0 < partial.score < 1.0
 
 
+@pytest.mark.parametrize(
+    "answer, score",
+    [
+        ("nilaid", 1.0),
+        ("NILAID", 1.0),  # case-insensitive, as the task's scorer
+        ("nilaidxy", 0.8),  # every letter in place, longer than the word: 1 - 0.2
+        ("nilai", 5 / 6),
+        ("nilaix", 5 / 6),
+        ("ilaid", 0.0),  # counted from the start
+        ("", 0.0),
+    ],
+)
+def test_spell_backward_deducts_for_an_answer_longer_than_the_word(answer, score):
+    """The task's scorer sums 1/6 six times to 0.9999999999999999, misses its own `== 1.0`
+    test and scores the word plus anything as ~1.0 (GRPO learned to never stop); the adapter
+    applies the deduction. Scores by hand from the rule in reasoning-gym's code."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(
+        "spell_backward", size=1, seed=0, min_word_len=6, max_word_len=6
+    )
+    item = {**dataset[0], "answer": "nilaid"}  # the reversal of "dialin"
+    if answer == "nilaidxy":  # the defect this fixes, as the task's own scorer has it
+        assert dataset.score_answer(answer, item) == 0.9999999999999999
+    result = ReasoningGymVerifier("spell_backward")(answer, item)
+    assert result.score == pytest.approx(score, abs=1e-12)
+    assert result.ok is (score == 1.0)
+
+
+def test_spell_backward_fix_agrees_with_the_task_where_its_sum_is_exact():
+    """For 3-5 letter words the task's per-letter sum reaches exactly 1.0: the two agree on
+    every kind of answer, to the last bit."""
+    import reasoning_gym
+
+    verify = ReasoningGymVerifier("spell_backward")
+    dataset = reasoning_gym.create_dataset(
+        "spell_backward", size=30, seed=1, min_word_len=3, max_word_len=5
+    )
+    for item in dataset:
+        word = item["answer"]
+        for answer in (word, word.upper(), word + "x", word[:-1], word[1:], "zz"):
+            assert verify(answer, item).score == dataset.score_answer(answer, item), answer
+
+
 def test_reasoning_gym_unknown_task_lists_names():
     with pytest.raises(ValueError, match="unknown reasoning-gym task 'chain_summ'.*chain_sum"):
         ReasoningGymVerifier("chain_summ")

@@ -81,7 +81,7 @@ def _keys(section: str, *names: str) -> list[str]:
 
 MODEL_KEYS = _keys("model", "init_from", "name")
 SAMPLING_KEYS = _keys("sampling", "max_new_tokens", "temperature", "top_p")
-TASK_KEYS = _keys("task", "eval_seed", "eval_size", "name", "options", "train_size")
+TASK_KEYS = _keys("task", "demo_options", "eval_seed", "eval_size", "name", "options", "train_size")
 OPTIM_KEYS = _keys(
     "optim",
     "loss_chunk_tokens",

@@ -1,0 +1,192 @@
+"""RL against its cheaper alternatives at equal training compute, from one SFT policy, when the
+demonstrations cover only part of the task (`task.demo_options`): one table of held-out greedy
+accuracy, sampled pass@1 and pass@k, and GRPO's paired differences with each baseline.
+
+The arms, all from the same SFT stage (trained once, by the GRPO run, then copied into each
+other arm's folder, which resumes after it):
+  * GRPO (`posttrain run grpo`), with its more-SFT baseline (`baseline.steps` more SFT steps on
+    the same demonstrations; choose them so that its `train_s` is about GRPO's `rl_train_s`);
+  * RFT (`posttrain run rft`): rounds of sample k -> keep the verified -> fine-tune on the RL
+    prompts, bounded by `rft.budget_s` = the GRPO stage's summed step seconds (`rl_train_s`).
+
+    python benchmarks/beyond_demos.py --work W                        # the split of task_split.md
+    python benchmarks/beyond_demos.py --work W --out docs/benchmarks/beyond_demos.md optim.steps=300
+    python benchmarks/beyond_demos.py --work W --quick                # tiny sizes, seconds
+
+Trailing `key=value` words go to every arm (the task, its split, the SFT stage, eval); GRPO's own
+(`optim.*`, `rl.*`, `baseline.*`) are ignored by the RFT run's config only where it has no such
+key, so pass those with `--grpo`. Paired differences are bootstrap intervals over the held-out
+items (`posttrain.rewards.evaluation.paired_bootstrap_diff`, 10k resamples): each arm's per-item
+greedy correctness and per-item sampled pass@1, read from its evaluation tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from grpo_step import command_line  # noqa: E402
+from timing import cpu_model  # noqa: E402
+
+SPLIT = [
+    "task.name=spell_backward",
+    "task.options={min_word_len: 6, max_word_len: 6}",
+    "task.demo_options={min_word_len: 3, max_word_len: 5}",
+]
+QUICK = [
+    "model.name=tiny-1m",
+    "task.name=chain_sum",
+    "task.options={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}",
+    "task.demo_options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    "task.train_size=64",
+    "task.eval_size=8",
+    "eval.max_new_tokens=6",
+    "eval.samples=2",
+    "sft.steps=3",
+    "sft.batch_size=8",
+    "sampling.max_new_tokens=4",
+    "checkpoint.every=1",
+]
+QUICK_GRPO = [
+    "optim.steps=2",
+    "optim.warmup_steps=1",
+    "rl.prompts_per_step=2",
+    "rl.group_size=2",
+    "eval.every=0",
+    "baseline.steps=2",
+]
+QUICK_RFT = ["rft.prompts_per_round=4", "rft.samples_per_prompt=2", "rft.steps=2",
+             "rft.batch_size=4", "rft.warmup_steps=1", "eval.every=0"]  # fmt: skip
+
+# (arm, its results.json key of greedy accuracy, sampled results key, greedy table, sampled table)
+ARMS = {
+    "SFT (the start)": ("after_sft", "sampled_after_sft", "sft/eval_after.csv",
+                        "eval_sampled_after_sft.csv"),
+    "GRPO": ("after_grpo", "sampled_after_grpo", "eval_after_rl.csv",
+             "eval_sampled_after_grpo.csv"),
+    "more SFT": ("more_sft", "sampled_after_more_sft", "more_sft/eval_after.csv",
+                 "eval_sampled_after_more_sft.csv"),
+    "RFT": ("after_rft", "sampled_after_rft", "eval_after_rft.csv", "eval_sampled_after_rft.csv"),
+}  # fmt: skip
+
+
+def _posttrain(args: list[str], log: Path) -> None:
+    with log.open("w") as f:
+        proc = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", *args],
+                              stdout=f, stderr=subprocess.STDOUT)  # fmt: skip
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"posttrain run {args[0]} failed (exit {proc.returncode}):\n{tail}")
+
+
+def run_arms(work: Path, common: list[str], grpo: list[str], rft: list[str]) -> dict[str, Any]:
+    """Run GRPO (with more SFT), then RFT from its SFT stage with the GRPO stage's training
+    seconds as budget; returns {"grpo": results, "rft": results} (finished runs are reused)."""
+    g, r = work / "grpo", work / "rft"
+    if not (g / "results.json").is_file():
+        _posttrain(["grpo", f"out_dir={g}", "progress=false", *common, *grpo], work / "grpo.log")
+    grpo_results = json.loads((g / "results.json").read_text())
+    if not (r / "results.json").is_file():
+        r.mkdir(parents=True, exist_ok=True)
+        if not (r / "sft").exists():
+            shutil.copytree(g / "sft", r / "sft")  # the same start: the run resumes after it
+        budget = f"rft.budget_s={grpo_results['rl_train_s']:.3f}"
+        _posttrain(["rft", f"out_dir={r}", "resume=true", "progress=false", "rft.rounds=1000",
+                    budget, *common, *rft], work / "rft.log")  # fmt: skip
+    return {"grpo": grpo_results, "rft": json.loads((r / "results.json").read_text())}
+
+
+def _per_item(work: Path) -> dict[str, dict[str, Any]]:
+    """Each arm's per-item greedy correctness and sampled pass@1 (numpy arrays, item order)."""
+    import pandas as pd
+
+    out: dict[str, dict[str, Any]] = {}
+    for arm, (_, _, greedy, sampled) in ARMS.items():
+        folder = work / ("rft" if arm == "RFT" else "grpo")
+        if not (folder / greedy).is_file():
+            continue
+        row = {"greedy": pd.read_csv(folder / greedy)["correct"].to_numpy(dtype=float)}
+        if (folder / sampled).is_file():
+            table = pd.read_csv(folder / sampled)
+            row["pass1"] = table.groupby("item")["correct"].mean().sort_index().to_numpy()
+        out[arm] = row
+    return out
+
+
+def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
+    from posttrain.rewards.evaluation import paired_bootstrap_diff
+
+    g, r = results["grpo"], results["rft"]
+    merged = {**g, **{k: v for k, v in r.items() if k in ("after_rft", "sampled_after_rft")}}
+    per_item = _per_item(work)
+    k = g.get("sampled_after_grpo", {}).get("k", "k")
+    nan, command = float("nan"), command_line(argv, {"--work": "W", "--out": "OUT"})
+    lines = [
+        f"Command: `python benchmarks/beyond_demos.py {command}`. "
+        f"Task {g['task_config']} (held-out items and RL prompts), demonstrations from "
+        f"{g.get('demo_config', g['task_config'])}; {g['eval_size']} held-out items. "
+        f"Training seconds (summed step times): GRPO {g['rl_train_s']:.0f} s, more SFT "
+        f"{g.get('more_sft', {}).get('train_s', nan):.0f} s, RFT "
+        f"{r.get('rft_train_s', nan):.0f} s (budget {r.get('budget_s', nan):.0f} s, "
+        f"{r.get('rounds', 0)} rounds, {r.get('kept', 0)} samples kept). {cpu_model()}.",
+        "",
+        f"| arm | greedy | sampled pass@1 | pass@{k} |",
+        "|---|---:|---:|---:|",
+    ]
+    for arm, (greedy_key, sampled_key, _, _) in ARMS.items():
+        if greedy_key not in merged:
+            continue
+        s = merged.get(sampled_key, {})
+        lines.append(
+            f"| {arm} | {merged[greedy_key]['accuracy']:.3f} | "
+            f"{s.get('pass_at_1', float('nan')):.3f} | {s.get('pass_at_k', float('nan')):.3f} |"
+        )
+    lines += ["", "| GRPO minus | greedy (points, 95% CI) | sampled pass@1 (points, 95% CI) |",
+              "|---|---:|---:|"]  # fmt: skip
+    grpo_items = per_item.get("GRPO", {})
+    for arm, row in per_item.items():
+        if arm == "GRPO" or not grpo_items:
+            continue
+        cells = []
+        for key in ("greedy", "pass1"):
+            if key in row and key in grpo_items:
+                d = paired_bootstrap_diff(grpo_items[key], row[key], seed=0)
+                cells.append(
+                    f"{100 * d['difference']:+.1f} [{100 * d['ci_low']:+.1f}, "
+                    f"{100 * d['ci_high']:+.1f}]"
+                )
+            else:
+                cells.append("")
+        lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: seconds, for a test")
+    p.add_argument("--grpo", nargs="*", default=[], help="key=value for the GRPO run only")
+    p.add_argument("--rft", nargs="*", default=[], help="key=value for the RFT run only")
+    p.add_argument("--out", type=Path, help="write the markdown report here")
+    p.add_argument("overrides", nargs="*", help="key=value for every arm")
+    args = p.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    common = [*(QUICK if args.quick else SPLIT), *args.overrides]
+    grpo = [*(QUICK_GRPO if args.quick else []), *args.grpo]
+    rft = [*(QUICK_RFT if args.quick else []), *args.rft]
+    text = report(args.work, run_arms(args.work, common, grpo, rft), argv)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
