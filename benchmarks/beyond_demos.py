@@ -32,35 +32,24 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_step import command_line  # noqa: E402
+from main_job_seeds import QUICK as JOB_QUICK  # noqa: E402
 from timing import cpu_model  # noqa: E402
 
+GRPO_ONLY = ("optim.", "rl.", "eval.every", "baseline.")  # keys the RFT run's config has not
 SPLIT = [
     "task.name=spell_backward",
     "task.options={min_word_len: 6, max_word_len: 6}",
     "task.demo_options={min_word_len: 3, max_word_len: 5}",
 ]
+# --quick: the main job's tiny sizes (main_job_seeds.QUICK), split into what every arm takes and
+# what only the GRPO run has; a split of chain_sum that makes tiny tasks
 QUICK = [
-    "model.name=tiny-1m",
+    *(kv for kv in JOB_QUICK if not kv.startswith(GRPO_ONLY)),
     "task.name=chain_sum",
     "task.options={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}",
     "task.demo_options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
-    "task.train_size=64",
-    "task.eval_size=8",
-    "eval.max_new_tokens=6",
-    "eval.samples=2",
-    "sft.steps=3",
-    "sft.batch_size=8",
-    "sampling.max_new_tokens=4",
-    "checkpoint.every=1",
 ]
-QUICK_GRPO = [
-    "optim.steps=2",
-    "optim.warmup_steps=1",
-    "rl.prompts_per_step=2",
-    "rl.group_size=2",
-    "eval.every=0",
-    "baseline.steps=2",
-]
+QUICK_GRPO = [*(kv for kv in JOB_QUICK if kv.startswith(GRPO_ONLY)), "baseline.steps=2"]
 QUICK_RFT = ["rft.prompts_per_round=4", "rft.samples_per_prompt=2", "rft.steps=2",
              "rft.batch_size=4", "rft.warmup_steps=1", "eval.every=0"]  # fmt: skip
 
