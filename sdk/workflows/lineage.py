@@ -232,8 +232,8 @@ def data_lineage(cfg: Any) -> dict[str, Any]:
     (or own data's `data.train` file's) path, size and sha256 (an object's type only); a
     reasoning-gym task's spec (name, options, train_size with the training seed `cfg.seed`,
     eval_size with `eval_seed`, the reasoning-gym version, `demo_options` where set), its
-    `spec_sha256`, and
-    `train_sha256` of the generated training questions (None above `QUESTIONS_HASH_MAX`)."""
+    `spec_sha256`, and `train_sha256` of the training questions generated from `options` (None
+    above `QUESTIONS_HASH_MAX`)."""
     task = getattr(cfg, "task", None)
     if task is None:
         return {}
