@@ -10,7 +10,7 @@ other arm's folder, which resumes after it):
     prompts, bounded by `rft.budget_s` = the GRPO stage's summed step seconds (`rl_train_s`).
 
     python benchmarks/beyond_demos.py --work W                        # the split of task_split.md
-    python benchmarks/beyond_demos.py --work W --out docs/benchmarks/beyond_demos.md optim.steps=300
+    python benchmarks/beyond_demos.py --work W --out REPORT.md --grpo optim.steps=300
     python benchmarks/beyond_demos.py --work W --quick                # tiny sizes, seconds
 
 Trailing `key=value` words go to every arm (the task, its split, the SFT stage, eval); GRPO's own

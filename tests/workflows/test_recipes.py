@@ -331,7 +331,11 @@ FAULTS = [
         "task.demo_options={min_word_len: 3, max_len: 5}",
         r"Config\.task\.demo_options=.*unknown option.*'max_len'",
     ),
-    ("sft", "task.demo_options={min_terms: 3}", r"Config\.task\.demo_options=.*max_terms must be"),
+    (
+        "sft",
+        "task.demo_options={min_terms: 3, max_terms: 2}",
+        r"Config\.task\.demo_options=.*max_terms must be",
+    ),
     ("sft", "task.demo_options.min_terms=3", r"'task\.demo_options' has no keys of its own"),
     ("sft", "seed=-1", r"Config\.seed=-1; must be an integer in \[0, 4294967295\]"),
     ("grpo", "task.eval_seed=4294967296", r"Config\.task\.eval_seed=4294967296"),
