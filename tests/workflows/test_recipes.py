@@ -10,6 +10,7 @@ import pytest
 
 from posttrain import cli
 from posttrain.workflows import config_keys, override
+from posttrain.workflows.recipe_run import RecipeRun
 
 RECIPES = sorted(p.stem for p in cli.recipe_dirs()[1].glob("*.py") if not p.name.startswith("_"))
 
@@ -350,6 +351,13 @@ def test_fault_is_a_usage_error_before_any_folder_exists(
     name, override_, message, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
+    start = RecipeRun.start.__func__
+
+    def accepted(cls, *args, **kwargs):  # a case that is no fault stops here, not minutes later
+        start(cls, *args, **kwargs)
+        raise AssertionError(f"{override_!r} was accepted: the run started")
+
+    monkeypatch.setattr(RecipeRun, "start", classmethod(accepted))
     args = ["run", name, override_]
     if not override_.startswith("out_dir="):
         args.append(f"out_dir={tmp_path / 'run'}")
