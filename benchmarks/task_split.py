@@ -50,7 +50,9 @@ def train(work: Path, args: argparse.Namespace) -> Path:
 
 
 def _scorer(ds: Any) -> Callable[[str, Any], float]:
-    return lambda text, item: ds.score_answer(text.strip(), item)
+    from posttrain.verifiers.reasoning_gym import task_score
+
+    return lambda text, item: task_score(ds, text.strip(), item)
 
 
 def score_slices(policy_dir: Path, args: argparse.Namespace) -> list[dict]:

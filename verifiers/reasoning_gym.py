@@ -117,6 +117,18 @@ SCORE_FIXES: dict[str, Callable[[float, str, Mapping[str, Any]], float]] = {
 arithmetic misses its own rule (see the module docstring)."""
 
 
+def task_score(dataset: Any, answer: str, entry: Mapping[str, Any]) -> float:
+    """`dataset.score_answer(answer, entry)` with its task's `SCORE_FIXES` applied where
+    `dataset` is a registered reasoning-gym dataset (any other scorer's score as it is): the
+    score the verifier rewards and the held-out evaluations report."""
+    score = float(dataset.score_answer(answer, entry))
+    try:
+        fix = SCORE_FIXES.get(_name_of(dataset))
+    except ValueError:  # a scorer of its own, not a registered reasoning-gym dataset
+        return score
+    return score if fix is None else fix(score, answer, entry)
+
+
 def _extract(completion: str, extract: str | Callable[[str], str | None]) -> str | None:
     if callable(extract):
         return extract(completion)
@@ -180,9 +192,7 @@ class ReasoningGymVerifier:
                 Outcome.FORMAT_ERROR, f"no answer found (extract={self.extract!r})"
             )
         entry = item if isinstance(item, dict) else dict(item)
-        score = scoring_dataset(self.name, self.config).score_answer(answer, entry)
-        if (fix := SCORE_FIXES.get(self.name)) is not None:
-            score = fix(score, answer, entry)
+        score = task_score(scoring_dataset(self.name, self.config), answer, entry)
         result = VerifierResult.from_score(float(score))
         if result.ok:
             return result

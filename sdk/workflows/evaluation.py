@@ -45,6 +45,7 @@ from posttrain.rewards.evaluation import (
     wilson_interval,
 )
 from posttrain.rewards.pairwise import PairwiseOutcome
+from posttrain.verifiers.reasoning_gym import task_score
 from posttrain.workflows.eval_sets import ExactMatchSet, HumanEvalSet, JudgeWinRateSet, _fail, _int
 from posttrain.workflows.sft import evaluate, held_out_items
 from posttrain.workflows.suite_result import COLUMNS, RegressionError, SuiteResult, regression_check
@@ -116,7 +117,7 @@ def _run_exact(policy: Policy, s: ExactMatchSet, seed: int) -> tuple[list[dict],
     if s.task is not None:
         items, ds = held_out_items(s.task)
         greedy = evaluate(policy, items, ds, max_new_tokens=s.max_new_tokens, chat=s.chat)
-        score_fn = lambda text, item: ds.score_answer(text.strip(), item)  # noqa: E731 - as sft
+        score_fn = lambda text, item: task_score(ds, text.strip(), item)  # noqa: E731 - as sft
     else:
         assert s.items is not None and s.score_fn is not None  # check(): items with score_fn
         items, score_fn = list(s.items), s.score_fn

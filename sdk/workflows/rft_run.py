@@ -32,6 +32,7 @@ import pandas as pd
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
 from posttrain.train.parallel import ParallelPlan
+from posttrain.verifiers.reasoning_gym import task_score
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import (
     accuracy_table,
@@ -223,7 +224,7 @@ def _sampled_evaluations(
             samples=cfg.eval.samples,
             seed=cfg.seed + 1,
             max_new_tokens=cfg.eval.max_new_tokens,
-            score_fn=lambda text, item: scorer.score_answer(text.strip(), item),
+            score_fn=lambda text, item: task_score(scorer, text.strip(), item),
         )
         write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
         results[f"sampled_after_{stage}"] = r.as_dict()

@@ -29,6 +29,7 @@ from posttrain.rewards.evaluation import (
     paired_bootstrap_diff,
 )
 from posttrain.rl.trainer import RLTrainer
+from posttrain.verifiers.reasoning_gym import task_score
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import (
     accuracy_table,
@@ -72,7 +73,7 @@ def _sampled(
         samples=cfg.eval.samples,
         seed=cfg.seed + 1,
         max_new_tokens=cfg.eval.max_new_tokens,
-        score_fn=lambda text, item: scorer.score_answer(text.strip(), item),
+        score_fn=lambda text, item: task_score(scorer, text.strip(), item),
     )
 
 

@@ -30,6 +30,7 @@ from posttrain.data.sft import (
 from posttrain.models.tokenizer import Tokenizer
 from posttrain.policy.policy import Policy
 from posttrain.rewards.evaluation import EvalResult, evaluate_generations
+from posttrain.verifiers.reasoning_gym import task_score
 from posttrain.verifiers.reasoning_gym_gold import GoldReport, check_gold
 from posttrain.workflows.config import ROOT, TaskConfig, fail
 from posttrain.workflows.task_checks import check_gym_task, check_seq_len
@@ -291,7 +292,7 @@ def evaluate(
         items,
         max_new_tokens=max_new_tokens,
         chat=chat,
-        score_fn=lambda text, item: ds.score_answer(text.strip(), item),
+        score_fn=lambda text, item: task_score(ds, text.strip(), item),
     )
 
 
