@@ -7,15 +7,18 @@ other arm's folder, which resumes after it):
   * GRPO (`posttrain run grpo`), with its more-SFT baseline (`baseline.steps` more SFT steps on
     the same demonstrations; choose them so that its `train_s` is about GRPO's `rl_train_s`);
   * RFT (`posttrain run rft`): rounds of sample k -> keep the verified -> fine-tune on the RL
-    prompts, bounded by `rft.budget_s` = the GRPO stage's summed step seconds (`rl_train_s`).
+    prompts, bounded by `rft.budget_s` = the GRPO stage's summed step seconds (`rl_train_s`);
+  * DPO (`posttrain run dpo`) on verifier-ranked pairs: 8 samples of each of 2048 RL prompts,
+    best vs worst by the task's score, bounded by `budget_s` = `rl_train_s` (the pairs'
+    sampling, the reference log-probs and the DPO steps together).
 
     python benchmarks/beyond_demos.py --work W                        # the split of task_split.md
     python benchmarks/beyond_demos.py --work W --out REPORT.md --grpo optim.steps=300
     python benchmarks/beyond_demos.py --work W --quick                # tiny sizes, seconds
 
 Trailing `key=value` words go to every arm (the task, its split, the SFT stage, eval); GRPO's own
-(`optim.*`, `rl.*`, `baseline.*`) are ignored by the RFT run's config only where it has no such
-key, so pass those with `--grpo`. Paired differences are bootstrap intervals over the held-out
+(`optim.*`, `rl.*`, `baseline.*`) go to it alone: pass those with `--grpo` (`--rft`, `--dpo`:
+the other arms' own). Paired differences are bootstrap intervals over the held-out
 items (`posttrain.rewards.evaluation.paired_bootstrap_diff`, 10k resamples): each arm's per-item
 greedy correctness and per-item sampled pass@1, read from its evaluation tables.
 """
@@ -52,16 +55,30 @@ QUICK = [
 QUICK_GRPO = [*(kv for kv in JOB_QUICK if kv.startswith(GRPO_ONLY)), "baseline.steps=2"]
 QUICK_RFT = ["rft.prompts_per_round=4", "rft.samples_per_prompt=2", "rft.steps=2",
              "rft.batch_size=4", "rft.warmup_steps=1", "eval.every=0"]  # fmt: skip
+# the DPO run's own defaults differ from the main job's start: its SFT stage must be GRPO's (the
+# copied sft/ is resumed), and its steps are bounded by the budget alone (a constant lr after
+# warmup, as RFT's rounds)
+DPO = ["model.name=tiny-2m", "sft.steps=300", "sft.lr=0.001", "sft.batch_size=64",
+       "eval.max_new_tokens=8", "eval.samples=8", "optim.steps=1000000",
+       "optim.min_lr_ratio=1.0"]  # fmt: skip
+QUICK_DPO = ["model.name=tiny-1m", "sft.steps=3", "sft.batch_size=8", "eval.max_new_tokens=6",
+             "eval.samples=2", "pairs.num_prompts=8", "pairs.samples_per_prompt=2",
+             "pairs.reference_answer=true", "val_pairs=2", "optim.batch_size=4",
+             "optim.warmup_steps=1", "eval.every=0", "optim.steps=2",
+             "budget_s=600"]  # fmt: skip  (2 GRPO steps are shorter than sampling 16 pairs)
 
-# (arm, its results.json key of greedy accuracy, sampled results key, greedy table, sampled table)
+# arm -> (its run folder, results.json key of greedy accuracy, of sampled accuracy, greedy
+# table, sampled table)
 ARMS = {
-    "SFT (the start)": ("after_sft", "sampled_after_sft", "sft/eval_after.csv",
+    "SFT (the start)": ("grpo", "after_sft", "sampled_after_sft", "sft/eval_after.csv",
                         "eval_sampled_after_sft.csv"),
-    "GRPO": ("after_grpo", "sampled_after_grpo", "eval_after_rl.csv",
+    "GRPO": ("grpo", "after_grpo", "sampled_after_grpo", "eval_after_rl.csv",
              "eval_sampled_after_grpo.csv"),
-    "more SFT": ("more_sft", "sampled_after_more_sft", "more_sft/eval_after.csv",
+    "more SFT": ("grpo", "more_sft", "sampled_after_more_sft", "more_sft/eval_after.csv",
                  "eval_sampled_after_more_sft.csv"),
-    "RFT": ("after_rft", "sampled_after_rft", "eval_after_rft.csv", "eval_sampled_after_rft.csv"),
+    "RFT": ("rft", "after_rft", "sampled_after_rft", "eval_after_rft.csv",
+            "eval_sampled_after_rft.csv"),
+    "DPO": ("dpo", "after", "sampled_after_dpo", "eval_after.csv", "eval_sampled_after_dpo.csv"),
 }  # fmt: skip
 
 
@@ -74,21 +91,28 @@ def _posttrain(args: list[str], log: Path) -> None:
         raise SystemExit(f"posttrain run {args[0]} failed (exit {proc.returncode}):\n{tail}")
 
 
-def run_arms(work: Path, common: list[str], grpo: list[str], rft: list[str]) -> dict[str, Any]:
-    """Run GRPO (with more SFT), then RFT from its SFT stage with the GRPO stage's training
-    seconds as budget; returns {"grpo": results, "rft": results} (finished runs are reused)."""
-    g, r = work / "grpo", work / "rft"
+def run_arms(
+    work: Path, common: list[str], grpo: list[str], rft: list[str], dpo: list[str]
+) -> dict[str, Any]:
+    """Run GRPO (with more SFT), then RFT and DPO from its SFT stage with the GRPO stage's
+    training seconds as budget; returns {"grpo": results, "rft": ..., "dpo": ...} (finished
+    runs are reused)."""
+    g = work / "grpo"
     if not (g / "results.json").is_file():
         _posttrain(["grpo", f"out_dir={g}", "progress=false", *common, *grpo], work / "grpo.log")
-    grpo_results = json.loads((g / "results.json").read_text())
-    if not (r / "results.json").is_file():
-        r.mkdir(parents=True, exist_ok=True)
-        if not (r / "sft").exists():
-            shutil.copytree(g / "sft", r / "sft")  # the same start: the run resumes after it
-        budget = f"rft.budget_s={grpo_results['rl_train_s']:.3f}"
-        _posttrain(["rft", f"out_dir={r}", "resume=true", "progress=false", "rft.rounds=1000",
-                    budget, *common, *rft], work / "rft.log")  # fmt: skip
-    return {"grpo": grpo_results, "rft": json.loads((r / "results.json").read_text())}
+    results = {"grpo": json.loads((g / "results.json").read_text())}
+    spent = results["grpo"]["rl_train_s"]
+    for arm, own in (("rft", [f"rft.budget_s={spent:.3f}", "rft.rounds=1000", *rft]),
+                     ("dpo", [f"budget_s={spent:.3f}", *dpo])):  # fmt: skip
+        folder = work / arm
+        if not (folder / "results.json").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / "sft").exists():
+                shutil.copytree(g / "sft", folder / "sft")  # the same start: resumed after it
+            _posttrain([arm, f"out_dir={folder}", "resume=true", "progress=false", *common,
+                        *own], work / f"{arm}.log")  # fmt: skip
+        results[arm] = json.loads((folder / "results.json").read_text())
+    return results
 
 
 def _per_item(work: Path) -> dict[str, dict[str, Any]]:
@@ -96,8 +120,8 @@ def _per_item(work: Path) -> dict[str, dict[str, Any]]:
     import pandas as pd
 
     out: dict[str, dict[str, Any]] = {}
-    for arm, (_, _, greedy, sampled) in ARMS.items():
-        folder = work / ("rft" if arm == "RFT" else "grpo")
+    for arm, (run, _, _, greedy, sampled) in ARMS.items():
+        folder = work / run
         if not (folder / greedy).is_file():
             continue
         row = {"greedy": pd.read_csv(folder / greedy)["correct"].to_numpy(dtype=float)}
@@ -111,8 +135,7 @@ def _per_item(work: Path) -> dict[str, dict[str, Any]]:
 def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
     from posttrain.rewards.evaluation import paired_bootstrap_diff
 
-    g, r = results["grpo"], results["rft"]
-    merged = {**g, **{k: v for k, v in r.items() if k in ("after_rft", "sampled_after_rft")}}
+    g, r, d = results["grpo"], results["rft"], results["dpo"]
     per_item = _per_item(work)
     k = g.get("sampled_after_grpo", {}).get("k", "k")
     nan, command = float("nan"), command_line(argv, {"--work": "W", "--out": "OUT"})
@@ -123,17 +146,20 @@ def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
         f"Training seconds (summed step times): GRPO {g['rl_train_s']:.0f} s, more SFT "
         f"{g.get('more_sft', {}).get('train_s', nan):.0f} s, RFT "
         f"{r.get('rft_train_s', nan):.0f} s (budget {r.get('budget_s', nan):.0f} s, "
-        f"{r.get('rounds', 0)} rounds, {r.get('kept', 0)} samples kept). {cpu_model()}.",
+        f"{r.get('rounds', 0)} rounds, {r.get('kept', 0)} samples kept), DPO "
+        f"{sum(d.get(k, 0.0) for k in ('pairs_s', 'reference_s', 'train_s')):.0f} s ("
+        f"{d.get('steps', 0)} steps on {d.get('train_samples', 0)} pairs). "
+        f"{cpu_model()}.",
         "",
         f"| arm | greedy | sampled pass@1 | pass@{k} |",
         "|---|---:|---:|---:|",
     ]
-    for arm, (greedy_key, sampled_key, _, _) in ARMS.items():
-        if greedy_key not in merged:
+    for arm, (run, greedy_key, sampled_key, _, _) in ARMS.items():
+        if greedy_key not in results[run]:
             continue
-        s = merged.get(sampled_key, {})
+        s = results[run].get(sampled_key, {})
         lines.append(
-            f"| {arm} | {merged[greedy_key]['accuracy']:.3f} | "
+            f"| {arm} | {results[run][greedy_key]['accuracy']:.3f} | "
             f"{s.get('pass_at_1', float('nan')):.3f} | {s.get('pass_at_k', float('nan')):.3f} |"
         )
     lines += ["", "| GRPO minus | greedy (points, 95% CI) | sampled pass@1 (points, 95% CI) |",
@@ -163,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes: seconds, for a test")
     p.add_argument("--grpo", nargs="*", default=[], help="key=value for the GRPO run only")
     p.add_argument("--rft", nargs="*", default=[], help="key=value for the RFT run only")
+    p.add_argument("--dpo", nargs="*", default=[], help="key=value for the DPO run only")
     p.add_argument("--out", type=Path, help="write the markdown report here")
     p.add_argument("overrides", nargs="*", help="key=value for every arm")
     args = p.parse_args(argv)
@@ -170,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     common = [*(QUICK if args.quick else SPLIT), *args.overrides]
     grpo = [*(QUICK_GRPO if args.quick else []), *args.grpo]
     rft = [*(QUICK_RFT if args.quick else []), *args.rft]
-    text = report(args.work, run_arms(args.work, common, grpo, rft), argv)
+    dpo = [*DPO, *(QUICK_DPO if args.quick else []), *args.dpo]
+    text = report(args.work, run_arms(args.work, common, grpo, rft, dpo), argv)
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -375,10 +375,10 @@ class RLTrainer(RLEngineHooks):
         self.rollout.check(groups, self.step_count)  # a stale sample: refused, step rolled back
         return groups
 
-    def fit(self, num_steps: int) -> Any:
+    def fit(self, num_steps: int, *, budget_s: float | None = None) -> Any:
         """`Engine.fit`; the rollout engine is closed however it ends (a new one next time)."""
         try:
-            return super().fit(num_steps)
+            return super().fit(num_steps, budget_s=budget_s)
         finally:
             self.rollout.close()
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import os
 import warnings
+from math import inf
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -219,8 +220,12 @@ class Engine(abc.ABC):
         self._checkpoint_if_due()
         return row
 
-    def fit(self, num_steps: int) -> pd.DataFrame:
-        """Take steps until `step_count == num_steps` (so a second call continues).
+    def fit(self, num_steps: int, *, budget_s: float | None = None) -> pd.DataFrame:
+        """Take steps until `step_count == num_steps` (so a second call continues), or with
+        `budget_s` (seconds) until the summed `step_time_s` of the steps taken so far (restored
+        rows included) reaches it, checked before each step (under several ranks, rank 0's sum
+        decides for all): training for a fixed compute budget, as for the equal-compute
+        baselines.
 
         Each `step()` records its row (metrics.jsonl on rank 0, TensorBoard, callbacks) and
         saves a checkpoint when one is due, in `_complete_step`; `fit` adds the progress bar,
@@ -235,9 +240,12 @@ class Engine(abc.ABC):
             `self.metrics`.
 
         Raises:
-            ValueError: if `num_steps` is not a non-negative integer.
+            ValueError: if `num_steps` is not a non-negative integer, or `budget_s` is not a
+                finite number of seconds.
         """
         check_int("num_steps", num_steps, minimum=0)
+        if budget_s is not None and not (isinstance(budget_s, int | float) and budget_s < inf):
+            raise ValueError(f"budget_s={budget_s!r}; must be a finite number of seconds or None")
         from posttrain.core.progress import progress_bar  # live bar, or lines in a log file
 
         self.target_steps, self.interrupted = num_steps, False
@@ -250,7 +258,7 @@ class Engine(abc.ABC):
         )
         with preemption.deferring():  # a preemption signal waits for the end of its step
             try:
-                while self.step_count < num_steps:
+                while self.step_count < num_steps and not self._spent(budget_s):
                     row = self.step()
                     bar.set_postfix(self._postfix(row), refresh=False)
                     bar.update(1)
@@ -265,6 +273,19 @@ class Engine(abc.ABC):
             if self.checkpoint_every and self.step_count and unsaved:
                 self.save_checkpoint()
         return self.metrics
+
+    def _spent(self, budget_s: float | None) -> bool:
+        """Whether the summed `step_time_s` so far reaches `budget_s` (None: never); rank 0's
+        answer under several ranks (their step times differ slightly)."""
+        if budget_s is None:
+            return False
+        rows = self.metrics
+        spent = float(rows["step_time_s"].sum()) if "step_time_s" in rows else 0.0
+        if self.world_size == 1:
+            return spent >= budget_s
+        flag = torch.tensor(int(spent >= budget_s), device=device_of(self._module()))
+        dist.broadcast(flag, src=0)
+        return bool(flag)
 
     def _stop_on_interrupt(self, num_steps: int) -> None:
         self.interrupted = True

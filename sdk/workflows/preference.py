@@ -13,14 +13,18 @@ Stages, all on the reasoning-gym task `task.name` (the task's own question text)
   3. Held-out greedy accuracy of the starting policy, and reference log-probs of every pair
      under it (the reference), once.
   4. Training with the chosen loss (`posttrain.preference.objectives`), pair-normalised over
-     each step.
+     each step: `optim.steps` steps, or fewer with `budget_s` (stages 2-4 together, in
+     seconds: an equal-compute baseline of an RL run's `rl_train_s`).
   5. Held-out greedy accuracy of the trained policy on the same `task.eval_size` items
      (`held_out_items`, never in any training set), 95% Wilson intervals, and the difference
-     with a 95% paired-bootstrap interval.
+     with a 95% paired-bootstrap interval; with `eval.samples` k > 0, sampled pass@1 and
+     pass@k of the starting and trained policies and their paired difference
+     (`posttrain.workflows.rl_evaluation.sampled_evaluations`, as the RL and RFT runs).
 
 Run folder: `results.json` / `results.md`, `metrics.jsonl` (per step; eval/val_* = loss, rewards,
 margin and reward accuracy on the held-out pairs), `preference_curves.png`, `pairs.jsonl`,
-`eval_before.csv` / `eval_after.csv`, `checkpoints/`, `policy/` (HF format), `sft/`.
+`eval_before.csv` / `eval_after.csv` (`eval_sampled_after_{sft,LOSS}.csv`), `checkpoints/`,
+`policy/` (HF format), `sft/`.
 
 Own pairs (`data.train`, section `data`; `posttrain.workflows.own_pairs`): the user's rows
 replace stages 1-2 and 5: the starting policy (and reference) is `model.init_from`, or the SFT
@@ -86,6 +90,7 @@ from posttrain.workflows.reports import (
     read_table,
     write_table,
 )
+from posttrain.workflows.rl_evaluation import sampled_evaluations, sampled_lines
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import start_policy, unsharded_policy
 from posttrain.workflows.task_data import evaluate, held_out_items, training_task
@@ -181,7 +186,18 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
     )
     t0 = time.perf_counter()
     val_start = trainer.evaluate() if trainer.step_count == 0 and val_batch is not None else {}
-    metrics = trainer.fit(o.steps)
+    budget = (
+        None
+        if cfg.budget_s is None
+        else cfg.budget_s - sum(times.get(k, 0.0) for k in ("pairs_s", "reference_s"))
+    )
+    metrics = trainer.fit(o.steps, budget_s=budget)
+    if metrics.empty:
+        raise ValueError(
+            f"budget_s={cfg.budget_s} was spent before the first step (pairs "
+            f"{times.get('pairs_s', 0.0):.1f} s, reference {times['reference_s']:.1f} s): raise "
+            "budget_s, or lower pairs.num_prompts or pairs.samples_per_prompt"
+        )
     run.stop_if_interrupted(
         trainer, {"loss": cfg.loss, **({"pairs": pair_stats} if source is None else {})}
     )
@@ -206,6 +222,10 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
         diff = paired_bootstrap_diff(
             after.table["correct"].to_numpy(), before_table["correct"].to_numpy(), seed=cfg.seed
         )
+        start = out / "sft" / "policy" if cfg.model.init_from is None else cfg.model.init_from
+        sampled, _ = sampled_evaluations(
+            cfg, out, items, scorer, policy, engines, stage=cfg.loss, start=Path(start)
+        )
     adapters = export_adapters(policy.model, cfg, out, spec=policy.spec)  # adapter/, merged
     policy.save(out / "policy")
     results: dict[str, Any] = {
@@ -223,7 +243,7 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
         train_samples=len(dataset),
         val_samples=0 if val_dataset is None else len(val_dataset),
         data=dataset.stats.as_dict(),
-        steps=o.steps,
+        steps=trainer.step_count,  # fewer than optim.steps when budget_s stopped it
     )
     if source is not None:
         results["validation"] = held_out_metrics(val_dataset, val_start, val_end)
@@ -232,6 +252,7 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
             before=accuracy_of(before_table),
             after=after.as_dict(),
             difference=diff,
+            **sampled,
             val_at_start=val_start,
             val_at_end={
                 c: float(metrics[c].dropna().iloc[-1])
@@ -336,6 +357,7 @@ def _results_markdown(results: dict[str, Any], task: str) -> str:
         "",
         difference_line("after minus before", results["difference"]),
         "",
+        *sampled_lines(results, results["loss"], loss),
         "validation set, start -> end: "
         + ", ".join(
             f"{k.removeprefix('eval/val_')} {v:.3f} -> "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from posttrain.workflows.config import (
     BatchOptimConfig,
     CheckpointConfig,
-    EvalConfig,
+    RLEvalConfig,
     choice,
     fail,
     finite,
@@ -32,6 +32,7 @@ from posttrain.workflows.config import (
 )
 from posttrain.workflows.data_config import DataConfig
 from posttrain.workflows.pairs_config import PairsRunConfig
+from posttrain.workflows.parallel import plan_of
 from posttrain.workflows.stack_checks import stack_checks_deferred
 from posttrain.workflows.task_checks import check_gym_task, check_seq_len
 
@@ -77,7 +78,10 @@ class PreferenceRunConfig(PairsRunConfig):
     ipo_length_normalize: bool = True  # IPO log-ratios per token, as TRL
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable / undesirable rows (> 0)
     kto_undesirable_weight: float = 1.0
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=16, every=25))
+    # eval.samples k > 0: sampled pass@1 / pass@k of the start and the trained policy as well
+    eval: RLEvalConfig = field(
+        default_factory=lambda: RLEvalConfig(max_new_tokens=16, every=25, samples=0)
+    )
     # own pairs instead of sampled ones (then task, pairs, sampling, val_pairs are unused)
     data: DataConfig = field(default_factory=DataConfig)
     val_pairs: int = 64
@@ -85,6 +89,10 @@ class PreferenceRunConfig(PairsRunConfig):
         default_factory=lambda: BatchOptimConfig(steps=150, lr=1e-4, warmup_steps=10, batch_size=32)
     )
     max_seq_len: int = 128
+    # seconds (None: none): stop training at the first step boundary where the pairs' sampling,
+    # the reference log-probs and the summed step seconds reach it, as an RL run's rl_train_s
+    # sums its steps with their rollouts (the equal-compute baseline); one process only
+    budget_s: float | None = None
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(every=50))
     out_dir: str = "runs/dpo"
 
@@ -101,6 +109,9 @@ class PreferenceRunConfig(PairsRunConfig):
             )
         check_seq_len(self, at)
         ints(self, at, ("val_pairs",), minimum=1)
+        positive(self, at, ("budget_s",), optional=True)
+        if self.budget_s is not None and plan_of(self) is not None:
+            raise fail(f"{at}.budget_s", self.budget_s, "None under a parallel plan")
         prompts = min(self.pairs.num_prompts, self.task.train_size)
         if self.val_pairs >= prompts and not self.data.given:
             which = "pairs.num_prompts" if prompts == self.pairs.num_prompts else "task.train_size"

@@ -265,18 +265,8 @@ def fine_tune(
         seed=seed,
         **trainer_options,
     )
-    if budget_s is None:
-        trainer.fit(o.steps)
-        return trainer
-    while trainer.step_count < o.steps and _step_seconds(trainer) < budget_s:
-        trainer.step()
-    trainer.fit(trainer.step_count)  # no step: the closing checkpoint, as at the end of fit
+    trainer.fit(o.steps, budget_s=budget_s)
     return trainer
-
-
-def _step_seconds(trainer: Trainer) -> float:
-    metrics = trainer.metrics
-    return float(metrics["step_time_s"].sum()) if len(metrics) else 0.0
 
 
 def rft_rounds(

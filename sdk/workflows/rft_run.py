@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from posttrain.policy.policy import Policy
-from posttrain.rewards.evaluation import evaluate_sampled, paired_bootstrap_diff
+from posttrain.rewards.evaluation import paired_bootstrap_diff
 from posttrain.train.parallel import ParallelPlan
-from posttrain.verifiers.reasoning_gym import task_score
 from posttrain.workflows.recipe_run import RecipeRun
 from posttrain.workflows.reports import (
     accuracy_table,
@@ -43,7 +42,11 @@ from posttrain.workflows.reports import (
 )
 from posttrain.workflows.rft import rft_rounds
 from posttrain.workflows.rft_config import RFT_TINY, RFTConfig, RFTRunConfig
-from posttrain.workflows.rl_evaluation import plot_eval_curve
+from posttrain.workflows.rl_evaluation import (
+    plot_eval_curve,
+    sampled_evaluations,
+    sampled_lines,
+)
 from posttrain.workflows.run_state import recorded_run
 from posttrain.workflows.sft import warm_start
 from posttrain.workflows.task_data import evaluate, held_out_items, training_task
@@ -130,7 +133,7 @@ def _run(run: RecipeRun, cfg: RFTRunConfig, engines: EngineSlot) -> dict[str, An
         "sft_s": sft_s,
         "rft_s": rft_s,
         "rft_train_s": sum(r["step_time_s"] for r in rounds),
-        **_sampled_evaluations(cfg, out, items, scorer, policy, engines),
+        **sampled_evaluations(cfg, out, items, scorer, policy, engines, stage="rft")[0],
     }
     if cfg.rft.budget_s is not None:
         results["budget_s"] = cfg.rft.budget_s
@@ -203,38 +206,6 @@ class _Curve:
         write_table(pd.DataFrame(points, columns=list(self.COLUMNS)), self.path)
 
 
-def _sampled_evaluations(
-    cfg: RFTRunConfig,
-    out: Path,
-    items: list[dict],
-    scorer: ProceduralDataset,
-    policy: Policy,
-    engines: EngineSlot,
-) -> dict[str, Any]:
-    """Sampled pass@1 / pass@k (k = `eval.samples`, temperature 1, seed `seed + 1`) of the SFT
-    policy and of `policy` after RFT, their paired difference of per-item pass@1, and the
-    answer tables `eval_sampled_after_{sft,rft}.csv`; {} when `eval.samples` is 0."""
-    if not cfg.eval.samples:
-        return {}
-    results, per_item = {}, {}
-    for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), ("rft", policy)):
-        r = evaluate_sampled(
-            engines.sampler(model),
-            items,
-            samples=cfg.eval.samples,
-            seed=cfg.seed + 1,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            score_fn=lambda text, item: task_score(scorer, text.strip(), item),
-        )
-        write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
-        results[f"sampled_after_{stage}"] = r.as_dict()
-        per_item[stage] = r.per_item_pass1
-    results["sampled_difference"] = paired_bootstrap_diff(
-        per_item["rft"], per_item["sft"], seed=cfg.seed
-    )
-    return results
-
-
 def _markdown(results: dict[str, Any], rounds: list[dict[str, Any]]) -> str:
     """results.md: the held-out table, the paired differences and the table of rounds."""
     stages = [
@@ -258,22 +229,7 @@ def _markdown(results: dict[str, Any], rounds: list[dict[str, Any]]) -> str:
         difference_line("RFT minus SFT", results["difference"]),
         "",
     ]
-    if "sampled_difference" in results:
-        k = results["sampled_after_sft"]["k"]
-        lines += [
-            f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
-            "|---|---|---|",
-            *(
-                f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
-                for name, r in (
-                    ("SFT", results["sampled_after_sft"]),
-                    ("RFT", results["sampled_after_rft"]),
-                )
-            ),
-            "",
-            difference_line("RFT minus SFT, sampled pass@1", results["sampled_difference"]),
-            "",
-        ]
+    lines += sampled_lines(results, "rft", "RFT")
     lines += [
         "| round | pass rate (train prompts) | prompts solved | kept | kept share | SFT steps "
         "| tokens trained | step seconds |",

@@ -3,8 +3,9 @@ its greedy accuracy after each stage, and its report:
 
   - `HeldOutCurve`: a trainer callback, greedy held-out accuracy every N RL steps
     (`eval.every`; `eval_curve.csv` / `eval_curve.png`);
-  - `sampled_evaluations`: sampled pass@1 / pass@k of the SFT and RL policies (`eval.samples`)
-    and their paired difference;
+  - `sampled_evaluations`: sampled pass@1 / pass@k of the SFT policy and the trained one
+    (`eval.samples`) and their paired difference, with its results.md lines (`sampled_lines`);
+    the RFT and DPO-family runs measure theirs with it too;
   - `more_sft_baseline`: the honest baseline, more SFT on the same demonstrations instead of RL
     (`baseline.steps`), compared with the RL policy, paired;
   - `write_rl_results`: results.csv / results.json / results.md.
@@ -53,13 +54,14 @@ __all__ = [
     "HeldOutCurve",
     "plot_eval_curve",
     "sampled_evaluations",
+    "sampled_lines",
     "more_sft_baseline",
     "write_rl_results",
 ]
 
 
 def _sampled(
-    cfg: RLRunConfig,
+    cfg: Any,
     policy: Policy,
     items: list[dict],
     scorer: ProceduralDataset,
@@ -78,31 +80,62 @@ def _sampled(
 
 
 def sampled_evaluations(
-    cfg: RLRunConfig,
+    cfg: Any,
     out: Path,
     items: list[dict],
     scorer: ProceduralDataset,
     policy: Policy,
     engines: EngineSlot | None = None,
+    *,
+    stage: str | None = None,
+    start: Path | None = None,
 ) -> tuple[dict[str, Any], np.ndarray | None]:
-    """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1) of the SFT policy (read
-    back from `out/sft/policy`) and of `policy` after RL, the RL-minus-SFT difference of
-    per-item pass@1 (paired bootstrap), and the answer tables `eval_sampled_*.csv`; {} when
-    `cfg.eval.samples` is 0; with them, the RL policy's per-item pass@1 ([N] float64, None
-    without samples) for the baseline's comparison. `engines`: the run's engine slot, which
-    samples both policies (None: each policy samples itself)."""
+    """Sampled pass@1 / pass@k (k = `cfg.eval.samples`, temperature 1, seed `cfg.seed + 1`) of
+    the starting policy (read back from `start`, default `out/sft/policy`) and of `policy`
+    after the trained `stage` (default `cfg.rl.algo`; `rft`, `dpo`, ...), the stage-minus-start
+    difference of per-item pass@1 (paired bootstrap), and the answer tables
+    `eval_sampled_after_{sft,STAGE}.csv`; {} when `cfg.eval.samples` is 0; with them, the
+    trained policy's per-item pass@1 ([N] float64, None without samples) for a baseline's
+    comparison. `cfg`: a recipe config with `eval.samples`, `eval.max_new_tokens` and `seed`.
+    `engines`: the run's engine slot, which samples both policies (None: each policy samples
+    itself)."""
     if not cfg.eval.samples:
         return {}, None
-    algo, results, per_item = cfg.rl.algo, {}, {}
-    for stage, model in (("sft", Policy.from_pretrained(out / "sft" / "policy")), (algo, policy)):
+    stage = cfg.rl.algo if stage is None else stage
+    first = Policy.from_pretrained(out / "sft" / "policy" if start is None else start)
+    results, per_item = {}, {}
+    for name, model in (("sft", first), (stage, policy)):
         r = _sampled(cfg, model, items, scorer, engines)
-        write_table(r.table, out / f"eval_sampled_after_{stage}.csv")
-        results[f"sampled_after_{stage}"] = r.as_dict()
-        per_item[stage] = r.per_item_pass1
+        write_table(r.table, out / f"eval_sampled_after_{name}.csv")
+        results[f"sampled_after_{name}"] = r.as_dict()
+        per_item[name] = r.per_item_pass1
     results["sampled_difference"] = paired_bootstrap_diff(
-        per_item[algo], per_item["sft"], seed=cfg.seed
+        per_item[stage], per_item["sft"], seed=cfg.seed
     )
-    return results, per_item[algo]
+    return results, per_item[stage]
+
+
+def sampled_lines(results: dict[str, Any], stage: str, label: str) -> list[str]:
+    """results.md lines for `sampled_evaluations`' results: the sampled pass@1 / pass@k table
+    of the start and of `stage` (shown as `label`), and their paired difference; [] when the
+    run sampled nothing."""
+    if "sampled_difference" not in results:
+        return []
+    k = results["sampled_after_sft"]["k"]
+    return [
+        f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
+        "|---|---|---|",
+        *(
+            f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
+            for name, r in (
+                ("SFT", results["sampled_after_sft"]),
+                (label, results[f"sampled_after_{stage}"]),
+            )
+        ),
+        "",
+        difference_line(f"{label} minus SFT, sampled pass@1", results["sampled_difference"]),
+        "",
+    ]
 
 
 def more_sft_baseline(
@@ -261,26 +294,7 @@ def write_rl_results(run: RecipeRun, results: dict[str, Any], task: str, algo: s
         difference_line(f"{algo.upper()} minus SFT", results["difference"]),
         "",
     ]
-    if "sampled_difference" in results:
-        k = results["sampled_after_sft"]["k"]
-        lines += [
-            f"| held-out (sampled, T=1, {k} answers each) | pass@1 | pass@{k} |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| after {name} | {r['pass_at_1']:.3f} | {r['pass_at_k']:.3f} |"
-            for name, r in (
-                ("SFT", results["sampled_after_sft"]),
-                (algo.upper(), results[f"sampled_after_{algo}"]),
-            )
-        ]
-        lines += [
-            "",
-            difference_line(
-                f"{algo.upper()} minus SFT, sampled pass@1", results["sampled_difference"]
-            ),
-            "",
-        ]
+    lines += sampled_lines(results, algo, algo.upper())
     if "more_sft" in results:  # the honest baseline: the same demonstrations, more SFT
         b = results["more_sft"]
         lines += [

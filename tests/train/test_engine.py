@@ -174,3 +174,27 @@ def test_a_run_folder_the_engine_creates_is_private(tmp_path):
         os.umask(old)
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "run" / ".posttrain.lock").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_budget_stops_fit_at_the_first_step_boundary_past_it(tmp_path):
+    """`fit(n, budget_s=B)` checks the summed `step_time_s` of every step so far before each
+    step: a budget equal to the first three steps' sum takes none more, a hair above it takes
+    exactly one more; the RL trainer passes it through (a budget of 0: no step)."""
+    model = tiny_model(0)
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        data=sft_loader(10, batch_size=3),
+        progress=False,
+    )
+    trainer.fit(3)
+    spent = float(trainer.metrics["step_time_s"].sum())
+    trainer.fit(50, budget_s=spent)
+    assert trainer.step_count == 3
+    trainer.fit(50, budget_s=spent + 1e-9)
+    assert trainer.step_count == 4
+    with pytest.raises(ValueError, match="budget_s=nan"):
+        trainer.fit(50, budget_s=float("nan"))
+    rl = _rl(tmp_path, ToyTask())
+    rl.fit(5, budget_s=0.0)
+    assert rl.step_count == 0
