@@ -61,11 +61,22 @@ QUICK_RFT = ["rft.prompts_per_round=4", "rft.samples_per_prompt=2", "rft.steps=2
 DPO = ["model.name=tiny-2m", "sft.steps=300", "sft.lr=0.001", "sft.batch_size=64",
        "eval.max_new_tokens=8", "eval.samples=8", "optim.steps=1000000",
        "optim.min_lr_ratio=1.0"]  # fmt: skip
-QUICK_DPO = ["model.name=tiny-1m", "sft.steps=3", "sft.batch_size=8", "eval.max_new_tokens=6",
-             "eval.samples=2", "pairs.num_prompts=8", "pairs.samples_per_prompt=2",
-             "pairs.reference_answer=true", "val_pairs=2", "optim.batch_size=4",
-             "optim.warmup_steps=1", "eval.every=0", "optim.steps=2",
-             "budget_s=600"]  # fmt: skip  (2 GRPO steps are shorter than sampling 16 pairs)
+QUICK_DPO = [
+    "model.name=tiny-1m",
+    "sft.steps=3",
+    "sft.batch_size=8",
+    "eval.max_new_tokens=6",
+    "eval.samples=2",
+    "pairs.num_prompts=8",
+    "pairs.samples_per_prompt=2",
+    "pairs.reference_answer=true",
+    "val_pairs=2",
+    "optim.batch_size=4",
+    "optim.warmup_steps=1",
+    "eval.every=0",
+    "optim.steps=2",
+    "budget_s=600",
+]  # fmt: skip  (2 GRPO steps are shorter than sampling 16 pairs)
 
 # arm -> (its run folder, results.json key of greedy accuracy, of sampled accuracy, greedy
 # table, sampled table)
@@ -179,7 +190,33 @@ def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
             else:
                 cells.append("")
         lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *answer_shapes(work)]) + "\n"
+
+
+def answer_shapes(work: Path) -> list[str]:
+    """Markdown table of what each arm's greedy answers look like: per character position, the
+    share of answers with the gold answer's character there (position 1 first), the answers'
+    lengths (share of each, the commonest first) and the mean task score: where answers fail,
+    e.g. a spell_backward policy that stops a letter short."""
+    import pandas as pd
+
+    tables = {arm: pd.read_csv(work / run / greedy) for arm, (run, _, _, greedy, _) in
+              ARMS.items() if (work / run / greedy).is_file()}  # fmt: skip
+    if not tables:
+        return []
+    width = max(int(t["answer"].astype(str).str.len().max()) for t in tables.values())
+    lines = [
+        "| arm | " + " | ".join(f"char {i + 1}" for i in range(width))
+        + " | answer lengths | mean score |",
+        "|---|" + "---:|" * width + "---|---:|",
+    ]  # fmt: skip
+    for arm, t in tables.items():
+        said, gold = t["completion"].fillna("").astype(str).str.strip(), t["answer"].astype(str)
+        cells = [f"{(said.str[i] == gold.str[i]).mean():.3f}" for i in range(width)]
+        lengths = said.str.len().value_counts(normalize=True)
+        shown = ", ".join(f"{n}: {share:.0%}" for n, share in lengths.head(3).items())
+        lines.append(f"| {arm} | {' | '.join(cells)} | {shown} | {t['score'].mean():.3f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,10 +12,16 @@ with the main job's settings, e.g. to compare learning rates:
     python benchmarks/main_job_seeds.py --stage sft --seeds 0 1 2 sft.lr=1e-3
     python benchmarks/main_job_seeds.py --quick                            # tiny sizes, seconds
     python benchmarks/main_job_seeds.py --work W --reuse --plot curves.png # report finished runs
+    python benchmarks/main_job_seeds.py --sweep --work W --seeds 0 1 2    # through posttrain.sweep
 
 `--plot` draws every seed's held-out greedy curve during GRPO (`eval_curve.csv`) with its
 more-SFT baseline's accuracy; `--reuse` takes a seed's results from `--work` when its run
 finished there before instead of running it again.
+
+`--sweep` submits the seeds as one `posttrain.sweep` of the grpo recipe (executor "local", all
+seeds at once, `--threads` each; the run folders are `W/rl.algo=grpo/seed<k>`, and a finished
+one is not run again) and adds the sweep's own summary of held-out greedy accuracy: a cluster
+bootstrap over seeds x items, where the t-interval below has only the seeds.
 
 Intervals are Student-t over the per-seed values (mean +- t_{0.975, n-1} * sd / sqrt(n)); with 3
 seeds they are wide by construction. Writes `--out` (markdown, default: print only).
@@ -154,6 +160,32 @@ def _run(
     return json.loads((out / name).read_text())
 
 
+SWEEP_ARM = {"rl.algo": ["grpo"]}  # one arm: the main job as it is
+
+
+def _swept(seeds: list[int], folder: Path, overrides: list[str], threads: int) -> tuple:
+    """Every seed's run of the main job through `posttrain.sweep` (local processes, all at
+    once, `threads` each); returns ({seed: results}, the arm's run folder, the sweep's summary
+    as markdown)."""
+    import yaml
+
+    from posttrain.workflows.recipes import split_overrides
+    from posttrain.workflows.sweep import sweep
+
+    os.environ.update(POSTTRAIN_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+    # values parsed as YAML, as the command line parses them
+    base = {k: yaml.safe_load(v) for k, v in split_overrides([*overrides, "progress=false"])}
+    s = sweep("grpo", SWEEP_ARM, seeds=seeds, base=base, executor="local", folder=folder,
+              timeout_min=600)  # fmt: skip
+    table = s.wait()
+    failed = table[table["status"] != "finished"]
+    if len(failed):
+        raise RuntimeError(f"sweep runs did not finish:\n{failed.to_string()}")
+    arm = s.arms[0].name
+    runs = {k: json.loads((s.out_dir(arm, k) / "results.json").read_text()) for k in seeds}
+    return runs, folder / arm, s.summary().to_markdown(index=False)
+
+
 def _get(results: dict, path: tuple[str, ...]) -> float | None:
     """The number at `path` in a results dict, or None where the path is missing (a stage the
     run did not have)."""
@@ -202,11 +234,13 @@ def plot_curves(folder: Path, per_seed: dict[int, dict], path: Path) -> None:
     import pandas as pd
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    top = 0.0
     for i, seed in enumerate(sorted(per_seed)):
         colour = f"C{i}"
         curve = pd.read_csv(folder / f"seed{seed}" / "eval_curve.csv")
         ax.plot(curve["step"], curve["accuracy"], "o-", color=colour, label=f"seed {seed}: GRPO")
         more = _get(per_seed[seed], ("more_sft", "accuracy"))
+        top = max(top, float(curve["accuracy"].max()), more or 0.0)
         if more is not None:
             ax.axhline(
                 more,
@@ -217,9 +251,9 @@ def plot_curves(folder: Path, per_seed: dict[int, dict], path: Path) -> None:
             )
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_ylim(0, 1.02)
+    ax.set_ylim(0, min(1.02, max(0.05, 1.3 * top)))  # low curves stay readable
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -254,12 +288,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write the seeds' held-out curves during GRPO here (PNG)",
     )
+    parser.add_argument(
+        "--sweep", action="store_true", help="run the seeds as one posttrain.sweep (local)"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted key=value for every seed's run")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {args.seeds}: each seed once")
     if args.reuse and args.work is None:
         parser.error("--reuse takes the runs from --work: name the folder")
+    if args.sweep and (args.work is None or args.stage != "all" or args.reuse):
+        parser.error("--sweep runs the whole main job into --work (it skips finished runs)")
     if args.plot is not None and args.stage != "all":
         parser.error("--plot draws the GRPO stage's curves: use it with --stage all")
     overrides = [*(QUICK if args.quick else []), *args.overrides]
@@ -267,16 +306,22 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.work or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-            runs = dict(
-                zip(
-                    args.seeds,
-                    pool.map(
-                        lambda s: _run(s, args.stage, folder, overrides, args.threads, args.reuse),
+        summary = None
+        if args.sweep:
+            runs, folder, summary = _swept(args.seeds, folder, overrides, args.threads)
+        else:
+            with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+                runs = dict(
+                    zip(
                         args.seeds,
-                    ),
+                        pool.map(
+                            lambda s: _run(
+                                s, args.stage, folder, overrides, args.threads, args.reuse
+                            ),
+                            args.seeds,
+                        ),
+                    )
                 )
-            )
         if args.plot is not None:
             plot_curves(folder, runs, args.plot)
     what = "the main job's SFT stage" if args.stage == "sft" else "the main job (`make run`)"
@@ -287,10 +332,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- Command: `{command}`",
         f"- {cpu_model(isa=True)}, {os.cpu_count()} CPUs, {args.threads} thread(s) per run, "
-        f"{args.parallel} run(s) at a time; load average at start {load:.2f}, at end "
+        f"{len(runs) if args.sweep else args.parallel} run(s) at a time"
+        f"{' (one posttrain.sweep)' if args.sweep else ''}; load average at start {load:.2f}, "
+        "at end "
         f"{os.getloadavg()[0]:.2f}",
     ]
     text = report(runs, SFT_FIGURES if args.stage == "sft" else FIGURES, header)
+    if summary is not None:
+        text += f"\nThe sweep's summary (`Sweep.summary()`):\n\n{summary}\n"
     print(text)
     if args.out is not None:
         args.out.write_text(text)

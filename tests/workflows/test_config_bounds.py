@@ -159,6 +159,7 @@ EDGE: dict[str, list[dict]] = {
             "optim.batch_size": 1,
             "optim.grad_accum_steps": 1,
             "val_pairs": 1,
+            "eval.samples": 0,
             "label_smoothing": 0.0,
             "adapters.method": "lora",
             "adapters.rank": 1,
