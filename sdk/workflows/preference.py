@@ -192,7 +192,7 @@ def _run(run: RecipeRun, cfg: PreferenceRunConfig, engines: EngineSlot) -> dict[
         else cfg.budget_s - sum(times.get(k, 0.0) for k in ("pairs_s", "reference_s"))
     )
     metrics = trainer.fit(o.steps, budget_s=budget)
-    if metrics.empty:
+    if metrics.empty and budget is not None and not trainer.interrupted:
         raise ValueError(
             f"budget_s={cfg.budget_s} was spent before the first step (pairs "
             f"{times.get('pairs_s', 0.0):.1f} s, reference {times['reference_s']:.1f} s): raise "

@@ -358,7 +358,7 @@ def test_a_moved_run_with_sub_runs_resumes_and_other_changes_are_still_refused(t
     assert sub["model"]["init_from"] == str(old / "sft" / "policy")
     with pytest.raises(
         ValueError,
-        match=r"optim\.lr=0\.0001, this run has optim\.lr=0\.001;"
+        match=r"optim\.lr=0\.0002, this run has optim\.lr=0\.001;"
         r" only resume, progress, checkpoint\.\*, parallel\.\*, "
         r"out_dir, optim\.loss_chunk_tokens, sft\.loss_chunk_tokens may change",
     ):

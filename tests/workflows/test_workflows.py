@@ -81,7 +81,7 @@ def test_a_resume_with_another_setting_is_refused_naming_it(tmp_path):
     module, cfg = _grpo(tmp_path / "run", resume=True, **{"optim.lr": 5e-4})
     with pytest.raises(
         ValueError,
-        match=r"resume: .*config.json has optim.lr=0.0001, this run "
+        match=r"resume: .*config.json has optim.lr=0.0002, this run "
         r"has optim.lr=0.0005",
     ):
         module.main(cfg)
