@@ -5,8 +5,9 @@ Run: `posttrain run grpo [key=value ...]` (`make run`), or in a notebook `main(C
   1. SFT of tiny-2m for 300 steps of 64 at lr 1e-3 on reasoning-gym `spell_backward`
      demonstrations of 3-5 letter words (`task.demo_options`);
   2. GRPO on 6-letter words (`task.options`; no demonstration has one): 150 steps of 64
-     prompts x 8 samples, lr 2e-4, no KL term, reward = the task's partial score, held-out
-     greedy accuracy every 25 steps;
+     prompts x 8 samples, lr 2e-4, no KL term, reward = the task's partial score, minus 1
+     for an answer that reaches the 8-token limit (DAPO's overlong punishment, a 1-token
+     buffer), held-out greedy accuracy every 25 steps;
   3. greedy accuracy, sampled pass@1 and pass@8 on 500 6-letter words, after SFT and GRPO;
   4. the baseline: 600 more SFT steps on the same demonstrations (about GRPO's step time).
 
@@ -52,7 +53,9 @@ class Config(RLRunConfig):
     )
     eval: RLEvalConfig = field(default_factory=lambda: RLEvalConfig(max_new_tokens=8, every=25))
     rl: RLConfig = field(
-        default_factory=lambda: RLConfig(prompts_per_step=64, group_size=8, kl_coef=0.0)
+        default_factory=lambda: RLConfig(
+            prompts_per_step=64, group_size=8, kl_coef=0.0, overlong_buffer_len=1
+        )
     )
     optim: OptimConfig = field(
         default_factory=lambda: OptimConfig(steps=150, lr=2e-4, warmup_steps=5, min_lr_ratio=1.0)

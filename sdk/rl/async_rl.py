@@ -239,13 +239,7 @@ class AsyncRLTrainer:
         """Submit every rollout j not yet submitted with j - s <= the version the workers hold
         (then also <= the trainer's version)."""
         t = self.trainer
-        options = dict(
-            group_size=t.algo.group_size,
-            max_new_tokens=t.max_new_tokens,
-            temperature=t.temperature,
-            top_p=t.top_p,
-            verifier_timeout_s=t.verifier_timeout_s,
-        )
+        options = t.collect_options()
         first = max(self._pending, default=t.step_count - 1) + 1
         for j in range(first, self._version + self.max_staleness + 1):
             builders = t.task.builders(j, t.prompts_per_step)

@@ -112,6 +112,13 @@ class RLAlgorithm:
             (the first `prompts_per_step` kept, in sampling order; fewer, or none, when the
             batches ran out, counted as `groups_filtered` and `gen_batches`).
         max_num_gen_batches: the most batches one step samples with `filter_groups`, >= 1.
+        overlong_buffer_len, overlong_penalty_factor: DAPO's soft overlong punishment (Yu et
+            al. 2025, sec. 3.4, eq. 13; verl's `reward_model.overlong_buffer`): a completion
+            whose longest sampled turn has L tokens gains
+            min(-(L - (max_new_tokens - overlong_buffer_len)) / overlong_buffer_len
+            * overlong_penalty_factor, 0) on its reward: 0 up to max_new_tokens - buffer tokens,
+            -factor at the length limit (`posttrain.rl.rollout.overlong_penalty`). Buffer 0
+            (the default): off; the buffer must be <= the trainer's max_new_tokens.
         rollout_is_threshold: the truncation bound of those weights, >= 1 (verl accepts any
             positive bound; below 1 every weight, even of a token both policies agree on, would
             be capped under 1, which shrinks the whole update instead of truncating the rare
@@ -146,6 +153,8 @@ class RLAlgorithm:
     rollout_is_threshold: float = 2.0
     filter_groups: bool = False
     max_num_gen_batches: int = 4
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     PRESETS: ClassVar[tuple[str, ...]] = (
         "grpo",
@@ -176,6 +185,8 @@ class RLAlgorithm:
         check_int("group_size", self.group_size, minimum=1)
         check_int("ppo_epochs", self.ppo_epochs, minimum=1)
         check_int("max_num_gen_batches", self.max_num_gen_batches, minimum=1)
+        check_int("overlong_buffer_len", self.overlong_buffer_len, minimum=0)
+        _number("overlong_penalty_factor", self.overlong_penalty_factor, low=0.0)
         if not isinstance(self.filter_groups, bool):
             raise ValueError(f"filter_groups={self.filter_groups!r}; must be True or False")
         if self.minibatch_size is not None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from posttrain.core.checks import check_int, check_number
 from posttrain.rewards.verifier import Outcome
 from posttrain.rl.environment import EnvGroupBuilder, Environment, Group, Trajectory, group_rewards
 
@@ -46,6 +47,7 @@ __all__ = [
     "collect_filtered",
     "collect_groups",
     "outcome_counts",
+    "overlong_penalty",
     "reward_term_metrics",
     "rollout_metrics",
 ]
@@ -80,6 +82,7 @@ class _Episode:
     info: dict = field(default_factory=dict)
     done: bool = False
     versions: list[int] = field(default_factory=list)  # of the turns' samples, when stamped
+    turn_tokens: list[int] = field(default_factory=list)  # tokens sampled in each turn
 
     @property
     def context(self) -> list[int]:
@@ -103,6 +106,8 @@ def collect_groups(
     policy_version: int = 0,
     verifier_timeout_s: float | None = None,
     max_turns: int = 8,
+    overlong_buffer_len: int = 0,
+    overlong_penalty_factor: float = 1.0,
 ) -> list[Group]:
     """Sample `group_size` episodes per builder and return one scored `Group` per builder.
 
@@ -122,6 +127,9 @@ def collect_groups(
         verifier_timeout_s: if given, set as `timeout_s` on every environment that has that
             attribute (the reasoning-gym and calculator environments pass it to `run_verifier`).
         max_turns: safety net for multi-turn environments without a turn limit of their own.
+        overlong_buffer_len, overlong_penalty_factor: DAPO's soft overlong punishment, added
+            to every judged trajectory's reward (`overlong_penalty` of its longest turn; kept
+            in `info["overlong_penalty"]`); buffer 0: off.
 
     Returns:
         `len(builders)` groups of G trajectories each, in builder order.
@@ -133,6 +141,7 @@ def collect_groups(
         raise ValueError(f"group_size={group_size!r}; must be an integer >= 1")
     if len(builders) == 0:
         raise ValueError("builders is empty; pass at least one EnvGroupBuilder")
+    overlong_penalty(max_new_tokens, max_new_tokens, overlong_buffer_len, overlong_penalty_factor)
     tokenizer = policy.tokenizer
     episodes: list[_Episode] = []
     for g, builder in enumerate(builders):
@@ -179,8 +188,17 @@ def collect_groups(
             for t in trajectories:
                 t.outcome = Outcome.ERROR.value
                 t.info["error"] = f"group_rewards: {type(e).__name__}: {e}"
-        for t, r in zip(trajectories, rewards):
+        for e, t, r in zip(members, trajectories, rewards):
             t.reward = float(r)
+            if overlong_buffer_len and t.outcome not in EXCLUDED_OUTCOMES:
+                penalty = overlong_penalty(
+                    max(e.turn_tokens, default=0),
+                    max_new_tokens,
+                    overlong_buffer_len,
+                    overlong_penalty_factor,
+                )
+                t.reward += penalty
+                t.info["overlong_penalty"] = penalty
         groups.append(Group(trajectories))
     return groups
 
@@ -191,6 +209,7 @@ def _play(episode: _Episode, completion, tokenizer, max_seq_len: int) -> None:
     episode.logprobs += completion.logprobs
     episode.mask += [True] * len(completion.token_ids)
     episode.texts.append(completion.text)
+    episode.turn_tokens.append(len(completion.token_ids))
     if getattr(completion, "weight_version", None) is not None:
         episode.versions.append(completion.weight_version)
     episode.finish_reason = _FINISH[completion.finish_reason]
@@ -248,6 +267,31 @@ def _trajectory(episode: _Episode, policy_version: int) -> Trajectory:
     )
 
 
+def overlong_penalty(length: int, max_new_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", sec. 3.4, eq. 13, as verl's
+    `DAPORewardManager` adds it): with L_max = `max_new_tokens` and L_cache = `buffer_len`,
+    min(-(length - (L_max - L_cache)) / L_cache * factor, 0): 0 up to L_max - L_cache tokens,
+    then falling linearly to -factor at L_max. `length` counts sampled tokens, the stop token
+    included. buffer_len 0: 0.0 (off).
+
+    Raises:
+        ValueError: buffer_len not an int in [0, max_new_tokens], factor not a finite number
+            >= 0, or length not an int in [0, max_new_tokens].
+
+    Example (a 7-token limit with a 2-token buffer):
+        >>> [overlong_penalty(n, 7, 2, 1.0) for n in (4, 5, 6, 7)]
+        [0.0, 0.0, -0.5, -1.0]
+    """
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_number("overlong_buffer_len", buffer_len, integer=True, low=0, high=max_new_tokens)
+    check_number("overlong_penalty_factor", factor, low=0.0)
+    check_number("length", length, integer=True, low=0, high=max_new_tokens)
+    if buffer_len == 0:
+        return 0.0
+    exceed = max(length - (max_new_tokens - buffer_len), 0)
+    return -exceed / buffer_len * factor if exceed else 0.0
+
+
 def outcome_counts(groups: Sequence[Group]) -> dict[str, int]:
     """How many trajectories have each outcome; every `Outcome` value is a key (zeros too)."""
     counts = {o.value: 0 for o in Outcome}
@@ -264,8 +308,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     counted, not averaged in as 0.0; NaN when no sample was judged), accuracy (fraction of all
     samples with outcome ok), outcome counts, lengths, and `env_<name>`: the sum over all
     trajectories of each counter an environment reports in `StepResult.info["counts"]` (a dict
-    name -> int, e.g. the Python-tool environment's calls and cut outputs), and with reward
-    functions the per-function metrics of `reward_term_metrics`.
+    name -> int, e.g. the Python-tool environment's calls and cut outputs), with reward
+    functions the per-function metrics of `reward_term_metrics`, and with DAPO's overlong
+    punishment `overlong_penalty`, its mean over the judged samples (included in reward_mean).
     """
     rows = [t for g in groups for t in g]
     counts = outcome_counts(groups)
@@ -274,6 +319,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         sum(t.completion_mask) if t.completion_mask is not None else len(t.completion_ids)
         for t in rows
     ]
+    penalties = [t.info["overlong_penalty"] for t in rows if "overlong_penalty" in t.info]
     env_counts: dict[str, int] = {}
     for t in rows:
         for name, value in (t.info.get("counts") or {}).items():
@@ -287,6 +333,7 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
         "sampled_tokens": sum(sampled),
         "finish_length_frac": sum(t.finish_reason == "length" for t in rows) / len(rows),
         **env_counts,
+        **({"overlong_penalty": sum(penalties) / len(penalties)} if penalties else {}),
     }
 
 

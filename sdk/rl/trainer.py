@@ -179,7 +179,8 @@ class RLTrainer(RLEngineHooks):
         reference: the frozen reference model; None without KL or for a LoRA policy.
 
     Raises:
-        ValueError: for bad options (`loss_chunk_tokens` not None or an int >= 1), a run_dir
+        ValueError: for bad options (`loss_chunk_tokens` not None or an int >= 1,
+            `algo.overlong_buffer_len` above `max_new_tokens`), a run_dir
             that holds a run while resume is False, or an optimizer that does not hold exactly
             the trainable parameters of the policy and the value head (named;
             `posttrain.train.optimizer_check`); under a plan, a plan not applied to the policy,
@@ -228,6 +229,12 @@ class RLTrainer(RLEngineHooks):
             raise ValueError(f"prompts_per_step={prompts_per_step!r}; must be an integer >= 1")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature!r}; RL samples, so it must be > 0")
+        if algo.overlong_buffer_len > max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer_len={algo.overlong_buffer_len} with max_new_tokens="
+                f"{max_new_tokens}: the overlong buffer is the last tokens before the length "
+                f"limit, so it must be <= max_new_tokens"
+            )
         check_rollout_quantization(rollout_quantization, top_p=top_p)
         self.loss_chunk_tokens = check_chunk_tokens(loss_chunk_tokens)
         if self.loss_chunk_tokens is not None:  # a float8 head: refused before any work
@@ -364,16 +371,26 @@ class RLTrainer(RLEngineHooks):
             sampler if timer is None else TimedGeneration(sampler, timer),
             builders[mine.start : mine.stop],
             seed=rollout_seed(step_seed, rank, ranks),
-            group_size=self.algo.group_size,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
             policy_version=self.step_count,
-            verifier_timeout_s=self.verifier_timeout_s,
+            **self.collect_options(),
         )
         groups = gather_groups(local, offset=mine.start, runtime=self.runtime)
         self.rollout.check(groups, self.step_count)  # a stale sample: refused, step rolled back
         return groups
+
+    def collect_options(self) -> dict[str, Any]:
+        """The sampling and reward settings every rollout of this trainer passes to
+        `collect_groups` (its own, and an async trainer's workers')."""
+        algo = self.algo
+        return {
+            "group_size": algo.group_size,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "verifier_timeout_s": self.verifier_timeout_s,
+            "overlong_buffer_len": algo.overlong_buffer_len,
+            "overlong_penalty_factor": algo.overlong_penalty_factor,
+        }
 
     def fit(self, num_steps: int, *, budget_s: float | None = None) -> Any:
         """`Engine.fit`; the rollout engine is closed however it ends (a new one next time)."""

@@ -433,11 +433,16 @@ BATCH_WHITENED = ("gae", "gdpo", "reinforce_plus_plus", "reinforce_plus_plus_bas
 an error for a mask of one token)."""
 
 
+_NOT_PASSED = ("algo", "prompts_per_step", "kl_coef")  # RLConfig fields that are not options
+
+
 @dataclass(kw_only=True)
 class RLConfig:
     """The RL algorithm (an `RLAlgorithm` preset) and its batch: `prompts_per_step` prompts x
     `group_size` samples per step; `kl_coef` None keeps the preset's; `filter_groups` and
-    `max_num_gen_batches`: DAPO's dynamic sampling (`RLAlgorithm`)."""
+    `max_num_gen_batches`: DAPO's dynamic sampling, `overlong_buffer_len` (<=
+    sampling.max_new_tokens; 0: off) and `overlong_penalty_factor`: its overlong punishment
+    (`RLAlgorithm`)."""
 
     algo: str = "grpo"
     prompts_per_step: int = 16
@@ -447,18 +452,15 @@ class RLConfig:
     minibatch_size: int | None = None
     filter_groups: bool = False
     max_num_gen_batches: int = 4
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def algorithm(self) -> RLAlgorithm:
         """The `RLAlgorithm` these settings describe."""
         from posttrain.rl.config import RLAlgorithm
 
-        options: dict[str, Any] = {
-            "group_size": self.group_size,
-            "ppo_epochs": self.ppo_epochs,
-            "minibatch_size": self.minibatch_size,
-            "filter_groups": self.filter_groups,
-            "max_num_gen_batches": self.max_num_gen_batches,
-        }
+        passed = [f.name for f in dataclasses.fields(self) if f.name not in _NOT_PASSED]
+        options: dict[str, Any] = {name: getattr(self, name) for name in passed}
         if self.kl_coef is not None:
             options["kl_coef"] = self.kl_coef
         return RLAlgorithm.preset(self.algo, **options)
@@ -469,12 +471,10 @@ class RLConfig:
             from posttrain.rl.config import RLAlgorithm
 
             choice(f"{at}.algo", self.algo, RLAlgorithm.PRESETS)
-        ints(
-            self,
-            at,
-            ("prompts_per_step", "group_size", "ppo_epochs", "max_num_gen_batches"),
-            minimum=1,
-        )
+        counts = ("prompts_per_step", "group_size", "ppo_epochs", "max_num_gen_batches")
+        ints(self, at, counts, minimum=1)
+        ints(self, at, ("overlong_buffer_len",), minimum=0)
+        finite(self, at, ("overlong_penalty_factor",), low=0.0)
         ints(self, at, ("minibatch_size",), minimum=1, optional=True)
         if self.kl_coef is not None:
             finite(self, at, ("kl_coef",), low=0.0)

@@ -114,6 +114,12 @@ class RLRunConfig:
     def check(self, at: str) -> None:
         run_fields(self, at)
         check_seq_len(self, at)
+        if self.rl.overlong_buffer_len > self.sampling.max_new_tokens:
+            raise fail(
+                f"{at}.rl.overlong_buffer_len",
+                self.rl.overlong_buffer_len,
+                f"at most sampling.max_new_tokens={self.sampling.max_new_tokens} (0: off)",
+            )
         if self.data.given:
             self._check_own_prompts(at)
         else:

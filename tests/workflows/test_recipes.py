@@ -190,6 +190,8 @@ CONFIG_KEYS = {
             "kl_coef",
             "max_num_gen_batches",
             "minibatch_size",
+            "overlong_buffer_len",
+            "overlong_penalty_factor",
             "ppo_epochs",
             "prompts_per_step",
         ),
