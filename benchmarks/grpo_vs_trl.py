@@ -1,28 +1,35 @@
-"""GRPO from the main job's SFT policy: posttrain `RLTrainer` vs TRL `GRPOTrainer`, same settings,
+"""GRPO from a job's SFT policy: posttrain `RLTrainer` vs TRL `GRPOTrainer`, same settings,
 scored by the same held-out evaluation.
 
-Start point: the SFT stage of `make run` (`posttrain.workflows.sft.warm_start` with the defaults of
-`RLRunConfig`: tiny-2m, 900 steps on chain_sum), or an existing run folder (`--sft-run`, its
-`sft/policy`). Both trainers load that HF folder (posttrain `Policy.from_pretrained`, TRL
-`AutoModelForCausalLM.from_pretrained`; logits checked to agree) and train on the main job's RL
-task (`ReasoningGymTask`, the 500 held-out questions removed) with the main job's settings:
-P prompts x G samples per step, temperature 1, top-p 1, the main job's max new tokens, stop at
+The job: `RLRunConfig`'s defaults (chain_sum, `make run`'s when this comparison was first made),
+a grpo preset (`--config`), or the main job now (`--main-job`: the grpo recipe's `Config`, SFT on
+3-5 letter spell_backward words, `task.demo_options`; GRPO and evaluation on 6-letter words,
+`task.options`). Start: the job's SFT stage (`posttrain.workflows.sft.warm_start`), or a run
+folder of that job (`--sft-run`, its `sft/policy`). Both trainers load that HF folder (posttrain
+`Policy.from_pretrained`, TRL `AutoModelForCausalLM.from_pretrained`; logits checked to agree)
+and train on the job's RL task (`training_task`, the held-out questions removed) with its
+settings: P prompts x G samples per step, temperature 1, top-p 1, its max new tokens, stop at
 <|eos|> / <|end|>, group mean/std advantages, PPO clip 0.2, per-sequence token-mean loss (TRL
-`loss_type="grpo"`), k3 KL to the frozen start with beta, 1 PPO epoch, one optimizer step per
-step, AdamW (weight decay 0) at lr with 5 linear warm-up steps then constant, clip grad norm 1.0,
-fp32. TRL gets the byte tokenizer as a `PreTrainedTokenizerFast` and the rendered prompt text
-(both built and checked as in `benchmarks/grpo_step.py`), and the task's own verifier as its
-reward function.
+`loss_type="grpo"`), k3 KL to the frozen start with beta (none at 0), 1 PPO epoch, one optimizer
+step per step, AdamW (weight decay 0) at lr with 5 linear warm-up steps then constant, clip grad
+norm 1.0, fp32, and its DAPO soft overlong punishment if `rl.overlong_buffer_len` > 0 (posttrain:
+`cfg.rl.algorithm()`; TRL: `get_soft_overlong_punishment`, a second reward function). TRL gets
+the byte tokenizer as a `PreTrainedTokenizerFast` and the rendered prompt text (both built and
+checked as in `benchmarks/grpo_step.py`), and the task's own verifier as its reward function.
 
-Evaluation, the same for the start and both results: the main job's 500 held-out questions,
-greedy accuracy, sampled pass@1 (S samples per question at temperature 1) and pass@S, each
-trainer minus the start and TRL minus posttrain with a paired bootstrap over the questions
-(95% percentile interval, 10k resamples). Writes docs/benchmarks/grpo_vs_trl.md and
-docs/benchmarks/figures/grpo_vs_trl.png (training reward and KL per step, both trainers).
+Evaluation, the same for the start and both results: the job's 500 held-out questions, greedy
+accuracy, sampled pass@1 (S samples per question at temperature 1) and pass@S, each trainer
+minus the start and TRL minus posttrain with a paired bootstrap over the questions (95%
+percentile interval, 10k resamples). Writes docs/benchmarks/grpo_vs_trl.md and
+docs/benchmarks/figures/grpo_vs_trl.png (training reward, and KL at beta > 0, per step, both
+trainers); grpo_vs_trl_PRESET.* with --config PRESET, grpo_vs_trl_main_job.* with --main-job.
 
 Usage:
     python benchmarks/grpo_vs_trl.py                       # SFT stage + both trainers (~30 min)
-    python benchmarks/grpo_vs_trl.py --sft-run runs/grpo-X # start from an existing main-job run
+    python benchmarks/grpo_vs_trl.py --sft-run runs/grpo-X # start from a run of that job
+    python benchmarks/grpo_vs_trl.py --main-job            # the main job (grpo recipe's Config)
+    python benchmarks/grpo_vs_trl.py --main-job --sft-run runs/grpo-X  # from a main-job run
+    python benchmarks/grpo_vs_trl.py --config recipes/presets/grpo_spell_backward.yaml
     python benchmarks/grpo_vs_trl.py --quick               # smoke run at tiny size, nothing written
 """
 
@@ -32,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import shutil
 import sys
@@ -56,7 +64,6 @@ from trl_inputs import (  # noqa: E402
     trl_dataset,
 )
 
-from posttrain.envs import ReasoningGymTask  # noqa: E402
 from posttrain.policy import Policy  # noqa: E402
 from posttrain.rewards.evaluation import (
     evaluate_generations,
@@ -65,20 +72,31 @@ from posttrain.rewards.evaluation import (
 )
 from posttrain.rl import RLTrainer  # noqa: E402
 from posttrain.train.schedules import warmup_cosine_schedule  # noqa: E402
+from posttrain.verifiers.reasoning_gym import task_score  # noqa: E402
 from posttrain.workflows import RLRunConfig  # noqa: E402
 from posttrain.workflows.config import override  # noqa: E402
 from posttrain.workflows.rl import RL_TINY  # noqa: E402
 from posttrain.workflows.sft import held_out_items, warm_start  # noqa: E402
+from posttrain.workflows.task_data import training_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks"
 WARMUP_STEPS = 5
 
 
-def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunConfig:
+def main_job_config(
+    quick: bool, out: Path, preset: str | None = None, main_job: bool = False
+) -> RLRunConfig:
     """`RLRunConfig`'s defaults, the chain_sum job that was `make run`'s when this comparison
-    was made (or its RL_TINY shrink for --quick), with the run folder `out`."""
-    cfg = RLRunConfig(out_dir=str(out), progress=False)
+    was first made, a grpo preset over them (`preset`), or the main job now (`main_job`: the
+    grpo recipe's `Config`); without held-out curve or baseline, shrunk by RL_TINY for --quick,
+    with the run folder `out`."""
+    if main_job:
+        from posttrain.workflows.recipes import load_recipe
+
+        cfg = load_recipe("grpo").Config(out_dir=str(out), progress=False)
+    else:
+        cfg = RLRunConfig(out_dir=str(out), progress=False)
     if preset is not None:  # a grpo recipe preset over those defaults (e.g. spell_backward's)
         from posttrain.workflows.recipes import load_config_file
 
@@ -89,12 +107,34 @@ def main_job_config(quick: bool, out: Path, preset: str | None = None) -> RLRunC
                 "trains the full fp32 model on both sides, so it takes presets "
                 "without them"
             )
+    if preset is not None or main_job:
         cfg = override(
             cfg, {"out_dir": str(out), "progress": False, "eval.every": 0, "baseline.steps": 0}
         )
-    if quick:
-        cfg = override(cfg, {**RL_TINY, "out_dir": str(out)})
+    if quick:  # the overlong buffer must fit in the tiny max new tokens
+        tiny_tokens = RL_TINY["sampling.max_new_tokens"]
+        buffer = min(cfg.rl.overlong_buffer_len, tiny_tokens)
+        cfg = override(cfg, {**RL_TINY, "rl.overlong_buffer_len": buffer, "out_dir": str(out)})
     return cfg
+
+
+def check_start(cfg: RLRunConfig, run: Path) -> None:
+    """Raises ValueError if the run folder `run` (`--sft-run`) recorded another task than
+    `cfg`'s (its `config.json`; a folder without one is taken as it is): the start must have
+    been trained for the task both trainers then train and are scored on."""
+    path = run / "config.json"
+    if not path.is_file():
+        return
+    task = json.loads(path.read_text()).get("task", {})
+    ours = dataclasses.asdict(cfg.task)
+    keys = ("name", "options", "demo_options")
+    differ = [k for k in keys if task.get(k) != ours[k]]
+    if differ:
+        raise ValueError(
+            f"{run} was a run of task {[task.get(k) for k in keys]}, this comparison's job has "
+            f"{[ours[k] for k in keys]} (differing: {differ}); pass the job that made it "
+            "(--main-job for `posttrain run grpo`, or --config PRESET)"
+        )
 
 
 def evaluate(policy: Policy, items, score, *, samples: int, max_new_tokens: int) -> dict:
@@ -147,6 +187,7 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
     """TRL `GRPOTrainer` with the same settings from `folder`: returns (policy, metrics)."""
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
+    from trl.rewards import get_soft_overlong_punishment
 
     hf_tok = hf_byte_tokenizer()
     dataset, items, _ = trl_dataset(task, hf_tok)
@@ -155,6 +196,17 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
     def task_reward(prompts, completions, idx, **kwargs):
         return [float(score(c, items[i])) for c, i in zip(completions, idx)]
 
+    # DAPO's soft overlong punishment, as posttrain's `overlong_penalty` (of len(completion_ids),
+    # the stop token counted): TRL keeps a sampled completion up to and including its first
+    # EOS id (`completion_mask = sequence_indices <= eos_idx` in `_generate_single_turn`) and
+    # gives those ids to every reward function, so its length counts the stop token too. TRL
+    # sums the reward functions weighted by `reward_weights`.
+    reward_funcs: list[Any] = [task_reward]  # what TRL calls, summed with `weights`
+    weights = [1.0]
+    if cfg.rl.overlong_buffer_len > 0:
+        max_len, buffer = cfg.sampling.max_new_tokens, cfg.rl.overlong_buffer_len
+        reward_funcs.append(get_soft_overlong_punishment(max_len, soft_punish_cache=buffer))
+        weights.append(cfg.rl.overlong_penalty_factor)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     P, G = cfg.rl.prompts_per_step, cfg.rl.group_size
     config = GRPOConfig(
@@ -166,6 +218,7 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
         beta=beta,
+        reward_weights=weights,
         learning_rate=lr,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=min(WARMUP_STEPS, steps),
@@ -183,7 +236,7 @@ def train_trl(folder: Path, task, cfg: RLRunConfig, steps: int, lr: float, beta:
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=task_reward,
+        reward_funcs=reward_funcs,
         args=config,
         train_dataset=dataset,
         processing_class=hf_tok,
@@ -234,24 +287,30 @@ def diff_rows(results: dict[str, dict], pairs: list[tuple[str, str]]) -> list[st
     return lines
 
 
+def has_kl(curves: dict[str, dict]) -> bool:
+    """Whether either trainer recorded a KL curve (neither does at beta 0)."""
+    return any(c.get("kl") is not None and len(c["kl"]) for c in curves.values())
+
+
 def plot(curves: dict[str, dict], path: Path, window: int) -> None:
+    """Each trainer's training reward per step, and its KL to the start where one has it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, c in curves.items():
-        for ax, key in zip(axes, ("reward", "kl")):
+    titles = {"reward": "training reward", "kl": "KL to the start (k3)"}
+    keys = ["reward", "kl"] if has_kl(curves) else ["reward"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, c in curves.items():
             y = c.get(key)
             if y is None or len(y) == 0:
                 continue
             w = min(window, len(y))
             smooth = np.convolve(y, np.ones(w) / w, mode="valid")
             ax.plot(np.arange(w, len(y) + 1), smooth, label=name)
-    axes[0].set_title(f"training reward (mean of {window} steps)")
-    axes[1].set_title(f"KL to the start (k3, mean of {window} steps)")
-    for ax in axes:
+        ax.set_title(f"{titles[key]} (mean of {window} steps)")
         ax.set_xlabel("GRPO step")
         ax.legend()
     fig.tight_layout()
@@ -280,14 +339,21 @@ def main(argv: list[str] | None = None) -> int:
         help="a main-job run folder whose sft/policy is the start (default: run "
         "the SFT stage first)",
     )
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (main job's: 100)")
-    parser.add_argument("--lr", type=float, default=None, help="main job's: 1e-4")
-    parser.add_argument("--beta", type=float, default=None, help="KL coefficient (main job's)")
-    parser.add_argument(
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps (the job's)")
+    parser.add_argument("--lr", type=float, default=None, help="the job's")
+    parser.add_argument("--beta", type=float, default=None, help="KL coefficient (the job's)")
+    job = parser.add_mutually_exclusive_group()
+    job.add_argument(
         "--config",
         default=None,
         help="a grpo preset (YAML) for the task and settings instead of "
         "RLRunConfig's chain_sum defaults; writes grpo_vs_trl_<preset>.md",
+    )
+    job.add_argument(
+        "--main-job",
+        action="store_true",
+        help="the grpo recipe's Config (the main job, `posttrain run grpo`) instead of "
+        "RLRunConfig's chain_sum defaults; writes grpo_vs_trl_main_job.md",
     )
     parser.add_argument("--samples", type=int, default=8, help="S samples per held-out question")
     parser.add_argument("--threads", type=int, default=1)
@@ -306,25 +372,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         run = args.sft_run or work / "run"
-        cfg = main_job_config(args.quick, run, args.config)
+        cfg = main_job_config(args.quick, run, args.config, args.main_job)
         steps = args.steps or cfg.optim.steps
         lr = args.lr or cfg.optim.lr
         beta = cfg.rl.algorithm().kl_coef if args.beta is None else args.beta
         t0 = time.perf_counter()
         if args.sft_run is None:
-            warm_start(cfg, run)
+            warm_start(cfg, run)  # SFT on the demonstrations (`task.demo_options` where set)
+        else:
+            check_start(cfg, run)
         sft_s = time.perf_counter() - t0
         folder = run / "sft" / "policy"
+        # the RL task and held-out items as `run_sft_then_rl` builds them (`task.options`)
         items, ds = held_out_items(cfg.task)
-        score = lambda text, item: ds.score_answer(text.strip(), item)  # noqa: E731 (the job's)
-        task = ReasoningGymTask(
-            name=cfg.task.name,
-            size=cfg.task.train_size,
-            seed=cfg.seed,
-            config=dict(cfg.task.options),
-            held_out_size=cfg.task.eval_size,
-            held_out_seed=cfg.task.eval_seed,
-        )
+        score = lambda text, item: task_score(ds, text.strip(), item)  # noqa: E731 (the job's)
+        task = training_task(cfg, size=cfg.task.train_size, seed=cfg.seed, held_out=items)
         ev = dict(samples=args.samples, max_new_tokens=cfg.eval.max_new_tokens)
         results, curves, seconds = {}, {}, {}
         results["SFT start"] = evaluate(Policy.from_pretrained(folder), items, score, **ev)
@@ -350,34 +412,55 @@ def main(argv: list[str] | None = None) -> int:
             ("TRL GRPO", "posttrain GRPO"),
         ],
     )
-    reward_lines = []
+    reward_lines, buffer, factor = [], cfg.rl.overlong_buffer_len, cfg.rl.overlong_penalty_factor
     for name, c in curves.items():
         r, q = c["reward"], max(1, len(c["reward"]) // 4)
         reward_lines.append(
             f"- {name}: training reward {r[:q].mean():.3f} (first {q} steps) -> "
             f"{r[-q:].mean():.3f} (last {q}); {seconds[name]:.0f} s for "
-            f"{steps} steps"
+            f"{steps} steps" + (" (the reward includes the overlong punishment)" if buffer else "")
         )
+    made_by = (
+        "posttrain run grpo"  # the main job, or a preset over RLRunConfig's defaults
+        if args.main_job
+        else f"posttrain run grpo --config {args.config or 'recipes/presets/grpo_chain_sum.yaml'}"
+    )
     setup = [
         f"- Start: the main job's SFT stage ({cfg.model.name}, {cfg.sft.steps} steps, seed "
         f"{cfg.seed}"
         + (
             f", {sft_s:.0f} s)"
             if args.sft_run is None
-            else "; `--sft-run RUN` names the folder of a finished `posttrain run grpo"
-            + (f" --config {args.config}" if args.config else "")
-            + " out_dir=RUN`, whose `sft/policy` is the start)"
+            else f"; `--sft-run RUN` names the folder of a finished `{made_by} out_dir=RUN`, "
+            "whose `sft/policy` is the start)"
         ),
         f"- Task: reasoning-gym {cfg.task.name} {dict(cfg.task.options)}, RL pool "
         f"{cfg.task.train_size} items minus the held-out questions; held-out "
-        f"{len(items)} questions (seed {cfg.task.eval_seed})",
+        f"{len(items)} questions (seed {cfg.task.eval_seed})"
+        + (
+            f"; the SFT demonstrations are {cfg.task.name} {dict(cfg.task.demo_options)}"
+            if cfg.task.demo_options is not None
+            else ""
+        ),
         f"- Both trainers: {steps} steps of {cfg.rl.prompts_per_step} prompts x G="
         f"{cfg.rl.group_size}, temperature {cfg.sampling.temperature:g}, top-p "
-        f"{cfg.sampling.top_p:g}, {cfg.sampling.max_new_tokens} new tokens, clip 0.2, k3 KL beta "
-        f"{beta:g}, lr {lr:g} (AdamW, {min(WARMUP_STEPS, steps)} warm-up steps then constant, "
+        f"{cfg.sampling.top_p:g}, {cfg.sampling.max_new_tokens} new tokens, clip 0.2, "
+        + (f"k3 KL beta {beta:g}" if beta else "no KL term (beta 0)")
+        + f", lr {lr:g} (AdamW, {min(WARMUP_STEPS, steps)} warm-up steps then constant, "
         f"weight decay 0), clip grad norm {cfg.optim.max_grad_norm:g}, fp32; TRL's optimizer is "
         "its default fused AdamW, posttrain's torch.optim.AdamW; TRL shuffles the prompts, "
         "posttrain takes them in order",
+        "- Overlong punishment (DAPO's soft one, eq. 13): "
+        + (
+            f"{factor:g} x min(-(L - {cfg.sampling.max_new_tokens - buffer}) / {buffer}, 0) added "
+            "to the reward of a completion of L tokens (the stop token counted); posttrain "
+            f"through `rl.overlong_buffer_len={buffer}`, TRL through "
+            f"`trl.rewards.get_soft_overlong_punishment(max_completion_len="
+            f"{cfg.sampling.max_new_tokens}, soft_punish_cache={buffer})`, a second reward "
+            f"function of weight {factor:g}"
+            if buffer
+            else "none, on both sides"
+        ),
         f"- Evaluation (both, and the start): greedy and {args.samples} samples per question at "
         f"temperature 1, {cfg.eval.max_new_tokens} new tokens, the task's scorer; differences by "
         "paired bootstrap over the questions (pass@1 per question = share of its samples right)",
@@ -390,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if args.quick:
         return 0
-    tag = "" if args.config is None else "_" + Path(args.config).stem
+    tag = "_main_job" if args.main_job else "_" + Path(args.config).stem if args.config else ""
     figure = args.out / "figures" / f"grpo_vs_trl{tag}.png"
     plot(curves, figure, window=max(1, min(10, steps // 5)))
     md = args.out / f"grpo_vs_trl{tag}.md"
@@ -398,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         "# GRPO from the main job's SFT policy: posttrain vs TRL `GRPOTrainer`\n\n"
         "Produced by `python benchmarks/grpo_vs_trl.py`.\n\n"
         + text
-        + f"\n![training reward and KL per step](figures/{figure.name})\n"
+        + f"\n![training reward{' and KL' if has_kl(curves) else ''} per step]"
+        + f"(figures/{figure.name})\n"
     )
     print(f"wrote {md} and {figure}")
     return 0

@@ -188,11 +188,11 @@ def collect_groups(
             for t in trajectories:
                 t.outcome = Outcome.ERROR.value
                 t.info["error"] = f"group_rewards: {type(e).__name__}: {e}"
-        for e, t, r in zip(members, trajectories, rewards):
+        for member, t, r in zip(members, trajectories, rewards):
             t.reward = float(r)
             if overlong_buffer_len and t.outcome not in EXCLUDED_OUTCOMES:
                 penalty = overlong_penalty(
-                    max(e.turn_tokens, default=0),
+                    max(member.turn_tokens, default=0),
                     max_new_tokens,
                     overlong_buffer_len,
                     overlong_penalty_factor,

@@ -97,6 +97,8 @@ ACCEPTED = {
     "rl.ppo_epochs": 1,
     "rl.prompts_per_step": 1,
     "rl.group_size": 1,
+    "rl.overlong_buffer_len": 0,  # DAPO's overlong punishment off
+    "rl.overlong_penalty_factor": 0.0,
     "val_pairs": 1,
     **{f"parallel.{axis}": 1 for axis in ("dp_replicate", "dp_shard", "tp", "sp", "pp", "ep")},
     # rejection-sampling fine-tuning: one round of one prompt and one sample, one kept per prompt
@@ -233,6 +235,8 @@ EDGE: dict[str, list[dict]] = {
             "rl.max_num_gen_batches": 1,
             "rl.minibatch_size": 1,
             "rl.ppo_epochs": 1,
+            "rl.overlong_buffer_len": 0,
+            "rl.overlong_penalty_factor": 0.0,
             "rl.prompts_per_step": 1,
             "adapters.method": "lora",
             "adapters.rank": 1,
@@ -271,6 +275,8 @@ EDGE: dict[str, list[dict]] = {
             "rl.max_num_gen_batches": 1,
             "rl.minibatch_size": 1,
             "rl.ppo_epochs": 1,
+            "rl.overlong_buffer_len": 0,
+            "rl.overlong_penalty_factor": 0.0,
             "adapters.method": "lora",
             "adapters.rank": 1,
             "adapters.dropout": 0.0,
