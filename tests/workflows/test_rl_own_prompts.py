@@ -121,8 +121,8 @@ def test_grpo_runs_from_a_prompts_file_with_reward_functions(tmp_path):
     on the rows' answers, GRPO scored by both functions, the held-out rows (`data.eval_fraction`
     0.25 of 16: 4 rows) scored before, every step (`eval.every`) and after, then the more-SFT
     baseline; each step's `reward/<name>` is that function's mean and reward_mean their
-    weighted sum (no None, no failure); the held-out exact match and mean reward are recomputed
-    here from the answers table."""
+    weighted sum plus the recipe's overlong punishment (no None, no failure); the held-out exact
+    match and mean reward are recomputed here from the answers table."""
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _rows(16, answers=True)))
     funcs = f"[{__name__}:starts_with_digit,{__name__}:short]"
@@ -143,7 +143,10 @@ def test_grpo_runs_from_a_prompts_file_with_reward_functions(tmp_path):
     for m in steps:
         assert m["reward/starts_with_digit/failures"] == m["reward/short/failures"] == 0
         weighted = m["reward/starts_with_digit"] + 0.5 * m["reward/short"]
-        assert m["reward_mean"] == pytest.approx(weighted)
+        # plus the grpo recipe's overlong punishment (1-token buffer): -1 for every sample of
+        # max_new_tokens tokens, so at least for every sample cut at the limit
+        assert m["overlong_penalty"] <= -m["finish_length_frac"] + 1e-9
+        assert m["reward_mean"] == pytest.approx(weighted + m["overlong_penalty"])
     table = pd.read_csv(run / "eval_after_grpo.csv", keep_default_na=False)
     texts, answers = table["completion"].astype(str), table["answer"].astype(str)
     exact = sum(t.strip() == a for t, a in zip(texts, answers)) / len(table)
