@@ -141,6 +141,7 @@ def collect_groups(
         raise ValueError(f"group_size={group_size!r}; must be an integer >= 1")
     if len(builders) == 0:
         raise ValueError("builders is empty; pass at least one EnvGroupBuilder")
+    # the overlong settings are checked before any sampling (the penalty of a full-length turn)
     overlong_penalty(max_new_tokens, max_new_tokens, overlong_buffer_len, overlong_penalty_factor)
     tokenizer = policy.tokenizer
     episodes: list[_Episode] = []

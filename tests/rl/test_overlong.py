@@ -2,16 +2,15 @@
 what verl's DAPO reward manager adds, rollouts carry it on exactly their judged trajectories, a
 trainer passes it to its rollouts, and bad settings are refused by name."""
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from _rl_helpers import ToyBuilder, toy_trainer
 
 from posttrain.policy import Policy
-from posttrain.rewards import VerifierResult
-from posttrain.rl import RLAlgorithm, RLTrainer, StepResult, collect_groups
+from posttrain.rl import RLAlgorithm, collect_groups
 from posttrain.rl.rollout import overlong_penalty, rollout_metrics
 
 
@@ -57,33 +56,9 @@ def test_penalty_equals_verls_dapo_reward_manager(max_new_tokens, buffer_len, fa
         ), length
 
 
-class Env:
-    """Reward 0.25 per sampled character; a prompt "boom" raises (an error outcome)."""
-
-    def __init__(self, prompt: str):
-        self.prompt = prompt
-
-    def initial_messages(self):
-        return [{"role": "user", "content": self.prompt}]
-
-    def step(self, text):
-        if self.prompt == "boom":
-            raise RuntimeError("verifier down")
-        score = 0.25 * len(text)
-        return StepResult(done=True, reward=score, verifier_result=VerifierResult.from_score(1.0))
-
-
-@dataclass(frozen=True)
-class Builder:
-    prompt: str
-
-    def make_envs(self, group_size):
-        return [Env(self.prompt) for _ in range(group_size)]
-
-
 def test_rollouts_add_the_penalty_of_their_length_to_judged_trajectories_only():
     policy = Policy.from_spec("tiny-1m", seed=0)
-    builders = [Builder("ab"), Builder("cd"), Builder("boom")]
+    builders = [ToyBuilder("ab"), ToyBuilder("cd"), ToyBuilder("boom", raises=True)]
     options = dict(group_size=8, max_new_tokens=4, seed=1, temperature=1.5)
     plain = collect_groups(policy, builders, **options)
     punished = collect_groups(
@@ -112,33 +87,15 @@ def test_rollouts_add_the_penalty_of_their_length_to_judged_trajectories_only():
     assert "overlong_penalty" not in rollout_metrics(plain)
 
 
-@dataclass
-class Task:
-    def builders(self, batch_index, batch_size):
-        return [Builder(f"q{batch_index}-{j}") for j in range(batch_size)]
-
-    def held_out(self, n):
-        return []
-
-
-def _trainer(max_new_tokens=3, **algo_options):
-    policy = Policy.from_spec("tiny-1m", seed=0)
-    return RLTrainer(
-        policy,
-        torch.optim.SGD(policy.model.parameters(), lr=0.1),
-        task=Task(),
-        algo=RLAlgorithm.grpo(group_size=4, kl_coef=0.0, **algo_options),
-        prompts_per_step=2,
-        max_new_tokens=max_new_tokens,
-        progress=False,
-    )
+def _algo(**options):
+    return RLAlgorithm.grpo(group_size=4, kl_coef=0.0, **options)
 
 
 def test_a_trainer_step_punishes_its_rollouts():
-    trainer = _trainer(overlong_buffer_len=3, overlong_penalty_factor=1.0)
+    trainer = toy_trainer(algo=_algo(overlong_buffer_len=3, overlong_penalty_factor=1.0))
     row = trainer.step()
     rows = [t for g in trainer.last_groups for t in g]
-    expected = [-len(t.completion_ids) / 3 for t in rows]  # the buffer is the whole limit
+    expected = [-len(t.completion_ids) / 3 for t in rows]  # the buffer is the whole limit (3)
     assert [t.info["overlong_penalty"] for t in rows] == pytest.approx(expected)
     assert row["overlong_penalty"] == pytest.approx(sum(expected) / len(expected))
 
@@ -159,11 +116,11 @@ def test_bad_settings_name_the_field(options, field):
 
 def test_a_buffer_longer_than_the_limit_is_refused():
     with pytest.raises(ValueError, match="overlong_buffer_len=4 with max_new_tokens=3"):
-        _trainer(max_new_tokens=3, overlong_buffer_len=4)
+        toy_trainer(algo=_algo(overlong_buffer_len=4))  # its max_new_tokens is 3
     policy = Policy.from_spec("tiny-1m", seed=0)
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         collect_groups(
-            policy, [Builder("a")], group_size=2, max_new_tokens=2, overlong_buffer_len=3
+            policy, [ToyBuilder("a")], group_size=2, max_new_tokens=2, overlong_buffer_len=3
         )
 
 
