@@ -15,6 +15,13 @@ other arm's folder, which resumes after it):
     python benchmarks/beyond_demos.py --work W                        # the split of task_split.md
     python benchmarks/beyond_demos.py --work W --out REPORT.md --grpo optim.steps=300
     python benchmarks/beyond_demos.py --work W --quick                # tiny sizes, seconds
+    python benchmarks/beyond_demos.py --work W --seeds 0 1 2          # one set of arms per seed
+
+With `--seeds`, each seed's arms run in W/seed<S> with `seed=S` (a seed finished there is reused;
+run seeds side by side as separate `--seeds S` commands on the same W, then report them all with
+one `--seeds 0 1 2`): each seed's table, then one table over the seeds, each arm's mean with a
+Student-t 95% interval over the seeds (`main_job_seeds.mean_interval`) and each seed's value,
+and GRPO's paired difference with every arm at every seed.
 
 Trailing `key=value` words go to every arm (the task, its split, the SFT stage, eval); GRPO's own
 (`optim.*`, `rl.*`, `baseline.*`) go to it alone: pass those with `--grpo` (`--rft`, `--dpo`:
@@ -36,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_step import command_line  # noqa: E402
 from main_job_seeds import QUICK as JOB_QUICK  # noqa: E402
+from main_job_seeds import mean_interval  # noqa: E402
 from timing import cpu_model  # noqa: E402
 
 GRPO_ONLY = ("optim.", "rl.", "eval.every", "baseline.")  # keys the RFT run's config has not
@@ -144,8 +152,6 @@ def _per_item(work: Path) -> dict[str, dict[str, Any]]:
 
 
 def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
-    from posttrain.rewards.evaluation import paired_bootstrap_diff
-
     g, r, d = results["grpo"], results["rft"], results["dpo"]
     per_item = _per_item(work)
     k = g.get("sampled_after_grpo", {}).get("k", "k")
@@ -165,32 +171,89 @@ def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
         f"| arm | greedy | sampled pass@1 | pass@{k} |",
         "|---|---:|---:|---:|",
     ]
-    for arm, (run, greedy_key, sampled_key, _, _) in ARMS.items():
-        if greedy_key not in results[run]:
-            continue
-        s = results[run].get(sampled_key, {})
-        lines.append(
-            f"| {arm} | {results[run][greedy_key]['accuracy']:.3f} | "
-            f"{s.get('pass_at_1', float('nan')):.3f} | {s.get('pass_at_k', float('nan')):.3f} |"
-        )
+    for arm, v in arm_values(results).items():
+        lines.append(f"| {arm} | {v['greedy']:.3f} | {v['pass1']:.3f} | {v['passk']:.3f} |")
     lines += ["", "| GRPO minus | greedy (points, 95% CI) | sampled pass@1 (points, 95% CI) |",
               "|---|---:|---:|"]  # fmt: skip
-    grpo_items = per_item.get("GRPO", {})
+    for arm, cells in paired_cells(per_item).items():
+        lines.append(f"| {arm} | {cells['greedy']} | {cells['pass1']} |")
+    return "\n".join([*lines, "", *answer_shapes(work)]) + "\n"
+
+
+def paired_cells(per_item: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """{arm: {"greedy": cell, "pass1": cell}}: GRPO minus the arm in points with its paired
+    bootstrap 95% interval over the items (`paired_bootstrap_diff`, 10k resamples), "" where a
+    table is missing."""
+    from posttrain.rewards.evaluation import paired_bootstrap_diff
+
+    grpo = per_item.get("GRPO", {})
+    out: dict[str, dict[str, str]] = {}
     for arm, row in per_item.items():
-        if arm == "GRPO" or not grpo_items:
+        if arm == "GRPO" or not grpo:
             continue
-        cells = []
+        out[arm] = {}
         for key in ("greedy", "pass1"):
-            if key in row and key in grpo_items:
-                d = paired_bootstrap_diff(grpo_items[key], row[key], seed=0)
-                cells.append(
+            if key in row and key in grpo:
+                d = paired_bootstrap_diff(grpo[key], row[key], seed=0)
+                out[arm][key] = (
                     f"{100 * d['difference']:+.1f} [{100 * d['ci_low']:+.1f}, "
                     f"{100 * d['ci_high']:+.1f}]"
                 )
             else:
-                cells.append("")
-        lines.append(f"| {arm} | {cells[0]} | {cells[1]} |")
-    return "\n".join([*lines, "", *answer_shapes(work)]) + "\n"
+                out[arm][key] = ""
+    return out
+
+
+def arm_values(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{arm: {"greedy", "pass1", "passk"}}: each arm's accuracies from its `results.json`."""
+    out: dict[str, dict[str, float]] = {}
+    for arm, (run, greedy_key, sampled_key, _, _) in ARMS.items():
+        if greedy_key in results[run]:
+            s = results[run].get(sampled_key, {})
+            out[arm] = {
+                "greedy": results[run][greedy_key]["accuracy"],
+                "pass1": s.get("pass_at_1", float("nan")),
+                "passk": s.get("pass_at_k", float("nan")),
+            }
+    return out
+
+
+def seeds_report(values: dict[int, dict[str, dict[str, float]]], paired: dict[int, dict]) -> str:
+    """One table over the seeds from each seed's `arm_values` and `paired_cells`: per arm and
+    figure the mean [Student-t 95% interval over the seeds] and every seed's value, then GRPO's
+    paired differences at every seed.
+
+    >>> print(seeds_report({0: {"GRPO": {"greedy": 0.2, "pass1": 0.1, "passk": 0.3}},
+    ...                     1: {"GRPO": {"greedy": 0.4, "pass1": 0.3, "passk": 0.5}}}, {}))
+    | arm | figure | mean [95% t over seeds] | seed 0 | seed 1 |
+    |---|---|---|---:|---:|
+    | GRPO | greedy | 0.300 [-0.971, 1.571] | 0.200 | 0.400 |
+    | GRPO | sampled pass@1 | 0.200 [-1.071, 1.471] | 0.100 | 0.300 |
+    | GRPO | pass@k | 0.400 [-0.871, 1.671] | 0.300 | 0.500 |
+    <BLANKLINE>
+    """
+    seeds = sorted(values)
+    head = " | ".join(f"seed {s}" for s in seeds)
+    lines = [f"| arm | figure | mean [95% t over seeds] | {head} |",
+             "|---|---|---|" + "---:|" * len(seeds)]  # fmt: skip
+    names = {"greedy": "greedy", "pass1": "sampled pass@1", "passk": "pass@k"}
+    for arm in ARMS:
+        if not all(arm in values[s] for s in seeds):
+            continue
+        for key, name in names.items():
+            per = [values[s][arm][key] for s in seeds]
+            mean, low, high = mean_interval(per)
+            cells = " | ".join(f"{v:.3f}" for v in per)
+            lines.append(f"| {arm} | {name} | {mean:.3f} [{low:.3f}, {high:.3f}] | {cells} |")
+    arms = [a for a in ARMS if a != "GRPO" and all(a in paired.get(s, {}) for s in seeds)]
+    if arms:
+        lines += ["", f"| GRPO minus, points [paired 95% CI over the items] | {head} |",
+                  "|---|" + "---|" * len(seeds)]  # fmt: skip
+        for arm in arms:
+            for key, name in (("greedy", "greedy"), ("pass1", "sampled pass@1")):
+                cells = " | ".join(paired[s][arm][key] for s in seeds)
+                lines.append(f"| {arm}, {name} | {cells} |")
+    return "\n".join(lines) + "\n"
 
 
 def answer_shapes(work: Path) -> list[str]:
@@ -228,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rft", nargs="*", default=[], help="key=value for the RFT run only")
     p.add_argument("--dpo", nargs="*", default=[], help="key=value for the DPO run only")
     p.add_argument("--out", type=Path, help="write the markdown report here")
+    p.add_argument("--seeds", type=int, nargs="+", help="one set of arms per seed, W/seed<S>")
     p.add_argument("overrides", nargs="*", help="key=value for every arm")
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -235,7 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     grpo = [*(QUICK_GRPO if args.quick else []), *args.grpo]
     rft = [*(QUICK_RFT if args.quick else []), *args.rft]
     dpo = [*DPO, *(QUICK_DPO if args.quick else []), *args.dpo]
-    text = report(args.work, run_arms(args.work, common, grpo, rft, dpo), argv)
+    if args.seeds is None:
+        text = report(args.work, run_arms(args.work, common, grpo, rft, dpo), argv)
+    else:
+        parts, values, paired = [], {}, {}
+        for seed in args.seeds:
+            work = args.work / f"seed{seed}"
+            results = run_arms(work, [*common, f"seed={seed}"], grpo, rft, dpo)
+            values[seed], paired[seed] = arm_values(results), paired_cells(_per_item(work))
+            parts.append(f"### Seed {seed}\n\n" + report(work, results, argv))
+        text = "\n".join([seeds_report(values, paired), *parts])
     print(text)
     if args.out:
         args.out.write_text(text)

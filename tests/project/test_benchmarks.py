@@ -192,6 +192,25 @@ def test_main_job_seeds_reports_mean_and_t_interval_over_seeds():
     assert "greedy after GRPO" not in rows  # a figure no seed has is left out
 
 
+def test_beyond_demos_reports_every_arm_over_seeds_and_each_seeds_paired_difference():
+    """GRPO greedy 0.20, 0.40, 0.60 at seeds 0-2: mean 0.40, sd 0.20, t(0.975, 2) = 4.303,
+    half-width 4.303 * 0.20 / sqrt(3) = 0.497; an arm every seed has at 0 has the interval
+    [0, 0]; an arm missing at one seed is left out; the paired cells are shown per seed."""
+    m = _benchmark_module("beyond_demos")
+    grpo = [{"greedy": g, "pass1": g / 2, "passk": g} for g in (0.2, 0.4, 0.6)]
+    zero = {"greedy": 0.0, "pass1": 0.0, "passk": 0.0}
+    values = {s: {"GRPO": grpo[s], "DPO": zero} for s in range(3)}
+    values[0]["RFT"] = zero  # seed 0 alone: not a row
+    paired = {s: {"DPO": {"greedy": f"+{s}.0 [x]", "pass1": f"+{s}.5 [y]"}} for s in range(3)}
+    rows = [r for r in m.seeds_report(values, paired).splitlines() if r.startswith("| ")]
+    assert "| GRPO | greedy | 0.400 [-0.097, 0.897] | 0.200 | 0.400 | 0.600 |" in rows
+    assert "| GRPO | sampled pass@1 | 0.200 [-0.048, 0.448] | 0.100 | 0.200 | 0.300 |" in rows
+    assert "| DPO | greedy | 0.000 [0.000, 0.000] | 0.000 | 0.000 | 0.000 |" in rows
+    assert not any(r.startswith("| RFT") for r in rows)
+    assert "| DPO, greedy | +0.0 [x] | +1.0 [x] | +2.0 [x] |" in rows
+    assert "| DPO, sampled pass@1 | +0.5 [y] | +1.5 [y] | +2.5 [y] |" in rows
+
+
 def test_main_job_seeds_reports_finished_runs_with_their_curves(tmp_path):
     """--reuse reads each seed's results.json from --work instead of running it; --plot draws
     the seeds' eval_curve.csv; the report names WORK/PLOT/OUT, not this machine's folders.
