@@ -101,3 +101,47 @@ def test_non_finite_scores_and_hyperparameters_are_rejected():
     for field in ("kl_coef", "clip_ratio_high", "clip_ratio_low"):
         with pytest.raises(ValueError, match=f"{field}=nan; must be a finite number"):
             RLAlgorithm(**{field: math.nan})
+
+
+# --------------------------------------------------------------------------------------------
+# RLConfig: the grpo and ppo recipes' `rl:` section
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "ppo"])
+def test_the_rl_section_sets_the_clip_range_and_none_keeps_the_presets(algo):
+    """gspo's preset clips at 3e-4 / 4e-4 (Zheng et al. 2025), grpo's and ppo's at 0.2: None
+    keeps each; a value replaces that one field of the algorithm and nothing else."""
+    import dataclasses
+
+    from posttrain.workflows import RLConfig
+
+    default = RLConfig(algo=algo).algorithm()
+    preset = RLAlgorithm.preset(algo)
+    assert (default.clip_ratio_low, default.clip_ratio_high) == (
+        preset.clip_ratio_low,
+        preset.clip_ratio_high,
+    )
+    assert RLConfig(algo=algo, clip_ratio_high=0.28).algorithm() == dataclasses.replace(
+        default, clip_ratio_high=0.28
+    )
+    assert RLConfig(algo=algo, clip_ratio_low=0.1).algorithm() == dataclasses.replace(
+        default, clip_ratio_low=0.1
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("clip_ratio_high", 0.0, "> 0 or None"),
+        ("clip_ratio_high", float("nan"), "> 0 or None"),
+        ("clip_ratio_low", -0.1, "> 0 or None"),
+        ("clip_ratio_low", 1.5, "<= 1.0"),
+    ],
+)
+def test_a_bad_clip_ratio_in_the_rl_section_names_the_field(field, value, allowed):
+    from posttrain.workflows import RLConfig
+    from posttrain.workflows.rl_config import RLRunConfig
+
+    with pytest.raises(ValueError, match=f"Config.rl.{field}={value}; must be .*{allowed}"):
+        RLRunConfig(rl=RLConfig(**{field: value}))

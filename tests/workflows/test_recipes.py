@@ -185,6 +185,8 @@ CONFIG_KEYS = {
         *_keys(
             "rl",
             "algo",
+            "clip_ratio_high",
+            "clip_ratio_low",
             "filter_groups",
             "group_size",
             "kl_coef",
