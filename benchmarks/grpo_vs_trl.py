@@ -320,14 +320,15 @@ def plot(curves: dict[str, dict], path: Path, window: int) -> None:
 
 
 def command_line(argv: list[str] | None, sft_run: Path | None) -> str:
-    """The command as run, with the `--sft-run` folder written `RUN` (a report names the
-    command that makes its start, not a folder on the machine that ran it).
+    """The command as run, with the `--sft-run` folder written `RUN` and the `--out` folder
+    `OUT` (a report names the command that makes it, not folders on the machine that ran it).
 
-    >>> command_line(["--sft-run", "/tmp/x", "--steps", "5"], Path("/tmp/x"))
-    '--sft-run RUN --steps 5'
+    >>> command_line(["--sft-run", "/tmp/x", "--steps", "5", "--out", "/tmp/o"], Path("/tmp/x"))
+    '--sft-run RUN --steps 5 --out OUT'
     """
     words = list(sys.argv[1:] if argv is None else argv)
-    return grpo_step.command_line(words, {} if sft_run is None else {"--sft-run": "RUN"})
+    run = {} if sft_run is None else {"--sft-run": "RUN"}
+    return grpo_step.command_line(words, {**run, "--out": "OUT"})
 
 
 def main(argv: list[str] | None = None) -> int:

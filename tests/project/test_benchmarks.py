@@ -256,6 +256,7 @@ def test_grpo_vs_trl_report_names_the_command_not_the_local_folder():
     )
     assert m.command_line(["--sft-run=/tmp/a"], Path("/tmp/a")) == "--sft-run=RUN"
     assert m.command_line(["--steps", "5"], None) == "--steps 5"
+    assert m.command_line(["--out", "/tmp/o", "--quick"], None) == "--out OUT --quick"
 
 
 def test_rollout_throughput_pairs_runs_and_formats_a_cell():
