@@ -34,7 +34,11 @@ class RLConfig:
     """The RL algorithm (an `RLAlgorithm` preset) and its batch: `prompts_per_step` prompts x
     `group_size` samples per step; `kl_coef` None keeps the preset's; `clip_ratio_low` and
     `clip_ratio_high`: the ratio clip range [1 - low, 1 + high] (None: the preset's, 0.2 each
-    for PPO and GRPO; DAPO's clip-higher is high 0.28, Yu et al. 2025, sec. 3.1);
+    for PPO and GRPO; DAPO's clip-higher is high 0.28, Yu et al. 2025, sec. 3.1). With one
+    update per batch (`ppo_epochs` 1, no `minibatch_size` below the batch) and the builtin
+    engine, whose sampling log-probs are the trained policy's, the ratio is 1 and the clip
+    range changes nothing; it acts from a batch's second update on, or on the sampler/trainer
+    mismatch of another engine;
     `filter_groups` and `max_num_gen_batches`: DAPO's dynamic sampling,
     `overlong_buffer_len` (<= sampling.max_new_tokens; 0: off) and `overlong_penalty_factor`:
     its overlong punishment (`RLAlgorithm`)."""
