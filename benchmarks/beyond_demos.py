@@ -151,9 +151,10 @@ def _per_item(work: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
+def report(work: Path, results: dict[str, Any], argv: list[str], paired: dict | None = None) -> str:
+    """The markdown report of one set of arms in `work`; `paired`: its `paired_cells` when the
+    caller has them already (the bootstrap is not run twice)."""
     g, r, d = results["grpo"], results["rft"], results["dpo"]
-    per_item = _per_item(work)
     k = g.get("sampled_after_grpo", {}).get("k", "k")
     nan, command = float("nan"), command_line(argv, {"--work": "W", "--out": "OUT"})
     lines = [
@@ -175,7 +176,7 @@ def report(work: Path, results: dict[str, Any], argv: list[str]) -> str:
         lines.append(f"| {arm} | {v['greedy']:.3f} | {v['pass1']:.3f} | {v['passk']:.3f} |")
     lines += ["", "| GRPO minus | greedy (points, 95% CI) | sampled pass@1 (points, 95% CI) |",
               "|---|---:|---:|"]  # fmt: skip
-    for arm, cells in paired_cells(per_item).items():
+    for arm, cells in (paired_cells(_per_item(work)) if paired is None else paired).items():
         lines.append(f"| {arm} | {cells['greedy']} | {cells['pass1']} |")
     return "\n".join([*lines, "", *answer_shapes(work)]) + "\n"
 
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             work = args.work / f"seed{seed}"
             results = run_arms(work, [*common, f"seed={seed}"], grpo, rft, dpo)
             values[seed], paired[seed] = arm_values(results), paired_cells(_per_item(work))
-            parts.append(f"### Seed {seed}\n\n" + report(work, results, argv))
+            parts.append(f"### Seed {seed}\n\n" + report(work, results, argv, paired[seed]))
         text = "\n".join([seeds_report(values, paired), *parts])
     print(text)
     if args.out:
