@@ -29,7 +29,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from posttrain.core.checks import check_int
@@ -40,6 +39,7 @@ from posttrain.launch.ray_node import (
     _log,
     auth_env,
     check_timeout,
+    cluster_address,
     free_port,
     reread_ray_config,
     start_node,
@@ -290,7 +290,7 @@ def _local(
         what="head on this host",
     )
     try:
-        address = Path(temp_dir, "ray_current_cluster").read_text().strip()  # host:port
+        address = cluster_address(temp_dir)  # host:port
         with _connected(ray, address, token):
             yield RayCluster(
                 address=address,

@@ -150,8 +150,8 @@ def raylet_failure(temp_dir: str | os.PathLike) -> str | None:
 def start_node(
     args: list[str], *, token: str, temp_dir: str, cpus: int, start_timeout_s: float, what: str
 ) -> subprocess.Popen:
-    """`ray start --block` with `args`, tried again until its node is up (it writes
-    `temp_dir/ray_current_cluster` then) or `start_timeout_s` has passed.
+    """`ray start --block` with `args`, tried again until its node is up (its address is in
+    `temp_dir/ray_current_cluster` then: `cluster_address`) or `start_timeout_s` has passed.
 
     Args:
         args: the node's own `ray start` arguments (["--head", "--port", ...] or
@@ -172,7 +172,7 @@ def start_node(
             of tries and the last fatal line a raylet wrote, when one did (the last try may be
             cut short by the deadline before its raylet writes).
     """
-    ready, latest = Path(temp_dir, "ray_current_cluster"), Path(temp_dir, "session_latest")
+    ready, latest = Path(temp_dir, _ADDRESS_FILE), Path(temp_dir, "session_latest")
     deadline, tries = time.monotonic() + start_timeout_s, 0
     said = None  # the last fatal line any try's raylet wrote (the last try may be cut short)
     while True:
@@ -184,11 +184,11 @@ def start_node(
 
         def up() -> Any:  # called only by this iteration's wait_for
             lent[0] = lent[0] or lend_agent_port(process.pid, listen_port)  # noqa: B023
-            return ready.exists() or raylet_failure(temp_dir)
+            return cluster_address(temp_dir) or raylet_failure(temp_dir)
 
         try:
             wait_for(up, process, deadline, "")
-            if ready.exists():
+            if cluster_address(temp_dir):
                 return process
             raise RuntimeError("the raylet aborted")
         except (RuntimeError, TimeoutError) as e:
@@ -210,6 +210,19 @@ def start_node(
         except BaseException:
             stop_node(process, what)
             raise
+
+
+_ADDRESS_FILE = "ray_current_cluster"  # the node writes its host:port there once it is up
+
+
+def cluster_address(temp_dir: str) -> str:
+    """The `host:port` a node started with `temp_dir` wrote once it was up, or "" while it has
+    not. Ray opens the file before it writes the address, so an empty file is not up yet (a
+    driver that read it then got `ray.init(address="")`: "Invalid address format")."""
+    try:
+        return Path(temp_dir, _ADDRESS_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def wait_for(

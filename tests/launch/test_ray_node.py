@@ -47,6 +47,9 @@ def _fake_ray_starts(monkeypatch, scripts):
 
     monkeypatch.setattr(rn, "_ray_start", fake)
     monkeypatch.setattr(rn, "POLL_S", 0.05)
+    # no raylet in a fake's session to lend a port to (and its first look imports Ray, ~4 s,
+    # which hid how soon a try is taken as up)
+    monkeypatch.setattr(rn, "lend_agent_port", lambda pid, port: False)
     return tries
 
 
@@ -65,6 +68,24 @@ def test_a_node_start_is_tried_again_until_it_is_up(monkeypatch, tmp_path):
         assert all(env["RAY_AUTH_TOKEN"] == "t0" for _, env in tries)
     finally:
         rn.stop_node(process, "head", grace_s=0.0)
+
+
+def test_a_node_is_up_only_once_its_address_is_written(monkeypatch, tmp_path):
+    """Ray opens `ray_current_cluster` before it writes the address: a node whose file is still
+    empty is not up (start_node returned then, and the driver's `ray.init(address="")` failed
+    with "Invalid address format")."""
+    opened_first = ": > ray_current_cluster; sleep 1; " + UP
+    _fake_ray_starts(monkeypatch, [opened_first])
+    process = rn.start_node(
+        ["--head"], token="t0", temp_dir=str(tmp_path), cpus=1, start_timeout_s=120, what="head"
+    )
+    try:
+        assert (tmp_path / "ray_current_cluster").read_text() == "127.0.0.1:6379\n"
+    finally:
+        rn.stop_node(process, "head", grace_s=0.0)
+    assert rn.cluster_address(str(tmp_path)) == "127.0.0.1:6379"
+    (tmp_path / "ray_current_cluster").write_text("")
+    assert rn.cluster_address(str(tmp_path)) == rn.cluster_address(str(tmp_path / "no")) == ""
 
 
 def test_the_timeout_names_an_earlier_tries_fatal_line_when_the_last_try_wrote_none(
