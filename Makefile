@@ -53,6 +53,11 @@ run: install
 # (scripts/mlflow-up.sh --build: a few minutes once, ~860 MB at /var/tmp/posttrain-mlflow) likewise;
 # without it the MLflow UI browser test skips.
 # The static checks (`lint`) run first: a finding stops the run before any test.
+# The tests run in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them
+# (`--dist loadfile`: a module's fixtures start once): much of the suite waits on processes it
+# started (jobs, servers, ranks), so two workers on 2 cores took 28 min where one took 43 (the
+# same machine, with the same work beside both). `make test TEST_WORKERS=1` runs them in one.
+TEST_WORKERS ?= 2
 test: install lint
 	up=0; if ! scripts/slurm-up.sh --check; then \
 	  if scripts/slurm-up.sh; then up=1; else echo "local Slurm not started: Slurm tests will skip"; fi; fi; \
@@ -64,7 +69,7 @@ test: install lint
 	  scripts/vllm-up.sh || echo "vLLM venv not built: vLLM tests will skip"; fi; \
 	if ! scripts/mlflow-up.sh --check; then \
 	  scripts/mlflow-up.sh --build || echo "MLflow server venv not built: the MLflow UI test will skip"; fi; \
-	$(PY) -m pytest -q --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$up -eq 1 ]; then scripts/slurm-down.sh; fi; exit $$rc
 
 info: install
