@@ -5,7 +5,8 @@ apt needed; `make test` starts it when it can). Tests that use it skip when it i
 
 `vllm_server`: the suite's one real vLLM server (`VLLMServer`, tiny-1m), started on first use
 (~1-2 minutes on a loaded machine) and closed when the session ends; tests skip without the vLLM
-venv (`scripts/vllm-up.sh`). Its contract is in the fixture's docstring.
+venv (`scripts/vllm-up.sh`). Its contract is in the fixture's docstring. Under `make test` each
+pytest-xdist worker is a session of its own, so each worker that runs a vLLM test starts one.
 
 Waiting and timing on a shared machine (a busy neighbour is the normal case: wall-clock time
 runs 5-20x slower than on a quiet machine, and a process may wait 100 ms for a core). Defined
